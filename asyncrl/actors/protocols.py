@@ -1,0 +1,216 @@
+"""Dispatch protocols: how one call's arguments are split across a group's ranks and how the
+ranks' results are collected into the value the caller awaits. They run on the controller.
+
+A protocol is two functions (register your own with `register_protocol`):
+
+    split(layout, args, kwargs) -> Split     which ranks run, with which arguments,
+                                             and which ranks' return values to collect
+    collect(layout, results, state) -> Any   results: {rank: value} of the collected ranks;
+                                             state: Split.state, passed through
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.comm.batch import TensorBatch
+
+DP_AXIS = "dp"
+PAD_KEY = "dp_pad"  # meta key: how many trailing rows of a DP chunk are padding
+
+
+class Dispatch(str, enum.Enum):
+    ONE_TO_ALL = "one_to_all"  # same args to every rank; list of results by rank
+    ALL_TO_ALL = "all_to_all"  # every arg is a list with one item per rank; list of results
+    RANK_ZERO = "rank_zero"  # rank 0 only; its return value
+    DP = "dp"  # TensorBatch args chunked along the mesh's "dp" axis; results concatenated
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A group's ranks and their mesh coordinates, as the controller knows them."""
+
+    group: str
+    mesh: tuple[tuple[str, int], ...]
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for _, size in self.mesh:
+            n *= size
+        return n
+
+    def coords(self, rank: int) -> dict[str, int]:
+        return mesh_coords(self.mesh, rank)
+
+    @property
+    def dp_size(self) -> int:
+        return dict(self.mesh).get(DP_AXIS, 1)
+
+    def dp_rank(self, rank: int) -> int:
+        return self.coords(rank).get(DP_AXIS, 0)
+
+    def is_dp_collect(self, rank: int) -> bool:
+        """One rank per DP chunk answers: the one whose other coordinates are all 0."""
+        return all(c == 0 for name, c in self.coords(rank).items() if name != DP_AXIS)
+
+
+def mesh_coords(mesh: tuple[tuple[str, int], ...], rank: int) -> dict[str, int]:
+    """Row-major coordinates of `rank` (the last axis varies fastest, as in DeviceMesh)."""
+    out: dict[str, int] = {}
+    for name, size in reversed(mesh):
+        rank, out[name] = divmod(rank, size)
+    return dict(reversed(list(out.items())))
+
+
+@dataclass
+class Split:
+    calls: dict[int, tuple[tuple, dict[str, Any]]]  # rank -> (args, kwargs); absent: not run
+    collect: list[int]  # ranks whose return values are sent back, in collect order
+    state: Any = None
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    split: Callable[[Layout, tuple, dict[str, Any]], Split]
+    collect: Callable[[Layout, dict[int, Any], Any], Any]
+    builtin: bool = field(default=False, compare=False)
+
+
+_PROTOCOLS: dict[str, Protocol] = {}
+
+
+def register_protocol(name: str, *, split: Callable[[Layout, tuple, dict[str, Any]], Split],
+                      collect: Callable[[Layout, dict[int, Any], Any], Any]) -> str:
+    """Add a user protocol; use the returned name as ``@register(dispatch=name)``.
+
+    `split(layout, args, kwargs)` returns a `Split`; `collect(layout, results, state)` gets
+    ``{rank: value}`` for the ranks in ``Split.collect`` and returns what ``await`` gives."""
+    if name in _PROTOCOLS and _PROTOCOLS[name].builtin:
+        raise ValueError(f"protocol name {name!r} is built in; choose another name")
+    _PROTOCOLS[name] = Protocol(name, split, collect)
+    return name
+
+
+def get_protocol(name: str) -> Protocol:
+    try:
+        return _PROTOCOLS[name]
+    except KeyError:
+        raise ValueError(f"unknown dispatch protocol {name!r}; known: {sorted(_PROTOCOLS)} "
+                         f"(register yours with asyncrl.register_protocol)") from None
+
+
+def protocol_name(dispatch: Dispatch | str) -> str:
+    name = dispatch.value if isinstance(dispatch, Dispatch) else dispatch
+    get_protocol(name)
+    return name
+
+
+# -- built-in protocols ----------------------------------------------------------------------
+def _one_to_all_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
+    ranks = range(layout.world_size)
+    return Split({r: (args, kwargs) for r in ranks}, list(ranks))
+
+
+def _by_rank(layout: Layout, results: dict[int, Any], state: Any) -> list:
+    return [results[r] for r in sorted(results)]
+
+
+def _all_to_all_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
+    n = layout.world_size
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [
+        (f"argument {k!r}", v) for k, v in kwargs.items()]
+    for what, value in named:
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            got = f"a list of {len(value)}" if isinstance(value, (list, tuple)) else \
+                type(value).__name__
+            raise ValueError(f"ALL_TO_ALL call on group {layout.group!r}: {what} must be a list "
+                             f"with one item per rank ({n}), got {got}")
+    calls = {r: (tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()})
+             for r in range(n)}
+    return Split(calls, list(range(n)))
+
+
+def _rank_zero_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
+    return Split({0: (args, kwargs)}, [0])
+
+
+def _rank_zero_collect(layout: Layout, results: dict[int, Any], state: Any) -> Any:
+    return results[0]
+
+
+@dataclass
+class _DPState:
+    chunk_rows: list[int]  # rows of each (padded) chunk sent
+    pads: list[int]  # trailing padding rows of each chunk
+    batched: bool  # whether any argument was a TensorBatch
+
+
+def _pad(chunk: TensorBatch, rows: int, filler: TensorBatch) -> TensorBatch:
+    missing = rows - len(chunk)
+    if missing == 0:
+        return chunk
+    src = chunk if len(chunk) else filler
+    padded = TensorBatch.concat([chunk, src.take([len(src) - 1] * missing)])
+    padded.meta[PAD_KEY] = missing
+    return padded
+
+
+def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
+    dp = layout.dp_size
+    batches = [a for a in (*args, *kwargs.values()) if isinstance(a, TensorBatch)]
+    lengths = {len(b) for b in batches}
+    if len(lengths) > 1:
+        raise ValueError(f"DP call on group {layout.group!r}: TensorBatch arguments have "
+                         f"different lengths {sorted(lengths)}; they are split row by row, so "
+                         f"they must have the same number of rows")
+    rows = max(lengths, default=0)
+    per_chunk = -(-rows // dp)
+    chunk_cache: dict[int, list[TensorBatch]] = {}
+
+    def chunks_of(b: TensorBatch) -> list[TensorBatch]:
+        if id(b) not in chunk_cache:
+            chunk_cache[id(b)] = [_pad(c, per_chunk, b) for c in b.chunk(dp)]
+        return chunk_cache[id(b)]
+
+    per_dp = []
+    for d in range(dp):
+        a = tuple(chunks_of(x)[d] if isinstance(x, TensorBatch) else x for x in args)
+        k = {n: chunks_of(v)[d] if isinstance(v, TensorBatch) else v for n, v in kwargs.items()}
+        per_dp.append((a, k))
+    base, extra = divmod(rows, dp)
+    real = [base + (d < extra) for d in range(dp)]
+    state = _DPState([per_chunk] * dp, [per_chunk - r for r in real], bool(batches))
+    calls = {r: per_dp[layout.dp_rank(r)] for r in range(layout.world_size)}
+    collect = sorted((r for r in range(layout.world_size) if layout.is_dp_collect(r)),
+                     key=layout.dp_rank)
+    return Split(calls, collect, state)
+
+
+def _dp_collect(layout: Layout, results: dict[int, Any], state: _DPState) -> Any:
+    ordered = [results[r] for r in sorted(results, key=layout.dp_rank)]
+    if not ordered or not all(isinstance(x, TensorBatch) for x in ordered):
+        return ordered
+    kept = []
+    for d, out in enumerate(ordered):
+        pad, sent = state.pads[d], state.chunk_rows[d]
+        if pad and state.batched:
+            if len(out) % sent:
+                raise ValueError(
+                    f"DP call on group {layout.group!r}: dp rank {d} returned {len(out)} rows "
+                    f"for {sent} input rows ({pad} of them padding); padding can only be "
+                    f"dropped when a method returns the same number of rows per input row")
+            out = out.slice(0, len(out) - pad * (len(out) // sent))
+        kept.append(out)
+    return TensorBatch.concat(kept)
+
+
+for _p in (Protocol(Dispatch.ONE_TO_ALL.value, _one_to_all_split, _by_rank, True),
+           Protocol(Dispatch.ALL_TO_ALL.value, _all_to_all_split, _by_rank, True),
+           Protocol(Dispatch.RANK_ZERO.value, _rank_zero_split, _rank_zero_collect, True),
+           Protocol(Dispatch.DP.value, _dp_split, _dp_collect, True)):
+    _PROTOCOLS[_p.name] = _p

@@ -1,0 +1,190 @@
+"""The program every rank runs (torchrun starts it as ``-m asyncrl.actors.rank_main``).
+
+    main thread (I/O)                         exec thread (user code, in order)
+    ─────────────────                         ─────────────────────────────────
+    init torch.distributed, say Hello
+    loop: poll DEALER ── Construct/Call ──▶  queue ──▶ build worker / run call ──▶ Result
+          send Heartbeat every interval       concurrent=True calls: a thread pool, each
+          no controller heartbeat → exit      thread with its own socket to send results
+
+The I/O thread never runs user code, so heartbeats flow while a call computes for minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import inspect
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from asyncrl.actors.protocols import mesh_coords
+from asyncrl.actors.register import registered_methods
+from asyncrl.actors.worker import construct
+from asyncrl.comm import codec
+from asyncrl.comm.auth import Verifier, read_secret
+from asyncrl.comm.channel import RankSocket
+from asyncrl.comm.messages import (NONE, Call, Construct, Failure, Heartbeat, Hello, MethodSpec, Ready,
+                                   Result, Shutdown)
+
+EXIT_CONTROLLER_LOST = 75
+
+
+def _failure(e: BaseException) -> Failure:
+    return Failure(type=type(e).__qualname__, message=str(e), traceback=traceback.format_exc())
+
+
+class _Executor:
+    """Runs calls on the thread that owns it, with its own socket and event loop."""
+
+    def __init__(self, rank_main: RankMain, role: str):
+        self.main = rank_main
+        self.sock = rank_main.socket(role)
+        self.loop = asyncio.new_event_loop()
+
+    def run_call(self, call: Call) -> None:
+        main = self.main
+        try:
+            fn = getattr(main.worker, call.method)
+            args, kwargs = codec.decode_call(call.payload)
+            value = fn(*args, **kwargs)
+            if inspect.isawaitable(value):
+                value = self.loop.run_until_complete(value)
+            raw = NONE
+            if call.collect:
+                try:
+                    raw = msgspec.Raw(codec.encode(value))
+                except (TypeError, ValueError) as e:
+                    raise TypeError(f"{call.method} returned a value that cannot be sent: {e}") \
+                        from e
+            result = Result(call.call_id, main.rank, value=raw)
+        except BaseException as e:  # noqa: BLE001 - user code: every failure goes back
+            result = Result(call.call_id, main.rank, error=_failure(e))
+        self.sock.send(result)
+
+
+class RankMain:
+    def __init__(self) -> None:
+        env = os.environ
+        self.rank = int(env["RANK"])
+        self.world_size = int(env["WORLD_SIZE"])
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.group = env["ASYNCRL_GROUP"]
+        self.address = env["ASYNCRL_ADDR"]
+        self.secret = read_secret(env["ASYNCRL_SECRET_FILE"])
+        self.hb_interval = float(env.get("ASYNCRL_HB_INTERVAL", "1.0"))
+        self.hb_timeout = float(env.get("ASYNCRL_HB_TIMEOUT", "5.0"))
+        self.ctx = zmq.Context()
+        self.verifier = Verifier(self.secret)
+        self.io = self.socket("io", self.verifier)
+        self.worker: Any = None
+        self.methods: dict[str, MethodSpec] = {}
+        self.ready = threading.Event()
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.pool: ThreadPoolExecutor | None = None
+        self.local = threading.local()
+
+    def socket(self, role: str, verifier: Verifier | None = None) -> RankSocket:
+        identity = f"{self.group}/{self.rank}/{role}/{os.getpid()}".encode()
+        return RankSocket(self.ctx, self.address, identity, self.secret, verifier)
+
+    # -- exec thread ----------------------------------------------------------------------
+    def exec_loop(self) -> None:
+        ex = _Executor(self, "exec")
+        while True:
+            item = self.inbox.get()
+            if isinstance(item, Construct):
+                ex.sock.send(self.build(item))
+                self.ready.set()
+            else:
+                ex.run_call(item)
+
+    def build(self, msg: Construct) -> Ready:
+        mesh = dict(msg.mesh)
+        coords = mesh_coords(tuple(msg.mesh), self.rank)
+        try:
+            (cls, *args), kwargs = codec.decode_call(msg.payload)
+            attrs = dict(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
+                         group_name=self.group, mesh=mesh, coords=coords)
+            self.worker = construct(cls, args, kwargs, attrs)
+            self.methods = registered_methods(cls)
+        except BaseException as e:  # noqa: BLE001 - reported to the controller
+            return Ready(self.rank, error=_failure(e))
+        return Ready(self.rank, methods=self.methods, coords=coords)
+
+    def run_concurrent(self, call: Call) -> None:
+        ex = getattr(self.local, "executor", None)
+        if ex is None:
+            ex = self.local.executor = _Executor(self, f"c{threading.get_ident()}")
+        ex.run_call(call)
+
+    # -- I/O thread -----------------------------------------------------------------------
+    def route(self, call: Call) -> None:
+        spec = self.methods.get(call.method)
+        if spec is not None and spec.concurrent:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(4, thread_name_prefix="asyncrl-concurrent")
+            self.pool.submit(self.run_concurrent, call)
+        else:
+            self.inbox.put(call)
+
+    def serve(self) -> int:
+        self.io.send(Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
+                           socket.gethostname()))
+        threading.Thread(target=self.exec_loop, name="asyncrl-exec", daemon=True).start()
+        interval_ms = max(1, int(self.hb_interval * 1000))
+        last_heard = next_beat = time.monotonic()
+        while True:
+            msg = self.io.recv(max(0, int((next_beat - time.monotonic()) * 1000)) or 0)
+            now = time.monotonic()
+            if msg is not None:
+                last_heard = now
+                if isinstance(msg, Call):
+                    self.route(msg)
+                elif isinstance(msg, Construct):
+                    self.inbox.put(msg)
+                elif isinstance(msg, Shutdown):
+                    return 0
+            if now >= next_beat:
+                self.io.send(Heartbeat(dropped=self.io.dropped))
+                next_beat = now + interval_ms / 1000
+            if now - last_heard > self.hb_timeout:
+                print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the controller for "
+                      f"{now - last_heard:.1f}s (limit {self.hb_timeout}s); exiting",
+                      file=sys.stderr, flush=True)
+                return EXIT_CONTROLLER_LOST
+
+
+def _init_distributed() -> None:
+    timeout = datetime.timedelta(seconds=float(os.environ.get("ASYNCRL_COLLECTIVE_TIMEOUT",
+                                                              "600")))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def main() -> None:
+    torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", "1")))
+    _init_distributed()
+    code = RankMain().serve()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # user threads may be blocked in collectives: do not wait for them
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Values on the wire: msgspec msgpack plus a few extension types. Never pickle.
+
+    tensor / ndarray -> Ext(header + raw bytes)      TensorBatch -> Ext([columns, meta])
+    class / function -> Ext([module, qualname, file])  (imported again on the other side)
+
+Everything else must be msgspec-encodable (None, bool, int, float, str, bytes, lists,
+dicts, msgspec Structs, dataclasses, enums...). Tuples arrive as lists.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.refs import is_referable, make_ref, resolve_ref
+
+EXT_TENSOR, EXT_NDARRAY, EXT_BATCH, EXT_REF = 1, 2, 3, 4
+_HLEN = struct.Struct(">I")
+
+
+def _pack_buffer(header: Any, raw: np.ndarray) -> bytearray:
+    """header length + msgpack header + raw bytes, with one copy of the raw bytes."""
+    head = msgspec.msgpack.encode(header)
+    out = bytearray(_HLEN.size + len(head) + raw.nbytes)
+    _HLEN.pack_into(out, 0, len(head))
+    out[_HLEN.size:_HLEN.size + len(head)] = head
+    if raw.nbytes:
+        np.frombuffer(out, np.uint8, offset=_HLEN.size + len(head))[:] = raw.reshape(-1).view(
+            np.uint8)
+    return out
+
+
+def _unpack_buffer(data: memoryview) -> tuple[Any, memoryview]:
+    (hlen,) = _HLEN.unpack_from(data)
+    start = _HLEN.size + hlen
+    return msgspec.msgpack.decode(data[_HLEN.size:start]), data[start:]
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        return msgspec.msgpack.Ext(EXT_TENSOR, _pack_buffer([str(t.dtype)[6:], list(t.shape)],
+                                                            raw))
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise TypeError("a numpy array of Python objects cannot be sent; use a list")
+        a = np.ascontiguousarray(obj)
+        return msgspec.msgpack.Ext(EXT_NDARRAY, _pack_buffer([a.dtype.str, list(a.shape)], a))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, TensorBatch):
+        return msgspec.msgpack.Ext(EXT_BATCH, msgspec.msgpack.encode(
+            [dict(obj.items()), obj.meta], enc_hook=_enc_hook))
+    if is_referable(obj):
+        return msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(list(make_ref(obj))))
+    raise TypeError(
+        f"an object of type {type(obj).__module__}.{type(obj).__qualname__} cannot be sent: "
+        f"asyncrl sends msgspec-encodable values, tensors, ndarrays, TensorBatch, DistFutures "
+        f"and module-level classes/functions, and never pickles")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == EXT_TENSOR:
+        (dtype, shape), raw = _unpack_buffer(data)
+        dt = getattr(torch, dtype)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"unknown tensor dtype {dtype!r}")
+        if len(raw) == 0:
+            return torch.empty(shape, dtype=dt)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+    if code == EXT_NDARRAY:
+        (dtype, shape), raw = _unpack_buffer(data)
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise ValueError("object arrays are refused")
+        return np.frombuffer(bytearray(raw), dtype=dt).reshape(shape)
+    if code == EXT_BATCH:
+        columns, meta = msgspec.msgpack.decode(data, ext_hook=_ext_hook)
+        return TensorBatch(columns, meta)
+    if code == EXT_REF:
+        module, qualname, file = msgspec.msgpack.decode(data)
+        return resolve_ref(module, qualname, file)
+    raise ValueError(f"unknown extension type {code}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+def encode(value: Any) -> bytes:
+    """Encode a value; TypeError (saying what cannot be sent) if it is not sendable."""
+    return _encoder.encode(value)
+
+
+def decode(buf: Any) -> Any:
+    return _decoder.decode(buf)
+
+
+def encode_call(args: tuple, kwargs: dict[str, Any], names: list[str]) -> bytes:
+    """Encode call arguments one by one so an error names the argument that failed.
+
+    `names[i]` names positional argument i (its parameter name when known)."""
+    parts = []
+    for i, a in enumerate(args):
+        parts.append(_raw(a, names[i] if i < len(names) else f"#{i}"))
+    kw = {k: _raw(v, k) for k, v in kwargs.items()}
+    return msgspec.msgpack.encode([parts, kw])
+
+
+def _raw(value: Any, name: str) -> msgspec.Raw:
+    try:
+        return msgspec.Raw(_encoder.encode(value))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ArgEncodeError(name, e) from e
+
+
+class ArgEncodeError(Exception):
+    """Which argument failed to encode; callers re-raise it with the call's context."""
+
+    def __init__(self, name: str, cause: Exception):
+        super().__init__(name, cause)
+        self.name, self.cause = name, cause
+
+
+def decode_call(buf: Any) -> tuple[list, dict[str, Any]]:
+    args, kwargs = _decoder.decode(buf)
+    return args, kwargs

@@ -1,0 +1,89 @@
+"""Classes and functions travel as references: ``module:qualname`` plus the defining file.
+
+The file lets a class defined in a driver script or a test file import on the ranks, where
+that module is not on ``sys.path`` (or where ``__main__`` is a different program).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from typing import Any
+
+_SCRIPT_PREFIX = "__asyncrl_file_"
+
+
+def is_referable(obj: Any) -> bool:
+    return isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType))
+
+
+def make_ref(obj: Any) -> tuple[str, str, str]:
+    """(module, qualname, file) for an importable class or function, else TypeError."""
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", "")
+    if "<lambda>" in qualname:
+        raise TypeError("a lambda cannot be sent; define a module-level function instead")
+    if "<locals>" in qualname or module is None:
+        raise TypeError(f"{qualname!r} is defined inside a function and cannot be imported on "
+                        f"the ranks; define it at module level")
+    mod = sys.modules.get(module)
+    file = getattr(mod, "__file__", None) or ""
+    return module, qualname, os.path.abspath(file) if file else ""
+
+
+def resolve_ref(module: str, qualname: str, file: str) -> Any:
+    """Import what `make_ref` described, loading it from `file` if the module name alone
+    does not lead to that file here."""
+    mod = _module_for(module, file)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _same_file(mod: types.ModuleType, file: str) -> bool:
+    mine = getattr(mod, "__file__", None)
+    return not file or (mine is not None and os.path.realpath(mine) == os.path.realpath(file))
+
+
+def _module_for(module: str, file: str) -> types.ModuleType:
+    mod = sys.modules.get(module)
+    if mod is not None and _same_file(mod, file):
+        return mod
+    if module != "__main__" and mod is None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            if not file:
+                raise
+        if mod is not None and _same_file(mod, file):
+            return mod
+    if not file:
+        raise ImportError(f"cannot import module {module!r} and no file was given for it")
+    return _load_file(file)
+
+
+def _load_file(file: str) -> types.ModuleType:
+    """Load a script by path once, under a private name (so its `__main__` guard stays off)."""
+    path = os.path.realpath(file)
+    name = _SCRIPT_PREFIX + hashlib.sha1(path.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    folder = os.path.dirname(path)
+    if folder not in sys.path:  # as when the file runs as a script: its siblings import
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {file} as a Python module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod

@@ -1,0 +1,344 @@
+"""Controller: the asyncio single controller. It controls; workers compute.
+
+    async with Controller() as ctl:
+        group = await ctl.spawn(Worker, nprocs=2)      one torchrun job, ranks say hello,
+        value = await group.method(x)                  then build the worker and get ready
+
+    tasks: reader (one per ROUTER socket: resolves calls) · supervisor (heartbeats out,
+    dead or silent ranks in) · one watcher thread per torchrun agent (its exit)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from asyncrl.actors.protocols import Layout
+from asyncrl.actors.worker import Worker
+from asyncrl.comm import codec
+from asyncrl.comm.auth import new_secret, write_secret
+from asyncrl.comm.channel import ControllerChannel
+from asyncrl.comm.messages import (Construct, Heartbeat, Hello, Message, Ready, Result,
+                                   Shutdown)
+from asyncrl.comm.refs import make_ref
+from asyncrl.controller.group import GroupHandle, RankInfo
+from asyncrl.controller.launcher import Agent, kill_pids, pid_alive, rank_env
+from asyncrl.errors import (ClosedError, EncodeError, GroupDeadError, RemoteError, SpawnError,
+                            SpawnTimeout)
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class _Reaper:
+    """Kills every agent and rank for certain; runs at close, or at GC / interpreter exit."""
+
+    def __init__(self) -> None:
+        self.agents: list[Agent] = []
+
+    def kill_all(self) -> None:
+        for agent in self.agents:
+            agent.signal_all(signal.SIGKILL)
+            if agent.proc is not None:
+                try:
+                    agent.proc.wait(timeout=5)
+                except Exception:  # noqa: BLE001 - best effort at exit
+                    pass
+
+
+class Controller:
+    """The asyncio single controller. Use as ``async with asyncrl.Controller() as ctl:``.
+
+    heartbeat_interval / heartbeat_timeout: both ways; a rank silent for heartbeat_timeout is
+    dead, and ranks exit when the controller is silent that long.
+    startup_timeout: torchrun start until every rank said hello.
+    construct_timeout: hello until every worker's ``__init__`` returned.
+    shutdown_grace: how long ranks get to exit on close before they are killed.
+    run_dir: logs (one file per group) and the secret; a temporary folder by default."""
+
+    def __init__(self, *, host: str = "127.0.0.1", heartbeat_interval: float = 1.0,
+                 heartbeat_timeout: float = 5.0, startup_timeout: float = 120.0,
+                 construct_timeout: float = 600.0, shutdown_grace: float = 10.0,
+                 run_dir: str | os.PathLike | None = None, die_with_controller: bool = True):
+        if heartbeat_timeout <= heartbeat_interval:
+            raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must be larger than "
+                             f"heartbeat_interval ({heartbeat_interval})")
+        self.host = host
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.startup_timeout = startup_timeout
+        self.construct_timeout = construct_timeout
+        self.shutdown_grace = shutdown_grace
+        self._own_run_dir = run_dir is None
+        self.run_dir = Path(run_dir) if run_dir else None
+        self._die_with_controller = die_with_controller
+        self.groups: dict[str, GroupHandle] = {}
+        self._calls: dict[int, GroupHandle] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._reaper = _Reaper()
+        self._finalizer = weakref.finalize(self, self._reaper.kill_all)
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def __aenter__(self) -> Controller:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._started:
+            raise RuntimeError("this Controller was already started; make a new one")
+        if "ASYNCRL_GROUP" in os.environ:
+            raise RuntimeError(
+                f"a Controller was started inside a rank of group "
+                f"{os.environ['ASYNCRL_GROUP']!r}: the driver script was imported on the ranks "
+                f"to find a class it defines; put the driver code in `async def main()` (run "
+                f"with `asyncrl launch`) or under `if __name__ == '__main__':`")
+        self._started = True
+        self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        if self.run_dir is None:
+            self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.secret_file = self.run_dir / "secret"
+        secret = new_secret()
+        write_secret(str(self.secret_file), secret)
+        self.channel = ControllerChannel(secret, self.host)
+        self._tasks = [self.loop.create_task(self.channel.serve(self._on_message)),
+                       self.loop.create_task(self._supervise())]
+
+    async def close(self) -> None:
+        """Shut every group down (killing what does not exit in time) and stop the plane."""
+        if self._closed or not self._started:
+            self._closed = True
+            return
+        self._closed = True
+        try:
+            await asyncio.shield(asyncio.gather(*(self._stop_group(g)
+                                                  for g in self.groups.values())))
+        finally:
+            self._reaper.kill_all()
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self.channel.close()
+            if self._own_run_dir and self.run_dir is not None:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    @property
+    def dropped_frames(self) -> dict[str, int]:
+        """Frames the controller dropped, by reason: malformed, bad_mac, replay, undecodable."""
+        return self.channel.dropped
+
+    # -- spawning ---------------------------------------------------------------------------
+    async def spawn(self, worker_cls: type, *args: Any, nprocs: int = 1, name: str | None = None,
+                    mesh: dict[str, int] | None = None, place: Any = None,
+                    env: dict[str, str] | None = None, **kwargs: Any) -> GroupHandle:
+        """Launch `worker_cls` as one torchrun job of `nprocs` ranks; wait until it is ready.
+
+        `mesh` names the axes of the group's ranks (default ``{"dp": nprocs}``); `env` adds
+        environment variables for the ranks; other arguments go to ``worker_cls(...)``."""
+        if self._closed or not self._started:
+            raise ClosedError("the controller is not running; use `async with Controller()`")
+        name = name or worker_cls.__name__.lower()
+        layout = self._check_spawn(worker_cls, name, nprocs, mesh, place)
+        try:
+            params = list(_init_params(worker_cls))
+            payload = codec.encode_call((worker_cls, *args), kwargs, ["worker class", *params])
+        except codec.ArgEncodeError as e:
+            raise EncodeError(f"cannot send argument {e.name!r} of {worker_cls.__name__}(): "
+                              f"{e.cause}") from None
+        assert self.run_dir is not None
+        extra = {"ASYNCRL_ADDR": self.channel.address, "ASYNCRL_GROUP": name,
+                 "ASYNCRL_SECRET_FILE": str(self.secret_file),
+                 "ASYNCRL_HB_INTERVAL": str(self.heartbeat_interval),
+                 "ASYNCRL_HB_TIMEOUT": str(self.heartbeat_timeout), **(env or {})}
+        agent = Agent(name, nprocs, rank_env(dict(os.environ), extra),
+                      self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
+        group = GroupHandle(self, name, worker_cls, layout, agent)
+        group._construct = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh))  # type: ignore
+        self.groups[name] = group
+        self._reaper.agents.append(agent)
+        loop = self.loop
+        agent.start(lambda code: loop.call_soon_threadsafe(self._on_agent_exit, group, code))
+        try:
+            await self._wait(group, group.started, self.startup_timeout, "say hello")
+            await self._wait(group, group.ready, self.construct_timeout,
+                             f"build {worker_cls.__name__}")
+        except GroupDeadError as e:
+            await asyncio.shield(self._stop_group(group, grace=0.0))
+            del self.groups[name]
+            raise SpawnError(f"group {name!r} failed while starting: {e}") from e
+        except BaseException:
+            await asyncio.shield(self._stop_group(group, grace=0.0))
+            del self.groups[name]
+            raise
+        return group
+
+    def _check_spawn(self, cls: type, name: str, nprocs: int, mesh: dict[str, int] | None,
+                     place: Any) -> Layout:
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"spawn() needs a subclass of asyncrl.Worker, got {cls!r}")
+        try:
+            make_ref(cls)
+        except TypeError as e:
+            raise EncodeError(f"worker class {cls.__qualname__}: {e}") from None
+        if not _NAME.match(name):
+            raise ValueError(f"group name {name!r}: use letters, digits, '_', '.' or '-'")
+        if name in self.groups:
+            raise ValueError(f"a group named {name!r} already exists; pass name=... to spawn()")
+        if not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+        if place is not None:
+            raise NotImplementedError(
+                "placement constraints (place=) are solved by the DataFlow launcher, which is "
+                "not built yet; spawn without place=")
+        mesh = dict(mesh) if mesh else {"dp": nprocs}
+        size = 1
+        for axis, n in mesh.items():
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"mesh axis {axis!r} must be a positive int, got {n!r}")
+            size *= n
+        if size != nprocs:
+            raise ValueError(f"mesh {mesh} has {size} ranks but nprocs={nprocs}; make the "
+                             f"product of the mesh sizes equal nprocs")
+        return Layout(name, tuple(mesh.items()))
+
+    async def _wait(self, group: GroupHandle, waiter: asyncio.Future, timeout: float,
+                    what: str) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except asyncio.TimeoutError:
+            missing = sorted(set(range(group.nprocs)) - {
+                r for r, i in group.ranks.items() if (i.ready or waiter is group.started)})
+            raise SpawnTimeout(
+                f"group {group.name!r}: ranks {missing} did not {what} within {timeout:g} s "
+                f"(raise Controller(startup_timeout=/construct_timeout=) if it needs longer)."
+                f"\n--- last lines of its output ({group.agent.log_path}) ---\n"
+                f"{group.agent.tail()}") from None
+
+    # -- messages ---------------------------------------------------------------------------
+    def _on_message(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, Result):
+            group = self._calls.get(msg.call_id)
+            if group is not None:
+                group._touch(msg.rank)
+                group._on_result(msg.call_id, msg.rank, msg.value, msg.error)
+            return
+        parts = identity.split(b"/")
+        group = self.groups.get(parts[0].decode(errors="replace"))
+        if group is None or len(parts) != 4:
+            return
+        rank = int(parts[1])
+        if isinstance(msg, Heartbeat):
+            info = group.ranks.get(rank)
+            if info is not None:
+                info.last_seen = time.monotonic()
+                info.dropped = msg.dropped
+        elif isinstance(msg, Hello):
+            self._on_hello(group, identity, msg)
+        elif isinstance(msg, Ready):
+            self._on_ready(group, msg)
+
+    def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello) -> None:
+        if msg.world_size != group.nprocs or msg.rank in group.ranks:
+            return
+        group.ranks[msg.rank] = RankInfo(identity, msg.pid, msg.host, time.monotonic())
+        group.agent.rank_pids[msg.rank] = msg.pid
+        self.channel.send(identity, group._construct)  # type: ignore[attr-defined]
+        if len(group.ranks) == group.nprocs and not group.started.done():
+            group.started.set_result(None)
+
+    def _on_ready(self, group: GroupHandle, msg: Ready) -> None:
+        info = group.ranks.get(msg.rank)
+        if info is None or info.ready or group.ready.done():
+            return
+        if msg.error is not None:
+            group.ready.set_exception(RemoteError(group.name, msg.rank, "__init__",
+                                                  msg.error.type, msg.error.message,
+                                                  msg.error.traceback))
+            return
+        info.ready = True
+        group.methods = dict(msg.methods)
+        if all(i.ready for i in group.ranks.values()) and len(group.ranks) == group.nprocs:
+            group.ready.set_result(None)
+
+    # -- supervision ------------------------------------------------------------------------
+    def _on_agent_exit(self, group: GroupHandle, code: int) -> None:
+        group.exited.set()
+        if group.closing:
+            return
+        cause = group.agent.root_cause()
+        if cause is not None:
+            group._mark_dead(cause[0], cause[1], "its process exited; torchrun stopped the group")
+        else:
+            group._mark_dead(None, code, f"the torchrun agent exited with code {code}")
+        group.agent.signal_all(signal.SIGKILL)  # leave nothing behind
+
+    async def _supervise(self) -> None:
+        beat = Heartbeat()
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            now = time.monotonic()
+            for group in list(self.groups.values()):
+                if group.closing or group.dead is not None:
+                    continue
+                for rank, info in list(group.ranks.items()):
+                    self.channel.send(info.identity, beat)
+                    if not pid_alive(info.pid):
+                        self.loop.create_task(self._rank_gone(group, rank))
+                    elif now - info.last_seen > self.heartbeat_timeout:
+                        group._mark_dead(rank, None, f"no heartbeat for "
+                                         f"{now - info.last_seen:.1f} s (heartbeat_timeout="
+                                         f"{self.heartbeat_timeout} s)")
+                        group.agent.signal_all(signal.SIGKILL)
+
+    async def _rank_gone(self, group: GroupHandle, rank: int) -> None:
+        """A rank's process is gone: give torchrun a moment to report why, then declare."""
+        try:  # torchrun notices within its monitor interval and prints the root cause
+            await asyncio.wait_for(group.exited.wait(), min(2.0, self.heartbeat_timeout / 2))
+        except asyncio.TimeoutError:
+            group._mark_dead(rank, None, "its process is gone")
+        group.agent.signal_all(signal.SIGKILL)
+
+    async def _stop_group(self, group: GroupHandle, grace: float | None = None) -> None:
+        """Ask the ranks to exit; kill whatever is left after `grace` seconds."""
+        if group.closing:
+            return
+        group.closing = True
+        group._fail_all(ClosedError(f"group {group.name!r} was shut down"))
+        for info in group.ranks.values():
+            self.channel.send(info.identity, Shutdown())
+        agent = group.agent
+        grace = self.shutdown_grace if grace is None else grace
+        if agent.proc is not None and grace > 0:
+            try:
+                await asyncio.wait_for(group.exited.wait(), grace)
+            except asyncio.TimeoutError:
+                pass
+        agent.signal_all(signal.SIGKILL)
+        if agent.proc is not None:
+            await self.loop.run_in_executor(None, agent.proc.wait)
+        kill_pids([p for p in agent.rank_pids.values() if pid_alive(p)])
+
+
+def _init_params(cls: type) -> list[str]:
+    import inspect
+
+    try:
+        return list(inspect.signature(cls.__init__).parameters)[1:]
+    except (TypeError, ValueError):
+        return []

@@ -1,0 +1,285 @@
+"""GroupHandle: the controller's view of one SPMD worker group, and its calls.
+
+    group.method(*args)  ──split (protocol)──▶ encode ──▶ Call to each rank, in order
+          │ returns a DistFuture at once
+    Result per rank ──▶ collect (protocol) ──▶ future resolves, or fails with the first
+                                               rank's RemoteError / GroupDeadError
+
+A call whose arguments include unresolved DistFutures waits in the backlog, and holds back
+the calls behind it, so every rank sees the group's calls in submission order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from asyncrl.actors.protocols import Layout, Protocol, get_protocol
+from asyncrl.comm import codec
+from asyncrl.comm.messages import Call, Failure, MethodSpec
+from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError
+from asyncrl.futures.future import DistFuture
+
+if TYPE_CHECKING:
+    from asyncrl.controller.controller import Controller
+    from asyncrl.controller.launcher import Agent
+
+_call_ids = itertools.count(1)
+
+
+@dataclass
+class RankInfo:
+    identity: bytes
+    pid: int
+    host: str
+    last_seen: float
+    dropped: int = 0
+    ready: bool = False
+
+
+@dataclass
+class _Pending:
+    call_id: int
+    method: str
+    protocol: Protocol
+    future: DistFuture
+    state: Any
+    waiting: set[int]  # ranks that have not reported yet
+    collect: set[int]
+    values: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Queued:
+    method: str
+    args: tuple
+    kwargs: dict[str, Any]
+    future: DistFuture
+
+
+class _Method:
+    __slots__ = ("_group", "_name")
+
+    def __init__(self, group: GroupHandle, name: str):
+        self._group, self._name = group, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> DistFuture:
+        return self._group.call(self._name, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<method {self._group.name}.{self._name}>"
+
+
+class GroupHandle:
+    """Returned by ``Controller.spawn``. ``group.<method>(...)`` returns a DistFuture."""
+
+    def __init__(self, ctl: Controller, name: str, cls: type, layout: Layout, agent: Agent):
+        self._ctl = ctl
+        self.name = name
+        self.worker_class = cls
+        self.layout = layout
+        self.agent = agent
+        self.methods: dict[str, MethodSpec] = {}
+        self.ranks: dict[int, RankInfo] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._backlog: deque[_Queued] = deque()
+        self._drainer: asyncio.Task | None = None
+        self._arg_names: dict[str, list[str]] = {}
+        self.dead: GroupDeadError | None = None
+        self.closing = False
+        loop = ctl.loop
+        self.started: asyncio.Future[None] = loop.create_future()  # every rank said hello
+        self.ready: asyncio.Future[None] = loop.create_future()  # every worker is built
+        self.exited = asyncio.Event()  # the torchrun agent has exited
+
+    # -- public -----------------------------------------------------------------------------
+    @property
+    def nprocs(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return dict(self.layout.mesh)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """rank -> pid of every rank that said hello."""
+        return {r: info.pid for r, info in self.ranks.items()}
+
+    @property
+    def dropped_frames(self) -> dict[int, int]:
+        """rank -> frames that rank dropped (bad signature, replay, undecodable)."""
+        return {r: info.dropped for r, info in self.ranks.items()}
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self.methods:
+            raise self._no_method(name)
+        return _Method(self, name)
+
+    def _no_method(self, name: str) -> AttributeError:
+        return AttributeError(
+            f"group {self.name!r} ({self.worker_class.__name__}) has no registered method "
+            f"{name!r}; registered: {sorted(self.methods)} (mark methods with "
+            f"@asyncrl.register)")
+
+    def __repr__(self) -> str:
+        return f"<GroupHandle {self.name!r} {self.worker_class.__name__} x{self.nprocs}>"
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> DistFuture:
+        """Call a registered method by name; the same as ``group.<method>(...)``.
+
+        On the controller's loop, errors in the arguments raise here and nothing is sent;
+        from another thread the call is handed to the loop and such errors fail the future."""
+        if self.closing:
+            raise ClosedError(f"group {self.name!r} is closed")
+        if self.dead is not None:
+            raise self.dead
+        if method not in self.methods:
+            raise self._no_method(method)
+        loop = self._ctl.loop
+        future = DistFuture._new(loop, f"{self.name}.{method}")
+        item = _Queued(method, args, kwargs, future)
+        if threading.get_ident() == self._ctl._loop_thread:
+            self._submit(item)
+        else:
+            loop.call_soon_threadsafe(self._submit_or_fail, item)
+        return future
+
+    def _submit(self, item: _Queued) -> None:
+        if self.closing or self.dead is not None:
+            raise self.dead or ClosedError(f"group {self.name!r} is closed")
+        has_inputs = any(isinstance(a, DistFuture) for a in (*item.args, *item.kwargs.values()))
+        if self.methods[item.method].concurrent:
+            if has_inputs:
+                self._ctl.loop.create_task(self._send_when_ready(item))
+            else:
+                self._send(item)
+        elif has_inputs or self._backlog:
+            self._backlog.append(item)
+            if self._drainer is None or self._drainer.done():
+                self._drainer = self._ctl.loop.create_task(self._drain())
+        else:
+            self._send(item)
+
+    def _submit_or_fail(self, item: _Queued) -> None:
+        try:
+            self._submit(item)
+        except Exception as e:  # noqa: BLE001 - the caller on another thread sees it at result()
+            item.future._set_exception(e)
+
+    # -- sending ----------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        while self._backlog:
+            item = self._backlog[0]
+            await self._send_when_ready(item)
+            self._backlog.popleft()
+
+    async def _send_when_ready(self, item: _Queued) -> None:
+        try:
+            item.args = tuple([await _value(a, i) for i, a in enumerate(item.args)])
+            item.kwargs = {k: await _value(v, k) for k, v in item.kwargs.items()}
+            if self.closing or self.dead is not None:
+                raise self.dead or ClosedError(f"group {self.name!r} is closed")
+            self._send(item)
+        except Exception as e:  # noqa: BLE001 - the caller sees it at await
+            item.future._set_exception(e)
+
+    def _send(self, item: _Queued) -> None:
+        protocol = get_protocol(self.methods[item.method].dispatch)
+        split = protocol.split(self.layout, item.args, item.kwargs)
+        payloads: dict[tuple[int, int], msgspec.Raw] = {}
+        names = self._names(item.method)
+        for args, kwargs in split.calls.values():
+            key = (id(args), id(kwargs))
+            if key not in payloads:
+                try:
+                    payloads[key] = msgspec.Raw(codec.encode_call(args, kwargs, names))
+                except codec.ArgEncodeError as e:
+                    raise EncodeError(f"cannot send argument {e.name!r} of "
+                                      f"{self.name}.{item.method}(): {e.cause}") from None
+        call_id = next(_call_ids)
+        collect = set(split.collect)
+        self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
+                                          split.state, set(split.calls), collect)
+        self._ctl._calls[call_id] = self
+        for rank, (args, kwargs) in split.calls.items():
+            payload = payloads[(id(args), id(kwargs))]
+            self._ctl.channel.send(self.ranks[rank].identity,
+                                   Call(call_id, item.method, payload, rank in collect))
+
+    def _names(self, method: str) -> list[str]:
+        names = self._arg_names.get(method)
+        if names is None:
+            try:
+                params = list(inspect.signature(getattr(self.worker_class, method)).parameters)
+                names = params[1:]
+            except (TypeError, ValueError):
+                names = []
+            self._arg_names[method] = names
+        return names
+
+    # -- receiving --------------------------------------------------------------------------
+    def _on_result(self, call_id: int, rank: int, value: Any, error: Failure | None) -> None:
+        p = self._pending.get(call_id)
+        if p is None or rank not in p.waiting:
+            return
+        p.waiting.discard(rank)
+        if error is not None:
+            p.future._set_exception(RemoteError(self.name, rank, p.method, error.type,
+                                                error.message, error.traceback))
+        elif rank in p.collect:
+            p.values[rank] = value
+        if p.waiting:
+            return
+        del self._pending[call_id]
+        self._ctl._calls.pop(call_id, None)
+        if p.future.done():
+            return
+        try:
+            values = {r: codec.decode(v) for r, v in p.values.items()}
+            p.future._set_result(p.protocol.collect(self.layout, values, p.state))
+        except Exception as e:  # noqa: BLE001 - a failing collect fails this call only
+            p.future._set_exception(e)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for p in self._pending.values():
+            p.future._set_exception(exc)
+            self._ctl._calls.pop(p.call_id, None)
+        self._pending.clear()
+        while self._backlog:
+            self._backlog.popleft().future._set_exception(exc)
+        for waiter in (self.started, self.ready):
+            if not waiter.done():
+                waiter.set_exception(exc)
+                waiter.exception()
+
+    def _mark_dead(self, rank: int | None, exit_code: int | None, reason: str) -> None:
+        if self.dead is not None or self.closing:
+            return
+        self.dead = GroupDeadError(self.name, rank, exit_code, reason, self.agent.tail())
+        self._fail_all(self.dead)
+
+    def _touch(self, rank: int) -> None:
+        info = self.ranks.get(rank)
+        if info is not None:
+            info.last_seen = time.monotonic()
+
+
+async def _value(arg: Any, name: int | str) -> Any:
+    """The value of a DistFuture argument (until the data plane moves it worker to worker)."""
+    if not isinstance(arg, DistFuture):
+        return arg
+    try:
+        return await arg
+    except Exception as e:
+        raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e

@@ -1,0 +1,161 @@
+"""One torchrun job per group: start it, watch it, read its log, and stop it for certain.
+
+The job runs in its own session (Ctrl-C in the terminal reaches the controller, which shuts
+groups down in order). torchrun puts every rank in a session of its own too, so stopping is
+by pid: the agent, the ranks that said hello, and any child the agent still has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import asyncrl
+
+_PR_SET_PDEATHSIG = 1
+_AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
+_ROOT_CAUSE = re.compile(
+    r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, read from /proc (empty where /proc is missing)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Agent:
+    """The torchrun process of one group."""
+
+    def __init__(self, group: str, nprocs: int, env: dict[str, str], log_path: Path,
+                 die_with_parent: bool = True):
+        self.group, self.nprocs, self.log_path = group, nprocs, log_path
+        self._env = env
+        self._die_with_parent = die_with_parent
+        self.proc: subprocess.Popen | None = None
+        self.rank_pids: dict[int, int] = {}
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                "--nproc-per-node", str(self.nprocs), "--max-restarts", "0",
+                "--monitor-interval", "0.1", "-m", "asyncrl.actors.rank_main"]
+
+    def start(self, on_exit: Callable[[int], None]) -> None:
+        """Start torchrun; `on_exit(returncode)` is called from a watcher thread."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=self._env, start_new_session=True,
+                preexec_fn=_die_with_parent if self._die_with_parent else None)
+        proc = self.proc
+        threading.Thread(target=lambda: on_exit(proc.wait()), daemon=True,
+                         name=f"asyncrl-agent-{self.group}").start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def tail(self, lines: int = 30) -> str:
+        """The last lines the ranks printed (torchrun's own failure report left out: the
+        exit code and rank it reports are in the error already)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 65536))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        report = _AGENT_REPORT.search(text)
+        if report is not None:
+            text = text[:report.start()]
+        return "\n".join(text.splitlines()[-lines:])
+
+    def root_cause(self) -> tuple[int, int] | None:
+        """(rank, exit code) of the first failed rank, as torchrun reported it."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        matches = _ROOT_CAUSE.findall(text)
+        return (int(matches[-1][0]), int(matches[-1][1])) if matches else None
+
+    def all_pids(self) -> list[int]:
+        """The agent, its live children and every rank that said hello."""
+        if self.proc is None:
+            return []
+        pids = {self.proc.pid, *self.rank_pids.values(), *child_pids(self.proc.pid)}
+        return sorted(pids)
+
+    def signal_all(self, sig: int) -> None:
+        pids = self.all_pids()
+        if self.proc is not None and self.proc.poll() is not None:
+            pids.remove(self.proc.pid)  # reaped: its pid may belong to someone else now
+        kill_pids(pids, sig)
+
+
+def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a group's ranks: ours, the user's `env=`, and the package path."""
+    env = dict(base)
+    env.update(extra)
+    env.setdefault("OMP_NUM_THREADS", env.get("ASYNCRL_THREADS", "1"))
+    env["PYTHONUNBUFFERED"] = "1"
+    pkg_root = str(Path(asyncrl.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    return env

@@ -1,0 +1,77 @@
+"""DistFuture: what every group call returns at once.
+
+``await fut`` in the controller's loop; ``fut.result(timeout=...)`` from sync code on other
+threads. There is no public constructor: futures come from group calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from typing import Any
+
+
+class DistFuture:
+    __slots__ = ("_fut", "_loop", "_label", "__weakref__")
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise TypeError("DistFuture has no public constructor; group method calls return them")
+
+    @classmethod
+    def _new(cls, loop: asyncio.AbstractEventLoop, label: str) -> DistFuture:
+        self = object.__new__(cls)
+        self._loop = loop
+        self._fut = loop.create_future()
+        self._label = label
+        return self
+
+    # -- controller side: resolve ---------------------------------------------------------
+    def _set_result(self, value: Any) -> None:
+        if not self._fut.done():
+            self._fut.set_result(value)
+
+    def _set_exception(self, exc: BaseException) -> None:
+        if not self._fut.done():
+            self._fut.set_exception(exc)
+            # a failure nobody awaits is still reported by the group; do not warn at GC time
+            self._fut.exception()
+
+    # -- user side ------------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def __await__(self):
+        return self._fut.__await__()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block until the value is ready (sync code on another thread).
+
+        Raises the built-in TimeoutError after `timeout` seconds, leaving the future usable;
+        RuntimeError if called on the controller's own loop, where it would deadlock."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            raise RuntimeError(f"{self._label}: result() called on the controller's event loop "
+                               f"would block it forever; use `await fut` there")
+        if running is not None:
+            warnings.warn(f"{self._label}: result() blocks the event loop running in this "
+                          f"thread; prefer `await`", RuntimeWarning, stacklevel=2)
+        if not self._fut.done():
+            event = threading.Event()
+            self._loop.call_soon_threadsafe(self._notify_when_done, event)
+            if not event.wait(timeout):
+                raise TimeoutError(f"{self._label} not done after {timeout} s")
+        return self._fut.result()
+
+    def _notify_when_done(self, event: threading.Event) -> None:
+        if self._fut.done():
+            event.set()
+        else:
+            self._fut.add_done_callback(lambda _: event.set())
+
+    def __repr__(self) -> str:
+        state = "done" if self._fut.done() else "pending"
+        return f"<DistFuture {self._label} {state}>"

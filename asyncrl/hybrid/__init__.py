@@ -1,0 +1,1 @@
+"""Training backends, generation engines and the train <-> generate switch (a later issue)."""

@@ -1,0 +1,263 @@
+"""Control-plane benchmark: a no-op call's round trip and throughput, in one run, side by side.
+
+    zmq      raw pyzmq floor: asyncio DEALER here <-> asyncio ROUTER echo in a spawned process
+    ray      actors with a no-op method, called like verl's RayWorkerGroup (ray.get of a list)
+    asyncrl  `await group.noop()` on a Controller-spawned group of 1 and 2 ranks
+
+One JSON line per result on stdout, then a summary line with the project's target ratios.
+Run: `make bench` or `.venv/bin/python benchmarks/control_plane.py [--quick]`.
+
+The ranks import this file to find BenchWorker: all driver code stays in functions, behind
+the `__main__` guard, and ray is imported only inside bench_ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+import asyncrl
+
+
+
+class BenchWorker(asyncrl.Worker):
+    @asyncrl.register
+    def noop(self) -> None:
+        return None
+
+
+# -- helpers -------------------------------------------------------------------------------
+def stats(samples_ns: list[int]) -> tuple[float, float]:
+    """(median, p99) in microseconds."""
+    s = sorted(samples_ns)
+    p99 = s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+    return round(statistics.median(s) / 1e3, 1), round(p99 / 1e3, 1)
+
+
+def context(args: argparse.Namespace) -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"machine": {"arch": platform.machine(), "nproc": nproc},
+            "python": platform.python_version(),
+            "versions": {"torch": version("torch"), "pyzmq": zmq.__version__,
+                         "libzmq": zmq.zmq_version(), "ray": version("ray"),
+                         "msgspec": msgspec.__version__, "uvloop": version("uvloop"),
+                         "asyncrl": asyncrl.__version__},
+            "calls": {"sequential": args.calls, "pipelined": args.pipelined,
+                      "inflight": args.inflight, "warmup": args.warmup}}
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def result(system: str, ranks: int, rtts_ns: list[int], calls: int, elapsed_ns: int,
+           ctx: dict[str, Any]) -> dict[str, Any]:
+    median, p99 = stats(rtts_ns)
+    rec = {"bench": "control_plane", "system": system, "ranks": ranks, "rtt_us_median": median,
+           "rtt_us_p99": p99, "calls_per_s": round(calls / (elapsed_ns / 1e9), 1), **ctx}
+    emit(rec)
+    return rec
+
+
+def chunks(total: int, size: int) -> list[int]:
+    """Sizes of the in-flight windows the pipelined phase sends, summing to `total`."""
+    return [min(size, total - i) for i in range(0, total, size)]
+
+
+# -- zmq floor -----------------------------------------------------------------------------
+def echo_server(conn: Any) -> None:
+    """Child process: an asyncio ROUTER that decodes each request and answers it."""
+    asyncrl.run(_echo(conn))
+
+
+async def _echo(conn: Any) -> None:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
+    conn.close()
+    while True:
+        identity, payload = await sock.recv_multipart()
+        call_id, method = msgspec.msgpack.decode(payload)
+        if method == "stop":
+            break
+        await sock.send_multipart([identity, msgspec.msgpack.encode((call_id, None))])
+    sock.close()
+    ctx.term()
+
+
+async def _zmq_client(port: int, args: argparse.Namespace) -> tuple[list[int], int, int]:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    enc, dec = msgspec.msgpack.encode, msgspec.msgpack.decode
+
+    async def call(i: int) -> None:
+        await sock.send_multipart([enc((i, "noop"))])
+        dec((await sock.recv_multipart())[0])
+
+    try:
+        for i in range(args.warmup):
+            await call(i)
+        rtts = []
+        for i in range(args.calls):
+            t0 = time.perf_counter_ns()
+            await call(i)
+            rtts.append(time.perf_counter_ns() - t0)
+        t0 = time.perf_counter_ns()
+        for n in chunks(args.pipelined, args.inflight):
+            for i in range(n):
+                await sock.send_multipart([enc((i, "noop"))])
+            for _ in range(n):
+                dec((await sock.recv_multipart())[0])
+        elapsed = time.perf_counter_ns() - t0
+        await sock.send_multipart([enc((0, "stop"))])
+        return rtts, args.pipelined, elapsed
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def bench_zmq(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    spawn = mp.get_context("spawn")
+    parent, child = spawn.Pipe(duplex=False)
+    proc = spawn.Process(target=echo_server, args=(child,), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("the zmq echo server did not start within 60 s")
+        port = parent.recv()
+        rtts, calls, elapsed = asyncrl.run(_zmq_client(port, args))
+        return result("zmq", 1, rtts, calls, elapsed, ctx)
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            os.kill(proc.pid, 9)
+            proc.join()
+
+
+# -- ray -----------------------------------------------------------------------------------
+def bench_ray(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    try:
+        import ray
+    except ImportError as e:
+        emit({"bench": "control_plane", "system": "ray", "skipped": f"ray not importable: {e}"})
+        return {}
+
+    @ray.remote
+    class Noop:
+        def noop(self) -> None:
+            return None
+
+    out = {}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actors = [Noop.remote() for _ in range(2)]  # type: ignore[attr-defined]
+        ray.get([a.__ray_ready__.remote() for a in actors])
+        for n in (1, 2):
+            group = actors[:n]
+
+            def call(group: list = group) -> None:  # one .remote() per actor, then ray.get
+                ray.get([a.noop.remote() for a in group])
+
+            for _ in range(args.warmup):
+                call()
+            rtts = []
+            for _ in range(args.calls):
+                t0 = time.perf_counter_ns()
+                call()
+                rtts.append(time.perf_counter_ns() - t0)
+            t0 = time.perf_counter_ns()
+            for size in chunks(args.pipelined, args.inflight):
+                ray.get([a.noop.remote() for _ in range(size) for a in group])
+            elapsed = time.perf_counter_ns() - t0
+            out[n] = result("ray", n, rtts, args.pipelined, elapsed, ctx)
+    finally:
+        ray.shutdown()
+    return out
+
+
+# -- asyncrl -------------------------------------------------------------------------------
+async def _asyncrl(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    out = {}
+    async with asyncrl.Controller() as ctl:
+        for n in (1, 2):
+            group = await ctl.spawn(BenchWorker, nprocs=n, name=f"bench{n}")
+            for _ in range(args.warmup):
+                await group.noop()
+            rtts = []
+            for _ in range(args.calls):
+                t0 = time.perf_counter_ns()
+                await group.noop()
+                rtts.append(time.perf_counter_ns() - t0)
+            t0 = time.perf_counter_ns()
+            for size in chunks(args.pipelined, args.inflight):
+                await asyncio.gather(*(group.noop() for _ in range(size)))
+            elapsed = time.perf_counter_ns() - t0
+            out[n] = result("asyncrl", n, rtts, args.pipelined, elapsed, ctx)
+    return out
+
+
+def bench_asyncrl(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return asyncrl.run(_asyncrl(args, ctx))
+
+
+# -- summary -------------------------------------------------------------------------------
+def target(value: float | None, op: str, bound: float, text: str) -> dict[str, Any]:
+    """A ratio against its target; `met` is None when a system was skipped."""
+    if value is None:
+        return {"ratio": None, "target": f"{op} {text}", "met": None}
+    met = value <= bound if op == "<=" else value >= bound
+    return {"ratio": round(value, 3), "target": f"{op} {text}", "met": met}
+
+
+def summary(zmq_rec: dict, ray_recs: dict, ours: dict) -> dict[str, Any]:
+    a2, r2 = ours[2], ray_recs.get(2)
+    return {"bench": "control_plane", "summary": True,
+            "asyncrl2_over_ray2_rtt_median": target(
+                a2["rtt_us_median"] / r2["rtt_us_median"] if r2 else None, "<=", 1 / 3, "1/3"),
+            "asyncrl2_over_zmq_rtt_median": target(
+                a2["rtt_us_median"] / zmq_rec["rtt_us_median"], "<=", 1.5, "1.5"),
+            "asyncrl2_over_ray2_calls_per_s": target(
+                a2["calls_per_s"] / r2["calls_per_s"] if r2 else None, ">=", 3, "3")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=3000, help="sequential calls timed (RTT)")
+    p.add_argument("--pipelined", type=int, default=5000, help="pipelined calls timed (calls/s)")
+    p.add_argument("--inflight", type=int, default=1000, help="calls in flight when pipelined")
+    p.add_argument("--warmup", type=int, default=200, help="untimed calls before measuring")
+    p.add_argument("--quick", action="store_true", help="smoke run: 200/500 calls, 20 warm-up")
+    args = p.parse_args()
+    if args.quick:
+        args.calls, args.pipelined, args.inflight, args.warmup = 200, 500, 100, 20
+    ctx = context(args)
+    zmq_rec = bench_zmq(args, ctx)
+    ray_recs = bench_ray(args, ctx)  # shuts ray down before asyncrl starts
+    ours = bench_asyncrl(args, ctx)
+    emit(summary(zmq_rec, ray_recs, ours))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Protocols, ordering, concurrency and errors on real torchrun groups (gloo, CPU).
+
+The worker classes are defined in this test file: the ranks load it by path."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import BackgroundController, assert_gone, group_pids
+
+import asyncrl
+from asyncrl import Dispatch, TensorBatch
+
+RELEASE_WAIT = 20  # seconds a blocked call waits for its release before giving up
+
+
+class Echo(asyncrl.Worker):
+    def __init__(self, scale: int = 1):
+        self.seen_before_init = (self.rank, self.world_size, dict(self.coords))
+        self.scale = scale
+        self.log: list = []
+        self.released = threading.Event()
+
+    @asyncrl.register
+    def whoami(self):
+        return {"rank": self.rank, "world_size": self.world_size, "coords": self.coords,
+                "seen": self.seen_before_init, "module": type(self).__module__}
+
+    @asyncrl.register(dispatch=Dispatch.ONE_TO_ALL)
+    def scaled(self, x):
+        self.log.append("scaled")
+        return x * self.scale + self.rank
+
+    @asyncrl.register(dispatch=Dispatch.ALL_TO_ALL)
+    def plus_rank(self, x):
+        return x + 100 * self.rank
+
+    @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
+    def only_zero(self):
+        self.log.append("only_zero")
+        return ("zero", self.rank)
+
+    @asyncrl.register
+    def history(self):
+        return list(self.log)
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def double(self, batch: TensorBatch) -> TensorBatch:
+        self.log.append(("double", len(batch)))
+        n = len(batch)
+        return TensorBatch({"x": batch["x"] * 2, "pad": [batch.meta.get("dp_pad", 0)] * n,
+                            "dp": [self.dp_rank] * n})
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def expand(self, batch: TensorBatch, r: int) -> TensorBatch:
+        return TensorBatch({"x": batch["x"].repeat_interleave(r)})
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def count(self, batch: TensorBatch):
+        return (self.dp_rank, len(batch), batch.meta.get("dp_pad", 0))
+
+    @asyncrl.register
+    def all_reduce(self, i: int) -> float:
+        t = torch.tensor([float(i)])
+        dist.all_reduce(t)
+        return t.item()
+
+    @asyncrl.register
+    async def async_add(self, x):
+        await asyncio.sleep(0)
+        return x + 1
+
+    @asyncrl.register
+    def fail(self, message):
+        raise ValueError(message)
+
+    @asyncrl.register
+    def unsendable(self):
+        return threading.Lock()
+
+    @asyncrl.register
+    def block(self):
+        released = self.released.wait(RELEASE_WAIT)
+        self.released.clear()
+        return released
+
+    @asyncrl.register(concurrent=True)
+    def release(self):
+        self.released.set()
+        return True
+
+    @asyncrl.register
+    def record(self, value):
+        self.log.append(value)
+        return list(self.log)
+
+
+def first_half_split(layout, args, kwargs):
+    ranks = list(range(layout.world_size // 2))
+    return asyncrl.Split({r: (args, kwargs) for r in ranks}, ranks)
+
+
+def first_half_collect(layout, results, state):
+    return sum(results.values())
+
+
+asyncrl.register_protocol("first_half", split=first_half_split, collect=first_half_collect)
+
+
+class Custom(Echo):
+    @asyncrl.register(dispatch="first_half")
+    def rank_plus(self, x):
+        return x + self.rank
+
+
+@pytest.fixture(scope="module")
+def bg():
+    bg = BackgroundController()
+    yield bg
+    pids = [p for g in bg.ctl.groups.values() for p in group_pids(g)]
+    bg.close()
+    if pids:
+        assert_gone(pids)
+
+
+@pytest.fixture(scope="module")
+def pair(bg):
+    return bg.spawn(Custom, 3, nprocs=2, name="pair")
+
+
+@pytest.fixture(scope="module")
+def grid(bg):
+    return bg.spawn(Echo, nprocs=4, name="grid", mesh={"dp": 2, "tp": 2})
+
+
+def get(fut, timeout=60):
+    return fut.result(timeout=timeout)
+
+
+def test_worker_attributes_are_set_before_init_and_class_comes_from_this_file(pair):
+    out = get(pair.whoami())
+    assert [o["rank"] for o in out] == [0, 1]
+    assert [o["seen"] for o in out] == [[0, 2, {"dp": 0}], [1, 2, {"dp": 1}]]
+    assert all(o["module"].startswith("__asyncrl_file_") for o in out)  # loaded by path
+
+
+def test_one_to_all_all_to_all_rank_zero(pair):
+    assert get(pair.scaled(5)) == [15, 16]
+    assert get(pair.plus_rank([1, 2])) == [1, 102]
+    assert get(pair.only_zero()) == ["zero", 0]
+    hist = get(pair.history())
+    assert "only_zero" in hist[0] and "only_zero" not in hist[1]
+    with pytest.raises(ValueError, match="one item per rank"):
+        get(pair.plus_rank([1, 2, 3]))
+
+
+def test_user_protocol(pair):
+    assert get(pair.rank_plus(10)) == 10  # only rank 0 of 2 runs, collect sums
+
+
+def test_dp_pads_and_drops_padding(pair):
+    batch = TensorBatch({"x": torch.arange(5)})
+    out = get(pair.double(batch))
+    assert out["x"].tolist() == [0, 2, 4, 6, 8]
+    assert out["dp"] == [0, 0, 0, 1, 1]
+    assert out["pad"] == [0, 0, 0, 1, 1]  # dp rank 1 got 2 real rows + 1 marked padding row
+    assert get(pair.count(batch)) == [[0, 3, 0], [1, 3, 1]]  # non-batch results: one per chunk
+
+
+def test_dp_with_r_rows_per_input_row(pair):
+    out = get(pair.expand(TensorBatch({"x": torch.arange(5)}), 3))
+    assert out["x"].tolist() == torch.arange(5).repeat_interleave(3).tolist()
+
+
+def test_dp_replicas_on_2x2_mesh(grid):
+    coords = [o["coords"] for o in get(grid.whoami())]
+    assert coords == [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}, {"dp": 1, "tp": 0},
+                      {"dp": 1, "tp": 1}]
+    out = get(grid.double(TensorBatch({"x": torch.arange(7)})))
+    assert out["x"].tolist() == [0, 2, 4, 6, 8, 10, 12]
+    assert out["dp"] == [0, 0, 0, 0, 1, 1, 1]
+    hist = get(grid.history())
+    # tp replicas of a dp rank get the same chunk: 4 rows each (dp 1 padded 3 -> 4)
+    assert [h[-1] for h in hist] == [["double", 4]] * 4
+
+
+def test_mismatched_dp_batches_are_refused(pair):
+    with pytest.raises(ValueError, match="different lengths"):
+        get(pair.expand(TensorBatch({"x": torch.arange(5)}),
+                        r=TensorBatch({"x": torch.arange(4)})))
+
+
+def test_collectives_called_back_to_back_stay_in_order(bg, pair):
+    async def many():
+        return await asyncio.gather(*[pair.all_reduce(i) for i in range(30)])
+    results = bg.run(many())
+    assert results == [[2.0 * i, 2.0 * i] for i in range(30)]
+
+
+def test_async_methods(pair):
+    assert get(pair.async_add(1)) == [2, 2]
+
+
+def test_concurrent_method_runs_beside_a_blocked_call(pair):
+    blocked = pair.block()
+    released = pair.release()  # would queue behind `block` if it were not concurrent
+    assert get(released) == [True, True]
+    assert get(blocked) == [True, True]
+
+
+def test_call_waiting_for_an_input_holds_back_later_calls(pair):
+    get(pair.record("start"))
+    first = pair.block()
+    waits = pair.record(first)  # sent only when `first` resolves
+    after = pair.record("after")  # must not overtake `waits`
+    get(pair.release())
+    logs = get(after)
+    assert logs[0][-2:] == [[True, True], "after"]
+    assert get(waits)[0][-1] == [True, True]
+
+
+def test_remote_error_carries_group_rank_method_and_traceback(pair):
+    with pytest.raises(asyncrl.RemoteError) as info:
+        get(pair.fail("boom"))
+    err = info.value
+    assert err.group == "pair" and err.method == "fail" and err.rank in (0, 1)
+    assert "raise ValueError(message)" in err.remote_traceback
+    assert "ValueError: boom" in str(err) and "remote traceback" in str(err)
+    assert get(pair.scaled(1)) == [3, 4]  # the group goes on
+
+
+def test_unsendable_return_value(pair):
+    with pytest.raises(asyncrl.RemoteError, match="cannot be sent"):
+        get(pair.unsendable())
+
+
+def test_unregistered_method_lists_registered_ones(pair):
+    with pytest.raises(AttributeError, match="no registered method 'nope'.*'whoami'"):
+        pair.nope()
+    with pytest.raises(AttributeError, match="registered:"):
+        pair.call("__init__")
+
+
+def test_unencodable_arguments_name_the_argument_and_send_nothing(bg, pair):
+    async def on_loop(value):
+        return pair.scaled(value)  # on the controller's loop: raises at the call site
+    with pytest.raises(asyncrl.EncodeError, match="argument 'x' of pair.scaled.*lambda"):
+        bg.run(on_loop(lambda v: v))
+    with pytest.raises(asyncrl.EncodeError, match="argument 'x'.*_thread.lock"):
+        bg.run(on_loop(threading.Lock()))
+    with pytest.raises(asyncrl.EncodeError, match="argument 'x'"):  # from a thread: at result()
+        get(pair.scaled(object()))
+    assert get(pair.scaled(2)) == [6, 7]
+
+
+def test_sync_bridge(bg, pair):
+    fut = pair.block()
+    assert not fut.done()
+    with pytest.raises(TimeoutError):
+        fut.result(timeout=0.2)
+    get(pair.release())
+    assert fut.result(timeout=60) == [True, True]  # still usable after the timeout
+    assert fut.done()
+
+    async def on_loop():
+        f = pair.scaled(1)
+        with pytest.raises(RuntimeError, match="controller's event loop"):
+            f.result(timeout=1)
+        return await f
+    assert bg.run(on_loop()) == [3, 4]
+
+
+def test_distfuture_has_no_public_constructor():
+    with pytest.raises(TypeError, match="no public constructor"):
+        asyncrl.DistFuture()

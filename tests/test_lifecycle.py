@@ -1,0 +1,199 @@
+"""Spawn and shutdown on every path: normal exit, exception, Ctrl-C, killed ranks, a killed
+controller, failing and slow construction. No process may outlive its controller."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from helpers import ROOT, assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl.controller.launcher import pid_alive
+
+HOLD = os.path.join(os.path.dirname(__file__), "drivers", "hold.py")
+ASYNCRL = [sys.executable, "-m", "asyncrl"]
+
+
+class Sleeper(asyncrl.Worker):
+    def __init__(self):
+        self.gate = threading.Event()
+
+    @asyncrl.register
+    def wait(self, seconds):
+        return self.gate.wait(seconds)
+
+    @asyncrl.register
+    def pid(self):
+        return os.getpid()
+
+
+class BrokenInit(asyncrl.Worker):
+    def __init__(self, rank_to_fail):
+        if self.rank == rank_to_fail:
+            raise RuntimeError(f"cannot build on rank {self.rank}")
+
+
+class SlowInit(asyncrl.Worker):
+    def __init__(self):
+        print("building: loading a very large model", flush=True)
+        threading.Event().wait()  # never returns: construction hangs
+
+
+def test_spawn_and_clean_shutdown_leave_no_process():
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Sleeper, nprocs=2, name="s")
+            pids = group_pids(group)
+            assert all(pid_alive(p) for p in pids)
+            assert sorted(await group.pid()) == sorted(group.pids.values())
+        return pids
+    assert_gone(run(main()))
+
+
+def test_exception_in_the_block_shuts_groups_down():
+    pids = []
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Sleeper, nprocs=1)
+            pids.extend(group_pids(group))
+            raise KeyError("user bug")
+    with pytest.raises(KeyError, match="user bug"):
+        run(main())
+    assert_gone(pids)
+
+
+def test_killed_rank_fails_pending_calls_with_group_dead_error():
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=0.2, heartbeat_timeout=2.0) as ctl:
+            group = await ctl.spawn(Sleeper, nprocs=2)
+            pids = group_pids(group)
+            pending = group.wait(60)
+            os.kill(group.pids[1], signal.SIGKILL)
+            with pytest.raises(asyncrl.GroupDeadError) as info:
+                await asyncio_wait_for(pending, 2.0 + 10)
+            with pytest.raises(asyncrl.GroupDeadError):
+                group.pid()  # a dead group refuses new calls at once
+            return pids, info.value
+    pids, err = run(main())
+    assert (err.group, err.rank, err.exit_code) == ("sleeper", 1, -signal.SIGKILL)
+    assert "killed by signal 9" in str(err)
+    assert_gone(pids)
+
+
+def test_hung_rank_is_found_by_missing_heartbeats():
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=0.2, heartbeat_timeout=1.5) as ctl:
+            group = await ctl.spawn(Sleeper, nprocs=2)
+            pids = group_pids(group)
+            pending = group.wait(60)
+            os.kill(group.pids[0], signal.SIGSTOP)  # alive but silent
+            with pytest.raises(asyncrl.GroupDeadError) as info:
+                await asyncio_wait_for(pending, 1.5 + 10)
+            return pids, info.value
+    pids, err = run(main())
+    assert err.rank == 0 and "no heartbeat" in str(err)
+    assert_gone(pids)
+
+
+def test_failing_construction_raises_remote_error_and_cleans_up():
+    pids = []
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            task = asyncio_create_task(ctl.spawn(BrokenInit, 1, nprocs=2, name="broken"))
+            try:
+                await task
+            finally:
+                pids.extend(ctl._reaper.agents[0].all_pids())
+    with pytest.raises(asyncrl.RemoteError) as info:
+        run(main())
+    assert info.value.method == "__init__" and info.value.rank == 1
+    assert "cannot build on rank 1" in str(info.value)
+    assert_gone(pids)
+
+
+def test_construction_timeout_names_the_group_and_shows_its_output():
+    async def main():
+        async with asyncrl.Controller(construct_timeout=3) as ctl:
+            await ctl.spawn(SlowInit, nprocs=1, name="slow")
+    with pytest.raises(asyncrl.SpawnTimeout) as info:
+        run(main())
+    msg = str(info.value)
+    assert "group 'slow'" in msg and "within 3 s" in msg
+    assert "building: loading a very large model" in msg
+
+
+def test_rank_that_fails_at_start_up_is_reported_with_its_output():
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            await ctl.spawn(Sleeper, nprocs=1, name="bad-env", env={"ASYNCRL_THREADS": "many"})
+    with pytest.raises(asyncrl.SpawnError) as info:
+        run(main())
+    assert "bad-env" in str(info.value) and "invalid literal for int()" in str(info.value)
+
+
+def test_spawn_argument_errors_before_launch():
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            with pytest.raises(ValueError, match="mesh .* has 4 ranks but nprocs=2"):
+                await ctl.spawn(Sleeper, nprocs=2, mesh={"dp": 2, "tp": 2})
+            with pytest.raises(TypeError, match="subclass of asyncrl.Worker"):
+                await ctl.spawn(dict, nprocs=1)
+            with pytest.raises(asyncrl.EncodeError, match="argument 'rank_to_fail'"):
+                await ctl.spawn(BrokenInit, lambda: 0, nprocs=1)
+
+            class Local(asyncrl.Worker):
+                pass
+            with pytest.raises(asyncrl.EncodeError, match="inside a function"):
+                await ctl.spawn(Local, nprocs=1)
+            assert ctl.groups == {}
+    run(main())
+
+
+def _start_hold(*extra: str) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen([*ASYNCRL, "launch", HOLD, *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    line = proc.stdout.readline()
+    if not line:
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"driver failed: {err}")
+    return proc, json.loads(line)
+
+
+def test_ctrl_c_shuts_every_group_down():
+    proc, pids = _start_hold()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert_gone([pids["agent"], *pids["ranks"]])
+
+
+def test_killed_controller_ranks_exit_on_lost_heartbeat():
+    proc, pids = _start_hold("--orphanable")
+    proc.kill()
+    proc.communicate(timeout=10)
+    # torchrun does not die with the controller here: the ranks' watchdog must end them
+    assert_gone(pids["ranks"], timeout=2.0 + 15)
+    assert_gone([pids["agent"]])
+
+
+def asyncio_wait_for(fut, timeout):
+    import asyncio
+    return asyncio.wait_for(asyncio.shield(_awaitable(fut)), timeout)
+
+
+async def _awaitable(fut):
+    return await fut
+
+
+def asyncio_create_task(coro):
+    import asyncio
+    return asyncio.get_running_loop().create_task(coro)
