@@ -73,16 +73,16 @@ def test_rank_socket_drops_hostile_frames():
             group = await ctl.spawn(Adder, nprocs=1)
             pids = group_pids(group)
             rank_io = group.ranks[0].identity
-            router = ctl.channel._sock  # the live ROUTER reaches the rank's live DEALER
-            await router.send_multipart([rank_io, b"garbage"])  # malformed
-            await router.send_multipart([rank_io, b"x" * 40, b"y" * 32])  # bad MAC
+            send = ctl.channel.send_frames  # the live ROUTER reaches the rank's live DEALER
+            send([rank_io, b"garbage"])  # malformed
+            send([rank_io, b"x" * 40, b"y" * 32])  # bad MAC
             forged = Signer(b"1" * 32).sign(b">" + rank_io, messages.encode(messages.Shutdown()))
-            await router.send_multipart([rank_io, *forged])  # a forged Shutdown: bad MAC
+            send([rank_io, *forged])  # a forged Shutdown: bad MAC
             replay = ctl.channel._signer.sign(b">" + rank_io, messages.encode(messages.Heartbeat()))
-            await router.send_multipart([rank_io, *replay])
-            await router.send_multipart([rank_io, *replay])  # replayed
+            send([rank_io, *replay])
+            send([rank_io, *replay])  # replayed
             junk = ctl.channel._signer.sign(b">" + rank_io, b"\xc1 not a message")
-            await router.send_multipart([rank_io, *junk])  # undecodable
+            send([rank_io, *junk])  # undecodable
             await _until(lambda: group.dropped_frames[0] >= 5, "the rank to report drops")
             assert group.dropped_frames[0] == 5
             assert await group.add(1, 1) == [2]  # the forged Shutdown did nothing

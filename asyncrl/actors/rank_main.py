@@ -1,13 +1,15 @@
 """The program every rank runs (torchrun starts it as ``-m asyncrl.actors.rank_main``).
 
-    main thread (I/O)                         exec thread (user code, in order)
-    ─────────────────                         ─────────────────────────────────
-    init torch.distributed, say Hello
-    loop: poll DEALER ── Construct/Call ──▶  queue ──▶ build worker / run call ──▶ Result
-          send Heartbeat every interval       concurrent=True calls: a thread pool, each
-          no controller heartbeat → exit      thread with its own socket to send results
+    main thread: "io" socket                   exec thread: "exec" socket
+    ────────────────────────                   ──────────────────────────
+    init torch.distributed, Hello              Hello
+    Heartbeat out every interval               Construct ──▶ build the worker ──▶ Ready
+    no controller heartbeat → exit             Call ──▶ run (in order) ──▶ Result
+    Shutdown → exit
+    concurrent=True Call ──▶ thread pool (each thread has its own socket for Results)
 
-The I/O thread never runs user code, so heartbeats flow while a call computes for minutes.
+In-order calls reach the thread that runs them without a hand-off between threads, and the
+io thread never runs user code, so heartbeats flow while a call computes for minutes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import asyncio
 import datetime
 import inspect
 import os
-import queue
 import socket
 import sys
 import threading
@@ -34,7 +35,7 @@ from asyncrl.actors.protocols import mesh_coords
 from asyncrl.actors.register import registered_methods
 from asyncrl.actors.worker import construct
 from asyncrl.comm import codec
-from asyncrl.comm.auth import Verifier, read_secret
+from asyncrl.comm.auth import read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.messages import (NONE, Call, Construct, Failure, Heartbeat, Hello, MethodSpec, Ready,
                                    Result, Shutdown)
@@ -49,9 +50,9 @@ def _failure(e: BaseException) -> Failure:
 class _Executor:
     """Runs calls on the thread that owns it, with its own socket and event loop."""
 
-    def __init__(self, rank_main: RankMain, role: str):
+    def __init__(self, rank_main: RankMain, sock: RankSocket):
         self.main = rank_main
-        self.sock = rank_main.socket(role)
+        self.sock = sock
         self.loop = asyncio.new_event_loop()
 
     def run_call(self, call: Call) -> None:
@@ -87,29 +88,31 @@ class RankMain:
         self.hb_interval = float(env.get("ASYNCRL_HB_INTERVAL", "1.0"))
         self.hb_timeout = float(env.get("ASYNCRL_HB_TIMEOUT", "5.0"))
         self.ctx = zmq.Context()
-        self.verifier = Verifier(self.secret)
-        self.io = self.socket("io", self.verifier)
+        self.io = self.socket("io")
+        self.exec = self.socket("exec")  # handed to the exec thread, never used here again
         self.worker: Any = None
         self.methods: dict[str, MethodSpec] = {}
-        self.ready = threading.Event()
-        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.pool: ThreadPoolExecutor | None = None
         self.local = threading.local()
 
-    def socket(self, role: str, verifier: Verifier | None = None) -> RankSocket:
+    def socket(self, role: str) -> RankSocket:
         identity = f"{self.group}/{self.rank}/{role}/{os.getpid()}".encode()
-        return RankSocket(self.ctx, self.address, identity, self.secret, verifier)
+        return RankSocket(self.ctx, self.address, identity, self.secret)
+
+    def hello(self, role: str) -> Hello:
+        return Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
+                     socket.gethostname(), role)
 
     # -- exec thread ----------------------------------------------------------------------
     def exec_loop(self) -> None:
-        ex = _Executor(self, "exec")
+        ex = _Executor(self, self.exec)
+        ex.sock.send(self.hello("exec"))
         while True:
-            item = self.inbox.get()
-            if isinstance(item, Construct):
-                ex.sock.send(self.build(item))
-                self.ready.set()
-            else:
-                ex.run_call(item)
+            msg = ex.sock.recv(-1)
+            if isinstance(msg, Call):
+                ex.run_call(msg)
+            elif isinstance(msg, Construct):
+                ex.sock.send(self.build(msg))
 
     def build(self, msg: Construct) -> Ready:
         mesh = dict(msg.mesh)
@@ -127,22 +130,18 @@ class RankMain:
     def run_concurrent(self, call: Call) -> None:
         ex = getattr(self.local, "executor", None)
         if ex is None:
-            ex = self.local.executor = _Executor(self, f"c{threading.get_ident()}")
+            ex = self.local.executor = _Executor(self, self.socket(f"c{threading.get_ident()}"))
         ex.run_call(call)
 
     # -- I/O thread -----------------------------------------------------------------------
-    def route(self, call: Call) -> None:
-        spec = self.methods.get(call.method)
-        if spec is not None and spec.concurrent:
-            if self.pool is None:
-                self.pool = ThreadPoolExecutor(4, thread_name_prefix="asyncrl-concurrent")
-            self.pool.submit(self.run_concurrent, call)
-        else:
-            self.inbox.put(call)
+    def run_beside(self, call: Call) -> None:
+        """A concurrent=True call: run it on the pool, beside the in-order calls."""
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(4, thread_name_prefix="asyncrl-concurrent")
+        self.pool.submit(self.run_concurrent, call)
 
     def serve(self) -> int:
-        self.io.send(Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
-                           socket.gethostname()))
+        self.io.send(self.hello("io"))
         threading.Thread(target=self.exec_loop, name="asyncrl-exec", daemon=True).start()
         interval_ms = max(1, int(self.hb_interval * 1000))
         last_heard = next_beat = time.monotonic()
@@ -152,13 +151,11 @@ class RankMain:
             if msg is not None:
                 last_heard = now
                 if isinstance(msg, Call):
-                    self.route(msg)
-                elif isinstance(msg, Construct):
-                    self.inbox.put(msg)
+                    self.run_beside(msg)
                 elif isinstance(msg, Shutdown):
                     return 0
             if now >= next_beat:
-                self.io.send(Heartbeat(dropped=self.io.dropped))
+                self.io.send(Heartbeat(dropped=self.io.dropped + self.exec.dropped))
                 next_beat = now + interval_ms / 1000
             if now - last_heard > self.hb_timeout:
                 print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the controller for "

@@ -6,51 +6,73 @@ not decode is dropped and counted, never raised.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from asyncrl.comm import messages
 from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.messages import Message
 
-CONTROLLER_ROUTE = b"controller"
+_POLLIN = int(zmq.POLLIN)
 
 
 class ControllerChannel:
-    """The controller's ROUTER. One reader task owns receiving (`serve`)."""
+    """The controller's ROUTER, driven by the event loop's reader callback.
+
+    A plain socket and ``loop.add_reader`` rather than zmq.asyncio: that wrapper costs more
+    per message than the rest of a call. ZeroMQ's descriptor is edge-triggered, so every
+    operation on the socket is followed by a check for messages already queued."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1"):
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a control message silently
+        self._sock.setsockopt(zmq.RCVHWM, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._signer = Signer(secret)
         self._verifier = Verifier(secret)
+        self._handle: Callable[[bytes, Message], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
 
     @property
     def dropped(self) -> dict[str, int]:
         return dict(self._verifier.dropped)
 
+    def start(self, handle: Callable[[bytes, Message], None]) -> None:
+        """Call ``handle(identity, message)`` on the running loop for every valid frame."""
+        self._handle = handle
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._wake()
+
     def send(self, identity: bytes, msg: Message) -> None:
         """Queue a message for one rank socket, in order; never blocks the loop."""
-        frames = self._signer.sign(b">" + identity, messages.encode(msg))
-        self._sock.send_multipart([identity, *frames], copy=False)
+        self.send_frames([identity, *self._signer.sign(b">" + identity, messages.encode(msg))])
 
-    async def serve(self, handle: Callable[[bytes, Message], None]) -> None:
-        """Receive forever, calling ``handle(identity, message)`` for every valid frame."""
-        sock = self._sock
-        while True:
-            frames = await sock.recv_multipart()
-            while True:  # drain what is already queued before awaiting again
-                self._dispatch(frames, handle)
-                ready = sock.recv_multipart(zmq.NOBLOCK)  # a future that is already done
-                if ready.exception() is not None:
-                    break
-                frames = ready.result()
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Send raw frames (already signed, or deliberately not: tests use it)."""
+        self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._scheduled and self._loop is not None and \
+                self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        sock, handle = self._sock, self._handle
+        assert handle is not None
+        while sock.getsockopt(zmq.EVENTS) & _POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            self._dispatch(frames, handle)
 
     def _dispatch(self, frames: list[bytes], handle: Callable[[bytes, Message], None]) -> None:
         if len(frames) < 2:
@@ -68,6 +90,8 @@ class ControllerChannel:
         handle(identity, msg)
 
     def close(self) -> None:
+        if self._loop is not None and not self._sock.closed:
+            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -85,6 +109,7 @@ class RankSocket:
         self._signer = Signer(secret)
         self._verifier = verifier or Verifier(secret)
         self._route = b">" + identity
+        self._timeout = -1
 
     @property
     def dropped(self) -> int:
@@ -96,9 +121,13 @@ class RankSocket:
 
     def recv(self, timeout_ms: int) -> Message | None:
         """The next valid message, or None when `timeout_ms` passed (invalid ones dropped)."""
-        if not self._sock.poll(timeout_ms):
+        if self._timeout != timeout_ms:
+            self._sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._timeout = timeout_ms
+        try:
+            frames = self._sock.recv_multipart()
+        except zmq.Again:
             return None
-        frames = self._sock.recv_multipart()
         body = self._verifier.verify(self._route, frames)
         if body is None:
             return None

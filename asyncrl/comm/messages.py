@@ -25,7 +25,9 @@ class Failure(msgspec.Struct, frozen=True):
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
-    """rank -> controller, right after torch.distributed is initialised."""
+    """rank -> controller, right after torch.distributed is initialised, once from each of
+    the rank's sockets: "io" (heartbeats, concurrent calls, shutdown) and "exec" (in-order
+    calls). A ROUTER can only reach a socket it has heard from."""
 
     group: str
     rank: int
@@ -33,6 +35,7 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     local_rank: int
     pid: int
     host: str
+    role: str
 
 
 class Construct(msgspec.Struct, tag=True, array_like=True):

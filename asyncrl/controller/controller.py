@@ -117,8 +117,8 @@ class Controller:
         secret = new_secret()
         write_secret(str(self.secret_file), secret)
         self.channel = ControllerChannel(secret, self.host)
-        self._tasks = [self.loop.create_task(self.channel.serve(self._on_message)),
-                       self.loop.create_task(self._supervise())]
+        self.channel.start(self._on_message)
+        self._tasks = [self.loop.create_task(self._supervise())]
 
     async def close(self) -> None:
         """Shut every group down (killing what does not exit in time) and stop the plane."""
@@ -254,13 +254,22 @@ class Controller:
             self._on_ready(group, msg)
 
     def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello) -> None:
-        if msg.world_size != group.nprocs or msg.rank in group.ranks:
+        if msg.world_size != group.nprocs or not 0 <= msg.rank < group.nprocs:
             return
-        group.ranks[msg.rank] = RankInfo(identity, msg.pid, msg.host, time.monotonic())
-        group.agent.rank_pids[msg.rank] = msg.pid
-        self.channel.send(identity, group._construct)  # type: ignore[attr-defined]
-        if len(group.ranks) == group.nprocs and not group.started.done():
-            group.started.set_result(None)
+        info = group.ranks.get(msg.rank)
+        if info is None:
+            info = group.ranks[msg.rank] = RankInfo(msg.pid, msg.host, time.monotonic())
+            group.agent.rank_pids[msg.rank] = msg.pid
+        if msg.role == "io":
+            info.identity = identity
+        elif msg.role == "exec":
+            info.exec_identity = identity
+        if info.identity and info.exec_identity and not info.constructing:
+            info.constructing = True
+            self.channel.send(info.exec_identity, group._construct)  # type: ignore[attr-defined]
+            if not group.started.done() and len(group.ranks) == group.nprocs and \
+                    all(i.constructing for i in group.ranks.values()):
+                group.started.set_result(None)
 
     def _on_ready(self, group: GroupHandle, msg: Ready) -> None:
         info = group.ranks.get(msg.rank)
@@ -297,7 +306,8 @@ class Controller:
                 if group.closing or group.dead is not None:
                     continue
                 for rank, info in list(group.ranks.items()):
-                    self.channel.send(info.identity, beat)
+                    if info.identity:
+                        self.channel.send(info.identity, beat)
                     if not pid_alive(info.pid):
                         self.loop.create_task(self._rank_gone(group, rank))
                     elif now - info.last_seen > self.heartbeat_timeout:
@@ -321,7 +331,8 @@ class Controller:
         group.closing = True
         group._fail_all(ClosedError(f"group {group.name!r} was shut down"))
         for info in group.ranks.values():
-            self.channel.send(info.identity, Shutdown())
+            if info.identity:
+                self.channel.send(info.identity, Shutdown())
         agent = group.agent
         grace = self.shutdown_grace if grace is None else grace
         if agent.proc is not None and grace > 0:

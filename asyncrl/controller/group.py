@@ -37,11 +37,13 @@ _call_ids = itertools.count(1)
 
 @dataclass
 class RankInfo:
-    identity: bytes
     pid: int
     host: str
     last_seen: float
+    identity: bytes = b""  # the rank's "io" socket: heartbeats, concurrent calls, shutdown
+    exec_identity: bytes = b""  # its "exec" socket: construction and in-order calls
     dropped: int = 0
+    constructing: bool = False
     ready: bool = False
 
 
@@ -209,12 +211,14 @@ class GroupHandle:
                                       f"{self.name}.{item.method}(): {e.cause}") from None
         call_id = next(_call_ids)
         collect = set(split.collect)
+        concurrent = self.methods[item.method].concurrent
         self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
                                           split.state, set(split.calls), collect)
         self._ctl._calls[call_id] = self
         for rank, (args, kwargs) in split.calls.items():
             payload = payloads[(id(args), id(kwargs))]
-            self._ctl.channel.send(self.ranks[rank].identity,
+            info = self.ranks[rank]
+            self._ctl.channel.send(info.identity if concurrent else info.exec_identity,
                                    Call(call_id, item.method, payload, rank in collect))
 
     def _names(self, method: str) -> list[str]:
