@@ -10,8 +10,15 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.runner import run
-from asyncrl.errors import (AsyncRLError, ClosedError, EncodeError, GroupDeadError, RemoteError,
-                            SpawnError, SpawnTimeout)
+from asyncrl.errors import (
+                            AsyncRLError,
+                            ClosedError,
+                            EncodeError,
+                            GroupDeadError,
+                            RemoteError,
+                            SpawnError,
+                            SpawnTimeout,
+)
 from asyncrl.futures.future import DistFuture
 
 __version__ = "0.1.0"

@@ -31,7 +31,6 @@ import zmq.asyncio
 import asyncrl
 
 
-
 class BenchWorker(asyncrl.Worker):
     @asyncrl.register
     def noop(self) -> None:

@@ -5,7 +5,8 @@
     prompts ──▶ sampler (2 ranks, DP) ──▶ scorer (1 rank) ──▶ mean reward (all-reduce)
 
 The sampler's ranks each get half the prompts and sample "responses" from a tiny random
-policy; the scorer rewards responses by how often they contain token 4. A collective runs inside a method
+policy; the scorer rewards responses by how often they contain token 4. A collective runs
+inside a method
 (all-reduce across the sampler's ranks), so calls must reach every rank in the same order.
 """
 
@@ -61,7 +62,7 @@ async def main() -> None:
         rewards = scorer.score(responses)  # the future is an argument
         batch, rewards = await responses, await rewards
         for p, r, tok, w in zip(batch["prompt"].tolist(), batch["rank"], batch["tokens"],
-                                rewards):
+                                rewards, strict=True):
             print(f"prompt {p} (rank {r}): {tok.tolist()} reward {w:.3f}")
         means = await sampler.mean(sum(rewards) / len(rewards))
         print(f"mean reward, all-reduced on both sampler ranks: {means}")

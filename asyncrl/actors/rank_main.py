@@ -37,8 +37,18 @@ from asyncrl.actors.worker import construct
 from asyncrl.comm import codec
 from asyncrl.comm.auth import read_secret
 from asyncrl.comm.channel import RankSocket
-from asyncrl.comm.messages import (NONE, Call, Construct, Failure, Heartbeat, Hello, MethodSpec, Ready,
-                                   Result, Shutdown)
+from asyncrl.comm.messages import (
+    NONE,
+    Call,
+    Construct,
+    Failure,
+    Heartbeat,
+    Hello,
+    MethodSpec,
+    Ready,
+    Result,
+    Shutdown,
+)
 
 EXIT_CONTROLLER_LOST = 75
 

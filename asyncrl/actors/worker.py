@@ -51,5 +51,5 @@ def construct(cls: type, args: list, kwargs: dict[str, Any], attrs: dict[str, An
     obj = cls.__new__(cls)
     for name, value in attrs.items():
         setattr(obj, name, value)
-    obj.__init__(*args, **kwargs)
+    cls.__init__(obj, *args, **kwargs)
     return obj

@@ -113,8 +113,9 @@ class TensorBatch:
         data: dict[str, Column] = {}
         for k in keys:
             cols = [b._data[k] for b in batches]
-            if all(isinstance(c, torch.Tensor) for c in cols):
-                data[k] = torch.cat(cols, dim=0)
+            tensors = [c for c in cols if isinstance(c, torch.Tensor)]
+            if len(tensors) == len(cols):
+                data[k] = torch.cat(tensors, dim=0)
             elif all(isinstance(c, list) for c in cols):
                 data[k] = [x for c in cols for x in c]
             else:

@@ -7,6 +7,7 @@ not decode is dropped and counted, never raised.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import msgspec
@@ -16,6 +17,7 @@ from asyncrl.comm import messages
 from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.messages import Message
 
+log = logging.getLogger("asyncrl")
 _POLLIN = int(zmq.POLLIN)
 
 
@@ -34,6 +36,7 @@ class ControllerChannel:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self._fd = int(self._sock.getsockopt(zmq.FD))
         self._signer = Signer(secret)
         self._verifier = Verifier(secret)
         self._handle: Callable[[bytes, Message], None] | None = None
@@ -48,7 +51,7 @@ class ControllerChannel:
         """Call ``handle(identity, message)`` on the running loop for every valid frame."""
         self._handle = handle
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._loop.add_reader(self._fd, self._drain)
         self._wake()
 
     def send(self, identity: bytes, msg: Message) -> None:
@@ -62,7 +65,7 @@ class ControllerChannel:
 
     def _wake(self) -> None:
         if not self._scheduled and self._loop is not None and \
-                self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                int(self._sock.getsockopt(zmq.EVENTS)) & _POLLIN:
             self._scheduled = True
             self._loop.call_soon(self._drain)
 
@@ -70,7 +73,7 @@ class ControllerChannel:
         self._scheduled = False
         sock, handle = self._sock, self._handle
         assert handle is not None
-        while sock.getsockopt(zmq.EVENTS) & _POLLIN:
+        while int(sock.getsockopt(zmq.EVENTS)) & _POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             self._dispatch(frames, handle)
 
@@ -87,11 +90,14 @@ class ControllerChannel:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._verifier.dropped["undecodable"] += 1
             return
-        handle(identity, msg)
+        try:
+            handle(identity, msg)
+        except Exception:  # a bug in one handler must not stop the control plane
+            log.exception("asyncrl: handling %s from %r failed", type(msg).__name__, identity)
 
     def close(self) -> None:
         if self._loop is not None and not self._sock.closed:
-            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+            self._loop.remove_reader(self._fd)
         self._sock.close(linger=0)
         self._ctx.term()
 

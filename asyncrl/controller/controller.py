@@ -11,10 +11,13 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -29,14 +32,20 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm import codec
 from asyncrl.comm.auth import new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
-from asyncrl.comm.messages import (Construct, Heartbeat, Hello, Message, Ready, Result,
-                                   Shutdown)
+from asyncrl.comm.messages import Construct, Heartbeat, Hello, Message, Ready, Result, Shutdown
 from asyncrl.comm.refs import make_ref
 from asyncrl.controller.group import GroupHandle, RankInfo
 from asyncrl.controller.launcher import Agent, kill_pids, pid_alive, rank_env
-from asyncrl.errors import (ClosedError, EncodeError, GroupDeadError, RemoteError, SpawnError,
-                            SpawnTimeout)
+from asyncrl.errors import (
+    ClosedError,
+    EncodeError,
+    GroupDeadError,
+    RemoteError,
+    SpawnError,
+    SpawnTimeout,
+)
 
+log = logging.getLogger("asyncrl")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -169,11 +178,15 @@ class Controller:
         agent = Agent(name, nprocs, rank_env(dict(os.environ), extra),
                       self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
         group = GroupHandle(self, name, worker_cls, layout, agent)
-        group._construct = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh))  # type: ignore
+        group.construct_msg = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh))
         self.groups[name] = group
         self._reaper.agents.append(agent)
         loop = self.loop
-        agent.start(lambda code: loop.call_soon_threadsafe(self._on_agent_exit, group, code))
+
+        def exited(code: int) -> None:  # on the agent's watcher thread
+            loop.call_soon_threadsafe(self._on_agent_exit, group, code)
+
+        agent.start(exited)
         try:
             await self._wait(group, group.started, self.startup_timeout, "say hello")
             await self._wait(group, group.ready, self.construct_timeout,
@@ -266,7 +279,8 @@ class Controller:
             info.exec_identity = identity
         if info.identity and info.exec_identity and not info.constructing:
             info.constructing = True
-            self.channel.send(info.exec_identity, group._construct)  # type: ignore[attr-defined]
+            assert group.construct_msg is not None
+            self.channel.send(info.exec_identity, group.construct_msg)
             if not group.started.done() and len(group.ranks) == group.nprocs and \
                     all(i.constructing for i in group.ranks.values()):
                 group.started.set_result(None)
@@ -298,23 +312,28 @@ class Controller:
         group.agent.signal_all(signal.SIGKILL)  # leave nothing behind
 
     async def _supervise(self) -> None:
-        beat = Heartbeat()
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            now = time.monotonic()
-            for group in list(self.groups.values()):
-                if group.closing or group.dead is not None:
-                    continue
-                for rank, info in list(group.ranks.items()):
-                    if info.identity:
-                        self.channel.send(info.identity, beat)
-                    if not pid_alive(info.pid):
-                        self.loop.create_task(self._rank_gone(group, rank))
-                    elif now - info.last_seen > self.heartbeat_timeout:
-                        group._mark_dead(rank, None, f"no heartbeat for "
-                                         f"{now - info.last_seen:.1f} s (heartbeat_timeout="
-                                         f"{self.heartbeat_timeout} s)")
-                        group.agent.signal_all(signal.SIGKILL)
+            try:
+                self._check_ranks()
+            except Exception:  # a bug here must not stop the heartbeats
+                log.exception("asyncrl supervisor: checking the ranks failed")
+
+    def _check_ranks(self) -> None:
+        beat, now, here = Heartbeat(), time.monotonic(), socket.gethostname()
+        for group in list(self.groups.values()):
+            if group.closing or group.dead is not None:
+                continue
+            for rank, info in list(group.ranks.items()):
+                if info.identity:
+                    self.channel.send(info.identity, beat)
+                if info.host == here and not info.gone and not pid_alive(info.pid):
+                    info.gone = True
+                    self.loop.create_task(self._rank_gone(group, rank))
+                elif now - info.last_seen > self.heartbeat_timeout:
+                    group._mark_dead(rank, None, f"no heartbeat for {now - info.last_seen:.1f} s "
+                                     f"(heartbeat_timeout={self.heartbeat_timeout} s)")
+                    group.agent.signal_all(signal.SIGKILL)
 
     async def _rank_gone(self, group: GroupHandle, rank: int) -> None:
         """A rank's process is gone: give torchrun a moment to report why, then declare."""
@@ -347,9 +366,7 @@ class Controller:
 
 
 def _init_params(cls: type) -> list[str]:
-    import inspect
-
     try:
-        return list(inspect.signature(cls.__init__).parameters)[1:]
+        return list(inspect.signature(cls).parameters)
     except (TypeError, ValueError):
         return []

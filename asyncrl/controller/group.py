@@ -24,7 +24,7 @@ import msgspec
 
 from asyncrl.actors.protocols import Layout, Protocol, get_protocol
 from asyncrl.comm import codec
-from asyncrl.comm.messages import Call, Failure, MethodSpec
+from asyncrl.comm.messages import Call, Construct, Failure, MethodSpec
 from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError
 from asyncrl.futures.future import DistFuture
 
@@ -45,6 +45,7 @@ class RankInfo:
     dropped: int = 0
     constructing: bool = False
     ready: bool = False
+    gone: bool = False  # its process was found dead
 
 
 @dataclass
@@ -90,6 +91,7 @@ class GroupHandle:
         self.layout = layout
         self.agent = agent
         self.methods: dict[str, MethodSpec] = {}
+        self.construct_msg: Construct | None = None  # what each rank is sent to build
         self.ranks: dict[int, RankInfo] = {}
         self._pending: dict[int, _Pending] = {}
         self._backlog: deque[_Queued] = deque()

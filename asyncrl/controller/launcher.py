@@ -50,7 +50,7 @@ def pid_alive(pid: int) -> bool:
 
 def child_pids(pid: int) -> list[int]:
     """Direct children of `pid`, read from /proc (empty where /proc is missing)."""
-    out = []
+    out: list[int] = []
     try:
         entries = os.listdir("/proc")
     except OSError:

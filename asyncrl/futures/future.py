@@ -14,6 +14,9 @@ from typing import Any
 
 class DistFuture:
     __slots__ = ("_fut", "_loop", "_label", "__weakref__")
+    _fut: asyncio.Future[Any]
+    _loop: asyncio.AbstractEventLoop
+    _label: str
 
     def __init__(self, *args: Any, **kwargs: Any):
         raise TypeError("DistFuture has no public constructor; group method calls return them")
