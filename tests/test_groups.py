@@ -94,6 +94,11 @@ class Echo(asyncrl.Worker):
         return True
 
     @asyncrl.register
+    def mesh_sizes(self):
+        mesh = self.device_mesh  # built collectively on first use
+        return {name: mesh[name].size() for name in self.mesh}
+
+    @asyncrl.register
     def record(self, value):
         self.log.append(value)
         return list(self.log)
@@ -183,6 +188,7 @@ def test_dp_replicas_on_2x2_mesh(grid):
     out = get(grid.double(TensorBatch({"x": torch.arange(7)})))
     assert out["x"].tolist() == [0, 2, 4, 6, 8, 10, 12]
     assert out["dp"] == [0, 0, 0, 0, 1, 1, 1]
+    assert get(grid.mesh_sizes()) == [{"dp": 2, "tp": 2}] * 4
     hist = get(grid.history())
     # tp replicas of a dp rank get the same chunk: 4 rows each (dp 1 padded 3 -> 4)
     assert [h[-1] for h in hist] == [["double", 4]] * 4

@@ -60,23 +60,24 @@ class Verifier:
         self._secret = secret
         self._last_seq: dict[bytes, int] = {}
         self.dropped: Counter[str] = Counter()
+        self.total_dropped = 0  # an int, safe to read from another thread
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        self.total_dropped += 1
 
     def verify(self, route: bytes, frames: list[bytes]) -> memoryview | None:
         """Return the message bytes of a valid frame from ``route``, or None (dropped)."""
         if len(frames) != 2 or len(frames[0]) < _SEQ.size:
-            self.dropped["malformed"] += 1
+            self.drop("malformed")
             return None
         body, mac = frames
         if not hmac.compare_digest(hmac.digest(self._secret, route + body, "sha256"), mac):
-            self.dropped["bad_mac"] += 1
+            self.drop("bad_mac")
             return None
         (seq,) = _SEQ.unpack_from(body)
         if seq <= self._last_seq.get(route, 0):
-            self.dropped["replay"] += 1
+            self.drop("replay")
             return None
         self._last_seq[route] = seq
         return memoryview(body)[_SEQ.size:]
-
-    @property
-    def total_dropped(self) -> int:
-        return sum(self.dropped.values())

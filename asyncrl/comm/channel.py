@@ -79,7 +79,7 @@ class ControllerChannel:
 
     def _dispatch(self, frames: list[bytes], handle: Callable[[bytes, Message], None]) -> None:
         if len(frames) < 2:
-            self._verifier.dropped["malformed"] += 1
+            self._verifier.drop("malformed")
             return
         identity = frames[0]
         body = self._verifier.verify(identity, frames[1:])
@@ -88,7 +88,7 @@ class ControllerChannel:
         try:
             msg = messages.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self._verifier.dropped["undecodable"] += 1
+            self._verifier.drop("undecodable")
             return
         try:
             handle(identity, msg)
@@ -140,7 +140,7 @@ class RankSocket:
         try:
             return messages.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self._verifier.dropped["undecodable"] += 1
+            self._verifier.drop("undecodable")
             return None
 
     def close(self) -> None:
