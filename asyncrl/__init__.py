@@ -11,13 +11,14 @@ from asyncrl.controller.controller import Controller
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.runner import run
 from asyncrl.errors import (
-                            AsyncRLError,
-                            ClosedError,
-                            EncodeError,
-                            GroupDeadError,
-                            RemoteError,
-                            SpawnError,
-                            SpawnTimeout,
+    AsyncRLError,
+    ClosedError,
+    EncodeError,
+    GroupDeadError,
+    RemoteError,
+    SpawnError,
+    SpawnTimeout,
+    TransferTimeout,
 )
 from asyncrl.futures.future import DistFuture
 
@@ -38,6 +39,7 @@ __all__ = [
     "SpawnTimeout",
     "Split",
     "TensorBatch",
+    "TransferTimeout",
     "Worker",
     "register",
     "register_protocol",

@@ -56,3 +56,7 @@ class ClosedError(AsyncRLError):
 class EncodeError(AsyncRLError, TypeError):
     """An argument or result cannot cross the wire (nothing is ever pickled)."""
 
+
+
+class TransferTimeout(AsyncRLError, TimeoutError):
+    """A data-plane peer did not answer in time; the message names the peer and operation."""

@@ -24,7 +24,8 @@ def test_public_api_is_the_facade():
     assert sorted(asyncrl.__all__) == sorted([
         "AsyncRLError", "ClosedError", "Controller", "Dispatch", "DistFuture", "EncodeError",
         "GroupDeadError", "GroupHandle", "Layout", "RemoteError", "SpawnError", "SpawnTimeout",
-        "Split", "TensorBatch", "Worker", "register", "register_protocol", "run"])
+        "Split", "TensorBatch", "TransferTimeout", "Worker", "register", "register_protocol",
+        "run"])
     for name in asyncrl.__all__:
         assert getattr(asyncrl, name) is not None
 

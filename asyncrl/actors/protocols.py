@@ -16,10 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.batch import RowOps
 
 DP_AXIS = "dp"
-PAD_KEY = "dp_pad"  # meta key: how many trailing rows of a DP chunk are padding
 
 
 class Dispatch(str, enum.Enum):
@@ -150,19 +149,11 @@ class _DPState:
     batched: bool  # whether any argument was a TensorBatch
 
 
-def _pad(chunk: TensorBatch, rows: int, filler: TensorBatch) -> TensorBatch:
-    missing = rows - len(chunk)
-    if missing == 0:
-        return chunk
-    src = chunk if len(chunk) else filler
-    padded = TensorBatch.concat([chunk, src.take([len(src) - 1] * missing)])
-    padded.meta[PAD_KEY] = missing
-    return padded
-
-
 def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
+    """Batches (local TensorBatch or RemoteBatch: the same row operations) are chunked with
+    padding; every other argument is broadcast."""
     dp = layout.dp_size
-    batches = [a for a in (*args, *kwargs.values()) if isinstance(a, TensorBatch)]
+    batches = [a for a in (*args, *kwargs.values()) if isinstance(a, RowOps)]
     lengths = {len(b) for b in batches}
     if len(lengths) > 1:
         raise ValueError(f"DP call on group {layout.group!r}: TensorBatch arguments have "
@@ -170,17 +161,17 @@ def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
                          f"they must have the same number of rows")
     rows = max(lengths, default=0)
     per_chunk = -(-rows // dp)
-    chunk_cache: dict[int, list[TensorBatch]] = {}
+    chunk_cache: dict[int, list[Any]] = {}
 
-    def chunks_of(b: TensorBatch) -> list[TensorBatch]:
+    def chunks_of(b: RowOps) -> list[Any]:
         if id(b) not in chunk_cache:
-            chunk_cache[id(b)] = [_pad(c, per_chunk, b) for c in b.chunk(dp)]
+            chunk_cache[id(b)] = b.chunk(dp, pad=True)
         return chunk_cache[id(b)]
 
     per_dp = []
     for d in range(dp):
-        a = tuple(chunks_of(x)[d] if isinstance(x, TensorBatch) else x for x in args)
-        k = {n: chunks_of(v)[d] if isinstance(v, TensorBatch) else v for n, v in kwargs.items()}
+        a = tuple(chunks_of(x)[d] if isinstance(x, RowOps) else x for x in args)
+        k = {n: chunks_of(v)[d] if isinstance(v, RowOps) else v for n, v in kwargs.items()}
         per_dp.append((a, k))
     base, extra = divmod(rows, dp)
     real = [base + (d < extra) for d in range(dp)]
@@ -193,7 +184,7 @@ def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
 
 def _dp_collect(layout: Layout, results: dict[int, Any], state: _DPState) -> Any:
     ordered = [results[r] for r in sorted(results, key=layout.dp_rank)]
-    if not ordered or not all(isinstance(x, TensorBatch) for x in ordered):
+    if not ordered or not all(isinstance(x, RowOps) for x in ordered):
         return ordered
     kept = []
     for d, out in enumerate(ordered):
@@ -206,7 +197,7 @@ def _dp_collect(layout: Layout, results: dict[int, Any], state: _DPState) -> Any
                     f"dropped when a method returns the same number of rows per input row")
             out = out.slice(0, len(out) - pad * (len(out) // sent))
         kept.append(out)
-    return TensorBatch.concat(kept)
+    return type(kept[0]).concat(kept)
 
 
 for _p in (Protocol(Dispatch.ONE_TO_ALL.value, _one_to_all_split, _by_rank, True),

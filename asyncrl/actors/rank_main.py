@@ -37,20 +37,27 @@ from asyncrl.actors.worker import construct
 from asyncrl.comm import codec
 from asyncrl.comm.auth import read_secret
 from asyncrl.comm.channel import RankSocket
+from asyncrl.comm.dataplane import SHM_PREFIX, DataClient, DataServer
 from asyncrl.comm.messages import (
     NONE,
     Call,
     Construct,
     Failure,
+    Fetch,
+    Fetched,
     Heartbeat,
     Hello,
     MethodSpec,
     Ready,
+    Release,
     Result,
     Shutdown,
 )
+from asyncrl.comm.shm import SegmentPool
+from asyncrl.futures.store import ObjectStore, schema_of
 
 EXIT_CONTROLLER_LOST = 75
+INLINE_LIMIT = 64 * 1024  # results up to this size also travel with their Result
 
 
 def _failure(e: BaseException) -> Failure:
@@ -58,29 +65,26 @@ def _failure(e: BaseException) -> Failure:
 
 
 class _Executor:
-    """Runs calls on the thread that owns it, with its own socket and event loop."""
+    """Runs calls on the thread that owns it, with its own socket, event loop and data-plane
+    client (inputs that live on other ranks are pulled before the method runs)."""
 
     def __init__(self, rank_main: RankMain, sock: RankSocket):
         self.main = rank_main
         self.sock = sock
         self.loop = asyncio.new_event_loop()
+        self.data = rank_main.data_client(sock.identity.decode())
 
     def run_call(self, call: Call) -> None:
         main = self.main
         try:
             fn = getattr(main.worker, call.method)
             args, kwargs = codec.decode_call(call.payload)
+            args, kwargs = self.data.materialize(args), self.data.materialize(kwargs)
             value = fn(*args, **kwargs)
+            del args, kwargs  # pulled inputs go back to their pool as soon as possible
             if inspect.isawaitable(value):
                 value = self.loop.run_until_complete(value)
-            raw = NONE
-            if call.collect:
-                try:
-                    raw = msgspec.Raw(codec.encode(value))
-                except (TypeError, ValueError) as e:
-                    raise TypeError(f"{call.method} returned a value that cannot be sent: {e}") \
-                        from e
-            result = Result(call.call_id, main.rank, value=raw)
+            result = main.keep(call, value) if call.collect else Result(call.call_id, main.rank)
         except BaseException as e:  # noqa: BLE001 - user code: every failure goes back
             result = Result(call.call_id, main.rank, error=_failure(e))
         self.sock.send(result)
@@ -98,8 +102,16 @@ class RankMain:
         self.hb_interval = float(env.get("ASYNCRL_HB_INTERVAL", "1.0"))
         self.hb_timeout = float(env.get("ASYNCRL_HB_TIMEOUT", "5.0"))
         self.ctx = zmq.Context()
+        self.transfer_timeout = float(env.get("ASYNCRL_TRANSFER_TIMEOUT", "60"))
+        self.transport = env.get("ASYNCRL_TRANSPORT", "auto")
+        self.host = socket.gethostname()
         self.io = self.socket("io")
         self.exec = self.socket("exec")  # handed to the exec thread, never used here again
+        self.store = ObjectStore()
+        self.segments = SegmentPool(f"{SHM_PREFIX}{env.get('ASYNCRL_RUN_ID', os.getpid())}-"
+                                f"{self.group}-{self.rank}")
+        self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
+                               self.secret, self.store.get, f"{self.group}:{self.rank}")
         self.worker: Any = None
         self.methods: dict[str, MethodSpec] = {}
         self.pool: ThreadPoolExecutor | None = None
@@ -111,7 +123,35 @@ class RankMain:
 
     def hello(self, role: str) -> Hello:
         return Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
-                     socket.gethostname(), role)
+                     self.host, role, self.data.address)
+
+    def data_client(self, identity: str) -> DataClient:
+        return DataClient(self.ctx, self.secret, identity, self.host, self.segments,
+                          self.transfer_timeout, self.transport)
+
+    def keep(self, call: Call, value: Any) -> Result:
+        """Keep a result in the object store (it may be passed to another group) and send
+        the controller its schema, with the value itself when it is small."""
+        if value is None:
+            return Result(call.call_id, self.rank)
+        schema = schema_of(value)
+        raw, inline = NONE, schema.nbytes <= INLINE_LIMIT
+        if inline:
+            try:
+                raw = msgspec.Raw(codec.encode(value))
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"{call.method} returned a value that cannot be sent: {e}") \
+                    from e
+        self.store.put(call.call_id, value, schema.nbytes)
+        return Result(call.call_id, self.rank, value=raw, schema=schema, inline=inline)
+
+    def fetched(self, obj_id: int) -> Fetched:
+        try:
+            return Fetched(obj_id, self.rank, value=msgspec.Raw(codec.encode(
+                self.store.get(obj_id))))
+        except KeyError:
+            return Fetched(obj_id, self.rank, error=f"object {obj_id} is not held by "
+                                                    f"{self.group}:{self.rank}")
 
     # -- exec thread ----------------------------------------------------------------------
     def exec_loop(self) -> None:
@@ -162,10 +202,15 @@ class RankMain:
                 last_heard = now
                 if isinstance(msg, Call):
                     self.run_beside(msg)
+                elif isinstance(msg, Release):
+                    self.store.free(msg.obj_ids)
+                elif isinstance(msg, Fetch):
+                    self.io.send(self.fetched(msg.obj_id))
                 elif isinstance(msg, Shutdown):
                     return 0
             if now >= next_beat:
-                self.io.send(Heartbeat(dropped=self.io.dropped + self.exec.dropped))
+                self.io.send(Heartbeat(self.io.dropped + self.exec.dropped + self.data.dropped,
+                                       len(self.store), self.store.nbytes))
                 next_beat = now + interval_ms / 1000
             if now - last_heard > self.hb_timeout:
                 print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the controller for "

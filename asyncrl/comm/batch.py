@@ -3,19 +3,100 @@
 Named columns that share dim 0: tensors, or lists of msgspec-encodable values (strings,
 numbers, lists), plus a small `meta` dict. Never pickled: `comm.codec` sends it as a header
 plus raw tensor buffers.
+
+Row operations (`chunk`, `split`, `repeat`) live in `RowOps` and use only `len`, `slice`,
+`take`, `concat` and `meta`, so another container with those primitives can reuse them.
+Every method that returns a batch gives it its own `meta` dict.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from typing import Self
+
 Column = torch.Tensor | list
 
+PAD_KEY = "dp_pad"  # meta key: how many trailing rows of a padded chunk are padding
 
-class TensorBatch:
+
+def _count(method: str, name: str, value: Any) -> int:
+    """`value` as an int >= 1, or an error naming the method and argument."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{method}({name}) needs an int, got {type(value).__name__}") from None
+    if n < 1:
+        raise ValueError(f"{method}({name}) needs {name} >= 1, got {n}")
+    return n
+
+
+class RowOps:
+    """Row operations written only with `len(self)`, `slice`, `take`, `concat` and `meta`."""
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:  # the primitives a subclass provides
+        meta: dict[str, Any]
+
+        def __len__(self) -> int: ...
+        def slice(self, start: int, stop: int) -> Self: ...
+        def take(self, rows: Sequence[int]) -> Self: ...
+        @classmethod
+        def concat(cls, batches: Sequence[Self]) -> Self: ...
+
+    def chunk(self, n: int, pad: bool = False) -> list[Self]:
+        """Exactly `n` near-equal chunks in row order; the first len % n get one row more.
+
+        With `pad=True` every chunk has ceil(len / n) rows (so data-parallel ranks run the same
+        number of steps): a short chunk repeats its last row (an empty one, the batch's last row)
+        and records the number of trailing padding rows in `meta[PAD_KEY]`.
+        """
+        n = _count("chunk", "n", n)
+        base, extra = divmod(len(self), n)
+        out, start = [], 0
+        for i in range(n):
+            stop = start + base + (1 if i < extra else 0)
+            out.append(self.slice(start, stop))
+            start = stop
+        if pad and len(self):  # an empty batch has no row to repeat: n empty chunks
+            rows = base + (1 if extra else 0)
+            out = [self._pad(c, rows) for c in out]
+        return out
+
+    def _pad(self, chunk: Self, rows: int) -> Self:
+        missing = rows - len(chunk)
+        if missing == 0:
+            # A mark inherited from this batch would describe its rows, not the chunk's.
+            chunk.meta.pop(PAD_KEY, None)
+            return chunk
+        src = chunk if len(chunk) else self
+        padded = type(self).concat([chunk, src.take([len(src) - 1] * missing)])
+        padded.meta[PAD_KEY] = missing
+        return padded
+
+    def split(self, micro_batch_size: int) -> list[Self]:
+        """Consecutive batches of `micro_batch_size` rows (the last may be shorter; none if
+        the batch is empty)."""
+        size = _count("split", "micro_batch_size", micro_batch_size)
+        total = len(self)
+        return [self.slice(i, min(i + size, total)) for i in range(0, total, size)]
+
+    def repeat(self, k: int, interleave: bool = True) -> Self:
+        """Each row `k` times: row0,row0,row1,row1 when interleaved (e.g. k samples per
+        prompt), else the whole batch `k` times: row0,row1,row0,row1."""
+        k = _count("repeat", "k", k)
+        if interleave:
+            return self.take([i for i in range(len(self)) for _ in range(k)])
+        return type(self).concat([self] * k)
+
+
+class TensorBatch(RowOps):
     __slots__ = ("_data", "_len", "meta")
 
     def __init__(self, data: Mapping[str, Column], meta: dict[str, Any] | None = None):
@@ -69,11 +150,48 @@ class TensorBatch:
     def items(self) -> Iterable[tuple[str, Column]]:
         return self._data.items()
 
+    def to_dict(self) -> dict[str, Column]:
+        """The columns as a new dict (the columns themselves are not copied)."""
+        return dict(self._data)
+
     def __repr__(self) -> str:
         cols = ", ".join(
             f"{k}: {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{k}: list"
             for k, v in self._data.items())
         return f"TensorBatch(len={self._len}, {{{cols}}}, meta={self.meta})"
+
+    # -- columns --------------------------------------------------------------------------
+    def select(self, keys: Iterable[str]) -> TensorBatch:
+        """Only the named columns, in the order given."""
+        if isinstance(keys, str):
+            raise TypeError(f"select(keys) takes a list of column names, got the str {keys!r}; "
+                            f"write select([{keys!r}])")
+        keys = list(keys)
+        if not keys:
+            # A batch without columns has no rows, so this would silently change the length.
+            raise ValueError(f"select(keys) needs at least one column; columns: {self.keys()}")
+        missing = [k for k in keys if k not in self._data]
+        if missing:
+            raise KeyError(f"TensorBatch.select: no column(s) {missing}; columns: {self.keys()}")
+        return TensorBatch({k: self._data[k] for k in keys}, self.meta)
+
+    def union(self, other: TensorBatch) -> TensorBatch:
+        """Columns of both batches side by side; `meta` merged, `other`'s keys winning."""
+        if not isinstance(other, TensorBatch):
+            raise TypeError(f"union(other) needs a TensorBatch, got {type(other).__name__}; "
+                            f"wrap columns with TensorBatch({{...}})")
+        if len(other) != len(self):
+            raise ValueError(
+                f"TensorBatch.union: this batch has {len(self)} rows but other has "
+                f"{len(other)}; columns side by side must have the same rows (slice one first)")
+        data = dict(self._data)
+        for k, col in other._data.items():
+            if k in data and not _same_column(data[k], col):
+                raise ValueError(
+                    f"TensorBatch.union: column {k!r} is in both batches with different values; "
+                    f"drop it from one side first (e.g. other.select([...]) without {k!r})")
+            data.setdefault(k, col)
+        return TensorBatch(data, {**self.meta, **other.meta})
 
     # -- rows -----------------------------------------------------------------------------
     def slice(self, start: int, stop: int) -> TensorBatch:
@@ -86,18 +204,6 @@ class TensorBatch:
         return TensorBatch(
             {k: v.index_select(0, index) if isinstance(v, torch.Tensor) else [v[i] for i in rows]
              for k, v in self._data.items()}, self.meta)
-
-    def chunk(self, n: int) -> list[TensorBatch]:
-        """Exactly `n` near-equal chunks in row order; the first len % n get one row more."""
-        if n < 1:
-            raise ValueError(f"chunk(n) needs n >= 1, got {n}")
-        base, extra = divmod(self._len, n)
-        out, start = [], 0
-        for i in range(n):
-            stop = start + base + (1 if i < extra else 0)
-            out.append(self.slice(start, stop))
-            start = stop
-        return out
 
     @staticmethod
     def concat(batches: Sequence[TensorBatch]) -> TensorBatch:
@@ -122,3 +228,10 @@ class TensorBatch:
                 raise TypeError(f"TensorBatch.concat: column {k!r} is a tensor in some batches "
                                 f"and a list in others")
         return TensorBatch(data, batches[0].meta)
+
+
+def _same_column(a: Column, b: Column) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        # torch.equal promotes dtypes; an int and a float column are not the same column.
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return isinstance(a, list) and isinstance(b, list) and a == b

@@ -2,6 +2,7 @@
 
     tensor / ndarray -> Ext(header + raw bytes)      TensorBatch -> Ext([columns, meta])
     class / function -> Ext([module, qualname, file])  (imported again on the other side)
+    RemoteBatch / RemoteValue -> Ext(where the data is)  (the receiving rank pulls it)
 
 Everything else must be msgspec-encodable (None, bool, int, float, str, bytes, lists,
 dicts, msgspec Structs, dataclasses, enums...). Tuples arrive as lists.
@@ -10,6 +11,7 @@ dicts, msgspec Structs, dataclasses, enums...). Tuples arrive as lists.
 from __future__ import annotations
 
 import struct
+import weakref
 from typing import Any
 
 import msgspec
@@ -17,9 +19,16 @@ import numpy as np
 import torch
 
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.messages import Column
 from asyncrl.comm.refs import is_referable, make_ref, resolve_ref
+from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
 
-EXT_TENSOR, EXT_NDARRAY, EXT_BATCH, EXT_REF = 1, 2, 3, 4
+_REMOTE_BATCH = tuple[list[Piece], list[Column], dict[str, Any]]
+# bytes of tensors decoded from workers' results and encoded again (see `count_produced`)
+produced_bytes_encoded = 0
+_produced: dict[int, int] = {}  # storage address -> how many marked tensors use it
+
+EXT_TENSOR, EXT_NDARRAY, EXT_BATCH, EXT_REF, EXT_REMOTE_BATCH, EXT_REMOTE_VALUE = 1, 2, 3, 4, 5, 6
 _HLEN = struct.Struct(">I")
 
 
@@ -41,8 +50,36 @@ def _unpack_buffer(data: memoryview) -> tuple[Any, memoryview]:
     return msgspec.msgpack.decode(data[_HLEN.size:start]), data[start:]
 
 
+def count_produced(value: Any) -> Any:
+    """Mark the tensors of a value decoded from a worker's result, so that sending them on
+    is counted in `produced_bytes_encoded` (the controller's payload counter)."""
+    if isinstance(value, torch.Tensor) and value.numel():
+        key = value.untyped_storage().data_ptr()  # slices and views of it count too
+        _produced[key] = _produced.get(key, 0) + 1
+        weakref.finalize(value, _forget_produced, key)
+    elif isinstance(value, TensorBatch):
+        for _, col in value.items():
+            count_produced(col)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            count_produced(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            count_produced(item)
+    return value
+
+
+def _forget_produced(key: int) -> None:
+    left = _produced.pop(key, 1) - 1
+    if left:
+        _produced[key] = left
+
+
 def _enc_hook(obj: Any) -> Any:
+    global produced_bytes_encoded
     if isinstance(obj, torch.Tensor):
+        if _produced and obj.numel() and obj.untyped_storage().data_ptr() in _produced:
+            produced_bytes_encoded += obj.numel() * obj.element_size()
         t = obj.detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
         return msgspec.msgpack.Ext(EXT_TENSOR, _pack_buffer([str(t.dtype)[6:], list(t.shape)],
@@ -59,6 +96,11 @@ def _enc_hook(obj: Any) -> Any:
             [dict(obj.items()), obj.meta], enc_hook=_enc_hook))
     if is_referable(obj):
         return msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(list(make_ref(obj))))
+    if isinstance(obj, RemoteBatch):
+        return msgspec.msgpack.Ext(EXT_REMOTE_BATCH, msgspec.msgpack.encode(
+            [obj.pieces, obj.columns, obj.meta], enc_hook=_enc_hook))
+    if isinstance(obj, RemoteValue):
+        return msgspec.msgpack.Ext(EXT_REMOTE_VALUE, msgspec.msgpack.encode(obj.shard))
     raise TypeError(
         f"an object of type {type(obj).__module__}.{type(obj).__qualname__} cannot be sent: "
         f"asyncrl sends msgspec-encodable values, tensors, ndarrays, TensorBatch, DistFutures "
@@ -86,6 +128,12 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_REF:
         module, qualname, file = msgspec.msgpack.decode(data)
         return resolve_ref(module, qualname, file)
+    if code == EXT_REMOTE_BATCH:
+        pieces, columns, meta = msgspec.msgpack.decode(data, type=_REMOTE_BATCH,
+                                                       ext_hook=_ext_hook)
+        return RemoteBatch(pieces, columns, meta)
+    if code == EXT_REMOTE_VALUE:
+        return RemoteValue(msgspec.msgpack.decode(data, type=Shard))
     raise ValueError(f"unknown extension type {code}")
 
 

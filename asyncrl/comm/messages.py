@@ -1,4 +1,4 @@
-"""Every message of the control plane, in one tagged union.
+"""Every message on the wire, in one tagged union: control plane and data plane.
 
 Payloads that hold user values (call arguments, results, constructor arguments) are
 `msgspec.Raw`: they are encoded by `comm.codec` and embedded without a second copy.
@@ -36,6 +36,7 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     pid: int
     host: str
     role: str
+    data_addr: str = ""  # the rank's data-plane server, where consumers pull its objects
 
 
 class Construct(msgspec.Struct, tag=True, array_like=True):
@@ -66,27 +67,106 @@ class Call(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 NONE = msgspec.Raw(b"\xc0")  # msgpack nil: the value of a call whose result is not collected
 
 
+class Column(msgspec.Struct, array_like=True, frozen=True):
+    """One column of a stored TensorBatch: dtype ("list" for a list column), row shape."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+
+class Schema(msgspec.Struct, array_like=True, frozen=True):
+    """What a rank holds for a stored result. rows == -1: a value that is not a TensorBatch."""
+
+    rows: int
+    columns: tuple[Column, ...] = ()
+    meta: msgspec.Raw = NONE
+    nbytes: int = 0
+
+
 class Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """rank -> controller: a call finished. `value` is codec-encoded (None when not collected
-    or when `error` is set)."""
+    """rank -> controller: a call finished. `value` is codec-encoded when it is small (None
+    when not collected, when `error` is set, or when only `schema` describes it); `schema` is
+    set when the rank keeps the value in its object store under the call id."""
 
     call_id: int
     rank: int
     value: msgspec.Raw = NONE
     error: Union[Failure, None] = None
+    schema: Union[Schema, None] = None
+    inline: bool = True  # whether `value` is the value (False: fetch it from the store)
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """Both ways, every heartbeat interval. A rank reports how many frames it dropped."""
+    """Both ways, every heartbeat interval. A rank reports how many frames it dropped and
+    what its object store holds."""
 
     dropped: int = 0
+    objects: int = 0
+    object_bytes: int = 0
+
+
+class Release(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """controller -> rank: nothing names these objects any more; free them."""
+
+    obj_ids: list[int]
+
+
+class Fetch(msgspec.Struct, tag=True, array_like=True):
+    """controller -> rank: send me this stored object (a driver awaits it)."""
+
+    obj_id: int
+
+
+class Fetched(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """rank -> controller: the stored object, codec-encoded, or why not."""
+
+    obj_id: int
+    rank: int
+    value: msgspec.Raw = NONE
+    error: str = ""
+
+
+class ColumnDest(msgspec.Struct, array_like=True, frozen=True):
+    """Where one tensor column goes in the puller's shared-memory segment."""
+
+    key: str
+    offset: int  # byte offset of the column's region in the segment
+    row_bytes: int
+
+
+class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """consumer rank -> producer rank's data server: rows [start, stop) of a stored object
+    (start == stop == -1: the whole value). With `dest` set, the producer writes the tensor
+    rows into that shared-memory segment at row `dest_row`; without, it replies with raw
+    buffers over the socket."""
+
+    xfer_id: int
+    obj_id: int
+    start: int = -1
+    stop: int = -1
+    dest: str = ""
+    dest_row: int = 0
+    columns: list[ColumnDest] = []
+
+
+class Pulled(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """producer -> consumer: done. `lists`: the rows of list columns (codec-encoded); `value`:
+    the whole value; raw tensor buffers follow as extra frames when `dest` was empty."""
+
+    xfer_id: int
+    error: str = ""
+    lists: msgspec.Raw = NONE
+    value: msgspec.Raw = NONE
+    buffers: list[str] = []  # keys of the raw frames that follow, in order
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """controller -> rank: exit now."""
 
 
-Message = Union[Hello, Construct, Ready, Call, Result, Heartbeat, Shutdown]
+Message = Union[Hello, Construct, Ready, Call, Result, Heartbeat, Shutdown, Release, Fetch,
+                Fetched, Pull, Pulled]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -32,8 +32,19 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm import codec
 from asyncrl.comm.auth import new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
-from asyncrl.comm.messages import Construct, Heartbeat, Hello, Message, Ready, Result, Shutdown
+from asyncrl.comm.messages import (
+    Construct,
+    Fetched,
+    Heartbeat,
+    Hello,
+    Message,
+    Ready,
+    Release,
+    Result,
+    Shutdown,
+)
 from asyncrl.comm.refs import make_ref
+from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.group import GroupHandle, RankInfo
 from asyncrl.controller.launcher import Agent, kill_pids, pid_alive, rank_env
 from asyncrl.errors import (
@@ -73,12 +84,17 @@ class Controller:
     startup_timeout: torchrun start until every rank said hello.
     construct_timeout: hello until every worker's ``__init__`` returned.
     shutdown_grace: how long ranks get to exit on close before they are killed.
+    transfer_timeout: how long a rank waits for a peer's data before TransferTimeout.
+    transport: "auto" (shared memory on one host, else TCP), or "tcp" to force sockets.
     run_dir: logs (one file per group) and the secret; a temporary folder by default."""
 
     def __init__(self, *, host: str = "127.0.0.1", heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 5.0, startup_timeout: float = 120.0,
                  construct_timeout: float = 600.0, shutdown_grace: float = 10.0,
+                 transfer_timeout: float = 60.0, transport: str = "auto",
                  run_dir: str | os.PathLike | None = None, die_with_controller: bool = True):
+        if transport not in ("auto", "tcp"):
+            raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must be larger than "
                              f"heartbeat_interval ({heartbeat_interval})")
@@ -88,6 +104,12 @@ class Controller:
         self.startup_timeout = startup_timeout
         self.construct_timeout = construct_timeout
         self.shutdown_grace = shutdown_grace
+        self.transfer_timeout = transfer_timeout
+        self.transport = transport
+        self.run_id = f"{os.getpid()}x{id(self) & 0xFFFFFF:x}"
+        # bytes of worker-produced data that went through this controller to another group
+        self.payload_bytes = 0
+        self._releases: dict[GroupHandle, dict[int, list[int]]] = {}
         self._own_run_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else None
         self._die_with_controller = die_with_controller
@@ -144,6 +166,7 @@ class Controller:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self.channel.close()
+            cleanup_segments(f"asyncrl-{self.run_id}-")  # what killed ranks left behind
             if self._own_run_dir and self.run_dir is not None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -174,7 +197,10 @@ class Controller:
         extra = {"ASYNCRL_ADDR": self.channel.address, "ASYNCRL_GROUP": name,
                  "ASYNCRL_SECRET_FILE": str(self.secret_file),
                  "ASYNCRL_HB_INTERVAL": str(self.heartbeat_interval),
-                 "ASYNCRL_HB_TIMEOUT": str(self.heartbeat_timeout), **(env or {})}
+                 "ASYNCRL_HB_TIMEOUT": str(self.heartbeat_timeout),
+                 "ASYNCRL_TRANSFER_TIMEOUT": str(self.transfer_timeout),
+                 "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
+                 **(env or {})}
         agent = Agent(name, nprocs, rank_env(dict(os.environ), extra),
                       self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
         group = GroupHandle(self, name, worker_cls, layout, agent)
@@ -249,7 +275,7 @@ class Controller:
             group = self._calls.get(msg.call_id)
             if group is not None:
                 group._touch(msg.rank)
-                group._on_result(msg.call_id, msg.rank, msg.value, msg.error)
+                group._on_result(msg)
             return
         parts = identity.split(b"/")
         group = self.groups.get(parts[0].decode(errors="replace"))
@@ -260,7 +286,10 @@ class Controller:
             info = group.ranks.get(rank)
             if info is not None:
                 info.last_seen = time.monotonic()
-                info.dropped = msg.dropped
+                info.dropped, info.objects, info.object_bytes = (msg.dropped, msg.objects,
+                                                                 msg.object_bytes)
+        elif isinstance(msg, Fetched):
+            group._on_fetched(msg)
         elif isinstance(msg, Hello):
             self._on_hello(group, identity, msg)
         elif isinstance(msg, Ready):
@@ -274,7 +303,7 @@ class Controller:
             info = group.ranks[msg.rank] = RankInfo(msg.pid, msg.host, time.monotonic())
             group.agent.rank_pids[msg.rank] = msg.pid
         if msg.role == "io":
-            info.identity = identity
+            info.identity, info.data_addr = identity, msg.data_addr
         elif msg.role == "exec":
             info.exec_identity = identity
         if info.identity and info.exec_identity and not info.constructing:
@@ -298,6 +327,28 @@ class Controller:
         group.methods = dict(msg.methods)
         if all(i.ready for i in group.ranks.values()) and len(group.ranks) == group.nprocs:
             group.ready.set_result(None)
+
+    # -- object lifetimes -------------------------------------------------------------------
+    def _release_later(self, owners: list[tuple[GroupHandle, int]], obj_id: int) -> None:
+        """An ObjectRef is gone (GC, any thread): free its parts, batched per loop turn."""
+        try:
+            self.loop.call_soon_threadsafe(self._queue_release, owners, obj_id)
+        except RuntimeError:  # the loop is closed: the ranks are gone with it
+            pass
+
+    def _queue_release(self, owners: list[tuple[GroupHandle, int]], obj_id: int) -> None:
+        if not self._releases:
+            self.loop.call_soon(self._flush_releases)
+        for group, rank in owners:
+            self._releases.setdefault(group, {}).setdefault(rank, []).append(obj_id)
+
+    def _flush_releases(self) -> None:
+        releases, self._releases = self._releases, {}
+        for group, by_rank in releases.items():
+            if group.closing or group.dead is not None:
+                continue
+            for rank, ids in by_rank.items():
+                self.channel.send(group.ranks[rank].identity, Release(ids))
 
     # -- supervision ------------------------------------------------------------------------
     def _on_agent_exit(self, group: GroupHandle, code: int) -> None:

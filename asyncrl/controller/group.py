@@ -24,8 +24,19 @@ import msgspec
 
 from asyncrl.actors.protocols import Layout, Protocol, get_protocol
 from asyncrl.comm import codec
-from asyncrl.comm.messages import Call, Construct, Failure, MethodSpec
-from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError
+from asyncrl.comm.messages import (
+    Call,
+    Construct,
+    Failure,
+    Fetch,
+    Fetched,
+    MethodSpec,
+    Result,
+    Schema,
+)
+from asyncrl.comm.remote import Shard
+from asyncrl.controller.objects import ObjectRef
+from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError, TransferTimeout
 from asyncrl.futures.future import DistFuture
 
 if TYPE_CHECKING:
@@ -42,7 +53,10 @@ class RankInfo:
     last_seen: float
     identity: bytes = b""  # the rank's "io" socket: heartbeats, concurrent calls, shutdown
     exec_identity: bytes = b""  # its "exec" socket: construction and in-order calls
+    data_addr: str = ""  # its data-plane server
     dropped: int = 0
+    objects: int = 0  # what its object store holds, from its last heartbeat
+    object_bytes: int = 0
     constructing: bool = False
     ready: bool = False
     gone: bool = False  # its process was found dead
@@ -57,7 +71,9 @@ class _Pending:
     state: Any
     waiting: set[int]  # ranks that have not reported yet
     collect: set[int]
-    values: dict[int, Any] = field(default_factory=dict)
+    inputs: list[ObjectRef]  # keeps the objects this call pulls alive until it is done
+    shards: dict[int, tuple[Shard, Schema]] = field(default_factory=dict)
+    inline: dict[int, msgspec.Raw] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +82,7 @@ class _Queued:
     args: tuple
     kwargs: dict[str, Any]
     future: DistFuture
+    inputs: list[ObjectRef] = field(default_factory=list)
 
 
 class _Method:
@@ -97,6 +114,7 @@ class GroupHandle:
         self._backlog: deque[_Queued] = deque()
         self._drainer: asyncio.Task | None = None
         self._arg_names: dict[str, list[str]] = {}
+        self._fetches: dict[tuple[int, int], asyncio.Future[msgspec.Raw]] = {}
         self.dead: GroupDeadError | None = None
         self.closing = False
         loop = ctl.loop
@@ -117,6 +135,11 @@ class GroupHandle:
     def pids(self) -> dict[int, int]:
         """rank -> pid of every rank that said hello."""
         return {r: info.pid for r, info in self.ranks.items()}
+
+    @property
+    def store_stats(self) -> dict[int, tuple[int, int]]:
+        """rank -> (objects, bytes) in its object store, as of its last heartbeat."""
+        return {r: (info.objects, info.object_bytes) for r, info in self.ranks.items()}
 
     @property
     def dropped_frames(self) -> dict[int, int]:
@@ -190,8 +213,8 @@ class GroupHandle:
 
     async def _send_when_ready(self, item: _Queued) -> None:
         try:
-            item.args = tuple([await _value(a, i) for i, a in enumerate(item.args)])
-            item.kwargs = {k: await _value(v, k) for k, v in item.kwargs.items()}
+            item.args = tuple([await self._view(a, i, item) for i, a in enumerate(item.args)])
+            item.kwargs = {k: await self._view(v, k, item) for k, v in item.kwargs.items()}
             if self.closing or self.dead is not None:
                 raise self.dead or ClosedError(f"group {self.name!r} is closed")
             self._send(item)
@@ -203,6 +226,7 @@ class GroupHandle:
         split = protocol.split(self.layout, item.args, item.kwargs)
         payloads: dict[tuple[int, int], msgspec.Raw] = {}
         names = self._names(item.method)
+        produced = codec.produced_bytes_encoded
         for args, kwargs in split.calls.values():
             key = (id(args), id(kwargs))
             if key not in payloads:
@@ -211,11 +235,12 @@ class GroupHandle:
                 except codec.ArgEncodeError as e:
                     raise EncodeError(f"cannot send argument {e.name!r} of "
                                       f"{self.name}.{item.method}(): {e.cause}") from None
+        self._ctl.payload_bytes += codec.produced_bytes_encoded - produced
         call_id = next(_call_ids)
         collect = set(split.collect)
         concurrent = self.methods[item.method].concurrent
         self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
-                                          split.state, set(split.calls), collect)
+                                          split.state, set(split.calls), collect, item.inputs)
         self._ctl._calls[call_id] = self
         for rank, (args, kwargs) in split.calls.items():
             payload = payloads[(id(args), id(kwargs))]
@@ -235,27 +260,68 @@ class GroupHandle:
         return names
 
     # -- receiving --------------------------------------------------------------------------
-    def _on_result(self, call_id: int, rank: int, value: Any, error: Failure | None) -> None:
-        p = self._pending.get(call_id)
+    def _on_result(self, msg: Result) -> None:
+        p = self._pending.get(msg.call_id)
+        rank = msg.rank
         if p is None or rank not in p.waiting:
             return
         p.waiting.discard(rank)
-        if error is not None:
-            p.future._set_exception(RemoteError(self.name, rank, p.method, error.type,
-                                                error.message, error.traceback))
+        if msg.error is not None:
+            p.future._set_exception(self._remote_error(rank, p.method, msg.error))
         elif rank in p.collect:
-            p.values[rank] = value
+            if msg.schema is not None:
+                info = self.ranks[rank]
+                p.shards[rank] = (Shard(self.name, rank, msg.call_id, info.data_addr,
+                                        info.host), msg.schema)
+            if msg.inline:
+                p.inline[rank] = msg.value
         if p.waiting:
             return
-        del self._pending[call_id]
-        self._ctl._calls.pop(call_id, None)
+        del self._pending[msg.call_id]
+        self._ctl._calls.pop(msg.call_id, None)
         if p.future.done():
             return
+        layout, protocol, state = self.layout, p.protocol, p.state
+        p.future._set_result(ObjectRef(self, msg.call_id,
+                                       lambda parts: protocol.collect(layout, parts, state),
+                                       p.shards, p.inline))
+
+    def _remote_error(self, rank: int, method: str, error: Failure) -> Exception:
+        if error.type == "TransferTimeout":
+            return TransferTimeout(f"{self.name}[rank {rank}].{method}: {error.message}")
+        return RemoteError(self.name, rank, method, error.type, error.message, error.traceback)
+
+    async def _fetch(self, rank: int, obj_id: int) -> msgspec.Raw:
+        """A stored part that was too big to come with its Result (a driver awaits it)."""
+        if self.dead is not None:
+            raise self.dead
+        waiter = self._fetches.get((rank, obj_id))
+        if waiter is None:
+            waiter = self._fetches[(rank, obj_id)] = self._ctl.loop.create_future()
+            self._ctl.channel.send(self.ranks[rank].identity, Fetch(obj_id))
+        return await asyncio.shield(waiter)
+
+    def _on_fetched(self, msg: Fetched) -> None:
+        waiter = self._fetches.pop((msg.rank, msg.obj_id), None)
+        if waiter is None or waiter.done():
+            return
+        if msg.error:
+            waiter.set_exception(LookupError(f"fetching the result of call {msg.obj_id} from "
+                                             f"{self.name}:{msg.rank}: {msg.error}"))
+        else:
+            waiter.set_result(msg.value)
+
+    async def _view(self, arg: Any, name: int | str, item: _Queued) -> Any:
+        """A DistFuture argument becomes references to its data: the consumer's ranks pull
+        it from the producer's ranks; the controller never carries it."""
+        if not isinstance(arg, DistFuture):
+            return arg
         try:
-            values = {r: codec.decode(v) for r, v in p.values.items()}
-            p.future._set_result(p.protocol.collect(self.layout, values, p.state))
-        except Exception as e:  # noqa: BLE001 - a failing collect fails this call only
-            p.future._set_exception(e)
+            ref = await arg._fut
+        except Exception as e:
+            raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e
+        item.inputs.append(ref)
+        return ref.view()
 
     def _fail_all(self, exc: BaseException) -> None:
         for p in self._pending.values():
@@ -264,7 +330,9 @@ class GroupHandle:
         self._pending.clear()
         while self._backlog:
             self._backlog.popleft().future._set_exception(exc)
-        for waiter in (self.started, self.ready):
+        waiters: list[asyncio.Future[Any]] = [self.started, self.ready, *self._fetches.values()]
+        self._fetches = {}
+        for waiter in waiters:
             if not waiter.done():
                 waiter.set_exception(exc)
                 waiter.exception()
@@ -279,13 +347,3 @@ class GroupHandle:
         info = self.ranks.get(rank)
         if info is not None:
             info.last_seen = time.monotonic()
-
-
-async def _value(arg: Any, name: int | str) -> Any:
-    """The value of a DistFuture argument (until the data plane moves it worker to worker)."""
-    if not isinstance(arg, DistFuture):
-        return arg
-    try:
-        return await arg
-    except Exception as e:
-        raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e

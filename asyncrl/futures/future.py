@@ -1,13 +1,16 @@
 """DistFuture: what every group call returns at once.
 
 ``await fut`` in the controller's loop; ``fut.result(timeout=...)`` from sync code on other
-threads. There is no public constructor: futures come from group calls.
+threads. There is no public constructor: futures come from group calls. The future is done
+when every rank has finished; it then holds a reference to the result (an ObjectRef), whose
+value is fetched only when someone awaits it. Passed to another group's call, it is never
+fetched: the consumer's ranks pull the data from the producer's ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import concurrent.futures
 import warnings
 from typing import Any
 
@@ -45,7 +48,10 @@ class DistFuture:
         return self._fut.done()
 
     def __await__(self):
-        return self._fut.__await__()
+        return self._get().__await__()
+
+    async def _get(self) -> Any:
+        return await (await self._fut).value()
 
     def result(self, timeout: float | None = None) -> Any:
         """Block until the value is ready (sync code on another thread).
@@ -62,18 +68,11 @@ class DistFuture:
         if running is not None:
             warnings.warn(f"{self._label}: result() blocks the event loop running in this "
                           f"thread; prefer `await`", RuntimeWarning, stacklevel=2)
-        if not self._fut.done():
-            event = threading.Event()
-            self._loop.call_soon_threadsafe(self._notify_when_done, event)
-            if not event.wait(timeout):
-                raise TimeoutError(f"{self._label} not done after {timeout} s")
-        return self._fut.result()
-
-    def _notify_when_done(self, event: threading.Event) -> None:
-        if self._fut.done():
-            event.set()
-        else:
-            self._fut.add_done_callback(lambda _: event.set())
+        value = asyncio.run_coroutine_threadsafe(self._get(), self._loop)
+        try:
+            return value.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{self._label} not done after {timeout} s") from None
 
     def __repr__(self) -> str:
         state = "done" if self._fut.done() else "pending"

@@ -1,0 +1,272 @@
+"""Worker-to-worker transfers: each rank serves its stored objects; consumers pull.
+
+    consumer rank (DataClient)                      producer rank (DataServer thread)
+    ──────────────────────────                      ─────────────────────────────────
+    RemoteBatch of N rows ─▶ lease a segment from
+    its own pool (same host) ── Pull(rows, dest) ─▶ copy the rows into dest (shm)
+                             ◀─ Pulled ──────────── or send them as raw frames (TCP)
+    tensors = zero-copy views of the segment; it returns to the pool when they are gone
+
+Shared memory needs both ranks on one host; ZeroMQ TCP carries everything else. Every
+request and reply is signed like the control plane; raw tensor frames that follow a signed
+reply are bound to it by their count and sizes. A peer that does not answer within the
+timeout raises TransferTimeout naming it and the operation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from asyncrl.comm import codec, messages
+from asyncrl.comm.auth import Signer, Verifier
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.messages import NONE, ColumnDest, Pull, Pulled
+from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue
+from asyncrl.comm.shm import SegmentMapper, SegmentPool
+from asyncrl.errors import TransferTimeout
+
+log = logging.getLogger("asyncrl")
+SHM_PREFIX = "asyncrl-"
+_ALIGN = 64
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a tensor as a flat uint8 array (no copy when it is contiguous)."""
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+class DataServer:
+    """A rank's data-plane server: a thread with a ROUTER that answers Pulls."""
+
+    def __init__(self, ctx: zmq.Context, host: str, secret: bytes, lookup, peer: str):
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._signer, self._verifier = Signer(secret), Verifier(secret)
+        self._lookup = lookup  # obj_id -> stored value, KeyError if absent
+        self._peer = peer
+        self._mapper = SegmentMapper()
+        self.rejected = 0  # well-signed requests that could not be served
+        threading.Thread(target=self._serve, name="asyncrl-data", daemon=True).start()
+
+    @property
+    def dropped(self) -> int:
+        return self._verifier.total_dropped
+
+    def _serve(self) -> None:
+        while True:
+            frames = self._sock.recv_multipart(copy=True)
+            if len(frames) != 3:
+                self._verifier.drop("malformed")
+                continue
+            identity = frames[0]
+            body = self._verifier.verify(identity, frames[1:])
+            if body is None:
+                continue
+            try:
+                req = messages.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self._verifier.drop("undecodable")
+                continue
+            if not isinstance(req, Pull):
+                self._verifier.drop("unexpected")
+                continue
+            try:
+                reply, buffers = self._answer(req)
+            except Exception as e:  # noqa: BLE001 - a bad request is refused, never fatal
+                self.rejected += 1
+                reply, buffers = Pulled(req.xfer_id, error=f"{type(e).__name__}: {e}"), []
+            frames_out = self._signer.sign(b">" + identity, messages.encode(reply))
+            self._sock.send_multipart([identity, *frames_out, *buffers], copy=False)
+
+    def _answer(self, req: Pull) -> tuple[Pulled, list[Any]]:
+        try:
+            value = self._lookup(req.obj_id)
+        except KeyError:
+            raise LookupError(f"object {req.obj_id} is not held by {self._peer} (released, "
+                              f"or never stored)") from None
+        if req.start == -1 and req.stop == -1:
+            return Pulled(req.xfer_id, value=msgspec.Raw(codec.encode(value))), []
+        if not isinstance(value, TensorBatch):
+            raise TypeError(f"object {req.obj_id} on {self._peer} is a "
+                            f"{type(value).__name__}, not a TensorBatch: pull it whole")
+        if not 0 <= req.start <= req.stop <= len(value):
+            raise IndexError(f"rows {req.start}:{req.stop} are outside object {req.obj_id} "
+                             f"({len(value)} rows) on {self._peer}")
+        lists = {k: c[req.start:req.stop] for k, c in value.items() if isinstance(c, list)}
+        reply = Pulled(req.xfer_id, lists=msgspec.Raw(codec.encode(lists)) if lists else NONE)
+        tensors = {k: c for k, c in value.items() if isinstance(c, torch.Tensor)}
+        if not req.dest:
+            reply.buffers = list(tensors)
+            return reply, [_bytes_of(t[req.start:req.stop]) for t in tensors.values()]
+        if not req.dest.startswith(SHM_PREFIX):
+            raise ValueError(f"destination {req.dest!r} is not an asyncrl segment")
+        for col in req.columns:
+            if col.key not in tensors:
+                raise KeyError(f"object {req.obj_id} on {self._peer} has no tensor column "
+                               f"{col.key!r}")
+            src = _bytes_of(tensors[col.key][req.start:req.stop])
+            if src.nbytes != col.row_bytes * (req.stop - req.start):
+                raise ValueError(f"column {col.key!r}: {col.row_bytes} bytes per row asked, "
+                                 f"{src.nbytes // max(1, req.stop - req.start)} held")
+            dst = self._mapper.view(req.dest, col.offset + req.dest_row * col.row_bytes,
+                                    src.nbytes)
+            np.copyto(np.frombuffer(dst, np.uint8), src)
+        return reply, []
+
+    def close(self) -> None:
+        self._mapper.close()
+
+
+class DataClient:
+    """Pulls remote pieces for one thread (each thread that runs calls owns one)."""
+
+    def __init__(self, ctx: zmq.Context, secret: bytes, identity: str, host: str,
+                 pool: SegmentPool | None, timeout: float, transport: str = "auto"):
+        self._ctx, self._secret, self._identity = ctx, secret, identity
+        self._host, self._pool, self._timeout = host, pool, timeout
+        self._transport = transport
+        self._socks: dict[str, tuple[zmq.Socket, Signer, Verifier, bytes]] = {}
+        self._xfer = itertools.count(1)
+
+    def materialize(self, value: Any) -> Any:
+        """The value with every RemoteBatch / RemoteValue in it replaced by its data."""
+        if isinstance(value, RemoteBatch):
+            return self.fetch_batch(value)
+        if isinstance(value, RemoteValue):
+            return self.fetch_value(value)
+        if isinstance(value, list):
+            return [self.materialize(v) for v in value]
+        if isinstance(value, dict):
+            return {k: self.materialize(v) for k, v in value.items()}
+        return value
+
+    def _socket(self, addr: str) -> tuple[zmq.Socket, Signer, Verifier, bytes]:
+        entry = self._socks.get(addr)
+        if entry is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            identity = f"{self._identity}/pull{len(self._socks)}".encode()
+            sock.setsockopt(zmq.IDENTITY, identity)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            entry = (sock, Signer(self._secret), Verifier(self._secret), identity)
+            self._socks[addr] = entry
+        return entry
+
+    def _exchange(self, requests: list[tuple[Piece, Pull]]) -> dict[int, tuple[Pulled, list]]:
+        """Send every request, then wait for every reply, within the timeout."""
+        pending: dict[int, Piece] = {}
+        poller = zmq.Poller()
+        for piece, req in requests:
+            sock, signer, _, identity = self._socket(piece.shard.addr)
+            sock.send_multipart(signer.sign(identity, messages.encode(req)))
+            pending[req.xfer_id] = piece
+            poller.register(sock, zmq.POLLIN)
+        replies: dict[int, tuple[Pulled, list]] = {}
+        deadline = time.monotonic() + self._timeout
+        by_sock = {id(s): (s, v, i) for s, _, v, i in self._socks.values()}
+        while pending:
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
+            if not ready:
+                piece = next(iter(pending.values()))
+                what = "whole value" if piece.start < 0 else f"rows {piece.start}:{piece.stop}"
+                raise TransferTimeout(
+                    f"no answer from {piece.shard.peer} ({piece.shard.addr}) to a pull of "
+                    f"{what} of object {piece.shard.obj_id} within {self._timeout:g} s "
+                    f"({len(pending)} pull(s) unanswered)")
+            for sock in ready:
+                s, verifier, identity = by_sock[id(sock)]
+                frames = s.recv_multipart(copy=False)
+                body = verifier.verify(b">" + identity, [f.bytes for f in frames[:2]])
+                if body is None:
+                    continue
+                reply = messages.decode(body)
+                if isinstance(reply, Pulled) and reply.xfer_id in pending:
+                    piece = pending.pop(reply.xfer_id)
+                    if reply.error:
+                        raise RuntimeError(f"pull from {piece.shard.peer} failed: "
+                                           f"{reply.error}")
+                    if len(frames) - 2 != len(reply.buffers):
+                        raise RuntimeError(f"pull from {piece.shard.peer}: "
+                                           f"{len(frames) - 2} buffers for "
+                                           f"{len(reply.buffers)} columns")
+                    replies[reply.xfer_id] = (reply, frames[2:])
+        return replies
+
+    def fetch_value(self, ref: RemoteValue) -> Any:
+        req = Pull(next(self._xfer), ref.shard.obj_id)
+        (reply, _), = self._exchange([(Piece(ref.shard, -1, -1), req)]).values()
+        return codec.decode(reply.value)
+
+    def fetch_batch(self, rb: RemoteBatch) -> TensorBatch:
+        n = len(rb)
+        tensor_cols = [c for c in rb.columns if c.dtype != "list"]
+        row_bytes = {c.key: _row_bytes(c.dtype, c.shape) for c in tensor_cols}
+        use_shm = self._pool is not None and self._transport != "tcp" and \
+            all(p.shard.host == self._host for p in rb.pieces)
+        offsets, total = {}, 0
+        for c in tensor_cols:
+            offsets[c.key] = total
+            total += -(-row_bytes[c.key] * n // _ALIGN) * _ALIGN
+        lease = self._pool.acquire(max(total, 1)) if use_shm and self._pool else None
+        dests = [ColumnDest(c.key, offsets[c.key], row_bytes[c.key]) for c in tensor_cols]
+        requests, row = [], 0
+        for piece in rb.pieces:
+            req = Pull(next(self._xfer), piece.shard.obj_id, piece.start, piece.stop)
+            if lease is not None:
+                req.dest, req.dest_row, req.columns = lease.name, row, dests
+            requests.append((piece, req))
+            row += piece.stop - piece.start
+        try:
+            replies = self._exchange(requests)
+        except BaseException:
+            if lease is not None:  # a late producer may still write into it: never reuse
+                lease.discard()
+            raise
+        data: dict[str, Any] = {}
+        if lease is not None:
+            arrays = lease.arrays([(offsets[c.key], np.uint8, (row_bytes[c.key] * n,))
+                                   for c in tensor_cols])
+            for c, arr in zip(tensor_cols, arrays, strict=True):
+                data[c.key] = torch.from_numpy(arr).view(getattr(torch, c.dtype)).reshape(
+                    n, *c.shape)
+        else:
+            for c in tensor_cols:
+                data[c.key] = torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype))
+            row = 0
+            for piece, req in requests:
+                reply, frames = replies[req.xfer_id]
+                rows = piece.stop - piece.start
+                for key, frame in zip(reply.buffers, frames, strict=True):
+                    dst = _bytes_of(data[key][row:row + rows]) if rows else None
+                    if dst is not None:
+                        dst[:] = np.frombuffer(frame.buffer, np.uint8)
+                row += rows
+        for c in rb.columns:
+            if c.dtype == "list":
+                data[c.key] = [x for _, req in requests
+                               for x in codec.decode(replies[req.xfer_id][0].lists)[c.key]]
+        return TensorBatch({c.key: data[c.key] for c in rb.columns}, rb.meta)
+
+    def close(self) -> None:
+        for sock, *_ in self._socks.values():
+            sock.close(0)
+        self._socks.clear()

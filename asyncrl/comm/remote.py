@@ -1,0 +1,109 @@
+"""References to data that stays on the ranks that produced it.
+
+The controller never holds a worker's payload: for a stored result it holds a `Shard` per
+owning rank, and when a future is passed to another group it builds a `RemoteBatch` (rows
+as pieces of shards) or a `RemoteValue`. Protocols split a `RemoteBatch` exactly like a
+`TensorBatch` (the same row operations), so every transfer plan — DP m -> n, replicas,
+broadcast, rank zero, user protocols — falls out of the consumer's protocol. The consumer's
+ranks then pull their pieces straight from the producers (`comm.dataplane`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from asyncrl.comm.batch import RowOps
+from asyncrl.comm.messages import Column
+
+
+class Shard(msgspec.Struct, array_like=True, frozen=True):
+    """One rank's stored part of a result."""
+
+    group: str
+    rank: int
+    obj_id: int
+    addr: str  # the owner's data-plane server
+    host: str
+
+    @property
+    def peer(self) -> str:
+        return f"{self.group}:{self.rank}"
+
+
+class Piece(msgspec.Struct, array_like=True, frozen=True):
+    """Rows [start, stop) of one shard."""
+
+    shard: Shard
+    start: int
+    stop: int
+
+
+class RemoteValue:
+    """A whole stored value (not a TensorBatch) on one rank. A plain class, not a Struct:
+    the codec must see it to encode it as a reference."""
+
+    __slots__ = ("shard",)
+
+    def __init__(self, shard: Shard):
+        self.shard = shard
+
+    def __repr__(self) -> str:
+        return f"RemoteValue({self.shard.peer} object {self.shard.obj_id})"
+
+
+class RemoteBatch(RowOps):
+    """A TensorBatch whose rows live on producer ranks, described piece by piece."""
+
+    __slots__ = ("pieces", "columns", "meta", "_len")
+
+    def __init__(self, pieces: Sequence[Piece], columns: Sequence[Column],
+                 meta: dict[str, Any] | None = None):
+        self.pieces = [p for p in pieces if p.stop > p.start]
+        self.columns = tuple(columns)
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._len = sum(p.stop - p.start for p in self.pieces)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def keys(self) -> list[str]:
+        return [c.key for c in self.columns]
+
+    def __repr__(self) -> str:
+        return f"RemoteBatch(len={self._len}, pieces={len(self.pieces)}, keys={self.keys()})"
+
+    def slice(self, start: int, stop: int) -> RemoteBatch:
+        start, stop, _ = slice(start, stop).indices(self._len)
+        out, offset = [], 0
+        for p in self.pieces:
+            n = p.stop - p.start
+            lo, hi = max(start - offset, 0), min(stop - offset, n)
+            if lo < hi:
+                out.append(Piece(p.shard, p.start + lo, p.start + hi))
+            offset += n
+        return RemoteBatch(out, self.columns, self.meta)
+
+    def take(self, rows: Sequence[int]) -> RemoteBatch:
+        out: list[Piece] = []
+        for r in rows:
+            p = self.slice(r, r + 1).pieces[0]
+            last = out[-1] if out else None
+            if last is not None and last.shard == p.shard and last.stop == p.start:
+                out[-1] = Piece(p.shard, last.start, p.stop)  # merge runs of adjacent rows
+            else:
+                out.append(p)
+        return RemoteBatch(out, self.columns, self.meta)
+
+    @staticmethod
+    def concat(batches: Sequence[RemoteBatch]) -> RemoteBatch:  # type: ignore[override]
+        if not batches:
+            raise ValueError("RemoteBatch.concat needs at least one batch")
+        columns = batches[0].columns
+        for i, b in enumerate(batches[1:], 1):
+            if b.columns != columns:
+                raise ValueError(f"concat: batch {i} has columns {b.keys()} "
+                                 f"but batch 0 has {batches[0].keys()}")
+        return RemoteBatch([p for b in batches for p in b.pieces], columns, batches[0].meta)

@@ -1,0 +1,296 @@
+"""Pooled shared-memory segments in /dev/shm, for moving tensors between processes.
+
+    consumer                                   producer (another process)
+    lease = pool.acquire(n) ── name, offsets ─> SegmentMapper().view(name, off, n)[:] = rows
+    arrays = lease.arrays(layout) <─ "done" ───
+    torch.from_numpy(a) ... (zero copy)
+
+Writing into a fresh mapping is slow (page faults), so segments are reused, never mapped
+anew per transfer, and a producer's mapper caches its mappings.
+
+Lifetime rule: a segment returns to its pool when nothing can reach its memory: not the
+lease (dropped, or ``release()``d) and no array from ``lease.arrays()``, nor any view, slice
+or tensor made from one. All of them hang on one per-lease root array (numpy views,
+``torch.from_numpy`` and ``Tensor.numpy`` keep it alive); ``weakref.finalize`` on the root
+gives the segment back. If a producer may still write into it (a transfer timed out),
+``discard()`` the lease instead: the segment is unlinked and never lent again.
+
+A prefix names one pool of one run and is never reused: a producer's cached mapping would
+outlive the old segment. ``cleanup(prefix)`` removes what a killed process left. Linux
+only; no ``multiprocessing.shared_memory``: its resource tracker unlinks segments that
+other processes still use.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from asyncrl.errors import ClosedError
+
+SHM_DIR = "/dev/shm"
+MIN_SEGMENT = 64 * 1024
+MAX_OVERSIZE = 4  # a free segment serves a request only if it is at most 4x larger
+
+def _path(name: str) -> str:
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"bad shared-memory segment name {name!r}: it must be a plain file name")
+    return os.path.join(SHM_DIR, name)
+
+
+def layout(specs: Iterable[tuple[Any, tuple[int, ...]]], align: int = 64
+           ) -> tuple[list[tuple[int, np.dtype, tuple[int, ...]]], int]:
+    """Place arrays given as (dtype, shape) one after another, each at a multiple of
+    ``align`` bytes; return their (offset, dtype, shape) and the total bytes needed."""
+    out, end = [], 0
+    for dtype, shape in specs:
+        dt, shape = np.dtype(dtype), tuple(shape)
+        offset = -(-end // align) * align
+        out.append((offset, dt, shape))
+        end = offset + dt.itemsize * int(np.prod(shape, dtype=np.int64))
+    return out, end
+
+
+class _Returns:
+    """Segments given back by finalizers, which run on any thread, even one inside
+    acquire() (gc): SimpleQueue.put is safe there. Nothing is kept once the pool is closed."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[_Segment] = queue.SimpleQueue()
+        self.closed = False
+
+    def put(self, seg: _Segment) -> None:
+        if not self.closed:
+            self.queue.put(seg)
+
+
+class _Segment:
+    __slots__ = ("name", "size", "mm", "retired")
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap):
+        self.name, self.size, self.mm, self.retired = name, size, mm, False
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    segments: int
+    bytes: int
+    in_use: int
+
+
+class Lease:
+    """One segment, lent by a `SegmentPool` until nothing references its memory."""
+
+    __slots__ = ("name", "size", "_root", "_ref", "_seg", "_retire")
+
+    def __init__(self, seg: _Segment, root: npt.NDArray[np.uint8],
+                 retire: Callable[[_Segment], None]):
+        self.name, self.size, self._seg, self._retire = seg.name, seg.size, seg, retire
+        self._root: npt.NDArray[np.uint8] | None = root
+        self._ref = weakref.ref(root)
+
+    @property
+    def buf(self) -> npt.NDArray[np.uint8]:
+        """The whole segment as a writable uint8 array (a view: it holds the lease too)."""
+        if self._root is None:
+            raise RuntimeError(f"lease of segment {self.name!r} was released or handed to "
+                               f"arrays(); use those arrays instead")
+        return self._root
+
+    def arrays(self, spec: Iterable[tuple[int, Any, tuple[int, ...]]]
+               ) -> list[npt.NDArray[Any]]:
+        """Arrays at the given (offset, dtype, shape) in the segment, ready for
+        ``torch.from_numpy``. Call once: the lease hands its memory to these arrays and the
+        segment returns to the pool when they, and every view of them, are gone."""
+        root = self.buf
+        out = []
+        for offset, dtype, shape in spec:
+            dt = np.dtype(dtype)
+            nbytes = dt.itemsize * int(np.prod(shape, dtype=np.int64))
+            if offset < 0 or offset + nbytes > self.size:
+                raise ValueError(
+                    f"array of {nbytes} bytes at offset {offset} ends at {offset + nbytes}, "
+                    f"beyond segment {self.name!r} of {self.size} bytes; acquire a bigger lease")
+            if offset % dt.alignment:
+                raise ValueError(f"offset {offset} of a {dt} array is not a multiple of its "
+                                 f"alignment {dt.alignment}; use layout() to place arrays")
+            out.append(np.ndarray(tuple(shape), dtype=dt, buffer=root, offset=offset))
+        self._root = None
+        return out
+
+    def release(self) -> None:
+        """Drop the lease's own hold on the segment (idempotent). It returns to the pool
+        now if no array or view of ``buf`` is alive, else when the last one dies."""
+        self._root = None
+
+    def discard(self) -> None:
+        """Unlink the segment and never lend it again, for when a producer may still write
+        into it (a transfer failed or timed out). Arrays already made stay valid."""
+        root, self._root = self._ref(), None  # held: it cannot be given back meanwhile
+        if root is None:
+            raise RuntimeError(f"segment {self.name!r} was already given back to its pool; "
+                               f"call discard() instead of release(), not after it")
+        self._retire(self._seg)
+
+
+class SegmentPool:
+    """Segments named ``f"{prefix}-{n}"`` owned by this process, lent out and reused.
+    Thread-safe; leases may be given back (by garbage collection) on any thread."""
+
+    def __init__(self, prefix: str):
+        _path(prefix)
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self._segments: dict[str, _Segment] = {}
+        self._free: list[_Segment] = []
+        self._returned = _Returns()
+        self._next = 0
+        self._closed = False
+        self._paths: list[str] = []
+        self._unlink_at_exit = weakref.finalize(self, _unlink_all, self._paths)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                seg = self._returned.queue.get_nowait()
+            except queue.Empty:
+                return
+            if not seg.retired:
+                self._free.append(seg)
+
+    def acquire(self, nbytes: int) -> Lease:
+        """Lend a segment of at least ``nbytes``: the smallest free one that fits and is not
+        more than 4x too big, else a new one of the next power of two (>= 64 KiB)."""
+        if nbytes < 0:
+            raise ValueError(f"acquire(nbytes={nbytes}): nbytes must be >= 0")
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"segment pool {self.prefix!r} is closed")
+            self._drain()
+            limit = max(MAX_OVERSIZE * nbytes, MIN_SEGMENT)
+            fits = [s for s in self._free if nbytes <= s.size <= limit]
+            if fits:
+                seg = min(fits, key=lambda s: s.size)
+                self._free.remove(seg)
+            else:
+                seg = self._create(max(MIN_SEGMENT, 1 << max(nbytes - 1, 0).bit_length()))
+        root = np.frombuffer(seg.mm, np.uint8)
+        weakref.finalize(root, self._returned.put, seg).atexit = False
+        return Lease(seg, root, self._retire)
+
+    def _retire(self, seg: _Segment) -> None:
+        with self._lock:
+            if self._segments.pop(seg.name, None) is seg:
+                seg.retired = True
+                path = _path(seg.name)
+                self._paths.remove(path)
+                _unlink_all([path])
+
+    def _create(self, size: int) -> _Segment:
+        name = f"{self.prefix}-{self._next}"
+        path = _path(name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise FileExistsError(
+                f"shared-memory segment {path} already exists: a prefix must be unique per "
+                f"pool and run; remove leftovers with asyncrl.comm.shm.cleanup({self.prefix!r})"
+            ) from None
+        self._paths.append(path)
+        self._next += 1
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        seg = self._segments[name] = _Segment(name, size, mm)
+        return seg
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            self._drain()
+            segs = self._segments.values()
+            return PoolStats(len(segs), sum(s.size for s in segs), len(segs) - len(self._free))
+
+    def close(self) -> None:
+        """Unlink every segment and unmap those not in use; a segment still in use is
+        unmapped when its last array dies (its memory stays valid until then)."""
+        with self._lock:
+            self._closed = self._returned.closed = True
+            self._drain()
+            for seg in self._segments.values():
+                with suppress(BufferError):  # arrays still alive
+                    seg.mm.close()
+            self._segments.clear()
+            self._free.clear()
+            self._unlink_at_exit()
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class SegmentMapper:
+    """Writable views of other processes' segments, mapping each on first use. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def view(self, name: str, offset: int, nbytes: int) -> memoryview:
+        with self._lock:
+            mm = self._maps.get(name)
+            if mm is None:
+                mm = self._maps[name] = self._open(name)
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(mm):
+            raise ValueError(
+                f"cannot view {nbytes} bytes at offset {offset} (ending at {offset + nbytes}) "
+                f"of shared-memory segment {name!r}, which has {len(mm)} bytes")
+        return memoryview(mm)[offset:offset + nbytes]
+
+    @staticmethod
+    def _open(name: str) -> mmap.mmap:
+        path = _path(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"shared-memory segment {name!r} ({path}) does not exist: its owner closed "
+                f"its pool or exited") from None
+        try:
+            return mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    def forget(self, name: str) -> None:
+        """Drop the cached mapping (unmapped once no view of it is alive)."""
+        with self._lock:
+            mm = self._maps.pop(name, None)
+        if mm is not None:
+            with suppress(BufferError):  # views still alive; unmapped when they die
+                mm.close()
+
+    def close(self) -> None:
+        for name in list(self._maps):
+            self.forget(name)
+
+
+def cleanup(prefix: str) -> list[str]:
+    """Unlink every file in /dev/shm whose name starts with ``prefix`` (a run's leftovers,
+    e.g. of a killed rank); return the names removed."""
+    _path(prefix)
+    removed = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
+    _unlink_all([os.path.join(SHM_DIR, name) for name in removed])
+    return removed

@@ -1,0 +1,59 @@
+"""The per-rank object store: results stay where they were produced until released."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgspec
+import torch
+
+from asyncrl.comm import codec
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.messages import NONE, Column, Schema
+
+
+def schema_of(value: Any) -> Schema:
+    """Keys, dtypes, row shapes and size of a value, for the controller's reference."""
+    if isinstance(value, TensorBatch):
+        columns, nbytes = [], 0
+        for key, col in value.items():
+            if isinstance(col, torch.Tensor):
+                columns.append(Column(key, str(col.dtype)[6:], tuple(col.shape[1:])))
+                nbytes += col.numel() * col.element_size()
+            else:
+                columns.append(Column(key, "list"))
+        meta = msgspec.Raw(codec.encode(value.meta)) if value.meta else NONE
+        return Schema(len(value), tuple(columns), meta, nbytes)
+    nbytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    return Schema(-1, nbytes=nbytes)
+
+
+class ObjectStore:
+    """obj_id -> value. The exec thread puts, the data server reads, the io thread frees."""
+
+    def __init__(self) -> None:
+        self._objects: dict[int, tuple[Any, int]] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0
+
+    def put(self, obj_id: int, value: Any, nbytes: int) -> None:
+        with self._lock:
+            self._objects[obj_id] = (value, nbytes)
+            self.nbytes += nbytes
+
+    def get(self, obj_id: int) -> Any:
+        entry = self._objects.get(obj_id)
+        if entry is None:
+            raise KeyError(obj_id)
+        return entry[0]
+
+    def free(self, obj_ids: list[int]) -> None:
+        with self._lock:
+            for obj_id in obj_ids:
+                entry = self._objects.pop(obj_id, None)
+                if entry is not None:
+                    self.nbytes -= entry[1]
+
+    def __len__(self) -> int:
+        return len(self._objects)

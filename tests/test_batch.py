@@ -1,0 +1,215 @@
+"""TensorBatch: every operation checked row by row, on tensor, list and mixed columns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.comm.batch import PAD_KEY, RowOps, TensorBatch
+
+
+def rows(b: TensorBatch) -> list[dict]:
+    """The batch as a list of rows, each {column: python value}, for exact comparisons."""
+    return [{k: (v[i].tolist() if isinstance(v, torch.Tensor) else v[i]) for k, v in b.items()}
+            for i in range(len(b))]
+
+
+def mixed(n: int = 5, meta: dict | None = None) -> TensorBatch:
+    """Row i: x=i, m=[[i, 10i, 100i]] (2-d rows), s='s{i}', l=[i, -i]."""
+    i = torch.arange(n)
+    return TensorBatch({
+        "x": i,
+        "m": torch.stack([i, 10 * i, 100 * i], dim=1).reshape(n, 1, 3),
+        "s": [f"s{j}" for j in range(n)],
+        "l": [[j, -j] for j in range(n)],
+    }, meta)
+
+
+def row(i: int) -> dict:
+    return {"x": i, "m": [[i, 10 * i, 100 * i]], "s": f"s{i}", "l": [i, -i]}
+
+
+def test_rowops_is_the_base_of_tensorbatch():
+    assert issubclass(TensorBatch, RowOps) and PAD_KEY == "dp_pad"
+    assert not hasattr(mixed(), "__dict__")  # slots all the way down
+
+
+# -- existing behaviour ----------------------------------------------------------------------
+def test_slice_take_concat_keep_rows_and_copy_meta():
+    b = mixed(5, {"step": 3})
+    assert rows(b.slice(1, 4)) == [row(1), row(2), row(3)]
+    assert rows(b.take([4, 0, 4])) == [row(4), row(0), row(4)]
+    assert rows(TensorBatch.concat([b.slice(3, 5), b.slice(0, 1)])) == [row(3), row(4), row(0)]
+    for out in (b.slice(0, 2), b.take([1]), TensorBatch.concat([b, b])):
+        assert out.meta == {"step": 3} and out.meta is not b.meta
+
+
+def test_chunk_without_pad_is_unchanged():
+    b = mixed(7)
+    chunks = b.chunk(3)
+    assert [[r["x"] for r in rows(c)] for c in chunks] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert rows(chunks[1]) == [row(3), row(4)]
+    assert all(PAD_KEY not in c.meta for c in chunks)
+    assert [len(c) for c in mixed(2).chunk(4)] == [1, 1, 0, 0]
+    assert [len(c) for c in mixed(0).chunk(3)] == [0, 0, 0]
+
+
+# -- chunk(pad=True) -------------------------------------------------------------------------
+def test_chunk_pad_repeats_each_chunks_last_row_and_marks_it():
+    b = mixed(5, {"step": 1})
+    chunks = b.chunk(3, pad=True)
+    assert [rows(c) for c in chunks] == [
+        [row(0), row(1)], [row(2), row(3)], [row(4), row(4)]]
+    assert [c.meta.get(PAD_KEY) for c in chunks] == [None, None, 1]
+    assert all(c.meta["step"] == 1 and c.meta is not b.meta for c in chunks)
+    assert PAD_KEY not in b.meta
+
+
+def test_chunk_pad_fills_empty_chunks_with_the_batchs_last_row():
+    chunks = mixed(2).chunk(4, pad=True)
+    assert [rows(c) for c in chunks] == [[row(0)], [row(1)], [row(1)], [row(1)]]
+    assert [c.meta.get(PAD_KEY) for c in chunks] == [None, None, 1, 1]
+    chunks = mixed(5).chunk(4, pad=True)  # 2,1,1,1 -> every chunk 2 rows
+    assert [rows(c) for c in chunks] == [
+        [row(0), row(1)], [row(2), row(2)], [row(3), row(3)], [row(4), row(4)]]
+    assert [c.meta.get(PAD_KEY) for c in chunks] == [None, 1, 1, 1]
+
+
+def test_chunk_pad_several_rows_and_even_split():
+    chunks = mixed(1).chunk(3, pad=True)
+    assert [rows(c) for c in chunks] == [[row(0)]] * 3
+    assert [c.meta.get(PAD_KEY) for c in chunks] == [None, 1, 1]
+    even = mixed(6).chunk(3, pad=True)
+    assert [rows(c) for c in even] == [[row(0), row(1)], [row(2), row(3)], [row(4), row(5)]]
+    assert all(PAD_KEY not in c.meta for c in even)
+
+
+def test_chunk_pad_marks_describe_the_chunk_not_the_parent():
+    b = mixed(3, {PAD_KEY: 2, "k": "v"})  # e.g. re-chunking an already padded chunk
+    chunks = b.chunk(2, pad=True)
+    assert [c.meta for c in chunks] == [{"k": "v"}, {"k": "v", PAD_KEY: 1}]
+    assert b.meta == {PAD_KEY: 2, "k": "v"}
+
+
+def test_chunk_pad_on_an_empty_batch_gives_n_empty_chunks():
+    chunks = mixed(0, {"k": 1}).chunk(3, pad=True)
+    assert len(chunks) == 3
+    for c in chunks:
+        assert len(c) == 0 and c.keys() == ["x", "m", "s", "l"] and c.meta == {"k": 1}
+        assert c["m"].shape == (0, 1, 3) and c["s"] == []
+
+
+def test_chunk_pad_multi_dim_tensor_keeps_shape_and_dtype():
+    b = TensorBatch({"h": torch.arange(24, dtype=torch.float32).reshape(3, 2, 4)})
+    c = b.chunk(2, pad=True)[1]
+    assert c["h"].shape == (2, 2, 4) and c["h"].dtype == torch.float32
+    assert torch.equal(c["h"][0], b["h"][2]) and torch.equal(c["h"][1], b["h"][2])
+
+
+# -- split -----------------------------------------------------------------------------------
+def test_split_is_consecutive_micro_batches():
+    b = mixed(5, {"k": 1})
+    parts = b.split(2)
+    assert [rows(p) for p in parts] == [[row(0), row(1)], [row(2), row(3)], [row(4)]]
+    assert all(p.meta == {"k": 1} and p.meta is not b.meta for p in parts)
+    assert [rows(p) for p in b.split(5)] == [[row(i) for i in range(5)]]
+    assert [rows(p) for p in b.split(9)] == [[row(i) for i in range(5)]]
+    assert [rows(p) for p in b.split(1)] == [[row(i)] for i in range(5)]
+    assert mixed(0).split(3) == []
+
+
+# -- repeat ----------------------------------------------------------------------------------
+def test_repeat_interleaved_and_tiled():
+    b = mixed(3, {"k": 1})
+    assert rows(b.repeat(2)) == [row(0), row(0), row(1), row(1), row(2), row(2)]
+    assert rows(b.repeat(2, interleave=False)) == [row(0), row(1), row(2)] * 2
+    assert rows(b.repeat(1)) == rows(b) and rows(b.repeat(1, interleave=False)) == rows(b)
+    assert torch.equal(b.repeat(3)["m"], b["m"].repeat_interleave(3, dim=0))
+    for out in (b.repeat(2), b.repeat(2, interleave=False)):
+        assert out.meta == {"k": 1} and out.meta is not b.meta
+    assert len(mixed(0).repeat(4)) == 0 and len(mixed(0).repeat(4, interleave=False)) == 0
+
+
+def test_repeat_copies_rather_than_aliasing():
+    b = TensorBatch({"x": torch.zeros(2), "l": [[1], [2]]})
+    r = b.repeat(2)
+    r["x"][0] = 5.0
+    assert b["x"].tolist() == [0.0, 0.0]
+
+
+# -- select / union / to_dict ----------------------------------------------------------------
+def test_select_keeps_named_columns_in_order():
+    b = mixed(3, {"k": 1})
+    s = b.select(["s", "x"])
+    assert s.keys() == ["s", "x"] and len(s) == 3
+    assert rows(s) == [{"s": f"s{i}", "x": i} for i in range(3)]
+    assert s.meta == {"k": 1} and s.meta is not b.meta
+    assert s["x"] is b["x"]  # columns are shared, not copied
+    assert b.select(iter(["m"])).keys() == ["m"]
+
+
+def test_union_puts_columns_side_by_side():
+    a = TensorBatch({"x": torch.arange(3), "s": ["a", "b", "c"]}, {"k": 1, "both": "a"})
+    b = TensorBatch({"y": torch.ones(3, 2), "x": torch.arange(3), "s": ["a", "b", "c"]},
+                    {"both": "b", "j": 2})
+    u = a.union(b)
+    assert u.keys() == ["x", "s", "y"]
+    assert rows(u) == [{"x": i, "s": "abc"[i], "y": [1.0, 1.0]} for i in range(3)]
+    assert u.meta == {"k": 1, "both": "b", "j": 2}
+    assert u.meta is not a.meta and u.meta is not b.meta
+    assert a.meta == {"k": 1, "both": "a"}  # inputs untouched
+    empty = TensorBatch({"x": torch.arange(0)}).union(TensorBatch({"s": []}))
+    assert len(empty) == 0 and empty.keys() == ["x", "s"]
+
+
+def test_to_dict_is_a_shallow_copy():
+    b = mixed(2)
+    d = b.to_dict()
+    assert list(d) == ["x", "m", "s", "l"] and d["x"] is b["x"] and d["s"] is b["s"]
+    d["new"] = [1, 2]
+    assert "new" not in b
+
+
+# -- errors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda b: b.chunk(0), ValueError, r"chunk\(n\) needs n >= 1, got 0"),
+    (lambda b: b.chunk(0, pad=True), ValueError, r"chunk\(n\) needs n >= 1, got 0"),
+    (lambda b: b.chunk(1.5), TypeError, r"chunk\(n\) needs an int, got float"),
+    (lambda b: b.split(0), ValueError,
+     r"split\(micro_batch_size\) needs micro_batch_size >= 1, got 0"),
+    (lambda b: b.split("2"), TypeError, r"split\(micro_batch_size\) needs an int, got str"),
+    (lambda b: b.repeat(0), ValueError, r"repeat\(k\) needs k >= 1, got 0"),
+    (lambda b: b.repeat(-1, interleave=False), ValueError, r"repeat\(k\) needs k >= 1, got -1"),
+    (lambda b: b.select(["x", "nope", "zz"]), KeyError,
+     r"no column\(s\) \['nope', 'zz'\]; columns: \['x', 'm', 's', 'l'\]"),
+    (lambda b: b.select("x"), TypeError, r"got the str 'x'; write select\(\['x'\]\)"),
+    (lambda b: b.select([]), ValueError, r"at least one column; columns: \['x', 'm', 's', 'l'\]"),
+    (lambda b: b.union({"y": [1, 2, 3]}), TypeError,
+     r"union\(other\) needs a TensorBatch, got dict; wrap columns with TensorBatch"),
+    (lambda b: b.union(TensorBatch({"y": [1, 2]})), ValueError,
+     r"this batch has 3 rows but other has 2; .* \(slice one first\)"),
+    (lambda b: b.union(TensorBatch({"x": torch.tensor([0, 1, 9])})), ValueError,
+     r"column 'x' is in both batches with different values; drop it from one side"),
+    (lambda b: b.union(TensorBatch({"x": torch.arange(3.0)})), ValueError,  # dtype differs
+     r"column 'x' is in both batches"),
+    (lambda b: b.union(TensorBatch({"s": ["s0", "s1", "S2"]})), ValueError,
+     r"column 's' is in both batches"),
+    (lambda b: b.union(TensorBatch({"x": [0, 1, 2]})), ValueError,  # list vs tensor
+     r"column 'x' is in both batches"),
+    (lambda b: b.union(TensorBatch({"m": torch.arange(3)})), ValueError,  # shape differs
+     r"column 'm' is in both batches"),
+])
+def test_errors_name_the_argument_and_the_fix(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call(mixed(3))
+
+
+def test_concat_and_constructor_errors_are_unchanged():
+    with pytest.raises(TypeError, match="column 'x' is a tensor in some batches"):
+        TensorBatch.concat([TensorBatch({"x": torch.arange(1)}), TensorBatch({"x": [1]})])
+    with pytest.raises(ValueError, match="needs at least one batch"):
+        TensorBatch.concat([])
+    with pytest.raises(ValueError, match="0-d tensor"):
+        TensorBatch({"x": torch.tensor(1)})
+    with pytest.raises(KeyError, match="no column 'q'"):
+        mixed(1)["q"]

@@ -1,0 +1,288 @@
+"""The data plane: futures passed between groups move worker to worker, never through the
+controller. Every plan shape is checked row by row on real torchrun groups."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers import BackgroundController, assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl import Dispatch, TensorBatch
+from asyncrl.comm import messages
+from asyncrl.comm.auth import Signer, Verifier, read_secret
+
+
+def rows(n: int) -> TensorBatch:
+    return TensorBatch({"i": torch.arange(n)})
+
+
+class Producer(asyncrl.Worker):
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def make(self, batch: TensorBatch, width: int = 3) -> TensorBatch:
+        i = batch["i"]
+        return TensorBatch({
+            "i": i.clone(),
+            "x": i.double() * 10,
+            "v": (i[:, None] * 100 + torch.arange(width)).to(torch.bfloat16),
+            "name": [f"row{k}" for k in i.tolist()],
+            "src": [self.rank] * len(i)})
+
+    @asyncrl.register
+    def info(self, k: int) -> dict:
+        return {"rank": self.rank, "k": k}
+
+    @asyncrl.register
+    def fail(self):
+        raise ValueError("boom in the producer")
+
+
+def _half_split(layout, args, kwargs):
+    (batch,) = args
+    return asyncrl.Split({0: ((batch.slice(len(batch) // 2, len(batch)),), {})}, [0])
+
+
+asyncrl.register_protocol("second_half", split=_half_split,
+                          collect=lambda layout, results, state: results[0])
+
+
+class Consumer(asyncrl.Worker):
+    def __init__(self):
+        self.seen: list = []
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def echo(self, batch: TensorBatch) -> TensorBatch:
+        self.seen.append((batch["i"].tolist(), sorted(set(batch["src"]))))
+        out = batch.select(["i", "x", "v", "name", "src"])
+        out = out.union(TensorBatch({"by": [self.rank] * len(batch)}))
+        return out
+
+    @asyncrl.register
+    def total(self, batch: TensorBatch) -> tuple:
+        return (len(batch), float(batch["x"].sum()), batch["name"][-1])
+
+    @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
+    def ids(self, batch: TensorBatch) -> list:
+        return batch["i"].tolist()
+
+    @asyncrl.register(dispatch="second_half")
+    def second_half(self, batch: TensorBatch) -> list:
+        return batch["i"].tolist()
+
+    @asyncrl.register
+    def describe(self, values) -> list:
+        return [sorted(v.items()) for v in values]
+
+    @asyncrl.register
+    def history(self) -> list:
+        return self.seen
+
+
+def expected(n: int, width: int = 3) -> dict:
+    i = torch.arange(n)
+    return {"i": i.tolist(), "x": (i.double() * 10).tolist(),
+            "v": (i[:, None] * 100 + torch.arange(width)).to(torch.bfloat16).tolist(),
+            "name": [f"row{k}" for k in range(n)]}
+
+
+def assert_rows(batch: TensorBatch, n: int) -> None:
+    want = expected(n)
+    assert batch["i"].tolist() == want["i"]
+    assert batch["x"].tolist() == want["x"]
+    assert batch["v"].dtype == torch.bfloat16 and batch["v"].tolist() == want["v"]
+    assert batch["name"] == want["name"]
+
+
+@pytest.fixture(scope="module")
+def bg():
+    bg = BackgroundController()
+    yield bg
+    pids = [p for g in bg.ctl.groups.values() for p in group_pids(g)]
+    bg.close()
+    assert_gone(pids)
+
+
+@pytest.fixture(scope="module")
+def groups(bg):
+    return {
+        "p4": bg.spawn(Producer, nprocs=4, name="p4"),
+        "p2": bg.spawn(Producer, nprocs=2, name="p2"),
+        "c2": bg.spawn(Consumer, nprocs=2, name="c2"),
+        "c1": bg.spawn(Consumer, nprocs=1, name="c1"),
+        "grid": bg.spawn(Consumer, nprocs=4, name="grid", mesh={"dp": 2, "tp": 2}),
+    }
+
+
+def get(fut, timeout=60):
+    return fut.result(timeout=timeout)
+
+
+@pytest.mark.parametrize("producer, consumer, n", [
+    ("p4", "c2", 11), ("p2", "c1", 7), ("p2", "c2", 9), ("p4", "c1", 3)])
+def test_dp_m_to_dp_n_moves_rows_in_order(bg, groups, producer, consumer, n):
+    before = bg.ctl.payload_bytes
+    made = groups[producer].make(rows(n))
+    out = get(groups[consumer].echo(made))
+    assert_rows(out, n)
+    assert bg.ctl.payload_bytes == before  # nothing went through the controller
+
+
+def test_dp4_to_dp2_pulls_only_the_shards_it_needs(groups):
+    get(groups["c2"].echo(groups["p4"].make(rows(8))))
+    last = [h[-1] for h in get(groups["c2"].history())]
+    assert last == [[[0, 1, 2, 3], [0, 1]], [[4, 5, 6, 7], [2, 3]]]
+
+
+def test_dp_to_tp_replicas_each_get_their_dp_chunk(groups):
+    out = get(groups["grid"].echo(groups["p2"].make(rows(6))))
+    assert_rows(out, 6)
+    last = [h[-1][0] for h in get(groups["grid"].history())]
+    assert last == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+
+
+def test_broadcast_rank_zero_and_user_protocols(groups):
+    made = groups["p2"].make(rows(5))
+    total = float(sum(expected(5)["x"]))
+    assert get(groups["c2"].total(made)) == [[5, total, "row4"]] * 2  # ONE_TO_ALL
+    assert get(groups["c2"].ids(made)) == [0, 1, 2, 3, 4]  # RANK_ZERO: the whole batch
+    assert get(groups["c2"].second_half(made)) == [2, 3, 4]  # user protocol: slices rows
+
+
+def test_non_batch_values_are_pulled_whole(groups):
+    infos = groups["p2"].info(7)  # ONE_TO_ALL: a list of one dict per rank
+    assert get(groups["c1"].describe(infos)) == [
+        [[["k", 7], ["rank", 0]], [["k", 7], ["rank", 1]]]]
+
+
+def test_padding_rows_reach_the_consumer_marked_and_are_dropped(groups):
+    out = get(groups["c2"].echo(groups["p2"].make(rows(3))))
+    assert_rows(out, 3)
+    assert out["by"] == [0, 0, 1]
+
+
+def test_three_group_chain_carries_no_payload_through_the_controller(bg, groups):
+    ctl = bg.ctl
+    before = ctl.payload_bytes
+    a = groups["p4"].make(rows(10))
+    b = groups["c2"].echo(a)  # transform
+    c = groups["grid"].echo(b)
+    out = get(c)
+    assert_rows(out, 10)
+    assert out["by"] == [0] * 5 + [2] * 5
+    assert ctl.payload_bytes == before
+    # the driver's own await is not counted; sending that value on is
+    value = get(b)
+    assert ctl.payload_bytes == before
+    get(groups["c1"].echo(value))
+    assert ctl.payload_bytes > before
+
+
+def test_failure_propagates_through_a_chain(groups):
+    failed = groups["p2"].fail()
+    middle = groups["c2"].echo(failed)
+    end = groups["c1"].echo(middle)
+    with pytest.raises(RuntimeError, match="input 0") as info:
+        get(end)
+    chain, err = [], info.value
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__
+    assert any(isinstance(e, asyncrl.RemoteError) and "boom in the producer" in str(e)
+               for e in chain)
+
+
+def test_large_results_are_fetched_when_awaited(groups):
+    n = 20000  # ~0.5 MB: too big to come inline with the Result
+    out = get(groups["p2"].make(rows(n), width=4))
+    assert out["i"].tolist() == list(range(n)) and out["v"].shape == (n, 4)
+
+
+def test_objects_are_freed_when_nothing_names_them(bg, groups):
+    p2, c1 = groups["p2"], groups["c1"]
+    held = p2.make(rows(4))
+    get(held)
+    for _ in range(300):
+        get(c1.total(p2.make(rows(4))))
+    gc.collect()
+    deadline = time.monotonic() + 20  # stats come with heartbeats (1 s)
+    while time.monotonic() < deadline and any(o != 1 for o, _ in p2.store_stats.values()):
+        time.sleep(0.1)
+    assert [o for o, _ in p2.store_stats.values()] == [1, 1]  # only `held` remains
+    del held
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(o for o, _ in p2.store_stats.values()):
+        time.sleep(0.1)
+    assert p2.store_stats == {0: (0, 0), 1: (0, 0)}
+
+
+def test_malformed_transfer_requests_are_rejected(bg, groups):
+    import zmq
+
+    p2 = groups["p2"]
+    made = p2.make(rows(4))
+    get(made)
+    addr = p2.ranks[0].data_addr
+    secret = read_secret(str(bg.ctl.secret_file))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"tester/0/pull")
+    sock.setsockopt(zmq.RCVTIMEO, 10000)
+    sock.connect(addr)
+    signer, verifier = Signer(secret), Verifier(secret)
+
+    def ask(pull):
+        sock.send_multipart(signer.sign(b"tester/0/pull", messages.encode(pull)))
+        frames = sock.recv_multipart()
+        return messages.decode(verifier.verify(b">tester/0/pull", frames[:2]))
+
+    try:
+        obj = made._fut.result().obj_id
+        sock.send_multipart([b"garbage", b"x" * 32])  # unsigned: dropped, no answer
+        assert "not held" in ask(messages.Pull(1, obj_id=123456789, start=0, stop=1)).error
+        assert "outside" in ask(messages.Pull(2, obj_id=obj, start=0, stop=99)).error
+        assert "not an asyncrl segment" in ask(messages.Pull(
+            3, obj_id=obj, start=0, stop=1, dest="../etc/passwd")).error
+        ok = ask(messages.Pull(4, obj_id=obj, start=0, stop=2))  # rank 0 holds rows 0-1
+        assert not ok.error and ok.buffers == ["i", "x", "v"]
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert get(groups["c1"].ids(made)) == [0, 1, 2, 3]  # the rank serves on
+
+
+class Slow(asyncrl.Worker):
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def make(self, batch: TensorBatch) -> TensorBatch:
+        return TensorBatch({"i": batch["i"] * 2})
+
+    @asyncrl.register
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_stalled_producer_gives_transfer_timeout_naming_it():
+    async def main():
+        async with asyncrl.Controller(transfer_timeout=2, heartbeat_timeout=60,
+                                      transport="tcp") as ctl:
+            prod = await ctl.spawn(Slow, nprocs=1, name="stalled")
+            cons = await ctl.spawn(Consumer, nprocs=1, name="cons")
+            pids = group_pids(prod) + group_pids(cons)
+            made = prod.make(rows(6))
+            out = await cons.ids(made)  # forced TCP works end to end
+            assert out == [0, 2, 4, 6, 8, 10]
+            os.kill(prod.pids[0], signal.SIGSTOP)
+            try:
+                with pytest.raises(asyncrl.TransferTimeout) as info:
+                    await cons.ids(made)
+            finally:
+                os.kill(prod.pids[0], signal.SIGCONT)
+            return pids, str(info.value)
+    pids, message = run(main())
+    assert "stalled:0" in message and "within 2 s" in message and "cons[rank 0].ids" in message
+    assert_gone(pids)

@@ -1,0 +1,284 @@
+"""Shared-memory segment pool: cross-process writes, reuse only after views die, threads."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.comm.shm import SHM_DIR, SegmentMapper, SegmentPool, cleanup, layout
+from asyncrl.errors import ClosedError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def files(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+@pytest.fixture
+def prefix():
+    p = f"asyncrl-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield p
+    gc.collect()
+    cleanup(p)
+    assert files(p) == []
+
+
+@pytest.fixture
+def pool(prefix):
+    pool = SegmentPool(prefix)
+    yield pool
+    pool.close()
+
+
+PRODUCER = """
+import sys, numpy as np
+from asyncrl.comm.shm import SegmentMapper
+name, off_a, off_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+mapper = SegmentMapper()
+a = np.arange(12, dtype=np.float32).reshape(4, 3) * 1.5
+b = np.array([7, -1, 2**40, 0, 3], dtype=np.int64)
+mapper.view(name, off_a, a.nbytes)[:] = a.tobytes()
+mapper.view(name, off_b, b.nbytes)[:] = b.tobytes()
+assert len(mapper._maps) == 1  # one cached mapping for both views
+mapper.close()
+"""
+
+
+def test_another_process_writes_rows_the_consumer_reads_zero_copy(pool):
+    spec, nbytes = layout([(np.float32, (4, 3)), (np.int64, (5,))])
+    lease = pool.acquire(nbytes)
+    (off_a, _, _), (off_b, _, _) = spec
+    subprocess.run([sys.executable, "-c", PRODUCER, lease.name, str(off_a), str(off_b)],
+                   check=True, timeout=60, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": ROOT})
+    a, b = (torch.from_numpy(x) for x in lease.arrays(spec))
+    assert torch.equal(a, torch.arange(12, dtype=torch.float32).reshape(4, 3) * 1.5)
+    assert b.tolist() == [7, -1, 2**40, 0, 3]
+    a[0, 0] = 99.0  # zero copy: the tensor writes the segment itself
+    assert np.frombuffer(SegmentMapper().view(lease.name, off_a, 4), np.float32)[0] == 99.0
+
+
+def test_layout_aligns_offsets_and_sums_bytes():
+    spec, nbytes = layout([(np.int8, (3,)), (np.float64, (2, 2)), (np.int32, ())], align=16)
+    assert [(o, d, s) for o, d, s in spec] == [
+        (0, np.dtype(np.int8), (3,)), (16, np.dtype(np.float64), (2, 2)),
+        (48, np.dtype(np.int32), ())]
+    assert nbytes == 52
+
+
+def test_segment_returns_only_after_every_tensor_view_is_gone(pool):
+    lease = pool.acquire(1000)
+    first = lease.name
+    arr, = lease.arrays([(0, np.float32, (250,))])
+    tail = torch.from_numpy(arr)[10:]  # a slice of a tensor made from the array
+    del arr, lease
+    gc.collect()
+    assert pool.stats().in_use == 1
+    other = pool.acquire(1000)
+    assert other.name != first  # not handed out while `tail` can still write it
+    tail.fill_(1.0)
+    del tail
+    gc.collect()
+    assert pool.acquire(1000).name == first
+
+
+@pytest.mark.parametrize("keep", ["numpy slice", "tensor.numpy()", "reshaped view", "buf"])
+def test_any_view_keeps_the_segment(pool, keep):
+    lease = pool.acquire(4096)
+    first = lease.name
+    if keep == "buf":
+        view = lease.buf[100:200]
+        lease.release()
+    else:
+        arr, = lease.arrays([(64, np.int32, (8, 4))])
+        view = {"numpy slice": lambda: arr[2:, 1],
+                "tensor.numpy()": lambda: torch.from_numpy(arr)[1].numpy(),
+                "reshaped view": lambda: arr.reshape(-1)[3:].view(np.uint8)}[keep]()
+        del arr
+    del lease
+    gc.collect()
+    assert pool.stats().in_use == 1
+    held = pool.acquire(4096)
+    assert held.name != first
+    del view
+    gc.collect()
+    assert pool.acquire(4096).name == first
+
+
+def test_release_and_dropping_a_lease_give_the_segment_back(pool):
+    lease = pool.acquire(10)
+    name = lease.name
+    lease.release()
+    lease.release()  # idempotent
+    with pytest.raises(RuntimeError, match="released"):
+        lease.arrays([(0, np.uint8, (1,))])
+    assert pool.stats().in_use == 0
+    lease = pool.acquire(10)
+    assert lease.name == name
+    del lease  # never released, never used: garbage gives it back too
+    assert pool.stats() == pool.stats().__class__(segments=1, bytes=64 * 1024, in_use=0)
+
+
+def test_a_discarded_segment_is_unlinked_and_never_lent_again(pool, prefix):
+    lease = pool.acquire(100)
+    name = lease.name
+    arr, = lease.arrays([(0, np.int64, (4,))])
+    lease.discard()  # e.g. a producer timed out and may still write into it
+    assert files(prefix) == [] and pool.stats().segments == 0
+    arr[:] = 5  # still mapped while the array lives
+    del arr
+    gc.collect()
+    assert pool.acquire(100).name != name
+    assert pool.stats().in_use == 0 and pool.stats().segments == 1
+    late = pool.acquire(100)
+    late.release()
+    gc.collect()
+    with pytest.raises(RuntimeError, match="instead of release"):
+        late.discard()  # too late: it may already be lent to someone else
+
+
+def test_sizes_round_up_and_smallest_fitting_segment_is_reused(pool):
+    leases = [pool.acquire(n) for n in (1, 100 * 1024, 1 << 20)]
+    assert [x.size for x in leases] == [64 * 1024, 128 * 1024, 1 << 20]
+    names = [x.name for x in leases]
+    for x in leases:
+        x.release()
+    held = [pool.acquire(50_000), pool.acquire(70_000)]  # each takes the smallest that fits
+    assert [x.name for x in held] == names[:2]
+    small = pool.acquire(100)  # the 1 MiB one is free but 4x too big: a new segment
+    assert small.name not in names and small.size == 64 * 1024
+    big = pool.acquire(300_000)  # 1 MiB <= 4 x 300 000
+    assert big.name == names[2]
+    assert pool.stats().segments == 4 and pool.stats().in_use == 4
+
+
+def test_threads_acquire_and_drop_concurrently(pool, prefix):
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def work(tid: int) -> None:
+        try:
+            rng = np.random.default_rng(tid)
+            barrier.wait()
+            for i in range(150):
+                lease = pool.acquire(int(rng.integers(1, 300_000)))
+                mark = np.full(16, tid * 1000 + i % 1000, dtype=np.int64)
+                if i % 2:
+                    arr, = lease.arrays([(0, np.int64, (16,))])
+                    arr[:] = mark
+                    t = torch.from_numpy(arr)[4:]
+                    del arr
+                    os.sched_yield()
+                    assert (t == int(mark[0])).all(), "segment shared by two holders"
+                else:
+                    lease.buf[:128] = mark.view(np.uint8)
+                    os.sched_yield()
+                    assert (lease.buf[:128].view(np.int64) == mark).all()
+                    lease.release()
+        except BaseException as e:  # noqa: B036 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    gc.collect()
+    stats = pool.stats()
+    assert stats.in_use == 0
+    on_disk = files(prefix)
+    assert stats.segments == len(on_disk) <= 8 * 4  # at most 8 of each size: 64 KiB..512 KiB
+    assert stats.bytes == sum(os.path.getsize(os.path.join(SHM_DIR, n)) for n in on_disk)
+
+
+def test_close_unlinks_everything_and_live_arrays_stay_valid(prefix):
+    pool = SegmentPool(prefix)
+    arr, = pool.acquire(100).arrays([(0, np.int64, (4,))])
+    arr[:] = [1, 2, 3, 4]
+    pool.acquire(1 << 20).release()
+    assert len(files(prefix)) == 2
+    pool.close()
+    assert files(prefix) == []
+    assert arr.tolist() == [1, 2, 3, 4]  # still mapped until it dies
+    with pytest.raises(ClosedError, match=prefix):
+        pool.acquire(1)
+    del arr
+    gc.collect()
+    pool.close()  # idempotent
+
+
+def test_cleanup_removes_a_dead_ranks_segments_only(prefix):
+    script = ("import sys, os; from asyncrl.comm.shm import SegmentPool\n"
+              "p = SegmentPool(sys.argv[1]); [p.acquire(n) for n in (1, 1 << 17)]\n"
+              "os._exit(0)  # killed: nothing is unlinked\n")
+    subprocess.run([sys.executable, "-c", script, prefix + "-r0"], check=True, timeout=60,
+                   cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    bystander = SegmentPool(f"asyncrl-test-other-{uuid.uuid4().hex[:8]}")
+    try:
+        bystander.acquire(1)
+        left = files(prefix)
+        assert left == [prefix + "-r0-0", prefix + "-r0-1"]
+        assert sorted(cleanup(prefix)) == left
+        assert files(prefix) == []
+        assert len(files(bystander.prefix)) == 1
+    finally:
+        bystander.close()
+    assert files(bystander.prefix) == []
+    with pytest.raises(ValueError, match="plain file name"):
+        cleanup("")
+
+
+def test_a_pool_refuses_a_prefix_with_leftovers(prefix):
+    fd = os.open(os.path.join(SHM_DIR, prefix + "-0"), os.O_CREAT | os.O_WRONLY, 0o600)
+    os.close(fd)
+    pool = SegmentPool(prefix)
+    with pytest.raises(FileExistsError, match=rf"cleanup\('{prefix}'\)"):
+        pool.acquire(1)
+    pool.close()
+    assert files(prefix) == [prefix + "-0"]  # not ours: left for cleanup()
+
+
+def test_errors_name_the_segment_and_the_numbers(pool):
+    mapper = SegmentMapper()
+    with pytest.raises(FileNotFoundError, match=f"'{pool.prefix}-7'.*does not exist"):
+        mapper.view(f"{pool.prefix}-7", 0, 1)
+    lease = pool.acquire(1)
+    with pytest.raises(ValueError, match="100 bytes at offset 65500 .ending at 65600.*65536"):
+        mapper.view(lease.name, 65500, 100)
+    with pytest.raises(ValueError, match="offset -1"):
+        mapper.view(lease.name, -1, 1)
+    assert len(mapper.view(lease.name, 65436, 100)) == 100
+    with pytest.raises(ValueError, match="ends at 65544, beyond segment .* 65536 bytes"):
+        lease.arrays([(0, np.float64, (8192 + 1,))])
+    with pytest.raises(ValueError, match="not a multiple of its alignment 8"):
+        lease.arrays([(4, np.float64, (1,))])
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        pool.acquire(-1)
+    with pytest.raises(ValueError, match="plain file name"):
+        mapper.view("../etc/passwd", 0, 1)
+    mapper.close()
+
+
+def test_mapper_sees_the_owner_memory_and_forget_remaps(pool):
+    lease = pool.acquire(1 << 16)
+    mapper = SegmentMapper()
+    view = mapper.view(lease.name, 8, 4)
+    view[:] = b"abcd"
+    assert bytes(lease.buf[8:12]) == b"abcd"
+    lease.buf[8] = ord("z")
+    assert bytes(view) == b"zbcd"
+    mapper.forget(lease.name)  # a view is alive: unmapped only when it dies
+    assert bytes(view) == b"zbcd"
+    del view
+    assert bytes(mapper.view(lease.name, 8, 4)) == b"zbcd"
+    mapper.close()
