@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench bench-data lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,9 @@ test: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/control_plane.py
+
+bench-data: $(VENV)/.installed-bench
+	$(BIN)/python benchmarks/data_plane.py
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check asyncrl tests benchmarks examples

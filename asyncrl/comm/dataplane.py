@@ -20,6 +20,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,11 +39,14 @@ from asyncrl.errors import TransferTimeout
 log = logging.getLogger("asyncrl")
 SHM_PREFIX = "asyncrl-"
 _ALIGN = 64
+BUCKET_BYTES = 32 << 20  # pulls are split into buckets of at most this many bytes, all in
+# flight at once: the producer copies or sends one while the consumer takes in another
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    """The raw bytes of a tensor as a flat uint8 array (no copy when it is contiguous)."""
-    t = t.detach().contiguous()
+    """The raw bytes of a tensor as a flat uint8 array (no copy when it is a contiguous CPU
+    tensor; GPU tensors are staged through host memory until the GPU transports exist)."""
+    t = t.detach().cpu().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
 
 
@@ -135,6 +139,13 @@ class DataServer:
         self._mapper.close()
 
 
+def _buckets(pieces: list[Piece], row_bytes: int) -> list[Piece]:
+    """Pieces cut into runs of rows of at most BUCKET_BYTES each."""
+    rows = max(1, BUCKET_BYTES // max(1, row_bytes))
+    return [Piece(p.shard, s, min(s + rows, p.stop)) for p in pieces
+            for s in range(p.start, p.stop, rows)]
+
+
 class DataClient:
     """Pulls remote pieces for one thread (each thread that runs calls owns one)."""
 
@@ -170,23 +181,24 @@ class DataClient:
             self._socks[addr] = entry
         return entry
 
-    def _exchange(self, requests: list[tuple[Piece, Pull]]) -> dict[int, tuple[Pulled, list]]:
-        """Send every request, then wait for every reply, within the timeout."""
-        pending: dict[int, Piece] = {}
+    def _exchange(self, requests: list[tuple[Piece, Pull]],
+                  take: Callable[[Pull, Pulled, list], None]) -> None:
+        """Send every request, then hand each reply to `take` as it arrives (so the copy of
+        one bucket overlaps the transfer of the next), all within the timeout."""
+        pending: dict[int, tuple[Piece, Pull]] = {}
         poller = zmq.Poller()
         for piece, req in requests:
             sock, signer, _, identity = self._socket(piece.shard.addr)
             sock.send_multipart(signer.sign(identity, messages.encode(req)))
-            pending[req.xfer_id] = piece
+            pending[req.xfer_id] = (piece, req)
             poller.register(sock, zmq.POLLIN)
-        replies: dict[int, tuple[Pulled, list]] = {}
         deadline = time.monotonic() + self._timeout
         by_sock = {id(s): (s, v, i) for s, _, v, i in self._socks.values()}
         while pending:
             left = deadline - time.monotonic()
             ready = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
             if not ready:
-                piece = next(iter(pending.values()))
+                piece, _ = next(iter(pending.values()))
                 what = "whole value" if piece.start < 0 else f"rows {piece.start}:{piece.stop}"
                 raise TransferTimeout(
                     f"no answer from {piece.shard.peer} ({piece.shard.addr}) to a pull of "
@@ -200,7 +212,7 @@ class DataClient:
                     continue
                 reply = messages.decode(body)
                 if isinstance(reply, Pulled) and reply.xfer_id in pending:
-                    piece = pending.pop(reply.xfer_id)
+                    piece, req = pending.pop(reply.xfer_id)
                     if reply.error:
                         raise RuntimeError(f"pull from {piece.shard.peer} failed: "
                                            f"{reply.error}")
@@ -208,62 +220,70 @@ class DataClient:
                         raise RuntimeError(f"pull from {piece.shard.peer}: "
                                            f"{len(frames) - 2} buffers for "
                                            f"{len(reply.buffers)} columns")
-                    replies[reply.xfer_id] = (reply, frames[2:])
-        return replies
+                    take(req, reply, frames[2:])
 
     def fetch_value(self, ref: RemoteValue) -> Any:
         req = Pull(next(self._xfer), ref.shard.obj_id)
-        (reply, _), = self._exchange([(Piece(ref.shard, -1, -1), req)]).values()
-        return codec.decode(reply.value)
+        got: list[Any] = []
+        self._exchange([(Piece(ref.shard, -1, -1), req)],
+                       lambda req, reply, frames: got.append(codec.decode(reply.value)))
+        return got[0]
 
     def fetch_batch(self, rb: RemoteBatch) -> TensorBatch:
         n = len(rb)
         tensor_cols = [c for c in rb.columns if c.dtype != "list"]
         row_bytes = {c.key: _row_bytes(c.dtype, c.shape) for c in tensor_cols}
-        use_shm = self._pool is not None and self._transport != "tcp" and \
-            all(p.shard.host == self._host for p in rb.pieces)
         offsets, total = {}, 0
         for c in tensor_cols:
             offsets[c.key] = total
             total += -(-row_bytes[c.key] * n // _ALIGN) * _ALIGN
-        lease = self._pool.acquire(max(total, 1)) if use_shm and self._pool else None
+        # the destination is a segment of this rank's pool (warm memory, reused): producers
+        # on this host write into it directly; over TCP their frames are copied into it
+        lease = self._pool.acquire(total) if self._pool is not None and total else None
+        direct = lease is not None and self._transport != "tcp" and \
+            all(p.shard.host == self._host for p in rb.pieces)
         dests = [ColumnDest(c.key, offsets[c.key], row_bytes[c.key]) for c in tensor_cols]
-        requests, row = [], 0
-        for piece in rb.pieces:
+        requests, rows_at, row = [], {}, 0
+        for piece in _buckets(rb.pieces, sum(row_bytes.values())):
             req = Pull(next(self._xfer), piece.shard.obj_id, piece.start, piece.stop)
-            if lease is not None:
+            if direct and lease is not None:
                 req.dest, req.dest_row, req.columns = lease.name, row, dests
             requests.append((piece, req))
+            rows_at[req.xfer_id] = row
             row += piece.stop - piece.start
+        buf = lease.buf if lease is not None and not direct else None
+        lists: dict[int, Any] = {}
+
+        def take(req: Pull, reply: Pulled, frames: list) -> None:
+            if len(reply.lists) > 1:  # more than a msgpack nil
+                lists[req.xfer_id] = codec.decode(reply.lists)
+            if buf is None:
+                return
+            start, count = rows_at[req.xfer_id], req.stop - req.start
+            for key, frame in zip(reply.buffers, frames, strict=True):
+                at = offsets[key] + start * row_bytes[key]
+                buf[at:at + count * row_bytes[key]] = np.frombuffer(frame.buffer, np.uint8)
+
         try:
-            replies = self._exchange(requests)
+            self._exchange(requests, take)
         except BaseException:
             if lease is not None:  # a late producer may still write into it: never reuse
                 lease.discard()
             raise
         data: dict[str, Any] = {}
         if lease is not None:
+            del buf  # the arrays below take the lease over
             arrays = lease.arrays([(offsets[c.key], np.uint8, (row_bytes[c.key] * n,))
                                    for c in tensor_cols])
             for c, arr in zip(tensor_cols, arrays, strict=True):
                 data[c.key] = torch.from_numpy(arr).view(getattr(torch, c.dtype)).reshape(
                     n, *c.shape)
-        else:
+        else:  # no rows, or no pool
             for c in tensor_cols:
                 data[c.key] = torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype))
-            row = 0
-            for piece, req in requests:
-                reply, frames = replies[req.xfer_id]
-                rows = piece.stop - piece.start
-                for key, frame in zip(reply.buffers, frames, strict=True):
-                    dst = _bytes_of(data[key][row:row + rows]) if rows else None
-                    if dst is not None:
-                        dst[:] = np.frombuffer(frame.buffer, np.uint8)
-                row += rows
         for c in rb.columns:
             if c.dtype == "list":
-                data[c.key] = [x for _, req in requests
-                               for x in codec.decode(replies[req.xfer_id][0].lists)[c.key]]
+                data[c.key] = [x for _, req in requests for x in lists[req.xfer_id][c.key]]
         return TensorBatch({c.key: data[c.key] for c in rb.columns}, rb.meta)
 
     def close(self) -> None:

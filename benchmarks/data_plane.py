@@ -1,0 +1,236 @@
+"""Data-plane benchmark: a TensorBatch already produced on one group, handed to another group
+whose ranks read every byte (a sum), in GiB/s — side by side in one run with Ray and with a
+single-thread copy of the same bytes between two already-allocated buffers.
+
+    asyncrl  producer DP2 -> consumer DP2 / DP1: the consumer's ranks pull their rows from
+             the producer's ranks (shared memory on one host), the controller carries none;
+             then the same over ZeroMQ TCP (transport="tcp"), for reference
+    ray      two actors return the tensors; the ObjectRefs go to one or two actors that sum
+    memcpy   torch copy_ of the same bytes, one thread, both buffers warm
+
+Then a lifetime check: 10,000 calls whose results are passed on and dropped; the object
+stores must end empty and the ranks' memory flat.
+
+One JSON line per result on stdout. Run: `make bench-data` or
+`.venv/bin/python benchmarks/data_plane.py [--mib 256] [--repeat 5] [--quick]`.
+The ranks import this file to find the worker classes: driver code stays behind __main__.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import asyncrl
+from asyncrl import Dispatch, TensorBatch
+
+ROW = 1024  # float32 values per row: 4 KiB rows
+
+
+class Source(asyncrl.Worker):
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def make(self, index: TensorBatch) -> TensorBatch:
+        return TensorBatch({"x": torch.ones(len(index), ROW)})
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def small(self, index: TensorBatch) -> TensorBatch:
+        return TensorBatch({"x": torch.ones(len(index), 16)})
+
+
+class Sink(asyncrl.Worker):
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def total(self, batch: TensorBatch) -> float:
+        return float(batch["x"].sum())
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def context() -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"machine": {"arch": platform.machine(), "nproc": os.cpu_count()},
+            "python": platform.python_version(),
+            "versions": {d: version(d) for d in ("torch", "ray", "pyzmq", "asyncrl")}}
+
+
+def gib_per_s(nbytes: int, seconds: list[float]) -> dict[str, float]:
+    return {"gib_per_s": round(nbytes / statistics.median(seconds) / 2**30, 3),
+            "gib_per_s_best": round(nbytes / min(seconds) / 2**30, 3)}
+
+
+# -- memcpy --------------------------------------------------------------------------------
+def bench_memcpy(nbytes: int, repeat: int, ctx: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes // 4)
+    dst = torch.zeros(nbytes // 4)
+    dst.copy_(src)  # both buffers warm
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    rec = {"bench": "data_plane", "system": "memcpy", "layout": "copy", "mib": nbytes >> 20,
+           **gib_per_s(nbytes, times), **ctx}
+    emit(rec)
+    return rec
+
+
+# -- ray -----------------------------------------------------------------------------------
+def bench_ray(nbytes: int, repeat: int, ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    try:
+        import ray
+    except ImportError:
+        emit({"bench": "data_plane", "system": "ray", "skipped": "ray is not installed"})
+        return []
+
+    @ray.remote(num_cpus=0)
+    class RaySource:
+        def make(self, rows: int) -> torch.Tensor:
+            return torch.ones(rows, ROW)
+
+    @ray.remote(num_cpus=0)
+    class RaySink:
+        def total(self, *parts: torch.Tensor) -> float:
+            return float(sum(p.sum() for p in parts))
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=max(4 * nbytes, 1 << 30))
+    out = []
+    try:
+        sources = [RaySource.remote() for _ in range(2)]
+        sinks = [RaySink.remote() for _ in range(2)]
+        rows = nbytes // (ROW * 4) // 2
+        refs = [s.make.remote(rows) for s in sources]
+        ray.wait(refs, num_returns=2)  # already produced
+        for layout in ("dp2->dp2", "dp2->dp1"):
+            times = []
+            for _ in range(repeat + 1):
+                t0 = time.perf_counter()
+                if layout == "dp2->dp2":
+                    ray.get([k.total.remote(r) for k, r in zip(sinks, refs, strict=True)])
+                else:
+                    ray.get(sinks[0].total.remote(*refs))
+                times.append(time.perf_counter() - t0)
+            rec = {"bench": "data_plane", "system": "ray", "layout": layout,
+                   "mib": nbytes >> 20, **gib_per_s(nbytes, times[1:]), **ctx}
+            emit(rec)
+            out.append(rec)
+    finally:
+        ray.shutdown()
+    return out
+
+
+# -- asyncrl -------------------------------------------------------------------------------
+async def _asyncrl(nbytes: int, repeat: int, calls: int, ctx: dict[str, Any],
+                   transport: str = "auto") -> list[dict]:
+    out = []
+    async with asyncrl.Controller(transport=transport) as ctl:
+        source = await ctl.spawn(Source, nprocs=2, name="source")
+        sinks = {"dp2->dp2": await ctl.spawn(Sink, nprocs=2, name="sink2"),
+                 "dp2->dp1": await ctl.spawn(Sink, nprocs=1, name="sink1")}
+        rows = nbytes // (ROW * 4)
+        produced = source.make(TensorBatch({"i": torch.arange(rows)}))
+        await produced._fut  # already produced: its data stays on the source's ranks
+        for layout, sink in sinks.items():
+            times = []
+            for _ in range(repeat + 1):  # the first pull also fills the consumer's pool
+                t0 = time.perf_counter()
+                total = await sink.total(produced)
+                times.append(time.perf_counter() - t0)
+                assert sum(total) == rows * ROW, total
+            rec = {"bench": "data_plane", "system": "asyncrl", "layout": layout,
+                   "transport": "shm" if transport == "auto" else transport,
+                   "mib": nbytes >> 20, **gib_per_s(nbytes, times[1:]),
+                   "controller_payload_bytes": ctl.payload_bytes, **ctx}
+            emit(rec)
+            out.append(rec)
+        del produced
+        if calls:
+            out.append(await _lifetimes(ctl, source, sinks["dp2->dp1"], calls, ctx))
+    return out
+
+
+async def _lifetimes(ctl: asyncrl.Controller, source: Any, sink: Any, calls: int,
+                     ctx: dict[str, Any]) -> dict[str, Any]:
+    import psutil
+
+    procs = [psutil.Process(p) for g in (source, sink) for p in g.pids.values()]
+
+    def rss() -> int:
+        return sum(p.memory_info().rss for p in procs)
+
+    index = TensorBatch({"i": torch.arange(64)})
+    for _ in range(200):  # warm-up: pools and allocators reach their steady state
+        await sink.total(source.small(index))
+    gc.collect()
+    start = rss()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        await sink.total(source.small(index))
+    elapsed = time.perf_counter() - t0
+    gc.collect()
+    deadline = time.monotonic() + 10  # store sizes arrive with heartbeats
+    while time.monotonic() < deadline and any(
+            o for g in (source, sink) for o, _ in g.store_stats.values()):
+        await asyncio_sleep(0.1)
+    left = sum(o for g in (source, sink) for o, _ in g.store_stats.values())
+    rec = {"bench": "data_plane", "system": "asyncrl", "check": "lifetimes", "calls": calls,
+           "objects_left": left, "rank_rss_growth_mib": round((rss() - start) / 2**20, 2),
+           "pass_and_drop_per_s": round(calls / elapsed, 1), **ctx}
+    emit(rec)
+    return rec
+
+
+async def asyncio_sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=256, help="size of the batch (MiB)")
+    p.add_argument("--repeat", type=int, default=5, help="timed hand-offs per layout")
+    p.add_argument("--calls", type=int, default=10_000, help="calls for the lifetime check")
+    p.add_argument("--quick", action="store_true", help="32 MiB, 2 repeats, 500 calls")
+    args = p.parse_args()
+    if args.quick:
+        args.mib, args.repeat, args.calls = 32, 2, 500
+    nbytes = args.mib << 20
+    ctx = context()
+    copy = bench_memcpy(nbytes, args.repeat, ctx)
+    ray_recs = {r["layout"]: r for r in bench_ray(nbytes, args.repeat, ctx)}
+    ours = asyncrl.run(_asyncrl(nbytes, args.repeat, args.calls, ctx))
+    asyncrl.run(_asyncrl(nbytes, args.repeat, 0, ctx, transport="tcp"))  # for reference
+    summary: dict[str, Any] = {"bench": "data_plane", "summary": True}
+    for rec in ours:
+        layout = rec.get("layout")
+        if layout is None:
+            continue
+        vs_ray = rec["gib_per_s"] / ray_recs[layout]["gib_per_s"] if layout in ray_recs \
+            else None
+        vs_copy = rec["gib_per_s"] / copy["gib_per_s"]
+        summary[layout] = {
+            "over_ray": None if vs_ray is None else round(vs_ray, 2),
+            "over_ray_met": None if vs_ray is None else vs_ray >= 3,
+            "over_memcpy": round(vs_copy, 2), "over_memcpy_met": vs_copy >= 0.4}
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()
