@@ -38,8 +38,8 @@ ROW = 1024  # float32 values per row: 4 KiB rows
 
 class Source(asyncrl.Worker):
     @asyncrl.register(dispatch=Dispatch.DP)
-    def make(self, index: TensorBatch) -> TensorBatch:
-        return TensorBatch({"x": torch.ones(len(index), ROW)})
+    def make(self, index: TensorBatch, device: str = "cpu") -> TensorBatch:
+        return TensorBatch({"x": torch.ones(len(index), ROW, device=device)})
 
     @asyncrl.register(dispatch=Dispatch.DP)
     def small(self, index: TensorBatch) -> TensorBatch:
@@ -90,6 +90,24 @@ def bench_memcpy(nbytes: int, repeat: int, ctx: dict[str, Any]) -> dict[str, Any
     return rec
 
 
+# -- GPU -----------------------------------------------------------------------------------
+def bench_gpu(nbytes: int, repeat: int, ctx: dict[str, Any]) -> None:
+    src = torch.ones(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    emit({"bench": "data_plane", "system": "memcpy", "layout": "copy", "device": "cuda",
+          "mib": nbytes >> 20, **gib_per_s(nbytes, times), **ctx})
+    del src, dst
+    asyncrl.run(_asyncrl(nbytes, repeat, 0, ctx, device="cuda"))
+
+
 # -- ray -----------------------------------------------------------------------------------
 def bench_ray(nbytes: int, repeat: int, ctx: dict[str, Any]) -> list[dict[str, Any]]:
     try:
@@ -137,14 +155,14 @@ def bench_ray(nbytes: int, repeat: int, ctx: dict[str, Any]) -> list[dict[str, A
 
 # -- asyncrl -------------------------------------------------------------------------------
 async def _asyncrl(nbytes: int, repeat: int, calls: int, ctx: dict[str, Any],
-                   transport: str = "auto") -> list[dict]:
+                   transport: str = "auto", device: str = "cpu") -> list[dict]:
     out = []
     async with asyncrl.Controller(transport=transport) as ctl:
         source = await ctl.spawn(Source, nprocs=2, name="source")
         sinks = {"dp2->dp2": await ctl.spawn(Sink, nprocs=2, name="sink2"),
                  "dp2->dp1": await ctl.spawn(Sink, nprocs=1, name="sink1")}
         rows = nbytes // (ROW * 4)
-        produced = source.make(TensorBatch({"i": torch.arange(rows)}))
+        produced = source.make(TensorBatch({"i": torch.arange(rows)}), device)
         await produced._fut  # already produced: its data stays on the source's ranks
         for layout, sink in sinks.items():
             times = []
@@ -154,7 +172,8 @@ async def _asyncrl(nbytes: int, repeat: int, calls: int, ctx: dict[str, Any],
                 times.append(time.perf_counter() - t0)
                 assert sum(total) == rows * ROW, total
             rec = {"bench": "data_plane", "system": "asyncrl", "layout": layout,
-                   "transport": "shm" if transport == "auto" else transport,
+                   "transport": ("cuda_ipc" if device == "cuda" else "shm")
+                   if transport == "auto" else transport, "device": device,
                    "mib": nbytes >> 20, **gib_per_s(nbytes, times[1:]),
                    "controller_payload_bytes": ctl.payload_bytes, **ctx}
             emit(rec)
@@ -208,11 +227,16 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed hand-offs per layout")
     p.add_argument("--calls", type=int, default=10_000, help="calls for the lifetime check")
     p.add_argument("--quick", action="store_true", help="32 MiB, 2 repeats, 500 calls")
+    p.add_argument("--gpu", action="store_true",
+                   help="only the GPU hand-offs (CUDA IPC on one host) and a device copy")
     args = p.parse_args()
     if args.quick:
         args.mib, args.repeat, args.calls = 32, 2, 500
     nbytes = args.mib << 20
     ctx = context()
+    if args.gpu:
+        bench_gpu(nbytes, args.repeat, ctx)
+        return
     copy = bench_memcpy(nbytes, args.repeat, ctx)
     ray_recs = {r["layout"]: r for r in bench_ray(nbytes, args.repeat, ctx)}
     ours = asyncrl.run(_asyncrl(nbytes, args.repeat, args.calls, ctx))

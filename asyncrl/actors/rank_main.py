@@ -223,7 +223,8 @@ def _init_distributed() -> None:
     timeout = datetime.timedelta(seconds=float(os.environ.get("ASYNCRL_COLLECTIVE_TIMEOUT",
                                                               "600")))
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # ranks beyond the host's GPU count share GPUs (a one-GPU machine runs any group)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)

@@ -31,6 +31,7 @@ import zmq
 from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.cuda_ipc import copy_rows_into, export_rows
 from asyncrl.comm.messages import NONE, ColumnDest, Pull, Pulled
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue
 from asyncrl.comm.shm import SegmentMapper, SegmentPool
@@ -117,6 +118,11 @@ class DataServer:
         lists = {k: c[req.start:req.stop] for k, c in value.items() if isinstance(c, list)}
         reply = Pulled(req.xfer_id, lists=msgspec.Raw(codec.encode(lists)) if lists else NONE)
         tensors = {k: c for k, c in value.items() if isinstance(c, torch.Tensor)}
+        for key in req.ipc:  # GPU columns for a puller on this host: device to device
+            if key not in tensors or not tensors[key].is_cuda:
+                raise ValueError(f"column {key!r} of object {req.obj_id} on {self._peer} is "
+                                 f"not a GPU tensor: it cannot go by CUDA IPC")
+            reply.ipc[key] = export_rows(tensors.pop(key), req.start, req.stop)
         if not req.dest:
             reply.buffers = list(tensors)
             return reply, [_bytes_of(t[req.start:req.stop]) for t in tensors.values()]
@@ -232,7 +238,16 @@ class DataClient:
     def fetch_batch(self, rb: RemoteBatch) -> TensorBatch:
         n = len(rb)
         tensor_cols = [c for c in rb.columns if c.dtype != "list"]
+        all_cols = tensor_cols
         row_bytes = {c.key: _row_bytes(c.dtype, c.shape) for c in tensor_cols}
+        same_host = all(p.shard.host == self._host for p in rb.pieces)
+        on_gpu = torch.cuda.is_available()
+        # GPU columns go device to device by CUDA IPC when both ends share a host; else they
+        # come through host memory and go back onto this rank's GPU, if it has one
+        ipc = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype), device="cuda")
+               for c in tensor_cols if c.device == "cuda" and on_gpu and same_host and
+               self._transport != "tcp"}
+        tensor_cols = [c for c in tensor_cols if c.key not in ipc]
         offsets, total = {}, 0
         for c in tensor_cols:
             offsets[c.key] = total
@@ -240,14 +255,14 @@ class DataClient:
         # the destination is a segment of this rank's pool (warm memory, reused): producers
         # on this host write into it directly; over TCP their frames are copied into it
         lease = self._pool.acquire(total) if self._pool is not None and total else None
-        direct = lease is not None and self._transport != "tcp" and \
-            all(p.shard.host == self._host for p in rb.pieces)
+        direct = lease is not None and self._transport != "tcp" and same_host
         dests = [ColumnDest(c.key, offsets[c.key], row_bytes[c.key]) for c in tensor_cols]
         requests, rows_at, row = [], {}, 0
         for piece in _buckets(rb.pieces, sum(row_bytes.values())):
             req = Pull(next(self._xfer), piece.shard.obj_id, piece.start, piece.stop)
             if direct and lease is not None:
                 req.dest, req.dest_row, req.columns = lease.name, row, dests
+            req.ipc = list(ipc)
             requests.append((piece, req))
             rows_at[req.xfer_id] = row
             row += piece.stop - piece.start
@@ -257,9 +272,11 @@ class DataClient:
         def take(req: Pull, reply: Pulled, frames: list) -> None:
             if len(reply.lists) > 1:  # more than a msgpack nil
                 lists[req.xfer_id] = codec.decode(reply.lists)
+            start, count = rows_at[req.xfer_id], req.stop - req.start
+            for key, info in reply.ipc.items():
+                copy_rows_into(info, ipc[key][start:start + count])
             if buf is None:
                 return
-            start, count = rows_at[req.xfer_id], req.stop - req.start
             for key, frame in zip(reply.buffers, frames, strict=True):
                 at = offsets[key] + start * row_bytes[key]
                 buf[at:at + count * row_bytes[key]] = np.frombuffer(frame.buffer, np.uint8)
@@ -281,6 +298,10 @@ class DataClient:
         else:  # no rows, or no pool
             for c in tensor_cols:
                 data[c.key] = torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype))
+        data.update(ipc)
+        for c in all_cols:
+            if c.device == "cuda" and on_gpu and not data[c.key].is_cuda:
+                data[c.key] = data[c.key].cuda()
         for c in rb.columns:
             if c.dtype == "list":
                 data[c.key] = [x for _, req in requests for x in lists[req.xfer_id][c.key]]

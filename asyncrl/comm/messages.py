@@ -68,11 +68,13 @@ NONE = msgspec.Raw(b"\xc0")  # msgpack nil: the value of a call whose result is 
 
 
 class Column(msgspec.Struct, array_like=True, frozen=True):
-    """One column of a stored TensorBatch: dtype ("list" for a list column), row shape."""
+    """One column of a stored TensorBatch: dtype ("list" for a list column), row shape, and
+    the kind of device its tensor lives on ("cpu" or "cuda")."""
 
     key: str
     dtype: str
     shape: tuple[int, ...] = ()
+    device: str = "cpu"
 
 
 class Schema(msgspec.Struct, array_like=True, frozen=True):
@@ -135,6 +137,24 @@ class ColumnDest(msgspec.Struct, array_like=True, frozen=True):
     row_bytes: int
 
 
+class IpcRows(msgspec.Struct, array_like=True, frozen=True):
+    """Rows of a GPU tensor shared by CUDA IPC: the allocation's handle and where the rows
+    are in it (what torch.multiprocessing sends, without pickle)."""
+
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: Union[bytes, None]
+    event_sync: bool
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # in elements, within the storage
+
+
 class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     """consumer rank -> producer rank's data server: rows [start, stop) of a stored object
     (start == stop == -1: the whole value). With `dest` set, the producer writes the tensor
@@ -148,6 +168,7 @@ class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     dest: str = ""
     dest_row: int = 0
     columns: list[ColumnDest] = []
+    ipc: list[str] = []  # GPU columns to share by CUDA IPC instead (puller on this host)
 
 
 class Pulled(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -159,6 +180,7 @@ class Pulled(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     lists: msgspec.Raw = NONE
     value: msgspec.Raw = NONE
     buffers: list[str] = []  # keys of the raw frames that follow, in order
+    ipc: dict[str, IpcRows] = {}
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

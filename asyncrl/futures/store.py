@@ -19,7 +19,8 @@ def schema_of(value: Any) -> Schema:
         columns, nbytes = [], 0
         for key, col in value.items():
             if isinstance(col, torch.Tensor):
-                columns.append(Column(key, str(col.dtype)[6:], tuple(col.shape[1:])))
+                columns.append(Column(key, str(col.dtype)[6:], tuple(col.shape[1:]),
+                                      "cuda" if col.is_cuda else "cpu"))
                 nbytes += col.numel() * col.element_size()
             else:
                 columns.append(Column(key, "list"))

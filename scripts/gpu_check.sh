@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU checks, in one short run on a machine with an NVIDIA GPU (the device tool's H200:
+# python3 3.12 with torch, cupy, pytest, psutil, uvloop; no pyzmq or msgspec).
+#
+# Before the run, on the CPU machine, fetch the two missing wheels into .whl (git-ignored):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 msgspec==0.23.0
+# then run it with the device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"]).
+# Results land in $OUT (gpu-tests.log, gpu-bench.jsonl).
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, zmq, msgspec; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+# the GPU tests, then the CPU data-plane tests as a sanity check of this machine's stack
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_dataplane.py tests/test_units.py 2>&1 | tail -5 | tee -a "$OUT/gpu-tests.log"
+timeout 200 python3 benchmarks/data_plane.py --gpu --mib 1024 --repeat 5 2>/dev/null | tee "$OUT/gpu-bench.jsonl"
