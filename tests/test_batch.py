@@ -85,10 +85,20 @@ def test_chunk_pad_several_rows_and_even_split():
 
 
 def test_chunk_pad_marks_describe_the_chunk_not_the_parent():
-    b = mixed(3, {PAD_KEY: 2, "k": "v"})  # e.g. re-chunking an already padded chunk
+    b = mixed(3, {PAD_KEY: 2, "k": "v"})  # re-chunking a chunk whose last 2 rows are padding
     chunks = b.chunk(2, pad=True)
-    assert [c.meta for c in chunks] == [{"k": "v"}, {"k": "v", PAD_KEY: 1}]
+    # chunk 0 holds real row 0 and padding row 1; chunk 1 padding row 2 plus one new
+    assert [c.meta for c in chunks] == [{"k": "v", PAD_KEY: 1}, {"k": "v", PAD_KEY: 2}]
     assert b.meta == {PAD_KEY: 2, "k": "v"}
+
+
+def test_micro_batches_of_a_padded_chunk_mark_only_their_own_padding():
+    b = mixed(5, {PAD_KEY: 2})  # rows 3 and 4 are padding
+    assert [c.meta for c in b.split(2)] == [{}, {PAD_KEY: 1}, {PAD_KEY: 1}]
+    assert b.slice(0, 3).meta == {} and b.slice(2, 5).meta == {PAD_KEY: 2}
+    assert PAD_KEY not in b.take([4, 0]).meta
+    assert TensorBatch.concat(b.split(2)).meta == {PAD_KEY: 2}
+    assert PAD_KEY not in TensorBatch.concat([b, mixed(1)]).meta  # a real row after padding
 
 
 def test_chunk_pad_on_an_empty_batch_gives_n_empty_chunks():

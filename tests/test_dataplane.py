@@ -3,6 +3,7 @@ controller. Every plan shape is checked row by row on real torchrun groups."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import signal
@@ -40,6 +41,10 @@ class Producer(asyncrl.Worker):
     @asyncrl.register
     def fail(self):
         raise ValueError("boom in the producer")
+
+    @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
+    def unsendable(self) -> TensorBatch:  # too big to come inline, and a list it cannot send
+        return TensorBatch({"x": torch.zeros(2, 40_000), "obj": [object(), object()]})
 
 
 def _half_split(layout, args, kwargs):
@@ -202,6 +207,21 @@ def test_large_results_are_fetched_when_awaited(groups):
     assert out["i"].tolist() == list(range(n)) and out["v"].shape == (n, 4)
 
 
+def test_a_cancelled_await_leaves_the_future_and_the_group_usable(bg, groups):
+    async def main():
+        made = groups["p2"].make(rows(4))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(made, 0)  # not done yet: this awaiter is cancelled
+        return await groups["c1"].ids(made), (await made)["i"].tolist()
+    assert bg.run(main()) == ([0, 1, 2, 3], [0, 1, 2, 3])
+
+
+def test_an_awaited_result_that_cannot_be_sent_fails_that_await_only(groups):
+    with pytest.raises(LookupError, match="cannot be sent"):
+        get(groups["p2"].unsendable())
+    assert get(groups["p2"].info(1)) == [{"rank": 0, "k": 1}, {"rank": 1, "k": 1}]
+
+
 def test_objects_are_freed_when_nothing_names_them(bg, groups):
     p2, c1 = groups["p2"], groups["c1"]
     held = p2.make(rows(4))
@@ -237,7 +257,8 @@ def test_malformed_transfer_requests_are_rejected(bg, groups):
     signer, verifier = Signer(secret), Verifier(secret)
 
     def ask(pull):
-        sock.send_multipart(signer.sign(b"tester/0/pull", messages.encode(pull)))
+        route = b"tester/0/pull@" + addr.encode()  # pulls are bound to the server they ask
+        sock.send_multipart(signer.sign(route, messages.encode(pull)))
         frames = sock.recv_multipart()
         return messages.decode(verifier.verify(b">tester/0/pull", frames[:2]))
 
@@ -246,8 +267,15 @@ def test_malformed_transfer_requests_are_rejected(bg, groups):
         sock.send_multipart([b"garbage", b"x" * 32])  # unsigned: dropped, no answer
         assert "not held" in ask(messages.Pull(1, obj_id=123456789, start=0, stop=1)).error
         assert "outside" in ask(messages.Pull(2, obj_id=obj, start=0, stop=99)).error
-        assert "not an asyncrl segment" in ask(messages.Pull(
+        assert "not a segment of the puller's pool" in ask(messages.Pull(
             3, obj_id=obj, start=0, stop=1, dest="../etc/passwd")).error
+        other_pool = f"asyncrl-{bg.ctl.run_id}-c1-0-0"  # another rank's live segment
+        assert "not a segment of the puller's pool" in ask(messages.Pull(
+            5, obj_id=obj, start=0, stop=1, dest=other_pool,
+            columns=[messages.ColumnDest("i", 0, 8)])).error
+        wrong_server = Signer(secret).sign(b"tester/0/pull@tcp://elsewhere:1",
+                                           messages.encode(messages.Pull(6, obj_id=obj)))
+        sock.send_multipart(wrong_server)  # signed for another server: dropped, no answer
         ok = ask(messages.Pull(4, obj_id=obj, start=0, stop=2))  # rank 0 holds rows 0-1
         assert not ok.error and ok.buffers == ["i", "x", "v"]
     finally:

@@ -111,7 +111,9 @@ class RankMain:
         self.segments = SegmentPool(f"{SHM_PREFIX}{env.get('ASYNCRL_RUN_ID', os.getpid())}-"
                                 f"{self.group}-{self.rank}")
         self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
-                               self.secret, self.store.get, f"{self.group}:{self.rank}")
+                               self.secret, self.store.get, f"{self.group}:{self.rank}",
+                               f"{SHM_PREFIX}{env.get('ASYNCRL_RUN_ID', os.getpid())}-",
+                               on_start=bind_gpu)
         self.worker: Any = None
         self.methods: dict[str, MethodSpec] = {}
         self.pool: ThreadPoolExecutor | None = None
@@ -135,13 +137,15 @@ class RankMain:
         if value is None:
             return Result(call.call_id, self.rank)
         schema = schema_of(value)
-        raw, inline = NONE, schema.nbytes <= INLINE_LIMIT
+        raw, inline = NONE, schema.nbytes <= INLINE_LIMIT  # tensors alone are too big: skip
         if inline:
             try:
                 raw = msgspec.Raw(codec.encode(value))
             except (TypeError, ValueError) as e:
                 raise TypeError(f"{call.method} returned a value that cannot be sent: {e}") \
                     from e
+            if len(raw) > INLINE_LIMIT:  # lists, dicts of tensors...: measured encoded
+                raw, inline = NONE, False
         self.store.put(call.call_id, value, schema.nbytes)
         return Result(call.call_id, self.rank, value=raw, schema=schema, inline=inline)
 
@@ -152,9 +156,12 @@ class RankMain:
         except KeyError:
             return Fetched(obj_id, self.rank, error=f"object {obj_id} is not held by "
                                                     f"{self.group}:{self.rank}")
+        except Exception as e:  # noqa: BLE001 - e.g. a value that cannot be sent
+            return Fetched(obj_id, self.rank, error=f"{type(e).__name__}: {e}")
 
     # -- exec thread ----------------------------------------------------------------------
     def exec_loop(self) -> None:
+        bind_gpu()
         ex = _Executor(self, self.exec)
         ex.sock.send(self.hello("exec"))
         while True:
@@ -180,6 +187,7 @@ class RankMain:
     def run_concurrent(self, call: Call) -> None:
         ex = getattr(self.local, "executor", None)
         if ex is None:
+            bind_gpu()
             ex = self.local.executor = _Executor(self, self.socket(f"c{threading.get_ident()}"))
         ex.run_call(call)
 
@@ -219,12 +227,19 @@ class RankMain:
                 return EXIT_CONTROLLER_LOST
 
 
+def bind_gpu() -> None:
+    """Make this thread use the rank's GPU: the current CUDA device is per thread, and user
+    code runs on the exec and pool threads, not on the one that initialised the rank."""
+    if torch.cuda.is_available():
+        # ranks beyond the host's GPU count share GPUs (a one-GPU machine runs any group)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
 def _init_distributed() -> None:
     timeout = datetime.timedelta(seconds=float(os.environ.get("ASYNCRL_COLLECTIVE_TIMEOUT",
                                                               "600")))
     if torch.cuda.is_available():
-        # ranks beyond the host's GPU count share GPUs (a one-GPU machine runs any group)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        bind_gpu()
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
@@ -233,7 +248,9 @@ def _init_distributed() -> None:
 def main() -> None:
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", "1")))
     _init_distributed()
-    code = RankMain().serve()
+    rank = RankMain()
+    code = rank.serve()
+    rank.segments.close()  # unlink this rank's shared memory: os._exit runs no finalizer
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # user threads may be blocked in collectives: do not wait for them

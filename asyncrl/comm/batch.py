@@ -36,6 +36,37 @@ def _count(method: str, name: str, value: Any) -> int:
     return n
 
 
+def sliced_meta(meta: dict[str, Any], length: int, start: int, stop: int) -> dict[str, Any]:
+    """The meta of rows [start, stop): the padding mark counts the padding rows kept (the
+    last `meta[PAD_KEY]` rows are padding), so a micro-batch never drops a real row."""
+    pad = meta.get(PAD_KEY)
+    if not pad:
+        return meta
+    start, stop, _ = slice(start, stop).indices(length)
+    kept = max(0, stop - max(start, length - pad))
+    out = {k: v for k, v in meta.items() if k != PAD_KEY}
+    if kept:
+        out[PAD_KEY] = kept
+    return out
+
+
+def unpadded_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """The meta of rows picked one by one (take): where padding went is unknown."""
+    return {k: v for k, v in meta.items() if k != PAD_KEY} if PAD_KEY in meta else meta
+
+
+def concat_meta(parts: Sequence[tuple[dict[str, Any], int]]) -> dict[str, Any]:
+    """The first batch's meta (parts: (meta, rows) per batch); the padding marks add up
+    while the padding stays trailing, i.e. no real row follows a padding row."""
+    out, total = unpadded_meta(parts[0][0]), 0
+    for meta, rows in parts:
+        pad = meta.get(PAD_KEY, 0)
+        if total and pad != rows:
+            return out  # real rows after padding: no single trailing mark describes it
+        total += pad
+    return {**out, PAD_KEY: total} if total else out
+
+
 class RowOps:
     """Row operations written only with `len(self)`, `slice`, `take`, `concat` and `meta`."""
 
@@ -72,12 +103,11 @@ class RowOps:
     def _pad(self, chunk: Self, rows: int) -> Self:
         missing = rows - len(chunk)
         if missing == 0:
-            # A mark inherited from this batch would describe its rows, not the chunk's.
-            chunk.meta.pop(PAD_KEY, None)
             return chunk
         src = chunk if len(chunk) else self
         padded = type(self).concat([chunk, src.take([len(src) - 1] * missing)])
-        padded.meta[PAD_KEY] = missing
+        # padding the chunk already had (re-chunking a padded chunk) stays trailing too
+        padded.meta[PAD_KEY] = chunk.meta.get(PAD_KEY, 0) + missing
         return padded
 
     def split(self, micro_batch_size: int) -> list[Self]:
@@ -196,14 +226,15 @@ class TensorBatch(RowOps):
     # -- rows -----------------------------------------------------------------------------
     def slice(self, start: int, stop: int) -> TensorBatch:
         """Rows [start, stop) as a new batch (tensor columns are views)."""
-        return TensorBatch({k: v[start:stop] for k, v in self._data.items()}, self.meta)
+        return TensorBatch({k: v[start:stop] for k, v in self._data.items()},
+                           sliced_meta(self.meta, self._len, start, stop))
 
     def take(self, rows: Sequence[int]) -> TensorBatch:
         """The given rows, in the given order (copies)."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
         return TensorBatch(
             {k: v.index_select(0, index) if isinstance(v, torch.Tensor) else [v[i] for i in rows]
-             for k, v in self._data.items()}, self.meta)
+             for k, v in self._data.items()}, unpadded_meta(self.meta))
 
     @staticmethod
     def concat(batches: Sequence[TensorBatch]) -> TensorBatch:
@@ -227,7 +258,7 @@ class TensorBatch(RowOps):
             else:
                 raise TypeError(f"TensorBatch.concat: column {k!r} is a tensor in some batches "
                                 f"and a list in others")
-        return TensorBatch(data, batches[0].meta)
+        return TensorBatch(data, concat_meta([(b.meta, len(b)) for b in batches]))
 
 
 def _same_column(a: Column, b: Column) -> bool:

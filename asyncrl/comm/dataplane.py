@@ -58,16 +58,20 @@ def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
 class DataServer:
     """A rank's data-plane server: a thread with a ROUTER that answers Pulls."""
 
-    def __init__(self, ctx: zmq.Context, host: str, secret: bytes, lookup, peer: str):
+    def __init__(self, ctx: zmq.Context, host: str, secret: bytes, lookup, peer: str,
+                 run_prefix: str, on_start: Callable[[], None] | None = None):
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._signer, self._verifier = Signer(secret), Verifier(secret)
+        self._route = b"@" + self.address.encode()  # a pull signed for another server fails
         self._lookup = lookup  # obj_id -> stored value, KeyError if absent
         self._peer = peer
+        self._run_prefix = run_prefix  # segments of this run: f"{run_prefix}{group}-{rank}-"
         self._mapper = SegmentMapper()
+        self._on_start = on_start
         self.rejected = 0  # well-signed requests that could not be served
         threading.Thread(target=self._serve, name="asyncrl-data", daemon=True).start()
 
@@ -76,32 +80,42 @@ class DataServer:
         return self._verifier.total_dropped
 
     def _serve(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while True:
-            frames = self._sock.recv_multipart(copy=True)
-            if len(frames) != 3:
-                self._verifier.drop("malformed")
-                continue
-            identity = frames[0]
-            body = self._verifier.verify(identity, frames[1:])
-            if body is None:
-                continue
             try:
-                req = messages.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self._verifier.drop("undecodable")
-                continue
-            if not isinstance(req, Pull):
-                self._verifier.drop("unexpected")
-                continue
-            try:
-                reply, buffers = self._answer(req)
-            except Exception as e:  # noqa: BLE001 - a bad request is refused, never fatal
-                self.rejected += 1
-                reply, buffers = Pulled(req.xfer_id, error=f"{type(e).__name__}: {e}"), []
-            frames_out = self._signer.sign(b">" + identity, messages.encode(reply))
-            self._sock.send_multipart([identity, *frames_out, *buffers], copy=False)
+                self._serve_one()
+            except Exception:  # noqa: BLE001 - this thread must outlive any one request
+                log.exception("asyncrl data server %s: a request failed", self._peer)
 
-    def _answer(self, req: Pull) -> tuple[Pulled, list[Any]]:
+    def _serve_one(self) -> None:
+        frames = self._sock.recv_multipart(copy=True)
+        if len(frames) != 3:
+            self._verifier.drop("malformed")
+            return
+        identity = frames[0]
+        body = self._verifier.verify(identity + self._route, frames[1:])
+        if body is None:
+            return
+        try:
+            req = messages.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._verifier.drop("undecodable")
+            return
+        if not isinstance(req, Pull):
+            self._verifier.drop("unexpected")
+            return
+        try:
+            reply, buffers = self._answer(req, identity)
+        except Exception as e:  # noqa: BLE001 - a bad request is refused, never fatal
+            self.rejected += 1
+            if req.dest:
+                self._mapper.forget(req.dest)  # the puller may have given the segment up
+            reply, buffers = Pulled(req.xfer_id, error=f"{type(e).__name__}: {e}"), []
+        frames_out = self._signer.sign(b">" + identity, messages.encode(reply))
+        self._sock.send_multipart([identity, *frames_out, *buffers], copy=False)
+
+    def _answer(self, req: Pull, identity: bytes) -> tuple[Pulled, list[Any]]:
         try:
             value = self._lookup(req.obj_id)
         except KeyError:
@@ -126,8 +140,11 @@ class DataServer:
         if not req.dest:
             reply.buffers = list(tensors)
             return reply, [_bytes_of(t[req.start:req.stop]) for t in tensors.values()]
-        if not req.dest.startswith(SHM_PREFIX):
-            raise ValueError(f"destination {req.dest!r} is not an asyncrl segment")
+        group, rank = (identity.decode(errors="replace").split("/") + ["", ""])[:2]
+        own = f"{self._run_prefix}{group}-{rank}-"  # only the puller's own pool, this run
+        if not req.dest.startswith(own):
+            raise ValueError(f"destination {req.dest!r} is not a segment of the puller's "
+                             f"pool (expected a name starting {own!r})")
         for col in req.columns:
             if col.key not in tensors:
                 raise KeyError(f"object {req.obj_id} on {self._peer} has no tensor column "
@@ -182,6 +199,7 @@ class DataClient:
             identity = f"{self._identity}/pull{len(self._socks)}".encode()
             sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # sending a pull never blocks: only replies are waited
             sock.connect(addr)
             entry = (sock, Signer(self._secret), Verifier(self._secret), identity)
             self._socks[addr] = entry
@@ -195,7 +213,8 @@ class DataClient:
         poller = zmq.Poller()
         for piece, req in requests:
             sock, signer, _, identity = self._socket(piece.shard.addr)
-            sock.send_multipart(signer.sign(identity, messages.encode(req)))
+            route = identity + b"@" + piece.shard.addr.encode()
+            sock.send_multipart(signer.sign(route, messages.encode(req)))
             pending[req.xfer_id] = (piece, req)
             poller.register(sock, zmq.POLLIN)
         deadline = time.monotonic() + self._timeout
@@ -206,6 +225,8 @@ class DataClient:
             if not ready:
                 piece, _ = next(iter(pending.values()))
                 what = "whole value" if piece.start < 0 else f"rows {piece.start}:{piece.stop}"
+                for addr in {p.shard.addr for p, _ in pending.values()}:
+                    self._drop_socket(addr)  # late replies must not reach the next pull
                 raise TransferTimeout(
                     f"no answer from {piece.shard.peer} ({piece.shard.addr}) to a pull of "
                     f"{what} of object {piece.shard.obj_id} within {self._timeout:g} s "
@@ -218,6 +239,7 @@ class DataClient:
                     continue
                 reply = messages.decode(body)
                 if isinstance(reply, Pulled) and reply.xfer_id in pending:
+                    deadline = time.monotonic() + self._timeout  # the timeout is for silence
                     piece, req = pending.pop(reply.xfer_id)
                     if reply.error:
                         raise RuntimeError(f"pull from {piece.shard.peer} failed: "
@@ -306,6 +328,11 @@ class DataClient:
             if c.dtype == "list":
                 data[c.key] = [x for _, req in requests for x in lists[req.xfer_id][c.key]]
         return TensorBatch({c.key: data[c.key] for c in rb.columns}, rb.meta)
+
+    def _drop_socket(self, addr: str) -> None:
+        entry = self._socks.pop(addr, None)
+        if entry is not None:
+            entry[0].close(0)
 
     def close(self) -> None:
         for sock, *_ in self._socks.values():

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.comm.batch import RowOps
+from asyncrl.comm.batch import RowOps, concat_meta, sliced_meta, unpadded_meta
 from asyncrl.comm.messages import Column
 
 
@@ -84,18 +84,20 @@ class RemoteBatch(RowOps):
             if lo < hi:
                 out.append(Piece(p.shard, p.start + lo, p.start + hi))
             offset += n
-        return RemoteBatch(out, self.columns, self.meta)
+        return RemoteBatch(out, self.columns, sliced_meta(self.meta, self._len, start, stop))
 
     def take(self, rows: Sequence[int]) -> RemoteBatch:
         out: list[Piece] = []
         for r in rows:
+            if not 0 <= r < self._len:
+                raise IndexError(f"take: row {r} is outside this batch of {self._len} rows")
             p = self.slice(r, r + 1).pieces[0]
             last = out[-1] if out else None
             if last is not None and last.shard == p.shard and last.stop == p.start:
                 out[-1] = Piece(p.shard, last.start, p.stop)  # merge runs of adjacent rows
             else:
                 out.append(p)
-        return RemoteBatch(out, self.columns, self.meta)
+        return RemoteBatch(out, self.columns, unpadded_meta(self.meta))
 
     @staticmethod
     def concat(batches: Sequence[RemoteBatch]) -> RemoteBatch:  # type: ignore[override]
@@ -106,4 +108,5 @@ class RemoteBatch(RowOps):
             if b.columns != columns:
                 raise ValueError(f"concat: batch {i} has columns {b.keys()} "
                                  f"but batch 0 has {batches[0].keys()}")
-        return RemoteBatch([p for b in batches for p in b.pieces], columns, batches[0].meta)
+        return RemoteBatch([p for b in batches for p in b.pieces], columns,
+                           concat_meta([(b.meta, len(b)) for b in batches]))

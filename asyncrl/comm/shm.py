@@ -245,15 +245,21 @@ def _unlink_all(paths: list[str]) -> None:
 class SegmentMapper:
     """Writable views of other processes' segments, mapping each on first use. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_maps: int = 64) -> None:
         self._lock = threading.Lock()
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, mmap.mmap] = {}  # in order of last use
+        self._max_maps = max_maps  # least recently used mappings beyond this are dropped
 
     def view(self, name: str, offset: int, nbytes: int) -> memoryview:
         with self._lock:
-            mm = self._maps.get(name)
+            mm = self._maps.pop(name, None)
             if mm is None:
-                mm = self._maps[name] = self._open(name)
+                mm = self._open(name)
+            self._maps[name] = mm
+            stale = list(self._maps)[:-self._max_maps] if len(self._maps) > self._max_maps \
+                else []
+        for old in stale:
+            self.forget(old)
         if offset < 0 or nbytes < 0 or offset + nbytes > len(mm):
             raise ValueError(
                 f"cannot view {nbytes} bytes at offset {offset} (ending at {offset + nbytes}) "

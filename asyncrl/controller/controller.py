@@ -21,6 +21,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 import weakref
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ class Controller:
         self.shutdown_grace = shutdown_grace
         self.transfer_timeout = transfer_timeout
         self.transport = transport
-        self.run_id = f"{os.getpid()}x{id(self) & 0xFFFFFF:x}"
+        self.run_id = uuid.uuid4().hex[:16]  # names this run's shared-memory segments
         # bytes of worker-produced data that went through this controller to another group
         self.payload_bytes = 0
         self._releases: dict[GroupHandle, dict[int, list[int]]] = {}

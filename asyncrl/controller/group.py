@@ -208,8 +208,11 @@ class GroupHandle:
     async def _drain(self) -> None:
         while self._backlog:
             item = self._backlog[0]
-            await self._send_when_ready(item)
-            self._backlog.popleft()
+            try:
+                await self._send_when_ready(item)
+            finally:  # _fail_all may have emptied the backlog meanwhile
+                if self._backlog and self._backlog[0] is item:
+                    self._backlog.popleft()
 
     async def _send_when_ready(self, item: _Queued) -> None:
         try:
@@ -279,7 +282,9 @@ class GroupHandle:
             return
         del self._pending[msg.call_id]
         self._ctl._calls.pop(msg.call_id, None)
-        if p.future.done():
+        if p.future.done():  # another rank failed: nothing will name what these ranks kept
+            if p.shards:
+                self._ctl._queue_release([(self, r) for r in p.shards], msg.call_id)
             return
         layout, protocol, state = self.layout, p.protocol, p.state
         p.future._set_result(ObjectRef(self, msg.call_id,
@@ -295,6 +300,8 @@ class GroupHandle:
         """A stored part that was too big to come with its Result (a driver awaits it)."""
         if self.dead is not None:
             raise self.dead
+        if self.closing:
+            raise ClosedError(f"group {self.name!r} is closed; its results are gone")
         waiter = self._fetches.get((rank, obj_id))
         if waiter is None:
             waiter = self._fetches[(rank, obj_id)] = self._ctl.loop.create_future()
@@ -317,7 +324,7 @@ class GroupHandle:
         if not isinstance(arg, DistFuture):
             return arg
         try:
-            ref = await arg._fut
+            ref = await asyncio.shield(arg._fut)
         except Exception as e:
             raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e
         item.inputs.append(ref)

@@ -51,7 +51,8 @@ class DistFuture:
         return self._get().__await__()
 
     async def _get(self) -> Any:
-        return await (await self._fut).value()
+        # shielded: cancelling one awaiter (a wait_for timing out) must not cancel the call
+        return await (await asyncio.shield(self._fut)).value()
 
     def result(self, timeout: float | None = None) -> Any:
         """Block until the value is ready (sync code on another thread).
