@@ -26,7 +26,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/asyncrl launch examples/driver.py
+	$(BIN)/asyncrl launch examples/flow.py --steps 4
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q

@@ -8,17 +8,26 @@ from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.controller.controller import Controller
+from asyncrl.controller.declare import config, group
+from asyncrl.controller.flow import DataFlow, FlowError, NodeError, node
 from asyncrl.controller.group import GroupHandle
+from asyncrl.controller.placement import (
+                                          PlacementError,
+                                          colocate_with,
+                                          nvlink_group,
+                                          same_host_as,
+                                          separate_from,
+)
 from asyncrl.controller.runner import run
 from asyncrl.errors import (
-    AsyncRLError,
-    ClosedError,
-    EncodeError,
-    GroupDeadError,
-    RemoteError,
-    SpawnError,
-    SpawnTimeout,
-    TransferTimeout,
+                                          AsyncRLError,
+                                          ClosedError,
+                                          EncodeError,
+                                          GroupDeadError,
+                                          RemoteError,
+                                          SpawnError,
+                                          SpawnTimeout,
+                                          TransferTimeout,
 )
 from asyncrl.futures.future import DistFuture
 
@@ -28,12 +37,16 @@ __all__ = [
     "AsyncRLError",
     "ClosedError",
     "Controller",
+    "DataFlow",
     "Dispatch",
     "DistFuture",
     "EncodeError",
+    "FlowError",
     "GroupDeadError",
     "GroupHandle",
     "Layout",
+    "NodeError",
+    "PlacementError",
     "RemoteError",
     "SpawnError",
     "SpawnTimeout",
@@ -41,7 +54,14 @@ __all__ = [
     "TensorBatch",
     "TransferTimeout",
     "Worker",
+    "colocate_with",
+    "config",
+    "group",
+    "node",
+    "nvlink_group",
     "register",
     "register_protocol",
     "run",
+    "same_host_as",
+    "separate_from",
 ]

@@ -1,36 +1,87 @@
 """The `asyncrl` command: parse, build, run, close.
 
-    asyncrl launch script.py [args...]   run the script's `main()` (async or not)
+    asyncrl launch FILE [--steps N] [--run-dir DIR] [--save-inputs] [key=value ...]
+                                          run FILE's `flow` (a DataFlow), or its `main()`
+    asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
+    asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from asyncrl.controller.runner import run
 
 
-def _load_script(path: str) -> Any:
+def _load(path: str, overrides: list[str] | None = None) -> Any:
     from asyncrl.comm.refs import _load_file
+    from asyncrl.controller.declare import OVERRIDES_ENV, parse_overrides
 
     if not os.path.isfile(path):
-        raise SystemExit(f"asyncrl launch: no such file: {path}")
+        raise SystemExit(f"asyncrl: no such file: {path}")
+    if overrides:  # before the import: the flow file reads them with asyncrl.config(...)
+        os.environ[OVERRIDES_ENV] = json.dumps(parse_overrides(overrides))
     return _load_file(os.path.abspath(path))
 
 
+def _flow_of(module: Any, path: str) -> Any:
+    from asyncrl.controller.flow import DataFlow
+
+    flow = getattr(module, "flow", None)
+    if flow is not None and not isinstance(flow, DataFlow):
+        raise SystemExit(f"asyncrl: {path} defines `flow`, but it is a "
+                         f"{type(flow).__name__}, not an asyncrl.DataFlow")
+    return flow
+
+
 def launch(args: argparse.Namespace) -> int:
+    from asyncrl.controller.launch import default_run_dir, launch_flow
+
     sys.argv = [args.script, *args.args]
-    module = _load_script(args.script)
-    main = getattr(module, "main", None)
-    if main is None:
-        raise SystemExit(f"asyncrl launch: {args.script} defines no main(); write "
-                         f"`async def main():` that opens `async with asyncrl.Controller()`")
-    result = run(main()) if inspect.iscoroutinefunction(main) else main()
-    return int(result) if isinstance(result, int) else 0
+    module = _load(args.script, [a for a in args.args if "=" in a])
+    flow = _flow_of(module, args.script)
+    if flow is None:
+        main = getattr(module, "main", None)
+        if main is None:
+            raise SystemExit(f"asyncrl launch: {args.script} defines no `flow` and no main(); "
+                             f"declare `flow = asyncrl.DataFlow(...)` or write `async def "
+                             f"main():` that opens `async with asyncrl.Controller()`")
+        result = run(main()) if inspect.iscoroutinefunction(main) else main()
+        return int(result) if isinstance(result, int) else 0
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run_dir: {run_dir}", flush=True)
+    run(launch_flow(flow, args.steps, run_dir, args.save_inputs))
+    return 0
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from asyncrl.controller.launch import load_inputs, run_one_node
+
+    module = _load(args.script)
+    flow = _flow_of(module, args.script)
+    if flow is None:
+        raise SystemExit(f"asyncrl run: {args.script} defines no `flow`")
+    value = run(run_one_node(flow, args.node, load_inputs(Path(args.inputs))))
+    print(repr(value))
+    return 0
+
+
+def timeline(args: argparse.Namespace) -> int:
+    from asyncrl.controller.timeline import draw
+
+    trace = Path(args.run_dir) / "timeline.json"
+    if not trace.is_file():
+        raise SystemExit(f"asyncrl timeline: {trace} does not exist; it is written by "
+                         f"`asyncrl launch FLOW --run-dir {args.run_dir}`")
+    print(draw(trace, Path(args.run_dir) / "timeline.png"))
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,16 +89,39 @@ def parser() -> argparse.ArgumentParser:
         "asyncrl: RL post-training on an asyncio single controller with torchrun worker "
         "groups, no Ray."))
     sub = p.add_subparsers(dest="command", required=True)
-    lp = sub.add_parser("launch", help="run a driver script's main()",
-                        description="Run SCRIPT's `main()` (an `async def` runs on uvloop).")
-    lp.add_argument("script", help="a Python file defining main()")
-    lp.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
+    lp = sub.add_parser("launch", help="run a flow file's DataFlow, or a driver's main()",
+                        description="Run SCRIPT's `flow` (a DataFlow) or its `main()` (an "
+                                    "`async def` runs on uvloop). key=value arguments "
+                                    "override the flow's asyncrl.config(...) settings.")
+    lp.add_argument("script", help="a Python file defining `flow` or main()")
+    lp.add_argument("--steps", type=int, default=None, help="steps to run (default: until "
+                    "an input is exhausted)")
+    lp.add_argument("--run-dir", default=None, help="where logs, metrics.jsonl and "
+                    "timeline.json go (default: runs/<time>)")
+    lp.add_argument("--save-inputs", action="store_true",
+                    help="save every node's inputs, for `asyncrl run --node`")
+    lp.add_argument("args", nargs="*", help="key=value overrides, or arguments passed on "
+                    "to a driver's main() (after --)")
     lp.set_defaults(func=launch)
+    rp = sub.add_parser("run", help="run one node of a flow alone with saved inputs",
+                        description="Spawn the flow's groups and run one node with inputs "
+                                    "saved by `asyncrl launch --save-inputs`.")
+    rp.add_argument("script")
+    rp.add_argument("--node", required=True)
+    rp.add_argument("--inputs", required=True, help="RUN_DIR/inputs/step<t>/<node>.msgpack")
+    rp.set_defaults(func=run_node)
+    tp = sub.add_parser("timeline", help="draw a run's timeline as a PNG Gantt chart")
+    tp.add_argument("run_dir")
+    tp.set_defaults(func=timeline)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args, extra = parser().parse_known_args(argv)
+    if extra and args.command != "launch":
+        parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # key=value overrides (or a driver's own arguments) after the options
+        args.args = [*args.args, *extra]
     try:
         return args.func(args)
     except KeyboardInterrupt:

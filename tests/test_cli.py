@@ -39,4 +39,4 @@ def test_launch_errors_are_clear(tmp_path):
     script = tmp_path / "nomain.py"
     script.write_text("x = 1\n")
     out = _run("launch", str(script))
-    assert out.returncode != 0 and "defines no main()" in out.stderr
+    assert out.returncode != 0 and "defines no `flow` and no main()" in out.stderr

@@ -25,7 +25,8 @@ def test_public_api_is_the_facade():
         "AsyncRLError", "ClosedError", "Controller", "Dispatch", "DistFuture", "EncodeError",
         "GroupDeadError", "GroupHandle", "Layout", "RemoteError", "SpawnError", "SpawnTimeout",
         "Split", "TensorBatch", "TransferTimeout", "Worker", "register", "register_protocol",
-        "run"])
+        "run", "DataFlow", "FlowError", "NodeError", "PlacementError", "colocate_with",
+        "config", "group", "node", "nvlink_group", "same_host_as", "separate_from"])
     for name in asyncrl.__all__:
         assert getattr(asyncrl, name) is not None
 

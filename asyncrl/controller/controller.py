@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import os
@@ -48,6 +49,8 @@ from asyncrl.comm.refs import make_ref
 from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.group import GroupHandle, RankInfo
 from asyncrl.controller.launcher import Agent, kill_pids, pid_alive, rank_env
+from asyncrl.controller.placement import Placer
+from asyncrl.controller.timeline import Timeline
 from asyncrl.errors import (
     ClosedError,
     EncodeError,
@@ -58,6 +61,8 @@ from asyncrl.errors import (
 )
 
 log = logging.getLogger("asyncrl")
+_current: contextvars.ContextVar[Controller | None] = contextvars.ContextVar(
+    "asyncrl_controller", default=None)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -111,6 +116,8 @@ class Controller:
         # bytes of worker-produced data that went through this controller to another group
         self.payload_bytes = 0
         self._releases: dict[GroupHandle, dict[int, list[int]]] = {}
+        self.placer = Placer()
+        self.timeline: Timeline | None = None  # set by a DataFlow: records node executions
         self._own_run_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else None
         self._die_with_controller = die_with_controller
@@ -142,10 +149,12 @@ class Controller:
         self._started = True
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        self._token = _current.set(self)
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.secret_file = self.run_dir / "secret"
+        self._private = Path(tempfile.mkdtemp(prefix="asyncrl-secret-"))  # 0700, removed at close
+        self.secret_file = self._private / "secret"
         secret = new_secret()
         write_secret(str(self.secret_file), secret)
         self.channel = ControllerChannel(secret, self.host)
@@ -168,8 +177,15 @@ class Controller:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self.channel.close()
             cleanup_segments(f"asyncrl-{self.run_id}-")  # what killed ranks left behind
+            shutil.rmtree(self._private, ignore_errors=True)
             if self._own_run_dir and self.run_dir is not None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    @staticmethod
+    def current() -> Controller | None:
+        """The Controller started in this context (None outside one)."""
+        ctl = _current.get()
+        return ctl if ctl is not None and not ctl._closed else None
 
     @property
     def dropped_frames(self) -> dict[str, int]:
@@ -182,7 +198,8 @@ class Controller:
                     env: dict[str, str] | None = None, **kwargs: Any) -> GroupHandle:
         """Launch `worker_cls` as one torchrun job of `nprocs` ranks; wait until it is ready.
 
-        `mesh` names the axes of the group's ranks (default ``{"dp": nprocs}``); `env` adds
+        `mesh` names the axes of the group's ranks (default ``{"dp": nprocs}``); `place` is a
+        placement constraint or a list of them (`asyncrl.separate_from(g)`...); `env` adds
         environment variables for the ranks; other arguments go to ``worker_cls(...)``."""
         if self._closed or not self._started:
             raise ClosedError("the controller is not running; use `async with Controller()`")
@@ -195,7 +212,8 @@ class Controller:
             raise EncodeError(f"cannot send argument {e.name!r} of {worker_cls.__name__}(): "
                               f"{e.cause}") from None
         assert self.run_dir is not None
-        extra = {"ASYNCRL_ADDR": self.channel.address, "ASYNCRL_GROUP": name,
+        placement = self.placer.place(name, nprocs, place)  # before launch: errors say why
+        extra = {**placement.env, "ASYNCRL_ADDR": self.channel.address, "ASYNCRL_GROUP": name,
                  "ASYNCRL_SECRET_FILE": str(self.secret_file),
                  "ASYNCRL_HB_INTERVAL": str(self.heartbeat_interval),
                  "ASYNCRL_HB_TIMEOUT": str(self.heartbeat_timeout),
@@ -221,12 +239,21 @@ class Controller:
         except GroupDeadError as e:
             await asyncio.shield(self._stop_group(group, grace=0.0))
             del self.groups[name]
+            self.placer.forget(name)
             raise SpawnError(f"group {name!r} failed while starting: {e}") from e
         except BaseException:
             await asyncio.shield(self._stop_group(group, grace=0.0))
             del self.groups[name]
+            self.placer.forget(name)
             raise
         return group
+
+    async def close_group(self, group: GroupHandle) -> None:
+        """Shut one group down (its ranks exit; pending calls fail with ClosedError)."""
+        await self._stop_group(group)
+        if self.groups.get(group.name) is group:
+            del self.groups[group.name]
+            self.placer.forget(group.name)
 
     def _check_spawn(self, cls: type, name: str, nprocs: int, mesh: dict[str, int] | None,
                      place: Any) -> Layout:
@@ -242,10 +269,6 @@ class Controller:
             raise ValueError(f"a group named {name!r} already exists; pass name=... to spawn()")
         if not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-        if place is not None:
-            raise NotImplementedError(
-                "placement constraints (place=) are solved by the DataFlow launcher, which is "
-                "not built yet; spawn without place=")
         mesh = dict(mesh) if mesh else {"dp": nprocs}
         size = 1
         for axis, n in mesh.items():

@@ -36,6 +36,7 @@ from asyncrl.comm.messages import (
 )
 from asyncrl.comm.remote import Shard
 from asyncrl.controller.objects import ObjectRef
+from asyncrl.controller.timeline import current_node
 from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError, TransferTimeout
 from asyncrl.futures.future import DistFuture
 
@@ -176,6 +177,9 @@ class GroupHandle:
         loop = self._ctl.loop
         future = DistFuture._new(loop, f"{self.name}.{method}")
         item = _Queued(method, args, kwargs, future)
+        timeline = self._ctl.timeline
+        if timeline is not None:
+            timeline.call(self.name, current_node.get(), future)
         if threading.get_ident() == self._ctl._loop_thread:
             self._submit(item)
         else:

@@ -1,0 +1,84 @@
+"""What a flow file declares at module level: groups and config. Declaring does nothing:
+a flow file is imported on every rank too (to find its worker classes)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from asyncrl.controller.group import GroupHandle
+
+OVERRIDES_ENV = "ASYNCRL_OVERRIDES"  # key=value pairs from `asyncrl launch`, as JSON
+
+
+class GroupSpec:
+    """A group declared with `asyncrl.group(...)`. While its flow runs, calling a method on it
+    calls the spawned group; outside a run it says so."""
+
+    def __init__(self, worker_cls: type, args: tuple, kwargs: dict[str, Any], nprocs: int,
+                 mesh: dict[str, int] | None, place: Any, name: str | None,
+                 env: dict[str, str] | None, module: str):
+        self.worker_cls, self.args, self.kwargs = worker_cls, args, kwargs
+        self.nprocs, self.mesh, self.place, self.env = nprocs, mesh, place, env
+        self.name = name or worker_cls.__name__.lower()
+        self.module = module
+        self.handle: GroupHandle | None = None
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        handle = self.__dict__.get("handle")
+        if handle is None:
+            raise RuntimeError(f"group {self.name!r} is not running: call its methods inside a "
+                               f"node while its DataFlow runs (asyncrl launch, or flow.run())")
+        return getattr(handle, method)
+
+    def __repr__(self) -> str:
+        state = "running" if self.handle is not None else "declared"
+        return f"<group {self.name!r} {self.worker_cls.__name__} x{self.nprocs} {state}>"
+
+
+_declared: list[GroupSpec] = []
+
+
+def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | None = None,
+          place: Any = None, name: str | None = None, env: dict[str, str] | None = None,
+          **kwargs: Any) -> GroupSpec:
+    """Declare a worker group in a flow file; the launcher spawns it when the flow runs."""
+    import inspect
+
+    frame = inspect.currentframe()
+    module = frame.f_back.f_globals.get("__name__", "") if frame and frame.f_back else ""
+    spec = GroupSpec(worker_cls, args, kwargs, nprocs, mesh, place, name, env, module)
+    _declared.append(spec)
+    return spec
+
+
+def declared_in(modules: set[str]) -> list[GroupSpec]:
+    return [g for g in _declared if g.module in modules]
+
+
+def config(**defaults: Any) -> dict[str, Any]:
+    """The flow's settings: `defaults`, with `key=value` overrides from `asyncrl launch`
+    applied (the same on the controller and on every rank, which inherit the environment).
+    Values are parsed as JSON when they parse (numbers, true/false, lists), else strings."""
+    overrides = json.loads(os.environ.get(OVERRIDES_ENV, "{}"))
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise KeyError(f"unknown setting(s) {unknown} on the command line; this flow's settings "
+                       f"are {sorted(defaults)}")
+    return {**defaults, **overrides}
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {pair!r} is not key=value")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out

@@ -1,0 +1,397 @@
+"""DataFlow: an RL pipeline declared as nodes, run step after step.
+
+    step t:  inputs ──▶ rollout ──▶ score ──▶ train        a node starts when the nodes it
+                          └──────▶ ref ───────┘             names have *returned* (their
+    step t+1:  rollout(follows="train") waits for           futures may still be running), so
+               train of step t-k to finish (k = max_staleness)   a step is dispatched at once
+
+A node is a small controller-side function; its parameters name its inputs (flow inputs,
+other nodes, or `<node>_out`). What it receives is exactly what the upstream node returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.comm import codec
+from asyncrl.controller.declare import GroupSpec, declared_in
+from asyncrl.controller.timeline import current_node
+from asyncrl.errors import AsyncRLError
+from asyncrl.futures.future import DistFuture
+
+
+class FlowError(AsyncRLError, ValueError):
+    """The flow's graph is wrong: the message names the node and the fix."""
+
+
+class NodeError(AsyncRLError):
+    """A node failed while the flow ran; `.node` and `.step` say which, the cause is chained."""
+
+    def __init__(self, node: str, step: int, cause: BaseException):
+        self.node, self.step = node, step
+        where = ""
+        group = getattr(cause, "group", None)
+        if group is not None:
+            where = f" on group {group!r}"
+        super().__init__(f"node {node!r} failed at step {step}{where}: "
+                         f"{type(cause).__name__}: {cause}")
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str  # the function's parameter
+    source: str  # the flow input or node it reads
+    optional: bool
+    default: Any = None
+
+
+@dataclass
+class Node:
+    fn: Callable[..., Any]
+    name: str
+    params: list[_Param]
+    follows: str | None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # still a plain function
+        return self.fn(*args, **kwargs)
+
+
+def node(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+         inputs: dict[str, str] | None = None, follows: str | None = None) -> Any:
+    """Mark a controller-side function as a node: ``@asyncrl.node`` or
+    ``@asyncrl.node(inputs={"param": "source"}, follows="train", name="...")``."""
+
+    def make(f: Callable[..., Any]) -> Node:
+        sig = inspect.signature(f)
+        mapping = dict(inputs or {})
+        unknown = sorted(set(mapping) - set(sig.parameters))
+        if unknown:
+            raise FlowError(f"node {f.__name__!r}: inputs= names {unknown}, which are not "
+                            f"parameters of the function; its parameters are "
+                            f"{list(sig.parameters)}")
+        params = []
+        for p in sig.parameters.values():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise FlowError(f"node {f.__name__!r}: *args/**kwargs cannot name inputs; "
+                                f"give every input its own parameter")
+            optional = p.default is not p.empty
+            params.append(_Param(p.name, mapping.get(p.name, p.name), optional,
+                                 p.default if optional else None))
+        return Node(f, name or f.__name__, params, follows)
+
+    return make(fn) if fn is not None else make
+
+
+@dataclass
+class _Step:
+    index: int
+    returned: dict[str, asyncio.Task] = field(default_factory=dict)
+    finished: dict[str, asyncio.Task] = field(default_factory=dict)
+    started: float = 0.0
+
+
+class DataFlow:
+    """``DataFlow(nodes=[...], inputs={"prompts": source}, max_staleness=0)``.
+
+    A source is an iterable (one item per step; the run ends when it is exhausted) or a
+    constant. The graph is checked here, before anything launches."""
+
+    def __init__(self, nodes: list[Any], inputs: dict[str, Any] | None = None,
+                 max_staleness: int = 0, groups: list[GroupSpec] | None = None):
+        self.nodes: dict[str, Node] = {}
+        for n in nodes:
+            if not isinstance(n, Node):
+                raise FlowError(f"{n!r} is not a node: decorate it with @asyncrl.node")
+            if n.name in self.nodes:
+                raise FlowError(f"two nodes are named {n.name!r}; rename one with "
+                                f"@asyncrl.node(name=...)")
+            self.nodes[n.name] = n
+        self.inputs = dict(inputs or {})
+        clash = sorted(set(self.inputs) & set(self.nodes))
+        if clash:
+            raise FlowError(f"{clash} name both a flow input and a node; rename one")
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise FlowError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+        self.max_staleness = max_staleness
+        self.deps = {name: self._resolve(n) for name, n in self.nodes.items()}
+        self.order = self._topological()
+        modules = {n.fn.__module__ for n in self.nodes.values()}
+        self.groups = list(groups) if groups is not None else declared_in(modules)
+        self._sources: dict[str, Iterator[Any] | None] = {}
+        self._steps: list[_Step] = []
+        self._ctl: Any = None
+        self._own_ctl = False
+        self.save_inputs: Path | None = None  # set: each node's inputs are written there
+
+    # -- the graph ----------------------------------------------------------------------------
+    def _source_of(self, p: _Param) -> tuple[str, str] | None:
+        """('node', name) / ('input', name), or None for an optional input nothing provides."""
+        s = p.source
+        if s in self.nodes:
+            return ("node", s)
+        if s.endswith("_out") and s[:-4] in self.nodes:
+            return ("node", s[:-4])
+        if s in self.inputs:
+            return ("input", s)
+        return None
+
+    def _resolve(self, n: Node) -> dict[str, tuple[str, str] | None]:
+        out = {}
+        for p in n.params:
+            src = self._source_of(p)
+            if src is None and not p.optional:
+                raise FlowError(
+                    f"node {n.name!r} needs input {p.source!r}, which no node or input "
+                    f"provides; add a node named {p.source!r}, give the flow an input "
+                    f"{p.source!r} (DataFlow(inputs=...)), or give the parameter a default")
+            out[p.name] = src
+        if n.follows is not None and n.follows not in self.nodes:
+            raise FlowError(f"node {n.name!r} follows {n.follows!r}, which is not a node of "
+                            f"this flow; nodes: {sorted(self.nodes)}")
+        return out
+
+    def _topological(self) -> list[str]:
+        order: list[str] = []
+        state: dict[str, int] = {}  # 1 visiting, 2 done
+
+        def visit(name: str, path: list[str]) -> None:
+            if state.get(name) == 2:
+                return
+            if state.get(name) == 1:
+                cycle = path[path.index(name):] + [name]
+                raise FlowError(f"nodes form a cycle: {' -> '.join(cycle)}; a node cannot "
+                                f"depend on itself within a step (use follows= for an edge "
+                                f"to the previous step)")
+            state[name] = 1
+            for src in self.deps[name].values():
+                if src is not None and src[0] == "node":
+                    visit(src[1], path + [name])
+            state[name] = 2
+            order.append(name)
+
+        for name in self.nodes:
+            visit(name, [])
+        return order
+
+    # -- groups -------------------------------------------------------------------------------
+    async def open(self, ctl: Any = None) -> None:
+        """Spawn the flow's groups on `ctl` (the running Controller; one is opened if none)."""
+        from asyncrl.controller.controller import Controller
+        from asyncrl.controller.timeline import Timeline
+
+        if ctl is None:
+            ctl = Controller.current()
+        if ctl is None:
+            ctl = Controller()
+            await ctl.start()
+            self._own_ctl = True
+        self._ctl = ctl
+        if ctl.timeline is None:
+            ctl.timeline = Timeline()
+        names = [g.name for g in self.groups]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise FlowError(f"two groups are named {dup}; pass name=... to asyncrl.group")
+        for g in self.groups:  # one by one: placement sees the groups before it
+            g.handle = await ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,
+                                       mesh=g.mesh, place=g.place, env=g.env, **g.kwargs)
+        self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
+        self._steps = []
+
+    async def close(self) -> None:
+        """Close the groups this flow spawned (and its own Controller, if it opened one)."""
+        if self._ctl is not None:
+            handles = [g.handle for g in self.groups if g.handle is not None]
+            await asyncio.gather(*(self._ctl.close_group(h) for h in handles))
+        for g in self.groups:
+            g.handle = None
+        if self._own_ctl and self._ctl is not None:
+            await self._ctl.close()
+        self._ctl, self._own_ctl = None, False
+
+    async def __aenter__(self) -> DataFlow:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- steps --------------------------------------------------------------------------------
+    def _next_inputs(self) -> dict[str, Any] | None:
+        values = {}
+        for name, it in self._sources.items():
+            if it is None:
+                values[name] = self.inputs[name]
+                continue
+            try:
+                values[name] = next(it)
+            except StopIteration:
+                return None
+        return values
+
+    async def step(self) -> dict[str, Any] | None:
+        """Dispatch one step; return ``{node: what it returned}`` once every node returned
+        (None when an input source is exhausted). Earlier steps may still be finishing."""
+        if self._ctl is None:
+            raise RuntimeError("the flow is not open: use `async with flow:` or flow.run()")
+        t = len(self._steps)
+        window = t - self.max_staleness - 1
+        if window >= 0:  # at most max_staleness + 1 steps in flight
+            await asyncio.gather(*self._steps[window].finished.values())
+        values = self._next_inputs()
+        if values is None:
+            return None
+        step = _Step(t, started=time.perf_counter())
+        self._steps.append(step)
+        loop = asyncio.get_running_loop()
+        for name in self.order:
+            task = _quiet(loop.create_task(self._run_node(step, self.nodes[name], values)))
+            step.returned[name] = task
+            step.finished[name] = _quiet(loop.create_task(_finished(task, name, t)))
+        try:
+            return {name: await task for name, task in step.returned.items()}
+        except BaseException:
+            for task in (*step.returned.values(), *step.finished.values()):
+                task.cancel()
+            raise
+
+    async def _run_node(self, step: _Step, n: Node, values: dict[str, Any]) -> Any:
+        kwargs = {}
+        for p in n.params:
+            src = self.deps[n.name][p.name]
+            if src is None:
+                kwargs[p.name] = p.default
+            elif src[0] == "input":
+                kwargs[p.name] = values[src[1]]
+            else:
+                kwargs[p.name] = await step.returned[src[1]]
+        if n.follows is not None:
+            before = step.index - self.max_staleness - 1
+            if before >= 0:
+                await self._steps[before].finished[n.follows]
+        if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited)
+            folder = self.save_inputs / f"step{step.index}"
+            folder.mkdir(parents=True, exist_ok=True)
+            saved = {k: await _value(v) for k, v in kwargs.items()}
+            (folder / f"{n.name}.msgpack").write_bytes(codec.encode(saved))
+        current_node.set((n.name, step.index))
+        start = time.perf_counter()
+        try:
+            out = n.fn(**kwargs)
+            if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
+                out = await out
+        except Exception as e:
+            raise NodeError(n.name, step.index, e) from e
+        finally:
+            timeline = self._ctl.timeline if self._ctl is not None else None
+            if timeline is not None:
+                timeline.node(n.name, step.index, start, time.perf_counter())
+        return out
+
+    async def run(self, steps: int | None = None,
+                  on_step: Callable[[int, dict[str, Any], float], None] | None = None
+                  ) -> list[dict[str, Any]]:
+        """Run `steps` steps (or until an input is exhausted) inside the current Controller
+        (or one of its own), spawning and closing the groups; return each step's node
+        results with DistFutures resolved to their values."""
+        opened = self._ctl is None
+        if opened:
+            await self.open()
+        out: list[dict[str, Any]] = []
+        try:
+            pending: list[tuple[_Step, dict[str, Any]]] = []
+            while steps is None or len(self._steps) < steps:
+                results = await self.step()
+                if results is None:
+                    break
+                pending.append((self._steps[-1], results))
+                while pending and all(t.done() for t in pending[0][0].finished.values()):
+                    out.append(await self._complete(*pending.pop(0), on_step))
+            for step, results in pending:
+                out.append(await self._complete(step, results, on_step))
+        finally:
+            if opened:
+                await self.close()
+        return out
+
+    async def _complete(self, step: _Step, results: dict[str, Any],
+                        on_step: Callable[[int, dict[str, Any], float], None] | None
+                        ) -> dict[str, Any]:
+        await asyncio.gather(*step.finished.values())
+        values = {}
+        for name, r in results.items():
+            try:
+                values[name] = await _value(r)
+            except Exception as e:
+                raise NodeError(name, step.index, e) from e
+        if on_step is not None:
+            on_step(step.index, values, time.perf_counter() - step.started)
+        return values
+
+    async def run_node(self, name: str, inputs: dict[str, Any]) -> Any:
+        """Run one node alone with given inputs (values), for debugging; its value."""
+        if name not in self.nodes:
+            raise FlowError(f"no node named {name!r}; nodes: {sorted(self.nodes)}")
+        n = self.nodes[name]
+        kwargs = {p.name: inputs[p.name] for p in n.params if p.name in inputs}
+        missing = [p.name for p in n.params if p.name not in kwargs and not p.optional]
+        if missing:
+            raise FlowError(f"node {name!r} needs inputs {missing}; the saved file has "
+                            f"{sorted(inputs)}")
+        out = n.fn(**kwargs)
+        if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
+            out = await out
+        return await _value(out)
+
+
+def _quiet(task: asyncio.Task) -> asyncio.Task:
+    """A task whose failure is reported where it is awaited, not again when it is collected."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
+def _iterate(source: Any) -> Iterator[Any] | None:
+    """An iterator over a source, or None for a constant (strings, dicts... are constants)."""
+    if isinstance(source, (str, bytes, dict)) or not isinstance(source, Iterable):
+        return None
+    from asyncrl.comm.batch import TensorBatch
+
+    if isinstance(source, TensorBatch):
+        return None
+    return iter(source)
+
+
+async def _finished(returned: asyncio.Task, name: str, step: int) -> None:
+    """A node has finished when it returned and every DistFuture it returned is done."""
+    out = await returned
+    try:
+        for fut in _futures(out):
+            await asyncio.shield(fut._fut)
+    except Exception as e:  # the work the node started failed: say which node
+        raise NodeError(name, step, e) from e
+
+
+async def _value(out: Any) -> Any:
+    if isinstance(out, DistFuture):
+        return await out
+    if isinstance(out, list | tuple):
+        return type(out)([await _value(x) for x in out])
+    if isinstance(out, dict):
+        return {k: await _value(v) for k, v in out.items()}
+    return out
+
+
+def _futures(out: Any) -> list[DistFuture]:
+    if isinstance(out, DistFuture):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [f for x in out for f in _futures(x)]
+    if isinstance(out, dict):
+        return [f for x in out.values() for f in _futures(x)]
+    return []

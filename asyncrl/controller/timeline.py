@@ -1,0 +1,93 @@
+"""Where time went: every node execution, and every group call it made, start to end.
+
+Written as a Chrome trace (`timeline.json`, opens in Perfetto or chrome://tracing) and drawn
+as a Gantt chart PNG by `asyncrl timeline RUN_DIR` (matplotlib)."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONTROLLER_ROW = "controller"
+# (node, step) of the node running in this task: group calls are attributed to it
+current_node: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "asyncrl_current_node", default=None)
+
+
+@dataclass(frozen=True)
+class Event:
+    row: str  # a group, or the controller for the node functions themselves
+    name: str  # the node
+    step: int
+    start: float  # perf_counter seconds
+    end: float
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.origin = time.perf_counter()
+
+    def node(self, name: str, step: int, start: float, end: float) -> None:
+        self.events.append(Event(CONTROLLER_ROW, name, step, start, end))
+
+    def call(self, group: str, node: tuple[str, int] | None, future: Any) -> None:
+        """Record a group call made by a node: from now until its future completes."""
+        if node is None:
+            return
+        start = time.perf_counter()
+
+        def done(_: Any) -> None:
+            self.events.append(Event(group, node[0], node[1], start, time.perf_counter()))
+
+        future._fut.add_done_callback(done)
+
+    def chrome_trace(self) -> dict[str, Any]:
+        rows = [CONTROLLER_ROW] + sorted({e.row for e in self.events} - {CONTROLLER_ROW})
+        tid = {row: i for i, row in enumerate(rows)}
+        origin = min((e.start for e in self.events), default=self.origin)  # the first event
+        events: list[dict[str, Any]] = [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid[r], "args": {"name": r}}
+            for r in rows]
+        for e in self.events:
+            events.append({"name": e.name, "cat": e.row, "ph": "X", "pid": 1, "tid": tid[e.row],
+                           "ts": round((e.start - origin) * 1e6, 1),
+                           "dur": round((e.end - e.start) * 1e6, 1), "args": {"step": e.step}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.chrome_trace()))
+
+
+def draw(trace_path: Path, png_path: Path) -> Path:
+    """A Gantt chart of a Chrome trace written by `Timeline.write`: one row per group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = json.loads(trace_path.read_text())["traceEvents"]
+    rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    spans = [e for e in trace if e["ph"] == "X"]
+    if not spans:
+        raise ValueError(f"{trace_path} holds no node executions: nothing to draw")
+    names = sorted({e["name"] for e in spans})
+    colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * len(rows)))
+    for e in spans:
+        ax.barh(e["tid"], e["dur"] / 1e3, left=e["ts"] / 1e3, height=0.6,
+                color=colors[e["name"]], edgecolor="black", linewidth=0.3)
+    ax.set_yticks(list(rows), [rows[t] for t in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title("asyncrl timeline: node executions per group")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names],
+              labels=names, loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path

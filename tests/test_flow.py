@@ -1,0 +1,270 @@
+"""DataFlow: building and checking the graph, placement, running steps on real groups, state
+edges across steps, and `asyncrl launch / run / timeline` end to end."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import ROOT, run
+
+import asyncrl
+from asyncrl.controller.placement import Host, PlacementError, Placer
+from asyncrl.controller.timeline import Timeline, draw
+
+
+# -- the graph (no processes) ----------------------------------------------------------------
+@asyncrl.node
+def gen(prompts):
+    return prompts
+
+
+@asyncrl.node
+def judge(gen):
+    return gen
+
+
+@asyncrl.node
+def learn(gen, judge, reference=None):
+    return (gen, judge, reference)
+
+
+def test_graph_is_built_from_parameter_names():
+    flow = asyncrl.DataFlow(nodes=[learn, judge, gen], inputs={"prompts": [1]})
+    assert flow.order == ["gen", "judge", "learn"]
+    assert flow.deps["learn"] == {"gen": ("node", "gen"), "judge": ("node", "judge"),
+                                  "reference": None}  # optional: no node provides it
+
+
+def test_out_suffix_and_input_mapping():
+    @asyncrl.node(inputs={"x": "gen_out"}, name="copy")
+    def copy_of(x):
+        return x
+
+    flow = asyncrl.DataFlow(nodes=[gen, copy_of], inputs={"prompts": 1})
+    assert flow.deps["copy"] == {"x": ("node", "gen")}
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: asyncrl.DataFlow(nodes=[judge]), "node 'judge' needs input 'gen', which no node"),
+    (lambda: asyncrl.DataFlow(nodes=[gen, judge]), "needs input 'prompts'.*DataFlow\\(inputs"),
+    (lambda: asyncrl.DataFlow(nodes=[gen, gen], inputs={"prompts": 1}), "two nodes are named"),
+    (lambda: asyncrl.DataFlow(nodes=[gen, asyncrl.node(follows="nope")(lambda gen: 0)],
+                              inputs={"prompts": 1}), "follows 'nope', which is not a node"),
+    (lambda: asyncrl.DataFlow(nodes=[gen], inputs={"prompts": 1, "gen": 2}),
+     "name both a flow input and a node"),
+    (lambda: asyncrl.DataFlow(nodes=[len]), "not a node: decorate it"),
+    (lambda: asyncrl.DataFlow(nodes=[gen], inputs={"prompts": 1}, max_staleness=-1),
+     "max_staleness"),
+])
+def test_graph_errors_name_the_node_and_the_fix(build, message):
+    with pytest.raises(asyncrl.FlowError, match=message):
+        build()
+
+
+def test_cycles_are_refused_with_the_cycle():
+    @asyncrl.node
+    def a(b):
+        return b
+
+    @asyncrl.node
+    def b(a):
+        return a
+
+    with pytest.raises(asyncrl.FlowError, match="cycle: a -> b -> a"):
+        asyncrl.DataFlow(nodes=[a, b])
+    with pytest.raises(asyncrl.FlowError, match="inputs= names \\['y'\\]"):
+        asyncrl.node(inputs={"y": "gen"})(lambda x: x)
+
+
+def test_config_overrides(monkeypatch):
+    monkeypatch.setenv("ASYNCRL_OVERRIDES", json.dumps({"lr": 0.1}))
+    assert asyncrl.config(lr=1.0, steps=3) == {"lr": 0.1, "steps": 3}
+    with pytest.raises(KeyError, match="unknown setting\\(s\\) \\['lr'\\]"):
+        asyncrl.config(steps=3)
+
+
+# -- placement (a described host) -----------------------------------------------------------
+def test_cpu_placement_keeps_groups_apart_where_cores_allow(caplog):
+    p = Placer(Host(0, (0, 1, 2, 3)))
+    assert p.place("policy", 2, None).env == {"ASYNCRL_CPUS": "0,1"}
+    assert p.place("reward", 1, asyncrl.separate_from("policy")).devices == [2]
+    assert p.place("hybrid", 2, asyncrl.colocate_with("policy")).devices == [0, 1]
+    assert p.place("other", 1, None).devices == [3]  # the least used core
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        shared = p.place("big", 4, [asyncrl.separate_from("policy"),
+                                    asyncrl.separate_from("reward")])
+    assert shared.devices == [3] and "ranks will share cores" in caplog.text
+
+
+def test_gpu_placement_errors_say_why():
+    p = Placer(Host(4, (0, 1)))
+    assert p.place("actor", 3, asyncrl.nvlink_group(4)).env == {"CUDA_VISIBLE_DEVICES": "0,1,2"}
+    with pytest.raises(PlacementError, match="needs 2 GPU.*separate_from\\(actor\\).*1 are free"):
+        p.place("rollout", 2, asyncrl.separate_from("actor"))
+    with pytest.raises(PlacementError, match="not placed yet; spawn 'critic' first"):
+        p.place("ref", 1, asyncrl.colocate_with("critic"))
+    with pytest.raises(PlacementError, match="nvlink_group\\(2\\) needs its 3 ranks"):
+        p.place("big", 3, asyncrl.nvlink_group(2))
+    with pytest.raises(TypeError, match="place= takes constraints"):
+        p.place("x", 1, "separate")
+
+
+def test_timeline_trace_and_png(tmp_path):
+    tl = Timeline()
+    tl.node("rollout", 0, 1.0, 1.2)
+    tl.events.append(type(tl.events[0])("policy", "rollout", 0, 1.0, 1.5))
+    tl.write(tmp_path / "timeline.json")
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert [(e["cat"], e["ts"], e["dur"]) for e in spans] == [
+        ("controller", 0.0, 200000.0), ("policy", 0.0, 500000.0)]
+    png = draw(tmp_path / "timeline.json", tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+# -- running on real groups -----------------------------------------------------------------
+class Clocked(asyncrl.Worker):
+    """Records when each call ran, by the rank's own clock (one host: one clock)."""
+
+    def __init__(self):
+        self.log: list = []
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def work(self, tag, seconds: float):
+        start = time.time()
+        time.sleep(seconds)  # stands in for a forward pass: work, not synchronisation
+        self.log.append([tag, start, time.time()])
+        return tag
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def history(self):
+        return self.log
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def boom(self):
+        raise RuntimeError("reward model exploded")
+
+
+left = asyncrl.group(Clocked, name="left")
+right = asyncrl.group(Clocked, name="right")
+
+
+@asyncrl.node
+def on_left(step):
+    return left.work(["left", step], 0.4)
+
+
+@asyncrl.node
+def on_right(step):
+    return right.work(["right", step], 0.4)
+
+
+def test_independent_nodes_run_at_the_same_time_on_their_groups():
+    flow = asyncrl.DataFlow(nodes=[on_left, on_right], inputs={"step": [0]},
+                            groups=[left, right])
+
+    async def main():
+        async with asyncrl.Controller() as ctl, flow:
+            results = await flow.step()  # dispatched at once: both are futures here
+            assert all(isinstance(r, asyncrl.DistFuture) for r in results.values())
+            await results["on_left"], await results["on_right"]
+            return await left.history(), await right.history(), len(ctl.groups)
+    (l_log,), (r_log,), ngroups = run(main())
+    assert ngroups == 2
+    assert l_log[1] < r_log[2] and r_log[1] < l_log[2]  # the two intervals overlap
+
+
+@asyncrl.node(follows="train")
+def roll(step):
+    return left.work(["roll", step], 0.05)
+
+
+@asyncrl.node
+def train(roll, step):
+    return right.work(["train", step], 0.4)
+
+
+def _events(staleness: int) -> tuple[dict, dict, list]:
+    flow = asyncrl.DataFlow(nodes=[roll, train], inputs={"step": range(4)},
+                            max_staleness=staleness, groups=[left, right])
+
+    async def main_with_history():  # step by step: the groups stay up to read their logs
+        async with asyncrl.Controller() as ctl:
+            await flow.open(ctl)
+            try:
+                results = []
+                while (r := await flow.step()) is not None:
+                    results.append(r)
+                for r in results:
+                    await r["train"]
+                return await left.history(), await right.history()
+            finally:
+                await flow.close()
+    rolls, trains = run(main_with_history())
+    start = {s: a for (tag, s), a, _ in rolls}
+    end = {s: b for (tag, s), _, b in trains}
+    return start, end, rolls
+
+
+def test_state_edges_on_policy_wait_for_the_previous_train():
+    start, end, _ = _events(0)
+    assert all(start[t] >= end[t - 1] for t in range(1, 4))
+
+
+def test_state_edges_with_staleness_one_overlap_but_stay_bounded():
+    start, end, _ = _events(1)
+    assert any(start[t] < end[t - 1] for t in range(1, 4))  # rollout ran during a train
+    assert all(start[t] >= end[t - 2] for t in range(2, 4))  # never two trains behind
+
+
+@asyncrl.node
+def explode(step):
+    return left.boom()
+
+
+def test_run_returns_values_and_failures_name_node_and_group():
+    ok = asyncrl.DataFlow(nodes=[on_left], inputs={"step": range(2)}, groups=[left])
+    bad = asyncrl.DataFlow(nodes=[explode], inputs={"step": [0]}, groups=[left])
+
+    async def main():
+        async with asyncrl.Controller():
+            values = await ok.run()
+            with pytest.raises(asyncrl.NodeError) as info:
+                await bad.run()
+            return values, info.value
+    values, err = run(main())
+    assert values == [{"on_left": ["left", 0]}, {"on_left": ["left", 1]}]
+    assert err.node == "explode" and "group 'left'" in str(err)
+    assert "reward model exploded" in str(err.__cause__)
+
+
+def test_launch_run_node_and_timeline_end_to_end(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run_dir = tmp_path / "run"
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True,
+                             text=True, timeout=240, cwd=ROOT, env=env)
+        assert out.returncode == 0, out.stderr
+        return out
+
+    out = cli("launch", "examples/flow.py", "--steps", "3", "--run-dir", str(run_dir),
+              "--save-inputs", "batch=4")
+    assert f"run_dir: {run_dir}" in out.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("train/reward" in r and "time/train_s" in r for r in rows)
+    assert "step 3/3" in out.stderr
+    saved = run_dir / "inputs" / "step1" / "score.msgpack"
+    out = cli("run", "examples/flow.py", "--node", "score", "--inputs", str(saved))
+    scores = eval(out.stdout.strip().splitlines()[-1])  # a list of floats, printed by repr
+    assert len(scores) == 4 and all(0 <= s <= 1 for s in scores)  # batch=4 reached the ranks
+    out = cli("timeline", str(run_dir))
+    png = run_dir / "timeline.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
