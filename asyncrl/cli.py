@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncrl.controller.flow import NodeError
 from asyncrl.controller.runner import run
 
 
@@ -57,7 +58,14 @@ def launch(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run_dir: {run_dir}", flush=True)
-    run(launch_flow(flow, args.steps, run_dir, args.save_inputs))
+    try:
+        run(launch_flow(flow, args.steps, run_dir, args.save_inputs))
+    except NodeError as e:  # the node, the step and the group; the remote traceback follows
+        cause = e.__cause__
+        detail = getattr(cause, "remote_traceback", "") or ""
+        print(f"asyncrl: {e}\n{detail}".rstrip(), file=sys.stderr)
+        print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
+        return 1
     return 0
 
 

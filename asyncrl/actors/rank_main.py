@@ -245,19 +245,22 @@ def _init_distributed() -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
-def pin_cpus() -> None:
-    """Keep this rank on the cores its group was placed on (ASYNCRL_CPUS), one per rank."""
+def pin_cpus() -> int:
+    """Keep this rank on the cores its group was placed on (ASYNCRL_CPUS): its share of
+    them, or one it shares when the group has fewer cores than ranks. Returns how many."""
     cores = [int(c) for c in os.environ.get("ASYNCRL_CPUS", "").split(",") if c]
-    if cores and hasattr(os, "sched_setaffinity"):
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        nprocs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        mine = cores[local::nprocs] or [cores[local % len(cores)]]
-        os.sched_setaffinity(0, mine)
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return 1
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    nprocs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    mine = cores[local::nprocs] or [cores[local % len(cores)]]
+    os.sched_setaffinity(0, mine)
+    return len(mine)
 
 
 def main() -> None:
-    pin_cpus()
-    torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", "1")))
+    cores = pin_cpus()
+    torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
     _init_distributed()
     rank = RankMain()
     code = rank.serve()

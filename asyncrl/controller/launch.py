@@ -68,9 +68,14 @@ class Metrics:
                 if k != "step":
                     self.tb.add_scalar(k, v, step)
         total = f"/{self.steps}" if self.steps else ""
+        bar = ""
+        if self.steps:
+            done = min(20, (step + 1) * 20 // self.steps)
+            bar = f"[{'#' * done}{'.' * (20 - done)}] "
         shown = "  ".join(f"{k}={v:.4g}" for k, v in row.items()
                           if k not in ("step",) and not k.startswith("time/"))[:120]
-        print(f"step {step + 1}{total}  {seconds:.2f}s  {shown}", file=sys.stderr, flush=True)
+        print(f"{bar}step {step + 1}{total}  {seconds:.2f}s  {shown}", file=sys.stderr,
+              flush=True)
 
     def close(self) -> None:
         if self.tb is not None:
