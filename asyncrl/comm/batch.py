@@ -171,6 +171,13 @@ class TensorBatch(RowOps):
             raise KeyError(f"TensorBatch has no column {key!r}; columns: {list(self._data)}") \
                 from None
 
+    def tensor(self, key: str) -> torch.Tensor:
+        """A tensor column (TypeError for a list column)."""
+        col = self[key]
+        if not isinstance(col, torch.Tensor):
+            raise TypeError(f"TensorBatch column {key!r} is a list, not a tensor")
+        return col
+
     def __contains__(self, key: object) -> bool:
         return key in self._data
 

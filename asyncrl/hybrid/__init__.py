@@ -1,1 +1,6 @@
-"""Training backends, generation engines and the train <-> generate switch (a later issue)."""
+"""Models, training backends and generation engines.
+
+    models.py    HF causal LMs from a local directory or a preset config; token log-probs
+    sampler.py   the built-in batched KV-cache generation engine
+    fsdp.py      the FSDP2 training backend (+ tensor parallelism on a (dp, tp) mesh)
+"""

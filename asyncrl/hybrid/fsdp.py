@@ -1,0 +1,165 @@
+"""Training with PyTorch FSDP2 (`fully_shard`): gloo on CPU, NCCL on GPU.
+
+Parallelisms are applied in order by small functions, as torchtitan does:
+`apply_fsdp(model, dp_mesh)` shards each decoder layer, then the root. The backend's
+interface (the one DeepSpeed will share): `logprobs(batch)`, `train_step(batch, loss_fn)`,
+`state_dict()` / `load_state_dict()`.
+
+A batch is a TensorBatch with prompt_ids, prompt_mask (left-padded), response_ids and
+response_mask (a prefix of each row), as the generation engines produce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+
+LossFn = Callable[[torch.Tensor, TensorBatch], torch.Tensor]
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    micro_batch_size: int = 4
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"TrainConfig.micro_batch_size must be >= 1, got "
+                             f"{self.micro_batch_size}")
+        if self.lr <= 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a HF causal LM (Llama-style `model.layers`, GPT-2 `h`)."""
+    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
+    layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
+    if layers is None:
+        raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
+    return list(layers)
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: Any) -> None:
+    """Megatron-style tensor parallelism inside each decoder layer (Llama-style models):
+    q/k/v and gate/up split by output columns, o and down by input rows. Embeddings and the
+    head stay replicated. Attention reshapes with -1 heads, so each rank runs its heads."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    for layer in decoder_layers(model):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or not hasattr(attn, "q_proj") or not hasattr(mlp, "gate_proj"):
+            raise TypeError(f"tensor parallelism needs a Llama-style model (q/k/v/o_proj, "
+                            f"gate/up/down_proj); {type(model).__name__} is not one")
+        config: Any = model.config  # type: ignore[union-attr]
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", heads)
+        if heads % tp_mesh.size() or kv % tp_mesh.size():
+            raise ValueError(f"tp={tp_mesh.size()} must divide the attention heads ({heads}) "
+                             f"and the key/value heads ({kv})")
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()})
+
+
+def apply_fsdp(model: torch.nn.Module, dp_mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def clip_grad_norm(params: Any, max_norm: float) -> float:
+    """Clip the global gradient norm of parameters that may live on different meshes (FSDP
+    on dp, FSDP+TP on (dp, tp)): a norm per mesh, combined, then one scale for all."""
+    grads = [p.grad for p in params if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    total_sq = 0.0
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        total_sq += float(norm) ** 2
+    total = total_sq ** 0.5
+    if total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return total
+
+
+def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """Mean over sequences of the mean negative log-likelihood of their response tokens."""
+    mask = batch.tensor("response_mask").to(logprobs.dtype)
+    return (-(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+
+
+class FSDPBackend:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Any):
+        self.cfg = train_cfg
+        self.mesh = mesh
+        self.model = build_model(model_cfg)
+        names = mesh.mesh_dim_names or ()
+        dp_mesh = mesh["dp"] if "dp" in names else mesh
+        if "tp" in names and mesh["tp"].size() > 1:
+            apply_tp(self.model, mesh["tp"])
+        apply_fsdp(self.model, dp_mesh)
+        self.dp_group = dp_mesh.get_group()
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr,
+                                     weight_decay=train_cfg.weight_decay)
+
+    def _logprobs(self, b: TensorBatch) -> torch.Tensor:
+        return sequence_logprobs(self.model, b.tensor("prompt_ids"), b.tensor("prompt_mask"),
+                                 b.tensor("response_ids"), b.tensor("response_mask"))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TensorBatch) -> torch.Tensor:
+        return torch.cat([self._logprobs(m) for m in batch.split(self.cfg.micro_batch_size)])
+
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn = sequence_mean_nll
+                   ) -> dict[str, float]:
+        """One optimizer step over this rank's rows, in micro-batches with gradient
+        accumulation (each micro-batch weighted by its share of the rows); FSDP averages the
+        gradients over the data-parallel ranks."""
+        total = 0.0
+        for micro in batch.split(self.cfg.micro_batch_size):
+            loss = loss_fn(self._logprobs(micro), micro) * (len(micro) / len(batch))
+            loss.backward()
+            total += loss.detach().item()
+        norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        stats = torch.tensor([total / self.dp_group.size()])
+        dist.all_reduce(stats, group=self.dp_group)
+        return {"loss": float(stats[0]), "grad_norm": float(norm)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights on every rank, on the CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd: dict[str, Any] = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu() for k, v in sd.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: dict[str, Any] = dict(state)
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))

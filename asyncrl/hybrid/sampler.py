@@ -1,0 +1,155 @@
+"""The built-in generation engine: batched sampling with a KV cache, in plain torch.
+
+    prompts (left-padded) ─▶ prefill ─▶ loop: last logits / temperature ─▶ top-p ─▶ sample
+                                             (one generator per sample: its own seed)
+                                        ─▶ append, extend the cache, stop on a stop token
+
+Reports each sampled token's log-prob under log_softmax(logits / temperature) — the same
+quantity `models.sequence_logprobs` computes in a training forward pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.models import positions
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"SamplingConfig.temperature must be > 0, got {self.temperature} "
+                             f"(greedy decoding: a small temperature such as 1e-4)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got "
+                             f"{self.max_new_tokens}")
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p))
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits outside the smallest set of tokens whose probability reaches top_p -> -inf."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _cache_of(res: Any) -> Any:
+    return res["cache"] if "cache" in res else res["past_key_values"]
+
+
+class Sampler:
+    """Generation engine interface: generate, load_weights, sleep/wake, pause/resume."""
+
+    def __init__(self, model: torch.nn.Module, config: SamplingConfig | None = None):
+        self.model = model
+        self.config = config or SamplingConfig()
+        # transformers 5 names the KV cache `cache`; earlier releases `past_key_values`
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.asleep = False
+        self.paused = False
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+                 config: SamplingConfig | None = None) -> TensorBatch:
+        """prompt_ids/prompt_mask (left-padded), response_ids/response_mask (a prefix of
+        each row), logprobs of the response tokens (0 elsewhere)."""
+        cfg = config or self.config
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its weights were released): wake() it "
+                               "before generating")
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give "
+                             f"one seed per sample")
+        device = next(self.model.parameters()).device
+        prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, cfg.pad_token_id))
+        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        b, n = len(prompts), cfg.max_new_tokens
+        out_ids = torch.full((b, n), cfg.pad_token_id, dtype=torch.long, device=device)
+        out_mask = torch.zeros((b, n), dtype=torch.long, device=device)
+        out_logp = torch.zeros((b, n), dtype=torch.float32, device=device)
+        alive = torch.ones(b, dtype=torch.bool, device=device)
+        stops = torch.as_tensor(list(cfg.stop_token_ids), dtype=torch.long, device=device)
+        mask = prompt_mask
+        res = self.model(input_ids=prompt_ids, attention_mask=mask,
+                         position_ids=positions(mask), use_cache=True)
+        cache, logits = _cache_of(res), res.logits[:, -1]
+        for step in range(n):
+            scaled = logits.float() / cfg.temperature
+            logp_all = F.log_softmax(scaled, -1)
+            probs = top_p_filter(scaled, cfg.top_p).softmax(-1)
+            token = torch.stack([torch.multinomial(probs[i], 1, generator=gens[i])[0]
+                                 for i in range(b)])
+            token = torch.where(alive, token, torch.full_like(token, cfg.pad_token_id))
+            out_ids[:, step] = token
+            out_mask[:, step] = alive.long()
+            out_logp[:, step] = torch.where(
+                alive, logp_all.gather(1, token[:, None])[:, 0], torch.zeros_like(token,
+                                                                                 dtype=torch.float))
+            if stops.numel():
+                alive = alive & ~torch.isin(token, stops)
+            if not alive.any() or step == n - 1:
+                break
+            mask = torch.cat([mask, alive.long()[:, None] | out_mask[:, step:step + 1]], dim=1)
+            pos = positions(mask)[:, -1:]
+            res = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
+                             use_cache=True, **{self._cache_arg: cache})
+            cache, logits = _cache_of(res), res.logits[:, -1]
+        return TensorBatch({"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
+                            "response_ids": out_ids.cpu(), "response_mask": out_mask.cpu(),
+                            "logprobs": out_logp.cpu()})
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy new weights in, by name, in place (no new allocation); how many."""
+        params = dict(self.model.named_parameters())
+        count = 0
+        with torch.no_grad():
+            for name, value in named:
+                if name not in params:
+                    raise KeyError(f"load_weights: the engine's model has no parameter {name!r}")
+                params[name].copy_(value)
+                count += 1
+        return count
+
+    def sleep(self) -> None:
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.asleep = False
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False

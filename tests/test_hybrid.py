@@ -1,0 +1,127 @@
+"""Models, the built-in generation engine and the FSDP2 training backend (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, sequence_mean_nll
+from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig, top_p_filter
+
+PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+def test_engine_logprobs_equal_a_training_forward_pass(preset):
+    model = build_model(ModelConfig(preset=preset))
+    out = Sampler(model, SamplingConfig(max_new_tokens=10)).generate(PROMPTS, seeds=[1, 2, 3, 4])
+    forward = sequence_logprobs(model, out["prompt_ids"], out["prompt_mask"],
+                                out["response_ids"], out["response_mask"])
+    assert (forward - out["logprobs"]).abs().max().item() < 1e-5
+    assert out["response_mask"].sum().item() == 4 * 10
+
+
+def test_seeds_stop_tokens_temperature_and_top_p():
+    model = build_model(ModelConfig())
+    engine = Sampler(model)
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.7)
+    a = engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=cfg)
+    b = engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=cfg)
+    c = engine.generate(PROMPTS, seeds=[5, 6, 7, 8], config=cfg)
+    assert torch.equal(a["response_ids"], b["response_ids"])  # a seed per sample
+    assert not torch.equal(a["response_ids"], c["response_ids"])
+    forward = sequence_logprobs(model, a["prompt_ids"], a["prompt_mask"], a["response_ids"],
+                                a["response_mask"], temperature=0.7)
+    assert (forward - a["logprobs"]).abs().max().item() < 1e-5
+    stop = int(a["response_ids"][0, 3])  # make that token a stop token: row 0 ends there
+    s = engine.generate(PROMPTS, seeds=[1, 2, 3, 4],
+                        config=SamplingConfig(max_new_tokens=12, temperature=0.7,
+                                              stop_token_ids=(stop,)))
+    first = (a["response_ids"][0] == stop).nonzero()[0].item()
+    mask = s["response_mask"][0].tolist()
+    assert mask == [1] * (first + 1) + [0] * (12 - first - 1)  # a prefix, stop included
+    assert s["response_ids"][0, first] == stop and s["logprobs"][0, first + 1:].eq(0).all()
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    kept = top_p_filter(logits, 0.7).isfinite()[0].tolist()
+    assert kept == [True, True, False, False]  # 0.64 < 0.7: the second token is kept too
+    with pytest.raises(ValueError, match="one seed per sample"):
+        engine.generate(PROMPTS, seeds=[1])
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        SamplingConfig(temperature=0)
+
+
+def test_engine_loads_weights_in_place_and_sleeps():
+    src, dst = build_model(ModelConfig(seed=1)), build_model(ModelConfig(seed=2))
+    engine = Sampler(dst)
+    before = {n: p.data_ptr() for n, p in dst.named_parameters()}
+    assert engine.load_weights(src.named_parameters()) == len(before)
+    assert all(torch.equal(p, dict(src.named_parameters())[n]) for n, p in dst.named_parameters())
+    assert {n: p.data_ptr() for n, p in dst.named_parameters()} == before  # no new memory
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, seeds=[0, 0, 0, 0])
+    engine.wake()
+    assert len(engine.generate(PROMPTS, seeds=[0, 0, 0, 0])) == 4
+
+
+def fixed_batch() -> TensorBatch:
+    model = build_model(ModelConfig(seed=3))
+    return Sampler(model, SamplingConfig(max_new_tokens=6)).generate(
+        [[1, 4 + i, 5 + i] for i in range(8)], seeds=list(range(8)))
+
+
+class Trainer(asyncrl.Worker):
+    def __init__(self, model_cfg: dict, train_cfg: dict):
+        self.backend = FSDPBackend(ModelConfig(**model_cfg), TrainConfig(**train_cfg),
+                                   self.device_mesh)
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def step(self, batch: TensorBatch) -> dict:
+        return self.backend.train_step(batch)
+
+    @asyncrl.register  # every rank: gathering the full weights is a collective
+    def weights(self) -> dict:
+        return self.backend.state_dict()
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"dp": 1, "tp": 2}], ids=["dp2", "dp1-tp2"])
+def test_fsdp2_steps_match_one_process_on_the_whole_batch(mesh):
+    batch = fixed_batch()
+    model_cfg, train_cfg = {"preset": "tiny-llama", "seed": 0}, {"lr": 3e-3, "micro_batch_size": 2}
+
+    # the same three steps in this process, unsharded, on the whole batch
+    ref = build_model(ModelConfig(**model_cfg)).train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
+    expected = []
+    for _ in range(3):
+        loss = sequence_mean_nll(sequence_logprobs(ref, batch["prompt_ids"], batch["prompt_mask"],
+                                                   batch["response_ids"], batch["response_mask"]),
+                                 batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.detach().item())
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Trainer, model_cfg, train_cfg, nprocs=2, mesh=mesh)
+            pids = group_pids(group)
+            losses = []
+            for _ in range(3):
+                per_chunk = await group.step(batch)
+                assert len({c["loss"] for c in per_chunk}) == 1  # all-reduced over dp
+                losses.append(per_chunk[0]["loss"])
+            return losses, (await group.weights())[0], pids
+    losses, weights, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    assert losses[2] < losses[0]
+    for got, want in zip(losses, expected, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want)
+    ref_sd = ref.state_dict()
+    assert set(weights) == set(ref_sd)
+    assert max((weights[k] - ref_sd[k]).abs().max().item() for k in ref_sd) < 1e-4
