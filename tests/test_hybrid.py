@@ -125,3 +125,49 @@ def test_fsdp2_steps_match_one_process_on_the_whole_batch(mesh):
     ref_sd = ref.state_dict()
     assert set(weights) == set(ref_sd)
     assert max((weights[k] - ref_sd[k]).abs().max().item() for k in ref_sd) < 1e-4
+
+
+def prompts_batch(n: int) -> TensorBatch:
+    return TensorBatch({"prompt": [[1, 4 + i, 9] for i in range(n)], "seed": list(range(n))})
+
+
+def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_one_tensor_at_a_time():
+    from asyncrl.hybrid.roles import Policy, Reference
+
+    model = {"preset": "tiny-llama", "seed": 0}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(Policy, model, {"lr": 3e-3, "micro_batch_size": 2},
+                                     {"max_new_tokens": 6}, nprocs=2, name="policy")
+            ref = await ctl.spawn(Reference, model, nprocs=1, name="ref")
+            pids = group_pids(policy) + group_pids(ref)
+            rollout = policy.generate(prompts_batch(4))  # train -> generate
+            report = (await policy.switch_report())[0]
+            engine_w = (await policy.weights("engine"))[0]
+            train_w = (await policy.weights("train"))[0]
+            lp = await policy.logprobs(rollout)  # generate -> train; forward on the shards
+            ref_lp = await ref.logprobs(rollout)
+            gen = await rollout
+            stats = await policy.train_step(rollout)
+            after = policy.generate(prompts_batch(4))  # the new weights reach the engine
+            engine_after = (await policy.weights("engine"))[0]
+            train_after = (await policy.weights("train"))[0]
+            await after
+            return (report, engine_w, train_w, lp, ref_lp, gen, stats, engine_after,
+                    train_after, pids)
+    (report, engine_w, train_w, lp, ref_lp, gen, stats, engine_after, train_after,
+     pids) = run(main(), timeout=300)
+    assert_gone(pids)
+    assert set(engine_w) >= set(train_w)
+    assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)  # identical, both ways
+    assert all(torch.equal(engine_after[k], train_after[k]) for k in train_after)
+    assert any(not torch.equal(train_after[k], train_w[k]) for k in train_w)  # it trained
+    biggest = max(v.numel() * v.element_size() for v in train_w.values())
+    total = sum(v.numel() * v.element_size() for v in train_w.values())
+    assert report["mode"] == "generate"
+    assert report["peak_gather_bytes"] == biggest < total / 4  # never a second full copy
+    # the engine's log-probs, the training forward and the reference agree before training
+    assert (lp["logprobs"] - gen["logprobs"]).abs().max().item() < 1e-5
+    assert (ref_lp["logprobs"] - gen["logprobs"]).abs().max().item() < 1e-5
+    assert stats[0]["loss"] > 0

@@ -1,0 +1,94 @@
+"""Model roles as workers, for DataFlows and drivers.
+
+    Policy     train (FSDP2, optional TP) + generate (hybrid: the same ranks) + log-probs
+    Rollout    generate only; receives weights (load_weights)
+    Reference  frozen: log-probs of given sequences
+
+Batches are TensorBatches with prompt_ids/prompt_mask (left-padded) and response_ids/
+response_mask (prefix masks), as `generate` returns them; prompts come as a TensorBatch with
+a list column "prompt" (token ids) and a column "seed".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncrl.actors.protocols import Dispatch
+from asyncrl.actors.register import register
+from asyncrl.actors.worker import Worker
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.engine import HybridEngine
+from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
+from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+
+
+def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
+    prompts = [list(p) for p in batch["prompt"]]
+    seeds = [int(s) for s in batch["seed"]]
+    return prompts, seeds
+
+
+class Policy(Worker):
+    def __init__(self, model: dict[str, Any], train: dict[str, Any] | None = None,
+                 sampling: dict[str, Any] | None = None):
+        model_cfg = ModelConfig(**model)
+        self.backend = FSDPBackend(model_cfg, TrainConfig(**(train or {})), self.device_mesh)
+        self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})))
+
+    @register(dispatch=Dispatch.DP)
+    def generate(self, prompts: TensorBatch) -> TensorBatch:
+        self.hybrid.to_generate()
+        return self.hybrid.generate(*_prompts(prompts))
+
+    @register(dispatch=Dispatch.DP)
+    def logprobs(self, batch: TensorBatch) -> TensorBatch:
+        self.hybrid.to_train()
+        return TensorBatch({"logprobs": self.backend.logprobs(batch)})
+
+    @register(dispatch=Dispatch.DP)
+    def train_step(self, batch: TensorBatch) -> dict:
+        self.hybrid.to_train()
+        return self.backend.train_step(batch)
+
+    @register
+    def weights(self, layout: str = "train") -> dict[str, torch.Tensor]:
+        """Full weights as training holds them, or as the generation engine holds them."""
+        if layout == "engine":
+            return {k: v.detach().clone() for k, v in self.hybrid.engine.model.state_dict().items()}
+        if layout != "train":
+            raise ValueError(f"layout is 'train' or 'engine', got {layout!r}")
+        return self.backend.state_dict()
+
+    @register
+    def switch_report(self) -> dict:
+        """Where the last switch stood: its mode and the largest tensor it gathered."""
+        return {"mode": self.hybrid.mode, "peak_gather_bytes": self.hybrid.peak_gather_bytes}
+
+
+class Rollout(Worker):
+    def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None):
+        self.engine = Sampler(build_model(ModelConfig(**model)),
+                              SamplingConfig(**(sampling or {})))
+
+    @register(dispatch=Dispatch.DP)
+    def generate(self, prompts: TensorBatch) -> TensorBatch:
+        return self.engine.generate(*_prompts(prompts))
+
+    @register(concurrent=True)
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        return self.engine.load_weights(weights.items())
+
+
+class Reference(Worker):
+    def __init__(self, model: dict[str, Any]):
+        self.model = build_model(ModelConfig(**model))
+
+    @register(dispatch=Dispatch.DP)
+    @torch.no_grad()
+    def logprobs(self, batch: TensorBatch) -> TensorBatch:
+        return TensorBatch({"logprobs": sequence_logprobs(
+            self.model, batch.tensor("prompt_ids"), batch.tensor("prompt_mask"),
+            batch.tensor("response_ids"), batch.tensor("response_mask"))})
