@@ -131,7 +131,7 @@ def prompts_batch(n: int) -> TensorBatch:
     return TensorBatch({"prompt": [[1, 4 + i, 9] for i in range(n)], "seed": list(range(n))})
 
 
-def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_one_tensor_at_a_time():
+def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_in_buckets():
     from asyncrl.hybrid.roles import Policy, Reference
 
     model = {"preset": "tiny-llama", "seed": 0}
@@ -139,7 +139,8 @@ def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_one_tensor
     async def main():
         async with asyncrl.Controller() as ctl:
             policy = await ctl.spawn(Policy, model, {"lr": 3e-3, "micro_batch_size": 2},
-                                     {"max_new_tokens": 6}, nprocs=2, name="policy")
+                                     {"max_new_tokens": 6}, bucket_bytes=64 << 10, nprocs=2,
+                                     name="policy")
             ref = await ctl.spawn(Reference, model, nprocs=1, name="ref")
             pids = group_pids(policy) + group_pids(ref)
             rollout = policy.generate(prompts_batch(4))  # train -> generate
@@ -166,7 +167,8 @@ def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_one_tensor
     biggest = max(v.numel() * v.element_size() for v in train_w.values())
     total = sum(v.numel() * v.element_size() for v in train_w.values())
     assert report["mode"] == "generate"
-    assert report["peak_gather_bytes"] == biggest < total / 4  # never a second full copy
+    # buckets of 64 KiB: the largest temporary is a bucket plus the parameter that closed it
+    assert biggest < report["peak_gather_bytes"] <= (64 << 10) + biggest < total / 2
     # the engine's log-probs, the training forward and the reference agree before training
     assert (lp["logprobs"] - gen["logprobs"]).abs().max().item() < 1e-5
     assert (ref_lp["logprobs"] - gen["logprobs"]).abs().max().item() < 1e-5

@@ -1,8 +1,8 @@
 """The hybrid engine: the same ranks train (FSDP2) and generate (the built-in engine).
 
-    train mode ──to_generate()──▶ every sharded parameter is all-gathered *one at a time*
-                                  straight into the engine's own weights (copy_, no new
-                                  tensor kept): never a second full copy of the model;
+    train mode ──to_generate()──▶ sharded parameters are all-gathered bucket by bucket
+                                  (about 32 MiB: one collective each) and copied straight
+                                  into the engine's own weights: never a second full copy;
                                   optimizer state leaves the GPU; the engine wakes
     generate   ──to_train()────▶ the engine sleeps (no KV cache is kept between calls);
                                   optimizer state comes back
@@ -16,40 +16,123 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.hybrid.fsdp import FSDPBackend
 from asyncrl.hybrid.models import ModelConfig, build_model
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+
+BUCKET_BYTES = 32 << 20  # parameters gathered together, up to about this many bytes
 
 
 def _full(param: Any) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
+def _row_sharded(p: Any) -> bool:
+    """A DTensor sharded by rows over a 1-D mesh (FSDP without TP) on the CPU or a GPU."""
+    from torch.distributed.tensor import Shard
+
+    placements = getattr(p, "placements", None)
+    return placements is not None and len(placements) == 1 and placements[0] == Shard(0) \
+        and p.dim() >= 1
+
+
+class _Bucket:
+    """Row-sharded parameters gathered by one collective. Each rank's shard takes
+    ceil(rows / ranks) rows in the buffer (rank r holds rows [r*per, (r+1)*per), as
+    torch.chunk splits them), so every rank contributes the same width."""
+
+    def __init__(self, mesh: Any, dtype: torch.dtype):
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.items: list[tuple[Any, torch.Tensor, int, int]] = []  # param, target, at, n
+        self.width = 0
+        self.nbytes = 0
+        self.dtype = dtype
+
+    def add(self, param: Any, target: torch.Tensor) -> None:
+        per = -(-param.shape[0] // self.world)
+        n = per * (param.numel() // max(1, param.shape[0]))
+        self.items.append((param, target, self.width, n))
+        self.width += n
+        self.nbytes += param.numel() * param.element_size()
+
+
 class HybridEngine:
     def __init__(self, backend: FSDPBackend, model_cfg: ModelConfig,
-                 sampling: SamplingConfig | None = None):
+                 sampling: SamplingConfig | None = None, bucket_bytes: int = BUCKET_BYTES):
         self.backend = backend
+        self.bucket_bytes = bucket_bytes
         self.engine = Sampler(build_model(model_cfg), sampling)
         self.engine.sleep()
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
+        self._plan: list[Any] | None = None
+        self._local: torch.Tensor | None = None  # reused gather buffers: warm memory
+        self._out: torch.Tensor | None = None
 
     @torch.no_grad()
     def to_generate(self) -> None:
         if self.mode == "generate":
             return
-        targets = dict(self.engine.model.named_parameters())
+        if self._plan is None:
+            self._plan = self._make_plan()
         self.peak_gather_bytes = 0
-        for name, param in self.backend.model.named_parameters():
-            full = _full(param.detach())  # a collective on every rank, in the same order
-            self.peak_gather_bytes = max(self.peak_gather_bytes,
-                                         full.numel() * full.element_size())
-            targets[name].copy_(full)
-            del full
+        for item in self._plan:
+            if isinstance(item, _Bucket):
+                self._gather_bucket(item)
+            else:
+                name, param, target = item
+                full = _full(param.detach())  # e.g. FSDP + TP: DTensor gathers it
+                self.peak_gather_bytes = max(self.peak_gather_bytes,
+                                             full.numel() * full.element_size())
+                target.copy_(full)
+                del full
         self._move_optimizer("cpu")
         self.engine.wake()
         self.mode = "generate"
+
+    def _make_plan(self) -> list[Any]:
+        """Buckets of row-sharded parameters (FSDP alone), and the rest one by one. The
+        sharded parameters are the same objects for the whole run, so this is done once."""
+        targets = dict(self.engine.model.named_parameters())
+        plan: list[Any] = []
+        bucket: _Bucket | None = None
+        for name, param in self.backend.model.named_parameters():
+            if not _row_sharded(param):
+                plan.append((name, param, targets[name]))
+                continue
+            if bucket is None or bucket.nbytes >= self.bucket_bytes or \
+                    bucket.dtype != param.dtype:  # one dtype per collective
+                bucket = _Bucket(param.device_mesh, param.dtype)  # type: ignore[attr-defined]
+                plan.append(bucket)
+            bucket.add(param, targets[name])
+        return plan
+
+    def _gather_bucket(self, bucket: _Bucket) -> None:
+        """One all_gather for the bucket's parameters into warm, reused buffers, then each
+        rank's real rows copied straight into the engine's weights."""
+        world, width = bucket.world, bucket.width
+        if self._local is None or self._local.numel() < width or \
+                self._local.dtype != bucket.dtype:
+            self._local = torch.zeros(width, dtype=bucket.dtype)
+            self._out = torch.empty(width * world, dtype=bucket.dtype)
+        assert self._out is not None
+        local, out = self._local[:width], self._out[:width * world]
+        for param, _, at, _n in bucket.items:
+            shard = param.detach().to_local().reshape(-1)
+            local[at:at + shard.numel()] = shard
+        dist.all_gather_into_tensor(out, local, group=bucket.group)
+        self.peak_gather_bytes = max(self.peak_gather_bytes, out.numel() * out.element_size())
+        per_rank = out.view(world, width)
+        for param, target, at, _n in bucket.items:
+            rows = param.shape[0]
+            per, row = -(-rows // world), param.numel() // max(1, rows)
+            flat = target.view(-1)
+            for r in range(world):
+                real = max(0, min(per, rows - r * per)) * row
+                flat[r * per * row:r * per * row + real].copy_(per_rank[r, at:at + real])
 
     def to_train(self) -> None:
         if self.mode == "train":

@@ -19,7 +19,7 @@ from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.engine import HybridEngine
+from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
@@ -33,10 +33,11 @@ def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
 
 class Policy(Worker):
     def __init__(self, model: dict[str, Any], train: dict[str, Any] | None = None,
-                 sampling: dict[str, Any] | None = None):
+                 sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES):
         model_cfg = ModelConfig(**model)
         self.backend = FSDPBackend(model_cfg, TrainConfig(**(train or {})), self.device_mesh)
-        self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})))
+        self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
+                                   bucket_bytes)
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch) -> TensorBatch:

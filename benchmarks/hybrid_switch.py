@@ -1,0 +1,88 @@
+"""Hybrid-engine benchmark: time of a train -> generate -> train switch on a 2-rank FSDP2
+group, beside in the same run a gloo all_gather of the same weights across the same ranks
+(the floor of moving sharded weights into a full copy). Target on CPU: switch <= 1.5x.
+
+One JSON line per model: {"bench": "hybrid_switch", "params": ..., "switch_s": ...,
+"baseline": "all_gather", "baseline_s": ...}. Run: `.venv/bin/python benchmarks/hybrid_switch.py
+[--presets tiny-llama llama-100m] [--repeat 5]`. Driver code stays behind __main__ (the
+ranks import this file to find SwitchBench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import asyncrl
+from asyncrl.hybrid.engine import HybridEngine
+from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
+from asyncrl.hybrid.models import ModelConfig
+
+
+class SwitchBench(asyncrl.Worker):
+    def __init__(self, preset: str):
+        cfg = ModelConfig(preset=preset)
+        self.backend = FSDPBackend(cfg, TrainConfig(), self.device_mesh)
+        self.hybrid = HybridEngine(self.backend, cfg)
+        self.params = sum(p.numel() for p in self.hybrid.engine.model.parameters())
+
+    @asyncrl.register
+    def switch(self, repeat: int) -> dict:
+        times = []
+        for _ in range(repeat + 1):  # the first also warms the allocator
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.hybrid.to_generate()
+            self.hybrid.to_train()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        return {"params": self.params, "switch_s": statistics.median(times[1:])}
+
+    @asyncrl.register
+    def all_gather(self, repeat: int) -> float:
+        local = torch.cat([p.to_local().reshape(-1) if hasattr(p, "to_local") else
+                           p.reshape(-1) for p in self.backend.model.parameters()]).detach()
+        out = torch.empty(local.numel() * self.world_size, dtype=local.dtype)
+        times = []
+        for _ in range(repeat + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_gather_into_tensor(out, local)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+
+async def bench(presets: list[str], repeat: int) -> None:
+    async with asyncrl.Controller(construct_timeout=900) as ctl:
+        for preset in presets:
+            group = await ctl.spawn(SwitchBench, preset, nprocs=2, name=f"switch-{preset}")
+            switch = (await group.switch(repeat))[0]
+            baseline = (await group.all_gather(repeat))[0]
+            print(json.dumps({"bench": "hybrid_switch", "preset": preset,
+                              "params": switch["params"], "ranks": 2,
+                              "switch_s": round(switch["switch_s"], 4),
+                              "baseline": "all_gather", "baseline_s": round(baseline, 4),
+                              "ratio": round(switch["switch_s"] / baseline, 2),
+                              "target_met": switch["switch_s"] <= 1.5 * baseline,
+                              "machine": {"arch": platform.machine()},
+                              "torch": torch.__version__}), flush=True)
+            await ctl.close_group(group)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", nargs="+", default=["tiny-llama", "llama-100m"])
+    p.add_argument("--repeat", type=int, default=5)
+    args = p.parse_args()
+    asyncrl.run(bench(args.presets, args.repeat))
+
+
+if __name__ == "__main__":
+    main()
