@@ -1,0 +1,88 @@
+"""Training with DeepSpeed ZeRO stage 2 or 3 (the `deepspeed` extra), behind the same
+interface as `FSDPBackend`: `logprobs`, `train_step(batch, loss_fn)`, `state_dict` in and out.
+
+On a CPU-only host DeepSpeed runs with `DS_ACCELERATOR=cpu` over the rank's gloo group (its
+first use compiles a small op, about a minute, cached in ~/.cache/torch_extensions). The model
+is built normally and handed to `deepspeed.initialize` (built inside `zero.Init` an HF model
+is mis-initialised), with a plain torch AdamW so the update is FSDP2's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.fsdp import LossFn, TrainConfig, sequence_mean_nll
+from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+
+
+def _deepspeed() -> Any:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError("the ZeRO backend needs DeepSpeed: pip install 'asyncrl[deepspeed]'") \
+            from e
+    return deepspeed
+
+
+class ZeroBackend:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, stage: int = 2):
+        if stage not in (2, 3):
+            raise ValueError(f"ZeRO stage must be 2 or 3, got {stage}")
+        ds = _deepspeed()
+        self.cfg, self.stage = train_cfg, stage
+        model = build_model(model_cfg).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr,
+                                weight_decay=train_cfg.weight_decay)
+        config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
+                  "gradient_accumulation_steps": 1, "gradient_clipping": train_cfg.grad_clip,
+                  "zero_optimization": {"stage": stage}, "bf16": {"enabled": False},
+                  "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
+        self.engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=config)
+        self.model = self.engine.module
+        self._ds = ds
+
+    def _logprobs(self, b: TensorBatch) -> torch.Tensor:
+        return sequence_logprobs(self.engine, b.tensor("prompt_ids"), b.tensor("prompt_mask"),
+                                 b.tensor("response_ids"), b.tensor("response_mask"))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TensorBatch) -> torch.Tensor:
+        return torch.cat([self._logprobs(m) for m in batch.split(self.cfg.micro_batch_size)])
+
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn = sequence_mean_nll
+                   ) -> dict[str, float]:
+        micros = batch.split(self.cfg.micro_batch_size)
+        gas = len(micros)
+        if self.engine.gradient_accumulation_steps() != gas:  # this step's micro-batch count
+            self.engine.set_train_batch_size(
+                self.cfg.micro_batch_size * gas * dist.get_world_size())
+        total = 0.0
+        for micro in micros:
+            loss = loss_fn(self._logprobs(micro), micro) * (len(micro) / len(batch))
+            self.engine.backward(loss * gas)  # DeepSpeed divides by the accumulation steps
+            self.engine.step()  # steps the optimizer at the accumulation boundary only
+            total += loss.detach().item()
+        norm = self.engine.get_global_grad_norm()
+        stats = torch.tensor([total / dist.get_world_size()])
+        dist.all_reduce(stats)
+        return {"loss": float(stats[0]), "grad_norm": float(norm if norm is not None else 0.0)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on every rank, on the CPU (gathered under ZeRO-3)."""
+        params = list(self.model.parameters())
+        with self._ds.zero.GatheredParameters(params, modifier_rank=None, enabled=self.stage == 3):
+            return {k: v.detach().clone().cpu() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """New weights in the model and in ZeRO's fp32 partitions the optimizer steps."""
+        params = list(self.model.parameters())
+        with self._ds.zero.GatheredParameters(params, modifier_rank=0, enabled=self.stage == 3):
+            self.model.load_state_dict(state)
+        self.engine.optimizer._restore_from_bit16_weights()
