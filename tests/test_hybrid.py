@@ -228,3 +228,40 @@ def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
         for got, want in zip(losses[kind], losses["fsdp2"], strict=True):
             assert abs(got - want) <= 1e-4 * abs(want), (kind, losses)
     assert losses["fsdp2"][-1] < losses["fsdp2"][0]
+
+
+def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
+    import subprocess
+    import sys
+
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    fake_vllm.LLM.calls.clear()
+    engine = VLLMEngine("tiny-llama", SamplingConfig(max_new_tokens=6, stop_token_ids=(2,)),
+                        llm_cls=fake_vllm.LLM, sampling_params_cls=fake_vllm.SamplingParams)
+    init = fake_vllm.LLM.calls[0][1]
+    assert init["distributed_executor_backend"] == "external_launcher"
+    assert init["enable_sleep_mode"] is True
+    out = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    mine = Sampler(build_model(ModelConfig()), SamplingConfig(max_new_tokens=6,
+                                                              stop_token_ids=(2,)))
+    want = mine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
+        assert torch.equal(out[key], want[key]), key
+    assert (out["logprobs"] - want["logprobs"]).abs().max().item() < 1e-6
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    engine.wake()
+    other = build_model(ModelConfig(seed=9))
+    assert engine.load_weights(other.named_parameters()) == len(list(other.parameters()))
+    changed = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    assert not torch.equal(changed["response_ids"], out["response_ids"])
+    assert [c[0] for c in fake_vllm.LLM.calls] == ["init", "sleep", "wake_up", "collective_rpc"]
+    # vLLM stays out of every CPU import path
+    probe = subprocess.run([sys.executable, "-c", "import sys, asyncrl, asyncrl.hybrid.roles, "
+                            "asyncrl.hybrid.vllm_engine; print('vllm' in sys.modules)"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "False", probe.stderr

@@ -6,4 +6,5 @@
     zero.py      the DeepSpeed ZeRO-2/3 training backend (same interface)
     engine.py    the hybrid engine: train <-> generate on the same ranks
     roles.py     Policy, Rollout, Reference workers
+    vllm_engine.py  the vLLM generation engine (GPU; never imported on CPU paths)
 """

@@ -1,0 +1,105 @@
+"""A fake of the parts of vLLM's API that asyncrl uses (LLM, SamplingParams, RequestOutput,
+sleep mode, collective_rpc with a worker extension), following vLLM's documentation. It
+samples with a tiny HF model through asyncrl's own Sampler, so outputs are real tokens with
+real log-probs. Used because vLLM cannot be installed on the CPU machines."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.hybrid.models import ModelConfig, build_model
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class CompletionOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class _ModelRunner:
+    def __init__(self, model: Any):
+        self.model = _LoadableModel(model)
+
+
+class _LoadableModel:
+    """vLLM models expose load_weights(weights=iterable of (name, tensor))."""
+
+    def __init__(self, model: Any):
+        self.module = model
+
+    def load_weights(self, weights: Any) -> None:
+        params = dict(self.module.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+
+
+class LLM:
+    calls: list[tuple[str, Any]] = []  # what the adapter asked of vLLM, for the tests
+
+    def __init__(self, model: str, **kwargs: Any):
+        LLM.calls.append(("init", kwargs))
+        required = {"distributed_executor_backend", "enable_sleep_mode", "worker_extension_cls"}
+        missing = required - set(kwargs)
+        if missing:
+            raise TypeError(f"fake LLM: missing {missing}")
+        module, _, name = kwargs["worker_extension_cls"].rpartition(".")
+        ext = getattr(importlib.import_module(module), name)
+        self._model = build_model(ModelConfig(preset=model))
+        self._worker = type("Worker", (ext,), {})()  # vLLM mixes the extension in
+        self._worker.model_runner = _ModelRunner(self._model)
+        self.sleeping = 0
+
+    def generate(self, prompts: list[dict], sampling_params: list[SamplingParams],
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if self.sleeping:
+            raise RuntimeError("fake LLM: generate() while asleep")
+        out = []
+        for prompt, sp in zip(prompts, sampling_params, strict=True):
+            cfg = SamplingConfig(temperature=sp.temperature, top_p=sp.top_p,
+                                 max_new_tokens=sp.max_tokens,
+                                 stop_token_ids=tuple(sp.stop_token_ids))
+            res = Sampler(self._model, cfg).generate([prompt["prompt_token_ids"]], [sp.seed or 0])
+            n = int(res["response_mask"][0].sum())
+            tokens = res["response_ids"][0, :n].tolist()
+            lps = res["logprobs"][0, :n].tolist()
+            logprobs = [{t: Logprob(lp)} for t, lp in zip(tokens, lps, strict=True)] \
+                if sp.logprobs is not None else None
+            out.append(RequestOutput(prompt["prompt_token_ids"],
+                                     [CompletionOutput(tokens, logprobs)]))
+        return out
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        LLM.calls.append(("collective_rpc", method))
+        return [getattr(self._worker, method)(*args)]
+
+    def sleep(self, level: int = 1) -> None:
+        LLM.calls.append(("sleep", level))
+        self.sleeping = level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        LLM.calls.append(("wake_up", tags))
+        self.sleeping = 0
