@@ -265,3 +265,27 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
                             "asyncrl.hybrid.vllm_engine; print('vllm' in sys.modules)"],
                            capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "False", probe.stderr
+
+
+def test_fsdp2_bf16_computes_in_bf16_and_stays_close_to_fp32():
+    batch = fixed_batch()
+    model_cfg = {"preset": "tiny-llama", "seed": 0}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            out, pids = {}, []
+            for bf16 in (False, True):
+                group = await ctl.spawn(Trainer, model_cfg,
+                                        {"lr": 3e-3, "micro_batch_size": 4, "bf16": bf16},
+                                        nprocs=2, name=f"bf16-{bf16}")
+                pids += group_pids(group)
+                out[bf16] = [(await group.step(batch))[0]["loss"] for _ in range(2)]
+                weights = (await group.weights())[0]
+                assert all(v.dtype == torch.float32 for v in weights.values())  # fp32 masters
+                await ctl.close_group(group)
+            return out, pids
+    out, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    assert out[True] != out[False]  # bf16 compute really happened
+    for a, b in zip(out[True], out[False], strict=True):
+        assert abs(a - b) <= 2e-2 * abs(b)

@@ -30,6 +30,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     micro_batch_size: int = 4
     grad_clip: float = 1.0
+    bf16: bool | None = None  # compute in bf16 (weights and reductions in fp32); None: on
+    # the GPUs that support it, off on CPU (where bf16 matmuls are slow)
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -76,12 +78,20 @@ def apply_tp(model: torch.nn.Module, tp_mesh: Any) -> None:
             "mlp.down_proj": RowwiseParallel()})
 
 
-def apply_fsdp(model: torch.nn.Module, dp_mesh: Any) -> None:
-    from torch.distributed.fsdp import fully_shard
+def use_bf16(cfg: TrainConfig) -> bool:
+    if cfg.bf16 is not None:
+        return cfg.bf16
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
+
+def apply_fsdp(model: torch.nn.Module, dp_mesh: Any, bf16: bool = False) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if bf16 else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
 def clip_grad_norm(params: Any, max_norm: float) -> float:
@@ -119,7 +129,7 @@ class FSDPBackend:
         dp_mesh = mesh["dp"] if "dp" in names else mesh
         if "tp" in names and mesh["tp"].size() > 1:
             apply_tp(self.model, mesh["tp"])
-        apply_fsdp(self.model, dp_mesh)
+        apply_fsdp(self.model, dp_mesh, use_bf16(train_cfg))
         self.dp_group = dp_mesh.get_group()
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.fsdp import LossFn, TrainConfig, sequence_mean_nll
+from asyncrl.hybrid.fsdp import LossFn, TrainConfig, sequence_mean_nll, use_bf16
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 
 
@@ -42,7 +42,8 @@ class ZeroBackend:
                                 weight_decay=train_cfg.weight_decay)
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
                   "gradient_accumulation_steps": 1, "gradient_clipping": train_cfg.grad_clip,
-                  "zero_optimization": {"stage": stage}, "bf16": {"enabled": False},
+                  "zero_optimization": {"stage": stage},
+                  "bf16": {"enabled": use_bf16(train_cfg)},
                   "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=config)
         self.model = self.engine.module
