@@ -289,3 +289,28 @@ def test_fsdp2_bf16_computes_in_bf16_and_stays_close_to_fp32():
     assert out[True] != out[False]  # bf16 compute really happened
     for a, b in zip(out[True], out[False], strict=True):
         assert abs(a - b) <= 2e-2 * abs(b)
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_policy_on_zero3_round_trip():
+    pytest.importorskip("deepspeed")
+    from asyncrl.hybrid.roles import Policy
+
+    async def main():
+        async with asyncrl.Controller(construct_timeout=500) as ctl:
+            policy = await ctl.spawn(Policy, {"preset": "tiny-llama"}, {"lr": 3e-3},
+                                     {"max_new_tokens": 4}, backend="zero3", nprocs=2)
+            pids = group_pids(policy)
+            rollout = policy.generate(prompts_batch(4))
+            engine_w = (await policy.weights("engine"))[0]
+            train_w = (await policy.weights("train"))[0]
+            await policy.train_step(rollout)
+            await policy.generate(prompts_batch(4))
+            engine_after = (await policy.weights("engine"))[0]
+            train_after = (await policy.weights("train"))[0]
+            return engine_w, train_w, engine_after, train_after, pids
+    engine_w, train_w, engine_after, train_after, pids = run(main(), timeout=580)
+    assert_gone(pids)
+    assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
+    assert all(torch.equal(engine_after[k], train_after[k]) for k in train_after)
+    assert any(not torch.equal(train_after[k], train_w[k]) for k in train_w)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.hybrid.fsdp import FSDPBackend
 from asyncrl.hybrid.models import ModelConfig, build_model
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
@@ -60,7 +59,7 @@ class _Bucket:
 
 
 class HybridEngine:
-    def __init__(self, backend: FSDPBackend, model_cfg: ModelConfig,
+    def __init__(self, backend: Any, model_cfg: ModelConfig,
                  sampling: SamplingConfig | None = None, bucket_bytes: int = BUCKET_BYTES):
         self.backend = backend
         self.bucket_bytes = bucket_bytes
@@ -84,6 +83,12 @@ class HybridEngine:
                 self._gather_bucket(item)
             else:
                 name, param, target = item
+                if hasattr(self.backend, "gathered"):  # DeepSpeed ZeRO: whole for a moment
+                    with self.backend.gathered([param]):
+                        target.copy_(param.detach())
+                    self.peak_gather_bytes = max(self.peak_gather_bytes,
+                                                 target.numel() * target.element_size())
+                    continue
                 full = _full(param.detach())  # e.g. FSDP + TP: DTensor gathers it
                 self.peak_gather_bytes = max(self.peak_gather_bytes,
                                              full.numel() * full.element_size())

@@ -33,9 +33,19 @@ def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
 
 class Policy(Worker):
     def __init__(self, model: dict[str, Any], train: dict[str, Any] | None = None,
-                 sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES):
+                 sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 backend: str = "fsdp2"):
         model_cfg = ModelConfig(**model)
-        self.backend = FSDPBackend(model_cfg, TrainConfig(**(train or {})), self.device_mesh)
+        train_cfg = TrainConfig(**(train or {}))
+        self.backend: Any
+        if backend == "fsdp2":
+            self.backend = FSDPBackend(model_cfg, train_cfg, self.device_mesh)
+        elif backend in ("zero2", "zero3"):
+            from asyncrl.hybrid.zero import ZeroBackend
+
+            self.backend = ZeroBackend(model_cfg, train_cfg, stage=int(backend[-1]))
+        else:
+            raise ValueError(f"backend is 'fsdp2', 'zero2' or 'zero3', got {backend!r}")
         self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
                                    bucket_bytes)
 

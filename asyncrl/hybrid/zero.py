@@ -47,6 +47,8 @@ class ZeroBackend:
                   "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=config)
         self.model = self.engine.module
+        # the torch optimizer ZeRO wraps (its state is what the hybrid engine moves)
+        self.opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         self._ds = ds
 
     def _logprobs(self, b: TensorBatch) -> torch.Tensor:
@@ -74,6 +76,12 @@ class ZeroBackend:
         stats = torch.tensor([total / dist.get_world_size()])
         dist.all_reduce(stats)
         return {"loss": float(stats[0]), "grad_norm": float(norm if norm is not None else 0.0)}
+
+    def gathered(self, params: list[Any]) -> Any:
+        """A context in which these parameters are whole on every rank (ZeRO-3 partitions
+        them; under ZeRO-2 they already are). A collective: every rank, the same order."""
+        return self._ds.zero.GatheredParameters(params, modifier_rank=None,
+                                                enabled=self.stage == 3)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights on every rank, on the CPU (gathered under ZeRO-3)."""
