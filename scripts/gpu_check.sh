@@ -7,6 +7,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 msgspec==0.23.0
+# (the device image has torch, transformers, pytest, psutil, uvloop; not deepspeed or vllm)
 # then run it with the device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"]).
 # Results land in $OUT (gpu-tests.log, gpu-bench.jsonl).
 set -uo pipefail
@@ -23,6 +24,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, zmq, msgspec; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 # the GPU tests, then the CPU data-plane tests as a sanity check of this machine's stack
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_dataplane.py tests/test_units.py 2>&1 | tail -5 | tee -a "$OUT/gpu-tests.log"
 timeout 200 python3 benchmarks/data_plane.py --gpu --mib 1024 --repeat 5 2>/dev/null | tee "$OUT/gpu-bench.jsonl"
+timeout 200 python3 benchmarks/hybrid_switch.py --repeat 5 2>/dev/null | tee -a "$OUT/gpu-bench.jsonl"

@@ -54,3 +54,44 @@ def test_gpu_rows_between_groups(transport):
             assert ctl.payload_bytes == 0
             return pids
     assert_gone(run(main(), timeout=300))
+
+
+if torch.cuda.is_available():  # module level (ranks import it by path); GPU machines only
+    from asyncrl.hybrid.roles import Policy
+
+    class MeasuredPolicy(Policy):
+        """A hybrid Policy on the GPU that reports device memory around its switch."""
+
+        def __init__(self):
+            super().__init__({"preset": "llama-100m"}, {"lr": 1e-4}, {"max_new_tokens": 4})
+
+        @asyncrl.register
+        def switch(self) -> dict:
+            hybrid = self.hybrid
+            hybrid.to_generate()
+            rollout = hybrid.generate([[1, 5, 6], [1, 7, 8]], [0, 1])
+            hybrid.to_train()
+            self.backend.train_step(rollout)  # the optimizer now holds state on the GPU
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            hybrid.to_generate()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before
+            devices = sorted({v.device.type for st in self.backend.opt.state.values()
+                              for v in st.values() if isinstance(v, torch.Tensor)})
+            hybrid.to_train()
+            biggest = max(p.numel() * p.element_size() for p in hybrid.engine.model.parameters())
+            return {"peak": peak, "bound": hybrid.bucket_bytes + biggest, "state": devices}
+
+
+def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
+    async def main():
+        async with asyncrl.Controller(construct_timeout=600) as ctl:
+            group = await ctl.spawn(MeasuredPolicy, nprocs=1, name="gpolicy")
+            pids = group_pids(group)
+            return (await group.switch())[0], pids
+    report, pids = run(main(), timeout=600)
+    assert_gone(pids)
+    assert report["state"] == ["cpu"]  # optimizer state left the GPU while generating
+    assert report["peak"] <= report["bound"], report
