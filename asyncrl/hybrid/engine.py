@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.hybrid.models import ModelConfig, build_model
+from asyncrl.hybrid.models import ModelConfig, build_model, default_device
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
 BUCKET_BYTES = 32 << 20  # parameters gathered together, up to about this many bytes
@@ -42,7 +42,8 @@ class _Bucket:
     ceil(rows / ranks) rows in the buffer (rank r holds rows [r*per, (r+1)*per), as
     torch.chunk splits them), so every rank contributes the same width."""
 
-    def __init__(self, mesh: Any, dtype: torch.dtype):
+    def __init__(self, mesh: Any, dtype: torch.dtype, device: torch.device):
+        self.device = device
         self.group = mesh.get_group()
         self.world = mesh.size()
         self.items: list[tuple[Any, torch.Tensor, int, int]] = []  # param, target, at, n
@@ -63,7 +64,7 @@ class HybridEngine:
                  sampling: SamplingConfig | None = None, bucket_bytes: int = BUCKET_BYTES):
         self.backend = backend
         self.bucket_bytes = bucket_bytes
-        self.engine = Sampler(build_model(model_cfg), sampling)
+        self.engine = Sampler(build_model(model_cfg).to(default_device()), sampling)
         self.engine.sleep()
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
@@ -109,8 +110,9 @@ class HybridEngine:
                 plan.append((name, param, targets[name]))
                 continue
             if bucket is None or bucket.nbytes >= self.bucket_bytes or \
-                    bucket.dtype != param.dtype:  # one dtype per collective
-                bucket = _Bucket(param.device_mesh, param.dtype)  # type: ignore[attr-defined]
+                    bucket.dtype != param.dtype or bucket.device != param.device:
+                bucket = _Bucket(param.device_mesh, param.dtype,  # type: ignore[attr-defined]
+                                 param.device)
                 plan.append(bucket)
             bucket.add(param, targets[name])
         return plan
@@ -120,9 +122,9 @@ class HybridEngine:
         rank's real rows copied straight into the engine's weights."""
         world, width = bucket.world, bucket.width
         if self._local is None or self._local.numel() < width or \
-                self._local.dtype != bucket.dtype:
-            self._local = torch.zeros(width, dtype=bucket.dtype)
-            self._out = torch.empty(width * world, dtype=bucket.dtype)
+                self._local.dtype != bucket.dtype or self._local.device != bucket.device:
+            self._local = torch.zeros(width, dtype=bucket.dtype, device=bucket.device)
+            self._out = torch.empty(width * world, dtype=bucket.dtype, device=bucket.device)
         assert self._out is not None
         local, out = self._local[:width], self._out[:width * world]
         for param, _, at, _n in bucket.items:

@@ -81,6 +81,12 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
     return model.eval()
 
 
+def default_device() -> torch.device:
+    """This rank's GPU when there is one (ranks bind their threads to it), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids for left-padded rows: 0 at each row's first real token."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -92,6 +98,9 @@ def sequence_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     """log p(response token | everything before it), [B, N]; 0 where response_mask is 0.
 
     Prompts are left-padded, responses right-padded (their mask is a prefix of each row)."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    response_ids, response_mask = response_ids.to(device), response_mask.to(device)
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits

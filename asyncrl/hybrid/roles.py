@@ -21,7 +21,7 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
-from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.models import ModelConfig, build_model, default_device, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
 
@@ -57,7 +57,7 @@ class Policy(Worker):
     @register(dispatch=Dispatch.DP)
     def logprobs(self, batch: TensorBatch) -> TensorBatch:
         self.hybrid.to_train()
-        return TensorBatch({"logprobs": self.backend.logprobs(batch)})
+        return TensorBatch({"logprobs": self.backend.logprobs(batch).cpu()})
 
     @register(dispatch=Dispatch.DP)
     def train_step(self, batch: TensorBatch) -> dict:
@@ -81,7 +81,7 @@ class Policy(Worker):
 
 class Rollout(Worker):
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None):
-        self.engine = Sampler(build_model(ModelConfig(**model)),
+        self.engine = Sampler(build_model(ModelConfig(**model)).to(default_device()),
                               SamplingConfig(**(sampling or {})))
 
     @register(dispatch=Dispatch.DP)
@@ -95,11 +95,11 @@ class Rollout(Worker):
 
 class Reference(Worker):
     def __init__(self, model: dict[str, Any]):
-        self.model = build_model(ModelConfig(**model))
+        self.model = build_model(ModelConfig(**model)).to(default_device())
 
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()
     def logprobs(self, batch: TensorBatch) -> TensorBatch:
         return TensorBatch({"logprobs": sequence_logprobs(
             self.model, batch.tensor("prompt_ids"), batch.tensor("prompt_mask"),
-            batch.tensor("response_ids"), batch.tensor("response_mask"))})
+            batch.tensor("response_ids"), batch.tensor("response_mask")).cpu()})
