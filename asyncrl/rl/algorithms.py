@@ -1,0 +1,88 @@
+"""RL algorithms as plain tensor functions (`mask` is 1 on response tokens, a prefix of
+each row). Trainers are built from these; each is tested against hand-computed values."""
+
+from __future__ import annotations
+
+import torch
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
+                    std_normalize: bool = True) -> torch.Tensor:
+    """(r - group mean) / (group std + eps) for contiguous groups of `group_size` rows; std
+    is torch.std (unbiased). With group_size=1 the advantages are 0."""
+    if group_size < 1 or rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"grpo_advantages: {rewards.numel()} rewards do not split into "
+                         f"groups of {group_size}; sample group_size responses per prompt, "
+                         f"each group's rows contiguous")
+    if group_size == 1:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    r = rewards.float().view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if std_normalize:
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each row's response tokens; raw (whitening is a
+    separate step). returns = advantages + values; positions with mask 0 get 0."""
+    if not rewards.shape == values.shape == mask.shape:
+        raise ValueError(f"gae: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} "
+                         f"and mask {tuple(mask.shape)} must have the same [B, T] shape")
+    m = mask.float()
+    r, v = rewards.float() * m, values.float() * m
+    adv = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
+    next_value = torch.zeros_like(running)
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        running = (delta + gamma * lam * running) * m[:, t]
+        adv[:, t] = running
+        next_value = v[:, t]  # 0 past a row's last response token (masked values are 0)
+    return adv, (adv + v) * m
+
+
+def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, clip: float = 0.2, agg: str = "token-mean"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate: per token max(-A*ratio, -A*clip(ratio, 1-clip, 1+clip)), ratio =
+    exp(logp - old_logp); aggregated "token-mean" or "seq-mean-token-mean". clipfrac: the
+    share of masked tokens where the clipped term is the larger."""
+    m = mask.to(logp.dtype)
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
+    per_token = torch.maximum(unclipped, clipped)
+    tokens = m.sum().clamp(min=1)
+    if agg == "token-mean":
+        loss = (per_token * m).sum() / tokens
+    elif agg == "seq-mean-token-mean":
+        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+    else:
+        raise ValueError(f"ppo_policy_loss: agg is 'token-mean' or 'seq-mean-token-mean', got "
+                         f"{agg!r}")
+    clipfrac = ((clipped > unclipped).to(logp.dtype) * m).sum() / tokens
+    return loss, clipfrac.detach()
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token KL estimates against the reference policy, unclamped: k1 logp - ref,
+    k2 (logp - ref)^2 / 2, k3 exp(ref - logp) - (ref - logp) - 1."""
+    diff = logp - ref_logp
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return diff.pow(2) / 2
+    if kind == "k3":
+        return torch.exp(-diff) + diff - 1
+    raise ValueError(f"kl_penalty: kind is 'k1', 'k2' or 'k3', got {kind!r}")
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked positions (the trainer's whitening step)."""
+    m = mask.to(values.dtype)
+    n = m.sum().clamp(min=1)
+    mean = (values * m).sum() / n
+    var = ((values - mean).pow(2) * m).sum() / n
+    return (values - mean) * torch.rsqrt(var + eps) * m

@@ -1,0 +1,78 @@
+"""The RL algorithm functions against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.rl import gae, grpo_advantages, kl_penalty, ppo_policy_loss, whiten
+
+
+def test_grpo_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5])
+    adv = grpo_advantages(r, group_size=3)
+    std1 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased: n - 1 = 2
+    std2 = math.sqrt(((1 / 3) ** 2 + 2 * (1 / 6) ** 2) / 2)  # group [0, .5, .5], mean 1/3
+    want = [(2 / 3) / (std1 + 1e-6), (-1 / 3) / (std1 + 1e-6), (-1 / 3) / (std1 + 1e-6),
+            (-1 / 3) / (std2 + 1e-6), (1 / 6) / (std2 + 1e-6), (1 / 6) / (std2 + 1e-6)]
+    assert torch.allclose(adv, torch.tensor(want), atol=1e-6)
+    plain = grpo_advantages(r, 3, std_normalize=False)
+    assert torch.allclose(plain, torch.tensor([2 / 3, -1 / 3, -1 / 3, -1 / 3, 1 / 6, 1 / 6]),
+                          atol=1e-6)
+    assert torch.equal(grpo_advantages(r, 1), torch.zeros(6))
+    with pytest.raises(ValueError, match="do not split into groups of 4"):
+        grpo_advantages(r, 4)
+
+
+def test_gae_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 9.0]])  # the last position is masked out
+    values = torch.tensor([[0.5, 0.4, 0.3, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    g, lam = 0.9, 0.8
+    d2 = 1.0 + g * 0 - 0.3
+    d1 = 0.0 + g * 0.3 - 0.4
+    d0 = 0.0 + g * 0.4 - 0.5
+    a2 = d2
+    a1 = d1 + g * lam * a2
+    a0 = d0 + g * lam * a1
+    adv, ret = gae(rewards, values, mask, g, lam)
+    assert torch.allclose(adv, torch.tensor([[a0, a1, a2, 0.0]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[a0 + 0.5, a1 + 0.4, a2 + 0.3, 0.0]]), atol=1e-6)
+    with pytest.raises(ValueError, match="same \\[B, T\\] shape"):
+        gae(rewards, values[:, :3], mask, g, lam)
+
+
+def test_ppo_policy_loss_by_hand():
+    logp = torch.log(torch.tensor([[1.5, 0.9, 1.0], [1.0, 0.5, 2.0]]))
+    old = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # ratios 1.5, 0.9, 1.0 | 1.0, 0.5 (masked: 2.0)
+    # A=+1: max(-1.5, -1.2) = -1.2 (clipped larger), max(-0.9,-0.9)=-0.9, -1.0
+    # A=-1: max(1.0, 1.0) = 1.0, max(0.5, 0.8) = 0.8 (clipped larger)
+    per = [[-1.2, -0.9, -1.0], [1.0, 0.8]]
+    loss, clipfrac = ppo_policy_loss(logp, old, adv, mask)
+    assert loss.item() == pytest.approx((sum(per[0]) + sum(per[1])) / 5, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(2 / 5)
+    seq, _ = ppo_policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean")
+    assert seq.item() == pytest.approx((sum(per[0]) / 3 + sum(per[1]) / 2) / 2, abs=1e-6)
+    with pytest.raises(ValueError, match="agg is"):
+        ppo_policy_loss(logp, old, adv, mask, agg="sum")
+
+
+def test_kl_penalty_by_hand():
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    assert torch.allclose(kl_penalty(logp, ref, "k1"), torch.tensor([[0.5, -1.0]]))
+    assert torch.allclose(kl_penalty(logp, ref, "k2"), torch.tensor([[0.125, 0.5]]))
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]
+    assert torch.allclose(kl_penalty(logp, ref), torch.tensor([k3]), atol=1e-6)
+    with pytest.raises(ValueError, match="kind is"):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_whiten_uses_masked_positions_only():
+    x = torch.tensor([[1.0, 3.0, 100.0]])
+    m = torch.tensor([[1, 1, 0]])
+    assert torch.allclose(whiten(x, m), torch.tensor([[-1.0, 1.0, 0.0]]), atol=1e-4)
