@@ -1,5 +1,6 @@
-"""RL on the runtime: algorithms (this issue's first part); trainers, data, roles next."""
+"""RL on the runtime: algorithms and prompt sources (first parts); trainers next."""
 
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty, ppo_policy_loss, whiten
+from asyncrl.rl.data import PromptSource
 
-__all__ = ["gae", "grpo_advantages", "kl_penalty", "ppo_policy_loss", "whiten"]
+__all__ = ["PromptSource", "gae", "grpo_advantages", "kl_penalty", "ppo_policy_loss", "whiten"]
