@@ -2,5 +2,7 @@
 
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty, ppo_policy_loss, whiten
 from asyncrl.rl.data import PromptSource
+from asyncrl.rl.reward import RewardFn
 
-__all__ = ["PromptSource", "gae", "grpo_advantages", "kl_penalty", "ppo_policy_loss", "whiten"]
+__all__ = ["PromptSource", "RewardFn", "gae", "grpo_advantages", "kl_penalty",
+           "ppo_policy_loss", "whiten"]

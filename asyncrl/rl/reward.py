@@ -1,0 +1,51 @@
+"""Rewards as a worker group: a Python function `fn(prompt, response, **meta) -> float`.
+
+`score(batch)` takes what generation returned plus the prompt records: the list column
+"prompt" (whatever the prompt source holds), the response token ids (response_ids cut by
+response_mask) and every other list column as keyword meta (an "answer", say)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncrl.actors.protocols import Dispatch
+from asyncrl.actors.register import register
+from asyncrl.actors.worker import Worker
+from asyncrl.comm.batch import TensorBatch
+
+RESERVED = {"prompt", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
+            "seed"}
+
+
+def score_rows(fn: Callable[..., float], batch: TensorBatch) -> torch.Tensor:
+    ids, mask = batch.tensor("response_ids"), batch.tensor("response_mask")
+    prompts = batch["prompt"] if "prompt" in batch else [None] * len(batch)
+    meta_keys = [k for k in batch.keys() if k not in RESERVED and isinstance(batch[k], list)]
+    rewards = []
+    for i in range(len(batch)):
+        response = ids[i][mask[i].bool()].tolist()
+        meta = {k: batch[k][i] for k in meta_keys}
+        value = fn(prompts[i], response, **meta)
+        if not isinstance(value, int | float) or isinstance(value, bool) or \
+                not math.isfinite(value):
+            raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned "
+                             f"{value!r} for row {i}; it must return a finite float")
+        rewards.append(float(value))
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+class RewardFn(Worker):
+    """A reward group running `fn` (a module-level function: it travels by reference)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        if not callable(fn):
+            raise TypeError(f"RewardFn needs a function, got {fn!r}")
+        self.fn = fn
+
+    @register(dispatch=Dispatch.DP)
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        return TensorBatch({"reward": score_rows(self.fn, batch)})
