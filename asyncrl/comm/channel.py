@@ -21,6 +21,19 @@ log = logging.getLogger("asyncrl")
 _POLLIN = int(zmq.POLLIN)
 
 
+def open_frame(verifier: Verifier, route: bytes, frames: list[bytes]) -> Message | None:
+    """The message in a signed frame, or None: a malformed, unsigned, replayed or
+    undecodable frame is dropped and counted by `verifier`, never raised."""
+    body = verifier.verify(route, frames)
+    if body is None:
+        return None
+    try:
+        return messages.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        verifier.drop("undecodable")
+        return None
+
+
 class ControllerChannel:
     """The controller's ROUTER, driven by the event loop's reader callback.
 
@@ -82,13 +95,8 @@ class ControllerChannel:
             self._verifier.drop("malformed")
             return
         identity = frames[0]
-        body = self._verifier.verify(identity, frames[1:])
-        if body is None:
-            return
-        try:
-            msg = messages.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self._verifier.drop("undecodable")
+        msg = open_frame(self._verifier, identity, frames[1:])
+        if msg is None:
             return
         try:
             handle(identity, msg)
@@ -134,14 +142,7 @@ class RankSocket:
             frames = self._sock.recv_multipart()
         except zmq.Again:
             return None
-        body = self._verifier.verify(self._route, frames)
-        if body is None:
-            return None
-        try:
-            return messages.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self._verifier.drop("undecodable")
-            return None
+        return open_frame(self._verifier, self._route, frames)
 
     def close(self) -> None:
         self._sock.close()

@@ -31,6 +31,7 @@ import zmq
 from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.channel import open_frame
 from asyncrl.comm.cuda_ipc import copy_rows_into, export_rows
 from asyncrl.comm.messages import NONE, ColumnDest, Pull, Pulled
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue
@@ -94,13 +95,8 @@ class DataServer:
             self._verifier.drop("malformed")
             return
         identity = frames[0]
-        body = self._verifier.verify(identity + self._route, frames[1:])
-        if body is None:
-            return
-        try:
-            req = messages.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self._verifier.drop("undecodable")
+        req = open_frame(self._verifier, identity + self._route, frames[1:])
+        if req is None:
             return
         if not isinstance(req, Pull):
             self._verifier.drop("unexpected")
@@ -234,10 +230,7 @@ class DataClient:
             for sock in ready:
                 s, verifier, identity = by_sock[id(sock)]
                 frames = s.recv_multipart(copy=False)
-                body = verifier.verify(b">" + identity, [f.bytes for f in frames[:2]])
-                if body is None:
-                    continue
-                reply = messages.decode(body)
+                reply = open_frame(verifier, b">" + identity, [f.bytes for f in frames[:2]])
                 if isinstance(reply, Pulled) and reply.xfer_id in pending:
                     deadline = time.monotonic() + self._timeout  # the timeout is for silence
                     piece, req = pending.pop(reply.xfer_id)
