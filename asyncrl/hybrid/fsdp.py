@@ -120,7 +120,24 @@ def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tenso
     return (-(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
 
 
-class FSDPBackend:
+class TrainBackend:
+    """What FSDP2 and ZeRO share: log-probs of a batch, micro-batch by micro-batch, through
+    `forward_module` (the wrapped model whose forward runs the sharding hooks)."""
+
+    cfg: TrainConfig
+    forward_module: torch.nn.Module
+
+    def _logprobs(self, b: TensorBatch) -> torch.Tensor:
+        return sequence_logprobs(self.forward_module, b.tensor("prompt_ids"),
+                                 b.tensor("prompt_mask"), b.tensor("response_ids"),
+                                 b.tensor("response_mask"))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TensorBatch) -> torch.Tensor:
+        return torch.cat([self._logprobs(m) for m in batch.split(self.cfg.micro_batch_size)])
+
+
+class FSDPBackend(TrainBackend):
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Any):
         self.cfg = train_cfg
         self.mesh = mesh
@@ -131,17 +148,10 @@ class FSDPBackend:
             apply_tp(self.model, mesh["tp"])
         apply_fsdp(self.model, dp_mesh, use_bf16(train_cfg))
         self.dp_group = dp_mesh.get_group()
+        self.forward_module = self.model
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr,
                                      weight_decay=train_cfg.weight_decay)
-
-    def _logprobs(self, b: TensorBatch) -> torch.Tensor:
-        return sequence_logprobs(self.model, b.tensor("prompt_ids"), b.tensor("prompt_mask"),
-                                 b.tensor("response_ids"), b.tensor("response_mask"))
-
-    @torch.no_grad()
-    def logprobs(self, batch: TensorBatch) -> torch.Tensor:
-        return torch.cat([self._logprobs(m) for m in batch.split(self.cfg.micro_batch_size)])
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = sequence_mean_nll
                    ) -> dict[str, float]:

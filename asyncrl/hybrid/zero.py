@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.fsdp import LossFn, TrainConfig, sequence_mean_nll, use_bf16
-from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.fsdp import LossFn, TrainBackend, TrainConfig, sequence_mean_nll, use_bf16
+from asyncrl.hybrid.models import ModelConfig, build_model
 
 
 def _deepspeed() -> Any:
@@ -31,7 +31,7 @@ def _deepspeed() -> Any:
     return deepspeed
 
 
-class ZeroBackend:
+class ZeroBackend(TrainBackend):
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, stage: int = 2):
         if stage not in (2, 3):
             raise ValueError(f"ZeRO stage must be 2 or 3, got {stage}")
@@ -47,17 +47,10 @@ class ZeroBackend:
                   "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=config)
         self.model = self.engine.module
+        self.forward_module = self.engine
         # the torch optimizer ZeRO wraps (its state is what the hybrid engine moves)
         self.opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         self._ds = ds
-
-    def _logprobs(self, b: TensorBatch) -> torch.Tensor:
-        return sequence_logprobs(self.engine, b.tensor("prompt_ids"), b.tensor("prompt_mask"),
-                                 b.tensor("response_ids"), b.tensor("response_mask"))
-
-    @torch.no_grad()
-    def logprobs(self, batch: TensorBatch) -> torch.Tensor:
-        return torch.cat([self._logprobs(m) for m in batch.split(self.cfg.micro_batch_size)])
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = sequence_mean_nll
                    ) -> dict[str, float]:
