@@ -8,7 +8,19 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import wait_until  # noqa: E402
+from helpers import BackgroundController, assert_gone, group_pids, wait_until  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bg():
+    """A Controller on a background thread, shared by a module's tests; every process its
+    groups started must be gone once it closes."""
+    bg = BackgroundController()
+    yield bg
+    pids = [p for g in bg.ctl.groups.values() for p in group_pids(g)]
+    bg.close()
+    if pids:
+        assert_gone(pids)
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import BackgroundController, assert_gone, group_pids, run
+from helpers import assert_gone, group_pids, run
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
@@ -101,15 +101,6 @@ def assert_rows(batch: TensorBatch, n: int) -> None:
     assert batch["x"].tolist() == want["x"]
     assert batch["v"].dtype == torch.bfloat16 and batch["v"].tolist() == want["v"]
     assert batch["name"] == want["name"]
-
-
-@pytest.fixture(scope="module")
-def bg():
-    bg = BackgroundController()
-    yield bg
-    pids = [p for g in bg.ctl.groups.values() for p in group_pids(g)]
-    bg.close()
-    assert_gone(pids)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import BackgroundController, assert_gone, group_pids
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
@@ -120,16 +119,6 @@ class Custom(Echo):
     @asyncrl.register(dispatch="first_half")
     def rank_plus(self, x):
         return x + self.rank
-
-
-@pytest.fixture(scope="module")
-def bg():
-    bg = BackgroundController()
-    yield bg
-    pids = [p for g in bg.ctl.groups.values() for p in group_pids(g)]
-    bg.close()
-    if pids:
-        assert_gone(pids)
 
 
 @pytest.fixture(scope="module")
