@@ -26,7 +26,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/asyncrl launch examples/flow.py --steps 4
+	$(BIN)/asyncrl launch examples/grpo_tiny.py
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q

@@ -21,6 +21,7 @@ from asyncrl.controller.placement import (
 from asyncrl.controller.runner import run
 from asyncrl.errors import (
                                           AsyncRLError,
+                                          CheckpointError,
                                           ClosedError,
                                           EncodeError,
                                           GroupDeadError,
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncRLError",
+    "CheckpointError",
     "ClosedError",
     "Controller",
     "DataFlow",

@@ -1,6 +1,7 @@
 """The `asyncrl` command: parse, build, run, close.
 
     asyncrl launch FILE [--steps N] [--run-dir DIR] [--save-inputs] [key=value ...]
+                        [--checkpoint-every N] [--keep-checkpoints K] [--resume]
                                           run FILE's `flow` (a DataFlow), or its `main()`
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
     asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
@@ -18,6 +19,7 @@ from typing import Any
 
 from asyncrl.controller.flow import NodeError
 from asyncrl.controller.runner import run
+from asyncrl.errors import CheckpointError
 
 
 def _load(path: str, overrides: list[str] | None = None) -> Any:
@@ -44,6 +46,15 @@ def _flow_of(module: Any, path: str) -> Any:
 def launch(args: argparse.Namespace) -> int:
     from asyncrl.controller.launch import default_run_dir, launch_flow
 
+    if args.resume and not args.run_dir:
+        raise SystemExit("asyncrl launch: --resume needs --run-dir DIR, the run to continue "
+                         "(its checkpoints are in DIR/checkpoints)")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise SystemExit(f"asyncrl launch: --checkpoint-every must be >= 1, got "
+                         f"{args.checkpoint_every}")
+    if args.keep_checkpoints < 0:
+        raise SystemExit(f"asyncrl launch: --keep-checkpoints must be >= 0 (0 keeps all), "
+                         f"got {args.keep_checkpoints}")
     sys.argv = [args.script, *args.args]
     module = _load(args.script, [a for a in args.args if "=" in a])
     flow = _flow_of(module, args.script)
@@ -53,13 +64,23 @@ def launch(args: argparse.Namespace) -> int:
             raise SystemExit(f"asyncrl launch: {args.script} defines no `flow` and no main(); "
                              f"declare `flow = asyncrl.DataFlow(...)` or write `async def "
                              f"main():` that opens `async with asyncrl.Controller()`")
+        if args.resume or args.checkpoint_every is not None:
+            raise SystemExit(f"asyncrl launch: --resume and --checkpoint-every work on a "
+                             f"DataFlow; {args.script} defines main(), which saves its own "
+                             f"state")
         result = run(main()) if inspect.iscoroutinefunction(main) else main()
         return int(result) if isinstance(result, int) else 0
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run_dir: {run_dir}", flush=True)
+    if args.checkpoint_every is not None:
+        flow.checkpoint_every = args.checkpoint_every
+    keep = args.keep_checkpoints or None  # 0 keeps every checkpoint
     try:
-        run(launch_flow(flow, args.steps, run_dir, args.save_inputs))
+        run(launch_flow(flow, args.steps, run_dir, args.save_inputs, resume=args.resume,
+                        keep=keep))
+    except CheckpointError as e:
+        print(f"asyncrl launch: {e}", file=sys.stderr)
+        return 2
     except NodeError as e:  # the node, the step and the group; the remote traceback follows
         cause = e.__cause__
         detail = getattr(cause, "remote_traceback", "") or ""
@@ -102,12 +123,20 @@ def parser() -> argparse.ArgumentParser:
                                     "`async def` runs on uvloop). key=value arguments "
                                     "override the flow's asyncrl.config(...) settings.")
     lp.add_argument("script", help="a Python file defining `flow` or main()")
-    lp.add_argument("--steps", type=int, default=None, help="steps to run (default: until "
-                    "an input is exhausted)")
+    lp.add_argument("--steps", type=int, default=None, help="run up to this step count, "
+                    "counted from the run's start also when resumed (default: until an input "
+                    "is exhausted)")
     lp.add_argument("--run-dir", default=None, help="where logs, metrics.jsonl and "
                     "timeline.json go (default: runs/<time>)")
     lp.add_argument("--save-inputs", action="store_true",
                     help="save every node's inputs, for `asyncrl run --node`")
+    lp.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                    help="checkpoint into RUN_DIR/checkpoints every N steps (a run always "
+                    "checkpoints after its last step)")
+    lp.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
+                    help="keep the newest K checkpoints (default 3; 0 keeps all)")
+    lp.add_argument("--resume", action="store_true",
+                    help="continue the run in --run-dir from its newest complete checkpoint")
     lp.add_argument("args", nargs="*", help="key=value overrides, or arguments passed on "
                     "to a driver's main() (after --)")
     lp.set_defaults(func=launch)

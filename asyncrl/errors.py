@@ -57,6 +57,10 @@ class EncodeError(AsyncRLError, TypeError):
     """An argument or result cannot cross the wire (nothing is ever pickled)."""
 
 
+class CheckpointError(AsyncRLError, ValueError):
+    """A checkpoint cannot be written or resumed: none is there, it belongs to another flow,
+    or a run directory would be overwritten. The message names the directory and the fix."""
+
 
 class TransferTimeout(AsyncRLError, TimeoutError):
     """A data-plane peer did not answer in time; the message names the peer and operation."""

@@ -40,3 +40,8 @@ def test_launch_errors_are_clear(tmp_path):
     script.write_text("x = 1\n")
     out = _run("launch", str(script))
     assert out.returncode != 0 and "defines no `flow` and no main()" in out.stderr
+    out = _run("launch", "examples/driver.py", "--resume", "--run-dir", str(tmp_path))
+    assert out.returncode != 0 and "--resume and --checkpoint-every work on a DataFlow" \
+        in out.stderr
+    out = _run("launch", "examples/flow.py", "--checkpoint-every", "0")
+    assert out.returncode != 0 and "--checkpoint-every must be >= 1, got 0" in out.stderr

@@ -14,6 +14,7 @@ import pytest
 from helpers import ROOT, run
 
 import asyncrl
+from asyncrl.controller.launch import Metrics
 from asyncrl.controller.placement import Host, PlacementError, Placer
 from asyncrl.controller.timeline import Timeline, draw
 
@@ -113,6 +114,18 @@ def test_gpu_placement_errors_say_why():
         p.place("big", 3, asyncrl.nvlink_group(2))
     with pytest.raises(TypeError, match="place= takes constraints"):
         p.place("x", 1, "separate")
+
+
+def test_metric_names_keep_full_names_and_add_tokens_per_second(tmp_path):
+    metrics = Metrics(tmp_path, 2, Timeline())
+    metrics(0, {"train": {"loss": 1.0, "reward/mean": 0.5, "perf/tokens": 100,
+                          "stats": {"kl": 0.1, "actor/lr": 0.01}, "ok": True},
+                "score": 3}, 2.0)
+    metrics.close()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row == {"step": 0, "time/step_s": 2.0, "train/loss": 1.0, "reward/mean": 0.5,
+                   "perf/tokens": 100.0, "train/stats/kl": 0.1, "actor/lr": 0.01,
+                   "score": 3.0, "perf/tokens_per_s": 50.0}
 
 
 def test_timeline_trace_and_png(tmp_path):

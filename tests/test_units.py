@@ -22,8 +22,9 @@ DP = asyncrl.Dispatch.DP
 
 def test_public_api_is_the_facade():
     assert sorted(asyncrl.__all__) == sorted([
-        "AsyncRLError", "ClosedError", "Controller", "Dispatch", "DistFuture", "EncodeError",
-        "GroupDeadError", "GroupHandle", "Layout", "RemoteError", "SpawnError", "SpawnTimeout",
+        "AsyncRLError", "CheckpointError", "ClosedError", "Controller", "Dispatch",
+        "DistFuture", "EncodeError", "GroupDeadError", "GroupHandle", "Layout", "RemoteError",
+        "SpawnError", "SpawnTimeout",
         "Split", "TensorBatch", "TransferTimeout", "Worker", "register", "register_protocol",
         "run", "DataFlow", "FlowError", "NodeError", "PlacementError", "colocate_with",
         "config", "group", "node", "nvlink_group", "same_host_as", "separate_from"])

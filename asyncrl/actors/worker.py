@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.protocols import DP_AXIS
+from asyncrl.actors.register import register
 
 
 class Worker:
@@ -42,6 +45,73 @@ class Worker:
                                     mesh_dim_names=tuple(self.mesh))
             self.__dict__["_asyncrl_device_mesh"] = mesh
         return mesh
+
+    # -- checkpoints: the flow calls save_checkpoint / load_checkpoint; you override the hooks
+    def save_state(self, folder: Path) -> None:
+        """Write this rank's state (weights, optimizer...) into `folder`, which the group's
+        ranks share: name files by rank. The default saves nothing."""
+
+    def load_state(self, folder: Path) -> None:
+        """Read back what `save_state` wrote into `folder`. The default loads nothing."""
+
+    @register
+    def save_checkpoint(self, path: str) -> None:
+        """Save this rank's RNG states and `save_state` into ``path/<group name>/``."""
+        import torch
+
+        folder = Path(path) / self.group_name
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), folder / f"rng_rank{self.rank}.pt")
+        self.save_state(folder)
+
+    @register
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint(path)` saved on this rank."""
+        import torch
+
+        folder = Path(path) / self.group_name
+        rng = folder / f"rng_rank{self.rank}.pt"
+        if not rng.is_file():
+            raise FileNotFoundError(
+                f"{rng} does not exist: the checkpoint at {path} has no state for rank "
+                f"{self.rank} of group {self.group_name!r} (was it written by a group with "
+                f"{self.world_size} ranks?); resume with the group sizes that wrote it")
+        set_rng_state(torch.load(rng, weights_only=True))
+        self.load_state(folder)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG this process draws from, in a form torch.load(weights_only=True) reads back
+    (numpy's key as a list: no pickled arrays)."""
+    import torch
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    np_state = np.random.get_state(legacy=False)
+    state["numpy"] = {**np_state, "state": {"key": np_state["state"]["key"].tolist(),
+                                             "pos": int(np_state["state"]["pos"])}}
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["random"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np_state = dict(state["numpy"])
+        np_state["state"] = {"key": np.array(np_state["state"]["key"], dtype=np.uint32),
+                             "pos": np_state["state"]["pos"]}
+        np.random.set_state(np_state)
 
 
 def construct(cls: type, args: list, kwargs: dict[str, Any], attrs: dict[str, Any]) -> Any:

@@ -4,6 +4,7 @@
                           └──────▶ ref ───────┘             names have *returned* (their
     step t+1:  rollout(follows="train") waits for           futures may still be running), so
                train of step t-k to finish (k = max_staleness)   a step is dispatched at once
+    checkpoint after step t: steps <= t all finish, the save runs, then step t+1 is dispatched
 
 A node is a small controller-side function; its parameters name its inputs (flow inputs,
 other nodes, or `<node>_out`). What it receives is exactly what the upstream node returned.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from asyncrl.comm import codec
 from asyncrl.controller.declare import GroupSpec, declared_in
 from asyncrl.controller.timeline import current_node
-from asyncrl.errors import AsyncRLError
+from asyncrl.errors import AsyncRLError, CheckpointError
 from asyncrl.futures.future import DistFuture
 
 
@@ -100,10 +101,14 @@ class DataFlow:
     """``DataFlow(nodes=[...], inputs={"prompts": source}, max_staleness=0)``.
 
     A source is an iterable (one item per step; the run ends when it is exhausted) or a
-    constant. The graph is checked here, before anything launches."""
+    constant; one with ``state_dict()`` / ``load_state_dict()`` (a PromptSource) is resumed
+    from its saved position, any other iterable by skipping the items it had yielded.
+    `checkpoint_every`: checkpoint after every that many steps (and always after the last).
+    The graph is checked here, before anything launches."""
 
     def __init__(self, nodes: list[Any], inputs: dict[str, Any] | None = None,
-                 max_staleness: int = 0, groups: list[GroupSpec] | None = None):
+                 max_staleness: int = 0, groups: list[GroupSpec] | None = None,
+                 checkpoint_every: int | None = None):
         self.nodes: dict[str, Node] = {}
         for n in nodes:
             if not isinstance(n, Node):
@@ -119,12 +124,19 @@ class DataFlow:
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise FlowError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
         self.max_staleness = max_staleness
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
+                                             or checkpoint_every < 1):
+            raise FlowError(f"checkpoint_every must be an int >= 1 (or None: only after the "
+                            f"last step), got {checkpoint_every!r}")
+        self.checkpoint_every = checkpoint_every
         self.deps = {name: self._resolve(n) for name, n in self.nodes.items()}
         self.order = self._topological()
         modules = {n.fn.__module__ for n in self.nodes.values()}
         self.groups = list(groups) if groups is not None else declared_in(modules)
         self._sources: dict[str, Iterator[Any] | None] = {}
-        self._steps: list[_Step] = []
+        self._consumed: dict[str, int] = {}  # items taken from each iterable, over the whole run
+        self._steps: list[_Step] = []  # this run's steps: _steps[0] is step index _start
+        self._start = 0  # > 0 once resumed from a checkpoint
         self._ctl: Any = None
         self._own_ctl = False
         self.save_inputs: Path | None = None  # set: each node's inputs are written there
@@ -202,7 +214,8 @@ class DataFlow:
             g.handle = await ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,
                                        mesh=g.mesh, place=g.place, env=g.env, **g.kwargs)
         self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
-        self._steps = []
+        self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
+        self._steps, self._start = [], 0
 
     async def close(self) -> None:
         """Close the groups this flow spawned (and its own Controller, if it opened one)."""
@@ -222,6 +235,49 @@ class DataFlow:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
+    # -- positions, for checkpoints ----------------------------------------------------------
+    def positions(self) -> dict[str, Any]:
+        """Where each iterable input is: its ``state_dict()``, else ``{"consumed": n}``."""
+        out: dict[str, Any] = {}
+        for name in self._consumed:
+            source = self.inputs[name]
+            out[name] = (source.state_dict() if hasattr(source, "state_dict")
+                         else {"consumed": self._consumed[name]})
+        return out
+
+    def resume_at(self, start: int, positions: dict[str, Any]) -> None:
+        """Continue at step index `start` with the inputs where `positions()` said they were
+        (the flow is open and has run no step yet)."""
+        if self._ctl is None or self._steps:
+            raise RuntimeError("resume_at() goes after open() and before the first step")
+        for name in self._consumed:
+            if name not in positions:
+                raise CheckpointError(
+                    f"the checkpoint saved no position for input {name!r} (it has "
+                    f"{sorted(positions)}); resume with the flow that wrote it")
+            source, state = self.inputs[name], positions[name]
+            if hasattr(source, "load_state_dict"):
+                source.load_state_dict(state)
+                self._sources[name] = iter(source)  # a fresh iterator, from that position
+                self._consumed[name] = start
+                continue
+            it = self._sources[name]
+            assert it is not None
+            if "consumed" not in state:
+                raise CheckpointError(
+                    f"input {name!r} was saved as {state}, a position for a source with "
+                    f"load_state_dict(); this one has none: resume with the same input source")
+            for taken in range(state["consumed"]):
+                try:
+                    next(it)
+                except StopIteration:
+                    raise CheckpointError(
+                        f"input {name!r} ended after {taken} items, but the checkpoint had "
+                        f"consumed {state['consumed']}; resume with the same input data"
+                    ) from None
+            self._consumed[name] = state["consumed"]
+        self._start = start
+
     # -- steps --------------------------------------------------------------------------------
     def _next_inputs(self) -> dict[str, Any] | None:
         values = {}
@@ -233,17 +289,23 @@ class DataFlow:
                 values[name] = next(it)
             except StopIteration:
                 return None
+            self._consumed[name] += 1
         return values
+
+    @property
+    def next_step(self) -> int:
+        """The index of the step `step()` dispatches next."""
+        return self._start + len(self._steps)
 
     async def step(self) -> dict[str, Any] | None:
         """Dispatch one step; return ``{node: what it returned}`` once every node returned
         (None when an input source is exhausted). Earlier steps may still be finishing."""
         if self._ctl is None:
             raise RuntimeError("the flow is not open: use `async with flow:` or flow.run()")
-        t = len(self._steps)
+        t = self.next_step
         window = t - self.max_staleness - 1
-        if window >= 0:  # at most max_staleness + 1 steps in flight
-            await asyncio.gather(*self._steps[window].finished.values())
+        if window >= self._start:  # at most max_staleness + 1 steps in flight
+            await asyncio.gather(*self._steps[window - self._start].finished.values())
         values = self._next_inputs()
         if values is None:
             return None
@@ -273,8 +335,8 @@ class DataFlow:
                 kwargs[p.name] = await step.returned[src[1]]
         if n.follows is not None:
             before = step.index - self.max_staleness - 1
-            if before >= 0:
-                await self._steps[before].finished[n.follows]
+            if before >= self._start:  # steps before a resume finished in the earlier run
+                await self._steps[before - self._start].finished[n.follows]
         if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited)
             folder = self.save_inputs / f"step{step.index}"
             folder.mkdir(parents=True, exist_ok=True)
@@ -295,26 +357,44 @@ class DataFlow:
         return out
 
     async def run(self, steps: int | None = None,
-                  on_step: Callable[[int, dict[str, Any], float], None] | None = None
+                  on_step: Callable[[int, dict[str, Any], float], None] | None = None,
+                  checkpoint: Callable[[int], Awaitable[None]] | None = None
                   ) -> list[dict[str, Any]]:
-        """Run `steps` steps (or until an input is exhausted) inside the current Controller
-        (or one of its own), spawning and closing the groups; return each step's node
-        results with DistFutures resolved to their values."""
+        """Run until step index `steps` (or until an input is exhausted) inside the current
+        Controller (or one of its own), spawning and closing the groups; return this run's
+        node results by step, with DistFutures resolved to their values. Step indices count
+        from 0 across resumes: resumed at step 4, ``run(8)`` runs steps 4..7.
+
+        `checkpoint(t)` is awaited once steps <= t have finished and before step t+1 is
+        dispatched (else t+1's calls could reach the ranks before the save): after every
+        `checkpoint_every`-th step and after the last step of a run that ends normally."""
         opened = self._ctl is None
         if opened:
             await self.open()
         out: list[dict[str, Any]] = []
         try:
             pending: list[tuple[_Step, dict[str, Any]]] = []
-            while steps is None or len(self._steps) < steps:
+            saved = None
+            while steps is None or self.next_step < steps:
                 results = await self.step()
                 if results is None:
                     break
+                t = self.next_step - 1
                 pending.append((self._steps[-1], results))
-                while pending and all(t.done() for t in pending[0][0].finished.values()):
+                due = (checkpoint is not None and self.checkpoint_every is not None
+                       and (t + 1) % self.checkpoint_every == 0)
+                while pending and (due or all(
+                        x.done() for x in pending[0][0].finished.values())):
                     out.append(await self._complete(*pending.pop(0), on_step))
+                if due:
+                    assert checkpoint is not None
+                    await checkpoint(t)
+                    saved = t
             for step, results in pending:
                 out.append(await self._complete(step, results, on_step))
+            last = self.next_step - 1
+            if checkpoint is not None and self._steps and saved != last:
+                await checkpoint(last)
         finally:
             if opened:
                 await self.close()

@@ -1,30 +1,39 @@
-"""Running a flow file as `asyncrl launch` does: place, spawn, run with a progress line,
-write metrics.jsonl and timeline.json into the run directory, shut down.
+"""Running a flow file as `asyncrl launch` does: place, spawn, (resume,) run with a progress
+line, write metrics.jsonl, checkpoints and timeline.json into the run directory, shut down.
 
     run_dir/  logs/<group>.log   metrics.jsonl   timeline.json   inputs/step<t>/<node>.msgpack
+              checkpoints/step_<t>/   (see asyncrl/controller/checkpoint.py)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from asyncrl.comm import codec
+from asyncrl.controller import checkpoint
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.flow import DataFlow
 from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline
 
 
 def default_run_dir() -> Path:
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    """runs/<date-time>, with a suffix when a run started in the same second."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        path, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return path
 
 
 def scalars(prefix: str, value: Any) -> dict[str, float]:
-    """The numbers in a node's result, flattened: {"train/loss": 0.5, ...}."""
+    """The numbers in a node's result, flattened: {"train/loss": 0.5, ...}; a key that holds
+    a "/" is already a full metric name ("reward/mean") and is kept as it is."""
     if isinstance(value, bool):
         return {}
     if isinstance(value, int | float) and math.isfinite(value):
@@ -32,13 +41,18 @@ def scalars(prefix: str, value: Any) -> dict[str, float]:
     if isinstance(value, dict):
         out: dict[str, float] = {}
         for k, v in value.items():
-            out.update(scalars(f"{prefix}/{k}", v))
+            out.update(scalars(k if "/" in str(k) else f"{prefix}/{k}", v))
         return out
     return {}
 
 
 class Metrics:
-    """metrics.jsonl (one object per step), TensorBoard when installed, a progress line."""
+    """metrics.jsonl (one object per step), TensorBoard when installed, a progress line.
+
+    A row: {"step": t, "time/step_s": ..., "time/<node>_s": ..., then each node's numbers}.
+    A node returning {"loss": x} gives "<node>/loss"; a key with a "/" ({"actor/kl": x}) is
+    written as it is. With "perf/tokens" in the row, "perf/tokens_per_s" is added (tokens
+    over the step's seconds)."""
 
     def __init__(self, run_dir: Path, steps: int | None, timeline: Timeline):
         self.path = run_dir / "metrics.jsonl"
@@ -55,6 +69,8 @@ class Metrics:
         row: dict[str, Any] = {"step": step, "time/step_s": round(seconds, 4)}
         for node, value in values.items():
             row.update(scalars(node, value))
+        if "perf/tokens" in row and seconds > 0:
+            row["perf/tokens_per_s"] = row["perf/tokens"] / seconds
         spans: dict[str, list[float]] = {}
         for e in self.timeline.events:
             if e.step == step and e.row != CONTROLLER_ROW:
@@ -72,8 +88,9 @@ class Metrics:
         if self.steps:
             done = min(20, (step + 1) * 20 // self.steps)
             bar = f"[{'#' * done}{'.' * (20 - done)}] "
-        shown = "  ".join(f"{k}={v:.4g}" for k, v in row.items()
-                          if k not in ("step",) and not k.startswith("time/"))[:120]
+        keys = [k for k in row if k != "step" and not k.startswith("time/")]
+        keys.sort(key=lambda k: not k.startswith("reward/"))  # what a user watches first
+        shown = "  ".join(f"{k}={row[k]:.4g}" for k in keys)[:120]
         print(f"{bar}step {step + 1}{total}  {seconds:.2f}s  {shown}", file=sys.stderr,
               flush=True)
 
@@ -82,15 +99,52 @@ class Metrics:
             self.tb.close()
 
 
+def drop_rows_after(path: Path, step: int) -> int:
+    """Drop the rows of steps after `step` from metrics.jsonl (a resumed run writes them
+    again), rewriting it atomically; the number dropped."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
-                      save_inputs: bool = False) -> Path:
-    """Run `flow` for `steps` steps with its outputs in `run_dir` (which must exist)."""
+                      save_inputs: bool = False, *, resume: bool = False,
+                      keep: int | None = checkpoint.KEEP) -> Path:
+    """Run `flow` up to step index `steps` with its outputs in `run_dir`, checkpointing after
+    its last step (and every `flow.checkpoint_every` steps). `resume`: continue from the
+    newest complete checkpoint in `run_dir`; else `run_dir` must hold none."""
+    run_dir = Path(run_dir)
+    resume_from: Path | None = None
+    meta: dict[str, Any] = {}
+    if resume:  # checked before anything is spawned
+        resume_from, meta = checkpoint.resumable(run_dir, flow)
+        dropped = drop_rows_after(run_dir / "metrics.jsonl", meta["step"])
+        print(f"resuming from {resume_from} (steps 0..{meta['step']} done; dropped "
+              f"{dropped} metrics rows written after it)", flush=True)
+    else:
+        checkpoint.refuse_existing(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    async def save(step: int) -> None:
+        await checkpoint.save(flow, run_dir, step, keep)
+
     async with Controller(run_dir=run_dir) as ctl:
         timeline = ctl.timeline = Timeline()
         metrics = Metrics(run_dir, steps, timeline)
         flow.save_inputs = run_dir / "inputs" if save_inputs else None
         try:
-            await flow.run(steps, on_step=metrics)
+            await flow.open(ctl)
+            try:
+                if resume_from is not None:
+                    await checkpoint.restore(flow, resume_from, meta)
+                await flow.run(steps, on_step=metrics, checkpoint=save)
+            finally:
+                await flow.close()
         finally:
             metrics.close()
             timeline.write(run_dir / "timeline.json")

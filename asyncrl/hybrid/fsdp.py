@@ -2,8 +2,12 @@
 
 Parallelisms are applied in order by small functions, as torchtitan does:
 `apply_fsdp(model, dp_mesh)` shards each decoder layer, then the root. The backend's
-interface (the one DeepSpeed will share): `logprobs(batch)`, `train_step(batch, loss_fn)`,
-`state_dict()` / `load_state_dict()`.
+interface (the one DeepSpeed shares): `logprobs(batch)` / `values(batch)`,
+`train_step(batch, loss_fn)`, `state_dict()` / `load_state_dict()`, `save(folder)` /
+`load(folder)` (weights and optimizer, for checkpoints).
+
+A backend trains a causal LM (head "lm": forward gives token log-probs and entropies) or a
+value model (head "value": critics, reward models; forward gives one value per token).
 
 A batch is a TensorBatch with prompt_ids, prompt_mask (left-padded), response_ids and
 response_mask (a prefix of each row), as the generation engines produce.
@@ -19,9 +23,16 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.models import (
+    ModelConfig,
+    build_model,
+    build_value_model,
+    sequence_logprobs,
+    sequence_values,
+)
 
-LossFn = Callable[[torch.Tensor, TensorBatch], torch.Tensor]
+# (forward outputs of a micro-batch, the micro-batch) -> (loss, scalar stats to report)
+LossFn = Callable[[dict[str, torch.Tensor], TensorBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass(kw_only=True)
@@ -37,8 +48,8 @@ class TrainConfig:
         if self.micro_batch_size < 1:
             raise ValueError(f"TrainConfig.micro_batch_size must be >= 1, got "
                              f"{self.micro_batch_size}")
-        if self.lr <= 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if self.lr < 0:  # 0 is allowed: a run that must not learn (a baseline)
+            raise ValueError(f"TrainConfig.lr must be >= 0, got {self.lr}")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -120,55 +131,116 @@ def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tenso
     return (-(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
 
 
+def nll_loss(out: dict[str, torch.Tensor], batch: TensorBatch
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The default loss (supervised fine-tuning on the responses)."""
+    return sequence_mean_nll(out["logprobs"], batch), {}
+
+
+def _columns(b: TensorBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (b.tensor("prompt_ids"), b.tensor("prompt_mask"), b.tensor("response_ids"),
+            b.tensor("response_mask"))
+
+
+HEADS = {"lm": build_model, "value": build_value_model}
+
+
+def check_head(head: str) -> str:
+    if head not in HEADS:
+        raise ValueError(f"head is 'lm' (a causal LM) or 'value' (a scalar head: critics, "
+                         f"reward models), got {head!r}")
+    return head
+
+
 class TrainBackend:
-    """What FSDP2 and ZeRO share: log-probs of a batch, micro-batch by micro-batch, through
-    `forward_module` (the wrapped model whose forward runs the sharding hooks)."""
+    """What FSDP2 and ZeRO share: forward passes of a batch, micro-batch by micro-batch,
+    through `forward_module` (the wrapped model whose forward runs the sharding hooks), and
+    the accumulation of a step's loss and statistics."""
 
     cfg: TrainConfig
+    head: str
     forward_module: torch.nn.Module
+    stats_group: Any = None  # the group a step's statistics are averaged over (None: world)
 
-    def _logprobs(self, b: TensorBatch) -> torch.Tensor:
-        return sequence_logprobs(self.forward_module, b.tensor("prompt_ids"),
-                                 b.tensor("prompt_mask"), b.tensor("response_ids"),
-                                 b.tensor("response_mask"))
+    def _forward(self, b: TensorBatch, entropy: bool = False) -> dict[str, torch.Tensor]:
+        if self.head == "value":
+            return {"values": sequence_values(self.forward_module, *_columns(b))}
+        if entropy:
+            logp, ent = sequence_logprobs(self.forward_module, *_columns(b), entropy=True)
+            return {"logprobs": logp, "entropy": ent}
+        return {"logprobs": sequence_logprobs(self.forward_module, *_columns(b))}
 
     @torch.no_grad()
     def logprobs(self, batch: TensorBatch) -> torch.Tensor:
-        return torch.cat([self._logprobs(m) for m in batch.split(self.cfg.micro_batch_size)])
+        return torch.cat([self._forward(m)["logprobs"]
+                          for m in batch.split(self.cfg.micro_batch_size)])
+
+    @torch.no_grad()
+    def values(self, batch: TensorBatch) -> torch.Tensor:
+        return torch.cat([self._forward(m)["values"]
+                          for m in batch.split(self.cfg.micro_batch_size)])
+
+    def _accumulate(self, batch: TensorBatch, loss_fn: LossFn, entropy: bool,
+                    backward: Callable[[torch.Tensor], None]) -> dict[str, float]:
+        """Forward and backward each micro-batch (weighted by its share of the rows); the
+        loss and statistics, averaged over the micro-batches and the data-parallel ranks."""
+        sums: dict[str, float] = {}
+        for micro in batch.split(self.cfg.micro_batch_size):
+            weight = len(micro) / len(batch)
+            loss, stats = loss_fn(self._forward(micro, entropy), micro)
+            backward(loss * weight)
+            for k, v in {"loss": loss.detach().item(), **stats}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
+        keys = sorted(sums)
+        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(totals, group=self.stats_group)
+        size = dist.get_world_size(self.stats_group)
+        return {k: float(v) / size for k, v in zip(keys, totals, strict=True)}
 
 
 class FSDPBackend(TrainBackend):
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Any):
-        self.cfg = train_cfg
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Any,
+                 head: str = "lm"):
+        self.cfg, self.head = train_cfg, check_head(head)
         self.mesh = mesh
-        self.model = build_model(model_cfg)
+        self.model = HEADS[head](model_cfg)
         names = mesh.mesh_dim_names or ()
         dp_mesh = mesh["dp"] if "dp" in names else mesh
         if "tp" in names and mesh["tp"].size() > 1:
             apply_tp(self.model, mesh["tp"])
         apply_fsdp(self.model, dp_mesh, use_bf16(train_cfg))
-        self.dp_group = dp_mesh.get_group()
+        self.dp_group = self.stats_group = dp_mesh.get_group()
         self.forward_module = self.model
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr,
                                      weight_decay=train_cfg.weight_decay)
 
-    def train_step(self, batch: TensorBatch, loss_fn: LossFn = sequence_mean_nll
-                   ) -> dict[str, float]:
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
+                   entropy: bool = False) -> dict[str, float]:
         """One optimizer step over this rank's rows, in micro-batches with gradient
-        accumulation (each micro-batch weighted by its share of the rows); FSDP averages the
-        gradients over the data-parallel ranks."""
-        total = 0.0
-        for micro in batch.split(self.cfg.micro_batch_size):
-            loss = loss_fn(self._logprobs(micro), micro) * (len(micro) / len(batch))
-            loss.backward()
-            total += loss.detach().item()
+        accumulation; FSDP averages the gradients over the data-parallel ranks."""
+        stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward())
         norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        stats = torch.tensor([total / self.dp_group.size()])
-        dist.all_reduce(stats, group=self.dp_group)
-        return {"loss": float(stats[0]), "grad_norm": float(norm)}
+        return {**stats, "grad_norm": float(norm)}
+
+    def save(self, folder: Any) -> None:
+        """Weights and optimizer state, each rank its shards (torch.distributed.checkpoint:
+        a later load may use another layout)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+
+    def load(self, folder: Any) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))  # in place
+        set_state_dict(self.model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on every rank, on the CPU."""

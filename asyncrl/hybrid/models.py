@@ -2,13 +2,14 @@
 config with random weights (tiny ones for CPU runs and tests). Nothing is downloaded.
 
 Token log-probs are computed one way for training and for checking generation:
-`sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask)`.
+`sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask)`. Critics and
+reward models are the same backbone with a scalar head (`ValueModel`): `sequence_values`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class ModelConfig:
     path: str | None = None
     dtype: str = "float32"
     seed: int = 0
+    overrides: dict[str, Any] = field(default_factory=dict)  # config fields, e.g. vocab_size
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.path is None):
@@ -65,20 +67,67 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype: {self.dtype!r} is not a torch dtype")
 
 
-def build_model(cfg: ModelConfig) -> torch.nn.Module:
-    """The model, in eval mode; the same weights on every rank for the same config."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = getattr(torch, cfg.dtype)
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config of the model `cfg` describes, with its overrides applied."""
     if cfg.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True,
-                                                     dtype=dtype)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
     else:
         assert cfg.preset is not None
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = AutoModelForCausalLM.from_config(PRESETS[cfg.preset]()).to(dtype)
-    return model.eval()
+        config = PRESETS[cfg.preset]()
+    for key, value in cfg.overrides.items():
+        if not hasattr(config, key):
+            raise ValueError(f"ModelConfig.overrides: {type(config).__name__} has no field "
+                             f"{key!r}")
+        setattr(config, key, value)
+    return config
+
+
+def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
+    dtype = getattr(torch, cfg.dtype)
+    config = hf_config(cfg)
+    if cfg.path is not None:
+        return auto.from_pretrained(cfg.path, config=config, local_files_only=True, dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return auto.from_config(config).to(dtype)
+
+
+def build_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The causal LM, in eval mode; the same weights on every rank for the same config."""
+    from transformers import AutoModelForCausalLM
+
+    return _build(cfg, AutoModelForCausalLM).eval()
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's backbone with a scalar head: one value per position (critics, reward
+    models). The backbone is `self.model`, so sharding finds its layers as in the LM."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = backbone
+        self.config = backbone.config
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)  # values start at 0, not at noise
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids).last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+
+
+def build_value_model(cfg: ModelConfig) -> ValueModel:
+    """The backbone of `cfg`'s LM (a checkpoint's LM head is dropped) with a value head."""
+    from transformers import AutoModel
+
+    backbone = _build(cfg, AutoModel)
+    config: Any = backbone.config
+    hidden = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
+    return ValueModel(backbone, hidden).to(getattr(torch, cfg.dtype)).eval()
 
 
 def default_device() -> torch.device:
@@ -92,19 +141,40 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _joined(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+            response_ids: torch.Tensor, response_mask: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """prompt + response ids and mask on the model's device, and the response mask there."""
+    device = next(model.parameters()).device
+    ids = torch.cat([prompt_ids.to(device), response_ids.to(device)], dim=1)
+    mask = torch.cat([prompt_mask.to(device), response_mask.to(device)], dim=1)
+    return ids, mask, response_mask.to(device)
+
+
 def sequence_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       response_ids: torch.Tensor, response_mask: torch.Tensor,
-                      temperature: float = 1.0) -> torch.Tensor:
+                      temperature: float = 1.0, entropy: bool = False
+                      ) -> Any:
     """log p(response token | everything before it), [B, N]; 0 where response_mask is 0.
+    With `entropy=True`, also the entropy of each of those next-token distributions.
 
     Prompts are left-padded, responses right-padded (their mask is a prefix of each row)."""
-    device = next(model.parameters()).device
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    response_ids, response_mask = response_ids.to(device), response_mask.to(device)
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, response_mask], dim=1)
+    ids, mask, rmask = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
     p = prompt_ids.shape[1]
     logits = logits[:, p - 1:-1].float() / temperature  # the logits that predict responses
-    logp = torch.gather(F.log_softmax(logits, -1), 2, response_ids.unsqueeze(-1)).squeeze(-1)
-    return logp * response_mask
+    logp_all = F.log_softmax(logits, -1)
+    logp = torch.gather(logp_all, 2, ids[:, p:].unsqueeze(-1)).squeeze(-1) * rmask
+    if not entropy:
+        return logp
+    return logp, -(logp_all.exp() * logp_all).sum(-1) * rmask
+
+
+def sequence_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                    response_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """A ValueModel's value of the state before each response token, [B, N]; 0 where
+    response_mask is 0 (the positions whose logits `sequence_logprobs` reads)."""
+    ids, mask, rmask = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    values = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
+    p = prompt_ids.shape[1]
+    return values[:, p - 1:-1].float() * rmask

@@ -6,7 +6,8 @@
 
 Batches are TensorBatches with prompt_ids/prompt_mask (left-padded) and response_ids/
 response_mask (prefix masks), as `generate` returns them; prompts come as a TensorBatch with
-a list column "prompt" (token ids) and a column "seed".
+a list column "prompt" (token ids) and a column "seed". `generate` passes the prompt batch's
+columns through (an "answer" the reward needs travels with its sample).
 """
 
 from __future__ import annotations
@@ -26,9 +27,31 @@ from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
 
 def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
+    for key in ("prompt", "seed"):
+        if key not in batch:
+            raise KeyError(f"generate needs a prompt batch with columns 'prompt' (token ids) "
+                           f"and 'seed' (one per sample); it has {batch.keys()}")
     prompts = [list(p) for p in batch["prompt"]]
     seeds = [int(s) for s in batch["seed"]]
     return prompts, seeds
+
+
+def with_prompts(out: TensorBatch, prompts: TensorBatch) -> TensorBatch:
+    """Generation's columns beside the prompt batch's (its meta, padding marks included)."""
+    extra = [k for k in prompts.keys() if k not in out]
+    return out.union(prompts.select(extra)) if extra else out
+
+
+def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg: TrainConfig,
+                 head: str = "lm") -> Any:
+    """The training backend named in a role's config: "fsdp2", "zero2" or "zero3"."""
+    if backend == "fsdp2":
+        return FSDPBackend(model_cfg, train_cfg, worker.device_mesh, head)
+    if backend in ("zero2", "zero3"):
+        from asyncrl.hybrid.zero import ZeroBackend
+
+        return ZeroBackend(model_cfg, train_cfg, stage=int(backend[-1]), head=head)
+    raise ValueError(f"backend is 'fsdp2', 'zero2' or 'zero3', got {backend!r}")
 
 
 class Policy(Worker):
@@ -37,22 +60,14 @@ class Policy(Worker):
                  backend: str = "fsdp2"):
         model_cfg = ModelConfig(**model)
         train_cfg = TrainConfig(**(train or {}))
-        self.backend: Any
-        if backend == "fsdp2":
-            self.backend = FSDPBackend(model_cfg, train_cfg, self.device_mesh)
-        elif backend in ("zero2", "zero3"):
-            from asyncrl.hybrid.zero import ZeroBackend
-
-            self.backend = ZeroBackend(model_cfg, train_cfg, stage=int(backend[-1]))
-        else:
-            raise ValueError(f"backend is 'fsdp2', 'zero2' or 'zero3', got {backend!r}")
+        self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
                                    bucket_bytes)
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch) -> TensorBatch:
         self.hybrid.to_generate()
-        return self.hybrid.generate(*_prompts(prompts))
+        return with_prompts(self.hybrid.generate(*_prompts(prompts)), prompts)
 
     @register(dispatch=Dispatch.DP)
     def logprobs(self, batch: TensorBatch) -> TensorBatch:
@@ -86,7 +101,7 @@ class Rollout(Worker):
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch) -> TensorBatch:
-        return self.engine.generate(*_prompts(prompts))
+        return with_prompts(self.engine.generate(*_prompts(prompts)), prompts)
 
     @register(concurrent=True)
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:

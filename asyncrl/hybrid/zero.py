@@ -1,5 +1,6 @@
 """Training with DeepSpeed ZeRO stage 2 or 3 (the `deepspeed` extra), behind the same
-interface as `FSDPBackend`: `logprobs`, `train_step(batch, loss_fn)`, `state_dict` in and out.
+interface as `FSDPBackend`: `logprobs`/`values`, `train_step(batch, loss_fn)`, `state_dict` in
+and out, `save`/`load` (DeepSpeed's own checkpoint format).
 
 On a CPU-only host DeepSpeed runs with `DS_ACCELERATOR=cpu` over the rank's gloo group (its
 first use compiles a small op, about a minute, cached in ~/.cache/torch_extensions). The model
@@ -16,8 +17,16 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.fsdp import LossFn, TrainBackend, TrainConfig, sequence_mean_nll, use_bf16
-from asyncrl.hybrid.models import ModelConfig, build_model
+from asyncrl.hybrid.fsdp import (
+    HEADS,
+    LossFn,
+    TrainBackend,
+    TrainConfig,
+    check_head,
+    nll_loss,
+    use_bf16,
+)
+from asyncrl.hybrid.models import ModelConfig
 
 
 def _deepspeed() -> Any:
@@ -32,12 +41,13 @@ def _deepspeed() -> Any:
 
 
 class ZeroBackend(TrainBackend):
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, stage: int = 2):
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, stage: int = 2,
+                 head: str = "lm"):
         if stage not in (2, 3):
             raise ValueError(f"ZeRO stage must be 2 or 3, got {stage}")
         ds = _deepspeed()
-        self.cfg, self.stage = train_cfg, stage
-        model = build_model(model_cfg).train()
+        self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
+        model = HEADS[head](model_cfg).train()
         opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr,
                                 weight_decay=train_cfg.weight_decay)
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
@@ -52,23 +62,29 @@ class ZeroBackend(TrainBackend):
         self.opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         self._ds = ds
 
-    def train_step(self, batch: TensorBatch, loss_fn: LossFn = sequence_mean_nll
-                   ) -> dict[str, float]:
-        micros = batch.split(self.cfg.micro_batch_size)
-        gas = len(micros)
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
+                   entropy: bool = False) -> dict[str, float]:
+        gas = len(batch.split(self.cfg.micro_batch_size))
         if self.engine.gradient_accumulation_steps() != gas:  # this step's micro-batch count
             self.engine.set_train_batch_size(
                 self.cfg.micro_batch_size * gas * dist.get_world_size())
-        total = 0.0
-        for micro in micros:
-            loss = loss_fn(self._logprobs(micro), micro) * (len(micro) / len(batch))
+
+        def backward(loss: torch.Tensor) -> None:
             self.engine.backward(loss * gas)  # DeepSpeed divides by the accumulation steps
             self.engine.step()  # steps the optimizer at the accumulation boundary only
-            total += loss.detach().item()
+
+        stats = self._accumulate(batch, loss_fn, entropy, backward)
         norm = self.engine.get_global_grad_norm()
-        stats = torch.tensor([total / dist.get_world_size()])
-        dist.all_reduce(stats)
-        return {"loss": float(stats[0]), "grad_norm": float(norm if norm is not None else 0.0)}
+        return {**stats, "grad_norm": float(norm if norm is not None else 0.0)}
+
+    def save(self, folder: Any) -> None:
+        """Weights and optimizer state in DeepSpeed's checkpoint format (same layout to load)."""
+        self.engine.save_checkpoint(str(folder), tag="state", save_latest=False)
+
+    def load(self, folder: Any) -> None:
+        path, _ = self.engine.load_checkpoint(str(folder), tag="state")
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
 
     def gathered(self, params: list[Any]) -> Any:
         """A context in which these parameters are whole on every rank (ZeRO-3 partitions

@@ -74,8 +74,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
         return diff
     if kind == "k2":
         return diff.pow(2) / 2
-    if kind == "k3":
-        return torch.exp(-diff) + diff - 1
+    if kind == "k3":  # expm1: exp(-d) - 1 + d without cancelling away small d
+        return torch.expm1(-diff) + diff
     raise ValueError(f"kl_penalty: kind is 'k1', 'k2' or 'k3', got {kind!r}")
 
 

@@ -3,6 +3,10 @@
 Batches are TensorBatches with one list column per record key, in an order shuffled with a
 seed each epoch; `state_dict()` / `load_state_dict()` give a resumable position, so a run
 stopped and resumed sees the same prompts in the same order.
+
+With `repeat=k` each record appears k times in a row (a GRPO group: k samples of one
+prompt), and a "seed" column gives every sample its own sampling seed, derived from the
+source's seed and the sample's place in the data (the same in a resumed run).
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ def read_parquet(path: Path) -> list[dict[str, Any]]:
 
 class PromptSource:
     def __init__(self, data: str | os.PathLike | Sequence[dict[str, Any]], *, batch_size: int,
-                 seed: int = 0, shuffle: bool = True, epochs: int | None = 1):
+                 seed: int = 0, shuffle: bool = True, epochs: int | None = 1, repeat: int = 1):
         if batch_size < 1:
             raise ValueError(f"PromptSource: batch_size must be >= 1, got {batch_size}")
+        if repeat < 1:
+            raise ValueError(f"PromptSource: repeat must be >= 1, got {repeat}")
         if isinstance(data, str | os.PathLike):
             path = Path(data)
             if not path.is_file():
@@ -69,8 +75,12 @@ class PromptSource:
                 raise ValueError(f"record {i} of {where} has keys "
                                  f"{sorted(r) if isinstance(r, dict) else type(r).__name__}, "
                                  f"but record 0 has {keys}; every record needs the same keys")
+        if "seed" in keys:
+            raise ValueError(f"records of {where} have a 'seed' key; PromptSource adds the "
+                             f"sampling seeds itself: rename that key")
         self.records, self.keys = records, keys
         self.batch_size, self.seed, self.shuffle, self.epochs = batch_size, seed, shuffle, epochs
+        self.repeat = repeat
         self.epoch, self.index = 0, 0  # the position: the next batch starts here
 
     def _order(self, epoch: int) -> list[int]:
@@ -83,9 +93,15 @@ class PromptSource:
         while self.epochs is None or self.epoch < self.epochs:
             order = self._order(self.epoch)
             while self.index < len(order):
-                rows = [self.records[i] for i in order[self.index:self.index + self.batch_size]]
-                self.index += len(rows)
-                yield TensorBatch({k: [r[k] for r in rows] for k in self.keys})
+                picked = order[self.index:self.index + self.batch_size]
+                first, self.index = self.index, self.index + len(picked)
+                rows = [self.records[i] for i in picked for _ in range(self.repeat)]
+                columns: dict[str, Any] = {k: [r[k] for r in rows] for k in self.keys}
+                # one seed per sample: its epoch, its place in the epoch, its copy
+                base = (self.seed * 1_000_003 + self.epoch) * len(order)
+                columns["seed"] = [((base + first + i) * self.repeat + j) % (1 << 62)
+                                   for i in range(len(picked)) for j in range(self.repeat)]
+                yield TensorBatch(columns)
             self.epoch, self.index = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:

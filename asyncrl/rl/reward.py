@@ -1,8 +1,10 @@
-"""Rewards as a worker group: a Python function `fn(prompt, response, **meta) -> float`.
+"""Rewards as a worker group: a Python function `fn(prompt, response, **meta) -> float`
+(`RewardFn`), or a reward model with a scalar head (`RewardModel`).
 
-`score(batch)` takes what generation returned plus the prompt records: the list column
-"prompt" (whatever the prompt source holds), the response token ids (response_ids cut by
-response_mask) and every other list column as keyword meta (an "answer", say)."""
+`score(batch)` takes what generation returned (the prompt records' columns pass through it):
+the list column "prompt" (whatever the prompt source holds), the response token ids
+(response_ids cut by response_mask) and every other list column as keyword meta (an
+"answer", say). Both return {"reward": [B]}."""
 
 from __future__ import annotations
 
@@ -19,6 +21,30 @@ from asyncrl.comm.batch import TensorBatch
 
 RESERVED = {"prompt", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
             "seed"}
+
+
+class RewardModel(Worker):
+    """A value model (backbone + scalar head; from a local checkpoint on GPU machines) whose
+    value at each sequence's last real token is its reward."""
+
+    def __init__(self, model: dict[str, Any]):
+        from asyncrl.hybrid.models import ModelConfig, build_value_model, default_device
+
+        self.model = build_value_model(ModelConfig(**model)).to(default_device())
+
+    @register(dispatch=Dispatch.DP)
+    @torch.no_grad()
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        from asyncrl.hybrid.models import positions
+
+        device = next(self.model.parameters()).device
+        ids = torch.cat([batch.tensor("prompt_ids"), batch.tensor("response_ids")], 1)
+        mask = torch.cat([batch.tensor("prompt_mask"), batch.tensor("response_mask")], 1)
+        ids, mask = ids.to(device), mask.to(device)
+        values = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
+        last = batch.tensor("prompt_ids").shape[1] + batch.tensor("response_mask").sum(1) - 1
+        rows = torch.arange(len(batch))
+        return TensorBatch({"reward": values[rows, last.to(device)].float().cpu()})
 
 
 def score_rows(fn: Callable[..., float], batch: TensorBatch) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""Checkpoint directories: everything a DataFlow run needs to continue exactly where it stopped.
+
+    RUN_DIR/checkpoints/step_000003.tmp/   written first: <group>/ (each rank's RNG states and
+                                           what its Worker.save_state wrote), controller_rng.pt,
+                                           and meta.json last
+    RUN_DIR/checkpoints/step_000003/       then renamed: only a complete checkpoint has this name
+
+meta.json: {"step": the last finished step index, "flow": identity(flow), "inputs":
+flow.positions(), "time": when}. A `.tmp` folder is a save that died half-way: never resumed
+from, removed by the next save. The newest `keep` checkpoints are kept (None: all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.actors.worker import rng_state, set_rng_state
+from asyncrl.controller.flow import DataFlow
+from asyncrl.errors import CheckpointError
+
+CHECKPOINTS = "checkpoints"
+KEEP = 3  # the default number of checkpoints kept: enough to step back past a bad one
+_NAME = re.compile(r"step_(\d+)")
+
+
+def identity(flow: DataFlow) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by `flow`: its file, nodes and groups."""
+    files = sorted({os.path.basename(getattr(sys.modules.get(n.fn.__module__), "__file__", None)
+                                     or n.fn.__module__) for n in flow.nodes.values()})
+    return {"file": ", ".join(files), "nodes": sorted(flow.nodes),
+            "groups": {g.name: g.worker_cls.__qualname__ for g in flow.groups}}
+
+
+def complete(run_dir: Path) -> list[Path]:
+    """The complete checkpoints in `run_dir`, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    found = [(int(m.group(1)), p) for p in root.glob("step_*")
+             if (m := _NAME.fullmatch(p.name)) and (p / "meta.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint in `run_dir`, or None."""
+    found = complete(run_dir)
+    return found[-1] if found else None
+
+
+def refuse_existing(run_dir: Path) -> None:
+    """A fresh run must not mix its checkpoints and metrics with an earlier run's."""
+    found = latest(run_dir)
+    if found is not None:
+        raise CheckpointError(
+            f"{run_dir} already holds checkpoints of an earlier run (newest: {found.name}); "
+            f"pass --resume to continue that run, or choose another --run-dir")
+
+
+def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
+    """The newest complete checkpoint in `run_dir` and its meta, checked against `flow`."""
+    path = latest(run_dir)
+    if path is None:
+        raise CheckpointError(
+            f"--resume: no complete checkpoint was found in {Path(run_dir) / CHECKPOINTS}; "
+            f"run without --resume to start afresh, or point --run-dir at a run that wrote "
+            f"checkpoints (every run writes one at its end, and more with --checkpoint-every)")
+    meta = json.loads((path / "meta.json").read_text())
+    mine = identity(flow)
+    theirs = meta.get("flow", {})
+    differ = [f"{key}: {theirs.get(key)!r} there, {mine[key]!r} here"
+              for key in mine if theirs.get(key) != mine[key]]
+    if differ:
+        raise CheckpointError(
+            f"checkpoint {path} was written by another flow ({'; '.join(differ)}); resume "
+            f"it with the flow file that wrote it, or run this flow in another --run-dir")
+    return path, meta
+
+
+async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP) -> Path:
+    """Checkpoint `flow` (open, its steps up to `step` finished) as step `step`."""
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / f"step_{step:06d}"
+    tmp = root / f"{final.name}.tmp"
+    for stale in root.glob("*.tmp"):  # a save that died half-way
+        shutil.rmtree(stale)
+    tmp.mkdir(parents=True)
+    await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
+    torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
+    meta = {"step": step, "flow": identity(flow), "inputs": flow.positions(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: marks it complete
+    if final.exists():  # superseded: a run resumed from an older checkpoint passed it again
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep is not None:
+        for old in complete(run_dir)[:-keep]:
+            shutil.rmtree(old)
+    return final
+
+
+async def restore(flow: DataFlow, path: Path, meta: dict[str, Any]) -> int:
+    """Load checkpoint `path` into the open `flow` (no step run yet); the step to run next."""
+    await asyncio.gather(*(_handle(g).load_checkpoint(str(path)) for g in flow.groups))
+    set_rng_state(torch.load(path / "controller_rng.pt", weights_only=True))
+    start = int(meta["step"]) + 1
+    flow.resume_at(start, meta.get("inputs", {}))
+    return start
+
+
+def _handle(group: Any) -> Any:
+    if group.handle is None:
+        raise RuntimeError(f"group {group.name!r} is not running: open the flow first")
+    return group.handle

@@ -1,0 +1,125 @@
+"""The actor: a Policy (train + generate on the same ranks) that takes RL steps.
+
+    update(rollout, scores, ref=None, values=None)
+        rollout: what generate returned (with the old log-probs "logprobs")
+        scores:  the reward group's {"reward"};  ref: the reference's {"logprobs"}
+        values:  the critic's {"values"} (PPO)
+    -> advantages (GRPO across the ranks, or GAE + whitening) -> `epochs` passes of
+       `mini_batches` optimizer steps on the clipped surrogate (+ KL loss, - entropy bonus)
+    -> the step's statistics, the same on every rank (one dict comes back)
+
+Every update advances the policy version, saved in checkpoints with the weights and the
+optimizer state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.actors.register import register
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.engine import BUCKET_BYTES
+from asyncrl.hybrid.roles import Policy
+from asyncrl.rl.algorithms import kl_penalty, ppo_policy_loss
+from asyncrl.rl.batch import (
+    STATS,
+    advantages,
+    assemble,
+    count_globally,
+    global_sums,
+    masked_mean,
+    share,
+    valid_rows,
+)
+from asyncrl.rl.config import RLConfig
+
+TRAIN_COLUMNS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
+                 "advantages", "loss_mask"]
+
+
+def policy_loss(cfg: RLConfig) -> Any:
+    """The loss of one micro-batch: clipped surrogate, + kl_coef * KL to the reference (as a
+    loss), - entropy_coef * entropy; with the statistics metrics.jsonl reports."""
+
+    def loss_fn(out: dict[str, torch.Tensor], micro: TensorBatch
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+        logp, mask = out["logprobs"], micro.tensor("loss_mask")
+        per_token = share(micro, "tokens")  # local means -> parts of the global means
+        pg, clipfrac = ppo_policy_loss(logp, micro.tensor("logprobs"),
+                                       micro.tensor("advantages"), mask, cfg.clip, cfg.agg)
+        loss = pg * share(micro, "tokens" if cfg.agg == "token-mean" else "seqs")
+        stats = {"pg_loss": loss.detach().item(), "clipfrac": clipfrac.item() * per_token}
+        entropy = masked_mean(out["entropy"], mask) * per_token
+        stats["entropy"] = entropy.detach().item()
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * entropy
+        if "ref_logprobs" in micro:
+            kl = masked_mean(kl_penalty(logp, micro.tensor("ref_logprobs"), cfg.kl_kind),
+                             mask) * per_token
+            stats["kl"] = kl.detach().item()
+            if cfg.kl_coef and not cfg.kl_in_reward:
+                loss = loss + cfg.kl_coef * kl
+        return loss, stats
+
+    return loss_fn
+
+
+def mean_stats(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+
+
+class Actor(Policy):
+    def __init__(self, model: dict[str, Any], rl: dict[str, Any] | None = None,
+                 train: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
+                 bucket_bytes: int = BUCKET_BYTES, backend: str = "fsdp2"):
+        self.rl = RLConfig(**(rl or {}))
+        super().__init__(model, train, sampling, bucket_bytes, backend)
+        self.version = 0  # optimizer steps taken: the policy version generate uses
+
+    @register(dispatch=STATS)
+    def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
+               values: TensorBatch | None = None) -> dict[str, float]:
+        self.hybrid.to_train()
+        group = self.backend.stats_group
+        batch = assemble(rollout, scores, ref, values)
+        adv, _ = advantages(batch, self.rl, group)
+        train = batch.select([c for c in TRAIN_COLUMNS if c != "advantages"] + (
+            ["ref_logprobs"] if "ref_logprobs" in batch else [])).union(
+            TensorBatch({"advantages": adv}))
+        runs = []
+        for _ in range(self.rl.epochs):
+            for mini in train.chunk(self.rl.mini_batches):
+                runs.append(self.backend.train_step(count_globally(mini, group),
+                                                    policy_loss(self.rl), entropy=True))
+                self.version += 1
+        stats = mean_stats(runs)
+        return {**{f"actor/{k}": v for k, v in stats.items()},
+                **self._batch_stats(batch), "actor/version": float(self.version)}
+
+    def _batch_stats(self, batch: TensorBatch) -> dict[str, float]:
+        """Reward and lengths over the real rows of every rank."""
+        valid = valid_rows(batch)
+        resp = batch.tensor("loss_mask").sum(1)
+        prompt = batch.tensor("prompt_mask").float().sum(1) * valid
+        reward = batch.tensor("reward") * valid
+        n, r_sum, r_sq, len_sum, tokens = global_sums(
+            [float(valid.sum()), float(reward.sum()), float((reward * reward).sum()),
+             float(resp.sum()), float(resp.sum() + prompt.sum())], self.backend.stats_group)
+        mean = r_sum / max(n, 1.0)
+        return {"reward/mean": mean, "reward/std": max(r_sq / max(n, 1.0) - mean * mean, 0.0)
+                ** 0.5, "response_length/mean": len_sum / max(n, 1.0), "perf/tokens": tokens}
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save_state(self, folder: Path) -> None:
+        self.hybrid.to_train()
+        self.backend.save(folder / "train")
+        if self.rank == 0:
+            torch.save({"version": self.version}, folder / "actor.pt")
+
+    def load_state(self, folder: Path) -> None:
+        self.hybrid.to_train()
+        self.backend.load(folder / "train")
+        self.version = int(torch.load(folder / "actor.pt")["version"])

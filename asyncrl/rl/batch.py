@@ -1,0 +1,147 @@
+"""What the actor and the critic share: a step's training batch built from its pieces,
+per-token rewards, advantages across the data-parallel ranks, and the `STATS` protocol.
+
+A DP call pads the last ranks' chunks so that every rank runs the same steps; padding rows
+get `loss_mask` 0 and are left out of every sum, so a padded batch trains exactly as the
+unpadded one would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.actors.protocols import _dp_split, register_protocol
+from asyncrl.comm.batch import PAD_KEY, TensorBatch
+from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty
+from asyncrl.rl.config import RLConfig
+
+
+def _one(layout: Any, results: dict[int, Any], state: Any) -> Any:
+    return results[min(results)]
+
+
+# Batches split as DP splits them; the answer is one rank's, for methods whose ranks all
+# return the same all-reduced statistics (a dict of numbers for metrics.jsonl).
+STATS = register_protocol("dp_stats", split=_dp_split, collect=_one)
+
+
+def valid_rows(batch: TensorBatch) -> torch.Tensor:
+    """1.0 for real rows, 0.0 for the trailing padding rows a DP chunk may carry."""
+    n = len(batch)
+    return (torch.arange(n) < n - batch.meta.get(PAD_KEY, 0)).float()
+
+
+def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
+             values: TensorBatch | None = None) -> TensorBatch:
+    """The rollout's columns with "reward", "ref_logprobs", "values" and "loss_mask"."""
+    if "reward" not in scores:
+        raise KeyError(f"the scores batch needs a 'reward' column (RewardFn.score or "
+                       f"RewardModel.score return one); it has {scores.keys()}")
+    parts = {"reward": scores.tensor("reward").float()}
+    if ref is not None:
+        parts["ref_logprobs"] = ref.tensor("logprobs")
+    if values is not None:
+        parts["values"] = values.tensor("values")
+    batch = rollout.union(TensorBatch(parts))
+    mask = batch.tensor("response_mask").float() * valid_rows(batch)[:, None]
+    return batch.union(TensorBatch({"loss_mask": mask}))
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def global_sums(values: list[float], group: Any) -> list[float]:
+    """Elementwise sums over the data-parallel ranks."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def count_globally(mini: TensorBatch, group: Any) -> TensorBatch:
+    """Mark a mini-batch with its token and sequence counts over every rank, so that each
+    micro-batch's loss can be weighted to make the step's loss the mean over the whole
+    mini-batch, whatever the layout (ranks and micro-batches may hold unequal counts)."""
+    mask = mini.tensor("loss_mask")
+    tokens, seqs = global_sums([float(mask.sum()), float((mask.sum(1) > 0).sum())], group)
+    mini.meta.update(tokens=tokens, seqs=seqs, rows=len(mini), dp=dist.get_world_size(group))
+    return mini
+
+
+def share(micro: TensorBatch, per: str) -> float:
+    """The factor that turns a micro-batch's local mean (per "tokens" or "seqs") into its
+    part of the global mean: the backend weights micro-batches by rows and averages ranks."""
+    mask = micro.tensor("loss_mask")
+    local = float(mask.sum()) if per == "tokens" else float((mask.sum(1) > 0).sum())
+    return micro.meta["dp"] * micro.meta["rows"] * local / (max(micro.meta[per], 1.0)
+                                                             * len(micro))
+
+
+def _kl(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
+    if "ref_logprobs" not in batch:
+        raise KeyError("kl_in_reward needs the reference's log-probs: pass the reference "
+                       "node's result to update(..., ref=...)")
+    return kl_penalty(batch.tensor("logprobs"), batch.tensor("ref_logprobs"), cfg.kl_kind)
+
+
+def token_rewards(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
+    """The score on each row's last response token, minus kl_coef * KL per token when the
+    KL is in the reward."""
+    mask = batch.tensor("loss_mask")
+    lengths = mask.sum(1).long()
+    rewards = torch.zeros_like(mask)
+    rows = torch.arange(len(batch))
+    rewards[rows, (lengths - 1).clamp(min=0)] = batch.tensor("reward") * (lengths > 0)
+    if cfg.kl_in_reward and cfg.kl_coef:
+        rewards = rewards - cfg.kl_coef * _kl(batch, cfg) * mask
+    return rewards
+
+
+def _grpo(batch: TensorBatch, cfg: RLConfig, group: Any) -> torch.Tensor:
+    """Each row's group-relative advantage: the groups may straddle ranks, so every rank
+    gathers all the (few) sequence rewards and keeps its own rows' advantages."""
+    mask, valid = batch.tensor("loss_mask"), valid_rows(batch)
+    seq = token_rewards(batch, cfg).sum(1) if cfg.kl_in_reward else batch.tensor("reward")
+    world = dist.get_world_size(group)
+    rewards = [torch.zeros_like(seq) for _ in range(world)]
+    flags = [torch.zeros_like(valid) for _ in range(world)]
+    dist.all_gather(rewards, seq.float().contiguous(), group=group)
+    dist.all_gather(flags, valid.contiguous(), group=group)
+    everything = torch.cat([r[f.bool()] for r, f in zip(rewards, flags, strict=True)])
+    if everything.numel() % cfg.group_size:
+        raise ValueError(f"GRPO: the batch has {everything.numel()} samples, not a multiple of "
+                         f"group_size={cfg.group_size}; sample group_size responses per prompt "
+                         f"(PromptSource(..., repeat=group_size))")
+    adv = grpo_advantages(everything, cfg.group_size, std_normalize=cfg.std_normalize)
+    me = dist.get_rank(group)
+    start = int(sum(int(f.sum()) for f in flags[:me]))
+    mine = torch.zeros_like(seq, dtype=torch.float32)
+    count = int(valid.sum())
+    mine[:count] = adv[start:start + count]  # padding rows are trailing
+    return mine[:, None] * mask
+
+
+def whiten_across(x: torch.Tensor, mask: torch.Tensor, group: Any, eps: float = 1e-8
+                  ) -> torch.Tensor:
+    """(x - mean) / std over the masked positions of every data-parallel rank."""
+    total, count = global_sums([float((x * mask).sum()), float(mask.sum())], group)
+    mean = total / max(count, 1.0)
+    (sq,) = global_sums([float(((x - mean).pow(2) * mask).sum())], group)
+    return (x - mean) * (sq / max(count, 1.0) + eps) ** -0.5 * mask
+
+
+def advantages(batch: TensorBatch, cfg: RLConfig, group: Any
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages [B, T] and, for PPO, the critic's returns (GAE before whitening)."""
+    if cfg.algo == "grpo":
+        return _grpo(batch, cfg, group), None
+    if "values" not in batch:
+        raise KeyError("PPO needs the critic's values: pass the critic node's result to "
+                       "update(..., values=...)")
+    mask = batch.tensor("loss_mask")
+    adv, returns = gae(token_rewards(batch, cfg), batch.tensor("values"), mask, cfg.gamma,
+                       cfg.lam)
+    return whiten_across(adv, mask, group), returns

@@ -1,0 +1,78 @@
+"""The critic: a value model (the policy's backbone with a scalar head) trained with value
+clipping, on its own group with its own layout.
+
+    values(rollout)                                  -> {"values"} [B, T] (state before
+                                                         each response token)
+    update(rollout, scores, ref=None, values=...)    -> returns by GAE from the same
+                                                         per-token rewards as the actor;
+                                                         0.5 * max((V - R)^2,
+                                                         (clip(V, V_old +- c) - R)^2)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.actors.protocols import Dispatch
+from asyncrl.actors.register import register
+from asyncrl.actors.worker import Worker
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.fsdp import TrainConfig
+from asyncrl.hybrid.models import ModelConfig
+from asyncrl.hybrid.roles import make_backend
+from asyncrl.rl.actor import mean_stats
+from asyncrl.rl.batch import STATS, advantages, assemble, count_globally, masked_mean, share
+from asyncrl.rl.config import RLConfig
+
+
+def value_loss(cfg: RLConfig) -> Any:
+    def loss_fn(out: dict[str, torch.Tensor], micro: TensorBatch
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+        v, mask = out["values"], micro.tensor("loss_mask")
+        old, ret = micro.tensor("values"), micro.tensor("returns")
+        clipped = old + (v - old).clamp(-cfg.value_clip, cfg.value_clip)
+        unclipped_err, clipped_err = (v - ret).pow(2), (clipped - ret).pow(2)
+        part = share(micro, "tokens")  # local means -> parts of the global means
+        loss = 0.5 * masked_mean(torch.maximum(unclipped_err, clipped_err), mask) * part
+        clipfrac = masked_mean((clipped_err > unclipped_err).float(), mask) * part
+        return loss, {"vf_loss": loss.detach().item(), "vf_clipfrac": clipfrac.item(),
+                      "values_mean": masked_mean(v.detach(), mask).item() * part}
+
+    return loss_fn
+
+
+class Critic(Worker):
+    def __init__(self, model: dict[str, Any], rl: dict[str, Any] | None = None,
+                 train: dict[str, Any] | None = None, backend: str = "fsdp2"):
+        self.rl = RLConfig(**{"algo": "ppo", **(rl or {})})
+        self.backend = make_backend(self, backend, ModelConfig(**model),
+                                    TrainConfig(**(train or {})), head="value")
+
+    @register(dispatch=Dispatch.DP)
+    def values(self, rollout: TensorBatch) -> TensorBatch:
+        return TensorBatch({"values": self.backend.values(rollout).cpu()})
+
+    @register(dispatch=STATS)
+    def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
+               values: TensorBatch | None = None) -> dict[str, float]:
+        if values is None:
+            raise ValueError("Critic.update needs values=: the result of critic.values(rollout) "
+                             "for the same rollout")
+        batch = assemble(rollout, scores, ref, values)
+        _, returns = advantages(batch, self.rl, self.backend.stats_group)
+        assert returns is not None
+        train = batch.select(["prompt_ids", "prompt_mask", "response_ids", "response_mask",
+                              "values", "loss_mask"]).union(TensorBatch({"returns": returns}))
+        runs = [self.backend.train_step(count_globally(mini, self.backend.stats_group),
+                                        value_loss(self.rl))
+                for _ in range(self.rl.epochs) for mini in train.chunk(self.rl.mini_batches)]
+        return {f"critic/{k}": v for k, v in mean_stats(runs).items()}
+
+    def save_state(self, folder: Path) -> None:
+        self.backend.save(folder / "train")
+
+    def load_state(self, folder: Path) -> None:
+        self.backend.load(folder / "train")

@@ -1,0 +1,217 @@
+"""Checkpoints and `asyncrl launch --resume`: a run stopped and resumed writes the same metrics
+as one that ran straight through; wrong resumes fail with a message that says the fix.
+
+This file is also the flow those runs launch (`asyncrl launch tests/test_checkpoint.py`):
+
+    prompts (PromptSource) ──▶ draw (sampler: its RNG only) ──▶ learn (learner x2: weights,
+    offset (a plain range) ──▶ jitter (the controller's RNG)       counter, RNG)
+    draw of step t follows learn of step t-2 (max_staleness=1): steps overlap
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from helpers import ROOT
+
+import asyncrl
+from asyncrl.controller import checkpoint
+from asyncrl.rl.data import PromptSource
+
+# -- the flow -------------------------------------------------------------------------------
+random.seed(1234)  # the controller's RNG, which `jitter` draws from: the same in every run
+
+
+def _split_all(layout, args, kwargs):
+    return asyncrl.Split({r: (args, kwargs) for r in range(layout.world_size)},
+                         list(range(layout.world_size)))
+
+
+def _by_rank_keys(layout, results, state):  # {"w0": .., "w1": ..}: numbers metrics can log
+    return {f"{k}{r}": v for r, out in sorted(results.items()) for k, v in out.items()}
+
+
+EVERY_RANK = asyncrl.register_protocol("ckpt_every_rank", split=_split_all,
+                                       collect=_by_rank_keys)
+
+
+class Learner(asyncrl.Worker):
+    """Weights that move each step with draws from torch, `random` and numpy."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed + self.rank)
+        random.seed(seed + self.rank)
+        np.random.seed(seed + self.rank)
+        self.w = torch.zeros(4)
+        self.updates = 0
+
+    @asyncrl.register(dispatch=EVERY_RANK)
+    def update(self, xs: list, draw: float) -> dict:
+        x = torch.tensor(xs, dtype=torch.float32).mean()
+        noise = torch.randn(4) * 0.1 + random.random() + float(np.random.rand())
+        self.w = 0.9 * self.w + 0.01 * x + draw + noise
+        self.updates += 1
+        return {"w": float(self.w.sum()), "updates": self.updates}
+
+    def save_state(self, folder):
+        torch.save({"w": self.w, "updates": self.updates}, folder / f"learner{self.rank}.pt")
+
+    def load_state(self, folder):
+        state = torch.load(folder / f"learner{self.rank}.pt")
+        self.w, self.updates = state["w"], state["updates"]
+
+
+class Sampler(asyncrl.Worker):
+    """No state of its own: the base class's checkpoint (its RNG) is all it needs."""
+
+    def __init__(self):
+        torch.manual_seed(7)
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def sample(self, xs: list) -> float:
+        return float(torch.rand(()) + len(xs))
+
+
+learner = asyncrl.group(Learner, 11, nprocs=2, name="learner")
+sampler = asyncrl.group(Sampler, nprocs=1, name="sampler")
+
+
+@asyncrl.node
+def jitter(prompts, offset):
+    xs = prompts["x"]
+    return {"draw": random.random() + offset,
+            "prompts/order": float(sum((i + 1) * x for i, x in enumerate(xs)))}
+
+
+@asyncrl.node(follows="learn")
+def draw(prompts):
+    return sampler.sample(prompts["x"])
+
+
+@asyncrl.node
+def learn(prompts, draw):
+    return learner.update(prompts["x"], draw)
+
+
+# 7 records in batches of 3: an epoch is 3 steps, and each epoch has its own order
+prompts = PromptSource([{"x": i} for i in range(7)], batch_size=3, seed=5, epochs=None)
+flow = asyncrl.DataFlow(nodes=[jitter, draw, learn], max_staleness=1,
+                        inputs={"prompts": prompts, "offset": range(100, 200)})
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def launch(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "asyncrl", "launch", *args],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    if ok:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+def rows(run_dir) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+            for line in lines]
+
+
+def assert_same(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys(), (a, b)
+        for k in a:
+            assert a[k] == pytest.approx(b[k], abs=1e-4), (a["step"], k, a[k], b[k])
+
+
+THIS = "tests/test_checkpoint.py"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Six steps without a stop: the metrics every resumed run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    launch(THIS, "--steps", "6", "--run-dir", str(run_dir))
+    return run_dir
+
+
+# -- checkpoint folders (no processes) ------------------------------------------------------
+def test_latest_is_the_newest_complete_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name, meta in [("step_000002", True), ("step_000010", True), ("step_000011", False),
+                       ("step_000012.tmp", True), ("step_000013.tmp", False)]:
+        (root / name).mkdir(parents=True)
+        if meta:
+            (root / name / "meta.json").write_text("{}")
+    assert checkpoint.latest(tmp_path) == root / "step_000010"  # by number, not by name
+    assert checkpoint.complete(tmp_path) == [root / "step_000002", root / "step_000010"]
+    assert checkpoint.latest(tmp_path / "nowhere") is None
+
+
+def test_resuming_the_wrong_run_is_refused_in_words(tmp_path):
+    with pytest.raises(asyncrl.CheckpointError,
+                       match="no complete checkpoint was found in .*run without --resume"):
+        checkpoint.resumable(tmp_path, flow)
+    folder = tmp_path / "checkpoints" / "step_000001"
+    folder.mkdir(parents=True)
+    other = {**checkpoint.identity(flow), "file": "other.py", "nodes": ["rollout"]}
+    (folder / "meta.json").write_text(json.dumps({"step": 1, "flow": other}))
+    with pytest.raises(asyncrl.CheckpointError, match=(
+            "written by another flow.*'other.py' there, 'test_checkpoint.py' here.*"
+            "\\['rollout'\\] there.*resume it with the flow file that wrote it")):
+        checkpoint.resumable(tmp_path, flow)
+    with pytest.raises(asyncrl.CheckpointError, match="pass --resume .* another --run-dir"):
+        checkpoint.refuse_existing(tmp_path)
+
+
+# -- stop and resume (real groups) ----------------------------------------------------------
+def test_stopped_after_three_steps_and_resumed_matches_a_straight_run(straight, tmp_path):
+    want = rows(straight)
+    assert [r["step"] for r in want] == list(range(6))
+    assert {"jitter/draw", "prompts/order", "learn/w0", "learn/w1", "draw"} <= set(want[0])
+    assert len({r["learn/w0"] for r in want} | {r["learn/w1"] for r in want}) == 12  # it moves
+    run_dir = tmp_path / "run"
+    launch(THIS, "--steps", "3", "--run-dir", str(run_dir))
+    assert checkpoint.latest(run_dir).name == "step_000002"  # the end of a run checkpoints
+    out = launch(THIS, "--steps", "6", "--run-dir", str(run_dir), "--resume")
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_000002'}" in out.stdout
+    assert_same(rows(run_dir), want)
+
+
+def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(straight,
+                                                                            tmp_path):
+    run_dir = tmp_path / "run"
+    launch(THIS, "--steps", "5", "--checkpoint-every", "2", "--run-dir", str(run_dir))
+    root = run_dir / "checkpoints"
+    assert [p.name for p in checkpoint.complete(run_dir)] == [
+        "step_000001", "step_000003", "step_000004"]
+    # a crash while step 4 was being saved: its folder has no meta.json and keeps .tmp,
+    # and metrics.jsonl already has step 4's row
+    (root / "step_000004" / "meta.json").unlink()
+    (root / "step_000004").rename(root / "step_000004.tmp")
+    out = launch(THIS, "--steps", "6", "--run-dir", str(run_dir), "--resume")
+    assert "resuming from" in out.stdout and "step_000003" in out.stdout
+    assert "dropped 1 metrics rows" in out.stdout
+    assert_same(rows(run_dir), rows(straight))
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_000001", "step_000003", "step_000005"]  # the stray .tmp is gone
+
+
+def test_wrong_resumes_fail_before_anything_starts(straight, tmp_path):
+    out = launch(THIS, "--resume", ok=False)
+    assert out.returncode != 0 and "--resume needs --run-dir DIR" in out.stderr
+    out = launch(THIS, "--resume", "--run-dir", str(tmp_path / "empty"), ok=False)
+    assert out.returncode == 2 and "no complete checkpoint was found in" in out.stderr
+    assert "run without --resume" in out.stderr
+    out = launch("examples/flow.py", "--resume", "--run-dir", str(straight), ok=False)
+    assert out.returncode == 2 and "written by another flow" in out.stderr
+    assert "'test_checkpoint.py' there, 'flow.py' here" in out.stderr
+    before = (straight / "metrics.jsonl").read_text()
+    out = launch(THIS, "--steps", "1", "--run-dir", str(straight), ok=False)
+    assert out.returncode == 2 and "already holds checkpoints" in out.stderr
+    assert "pass --resume" in out.stderr
+    assert (straight / "metrics.jsonl").read_text() == before  # nothing was touched

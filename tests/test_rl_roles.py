@@ -1,0 +1,177 @@
+"""The RL roles' pieces in one process: value models, reward models, the training batch,
+token rewards, the policy and value losses (against hand-computed values), group seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl import TensorBatch
+from asyncrl.comm.batch import PAD_KEY
+from asyncrl.hybrid.models import (
+    ModelConfig,
+    build_model,
+    build_value_model,
+    sequence_logprobs,
+    sequence_values,
+)
+from asyncrl.hybrid.sampler import left_pad
+from asyncrl.rl import PromptSource, RewardModel
+from asyncrl.rl.actor import policy_loss
+from asyncrl.rl.batch import assemble, share, token_rewards, valid_rows
+from asyncrl.rl.config import RLConfig
+from asyncrl.rl.critic import value_loss
+
+
+def padded_pair() -> TensorBatch:
+    """Two rows: prompts of 3 and 1 tokens (left-padded), responses of 2 and 3 tokens."""
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7], [9]], pad=0)
+    return TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                        "response_ids": torch.tensor([[11, 12, 0], [13, 14, 15]]),
+                        "response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])})
+
+
+def test_value_model_values_ignore_padding():
+    model = build_value_model(ModelConfig(seed=4))
+    torch.nn.init.normal_(model.value_head.weight)  # zero at init: make values differ
+    b = padded_pair()
+    values = sequence_values(model, b["prompt_ids"], b["prompt_mask"], b["response_ids"],
+                             b["response_mask"])
+    assert values.shape == (2, 3) and values[0, 2] == 0
+    alone = [[5, 6, 7, 11, 12], [9, 13, 14, 15]]  # each row by itself: no padding at all
+    for row, (ids, n_prompt) in enumerate(zip(alone, (3, 1), strict=True)):
+        ids_t = torch.tensor([ids])
+        v = model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
+                  position_ids=torch.arange(len(ids))[None])
+        n = len(ids) - n_prompt
+        torch.testing.assert_close(values[row, :n], v[0, n_prompt - 1:-1], atol=1e-5, rtol=0)
+
+
+def test_value_model_starts_at_zero_and_shares_the_lm_backbone():
+    lm, vm = build_model(ModelConfig(seed=2)), build_value_model(ModelConfig(seed=2))
+    lm_layer = dict(lm.named_parameters())["model.layers.0.mlp.up_proj.weight"]
+    torch.testing.assert_close(dict(vm.named_parameters())["model.layers.0.mlp.up_proj.weight"],
+                               lm_layer)
+    b = padded_pair()
+    assert sequence_values(vm, *(b[k] for k in ("prompt_ids", "prompt_mask", "response_ids",
+                                                "response_mask"))).abs().max() == 0
+
+
+def test_reward_model_scores_the_last_real_token():
+    rm = RewardModel.__new__(RewardModel)
+    rm.__init__({"seed": 5})
+    torch.nn.init.normal_(rm.model.value_head.weight)
+    b = padded_pair()
+    scores = rm.score(b)["reward"]
+    for row, ids in enumerate([[5, 6, 7, 11, 12], [9, 13, 14, 15]]):
+        ids_t = torch.tensor([ids])
+        v = rm.model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
+                     position_ids=torch.arange(len(ids))[None])
+        assert scores[row].item() == pytest.approx(v[0, -1].item(), abs=1e-5)
+
+
+def test_entropy_is_the_entropy_of_the_next_token_distribution():
+    model = build_model(ModelConfig(seed=1))
+    b = padded_pair()
+    cols = [b[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    logp, ent = sequence_logprobs(model, *cols, entropy=True)
+    torch.testing.assert_close(logp, sequence_logprobs(model, *cols))
+    ids = torch.tensor([[9, 13, 14, 15]])  # row 1 alone
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1]
+    p = logits.float().softmax(-1)
+    torch.testing.assert_close(ent[1], -(p * p.log()).sum(-1), atol=1e-5, rtol=0)
+    assert ent[0, 2] == 0
+
+
+def scored(rewards: list[float], pad: int = 0) -> tuple[TensorBatch, TensorBatch]:
+    b = padded_pair()
+    rollout = b.union(TensorBatch({"logprobs": torch.tensor([[-1.0, -2.0, 0], [-1, -1, -1]])}))
+    rollout.meta[PAD_KEY] = pad
+    return rollout, TensorBatch({"reward": torch.tensor(rewards)})
+
+
+def test_padding_rows_are_masked_out_of_the_training_batch():
+    rollout, scores = scored([1.0, 0.5], pad=1)
+    batch = assemble(rollout, scores)
+    assert valid_rows(batch).tolist() == [1.0, 0.0]
+    assert batch["loss_mask"].tolist() == [[1, 1, 0], [0, 0, 0]]
+    with pytest.raises(KeyError, match="needs a 'reward' column"):
+        assemble(rollout, TensorBatch({"score": torch.zeros(2)}))
+
+
+def test_token_rewards_put_the_score_last_and_subtract_the_kl():
+    rollout, scores = scored([1.0, 0.5])
+    ref = TensorBatch({"logprobs": torch.tensor([[-1.5, -2.0, 0], [-1.0, -0.5, -1.0]])})
+    batch = assemble(rollout, scores, ref)
+    plain = token_rewards(batch, RLConfig(algo="ppo"))
+    assert plain.tolist() == [[0, 1.0, 0], [0, 0, 0.5]]
+    with_kl = token_rewards(batch, RLConfig(algo="ppo", kl_coef=0.1, kl_in_reward=True,
+                                            kl_kind="k1"))
+    # k1 = logp - ref: row 0: 0.5, 0; row 1: 0, -0.5, 0
+    torch.testing.assert_close(with_kl, torch.tensor([[-0.05, 1.0, 0], [0, 0.05, 0.5]]))
+
+
+def test_policy_loss_by_hand():
+    cfg = RLConfig(algo="grpo", group_size=2, clip=0.2, kl_coef=0.5, kl_kind="k1",
+                   entropy_coef=0.1)
+    micro = TensorBatch({"logprobs": torch.tensor([[0.0, 0.0]]),
+                         "advantages": torch.tensor([[1.0, -2.0]]),
+                         "ref_logprobs": torch.tensor([[0.0, 0.5]]),
+                         "loss_mask": torch.tensor([[1.0, 1.0]])})
+    micro.meta.update(tokens=2, seqs=1, rows=1, dp=1)  # this micro-batch is all there is
+    logp = torch.tensor([[0.5, 0.0]])  # ratio e^0.5 = 1.65 on token 0 (clipped to 1.2), 1
+    out = {"logprobs": logp, "entropy": torch.tensor([[2.0, 4.0]])}
+    loss, stats = policy_loss(cfg)(out, micro)
+    pg = (-1.0 * 1.2 + 2.0 * 1.0) / 2  # token 0 clipped (A > 0, ratio > 1.2), token 1 as is
+    kl = (0.5 + -0.5) / 2
+    assert stats["pg_loss"] == pytest.approx(pg) and stats["clipfrac"] == pytest.approx(0.5)
+    assert stats["kl"] == pytest.approx(kl) and stats["entropy"] == pytest.approx(3.0)
+    assert loss.item() == pytest.approx(pg + 0.5 * kl - 0.1 * 3.0)
+
+
+def test_value_loss_by_hand():
+    micro = TensorBatch({"values": torch.tensor([[0.0, 1.0]]),
+                         "returns": torch.tensor([[1.0, 1.0]]),
+                         "loss_mask": torch.tensor([[1.0, 1.0]])})
+    micro.meta.update(tokens=2, seqs=1, rows=1, dp=1)
+    v = torch.tensor([[0.5, 2.0]])  # token 0 moves 0.5 (clipped to 0.2), token 1 moves 1.0
+    loss, stats = value_loss(RLConfig(algo="ppo", value_clip=0.2))({"values": v}, micro)
+    # token 0: max((0.5-1)^2, (0.2-1)^2) = 0.64; token 1: max((2-1)^2, (1.2-1)^2) = 1
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 1.0) / 2)
+    assert stats["vf_clipfrac"] == pytest.approx(0.5)
+
+
+def test_micro_batch_shares_make_local_means_global():
+    # two ranks: this one holds 3 of the mini-batch's 8 tokens in a micro-batch of 2 of its
+    # 4 rows; backend weight 2/4, rank average 1/2 -> (3/8) of the global mean is this part
+    micro = TensorBatch({"loss_mask": torch.tensor([[1.0, 1.0], [1.0, 0.0]])})
+    micro.meta.update(tokens=8, seqs=5, rows=4, dp=2)
+    assert share(micro, "tokens") * (2 / 4) / 2 == pytest.approx(3 / 8)
+    assert share(micro, "seqs") * (2 / 4) / 2 == pytest.approx(2 / 5)
+
+
+def test_config_errors_say_what_to_change():
+    with pytest.raises(ValueError, match="GRPO needs group_size >= 2"):
+        RLConfig(algo="grpo")
+    with pytest.raises(ValueError, match="algo is 'grpo' or 'ppo'"):
+        RLConfig(algo="dpo")
+
+
+def test_group_sampling_repeats_prompts_with_a_seed_per_sample():
+    records = [{"prompt": [1, i], "answer": i} for i in range(6)]
+    src = PromptSource(records, batch_size=2, seed=3, repeat=3, epochs=2)
+    batches = list(src)
+    assert len(batches) == 6 and all(len(b) == 6 for b in batches)
+    first = batches[0]
+    assert first["answer"][:3] == [first["answer"][0]] * 3  # a group's rows are contiguous
+    seeds = [s for b in batches for s in b["seed"]]
+    assert len(set(seeds)) == len(seeds)  # every sample of the run samples differently
+    again = PromptSource(records, batch_size=2, seed=3, repeat=3, epochs=2)
+    it = iter(again)
+    next(it)
+    state = again.state_dict()
+    resumed = PromptSource(records, batch_size=2, seed=3, repeat=3, epochs=2)
+    resumed.load_state_dict(state)
+    assert [b["seed"] for b in resumed] == [b["seed"] for b in batches[1:]]
+    with pytest.raises(ValueError, match="'seed' key"):
+        PromptSource([{"prompt": [1], "seed": 1}], batch_size=1)
