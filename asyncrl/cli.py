@@ -5,6 +5,8 @@
                                           run FILE's `flow` (a DataFlow), or its `main()`
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
     asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
+    asyncrl bench FILE [--steps N] [--run-dir DIR] [key=value ...]
+                                          run FILE's flow and say where the time went
 """
 
 from __future__ import annotations
@@ -113,6 +115,27 @@ def timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    from asyncrl.controller.bench import analyse, report
+    from asyncrl.controller.launch import default_run_dir, launch_flow
+    from asyncrl.controller.timeline import draw
+
+    module = _load(args.script, [a for a in args.args if "=" in a])
+    flow = _flow_of(module, args.script)
+    if flow is None:
+        raise SystemExit(f"asyncrl bench: {args.script} defines no `flow` (a DataFlow)")
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    print(f"run_dir: {run_dir}", flush=True)
+    run(launch_flow(flow, args.steps, run_dir))
+    deps = {name: [src[1] for src in d.values() if src is not None and src[0] == "node"]
+            for name, d in flow.deps.items()}
+    figures = analyse(run_dir, deps)
+    (run_dir / "bench.json").write_text(json.dumps(figures, indent=1))
+    print(report(figures))
+    print(f"timeline: {draw(run_dir / 'timeline.json', run_dir / 'timeline.png')}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl", description=(
         "asyncrl: RL post-training on an asyncio single controller with torchrun worker "
@@ -147,6 +170,16 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("--node", required=True)
     rp.add_argument("--inputs", required=True, help="RUN_DIR/inputs/step<t>/<node>.msgpack")
     rp.set_defaults(func=run_node)
+    bp = sub.add_parser("bench", help="run a flow and report busy/idle time per node and "
+                        "group, the critical path, overlap efficiency and tokens/s",
+                        description="Run SCRIPT's flow, then analyse its timeline: per node "
+                        "and per group busy and idle time, the critical path, overlap "
+                        "efficiency and tokens/s; writes RUN_DIR/bench.json and timeline.png.")
+    bp.add_argument("script")
+    bp.add_argument("--steps", type=int, default=None)
+    bp.add_argument("--run-dir", default=None)
+    bp.add_argument("args", nargs="*", help="key=value overrides")
+    bp.set_defaults(func=bench)
     tp = sub.add_parser("timeline", help="draw a run's timeline as a PNG Gantt chart")
     tp.add_argument("run_dir")
     tp.set_defaults(func=timeline)
@@ -155,7 +188,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
-    if extra and args.command != "launch":
+    if extra and args.command not in ("launch", "bench"):
         parser().error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides (or a driver's own arguments) after the options
         args.args = [*args.args, *extra]

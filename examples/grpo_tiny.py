@@ -24,7 +24,7 @@ from asyncrl.hybrid.roles import Reference
 from asyncrl.rl import Actor, PromptSource, RewardFn
 
 cfg = asyncrl.config(steps=60, lr=3e-3, prompts=16, group_size=8, kl_coef=1e-3, seed=0,
-                     actor_procs=2, model_path=None, max_new_tokens=2)
+                     actor_procs=2, backend="fsdp2", model_path=None, max_new_tokens=2)
 tok = next_digit.tokenizer(cfg["model_path"])
 model = next_digit.model(tok, cfg["model_path"], cfg["seed"])
 
@@ -34,7 +34,7 @@ def reward(prompt, response, answer, **meta):
 
 
 actor = asyncrl.group(
-    Actor, model=model, name="actor", nprocs=cfg["actor_procs"],
+    Actor, model=model, name="actor", nprocs=cfg["actor_procs"], backend=cfg["backend"],
     rl={"algo": "grpo", "group_size": cfg["group_size"], "kl_coef": cfg["kl_coef"]},
     train={"lr": cfg["lr"], "micro_batch_size": 128},
     sampling={"max_new_tokens": cfg["max_new_tokens"], "stop_token_ids": [tok.eos],

@@ -32,12 +32,21 @@ def learned(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
 
 
-def test_grpo_flow_on_two_ranks_equals_one_rank_and_lr0_stays_put(tmp_path):
-    # 5 prompts x 3 samples = 15 rows: the two ranks get 8 and 7 (+1 padding row), and a
-    # group straddles them, so this checks the padding and the cross-rank advantages
-    small = ("prompts=5", "group_size=3")
+# 5 prompts x 3 samples = 15 rows: two ranks get 8 and 7 (+1 padding row), and a group
+# straddles them, so comparing layouts checks the padding and the cross-rank advantages
+SMALL = ("prompts=5", "group_size=3")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """GRPO with the actor on two FSDP ranks, 3 steps: the run the others must equal."""
+    return launch("grpo_tiny.py", tmp_path_factory.mktemp("grpo") / "two", 3, *SMALL,
+                  "actor_procs=2")
+
+
+def test_grpo_flow_on_two_ranks_equals_one_rank_and_lr0_stays_put(tmp_path, two):
+    small = SMALL
     one = launch("grpo_tiny.py", tmp_path / "one", 3, *small, "actor_procs=1")
-    two = launch("grpo_tiny.py", tmp_path / "two", 3, *small, "actor_procs=2")
     for key in REQUIRED:
         assert key in one[0], f"metrics.jsonl lacks {key!r}: {sorted(one[0])}"
     for a, b in zip(one, two, strict=True):
@@ -57,6 +66,15 @@ def test_grpo_flow_on_two_ranks_equals_one_rank_and_lr0_stays_put(tmp_path):
         assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
 
 
+def test_zero2_actor_equals_fsdp_and_resumes_from_deepspeed_checkpoints(tmp_path, two):
+    zero = ("actor_procs=2", "backend=zero2")
+    launch("grpo_tiny.py", tmp_path / "zero", 1, *SMALL, *zero)
+    resumed = launch("grpo_tiny.py", tmp_path / "zero", 3, *SMALL, *zero, "--resume")
+    assert (tmp_path / "zero/checkpoints/step_000000/actor/train/state").is_dir()
+    for a, b in zip(two, resumed, strict=True):
+        assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
+
+
 def test_ppo_flow_trains_actor_and_critic_side_by_side_and_resumes_exactly(tmp_path):
     rows = launch("ppo_tiny.py", tmp_path / "ppo", 3, "prompts=16")
     for key in [*REQUIRED, "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
@@ -69,3 +87,23 @@ def test_ppo_flow_trains_actor_and_critic_side_by_side_and_resumes_exactly(tmp_p
     resumed = launch("ppo_tiny.py", tmp_path / "resumed", 3, "prompts=16", "--resume")
     for a, b in zip(rows, resumed, strict=True):
         assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
+
+
+def test_the_example_task_rewards_only_policies_that_read_the_prompt():
+    sys.path.insert(0, str(Path(ROOT) / "examples"))
+    try:
+        import next_digit
+    finally:
+        sys.path.pop(0)
+    tok = next_digit.Vocab()
+    data = next_digit.records(tok, copies=3)
+    assert {tok.decode(r["prompt"]) for r in data} == {f"{d}>" for d in "0123456789"}
+    # a policy that ignores the prompt gives one response distribution to every prompt; its
+    # expected reward is a mixture of these constant responses' rewards, so their max bounds it
+    outputs = ["", ">", *next_digit.Vocab.chars, *(a + b for a in "0123456789" for b in "0>")]
+    best = max(sum(next_digit.score(o, r["answer"]) for r in data) / len(data) for o in outputs)
+    assert best <= 0.15
+    perfect = [next_digit.score(str((int(tok.decode(r["prompt"])[0]) + 1) % 10), r["answer"])
+               for r in data]
+    assert sum(perfect) == len(data)
+    assert tok.decode(tok.encode("7>")[1:] + [tok.eos, 5]) == "7>"  # stops at eos

@@ -76,6 +76,7 @@ class _Executor:
 
     def run_call(self, call: Call) -> None:
         main = self.main
+        start = time.perf_counter()
         try:
             fn = getattr(main.worker, call.method)
             args, kwargs = codec.decode_call(call.payload)
@@ -87,6 +88,7 @@ class _Executor:
             result = main.keep(call, value) if call.collect else Result(call.call_id, main.rank)
         except BaseException as e:  # noqa: BLE001 - user code: every failure goes back
             result = Result(call.call_id, main.rank, error=_failure(e))
+        result.busy = time.perf_counter() - start
         self.sock.send(result)
 
 

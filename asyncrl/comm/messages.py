@@ -97,6 +97,7 @@ class Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=F
     error: Union[Failure, None] = None
     schema: Union[Schema, None] = None
     inline: bool = True  # whether `value` is the value (False: fetch it from the store)
+    busy: float = 0.0  # seconds the call ran on the rank, pulling its inputs included
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

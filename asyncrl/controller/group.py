@@ -75,6 +75,7 @@ class _Pending:
     inputs: list[ObjectRef]  # keeps the objects this call pulls alive until it is done
     shards: dict[int, tuple[Shard, Schema]] = field(default_factory=dict)
     inline: dict[int, msgspec.Raw] = field(default_factory=dict)
+    busy: float = 0.0  # the longest time a rank spent on it
 
 
 @dataclass
@@ -273,6 +274,7 @@ class GroupHandle:
         if p is None or rank not in p.waiting:
             return
         p.waiting.discard(rank)
+        p.busy = max(p.busy, msg.busy)
         if msg.error is not None:
             p.future._set_exception(self._remote_error(rank, p.method, msg.error))
         elif rank in p.collect:
@@ -291,6 +293,7 @@ class GroupHandle:
                 self._ctl._queue_release([(self, r) for r in p.shards], msg.call_id)
             return
         layout, protocol, state = self.layout, p.protocol, p.state
+        p.future.busy_s = p.busy
         p.future._set_result(ObjectRef(self, msg.call_id,
                                        lambda parts: protocol.collect(layout, parts, state),
                                        p.shards, p.inline))

@@ -36,13 +36,18 @@ class Timeline:
         self.events.append(Event(CONTROLLER_ROW, name, step, start, end))
 
     def call(self, group: str, node: tuple[str, int] | None, future: Any) -> None:
-        """Record a group call made by a node: from now until its future completes."""
+        """Record a group call made by a node: the time its ranks spent on it (their own
+        measure, pulls included), ending when its result arrived; not the time it waited for
+        its inputs or for the group's earlier calls."""
         if node is None:
             return
         start = time.perf_counter()
 
         def done(_: Any) -> None:
-            self.events.append(Event(group, node[0], node[1], start, time.perf_counter()))
+            end = time.perf_counter()
+            busy = getattr(future, "busy_s", None)
+            began = max(start, end - busy) if busy else start
+            self.events.append(Event(group, node[0], node[1], began, end))
 
         future._fut.add_done_callback(done)
 

@@ -16,10 +16,11 @@ from typing import Any
 
 
 class DistFuture:
-    __slots__ = ("_fut", "_loop", "_label", "__weakref__")
+    __slots__ = ("_fut", "_loop", "_label", "busy_s", "__weakref__")
     _fut: asyncio.Future[Any]
     _loop: asyncio.AbstractEventLoop
     _label: str
+    busy_s: float  # once resolved: the longest time one of its ranks spent running it
 
     def __init__(self, *args: Any, **kwargs: Any):
         raise TypeError("DistFuture has no public constructor; group method calls return them")
@@ -30,6 +31,7 @@ class DistFuture:
         self._loop = loop
         self._fut = loop.create_future()
         self._label = label
+        self.busy_s = 0.0
         return self
 
     # -- controller side: resolve ---------------------------------------------------------

@@ -1,7 +1,8 @@
 """Model roles as workers, for DataFlows and drivers.
 
-    Policy     train (FSDP2, optional TP) + generate (hybrid: the same ranks) + log-probs
-    Rollout    generate only; receives weights (load_weights)
+    Policy     train (FSDP2, optional TP) + generate (hybrid: the same ranks) + log-probs;
+               with hybrid=False train only, its weights sent to a Rollout group (sync_pack)
+    Rollout    generate only; receives weights (load_weights, also mid-generation)
     Reference  frozen: log-probs of given sequences
 
 Batches are TensorBatches with prompt_ids/prompt_mask (left-padded) and response_ids/
@@ -12,9 +13,12 @@ columns through (an "answer" the reward needs travels with its sample).
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
@@ -24,6 +28,7 @@ from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
 from asyncrl.hybrid.models import ModelConfig, build_model, default_device, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+from asyncrl.hybrid.weight_sync import ALL_RANKS, GATHER_TO_ZERO, Packer, unpack, version_of
 
 
 def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
@@ -36,8 +41,19 @@ def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
     return prompts, seeds
 
 
-def with_prompts(out: TensorBatch, prompts: TensorBatch) -> TensorBatch:
-    """Generation's columns beside the prompt batch's (its meta, padding marks included)."""
+def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatch:
+    """Generation's columns beside the prompt batch's (its meta, padding marks included),
+    the prompts left-padded to the widest of the group's ranks, so that the ranks' results
+    concatenate (a collective: every rank of the group generates)."""
+    ids, mask = out.tensor("prompt_ids"), out.tensor("prompt_mask")
+    width = torch.tensor([ids.shape[1]])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    more = int(width) - ids.shape[1]
+    if more:  # the same columns in the same order: only these two grow
+        wider = {"prompt_ids": torch.cat([ids.new_full((len(ids), more), pad), ids], 1),
+                 "prompt_mask": torch.cat([mask.new_zeros((len(ids), more)), mask], 1)}
+        out = TensorBatch({k: wider.get(k, v) for k, v in out.items()}, out.meta)
     extra = [k for k in prompts.keys() if k not in out]
     return out.union(prompts.select(extra)) if extra else out
 
@@ -57,32 +73,51 @@ def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg
 class Policy(Worker):
     def __init__(self, model: dict[str, Any], train: dict[str, Any] | None = None,
                  sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 backend: str = "fsdp2"):
+                 backend: str = "fsdp2", hybrid: bool = True):
         model_cfg = ModelConfig(**model)
         train_cfg = TrainConfig(**(train or {}))
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
-                                   bucket_bytes)
+                                   bucket_bytes) if hybrid else None
+        self.version = 0  # the policy version: optimizer steps taken
+        self._packer = Packer()
+
+    def to_train(self) -> None:
+        if self.hybrid is not None:
+            self.hybrid.to_train()
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch) -> TensorBatch:
+        if self.hybrid is None:
+            raise RuntimeError(f"group {self.group_name!r} was built with hybrid=False: it only "
+                               f"trains; generate on a Rollout group that receives its weights")
         self.hybrid.to_generate()
-        return with_prompts(self.hybrid.generate(*_prompts(prompts)), prompts)
+        self.hybrid.engine.version = self.version
+        return with_prompts(self.hybrid.generate(*_prompts(prompts)), prompts,
+                            self.hybrid.engine.config.pad_token_id)
 
     @register(dispatch=Dispatch.DP)
     def logprobs(self, batch: TensorBatch) -> TensorBatch:
-        self.hybrid.to_train()
+        self.to_train()
         return TensorBatch({"logprobs": self.backend.logprobs(batch).cpu()})
 
     @register(dispatch=Dispatch.DP)
     def train_step(self, batch: TensorBatch) -> dict:
-        self.hybrid.to_train()
+        self.to_train()
         return self.backend.train_step(batch)
+
+    @register(dispatch=GATHER_TO_ZERO)
+    def sync_pack(self) -> TensorBatch | None:
+        """The full weights, tagged with the policy version, packed for a Rollout group's
+        `load_weights` (a collective: every rank gathers; rank 0's pack is the result)."""
+        self.to_train()
+        weights = self.backend.state_dict()
+        return self._packer.pack(weights.items(), self.version) if self.rank == 0 else None
 
     @register
     def weights(self, layout: str = "train") -> dict[str, torch.Tensor]:
         """Full weights as training holds them, or as the generation engine holds them."""
-        if layout == "engine":
+        if layout == "engine" and self.hybrid is not None:
             return {k: v.detach().clone() for k, v in self.hybrid.engine.model.state_dict().items()}
         if layout != "train":
             raise ValueError(f"layout is 'train' or 'engine', got {layout!r}")
@@ -91,6 +126,7 @@ class Policy(Worker):
     @register
     def switch_report(self) -> dict:
         """Where the last switch stood: its mode and the largest tensor it gathered."""
+        assert self.hybrid is not None, "a hybrid=False Policy does not switch"
         return {"mode": self.hybrid.mode, "peak_gather_bytes": self.hybrid.peak_gather_bytes}
 
 
@@ -101,11 +137,35 @@ class Rollout(Worker):
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch) -> TensorBatch:
-        return with_prompts(self.engine.generate(*_prompts(prompts)), prompts)
+        return with_prompts(self.engine.generate(*_prompts(prompts)), prompts,
+                            self.engine.config.pad_token_id)
 
-    @register(concurrent=True)
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
-        return self.engine.load_weights(weights.items())
+    @register(dispatch=ALL_RANKS, concurrent=True)
+    def load_weights(self, weights: TensorBatch | dict[str, torch.Tensor],
+                     version: int | None = None) -> dict[str, float]:
+        """New weights: a Policy's `sync_pack()` (its version with it) or a dict. Runs beside
+        a generation in flight, which continues with them from its next token."""
+        start = time.perf_counter()
+        if isinstance(weights, TensorBatch):
+            named: Any = unpack(weights)
+            version = version_of(weights) if version is None else version
+            nbytes = int(weights.meta["nbytes"])
+        else:
+            named = weights.items()
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        count = self.engine.load_weights(named, version)
+        return {"sync/version": float(self.engine.version), "sync/tensors": float(count),
+                "sync/bytes": float(nbytes), "sync/load_s": time.perf_counter() - start}
+
+    # -- checkpoints: the weights received and their version (rank 0 writes, all read) --------
+    def save_state(self, folder: Path) -> None:
+        if self.rank == 0:
+            torch.save({"weights": self.engine.model.state_dict(),
+                        "version": self.engine.version}, folder / "rollout.pt")
+
+    def load_state(self, folder: Path) -> None:
+        state = torch.load(folder / "rollout.pt")
+        self.engine.load_weights(state["weights"].items(), int(state["version"]))
 
 
 class Reference(Worker):

@@ -5,12 +5,19 @@
                                         ─▶ append, extend the cache, stop on a stop token
 
 Reports each sampled token's log-prob under log_softmax(logits / temperature) — the same
-quantity `models.sequence_logprobs` computes in a training forward pass.
+quantity `models.sequence_logprobs` computes in a training forward pass — and the policy
+version of the weights that produced it ("versions").
+
+Interruptible: `load_weights` may be called from another thread (a `concurrent=True` method)
+while a generation runs; it waits for the current token step to end, swaps the weights in
+place, and the generation continues the same sequences with the new weights (its KV cache
+and the tokens produced so far are kept, each token tagged with its version).
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,12 +86,16 @@ class Sampler:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.asleep = False
         self.paused = False
+        self.version = 0  # the policy version of the weights held (set by load_weights)
+        self._step = threading.Lock()  # one forward pass, or one weight swap, at a time
+        self.on_token: Any = None  # called with the step index between token steps
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  config: SamplingConfig | None = None) -> TensorBatch:
         """prompt_ids/prompt_mask (left-padded), response_ids/response_mask (a prefix of
-        each row), logprobs of the response tokens (0 elsewhere)."""
+        each row), logprobs of the response tokens (0 elsewhere), and versions: the policy
+        version that sampled each token (-1 elsewhere)."""
         cfg = config or self.config
         if self.asleep:
             raise RuntimeError("the engine is asleep (its weights were released): wake() it "
@@ -99,13 +110,18 @@ class Sampler:
         out_ids = torch.full((b, n), cfg.pad_token_id, dtype=torch.long, device=device)
         out_mask = torch.zeros((b, n), dtype=torch.long, device=device)
         out_logp = torch.zeros((b, n), dtype=torch.float32, device=device)
+        out_version = torch.full((b, n), -1, dtype=torch.long)
         alive = torch.ones(b, dtype=torch.bool, device=device)
         stops = torch.as_tensor(list(cfg.stop_token_ids), dtype=torch.long, device=device)
         mask = prompt_mask
-        res = self.model(input_ids=prompt_ids, attention_mask=mask,
-                         position_ids=positions(mask), use_cache=True)
+        with self._step:
+            res = self.model(input_ids=prompt_ids, attention_mask=mask,
+                             position_ids=positions(mask), use_cache=True)
+            version = self.version  # of the weights behind `logits`
         cache, logits = _cache_of(res), res.logits[:, -1]
         for step in range(n):
+            if step and self.on_token is not None:
+                self.on_token(step)  # between token steps: weights may be swapped here
             scaled = logits.float() / cfg.temperature
             logp_all = F.log_softmax(scaled, -1)
             probs = top_p_filter(scaled, cfg.top_p).softmax(-1)
@@ -114,6 +130,7 @@ class Sampler:
             token = torch.where(alive, token, torch.full_like(token, cfg.pad_token_id))
             out_ids[:, step] = token
             out_mask[:, step] = alive.long()
+            out_version[:, step] = torch.where(alive.cpu(), version, -1)
             out_logp[:, step] = torch.where(
                 alive, logp_all.gather(1, token[:, None])[:, 0], torch.zeros_like(token,
                                                                                  dtype=torch.float))
@@ -123,23 +140,29 @@ class Sampler:
                 break
             mask = torch.cat([mask, alive.long()[:, None] | out_mask[:, step:step + 1]], dim=1)
             pos = positions(mask)[:, -1:]
-            res = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
-                             use_cache=True, **{self._cache_arg: cache})
+            with self._step:  # a forward pass reads the weights: no swap in the middle
+                res = self.model(input_ids=token[:, None], attention_mask=mask,
+                                 position_ids=pos, use_cache=True, **{self._cache_arg: cache})
+                version = self.version
             cache, logits = _cache_of(res), res.logits[:, -1]
         return TensorBatch({"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
                             "response_ids": out_ids.cpu(), "response_mask": out_mask.cpu(),
-                            "logprobs": out_logp.cpu()})
+                            "logprobs": out_logp.cpu(), "versions": out_version})
 
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy new weights in, by name, in place (no new allocation); how many."""
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]],
+                     version: int | None = None) -> int:
+        """Copy new weights in, by name, in place (no new allocation), between two token
+        steps of a running generation; `version` tags the tokens sampled from now on."""
         params = dict(self.model.named_parameters())
         count = 0
-        with torch.no_grad():
+        with self._step, torch.no_grad():
             for name, value in named:
                 if name not in params:
                     raise KeyError(f"load_weights: the engine's model has no parameter {name!r}")
                 params[name].copy_(value)
                 count += 1
+            if version is not None:
+                self.version = version
         return count
 
     def sleep(self) -> None:

@@ -29,6 +29,7 @@ from asyncrl.rl.batch import (
     advantages,
     assemble,
     count_globally,
+    global_max,
     global_sums,
     masked_mean,
     share,
@@ -74,18 +75,21 @@ def mean_stats(runs: list[dict[str, float]]) -> dict[str, float]:
 class Actor(Policy):
     def __init__(self, model: dict[str, Any], rl: dict[str, Any] | None = None,
                  train: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
-                 bucket_bytes: int = BUCKET_BYTES, backend: str = "fsdp2"):
+                 bucket_bytes: int = BUCKET_BYTES, backend: str = "fsdp2", hybrid: bool = True):
         self.rl = RLConfig(**(rl or {}))
-        super().__init__(model, train, sampling, bucket_bytes, backend)
-        self.version = 0  # optimizer steps taken: the policy version generate uses
+        super().__init__(model, train, sampling, bucket_bytes, backend, hybrid)
 
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
                values: TensorBatch | None = None) -> dict[str, float]:
-        self.hybrid.to_train()
+        self.to_train()
         group = self.backend.stats_group
         batch = assemble(rollout, scores, ref, values)
+        stale = self._staleness(batch)  # may drop samples: before anything counts them
         adv, _ = advantages(batch, self.rl, group)
+        off_policy: dict[str, float] = {}
+        if self.rl.correction != "none":
+            batch, adv, off_policy = self._correct(batch, adv)
         train = batch.select([c for c in TRAIN_COLUMNS if c != "advantages"] + (
             ["ref_logprobs"] if "ref_logprobs" in batch else [])).union(
             TensorBatch({"advantages": adv}))
@@ -96,8 +100,44 @@ class Actor(Policy):
                                                     policy_loss(self.rl), entropy=True))
                 self.version += 1
         stats = mean_stats(runs)
-        return {**{f"actor/{k}": v for k, v in stats.items()},
+        return {**{f"actor/{k}": v for k, v in stats.items()}, **off_policy, **stale,
                 **self._batch_stats(batch), "actor/version": float(self.version)}
+
+    def _staleness(self, batch: TensorBatch) -> dict[str, float]:
+        """How many versions behind each sample's oldest token is; samples beyond
+        `max_staleness` are dropped (their loss mask zeroed). A histogram for the metrics."""
+        if "versions" not in batch:
+            return {}
+        mask = batch.tensor("loss_mask")
+        versions = batch.tensor("versions").masked_fill(mask == 0, self.version)
+        lag = (self.version - versions.min(1).values).clamp(min=0)
+        real = mask.sum(1) > 0
+        dropped = real & (lag > self.rl.max_staleness) if self.rl.max_staleness is not None \
+            else torch.zeros_like(real)
+        mask.mul_((~dropped).float()[:, None])  # in place: the batch's loss_mask column
+        top = float(lag[real].max()) if real.any() else 0.0
+        width = int(global_max(top, self.backend.stats_group)) + 1  # the same on every rank
+        counts = global_sums([float(((lag == k) & real).sum()) for k in range(width)] +
+                             [float(real.sum()), float((lag * real).sum()),
+                              float(dropped.sum())], self.backend.stats_group)
+        *hist, n, total, drop = counts
+        out = {f"staleness/lag_{k}": c / max(n, 1.0) for k, c in enumerate(hist)}
+        return {**out, "staleness/mean": total / max(n, 1.0), "staleness/dropped": drop}
+
+    def _correct(self, batch: TensorBatch, adv: torch.Tensor
+                 ) -> tuple[TensorBatch, torch.Tensor, dict[str, float]]:
+        """Off-policy correction: the trainer's current log-probs become the old policy of
+        the PPO ratio; tokens are weighted by current / rollout probability."""
+        mask = batch.tensor("loss_mask")
+        prox = self.backend.logprobs(batch).cpu() * mask
+        weight = torch.exp(prox - batch.tensor("logprobs") * mask)
+        if self.rl.correction == "tis":
+            weight = weight.clamp(max=self.rl.tis_cap)
+        n, w_sum = global_sums([float(mask.sum()), float((weight * mask).sum())],
+                               self.backend.stats_group)
+        batch = batch.select([k for k in batch.keys() if k != "logprobs"]).union(
+            TensorBatch({"logprobs": prox}))
+        return batch, adv * weight * mask, {"actor/is_weight_mean": w_sum / max(n, 1.0)}
 
     def _batch_stats(self, batch: TensorBatch) -> dict[str, float]:
         """Reward and lengths over the real rows of every rank."""
@@ -114,12 +154,12 @@ class Actor(Policy):
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_state(self, folder: Path) -> None:
-        self.hybrid.to_train()
+        self.to_train()
         self.backend.save(folder / "train")
         if self.rank == 0:
             torch.save({"version": self.version}, folder / "actor.pt")
 
     def load_state(self, folder: Path) -> None:
-        self.hybrid.to_train()
+        self.to_train()
         self.backend.load(folder / "train")
         self.version = int(torch.load(folder / "actor.pt")["version"])

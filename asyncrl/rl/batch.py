@@ -61,6 +61,12 @@ def global_sums(values: list[float], group: Any) -> list[float]:
     return t.tolist()
 
 
+def global_max(value: float, group: Any) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t[0])
+
+
 def count_globally(mini: TensorBatch, group: Any) -> TensorBatch:
     """Mark a mini-batch with its token and sequence counts over every rank, so that each
     micro-batch's loss can be weighted to make the step's loss the mean over the whole

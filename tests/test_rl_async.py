@@ -1,0 +1,158 @@
+"""Separate trainer and rollout groups: weights pushed worker to worker with a version,
+generations interrupted by new weights, staleness bounds and corrections, end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.roles import Policy, Rollout
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+from asyncrl.hybrid.weight_sync import ALL_RANKS, Packer, unpack
+
+PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 9, 9], [1, 4]]
+
+
+def test_weights_survive_packing_and_buffers_are_reused_once_released():
+    model = build_model(ModelConfig(seed=3))
+    packer = Packer()
+    pack = packer.pack(model.state_dict().items(), version=4)
+    assert pack.meta["version"] == 4 and pack["flat"].dtype == torch.uint8
+    back = dict(unpack(pack))
+    for name, t in model.state_dict().items():
+        assert torch.equal(back[name], t), name
+    first = pack["flat"].data_ptr()
+    again = packer.pack(model.state_dict().items(), version=5)  # `pack` is still alive
+    assert again["flat"].data_ptr() != first
+    del pack, back
+    third = packer.pack(model.state_dict().items(), version=6)
+    assert third["flat"].data_ptr() == first  # released: its warm buffer is written again
+
+
+def test_a_generation_takes_new_weights_at_a_token_boundary_and_keeps_its_tokens():
+    old, new = build_model(ModelConfig(seed=1)), build_model(ModelConfig(seed=2))
+    cfg = SamplingConfig(max_new_tokens=10)
+    seeds = [11, 12, 13, 14]
+    plain = Sampler(build_model(ModelConfig(seed=1)), cfg).generate(PROMPTS, seeds)
+    engine = Sampler(old, cfg)
+
+    def swap(step: int) -> None:  # another thread swaps while the generation waits
+        if step == 4:
+            t = threading.Thread(target=engine.load_weights,
+                                 args=(list(new.named_parameters()), 1))
+            t.start()
+            t.join(30)
+            assert not t.is_alive()
+
+    engine.on_token = swap
+    out = engine.generate(PROMPTS, seeds)
+    # token 4 was sampled from logits the old weights computed; token 5 on, the new ones
+    versions = out["versions"]
+    assert versions[:, :5].eq(0).all() and versions[:, 5:].eq(1).all()
+    assert torch.equal(out["response_ids"][:, :5], plain["response_ids"][:, :5])  # kept
+    assert not torch.equal(out["response_ids"][:, 5:], plain["response_ids"][:, 5:])
+
+
+class HeldRollout(Rollout):
+    """Its generation waits after token 3 until new weights have arrived."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loaded = threading.Event()
+        self.engine.on_token = lambda step: step == 3 and self.loaded.wait(60)
+
+    @asyncrl.register(dispatch=ALL_RANKS, concurrent=True)
+    def load_weights(self, weights, version=None):
+        out = super().load_weights(weights, version)
+        self.loaded.set()
+        return out
+
+
+def prompts(n: int) -> TensorBatch:
+    return TensorBatch({"prompt": [PROMPTS[i % 4] for i in range(n)], "seed": list(range(n))})
+
+
+def test_sync_moves_weights_between_groups_into_a_generation_in_flight():
+    sampling = {"max_new_tokens": 8}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            trainer = await ctl.spawn(Policy, {"seed": 2}, nprocs=2, hybrid=False,
+                                      name="trainer")
+            rollout = await ctl.spawn(HeldRollout, {"seed": 1}, sampling, nprocs=2,
+                                      name="rollout")
+            pids = group_pids(trainer) + group_pids(rollout)
+            assert not set(group_pids(trainer)) & set(group_pids(rollout))
+            held = rollout.generate(prompts(6))
+            sync = await rollout.load_weights(trainer.sync_pack(), version=7)
+            out = await held
+            after = await rollout.generate(prompts(6))
+            assert ctl.payload_bytes == 0  # the weights went worker to worker
+            return sync, out, after, pids
+    sync, out, after, pids = run(main())
+    assert_gone(pids)
+    assert sync["sync/version"] == 7 and sync["sync/bytes"] > 0
+    versions = out["versions"][out["response_mask"].bool()]
+    assert set(versions.tolist()) == {0, 7}  # tokens before and after the swap, all kept
+    assert out["versions"][:, :3].eq(0).all()
+    trained = build_model(ModelConfig(seed=2))  # the trainer's weights, now the rollout's
+    expect = sequence_logprobs(trained, after["prompt_ids"], after["prompt_mask"],
+                               after["response_ids"], after["response_mask"])
+    torch.testing.assert_close(after["logprobs"], expect, atol=1e-5, rtol=0)
+    assert after["versions"][after["response_mask"].bool()].eq(7).all()
+
+
+def launch(example: str, run_dir: Path, steps: int, *overrides: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", f"examples/{example}", "--steps",
+         str(steps), "--run-dir", str(run_dir), f"steps={max(steps, 3)}", *overrides],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_separate_groups_on_policy_equal_the_colocated_run(tmp_path):
+    small = ("prompts=5", "group_size=3")
+    colocated = launch("grpo_tiny.py", tmp_path / "colocated", 3, *small, "actor_procs=1")
+    separate = launch("grpo_async.py", tmp_path / "separate", 3, *small, "max_staleness=0")
+    for a, b in zip(colocated, separate, strict=True):
+        common = {k for k in a if k in b and not k.startswith(("time/", "perf/"))}
+        assert common >= {"reward/mean", "actor/kl", "actor/pg_loss", "actor/grad_norm"}
+        for k in sorted(common):
+            assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-6), k
+        assert b["staleness/lag_0"] == 1.0 and b["sync/bytes"] > 0
+
+
+def trace_spans(run_dir: Path) -> dict[tuple[str, int], tuple[float, float]]:
+    trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    return {(e["name"], e["args"]["step"]): (e["ts"], e["ts"] + e["dur"]) for e in trace
+            if e["ph"] == "X" and rows[e["tid"]] in ("rollout", "trainer")}
+
+
+def test_staleness_one_overlaps_stays_bounded_and_still_learns(tmp_path):
+    rows = launch("grpo_async.py", tmp_path / "k1", 20, "max_staleness=1")
+    frozen = launch("grpo_async.py", tmp_path / "lr0", 20, "max_staleness=1", "lr=0")
+    lags = {k for r in rows for k in r if k.startswith("staleness/lag_")}
+    assert lags <= {"staleness/lag_0", "staleness/lag_1"}  # never beyond the bound
+    assert any(r.get("staleness/lag_1", 0) > 0 for r in rows)  # and really off-policy
+    assert all(r["staleness/dropped"] == 0 for r in rows)
+    spans = trace_spans(tmp_path / "k1")  # worker-side busy spans of each call
+    overlapped = [t for t in range(1, 20) if ("rollout", t) in spans and ("train", t - 1) in spans
+                  and spans[("rollout", t)][0] < spans[("train", t - 1)][1]]
+    assert overlapped, "no rollout ran while the previous step trained"
+    for t in range(2, 20):  # rollout t starts only once sync t-2 (train t-2) has finished
+        assert spans[("rollout", t)][0] >= spans[("train", t - 2)][1]
+    last = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    base = sum(r["reward/mean"] for r in frozen[-5:]) / 5
+    assert last > base + 0.2, (last, base)
