@@ -44,8 +44,8 @@ trainer = asyncrl.group(
         "correction": cfg["correction"] if cfg["max_staleness"] else "none"})
 rollouts = asyncrl.group(Rollout, model=model, sampling=sampling, name="rollout",
                          nprocs=cfg["rollout_procs"], place=asyncrl.separate_from(trainer))
-ref = asyncrl.group(Reference, model=model, name="ref")
-rewards = asyncrl.group(RewardFn, reward, name="reward")
+ref = asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(rollouts))
+rewards = asyncrl.group(RewardFn, reward, name="reward", place=asyncrl.colocate_with(rollouts))
 
 data = next_digit.records(tok, copies=cfg["prompts"])
 prompts = PromptSource(data, batch_size=cfg["prompts"], seed=cfg["seed"],

@@ -18,25 +18,28 @@ from asyncrl import TensorBatch
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.roles import Policy, Rollout
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
-from asyncrl.hybrid.weight_sync import ALL_RANKS, Packer, unpack
+from asyncrl.hybrid.weight_sync import ALL_RANKS, SyncSource, unpack
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 9, 9], [1, 4]]
 
 
-def test_weights_survive_packing_and_buffers_are_reused_once_released():
+def test_a_pack_is_views_of_the_weights_and_the_trainer_waits_until_it_is_released():
     model = build_model(ModelConfig(seed=3))
-    packer = Packer()
-    pack = packer.pack(model.state_dict().items(), version=4)
-    assert pack.meta["version"] == 4 and pack["flat"].dtype == torch.uint8
-    back = dict(unpack(pack))
-    for name, t in model.state_dict().items():
-        assert torch.equal(back[name], t), name
-    first = pack["flat"].data_ptr()
-    again = packer.pack(model.state_dict().items(), version=5)  # `pack` is still alive
-    assert again["flat"].data_ptr() != first
-    del pack, back
-    third = packer.pack(model.state_dict().items(), version=6)
-    assert third["flat"].data_ptr() == first  # released: its warm buffer is written again
+    source = SyncSource()
+    pack = source.pack(model.named_parameters(), version=4)
+    assert pack.meta["version"] == 4 and len(pack) == 1
+    params = dict(model.named_parameters())
+    for name, t in unpack(pack):
+        assert torch.equal(t, params[name]), name
+        assert t.data_ptr() == params[name].data_ptr()  # no packing copy
+    with pytest.raises(TimeoutError, match="still held"):
+        source.wait_released(0.01)  # held: the weights must not change yet
+    released = threading.Event()
+    waiter = threading.Thread(target=lambda: (source.wait_released(30), released.set()))
+    waiter.start()
+    del pack, t
+    waiter.join(30)
+    assert released.is_set()
 
 
 def test_a_generation_takes_new_weights_at_a_token_boundary_and_keeps_its_tokens():

@@ -19,29 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.controller.timeline import CONTROLLER_ROW
+from asyncrl.controller.timeline import union_length as _union
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-def analyse(run_dir: Path, deps: dict[str, list[str]]) -> dict[str, Any]:
+def analyse(run_dir: Path, deps: dict[str, list[str]], warmup: int = 0) -> dict[str, Any]:
     """The figures above from RUN_DIR/timeline.json and metrics.jsonl; `deps` maps each
-    node to the nodes it reads within a step."""
+    node to the nodes it reads within a step. The first `warmup` steps are left out."""
     trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
     rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
     spans = [(rows[e["tid"]], e["name"], e["args"]["step"], e["ts"] / 1e6,
-              (e["ts"] + e["dur"]) / 1e6) for e in trace if e["ph"] == "X"]
+              (e["ts"] + e["dur"]) / 1e6) for e in trace
+             if e["ph"] == "X" and e["args"]["step"] >= warmup]
     calls = [s for s in spans if s[0] != CONTROLLER_ROW]
     if not calls:
         raise ValueError(f"{run_dir}/timeline.json has no group calls: nothing to analyse")
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+               if r["step"] >= warmup]
     steps = sorted({s[2] for s in calls})
     start, end = min(s[3] for s in spans), max(s[4] for s in spans)
     wall = end - start

@@ -19,7 +19,7 @@ from asyncrl.comm import codec
 from asyncrl.controller import checkpoint
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.flow import DataFlow
-from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline
+from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length
 
 
 def default_run_dir() -> Path:
@@ -52,7 +52,8 @@ class Metrics:
     A row: {"step": t, "time/step_s": ..., "time/<node>_s": ..., then each node's numbers}.
     A node returning {"loss": x} gives "<node>/loss"; a key with a "/" ({"actor/kl": x}) is
     written as it is. With "perf/tokens" in the row, "perf/tokens_per_s" is added (tokens
-    over the step's seconds)."""
+    over the step's seconds). Per group: "time/busy/<group>_s", the time its ranks spent on
+    the step's calls, and "time/idle/<group>_s", the rest of the step's time."""
 
     def __init__(self, run_dir: Path, steps: int | None, timeline: Timeline):
         self.path = run_dir / "metrics.jsonl"
@@ -72,11 +73,17 @@ class Metrics:
         if "perf/tokens" in row and seconds > 0:
             row["perf/tokens_per_s"] = row["perf/tokens"] / seconds
         spans: dict[str, list[float]] = {}
+        busy: dict[str, list[tuple[float, float]]] = {}
         for e in self.timeline.events:
             if e.step == step and e.row != CONTROLLER_ROW:
                 s = spans.setdefault(e.name, [e.start, e.end])
                 s[0], s[1] = min(s[0], e.start), max(s[1], e.end)
+                busy.setdefault(e.row, []).append((e.start, e.end))
         row.update({f"time/{n}_s": round(b - a, 4) for n, (a, b) in spans.items()})
+        for group, group_spans in sorted(busy.items()):
+            used = union_length(group_spans)
+            row[f"time/busy/{group}_s"] = round(used, 4)
+            row[f"time/idle/{group}_s"] = round(max(0.0, seconds - used), 4)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:

@@ -27,6 +27,16 @@ class Event:
     end: float
 
 
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The time covered by at least one of the spans."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 class Timeline:
     def __init__(self) -> None:
         self.events: list[Event] = []

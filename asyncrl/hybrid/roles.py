@@ -28,7 +28,14 @@ from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
 from asyncrl.hybrid.models import ModelConfig, build_model, default_device, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
-from asyncrl.hybrid.weight_sync import ALL_RANKS, GATHER_TO_ZERO, Packer, unpack, version_of
+from asyncrl.hybrid.weight_sync import (
+    ALL_RANKS,
+    GATHER_TO_ZERO,
+    SyncSource,
+    unpack,
+    version_of,
+    whole,
+)
 
 
 def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
@@ -80,11 +87,16 @@ class Policy(Worker):
         self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
                                    bucket_bytes) if hybrid else None
         self.version = 0  # the policy version: optimizer steps taken
-        self._packer = Packer()
+        self.sync_source = SyncSource()
 
     def to_train(self) -> None:
         if self.hybrid is not None:
             self.hybrid.to_train()
+
+    def before_weights_change(self, timeout: float = 300.0) -> float:
+        """Wait until rollouts pulled the last sync_pack (it may be views of the live
+        weights); the seconds waited."""
+        return self.sync_source.wait_released(timeout)
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch) -> TensorBatch:
@@ -104,6 +116,7 @@ class Policy(Worker):
     @register(dispatch=Dispatch.DP)
     def train_step(self, batch: TensorBatch) -> dict:
         self.to_train()
+        self.before_weights_change()
         return self.backend.train_step(batch)
 
     @register(dispatch=GATHER_TO_ZERO)
@@ -111,8 +124,18 @@ class Policy(Worker):
         """The full weights, tagged with the policy version, packed for a Rollout group's
         `load_weights` (a collective: every rank gathers; rank 0's pack is the result)."""
         self.to_train()
-        weights = self.backend.state_dict()
-        return self._packer.pack(weights.items(), self.version) if self.rank == 0 else None
+        start = time.perf_counter()
+        if hasattr(self.backend, "gathered"):  # ZeRO-3 partitions: its gathered state dict
+            named: Any = self.backend.state_dict().items()
+        else:  # FSDP2: each parameter gathered straight into the pack buffer
+            named = self.backend.model.named_parameters()
+        if self.rank != 0:  # the gathers are collectives: take part, keep nothing
+            for _, p in named:
+                whole(p)
+            return None
+        pack = self.sync_source.pack(named, self.version)
+        pack.meta["pack_s"] = time.perf_counter() - start  # gathering and packing
+        return pack
 
     @register
     def weights(self, layout: str = "train") -> dict[str, torch.Tensor]:
@@ -146,16 +169,18 @@ class Rollout(Worker):
         """New weights: a Policy's `sync_pack()` (its version with it) or a dict. Runs beside
         a generation in flight, which continues with them from its next token."""
         start = time.perf_counter()
-        if isinstance(weights, TensorBatch):
-            named: Any = unpack(weights)
+        if isinstance(weights, TensorBatch):  # the pulled buffer becomes the weights: no copy
             version = version_of(weights) if version is None else version
             nbytes = int(weights.meta["nbytes"])
+            count = self.engine.adopt_weights(unpack(weights), version)
         else:
-            named = weights.items()
             nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        count = self.engine.load_weights(named, version)
-        return {"sync/version": float(self.engine.version), "sync/tensors": float(count),
-                "sync/bytes": float(nbytes), "sync/load_s": time.perf_counter() - start}
+            count = self.engine.load_weights(weights.items(), version)
+        out = {"sync/version": float(self.engine.version), "sync/tensors": float(count),
+               "sync/bytes": float(nbytes), "sync/load_s": time.perf_counter() - start}
+        if isinstance(weights, TensorBatch) and "pack_s" in weights.meta:
+            out["sync/pack_s"] = float(weights.meta["pack_s"])
+        return out
 
     # -- checkpoints: the weights received and their version (rank 0 writes, all read) --------
     def save_state(self, folder: Path) -> None:

@@ -165,6 +165,27 @@ class Sampler:
                 self.version = version
         return count
 
+    def adopt_weights(self, named: Iterable[tuple[str, torch.Tensor]],
+                      version: int | None = None) -> int:
+        """Make the given tensors the model's weights (no copy: e.g. views into a buffer just
+        pulled from a trainer), between two token steps; how many."""
+        params = dict(self.model.named_parameters())
+        count = 0
+        with self._step:
+            for name, value in named:
+                param = params.get(name)
+                if param is None:
+                    raise KeyError(f"adopt_weights: the engine's model has no parameter {name!r}")
+                if value.shape != param.shape or value.dtype != param.dtype:
+                    raise ValueError(f"adopt_weights: {name} is {value.dtype} "
+                                     f"{tuple(value.shape)}, the model's is {param.dtype} "
+                                     f"{tuple(param.shape)}")
+                param.data = value.to(param.device)
+                count += 1
+            if version is not None:
+                self.version = version
+        return count
+
     def sleep(self) -> None:
         self.asleep = True
 

@@ -1,18 +1,22 @@
-"""Weights as a TensorBatch, so that a sync is one data-plane transfer.
+"""Weights as a TensorBatch, so that a sync is one data-plane transfer, with no copy at
+either end beyond the transfer itself.
 
-    trainer rank 0: full weights ──pack──▶ TensorBatch {"flat": uint8 [rows, ROW_BYTES]}
-                                           meta: names, dtypes, shapes, offsets, version
-    rollout ranks:  pull it (the controller sends one command; the data plane moves the rows
-                    in ~32 MiB buckets, pipelined: shared memory on a host, TCP else)
-                    ──unpack──▶ views into the pulled buffer ──▶ engine.load_weights
+    trainer rank 0: each parameter, whole (gathered when sharded), as a column of a one-row
+                    TensorBatch: views, no packing copy; meta: shapes, version
+    rollout ranks:  pull it (the controller sends one command per group; the data plane
+                    writes every column into one pooled shared-memory segment on a host,
+                    or over TCP) ──unpack──▶ views ──▶ engine.adopt_weights (no copy either)
 
-Packing reuses its buffers (warm memory: writing into fresh pages costs ~10x here): a buffer
-is written again only once the batch made from it has been released everywhere.
+Views of live parameters must not change while a rollout pulls them: `SyncSource` counts
+the packs still held (in the object store, until every consumer pulled and the controller
+released them) and the trainer waits for none before its next optimizer step.
 """
 
 from __future__ import annotations
 
-import sys
+import threading
+import time
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,9 +24,6 @@ import torch
 
 from asyncrl.actors.protocols import Layout, Split, register_protocol
 from asyncrl.comm.batch import TensorBatch
-
-ROW_BYTES = 1 << 20  # rows of 1 MiB: transfers split into buckets along rows
-ALIGN = 64  # every tensor starts on a 64-byte boundary, so its view needs no copy
 
 
 def _every_rank_zero_answers(layout: Layout, args: tuple, kwargs: dict) -> Split:
@@ -49,48 +50,62 @@ ALL_RANKS = register_protocol("all_ranks_rank_zero_value", split=_every_rank_ans
                               collect=_rank_zero)
 
 
-class Packer:
-    """Packs named tensors into reused uint8 buffers."""
+def whole(t: Any) -> torch.Tensor:
+    """A parameter as one tensor: a DTensor gathered (its local shard when not split: a
+    view of the live parameter)."""
+    t = t.detach()
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device_mesh.size() == 1:
+        return t.to_local()
+    return t.full_tensor()
+
+
+class SyncSource:
+    """Packs weights for rollout groups and knows when no pack is held any more."""
 
     def __init__(self) -> None:
-        self._packs: list[TensorBatch] = []
+        self._held = 0
+        self._cond = threading.Condition()
 
-    def _free_buffer(self, nbytes: int) -> torch.Tensor | None:
-        for pack in self._packs:
-            # only this list, the loop variable and getrefcount's argument refer to it: the
-            # object store released it, nobody can still be reading it
-            flat = pack.tensor("flat")
-            if sys.getrefcount(pack) <= 3 and flat.numel() >= nbytes:
-                self._packs.remove(pack)
-                return flat
-        return None
+    def _dropped(self) -> None:
+        with self._cond:
+            self._held -= 1
+            self._cond.notify_all()
 
-    def pack(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> TensorBatch:
-        items = [(name, t.detach()) for name, t in named]
-        layout, offset = [], 0
-        for name, t in items:
-            nbytes = t.numel() * t.element_size()
-            layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset,
-                           nbytes))
-            offset += -(-nbytes // ALIGN) * ALIGN
-        rows = max(1, -(-offset // ROW_BYTES))
-        flat = self._free_buffer(rows * ROW_BYTES)
-        if flat is None:
-            flat = torch.empty((rows, ROW_BYTES), dtype=torch.uint8)
-        data = flat.view(-1)
-        for (_, _, _, at, nbytes), (_, t) in zip(layout, items, strict=True):
-            data[at:at + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-        pack = TensorBatch({"flat": flat[:rows] if flat.shape[0] > rows else flat},
-                           meta={"weights": layout, "version": version, "nbytes": offset})
-        self._packs.append(pack)
+    def pack(self, named: Iterable[tuple[str, Any]], version: int) -> TensorBatch:
+        columns, shapes, nbytes = {}, {}, 0
+        for name, t in named:
+            w = whole(t)
+            columns[name] = w.reshape(1, -1)  # a view when contiguous, as parameters are
+            shapes[name] = list(w.shape)
+            nbytes += w.numel() * w.element_size()
+        if not columns:
+            raise ValueError("sync_pack: the model has no parameters to send")
+        pack = TensorBatch(columns, meta={"shapes": shapes, "version": version,
+                                          "nbytes": nbytes})
+        with self._cond:
+            self._held += 1
+        # the store drops the pack when the controller releases it (every consumer pulled)
+        weakref.finalize(next(iter(columns.values())), self._dropped)
         return pack
+
+    def wait_released(self, timeout: float) -> float:
+        """Block until no pack is held (before the weights change); the seconds waited."""
+        start = time.perf_counter()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._held == 0, timeout):
+                raise TimeoutError(
+                    f"the weights sent by sync_pack() are still held after {timeout:.0f} s: "
+                    f"a rollout group has not pulled them (pass the sync_pack() future to its "
+                    f"load_weights, and do not keep the future alive afterwards)")
+        return time.perf_counter() - start
 
 
 def unpack(pack: TensorBatch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into a pulled pack, in packing order."""
-    data = pack.tensor("flat").reshape(-1)
-    for name, dtype, shape, at, nbytes in pack.meta["weights"]:
-        yield name, data[at:at + nbytes].view(getattr(torch, dtype)).view(shape)
+    """(name, tensor) views into a pulled pack."""
+    for name, shape in pack.meta["shapes"].items():
+        yield name, pack.tensor(name).view(shape)
 
 
 def version_of(pack: TensorBatch) -> int:

@@ -93,6 +93,7 @@ class Actor(Policy):
         train = batch.select([c for c in TRAIN_COLUMNS if c != "advantages"] + (
             ["ref_logprobs"] if "ref_logprobs" in batch else [])).union(
             TensorBatch({"advantages": adv}))
+        waited = self.before_weights_change()  # the last sync may still be pulled
         runs = []
         for _ in range(self.rl.epochs):
             for mini in train.chunk(self.rl.mini_batches):
@@ -101,6 +102,7 @@ class Actor(Policy):
                 self.version += 1
         stats = mean_stats(runs)
         return {**{f"actor/{k}": v for k, v in stats.items()}, **off_policy, **stale,
+                "time/sync_wait_s": waited,
                 **self._batch_stats(batch), "actor/version": float(self.version)}
 
     def _staleness(self, batch: TensorBatch) -> dict[str, float]:

@@ -1,0 +1,146 @@
+"""Pipeline benchmark: the overlapped GRPO flow (examples/grpo_async.py) with max_staleness 0,
+1 and 2; weight sync against the data plane's own bandwidth; TRL's GRPOTrainer on the same
+task, model, batch and generation length. Everything in one run, on this machine.
+
+    {"bench": "pipeline", "max_staleness": k, "step_s", "gen_s", "train_s",
+     "overlap_efficiency", "speedup_vs_k0", "tokens_per_s"}
+        gen_s, train_s: the rollout and train nodes' busy time a step in the k=0 run;
+        overlap_efficiency = step_s / max(gen_s, train_s) (targets at k=1: <= 1.15 and
+        step time >= 1.6x faster than k=0, with generation and training about equal)
+    {"bench": "weight_sync", "bytes", "sync_s", "gib_per_s", "transport_gib_per_s",
+     "outside_wire_fraction"}
+        a trainer group's full weights to a rollout group (one call), against a plain
+        data-plane pull of the same bytes between the same groups; outside the wire: the
+        gathering and packing on the trainer, unpacking and loading on the rollout
+        (targets: >= 60 % of the transport, < 20 % outside the wire)
+    {"bench": "grpo_vs_trl", "system": "asyncrl" | "trl", "tokens_per_s"}
+
+Run: `.venv/bin/python benchmarks/pipeline.py [--steps 30] [--sync-preset llama-100m]`
+(`--skip-trl` without trl). Stdout holds only JSON lines. Driver code stays behind __main__:
+the ranks import this file to find the sync workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.hybrid.roles import Policy, Rollout
+
+ROOT = Path(__file__).resolve().parent.parent
+FLOW = ROOT / "examples" / "grpo_async.py"
+# generation and training take about the same time with these (see gen_s and train_s)
+SETTINGS = ["max_new_tokens=8", "lr=0"]  # lr=0: response lengths stay put over the run
+
+
+def run_flow(k: int, steps: int, run_dir: Path, warmup: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "asyncrl", "launch", str(FLOW), "--steps",
+                          str(steps), "--run-dir", str(run_dir), f"steps={steps}",
+                          f"max_staleness={k}", *SETTINGS],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    from asyncrl.controller.bench import analyse
+
+    deps = {"rollout": [], "score": ["rollout"], "reference": ["rollout"],
+            "train": ["rollout", "score", "reference"], "sync": ["train"]}
+    return analyse(run_dir, deps, warmup=warmup)
+
+
+def pipeline(steps: int, warmup: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        figures = {k: run_flow(k, steps, Path(tmp) / f"k{k}", warmup) for k in (0, 1, 2)}
+    gen = figures[0]["nodes"]["rollout"]["busy_s_per_step"]
+    train = figures[0]["nodes"]["train"]["busy_s_per_step"]
+    for k, f in figures.items():
+        rows.append({"bench": "pipeline", "max_staleness": k, "step_s": round(f["step_s"], 4),
+                     "gen_s": round(gen, 4), "train_s": round(train, 4),
+                     "overlap_efficiency": round(f["step_s"] / max(gen, train), 3),
+                     "speedup_vs_k0": round(figures[0]["step_s"] / f["step_s"], 3),
+                     "tokens_per_s": round(f["tokens_per_s"], 1)})
+    return rows
+
+
+class SyncTrainer(Policy):
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def blob(self, nbytes: int) -> TensorBatch:
+        """The same bytes as the weights, as one TensorBatch (the transport's reference)."""
+        rows = -(-nbytes // (1 << 20))
+        return TensorBatch({"flat": torch.ones((rows, 1 << 20), dtype=torch.uint8)})
+
+
+class SyncRollout(Rollout):
+    @asyncrl.register
+    def receive(self, blob: TensorBatch) -> int:
+        return blob.tensor("flat").numel()  # pulled: nothing else done with it
+
+
+async def weight_sync(preset: str, repeat: int) -> dict:
+    model = {"preset": preset}
+    # building two ~100M-parameter models keeps a rank busy for seconds: a patient heartbeat
+    async with asyncrl.Controller(heartbeat_timeout=60) as ctl:
+        trainer = await ctl.spawn(SyncTrainer, model, nprocs=1, hybrid=False, name="trainer")
+        rollout = await ctl.spawn(SyncRollout, model, nprocs=1, name="rollout",
+                                  place=asyncrl.separate_from(trainer))
+        syncs, wires = [], []
+        for _ in range(repeat + 1):  # the first warms the pools
+            t0 = time.perf_counter()
+            got = await rollout.load_weights(trainer.sync_pack())
+            syncs.append((time.perf_counter() - t0, got))
+            blob = trainer.blob(int(got["sync/bytes"]))
+            await blob  # produced: time only the transfer
+            t0 = time.perf_counter()
+            await rollout.receive(blob)
+            wires.append(time.perf_counter() - t0)
+            del blob
+    sync_s = statistics.median(s for s, _ in syncs[1:])
+    outside = statistics.median((g["sync/pack_s"] + g["sync/load_s"]) / s for s, g in syncs[1:])
+    nbytes = syncs[0][1]["sync/bytes"]
+    wire_s = statistics.median(wires[1:])
+    return {"bench": "weight_sync", "preset": preset, "bytes": int(nbytes),
+            "sync_s": round(sync_s, 4), "gib_per_s": round(nbytes / sync_s / 2**30, 3),
+            "transport_gib_per_s": round(nbytes / wire_s / 2**30, 3),
+            "share_of_transport": round(wire_s / sync_s, 3),
+            "outside_wire_fraction": round(outside, 3),
+            "pack_s": round(statistics.median(g["sync/pack_s"] for _, g in syncs[1:]), 4),
+            "load_s": round(statistics.median(g["sync/load_s"] for _, g in syncs[1:]), 4)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sync-preset", default="llama-100m")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--skip-trl", action="store_true")
+    args = p.parse_args()
+    env = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__}
+    rows = pipeline(args.steps, args.warmup)
+    rows.append(asyncio.run(weight_sync(args.sync_preset, args.repeat)))
+    k1 = next(r for r in rows if r.get("max_staleness") == 1)
+    rows.append({"bench": "grpo_vs_trl", "system": "asyncrl", "max_staleness": 1,
+                 "tokens_per_s": k1["tokens_per_s"]})
+    if not args.skip_trl:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from trl_grpo import run_trl
+
+        rows.append(run_trl(args.steps, max_new_tokens=8, lr=0.0, warmup=args.warmup))
+    for r in rows:
+        print(json.dumps({**r, **env}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
