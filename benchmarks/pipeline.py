@@ -42,7 +42,7 @@ from asyncrl.hybrid.roles import Policy, Rollout
 ROOT = Path(__file__).resolve().parent.parent
 FLOW = ROOT / "examples" / "grpo_async.py"
 # generation and training take about the same time with these (see gen_s and train_s)
-SETTINGS = ["max_new_tokens=8", "lr=0"]  # lr=0: response lengths stay put over the run
+SETTINGS = ["max_new_tokens=16", "lr=0"]  # lr=0: response lengths stay put over the run
 
 
 def run_flow(k: int, steps: int, run_dir: Path, warmup: int) -> dict:
@@ -137,7 +137,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         from trl_grpo import run_trl
 
-        rows.append(run_trl(args.steps, max_new_tokens=8, lr=0.0, warmup=args.warmup))
+        rows.append(run_trl(args.steps, max_new_tokens=16, lr=0.0, warmup=args.warmup))
     for r in rows:
         print(json.dumps({**r, **env}), flush=True)
 

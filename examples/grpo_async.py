@@ -44,7 +44,7 @@ trainer = asyncrl.group(
         "correction": cfg["correction"] if cfg["max_staleness"] else "none"})
 rollouts = asyncrl.group(Rollout, model=model, sampling=sampling, name="rollout",
                          nprocs=cfg["rollout_procs"], place=asyncrl.separate_from(trainer))
-ref = asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(rollouts))
+ref = asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(trainer))
 rewards = asyncrl.group(RewardFn, reward, name="reward", place=asyncrl.colocate_with(rollouts))
 
 data = next_digit.records(tok, copies=cfg["prompts"])

@@ -159,3 +159,57 @@ def test_staleness_one_overlaps_stays_bounded_and_still_learns(tmp_path):
     last = sum(r["reward/mean"] for r in rows[-5:]) / 5
     base = sum(r["reward/mean"] for r in frozen[-5:]) / 5
     assert last > base + 0.2, (last, base)
+
+
+def test_bench_reports_where_the_time_went(tmp_path):
+    run_dir = tmp_path / "bench"
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "bench", "examples/grpo_async.py", "--steps", "4",
+         "--run-dir", str(run_dir), "steps=4", "prompts=5", "group_size=3"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads((run_dir / "bench.json").read_text())
+    assert figures["steps"] == 4 and figures["tokens_per_s"] > 0
+    assert set(figures["groups"]) == {"trainer", "rollout", "ref", "reward"}
+    for g in figures["groups"].values():  # busy and idle split the run's wall time
+        assert g["busy_s"] + g["idle_s"] == pytest.approx(figures["wall_s"])
+        assert 0 < g["utilisation"] <= 1
+    path = figures["critical_path"]
+    assert path[0] == "rollout" and path[-1] == "sync" and "train" in path
+    assert figures["overlap_efficiency"] >= 1.0 - 1e-6  # a step never beats its busiest group
+    assert "critical path: rollout ->" in out.stdout and "overlap efficiency:" in out.stdout
+    assert (run_dir / "timeline.png").stat().st_size > 0
+
+
+def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(tmp_path):
+    from asyncrl.rl import Actor
+
+    ids = torch.tensor([[1, 5], [1, 6], [1, 7], [1, 8]])
+    resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
+    rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    model = build_model(ModelConfig(seed=0))
+    prox = sequence_logprobs(model, ids, torch.ones_like(ids), resp, rmask).detach()
+    shift = torch.tensor([[-2.0, 0.5, 0.1], [1.0, -0.3, 0.0], [0.2, 0.2, 0.2], [0.0, 0.0, 0.0]])
+    rollout = TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
+                           "response_ids": resp, "response_mask": rmask,
+                           "logprobs": (prox + shift) * rmask,  # the rollout's old weights
+                           # lags 0, 0, 1, 2 behind the trainer (version 0)
+                           "versions": torch.tensor([[0], [0], [-1], [-2]]).expand(4, 3) * rmask})
+    scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 0.0])})
+    rl = {"algo": "grpo", "group_size": 2, "max_staleness": 1, "correction": "tis",
+          "tis_cap": 2.0}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            trainer = await ctl.spawn(Actor, {"seed": 0}, rl, {"lr": 0.0}, nprocs=1,
+                                      hybrid=False)
+            return await trainer.update(rollout, scores)
+    stats = run(main())
+    assert stats["staleness/dropped"] == 1  # the sample 2 versions behind
+    assert stats["staleness/lag_0"] == 0.5 and stats["staleness/lag_1"] == 0.25
+    assert stats["staleness/lag_2"] == 0.25 and stats["staleness/mean"] == 0.75
+    kept = rmask.float()
+    kept[3] = 0
+    weight = torch.exp(-shift).clamp(max=2.0)  # current / rollout probability, truncated
+    expect = float((weight * kept).sum() / kept.sum())
+    assert stats["actor/is_weight_mean"] == pytest.approx(expect, rel=1e-4)
