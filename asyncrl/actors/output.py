@@ -1,0 +1,79 @@
+"""A rank's stdout and stderr, streamed to the controller line by line.
+
+    fd 1, fd 2 ──▶ pipe ──▶ reader thread ──▶ the original stdout (torchrun's group log
+                                          │    keeps every byte, as before)
+                                          └──▶ send(lines) every 0.1 s, at most
+                                               `max_bytes_per_s` a second (more is
+                                               counted, not sent: the group log has it)
+
+Print from anywhere (C extensions too: the file descriptors themselves are redirected).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+
+FLUSH_S = 0.1
+
+
+class OutputCapture:
+    def __init__(self, send: Callable[[list[str], int], None],
+                 max_bytes_per_s: int = 1 << 20):
+        self._send = send
+        self._budget = max_bytes_per_s
+        self._read_fd = -1
+        self._original = -1
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        read_fd, write_fd = os.pipe()
+        self._original = os.dup(1)
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        self._read_fd = read_fd
+        self._thread = threading.Thread(target=self._pump, name="asyncrl-output", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        partial, lines, dropped = b"", [], 0
+        window, sent = time.monotonic(), 0
+        last_flush = time.monotonic()
+        while True:
+            ready, _, _ = select.select([self._read_fd], [], [], FLUSH_S)
+            chunk = os.read(self._read_fd, 65536) if ready else b""
+            if ready and not chunk:  # every writer closed: the rank is exiting
+                if partial:
+                    lines.append(partial.decode(errors="replace"))
+                if lines or dropped:
+                    self._send(lines, dropped)
+                return
+            if chunk:
+                os.write(self._original, chunk)
+                *complete, partial = (partial + chunk).split(b"\n")
+                now = time.monotonic()
+                if now - window >= 1.0:
+                    window, sent = now, 0
+                for raw in complete:
+                    if sent + len(raw) > self._budget:
+                        dropped += 1
+                        continue
+                    sent += len(raw) + 1
+                    lines.append(raw.decode(errors="replace"))
+            now = time.monotonic()
+            if (lines or dropped) and now - last_flush >= FLUSH_S:
+                self._send(lines, dropped)
+                lines, dropped, last_flush = [], 0, now
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is left: point fds 1 and 2 back at the original stdout (the pipe's last
+        writers), let the reader drain it."""
+        if self._thread is None:
+            return
+        os.dup2(self._original, 1)
+        os.dup2(self._original, 2)
+        self._thread.join(timeout)

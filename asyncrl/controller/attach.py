@@ -1,0 +1,63 @@
+"""`asyncrl attach RUN_DIR [--group G --rank R]`: reach a rank waiting in `breakpoint()`.
+
+Lists the waiting ranks (RUN_DIR/debug/*.json, written by the ranks), connects to the chosen
+one with its one-time token, and joins the terminal to its pdb until it continues."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def waiting(run_dir: Path) -> list[dict[str, Any]]:
+    folder = Path(run_dir) / "debug"
+    sessions = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            sessions.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # being written or removed right now
+    return sessions
+
+
+def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None
+           ) -> dict[str, Any]:
+    picked = [s for s in sessions if (group is None or s["group"] == group) and
+              (rank is None or s["rank"] == rank)]
+    if not picked:
+        listed = ", ".join(f"{s['group']}:{s['rank']}" for s in sessions) or "none"
+        raise LookupError(f"no rank waits for a debugger there matching group={group} "
+                          f"rank={rank}; waiting: {listed}")
+    if len(picked) > 1:
+        listed = ", ".join(f"{s['group']}:{s['rank']} ({s['where']})" for s in picked)
+        raise LookupError(f"several ranks wait for a debugger: {listed}; pick one with "
+                          f"--group and --rank")
+    return picked[0]
+
+
+def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.stdout) -> None:
+    """Bridge the terminal and the rank's pdb until the rank closes the connection."""
+    sock = socket.create_connection((session["host"], session["port"]), timeout=10)
+    sock.settimeout(None)
+    sock.sendall((session["token"] + "\n").encode())
+    stdout.write(f"attached to {session['group']}:{session['rank']} at {session['where']}\n")
+    stdout.flush()
+    inputs = [sock, stdin]
+    while True:
+        ready, _, _ = select.select(inputs, [], [])
+        if sock in ready:
+            data = sock.recv(65536)
+            if not data:
+                return  # the rank continued
+            stdout.write(data.decode(errors="replace"))
+            stdout.flush()
+        if stdin in ready:
+            line = stdin.readline()
+            if not line:  # end of input: leave the rank where it is
+                inputs.remove(stdin)
+                continue
+            sock.sendall(line.encode())

@@ -1,0 +1,78 @@
+"""Ranks' output on the controller: every line kept per rank in RUN_DIR/logs/<group>/rank<r>.log,
+and echoed on the console prefixed with `group:rank`, at most `lines_per_s` a second per
+rank (the rest is counted and said to be in the file)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+
+class LogSink:
+    def __init__(self, folder: Path, echo: bool = True, lines_per_s: float = 20,
+                 burst: int = 100):
+        self.folder, self.echo = folder, echo
+        self.rate, self.burst = lines_per_s, burst
+        self._tokens: dict[tuple[str, int], tuple[float, float]] = {}  # tokens, time
+        self._hidden: dict[tuple[str, int], int] = {}
+        self._files: dict[tuple[str, int], TextIO] = {}
+
+    def path(self, group: str, rank: int) -> Path:
+        return self.folder / group / f"rank{rank}.log"
+
+    def write(self, group: str, rank: int, lines: list[str], dropped: int = 0) -> None:
+        key = (group, rank)
+        f = self._files.get(key)
+        if f is None:
+            self.path(group, rank).parent.mkdir(parents=True, exist_ok=True)
+            f = self._files[key] = open(self.path(group, rank), "a", encoding="utf-8")
+        for line in lines:
+            f.write(line + "\n")
+        if dropped:
+            f.write(f"[asyncrl] {dropped} lines over the streaming limit are only in the "
+                    f"group's torchrun log\n")
+        f.flush()
+        if self.echo:
+            self._show(key, lines)
+
+    def _show(self, key: tuple[str, int], lines: list[str]) -> None:
+        now = time.monotonic()
+        tokens, then = self._tokens.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        prefix = f"{key[0]}:{key[1]}"
+        out = []
+        for line in lines:
+            if tokens >= 1:
+                tokens -= 1
+                out.append(f"{prefix} | {line}")
+            else:
+                self._hidden[key] = self._hidden.get(key, 0) + 1
+        hidden = self._hidden.get(key, 0)
+        if hidden and tokens >= 1:  # say so once the limit lets a line through again
+            out.append(f"{prefix} | [asyncrl] {hidden} lines not shown (over {self.rate:g} "
+                       f"lines/s); all are in {self.path(*key)}")
+            self._hidden[key] = 0
+            tokens -= 1
+        self._tokens[key] = (tokens, now)
+        if out:
+            sys.stderr.write("\n".join(out) + "\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> str:
+    path = Path(run_dir) / "logs" / group / f"rank{rank}.log"
+    if not path.is_file():
+        folder = Path(run_dir) / "logs"
+        known = sorted(f"{p.parent.name}:{p.stem.removeprefix('rank')}"
+                       for p in folder.glob("*/rank*.log")) if folder.is_dir() else []
+        raise FileNotFoundError(f"no log for group {group!r} rank {rank} in {folder}; "
+                                f"logs there: {known or 'none'}")
+    lines = path.read_text(errors="replace").splitlines()
+    return "\n".join(lines[-tail:] if tail else lines)
