@@ -3,6 +3,7 @@
 The public API; nothing else is public.
 """
 
+from asyncrl.actors.debugger import breakpoint
 from asyncrl.actors.protocols import Dispatch, Layout, Split, register_protocol
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
@@ -56,6 +57,7 @@ __all__ = [
     "TensorBatch",
     "TransferTimeout",
     "Worker",
+    "breakpoint",
     "colocate_with",
     "config",
     "group",

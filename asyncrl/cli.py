@@ -5,6 +5,8 @@
                                           run FILE's `flow` (a DataFlow), or its `main()`
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
     asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
+    asyncrl logs RUN_DIR --group G [--rank R] [--tail N]   one rank's output
+    asyncrl attach RUN_DIR [--group G] [--rank R] [--list] pdb on a rank in breakpoint()
     asyncrl bench FILE [--steps N] [--run-dir DIR] [key=value ...]
                                           run FILE's flow and say where the time went
 """
@@ -115,6 +117,33 @@ def timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def attach(args: argparse.Namespace) -> int:
+    from asyncrl.controller.attach import attach as bridge
+    from asyncrl.controller.attach import choose, waiting
+
+    sessions = waiting(Path(args.run_dir))
+    if args.list:
+        for s in sessions:
+            print(f"{s['group']}:{s['rank']}  pid {s['pid']}  at {s['where']}")
+        return 0
+    try:
+        session = choose(sessions, args.group, args.rank)
+    except LookupError as e:
+        raise SystemExit(f"asyncrl attach: {e}") from None
+    bridge(session)
+    return 0
+
+
+def logs(args: argparse.Namespace) -> int:
+    from asyncrl.controller.logs import read_log
+
+    try:
+        print(read_log(Path(args.run_dir), args.group, args.rank, args.tail))
+    except FileNotFoundError as e:
+        raise SystemExit(f"asyncrl logs: {e}") from None
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     from asyncrl.controller.bench import analyse, report
     from asyncrl.controller.launch import default_run_dir, launch_flow
@@ -170,6 +199,22 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("--node", required=True)
     rp.add_argument("--inputs", required=True, help="RUN_DIR/inputs/step<t>/<node>.msgpack")
     rp.set_defaults(func=run_node)
+    ap = sub.add_parser("attach", help="reach a rank waiting in breakpoint() with pdb",
+                        description="List the ranks of a run waiting in breakpoint() and open "
+                                    "pdb on one (type c to let it continue).")
+    ap.add_argument("run_dir")
+    ap.add_argument("--group", default=None)
+    ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--list", action="store_true", help="only list the waiting ranks")
+    ap.set_defaults(func=attach)
+    gp = sub.add_parser("logs", help="print one rank's output from a run directory",
+                        description="Print what a rank printed (stdout and stderr), kept in "
+                                    "RUN_DIR/logs/<group>/rank<r>.log while the run streamed it.")
+    gp.add_argument("run_dir")
+    gp.add_argument("--group", required=True)
+    gp.add_argument("--rank", type=int, default=0)
+    gp.add_argument("--tail", type=int, default=None, help="only the last N lines")
+    gp.set_defaults(func=logs)
     bp = sub.add_parser("bench", help="run a flow and report busy/idle time per node and "
                         "group, the critical path, overlap efficiency and tokens/s",
                         description="Run SCRIPT's flow, then analyse its timeline: per node "

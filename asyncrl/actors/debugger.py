@@ -30,20 +30,22 @@ class _Conn:
 
     def __init__(self, sock: socket.socket):
         self._sock = sock
-        self._file = sock.makefile("rw", buffering=1, encoding="utf-8", newline="\n")
+        # two streams: one text stream for both would drop what it read ahead on a write
+        self._in = sock.makefile("r", encoding="utf-8", newline="\n")
+        self._out = sock.makefile("w", buffering=1, encoding="utf-8", newline="\n")
 
     def readline(self) -> str:
-        return self._file.readline()
+        return self._in.readline()
 
     def write(self, text: str) -> int:
-        self._file.write(text)
+        self._out.write(text)
         return len(text)
 
     def flush(self) -> None:
-        self._file.flush()
+        self._out.flush()
 
     def close(self) -> None:
-        for closing in (self._file.close, self._sock.close):
+        for closing in (self._in.close, self._out.close, self._sock.close):
             try:
                 closing()
             except OSError:

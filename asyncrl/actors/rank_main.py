@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from asyncrl.actors import debugger
+from asyncrl.actors.output import OutputCapture
 from asyncrl.actors.protocols import mesh_coords
 from asyncrl.actors.register import registered_methods
 from asyncrl.actors.worker import construct
@@ -47,6 +49,7 @@ from asyncrl.comm.messages import (
     Fetched,
     Heartbeat,
     Hello,
+    Log,
     MethodSpec,
     Ready,
     Release,
@@ -265,10 +268,15 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
     _init_distributed()
     rank = RankMain()
+    log_socket = rank.socket("log")  # used by the output thread alone
+    output = OutputCapture(lambda lines, dropped: log_socket.send(Log(lines, dropped)))
+    output.start()
+    debugger.install()  # breakpoint() waits for `asyncrl attach` instead of hanging silently
     code = rank.serve()
     rank.segments.close()  # unlink this rank's shared memory: os._exit runs no finalizer
     sys.stdout.flush()
     sys.stderr.flush()
+    output.close()  # the last lines reach the controller
     os._exit(code)  # user threads may be blocked in collectives: do not wait for them
 
 

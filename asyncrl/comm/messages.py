@@ -109,6 +109,14 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, g
     object_bytes: int = 0
 
 
+class Log(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """rank -> controller: lines the rank printed (stdout and stderr), and how many it did
+    not stream (over the rate limit)."""
+
+    lines: list[str]
+    dropped: int = 0
+
+
 class Release(msgspec.Struct, tag=True, array_like=True, gc=False):
     """controller -> rank: nothing names these objects any more; free them."""
 
@@ -189,7 +197,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 
 
 Message = Union[Hello, Construct, Ready, Call, Result, Heartbeat, Shutdown, Release, Fetch,
-                Fetched, Pull, Pulled]
+                Fetched, Pull, Pulled, Log]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

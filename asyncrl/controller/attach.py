@@ -6,6 +6,7 @@ one with its one-time token, and joins the terminal to its pdb until it continue
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
 import sys
@@ -46,7 +47,8 @@ def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.st
     sock.sendall((session["token"] + "\n").encode())
     stdout.write(f"attached to {session['group']}:{session['rank']} at {session['where']}\n")
     stdout.flush()
-    inputs = [sock, stdin]
+    keys = stdin.fileno()  # raw reads: a buffered reader would hide lines from select
+    inputs = [sock, keys]
     while True:
         ready, _, _ = select.select(inputs, [], [])
         if sock in ready:
@@ -55,9 +57,9 @@ def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.st
                 return  # the rank continued
             stdout.write(data.decode(errors="replace"))
             stdout.flush()
-        if stdin in ready:
-            line = stdin.readline()
-            if not line:  # end of input: leave the rank where it is
-                inputs.remove(stdin)
+        if keys in ready:
+            typed = os.read(keys, 65536)
+            if not typed:  # end of input: leave the rank where it is
+                inputs.remove(keys)
                 continue
-            sock.sendall(line.encode())
+            sock.sendall(typed)

@@ -39,6 +39,7 @@ from asyncrl.comm.messages import (
     Fetched,
     Heartbeat,
     Hello,
+    Log,
     Message,
     Ready,
     Release,
@@ -49,6 +50,7 @@ from asyncrl.comm.refs import make_ref
 from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.group import GroupHandle, RankInfo
 from asyncrl.controller.launcher import Agent, kill_pids, pid_alive, rank_env
+from asyncrl.controller.logs import LogSink
 from asyncrl.controller.placement import Placer
 from asyncrl.controller.timeline import Timeline
 from asyncrl.errors import (
@@ -98,7 +100,8 @@ class Controller:
                  heartbeat_timeout: float = 5.0, startup_timeout: float = 120.0,
                  construct_timeout: float = 600.0, shutdown_grace: float = 10.0,
                  transfer_timeout: float = 60.0, transport: str = "auto",
-                 run_dir: str | os.PathLike | None = None, die_with_controller: bool = True):
+                 run_dir: str | os.PathLike | None = None, die_with_controller: bool = True,
+                 echo_logs: bool = True):
         if transport not in ("auto", "tcp"):
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         if heartbeat_timeout <= heartbeat_interval:
@@ -121,6 +124,8 @@ class Controller:
         self._own_run_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else None
         self._die_with_controller = die_with_controller
+        self.echo_logs = echo_logs
+        self.logs: LogSink | None = None  # ranks' output: RUN_DIR/logs/<group>/rank<r>.log
         self.groups: dict[str, GroupHandle] = {}
         self._calls: dict[int, GroupHandle] = {}
         self._tasks: list[asyncio.Task] = []
@@ -153,6 +158,7 @@ class Controller:
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.logs = LogSink(self.run_dir / "logs", echo=self.echo_logs)
         self._private = Path(tempfile.mkdtemp(prefix="asyncrl-secret-"))  # 0700, removed at close
         self.secret_file = self._private / "secret"
         secret = new_secret()
@@ -176,6 +182,8 @@ class Controller:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self.channel.close()
+            if self.logs is not None:
+                self.logs.close()
             cleanup_segments(f"asyncrl-{self.run_id}-")  # what killed ranks left behind
             shutil.rmtree(self._private, ignore_errors=True)
             if self._own_run_dir and self.run_dir is not None:
@@ -219,6 +227,7 @@ class Controller:
                  "ASYNCRL_HB_TIMEOUT": str(self.heartbeat_timeout),
                  "ASYNCRL_TRANSFER_TIMEOUT": str(self.transfer_timeout),
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
+                 "ASYNCRL_DEBUG_DIR": str(self.run_dir / "debug"),  # breakpoint() sessions
                  **(env or {})}
         agent = Agent(name, nprocs, rank_env(dict(os.environ), extra),
                       self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
@@ -318,6 +327,8 @@ class Controller:
             self._on_hello(group, identity, msg)
         elif isinstance(msg, Ready):
             self._on_ready(group, msg)
+        elif isinstance(msg, Log) and self.logs is not None:
+            self.logs.write(group.name, rank, msg.lines, msg.dropped)
 
     def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello) -> None:
         if msg.world_size != group.nprocs or not 0 <= msg.rank < group.nprocs:

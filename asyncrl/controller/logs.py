@@ -44,17 +44,19 @@ class LogSink:
         prefix = f"{key[0]}:{key[1]}"
         out = []
         for line in lines:
+            hidden = self._hidden.get(key, 0)
             if tokens >= 1:
+                if hidden:  # the rate dropped again: say how many were held back
+                    out.append(f"{prefix} | [asyncrl] {hidden} lines were not shown; all are "
+                               f"in {self.path(*key)}")
+                    self._hidden[key] = 0
                 tokens -= 1
                 out.append(f"{prefix} | {line}")
-            else:
-                self._hidden[key] = self._hidden.get(key, 0) + 1
-        hidden = self._hidden.get(key, 0)
-        if hidden and tokens >= 1:  # say so once the limit lets a line through again
-            out.append(f"{prefix} | [asyncrl] {hidden} lines not shown (over {self.rate:g} "
-                       f"lines/s); all are in {self.path(*key)}")
-            self._hidden[key] = 0
-            tokens -= 1
+                continue
+            if not hidden:  # the first line held back: say so now, count the rest
+                out.append(f"{prefix} | [asyncrl] over {self.rate:g} lines/s: lines not shown "
+                           f"until the rate drops; all are in {self.path(*key)}")
+            self._hidden[key] = hidden + 1
         self._tokens[key] = (tokens, now)
         if out:
             sys.stderr.write("\n".join(out) + "\n")
