@@ -79,9 +79,10 @@ def launch(args: argparse.Namespace) -> int:
     if args.checkpoint_every is not None:
         flow.checkpoint_every = args.checkpoint_every
     keep = args.keep_checkpoints or None  # 0 keeps every checkpoint
+    cluster, host = _cluster(args)
     try:
         run(launch_flow(flow, args.steps, run_dir, args.save_inputs, resume=args.resume,
-                        keep=keep))
+                        keep=keep, cluster=cluster, host=host))
     except CheckpointError as e:
         print(f"asyncrl launch: {e}", file=sys.stderr)
         return 2
@@ -92,6 +93,23 @@ def launch(args: argparse.Namespace) -> int:
         print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
         return 1
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
+    """The cluster to spread groups over (--hosts FILE, or the SLURM allocation this runs
+    in), and the address the control plane listens on (this machine's, beyond loopback,
+    when ranks run on other machines)."""
+    import socket
+
+    from asyncrl.controller.cluster import Cluster
+
+    try:
+        cluster = Cluster.from_file(args.hosts) if args.hosts else Cluster.from_slurm()
+    except ValueError as e:
+        raise SystemExit(f"asyncrl launch: {e}") from None
+    if cluster is None or all(h.via == "local" for h in cluster.hosts):
+        return cluster, "127.0.0.1"
+    return cluster, args.controller_address or socket.gethostbyname(socket.gethostname())
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -180,6 +198,13 @@ def parser() -> argparse.ArgumentParser:
                     "is exhausted)")
     lp.add_argument("--run-dir", default=None, help="where logs, metrics.jsonl and "
                     "timeline.json go (default: runs/<time>)")
+    lp.add_argument("--hosts", default=None, metavar="FILE",
+                    help="spread groups over the hosts of FILE (JSON: {\"hosts\": [{\"name\", "
+                         "\"address\", \"gpus\", \"cpus\", \"via\": ssh|srun|local}]}); "
+                         "inside a SLURM allocation its nodes are used without it")
+    lp.add_argument("--controller-address", default=None,
+                    help="the address ranks on other hosts reach the controller at (default: "
+                         "this machine's)")
     lp.add_argument("--save-inputs", action="store_true",
                     help="save every node's inputs, for `asyncrl run --node`")
     lp.add_argument("--checkpoint-every", type=int, default=None, metavar="N",

@@ -109,7 +109,9 @@ class RankMain:
         self.ctx = zmq.Context()
         self.transfer_timeout = float(env.get("ASYNCRL_TRANSFER_TIMEOUT", "60"))
         self.transport = env.get("ASYNCRL_TRANSPORT", "auto")
-        self.host = socket.gethostname()
+        # the host name the controller launched this rank on (several "hosts" may share a
+        # machine when imitating a cluster on loopback), else the machine's
+        self.host = env.get("ASYNCRL_HOST_NAME") or socket.gethostname()
         self.io = self.socket("io")
         self.exec = self.socket("exec")  # handed to the exec thread, never used here again
         self.store = ObjectStore()

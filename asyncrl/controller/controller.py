@@ -48,8 +48,9 @@ from asyncrl.comm.messages import (
 )
 from asyncrl.comm.refs import make_ref
 from asyncrl.comm.shm import cleanup as cleanup_segments
+from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
 from asyncrl.controller.group import GroupHandle, RankInfo
-from asyncrl.controller.launcher import Agent, kill_pids, pid_alive, rank_env
+from asyncrl.controller.launcher import Agent, HostAgents, kill_pids, pid_alive, rank_env
 from asyncrl.controller.logs import LogSink
 from asyncrl.controller.placement import Placer
 from asyncrl.controller.timeline import Timeline
@@ -79,7 +80,7 @@ class _Reaper:
             agent.signal_all(signal.SIGKILL)
             if agent.proc is not None:
                 try:
-                    agent.proc.wait(timeout=5)
+                    agent.wait(timeout=5)
                 except Exception:  # noqa: BLE001 - best effort at exit
                     pass
 
@@ -101,7 +102,7 @@ class Controller:
                  construct_timeout: float = 600.0, shutdown_grace: float = 10.0,
                  transfer_timeout: float = 60.0, transport: str = "auto",
                  run_dir: str | os.PathLike | None = None, die_with_controller: bool = True,
-                 echo_logs: bool = True):
+                 echo_logs: bool = True, cluster: Cluster | None = None):
         if transport not in ("auto", "tcp"):
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         if heartbeat_timeout <= heartbeat_interval:
@@ -125,6 +126,14 @@ class Controller:
         self.run_dir = Path(run_dir) if run_dir else None
         self._die_with_controller = die_with_controller
         self.echo_logs = echo_logs
+        self.cluster = cluster  # groups spread over its hosts; None: this machine only
+        if cluster is not None and any(h.via != "local" for h in cluster.hosts) and \
+                host.startswith("127."):
+            raise ValueError("a cluster with remote hosts needs Controller(host=<an address "
+                             "they reach>): ranks connect back to the controller")
+        if not host.startswith("127.") and host != "localhost":
+            log.warning("asyncrl: the control plane listens on %s, reachable from the network "
+                        "(every frame is HMAC-signed with this run's secret)", host)
         self.logs: LogSink | None = None  # ranks' output: RUN_DIR/logs/<group>/rank<r>.log
         self.groups: dict[str, GroupHandle] = {}
         self._calls: dict[int, GroupHandle] = {}
@@ -220,8 +229,10 @@ class Controller:
             raise EncodeError(f"cannot send argument {e.name!r} of {worker_cls.__name__}(): "
                               f"{e.cause}") from None
         assert self.run_dir is not None
-        placement = self.placer.place(name, nprocs, place)  # before launch: errors say why
-        extra = {**placement.env, "ASYNCRL_ADDR": self.channel.address, "ASYNCRL_GROUP": name,
+        # before launch: errors say why (a cluster spreads groups over its hosts' slots instead)
+        placement_env = {} if self.cluster is not None else \
+            self.placer.place(name, nprocs, place).env
+        extra = {**placement_env, "ASYNCRL_ADDR": self.channel.address, "ASYNCRL_GROUP": name,
                  "ASYNCRL_SECRET_FILE": str(self.secret_file),
                  "ASYNCRL_HB_INTERVAL": str(self.heartbeat_interval),
                  "ASYNCRL_HB_TIMEOUT": str(self.heartbeat_timeout),
@@ -229,8 +240,12 @@ class Controller:
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
                  "ASYNCRL_DEBUG_DIR": str(self.run_dir / "debug"),  # breakpoint() sessions
                  **(env or {})}
-        agent = Agent(name, nprocs, rank_env(dict(os.environ), extra),
-                      self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
+        agent: Any
+        if self.cluster is None:
+            agent = Agent(name, nprocs, rank_env(dict(os.environ), extra),
+                          self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
+        else:
+            agent = self._host_agents(name, nprocs, extra)
         group = GroupHandle(self, name, worker_cls, layout, agent)
         group.construct_msg = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh))
         self.groups[name] = group
@@ -248,12 +263,12 @@ class Controller:
         except GroupDeadError as e:
             await asyncio.shield(self._stop_group(group, grace=0.0))
             del self.groups[name]
-            self.placer.forget(name)
+            self._forget(name)
             raise SpawnError(f"group {name!r} failed while starting: {e}") from e
         except BaseException:
             await asyncio.shield(self._stop_group(group, grace=0.0))
             del self.groups[name]
-            self.placer.forget(name)
+            self._forget(name)
             raise
         return group
 
@@ -262,7 +277,12 @@ class Controller:
         await self._stop_group(group)
         if self.groups.get(group.name) is group:
             del self.groups[group.name]
-            self.placer.forget(group.name)
+            self._forget(group.name)
+
+    def _forget(self, name: str) -> None:
+        self.placer.forget(name)
+        if self.cluster is not None:
+            self.cluster.forget(name)
 
     def _check_spawn(self, cls: type, name: str, nprocs: int, mesh: dict[str, int] | None,
                      place: Any) -> Layout:
@@ -336,7 +356,7 @@ class Controller:
         info = group.ranks.get(msg.rank)
         if info is None:
             info = group.ranks[msg.rank] = RankInfo(msg.pid, msg.host, time.monotonic())
-            group.agent.rank_pids[msg.rank] = msg.pid
+            group.agent.rank_started(msg.rank, msg.pid, msg.host)
         if msg.role == "io":
             info.identity, info.data_addr = identity, msg.data_addr
         elif msg.role == "exec":
@@ -421,6 +441,24 @@ class Controller:
                                      f"(heartbeat_timeout={self.heartbeat_timeout} s)")
                     group.agent.signal_all(signal.SIGKILL)
 
+    def _host_agents(self, name: str, nprocs: int, extra: dict[str, str]) -> HostAgents:
+        """One torchrun agent per host the group spreads over, meeting at the first host."""
+        assert self.cluster is not None and self.run_dir is not None
+        hosts = self.cluster.spread(name, nprocs)
+        per = nprocs // len(hosts)
+        first = hosts[0][0]
+        endpoint = f"{first.address}:{free_port() if first.via == 'local' else 29400}"
+        agents = []
+        for i, (h, slots) in enumerate(hosts):
+            where = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if h.gpus else {}
+            env = rank_env(dict(os.environ), {**extra, **where, "ASYNCRL_HOST_NAME": h.name,
+                                              "ASYNCRL_DATA_HOST": h.address})
+            command = torchrun_command(h, env, len(hosts), i, per, endpoint,
+                                       f"{name}-{self.run_id}")
+            agents.append(Agent(name, per, env, self.run_dir / "logs" / f"{name}.{h.name}.log",
+                                self._die_with_controller, command, h.name, h.via == "local"))
+        return HostAgents(agents)
+
     async def _rank_gone(self, group: GroupHandle, rank: int) -> None:
         """A rank's process is gone: give torchrun a moment to report why, then declare."""
         try:  # torchrun notices within its monitor interval and prints the root cause
@@ -447,7 +485,7 @@ class Controller:
                 pass
         agent.signal_all(signal.SIGKILL)
         if agent.proc is not None:
-            await self.loop.run_in_executor(None, agent.proc.wait)
+            await self.loop.run_in_executor(None, agent.wait)
         kill_pids([p for p in agent.rank_pids.values() if pid_alive(p)])
 
 

@@ -121,7 +121,8 @@ def drop_rows_after(path: Path, step: int) -> int:
 
 async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                       save_inputs: bool = False, *, resume: bool = False,
-                      keep: int | None = checkpoint.KEEP) -> Path:
+                      keep: int | None = checkpoint.KEEP, cluster: Any = None,
+                      host: str = "127.0.0.1") -> Path:
     """Run `flow` up to step index `steps` with its outputs in `run_dir`, checkpointing after
     its last step (and every `flow.checkpoint_every` steps). `resume`: continue from the
     newest complete checkpoint in `run_dir`; else `run_dir` must hold none."""
@@ -140,7 +141,7 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     async def save(step: int) -> None:
         await checkpoint.save(flow, run_dir, step, keep)
 
-    async with Controller(run_dir=run_dir) as ctl:
+    async with Controller(run_dir=run_dir, cluster=cluster, host=host) as ctl:
         timeline = ctl.timeline = Timeline()
         metrics = Metrics(run_dir, steps, timeline)
         flow.save_inputs = run_dir / "inputs" if save_inputs else None

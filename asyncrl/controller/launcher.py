@@ -80,17 +80,31 @@ class Agent:
     """The torchrun process of one group."""
 
     def __init__(self, group: str, nprocs: int, env: dict[str, str], log_path: Path,
-                 die_with_parent: bool = True):
+                 die_with_parent: bool = True, command: list[str] | None = None,
+                 host: str | None = None, local: bool = True):
         self.group, self.nprocs, self.log_path = group, nprocs, log_path
+        self.host = host  # the host it starts ranks on (None: this one)
+        self.local = local  # whether its ranks run on this machine (their pids mean something)
         self._env = env
         self._die_with_parent = die_with_parent
+        self._command = command  # one host's agent of a group spread over hosts
         self.proc: subprocess.Popen | None = None
         self.rank_pids: dict[int, int] = {}
 
     def command(self) -> list[str]:
+        if self._command is not None:
+            return self._command
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", str(self.nprocs), "--max-restarts", "0",
                 "--monitor-interval", "0.1", "-m", "asyncrl.actors.rank_main"]
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.proc is not None:
+            self.proc.wait(timeout)
+
+    def rank_started(self, rank: int, pid: int, host: str) -> None:
+        if self.local:
+            self.rank_pids[rank] = pid
 
     def start(self, on_exit: Callable[[int], None]) -> None:
         """Start torchrun; `on_exit(returncode)` is called from a watcher thread."""
@@ -148,6 +162,70 @@ class Agent:
         if self.proc is not None and self.proc.poll() is not None:
             pids.remove(self.proc.pid)  # reaped: its pid may belong to someone else now
         kill_pids(pids, sig)
+
+
+class HostAgents:
+    """The agents of one group spread over several hosts, as one Agent: it has exited when
+    any of them has (a group missing a host is broken), and stopping stops them all."""
+
+    def __init__(self, agents: list[Agent]):
+        self.agents = agents
+        self.group = agents[0].group
+        self.log_path = agents[0].log_path
+        self._exited = threading.Lock()
+
+    @property
+    def rank_pids(self) -> dict[int, int]:
+        return {r: p for a in self.agents for r, p in a.rank_pids.items()}
+
+    def rank_started(self, rank: int, pid: int, host: str) -> None:
+        """Pids of ranks on this machine only: a remote pid names nothing here."""
+        for a in self.agents:
+            if a.host == host:
+                a.rank_started(rank, pid, host)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.agents[0].proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.agents[0].pid
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [a.returncode for a in self.agents]
+        return next((c for c in codes if c is not None), None)
+
+    def start(self, on_exit: Callable[[int], None]) -> None:
+        fired: list[int] = []
+
+        def first(code: int) -> None:  # on the watcher threads: report the first exit only
+            with self._exited:
+                if fired:
+                    return
+                fired.append(code)
+            on_exit(code)
+
+        for a in self.agents:
+            a.start(first)
+
+    def wait(self, timeout: float | None = None) -> None:
+        for a in self.agents:
+            a.wait(timeout)
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(t for a in self.agents if (t := a.tail(lines)))
+
+    def root_cause(self) -> tuple[int, int] | None:
+        return next((c for a in self.agents if (c := a.root_cause()) is not None), None)
+
+    def all_pids(self) -> list[int]:
+        return sorted({p for a in self.agents for p in a.all_pids()})
+
+    def signal_all(self, sig: int) -> None:
+        for a in self.agents:
+            a.signal_all(sig)
 
 
 def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:

@@ -1,0 +1,162 @@
+"""Beyond one machine: a cluster description, and the torchrun command of each host of a group.
+
+    --hosts FILE (JSON)   {"hosts": [{"name": "node1", "address": "10.0.0.1", "gpus": 8,
+                                      "cpus": 64, "via": "ssh"}, ...]}
+    inside SLURM          SLURM_JOB_NODELIST, SLURM_GPUS_ON_NODE / SLURM_CPUS_ON_NODE: hosts
+                          reached with srun
+    "via": "local" runs the agent on this machine (several "hosts" on loopback: tests, and a
+    laptop that imitates a cluster)
+
+A group spread over k hosts runs one torchrun agent per host, `--nnodes k --node-rank i
+--nproc-per-node n`, meeting at the first host's `--rdzv-endpoint`; its ranks connect back to
+the controller's address, which is then not loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.controller.placement import PlacementError
+
+VIAS = ("local", "ssh", "srun")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    name: str  # how ranks and the data plane tell hosts apart
+    address: str  # where the others reach it: rendezvous, data plane
+    gpus: int = 0
+    cpus: int = 1
+    via: str = "local"
+
+    @property
+    def slots(self) -> int:
+        return self.gpus or self.cpus
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list: "node[01-03,07],gpu5" -> node01 node02 node03 node07 gpu5."""
+    hosts: list[str] = []
+    for prefix, ranges, single in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if single:
+            hosts.append(single)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                hosts.append(prefix + lo)
+                continue
+            for i in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+    return hosts
+
+
+class Cluster:
+    def __init__(self, hosts: list[HostSpec]):
+        if not hosts:
+            raise ValueError("a cluster needs at least one host")
+        names = [h.name for h in hosts]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"hosts named twice: {dup}; every host needs its own name")
+        for h in hosts:
+            if h.via not in VIAS:
+                raise ValueError(f"host {h.name!r}: via is one of {VIAS}, got {h.via!r}")
+            if h.slots < 1:
+                raise ValueError(f"host {h.name!r} has no GPU and no CPU to run ranks on")
+        self.hosts = hosts
+        self._use: Counter[str] = Counter()
+        self._groups: dict[str, dict[str, int]] = {}
+
+    @staticmethod
+    def from_file(path: str | os.PathLike) -> Cluster:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"hosts file {p}: {e}; expected JSON like {{\"hosts\": [{{\"name\": "
+                             f"\"node1\", \"address\": \"10.0.0.1\", \"gpus\": 8}}]}}") from None
+        entries = data.get("hosts") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError(f"hosts file {p}: no \"hosts\" list")
+        hosts = []
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict) or "name" not in entry:
+                raise ValueError(f"hosts file {p}: host {i} needs at least a \"name\"")
+            unknown = sorted(set(entry) - {"name", "address", "gpus", "cpus", "via"})
+            if unknown:
+                raise ValueError(f"hosts file {p}: host {entry['name']!r} has unknown keys "
+                                 f"{unknown}")
+            name = str(entry["name"])
+            hosts.append(HostSpec(name, str(entry.get("address", name)),
+                                  int(entry.get("gpus", 0)), int(entry.get("cpus", 1)),
+                                  str(entry.get("via", "ssh"))))
+        return Cluster(hosts)
+
+    @staticmethod
+    def from_slurm(env: Mapping[str, str] = os.environ) -> Cluster | None:
+        """The allocation this process runs in, or None outside SLURM."""
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            return None
+        gpus = int(re.sub(r"\D.*", "", env.get("SLURM_GPUS_ON_NODE", "0")) or 0)
+        cpus = int(re.sub(r"\D.*", "", env.get("SLURM_CPUS_ON_NODE", "1")) or 1)
+        return Cluster([HostSpec(h, h, gpus, cpus, "srun") for h in expand_nodelist(nodelist)])
+
+    def spread(self, group: str, nprocs: int) -> list[tuple[HostSpec, list[int]]]:
+        """The fewest hosts that hold `nprocs` ranks evenly (torchrun runs the same number of
+        ranks on each), the least used first, with the slots (GPUs or cores) each gets."""
+        order = sorted(self.hosts, key=lambda h: (self._use[h.name], self.hosts.index(h)))
+        for k in range(1, len(order) + 1):
+            if nprocs % k:
+                continue
+            per = nprocs // k
+            fit = [h for h in order if h.slots - self._use[h.name] >= per]
+            if len(fit) >= k:
+                chosen = [(h, list(range(self._use[h.name], self._use[h.name] + per)))
+                          for h in fit[:k]]
+                self._use.update({h.name: per for h, _ in chosen})
+                self._groups[group] = {h.name: per for h, _ in chosen}
+                return chosen
+        free = [(h.name, h.slots - self._use[h.name]) for h in self.hosts]
+        raise PlacementError(f"group {group!r}: {nprocs} ranks do not fit evenly on the free "
+                             f"slots (GPUs, else cores) of the hosts {free}; add hosts or slots "
+                             f"to the hosts file, or give the group a size they can hold")
+
+
+    def forget(self, group: str) -> None:
+        self._use.subtract(self._groups.pop(group, {}))
+
+
+def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_rank: int,
+                     per_node: int, endpoint: str, rdzv_id: str) -> list[str]:
+    """The command that starts one host's agent of a group, run `via` the host's way."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+           "--node-rank", str(node_rank), "--nproc-per-node", str(per_node),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+           "--max-restarts", "0", "--monitor-interval", "0.1", "-m",
+           "asyncrl.actors.rank_main"]
+    if host.via == "local":
+        return run
+    exports = [f"{k}={v}" for k, v in env.items() if k.startswith(("ASYNCRL_", "PYTHONPATH",
+                                                                   "OMP_", "CUDA_"))]
+    if host.via == "srun":
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host.name}",
+                "--export=ALL," + ",".join(exports), *run]
+    return ["ssh", "-o", "BatchMode=yes", host.address,
+            "env " + " ".join(shlex.quote(e) for e in exports) + " " + shlex.join(run)]
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,128 @@
+"""Beyond one machine: cluster descriptions, SLURM, the per-host torchrun commands, and a
+group spread over two "hosts" on loopback that rendezvous through --rdzv-endpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import ROOT, assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.controller.cluster import Cluster, HostSpec, expand_nodelist, torchrun_command
+
+
+def test_slurm_node_lists_expand():
+    assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07",
+                                                      "gpu5"]
+    assert expand_nodelist("a1") == ["a1"]
+
+
+def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
+    env = {"SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_GPUS_ON_NODE": "8",
+           "SLURM_CPUS_ON_NODE": "64(x2)"}
+    cluster = Cluster.from_slurm(env)
+    assert cluster is not None
+    assert [(h.name, h.gpus, h.cpus, h.via) for h in cluster.hosts] == [
+        ("gpu1", 8, 64, "srun"), ("gpu2", 8, 64, "srun")]
+    assert Cluster.from_slurm({}) is None
+    spread = cluster.spread("actor", 16)  # 16 ranks: 8 on each node
+    assert [(h.name, slots) for h, slots in spread] == [("gpu1", list(range(8))),
+                                                        ("gpu2", list(range(8)))]
+    h = spread[1][0]
+    cmd = torchrun_command(h, {"ASYNCRL_GROUP": "actor", "HOME": "/x"}, 2, 1, 8,
+                           "gpu1:29400", "actor-run")
+    assert cmd[:4] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu2"]
+    assert "--export=ALL,ASYNCRL_GROUP=actor" in cmd  # ours only, not the whole environment
+    i = cmd.index("--nnodes")
+    assert cmd[i:i + 6] == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "8"]
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "gpu1:29400"
+    with pytest.raises(asyncrl.PlacementError, match="do not fit evenly"):
+        cluster.spread("critic", 2)  # the nodes are full
+    cluster.forget("actor")
+    assert len(cluster.spread("critic", 2)) == 1
+
+
+def test_ssh_hosts_and_bad_hosts_files(tmp_path):
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps({"hosts": [{"name": "n1", "address": "10.0.0.1", "gpus": 4}]}))
+    (h,) = Cluster.from_file(f).hosts
+    cmd = torchrun_command(h, {"ASYNCRL_ADDR": "tcp://10.0.0.9:5000"}, 1, 0, 4, "10.0.0.1:1",
+                           "g-run")
+    assert cmd[:3] == ["ssh", "-o", "BatchMode=yes"] and cmd[3] == "10.0.0.1"
+    assert cmd[4].startswith("env ASYNCRL_ADDR=tcp://10.0.0.9:5000 ")
+    f.write_text(json.dumps({"hosts": [{"name": "n1", "gpu": 4}]}))
+    with pytest.raises(ValueError, match="unknown keys \\['gpu'\\]"):
+        Cluster.from_file(f)
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match="expected JSON like"):
+        Cluster.from_file(f)
+
+
+class Spread(asyncrl.Worker):
+    @asyncrl.register
+    def where(self) -> dict:
+        import os
+
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)  # over the rendezvous the two agents met at
+        return {"rank": self.rank, "host": os.environ["ASYNCRL_HOST_NAME"], "sum": t.item()}
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def double(self, batch: TensorBatch) -> TensorBatch:
+        return TensorBatch({"y": batch["x"] * 2})
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def host_of(self, batch: TensorBatch) -> TensorBatch:
+        import os
+
+        return batch.union(TensorBatch({"at": [os.environ["ASYNCRL_HOST_NAME"]] * len(batch)}))
+
+
+def loopback_hosts() -> Cluster:
+    return Cluster([HostSpec(f"host{c}", "127.0.0.1", cpus=1, via="local") for c in "ABC"])
+
+
+def test_a_group_spread_over_two_hosts_meets_at_the_rendezvous_and_moves_data():
+    async def main():
+        async with asyncrl.Controller(cluster=loopback_hosts(), echo_logs=False) as ctl:
+            spread = await ctl.spawn(Spread, nprocs=2, name="spread")
+            agents = spread.agent.agents
+            assert [a.host for a in agents] == ["hostA", "hostB"]
+            assert len({a.pid for a in agents}) == 2  # one torchrun agent per host
+            where = await spread.where()
+            # another group on one host pulls the spread group's rows from both hosts (TCP:
+            # the data plane sees two hosts)
+            single = await ctl.spawn(Spread, nprocs=1, name="single")
+            y = await single.host_of(spread.double(TensorBatch({"x": torch.arange(6.0)})))
+            pids = [p for a in agents for p in a.all_pids()] + group_pids(single)
+            return where, y, pids
+    where, y, pids = run(main())
+    assert_gone(pids)
+    assert sorted(w["host"] for w in where) == ["hostA", "hostB"]
+    assert all(w["sum"] == 3.0 for w in where)
+    assert y["y"].tolist() == [0, 2, 4, 6, 8, 10] and set(y["at"]) == {"hostC"}
+
+
+def test_asyncrl_launch_with_a_hosts_file_runs_a_flow(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    # one slot a host: the 2-rank policy group spreads over two hosts (two agents meeting
+    # at the first one's rendezvous endpoint), reward and reference get one host each
+    hosts.write_text(json.dumps({"hosts": [
+        {"name": f"host{c}", "address": "127.0.0.1", "cpus": 1, "via": "local"}
+        for c in "ABCD"]}))
+    out = subprocess.run([sys.executable, "-m", "asyncrl", "launch", "examples/flow.py",
+                          "--steps", "2", "--run-dir", str(tmp_path / "run"), "--hosts",
+                          str(hosts)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    logs = sorted(p.name for p in (tmp_path / "run" / "logs").glob("*.log"))
+    assert {"policy.hostA.log", "policy.hostB.log", "reward.hostC.log", "ref.hostD.log"} \
+        <= set(logs), logs
+    assert rows[-1]["train/p_good"] > rows[0]["train/p_good"]  # it trained across hosts
