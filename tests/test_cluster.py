@@ -126,3 +126,67 @@ def test_asyncrl_launch_with_a_hosts_file_runs_a_flow(tmp_path):
     assert {"policy.hostA.log", "policy.hostB.log", "reward.hostC.log", "ref.hostD.log"} \
         <= set(logs), logs
     assert rows[-1]["train/p_good"] > rows[0]["train/p_good"]  # it trained across hosts
+
+
+def _sh(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def namespaces():
+    """Two network namespaces on a bridge, as two hosts with their own network stacks:
+    asr_a 10.77.0.2 and asr_b 10.77.0.3; this machine is 10.77.0.1. Root only."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    created: list[tuple[str, ...]] = []
+
+    def step(*cmd: str) -> None:
+        out = _sh(*cmd)
+        if out.returncode:
+            raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
+
+    try:
+        step("ip", "link", "add", "asrbr0", "type", "bridge")
+        created.append(("ip", "link", "del", "asrbr0"))
+        step("ip", "addr", "add", "10.77.0.1/24", "dev", "asrbr0")
+        step("ip", "link", "set", "asrbr0", "up")
+        for i, ns in enumerate(("asr_a", "asr_b")):
+            step("ip", "netns", "add", ns)
+            created.append(("ip", "netns", "del", ns))
+            step("ip", "link", "add", f"asrv{i}", "type", "veth", "peer", "name", f"asrp{i}")
+            created.append(("ip", "link", "del", f"asrv{i}"))
+            step("ip", "link", "set", f"asrv{i}", "master", "asrbr0", "up")
+            step("ip", "link", "set", f"asrp{i}", "netns", ns)
+            step("ip", "-n", ns, "link", "set", f"asrp{i}", "name", "eth0")
+            step("ip", "-n", ns, "addr", "add", f"10.77.0.{i + 2}/24", "dev", "eth0")
+            step("ip", "-n", ns, "link", "set", "eth0", "up")
+            step("ip", "-n", ns, "link", "set", "lo", "up")
+    except RuntimeError as e:
+        for cmd in reversed(created):
+            _sh(*cmd)
+        pytest.skip(f"network namespaces are not available here: {e}")
+    yield ["asr_a", "asr_b"]
+    for cmd in reversed(created):
+        _sh(*cmd)
+
+
+def test_a_group_across_network_namespaces_as_separate_hosts(namespaces):
+    cluster = Cluster([HostSpec("asr_a", "10.77.0.2", cpus=1, via="netns"),
+                       HostSpec("asr_b", "10.77.0.3", cpus=1, via="netns")])
+
+    async def main():
+        async with asyncrl.Controller(host="10.77.0.1", cluster=cluster,
+                                      echo_logs=False) as ctl:
+            spread = await ctl.spawn(Spread, nprocs=2, name="spread")
+            where = await spread.where()  # gloo between the namespaces, over the bridge
+            y = await spread.double(TensorBatch({"x": torch.arange(4.0)}))
+            pids = [p for a in spread.agent.agents for p in a.all_pids()]
+            return where, y, pids
+    where, y, pids = run(main())
+    assert_gone(pids)
+    assert sorted(w["host"] for w in where) == ["asr_a", "asr_b"]
+    assert all(w["sum"] == 3.0 for w in where)
+    assert y["y"].tolist() == [0, 2, 4, 6]

@@ -5,7 +5,8 @@
     inside SLURM          SLURM_JOB_NODELIST, SLURM_GPUS_ON_NODE / SLURM_CPUS_ON_NODE: hosts
                           reached with srun
     "via": "local" runs the agent on this machine (several "hosts" on loopback: tests, and a
-    laptop that imitates a cluster)
+    laptop that imitates a cluster); "netns" in the network namespace named like the host
+    (separate network stacks on one machine: `ip netns exec NAME ...`, as root)
 
 A group spread over k hosts runs one torchrun agent per host, `--nnodes k --node-rank i
 --nproc-per-node n`, meeting at the first host's `--rdzv-endpoint`; its ranks connect back to
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from asyncrl.controller.placement import PlacementError
 
-VIAS = ("local", "ssh", "srun")
+VIAS = ("local", "ssh", "srun", "netns")
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,16 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
     run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--nproc-per-node", str(per_node),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+           # the first host serves the rendezvous store: said outright, since its address
+           # need not be one torchrun recognises as its own (namespaces, NAT, aliases)
+           "--rdzv-conf", f"is_host={'true' if node_rank == 0 else 'false'}",
+           "--local-addr", host.address,  # what the ranks of the first host are reached at
            "--max-restarts", "0", "--monitor-interval", "0.1", "-m",
            "asyncrl.actors.rank_main"]
     if host.via == "local":
         return run
+    if host.via == "netns":  # the environment passes through `ip netns exec`
+        return ["ip", "netns", "exec", host.name, *run]
     exports = [f"{k}={v}" for k, v in env.items() if k.startswith(("ASYNCRL_", "PYTHONPATH",
                                                                    "OMP_", "CUDA_"))]
     if host.via == "srun":

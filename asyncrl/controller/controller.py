@@ -15,6 +15,7 @@ import contextvars
 import inspect
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -447,16 +448,21 @@ class Controller:
         hosts = self.cluster.spread(name, nprocs)
         per = nprocs // len(hosts)
         first = hosts[0][0]
-        endpoint = f"{first.address}:{free_port() if first.via == 'local' else 29400}"
+        # a port probed here is free here; in another host or namespace, pick one at random
+        port = free_port() if first.via == "local" else random.randint(30000, 45000)
+        endpoint = f"{first.address}:{port}"
         agents = []
         for i, (h, slots) in enumerate(hosts):
             where = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if h.gpus else {}
             env = rank_env(dict(os.environ), {**extra, **where, "ASYNCRL_HOST_NAME": h.name,
                                               "ASYNCRL_DATA_HOST": h.address})
+            if h.via == "netns":  # gloo would pick the machine's address, not the namespace's
+                env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
             command = torchrun_command(h, env, len(hosts), i, per, endpoint,
                                        f"{name}-{self.run_id}")
             agents.append(Agent(name, per, env, self.run_dir / "logs" / f"{name}.{h.name}.log",
-                                self._die_with_controller, command, h.name, h.via == "local"))
+                                self._die_with_controller, command, h.name,
+                                h.via in ("local", "netns")))
         return HostAgents(agents)
 
     async def _rank_gone(self, group: GroupHandle, rank: int) -> None:
