@@ -21,6 +21,8 @@ import torch.distributed as dist
 from asyncrl.hybrid.models import ModelConfig, build_model, default_device
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
+# one collective into one flat tensor (renamed all_gather_single in newer torch releases)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 BUCKET_BYTES = 32 << 20  # parameters gathered together, up to about this many bytes
 
 
@@ -130,7 +132,7 @@ class HybridEngine:
         for param, _, at, _n in bucket.items:
             shard = param.detach().to_local().reshape(-1)
             local[at:at + shard.numel()] = shard
-        dist.all_gather_into_tensor(out, local, group=bucket.group)
+        _all_gather(out, local, group=bucket.group)
         self.peak_gather_bytes = max(self.peak_gather_bytes, out.numel() * out.element_size())
         per_rank = out.view(world, width)
         for param, target, at, _n in bucket.items:
