@@ -117,7 +117,9 @@ class ValueModel(torch.nn.Module):
                 position_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids).last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        values = self.value_head(hidden.to(self.value_head.weight.dtype))
+        # a fresh [B, T] tensor, not a view: FSDP hooks the module's output for backward
+        return values.squeeze(-1).clone()
 
 
 def build_value_model(cfg: ModelConfig) -> ValueModel:
