@@ -34,7 +34,30 @@ def _load(path: str, overrides: list[str] | None = None) -> Any:
         raise SystemExit(f"asyncrl: no such file: {path}")
     if overrides:  # before the import: the flow file reads them with asyncrl.config(...)
         os.environ[OVERRIDES_ENV] = json.dumps(parse_overrides(overrides))
-    return _load_file(os.path.abspath(path))
+    try:
+        return _load_file(os.path.abspath(path))
+    except SyntaxError as e:
+        where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
+        code = f"\n    {e.text.rstrip()}" if e.text else ""
+        raise SystemExit(f"asyncrl: {path} is not valid Python: {e.msg} at {where}{code}\n"
+                         f"fix the file and launch again") from None
+    except Exception as e:  # noqa: BLE001 - user code: say where it failed and what
+        raise SystemExit(f"asyncrl: importing {path} failed at {_user_line(e, path)}: "
+                         f"{type(e).__name__}: {e}\n"
+                         + ("install the missing module or fix the import"
+                            if isinstance(e, ImportError) else "fix the flow file") +
+                         " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
+                         ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
+
+
+def _user_line(error: BaseException, path: str) -> str:
+    """file:line of the deepest frame of the flow file (or of any file) in a traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
+    chosen = mine or frames
+    return f"{chosen[-1].filename}:{chosen[-1].lineno}" if chosen else path
 
 
 def _flow_of(module: Any, path: str) -> Any:

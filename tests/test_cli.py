@@ -45,3 +45,18 @@ def test_launch_errors_are_clear(tmp_path):
         in out.stderr
     out = _run("launch", "examples/flow.py", "--checkpoint-every", "0")
     assert out.returncode != 0 and "--checkpoint-every must be >= 1, got 0" in out.stderr
+
+
+def test_a_broken_flow_file_is_named_with_its_line_and_the_fix(tmp_path):
+    bad = tmp_path / "bad_syntax.py"
+    bad.write_text("import asyncrl\ndef f(:\n    pass\n")
+    out = _run("launch", str(bad))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"{bad} is not valid Python: invalid syntax at {bad}:2" in out.stderr
+    assert "def f(:" in out.stderr and "fix the file" in out.stderr
+    missing = tmp_path / "bad_import.py"
+    missing.write_text("import asyncrl\n\nimport no_such_module_xyz\n")
+    out = _run("launch", str(missing))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"importing {missing} failed at {missing}:3: ModuleNotFoundError" in out.stderr
+    assert "install the missing module" in out.stderr
