@@ -22,32 +22,30 @@ from typing import Any
 
 import torch
 
-from asyncrl.actors.protocols import Layout, Split, register_protocol
+from asyncrl.actors.protocols import (
+    Layout,
+    Split,
+    _one_to_all_split,
+    _rank_zero_collect,
+    register_protocol,
+)
 from asyncrl.comm.batch import TensorBatch
 
 
 def _every_rank_zero_answers(layout: Layout, args: tuple, kwargs: dict) -> Split:
-    ranks = range(layout.world_size)
-    return Split({r: (args, kwargs) for r in ranks}, [0])
-
-
-def _every_rank_answers(layout: Layout, args: tuple, kwargs: dict) -> Split:
-    ranks = range(layout.world_size)
-    return Split({r: (args, kwargs) for r in ranks}, list(ranks))
-
-
-def _rank_zero(layout: Layout, results: dict[int, Any], state: Any) -> Any:
-    return results[0]
+    split = _one_to_all_split(layout, args, kwargs)
+    split.collect = [0]
+    return split
 
 
 # Every rank runs (the weights are gathered by a collective); only rank 0's result is kept
 # and returned: the other ranks hold nothing afterwards.
 GATHER_TO_ZERO = register_protocol("gather_to_zero", split=_every_rank_zero_answers,
-                                   collect=_rank_zero)
+                                   collect=_rank_zero_collect)
 # Every rank runs and answers (the call is done when all are: e.g. all loaded new weights);
 # rank 0's answer is the value.
-ALL_RANKS = register_protocol("all_ranks_rank_zero_value", split=_every_rank_answers,
-                              collect=_rank_zero)
+ALL_RANKS = register_protocol("all_ranks_rank_zero_value", split=_one_to_all_split,
+                              collect=_rank_zero_collect)
 
 
 def whole(t: Any) -> torch.Tensor:

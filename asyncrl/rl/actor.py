@@ -37,8 +37,9 @@ from asyncrl.rl.batch import (
 )
 from asyncrl.rl.config import RLConfig
 
+# what the policy loss reads (besides the advantages and, when present, ref_logprobs)
 TRAIN_COLUMNS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
-                 "advantages", "loss_mask"]
+                 "loss_mask"]
 
 
 def policy_loss(cfg: RLConfig) -> Any:
@@ -90,7 +91,7 @@ class Actor(Policy):
         off_policy: dict[str, float] = {}
         if self.rl.correction != "none":
             batch, adv, off_policy = self._correct(batch, adv)
-        train = batch.select([c for c in TRAIN_COLUMNS if c != "advantages"] + (
+        train = batch.select(TRAIN_COLUMNS + (
             ["ref_logprobs"] if "ref_logprobs" in batch else [])).union(
             TensorBatch({"advantages": adv}))
         waited = self.before_weights_change()  # the last sync may still be pulled

@@ -13,19 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.actors.protocols import _dp_split, register_protocol
+from asyncrl.actors.protocols import _dp_split, _rank_zero_collect, register_protocol
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty
 from asyncrl.rl.config import RLConfig
 
-
-def _one(layout: Any, results: dict[int, Any], state: Any) -> Any:
-    return results[min(results)]
-
-
-# Batches split as DP splits them; the answer is one rank's, for methods whose ranks all
-# return the same all-reduced statistics (a dict of numbers for metrics.jsonl).
-STATS = register_protocol("dp_stats", split=_dp_split, collect=_one)
+# Batches split as DP splits them; the answer is rank 0's (it always answers a DP call), for
+# methods whose ranks all return the same all-reduced statistics (numbers for metrics.jsonl).
+STATS = register_protocol("dp_stats", split=_dp_split, collect=_rank_zero_collect)
 
 
 def valid_rows(batch: TensorBatch) -> torch.Tensor:
