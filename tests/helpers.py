@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Coroutine, Iterable
+from pathlib import Path
 from typing import Any
 
 import asyncrl
@@ -29,6 +33,31 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+async def poll_until(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
+    """`wait_until` for code on the controller's loop: polls without blocking it (the loop
+    receives what the condition waits for, e.g. drop counters or streamed log lines)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():  # noqa: ASYNC110 - these conditions have no event: a bounded poll
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def launch_example(example: str, run_dir: Path, steps: int, *overrides: str) -> list[dict]:
+    """`asyncrl launch examples/<example>` for `steps` steps in all (its data sized for at
+    least 3 steps, the same whether a run is stopped early or resumed); the metrics rows."""
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", f"examples/{example}", "--steps",
+         str(steps), "--run-dir", str(run_dir), f"steps={max(steps, 3)}", *overrides],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"run_dir: {run_dir}" in out.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    return rows
 
 
 def assert_gone(pids: Iterable[int], timeout: float = 15) -> None:

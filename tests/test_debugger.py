@@ -8,7 +8,7 @@ import json
 import sys
 
 import pytest
-from helpers import ROOT, assert_gone, group_pids, run
+from helpers import ROOT, assert_gone, group_pids, poll_until, run
 
 import asyncrl
 
@@ -31,14 +31,6 @@ class Other(asyncrl.Worker):
         return "other pong"
 
 
-async def poll(predicate, timeout: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 def test_attach_drives_pdb_in_a_rank_and_the_call_completes(tmp_path):
     async def main():
         async with asyncrl.Controller(run_dir=tmp_path, echo_logs=False) as ctl:
@@ -47,7 +39,7 @@ def test_attach_drives_pdb_in_a_rank_and_the_call_completes(tmp_path):
             pids = group_pids(stops) + group_pids(other)
             call = stops.compute(21)
             session = tmp_path / "debug" / "stops-0.json"
-            await poll(session.is_file, 60, "the rank to wait for a debugger")
+            await poll_until(session.is_file, 60, "the rank to wait for a debugger")
             info = json.loads(session.read_text())
             assert info["where"].endswith("in compute") and (session.stat().st_mode & 0o77) == 0
             later = stops.ping()  # waits behind the call in the debugger

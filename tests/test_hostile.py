@@ -3,12 +3,11 @@ the controller's ROUTER and a rank's DEALER — are dropped and counted; calls s
 
 from __future__ import annotations
 
-import asyncio
 import socket
 
 import zmq
 import zmq.asyncio
-from helpers import assert_gone, group_pids, run
+from helpers import assert_gone, group_pids, poll_until, run
 
 import asyncrl
 from asyncrl.comm import messages
@@ -19,16 +18,6 @@ class Adder(asyncrl.Worker):
     @asyncrl.register
     def add(self, a, b):
         return a + b
-
-
-async def _until(predicate, what: str, timeout: float = 10) -> None:
-    async def poll():
-        while not predicate():  # noqa: ASYNC110 - drop counters have no event: a bounded poll
-            await asyncio.sleep(0.05)
-    try:
-        await asyncio.wait_for(poll(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 def test_controller_socket_drops_hostile_frames():
@@ -54,8 +43,8 @@ def test_controller_socket_drops_hostile_frames():
             await intruder.send_multipart(hb)  # valid once (ignored: no such group)
             await intruder.send_multipart(hb)  # replayed
             await intruder.send_multipart(good.sign(b"pair/0/io/1", b"\xc1\xff not msgpack"))
-            await _until(lambda: ctl.dropped_frames.get("undecodable") == 1,
-                         "the last frame to be dropped")  # frames of one peer stay in order
+            await poll_until(lambda: ctl.dropped_frames.get("undecodable") == 1, 10,
+                             "the last frame to be dropped")  # frames of one peer stay in order
             intruder.close(0)
             ctx.term()
             dropped = ctl.dropped_frames
@@ -83,7 +72,8 @@ def test_rank_socket_drops_hostile_frames():
             send([rank_io, *replay])  # replayed
             junk = ctl.channel._signer.sign(b">" + rank_io, b"\xc1 not a message")
             send([rank_io, *junk])  # undecodable
-            await _until(lambda: group.dropped_frames[0] >= 5, "the rank to report drops")
+            await poll_until(lambda: group.dropped_frames[0] >= 5, 10,
+                             "the rank to report drops")
             assert group.dropped_frames[0] == 5
             assert await group.add(1, 1) == [2]  # the forged Shutdown did nothing
             assert group.dead is None

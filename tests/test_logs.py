@@ -3,24 +3,14 @@ run directory, rate-limited on the console only, and read back with `asyncrl log
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
 
-from helpers import ROOT, assert_gone, group_pids, run
+from helpers import ROOT, assert_gone, group_pids, poll_until, run
 
 import asyncrl
 from asyncrl.controller.logs import LogSink
-
-
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    """Poll with a bound, without blocking the controller's loop (which receives the lines)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 class Chatty(asyncrl.Worker):
@@ -41,7 +31,7 @@ def test_rank_output_reaches_the_run_directory_and_the_console(tmp_path, capfd):
         async with asyncrl.Controller(run_dir=tmp_path) as ctl:
             g = await ctl.spawn(Chatty, nprocs=2, name="chatty")
             await g.talk(300)
-            await wait_for(lambda: all(f"raw stderr from rank {r}" in lines(r)
+            await poll_until(lambda: all(f"raw stderr from rank {r}" in lines(r)
                                        for r in (0, 1)), 20, "both ranks' output in its file")
             return group_pids(g)
     pids = run(main())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, assert_gone, group_pids, run
+from helpers import ROOT, assert_gone, group_pids, launch_example, run
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -115,19 +115,11 @@ def test_sync_moves_weights_between_groups_into_a_generation_in_flight():
     assert after["versions"][after["response_mask"].bool()].eq(7).all()
 
 
-def launch(example: str, run_dir: Path, steps: int, *overrides: str) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "launch", f"examples/{example}", "--steps",
-         str(steps), "--run-dir", str(run_dir), f"steps={max(steps, 3)}", *overrides],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
 
 def test_separate_groups_on_policy_equal_the_colocated_run(tmp_path):
     small = ("prompts=5", "group_size=3")
-    colocated = launch("grpo_tiny.py", tmp_path / "colocated", 3, *small, "actor_procs=1")
-    separate = launch("grpo_async.py", tmp_path / "separate", 3, *small, "max_staleness=0")
+    colocated = launch_example("grpo_tiny.py", tmp_path / "colocated", 3, *small, "actor_procs=1")
+    separate = launch_example("grpo_async.py", tmp_path / "separate", 3, *small, "max_staleness=0")
     for a, b in zip(colocated, separate, strict=True):
         common = {k for k in a if k in b and not k.startswith(("time/", "perf/"))}
         assert common >= {"reward/mean", "actor/kl", "actor/pg_loss", "actor/grad_norm"}
@@ -144,8 +136,8 @@ def trace_spans(run_dir: Path) -> dict[tuple[str, int], tuple[float, float]]:
 
 
 def test_staleness_one_overlaps_stays_bounded_and_still_learns(tmp_path):
-    rows = launch("grpo_async.py", tmp_path / "k1", 20, "max_staleness=1")
-    frozen = launch("grpo_async.py", tmp_path / "lr0", 20, "max_staleness=1", "lr=0")
+    rows = launch_example("grpo_async.py", tmp_path / "k1", 20, "max_staleness=1")
+    frozen = launch_example("grpo_async.py", tmp_path / "lr0", 20, "max_staleness=1", "lr=0")
     lags = {k for r in rows for k in r if k.startswith("staleness/lag_")}
     assert lags <= {"staleness/lag_0", "staleness/lag_1"}  # never beyond the bound
     assert any(r.get("staleness/lag_1", 0) > 0 for r in rows)  # and really off-policy

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, launch_example
 
 REQUIRED = ["step", "reward/mean", "actor/kl", "actor/pg_loss", "actor/clipfrac",
             "actor/grad_norm", "actor/entropy", "response_length/mean", "perf/tokens_per_s",
             "time/rollout_s", "time/score_s", "time/reference_s"]
 
-
-def launch(example: str, run_dir: Path, steps: int, *overrides: str) -> list[dict]:
-    """Run an example for `steps` steps in all (its data sized for 3 steps)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "launch", f"examples/{example}", "--steps",
-         str(steps), "--run-dir", str(run_dir), "steps=3", *overrides],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"run_dir: {run_dir}" in out.stdout
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(steps))
-    return rows
 
 
 def learned(row: dict) -> dict:
@@ -40,13 +26,13 @@ SMALL = ("prompts=5", "group_size=3")
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     """GRPO with the actor on two FSDP ranks, 3 steps: the run the others must equal."""
-    return launch("grpo_tiny.py", tmp_path_factory.mktemp("grpo") / "two", 3, *SMALL,
+    return launch_example("grpo_tiny.py", tmp_path_factory.mktemp("grpo") / "two", 3, *SMALL,
                   "actor_procs=2")
 
 
 def test_grpo_flow_on_two_ranks_equals_one_rank_and_lr0_stays_put(tmp_path, two):
     small = SMALL
-    one = launch("grpo_tiny.py", tmp_path / "one", 3, *small, "actor_procs=1")
+    one = launch_example("grpo_tiny.py", tmp_path / "one", 3, *small, "actor_procs=1")
     for key in REQUIRED:
         assert key in one[0], f"metrics.jsonl lacks {key!r}: {sorted(one[0])}"
     for a, b in zip(one, two, strict=True):
@@ -54,13 +40,13 @@ def test_grpo_flow_on_two_ranks_equals_one_rank_and_lr0_stays_put(tmp_path, two)
     assert one[0]["actor/kl"] == 0 and one[-1]["actor/version"] == 3
     moved = [i for i, r in enumerate(one) if r["actor/grad_norm"] > 0]  # a group that differed
     assert moved and moved[0] < 2 and one[moved[0] + 1]["actor/kl"] > 0  # moved the policy
-    frozen = launch("grpo_tiny.py", tmp_path / "lr0", 3, *small, "lr=0")
+    frozen = launch_example("grpo_tiny.py", tmp_path / "lr0", 3, *small, "lr=0")
     assert all(r["actor/kl"] == 0 for r in frozen)
     assert frozen[moved[0]]["actor/grad_norm"] > 0  # gradients, but no step
     assert frozen[0]["reward/mean"] == one[0]["reward/mean"]  # the same samples at step 0
     # stopped after step 0 and resumed: weights, optimizer, version, prompt position restored
-    launch("grpo_tiny.py", tmp_path / "resumed", 1, *small, "actor_procs=2")
-    resumed = launch("grpo_tiny.py", tmp_path / "resumed", 3, *small, "actor_procs=2",
+    launch_example("grpo_tiny.py", tmp_path / "resumed", 1, *small, "actor_procs=2")
+    resumed = launch_example("grpo_tiny.py", tmp_path / "resumed", 3, *small, "actor_procs=2",
                      "--resume")
     for a, b in zip(two, resumed, strict=True):
         assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
@@ -68,23 +54,23 @@ def test_grpo_flow_on_two_ranks_equals_one_rank_and_lr0_stays_put(tmp_path, two)
 
 def test_zero2_actor_equals_fsdp_and_resumes_from_deepspeed_checkpoints(tmp_path, two):
     zero = ("actor_procs=2", "backend=zero2")
-    launch("grpo_tiny.py", tmp_path / "zero", 1, *SMALL, *zero)
-    resumed = launch("grpo_tiny.py", tmp_path / "zero", 3, *SMALL, *zero, "--resume")
+    launch_example("grpo_tiny.py", tmp_path / "zero", 1, *SMALL, *zero)
+    resumed = launch_example("grpo_tiny.py", tmp_path / "zero", 3, *SMALL, *zero, "--resume")
     assert (tmp_path / "zero/checkpoints/step_000000/actor/train/state").is_dir()
     for a, b in zip(two, resumed, strict=True):
         assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
 
 
 def test_ppo_flow_trains_actor_and_critic_side_by_side_and_resumes_exactly(tmp_path):
-    rows = launch("ppo_tiny.py", tmp_path / "ppo", 3, "prompts=16")
+    rows = launch_example("ppo_tiny.py", tmp_path / "ppo", 3, "prompts=16")
     for key in [*REQUIRED, "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
                 "time/values_s", "time/train_actor_s", "time/train_critic_s"]:
         assert key in rows[0], f"metrics.jsonl lacks {key!r}: {sorted(rows[0])}"
     assert rows[0]["critic/values_mean"] == 0  # the value head starts at zero...
     assert rows[2]["critic/values_mean"] != 0  # ...and the critic learns
     assert rows[1]["actor/kl"] != 0  # k1 here: an estimate that may be negative
-    launch("ppo_tiny.py", tmp_path / "resumed", 2, "prompts=16")
-    resumed = launch("ppo_tiny.py", tmp_path / "resumed", 3, "prompts=16", "--resume")
+    launch_example("ppo_tiny.py", tmp_path / "resumed", 2, "prompts=16")
+    resumed = launch_example("ppo_tiny.py", tmp_path / "resumed", 3, "prompts=16", "--resume")
     for a, b in zip(rows, resumed, strict=True):
         assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
 
