@@ -46,6 +46,12 @@ async def poll_until(predicate, timeout: float, what: str, interval: float = 0.0
         await asyncio.sleep(interval)
 
 
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m asyncrl ARGS` from the repository root, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
 def launch_example(example: str, run_dir: Path, steps: int, *overrides: str) -> list[dict]:
     """`asyncrl launch examples/<example>` for `steps` steps in all (its data sized for at
     least 3 steps, the same whether a run is stopped early or resumed); the metrics rows."""

@@ -194,32 +194,9 @@ def test_to_dict_is_a_shallow_copy():
      r"no column\(s\) \['nope', 'zz'\]; columns: \['x', 'm', 's', 'l'\]"),
     (lambda b: b.select("x"), TypeError, r"got the str 'x'; write select\(\['x'\]\)"),
     (lambda b: b.select([]), ValueError, r"at least one column; columns: \['x', 'm', 's', 'l'\]"),
-    (lambda b: b.union({"y": [1, 2, 3]}), TypeError,
-     r"union\(other\) needs a TensorBatch, got dict; wrap columns with TensorBatch"),
-    (lambda b: b.union(TensorBatch({"y": [1, 2]})), ValueError,
-     r"this batch has 3 rows but other has 2; .* \(slice one first\)"),
-    (lambda b: b.union(TensorBatch({"x": torch.tensor([0, 1, 9])})), ValueError,
-     r"column 'x' is in both batches with different values; drop it from one side"),
-    (lambda b: b.union(TensorBatch({"x": torch.arange(3.0)})), ValueError,  # dtype differs
-     r"column 'x' is in both batches"),
-    (lambda b: b.union(TensorBatch({"s": ["s0", "s1", "S2"]})), ValueError,
-     r"column 's' is in both batches"),
-    (lambda b: b.union(TensorBatch({"x": [0, 1, 2]})), ValueError,  # list vs tensor
-     r"column 'x' is in both batches"),
-    (lambda b: b.union(TensorBatch({"m": torch.arange(3)})), ValueError,  # shape differs
-     r"column 'm' is in both batches"),
+    (lambda b: b["q"], KeyError, r"no column 'q'; columns: \['x', 'm', 's', 'l'\]"),
 ])
 def test_errors_name_the_argument_and_the_fix(call, exc, message):
     with pytest.raises(exc, match=message):
         call(mixed(3))
 
-
-def test_concat_and_constructor_errors_are_unchanged():
-    with pytest.raises(TypeError, match="column 'x' is a tensor in some batches"):
-        TensorBatch.concat([TensorBatch({"x": torch.arange(1)}), TensorBatch({"x": [1]})])
-    with pytest.raises(ValueError, match="needs at least one batch"):
-        TensorBatch.concat([])
-    with pytest.raises(ValueError, match="0-d tensor"):
-        TensorBatch({"x": torch.tensor(1)})
-    with pytest.raises(KeyError, match="no column 'q'"):
-        mixed(1)["q"]

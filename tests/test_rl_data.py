@@ -46,21 +46,3 @@ def test_seeded_order_and_exact_resume():
     with pytest.raises(ValueError, match="saved for 12 records with seed 7"):
         other.load_state_dict(state)
 
-
-def test_bad_data_gets_clear_errors(tmp_path):
-    (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(ValueError, match="no prompts in .*empty.jsonl"):
-        PromptSource(tmp_path / "empty.jsonl", batch_size=2)
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
-    with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
-        PromptSource(tmp_path / "bad.jsonl", batch_size=2)
-    (tmp_path / "list.jsonl").write_text('[1, 2]\n')
-    with pytest.raises(ValueError, match="list.jsonl:1: a list, not a JSON object"):
-        PromptSource(tmp_path / "list.jsonl", batch_size=2)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        PromptSource(tmp_path / "missing.jsonl", batch_size=2)
-    with pytest.raises(ValueError, match="record 1 .* has keys \\['x'\\]"):
-        PromptSource([{"prompt": "a"}, {"x": 1}], batch_size=2)
-    with pytest.raises(ValueError, match="expected .jsonl or .parquet"):
-        (tmp_path / "p.csv").write_text("a\n")
-        PromptSource(tmp_path / "p.csv", batch_size=2)

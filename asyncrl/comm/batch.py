@@ -154,7 +154,7 @@ class TensorBatch(RowOps):
                 first = next(iter(cols))
                 raise ValueError(
                     f"TensorBatch columns must share dim 0: {first!r} has {length} rows but "
-                    f"{key!r} has {n}")
+                    f"{key!r} has {n}; give every column one entry per row")
             cols[key] = col
         self._data = cols
         self._len = length or 0
@@ -251,21 +251,44 @@ class TensorBatch(RowOps):
         keys = batches[0].keys()
         for i, b in enumerate(batches[1:], 1):
             if b.keys() != keys:
-                raise ValueError(
-                    f"TensorBatch.concat: batch {i} has columns {b.keys()} but batch 0 has "
-                    f"{keys}; every batch must have the same columns in the same order")
+                raise ValueError(f"TensorBatch.concat: batch {i} has columns {b.keys()} but "
+                                 f"batch 0 has {keys}; {_column_fix(keys, b.keys(), i)}")
         data: dict[str, Column] = {}
         for k in keys:
             cols = [b._data[k] for b in batches]
             tensors = [c for c in cols if isinstance(c, torch.Tensor)]
             if len(tensors) == len(cols):
-                data[k] = torch.cat(tensors, dim=0)
+                try:
+                    data[k] = torch.cat(tensors, dim=0)
+                except RuntimeError as e:  # row shapes or devices differ
+                    rows = [f"batch {i}: {tuple(t.shape[1:])} on {t.device}"
+                            for i, t in enumerate(tensors)]
+                    raise ValueError(
+                        f"TensorBatch.concat: column {k!r} cannot be joined ({'; '.join(rows)}); "
+                        f"its rows must have one shape and device in every batch: pad them "
+                        f"to one length or move them to one device first") from e
             elif all(isinstance(c, list) for c in cols):
                 data[k] = [x for c in cols for x in c]
             else:
+                where = [i for i, c in enumerate(cols) if isinstance(c, torch.Tensor)]
+                rest = [i for i in range(len(cols)) if i not in where]
                 raise TypeError(f"TensorBatch.concat: column {k!r} is a tensor in some batches "
-                                f"and a list in others")
+                                f"({where}) and a list in others ({rest}); make it one kind "
+                                f"first: torch.tensor(the list) or the tensor's .tolist()")
         return TensorBatch(data, concat_meta([(b.meta, len(b)) for b in batches]))
+
+
+def _column_fix(keys: list[str], other: list[str], i: int) -> str:
+    """How to make batch i's columns match batch 0's, for concat's message."""
+    if sorted(other) == sorted(keys):
+        return f"the same columns in another order: reorder batch {i} with .select({keys})"
+    missing = [k for k in keys if k not in other]
+    extra = [k for k in other if k not in keys]
+    said = " and ".join(([f"lacks {missing}"] if missing else []) +
+                        ([f"has {extra} besides"] if extra else []))
+    shared = [k for k in keys if k in other]
+    return (f"batch {i} {said}; every batch needs the same columns: keep the shared ones "
+            f"with .select({shared}) on each batch, or add the missing ones")
 
 
 def _same_column(a: Column, b: Column) -> bool:

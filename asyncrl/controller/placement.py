@@ -16,11 +16,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.errors import AsyncRLError
+
 log = logging.getLogger("asyncrl")
 
 
-class PlacementError(ValueError):
-    """A placement constraint cannot be met on this host; the message says which and why."""
+class PlacementError(AsyncRLError, ValueError):
+    """A placement constraint cannot be met on this host; the message says which, why, and
+    what to change."""
 
 
 @dataclass(frozen=True)
@@ -101,32 +104,56 @@ class Placer:
                 raise PlacementError(
                     f"group {group!r}: {c!r} names a group that is not placed yet; spawn "
                     f"{c.target!r} first (groups are placed in spawn order)")
-        colocate = [c for c in constraints if c.kind == "colocate_with"]
-        for c in constraints:
             if c.kind == "nvlink_group" and (not host.gpus or nprocs > min(c.n, host.gpus)):
+                fix = "drop nvlink_group on a host without GPUs" if not host.gpus else \
+                    f"use nprocs <= {min(c.n, host.gpus)}" + (
+                        f", or nvlink_group({nprocs})" if c.n < nprocs <= host.gpus else "")
                 raise PlacementError(
                     f"group {group!r}: nvlink_group({c.n}) needs its {nprocs} ranks on GPUs of "
-                    f"one NVLink domain of {c.n}, but this host has {host.gpus} GPU(s)")
+                    f"one NVLink domain of {c.n}, but this host has {host.gpus} GPU(s); {fix}")
+        on = {c.target: self.placed[c.target] for c in constraints if c.target is not None}
+        colocate = [t for c in constraints if c.kind == "colocate_with" and (t := c.target)]
+        apart = [t for c in constraints if c.kind == "separate_from" and (t := c.target)]
+        contradiction = sorted(set(colocate) & set(apart))
+        if contradiction:
+            g = contradiction[0]
+            raise PlacementError(
+                f"group {group!r} is placed both colocate_with({g}) and separate_from({g}); "
+                f"keep one of the two constraints")
+        problem = ""  # a constraint this host cannot meet, and how to change the request
         if colocate:
-            devices = list(self.placed[colocate[0].target])  # type: ignore[index]
+            devices = list(on[colocate[0]])
+            clash = [f"colocate_with({t}) (on {on[t]})" for t in colocate
+                     if set(on[t]) != set(devices)] + \
+                    [f"separate_from({t}) (on {on[t]})" for t in apart if set(on[t]) & set(devices)]
+            if clash:
+                problem = (f"group {group!r}: colocate_with({colocate[0]}) puts it on "
+                           f"{host.kind}s {devices}, which conflicts with {'; '.join(clash)}; "
+                           f"drop one of the constraints, or place those groups so they agree")
         else:
-            apart = {d for c in constraints if c.kind == "separate_from"
-                     for d in self.placed[c.target]}  # type: ignore[index]
-            free = [d for d in pool if d not in apart]
-            if len(free) < nprocs:
-                why = (f"group {group!r} needs {nprocs} {host.kind}(s) "
-                       f"{' and '.join(repr(c) for c in constraints) or ''}".rstrip() +
-                       f", but this host has {len(pool)} and {len(free)} are free of the "
-                       f"groups it must stay apart from")
-                if host.gpus:
-                    raise PlacementError(why)
-                log.warning("asyncrl placement: %s; ranks will share cores", why)
-                free = free or pool
+            away = {d for t in apart for d in on[t]}
+            free = [d for d in pool if d not in away]
+            if len(free) < nprocs and apart:
+                problem = (f"group {group!r} needs {nprocs} {host.kind}(s) "
+                           f"{' and '.join(f'separate_from({t})' for t in apart)}, but only "
+                           f"{len(free)} of this host's {len(pool)} are free of those groups; "
+                           f"use nprocs <= {len(free)}, give those groups fewer ranks, or drop "
+                           f"separate_from")
+            elif len(free) < nprocs:
+                problem = (f"group {group!r} needs {nprocs} {host.kind}(s), one per rank, but "
+                           f"this host has {len(pool)}; use nprocs <= {len(pool)}, or spread "
+                           f"the group over several hosts with --hosts")
+            free = free or pool
             free.sort(key=lambda d: (self._use[d], d))  # the least used first
             devices = free[:nprocs]
-        if not host.gpus and len(devices) < nprocs:
-            log.warning("asyncrl placement: group %r runs %d ranks on %d core(s)", group,
-                        nprocs, len(devices))
+        if problem and host.gpus:
+            raise PlacementError(problem)
+        if not host.gpus and len(devices) < nprocs and not problem:  # colocated on fewer
+            problem = (f"group {group!r} runs {nprocs} ranks on the {len(devices)} core(s) of "
+                       f"colocate_with({colocate[0]})")
+        if problem:  # a CPU-only host runs it anyway, and says so
+            log.warning("asyncrl placement: %s; on this CPU-only host it runs anyway: ranks "
+                        "will share cores", problem)
         self.placed[group] = devices
         self._use.update(devices[i % len(devices)] for i in range(nprocs))
         key = "CUDA_VISIBLE_DEVICES" if host.gpus else "ASYNCRL_CPUS"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +23,36 @@ from asyncrl.comm.batch import TensorBatch
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    """The records of a JSON Lines file (one JSON object per line; blank lines skipped)."""
+    return _read_jsonl(path)[0]
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records and the line each came from (for messages that name file:line)."""
+    records, lines = [], []
+    hint = (" (a .json file is read as JSON Lines: one object per line, not one array)"
+            if Path(path).suffix == ".json" else "")
+    with open(path, "rb") as f:  # decoded line by line, so a bad byte has its line
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte "
+                                 f"{e.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column "
-                                 f"{e.colno}); each line must be one JSON object") from None
+                                 f"{e.colno}); each line must be one JSON object{hint}") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: a {type(record).__name__}, not a JSON "
                                  f"object; each line must be one object such as "
-                                 f'{{"prompt": "..."}}')
+                                 f'{{"prompt": "..."}}{hint}')
             records.append(record)
-    return records
+            lines.append(number)
+    return records, lines
 
 
 def read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -49,32 +63,60 @@ def read_parquet(path: Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
+def _read_file(path: Path) -> tuple[list[dict[str, Any]], str, Callable[[int], str]]:
+    """A prompt file's records, its name for messages, and `locate(i)`: where record i is."""
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(
+            f"prompt file {path} {what}; check the path (a relative path is read from "
+            f"{os.getcwd()})")
+    if path.suffix in (".jsonl", ".json"):
+        records, lines = _read_jsonl(path)
+        return records, str(path), lambda i: f"{path}:{lines[i]}"
+    if path.suffix == ".parquet":
+        return read_parquet(path), str(path), lambda i: f"row {i} of {path}"
+    raise ValueError(f"prompt file {path} has the suffix {path.suffix!r}; PromptSource reads "
+                     f".jsonl (one JSON object per line) or .parquet: convert the file, or "
+                     f"pass the records as a list of dicts")
+
+
+def _read_records(data: Sequence[dict[str, Any]]
+                  ) -> tuple[list[dict[str, Any]], str, Callable[[int], str]]:
+    """`_read_file` for records given in Python: each must be a dict."""
+    def locate(i: int) -> str:
+        return f"record {i} of the given sequence"
+
+    records = list(data)
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"{locate(i)} is a {type(r).__name__}, not a dict; pass records "
+                             f'as dicts such as {{"prompt": "..."}}')
+    return records, "the given sequence", locate
+
+
 class PromptSource:
     def __init__(self, data: str | os.PathLike | Sequence[dict[str, Any]], *, batch_size: int,
                  seed: int = 0, shuffle: bool = True, epochs: int | None = 1, repeat: int = 1):
-        if batch_size < 1:
-            raise ValueError(f"PromptSource: batch_size must be >= 1, got {batch_size}")
-        if repeat < 1:
-            raise ValueError(f"PromptSource: repeat must be >= 1, got {repeat}")
+        for name, value in (("batch_size", batch_size), ("repeat", repeat)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PromptSource: {name} must be an int >= 1, got {value!r}")
         if isinstance(data, str | os.PathLike):
-            path = Path(data)
-            if not path.is_file():
-                raise FileNotFoundError(f"prompt file {path} does not exist")
-            readers = {".jsonl": read_jsonl, ".json": read_jsonl, ".parquet": read_parquet}
-            if path.suffix not in readers:
-                raise ValueError(f"prompt file {path}: expected .jsonl or .parquet")
-            records = readers[path.suffix](path)
-            where = str(path)
+            records, where, locate = _read_file(Path(data))
+            fix = 'write one JSON object per line, such as {"prompt": "..."}'
         else:
-            records, where = list(data), "the given sequence"
+            records, where, locate = _read_records(data)
+            fix = "pass at least one record (a dict)"
         if not records:
-            raise ValueError(f"no prompts in {where}: it is empty")
+            raise ValueError(f"no prompts in {where}: it is empty; {fix}")
         keys = sorted(records[0])
         for i, r in enumerate(records):
-            if not isinstance(r, dict) or sorted(r) != keys:
-                raise ValueError(f"record {i} of {where} has keys "
-                                 f"{sorted(r) if isinstance(r, dict) else type(r).__name__}, "
-                                 f"but record 0 has {keys}; every record needs the same keys")
+            if sorted(r) != keys:
+                missing = sorted(set(keys) - set(r))
+                extra = sorted(set(r) - set(keys))
+                change = " and ".join(([f"add {missing}"] if missing else []) +
+                                      ([f"drop {extra}"] if extra else []))
+                raise ValueError(f"{locate(i)} has keys {sorted(r)}, but {locate(0)} has "
+                                 f"{keys}; every record needs the same keys: {change} there")
         if "seed" in keys:
             raise ValueError(f"records of {where} have a 'seed' key; PromptSource adds the "
                              f"sampling seeds itself: rename that key")
@@ -112,5 +154,6 @@ class PromptSource:
         if state.get("records") != len(self.records) or state.get("seed") != self.seed:
             raise ValueError(f"this position was saved for {state.get('records')} records with "
                              f"seed {state.get('seed')}, but this source has "
-                             f"{len(self.records)} records with seed {self.seed}")
+                             f"{len(self.records)} records with seed {self.seed}; resume "
+                             f"with the prompt data and seed the run started with")
         self.epoch, self.index = state["epoch"], state["index"]
