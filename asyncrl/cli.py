@@ -39,7 +39,9 @@ def _load(path: str, overrides: list[str] | None = None) -> Any:
     except SyntaxError as e:
         where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
         code = f"\n    {e.text.rstrip()}" if e.text else ""
-        raise SystemExit(f"asyncrl: {path} is not valid Python: {e.msg} at {where}{code}\n"
+        broken = path if e.filename is None or os.path.abspath(e.filename) == \
+            os.path.abspath(path) else f"{e.filename} (imported by {path})"
+        raise SystemExit(f"asyncrl: {broken} is not valid Python: {e.msg} at {where}{code}\n"
                          f"fix the file and launch again") from None
     except Exception as e:  # noqa: BLE001 - user code: say where it failed and what
         raise SystemExit(f"asyncrl: importing {path} failed at {_user_line(e, path)}: "
@@ -105,7 +107,7 @@ def launch(args: argparse.Namespace) -> int:
     cluster, host = _cluster(args)
     try:
         run(launch_flow(flow, args.steps, run_dir, args.save_inputs, resume=args.resume,
-                        keep=keep, cluster=cluster, host=host))
+                        keep=keep, cluster=cluster, host=host, controller=_settings(args)))
     except CheckpointError as e:
         print(f"asyncrl launch: {e}", file=sys.stderr)
         return 2
@@ -116,6 +118,12 @@ def launch(args: argparse.Namespace) -> int:
         print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
         return 1
     return 0
+
+
+def _settings(args: argparse.Namespace) -> dict[str, float]:
+    """The Controller settings given on the command line (its defaults for the others)."""
+    names = ("heartbeat_interval", "heartbeat_timeout", "transfer_timeout")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
@@ -237,6 +245,13 @@ def parser() -> argparse.ArgumentParser:
                     help="keep the newest K checkpoints (default 3; 0 keeps all)")
     lp.add_argument("--resume", action="store_true",
                     help="continue the run in --run-dir from its newest complete checkpoint")
+    lp.add_argument("--heartbeat-interval", type=float, default=None, metavar="S",
+                    help="seconds between heartbeats, both ways (default 1)")
+    lp.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                    help="a rank silent this long is hung, and ranks exit when the "
+                    "controller is silent this long (default 5)")
+    lp.add_argument("--transfer-timeout", type=float, default=None, metavar="S",
+                    help="how long a rank waits for a peer's data (default 60)")
     lp.add_argument("args", nargs="*", help="key=value overrides, or arguments passed on "
                     "to a driver's main() (after --)")
     lp.set_defaults(func=launch)

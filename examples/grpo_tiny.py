@@ -24,7 +24,8 @@ from asyncrl.hybrid.roles import Reference
 from asyncrl.rl import Actor, PromptSource, RewardFn
 
 cfg = asyncrl.config(steps=60, lr=3e-3, prompts=16, group_size=8, kl_coef=1e-3, seed=0,
-                     actor_procs=2, backend="fsdp2", model_path=None, max_new_tokens=2)
+                     actor_procs=2, backend="fsdp2", model_path=None, max_new_tokens=2,
+                     restarts=3)
 tok = next_digit.tokenizer(cfg["model_path"])
 model = next_digit.model(tok, cfg["model_path"], cfg["seed"])
 
@@ -33,14 +34,17 @@ def reward(prompt, response, answer, **meta):
     return next_digit.score(tok.decode(response), answer)
 
 
+# a group whose rank dies is respawned up to `restarts` times: the reward fn and the reference
+# re-run their node, the actor sends the run back to its last checkpoint (--checkpoint-every)
 actor = asyncrl.group(
     Actor, model=model, name="actor", nprocs=cfg["actor_procs"], backend=cfg["backend"],
+    max_restarts=cfg["restarts"],
     rl={"algo": "grpo", "group_size": cfg["group_size"], "kl_coef": cfg["kl_coef"]},
     train={"lr": cfg["lr"], "micro_batch_size": 128},
     sampling={"max_new_tokens": cfg["max_new_tokens"], "stop_token_ids": [tok.eos],
               "pad_token_id": tok.pad})
-ref = asyncrl.group(Reference, model=model, name="ref")
-rewards = asyncrl.group(RewardFn, reward, name="reward")
+ref = asyncrl.group(Reference, model=model, name="ref", max_restarts=cfg["restarts"])
+rewards = asyncrl.group(RewardFn, reward, name="reward", max_restarts=cfg["restarts"])
 
 data = next_digit.records(tok, copies=cfg["prompts"])
 prompts = PromptSource(data, batch_size=cfg["prompts"], seed=cfg["seed"],

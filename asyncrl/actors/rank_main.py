@@ -115,8 +115,9 @@ class RankMain:
         self.io = self.socket("io")
         self.exec = self.socket("exec")  # handed to the exec thread, never used here again
         self.store = ObjectStore()
+        # the pid: a respawned rank must not meet the segments its dead predecessor left
         self.segments = SegmentPool(f"{SHM_PREFIX}{env.get('ASYNCRL_RUN_ID', os.getpid())}-"
-                                f"{self.group}-{self.rank}")
+                                    f"{self.group}-{self.rank}-{os.getpid()}")
         self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
                                self.secret, self.store.get, f"{self.group}:{self.rank}",
                                f"{SHM_PREFIX}{env.get('ASYNCRL_RUN_ID', os.getpid())}-",

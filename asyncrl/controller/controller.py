@@ -241,12 +241,7 @@ class Controller:
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
                  "ASYNCRL_DEBUG_DIR": str(self.run_dir / "debug"),  # breakpoint() sessions
                  **(env or {})}
-        agent: Any
-        if self.cluster is None:
-            agent = Agent(name, nprocs, rank_env(dict(os.environ), extra),
-                          self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
-        else:
-            agent = self._host_agents(name, nprocs, extra)
+        agent = self._make_agent(name, nprocs, extra)
         group = GroupHandle(self, name, worker_cls, layout, agent)
         group.construct_msg = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh))
         self.groups[name] = group
@@ -272,6 +267,16 @@ class Controller:
             self._forget(name)
             raise
         return group
+
+    def _make_agent(self, name: str, nprocs: int, extra: dict[str, str]) -> Any:
+        """What starts a group's ranks: one torchrun job, or one per host of the cluster.
+        `extra` is the ranks' environment beyond ours. A subclass may return any object with
+        `Agent`'s interface (benchmarks/controller_scale.py starts simulated ranks)."""
+        assert self.run_dir is not None
+        if self.cluster is not None:
+            return self._host_agents(name, nprocs, extra)
+        return Agent(name, nprocs, rank_env(dict(os.environ), extra),
+                     self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
 
     async def close_group(self, group: GroupHandle) -> None:
         """Shut one group down (its ranks exit; pending calls fail with ClosedError)."""
@@ -437,7 +442,7 @@ class Controller:
                 if info.host == here and not info.gone and not pid_alive(info.pid):
                     info.gone = True
                     self.loop.create_task(self._rank_gone(group, rank))
-                elif now - info.last_seen > self.heartbeat_timeout:
+                elif not info.gone and now - info.last_seen > self.heartbeat_timeout:
                     group._mark_dead(rank, None, f"no heartbeat for {now - info.last_seen:.1f} s "
                                      f"(heartbeat_timeout={self.heartbeat_timeout} s)")
                     group.agent.signal_all(signal.SIGKILL)
@@ -467,8 +472,8 @@ class Controller:
 
     async def _rank_gone(self, group: GroupHandle, rank: int) -> None:
         """A rank's process is gone: give torchrun a moment to report why, then declare."""
-        try:  # torchrun notices within its monitor interval and prints the root cause
-            await asyncio.wait_for(group.exited.wait(), min(2.0, self.heartbeat_timeout / 2))
+        try:  # torchrun notices within its monitor interval and reports the exit code
+            await asyncio.wait_for(group.exited.wait(), 3.0)
         except asyncio.TimeoutError:
             group._mark_dead(rank, None, "its process is gone")
         group.agent.signal_all(signal.SIGKILL)
@@ -493,6 +498,10 @@ class Controller:
         if agent.proc is not None:
             await self.loop.run_in_executor(None, agent.wait)
         kill_pids([p for p in agent.rank_pids.values() if pid_alive(p)])
+        here = socket.gethostname()
+        for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
+            if info.host == here:
+                cleanup_segments(f"asyncrl-{self.run_id}-{group.name}-{rank}-{info.pid}-")
 
 
 def _init_params(cls: type) -> list[str]:

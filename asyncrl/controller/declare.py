@@ -18,12 +18,28 @@ class GroupSpec:
 
     def __init__(self, worker_cls: type, args: tuple, kwargs: dict[str, Any], nprocs: int,
                  mesh: dict[str, int] | None, place: Any, name: str | None,
-                 env: dict[str, str] | None, module: str):
+                 env: dict[str, str] | None, module: str, max_restarts: int = 0,
+                 restart_backoff: float = 1.0):
         self.worker_cls, self.args, self.kwargs = worker_cls, args, kwargs
         self.nprocs, self.mesh, self.place, self.env = nprocs, mesh, place, env
         self.name = name or worker_cls.__name__.lower()
         self.module = module
+        if not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"group {self.name!r}: max_restarts must be an int >= 0, got "
+                             f"{max_restarts!r}")
+        if not isinstance(restart_backoff, int | float) or restart_backoff < 0:
+            raise ValueError(f"group {self.name!r}: restart_backoff must be a number of "
+                             f"seconds >= 0, got {restart_backoff!r}")
+        self.max_restarts, self.restart_backoff = max_restarts, float(restart_backoff)
         self.handle: GroupHandle | None = None
+
+    @property
+    def stateful(self) -> bool:
+        """Its workers keep state a checkpoint saves (they override `save_state`): after a
+        death the flow goes back to a checkpoint rather than re-running one node."""
+        from asyncrl.actors.worker import Worker
+
+        return getattr(self.worker_cls, "save_state", None) is not Worker.save_state
 
     def __getattr__(self, method: str) -> Any:
         if method.startswith("_"):
@@ -44,13 +60,17 @@ _declared: list[GroupSpec] = []
 
 def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | None = None,
           place: Any = None, name: str | None = None, env: dict[str, str] | None = None,
-          **kwargs: Any) -> GroupSpec:
-    """Declare a worker group in a flow file; the launcher spawns it when the flow runs."""
+          max_restarts: int = 0, restart_backoff: float = 1.0, **kwargs: Any) -> GroupSpec:
+    """Declare a worker group in a flow file; the launcher spawns it when the flow runs.
+
+    `max_restarts`: how often the group may be respawned after a rank dies or hangs over the
+    run (see asyncrl/controller/recovery.py), waiting `restart_backoff` s, doubled each time."""
     import inspect
 
     frame = inspect.currentframe()
     module = frame.f_back.f_globals.get("__name__", "") if frame and frame.f_back else ""
-    spec = GroupSpec(worker_cls, args, kwargs, nprocs, mesh, place, name, env, module)
+    spec = GroupSpec(worker_cls, args, kwargs, nprocs, mesh, place, name, env, module,
+                     max_restarts, restart_backoff)
     _declared.append(spec)
     return spec
 

@@ -122,7 +122,8 @@ class DataFlow:
         if clash:
             raise FlowError(f"{clash} name both a flow input and a node; rename one")
         if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise FlowError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+            raise FlowError(f"max_staleness must be an int >= 0 (0: on-policy, each rollout "
+                            f"waits for the train step before it), got {max_staleness!r}")
         self.max_staleness = max_staleness
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
                                              or checkpoint_every < 1):
@@ -140,6 +141,11 @@ class DataFlow:
         self._ctl: Any = None
         self._own_ctl = False
         self.save_inputs: Path | None = None  # set: each node's inputs are written there
+        self._watchers: set[asyncio.Task] = set()  # recovery tasks following node outputs
+        self._origin: tuple[int, dict[str, Any]] = (0, {})  # where this run started
+        from asyncrl.controller.recovery import Recovery
+
+        self.recovery = Recovery(self)
 
     # -- the graph ----------------------------------------------------------------------------
     def _source_of(self, p: _Param) -> tuple[str, str] | None:
@@ -165,7 +171,8 @@ class DataFlow:
             out[p.name] = src
         if n.follows is not None and n.follows not in self.nodes:
             raise FlowError(f"node {n.name!r} follows {n.follows!r}, which is not a node of "
-                            f"this flow; nodes: {sorted(self.nodes)}")
+                            f"this flow; nodes: {sorted(self.nodes)}: name one of them in "
+                            f"follows=, or add a node named {n.follows!r}")
         return out
 
     def _topological(self) -> list[str]:
@@ -211,11 +218,35 @@ class DataFlow:
         if dup:
             raise FlowError(f"two groups are named {dup}; pass name=... to asyncrl.group")
         for g in self.groups:  # one by one: placement sees the groups before it
-            g.handle = await ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,
-                                       mesh=g.mesh, place=g.place, env=g.env, **g.kwargs)
+            g.handle = await self._spawn(g)
+        self._sources = {}
+        self._reset_sources()
+        self._start = 0
+
+    async def _spawn(self, g: GroupSpec) -> Any:
+        return await self._ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,
+                                     mesh=g.mesh, place=g.place, env=g.env, **g.kwargs)
+
+    def _reset_sources(self) -> None:
+        """Every input from its beginning again, and no step run (a rewind starts here)."""
+        for name, source in self.inputs.items():
+            it = self._sources.get(name)
+            if it is not None and it is source:
+                raise FlowError(
+                    f"input {name!r} is a one-shot iterator (a generator?): it cannot be read "
+                    f"again from a checkpoint's position; pass a list, a PromptSource or "
+                    f"another re-iterable source")
         self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
         self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
-        self._steps, self._start = [], 0
+        self._steps = []
+
+    async def _abandon(self) -> None:
+        """Cancel the steps in flight and what follows their outputs (a rewind)."""
+        tasks = [t for s in self._steps for t in (*s.returned.values(), *s.finished.values())]
+        tasks += list(self._watchers)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def close(self) -> None:
         """Close the groups this flow spawned (and its own Controller, if it opened one)."""
@@ -344,10 +375,8 @@ class DataFlow:
             (folder / f"{n.name}.msgpack").write_bytes(codec.encode(saved))
         current_node.set((n.name, step.index))
         start = time.perf_counter()
-        try:
-            out = n.fn(**kwargs)
-            if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
-                out = await out
+        try:  # an async node's DistFutures are passed on as they are
+            out = await self.recovery.call(n.name, step.index, lambda: n.fn(**kwargs))
         except Exception as e:
             raise NodeError(n.name, step.index, e) from e
         finally:
@@ -358,8 +387,9 @@ class DataFlow:
 
     async def run(self, steps: int | None = None,
                   on_step: Callable[[int, dict[str, Any], float], None] | None = None,
-                  checkpoint: Callable[[int], Awaitable[None]] | None = None
-                  ) -> list[dict[str, Any]]:
+                  checkpoint: Callable[[int], Awaitable[None]] | None = None,
+                  restore: Callable[[], Awaitable[bool]] | None = None,
+                  on_rewind: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
         """Run until step index `steps` (or until an input is exhausted) inside the current
         Controller (or one of its own), spawning and closing the groups; return this run's
         node results by step, with DistFutures resolved to their values. Step indices count
@@ -367,38 +397,62 @@ class DataFlow:
 
         `checkpoint(t)` is awaited once steps <= t have finished and before step t+1 is
         dispatched (else t+1's calls could reach the ranks before the save): after every
-        `checkpoint_every`-th step and after the last step of a run that ends normally."""
+        `checkpoint_every`-th step and after the last step of a run that ends normally.
+        With restarts (`asyncrl.group(max_restarts=)`), a death the flow recovers from by
+        going back (recovery.py) awaits `restore()` (load the newest checkpoint; False when
+        there is none: the run starts over) and calls `on_rewind(t)`: steps after t run
+        again, and what `on_step` was given for them is void."""
         opened = self._ctl is None
         if opened:
             await self.open()
-        out: list[dict[str, Any]] = []
+        done: dict[int, dict[str, Any]] = {}
+        self._origin = (self.next_step, self.positions())
         try:
-            pending: list[tuple[_Step, dict[str, Any]]] = []
-            saved = None
-            while steps is None or self.next_step < steps:
-                results = await self.step()
-                if results is None:
+            while True:
+                try:
+                    await self._run_steps(steps, on_step, checkpoint, done)
                     break
-                t = self.next_step - 1
-                pending.append((self._steps[-1], results))
-                due = (checkpoint is not None and self.checkpoint_every is not None
-                       and (t + 1) % self.checkpoint_every == 0)
-                while pending and (due or all(
-                        x.done() for x in pending[0][0].finished.values())):
-                    out.append(await self._complete(*pending.pop(0), on_step))
-                if due:
-                    assert checkpoint is not None
-                    await checkpoint(t)
-                    saved = t
-            for step, results in pending:
-                out.append(await self._complete(step, results, on_step))
-            last = self.next_step - 1
-            if checkpoint is not None and self._steps and saved != last:
-                await checkpoint(last)
+                except Exception as e:
+                    if not self.recovery.enabled or \
+                            not await self.recovery.rewind(e, self.next_step - 1, restore):
+                        raise
+                    kept = self.next_step - 1
+                    for t in [t for t in done if t > kept]:
+                        del done[t]
+                    if on_rewind is not None:
+                        on_rewind(kept)
         finally:
             if opened:
                 await self.close()
-        return out
+        return [done[t] for t in sorted(done)]
+
+    async def _run_steps(self, steps: int | None,
+                         on_step: Callable[[int, dict[str, Any], float], None] | None,
+                         checkpoint: Callable[[int], Awaitable[None]] | None,
+                         done: dict[int, dict[str, Any]]) -> None:
+        pending: list[tuple[_Step, dict[str, Any]]] = []
+        saved = None
+        while steps is None or self.next_step < steps:
+            results = await self.step()
+            if results is None:
+                break
+            t = self.next_step - 1
+            pending.append((self._steps[-1], results))
+            due = (checkpoint is not None and self.checkpoint_every is not None
+                   and (t + 1) % self.checkpoint_every == 0)
+            while pending and (due or all(
+                    x.done() for x in pending[0][0].finished.values())):
+                step, results = pending.pop(0)
+                done[step.index] = await self._complete(step, results, on_step)
+            if due:
+                assert checkpoint is not None
+                await checkpoint(t)
+                saved = t
+        for step, results in pending:
+            done[step.index] = await self._complete(step, results, on_step)
+        last = self.next_step - 1
+        if checkpoint is not None and self._steps and saved != last:
+            await checkpoint(last)
 
     async def _complete(self, step: _Step, results: dict[str, Any],
                         on_step: Callable[[int, dict[str, Any], float], None] | None
@@ -417,13 +471,16 @@ class DataFlow:
     async def run_node(self, name: str, inputs: dict[str, Any]) -> Any:
         """Run one node alone with given inputs (values), for debugging; its value."""
         if name not in self.nodes:
-            raise FlowError(f"no node named {name!r}; nodes: {sorted(self.nodes)}")
+            raise FlowError(f"no node named {name!r}; nodes: {sorted(self.nodes)}; pass --node "
+                            f"with one of them")
         n = self.nodes[name]
         kwargs = {p.name: inputs[p.name] for p in n.params if p.name in inputs}
         missing = [p.name for p in n.params if p.name not in kwargs and not p.optional]
         if missing:
             raise FlowError(f"node {name!r} needs inputs {missing}; the saved file has "
-                            f"{sorted(inputs)}")
+                            f"{sorted(inputs)}: pass the inputs file `asyncrl launch "
+                            f"--save-inputs` wrote for this node "
+                            f"(RUN_DIR/inputs/step<t>/{name}.msgpack)")
         out = n.fn(**kwargs)
         if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
             out = await out

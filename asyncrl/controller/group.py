@@ -139,6 +139,11 @@ class GroupHandle:
         return {r: info.pid for r, info in self.ranks.items()}
 
     @property
+    def busy(self) -> bool:
+        """Calls sent and not answered, or waiting for their inputs."""
+        return bool(self._pending or self._backlog)
+
+    @property
     def store_stats(self) -> dict[int, tuple[int, int]]:
         """rank -> (objects, bytes) in its object store, as of its last heartbeat."""
         return {r: (info.objects, info.object_bytes) for r, info in self.ranks.items()}

@@ -101,6 +101,13 @@ class Metrics:
         print(f"{bar}step {step + 1}{total}  {seconds:.2f}s  {shown}", file=sys.stderr,
               flush=True)
 
+    def rewind(self, step: int) -> None:
+        """Steps after `step` run again (a recovery went back to a checkpoint): their rows
+        and timeline events go."""
+        drop_rows_after(self.path, step)
+        self.timeline.events = [e for e in self.timeline.events
+                                if e.step <= step]
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -122,10 +129,13 @@ def drop_rows_after(path: Path, step: int) -> int:
 async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                       save_inputs: bool = False, *, resume: bool = False,
                       keep: int | None = checkpoint.KEEP, cluster: Any = None,
-                      host: str = "127.0.0.1") -> Path:
+                      host: str = "127.0.0.1", controller: dict[str, Any] | None = None
+                      ) -> Path:
     """Run `flow` up to step index `steps` with its outputs in `run_dir`, checkpointing after
     its last step (and every `flow.checkpoint_every` steps). `resume`: continue from the
-    newest complete checkpoint in `run_dir`; else `run_dir` must hold none."""
+    newest complete checkpoint in `run_dir`; else `run_dir` must hold none. `controller`:
+    more Controller settings (heartbeat_interval=...). Recoveries from dead groups are
+    written to run_dir/recoveries.jsonl."""
     run_dir = Path(run_dir)
     resume_from: Path | None = None
     meta: dict[str, Any] = {}
@@ -141,16 +151,26 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     async def save(step: int) -> None:
         await checkpoint.save(flow, run_dir, step, keep)
 
-    async with Controller(run_dir=run_dir, cluster=cluster, host=host) as ctl:
+    async def restore() -> bool:  # after a death: the newest checkpoint, if there is one
+        found = checkpoint.latest(run_dir)
+        if found is None:
+            return False
+        await checkpoint.restore(flow, found, json.loads((found / "meta.json").read_text()))
+        return True
+
+    async with Controller(run_dir=run_dir, cluster=cluster, host=host,
+                          **(controller or {})) as ctl:
         timeline = ctl.timeline = Timeline()
         metrics = Metrics(run_dir, steps, timeline)
         flow.save_inputs = run_dir / "inputs" if save_inputs else None
+        flow.recovery.log_path = run_dir / "recoveries.jsonl"
         try:
             await flow.open(ctl)
             try:
                 if resume_from is not None:
                     await checkpoint.restore(flow, resume_from, meta)
-                await flow.run(steps, on_step=metrics, checkpoint=save)
+                await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
+                               on_rewind=metrics.rewind)
             finally:
                 await flow.close()
         finally:

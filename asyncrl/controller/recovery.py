@@ -1,0 +1,284 @@
+"""Recovery: what a DataFlow does when a group dies while it runs.
+
+    a stateless group died (reward fn,        respawn it; re-run the node whose call failed,
+    reference) under a node's call            with the same inputs (their producers still
+                                              hold them); the step goes on, nothing else moves
+    anything else: a stateful group died      drop the steps in flight, let the live groups'
+    (actor, critic, rollout), or a call       calls end, respawn the dead groups, load the last
+    lost an input a dead group held           checkpoint into every group, run again from the
+                                              step after it (its metrics rows are rewritten)
+
+A group is stateful when its worker class overrides `save_state`. Each group restarts at
+most `max_restarts` times over a run (`asyncrl.group(..., max_restarts=3)`), after waiting
+`restart_backoff` seconds, doubled on each restart up to a minute. Downstream nodes never
+see a failure that a re-run repaired: what a node returns reaches them through stand-in
+futures that follow the re-runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.errors import ClosedError, GroupDeadError, SpawnError
+from asyncrl.futures.future import DistFuture
+
+if TYPE_CHECKING:
+    from asyncrl.controller.declare import GroupSpec
+    from asyncrl.controller.flow import DataFlow
+
+MAX_BACKOFF = 60.0
+
+
+class RecoveryError(RuntimeError):
+    """The flow cannot be rewound (a one-shot input iterator, no state to go back to)."""
+
+
+@dataclass
+class RecoveryEvent:
+    """One recovery, as written to RUN_DIR/recoveries.jsonl."""
+
+    kind: str  # "rerun": one node ran again | "rewind": the flow went back to a checkpoint
+    groups: list[str]  # the groups respawned
+    step: int  # the step that failed
+    node: str | None  # the node re-run ("rerun" only)
+    resumed_at: int | None  # the first step run again ("rewind" only)
+    cause: str
+    seconds: float  # from noticing the failure until the flow could go on
+
+
+class Recovery:
+    """One DataFlow's restart budget and its two ways back (see the module docstring)."""
+
+    def __init__(self, flow: DataFlow):
+        self.flow = flow
+        self.restarts: dict[str, int] = {g.name: 0 for g in flow.groups}
+        self.events: list[RecoveryEvent] = []
+        self.log_path: Path | None = None  # set: each recovery is appended there as JSON
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return any(g.max_restarts > 0 for g in self.flow.groups)
+
+    def _spec(self, name: str) -> GroupSpec | None:
+        return next((g for g in self.flow.groups if g.name == name), None)
+
+    def _left(self, spec: GroupSpec) -> bool:
+        return self.restarts[spec.name] < spec.max_restarts
+
+    def rerunnable(self, exc: BaseException) -> GroupSpec | None:
+        """The stateless group whose death `exc` reports, if it may restart."""
+        if not isinstance(exc, GroupDeadError):
+            return None
+        spec = self._spec(exc.group)
+        if spec is None or spec.stateful or not self._left(spec):
+            return None
+        return spec
+
+    async def respawn(self, spec: GroupSpec, cause: BaseException, count: bool = True) -> bool:
+        """Replace `spec`'s group by a fresh one; False when a dead one had already been
+        replaced (several calls saw the same death). Raises `cause` when the budget is spent
+        (or the respawn's own failure, once it is). A respawn that fails to start is another
+        restart. count=False: a live group that has to go (hung), not counted."""
+        lock = self._locks.setdefault(spec.name, asyncio.Lock())
+        async with lock:
+            old = spec.handle
+            if count and old is not None and old.dead is None and not old.closing:
+                return False
+            if old is not None:
+                await self.flow._ctl.close_group(old)
+            spec.handle = None
+            while True:
+                if count:
+                    await self._count(spec, cause)
+                try:
+                    spec.handle = await self.flow._spawn(spec)
+                    return True
+                except SpawnError as e:
+                    cause, count = e, True
+
+    async def _count(self, spec: GroupSpec, cause: BaseException) -> None:
+        """One restart of `spec` against its budget, after its backoff."""
+        if not self._left(spec):
+            raise cause
+        self.restarts[spec.name] += 1
+        n = self.restarts[spec.name]
+        delay = min(spec.restart_backoff * 2 ** (n - 1), MAX_BACKOFF)
+        print(f"[asyncrl] restarting group {spec.name!r} ({n}/{spec.max_restarts}) in "
+              f"{delay:g} s: {str(cause).splitlines()[0]}", file=sys.stderr, flush=True)
+        await asyncio.sleep(delay)
+
+    # -- re-running a node -------------------------------------------------------------------
+    async def call(self, node: str, step: int, fn: Callable[[], Any]) -> Any:
+        """`fn()` (a node's function with its inputs bound), re-run after each death of a
+        stateless group it reports; with restarts on, what it returns is guarded."""
+        while True:
+            try:
+                out = fn()
+                if asyncio.iscoroutine(out):
+                    out = await out
+                break
+            except GroupDeadError as e:
+                spec = self.rerunnable(e)
+                if spec is None:
+                    raise
+                started = time.monotonic()
+                await self.respawn(spec, e)
+                self._record("rerun", [spec.name], step, node, None, e, started)
+        return self._guard(node, step, out, fn) if self.enabled else out
+
+    def _guard(self, node: str, step: int, out: Any, fn: Callable[[], Any]) -> Any:
+        from asyncrl.controller.flow import _futures
+
+        inner = _futures(out)
+        if not inner:
+            return out
+        loop = asyncio.get_running_loop()
+        proxies = {id(f): DistFuture._new(loop, f._label) for f in inner}
+        watcher = loop.create_task(self._follow(node, step, inner, list(proxies.values()), fn))
+        self.flow._watchers.add(watcher)
+        watcher.add_done_callback(self.flow._watchers.discard)
+        return _replace(out, proxies)
+
+    async def _follow(self, node: str, step: int, inner: list[DistFuture],
+                      proxies: list[DistFuture], fn: Callable[[], Any]) -> None:
+        """Pass each inner future's result on to its stand-in; on a death a re-run repairs,
+        re-run and follow the new futures. Stand-ins left unresolved fail with the cause."""
+        from asyncrl.controller.flow import _futures
+
+        failure: BaseException = ClosedError(f"node {node!r} of step {step} was abandoned")
+        try:
+            while True:
+                for p, f in zip(proxies, inner, strict=True):
+                    f._fut.add_done_callback(functools.partial(_forward, proxy=p, inner=f))
+                await asyncio.wait([f._fut for f in inner], return_when=asyncio.FIRST_EXCEPTION)
+                failed = [f for f in inner
+                          if f._fut.done() and not f._fut.cancelled() and f._fut.exception()]
+                if not failed or all(p.done() for p in proxies):
+                    return
+                failure = failed[0]._fut.exception()  # type: ignore[assignment]
+                spec = self.rerunnable(failure) or await self._died(failed[0]._label)
+                if spec is None:
+                    return
+                started = time.monotonic()
+                await self.respawn(spec, failure)
+                out = fn()
+                if asyncio.iscoroutine(out):
+                    out = await out
+                inner = _futures(out)
+                if len(inner) != len(proxies):
+                    failure = RecoveryError(f"node {node!r} returned {len(inner)} futures when "
+                                            f"re-run, {len(proxies)} the first time")
+                    return
+                self._record("rerun", [spec.name], step, node, None, failure, started)
+        except BaseException as e:  # a restart that failed, or cancelled by a rewind
+            if not isinstance(e, asyncio.CancelledError):
+                failure = e
+            raise
+        finally:
+            for p in proxies:
+                p._set_exception(failure)  # no-op for those already resolved
+
+    async def _died(self, label: str) -> GroupSpec | None:
+        """The stateless group that ran `label` ("group.method"), if it turns out dead: a rank
+        whose peer died fails the call before the death is declared."""
+        spec = self._spec(label.partition(".")[0])
+        if spec is None or spec.stateful or not self._left(spec):
+            return None
+        dead = await self._dead_groups()
+        return spec if spec in dead else None
+
+    # -- rewinding to a checkpoint -----------------------------------------------------------
+    async def rewind(self, exc: BaseException, step: int,
+                     restore: Callable[[], Awaitable[bool]] | None) -> bool:
+        """Bring the flow back to its last checkpoint after `exc`, when a dead group explains
+        it and every dead group may restart; False when it does not (`exc` stands)."""
+        flow, ctl = self.flow, self.flow._ctl
+        started = time.monotonic()
+        dead = await self._dead_groups()
+        if not dead or not all(self._left(g) for g in dead):
+            return False
+        fresh = restore is None
+        if fresh and (flow._origin[0] != 0):
+            return False  # no checkpoint to go back to, and the groups are not at step 0
+        await flow._abandon()
+        # a call pulling from a dead rank ends at its transfer timeout; one that outlasts
+        # it is hung: its group goes too (not counted against its restarts)
+        stuck = [g for g in await self._settle(ctl.transfer_timeout + ctl.heartbeat_timeout)
+                 if g not in dead]
+        for spec in dead:
+            await self.respawn(spec, exc)
+        for spec in stuck:
+            await self.respawn(spec, exc, count=False)
+        flow._reset_sources()
+        loaded = await restore() if restore is not None else False
+        if not loaded:  # before the first checkpoint: back to the run's start
+            for spec in flow.groups:
+                if spec.stateful and spec not in dead + stuck:
+                    await ctl.close_group(spec.handle)
+                    spec.handle = await flow._spawn(spec)
+            flow.resume_at(*flow._origin)
+        resumed = flow.next_step
+        self._record("rewind", [g.name for g in dead], step, None, resumed, exc, started)
+        print(f"[asyncrl] rewound to step {resumed} after: {str(exc).splitlines()[0]}",
+              file=sys.stderr, flush=True)
+        return True
+
+    async def _dead_groups(self) -> list[GroupSpec]:
+        """The flow's dead groups. A failure can reach us before the supervisor declares the
+        death behind it (a peer's collective broke, a consumer lost its input): wait as long
+        as declaring takes for one to show. A failure with no death behind it (a bug in user
+        code) is reported that much later."""
+        ctl = self.flow._ctl
+        deadline = time.monotonic() + max(ctl.heartbeat_timeout, 3.0) + \
+            2 * ctl.heartbeat_interval
+        while True:
+            dead = [g for g in self.flow.groups
+                    if g.handle is None or g.handle.dead is not None]
+            if dead or time.monotonic() > deadline:
+                return dead
+            await asyncio.sleep(ctl.heartbeat_interval / 4)
+
+    async def _settle(self, timeout: float) -> list[GroupSpec]:
+        """Wait until no live group has calls pending; the groups still busy at `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = [g for g in self.flow.groups if g.handle is not None
+                    and g.handle.dead is None and g.handle.busy]
+            if not busy or time.monotonic() > deadline:
+                return busy
+            await asyncio.sleep(0.02)
+
+    def _record(self, kind: str, groups: list[str], step: int, node: str | None,
+                resumed: int | None, cause: BaseException, started: float) -> None:
+        event = RecoveryEvent(kind, groups, step, node, resumed,
+                          f"{type(cause).__name__}: {str(cause).splitlines()[0]}",
+                          round(time.monotonic() - started, 3))
+        self.events.append(event)
+        if self.log_path is not None:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(asdict(event)) + "\n")
+
+
+def _forward(done: asyncio.Future, proxy: DistFuture, inner: DistFuture) -> None:
+    if not done.cancelled() and done.exception() is None:
+        proxy.busy_s = inner.busy_s
+        proxy._set_result(done.result())
+
+
+def _replace(out: Any, proxies: dict[int, DistFuture]) -> Any:
+    if isinstance(out, DistFuture):
+        return proxies[id(out)]
+    if isinstance(out, list | tuple):
+        return type(out)(_replace(x, proxies) for x in out)
+    if isinstance(out, dict):
+        return {k: _replace(v, proxies) for k, v in out.items()}
+    return out

@@ -1,0 +1,133 @@
+"""Chaos: the GRPO demo flow (examples/grpo_tiny.py) run twice in the same session, once
+undisturbed and once while random ranks of random groups are SIGKILLed at random times
+(seeded). The disturbed run must lose no step, repeat none, and end with the same metrics.
+
+    {"bench": "chaos", "kills": N, "recoveries": ..., "steps_completed": ..., "steps_lost": 0,
+     "steps_repeated": 0, "recovery_s": ..., "extra_s": ..., "max_reward_diff": ...}
+
+recovery_s: the time the recoveries took, from noticing the death until the flow could go on
+(summed); extra_s: the disturbed run's wall time minus the undisturbed one's (recoveries plus
+the steps run again after a rewind); max_reward_diff: the largest difference in reward/mean
+at the same step between the two runs (a recovery must not change what the run computes).
+The next kill waits until the previous one was recovered from, so each kill is one failure.
+
+Run: `.venv/bin/python benchmarks/chaos.py [--kills 4] [--steps 40] [--seed 0]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--transfer-timeout", "15"]
+
+
+def launch(run_dir: Path, steps: int, every: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl", "launch", "examples/grpo_tiny.py", "--run-dir",
+         str(run_dir), "--steps", str(steps), "--checkpoint-every", str(every), *FAST,
+         f"steps={steps}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+
+
+def ranks(proc: subprocess.Popen) -> dict[str, list[int]]:
+    """group -> pids of its live ranks (processes that run asyncrl's rank main)."""
+    out: dict[str, list[int]] = {}
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in children:
+        try:
+            if "asyncrl.actors.rank_main" not in " ".join(p.cmdline()):
+                continue
+            group = p.environ().get("ASYNCRL_GROUP")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if group:
+            out.setdefault(group, []).append(p.pid)
+    return out
+
+
+def count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def finish(proc: subprocess.Popen, what: str) -> None:
+    _, err = proc.communicate(timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"chaos: the {what} run failed:\n{err[-4000:]}")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--checkpoint-every", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gap", type=float, nargs=2, default=(1.0, 5.0), metavar=("MIN", "MAX"),
+                    help="seconds between a recovery (or the start) and the next kill")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-chaos-") as tmp:
+        clean_dir, chaos_dir = Path(tmp) / "clean", Path(tmp) / "chaos"
+        started = time.perf_counter()
+        finish(launch(clean_dir, args.steps, args.checkpoint_every), "undisturbed")
+        clean_s = time.perf_counter() - started
+
+        started = time.perf_counter()
+        proc = launch(chaos_dir, args.steps, args.checkpoint_every)
+        log = chaos_dir / "recoveries.jsonl"
+        kills: list[dict] = []
+        while len(kills) < args.kills and proc.poll() is None:
+            time.sleep(rng.uniform(*args.gap))  # a random moment: that is the point here
+            live = ranks(proc)
+            if count_lines(chaos_dir / "metrics.jsonl") == 0 or count_lines(log) < len(kills):
+                continue  # starting, or still recovering from the last kill
+            group = rng.choice(sorted(live))
+            pid = rng.choice(sorted(live[group]))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kills.append({"group": group, "pid": pid, "at_s": round(time.perf_counter()
+                                                                    - started, 2)})
+        finish(proc, "disturbed")
+        chaos_s = time.perf_counter() - started
+
+        clean, chaos = rows(clean_dir), rows(chaos_dir)
+        seen = [r["step"] for r in chaos]
+        events = [json.loads(line) for line in log.read_text().splitlines()] \
+            if log.exists() else []
+        by_step = {r["step"]: r["reward/mean"] for r in clean}
+        result = {
+            "bench": "chaos", "kills": len(kills), "recoveries": len(events),
+            "steps_completed": len(set(seen)),
+            "steps_lost": len(set(range(args.steps)) - set(seen)),
+            "steps_repeated": len(seen) - len(set(seen)),
+            "recovery_s": round(sum(e["seconds"] for e in events), 2),
+            "extra_s": round(chaos_s - clean_s, 2),
+            "max_reward_diff": max(abs(r["reward/mean"] - by_step[r["step"]]) for r in chaos),
+            "killed": [k["group"] for k in kills],
+            "kinds": [e["kind"] for e in events], "seed": args.seed,
+            "clean_run_s": round(clean_s, 2), "chaos_run_s": round(chaos_s, 2)}
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

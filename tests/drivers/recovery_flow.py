@@ -1,0 +1,78 @@
+"""A two-group flow for the recovery tests: a stateless scorer and a stateful trainer.
+
+    step t ──▶ score (scorer: t * 10) ──▶ train (trainer: appends (t, score) to its history)
+
+`hold=<group>:<step>`: that group's call of that step, on its first try only, writes its pid
+to `<marks>/<group>.pid` and waits there until the test kills or stops it. The trainer's
+history is in every checkpoint (trainer/history.json): a run that recovered must hold each
+step exactly once.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import asyncrl
+
+cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2)
+HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
+
+
+def _hold(group: str, step: int) -> None:
+    if group != HOLD_GROUP or step != int(HOLD_STEP):
+        return
+    mark = Path(cfg["marks"]) / f"{group}.pid"
+    if mark.exists():  # the re-run after the kill goes through
+        return
+    tmp = mark.with_suffix(".tmp")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, mark)
+    deadline = time.monotonic() + 60  # bounded: a test that never kills fails, not hangs
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise TimeoutError(f"{group} held at step {step} and nobody killed it")
+
+
+class Scorer(asyncrl.Worker):
+    @asyncrl.register(dispatch="rank_zero")
+    def score(self, step):
+        _hold("scorer", step)
+        return step * 10
+
+
+class Trainer(asyncrl.Worker):
+    def __init__(self):
+        self.history = []
+
+    @asyncrl.register(dispatch="rank_zero")
+    def train(self, step, score):
+        _hold("trainer", step)
+        self.history.append([step, score])
+        return {"trained": len(self.history), "seen": step}
+
+    def save_state(self, folder):
+        (folder / "history.json").write_text(json.dumps(self.history))
+
+    def load_state(self, folder):
+        self.history = json.loads((folder / "history.json").read_text())
+
+
+scorer = asyncrl.group(Scorer, name="scorer", max_restarts=cfg["restarts"],
+                       restart_backoff=0.1)
+trainer = asyncrl.group(Trainer, name="trainer", max_restarts=cfg["restarts"],
+                        restart_backoff=0.1)
+
+
+@asyncrl.node
+def score(step):
+    return scorer.score(step)
+
+
+@asyncrl.node
+def train(step, score):
+    return trainer.train(step, score)
+
+
+flow = asyncrl.DataFlow(nodes=[score, train], inputs={"step": list(range(cfg["steps"]))},
+                        checkpoint_every=cfg["checkpoint_every"])

@@ -1,0 +1,112 @@
+"""Recovery from dead and hung ranks while a flow runs (tests/drivers/recovery_flow.py):
+a stateless group is respawned and only its node re-run; a stateful one sends the flow back
+to its last checkpoint; a killed controller leaves no rank behind and --resume goes on.
+Every run must end with each step exactly once in metrics.jsonl and in the trainer's state."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import ROOT, assert_gone, wait_until
+
+FLOW = os.path.join(os.path.dirname(__file__), "drivers", "recovery_flow.py")
+FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", "--transfer-timeout", "10"]
+
+
+def launch(run_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "asyncrl", "launch", FLOW, "--run-dir",
+                             str(run_dir), *FAST, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def held_pid(marks: Path, group: str, proc: subprocess.Popen) -> int:
+    mark = marks / f"{group}.pid"
+    wait_until(lambda: mark.exists() or proc.poll() is not None, 60, f"{group} to be held")
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return int(mark.read_text())
+
+
+def finish(proc: subprocess.Popen) -> str:
+    """The run's stdout and stderr, once it succeeded."""
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-4000:]
+    return out + err
+
+
+def steps_once(run_dir: Path, steps: int) -> None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["train/seen"] for r in rows] == list(range(steps))
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    history = json.loads((last / "trainer" / "history.json").read_text())
+    assert history == [[t, t * 10] for t in range(steps)]  # trained on each step once
+
+
+def recoveries(run_dir: Path) -> list[dict]:
+    path = run_dir / "recoveries.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_dead_or_hung_stateless_rank_reruns_only_its_node(tmp_path, sig):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = launch(tmp_path / "run", "steps=5", "hold=scorer:2", f"marks={marks}")
+    pid = held_pid(marks, "scorer", proc)
+    os.kill(pid, sig)
+    err = finish(proc)
+    assert_gone([pid])
+    steps_once(tmp_path / "run", 5)
+    [event] = recoveries(tmp_path / "run")
+    assert (event["kind"], event["groups"], event["node"], event["step"]) == \
+        ("rerun", ["scorer"], "score", 2)
+    why = "killed by signal 9" if sig == signal.SIGKILL else "no heartbeat"
+    assert why in event["cause"] and "group 'scorer'" in event["cause"]
+    assert "restarting group 'scorer' (1/2)" in err
+
+
+def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = launch(tmp_path / "run", "steps=7", "hold=trainer:5", f"marks={marks}")
+    pid = held_pid(marks, "trainer", proc)
+    os.kill(pid, signal.SIGKILL)
+    err = finish(proc)
+    steps_once(tmp_path / "run", 7)
+    [event] = recoveries(tmp_path / "run")
+    # checkpoints after steps 1 and 3 (every 2): step 4 ran, then 5 died; back to 3
+    assert (event["kind"], event["groups"], event["resumed_at"]) == ("rewind", ["trainer"], 4)
+    assert "rewound to step 4" in err
+
+
+def test_restart_budget_spent_fails_the_run_with_the_cause(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = launch(tmp_path / "run", "steps=4", "hold=scorer:1", f"marks={marks}", "restarts=0")
+    pid = held_pid(marks, "scorer", proc)
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "node 'score' failed at step 1" in err and "killed by signal 9" in err
+    assert recoveries(tmp_path / "run") == []
+
+
+def test_killed_controller_leaves_no_rank_and_resume_goes_on(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "steps=6", "hold=trainer:3", f"marks={marks}")
+    held_pid(marks, "trainer", proc)  # steps 0..2 done, checkpoint after step 1
+    children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(children) >= 4  # two torchrun agents and their ranks
+    proc.kill()
+    proc.communicate()
+    assert_gone(children, timeout=15)  # the ranks exit on the controller's silence
+    resumed = launch(run_dir, "--resume", "steps=6", "hold=trainer:3", f"marks={marks}")
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_000001'}" in finish(resumed)
+    steps_once(run_dir, 6)
