@@ -122,7 +122,8 @@ def launch(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace) -> dict[str, float]:
     """The Controller settings given on the command line (its defaults for the others)."""
-    names = ("heartbeat_interval", "heartbeat_timeout", "transfer_timeout")
+    names = ("heartbeat_interval", "heartbeat_timeout", "transfer_timeout",
+             "collective_timeout")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -252,6 +253,9 @@ def parser() -> argparse.ArgumentParser:
                     "controller is silent this long (default 5)")
     lp.add_argument("--transfer-timeout", type=float, default=None, metavar="S",
                     help="how long a rank waits for a peer's data (default 60)")
+    lp.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+                    help="how long a collective inside a group waits for a peer (default "
+                    "600)")
     lp.add_argument("args", nargs="*", help="key=value overrides, or arguments passed on "
                     "to a driver's main() (after --)")
     lp.set_defaults(func=launch)

@@ -32,6 +32,19 @@ class Sleeper(asyncrl.Worker):
     def pid(self):
         return os.getpid()
 
+    @asyncrl.register
+    def say(self, text):
+        print(f"rank {self.rank}: {text}", flush=True)
+
+    @asyncrl.register
+    def lonely_all_reduce(self, rank):
+        """Only `rank` enters the collective: it waits for peers that never come."""
+        if self.rank == rank:
+            import torch
+            import torch.distributed as dist
+
+            dist.all_reduce(torch.ones(1))
+
 
 class BrokenInit(asyncrl.Worker):
     def __init__(self, rank_to_fail):
@@ -92,6 +105,7 @@ def test_hung_rank_is_found_by_missing_heartbeats():
         async with asyncrl.Controller(heartbeat_interval=0.2, heartbeat_timeout=1.5) as ctl:
             group = await ctl.spawn(Sleeper, nprocs=2)
             pids = group_pids(group)
+            await group.say("about to stall")
             pending = group.wait(60)
             os.kill(group.pids[0], signal.SIGSTOP)  # alive but silent
             with pytest.raises(asyncrl.GroupDeadError) as info:
@@ -99,7 +113,20 @@ def test_hung_rank_is_found_by_missing_heartbeats():
             return pids, info.value
     pids, err = run(main())
     assert err.rank == 0 and "no heartbeat" in str(err)
+    assert "rank 0: about to stall" in str(err)  # the last lines of its output
     assert_gone(pids)
+
+
+def test_collective_past_its_timeout_fails_the_call_naming_it():
+    async def main():
+        async with asyncrl.Controller(collective_timeout=2) as ctl:
+            group = await ctl.spawn(Sleeper, nprocs=2)
+            with pytest.raises(asyncrl.RemoteError) as info:
+                await asyncio_wait_for(group.lonely_all_reduce(1), 2 + 30)
+            return info.value
+    err = run(main())
+    assert (err.rank, err.method) == (1, "lonely_all_reduce")
+    assert "Timed out waiting 2000ms" in err.remote_message  # the collective_timeout
 
 
 def test_failing_construction_raises_remote_error_and_cleans_up():

@@ -248,6 +248,9 @@ def _init_distributed() -> None:
                                                               "600")))
     if torch.cuda.is_available():
         bind_gpu()
+        # a collective past its timeout ends this process (the NCCL watchdog): the
+        # supervisor reports the death, instead of a rank blocked in a kernel forever
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)

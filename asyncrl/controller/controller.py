@@ -95,13 +95,17 @@ class Controller:
     construct_timeout: hello until every worker's ``__init__`` returned.
     shutdown_grace: how long ranks get to exit on close before they are killed.
     transfer_timeout: how long a rank waits for a peer's data before TransferTimeout.
+    collective_timeout: how long a collective inside a group (gloo, NCCL) may wait for a
+    peer; then it raises on the rank (gloo) or the NCCL watchdog ends the rank's process,
+    which the supervisor reports (a hung NCCL kernel cannot be interrupted otherwise).
     transport: "auto" (shared memory on one host, else TCP), or "tcp" to force sockets.
     run_dir: logs (one file per group) and the secret; a temporary folder by default."""
 
     def __init__(self, *, host: str = "127.0.0.1", heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 5.0, startup_timeout: float = 120.0,
                  construct_timeout: float = 600.0, shutdown_grace: float = 10.0,
-                 transfer_timeout: float = 60.0, transport: str = "auto",
+                 transfer_timeout: float = 60.0, collective_timeout: float = 600.0,
+                 transport: str = "auto",
                  run_dir: str | os.PathLike | None = None, die_with_controller: bool = True,
                  echo_logs: bool = True, cluster: Cluster | None = None):
         if transport not in ("auto", "tcp"):
@@ -116,6 +120,7 @@ class Controller:
         self.construct_timeout = construct_timeout
         self.shutdown_grace = shutdown_grace
         self.transfer_timeout = transfer_timeout
+        self.collective_timeout = collective_timeout
         self.transport = transport
         self.run_id = uuid.uuid4().hex[:16]  # names this run's shared-memory segments
         # bytes of worker-produced data that went through this controller to another group
@@ -238,6 +243,7 @@ class Controller:
                  "ASYNCRL_HB_INTERVAL": str(self.heartbeat_interval),
                  "ASYNCRL_HB_TIMEOUT": str(self.heartbeat_timeout),
                  "ASYNCRL_TRANSFER_TIMEOUT": str(self.transfer_timeout),
+                 "ASYNCRL_COLLECTIVE_TIMEOUT": str(self.collective_timeout),
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
                  "ASYNCRL_DEBUG_DIR": str(self.run_dir / "debug"),  # breakpoint() sessions
                  **(env or {})}
