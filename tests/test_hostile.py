@@ -1,13 +1,17 @@
 """Garbage, unsigned, forged, replayed and undecodable frames thrown at both live sockets —
-the controller's ROUTER and a rank's DEALER — are dropped and counted; calls still work."""
+the controller's ROUTER and a rank's DEALER — are dropped and counted; calls still work.
+The seeded fuzzer (benchmarks/fuzz.py) runs here for a bounded number of frames."""
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 
 import zmq
 import zmq.asyncio
-from helpers import assert_gone, group_pids, poll_until, run
+from helpers import ROOT, assert_gone, group_pids, poll_until, run
 
 import asyncrl
 from asyncrl.comm import messages
@@ -79,3 +83,14 @@ def test_rank_socket_drops_hostile_frames():
             assert group.dead is None
             return pids
     assert_gone(run(main()))
+
+
+def test_fuzzer_for_a_bounded_number_of_frames_crashes_nothing():
+    """benchmarks/fuzz.py, seeded and short: every socket survives, calls still succeed."""
+    out = subprocess.run([sys.executable, "benchmarks/fuzz.py", "--frames", "1500", "--seed",
+                          "7"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (result["frames"], result["crashes"]) == (1500, 0)
+    dropped = result["dropped"]
+    assert sum(dropped["controller"].values()) > 0 and dropped["rank"] > 0  # they got there
