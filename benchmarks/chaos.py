@@ -11,7 +11,7 @@ the steps run again after a rewind); max_reward_diff: the largest difference in 
 at the same step between the two runs (a recovery must not change what the run computes).
 The next kill waits until the previous one was recovered from, so each kill is one failure.
 
-Run: `.venv/bin/python benchmarks/chaos.py [--kills 4] [--steps 40] [--seed 0]`.
+Run: `.venv/bin/python benchmarks/chaos.py [--kills 4] [--steps 40] [--seed 0] [--groups actor]`.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--groups", nargs="*", default=None,
+                    help="kill ranks of these groups only (default: any group)")
     ap.add_argument("--gap", type=float, nargs=2, default=(1.0, 5.0), metavar=("MIN", "MAX"),
                     help="seconds between a recovery (or the start) and the next kill")
     args = ap.parse_args()
@@ -96,8 +98,10 @@ def main() -> None:
         kills: list[dict] = []
         while len(kills) < args.kills and proc.poll() is None:
             time.sleep(rng.uniform(*args.gap))  # a random moment: that is the point here
-            live = ranks(proc)
-            if count_lines(chaos_dir / "metrics.jsonl") == 0 or count_lines(log) < len(kills):
+            live = {g: p for g, p in ranks(proc).items()
+                    if args.groups is None or g in args.groups}
+            if not live or count_lines(chaos_dir / "metrics.jsonl") == 0 or \
+                    count_lines(log) < len(kills):
                 continue  # starting, or still recovering from the last kill
             group = rng.choice(sorted(live))
             pid = rng.choice(sorted(live[group]))
