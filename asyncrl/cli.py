@@ -247,10 +247,10 @@ def parser() -> argparse.ArgumentParser:
     lp.add_argument("--resume", action="store_true",
                     help="continue the run in --run-dir from its newest complete checkpoint")
     lp.add_argument("--heartbeat-interval", type=float, default=None, metavar="S",
-                    help="seconds between heartbeats, both ways (default 1)")
+                    help="seconds between heartbeats, both ways (default 0.5)")
     lp.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
                     help="a rank silent this long is hung, and ranks exit when the "
-                    "controller is silent this long (default 5)")
+                    "controller is silent this long (default 3)")
     lp.add_argument("--transfer-timeout", type=float, default=None, metavar="S",
                     help="how long a rank waits for a peer's data (default 60)")
     lp.add_argument("--collective-timeout", type=float, default=None, metavar="S",

@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, assert_gone, wait_until
 
 FLOW = os.path.join(os.path.dirname(__file__), "drivers", "recovery_flow.py")
-FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", "--transfer-timeout", "10"]
+FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2.5", "--transfer-timeout", "10"]
 
 
 def launch(run_dir: Path, *args: str) -> subprocess.Popen:

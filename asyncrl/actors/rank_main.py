@@ -104,8 +104,8 @@ class RankMain:
         self.group = env["ASYNCRL_GROUP"]
         self.address = env["ASYNCRL_ADDR"]
         self.secret = read_secret(env["ASYNCRL_SECRET_FILE"])
-        self.hb_interval = float(env.get("ASYNCRL_HB_INTERVAL", "1.0"))
-        self.hb_timeout = float(env.get("ASYNCRL_HB_TIMEOUT", "5.0"))
+        self.hb_interval = float(env.get("ASYNCRL_HB_INTERVAL", "0.5"))
+        self.hb_timeout = float(env.get("ASYNCRL_HB_TIMEOUT", "3.0"))
         self.ctx = zmq.Context()
         self.transfer_timeout = float(env.get("ASYNCRL_TRANSFER_TIMEOUT", "60"))
         self.transport = env.get("ASYNCRL_TRANSPORT", "auto")

@@ -101,8 +101,8 @@ class Controller:
     transport: "auto" (shared memory on one host, else TCP), or "tcp" to force sockets.
     run_dir: logs (one file per group) and the secret; a temporary folder by default."""
 
-    def __init__(self, *, host: str = "127.0.0.1", heartbeat_interval: float = 1.0,
-                 heartbeat_timeout: float = 5.0, startup_timeout: float = 120.0,
+    def __init__(self, *, host: str = "127.0.0.1", heartbeat_interval: float = 0.5,
+                 heartbeat_timeout: float = 3.0, startup_timeout: float = 120.0,
                  construct_timeout: float = 600.0, shutdown_grace: float = 10.0,
                  transfer_timeout: float = 60.0, collective_timeout: float = 600.0,
                  transport: str = "auto",
@@ -478,8 +478,11 @@ class Controller:
 
     async def _rank_gone(self, group: GroupHandle, rank: int) -> None:
         """A rank's process is gone: give torchrun a moment to report why, then declare."""
-        try:  # torchrun notices within its monitor interval and reports the exit code
-            await asyncio.wait_for(group.exited.wait(), 3.0)
+        # torchrun notices within its monitor interval and reports the exit code; declared
+        # within the heartbeat timeout either way
+        wait = max(1.0, self.heartbeat_timeout - 2 * self.heartbeat_interval)
+        try:
+            await asyncio.wait_for(group.exited.wait(), wait)
         except asyncio.TimeoutError:
             group._mark_dead(rank, None, "its process is gone")
         group.agent.signal_all(signal.SIGKILL)

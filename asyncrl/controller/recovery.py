@@ -238,8 +238,7 @@ class Recovery:
         as declaring takes for one to show. A failure with no death behind it (a bug in user
         code) is reported that much later."""
         ctl = self.flow._ctl
-        deadline = time.monotonic() + max(ctl.heartbeat_timeout, 3.0) + \
-            2 * ctl.heartbeat_interval
+        deadline = time.monotonic() + ctl.heartbeat_timeout + 2 * ctl.heartbeat_interval
         while True:
             dead = [g for g in self.flow.groups
                     if g.handle is None or g.handle.dead is not None]
