@@ -1,7 +1,7 @@
 """The `asyncrl` command: parse, build, run, close.
 
     asyncrl launch FILE [--steps N] [--run-dir DIR] [--save-inputs] [key=value ...]
-                        [--checkpoint-every N] [--keep-checkpoints K] [--resume]
+                        [--checkpoint-every N] [--keep-checkpoints K] [--resume] [--encrypt]
                                           run FILE's `flow` (a DataFlow), or its `main()`
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
     asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
@@ -97,6 +97,10 @@ def launch(args: argparse.Namespace) -> int:
             raise SystemExit(f"asyncrl launch: --resume and --checkpoint-every work on a "
                              f"DataFlow; {args.script} defines main(), which saves its own "
                              f"state")
+        if args.encrypt:  # never run unencrypted when asked to encrypt
+            raise SystemExit(f"asyncrl launch: --encrypt sets up the Controller of a "
+                             f"DataFlow; {args.script} defines main(), which makes its own: "
+                             f"pass asyncrl.Controller(encrypt=True) there")
         result = run(main()) if inspect.iscoroutinefunction(main) else main()
         return int(result) if isinstance(result, int) else 0
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
@@ -120,11 +124,15 @@ def launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(args: argparse.Namespace) -> dict[str, float]:
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The Controller settings given on the command line (its defaults for the others)."""
     names = ("heartbeat_interval", "heartbeat_timeout", "transfer_timeout",
              "collective_timeout")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    settings: dict[str, Any] = {n: getattr(args, n) for n in names
+                                if getattr(args, n) is not None}
+    if args.encrypt:
+        settings["encrypt"] = True
+    return settings
 
 
 def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
@@ -256,6 +264,9 @@ def parser() -> argparse.ArgumentParser:
     lp.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                     help="how long a collective inside a group waits for a peer (default "
                     "600)")
+    lp.add_argument("--encrypt", action="store_true",
+                    help="encrypt every control and data-plane socket with CurveZMQ (for "
+                    "untrusted networks; frames are HMAC-signed either way)")
     lp.add_argument("args", nargs="*", help="key=value overrides, or arguments passed on "
                     "to a driver's main() (after --)")
     lp.set_defaults(func=launch)

@@ -95,3 +95,27 @@ def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
     assert_gone(pids)
     assert report["state"] == ["cpu"]  # optimizer state left the GPU while generating
     assert report["peak"] <= report["bound"], report
+
+
+def test_nccl_one_rank_communicator_through_cupy():
+    """The real cupy.cuda.nccl calls asyncrl/comm/nccl.py makes, on the one GPU a device
+    machine has: a 1-rank communicator from a controller-style unique id, a send to itself
+    and a receive in one NCCL group, and the bounded wait on the stream."""
+    pytest.importorskip("cupy")
+    from asyncrl.comm import nccl
+
+    nccl.join("self->self", nccl.new_unique_id(), 1, 0, {"self": 0})
+    end = nccl.link("self->self")
+    src = (torch.arange(4096, device="cuda", dtype=torch.float32) * 3).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    backend = nccl.backend()
+    backend.groupStart()
+    flat_src, flat_dst = src.view(torch.uint8), dst.view(torch.uint8)
+    stream = torch.cuda.current_stream().cuda_stream
+    end.comm.send(flat_src.data_ptr(), flat_src.numel(), backend.NCCL_UINT8, 0, stream)
+    end.comm.recv(flat_dst.data_ptr(), flat_dst.numel(), backend.NCCL_UINT8, 0, stream)
+    backend.groupEnd()
+    nccl.finish("self->self", end, 30)
+    assert torch.equal(dst, src)
+    nccl.forget("self->self")
+    assert not nccl.has("self->self")

@@ -4,6 +4,7 @@ generations interrupted by new weights, staleness bounds and corrections, end to
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -85,15 +86,21 @@ def prompts(n: int) -> TensorBatch:
     return TensorBatch({"prompt": [PROMPTS[i % 4] for i in range(n)], "seed": list(range(n))})
 
 
-def test_sync_moves_weights_between_groups_into_a_generation_in_flight():
+@pytest.mark.parametrize("transport", ["auto", "nccl"])
+def test_sync_moves_weights_between_groups_into_a_generation_in_flight(transport, monkeypatch):
+    """transport="nccl": through the NCCL path, with tests/fake_nccl.py for CuPy's NCCL."""
     sampling = {"max_new_tokens": 8}
+    env = {}
+    if transport == "nccl":
+        monkeypatch.setenv("ASYNCRL_NCCL_MODULE", "fake_nccl")
+        env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
 
     async def main():
-        async with asyncrl.Controller() as ctl:
+        async with asyncrl.Controller(transport=transport) as ctl:
             trainer = await ctl.spawn(Policy, {"seed": 2}, nprocs=2, hybrid=False,
-                                      name="trainer")
+                                      name="trainer", env=env)
             rollout = await ctl.spawn(HeldRollout, {"seed": 1}, sampling, nprocs=2,
-                                      name="rollout")
+                                      name="rollout", env=env)
             pids = group_pids(trainer) + group_pids(rollout)
             assert not set(group_pids(trainer)) & set(group_pids(rollout))
             held = rollout.generate(prompts(6))
@@ -101,6 +108,7 @@ def test_sync_moves_weights_between_groups_into_a_generation_in_flight():
             out = await held
             after = await rollout.generate(prompts(6))
             assert ctl.payload_bytes == 0  # the weights went worker to worker
+            assert ctl.links.setups == (transport == "nccl")
             return sync, out, after, pids
     sync, out, after, pids = run(main())
     assert_gone(pids)

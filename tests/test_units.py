@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import hmac
 import os
-import stat
 import textwrap
 
 import msgspec
@@ -14,7 +14,7 @@ import torch
 import asyncrl
 from asyncrl.actors.protocols import Layout, get_protocol
 from asyncrl.comm import codec, messages
-from asyncrl.comm.auth import Signer, Verifier, read_secret, write_secret
+from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.refs import make_ref, resolve_ref
 
 DP = asyncrl.Dispatch.DP
@@ -104,14 +104,10 @@ def test_signed_frames_verify_once_and_only_on_their_link():
     assert dict(verifier.dropped) == {"replay": 1, "bad_mac": 2, "malformed": 1}
 
 
-def test_secret_file_is_private(tmp_path):
-    path = str(tmp_path / "secret")
-    write_secret(path, b"k" * 32)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert read_secret(path) == b"k" * 32
-    os.chmod(path, 0o644)
-    with pytest.raises(PermissionError, match="chmod 600"):
-        read_secret(path)
+def test_frame_mac_is_rfc_2104_hmac_sha256():
+    for secret in (os.urandom(32), os.urandom(64), os.urandom(100)):  # > one block: hashed
+        body, mac = Signer(secret).sign(b"g/0/io/1", b"payload")
+        assert mac == hmac.digest(secret, b"g/0/io/1" + body, "sha256")
 
 
 # -- TensorBatch ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ A protocol is two functions (register your own with `register_protocol`):
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +51,19 @@ class Layout:
         return dict(self.mesh).get(DP_AXIS, 1)
 
     def dp_rank(self, rank: int) -> int:
-        return self.coords(rank).get(DP_AXIS, 0)
+        return self._dp[0][rank]
 
     def is_dp_collect(self, rank: int) -> bool:
         """One rank per DP chunk answers: the one whose other coordinates are all 0."""
-        return all(c == 0 for name, c in self.coords(rank).items() if name != DP_AXIS)
+        return self._dp[1][rank]
+
+    @functools.cached_property
+    def _dp(self) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        """Each rank's dp rank and whether it collects, worked out once per layout (DP calls
+        ask for every rank)."""
+        coords = [self.coords(r) for r in range(self.world_size)]
+        return (tuple(c.get(DP_AXIS, 0) for c in coords),
+                tuple(all(v == 0 for name, v in c.items() if name != DP_AXIS) for c in coords))
 
 
 def mesh_coords(mesh: tuple[tuple[str, int], ...], rank: int) -> dict[str, int]:

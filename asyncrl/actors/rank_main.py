@@ -37,7 +37,7 @@ from asyncrl.actors.protocols import mesh_coords
 from asyncrl.actors.register import registered_methods
 from asyncrl.actors.worker import construct
 from asyncrl.comm import codec
-from asyncrl.comm.auth import read_secret
+from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.dataplane import SHM_PREFIX, DataClient, DataServer
 from asyncrl.comm.messages import (
@@ -104,6 +104,7 @@ class RankMain:
         self.group = env["ASYNCRL_GROUP"]
         self.address = env["ASYNCRL_ADDR"]
         self.secret = read_secret(env["ASYNCRL_SECRET_FILE"])
+        self.curve = read_curve(env["ASYNCRL_SECRET_FILE"])  # None: the run is not encrypted
         self.hb_interval = float(env.get("ASYNCRL_HB_INTERVAL", "0.5"))
         self.hb_timeout = float(env.get("ASYNCRL_HB_TIMEOUT", "3.0"))
         self.ctx = zmq.Context()
@@ -121,7 +122,8 @@ class RankMain:
         self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
                                self.secret, self.store.get, f"{self.group}:{self.rank}",
                                f"{SHM_PREFIX}{env.get('ASYNCRL_RUN_ID', os.getpid())}-",
-                               on_start=bind_gpu)
+                               on_start=bind_gpu, timeout=self.transfer_timeout,
+                               curve=self.curve)
         self.worker: Any = None
         self.methods: dict[str, MethodSpec] = {}
         self.pool: ThreadPoolExecutor | None = None
@@ -129,7 +131,7 @@ class RankMain:
 
     def socket(self, role: str) -> RankSocket:
         identity = f"{self.group}/{self.rank}/{role}/{os.getpid()}".encode()
-        return RankSocket(self.ctx, self.address, identity, self.secret)
+        return RankSocket(self.ctx, self.address, identity, self.secret, curve=self.curve)
 
     def hello(self, role: str) -> Hello:
         return Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
@@ -137,7 +139,7 @@ class RankMain:
 
     def data_client(self, identity: str) -> DataClient:
         return DataClient(self.ctx, self.secret, identity, self.host, self.segments,
-                          self.transfer_timeout, self.transport)
+                          self.transfer_timeout, self.transport, self.curve)
 
     def keep(self, call: Call, value: Any) -> Result:
         """Keep a result in the object store (it may be passed to another group) and send

@@ -54,6 +54,13 @@ class Worker:
     def load_state(self, folder: Path) -> None:
         """Read back what `save_state` wrote into `folder`. The default loads nothing."""
 
+    @register(concurrent=True)
+    def _nccl_join(self, key: str, uid: list[int], world: int, offsets: dict[str, int]) -> None:
+        """Join the NCCL communicator `key` the controller sets up (asyncrl/controller/links.py)."""
+        from asyncrl.comm import nccl
+
+        nccl.join(key, uid, world, offsets[self.group_name] + self.rank, offsets)
+
     @register
     def save_checkpoint(self, path: str) -> None:
         """Save this rank's RNG states and `save_state` into ``path/<group name>/``."""

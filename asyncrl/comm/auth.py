@@ -5,15 +5,34 @@ A frame is two ZeroMQ parts: ``body = seq (8 bytes, big endian) + message`` and
 identity for rank -> controller, ``b">" + destination identity`` for controller -> rank,
 so a frame cannot be replayed on another link, and the strictly increasing sequence number
 stops it being replayed on its own.
+
+The MAC is HMAC-SHA256 from the standard library, keyed once per socket and copied per frame
+(cheaper than keying it again for every frame).
+
+Optional CurveZMQ encryption (`Controller(encrypt=True)`) for untrusted networks: the
+controller's ROUTER and every rank's data server are CURVE servers, every other socket a
+CURVE client with a key pair of its own. The servers' public keys (and the data servers'
+secret key, which every rank serves with) travel in the secret file, beside the secret:
+
+    <secret, hex>
+    curve-controller <the ROUTER's public key, Z85>      (its secret key never leaves it)
+    curve-data-public <Z85>
+    curve-data-secret <Z85>
+
+Frames stay signed as above: CURVE hides them, the HMAC still decides what is accepted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
 import struct
 from collections import Counter
+from typing import NamedTuple
+
+import zmq
 
 SECRET_BYTES = 32
 _SEQ = struct.Struct(">Q")
@@ -23,41 +42,112 @@ def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
-def write_secret(path: str, secret: bytes) -> None:
-    """Write the secret to a file only its owner can read (0600), created that way."""
+class CurveKeys(NamedTuple):
+    """A run's CurveZMQ keys as ranks read them (Z85): the controller's public key, and the
+    key pair every rank's data server uses."""
+
+    controller: bytes
+    data_public: bytes
+    data_secret: bytes
+
+
+def curve_available() -> bool:
+    """Whether this pyzmq's libzmq can do CURVE (it needs libsodium or its own tweetnacl)."""
+    return bool(zmq.has("curve"))
+
+
+def new_curve_keys() -> tuple[CurveKeys, bytes]:
+    """Fresh keys for a run, and the controller's own secret key (it stays in its memory)."""
+    controller_public, controller_secret = zmq.curve_keypair()
+    data_public, data_secret = zmq.curve_keypair()
+    return CurveKeys(controller_public, data_public, data_secret), controller_secret
+
+
+def curve_server(sock: zmq.Socket, secret_key: bytes) -> None:
+    """Make `sock` (before it binds) a CURVE server: peers must know its public key."""
+    sock.curve_secretkey = secret_key
+    sock.curve_publickey = zmq.curve_public(secret_key)
+    sock.curve_server = True
+
+
+def curve_client(sock: zmq.Socket, server_key: bytes) -> None:
+    """Make `sock` (before it connects) a CURVE client of the server with `server_key`,
+    with a key pair of its own."""
+    public, secret = zmq.curve_keypair()
+    sock.curve_serverkey = server_key
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+
+
+def write_secret(path: str, secret: bytes, curve: CurveKeys | None = None) -> None:
+    """Write the secret (and the CURVE keys, if any) to a file only its owner can read
+    (0600), created that way."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secret.hex())
+        f.write(secret.hex() + "\n")
+        if curve is not None:
+            f.write(f"curve-controller {curve.controller.decode()}\n"
+                    f"curve-data-public {curve.data_public.decode()}\n"
+                    f"curve-data-secret {curve.data_secret.decode()}\n")
 
 
-def read_secret(path: str) -> bytes:
+def _read_private(path: str) -> list[str]:
     mode = os.stat(path).st_mode & 0o777
     if mode & 0o077:
         raise PermissionError(
             f"secret file {path} has mode {mode:o}; it must be readable by its owner only "
             f"(chmod 600 {path})")
     with open(path) as f:
-        return bytes.fromhex(f.read().strip())
+        return f.read().split("\n")
+
+
+def read_secret(path: str) -> bytes:
+    return bytes.fromhex(_read_private(path)[0].strip())
+
+
+def read_curve(path: str) -> CurveKeys | None:
+    """The CURVE keys in a secret file, or None when the run is not encrypted."""
+    fields = dict(line.split(" ", 1) for line in _read_private(path)[1:] if " " in line)
+    if "curve-controller" not in fields:
+        return None
+    return CurveKeys(*(fields[k].strip().encode() for k in (
+        "curve-controller", "curve-data-public", "curve-data-secret")))
+
+
+class _Mac:
+    """HMAC-SHA256 under one key, its key schedule done once (each frame copies it)."""
+
+    __slots__ = ("_base",)
+
+    def __init__(self, secret: bytes):
+        self._base = hmac.new(secret, digestmod=hashlib.sha256)
+
+    def __call__(self, route: bytes, body: bytes) -> bytes:
+        """HMAC(secret, route + body)."""
+        mac = self._base.copy()
+        mac.update(route)
+        mac.update(body)
+        return mac.digest()
 
 
 class Signer:
     """Signs outgoing frames of one socket; one sequence counter per socket."""
 
     def __init__(self, secret: bytes):
-        self._secret = secret
+        self._mac = _Mac(secret)
         self._seq = 0
 
     def sign(self, route: bytes, message: bytes) -> list[bytes]:
         self._seq += 1
         body = _SEQ.pack(self._seq) + message
-        return [body, hmac.digest(self._secret, route + body, "sha256")]
+        return [body, self._mac(route, body)]
 
 
 class Verifier:
     """Checks incoming frames; counts what it drops, by reason, and never raises."""
 
     def __init__(self, secret: bytes):
-        self._secret = secret
+        self._mac = _Mac(secret)
         self._last_seq: dict[bytes, int] = {}
         self.dropped: Counter[str] = Counter()
         self.total_dropped = 0  # an int, safe to read from another thread
@@ -72,7 +162,7 @@ class Verifier:
             self.drop("malformed")
             return None
         body, mac = frames
-        if not hmac.compare_digest(hmac.digest(self._secret, route + body, "sha256"), mac):
+        if not hmac.compare_digest(self._mac(route, body), mac):
             self.drop("bad_mac")
             return None
         (seq,) = _SEQ.unpack_from(body)

@@ -30,18 +30,23 @@ _produced: dict[int, int] = {}  # storage address -> how many marked tensors use
 
 EXT_TENSOR, EXT_NDARRAY, EXT_BATCH, EXT_REF, EXT_REMOTE_BATCH, EXT_REMOTE_VALUE = 1, 2, 3, 4, 5, 6
 _HLEN = struct.Struct(">I")
+_NO_BYTES = np.empty(0, np.uint8)
+_DTYPES: dict[str, torch.dtype] = {}  # names seen on the wire -> dtypes (checked once each)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def _pack_buffer(header: Any, raw: np.ndarray) -> bytearray:
-    """header length + msgpack header + raw bytes, with one copy of the raw bytes."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)[6:]  # "torch.float32" -> "float32"
+    return name
+
+
+def _pack_buffer(header: Any, raw: np.ndarray) -> bytes:
+    """header length + msgpack header + raw bytes (a C-contiguous array), with one copy of
+    the raw bytes."""
     head = msgspec.msgpack.encode(header)
-    out = bytearray(_HLEN.size + len(head) + raw.nbytes)
-    _HLEN.pack_into(out, 0, len(head))
-    out[_HLEN.size:_HLEN.size + len(head)] = head
-    if raw.nbytes:
-        np.frombuffer(out, np.uint8, offset=_HLEN.size + len(head))[:] = raw.reshape(-1).view(
-            np.uint8)
-    return out
+    return b"".join((_HLEN.pack(len(head)), head, raw.data))
 
 
 def _unpack_buffer(data: memoryview) -> tuple[Any, memoryview]:
@@ -78,12 +83,17 @@ def _forget_produced(key: int) -> None:
 def _enc_hook(obj: Any) -> Any:
     global produced_bytes_encoded
     if isinstance(obj, torch.Tensor):
-        if _produced and obj.numel() and obj.untyped_storage().data_ptr() in _produced:
-            produced_bytes_encoded += obj.numel() * obj.element_size()
-        t = obj.detach().to("cpu").contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-        return msgspec.msgpack.Ext(EXT_TENSOR, _pack_buffer([str(t.dtype)[6:], list(t.shape)],
-                                                            raw))
+        numel = obj.numel()
+        if _produced and numel and obj.untyped_storage().data_ptr() in _produced:
+            produced_bytes_encoded += numel * obj.element_size()
+        t = obj.detach() if obj.requires_grad else obj  # each step only where it is needed:
+        if not t.is_cpu:  # a DP call encodes one small chunk per rank
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if numel else _NO_BYTES
+        return msgspec.msgpack.Ext(EXT_TENSOR, _pack_buffer([_dtype_name(t.dtype),
+                                                             list(t.shape)], raw))
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             raise TypeError("a numpy array of Python objects cannot be sent; use a list")
@@ -110,12 +120,15 @@ def _enc_hook(obj: Any) -> Any:
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_TENSOR:
         (dtype, shape), raw = _unpack_buffer(data)
-        dt = getattr(torch, dtype)
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"unknown tensor dtype {dtype!r}")
+        dt = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if dt is None:
+            dt = getattr(torch, dtype)
+            if not isinstance(dt, torch.dtype):
+                raise ValueError(f"unknown tensor dtype {dtype!r}")
+            _DTYPES[dtype] = dt
         if len(raw) == 0:
             return torch.empty(shape, dtype=dt)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+        return torch.frombuffer(bytearray(raw), dtype=dt).reshape(shape)
     if code == EXT_NDARRAY:
         (dtype, shape), raw = _unpack_buffer(data)
         dt = np.dtype(dtype)

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import zmq
 
-from asyncrl.comm import codec, messages
-from asyncrl.comm.auth import Signer, Verifier
+from asyncrl.comm import codec, messages, nccl
+from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client, curve_server
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.channel import open_frame
 from asyncrl.comm.cuda_ipc import copy_rows_into, export_rows
@@ -60,10 +60,13 @@ class DataServer:
     """A rank's data-plane server: a thread with a ROUTER that answers Pulls."""
 
     def __init__(self, ctx: zmq.Context, host: str, secret: bytes, lookup, peer: str,
-                 run_prefix: str, on_start: Callable[[], None] | None = None):
+                 run_prefix: str, on_start: Callable[[], None] | None = None,
+                 timeout: float = 60.0, curve: CurveKeys | None = None):
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
+        if curve is not None:  # encrypted: every rank serves with the run's data key pair
+            curve_server(self._sock, curve.data_secret)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._signer, self._verifier = Signer(secret), Verifier(secret)
@@ -73,6 +76,7 @@ class DataServer:
         self._run_prefix = run_prefix  # segments of this run: f"{run_prefix}{group}-{rank}-"
         self._mapper = SegmentMapper()
         self._on_start = on_start
+        self._timeout = timeout  # for an NCCL send to be received
         self.rejected = 0  # well-signed requests that could not be served
         threading.Thread(target=self._serve, name="asyncrl-data", daemon=True).start()
 
@@ -133,6 +137,14 @@ class DataServer:
                 raise ValueError(f"column {key!r} of object {req.obj_id} on {self._peer} is "
                                  f"not a GPU tensor: it cannot go by CUDA IPC")
             reply.ipc[key] = export_rows(tensors.pop(key), req.start, req.stop)
+        if req.nccl:  # sent before the answer: an answer means the bytes are there
+            missing = [k for k in req.nccl if k not in tensors]
+            if missing:
+                raise KeyError(f"object {req.obj_id} on {self._peer} has no tensor columns "
+                               f"{missing}")
+            group, rank = identity.decode(errors="replace").split("/")[:2]
+            nccl.send(req.nccl_key, [tensors.pop(k)[req.start:req.stop] for k in req.nccl],
+                      (group, int(rank)), self._timeout)
         if not req.dest:
             reply.buffers = list(tensors)
             return reply, [_bytes_of(t[req.start:req.stop]) for t in tensors.values()]
@@ -169,10 +181,13 @@ class DataClient:
     """Pulls remote pieces for one thread (each thread that runs calls owns one)."""
 
     def __init__(self, ctx: zmq.Context, secret: bytes, identity: str, host: str,
-                 pool: SegmentPool | None, timeout: float, transport: str = "auto"):
+                 pool: SegmentPool | None, timeout: float, transport: str = "auto",
+                 curve: CurveKeys | None = None):
         self._ctx, self._secret, self._identity = ctx, secret, identity
+        self._curve = curve
         self._host, self._pool, self._timeout = host, pool, timeout
         self._transport = transport
+        self._group = identity.split("/")[0]
         self._socks: dict[str, tuple[zmq.Socket, Signer, Verifier, bytes]] = {}
         self._xfer = itertools.count(1)
 
@@ -196,15 +211,18 @@ class DataClient:
             sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # sending a pull never blocks: only replies are waited
+            if self._curve is not None:
+                curve_client(sock, self._curve.data_public)
             sock.connect(addr)
             entry = (sock, Signer(self._secret), Verifier(self._secret), identity)
             self._socks[addr] = entry
         return entry
 
     def _exchange(self, requests: list[tuple[Piece, Pull]],
-                  take: Callable[[Pull, Pulled, list], None]) -> None:
-        """Send every request, then hand each reply to `take` as it arrives (so the copy of
-        one bucket overlaps the transfer of the next), all within the timeout."""
+                  take: Callable[[Pull, Pulled, list], None],
+                  sent: Callable[[], None] | None = None) -> None:
+        """Send every request, call `sent()`, then hand each reply to `take` as it arrives (so
+        the copy of one bucket overlaps the transfer of the next), all within the timeout."""
         pending: dict[int, tuple[Piece, Pull]] = {}
         poller = zmq.Poller()
         for piece, req in requests:
@@ -213,6 +231,8 @@ class DataClient:
             sock.send_multipart(signer.sign(route, messages.encode(req)))
             pending[req.xfer_id] = (piece, req)
             poller.register(sock, zmq.POLLIN)
+        if sent is not None:
+            sent()
         deadline = time.monotonic() + self._timeout
         by_sock = {id(s): (s, v, i) for s, _, v, i in self._socks.values()}
         while pending:
@@ -257,12 +277,20 @@ class DataClient:
         row_bytes = {c.key: _row_bytes(c.dtype, c.shape) for c in tensor_cols}
         same_host = all(p.shard.host == self._host for p in rb.pieces)
         on_gpu = torch.cuda.is_available()
+        # GPU columns from another host go by NCCL when the controller set up a communicator
+        # with their group (transport="nccl": every tensor column, for tests on CPUs)
+        keys = {p.shard.group: f"{p.shard.group}->{self._group}" for p in rb.pieces}
+        linked = all(nccl.has(k) for k in keys.values())
+        by_nccl = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype),
+                                      device="cuda" if c.device == "cuda" and on_gpu else "cpu")
+                   for c in tensor_cols if linked and (self._transport == "nccl" or (
+                       c.device == "cuda" and on_gpu and not same_host))}
         # GPU columns go device to device by CUDA IPC when both ends share a host; else they
         # come through host memory and go back onto this rank's GPU, if it has one
         ipc = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype), device="cuda")
                for c in tensor_cols if c.device == "cuda" and on_gpu and same_host and
-               self._transport != "tcp"}
-        tensor_cols = [c for c in tensor_cols if c.key not in ipc]
+               self._transport not in ("tcp", "nccl") and c.key not in by_nccl}
+        tensor_cols = [c for c in tensor_cols if c.key not in ipc and c.key not in by_nccl]
         offsets, total = {}, 0
         for c in tensor_cols:
             offsets[c.key] = total
@@ -278,6 +306,8 @@ class DataClient:
             if direct and lease is not None:
                 req.dest, req.dest_row, req.columns = lease.name, row, dests
             req.ipc = list(ipc)
+            if by_nccl:
+                req.nccl, req.nccl_key = list(by_nccl), keys[piece.shard.group]
             requests.append((piece, req))
             rows_at[req.xfer_id] = row
             row += piece.stop - piece.start
@@ -296,12 +326,31 @@ class DataClient:
                 at = offsets[key] + start * row_bytes[key]
                 buf[at:at + count * row_bytes[key]] = np.frombuffer(frame.buffer, np.uint8)
 
+        links = {k: nccl.link(k) for k in sorted({r.nccl_key for _, r in requests if r.nccl})}
+
+        def post() -> None:  # the receives of every bucket, once its pull is on its way
+            for key, end in links.items():
+                nccl.receive(key, end, [
+                    ((piece.shard.group, piece.shard.rank),
+                     by_nccl[col][rows_at[req.xfer_id]:rows_at[req.xfer_id] + req.stop
+                                  - req.start])
+                    for piece, req in requests if req.nccl_key == key for col in req.nccl])
+
+        for end in links.values():  # one puller at a time per communicator: receives match
+            end.lock.acquire()      # sends in order
         try:
-            self._exchange(requests, take)
+            self._exchange(requests, take, post if links else None)
+            for key, end in links.items():
+                nccl.finish(key, end, self._timeout)
         except BaseException:
             if lease is not None:  # a late producer may still write into it: never reuse
                 lease.discard()
+            for key in links:  # a receive may never complete: give the communicator up
+                nccl.forget(key)
             raise
+        finally:
+            for end in links.values():
+                end.lock.release()
         data: dict[str, Any] = {}
         if lease is not None:
             del buf  # the arrays below take the lease over
@@ -314,6 +363,7 @@ class DataClient:
             for c in tensor_cols:
                 data[c.key] = torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype))
         data.update(ipc)
+        data.update(by_nccl)
         for c in all_cols:
             if c.device == "cuda" and on_gpu and not data[c.key].is_cuda:
                 data[c.key] = data[c.key].cuda()

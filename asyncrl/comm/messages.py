@@ -178,6 +178,8 @@ class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     dest_row: int = 0
     columns: list[ColumnDest] = []
     ipc: list[str] = []  # GPU columns to share by CUDA IPC instead (puller on this host)
+    nccl: list[str] = []  # columns to send by NCCL, in this order, on communicator nccl_key
+    nccl_key: str = ""
 
 
 class Pulled(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

@@ -33,7 +33,7 @@ import msgspec
 from asyncrl.actors.protocols import Layout
 from asyncrl.actors.worker import Worker
 from asyncrl.comm import codec
-from asyncrl.comm.auth import new_secret, write_secret
+from asyncrl.comm.auth import curve_available, new_curve_keys, new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
 from asyncrl.comm.messages import (
     Construct,
@@ -52,6 +52,7 @@ from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
 from asyncrl.controller.group import GroupHandle, RankInfo
 from asyncrl.controller.launcher import Agent, HostAgents, kill_pids, pid_alive, rank_env
+from asyncrl.controller.links import Links
 from asyncrl.controller.logs import LogSink
 from asyncrl.controller.placement import Placer
 from asyncrl.controller.timeline import Timeline
@@ -98,8 +99,11 @@ class Controller:
     collective_timeout: how long a collective inside a group (gloo, NCCL) may wait for a
     peer; then it raises on the rank (gloo) or the NCCL watchdog ends the rank's process,
     which the supervisor reports (a hung NCCL kernel cannot be interrupted otherwise).
-    transport: "auto" (shared memory on one host, else TCP), or "tcp" to force sockets.
-    run_dir: logs (one file per group) and the secret; a temporary folder by default."""
+    transport: "auto" (CPU rows: shared memory on one host, else TCP; GPU rows: CUDA IPC on
+    one host, else NCCL), "tcp" to force sockets, "nccl" to send every tensor by NCCL.
+    run_dir: logs (one file per group) and the secret; a temporary folder by default.
+    encrypt: CurveZMQ on every control and data-plane socket, for untrusted networks (the
+    keys go to the ranks in the 0600 secret file; frames stay HMAC-signed)."""
 
     def __init__(self, *, host: str = "127.0.0.1", heartbeat_interval: float = 0.5,
                  heartbeat_timeout: float = 3.0, startup_timeout: float = 120.0,
@@ -107,9 +111,10 @@ class Controller:
                  transfer_timeout: float = 60.0, collective_timeout: float = 600.0,
                  transport: str = "auto",
                  run_dir: str | os.PathLike | None = None, die_with_controller: bool = True,
-                 echo_logs: bool = True, cluster: Cluster | None = None):
-        if transport not in ("auto", "tcp"):
-            raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
+                 echo_logs: bool = True, cluster: Cluster | None = None,
+                 encrypt: bool = False):
+        if transport not in ("auto", "tcp", "nccl"):
+            raise ValueError(f"transport must be 'auto', 'tcp' or 'nccl', got {transport!r}")
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must be larger than "
                              f"heartbeat_interval ({heartbeat_interval})")
@@ -121,6 +126,7 @@ class Controller:
         self.shutdown_grace = shutdown_grace
         self.transfer_timeout = transfer_timeout
         self.collective_timeout = collective_timeout
+        self.links = Links(transfer_timeout)  # NCCL communicators between groups
         self.transport = transport
         self.run_id = uuid.uuid4().hex[:16]  # names this run's shared-memory segments
         # bytes of worker-produced data that went through this controller to another group
@@ -137,9 +143,16 @@ class Controller:
                 host.startswith("127."):
             raise ValueError("a cluster with remote hosts needs Controller(host=<an address "
                              "they reach>): ranks connect back to the controller")
+        if encrypt and not curve_available():
+            raise RuntimeError("Controller(encrypt=True) needs a libzmq with CURVE, and this "
+                               "pyzmq's has none; install pyzmq from its wheels (they bundle "
+                               "one) or build libzmq with libsodium")
+        self.encrypt = encrypt
         if not host.startswith("127.") and host != "localhost":
             log.warning("asyncrl: the control plane listens on %s, reachable from the network "
-                        "(every frame is HMAC-signed with this run's secret)", host)
+                        "(every frame is HMAC-signed with this run's secret%s)", host,
+                        ", and CURVE-encrypted" if encrypt else
+                        "; Controller(encrypt=True) or `--encrypt` encrypts them too")
         self.logs: LogSink | None = None  # ranks' output: RUN_DIR/logs/<group>/rank<r>.log
         self.groups: dict[str, GroupHandle] = {}
         self._calls: dict[int, GroupHandle] = {}
@@ -177,8 +190,9 @@ class Controller:
         self._private = Path(tempfile.mkdtemp(prefix="asyncrl-secret-"))  # 0700, removed at close
         self.secret_file = self._private / "secret"
         secret = new_secret()
-        write_secret(str(self.secret_file), secret)
-        self.channel = ControllerChannel(secret, self.host)
+        keys, curve_secret = new_curve_keys() if self.encrypt else (None, None)
+        write_secret(str(self.secret_file), secret, keys)
+        self.channel = ControllerChannel(secret, self.host, curve_secret)
         self.channel.start(self._on_message)
         self._tasks = [self.loop.create_task(self._supervise())]
 

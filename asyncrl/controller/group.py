@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from asyncrl.actors.protocols import Layout, Protocol, get_protocol
-from asyncrl.comm import codec
+from asyncrl.comm import codec, messages
 from asyncrl.comm.messages import (
     Call,
     Construct,
@@ -73,6 +73,7 @@ class _Pending:
     waiting: set[int]  # ranks that have not reported yet
     collect: set[int]
     inputs: list[ObjectRef]  # keeps the objects this call pulls alive until it is done
+    links: list[str]  # the NCCL links its ranks pull through (dropped if the call fails)
     shards: dict[int, tuple[Shard, Schema]] = field(default_factory=dict)
     inline: dict[int, msgspec.Raw] = field(default_factory=dict)
     busy: float = 0.0  # the longest time a rank spent on it
@@ -85,6 +86,7 @@ class _Queued:
     kwargs: dict[str, Any]
     future: DistFuture
     inputs: list[ObjectRef] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
 
 
 class _Method:
@@ -253,13 +255,19 @@ class GroupHandle:
         collect = set(split.collect)
         concurrent = self.methods[item.method].concurrent
         self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
-                                          split.state, set(split.calls), collect, item.inputs)
+                                          split.state, set(split.calls), collect, item.inputs,
+                                          item.links)
         self._ctl._calls[call_id] = self
+        send, ranks = self._ctl.channel.send_encoded, self.ranks
+        calls: dict[tuple[int, int, bool], bytes] = {}  # ranks with the same Call share it
         for rank, (args, kwargs) in split.calls.items():
-            payload = payloads[(id(args), id(kwargs))]
-            info = self.ranks[rank]
-            self._ctl.channel.send(info.identity if concurrent else info.exec_identity,
-                                   Call(call_id, item.method, payload, rank in collect))
+            which = (id(args), id(kwargs), rank in collect)
+            call = calls.get(which)
+            if call is None:
+                call = calls[which] = messages.encode(Call(
+                    call_id, item.method, payloads[(which[0], which[1])], which[2]))
+            info = ranks[rank]
+            send(info.identity if concurrent else info.exec_identity, call)
 
     def _names(self, method: str) -> list[str]:
         names = self._arg_names.get(method)
@@ -282,6 +290,8 @@ class GroupHandle:
         p.busy = max(p.busy, msg.busy)
         if msg.error is not None:
             p.future._set_exception(self._remote_error(rank, p.method, msg.error))
+            if p.links:  # its ranks may have aborted their ends of these
+                self._ctl.links.forget(p.links)
         elif rank in p.collect:
             if msg.schema is not None:
                 info = self.ranks[rank]
@@ -340,6 +350,8 @@ class GroupHandle:
         except Exception as e:
             raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e
         item.inputs.append(ref)
+        if self._ctl.links.needed(ref, self, self._ctl.transport):
+            item.links.append(await self._ctl.links.ensure(ref.group, self))
         return ref.view()
 
     def _fail_all(self, exc: BaseException) -> None:

@@ -1,0 +1,166 @@
+"""NCCL through CuPy: GPU rows sent from a producer rank to a consumer rank on another host.
+
+    controller: first call of group B that pulls GPU columns from group A's results
+      └─ uid = get_unique_id(); every rank of A and B joins one communicator
+         (A's ranks first, then B's), kept per ordered pair of groups: A sends, B receives
+    consumer (B rank c): Pull(nccl=[columns], nccl_key) to producer rank p, then posts the
+      receives for every bucket it asked for, as one NCCL group (no order between producers
+      can deadlock it)
+    producer (A rank p, data-server thread): sends the rows to c, waits for its stream with
+      a bound, then answers Pulled (so an answer means the bytes are there)
+
+One communicator per direction: the producer's data-server thread only sends on it, the
+consumer's call threads only receive (under a lock), so no communicator is used by two
+threads at once. A send or receive that does not finish within the transfer timeout aborts
+the communicator (NCCL cannot be interrupted otherwise); the pair is set up again next time.
+
+Imports CuPy only when a communicator is made. `ASYNCRL_NCCL_MODULE` names another module
+with the same API (cupy.cuda.nccl's get_unique_id, NcclCommunicator, groupStart/groupEnd,
+NCCL_UINT8): the CPU tests use one that moves bytes over sockets. Never run on GPUs yet: no
+machine with two GPUs was lent to the sessions that wrote it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncrl.errors import TransferTimeout
+
+MODULE_ENV = "ASYNCRL_NCCL_MODULE"
+
+
+def backend() -> Any:
+    """cupy.cuda.nccl, or the module ASYNCRL_NCCL_MODULE names."""
+    name = os.environ.get(MODULE_ENV, "cupy.cuda.nccl")
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(f"GPU transfers between hosts use NCCL through CuPy: install "
+                          f"cupy-cuda12x (or cupy-cuda13x) and nvidia-nccl-cu12 ({e})") from e
+
+
+def new_unique_id() -> list[int]:
+    """A fresh NCCL unique id, as a list of ints (msgspec-encodable)."""
+    return [int(b) for b in backend().get_unique_id()]
+
+
+@dataclass
+class Link:
+    """One rank's end of the communicator of an ordered pair of groups."""
+
+    comm: Any
+    offsets: dict[str, int]  # group -> the communicator rank of its rank 0
+    lock: threading.Lock
+
+
+_links: dict[str, Link] = {}  # key ("A->B") -> this rank's end
+_guard = threading.Lock()
+
+
+def join(key: str, uid: list[int], world: int, rank: int, offsets: dict[str, int]) -> None:
+    """Make this rank's end of communicator `key` (blocks until all `world` ranks joined)."""
+    nccl = backend()
+    if torch.cuda.is_available():
+        torch.cuda.current_device()  # NCCL binds the communicator to the current device
+    comm = nccl.NcclCommunicator(world, tuple(uid), rank)
+    with _guard:
+        old = _links.pop(key, None)
+        _links[key] = Link(comm, dict(offsets), threading.Lock())
+    if old is not None:
+        _abort(old)
+
+
+def has(key: str) -> bool:
+    with _guard:
+        return key in _links
+
+
+def link(key: str) -> Link:
+    with _guard:
+        found = _links.get(key)
+    if found is None:
+        raise LookupError(f"no NCCL communicator {key!r} on this rank: the controller sets "
+                          f"one up before the first call that needs it")
+    return found
+
+
+def forget(key: str) -> None:
+    with _guard:
+        old = _links.pop(key, None)
+    if old is not None:
+        _abort(old)
+
+
+def _abort(found: Link) -> None:
+    try:
+        found.comm.abort()
+    except Exception:  # noqa: BLE001 - a broken communicator may refuse even that
+        pass
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else 0
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else \
+        torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def _wait(key: str, end: Link, what: str, timeout: float) -> None:
+    """Wait for this thread's stream with a bound; abort the communicator past it."""
+    if torch.cuda.is_available():
+        event = torch.cuda.Event()
+        event.record()
+        deadline = time.monotonic() + timeout
+        while not event.query():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.0005)
+        else:
+            return
+    elif end.comm.wait_all(timeout):  # the CPU stand-in's stream (tests/fake_nccl.py)
+        return
+    forget(key)
+    raise TransferTimeout(f"NCCL {what} on {key!r} not done within {timeout:g} s; the "
+                          f"communicator was aborted")
+
+
+def send(key: str, tensors: list[torch.Tensor], to: tuple[str, int], timeout: float) -> None:
+    """Producer side: send `tensors` (rows already cut) to rank `to` = (group, rank)."""
+    end, nccl = link(key), backend()
+    peer = end.offsets[to[0]] + to[1]
+    flats = [_flat(t) for t in tensors]  # kept alive until the stream is done with them
+    nccl.groupStart()
+    for flat in flats:
+        if flat.numel():
+            end.comm.send(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, peer, _stream())
+    nccl.groupEnd()
+    _wait(key, end, f"send to {to[0]}:{to[1]}", timeout)
+
+
+def receive(key: str, end: Link, wanted: list[tuple[tuple[str, int], torch.Tensor]]) -> None:
+    """Consumer side, holding `end.lock` from before its pulls were sent until `finish`: post
+    a receive for each (producer (group, rank), destination rows), as one NCCL group."""
+    nccl = backend()
+    nccl.groupStart()
+    try:
+        for (group, rank), dst in wanted:
+            if dst.numel():
+                flat = dst.view(-1).view(torch.uint8)  # contiguous rows of a fresh tensor
+                end.comm.recv(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8,
+                              end.offsets[group] + rank, _stream())
+    finally:
+        nccl.groupEnd()
+
+
+def finish(key: str, end: Link, timeout: float) -> None:
+    """After every producer answered: wait for the receives, with a bound."""
+    _wait(key, end, "receive", timeout)

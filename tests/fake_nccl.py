@@ -1,0 +1,158 @@
+"""A stand-in for cupy.cuda.nccl on CPU machines (ASYNCRL_NCCL_MODULE=fake_nccl): the same
+calls asyncrl/comm/nccl.py makes — get_unique_id, NcclCommunicator(world, uid, rank) with
+send/recv(ptr, count, dtype, peer, stream) and abort, groupStart/groupEnd, NCCL_UINT8 — with
+the bytes at `ptr` (a CPU tensor's memory) carried over ZeroMQ sockets between the ranks.
+
+Like NCCL: communicator creation blocks until all ranks joined; the operations between
+groupStart and groupEnd are issued together at groupEnd; a send never blocks; receives run
+in the background, in order, on the communicator's one "stream" (a thread), each taking the
+next message from its peer. asyncrl waits for a CPU stream with `wait_all(timeout)`, which
+only this module has (on GPUs it records a CUDA event instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+
+import zmq
+
+NCCL_UINT8 = 1
+_ROOT = os.path.join(tempfile.gettempdir(), "asyncrl-fake-nccl")
+_group = threading.local()
+
+
+def get_unique_id() -> tuple[int, ...]:
+    return tuple(secrets.token_bytes(128))
+
+
+def groupStart() -> None:  # noqa: N802 - cupy's name
+    _group.depth = getattr(_group, "depth", 0) + 1
+    if _group.depth == 1:
+        _group.ops = []
+
+
+def groupEnd() -> None:  # noqa: N802 - cupy's name
+    _group.depth -= 1
+    if _group.depth == 0:
+        ops, _group.ops = _group.ops, []
+        for op in sorted(ops, key=lambda o: o[0] != "send"):
+            op[1]()
+
+
+def _run(kind: str, fn) -> None:
+    if getattr(_group, "depth", 0) > 0:
+        _group.ops.append((kind, fn))
+    else:
+        fn()
+
+
+class NcclCommunicator:
+    def __init__(self, world: int, uid: tuple[int, ...], rank: int):
+        self.world, self.rank = world, rank
+        folder = os.path.join(_ROOT, bytes(uid)[:16].hex())
+        os.makedirs(folder, exist_ok=True)
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        port = self._pull.bind_to_random_port("tcp://127.0.0.1")
+        _publish(os.path.join(folder, f"rank{rank}"), f"tcp://127.0.0.1:{port}")
+        addrs = [_await_file(os.path.join(folder, f"rank{r}")) for r in range(world)]
+        self._push = {}
+        for r, addr in enumerate(addrs):
+            if r != rank:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 2000)
+                sock.connect(addr)
+                self._push[r] = sock
+        _publish(os.path.join(folder, f"done{rank}"), "1")
+        if rank == 0:  # the rendezvous folder goes once everyone has read it
+            for r in range(world):
+                _await_file(os.path.join(folder, f"done{r}"))
+            shutil.rmtree(folder, ignore_errors=True)
+        self._early: dict[int, deque[bytes]] = {}
+        self._stream: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()
+        self._queued = 0
+        self._error: BaseException | None = None
+        self._aborted = threading.Event()
+        threading.Thread(target=self._run_stream, daemon=True).start()
+
+    def _run_stream(self) -> None:
+        while True:
+            op = self._stream.get()
+            if op is None:
+                self._pull.close(0)
+                self._ctx.term()
+                return
+            try:
+                op()
+            except BaseException as e:  # noqa: BLE001 - reported by wait_all
+                self._error = e
+            with self._idle:
+                self._queued -= 1
+                self._idle.notify_all()
+
+    def wait_all(self, timeout: float) -> bool:
+        """Every receive issued so far is done (False: not within `timeout`)."""
+        with self._idle:
+            done = self._idle.wait_for(lambda: self._queued == 0, timeout)
+        if self._error is not None:
+            raise RuntimeError(f"fake NCCL: {self._error}")
+        return done
+
+    def send(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        data = ctypes.string_at(ptr, count)  # copied now, as a stream would read it
+        _run("send", lambda: self._push[peer].send_multipart([str(self.rank).encode(), data]))
+
+    def recv(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        def take() -> None:
+            data = self._next_from(peer)
+            if len(data) != count:
+                raise RuntimeError(f"{len(data)} bytes from {peer}, {count} posted")
+            ctypes.memmove(ptr, data, count)
+
+        def issue() -> None:
+            with self._idle:
+                self._queued += 1
+            self._stream.put(take)
+        _run("recv", issue)
+
+    def _next_from(self, peer: int) -> bytes:
+        queue = self._early.setdefault(peer, deque())
+        while not queue:
+            if self._aborted.is_set():
+                raise RuntimeError("the communicator was aborted")
+            if self._pull.poll(50):  # a socket belongs to one thread: this one closes it
+                src, data = self._pull.recv_multipart()
+                self._early.setdefault(int(src), deque()).append(data)
+        return queue.popleft()
+
+    def abort(self) -> None:
+        self._aborted.set()
+        self._stream.put(None)
+        for sock in self._push.values():  # the senders' sockets (abort runs on their thread)
+            sock.close(0)
+
+
+def _publish(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _await_file(path: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fake NCCL: {path} never appeared")
+        time.sleep(0.01)
+    with open(path) as f:
+        return f.read()

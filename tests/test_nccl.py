@@ -1,0 +1,102 @@
+"""The NCCL transport's logic (asyncrl/comm/nccl.py, controller/links.py) on CPUs: real
+groups with `Controller(transport="nccl")` and tests/fake_nccl.py standing in for
+cupy.cuda.nccl (the bytes at each tensor's pointer travel over sockets). The communicator
+set-up from a controller-made unique id, its reuse per pair of groups, the order of sends
+and receives across buckets and producers, and the timeout are checked; NCCL on GPUs is not
+(no machine with two GPUs here: see the README)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from helpers import run
+
+import asyncrl
+from asyncrl import Dispatch, TensorBatch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+class Maker(asyncrl.Worker):
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def make(self, batch: TensorBatch, width: int = 3) -> TensorBatch:
+        i = batch["i"]
+        return TensorBatch({
+            "x": i.double() * 10,
+            "v": (i[:, None] * 100 + torch.arange(width)).to(torch.bfloat16),
+            "name": [f"row{k}" for k in i.tolist()],
+            "src": [self.rank] * len(i)})
+
+
+class Taker(asyncrl.Worker):
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def take(self, batch: TensorBatch) -> TensorBatch:
+        return TensorBatch({"x": batch["x"] + 0, "v": batch["v"].float(),
+                            "name": batch["name"], "src": batch["src"],
+                            "taker": [self.rank] * len(batch)})
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    monkeypatch.setenv("ASYNCRL_NCCL_MODULE", "fake_nccl")
+
+
+def spawn_env() -> dict[str, str]:
+    return {"PYTHONPATH": TESTS}  # where the ranks find fake_nccl
+
+
+def test_rows_go_by_nccl_between_groups_in_order(fake_nccl):
+    n = 11
+
+    async def main():
+        async with asyncrl.Controller(transport="nccl") as ctl:
+            maker = await ctl.spawn(Maker, nprocs=2, env=spawn_env())
+            taker = await ctl.spawn(Taker, nprocs=2, env=spawn_env())
+            batch = TensorBatch({"i": torch.arange(n)})
+            first = await taker.take(maker.make(batch))
+            setups = ctl.links.setups
+            again = await taker.take(maker.make(batch, width=2_000_000))  # 2 buckets a shard
+            return first, again, setups, ctl.links.setups, ctl.payload_bytes
+    first, again, setups, setups_after, payload = run(main())
+    for out, width in ((first, 3), (again, 2_000_000)):
+        assert out["x"].tolist() == [10.0 * k for k in range(n)]
+        expected = (torch.arange(n)[:, None] * 100 + torch.arange(width)).to(torch.bfloat16)
+        assert torch.equal(out["v"], expected.float())
+        assert out["name"] == [f"row{k}" for k in range(n)]
+        assert out["src"] == [0] * 6 + [1] * 5 and out["taker"] == [0] * 6 + [1] * 5
+    assert (setups, setups_after) == (1, 1)  # one communicator for the pair, kept
+    assert payload == 0
+
+
+def test_one_consumer_receives_from_two_producers(fake_nccl):
+    async def main():
+        async with asyncrl.Controller(transport="nccl") as ctl:
+            maker = await ctl.spawn(Maker, nprocs=2, env=spawn_env())
+            taker = await ctl.spawn(Taker, nprocs=1, env=spawn_env())
+            return await taker.take(maker.make(TensorBatch({"i": torch.arange(7)})))
+    out = run(main())
+    assert out["x"].tolist() == [10.0 * k for k in range(7)]
+    assert out["src"] == [0] * 4 + [1] * 3
+
+
+def test_stopped_producer_gives_transfer_timeout_and_drops_the_link(fake_nccl):
+    async def main():
+        async with asyncrl.Controller(transport="nccl", transfer_timeout=5,
+                                      heartbeat_timeout=60) as ctl:
+            maker = await ctl.spawn(Maker, nprocs=1, env=spawn_env())
+            taker = await ctl.spawn(Taker, nprocs=1, env=spawn_env())
+            made = maker.make(TensorBatch({"i": torch.arange(4)}))
+            await taker.take(made)  # the link is up
+            os.kill(maker.pids[0], signal.SIGSTOP)
+            try:
+                with pytest.raises(asyncrl.TransferTimeout) as info:
+                    await taker.take(made)
+                return str(info.value), dict(ctl.links._made)
+            finally:
+                os.kill(maker.pids[0], signal.SIGCONT)
+    msg, made = run(main())
+    assert "maker:0" in msg and "within 5 s" in msg
+    assert made == {}  # set up again for the next call

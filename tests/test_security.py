@@ -1,0 +1,255 @@
+"""Security of the wire: the 0600 secret file, CurveZMQ encryption (`Controller(encrypt=True)`),
+and no pickle ever read from a socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from helpers import ROOT, assert_gone, group_pids, run
+from zmq.utils.monitor import parse_monitor_message
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.comm import messages
+from asyncrl.comm.auth import (
+    Signer,
+    curve_available,
+    new_curve_keys,
+    read_curve,
+    read_secret,
+    write_secret,
+)
+
+DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "no_pickle.py")
+needs_curve = pytest.mark.skipif(not curve_available(), reason="this libzmq has no CURVE")
+
+
+class Echo(asyncrl.Worker):
+    @asyncrl.register
+    def add(self, a, b):
+        return a + b
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def make(self, n: TensorBatch) -> TensorBatch:
+        return TensorBatch({"x": n["i"].float() * 2})
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def total(self, batch: TensorBatch) -> float:
+        return float(batch["x"].sum())
+
+
+def test_secret_file_is_private(tmp_path):
+    path = str(tmp_path / "secret")
+    write_secret(path, b"k" * 32)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert read_secret(path) == b"k" * 32
+    assert read_curve(path) is None  # not encrypted
+    os.chmod(path, 0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        read_secret(path)
+
+
+@needs_curve
+def test_curve_keys_travel_in_the_secret_file_only(tmp_path):
+    keys, controller_secret = new_curve_keys()
+    path = str(tmp_path / "secret")
+    write_secret(path, b"k" * 32, keys)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert read_secret(path) == b"k" * 32 and read_curve(path) == keys
+    assert controller_secret.decode() not in (tmp_path / "secret").read_text()  # kept in memory
+    os.chmod(path, 0o640)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        read_curve(path)
+
+
+def _shown(pid: int, words: list[str]) -> list[str]:
+    """Which of `words` are in the environment or command line of process `pid`."""
+    seen = b""
+    for what in ("environ", "cmdline"):
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            seen += f.read()
+    return [w for w in words if w.encode() in seen]
+
+
+async def _refused(monitor: zmq.asyncio.Socket) -> str:
+    """The first monitor event that says the connection was refused, by name."""
+    refused = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+               zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_DISCONNECTED}
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())
+        assert event["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED, "a plain socket got in"
+        if event["event"] in refused:
+            return zmq.Event(event["event"]).name
+
+
+@needs_curve
+def test_encrypted_run_works_and_a_plain_socket_gets_nothing_through():
+    async def main():
+        async with asyncrl.Controller(encrypt=True, transport="tcp", echo_logs=False) as ctl:
+            a = await ctl.spawn(Echo, nprocs=1, name="a")
+            b = await ctl.spawn(Echo, nprocs=1, name="b")
+            pids = group_pids(a) + group_pids(b)
+            assert await a.add(2, 3) == [5]
+            rows = TensorBatch({"i": torch.arange(10)})
+            assert await b.total(a.make(rows)) == [90.0]  # rows over the encrypted data plane
+
+            words = ctl.secret_file.read_text().split()  # the secret and the three keys
+            for pid in a.pids.values():  # are in no rank's environment or command line
+                assert not _shown(pid, words[:1] + words[2::2])
+
+            # a plain DEALER that knows the address and even the secret: a validly signed
+            # Hello that would take rank 0's route over if it got in, then garbage
+            secret = read_secret(str(ctl.secret_file))
+            before = (ctl.dropped_frames, a.ranks[0].identity, set(a.ranks), set(ctl.groups))
+            ctx = zmq.asyncio.Context()
+            intruder = ctx.socket(zmq.DEALER)
+            intruder.setsockopt(zmq.IDENTITY, b"a/0/io/1")
+            monitor = intruder.get_monitor_socket()
+            intruder.connect(ctl.channel.address)
+            hello = messages.Hello("a", 0, 1, 0, 1, socket.gethostname(), "io", "tcp://x:1")
+            await intruder.send_multipart(Signer(secret).sign(b"a/0/io/1",
+                                                              messages.encode(hello)))
+            await intruder.send(b"garbage")
+            assert await asyncio.wait_for(_refused(monitor), 10)
+
+            # and one at a rank's data server: a signed pull of a stored object, unanswered
+            puller = ctx.socket(zmq.DEALER)
+            puller.setsockopt(zmq.IDENTITY, b"b/0/pull9")
+            pull_monitor = puller.get_monitor_socket()
+            addr = a.ranks[0].data_addr
+            puller.connect(addr)
+            pull = messages.Pull(1, 1)
+            await puller.send_multipart(Signer(secret).sign(b"b/0/pull9@" + addr.encode(),
+                                                            messages.encode(pull)))
+            assert await asyncio.wait_for(_refused(pull_monitor), 10)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(puller.recv_multipart(), 1.0)
+
+            assert await a.add(1, 1) == [2]  # answered after anything the intruders sent
+            assert await b.total(a.make(rows)) == [90.0]
+            assert before == (ctl.dropped_frames, a.ranks[0].identity, set(a.ranks),
+                              set(ctl.groups))  # nothing reached even the MAC check
+            assert a.dead is None and b.dead is None
+            for sock in (intruder, monitor, puller, pull_monitor):
+                sock.close(0)
+            ctx.term()
+            return pids
+    assert_gone(run(main()))
+
+
+SITECUSTOMIZE = '''
+"""Put on PYTHONPATH by tests/test_security.py: records every unpickling in this process."""
+import os, pickle, _pickle, traceback
+
+_LOG = os.environ["ASYNCRL_PICKLE_LOG"]
+
+
+def _write(line):
+    fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.write(fd, (line + "\\n").encode())
+    os.close(fd)
+
+
+def _record(what):
+    stack = " < ".join(f"{f.filename}:{f.lineno}" for f in reversed(traceback.extract_stack()[:-2]))
+    _write(f"unpickled {os.getpid()} {what} {stack}")
+
+
+_loads, _load = pickle.loads, pickle.load
+_Unpickler, _PyUnpickler = pickle.Unpickler, pickle._Unpickler
+
+
+def loads(*args, **kwargs):
+    _record("loads")
+    return _loads(*args, **kwargs)
+
+
+def load(*args, **kwargs):
+    _record("load")
+    return _load(*args, **kwargs)
+
+
+class Unpickler(_Unpickler):
+    def __init__(self, *args, **kwargs):
+        _record("Unpickler")
+        super().__init__(*args, **kwargs)
+
+
+class PyUnpickler(_PyUnpickler):
+    def __init__(self, *args, **kwargs):
+        _record("Unpickler")
+        super().__init__(*args, **kwargs)
+
+
+for module in (pickle, _pickle):
+    module.loads, module.load, module.Unpickler = loads, load, Unpickler
+pickle._loads, pickle._load, pickle._Unpickler = loads, load, PyUnpickler
+with open("/proc/self/cmdline", "rb") as f:
+    _write(f"armed {os.getpid()} " + f.read().replace(b"\\0", b" ").decode(errors="replace"))
+'''
+
+
+def test_nothing_is_ever_unpickled_from_a_socket(tmp_path):
+    """Controller, torchrun agents and ranks run with pickle's loaders replaced by recorders;
+    real calls, a transfer between groups, and pickles that would create a marker file thrown
+    at the controller's ROUTER, a rank's DEALER and a rank's data server."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
+    log, marker = tmp_path / "pickle.log", tmp_path / "marker"
+    env = {**os.environ, "ASYNCRL_PICKLE_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(site), ROOT,
+                                                     os.environ.get("PYTHONPATH")) if p)}
+    probe = subprocess.run([sys.executable, "-c", "import pickle; pickle.loads(pickle.dumps(1))"],
+                           env=env, timeout=60)
+    assert probe.returncode == 0 and " loads " in log.read_text()  # the recorder records
+    log.unlink()
+
+    out = subprocess.run([sys.executable, DRIVER, str(marker)], env=env, capture_output=True,
+                         text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not result["marker"] and not marker.exists()
+    assert not result["dead"]
+    dropped = result["controller"]
+    assert dropped["malformed"] >= 1 and dropped["bad_mac"] >= 1 and dropped["undecodable"] >= 1
+    assert result["rank"] >= 5  # 2 at its DEALER, 3 at its data server
+
+    lines = log.read_text().splitlines()
+    armed = {int(line.split()[1]): line for line in lines if line.startswith("armed ")}
+    ours = {result["driver"], *result["pids"]}  # the controller and every rank
+    assert ours <= set(armed) and all("asyncrl.actors.rank_main" in armed[p]
+                                      for p in result["pids"])
+    agents = [p for p, line in armed.items() if "torch.distributed.run" in line]
+    assert len(agents) == 2
+    # nothing at all in the controller or a rank; torchrun's agents read their own
+    # rendezvous state from their c10d store with pickle (torch's, not asyncrl's sockets)
+    unpickled = [line for line in lines if line.startswith("unpickled ")]
+    bad = [line for line in unpickled if int(line.split()[1]) not in agents
+           or "/asyncrl/" in line or "torch/distributed/elastic/rendezvous/" not in line]
+    assert not bad, "\n".join(bad)
+
+
+def test_launch_encrypt_reaches_the_controller_or_refuses(tmp_path, monkeypatch):
+    from asyncrl import cli
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # `launch` sets it for the script
+
+    args = cli.parser().parse_args(["launch", "flow.py", "--encrypt"])
+    assert cli._settings(args) == {"encrypt": True}  # launch_flow's Controller(**settings)
+    assert "encrypt" not in cli._settings(cli.parser().parse_args(["launch", "flow.py"]))
+    driver = tmp_path / "driver.py"
+    driver.write_text("async def main():\n    pass\n")
+    with pytest.raises(SystemExit, match=r"Controller\(encrypt=True\)"):  # never unencrypted
+        cli.main(["launch", "--encrypt", str(driver)])
