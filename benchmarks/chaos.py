@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--after", type=int, default=1, metavar="N",
+                    help="no kill before the run has finished N steps")
     ap.add_argument("--groups", nargs="*", default=None,
                     help="kill ranks of these groups only (default: any group)")
     ap.add_argument("--gap", type=float, nargs=2, default=(1.0, 5.0), metavar=("MIN", "MAX"),
@@ -97,14 +99,17 @@ def main() -> None:
         log = chaos_dir / "recoveries.jsonl"
         kills: list[dict] = []
         while len(kills) < args.kills and proc.poll() is None:
-            time.sleep(rng.uniform(*args.gap))  # a random moment: that is the point here
-            live = {g: p for g, p in ranks(proc).items()
-                    if args.groups is None or g in args.groups}
             done = count_lines(chaos_dir / "metrics.jsonl")
             if done >= args.steps - 5:
                 break  # a kill after a group's last call would need no recovery
-            if not live or done == 0 or count_lines(log) < len(kills):
-                continue  # starting, or still recovering from the last kill
+            if done < args.after or count_lines(log) < len(kills):
+                time.sleep(0.1)  # starting, or recovering from the last kill: poll
+                continue
+            time.sleep(rng.uniform(*args.gap))  # a random moment: that is the point here
+            live = {g: p for g, p in ranks(proc).items()
+                    if args.groups is None or g in args.groups}
+            if not live or count_lines(chaos_dir / "metrics.jsonl") >= args.steps - 5:
+                continue
             group = rng.choice(sorted(live))
             pid = rng.choice(sorted(live[group]))
             try:

@@ -114,13 +114,16 @@ def test_killed_controller_leaves_no_rank_and_resume_goes_on(tmp_path):
 
 def test_killed_actor_rank_of_the_grpo_demo_resumes_from_its_checkpoint():
     """benchmarks/chaos.py with one kill of an FSDP actor rank: the run goes back to its last
-    checkpoint and ends with exactly the metrics of an undisturbed run."""
+    checkpoint (after step 2: killed once 4 steps are done) and ends with exactly the metrics
+    of an undisturbed run."""
     out = subprocess.run([sys.executable, "benchmarks/chaos.py", "--kills", "1", "--groups",
-                          "actor", "--steps", "10", "--checkpoint-every", "3", "--gap", "0.5",
-                          "1.5"], capture_output=True, text=True, timeout=400, cwd=ROOT)
+                          "actor", "--steps", "20", "--checkpoint-every", "3", "--after", "4",
+                          "--gap", "0", "0.2"], capture_output=True, text=True, timeout=400,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (result["kills"], result["killed"], result["kinds"]) == (1, ["actor"], ["rewind"])
+    assert (result["kills"], result["killed"], result["kinds"]) == (1, ["actor"], ["rewind"]), \
+        result
     assert (result["steps_completed"], result["steps_lost"], result["steps_repeated"]) == \
-        (10, 0, 0)
-    assert result["max_reward_diff"] < 1e-6
+        (20, 0, 0), result
+    assert result["max_reward_diff"] < 1e-6, result
