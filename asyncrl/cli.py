@@ -2,13 +2,15 @@
 
     asyncrl launch FILE [--steps N] [--run-dir DIR] [--save-inputs] [key=value ...]
                         [--checkpoint-every N] [--keep-checkpoints K] [--resume] [--encrypt]
+                        [--heartbeat-interval S] [--heartbeat-timeout S]
+                        [--transfer-timeout S] [--collective-timeout S]
                                           run FILE's `flow` (a DataFlow), or its `main()`
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
     asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
     asyncrl logs RUN_DIR --group G [--rank R] [--tail N]   one rank's output
     asyncrl attach RUN_DIR [--group G] [--rank R] [--list] pdb on a rank in breakpoint()
-    asyncrl bench FILE [--steps N] [--run-dir DIR] [key=value ...]
-                                          run FILE's flow and say where the time went
+    asyncrl bench FILE [--steps N] [--run-dir DIR] [key=value ...] (and launch's
+                       Controller settings)  run FILE's flow and say where the time went
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"asyncrl bench: {args.script} defines no `flow` (a DataFlow)")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
-    run(launch_flow(flow, args.steps, run_dir))
+    run(launch_flow(flow, args.steps, run_dir, controller=_settings(args)))
     deps = {name: [src[1] for src in d.values() if src is not None and src[0] == "node"]
             for name, d in flow.deps.items()}
     figures = analyse(run_dir, deps)
@@ -221,6 +223,22 @@ def bench(args: argparse.Namespace) -> int:
     print(report(figures))
     print(f"timeline: {draw(run_dir / 'timeline.json', run_dir / 'timeline.png')}")
     return 0
+
+
+def _controller_flags(p: argparse.ArgumentParser) -> None:
+    """The Controller settings a command line may give (read back by `_settings`)."""
+    p.add_argument("--heartbeat-interval", type=float, default=None, metavar="S",
+                   help="seconds between heartbeats, both ways (default 0.5)")
+    p.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                   help="a rank silent this long is hung, and ranks exit when the "
+                   "controller is silent this long (default 3)")
+    p.add_argument("--transfer-timeout", type=float, default=None, metavar="S",
+                   help="how long a rank waits for a peer's data (default 60)")
+    p.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+                   help="how long a collective inside a group waits for a peer (default 600)")
+    p.add_argument("--encrypt", action="store_true",
+                   help="encrypt every control and data-plane socket with CurveZMQ (for "
+                   "untrusted networks; frames are HMAC-signed either way)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -254,19 +272,7 @@ def parser() -> argparse.ArgumentParser:
                     help="keep the newest K checkpoints (default 3; 0 keeps all)")
     lp.add_argument("--resume", action="store_true",
                     help="continue the run in --run-dir from its newest complete checkpoint")
-    lp.add_argument("--heartbeat-interval", type=float, default=None, metavar="S",
-                    help="seconds between heartbeats, both ways (default 0.5)")
-    lp.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
-                    help="a rank silent this long is hung, and ranks exit when the "
-                    "controller is silent this long (default 3)")
-    lp.add_argument("--transfer-timeout", type=float, default=None, metavar="S",
-                    help="how long a rank waits for a peer's data (default 60)")
-    lp.add_argument("--collective-timeout", type=float, default=None, metavar="S",
-                    help="how long a collective inside a group waits for a peer (default "
-                    "600)")
-    lp.add_argument("--encrypt", action="store_true",
-                    help="encrypt every control and data-plane socket with CurveZMQ (for "
-                    "untrusted networks; frames are HMAC-signed either way)")
+    _controller_flags(lp)
     lp.add_argument("args", nargs="*", help="key=value overrides, or arguments passed on "
                     "to a driver's main() (after --)")
     lp.set_defaults(func=launch)
@@ -301,6 +307,7 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("script")
     bp.add_argument("--steps", type=int, default=None)
     bp.add_argument("--run-dir", default=None)
+    _controller_flags(bp)
     bp.add_argument("args", nargs="*", help="key=value overrides")
     bp.set_defaults(func=bench)
     tp = sub.add_parser("timeline", help="draw a run's timeline as a PNG Gantt chart")
