@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import time
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from machine import describe, version
 
 import asyncrl
 
@@ -46,19 +45,9 @@ def stats(samples_ns: list[int]) -> tuple[float, float]:
 
 
 def context(args: argparse.Namespace) -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"machine": {"arch": platform.machine(), "nproc": nproc},
-            "python": platform.python_version(),
-            "versions": {"torch": version("torch"), "pyzmq": zmq.__version__,
-                         "libzmq": zmq.zmq_version(), "ray": version("ray"),
-                         "msgspec": msgspec.__version__, "uvloop": version("uvloop"),
-                         "asyncrl": asyncrl.__version__},
+    return {**describe(torch=version("torch"), pyzmq=zmq.__version__,
+                       libzmq=zmq.zmq_version(), ray=version("ray"), msgspec=msgspec.__version__,
+                       uvloop=version("uvloop"), asyncrl=asyncrl.__version__),
             "calls": {"sequential": args.calls, "pipelined": args.pipelined,
                       "inflight": args.inflight, "warmup": args.warmup}}
 

@@ -30,12 +30,10 @@ with `--host`; driver code stays behind __main__.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import multiprocessing as mp
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -46,6 +44,7 @@ from typing import Any
 import msgspec
 import torch
 import zmq
+from machine import describe, version
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -159,18 +158,9 @@ class SimController(asyncrl.Controller):
 
 # -- the measurement ---------------------------------------------------------------------------
 def context() -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"machine": {"arch": platform.machine(), "nproc": nproc},
-            "python": platform.python_version(),
-            "versions": {"torch": version("torch"), "pyzmq": zmq.__version__,
-                         "libzmq": zmq.zmq_version(), "msgspec": msgspec.__version__,
-                         "uvloop": version("uvloop"), "asyncrl": asyncrl.__version__}}
+    return describe(torch=version("torch"), pyzmq=zmq.__version__, libzmq=zmq.zmq_version(),
+                    msgspec=msgspec.__version__, uvloop=version("uvloop"),
+                    asyncrl=asyncrl.__version__)
 
 
 def zmq_io_cpu() -> float:

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import json
-import os
-import platform
 import statistics
 import time
 from typing import Any
 
 import torch
+from machine import describe, version
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
@@ -57,15 +55,7 @@ def emit(record: dict[str, Any]) -> None:
 
 
 def context() -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"machine": {"arch": platform.machine(), "nproc": os.cpu_count()},
-            "python": platform.python_version(),
-            "versions": {d: version(d) for d in ("torch", "ray", "pyzmq", "asyncrl")}}
+    return describe(**{d: version(d) for d in ("torch", "ray", "pyzmq", "asyncrl")})
 
 
 def gib_per_s(nbytes: int, seconds: list[float]) -> dict[str, float]:
