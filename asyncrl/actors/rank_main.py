@@ -39,7 +39,7 @@ from asyncrl.actors.worker import construct
 from asyncrl.comm import codec
 from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
-from asyncrl.comm.dataplane import SHM_PREFIX, DataClient, DataServer
+from asyncrl.comm.dataplane import DataClient, DataServer, pool_prefix, run_prefix
 from asyncrl.comm.messages import (
     NONE,
     Call,
@@ -116,12 +116,11 @@ class RankMain:
         self.io = self.socket("io")
         self.exec = self.socket("exec")  # handed to the exec thread, never used here again
         self.store = ObjectStore()
-        # the pid: a respawned rank must not meet the segments its dead predecessor left
-        self.segments = SegmentPool(f"{SHM_PREFIX}{env.get('ASYNCRL_RUN_ID', os.getpid())}-"
-                                    f"{self.group}-{self.rank}-{os.getpid()}")
+        run_id = env.get("ASYNCRL_RUN_ID", str(os.getpid()))
+        self.segments = SegmentPool(pool_prefix(run_id, self.group, self.rank, os.getpid()))
         self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
                                self.secret, self.store.get, f"{self.group}:{self.rank}",
-                               f"{SHM_PREFIX}{env.get('ASYNCRL_RUN_ID', os.getpid())}-",
+                               run_prefix(run_id),
                                on_start=bind_gpu, timeout=self.transfer_timeout,
                                curve=self.curve)
         self.worker: Any = None

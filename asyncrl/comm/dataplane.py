@@ -45,6 +45,23 @@ BUCKET_BYTES = 32 << 20  # pulls are split into buckets of at most this many byt
 # flight at once: the producer copies or sends one while the consumer takes in another
 
 
+def run_prefix(run_id: str) -> str:
+    """The start of the name of every shared-memory segment of a run."""
+    return f"{SHM_PREFIX}{run_id}-"
+
+
+def pool_prefix(run_id: str, group: str, rank: int, pid: int) -> str:
+    """The names of one rank's segment pool: the pid, so that a respawned rank never meets
+    the segments its dead predecessor left behind."""
+    return f"{run_prefix(run_id)}{group}-{rank}-{pid}"
+
+
+def _puller(identity: bytes) -> tuple[str, str]:
+    """(group, rank) of the rank whose pull socket sent a request."""
+    parts = identity.decode(errors="replace").split("/")
+    return parts[0], parts[1] if len(parts) > 1 else ""
+
+
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
     """The raw bytes of a tensor as a flat uint8 array (no copy when it is a contiguous CPU
     tensor; GPU tensors are staged through host memory until the GPU transports exist)."""
@@ -142,13 +159,13 @@ class DataServer:
             if missing:
                 raise KeyError(f"object {req.obj_id} on {self._peer} has no tensor columns "
                                f"{missing}")
-            group, rank = identity.decode(errors="replace").split("/")[:2]
+            group, rank = _puller(identity)
             nccl.send(req.nccl_key, [tensors.pop(k)[req.start:req.stop] for k in req.nccl],
                       (group, int(rank)), self._timeout)
         if not req.dest:
             reply.buffers = list(tensors)
             return reply, [_bytes_of(t[req.start:req.stop]) for t in tensors.values()]
-        group, rank = (identity.decode(errors="replace").split("/") + ["", ""])[:2]
+        group, rank = _puller(identity)
         own = f"{self._run_prefix}{group}-{rank}-"  # only the puller's own pool, this run
         if not req.dest.startswith(own):
             raise ValueError(f"destination {req.dest!r} is not a segment of the puller's "

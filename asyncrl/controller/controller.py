@@ -35,6 +35,7 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm import codec
 from asyncrl.comm.auth import curve_available, new_curve_keys, new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
+from asyncrl.comm.dataplane import pool_prefix, run_prefix
 from asyncrl.comm.messages import (
     Construct,
     Fetched,
@@ -213,7 +214,7 @@ class Controller:
             self.channel.close()
             if self.logs is not None:
                 self.logs.close()
-            cleanup_segments(f"asyncrl-{self.run_id}-")  # what killed ranks left behind
+            cleanup_segments(run_prefix(self.run_id))  # what killed ranks left behind
             shutil.rmtree(self._private, ignore_errors=True)
             if self._own_run_dir and self.run_dir is not None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -524,7 +525,7 @@ class Controller:
         here = socket.gethostname()
         for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
             if info.host == here:
-                cleanup_segments(f"asyncrl-{self.run_id}-{group.name}-{rank}-{info.pid}-")
+                cleanup_segments(pool_prefix(self.run_id, group.name, rank, info.pid) + "-")
 
 
 def _init_params(cls: type) -> list[str]:
