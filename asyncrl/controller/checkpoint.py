@@ -55,6 +55,11 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of checkpoint `path`."""
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
 def refuse_existing(run_dir: Path) -> None:
     """A fresh run must not mix its checkpoints and metrics with an earlier run's."""
     found = latest(run_dir)
@@ -72,7 +77,7 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
             f"--resume: no complete checkpoint was found in {Path(run_dir) / CHECKPOINTS}; "
             f"run without --resume to start afresh, or point --run-dir at a run that wrote "
             f"checkpoints (every run writes one at its end, and more with --checkpoint-every)")
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     mine = identity(flow)
     theirs = meta.get("flow", {})
     differ = [f"{key}: {theirs.get(key)!r} there, {mine[key]!r} here"

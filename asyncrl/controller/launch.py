@@ -155,7 +155,7 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         found = checkpoint.latest(run_dir)
         if found is None:
             return False
-        await checkpoint.restore(flow, found, json.loads((found / "meta.json").read_text()))
+        await checkpoint.restore(flow, found, checkpoint.read_meta(found))
         return True
 
     async with Controller(run_dir=run_dir, cluster=cluster, host=host,
