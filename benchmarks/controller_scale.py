@@ -51,9 +51,10 @@ from asyncrl import TensorBatch
 from asyncrl.actors.protocols import mesh_coords
 from asyncrl.actors.register import registered_methods
 from asyncrl.comm import codec
-from asyncrl.comm.auth import read_curve, read_secret
+from asyncrl.comm.auth import CurveKeys, read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.messages import Call, Construct, Heartbeat, Hello, Ready, Result, Shutdown
+from asyncrl.comm.relay import HostRelay, relay_address
 from asyncrl.controller.launcher import Agent, HostAgents, rank_env
 from asyncrl.futures.store import schema_of
 
@@ -76,10 +77,10 @@ class ScaleWorker(asyncrl.Worker):
 
 # -- the simulated ranks (host processes) ----------------------------------------------------
 class _SimRank:
-    def __init__(self, ctx: zmq.Context, address: str, group: str, rank: int, secret: bytes):
+    def __init__(self, ctx: zmq.Context, address: str, group: str, rank: int, secret: bytes,
+                 curve: CurveKeys | None):
         self.rank = rank
         pid = os.getpid()
-        curve = read_curve(os.environ["ASYNCRL_SECRET_FILE"])  # None unless --encrypt
         self.io = RankSocket(ctx, address, f"{group}/{rank}/io/{pid}".encode(), secret,
                              curve=curve)
         self.exec = RankSocket(ctx, address, f"{group}/{rank}/exec/{pid}".encode(), secret,
@@ -97,7 +98,15 @@ def host_main(group: str, first: int, count: int, world: int) -> None:
     answers = {"ping": (msgspec.Raw(codec.encode(one)), schema_of(one)),
                "score": (msgspec.Raw(codec.encode(small)), schema_of(small))}
     ctx = zmq.Context()
-    ranks = [_SimRank(ctx, address, group, r, secret) for r in range(first, first + count)]
+    curve = read_curve(env["ASYNCRL_SECRET_FILE"])  # None unless --encrypt
+    relay = None
+    if env.get("ASYNCRL_RELAY"):  # this host's relay, as its local rank 0 would run it
+        here = relay_address(env["ASYNCRL_RELAY"], int(env["GROUP_RANK"]))
+        relay = HostRelay(ctx, address, here, f"{group}/{first}/relay/{os.getpid()}".encode(),
+                          secret, curve).start()
+        address, curve = here, None
+    ranks = [_SimRank(ctx, address, group, r, secret, curve)
+             for r in range(first, first + count)]
     poller = zmq.Poller()
     owner: dict[Any, tuple[_SimRank, RankSocket]] = {}
     host = socket.gethostname()
@@ -135,6 +144,8 @@ def host_main(group: str, first: int, count: int, world: int) -> None:
     for sim in ranks:
         sim.io.close()
         sim.exec.close()
+    if relay is not None:
+        relay.close()
     ctx.term()
 
 
@@ -151,8 +162,8 @@ class SimController(asyncrl.Controller):
             count = min(per, nprocs - first)
             command = [sys.executable, os.path.abspath(__file__), "--host", name, str(first),
                        str(count), str(nprocs)]
-            agents.append(Agent(name, count, env, self.run_dir / "logs" / f"{name}.{i}.log",
-                                True, command))
+            agents.append(Agent(name, count, {**env, "GROUP_RANK": str(i)},
+                                self.run_dir / "logs" / f"{name}.{i}.log", True, command))
         return HostAgents(agents)
 
 
@@ -228,16 +239,17 @@ async def measure(ctl: SimController, n: int, kinds: list[str], calls: int, warm
     for _ in range(repeat):  # the calls take turns: a disturbance hits each alike
         for call in kinds:
             repeats[call].append(await many(call, calls))
+    relayed = bool(ctl._relay_of)
     await ctl.close_group(group)
     return [record(n, call, calls, repeats[call], hosts=len(group.agent.agents),
-                   spawn_s=spawn_s) for call in kinds]
+                   spawn_s=spawn_s, relay=relayed) for call in kinds]
 
 
 async def bench(sizes: list[int], kinds: list[str], rank_calls: int, warmup: float,
-                repeat: int, encrypt: bool) -> list[dict]:
+                repeat: int, encrypt: bool, relay: bool | None) -> list[dict]:
     # heartbeats every 30 s: supervision is not what a call costs (it runs between calls)
     async with SimController(heartbeat_interval=30, heartbeat_timeout=120, echo_logs=False,
-                             shutdown_grace=10, encrypt=encrypt) as ctl:
+                             shutdown_grace=10, encrypt=encrypt, relay=relay) as ctl:
         results = []
         for n in sizes:
             calls = max(10, rank_calls // n)
@@ -340,6 +352,8 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=0.2, help="untimed calls, as a share")
     p.add_argument("--no-floor", action="store_true", help="skip the raw ZeroMQ floor")
     p.add_argument("--encrypt", action="store_true", help="Controller(encrypt=True): CURVE")
+    p.add_argument("--no-relay", action="store_true",
+                   help="Controller(relay=False): every rank talks to the controller itself")
     args = p.parse_args()
     logging.getLogger("asyncrl").setLevel(logging.ERROR)  # "ranks share cores": expected
     ctx = context()
@@ -348,7 +362,7 @@ def main() -> None:
     floors = [] if args.no_floor else [  # first: forked before any thread is started
         zmq_floor(n, max(10, args.rank_calls // n), 5, args.repeat) for n in sizes]
     results = asyncrl.run(bench(sizes, kinds, args.rank_calls, args.warmup, args.repeat,
-                                args.encrypt))
+                                args.encrypt, False if args.no_relay else None))
     for rec in results:
         rec["encrypt"] = args.encrypt
     for rec in floors + results:

@@ -1,7 +1,7 @@
-"""Fuzzing the live sockets: a running controller's ROUTER, a rank's DEALER (through the live
-ROUTER) and a rank's data-plane server get random, truncated, unsigned, forged, replayed
-and oversized frames (seeded); afterwards no group may be dead and a valid call and a
-worker-to-worker transfer must still succeed.
+"""Fuzzing the live sockets: a running controller's ROUTER, a rank's DEALER and a host relay's
+DEALER (both through the live ROUTER) and a rank's data-plane server get random, truncated,
+unsigned, forged, replayed and oversized frames (seeded); afterwards no group may be dead and
+a valid call and a worker-to-worker transfer must still succeed.
 
     {"bench": "fuzz", "frames": N, "crashes": 0, "dropped": {...}, "seconds": ...}
 
@@ -75,6 +75,7 @@ async def fuzz(total: int, seed: int) -> dict:
                                   echo_logs=False) as ctl:
         target = await ctl.spawn(Target, nprocs=2, name="target")
         sink = await ctl.spawn(Target, nprocs=1, name="sink")
+        relayed = await ctl.spawn(Target, nprocs=2, name="relayed", relay=True)
         secret = read_secret(str(ctl.secret_file))
         good = Signer(secret)
         valid = [good.sign(b"fuzz/0/io/1", messages.encode(messages.Heartbeat()))
@@ -86,14 +87,17 @@ async def fuzz(total: int, seed: int) -> dict:
         data = ctx.socket(zmq.DEALER)
         data.connect(target.ranks[0].data_addr)
         rank_io = target.ranks[1].identity
+        relay = ctl._relay_of[relayed.ranks[0].identity]  # its host's relay (rank 0's thread)
         t0 = time.perf_counter()
         for i in range(total):
             msg = frames_of(rng, valid)
-            where = i % 3
+            where = i % 4
             if where == 0:
                 await intruder.send_multipart(msg)
             elif where == 1:
                 ctl.channel.send_frames([rank_io, *msg])
+            elif where == 2:
+                ctl.channel.send_frames([relay, *msg])
             else:
                 await data.send_multipart(msg)
             if i % 500 == 0:
@@ -105,16 +109,18 @@ async def fuzz(total: int, seed: int) -> dict:
         crashes = 0
         try:
             ok = await asyncio.wait_for(target.add(2, 3), 30) == [5, 5]
+            ok = ok and await asyncio.wait_for(relayed.add(2, 3), 30) == [5, 5]
             moved = await asyncio.wait_for(sink.total(target.make(TensorBatch(
                 {"i": torch.arange(10)}))), 30)
             ok = ok and sum(moved) == 45.0
         except Exception:  # noqa: BLE001 - any failure afterwards is what we count
             ok = False
         crashes += 0 if ok else 1
-        crashes += sum(g.dead is not None for g in (target, sink))
+        crashes += sum(g.dead is not None for g in (target, sink, relayed))
         return {"bench": "fuzz", "frames": total, "crashes": crashes,
                 "dropped": {"controller": ctl.dropped_frames,
-                            "rank": target.dropped_frames[1]},
+                            "rank": target.dropped_frames[1],
+                            "relay": relayed.dropped_frames[0]},
                 "seconds": round(seconds, 2)}
 
 

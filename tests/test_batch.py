@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncrl.comm.batch import PAD_KEY, RowOps, TensorBatch
+from asyncrl.comm.remote import Piece, RemoteBatch, Shard
 
 
 def rows(b: TensorBatch) -> list[dict]:
@@ -178,6 +179,31 @@ def test_to_dict_is_a_shallow_copy():
     assert list(d) == ["x", "m", "s", "l"] and d["x"] is b["x"] and d["s"] is b["s"]
     d["new"] = [1, 2]
     assert "new" not in b
+
+
+# -- one-pass pieces (chunk and split of many pieces) ----------------------------------------
+def remote(sizes: list[int], meta: dict | None = None) -> RemoteBatch:
+    """One piece of `sizes[r]` rows (from row 2 on) per shard r."""
+    return RemoteBatch([Piece(Shard("g", r, 1, "addr", "host"), 2, 2 + n)
+                        for r, n in enumerate(sizes)], [], meta)
+
+
+def described(b: TensorBatch | RemoteBatch) -> tuple:
+    if isinstance(b, RemoteBatch):
+        return [(p.shard.rank, p.start, p.stop) for p in b.pieces], b.meta
+    return rows(b), b.meta
+
+
+@pytest.mark.parametrize("batch", [mixed(7, {PAD_KEY: 3}), mixed(0), remote([]),
+                                   remote([3, 1, 4, 0, 2], {"step": 1, PAD_KEY: 4})])
+def test_one_pass_pieces_match_slicing_piece_by_piece(batch):
+    for n in range(1, 12):
+        base, extra = divmod(len(batch), n)
+        for sizes in ([base + 1] * extra + [base] * (n - extra),  # chunk(n)
+                      [n] * base + ([extra] if extra else [])):  # split(n)
+            got, want = batch._pieces(sizes), RowOps._pieces(batch, sizes)
+            assert [described(b) for b in got] == [described(b) for b in want]
+            assert all(b.meta is not batch.meta for b in got)
 
 
 # -- errors ----------------------------------------------------------------------------------

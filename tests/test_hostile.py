@@ -94,3 +94,4 @@ def test_fuzzer_for_a_bounded_number_of_frames_crashes_nothing():
     assert (result["frames"], result["crashes"]) == (1500, 0)
     dropped = result["dropped"]
     assert sum(dropped["controller"].values()) > 0 and dropped["rank"] > 0  # they got there
+    assert dropped["relay"] > 0

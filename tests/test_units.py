@@ -42,6 +42,18 @@ def test_tensors_round_trip_exactly(t):
     assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
 
 
+def test_decoded_tensors_own_writable_memory():
+    # 1-d and n-d, of a dtype numpy has and of one it lacks
+    sent = [torch.arange(3), torch.ones(2, 2),
+            torch.ones(2).bfloat16(), torch.ones(1, 2).bfloat16()]
+    buf = bytearray(codec.encode(sent))
+    out = codec.decode(buf)
+    buf[:] = bytes(len(buf))  # the receive buffer is reused
+    for t in out:
+        t += 1
+    assert [t.tolist() for t in out] == [[1, 2, 3], [[2, 2], [2, 2]], [2, 2], [[2, 2]]]
+
+
 def test_values_round_trip():
     batch = asyncrl.TensorBatch({"x": torch.randn(4, 2), "s": ["a", "b", "c", "d"]}, {"k": 1})
     value = {"b": batch, "n": np.arange(3.0), "cls": asyncrl.TensorBatch, "f": codec.encode,

@@ -57,13 +57,21 @@ class Layout:
         """One rank per DP chunk answers: the one whose other coordinates are all 0."""
         return self._dp[1][rank]
 
+    @property
+    def dp_collect(self) -> list[int]:
+        """The ranks that answer a DP call, in dp order."""
+        return list(self._dp[2])
+
     @functools.cached_property
-    def _dp(self) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-        """Each rank's dp rank and whether it collects, worked out once per layout (DP calls
-        ask for every rank)."""
+    def _dp(self) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[int, ...]]:
+        """Each rank's dp rank, whether it collects, and the collecting ranks in dp order,
+        worked out once per layout (DP calls ask for every rank)."""
         coords = [self.coords(r) for r in range(self.world_size)]
-        return (tuple(c.get(DP_AXIS, 0) for c in coords),
-                tuple(all(v == 0 for name, v in c.items() if name != DP_AXIS) for c in coords))
+        dp = tuple(c.get(DP_AXIS, 0) for c in coords)
+        collects = tuple(all(v == 0 for name, v in c.items() if name != DP_AXIS) for c in coords)
+        order = tuple(sorted((r for r in range(self.world_size) if collects[r]),
+                             key=dp.__getitem__))
+        return dp, collects, order
 
 
 def mesh_coords(mesh: tuple[tuple[str, int], ...], rank: int) -> dict[str, int]:
@@ -170,25 +178,20 @@ def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
                          f"they must have the same number of rows")
     rows = max(lengths, default=0)
     per_chunk = -(-rows // dp)
-    chunk_cache: dict[int, list[Any]] = {}
-
-    def chunks_of(b: RowOps) -> list[Any]:
-        if id(b) not in chunk_cache:
-            chunk_cache[id(b)] = b.chunk(dp, pad=True)
-        return chunk_cache[id(b)]
-
+    chunked = {id(b): b.chunk(dp, pad=True) for b in batches}  # once per batch argument
+    arg_chunks = [chunked.get(id(a)) for a in args]
+    kwarg_chunks = [(n, v, chunked.get(id(v))) for n, v in kwargs.items()]
     per_dp = []
     for d in range(dp):
-        a = tuple(chunks_of(x)[d] if isinstance(x, RowOps) else x for x in args)
-        k = {n: chunks_of(v)[d] if isinstance(v, RowOps) else v for n, v in kwargs.items()}
+        a = tuple(a if c is None else c[d] for a, c in zip(args, arg_chunks, strict=True))
+        k = {n: v if c is None else c[d] for n, v, c in kwarg_chunks}
         per_dp.append((a, k))
     base, extra = divmod(rows, dp)
     real = [base + (d < extra) for d in range(dp)]
     state = _DPState([per_chunk] * dp, [per_chunk - r for r in real], bool(batches))
-    calls = {r: per_dp[layout.dp_rank(r)] for r in range(layout.world_size)}
-    collect = sorted((r for r in range(layout.world_size) if layout.is_dp_collect(r)),
-                     key=layout.dp_rank)
-    return Split(calls, collect, state)
+    dp_of = layout._dp[0]
+    calls = {r: per_dp[d] for r, d in enumerate(dp_of)}
+    return Split(calls, layout.dp_collect, state)
 
 
 def _dp_collect(layout: Layout, results: dict[int, Any], state: _DPState) -> Any:

@@ -56,6 +56,7 @@ from asyncrl.comm.messages import (
     Result,
     Shutdown,
 )
+from asyncrl.comm.relay import HostRelay, relay_address
 from asyncrl.comm.shm import SegmentPool
 from asyncrl.futures.store import ObjectStore, schema_of
 
@@ -113,6 +114,10 @@ class RankMain:
         # the host name the controller launched this rank on (several "hosts" may share a
         # machine when imitating a cluster on loopback), else the machine's
         self.host = env.get("ASYNCRL_HOST_NAME") or socket.gethostname()
+        self.relay: HostRelay | None = None
+        self.control_curve = self.curve
+        if env.get("ASYNCRL_RELAY"):  # the group's control messages go through a host relay
+            self.start_relay(env["ASYNCRL_RELAY"], int(env.get("GROUP_RANK", "0")))
         self.io = self.socket("io")
         self.exec = self.socket("exec")  # handed to the exec thread, never used here again
         self.store = ObjectStore()
@@ -130,7 +135,23 @@ class RankMain:
 
     def socket(self, role: str) -> RankSocket:
         identity = f"{self.group}/{self.rank}/{role}/{os.getpid()}".encode()
-        return RankSocket(self.ctx, self.address, identity, self.secret, curve=self.curve)
+        return RankSocket(self.ctx, self.address, identity, self.secret,
+                          curve=self.control_curve)
+
+    def start_relay(self, prefix: str, node: int) -> None:
+        """Local rank 0 runs the host's relay; every local rank's control sockets connect to
+        it (over ipc://, within this host: no CURVE on that hop)."""
+        address = relay_address(prefix, node)
+        if self.local_rank == 0:
+            identity = f"{self.group}/{self.rank}/relay/{os.getpid()}".encode()
+            self.relay = HostRelay(self.ctx, self.address, address, identity, self.secret,
+                                   self.curve).start()
+        self.address, self.control_curve = address, None
+
+    @property
+    def dropped(self) -> int:
+        relay = self.relay.dropped if self.relay is not None else 0
+        return self.io.dropped + self.exec.dropped + self.data.dropped + relay
 
     def hello(self, role: str) -> Hello:
         return Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
@@ -226,8 +247,7 @@ class RankMain:
                 elif isinstance(msg, Shutdown):
                     return 0
             if now >= next_beat:
-                self.io.send(Heartbeat(self.io.dropped + self.exec.dropped + self.data.dropped,
-                                       len(self.store), self.store.nbytes))
+                self.io.send(Heartbeat(self.dropped, len(self.store), self.store.nbytes))
                 next_beat = now + interval_ms / 1000
             if now - last_heard > self.hb_timeout:
                 print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the controller for "
@@ -284,6 +304,8 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     output.close()  # the last lines reach the controller
+    if rank.relay is not None:
+        rank.relay.close()
     os._exit(code)  # user threads may be blocked in collectives: do not wait for them
 
 

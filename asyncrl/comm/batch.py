@@ -11,6 +11,7 @@ Every method that returns a batch gives it its own `meta` dict.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -68,7 +69,8 @@ def concat_meta(parts: Sequence[tuple[dict[str, Any], int]]) -> dict[str, Any]:
 
 
 class RowOps:
-    """Row operations written only with `len(self)`, `slice`, `take`, `concat` and `meta`."""
+    """Row operations written only with `len(self)`, `slice`, `take`, `concat` and `meta` (a
+    subclass may override `_pieces` to cut many pieces in one pass)."""
 
     __slots__ = ()
 
@@ -90,21 +92,26 @@ class RowOps:
         """
         n = _count("chunk", "n", n)
         base, extra = divmod(len(self), n)
-        out, start = [], 0
-        for i in range(n):
-            stop = start + base + (1 if i < extra else 0)
-            out.append(self.slice(start, stop))
-            start = stop
-        if pad and len(self):  # an empty batch has no row to repeat: n empty chunks
-            rows = base + (1 if extra else 0)
-            out = [self._pad(c, rows) for c in out]
+        out = self._pieces([base + 1] * extra + [base] * (n - extra))
+        if pad and extra:  # else every chunk already has ceil(len / n) rows (or none has a row)
+            last = self.slice(len(self) - 1, len(self))  # what an empty chunk repeats
+            out = [self._pad(c, base + 1, last) for c in out]
         return out
 
-    def _pad(self, chunk: Self, rows: int) -> Self:
+    def _pieces(self, sizes: list[int]) -> list[Self]:
+        """Consecutive pieces of `sizes` rows (summing to len(self)); a subclass may cut them
+        in one pass instead of a `slice` each."""
+        out, start = [], 0
+        for size in sizes:
+            out.append(self.slice(start, start + size))
+            start += size
+        return out
+
+    def _pad(self, chunk: Self, rows: int, last: Self) -> Self:
         missing = rows - len(chunk)
         if missing == 0:
             return chunk
-        src = chunk if len(chunk) else self
+        src = chunk if len(chunk) else last
         padded = type(self).concat([chunk, src.take([len(src) - 1] * missing)])
         # padding the chunk already had (re-chunking a padded chunk) stays trailing too
         padded.meta[PAD_KEY] = chunk.meta.get(PAD_KEY, 0) + missing
@@ -114,8 +121,8 @@ class RowOps:
         """Consecutive batches of `micro_batch_size` rows (the last may be shorter; none if
         the batch is empty)."""
         size = _count("split", "micro_batch_size", micro_batch_size)
-        total = len(self)
-        return [self.slice(i, min(i + size, total)) for i in range(0, total, size)]
+        full, rest = divmod(len(self), size)
+        return self._pieces([size] * full + ([rest] if rest else []))
 
     def repeat(self, k: int, interleave: bool = True) -> Self:
         """Each row `k` times: row0,row0,row1,row1 when interleaved (e.g. k samples per
@@ -159,6 +166,14 @@ class TensorBatch(RowOps):
         self._data = cols
         self._len = length or 0
         self.meta: dict[str, Any] = dict(meta or {})
+
+    @classmethod
+    def _of(cls, data: dict[str, Column], length: int, meta: dict[str, Any]) -> TensorBatch:
+        """A batch of columns known to be valid (e.g. rows of a valid batch), without
+        __init__'s checks: a DP call builds one chunk per rank."""
+        batch = cls.__new__(cls)
+        batch._data, batch._len, batch.meta = data, length, dict(meta)
+        return batch
 
     # -- access ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -233,8 +248,20 @@ class TensorBatch(RowOps):
     # -- rows -----------------------------------------------------------------------------
     def slice(self, start: int, stop: int) -> TensorBatch:
         """Rows [start, stop) as a new batch (tensor columns are views)."""
-        return TensorBatch({k: v[start:stop] for k, v in self._data.items()},
-                           sliced_meta(self.meta, self._len, start, stop))
+        start, stop, _ = slice(start, stop).indices(self._len)
+        return TensorBatch._of({k: v[start:stop] for k, v in self._data.items()},
+                               max(0, stop - start), sliced_meta(self.meta, self._len, start, stop))
+
+    def _pieces(self, sizes: list[int]) -> list[TensorBatch]:
+        # one torch.split per tensor column instead of a slice per piece
+        stops = list(itertools.accumulate(sizes))
+        starts = [0, *stops][:-1]
+        cols = [v.split(sizes) if isinstance(v, torch.Tensor) else
+                [v[a:b] for a, b in zip(starts, stops, strict=True)] for v in self._data.values()]
+        keys = list(self._data)
+        return [TensorBatch._of(dict(zip(keys, parts, strict=True)), b - a,
+                                sliced_meta(self.meta, self._len, a, b))
+                for a, b, *parts in zip(starts, stops, *cols, strict=True)]
 
     def take(self, rows: Sequence[int]) -> TensorBatch:
         """The given rows, in the given order (copies)."""

@@ -65,6 +65,10 @@ class ControllerChannel:
     def dropped(self) -> dict[str, int]:
         return dict(self._verifier.dropped)
 
+    def drop(self, reason: str) -> None:
+        """Count a message dropped after its frame was accepted (e.g. inside a relay's)."""
+        self._verifier.drop(reason)
+
     def start(self, handle: Callable[[bytes, Message], None]) -> None:
         """Call ``handle(identity, message)`` on the running loop for every valid frame."""
         self._handle = handle

@@ -31,22 +31,72 @@ _produced: dict[int, int] = {}  # storage address -> how many marked tensors use
 EXT_TENSOR, EXT_NDARRAY, EXT_BATCH, EXT_REF, EXT_REMOTE_BATCH, EXT_REMOTE_VALUE = 1, 2, 3, 4, 5, 6
 _HLEN = struct.Struct(">I")
 _NO_BYTES = np.empty(0, np.uint8)
-_DTYPES: dict[str, torch.dtype] = {}  # names seen on the wire -> dtypes (checked once each)
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
+# A dtype's wire name and how its bytes cross numpy (far cheaper than torch's byte views):
+# the numpy dtype that carries them and its torch dtype, which a tensor is viewed as where it
+# differs (bfloat16 is carried as uint16); (None, None) where no numpy dtype fits.
+_Carried = tuple[str, np.dtype | None, torch.dtype | None]
+_DTYPE_INFO: dict[torch.dtype, _Carried] = {}
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype | None, torch.dtype | None]] = {}  # by wire name
+_TENSOR_HEADS: dict[tuple[torch.dtype, torch.Size], tuple[bytes, torch.dtype | None]] = {}
+# bytes alone do not make a quantized tensor (torch.frombuffer gives one that crashes on use)
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype)[6:]  # "torch.float32" -> "float32"
-    return name
+def _dtype_info(dtype: torch.dtype) -> _Carried:
+    info = _DTYPE_INFO.get(dtype)
+    if info is None:
+        if dtype in _QUANTIZED:
+            raise TypeError(f"a {dtype} tensor cannot be sent (its scale and zero point would "
+                            f"be lost); send t.dequantize(), or t.int_repr() and its qparams")
+        name = str(dtype)[6:]  # "torch.float32" -> "float32"
+        info = (name, None, None)
+        for carrier in (name, f"u{dtype.itemsize}"):  # its numpy twin, or the uint of its size
+            try:
+                np_dtype = np.dtype(carrier)
+                as_torch = torch.from_numpy(np.empty(0, np_dtype)).dtype
+            except TypeError:
+                continue
+            if as_torch.itemsize == dtype.itemsize:
+                info = (name, np_dtype, as_torch)
+                break
+        _DTYPE_INFO[dtype] = info
+    return info
+
+
+def _wire_dtype(name: Any) -> tuple[torch.dtype, np.dtype | None, torch.dtype | None]:
+    """The dtype named on the wire and its carriers (checked once per name: hostile input
+    gets ValueError)."""
+    got = _DTYPES.get(name) if isinstance(name, str) else None
+    if got is None:
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if not isinstance(dtype, torch.dtype) or dtype in _QUANTIZED:
+            raise ValueError(f"unknown tensor dtype {name!r}")
+        got = _DTYPES[name] = (dtype, *_dtype_info(dtype)[1:])
+    return got
 
 
 def _pack_buffer(header: Any, raw: np.ndarray) -> bytes:
     """header length + msgpack header + raw bytes (a C-contiguous array), with one copy of
     the raw bytes."""
+    return b"".join((_head(header), raw.data))
+
+
+def _head(header: Any) -> bytes:
     head = msgspec.msgpack.encode(header)
-    return b"".join((_HLEN.pack(len(head)), head, raw.data))
+    return _HLEN.pack(len(head)) + head
+
+
+def _tensor_head(t: torch.Tensor) -> tuple[bytes, torch.dtype | None]:
+    """The header of t's dtype and shape, and the torch dtype that carries its bytes; cached,
+    as a DP call sends one chunk of the same shape per rank."""
+    key = (t.dtype, t.shape)
+    got = _TENSOR_HEADS.get(key)
+    if got is None:
+        if len(_TENSOR_HEADS) >= 1024:  # shapes vary (e.g. sequence lengths): stay small
+            _TENSOR_HEADS.clear()
+        name, _, as_torch = _dtype_info(t.dtype)
+        got = _TENSOR_HEADS[key] = (_head([name, list(t.shape)]), as_torch)
+    return got
 
 
 def _unpack_buffer(data: memoryview) -> tuple[Any, memoryview]:
@@ -67,11 +117,16 @@ def count_produced(value: Any) -> Any:
             count_produced(col)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            count_produced(item)
+            if type(item) not in _LEAVES:  # long lists of numbers or strings: skip fast
+                count_produced(item)
     elif isinstance(value, dict):
         for item in value.values():
-            count_produced(item)
+            if type(item) not in _LEAVES:
+                count_produced(item)
     return value
+
+
+_LEAVES = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 def _forget_produced(key: int) -> None:
@@ -91,9 +146,12 @@ def _enc_hook(obj: Any) -> Any:
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy() if numel else _NO_BYTES
-        return msgspec.msgpack.Ext(EXT_TENSOR, _pack_buffer([_dtype_name(t.dtype),
-                                                             list(t.shape)], raw))
+        head, as_torch = _tensor_head(t)
+        if as_torch is not None:
+            raw = (t if as_torch == t.dtype else t.view(as_torch)).numpy()
+        else:  # no numpy dtype carries it: send its bytes
+            raw = t.reshape(-1).view(torch.uint8).numpy() if numel else _NO_BYTES
+        return msgspec.msgpack.Ext(EXT_TENSOR, b"".join((head, raw.data)))
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             raise TypeError("a numpy array of Python objects cannot be sent; use a list")
@@ -102,13 +160,13 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, TensorBatch):
-        return msgspec.msgpack.Ext(EXT_BATCH, msgspec.msgpack.encode(
-            [dict(obj.items()), obj.meta], enc_hook=_enc_hook))
+        # its columns dict as is (not a copy): the codec is the batch's wire format
+        return msgspec.msgpack.Ext(EXT_BATCH, _encoder.encode([obj._data, obj.meta]))
     if is_referable(obj):
         return msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(list(make_ref(obj))))
     if isinstance(obj, RemoteBatch):
-        return msgspec.msgpack.Ext(EXT_REMOTE_BATCH, msgspec.msgpack.encode(
-            [obj.pieces, obj.columns, obj.meta], enc_hook=_enc_hook))
+        return msgspec.msgpack.Ext(EXT_REMOTE_BATCH, _encoder.encode(
+            [obj.pieces, obj.columns, obj.meta]))
     if isinstance(obj, RemoteValue):
         return msgspec.msgpack.Ext(EXT_REMOTE_VALUE, msgspec.msgpack.encode(obj.shard))
     raise TypeError(
@@ -119,16 +177,16 @@ def _enc_hook(obj: Any) -> Any:
 
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_TENSOR:
-        (dtype, shape), raw = _unpack_buffer(data)
-        dt = _DTYPES.get(dtype) if isinstance(dtype, str) else None
-        if dt is None:
-            dt = getattr(torch, dtype)
-            if not isinstance(dt, torch.dtype):
-                raise ValueError(f"unknown tensor dtype {dtype!r}")
-            _DTYPES[dtype] = dt
+        (name, shape), raw = _unpack_buffer(data)
+        dt, carrier, as_torch = _wire_dtype(name)
         if len(raw) == 0:
             return torch.empty(shape, dtype=dt)
-        return torch.frombuffer(bytearray(raw), dtype=dt).reshape(shape)
+        buf = bytearray(raw)  # the tensor owns a copy: the receive buffer may be reused
+        if carrier is None or len(shape) == 1:  # torch.frombuffer: the cheapest in 1-d
+            t = torch.frombuffer(buf, dtype=dt)
+            return t if len(shape) == 1 and shape[0] == t.shape[0] else t.reshape(shape)
+        t = torch.from_numpy(np.frombuffer(buf, carrier).reshape(shape))  # reshapes cheaper
+        return t if as_torch == dt else t.view(dt)
     if code == EXT_NDARRAY:
         (dtype, shape), raw = _unpack_buffer(data)
         dt = np.dtype(dtype)
@@ -136,14 +194,13 @@ def _ext_hook(code: int, data: memoryview) -> Any:
             raise ValueError("object arrays are refused")
         return np.frombuffer(bytearray(raw), dtype=dt).reshape(shape)
     if code == EXT_BATCH:
-        columns, meta = msgspec.msgpack.decode(data, ext_hook=_ext_hook)
+        columns, meta = _decoder.decode(data)
         return TensorBatch(columns, meta)
     if code == EXT_REF:
         module, qualname, file = msgspec.msgpack.decode(data)
         return resolve_ref(module, qualname, file)
     if code == EXT_REMOTE_BATCH:
-        pieces, columns, meta = msgspec.msgpack.decode(data, type=_REMOTE_BATCH,
-                                                       ext_hook=_ext_hook)
+        pieces, columns, meta = _remote_batch_decoder.decode(data)
         return RemoteBatch(pieces, columns, meta)
     if code == EXT_REMOTE_VALUE:
         return RemoteValue(msgspec.msgpack.decode(data, type=Shard))
@@ -152,6 +209,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+_remote_batch_decoder = msgspec.msgpack.Decoder(_REMOTE_BATCH, ext_hook=_ext_hook)
 
 
 def encode(value: Any) -> bytes:
@@ -164,21 +222,22 @@ def decode(buf: Any) -> Any:
 
 
 def encode_call(args: tuple, kwargs: dict[str, Any], names: list[str]) -> bytes:
-    """Encode call arguments one by one so an error names the argument that failed.
-
-    `names[i]` names positional argument i (its parameter name when known)."""
-    parts = []
-    for i, a in enumerate(args):
-        parts.append(_raw(a, names[i] if i < len(names) else f"#{i}"))
-    kw = {k: _raw(v, k) for k, v in kwargs.items()}
-    return msgspec.msgpack.encode([parts, kw])
-
-
-def _raw(value: Any, name: str) -> msgspec.Raw:
+    """Encode call arguments as [args, kwargs]; ArgEncodeError names an argument that cannot
+    be sent. `names[i]` names positional argument i (its parameter name when known)."""
+    global produced_bytes_encoded
+    counted = produced_bytes_encoded
     try:
-        return msgspec.Raw(_encoder.encode(value))
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ArgEncodeError(name, e) from e
+        return _encoder.encode([args, kwargs])
+    except (TypeError, ValueError, OverflowError):
+        # one by one to name the failing argument (the ones before it are counted again)
+        produced_bytes_encoded = counted
+        named = [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
+        for name, value in [*named, *kwargs.items()]:
+            try:
+                _encoder.encode(value)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ArgEncodeError(name, e) from e
+        raise
 
 
 class ArgEncodeError(Exception):

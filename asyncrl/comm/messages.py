@@ -198,8 +198,28 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """controller -> rank: exit now."""
 
 
+class Fanout(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """controller -> a host's relay: deliver `frames[which[i]]` (an encoded message) to the
+    rank socket `to[i]` behind it. One frame serves every socket that gets the same message.
+    `call_id`: these are that call's Calls; the relay holds their Results until all of `to`
+    answered (or one failed) and sends them up together."""
+
+    to: list[bytes]
+    which: list[int]
+    frames: list[msgspec.Raw]
+    call_id: int = 0
+
+
+class Fanin(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """a host's relay -> controller: messages of the rank sockets behind it, each as its
+    socket sent it (the relay checked every signature)."""
+
+    senders: list[bytes]
+    frames: list[msgspec.Raw]
+
+
 Message = Union[Hello, Construct, Ready, Call, Result, Heartbeat, Shutdown, Release, Fetch,
-                Fetched, Pull, Pulled, Log]
+                Fetched, Pull, Pulled, Log, Fanout, Fanin]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

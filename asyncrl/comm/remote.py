@@ -86,6 +86,24 @@ class RemoteBatch(RowOps):
             offset += n
         return RemoteBatch(out, self.columns, sliced_meta(self.meta, self._len, start, stop))
 
+    def _pieces(self, sizes: list[int]) -> list[RemoteBatch]:
+        # one walk over the pieces, not one per slice: chunking a DP result of n ranks over
+        # n ranks would cost n * n
+        out, i, used, start = [], 0, 0, 0  # used: rows of self.pieces[i] in earlier batches
+        for size in sizes:
+            parts, need = [], size
+            while need:
+                p = self.pieces[i]
+                take = min(need, p.stop - p.start - used)
+                parts.append(Piece(p.shard, p.start + used, p.start + used + take))
+                need, used = need - take, used + take
+                if used == p.stop - p.start:
+                    i, used = i + 1, 0
+            out.append(RemoteBatch(parts, self.columns,
+                                   sliced_meta(self.meta, self._len, start, start + size)))
+            start += size
+        return out
+
     def take(self, rows: Sequence[int]) -> RemoteBatch:
         out: list[Piece] = []
         for r in rows:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import itertools
 import logging
 import os
 import random
@@ -32,12 +33,13 @@ import msgspec
 
 from asyncrl.actors.protocols import Layout
 from asyncrl.actors.worker import Worker
-from asyncrl.comm import codec
+from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import curve_available, new_curve_keys, new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
 from asyncrl.comm.dataplane import pool_prefix, run_prefix
 from asyncrl.comm.messages import (
     Construct,
+    Fanin,
     Fetched,
     Heartbeat,
     Hello,
@@ -55,6 +57,7 @@ from asyncrl.controller.group import GroupHandle, RankInfo
 from asyncrl.controller.launcher import Agent, HostAgents, kill_pids, pid_alive, rank_env
 from asyncrl.controller.links import Links
 from asyncrl.controller.logs import LogSink
+from asyncrl.controller.outbox import Outbox
 from asyncrl.controller.placement import Placer
 from asyncrl.controller.timeline import Timeline
 from asyncrl.errors import (
@@ -70,6 +73,7 @@ log = logging.getLogger("asyncrl")
 _current: contextvars.ContextVar[Controller | None] = contextvars.ContextVar(
     "asyncrl_controller", default=None)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+RELAY_MIN_RANKS = 16  # relay=None: groups this large talk to the controller through relays
 
 
 class _Reaper:
@@ -104,7 +108,10 @@ class Controller:
     one host, else NCCL), "tcp" to force sockets, "nccl" to send every tensor by NCCL.
     run_dir: logs (one file per group) and the secret; a temporary folder by default.
     encrypt: CurveZMQ on every control and data-plane socket, for untrusted networks (the
-    keys go to the ranks in the 0600 secret file; frames stay HMAC-signed)."""
+    keys go to the ranks in the 0600 secret file; frames stay HMAC-signed).
+    relay: a group's control messages go through one relay per host (a thread of its local
+    rank 0), so a call costs the controller one message each way per host, not per rank; it
+    adds a hop to every call. None: for groups of RELAY_MIN_RANKS ranks or more."""
 
     def __init__(self, *, host: str = "127.0.0.1", heartbeat_interval: float = 0.5,
                  heartbeat_timeout: float = 3.0, startup_timeout: float = 120.0,
@@ -113,7 +120,7 @@ class Controller:
                  transport: str = "auto",
                  run_dir: str | os.PathLike | None = None, die_with_controller: bool = True,
                  echo_logs: bool = True, cluster: Cluster | None = None,
-                 encrypt: bool = False):
+                 encrypt: bool = False, relay: bool | None = None):
         if transport not in ("auto", "tcp", "nccl"):
             raise ValueError(f"transport must be 'auto', 'tcp' or 'nccl', got {transport!r}")
         if heartbeat_timeout <= heartbeat_interval:
@@ -132,7 +139,7 @@ class Controller:
         self.run_id = uuid.uuid4().hex[:16]  # names this run's shared-memory segments
         # bytes of worker-produced data that went through this controller to another group
         self.payload_bytes = 0
-        self._releases: dict[GroupHandle, dict[int, list[int]]] = {}
+        self._releases: dict[GroupHandle, dict[int, list[int]]] = {}  # obj id -> owner ranks
         self.placer = Placer()
         self.timeline: Timeline | None = None  # set by a DataFlow: records node executions
         self._own_run_dir = run_dir is None
@@ -149,6 +156,9 @@ class Controller:
                                "pyzmq's has none; install pyzmq from its wheels (they bundle "
                                "one) or build libzmq with libsodium")
         self.encrypt = encrypt
+        self.relay = relay
+        self._relay_of: dict[bytes, bytes] = {}  # rank socket identity -> its relay's
+        self._relays = itertools.count()
         if not host.startswith("127.") and host != "localhost":
             log.warning("asyncrl: the control plane listens on %s, reachable from the network "
                         "(every frame is HMAC-signed with this run's secret%s)", host,
@@ -225,20 +235,33 @@ class Controller:
         ctl = _current.get()
         return ctl if ctl is not None and not ctl._closed else None
 
+    def outbox(self) -> Outbox:
+        """Where messages for rank sockets go: `put` them, then `flush`."""
+        return Outbox(self.channel, self._relay_of)
+
+    def post(self, identity: bytes, msg: Any) -> None:
+        """Send one message to one rank socket (through its relay, if it has one)."""
+        box = self.outbox()
+        box.put(identity, messages.encode(msg))
+        box.flush()
+
     @property
     def dropped_frames(self) -> dict[str, int]:
-        """Frames the controller dropped, by reason: malformed, bad_mac, replay, undecodable."""
+        """Frames the controller dropped, by reason: malformed, bad_mac, replay, undecodable,
+        foreign (a relay that spoke for another group's socket)."""
         return self.channel.dropped
 
     # -- spawning ---------------------------------------------------------------------------
     async def spawn(self, worker_cls: type, *args: Any, nprocs: int = 1, name: str | None = None,
                     mesh: dict[str, int] | None = None, place: Any = None,
-                    env: dict[str, str] | None = None, **kwargs: Any) -> GroupHandle:
+                    env: dict[str, str] | None = None, relay: bool | None = None,
+                    **kwargs: Any) -> GroupHandle:
         """Launch `worker_cls` as one torchrun job of `nprocs` ranks; wait until it is ready.
 
         `mesh` names the axes of the group's ranks (default ``{"dp": nprocs}``); `place` is a
         placement constraint or a list of them (`asyncrl.separate_from(g)`...); `env` adds
-        environment variables for the ranks; other arguments go to ``worker_cls(...)``."""
+        environment variables for the ranks; `relay` overrides the controller's `relay` for
+        this group; other arguments go to ``worker_cls(...)``."""
         if self._closed or not self._started:
             raise ClosedError("the controller is not running; use `async with Controller()`")
         name = name or worker_cls.__name__.lower()
@@ -262,6 +285,10 @@ class Controller:
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
                  "ASYNCRL_DEBUG_DIR": str(self.run_dir / "debug"),  # breakpoint() sessions
                  **(env or {})}
+        relay = self.relay if relay is None else relay
+        if relay or (relay is None and nprocs >= RELAY_MIN_RANKS):
+            # in the private folder: only this user reaches the relays' ipc sockets
+            extra["ASYNCRL_RELAY"] = f"ipc://{self._private}/relay{next(self._relays)}"
         agent = self._make_agent(name, nprocs, extra)
         group = GroupHandle(self, name, worker_cls, layout, agent)
         group.construct_msg = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh))
@@ -351,6 +378,9 @@ class Controller:
 
     # -- messages ---------------------------------------------------------------------------
     def _on_message(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, Fanin):
+            self._on_fanin(identity, msg)
+            return
         if isinstance(msg, Result):
             group = self._calls.get(msg.call_id)
             if group is not None:
@@ -377,6 +407,33 @@ class Controller:
         elif isinstance(msg, Log) and self.logs is not None:
             self.logs.write(group.name, rank, msg.lines, msg.dropped)
 
+    def _on_fanin(self, relay: bytes, msg: Fanin) -> None:
+        """A relay's bundle: each message as if its rank socket had sent it here. A relay
+        speaks for its own group's sockets only."""
+        parts = relay.split(b"/")
+        if len(parts) != 4 or parts[2] != b"relay" or len(msg.senders) != len(msg.frames):
+            self.channel.drop("malformed")
+            return
+        prefix, calls, now = parts[0] + b"/", self._calls, time.monotonic()
+        for sender, frame in zip(msg.senders, msg.frames, strict=True):
+            try:
+                inner = messages.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                inner = None
+            if inner is None or type(inner) is Fanin:
+                self.channel.drop("undecodable")
+            elif not sender.startswith(prefix):
+                self.channel.drop("foreign")  # a relay claimed another group's socket
+            elif type(inner) is Result:  # most of what relays bring: the shortest way
+                group = calls.get(inner.call_id)
+                if group is not None:
+                    group._touch(inner.rank, now)
+                    group._on_result(inner)
+            else:
+                if type(inner) is Hello:
+                    self._relay_of[sender] = relay
+                self._on_message(sender, inner)
+
     def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello) -> None:
         if msg.world_size != group.nprocs or not 0 <= msg.rank < group.nprocs:
             return
@@ -391,7 +448,7 @@ class Controller:
         if info.identity and info.exec_identity and not info.constructing:
             info.constructing = True
             assert group.construct_msg is not None
-            self.channel.send(info.exec_identity, group.construct_msg)
+            self.post(info.exec_identity, group.construct_msg)
             if not group.started.done() and len(group.ranks) == group.nprocs and \
                     all(i.constructing for i in group.ranks.values()):
                 group.started.set_result(None)
@@ -411,26 +468,38 @@ class Controller:
             group.ready.set_result(None)
 
     # -- object lifetimes -------------------------------------------------------------------
-    def _release_later(self, owners: list[tuple[GroupHandle, int]], obj_id: int) -> None:
+    def _release_later(self, group: GroupHandle, ranks: list[int], obj_id: int) -> None:
         """An ObjectRef is gone (GC, any thread): free its parts, batched per loop turn."""
         try:
-            self.loop.call_soon_threadsafe(self._queue_release, owners, obj_id)
+            self.loop.call_soon_threadsafe(self._queue_release, group, ranks, obj_id)
         except RuntimeError:  # the loop is closed: the ranks are gone with it
             pass
 
-    def _queue_release(self, owners: list[tuple[GroupHandle, int]], obj_id: int) -> None:
+    def _queue_release(self, group: GroupHandle, ranks: list[int], obj_id: int) -> None:
         if not self._releases:
             self.loop.call_soon(self._flush_releases)
-        for group, rank in owners:
-            self._releases.setdefault(group, {}).setdefault(rank, []).append(obj_id)
+        self._releases.setdefault(group, {})[obj_id] = ranks
 
     def _flush_releases(self) -> None:
         releases, self._releases = self._releases, {}
-        for group, by_rank in releases.items():
+        box = self.outbox()
+        for group, owners in releases.items():
             if group.closing or group.dead is not None:
                 continue
+            # objects every rank holds: one message for all
+            everywhere: list[int] = []
+            by_rank: dict[int, list[int]] = {}
+            for obj_id, ranks in owners.items():
+                if len(ranks) == group.nprocs:
+                    everywhere.append(obj_id)
+                else:
+                    for rank in ranks:
+                        by_rank.setdefault(rank, []).append(obj_id)
+            if everywhere:
+                group.post_all(box, "io", messages.encode(Release(everywhere)))
             for rank, ids in by_rank.items():
-                self.channel.send(group.ranks[rank].identity, Release(ids))
+                box.put(group.ranks[rank].identity, messages.encode(Release(ids)))
+        box.flush()
 
     # -- supervision ------------------------------------------------------------------------
     def _on_agent_exit(self, group: GroupHandle, code: int) -> None:
@@ -453,13 +522,13 @@ class Controller:
                 log.exception("asyncrl supervisor: checking the ranks failed")
 
     def _check_ranks(self) -> None:
-        beat, now, here = Heartbeat(), time.monotonic(), socket.gethostname()
+        beat, now, here = messages.encode(Heartbeat()), time.monotonic(), socket.gethostname()
+        box = self.outbox()
         for group in list(self.groups.values()):
             if group.closing or group.dead is not None:
                 continue
+            group.post_all(box, "io", beat)
             for rank, info in list(group.ranks.items()):
-                if info.identity:
-                    self.channel.send(info.identity, beat)
                 if info.host == here and not info.gone and not pid_alive(info.pid):
                     info.gone = True
                     self.loop.create_task(self._rank_gone(group, rank))
@@ -467,6 +536,7 @@ class Controller:
                     group._mark_dead(rank, None, f"no heartbeat for {now - info.last_seen:.1f} s "
                                      f"(heartbeat_timeout={self.heartbeat_timeout} s)")
                     group.agent.signal_all(signal.SIGKILL)
+        box.flush()
 
     def _host_agents(self, name: str, nprocs: int, extra: dict[str, str]) -> HostAgents:
         """One torchrun agent per host the group spreads over, meeting at the first host."""
@@ -508,9 +578,9 @@ class Controller:
             return
         group.closing = True
         group._fail_all(ClosedError(f"group {group.name!r} was shut down"))
-        for info in group.ranks.values():
-            if info.identity:
-                self.channel.send(info.identity, Shutdown())
+        box = self.outbox()
+        group.post_all(box, "io", messages.encode(Shutdown()))
+        box.flush()
         agent = group.agent
         grace = self.shutdown_grace if grace is None else grace
         if agent.proc is not None and grace > 0:
@@ -522,6 +592,9 @@ class Controller:
         if agent.proc is not None:
             await self.loop.run_in_executor(None, agent.wait)
         kill_pids([p for p in agent.rank_pids.values() if pid_alive(p)])
+        for info in group.ranks.values():
+            self._relay_of.pop(info.identity, None)
+            self._relay_of.pop(info.exec_identity, None)
         here = socket.gethostname()
         for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
             if info.host == here:

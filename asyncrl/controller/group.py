@@ -43,6 +43,7 @@ from asyncrl.futures.future import DistFuture
 if TYPE_CHECKING:
     from asyncrl.controller.controller import Controller
     from asyncrl.controller.launcher import Agent
+    from asyncrl.controller.outbox import Outbox
 
 _call_ids = itertools.count(1)
 
@@ -119,6 +120,7 @@ class GroupHandle:
         self._drainer: asyncio.Task | None = None
         self._arg_names: dict[str, list[str]] = {}
         self._fetches: dict[tuple[int, int], asyncio.Future[msgspec.Raw]] = {}
+        self._fans: dict[str, list[tuple[bytes | None, list[bytes]]]] = {}
         self.dead: GroupDeadError | None = None
         self.closing = False
         loop = ctl.loop
@@ -258,7 +260,14 @@ class GroupHandle:
                                           split.state, set(split.calls), collect, item.inputs,
                                           item.links)
         self._ctl._calls[call_id] = self
-        send, ranks = self._ctl.channel.send_encoded, self.ranks
+        box, ranks = self._ctl.outbox(), self.ranks
+        role = "io" if concurrent else "exec"
+        if len(payloads) == 1 and len(split.calls) == len(collect) == self.nprocs:
+            # the same Call for every rank (a broadcast): no work per rank
+            self.post_all(box, role, messages.encode(Call(call_id, item.method,
+                                                          next(iter(payloads.values())))))
+            box.flush(call_id)
+            return
         calls: dict[tuple[int, int, bool], bytes] = {}  # ranks with the same Call share it
         for rank, (args, kwargs) in split.calls.items():
             which = (id(args), id(kwargs), rank in collect)
@@ -267,7 +276,8 @@ class GroupHandle:
                 call = calls[which] = messages.encode(Call(
                     call_id, item.method, payloads[(which[0], which[1])], which[2]))
             info = ranks[rank]
-            send(info.identity if concurrent else info.exec_identity, call)
+            box.put(info.identity if concurrent else info.exec_identity, call)
+        box.flush(call_id)
 
     def _names(self, method: str) -> list[str]:
         names = self._arg_names.get(method)
@@ -281,6 +291,35 @@ class GroupHandle:
         return names
 
     # -- receiving --------------------------------------------------------------------------
+    def fan(self, role: str) -> list[tuple[bytes | None, list[bytes]]] | None:
+        """Every rank's "io" or "exec" socket, by the relay it is behind (None: reached
+        directly); None until every rank said hello on both."""
+        fan = self._fans.get(role)
+        if fan is None:
+            ranks = self.ranks.values()
+            if len(self.ranks) < self.nprocs or not all(i.identity and i.exec_identity
+                                                       for i in ranks):
+                return None
+            relay_of = self._ctl._relay_of
+            by_relay: dict[bytes | None, list[bytes]] = {}
+            for info in ranks:
+                identity = info.identity if role == "io" else info.exec_identity
+                by_relay.setdefault(relay_of.get(identity), []).append(identity)
+            fan = self._fans[role] = list(by_relay.items())
+        return fan
+
+    def post_all(self, box: Outbox, role: str, message: bytes) -> None:
+        """Put one message for every rank's `role` socket (those that said hello)."""
+        fan = self.fan(role)
+        if fan is None:
+            for info in self.ranks.values():
+                identity = info.identity if role == "io" else info.exec_identity
+                if identity:
+                    box.put(identity, message)
+            return
+        for relay, identities in fan:
+            box.put_many(relay, identities, message)
+
     def _on_result(self, msg: Result) -> None:
         p = self._pending.get(msg.call_id)
         rank = msg.rank
@@ -305,7 +344,7 @@ class GroupHandle:
         self._ctl._calls.pop(msg.call_id, None)
         if p.future.done():  # another rank failed: nothing will name what these ranks kept
             if p.shards:
-                self._ctl._queue_release([(self, r) for r in p.shards], msg.call_id)
+                self._ctl._queue_release(self, list(p.shards), msg.call_id)
             return
         layout, protocol, state = self.layout, p.protocol, p.state
         p.future.busy_s = p.busy
@@ -327,7 +366,7 @@ class GroupHandle:
         waiter = self._fetches.get((rank, obj_id))
         if waiter is None:
             waiter = self._fetches[(rank, obj_id)] = self._ctl.loop.create_future()
-            self._ctl.channel.send(self.ranks[rank].identity, Fetch(obj_id))
+            self._ctl.post(self.ranks[rank].identity, Fetch(obj_id))
         return await asyncio.shield(waiter)
 
     def _on_fetched(self, msg: Fetched) -> None:
@@ -374,7 +413,7 @@ class GroupHandle:
         self.dead = GroupDeadError(self.name, rank, exit_code, reason, self.agent.tail())
         self._fail_all(self.dead)
 
-    def _touch(self, rank: int) -> None:
+    def _touch(self, rank: int, now: float | None = None) -> None:
         info = self.ranks.get(rank)
         if info is not None:
-            info.last_seen = time.monotonic()
+            info.last_seen = time.monotonic() if now is None else now

@@ -37,8 +37,7 @@ class ObjectRef:
         self._value: Any = None
         self._done = False
         if shards:
-            owners = [(group, rank) for rank in shards]
-            weakref.finalize(self, group._ctl._release_later, owners, obj_id)
+            weakref.finalize(self, group._ctl._release_later, group, list(shards), obj_id)
 
     def view(self) -> Any:
         """The value as references for another group's call: nothing is fetched."""

@@ -1,0 +1,66 @@
+"""Outbox: how the controller sends to rank sockets, directly or through their host's relay.
+
+    box = ctl.outbox()
+    box.put(identity, encoded)      a socket the controller reaches directly: sent now;
+    ...                             one behind a relay: gathered per relay
+    box.flush(call_id)              one Fanout per relay; one frame per distinct message
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from asyncrl.comm.channel import ControllerChannel
+from asyncrl.comm.messages import Fanout
+
+
+class Outbox:
+    __slots__ = ("_channel", "_relay_of", "_fanouts")
+
+    def __init__(self, channel: ControllerChannel, relay_of: dict[bytes, bytes]):
+        self._channel = channel
+        self._relay_of = relay_of  # rank socket identity -> its relay's, for relayed groups
+        # relay -> (destinations, frame index of each, frames, index of each distinct message)
+        self._fanouts: dict[bytes, tuple[list[bytes], list[int], list[msgspec.Raw],
+                                         dict[bytes, int]]] = {}
+
+    def put(self, identity: bytes, message: bytes) -> None:
+        """Send an encoded message to one rank socket (relayed ones at `flush`)."""
+        relay = self._relay_of.get(identity)
+        if relay is None:
+            self._channel.send_encoded(identity, message)
+            return
+        box = self._fanouts.get(relay)
+        if box is None:
+            box = self._fanouts[relay] = ([], [], [], {})
+        to, which, frames, index = box
+        i = index.get(message)  # the same object again: found by identity, not compared
+        if i is None:
+            i = index[message] = len(frames)
+            frames.append(msgspec.Raw(message))
+        to.append(identity)
+        which.append(i)
+
+    def put_many(self, relay: bytes | None, identities: list[bytes], message: bytes) -> None:
+        """`put` of one message to sockets behind one relay (None: reached directly), without
+        a lookup per socket."""
+        if relay is None:
+            for identity in identities:
+                self._channel.send_encoded(identity, message)
+            return
+        box = self._fanouts.get(relay)
+        if box is None:
+            box = self._fanouts[relay] = ([], [], [], {})
+        to, which, frames, index = box
+        i = index.get(message)
+        if i is None:
+            i = index[message] = len(frames)
+            frames.append(msgspec.Raw(message))
+        to += identities
+        which += [i] * len(identities)
+
+    def flush(self, call_id: int = 0) -> None:
+        """Send what waits for relays; `call_id`: the messages are that call's Calls."""
+        for relay, (to, which, frames, _) in self._fanouts.items():
+            self._channel.send(relay, Fanout(to, which, frames, call_id))
+        self._fanouts = {}

@@ -1,0 +1,203 @@
+"""Host relays (Controller(relay=True)): a group's control messages go through one relay per
+host, a thread of its local rank 0. Real torchrun groups; every call still behaves as a
+direct one, a call's Results come up in one bundle per host, a failure is not held back
+behind slower ranks, deaths and silences are still reported per rank, and the relay drops
+what is not signed.
+
+The worker class is defined in this file: the ranks load it by path."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from helpers import assert_gone, group_pids, poll_until, run
+
+import asyncrl
+from asyncrl import Dispatch, TensorBatch
+from asyncrl.comm import messages
+from asyncrl.comm.auth import Signer, read_secret
+from asyncrl.comm.messages import Fanin, Result
+
+
+class Host(asyncrl.Worker):
+    @asyncrl.register
+    def ping(self, x):
+        return [self.rank, x]
+
+    @asyncrl.register(dispatch=Dispatch.ALL_TO_ALL)
+    def plus_rank(self, x):
+        return x + 100 * self.rank
+
+    @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
+    def zero(self):
+        return self.rank
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def double(self, batch: TensorBatch) -> TensorBatch:
+        return TensorBatch({"x": batch["x"] * 2, "dp": [self.rank] * len(batch)})
+
+    @asyncrl.register(concurrent=True)
+    def beside(self, x):
+        return x + 1
+
+    @asyncrl.register
+    def tensor(self, n: int):
+        return torch.full((n, 256), float(self.rank))
+
+    @asyncrl.register
+    def fail_or_wait(self, marker: str, failing: int = 1):
+        """Rank `failing` fails at once; the others wait for `marker` (bounded)."""
+        if self.rank == failing:
+            raise ValueError("rank 1 fails at once")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return os.path.exists(marker)
+
+    @asyncrl.register
+    def say(self, text: str):
+        print(f"rank {self.rank}: {text}", flush=True)
+
+
+def count_fanins(ctl: asyncrl.Controller) -> dict[int, int]:
+    """call id -> how many Fanins brought Results of that call (a hook on the controller)."""
+    bundles: dict[int, int] = {}
+    on_fanin = ctl._on_fanin
+
+    def counting(relay: bytes, msg: Fanin) -> None:
+        for call_id in {m.call_id for m in map(messages.decode, msg.frames)
+                        if isinstance(m, Result)}:
+            bundles[call_id] = bundles.get(call_id, 0) + 1
+        on_fanin(relay, msg)
+
+    ctl._on_fanin = counting  # type: ignore[method-assign]
+    return bundles
+
+
+def test_relayed_group_answers_every_protocol_with_one_bundle_per_call():
+    async def main():
+        async with asyncrl.Controller(relay=True) as ctl:
+            bundles = count_fanins(ctl)
+            group = await ctl.spawn(Host, nprocs=3)
+            relays = set(ctl._relay_of.values())
+            assert len(relays) == 1 and len(ctl._relay_of) == 6  # io + exec of 3 ranks
+            assert next(iter(relays)).startswith(b"host/0/relay/")  # local rank 0's thread
+            bundles.clear()
+            assert await group.ping(5) == [[0, 5], [1, 5], [2, 5]]
+            assert await group.plus_rank([1, 2, 3]) == [1, 102, 203]
+            assert await group.zero() == 0
+            out = await group.double(TensorBatch({"x": torch.arange(7)}))
+            assert out["x"].tolist() == [0, 2, 4, 6, 8, 10, 12]  # padding dropped, in order
+            assert out["dp"] == [0, 0, 0, 1, 1, 2, 2]
+            assert await group.beside(1) == [2, 2, 2]
+            # every call: all of its Results (3, or rank 0's alone) came up in one Fanin
+            return bundles
+    bundles = run(main())
+    assert len(bundles) == 5 and set(bundles.values()) == {1}, bundles
+
+
+def test_a_failing_rank_is_not_held_back_behind_its_waiting_host_peers(tmp_path):
+    marker = tmp_path / "go"
+
+    async def main():
+        async with asyncrl.Controller(relay=True) as ctl:
+            group = await ctl.spawn(Host, nprocs=3)
+            with pytest.raises(asyncrl.RemoteError) as info:
+                # ranks 0 and 2 still wait for the marker: the relay sent the failure on
+                await asyncio.wait_for(group.fail_or_wait(str(marker)), 30)
+            assert not marker.exists()
+            marker.write_text("go")
+            assert await group.ping(1) == [[0, 1], [1, 1], [2, 1]]  # order kept behind it
+            return info.value
+    err = run(main())
+    assert (err.rank, err.method) == (1, "fail_or_wait")
+    assert "rank 1 fails at once" in str(err)
+
+
+def test_relayed_results_are_freed_on_every_rank_encrypted():
+    async def main():
+        async with asyncrl.Controller(relay=True, encrypt=True, heartbeat_interval=0.1) as ctl:
+            group = await ctl.spawn(Host, nprocs=2)
+            for _ in range(30):
+                await group.tensor(64)  # each rank keeps 64 KiB; the future is dropped
+            kept = group.tensor(64)
+            value = await kept
+            assert [t[0, 0].item() for t in value] == [0.0, 1.0]
+            await poll_until(lambda: group.store_stats == {0: (1, 65536), 1: (1, 65536)}, 10,
+                             "every rank to hold only the one live result")
+            del kept
+            await poll_until(lambda: group.store_stats == {0: (0, 0), 1: (0, 0)}, 10,
+                             "every rank to free it")
+    run(main())
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_dead_or_silent_rank_behind_a_relay_is_named(how):
+    async def main():
+        async with asyncrl.Controller(relay=True, heartbeat_interval=0.2,
+                                      heartbeat_timeout=1.5) as ctl:
+            group = await ctl.spawn(Host, nprocs=3)
+            pids = group_pids(group)
+            await group.say("still here")
+            pending = group.fail_or_wait("/nonexistent", failing=-1)  # all wait 60 s
+            os.kill(group.pids[2], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            with pytest.raises(asyncrl.GroupDeadError) as info:
+                await asyncio.wait_for(pending, 30)
+            return pids, info.value
+    pids, err = run(main())
+    if how == "kill":  # torchrun's report (exit code) or the supervisor's (process gone)
+        assert err.rank == 2 and ("signal 9" in str(err) or "gone" in str(err)), str(err)
+    else:  # its heartbeats stopped although its host's others still came through the relay
+        assert err.rank == 2 and "no heartbeat" in str(err), str(err)
+    assert "rank 2: still here" in str(err)  # the last lines of its output
+    assert_gone(pids)
+
+
+def test_relay_drops_hostile_frames_and_the_controller_drops_false_claims():
+    async def main():
+        async with asyncrl.Controller(relay=True, heartbeat_interval=0.2) as ctl:
+            group = await ctl.spawn(Host, nprocs=2)
+            relay = next(iter(ctl._relay_of.values()))
+            send = ctl.channel.send_frames  # the live ROUTER reaches the relay's live DEALER
+            send([relay, b"garbage"])  # malformed
+            send([relay, b"x" * 40, b"y" * 32])  # bad MAC
+            forged = Signer(b"1" * 32).sign(b">" + relay, messages.encode(messages.Shutdown()))
+            send([relay, *forged])  # bad MAC
+            replay = ctl.channel._signer.sign(b">" + relay, messages.encode(messages.Heartbeat()))
+            send([relay, *replay])  # valid, but a relay takes Fanouts only: dropped
+            send([relay, *replay])  # replayed
+            await poll_until(lambda: group.dropped_frames[0] >= 5, 10,
+                             "rank 0 to report its relay's drops")
+            assert group.dropped_frames[0] == 5
+
+            # signed Fanins with the run's secret from sockets that are not that group's relay
+            secret = read_secret(str(ctl.secret_file))
+            ctx, intruders = zmq.asyncio.Context(), []
+            try:
+                for identity, sender in ((b"host/0/io/1", b"host/0/io/1"),  # not a relay
+                                         (b"host/7/relay/1", b"other/0/io/1")):  # foreign
+                    intruder = ctx.socket(zmq.DEALER)
+                    intruders.append(intruder)
+                    intruder.setsockopt(zmq.IDENTITY, identity)
+                    intruder.connect(ctl.channel.address)
+                    fanin = Fanin([sender], [msgspec.Raw(messages.encode(messages.Shutdown()))])
+                    await intruder.send_multipart(Signer(secret).sign(
+                        identity, messages.encode(fanin)))
+                await poll_until(lambda: ctl.dropped_frames.get("foreign") == 1 and
+                                 ctl.dropped_frames.get("malformed") == 1, 10,
+                                 f"the controller to drop both: {ctl.dropped_frames}")
+            finally:
+                for intruder in intruders:
+                    intruder.close(0)
+                ctx.term()
+            assert await group.ping(2) == [[0, 2], [1, 2]]
+            assert group.dead is None
+    run(main())
