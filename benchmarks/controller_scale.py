@@ -54,7 +54,7 @@ from asyncrl.comm import codec
 from asyncrl.comm.auth import CurveKeys, read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.messages import Call, Construct, Heartbeat, Hello, Ready, Result, Shutdown
-from asyncrl.comm.relay import HostRelay, relay_address
+from asyncrl.comm.relay import RELAY_ROLES, HostRelay, relay_address, relay_identity
 from asyncrl.controller.launcher import Agent, HostAgents, rank_env
 from asyncrl.futures.store import schema_of
 
@@ -77,14 +77,14 @@ class ScaleWorker(asyncrl.Worker):
 
 # -- the simulated ranks (host processes) ----------------------------------------------------
 class _SimRank:
-    def __init__(self, ctx: zmq.Context, address: str, group: str, rank: int, secret: bytes,
-                 curve: CurveKeys | None):
+    def __init__(self, ctx: zmq.Context, address: dict[str, str], group: str, rank: int,
+                 secret: bytes, curve: CurveKeys | None):
         self.rank = rank
         pid = os.getpid()
-        self.io = RankSocket(ctx, address, f"{group}/{rank}/io/{pid}".encode(), secret,
+        self.io = RankSocket(ctx, address["io"], f"{group}/{rank}/io/{pid}".encode(), secret,
                              curve=curve)
-        self.exec = RankSocket(ctx, address, f"{group}/{rank}/exec/{pid}".encode(), secret,
-                               curve=curve)
+        self.exec = RankSocket(ctx, address["exec"], f"{group}/{rank}/exec/{pid}".encode(),
+                               secret, curve=curve)
 
 
 def host_main(group: str, first: int, count: int, world: int) -> None:
@@ -99,13 +99,15 @@ def host_main(group: str, first: int, count: int, world: int) -> None:
                "score": (msgspec.Raw(codec.encode(small)), schema_of(small))}
     ctx = zmq.Context()
     curve = read_curve(env["ASYNCRL_SECRET_FILE"])  # None unless --encrypt
-    relay = None
-    if env.get("ASYNCRL_RELAY"):  # this host's relay, as its local rank 0 would run it
-        here = relay_address(env["ASYNCRL_RELAY"], int(env["GROUP_RANK"]))
-        relay = HostRelay(ctx, address, here, f"{group}/{first}/relay/{os.getpid()}".encode(),
-                          secret, curve).start()
-        address, curve = here, None
-    ranks = [_SimRank(ctx, address, group, r, secret, curve)
+    relays, addresses = [], {"io": address, "exec": address}
+    if env.get("ASYNCRL_RELAY"):  # this host's relays, as its local rank 0 would run them
+        for role in RELAY_ROLES:
+            addresses[role] = relay_address(env["ASYNCRL_RELAY"], int(env["GROUP_RANK"]), role)
+            relays.append(HostRelay(address, addresses[role],
+                                    relay_identity(group, first, role, os.getpid()),
+                                    secret, curve).start())
+        curve = None
+    ranks = [_SimRank(ctx, addresses, group, r, secret, curve)
              for r in range(first, first + count)]
     poller = zmq.Poller()
     owner: dict[Any, tuple[_SimRank, RankSocket]] = {}
@@ -144,7 +146,7 @@ def host_main(group: str, first: int, count: int, world: int) -> None:
     for sim in ranks:
         sim.io.close()
         sim.exec.close()
-    if relay is not None:
+    for relay in relays:
         relay.close()
     ctx.term()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import tempfile
 import time
 
 import msgspec
@@ -24,7 +25,7 @@ import asyncrl
 from asyncrl import Dispatch, TensorBatch
 from asyncrl.comm import messages
 from asyncrl.comm.auth import Signer, read_secret
-from asyncrl.comm.messages import Fanin, Result
+from asyncrl.comm.messages import Fanin, Result, Results
 
 
 class Host(asyncrl.Worker):
@@ -67,15 +68,16 @@ class Host(asyncrl.Worker):
         print(f"rank {self.rank}: {text}", flush=True)
 
 
-def count_fanins(ctl: asyncrl.Controller) -> dict[int, int]:
-    """call id -> how many Fanins brought Results of that call (a hook on the controller)."""
-    bundles: dict[int, int] = {}
+def count_fanins(ctl: asyncrl.Controller) -> dict[int, list[str]]:
+    """call id -> the answers to that call each Fanin brought, by kind: "Results" (all of a
+    host's, in one message) or "Result" (one rank's) (a hook on the controller)."""
+    bundles: dict[int, list[str]] = {}
     on_fanin = ctl._on_fanin
 
     def counting(relay: bytes, msg: Fanin) -> None:
-        for call_id in {m.call_id for m in map(messages.decode, msg.frames)
-                        if isinstance(m, Result)}:
-            bundles[call_id] = bundles.get(call_id, 0) + 1
+        for m in map(messages.decode, msg.frames):
+            if isinstance(m, (Result, Results)):
+                bundles.setdefault(m.call_id, []).append(type(m).__name__)
         on_fanin(relay, msg)
 
     ctl._on_fanin = counting  # type: ignore[method-assign]
@@ -87,9 +89,11 @@ def test_relayed_group_answers_every_protocol_with_one_bundle_per_call():
         async with asyncrl.Controller(relay=True) as ctl:
             bundles = count_fanins(ctl)
             group = await ctl.spawn(Host, nprocs=3)
-            relays = set(ctl._relay_of.values())
+            relays = {ctl._relay_of[i.exec_identity] for i in group.ranks.values()}
             assert len(relays) == 1 and len(ctl._relay_of) == 6  # io + exec of 3 ranks
-            assert next(iter(relays)).startswith(b"host/0/relay/")  # local rank 0's thread
+            assert next(iter(relays)).startswith(b"host/0/relay-exec/")  # rank 0's threads
+            relays = {ctl._relay_of[i.identity] for i in group.ranks.values()}
+            assert len(relays) == 1 and next(iter(relays)).startswith(b"host/0/relay-io/")
             bundles.clear()
             assert await group.ping(5) == [[0, 5], [1, 5], [2, 5]]
             assert await group.plus_rank([1, 2, 3]) == [1, 102, 203]
@@ -98,10 +102,10 @@ def test_relayed_group_answers_every_protocol_with_one_bundle_per_call():
             assert out["x"].tolist() == [0, 2, 4, 6, 8, 10, 12]  # padding dropped, in order
             assert out["dp"] == [0, 0, 0, 1, 1, 2, 2]
             assert await group.beside(1) == [2, 2, 2]
-            # every call: all of its Results (3, or rank 0's alone) came up in one Fanin
+            # every call: all of its answers (3, or rank 0's alone) came up in one message
             return bundles
     bundles = run(main())
-    assert len(bundles) == 5 and set(bundles.values()) == {1}, bundles
+    assert len(bundles) == 5 and all(b == ["Results"] for b in bundles.values()), bundles
 
 
 def test_a_failing_rank_is_not_held_back_behind_its_waiting_host_peers(tmp_path):
@@ -139,8 +143,10 @@ def test_relayed_results_are_freed_on_every_rank_encrypted():
     run(main())
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
-def test_a_dead_or_silent_rank_behind_a_relay_is_named(how):
+@pytest.mark.parametrize("how,victim", [("kill", 2), ("stop", 2), ("stop", 0)])
+def test_a_dead_or_silent_rank_behind_a_relay_is_named(how, victim):
+    """Rank 0 runs the host's relays: when it stops, its host's ranks go silent with it,
+    and it is the one named."""
     async def main():
         async with asyncrl.Controller(relay=True, heartbeat_interval=0.2,
                                       heartbeat_timeout=1.5) as ctl:
@@ -148,16 +154,19 @@ def test_a_dead_or_silent_rank_behind_a_relay_is_named(how):
             pids = group_pids(group)
             await group.say("still here")
             pending = group.fail_or_wait("/nonexistent", failing=-1)  # all wait 60 s
-            os.kill(group.pids[2], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            os.kill(group.pids[victim], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             with pytest.raises(asyncrl.GroupDeadError) as info:
                 await asyncio.wait_for(pending, 30)
             return pids, info.value
     pids, err = run(main())
+    assert err.rank == victim, str(err)
     if how == "kill":  # torchrun's report (exit code) or the supervisor's (process gone)
-        assert err.rank == 2 and ("signal 9" in str(err) or "gone" in str(err)), str(err)
-    else:  # its heartbeats stopped although its host's others still came through the relay
-        assert err.rank == 2 and "no heartbeat" in str(err), str(err)
-    assert "rank 2: still here" in str(err)  # the last lines of its output
+        assert "signal 9" in str(err) or "gone" in str(err), str(err)
+    elif victim == 2:  # its heartbeats stopped although its host's others came through
+        assert "no heartbeat" in str(err) and "relay" not in str(err), str(err)
+    else:
+        assert "no heartbeat" in str(err) and "it runs its host's relay" in str(err), str(err)
+    assert f"rank {victim}: still here" in str(err)  # the last lines of its output
     assert_gone(pids)
 
 
@@ -165,7 +174,7 @@ def test_relay_drops_hostile_frames_and_the_controller_drops_false_claims():
     async def main():
         async with asyncrl.Controller(relay=True, heartbeat_interval=0.2) as ctl:
             group = await ctl.spawn(Host, nprocs=2)
-            relay = next(iter(ctl._relay_of.values()))
+            relay = ctl._relay_of[group.ranks[1].identity]  # io: heartbeats, releases...
             send = ctl.channel.send_frames  # the live ROUTER reaches the relay's live DEALER
             send([relay, b"garbage"])  # malformed
             send([relay, b"x" * 40, b"y" * 32])  # bad MAC
@@ -183,7 +192,7 @@ def test_relay_drops_hostile_frames_and_the_controller_drops_false_claims():
             ctx, intruders = zmq.asyncio.Context(), []
             try:
                 for identity, sender in ((b"host/0/io/1", b"host/0/io/1"),  # not a relay
-                                         (b"host/7/relay/1", b"other/0/io/1")):  # foreign
+                                         (b"host/7/relay-io/1", b"other/0/io/1")):  # foreign
                     intruder = ctx.socket(zmq.DEALER)
                     intruders.append(intruder)
                     intruder.setsockopt(zmq.IDENTITY, identity)
@@ -200,4 +209,19 @@ def test_relay_drops_hostile_frames_and_the_controller_drops_false_claims():
                 ctx.term()
             assert await group.ping(2) == [[0, 2], [1, 2]]
             assert group.dead is None
+    run(main())
+
+
+def test_relay_refused_where_its_socket_path_cannot_fit(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))  # where the run's private folder goes
+
+    async def main():
+        async with asyncrl.Controller(relay=True) as ctl:
+            with pytest.raises(ValueError, match="set TMPDIR to a shorter folder") as info:
+                await ctl.spawn(Host, nprocs=2)
+            assert "relay=False" in str(info.value) and not ctl.groups
+            group = await ctl.spawn(Host, nprocs=1, relay=False)  # nothing was left behind
+            assert await group.ping(1) == [[0, 1]]
     run(main())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hmac
 import os
+import random
+import re
 import textwrap
 
 import msgspec
@@ -12,7 +14,14 @@ import pytest
 import torch
 
 import asyncrl
-from asyncrl.actors.protocols import Layout, get_protocol
+from asyncrl.actors.protocols import (
+    Layout,
+    _dp_collect,
+    _dp_collect_encoded,
+    dp_block,
+    get_protocol,
+    take_dp_rows,
+)
 from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.refs import make_ref, resolve_ref
@@ -138,6 +147,20 @@ def test_tensorbatch_basics_and_errors():
 
 
 # -- protocols -----------------------------------------------------------------------------
+def _rank_args(layout, split, rank, hosts=None):
+    """What `rank` runs with: its (args, kwargs) as a rank ends up with them. A windowed DP
+    split is cut as GroupHandle and the rank cut it: the rows of the rank's host (`hosts`: a
+    list of rank lists; default one host per rank), then the rank's own chunk."""
+    if split.dp_rows is None:
+        return split.calls[rank]
+    host = next(h for h in (hosts or [[r] for r in range(layout.world_size)]) if rank in h)
+    spans = [split.dp_rows.span(layout.dp_rank(r)) for r in host]
+    first, last = min(s[0] for s in spans), max(s[1] for s in spans)
+    args, kwargs = dp_block(*split.calls[rank], first, last)
+    args, kwargs = take_dp_rows(list(args), kwargs, split.dp_rows, first, layout.dp_rank(rank))
+    return tuple(args), kwargs
+
+
 def _dp(mesh, rows, method_rows=1):
     layout = Layout("g", tuple(mesh.items()))
     proto = get_protocol(DP.value)
@@ -145,7 +168,7 @@ def _dp(mesh, rows, method_rows=1):
     split = proto.split(layout, (batch,), {})
     results = {}
     for r in split.collect:
-        (chunk,), _ = split.calls[r]
+        (chunk,), _ = _rank_args(layout, split, r)
         results[r] = asyncrl.TensorBatch({"x": chunk["x"].repeat_interleave(method_rows)})
     return layout, split, proto.collect(layout, results, split.state)
 
@@ -153,19 +176,46 @@ def _dp(mesh, rows, method_rows=1):
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9])
 @pytest.mark.parametrize("method_rows", [1, 2])
 def test_dp_keeps_every_real_row_in_order(rows, method_rows):
-    _, split, out = _dp({"dp": 4}, rows, method_rows)
+    layout, split, out = _dp({"dp": 4}, rows, method_rows)
     assert out["x"].tolist() == torch.arange(rows).repeat_interleave(method_rows).tolist()
-    sizes = {len(args[0]) for args, _ in split.calls.values()}
+    sizes = {len(_rank_args(layout, split, r)[0][0]) for r in split.calls}
     assert len(sizes) == 1  # every rank gets the same number of rows (collectives line up)
 
 
 def test_dp_marks_padding_and_feeds_replicas_the_same_chunk():
     layout, split, _ = _dp({"dp": 2, "tp": 2}, 3)
     assert split.collect == [0, 2]
-    chunk = {r: args[0] for r, (args, _) in split.calls.items()}
-    assert chunk[0] is chunk[1] and chunk[2] is chunk[3]
+    chunk = {r: _rank_args(layout, split, r)[0][0] for r in split.calls}
+    for a, b in ((0, 1), (2, 3)):
+        assert chunk[a]["x"].tolist() == chunk[b]["x"].tolist() and chunk[a].meta == chunk[b].meta
     assert chunk[0].meta.get("dp_pad", 0) == 0 and chunk[2].meta["dp_pad"] == 1
     assert chunk[2]["x"].tolist() == [2, 2]  # the padding row repeats a real row
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_chunks_taken_on_the_ranks_equal_chunking_on_the_controller(seed):
+    """Whatever rows a host is sent, each rank's chunk is exactly chunk(dp, pad=True)'s."""
+    rng = random.Random(seed)
+    dp, tp = rng.randint(1, 9), rng.choice([1, 2])
+    rows = rng.randint(dp, 40)  # below dp the controller chunks itself (an empty chunk)
+    pad = rng.choice([0, 0, 1, 3])  # the batch may itself be a padded chunk
+    batch = asyncrl.TensorBatch({"x": torch.arange(rows * 2).reshape(rows, 2),
+                                 "s": [f"r{i}" for i in range(rows)]},
+                                {"dp_pad": pad, "k": 1} if pad else {"k": 1})
+    layout = Layout("g", (("dp", dp), ("tp", tp)))
+    split = get_protocol(DP.value).split(layout, (batch, 5), {"b": batch})
+    assert split.dp_rows is not None
+    ranks = list(range(layout.world_size))
+    cuts = sorted(rng.sample(ranks[1:], rng.randint(0, len(ranks) - 1)))
+    hosts = [ranks[a:b] for a, b in zip([0, *cuts], [*cuts, len(ranks)], strict=True)]
+    expected = batch.chunk(dp, pad=True)
+    for r in ranks:
+        (mine, five), kwargs = _rank_args(layout, split, r, hosts)
+        want = expected[layout.dp_rank(r)]
+        for got in (mine, kwargs["b"]):
+            assert got["x"].tolist() == want["x"].tolist() and got["s"] == want["s"]
+            assert got.meta == want.meta
+        assert five == 5
 
 
 def test_mesh_coordinates_are_row_major():
@@ -179,3 +229,50 @@ def test_register_rejects_unknown_protocols():
         asyncrl.register(dispatch="nope")
     with pytest.raises(ValueError, match="built in"):
         asyncrl.register_protocol("dp", split=lambda *a: None, collect=lambda *a: None)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_dp_collect_from_encoded_results_equals_decoding_each(seed):
+    """The DP protocol collects ranks' encoded TensorBatches one tensor per column; whatever
+    they hold, the value (or the error) is the one decoding each and collecting gives."""
+    rng = random.Random(seed)
+    dp, rows = rng.randint(1, 6), rng.randint(0, 20)
+    layout = Layout("g", (("dp", dp),))
+    split = get_protocol(DP.value).split(
+        layout, (asyncrl.TensorBatch({"x": torch.arange(rows)}),), {})
+    dtype = rng.choice([torch.float32, torch.int64, torch.bfloat16, torch.bool])
+    row_shape = rng.choice([(), (3,), (2, 2)])
+    per_row = rng.choice([1, 1, 2])  # rows a rank returns per row it was sent
+    odd = rng.random() < 0.15  # one rank returns a row count padding cannot be cut from
+    results = {}
+    for r in range(dp):
+        n = (split.state.chunk_rows[r] if rows else 0) * per_row + (odd and r == 0)
+        cols = {"t": (torch.rand(n, *row_shape) * 10).to(dtype),
+                "s": [f"{r}.{i}" for i in range(n)]}
+        if rng.random() < 0.1:  # a part whose columns differ: decoded one by one instead
+            cols = {"s": cols["s"], "t": cols["t"]}
+        meta = {"k": r}
+        if rng.random() < 0.3 and n:
+            meta["dp_pad"] = rng.randint(1, n)
+        results[r] = asyncrl.TensorBatch(cols, meta)
+    raws = {r: codec.encode(b) for r, b in results.items()}
+
+    def decoding_each():
+        return _dp_collect(layout, {r: codec.decode(raw) for r, raw in raws.items()},
+                           split.state)
+
+    def as_controller():  # ObjectRef.value(): encoded first, each decoded where it cannot
+        return _dp_collect_encoded(layout, raws, split.state) or decoding_each()
+
+    try:
+        want = decoding_each()
+    except ValueError as e:
+        with pytest.raises(ValueError, match=re.escape(str(e))):
+            as_controller()
+        return
+    got = as_controller()
+    if len({tuple(b.keys()) for b in results.values()}) == 1:  # one tensor per column
+        assert _dp_collect_encoded(layout, raws, split.state) is not None
+    assert got.keys() == want.keys() and got.meta == want.meta and len(got) == len(want)
+    assert got["s"] == want["s"]
+    assert got["t"].dtype == want["t"].dtype and torch.equal(got["t"], want["t"])

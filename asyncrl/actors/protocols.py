@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.comm import codec
 from asyncrl.comm.batch import RowOps
 
 DP_AXIS = "dp"
@@ -82,11 +83,34 @@ def mesh_coords(mesh: tuple[tuple[str, int], ...], rank: int) -> dict[str, int]:
     return dict(reversed(list(out.items())))
 
 
+@dataclass(frozen=True)
+class DPRows:
+    """How `rows` rows split over `dp` data-parallel ranks: exactly as
+    ``TensorBatch.chunk(dp, pad=True)`` (the first rows % dp chunks get one row more; every
+    chunk is padded to ceil(rows / dp) rows)."""
+
+    rows: int
+    dp: int
+
+    def span(self, d: int) -> tuple[int, int]:
+        """Rows [start, stop) of dp rank d's chunk, before padding."""
+        base, extra = divmod(self.rows, self.dp)
+        start = d * base + min(d, extra)
+        return start, start + base + (d < extra)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.rows // self.dp)
+
+
 @dataclass
 class Split:
     calls: dict[int, tuple[tuple, dict[str, Any]]]  # rank -> (args, kwargs); absent: not run
     collect: list[int]  # ranks whose return values are sent back, in collect order
     state: Any = None
+    # set by DP: `calls` hold the whole batches, and each rank takes its chunk itself
+    # (`take_dp_rows`): a host is sent the rows its ranks need once, not a chunk per rank
+    dp_rows: DPRows | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +119,9 @@ class Protocol:
     split: Callable[[Layout, tuple, dict[str, Any]], Split]
     collect: Callable[[Layout, dict[int, Any], Any], Any]
     builtin: bool = field(default=False, compare=False)
+    # optional: `collect` from the encoded results ({rank: bytes}), without decoding each
+    # first; returns None where it cannot (then they are decoded and given to `collect`)
+    collect_encoded: Callable[[Layout, dict[int, Any], Any], Any] | None = None
 
 
 _PROTOCOLS: dict[str, Protocol] = {}
@@ -178,6 +205,13 @@ def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
                          f"they must have the same number of rows")
     rows = max(lengths, default=0)
     per_chunk = -(-rows // dp)
+    base, extra = divmod(rows, dp)
+    real = [base + (d < extra) for d in range(dp)]
+    state = _DPState([per_chunk] * dp, [per_chunk - r for r in real], bool(batches))
+    if batches and rows >= dp:  # no empty chunk (its padding row comes from another's rows)
+        whole = (args, kwargs)
+        return Split(dict.fromkeys(range(layout.world_size), whole), layout.dp_collect, state,
+                     DPRows(rows, dp))
     chunked = {id(b): b.chunk(dp, pad=True) for b in batches}  # once per batch argument
     arg_chunks = [chunked.get(id(a)) for a in args]
     kwarg_chunks = [(n, v, chunked.get(id(v))) for n, v in kwargs.items()]
@@ -186,12 +220,51 @@ def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
         a = tuple(a if c is None else c[d] for a, c in zip(args, arg_chunks, strict=True))
         k = {n: v if c is None else c[d] for n, v, c in kwarg_chunks}
         per_dp.append((a, k))
-    base, extra = divmod(rows, dp)
-    real = [base + (d < extra) for d in range(dp)]
-    state = _DPState([per_chunk] * dp, [per_chunk - r for r in real], bool(batches))
     dp_of = layout._dp[0]
     calls = {r: per_dp[d] for r, d in enumerate(dp_of)}
     return Split(calls, layout.dp_collect, state)
+
+
+def dp_block(args: tuple, kwargs: dict[str, Any], start: int, stop: int
+             ) -> tuple[tuple, dict[str, Any]]:
+    """The arguments with rows [start, stop) of each batch: what a host's ranks need."""
+    return (tuple(a.slice(start, stop) if isinstance(a, RowOps) else a for a in args),
+            {k: v.slice(start, stop) if isinstance(v, RowOps) else v for k, v in kwargs.items()})
+
+
+def take_dp_rows(args: list, kwargs: dict[str, Any], rows: DPRows, first: int, d: int
+                 ) -> tuple[list, dict[str, Any]]:
+    """On a rank: its chunk of each batch argument, from the block of rows starting at row
+    `first` that its host was sent, padded as `chunk(pad=True)` pads it."""
+    start, stop = rows.span(d)
+
+    def cut(x: Any) -> Any:
+        if not isinstance(x, RowOps):
+            return x
+        chunk = x.slice(start - first, stop - first)
+        return chunk.pad_to(rows.padded)
+    return [cut(a) for a in args], {k: cut(v) for k, v in kwargs.items()}
+
+
+def _dp_collect_encoded(layout: Layout, results: dict[int, Any], state: _DPState) -> Any:
+    """`_dp_collect` of TensorBatches straight from their encodings: one tensor per column."""
+    ranks = sorted(results, key=layout.dp_rank)
+    return codec.decode_concat([results[r] for r in ranks],
+                               lambda d, rows: _dp_kept(layout, d, rows, state))
+
+
+def _dp_kept(layout: Layout, d: int, rows: int, state: _DPState) -> int | None:
+    """How many of the rows dp rank d returned are real: padding rows (and the rows the
+    method made from them) are dropped. None: dp rank d was sent no padding."""
+    pad, sent = state.pads[d], state.chunk_rows[d]
+    if not (pad and state.batched):
+        return None
+    if rows % sent:
+        raise ValueError(
+            f"DP call on group {layout.group!r}: dp rank {d} returned {rows} rows "
+            f"for {sent} input rows ({pad} of them padding); padding can only be "
+            f"dropped when a method returns the same number of rows per input row")
+    return rows - pad * (rows // sent)
 
 
 def _dp_collect(layout: Layout, results: dict[int, Any], state: _DPState) -> Any:
@@ -200,20 +273,13 @@ def _dp_collect(layout: Layout, results: dict[int, Any], state: _DPState) -> Any
         return ordered
     kept = []
     for d, out in enumerate(ordered):
-        pad, sent = state.pads[d], state.chunk_rows[d]
-        if pad and state.batched:
-            if len(out) % sent:
-                raise ValueError(
-                    f"DP call on group {layout.group!r}: dp rank {d} returned {len(out)} rows "
-                    f"for {sent} input rows ({pad} of them padding); padding can only be "
-                    f"dropped when a method returns the same number of rows per input row")
-            out = out.slice(0, len(out) - pad * (len(out) // sent))
-        kept.append(out)
+        rows = _dp_kept(layout, d, len(out), state)
+        kept.append(out if rows is None else out.slice(0, rows))
     return type(kept[0]).concat(kept)
 
 
 for _p in (Protocol(Dispatch.ONE_TO_ALL.value, _one_to_all_split, _by_rank, True),
            Protocol(Dispatch.ALL_TO_ALL.value, _all_to_all_split, _by_rank, True),
            Protocol(Dispatch.RANK_ZERO.value, _rank_zero_split, _rank_zero_collect, True),
-           Protocol(Dispatch.DP.value, _dp_split, _dp_collect, True)):
+           Protocol(Dispatch.DP.value, _dp_split, _dp_collect, True, _dp_collect_encoded)):
     _PROTOCOLS[_p.name] = _p

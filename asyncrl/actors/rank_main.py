@@ -33,7 +33,7 @@ import zmq
 
 from asyncrl.actors import debugger
 from asyncrl.actors.output import OutputCapture
-from asyncrl.actors.protocols import mesh_coords
+from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
 from asyncrl.actors.register import registered_methods
 from asyncrl.actors.worker import construct
 from asyncrl.comm import codec
@@ -56,7 +56,7 @@ from asyncrl.comm.messages import (
     Result,
     Shutdown,
 )
-from asyncrl.comm.relay import HostRelay, relay_address
+from asyncrl.comm.relay import RELAY_ROLES, HostRelay, relay_address, relay_identity
 from asyncrl.comm.shm import SegmentPool
 from asyncrl.futures.store import ObjectStore, schema_of
 
@@ -84,6 +84,10 @@ class _Executor:
         try:
             fn = getattr(main.worker, call.method)
             args, kwargs = codec.decode_call(call.payload)
+            if call.dp_rows is not None:  # this host's rows of the batches: take our chunk
+                rows, first = call.dp_rows
+                args, kwargs = take_dp_rows(args, kwargs, DPRows(rows, main.dp_size), first,
+                                            main.dp_rank)
             args, kwargs = self.data.materialize(args), self.data.materialize(kwargs)
             value = fn(*args, **kwargs)
             del args, kwargs  # pulled inputs go back to their pool as soon as possible
@@ -114,7 +118,8 @@ class RankMain:
         # the host name the controller launched this rank on (several "hosts" may share a
         # machine when imitating a cluster on loopback), else the machine's
         self.host = env.get("ASYNCRL_HOST_NAME") or socket.gethostname()
-        self.relay: HostRelay | None = None
+        self.relays: list[HostRelay] = []
+        self.relay_addresses: dict[str, str] = {}  # "exec" / "io" -> its relay; empty: none
         self.control_curve = self.curve
         if env.get("ASYNCRL_RELAY"):  # the group's control messages go through a host relay
             self.start_relay(env["ASYNCRL_RELAY"], int(env.get("GROUP_RANK", "0")))
@@ -129,29 +134,31 @@ class RankMain:
                                on_start=bind_gpu, timeout=self.transfer_timeout,
                                curve=self.curve)
         self.worker: Any = None
+        self.dp_rank, self.dp_size = 0, 1  # this rank's place on the mesh's "dp" axis
         self.methods: dict[str, MethodSpec] = {}
         self.pool: ThreadPoolExecutor | None = None
         self.local = threading.local()
 
     def socket(self, role: str) -> RankSocket:
         identity = f"{self.group}/{self.rank}/{role}/{os.getpid()}".encode()
-        return RankSocket(self.ctx, self.address, identity, self.secret,
-                          curve=self.control_curve)
+        address = self.relay_addresses.get("exec" if role == "exec" else "io", self.address)
+        return RankSocket(self.ctx, address, identity, self.secret, curve=self.control_curve)
 
     def start_relay(self, prefix: str, node: int) -> None:
-        """Local rank 0 runs the host's relay; every local rank's control sockets connect to
-        it (over ipc://, within this host: no CURVE on that hop)."""
-        address = relay_address(prefix, node)
+        """Local rank 0 runs the host's relays; every local rank's control sockets connect
+        to them (over ipc://, within this host: no CURVE on that hop)."""
+        self.relay_addresses = {role: relay_address(prefix, node, role) for role in RELAY_ROLES}
         if self.local_rank == 0:
-            identity = f"{self.group}/{self.rank}/relay/{os.getpid()}".encode()
-            self.relay = HostRelay(self.ctx, self.address, address, identity, self.secret,
-                                   self.curve).start()
-        self.address, self.control_curve = address, None
+            self.relays = [HostRelay(self.address, address,
+                                     relay_identity(self.group, self.rank, role, os.getpid()),
+                                     self.secret, self.curve).start()
+                           for role, address in self.relay_addresses.items()]
+        self.control_curve = None
 
     @property
     def dropped(self) -> int:
-        relay = self.relay.dropped if self.relay is not None else 0
-        return self.io.dropped + self.exec.dropped + self.data.dropped + relay
+        relayed = sum(relay.dropped for relay in self.relays)
+        return self.io.dropped + self.exec.dropped + self.data.dropped + relayed
 
     def hello(self, role: str) -> Hello:
         return Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
@@ -204,6 +211,7 @@ class RankMain:
     def build(self, msg: Construct) -> Ready:
         mesh = dict(msg.mesh)
         coords = mesh_coords(tuple(msg.mesh), self.rank)
+        self.dp_rank, self.dp_size = coords.get(DP_AXIS, 0), mesh.get(DP_AXIS, 1)
         try:
             (cls, *args), kwargs = codec.decode_call(msg.payload)
             attrs = dict(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
@@ -304,8 +312,8 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     output.close()  # the last lines reach the controller
-    if rank.relay is not None:
-        rank.relay.close()
+    for relay in rank.relays:
+        relay.close()
     os._exit(code)  # user threads may be blocked in collectives: do not wait for them
 
 

@@ -122,7 +122,7 @@ class _Mac:
     def __init__(self, secret: bytes):
         self._base = hmac.new(secret, digestmod=hashlib.sha256)
 
-    def __call__(self, route: bytes, body: bytes) -> bytes:
+    def __call__(self, route: bytes, body: bytes | memoryview) -> bytes:
         """HMAC(secret, route + body)."""
         mac = self._base.copy()
         mac.update(route)
@@ -137,7 +137,7 @@ class Signer:
         self._mac = _Mac(secret)
         self._seq = 0
 
-    def sign(self, route: bytes, message: bytes) -> list[bytes]:
+    def sign(self, route: bytes, message: bytes | memoryview) -> list[bytes]:
         self._seq += 1
         body = _SEQ.pack(self._seq) + message
         return [body, self._mac(route, body)]
@@ -156,7 +156,7 @@ class Verifier:
         self.dropped[reason] += 1
         self.total_dropped += 1
 
-    def verify(self, route: bytes, frames: list[bytes]) -> memoryview | None:
+    def verify(self, route: bytes, frames: list[bytes] | list[memoryview]) -> memoryview | None:
         """Return the message bytes of a valid frame from ``route``, or None (dropped)."""
         if len(frames) != 2 or len(frames[0]) < _SEQ.size:
             self.drop("malformed")

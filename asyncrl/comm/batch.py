@@ -107,6 +107,15 @@ class RowOps:
             start += size
         return out
 
+    def pad_to(self, rows: int) -> Self:
+        """At least `rows` rows: the last row repeated, the padding rows marked in
+        `meta[PAD_KEY]` (as `chunk(pad=True)` pads a short chunk). Needs a row to repeat."""
+        if len(self) >= rows:
+            return self
+        if not len(self):
+            raise ValueError("pad_to: an empty batch has no row to repeat")
+        return self._pad(self, rows, self)
+
     def _pad(self, chunk: Self, rows: int, last: Self) -> Self:
         missing = rows - len(chunk)
         if missing == 0:

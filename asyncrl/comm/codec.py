@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import struct
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 
-from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.batch import TensorBatch, concat_meta, sliced_meta
 from asyncrl.comm.messages import Column
 from asyncrl.comm.refs import is_referable, make_ref, resolve_ref
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
@@ -175,18 +176,24 @@ def _enc_hook(obj: Any) -> Any:
         f"and module-level classes/functions, and never pickles")
 
 
+def _tensor(name: Any, shape: list[int], raw: Any) -> torch.Tensor:
+    """A tensor of dtype `name` and `shape` owning a copy of `raw` (the receive buffer may
+    be reused)."""
+    dt, carrier, as_torch = _wire_dtype(name)
+    if len(raw) == 0:
+        return torch.empty(shape, dtype=dt)
+    buf = bytearray(raw)
+    if carrier is None or len(shape) == 1:  # torch.frombuffer: the cheapest in 1-d
+        t = torch.frombuffer(buf, dtype=dt)
+        return t if len(shape) == 1 and shape[0] == t.shape[0] else t.reshape(shape)
+    t = torch.from_numpy(np.frombuffer(buf, carrier).reshape(shape))  # reshapes cheaper
+    return t if as_torch == dt else t.view(dt)
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_TENSOR:
         (name, shape), raw = _unpack_buffer(data)
-        dt, carrier, as_torch = _wire_dtype(name)
-        if len(raw) == 0:
-            return torch.empty(shape, dtype=dt)
-        buf = bytearray(raw)  # the tensor owns a copy: the receive buffer may be reused
-        if carrier is None or len(shape) == 1:  # torch.frombuffer: the cheapest in 1-d
-            t = torch.frombuffer(buf, dtype=dt)
-            return t if len(shape) == 1 and shape[0] == t.shape[0] else t.reshape(shape)
-        t = torch.from_numpy(np.frombuffer(buf, carrier).reshape(shape))  # reshapes cheaper
-        return t if as_torch == dt else t.view(dt)
+        return _tensor(name, shape, raw)
     if code == EXT_NDARRAY:
         (dtype, shape), raw = _unpack_buffer(data)
         dt = np.dtype(dtype)
@@ -219,6 +226,92 @@ def encode(value: Any) -> bytes:
 
 def decode(buf: Any) -> Any:
     return _decoder.decode(buf)
+
+
+def _shallow_ext(code: int, data: memoryview) -> tuple[int, bytes]:
+    return code, bytes(data)  # left encoded (a msgpack array never decodes to a tuple)
+
+
+_shallow = msgspec.msgpack.Decoder(ext_hook=_shallow_ext)
+_HEADS: dict[bytes, tuple[Any, Any]] = {}  # a tensor's encoded header -> (dtype, shape)
+
+
+def _parsed_head(data: bytes) -> tuple[Any, Any, int]:
+    """dtype name, shape and where the bytes start, of an encoded tensor (headers cached:
+    a DP call's parts share theirs)."""
+    (hlen,) = _HLEN.unpack_from(data)
+    start = _HLEN.size + hlen
+    head = data[:start]
+    got = _HEADS.get(head)
+    if got is None:
+        if len(_HEADS) >= 1024:
+            _HEADS.clear()
+        got = _HEADS[head] = tuple(msgspec.msgpack.decode(head[_HLEN.size:]))
+    return got[0], got[1], start
+
+
+def decode_concat(parts: Sequence[Any], keep: Callable[[int, int], int | None]
+                  ) -> TensorBatch | None:
+    """What decoding the encoded TensorBatches `parts`, cutting part i to its first
+    ``keep(i, rows of part i)`` rows (``.slice(0, k)``; None: kept whole, as it is) and
+    `TensorBatch.concat`-ing them gives, with one tensor made per column rather than one per
+    part (a DP call's results, one part per rank). None when a part is not a TensorBatch or
+    the parts' columns differ (names, order, kinds, dtypes, row shapes) or their meta holds
+    extension values: decode them one by one then."""
+    first: list[Any] | None = None  # per column: its key, or (key, dtype, *row shape)
+    pieces: list[list[Any]] = []
+    metas: list[tuple[dict[str, Any], int]] = []
+    for i, part in enumerate(parts):
+        top = _shallow.decode(part)
+        if type(top) is not tuple or top[0] != EXT_BATCH:
+            return None
+        columns, meta = _shallow.decode(top[1])
+        if type(meta) is not dict or (meta and any(type(v) is tuple for v in meta.values())):
+            return None
+        kinds: list[Any] = []
+        cut: list[Any] = []  # per column: a list's items, or (encoded tensor, start, row bytes)
+        rows = -1
+        for key, col in columns.items():
+            if type(col) is list:
+                kinds.append(key)
+                cut.append(col)
+                n = len(col)
+            elif type(col) is tuple and col[0] == EXT_TENSOR:
+                name, shape, start = _parsed_head(col[1])
+                if type(shape) is not list or not shape:
+                    return None
+                n = shape[0]
+                kinds.append((key, name, *shape[1:]))
+                cut.append((col[1], start, (len(col[1]) - start) // n if n else 0))
+            else:
+                return None
+            if rows < 0:
+                rows = n
+            elif n != rows:
+                return None
+        if first is None:
+            first = kinds
+        elif kinds != first:
+            return None
+        rows = max(rows, 0)
+        k = keep(i, rows)
+        if k is None:
+            k = rows
+        else:
+            meta = sliced_meta(meta, rows, 0, k)
+        pieces.append([c[:k] if type(c) is list else c[0][c[1]:c[1] + k * c[2]] for c in cut])
+        metas.append((meta, k))
+    if first is None:
+        return None
+    total = sum(k for _, k in metas)
+    data: dict[str, Any] = {}
+    for j, kind in enumerate(first):
+        if type(kind) is str:
+            data[kind] = [x for p in pieces for x in p[j]]
+        else:
+            key, name, *row_shape = kind
+            data[key] = _tensor(name, [total, *row_shape], b"".join(p[j] for p in pieces))
+    return TensorBatch._of(data, total, concat_meta(metas))
 
 
 def encode_call(args: tuple, kwargs: dict[str, Any], names: list[str]) -> bytes:

@@ -56,12 +56,15 @@ class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
 
 class Call(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """controller -> rank: run `method`. `payload` is codec-encoded [args, kwargs]."""
+    """controller -> rank: run `method`. `payload` is codec-encoded [args, kwargs].
+    `dp_rows` (a DP call): [rows of the whole batches, the first of them in `payload`]; the
+    rank takes its own chunk of each batch argument from the rows it was sent."""
 
     call_id: int
     method: str
     payload: msgspec.Raw
     collect: bool = True
+    dp_rows: Union[tuple[int, int], None] = None
 
 
 NONE = msgspec.Raw(b"\xc0")  # msgpack nil: the value of a call whose result is not collected
@@ -98,6 +101,20 @@ class Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=F
     schema: Union[Schema, None] = None
     inline: bool = True  # whether `value` is the value (False: fetch it from the store)
     busy: float = 0.0  # seconds the call ran on the rank, pulling its inputs included
+
+
+class Results(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """a host's relay -> controller: one call's answers from the host's ranks, all of them
+    successful, in columns: each rank's value and inline flag, and an index into `schemas`
+    (the distinct schemas: a DP call's ranks mostly keep the same kind of part)."""
+
+    call_id: int
+    ranks: list[int]
+    values: list[msgspec.Raw]
+    inline: list[bool]
+    schema_of: list[int]  # -1: the rank kept nothing (it returned None)
+    schemas: list[Schema]
+    busy: float  # the longest a rank spent on it
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -219,7 +236,7 @@ class Fanin(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 Message = Union[Hello, Construct, Ready, Call, Result, Heartbeat, Shutdown, Release, Fetch,
-                Fetched, Pull, Pulled, Log, Fanout, Fanin]
+                Fetched, Pull, Pulled, Log, Fanout, Fanin, Results]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

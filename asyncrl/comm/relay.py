@@ -3,9 +3,12 @@
     controller ──Fanout (one per host and call)──▶ relay ──Call──▶ each rank socket on the host
     controller ◀──Fanin (one per host and call)─── relay ◀──Result── each rank socket
 
-A group that relays (`Controller(relay=...)`) runs one relay per host, a thread of the
-host's local rank 0. The ranks' control sockets connect to it over ipc:// (in the run's
-private folder) instead of to the controller, and speak the same signed protocol: the relay
+A group that relays (`Controller(relay=...)`) runs two relays per host, threads of the
+host's local rank 0: one for the ranks' "exec" sockets (in-order calls, which may carry big
+arguments) and one for all their other sockets (heartbeats, releases, logs, concurrent
+calls), so heartbeats never queue behind a big call, as with a socket per rank. The ranks'
+sockets connect to them over ipc:// (in the run's private folder) instead of to the
+controller, and speak the same signed protocol: the relay
 checks every frame's signature, signs what it passes down, and passes everything else up as
 it comes — what one drain of its socket found goes up as one Fanin. Results of a call are
 held until every rank the call went to on this host answered, or one of them failed, so a
@@ -14,7 +17,10 @@ call costs the controller one message each way per host, however many ranks the 
 
 from __future__ import annotations
 
+import sys
 import threading
+import traceback
+from typing import Any
 
 import msgspec
 import zmq
@@ -22,14 +28,27 @@ import zmq
 from asyncrl.comm import messages
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client
 from asyncrl.comm.channel import open_frame
-from asyncrl.comm.messages import Fanin, Fanout, Result
+from asyncrl.comm.messages import Fanin, Fanout, Result, Results, Schema
 
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
-def relay_address(prefix: str, node: int) -> str:
-    """Where the ranks of torchrun node `node` find their relay (`prefix` from the controller)."""
-    return f"{prefix}-{node}"
+RELAY_ROLES = ("exec", "io")  # a host's two relays: the "exec" sockets', everything else's
+
+
+def relay_address(prefix: str, node: int, role: str) -> str:
+    """Where the ranks of torchrun node `node` find their `role` relay (`prefix` from the
+    controller)."""
+    return f"{prefix}-{node}-{role}"
+
+
+def relay_identity(group: str, rank: int, role: str, pid: int) -> bytes:
+    return f"{group}/{rank}/relay-{role}/{pid}".encode()
+
+
+def is_relay(identity: bytes) -> bool:
+    parts = identity.split(b"/")
+    return len(parts) == 4 and parts[2] in (b"relay-exec", b"relay-io")
 
 
 def rank_of(identity: bytes) -> int:
@@ -40,10 +59,12 @@ def rank_of(identity: bytes) -> int:
 class HostRelay:
     """One host's relay for one group: a thread between the controller and the host's ranks."""
 
-    def __init__(self, ctx: zmq.Context, controller: str, address: str, identity: bytes,
-                 secret: bytes, curve: CurveKeys | None = None):
+    def __init__(self, controller: str, address: str, identity: bytes, secret: bytes,
+                 curve: CurveKeys | None = None):
         self.identity = identity
         self._route = b">" + identity
+        self._ctx = zmq.Context()  # its own: terminating it lets the last messages leave
+        ctx = self._ctx
         self._up = ctx.socket(zmq.DEALER)
         self._up.setsockopt(zmq.IDENTITY, identity)
         self._up.setsockopt(zmq.LINGER, 2000)  # the last messages leave when the rank exits
@@ -58,7 +79,7 @@ class HostRelay:
         self._up_signer, self._up_verifier = Signer(secret), Verifier(secret)
         self._signer, self._verifier = Signer(secret), Verifier(secret)
         # call id -> (ranks that have not answered, the answers held back)
-        self._held: dict[int, tuple[set[int], list[tuple[bytes, memoryview]]]] = {}
+        self._held: dict[int, tuple[set[int], list[tuple[bytes, Result]]]] = {}
         # this rank's own sockets are served last: the rank may exit on what it gets
         self._own = identity.rsplit(b"/", 2)[0] + b"/"
         self._stopping = False
@@ -74,12 +95,9 @@ class HostRelay:
         return self
 
     def close(self) -> None:
-        """Stop, letting what is queued leave (the sockets linger)."""
+        """Stop after passing up what the ranks sent last, and let it leave (bounded)."""
         self._stopping = True
         self._thread.join(5)
-        if not self._thread.is_alive():
-            self._up.close()
-            self._down.close()
 
     # -- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -88,18 +106,31 @@ class HostRelay:
         poller.register(self._down, zmq.POLLIN)
         while not self._stopping:
             ready = dict(poller.poll(100))  # the timeout only bounds how long close() waits
-            if self._up in ready:
-                self._from_controller()
-            if self._down in ready:
-                self._from_ranks()
+            self._guarded(self._from_controller, self._up in ready)
+            self._guarded(self._from_ranks, self._down in ready)
+        self._guarded(self._from_ranks, True)  # the last lines of the host's ranks
+        self._up.close()
+        self._down.close()
+        self._ctx.term()  # lingers (bounded) until what is queued has left
+
+    def _guarded(self, work, ready: bool) -> None:
+        """A bug or a resource error in one pass must not end the host's control plane."""
+        if not ready:
+            return
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - reported, counted, and the relay goes on
+            self._verifier.drop("relay_error")
+            print(f"[asyncrl] relay {self.identity.decode()}: {traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
 
     def _from_controller(self) -> None:
         while True:
             try:
-                frames = self._up.recv_multipart(_NOBLOCK)
+                frames = self._up.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            msg = open_frame(self._up_verifier, self._route, frames)
+            msg = open_frame(self._up_verifier, self._route, [f.buffer for f in frames])
             if isinstance(msg, Fanout) and _well_formed(msg):
                 self._deliver(msg)
             elif msg is not None:
@@ -118,7 +149,7 @@ class HostRelay:
             self._send_down(to, msg.frames[which])
 
     def _send_down(self, to: bytes, frame: msgspec.Raw) -> None:
-        body, mac = self._signer.sign(b">" + to, bytes(frame))
+        body, mac = self._signer.sign(b">" + to, memoryview(frame))  # one copy: into body
         self._down.send_multipart((to, body, mac), _NOBLOCK)
 
     def _from_ranks(self) -> None:
@@ -126,23 +157,25 @@ class HostRelay:
         bodies: list[msgspec.Raw] = []
         while True:
             try:
-                frames = self._down.recv_multipart(_NOBLOCK)
+                frames = self._down.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
             if len(frames) != 3:
                 self._verifier.drop("malformed")
                 continue
-            body = self._verifier.verify(frames[0], frames[1:])
+            sender = frames[0].bytes
+            body = self._verifier.verify(sender, [frames[1].buffer, frames[2].buffer])
             if body is not None:
-                for sender, answer in self._release(frames[0], body):
-                    senders.append(sender)
+                for who, answer in self._release(sender, body):
+                    senders.append(who)
                     bodies.append(msgspec.Raw(answer))
         if senders:
             message = messages.encode(Fanin(senders, bodies))
             self._up.send_multipart(self._up_signer.sign(self.identity, message))
 
-    def _release(self, sender: bytes, body: memoryview) -> list[tuple[bytes, memoryview]]:
-        """What can go up now: a call's Results wait for the rest of the call's ranks."""
+    def _release(self, sender: bytes, body: memoryview) -> list[tuple[bytes, Any]]:
+        """What can go up now: a call's Results wait for the rest of the call's ranks, and
+        go up as one `Results` when all of them succeeded."""
         if not self._held:
             return [(sender, body)]
         try:
@@ -150,16 +183,37 @@ class HostRelay:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._verifier.drop("undecodable")
             return []
-        held = self._held.get(msg.call_id) if isinstance(msg, Result) else None
-        if held is None:
+        if not isinstance(msg, Result) or msg.call_id not in self._held:
             return [(sender, body)]
-        waiting, answers = held
+        waiting, answers = self._held[msg.call_id]
         waiting.discard(msg.rank)
-        answers.append((sender, body))
+        answers.append((sender, msg))
         if waiting and msg.error is None:
             return []
         del self._held[msg.call_id]  # answers after a failure go up as they come
-        return answers
+        if msg.error is not None:
+            return [(who, messages.encode(result)) for who, result in answers]
+        return [(sender, messages.encode(_in_columns(msg.call_id,
+                                                     [result for _, result in answers])))]
+
+
+def _in_columns(call_id: int, answers: list[Result]) -> Results:
+    """A call's successful answers as one message."""
+    schemas: list[Schema] = []
+    index: dict[bytes, int] = {}
+    schema_of = []
+    for result in answers:
+        if result.schema is None:
+            schema_of.append(-1)
+            continue
+        key = msgspec.msgpack.encode(result.schema)
+        if key not in index:
+            index[key] = len(schemas)
+            schemas.append(result.schema)
+        schema_of.append(index[key])
+    return Results(call_id, [r.rank for r in answers], [r.value for r in answers],
+                   [r.inline for r in answers], schema_of, schemas,
+                   max(r.busy for r in answers))
 
 
 def _well_formed(msg: Fanout) -> bool:

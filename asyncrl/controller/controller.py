@@ -48,9 +48,11 @@ from asyncrl.comm.messages import (
     Ready,
     Release,
     Result,
+    Results,
     Shutdown,
 )
 from asyncrl.comm.refs import make_ref
+from asyncrl.comm.relay import is_relay
 from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
 from asyncrl.controller.group import GroupHandle, RankInfo
@@ -74,6 +76,7 @@ _current: contextvars.ContextVar[Controller | None] = contextvars.ContextVar(
     "asyncrl_controller", default=None)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 RELAY_MIN_RANKS = 16  # relay=None: groups this large talk to the controller through relays
+MAX_IPC_PATH = 100  # a unix socket's path must fit sockaddr_un (107 bytes on Linux)
 
 
 class _Reaper:
@@ -266,6 +269,7 @@ class Controller:
             raise ClosedError("the controller is not running; use `async with Controller()`")
         name = name or worker_cls.__name__.lower()
         layout = self._check_spawn(worker_cls, name, nprocs, mesh, place)
+        relayed = self._relays_for(name, nprocs, self.relay if relay is None else relay)
         try:
             params = list(_init_params(worker_cls))
             payload = codec.encode_call((worker_cls, *args), kwargs, ["worker class", *params])
@@ -285,9 +289,7 @@ class Controller:
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
                  "ASYNCRL_DEBUG_DIR": str(self.run_dir / "debug"),  # breakpoint() sessions
                  **(env or {})}
-        relay = self.relay if relay is None else relay
-        if relay or (relay is None and nprocs >= RELAY_MIN_RANKS):
-            # in the private folder: only this user reaches the relays' ipc sockets
+        if relayed:  # in the private folder: only this user reaches the relays' ipc sockets
             extra["ASYNCRL_RELAY"] = f"ipc://{self._private}/relay{next(self._relays)}"
         agent = self._make_agent(name, nprocs, extra)
         group = GroupHandle(self, name, worker_cls, layout, agent)
@@ -315,6 +317,21 @@ class Controller:
             self._forget(name)
             raise
         return group
+
+    def _relays_for(self, name: str, nprocs: int, relay: bool | None) -> bool:
+        """Whether group `name` talks to the controller through host relays."""
+        if relay is False or (relay is None and nprocs < RELAY_MIN_RANKS):
+            return False
+        longest = f"{self._private}/relay{999}-{9999}-exec"  # an ipc:// path, at most
+        if len(longest) <= MAX_IPC_PATH:
+            return True
+        said = (f"group {name!r}: the relays' socket paths would be too long for ipc:// "
+                f"({len(longest)} > {MAX_IPC_PATH} characters under {self._private.parent}); "
+                f"set TMPDIR to a shorter folder")
+        if relay:
+            raise ValueError(f"{said}, or spawn it with relay=False")
+        log.warning("asyncrl: %s; it talks to the controller without relays", said)
+        return False
 
     def _make_agent(self, name: str, nprocs: int, extra: dict[str, str]) -> Any:
         """What starts a group's ranks: one torchrun job, or one per host of the cluster.
@@ -377,7 +394,8 @@ class Controller:
                 f"{group.agent.tail()}") from None
 
     # -- messages ---------------------------------------------------------------------------
-    def _on_message(self, identity: bytes, msg: Message) -> None:
+    def _on_message(self, identity: bytes, msg: Message, relay: bytes | None = None) -> None:
+        """One message from a rank socket (`relay`: the relay that brought it, if any)."""
         if isinstance(msg, Fanin):
             self._on_fanin(identity, msg)
             return
@@ -401,7 +419,7 @@ class Controller:
         elif isinstance(msg, Fetched):
             group._on_fetched(msg)
         elif isinstance(msg, Hello):
-            self._on_hello(group, identity, msg)
+            self._on_hello(group, identity, msg, relay)
         elif isinstance(msg, Ready):
             self._on_ready(group, msg)
         elif isinstance(msg, Log) and self.logs is not None:
@@ -410,11 +428,10 @@ class Controller:
     def _on_fanin(self, relay: bytes, msg: Fanin) -> None:
         """A relay's bundle: each message as if its rank socket had sent it here. A relay
         speaks for its own group's sockets only."""
-        parts = relay.split(b"/")
-        if len(parts) != 4 or parts[2] != b"relay" or len(msg.senders) != len(msg.frames):
+        if not is_relay(relay) or len(msg.senders) != len(msg.frames):
             self.channel.drop("malformed")
             return
-        prefix, calls, now = parts[0] + b"/", self._calls, time.monotonic()
+        prefix, calls, now = relay.split(b"/", 1)[0] + b"/", self._calls, time.monotonic()
         for sender, frame in zip(msg.senders, msg.frames, strict=True):
             try:
                 inner = messages.decode(frame)
@@ -424,19 +441,25 @@ class Controller:
                 self.channel.drop("undecodable")
             elif not sender.startswith(prefix):
                 self.channel.drop("foreign")  # a relay claimed another group's socket
-            elif type(inner) is Result:  # most of what relays bring: the shortest way
+            elif type(inner) is Results:  # most of what relays bring: the shortest way
+                group = calls.get(inner.call_id)
+                if group is not None:
+                    group._on_results(inner)
+            elif type(inner) is Result:
                 group = calls.get(inner.call_id)
                 if group is not None:
                     group._touch(inner.rank, now)
                     group._on_result(inner)
             else:
-                if type(inner) is Hello:
-                    self._relay_of[sender] = relay
-                self._on_message(sender, inner)
+                self._on_message(sender, inner, relay)
 
-    def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello) -> None:
-        if msg.world_size != group.nprocs or not 0 <= msg.rank < group.nprocs:
+    def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello,
+                  relay: bytes | None) -> None:
+        if msg.world_size != group.nprocs or not 0 <= msg.rank < group.nprocs or \
+                group.closing or group.dead is not None:
             return
+        if relay is not None:  # from now on, what goes to this socket goes through it
+            self._relay_of[identity] = relay
         info = group.ranks.get(msg.rank)
         if info is None:
             info = group.ranks[msg.rank] = RankInfo(msg.pid, msg.host, time.monotonic())
@@ -528,15 +551,31 @@ class Controller:
             if group.closing or group.dead is not None:
                 continue
             group.post_all(box, "io", beat)
+            silent = []
             for rank, info in list(group.ranks.items()):
                 if info.host == here and not info.gone and not pid_alive(info.pid):
                     info.gone = True
                     self.loop.create_task(self._rank_gone(group, rank))
                 elif not info.gone and now - info.last_seen > self.heartbeat_timeout:
-                    group._mark_dead(rank, None, f"no heartbeat for {now - info.last_seen:.1f} s "
-                                     f"(heartbeat_timeout={self.heartbeat_timeout} s)")
-                    group.agent.signal_all(signal.SIGKILL)
+                    silent.append(rank)
+            if silent:
+                rank, why = self._culprit(group, silent)
+                group._mark_dead(rank, None, f"no heartbeat for "
+                                 f"{now - group.ranks[rank].last_seen:.1f} s (heartbeat_timeout="
+                                 f"{self.heartbeat_timeout} s){why}")
+                group.agent.signal_all(signal.SIGKILL)
         box.flush()
+
+    def _culprit(self, group: GroupHandle, silent: list[int]) -> tuple[int, str]:
+        """Which of the silent ranks to name: one whose process runs the relay the others
+        reach the controller through (its silence silences them), else the first."""
+        relays = {self._relay_of.get(group.ranks[r].identity) for r in silent}
+        for rank in silent:
+            mine = f"{group.name}/{rank}/".encode()
+            if len(silent) > 1 and any(r is not None and r.startswith(mine) for r in relays):
+                return rank, (f"; it runs its host's relay, so ranks {silent} went silent "
+                              f"with it")
+        return silent[0], ""
 
     def _host_agents(self, name: str, nprocs: int, extra: dict[str, str]) -> HostAgents:
         """One torchrun agent per host the group spreads over, meeting at the first host."""
@@ -581,6 +620,9 @@ class Controller:
         box = self.outbox()
         group.post_all(box, "io", messages.encode(Shutdown()))
         box.flush()
+        for info in group.ranks.values():  # nothing else goes to its sockets
+            self._relay_of.pop(info.identity, None)
+            self._relay_of.pop(info.exec_identity, None)
         agent = group.agent
         grace = self.shutdown_grace if grace is None else grace
         if agent.proc is not None and grace > 0:
@@ -592,9 +634,6 @@ class Controller:
         if agent.proc is not None:
             await self.loop.run_in_executor(None, agent.wait)
         kill_pids([p for p in agent.rank_pids.values() if pid_alive(p)])
-        for info in group.ranks.values():
-            self._relay_of.pop(info.identity, None)
-            self._relay_of.pop(info.exec_identity, None)
         here = socket.gethostname()
         for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
             if info.host == here:

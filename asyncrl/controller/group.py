@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from asyncrl.actors.protocols import Layout, Protocol, get_protocol
+from asyncrl.actors.protocols import Layout, Protocol, Split, dp_block, get_protocol
 from asyncrl.comm import codec, messages
 from asyncrl.comm.messages import (
     Call,
@@ -32,9 +32,9 @@ from asyncrl.comm.messages import (
     Fetched,
     MethodSpec,
     Result,
+    Results,
     Schema,
 )
-from asyncrl.comm.remote import Shard
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import current_node
 from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError, TransferTimeout
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from asyncrl.controller.outbox import Outbox
 
 _call_ids = itertools.count(1)
+_Host = tuple[bytes | None, list[int], list[bytes]]  # a relay (None: direct), ranks, sockets
+_Send = tuple[Any, list[bytes], bytes]  # a relay or _ALL, the sockets, an encoded message
+_ALL = object()  # _Send's relay for a message to every rank of the group
 
 
 @dataclass
@@ -75,7 +78,7 @@ class _Pending:
     collect: set[int]
     inputs: list[ObjectRef]  # keeps the objects this call pulls alive until it is done
     links: list[str]  # the NCCL links its ranks pull through (dropped if the call fails)
-    shards: dict[int, tuple[Shard, Schema]] = field(default_factory=dict)
+    schemas: dict[int, Schema] = field(default_factory=dict)  # what collected ranks keep
     inline: dict[int, msgspec.Raw] = field(default_factory=dict)
     busy: float = 0.0  # the longest time a rank spent on it
 
@@ -120,7 +123,7 @@ class GroupHandle:
         self._drainer: asyncio.Task | None = None
         self._arg_names: dict[str, list[str]] = {}
         self._fetches: dict[tuple[int, int], asyncio.Future[msgspec.Raw]] = {}
-        self._fans: dict[str, list[tuple[bytes | None, list[bytes]]]] = {}
+        self._fans: dict[str, list[_Host]] = {}
         self.dead: GroupDeadError | None = None
         self.closing = False
         loop = ctl.loop
@@ -241,43 +244,77 @@ class GroupHandle:
     def _send(self, item: _Queued) -> None:
         protocol = get_protocol(self.methods[item.method].dispatch)
         split = protocol.split(self.layout, item.args, item.kwargs)
-        payloads: dict[tuple[int, int], msgspec.Raw] = {}
-        names = self._names(item.method)
+        call_id = next(_call_ids)
+        role = "io" if self.methods[item.method].concurrent else "exec"
         produced = codec.produced_bytes_encoded
+        if split.dp_rows is not None:
+            sends = self._dp_calls(split, item.method, role, call_id)
+        else:
+            sends = self._calls_by_rank(split, item.method, role, call_id)
+        self._ctl.payload_bytes += codec.produced_bytes_encoded - produced
+        self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
+                                          split.state, set(split.calls), set(split.collect),
+                                          item.inputs, item.links)
+        self._ctl._calls[call_id] = self
+        box = self._ctl.outbox()
+        for relay, identities, call in sends:
+            if relay is _ALL:
+                self.post_all(box, role, call)
+            else:
+                box.put_many(relay, identities, call)
+        box.flush(call_id)
+
+    def _encode(self, method: str, args: tuple, kwargs: dict[str, Any]) -> msgspec.Raw:
+        try:
+            return msgspec.Raw(codec.encode_call(args, kwargs, self._names(method)))
+        except codec.ArgEncodeError as e:
+            raise EncodeError(f"cannot send argument {e.name!r} of {self.name}.{method}(): "
+                              f"{e.cause}") from None
+
+    def _calls_by_rank(self, split: Split, method: str, role: str, call_id: int) -> list[_Send]:
+        """A Call per rank; ranks given the same arguments share one encoding."""
+        payloads: dict[tuple[int, int], msgspec.Raw] = {}
         for args, kwargs in split.calls.values():
             key = (id(args), id(kwargs))
             if key not in payloads:
-                try:
-                    payloads[key] = msgspec.Raw(codec.encode_call(args, kwargs, names))
-                except codec.ArgEncodeError as e:
-                    raise EncodeError(f"cannot send argument {e.name!r} of "
-                                      f"{self.name}.{item.method}(): {e.cause}") from None
-        self._ctl.payload_bytes += codec.produced_bytes_encoded - produced
-        call_id = next(_call_ids)
+                payloads[key] = self._encode(method, args, kwargs)
         collect = set(split.collect)
-        concurrent = self.methods[item.method].concurrent
-        self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
-                                          split.state, set(split.calls), collect, item.inputs,
-                                          item.links)
-        self._ctl._calls[call_id] = self
-        box, ranks = self._ctl.outbox(), self.ranks
-        role = "io" if concurrent else "exec"
         if len(payloads) == 1 and len(split.calls) == len(collect) == self.nprocs:
             # the same Call for every rank (a broadcast): no work per rank
-            self.post_all(box, role, messages.encode(Call(call_id, item.method,
-                                                          next(iter(payloads.values())))))
-            box.flush(call_id)
-            return
+            return [(_ALL, [], messages.encode(Call(call_id, method,
+                                                    next(iter(payloads.values())))))]
         calls: dict[tuple[int, int, bool], bytes] = {}  # ranks with the same Call share it
+        sends: list[_Send] = []
         for rank, (args, kwargs) in split.calls.items():
             which = (id(args), id(kwargs), rank in collect)
             call = calls.get(which)
             if call is None:
                 call = calls[which] = messages.encode(Call(
-                    call_id, item.method, payloads[(which[0], which[1])], which[2]))
-            info = ranks[rank]
-            box.put(info.identity if concurrent else info.exec_identity, call)
-        box.flush(call_id)
+                    call_id, method, payloads[(which[0], which[1])], which[2]))
+            info = self.ranks[rank]
+            relay = self._ctl._relay_of.get(info.identity if role == "io" else
+                                            info.exec_identity)
+            sends.append((relay, [info.identity if role == "io" else info.exec_identity], call))
+        return sends
+
+    def _dp_calls(self, split: Split, method: str, role: str, call_id: int) -> list[_Send]:
+        """A DP call: each host is sent the rows its ranks need, once, in one Call that its
+        ranks share; each rank takes its own chunk (`take_dp_rows`)."""
+        rows, dp_of, collect = split.dp_rows, self.layout._dp[0], set(split.collect)
+        assert rows is not None
+        args, kwargs = split.calls[0]  # every rank has the whole batches
+        sends: list[_Send] = []
+        for relay, ranks, identities in self._hosts(role):
+            spans = [rows.span(dp_of[r]) for r in ranks]
+            first, last = min(s[0] for s in spans), max(s[1] for s in spans)
+            payload = self._encode(method, *dp_block(args, kwargs, first, last))
+            by_flag: dict[bool, list[bytes]] = {}
+            for rank, identity in zip(ranks, identities, strict=True):
+                by_flag.setdefault(rank in collect, []).append(identity)
+            for flag, flagged in by_flag.items():
+                sends.append((relay, flagged, messages.encode(Call(
+                    call_id, method, payload, flag, (rows.rows, first)))))
+        return sends
 
     def _names(self, method: str) -> list[str]:
         names = self._arg_names.get(method)
@@ -291,22 +328,36 @@ class GroupHandle:
         return names
 
     # -- receiving --------------------------------------------------------------------------
-    def fan(self, role: str) -> list[tuple[bytes | None, list[bytes]]] | None:
+    def fan(self, role: str) -> list[_Host] | None:
         """Every rank's "io" or "exec" socket, by the relay it is behind (None: reached
-        directly); None until every rank said hello on both."""
+        directly), with its rank; None until every rank said hello on both."""
         fan = self._fans.get(role)
         if fan is None:
-            ranks = self.ranks.values()
             if len(self.ranks) < self.nprocs or not all(i.identity and i.exec_identity
-                                                       for i in ranks):
+                                                       for i in self.ranks.values()):
                 return None
             relay_of = self._ctl._relay_of
-            by_relay: dict[bytes | None, list[bytes]] = {}
-            for info in ranks:
+            by_relay: dict[bytes | None, tuple[list[int], list[bytes]]] = {}
+            for rank in sorted(self.ranks):
+                info = self.ranks[rank]
                 identity = info.identity if role == "io" else info.exec_identity
-                by_relay.setdefault(relay_of.get(identity), []).append(identity)
-            fan = self._fans[role] = list(by_relay.items())
+                ranks, identities = by_relay.setdefault(relay_of.get(identity), ([], []))
+                ranks.append(rank)
+                identities.append(identity)
+            fan = self._fans[role] = [(relay, r, i) for relay, (r, i) in by_relay.items()]
         return fan
+
+    def _hosts(self, role: str) -> list[_Host]:
+        """`fan`, with each rank reached directly on its own."""
+        fan = self.fan(role)
+        assert fan is not None, "a call is sent once every rank said hello"
+        out: list[_Host] = []
+        for relay, ranks, identities in fan:
+            if relay is None:
+                out += [(None, [r], [i]) for r, i in zip(ranks, identities, strict=True)]
+            else:
+                out.append((relay, ranks, identities))
+        return out
 
     def post_all(self, box: Outbox, role: str, message: bytes) -> None:
         """Put one message for every rank's `role` socket (those that said hello)."""
@@ -317,7 +368,7 @@ class GroupHandle:
                 if identity:
                     box.put(identity, message)
             return
-        for relay, identities in fan:
+        for relay, _, identities in fan:
             box.put_many(relay, identities, message)
 
     def _on_result(self, msg: Result) -> None:
@@ -333,24 +384,55 @@ class GroupHandle:
                 self._ctl.links.forget(p.links)
         elif rank in p.collect:
             if msg.schema is not None:
-                info = self.ranks[rank]
-                p.shards[rank] = (Shard(self.name, rank, msg.call_id, info.data_addr,
-                                        info.host), msg.schema)
+                p.schemas[rank] = msg.schema
             if msg.inline:
                 p.inline[rank] = msg.value
-        if p.waiting:
+        if not p.waiting:
+            self._done(p)
+
+    def _on_results(self, msg: Results) -> None:
+        """A host's answers to one call, all successful (from its relay)."""
+        p = self._pending.get(msg.call_id)
+        if p is None:
             return
-        del self._pending[msg.call_id]
-        self._ctl._calls.pop(msg.call_id, None)
+        ranks = msg.ranks
+        if not p.waiting.issuperset(ranks) or not p.collect.issuperset(ranks):
+            for i, rank in enumerate(ranks):  # not the common case: one by one
+                schema = msg.schemas[msg.schema_of[i]] if msg.schema_of[i] >= 0 else None
+                self._on_result(Result(msg.call_id, rank, msg.values[i], schema=schema,
+                                       inline=msg.inline[i], busy=msg.busy))
+            return
+        p.waiting.difference_update(ranks)
+        p.busy = max(p.busy, msg.busy)
+        schemas, schema_of = msg.schemas, msg.schema_of
+        if len(schemas) == 1 and -1 not in schema_of:
+            p.schemas.update(dict.fromkeys(ranks, schemas[0]))
+        else:
+            p.schemas.update((r, schemas[i]) for r, i in zip(ranks, schema_of, strict=True)
+                             if i >= 0)
+        if all(msg.inline):
+            p.inline.update(zip(ranks, msg.values, strict=True))
+        else:
+            p.inline.update((r, v) for r, v, inline in zip(ranks, msg.values, msg.inline,
+                                                           strict=True) if inline)
+        if not p.waiting:
+            self._done(p)
+
+    def _done(self, p: _Pending) -> None:
+        """Every rank answered: resolve the call's future (unless a rank failed it)."""
+        del self._pending[p.call_id]
+        self._ctl._calls.pop(p.call_id, None)
         if p.future.done():  # another rank failed: nothing will name what these ranks kept
-            if p.shards:
-                self._ctl._queue_release(self, list(p.shards), msg.call_id)
+            if p.schemas:
+                self._ctl._queue_release(self, list(p.schemas), p.call_id)
             return
         layout, protocol, state = self.layout, p.protocol, p.state
         p.future.busy_s = p.busy
-        p.future._set_result(ObjectRef(self, msg.call_id,
-                                       lambda parts: protocol.collect(layout, parts, state),
-                                       p.shards, p.inline))
+        encoded = protocol.collect_encoded
+        p.future._set_result(ObjectRef(
+            self, p.call_id, lambda parts: protocol.collect(layout, parts, state),
+            p.schemas, p.inline,
+            None if encoded is None else lambda raws: encoded(layout, raws, state)))
 
     def _remote_error(self, rank: int, method: str, error: Failure) -> Exception:
         if error.type == "TransferTimeout":

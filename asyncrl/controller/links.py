@@ -37,7 +37,7 @@ class Links:
         if ref.group is consumer:
             return False
         hosts = {info.host for info in consumer.ranks.values()}
-        for shard, schema in ref.shards.values():
+        for shard, schema in ref.parts():
             for col in schema.columns:
                 if col.dtype == "list":
                     continue

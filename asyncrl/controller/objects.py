@@ -11,7 +11,7 @@ are told to free their parts.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -25,28 +25,41 @@ if TYPE_CHECKING:
 
 
 class ObjectRef:
-    __slots__ = ("group", "obj_id", "_collect", "shards", "_inline", "_value", "_done",
-                 "__weakref__")
+    __slots__ = ("group", "obj_id", "_collect", "_collect_encoded", "schemas", "_inline",
+                 "_value", "_done", "__weakref__")
 
     def __init__(self, group: GroupHandle, obj_id: int, collect: Callable[[dict[int, Any]], Any],
-                 shards: dict[int, tuple[Shard, Schema]], inline: dict[int, msgspec.Raw]):
+                 schemas: dict[int, Schema], inline: dict[int, msgspec.Raw],
+                 collect_encoded: Callable[[dict[int, Any]], Any] | None = None):
         self.group, self.obj_id = group, obj_id
         self._collect = collect
-        self.shards = shards  # rank -> where its part is stored (ranks that returned None: none)
+        self._collect_encoded = collect_encoded  # the protocol's, when it has one
+        self.schemas = schemas  # rank -> what it stores (ranks that returned None: nothing)
         self._inline = inline  # rank -> encoded value, for the parts that came with the Result
         self._value: Any = None
         self._done = False
-        if shards:
-            weakref.finalize(self, group._ctl._release_later, group, list(shards), obj_id)
+        if schemas:
+            weakref.finalize(self, group._ctl._release_later, group, list(schemas), obj_id)
+
+    def shard(self, rank: int) -> Shard:
+        """Where `rank` keeps its part."""
+        info = self.group.ranks[rank]
+        return Shard(self.group.name, rank, self.obj_id, info.data_addr, info.host)
+
+    def parts(self) -> Iterator[tuple[Shard, Schema]]:
+        """Every stored part: where it is and what it holds."""
+        for rank, schema in self.schemas.items():
+            yield self.shard(rank), schema
 
     def view(self) -> Any:
         """The value as references for another group's call: nothing is fetched."""
         parts: dict[int, Any] = {}
         for rank in self._ranks():
-            if rank not in self.shards:
+            schema = self.schemas.get(rank)
+            if schema is None:
                 parts[rank] = None
                 continue
-            shard, schema = self.shards[rank]
+            shard = self.shard(rank)
             if schema.rows < 0:
                 parts[rank] = RemoteValue(shard)
             else:
@@ -57,15 +70,18 @@ class ObjectRef:
     async def value(self) -> Any:
         """The value itself, for the driver that awaits it (fetched where not inline)."""
         if not self._done:
-            parts = {}
+            raws = {}
             for rank in self._ranks():
                 raw = self._inline.get(rank)
                 if raw is None:
                     raw = await self.group._fetch(rank, self.obj_id)
-                parts[rank] = codec.decode(raw)
-            self._value = codec.count_produced(self._collect(parts))
+                raws[rank] = raw
+            value = None if self._collect_encoded is None else self._collect_encoded(raws)
+            if value is None:
+                value = self._collect({rank: codec.decode(raw) for rank, raw in raws.items()})
+            self._value = codec.count_produced(value)
             self._done = True
         return self._value
 
     def _ranks(self) -> list[int]:
-        return sorted(set(self.shards) | set(self._inline))
+        return sorted(set(self.schemas) | set(self._inline))

@@ -20,9 +20,10 @@ class Outbox:
     def __init__(self, channel: ControllerChannel, relay_of: dict[bytes, bytes]):
         self._channel = channel
         self._relay_of = relay_of  # rank socket identity -> its relay's, for relayed groups
-        # relay -> (destinations, frame index of each, frames, index of each distinct message)
+        # relay -> (destinations, frame index of each, frames, id of each distinct message ->
+        # its index; `frames` keeps the messages alive, so their ids stay theirs)
         self._fanouts: dict[bytes, tuple[list[bytes], list[int], list[msgspec.Raw],
-                                         dict[bytes, int]]] = {}
+                                         dict[int, int]]] = {}
 
     def put(self, identity: bytes, message: bytes) -> None:
         """Send an encoded message to one rank socket (relayed ones at `flush`)."""
@@ -34,9 +35,9 @@ class Outbox:
         if box is None:
             box = self._fanouts[relay] = ([], [], [], {})
         to, which, frames, index = box
-        i = index.get(message)  # the same object again: found by identity, not compared
+        i = index.get(id(message))  # the same message object again: no need to compare
         if i is None:
-            i = index[message] = len(frames)
+            i = index[id(message)] = len(frames)
             frames.append(msgspec.Raw(message))
         to.append(identity)
         which.append(i)
@@ -52,9 +53,9 @@ class Outbox:
         if box is None:
             box = self._fanouts[relay] = ([], [], [], {})
         to, which, frames, index = box
-        i = index.get(message)
+        i = index.get(id(message))
         if i is None:
-            i = index[message] = len(frames)
+            i = index[id(message)] = len(frames)
             frames.append(msgspec.Raw(message))
         to += identities
         which += [i] * len(identities)
