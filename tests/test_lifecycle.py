@@ -194,10 +194,27 @@ def _start_hold(*extra: str) -> tuple[subprocess.Popen, dict]:
     return proc, json.loads(line)
 
 
+def _finished(proc: subprocess.Popen, timeout: float) -> str:
+    """The driver's stderr once it exited; if it does not within `timeout`, its threads'
+    stacks (hold.py dumps them on SIGUSR1) in the failure, and it is killed."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        proc.kill()
+        err = proc.communicate()[1]
+        raise AssertionError(f"the driver did not exit within {timeout} s; its stderr and "
+                             f"stacks:\n{err[-12000:]}") from None
+
+
 def test_ctrl_c_shuts_every_group_down():
     proc, pids = _start_hold()
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    err = _finished(proc, 30)
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert_gone([pids["agent"], *pids["ranks"]])

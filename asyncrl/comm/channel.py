@@ -10,7 +10,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import msgspec
 import zmq
 
 from asyncrl.comm import messages
@@ -30,7 +29,7 @@ def open_frame(verifier: Verifier, route: bytes, frames: list) -> Message | None
         return None
     try:
         return messages.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # noqa: BLE001 - DecodeError, ValidationError, RecursionError (nesting)
         verifier.drop("undecodable")
         return None
 

@@ -6,7 +6,9 @@ usage: asyncrl launch hold.py [--orphanable]
 """
 
 import asyncio
+import faulthandler
 import json
+import signal
 import sys
 
 import asyncrl
@@ -19,6 +21,9 @@ class Idle(asyncrl.Worker):
 
 
 async def main():
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test's view of a hang
+    print(f"hold: SIGINT handler {signal.getsignal(signal.SIGINT)!r}", file=sys.stderr,
+          flush=True)
     orphanable = "--orphanable" in sys.argv
     async with asyncrl.Controller(heartbeat_interval=0.2, heartbeat_timeout=2.0,
                                   die_with_controller=not orphanable) as ctl:
