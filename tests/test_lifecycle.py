@@ -185,8 +185,13 @@ def test_spawn_argument_errors_before_launch():
 
 
 def _start_hold(*extra: str) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen([*ASYNCRL, "launch", HOLD, *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    # Ctrl-C as a terminal gives it: a test run started in the background (`cmd &` in a
+    # script) ignores SIGINT, and so would the driver, which inherits that
+    reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    proc = subprocess.Popen([sys.executable, "-c", reset, *ASYNCRL[1:], "launch", HOLD,
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
     line = proc.stdout.readline()
     if not line:
         _, err = proc.communicate(timeout=30)

@@ -567,14 +567,14 @@ class Controller:
         box.flush()
 
     def _culprit(self, group: GroupHandle, silent: list[int]) -> tuple[int, str]:
-        """Which of the silent ranks to name: one whose process runs the relay the others
+        """Which of the silent ranks to name: one whose process runs relays that others
         reach the controller through (its silence silences them), else the first."""
-        relays = {self._relay_of.get(group.ranks[r].identity) for r in silent}
+        relays = {self._relay_of.get(info.identity) for info in group.ranks.values()}
         for rank in silent:
             mine = f"{group.name}/{rank}/".encode()
-            if len(silent) > 1 and any(r is not None and r.startswith(mine) for r in relays):
-                return rank, (f"; it runs its host's relay, so ranks {silent} went silent "
-                              f"with it")
+            if any(r is not None and r.startswith(mine) for r in relays):
+                return rank, ("; it runs its host's relays, so the host's other ranks go "
+                              "silent with it")
         return silent[0], ""
 
     def _host_agents(self, name: str, nprocs: int, extra: dict[str, str]) -> HostAgents:
