@@ -431,7 +431,7 @@ class Controller:
         if not is_relay(relay) or len(msg.senders) != len(msg.frames):
             self.channel.drop("malformed")
             return
-        prefix, calls, now = relay.split(b"/", 1)[0] + b"/", self._calls, time.monotonic()
+        prefix = relay.split(b"/", 1)[0] + b"/"
         for sender, frame in zip(msg.senders, msg.frames, strict=True):
             try:
                 inner = messages.decode(frame)
@@ -442,14 +442,9 @@ class Controller:
             elif not sender.startswith(prefix):
                 self.channel.drop("foreign")  # a relay claimed another group's socket
             elif type(inner) is Results:  # most of what relays bring: the shortest way
-                group = calls.get(inner.call_id)
+                group = self._calls.get(inner.call_id)
                 if group is not None:
                     group._on_results(inner)
-            elif type(inner) is Result:
-                group = calls.get(inner.call_id)
-                if group is not None:
-                    group._touch(inner.rank, now)
-                    group._on_result(inner)
             else:
                 self._on_message(sender, inner, relay)
 

@@ -66,6 +66,10 @@ class RankInfo:
     ready: bool = False
     gone: bool = False  # its process was found dead
 
+    def socket(self, role: str) -> bytes:
+        """Its "io" or "exec" socket's identity."""
+        return self.identity if role == "io" else self.exec_identity
+
 
 @dataclass
 class _Pending:
@@ -291,10 +295,8 @@ class GroupHandle:
             if call is None:
                 call = calls[which] = messages.encode(Call(
                     call_id, method, payloads[(which[0], which[1])], which[2]))
-            info = self.ranks[rank]
-            relay = self._ctl._relay_of.get(info.identity if role == "io" else
-                                            info.exec_identity)
-            sends.append((relay, [info.identity if role == "io" else info.exec_identity], call))
+            identity = self.ranks[rank].socket(role)
+            sends.append((self._ctl._relay_of.get(identity), [identity], call))
         return sends
 
     def _dp_calls(self, split: Split, method: str, role: str, call_id: int) -> list[_Send]:
@@ -339,8 +341,7 @@ class GroupHandle:
             relay_of = self._ctl._relay_of
             by_relay: dict[bytes | None, tuple[list[int], list[bytes]]] = {}
             for rank in sorted(self.ranks):
-                info = self.ranks[rank]
-                identity = info.identity if role == "io" else info.exec_identity
+                identity = self.ranks[rank].socket(role)
                 ranks, identities = by_relay.setdefault(relay_of.get(identity), ([], []))
                 ranks.append(rank)
                 identities.append(identity)
@@ -364,7 +365,7 @@ class GroupHandle:
         fan = self.fan(role)
         if fan is None:
             for info in self.ranks.values():
-                identity = info.identity if role == "io" else info.exec_identity
+                identity = info.socket(role)
                 if identity:
                     box.put(identity, message)
             return
@@ -495,7 +496,7 @@ class GroupHandle:
         self.dead = GroupDeadError(self.name, rank, exit_code, reason, self.agent.tail())
         self._fail_all(self.dead)
 
-    def _touch(self, rank: int, now: float | None = None) -> None:
+    def _touch(self, rank: int) -> None:
         info = self.ranks.get(rank)
         if info is not None:
-            info.last_seen = time.monotonic() if now is None else now
+            info.last_seen = time.monotonic()

@@ -27,20 +27,7 @@ class Outbox:
 
     def put(self, identity: bytes, message: bytes) -> None:
         """Send an encoded message to one rank socket (relayed ones at `flush`)."""
-        relay = self._relay_of.get(identity)
-        if relay is None:
-            self._channel.send_encoded(identity, message)
-            return
-        box = self._fanouts.get(relay)
-        if box is None:
-            box = self._fanouts[relay] = ([], [], [], {})
-        to, which, frames, index = box
-        i = index.get(id(message))  # the same message object again: no need to compare
-        if i is None:
-            i = index[id(message)] = len(frames)
-            frames.append(msgspec.Raw(message))
-        to.append(identity)
-        which.append(i)
+        self.put_many(self._relay_of.get(identity), [identity], message)
 
     def put_many(self, relay: bytes | None, identities: list[bytes], message: bytes) -> None:
         """`put` of one message to sockets behind one relay (None: reached directly), without
@@ -53,7 +40,7 @@ class Outbox:
         if box is None:
             box = self._fanouts[relay] = ([], [], [], {})
         to, which, frames, index = box
-        i = index.get(id(message))
+        i = index.get(id(message))  # the same message object again: no need to compare
         if i is None:
             i = index[id(message)] = len(frames)
             frames.append(msgspec.Raw(message))
