@@ -241,7 +241,7 @@ async def measure(ctl: SimController, n: int, kinds: list[str], calls: int, warm
     for _ in range(repeat):  # the calls take turns: a disturbance hits each alike
         for call in kinds:
             repeats[call].append(await many(call, calls))
-    relayed = bool(ctl._relay_of)
+    relayed = bool(ctl.relay_of)
     await ctl.close_group(group)
     return [record(n, call, calls, repeats[call], hosts=len(group.agent.agents),
                    spawn_s=spawn_s, relay=relayed) for call in kinds]

@@ -87,7 +87,7 @@ async def fuzz(total: int, seed: int) -> dict:
         data = ctx.socket(zmq.DEALER)
         data.connect(target.ranks[0].data_addr)
         rank_io = target.ranks[1].identity
-        relay = ctl._relay_of[relayed.ranks[0].identity]  # its host's relay (rank 0's thread)
+        relay = ctl.relay_of[relayed.ranks[0].identity]  # its host's relay (rank 0's thread)
         t0 = time.perf_counter()
         for i in range(total):
             msg = frames_of(rng, valid)

@@ -72,7 +72,7 @@ def count_fanins(ctl: asyncrl.Controller) -> dict[int, list[str]]:
     """call id -> the answers to that call each Fanin brought, by kind: "Results" (all of a
     host's, in one message) or "Result" (one rank's) (a hook on the controller)."""
     bundles: dict[int, list[str]] = {}
-    on_fanin = ctl._on_fanin
+    on_fanin = ctl.inbox.on_fanin
 
     def counting(relay: bytes, msg: Fanin) -> None:
         for m in map(messages.decode, msg.frames):
@@ -80,7 +80,7 @@ def count_fanins(ctl: asyncrl.Controller) -> dict[int, list[str]]:
                 bundles.setdefault(m.call_id, []).append(type(m).__name__)
         on_fanin(relay, msg)
 
-    ctl._on_fanin = counting  # type: ignore[method-assign]
+    ctl.inbox.on_fanin = counting  # type: ignore[method-assign]
     return bundles
 
 
@@ -89,10 +89,10 @@ def test_relayed_group_answers_every_protocol_with_one_bundle_per_call():
         async with asyncrl.Controller(relay=True) as ctl:
             bundles = count_fanins(ctl)
             group = await ctl.spawn(Host, nprocs=3)
-            relays = {ctl._relay_of[i.exec_identity] for i in group.ranks.values()}
-            assert len(relays) == 1 and len(ctl._relay_of) == 6  # io + exec of 3 ranks
+            relays = {ctl.relay_of[i.exec_identity] for i in group.ranks.values()}
+            assert len(relays) == 1 and len(ctl.relay_of) == 6  # io + exec of 3 ranks
             assert next(iter(relays)).startswith(b"host/0/relay-exec/")  # rank 0's threads
-            relays = {ctl._relay_of[i.identity] for i in group.ranks.values()}
+            relays = {ctl.relay_of[i.identity] for i in group.ranks.values()}
             assert len(relays) == 1 and next(iter(relays)).startswith(b"host/0/relay-io/")
             bundles.clear()
             assert await group.ping(5) == [[0, 5], [1, 5], [2, 5]]
@@ -174,7 +174,7 @@ def test_relay_drops_hostile_frames_and_the_controller_drops_false_claims():
     async def main():
         async with asyncrl.Controller(relay=True, heartbeat_interval=0.2) as ctl:
             group = await ctl.spawn(Host, nprocs=2)
-            relay = ctl._relay_of[group.ranks[1].identity]  # io: heartbeats, releases...
+            relay = ctl.relay_of[group.ranks[1].identity]  # io: heartbeats, releases...
             send = ctl.channel.send_frames  # the live ROUTER reaches the relay's live DEALER
             send([relay, b"garbage"])  # malformed
             send([relay, b"x" * 40, b"y" * 32])  # bad MAC

@@ -4,8 +4,9 @@
         group = await ctl.spawn(Worker, nprocs=2)      one torchrun job, ranks say hello,
         value = await group.method(x)                  then build the worker and get ready
 
-    tasks: reader (one per ROUTER socket: resolves calls) · supervisor (heartbeats out,
-    dead or silent ranks in) · one watcher thread per torchrun agent (its exit)
+    parts: channel (ROUTER sockets; a reader task each) -> inbox (what ranks send: resolves
+    calls) · outbox (what goes to them, per relay) · supervisor (heartbeats out, dead or
+    silent ranks in; one watcher thread per torchrun agent) · releases (objects to free)
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ import inspect
 import itertools
 import logging
 import os
-import random
 import re
 import shutil
 import signal
 import socket
 import tempfile
 import threading
-import time
 import uuid
 import weakref
 from pathlib import Path
@@ -37,36 +36,24 @@ from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import curve_available, new_curve_keys, new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
 from asyncrl.comm.dataplane import pool_prefix, run_prefix
-from asyncrl.comm.messages import (
-    Construct,
-    Fanin,
-    Fetched,
-    Heartbeat,
-    Hello,
-    Log,
-    Message,
-    Ready,
-    Release,
-    Result,
-    Results,
-    Shutdown,
-)
+from asyncrl.comm.messages import Construct, Shutdown
 from asyncrl.comm.refs import make_ref
-from asyncrl.comm.relay import is_relay
 from asyncrl.comm.shm import cleanup as cleanup_segments
-from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
-from asyncrl.controller.group import GroupHandle, RankInfo
-from asyncrl.controller.launcher import Agent, HostAgents, kill_pids, pid_alive, rank_env
+from asyncrl.controller.cluster import Cluster
+from asyncrl.controller.group import GroupHandle
+from asyncrl.controller.inbox import Inbox
+from asyncrl.controller.launcher import Agent, cluster_agents, kill_pids, pid_alive, rank_env
 from asyncrl.controller.links import Links
 from asyncrl.controller.logs import LogSink
 from asyncrl.controller.outbox import Outbox
 from asyncrl.controller.placement import Placer
+from asyncrl.controller.releases import Releases
+from asyncrl.controller.supervisor import Supervisor
 from asyncrl.controller.timeline import Timeline
 from asyncrl.errors import (
     ClosedError,
     EncodeError,
     GroupDeadError,
-    RemoteError,
     SpawnError,
     SpawnTimeout,
 )
@@ -142,7 +129,6 @@ class Controller:
         self.run_id = uuid.uuid4().hex[:16]  # names this run's shared-memory segments
         # bytes of worker-produced data that went through this controller to another group
         self.payload_bytes = 0
-        self._releases: dict[GroupHandle, dict[int, list[int]]] = {}  # obj id -> owner ranks
         self.placer = Placer()
         self.timeline: Timeline | None = None  # set by a DataFlow: records node executions
         self._own_run_dir = run_dir is None
@@ -160,7 +146,7 @@ class Controller:
                                "one) or build libzmq with libsodium")
         self.encrypt = encrypt
         self.relay = relay
-        self._relay_of: dict[bytes, bytes] = {}  # rank socket identity -> its relay's
+        self.relay_of: dict[bytes, bytes] = {}  # rank socket identity -> its relay's
         self._relays = itertools.count()
         if not host.startswith("127.") and host != "localhost":
             log.warning("asyncrl: the control plane listens on %s, reachable from the network "
@@ -169,7 +155,10 @@ class Controller:
                         "; Controller(encrypt=True) or `--encrypt` encrypts them too")
         self.logs: LogSink | None = None  # ranks' output: RUN_DIR/logs/<group>/rank<r>.log
         self.groups: dict[str, GroupHandle] = {}
-        self._calls: dict[int, GroupHandle] = {}
+        self.calls: dict[int, GroupHandle] = {}  # call id -> its group, until answered
+        self.inbox = Inbox(self)
+        self.supervisor = Supervisor(self)
+        self.releases = Releases(self)
         self._tasks: list[asyncio.Task] = []
         self._reaper = _Reaper()
         self._finalizer = weakref.finalize(self, self._reaper.kill_all)
@@ -207,8 +196,8 @@ class Controller:
         keys, curve_secret = new_curve_keys() if self.encrypt else (None, None)
         write_secret(str(self.secret_file), secret, keys)
         self.channel = ControllerChannel(secret, self.host, curve_secret)
-        self.channel.start(self._on_message)
-        self._tasks = [self.loop.create_task(self._supervise())]
+        self.channel.start(self.inbox.on_message)
+        self._tasks = [self.loop.create_task(self.supervisor.run())]
 
     async def close(self) -> None:
         """Shut every group down (killing what does not exit in time) and stop the plane."""
@@ -240,7 +229,7 @@ class Controller:
 
     def outbox(self) -> Outbox:
         """Where messages for rank sockets go: `put` them, then `flush`."""
-        return Outbox(self.channel, self._relay_of)
+        return Outbox(self.channel, self.relay_of)
 
     def post(self, identity: bytes, msg: Any) -> None:
         """Send one message to one rank socket (through its relay, if it has one)."""
@@ -299,7 +288,7 @@ class Controller:
         loop = self.loop
 
         def exited(code: int) -> None:  # on the agent's watcher thread
-            loop.call_soon_threadsafe(self._on_agent_exit, group, code)
+            loop.call_soon_threadsafe(self.supervisor.agent_exited, group, code)
 
         agent.start(exited)
         try:
@@ -339,7 +328,8 @@ class Controller:
         `Agent`'s interface (benchmarks/controller_scale.py starts simulated ranks)."""
         assert self.run_dir is not None
         if self.cluster is not None:
-            return self._host_agents(name, nprocs, extra)
+            return cluster_agents(self.cluster, name, nprocs, extra, self.run_dir / "logs",
+                                  self.run_id, self._die_with_controller)
         return Agent(name, nprocs, rank_env(dict(os.environ), extra),
                      self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
 
@@ -393,219 +383,6 @@ class Controller:
                 f"\n--- last lines of its output ({group.agent.log_path}) ---\n"
                 f"{group.agent.tail()}") from None
 
-    # -- messages ---------------------------------------------------------------------------
-    def _on_message(self, identity: bytes, msg: Message, relay: bytes | None = None) -> None:
-        """One message from a rank socket (`relay`: the relay that brought it, if any)."""
-        if isinstance(msg, Fanin):
-            self._on_fanin(identity, msg)
-            return
-        if isinstance(msg, Result):
-            group = self._calls.get(msg.call_id)
-            if group is not None:
-                group._touch(msg.rank)
-                group._on_result(msg)
-            return
-        parts = identity.split(b"/")
-        group = self.groups.get(parts[0].decode(errors="replace"))
-        if group is None or len(parts) != 4:
-            return
-        rank = int(parts[1])
-        if isinstance(msg, Heartbeat):
-            info = group.ranks.get(rank)
-            if info is not None:
-                info.last_seen = time.monotonic()
-                info.dropped, info.objects, info.object_bytes = (msg.dropped, msg.objects,
-                                                                 msg.object_bytes)
-        elif isinstance(msg, Fetched):
-            group._on_fetched(msg)
-        elif isinstance(msg, Hello):
-            self._on_hello(group, identity, msg, relay)
-        elif isinstance(msg, Ready):
-            self._on_ready(group, msg)
-        elif isinstance(msg, Log) and self.logs is not None:
-            self.logs.write(group.name, rank, msg.lines, msg.dropped)
-
-    def _on_fanin(self, relay: bytes, msg: Fanin) -> None:
-        """A relay's bundle: each message as if its rank socket had sent it here. A relay
-        speaks for its own group's sockets only."""
-        if not is_relay(relay) or len(msg.senders) != len(msg.frames):
-            self.channel.drop("malformed")
-            return
-        prefix = relay.split(b"/", 1)[0] + b"/"
-        for sender, frame in zip(msg.senders, msg.frames, strict=True):
-            try:
-                inner = messages.decode(frame)
-            except Exception:  # noqa: BLE001 - as open_frame: whatever does not decode
-                inner = None
-            if inner is None or type(inner) is Fanin:
-                self.channel.drop("undecodable")
-            elif not sender.startswith(prefix):
-                self.channel.drop("foreign")  # a relay claimed another group's socket
-            elif type(inner) is Results:  # most of what relays bring: the shortest way
-                group = self._calls.get(inner.call_id)
-                if group is not None:
-                    group._on_results(inner)
-            else:
-                self._on_message(sender, inner, relay)
-
-    def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello,
-                  relay: bytes | None) -> None:
-        if msg.world_size != group.nprocs or not 0 <= msg.rank < group.nprocs or \
-                group.closing or group.dead is not None:
-            return
-        if relay is not None:  # from now on, what goes to this socket goes through it
-            self._relay_of[identity] = relay
-        info = group.ranks.get(msg.rank)
-        if info is None:
-            info = group.ranks[msg.rank] = RankInfo(msg.pid, msg.host, time.monotonic())
-            group.agent.rank_started(msg.rank, msg.pid, msg.host)
-        if msg.role == "io":
-            info.identity, info.data_addr = identity, msg.data_addr
-        elif msg.role == "exec":
-            info.exec_identity = identity
-        if info.identity and info.exec_identity and not info.constructing:
-            info.constructing = True
-            assert group.construct_msg is not None
-            self.post(info.exec_identity, group.construct_msg)
-            if not group.started.done() and len(group.ranks) == group.nprocs and \
-                    all(i.constructing for i in group.ranks.values()):
-                group.started.set_result(None)
-
-    def _on_ready(self, group: GroupHandle, msg: Ready) -> None:
-        info = group.ranks.get(msg.rank)
-        if info is None or info.ready or group.ready.done():
-            return
-        if msg.error is not None:
-            group.ready.set_exception(RemoteError(group.name, msg.rank, "__init__",
-                                                  msg.error.type, msg.error.message,
-                                                  msg.error.traceback))
-            return
-        info.ready = True
-        group.methods = dict(msg.methods)
-        if all(i.ready for i in group.ranks.values()) and len(group.ranks) == group.nprocs:
-            group.ready.set_result(None)
-
-    # -- object lifetimes -------------------------------------------------------------------
-    def _release_later(self, group: GroupHandle, ranks: list[int], obj_id: int) -> None:
-        """An ObjectRef is gone (GC, any thread): free its parts, batched per loop turn."""
-        try:
-            self.loop.call_soon_threadsafe(self._queue_release, group, ranks, obj_id)
-        except RuntimeError:  # the loop is closed: the ranks are gone with it
-            pass
-
-    def _queue_release(self, group: GroupHandle, ranks: list[int], obj_id: int) -> None:
-        if not self._releases:
-            self.loop.call_soon(self._flush_releases)
-        self._releases.setdefault(group, {})[obj_id] = ranks
-
-    def _flush_releases(self) -> None:
-        releases, self._releases = self._releases, {}
-        box = self.outbox()
-        for group, owners in releases.items():
-            if group.closing or group.dead is not None:
-                continue
-            # objects every rank holds: one message for all
-            everywhere: list[int] = []
-            by_rank: dict[int, list[int]] = {}
-            for obj_id, ranks in owners.items():
-                if len(ranks) == group.nprocs:
-                    everywhere.append(obj_id)
-                else:
-                    for rank in ranks:
-                        by_rank.setdefault(rank, []).append(obj_id)
-            if everywhere:
-                group.post_all(box, "io", messages.encode(Release(everywhere)))
-            for rank, ids in by_rank.items():
-                box.put(group.ranks[rank].identity, messages.encode(Release(ids)))
-        box.flush()
-
-    # -- supervision ------------------------------------------------------------------------
-    def _on_agent_exit(self, group: GroupHandle, code: int) -> None:
-        group.exited.set()
-        if group.closing:
-            return
-        cause = group.agent.root_cause()
-        if cause is not None:
-            group._mark_dead(cause[0], cause[1], "its process exited; torchrun stopped the group")
-        else:
-            group._mark_dead(None, code, f"the torchrun agent exited with code {code}")
-        group.agent.signal_all(signal.SIGKILL)  # leave nothing behind
-
-    async def _supervise(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            try:
-                self._check_ranks()
-            except Exception:  # a bug here must not stop the heartbeats
-                log.exception("asyncrl supervisor: checking the ranks failed")
-
-    def _check_ranks(self) -> None:
-        beat, now, here = messages.encode(Heartbeat()), time.monotonic(), socket.gethostname()
-        box = self.outbox()
-        for group in list(self.groups.values()):
-            if group.closing or group.dead is not None:
-                continue
-            group.post_all(box, "io", beat)
-            silent = []
-            for rank, info in list(group.ranks.items()):
-                if info.host == here and not info.gone and not pid_alive(info.pid):
-                    info.gone = True
-                    self.loop.create_task(self._rank_gone(group, rank))
-                elif not info.gone and now - info.last_seen > self.heartbeat_timeout:
-                    silent.append(rank)
-            if silent:
-                rank, why = self._culprit(group, silent)
-                group._mark_dead(rank, None, f"no heartbeat for "
-                                 f"{now - group.ranks[rank].last_seen:.1f} s (heartbeat_timeout="
-                                 f"{self.heartbeat_timeout} s){why}")
-                group.agent.signal_all(signal.SIGKILL)
-        box.flush()
-
-    def _culprit(self, group: GroupHandle, silent: list[int]) -> tuple[int, str]:
-        """Which of the silent ranks to name: one whose process runs relays that others
-        reach the controller through (its silence silences them), else the first."""
-        relays = {self._relay_of.get(info.identity) for info in group.ranks.values()}
-        for rank in silent:
-            mine = f"{group.name}/{rank}/".encode()
-            if any(r is not None and r.startswith(mine) for r in relays):
-                return rank, ("; it runs its host's relays, so the host's other ranks go "
-                              "silent with it")
-        return silent[0], ""
-
-    def _host_agents(self, name: str, nprocs: int, extra: dict[str, str]) -> HostAgents:
-        """One torchrun agent per host the group spreads over, meeting at the first host."""
-        assert self.cluster is not None and self.run_dir is not None
-        hosts = self.cluster.spread(name, nprocs)
-        per = nprocs // len(hosts)
-        first = hosts[0][0]
-        # a port probed here is free here; in another host or namespace, pick one at random
-        port = free_port() if first.via == "local" else random.randint(30000, 45000)
-        endpoint = f"{first.address}:{port}"
-        agents = []
-        for i, (h, slots) in enumerate(hosts):
-            where = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if h.gpus else {}
-            env = rank_env(dict(os.environ), {**extra, **where, "ASYNCRL_HOST_NAME": h.name,
-                                              "ASYNCRL_DATA_HOST": h.address})
-            if h.via == "netns":  # gloo would pick the machine's address, not the namespace's
-                env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
-            command = torchrun_command(h, env, len(hosts), i, per, endpoint,
-                                       f"{name}-{self.run_id}")
-            agents.append(Agent(name, per, env, self.run_dir / "logs" / f"{name}.{h.name}.log",
-                                self._die_with_controller, command, h.name,
-                                h.via in ("local", "netns")))
-        return HostAgents(agents)
-
-    async def _rank_gone(self, group: GroupHandle, rank: int) -> None:
-        """A rank's process is gone: give torchrun a moment to report why, then declare."""
-        # torchrun notices within its monitor interval and reports the exit code; declared
-        # within the heartbeat timeout either way
-        wait = max(1.0, self.heartbeat_timeout - 2 * self.heartbeat_interval)
-        try:
-            await asyncio.wait_for(group.exited.wait(), wait)
-        except asyncio.TimeoutError:
-            group._mark_dead(rank, None, "its process is gone")
-        group.agent.signal_all(signal.SIGKILL)
-
     async def _stop_group(self, group: GroupHandle, grace: float | None = None) -> None:
         """Ask the ranks to exit; kill whatever is left after `grace` seconds."""
         if group.closing:
@@ -616,8 +393,8 @@ class Controller:
         group.post_all(box, "io", messages.encode(Shutdown()))
         box.flush()
         for info in group.ranks.values():  # nothing else goes to its sockets
-            self._relay_of.pop(info.identity, None)
-            self._relay_of.pop(info.exec_identity, None)
+            self.relay_of.pop(info.identity, None)
+            self.relay_of.pop(info.exec_identity, None)
         agent = group.agent
         grace = self.shutdown_grace if grace is None else grace
         if agent.proc is not None and grace > 0:

@@ -259,7 +259,7 @@ class GroupHandle:
         self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
                                           split.state, set(split.calls), set(split.collect),
                                           item.inputs, item.links)
-        self._ctl._calls[call_id] = self
+        self._ctl.calls[call_id] = self
         box = self._ctl.outbox()
         for relay, identities, call in sends:
             if relay is _ALL:
@@ -296,7 +296,7 @@ class GroupHandle:
                 call = calls[which] = messages.encode(Call(
                     call_id, method, payloads[(which[0], which[1])], which[2]))
             identity = self.ranks[rank].socket(role)
-            sends.append((self._ctl._relay_of.get(identity), [identity], call))
+            sends.append((self._ctl.relay_of.get(identity), [identity], call))
         return sends
 
     def _dp_calls(self, split: Split, method: str, role: str, call_id: int) -> list[_Send]:
@@ -338,7 +338,7 @@ class GroupHandle:
             if len(self.ranks) < self.nprocs or not all(i.identity and i.exec_identity
                                                        for i in self.ranks.values()):
                 return None
-            relay_of = self._ctl._relay_of
+            relay_of = self._ctl.relay_of
             by_relay: dict[bytes | None, tuple[list[int], list[bytes]]] = {}
             for rank in sorted(self.ranks):
                 identity = self.ranks[rank].socket(role)
@@ -422,10 +422,10 @@ class GroupHandle:
     def _done(self, p: _Pending) -> None:
         """Every rank answered: resolve the call's future (unless a rank failed it)."""
         del self._pending[p.call_id]
-        self._ctl._calls.pop(p.call_id, None)
+        self._ctl.calls.pop(p.call_id, None)
         if p.future.done():  # another rank failed: nothing will name what these ranks kept
             if p.schemas:
-                self._ctl._queue_release(self, list(p.schemas), p.call_id)
+                self._ctl.releases.queue(self, list(p.schemas), p.call_id)
             return
         layout, protocol, state = self.layout, p.protocol, p.state
         p.future.busy_s = p.busy
@@ -479,7 +479,7 @@ class GroupHandle:
     def _fail_all(self, exc: BaseException) -> None:
         for p in self._pending.values():
             p.future._set_exception(exc)
-            self._ctl._calls.pop(p.call_id, None)
+            self._ctl.calls.pop(p.call_id, None)
         self._pending.clear()
         while self._backlog:
             self._backlog.popleft().future._set_exception(exc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import asyncrl
+from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
 
 _PR_SET_PDEATHSIG = 1
 _AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
@@ -237,3 +239,25 @@ def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     pkg_root = str(Path(asyncrl.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, str],
+                   log_dir: Path, run_id: str, die_with_parent: bool) -> HostAgents:
+    """One torchrun agent per host group `name` spreads over, meeting at the first host."""
+    hosts = cluster.spread(name, nprocs)
+    per = nprocs // len(hosts)
+    first = hosts[0][0]
+    # a port probed here is free here; in another host or namespace, pick one at random
+    port = free_port() if first.via == "local" else random.randint(30000, 45000)
+    endpoint = f"{first.address}:{port}"
+    agents = []
+    for i, (h, slots) in enumerate(hosts):
+        where = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if h.gpus else {}
+        env = rank_env(dict(os.environ), {**extra, **where, "ASYNCRL_HOST_NAME": h.name,
+                                          "ASYNCRL_DATA_HOST": h.address})
+        if h.via == "netns":  # gloo would pick the machine's address, not the namespace's
+            env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        command = torchrun_command(h, env, len(hosts), i, per, endpoint, f"{name}-{run_id}")
+        agents.append(Agent(name, per, env, log_dir / f"{name}.{h.name}.log", die_with_parent,
+                            command, h.name, h.via in ("local", "netns")))
+    return HostAgents(agents)

@@ -39,7 +39,7 @@ class ObjectRef:
         self._value: Any = None
         self._done = False
         if schemas:
-            weakref.finalize(self, group._ctl._release_later, group, list(schemas), obj_id)
+            weakref.finalize(self, group._ctl.releases.later, group, list(schemas), obj_id)
 
     def shard(self, rank: int) -> Shard:
         """Where `rank` keeps its part."""

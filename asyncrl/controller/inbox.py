@@ -1,0 +1,129 @@
+"""Inbox: what rank sockets (and the relays speaking for them) send the controller.
+
+    Result / Results   -> the group that made the call (by call id)
+    Fanin              a relay's bundle: each message as if its rank socket had sent it
+    Hello, Ready       a rank starting: its sockets, then its built worker
+    Heartbeat, Fetched, Log
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from asyncrl.comm import messages
+from asyncrl.comm.messages import (
+    Fanin,
+    Fetched,
+    Heartbeat,
+    Hello,
+    Log,
+    Message,
+    Ready,
+    Result,
+    Results,
+)
+from asyncrl.comm.relay import is_relay
+from asyncrl.controller.group import GroupHandle, RankInfo
+from asyncrl.errors import RemoteError
+
+if TYPE_CHECKING:
+    from asyncrl.controller.controller import Controller
+
+
+class Inbox:
+    def __init__(self, ctl: Controller):
+        self._ctl = ctl
+
+    def on_message(self, identity: bytes, msg: Message, relay: bytes | None = None) -> None:
+        """One message from a rank socket (`relay`: the relay that brought it, if any)."""
+        ctl = self._ctl
+        if isinstance(msg, Fanin):
+            self.on_fanin(identity, msg)
+            return
+        if isinstance(msg, Result):
+            group = ctl.calls.get(msg.call_id)
+            if group is not None:
+                group._touch(msg.rank)
+                group._on_result(msg)
+            return
+        parts = identity.split(b"/")
+        group = ctl.groups.get(parts[0].decode(errors="replace"))
+        if group is None or len(parts) != 4:
+            return
+        rank = int(parts[1])
+        if isinstance(msg, Heartbeat):
+            info = group.ranks.get(rank)
+            if info is not None:
+                info.last_seen = time.monotonic()
+                info.dropped, info.objects, info.object_bytes = (msg.dropped, msg.objects,
+                                                                 msg.object_bytes)
+        elif isinstance(msg, Fetched):
+            group._on_fetched(msg)
+        elif isinstance(msg, Hello):
+            self._on_hello(group, identity, msg, relay)
+        elif isinstance(msg, Ready):
+            self._on_ready(group, msg)
+        elif isinstance(msg, Log) and ctl.logs is not None:
+            ctl.logs.write(group.name, rank, msg.lines, msg.dropped)
+
+    def on_fanin(self, relay: bytes, msg: Fanin) -> None:
+        """A relay's bundle: each message as if its rank socket had sent it here. A relay
+        speaks for its own group's sockets only."""
+        channel = self._ctl.channel
+        if not is_relay(relay) or len(msg.senders) != len(msg.frames):
+            channel.drop("malformed")
+            return
+        prefix = relay.split(b"/", 1)[0] + b"/"
+        for sender, frame in zip(msg.senders, msg.frames, strict=True):
+            try:
+                inner = messages.decode(frame)
+            except Exception:  # noqa: BLE001 - as open_frame: whatever does not decode
+                inner = None
+            if inner is None or type(inner) is Fanin:
+                channel.drop("undecodable")
+            elif not sender.startswith(prefix):
+                channel.drop("foreign")  # a relay claimed another group's socket
+            elif type(inner) is Results:  # most of what relays bring: the shortest way
+                group = self._ctl.calls.get(inner.call_id)
+                if group is not None:
+                    group._on_results(inner)
+            else:
+                self.on_message(sender, inner, relay)
+
+    def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello,
+                  relay: bytes | None) -> None:
+        if msg.world_size != group.nprocs or not 0 <= msg.rank < group.nprocs or \
+                group.closing or group.dead is not None:
+            return
+        if relay is not None:  # from now on, what goes to this socket goes through it
+            self._ctl.relay_of[identity] = relay
+        info = group.ranks.get(msg.rank)
+        if info is None:
+            info = group.ranks[msg.rank] = RankInfo(msg.pid, msg.host, time.monotonic())
+            group.agent.rank_started(msg.rank, msg.pid, msg.host)
+        if msg.role == "io":
+            info.identity, info.data_addr = identity, msg.data_addr
+        elif msg.role == "exec":
+            info.exec_identity = identity
+        if info.identity and info.exec_identity and not info.constructing:
+            info.constructing = True
+            assert group.construct_msg is not None
+            self._ctl.post(info.exec_identity, group.construct_msg)
+            if not group.started.done() and len(group.ranks) == group.nprocs and \
+                    all(i.constructing for i in group.ranks.values()):
+                group.started.set_result(None)
+
+    def _on_ready(self, group: GroupHandle, msg: Ready) -> None:
+        info = group.ranks.get(msg.rank)
+        if info is None or info.ready or group.ready.done():
+            return
+        if msg.error is not None:
+            group.ready.set_exception(RemoteError(group.name, msg.rank, "__init__",
+                                                  msg.error.type, msg.error.message,
+                                                  msg.error.traceback))
+            return
+        info.ready = True
+        group.methods = dict(msg.methods)
+        if all(i.ready for i in group.ranks.values()) and len(group.ranks) == group.nprocs:
+            group.ready.set_result(None)

@@ -1,0 +1,99 @@
+"""Supervisor: heartbeats out, dead or silent ranks in. A group whose rank dies is marked
+dead with the rank named and why, and whatever is left of it is killed.
+
+    every heartbeat_interval: one Heartbeat to every rank (one frame per relayed host);
+    a local rank whose pid is gone, or any rank silent for heartbeat_timeout, ends its group
+    the torchrun agent's exit (watcher thread -> loop): the root cause torchrun reported
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from asyncrl.comm import messages
+from asyncrl.comm.messages import Heartbeat
+from asyncrl.controller.launcher import pid_alive
+
+if TYPE_CHECKING:
+    from asyncrl.controller.controller import Controller
+    from asyncrl.controller.group import GroupHandle
+
+log = logging.getLogger("asyncrl")
+
+
+class Supervisor:
+    def __init__(self, ctl: Controller):
+        self._ctl = ctl
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._ctl.heartbeat_interval)
+            try:
+                self.check()
+            except Exception:  # a bug here must not stop the heartbeats
+                log.exception("asyncrl supervisor: checking the ranks failed")
+
+    def check(self) -> None:
+        """Send one round of heartbeats; declare ranks whose process is gone or silent."""
+        ctl = self._ctl
+        beat, now, here = messages.encode(Heartbeat()), time.monotonic(), socket.gethostname()
+        box = ctl.outbox()
+        for group in list(ctl.groups.values()):
+            if group.closing or group.dead is not None:
+                continue
+            group.post_all(box, "io", beat)
+            silent = []
+            for rank, info in list(group.ranks.items()):
+                if info.host == here and not info.gone and not pid_alive(info.pid):
+                    info.gone = True
+                    ctl.loop.create_task(self.rank_gone(group, rank))
+                elif not info.gone and now - info.last_seen > ctl.heartbeat_timeout:
+                    silent.append(rank)
+            if silent:
+                rank, why = self.culprit(group, silent)
+                group._mark_dead(rank, None, f"no heartbeat for "
+                                 f"{now - group.ranks[rank].last_seen:.1f} s (heartbeat_timeout="
+                                 f"{ctl.heartbeat_timeout} s){why}")
+                group.agent.signal_all(signal.SIGKILL)
+        box.flush()
+
+    def culprit(self, group: GroupHandle, silent: list[int]) -> tuple[int, str]:
+        """Which of the silent ranks to name: one whose process runs relays that others
+        reach the controller through (its silence silences them), else the first."""
+        relay_of = self._ctl.relay_of
+        relays = {relay_of.get(info.identity) for info in group.ranks.values()}
+        for rank in silent:
+            mine = f"{group.name}/{rank}/".encode()
+            if any(r is not None and r.startswith(mine) for r in relays):
+                return rank, ("; it runs its host's relays, so the host's other ranks go "
+                              "silent with it")
+        return silent[0], ""
+
+    async def rank_gone(self, group: GroupHandle, rank: int) -> None:
+        """A rank's process is gone: give torchrun a moment to report why, then declare."""
+        # torchrun notices within its monitor interval and reports the exit code; declared
+        # within the heartbeat timeout either way
+        ctl = self._ctl
+        wait = max(1.0, ctl.heartbeat_timeout - 2 * ctl.heartbeat_interval)
+        try:
+            await asyncio.wait_for(group.exited.wait(), wait)
+        except asyncio.TimeoutError:
+            group._mark_dead(rank, None, "its process is gone")
+        group.agent.signal_all(signal.SIGKILL)
+
+    def agent_exited(self, group: GroupHandle, code: int) -> None:
+        """The group's torchrun agent exited (on the loop, called from its watcher thread)."""
+        group.exited.set()
+        if group.closing:
+            return
+        cause = group.agent.root_cause()
+        if cause is not None:
+            group._mark_dead(cause[0], cause[1], "its process exited; torchrun stopped the group")
+        else:
+            group._mark_dead(None, code, f"the torchrun agent exited with code {code}")
+        group.agent.signal_all(signal.SIGKILL)  # leave nothing behind
