@@ -18,6 +18,7 @@ from asyncrl.controller.placement import (
                                           nvlink_group,
                                           same_host_as,
                                           separate_from,
+                                          share_gpus,
 )
 from asyncrl.controller.runner import run
 from asyncrl.errors import (
@@ -68,4 +69,5 @@ __all__ = [
     "run",
     "same_host_as",
     "separate_from",
+    "share_gpus",
 ]

@@ -147,10 +147,15 @@ def bench_ray(nbytes: int, repeat: int, ctx: dict[str, Any]) -> list[dict[str, A
 async def _asyncrl(nbytes: int, repeat: int, calls: int, ctx: dict[str, Any],
                    transport: str = "auto", device: str = "cpu") -> list[dict]:
     out = []
+    # on GPUs: the sinks on the source's GPUs (CUDA IPC opens memory of a GPU the consumer
+    # sees), two ranks per GPU where there are fewer than two
+    share = [asyncrl.share_gpus(2)] if device == "cuda" and torch.cuda.device_count() < 2 \
+        else []
     async with asyncrl.Controller(transport=transport) as ctl:
-        source = await ctl.spawn(Source, nprocs=2, name="source")
-        sinks = {"dp2->dp2": await ctl.spawn(Sink, nprocs=2, name="sink2"),
-                 "dp2->dp1": await ctl.spawn(Sink, nprocs=1, name="sink1")}
+        source = await ctl.spawn(Source, nprocs=2, name="source", place=share)
+        near = [asyncrl.colocate_with(source), *share] if device == "cuda" else []
+        sinks = {"dp2->dp2": await ctl.spawn(Sink, nprocs=2, name="sink2", place=near),
+                 "dp2->dp1": await ctl.spawn(Sink, nprocs=1, name="sink1", place=near)}
         rows = nbytes // (ROW * 4)
         produced = source.make(TensorBatch({"i": torch.arange(rows)}), device)
         await produced._fut  # already produced: its data stays on the source's ranks

@@ -29,8 +29,8 @@ _ROOT = os.path.join(tempfile.gettempdir(), "asyncrl-fake-nccl")
 _group = threading.local()
 
 
-def get_unique_id() -> tuple[int, ...]:
-    return tuple(secrets.token_bytes(128))
+def get_unique_id() -> bytes:  # CuPy >= 14 (before: a tuple of signed chars)
+    return secrets.token_bytes(128)
 
 
 def groupStart() -> None:  # noqa: N802 - cupy's name
@@ -55,9 +55,12 @@ def _run(kind: str, fn) -> None:
 
 
 class NcclCommunicator:
-    def __init__(self, world: int, uid: tuple[int, ...], rank: int):
+    def __init__(self, world: int, uid: bytes, rank: int):
+        if not isinstance(uid, bytes):  # as CuPy >= 14's typed argument
+            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
+                            f"{type(uid).__name__})")
         self.world, self.rank = world, rank
-        folder = os.path.join(_ROOT, bytes(uid)[:16].hex())
+        folder = os.path.join(_ROOT, uid[:16].hex())
         os.makedirs(folder, exist_ok=True)
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)

@@ -1,7 +1,13 @@
 """A fake of the parts of vLLM's API that asyncrl uses (LLM, SamplingParams, RequestOutput,
 sleep mode, collective_rpc with a worker extension), following vLLM's documentation. It
 samples with a tiny HF model through asyncrl's own Sampler, so outputs are real tokens with
-real log-probs. Used because vLLM cannot be installed on the CPU machines."""
+real log-probs. Used because vLLM cannot be installed on the CPU machines.
+
+What it holds vLLM to: log-probs are vLLM's default "raw_logprobs" (before temperature)
+unless `logprobs_mode="processed_logprobs"` (raw is only modelled at temperature 1: it
+refuses otherwise, which is the point); sleep level 1 backs the weights up and wake_up
+restores that backup; level 2 drops them; weights loaded while the weights sleep are an
+illegal memory access; generating needs everything awake."""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     logprobs: int | None = None
+    ignore_eos: bool = False
+    detokenize: bool = True
 
 
 @dataclass
@@ -68,17 +76,27 @@ class LLM:
             raise TypeError(f"fake LLM: missing {missing}")
         module, _, name = kwargs["worker_extension_cls"].rpartition(".")
         ext = getattr(importlib.import_module(module), name)
+        self._logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+        self._skip_tokenizer = kwargs.get("skip_tokenizer_init", False)
         self._model = build_model(ModelConfig(preset=model))
         self._worker = type("Worker", (ext,), {})()  # vLLM mixes the extension in
         self._worker.model_runner = _ModelRunner(self._model)
-        self.sleeping = 0
+        self.asleep: set[str] = set()  # "weights", "kv_cache"
+        self._backup: dict[str, Any] | None = None
 
     def generate(self, prompts: list[dict], sampling_params: list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if self.sleeping:
-            raise RuntimeError("fake LLM: generate() while asleep")
+        if self.asleep:
+            raise RuntimeError(f"fake LLM: generate() while {sorted(self.asleep)} sleep")
         out = []
         for prompt, sp in zip(prompts, sampling_params, strict=True):
+            if self._logprobs_mode == "raw_logprobs" and sp.logprobs is not None and \
+                    sp.temperature != 1.0:
+                raise NotImplementedError("fake LLM: raw log-probs (before temperature) are "
+                                          "not modelled at temperature != 1")
+            if self._skip_tokenizer and (sp.detokenize or not sp.ignore_eos):
+                raise ValueError("fake LLM: skip_tokenizer_init needs detokenize=False, and "
+                                 "EOS is unknown without a tokenizer (ignore_eos=True)")
             cfg = SamplingConfig(temperature=sp.temperature, top_p=sp.top_p,
                                  max_new_tokens=sp.max_tokens,
                                  stop_token_ids=tuple(sp.stop_token_ids))
@@ -94,12 +112,28 @@ class LLM:
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         LLM.calls.append(("collective_rpc", method))
+        if "weights" in self.asleep:
+            raise RuntimeError("fake LLM: CUDA error: an illegal memory access (the weights' "
+                               "memory is released while asleep)")
         return [getattr(self._worker, method)(*args)]
+
+    def reset_prefix_cache(self) -> bool:
+        LLM.calls.append(("reset_prefix_cache", None))
+        return True
 
     def sleep(self, level: int = 1) -> None:
         LLM.calls.append(("sleep", level))
-        self.sleeping = level
+        params = dict(self._model.named_parameters())
+        self._backup = {k: v.detach().clone() for k, v in params.items()} if level == 1 else None
+        if level == 2:
+            for v in params.values():
+                v.data.fill_(float("nan"))  # gone: only new weights make it usable again
+        self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         LLM.calls.append(("wake_up", tags))
-        self.sleeping = 0
+        tags = ["weights", "kv_cache"] if tags is None else tags
+        if "weights" in tags and "weights" in self.asleep and self._backup is not None:
+            for k, v in self._model.named_parameters():  # level 1: the backup comes back
+                v.data.copy_(self._backup[k])
+        self.asleep -= set(tags)

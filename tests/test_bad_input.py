@@ -213,6 +213,26 @@ def test_impossible_gpu_placement_says_the_fix():
     expect(TypeError, lambda: p.place("z", 1, "separate"),
            "got 'separate'", "place= takes constraints such as asyncrl.separate_from(g)")
     assert set(p.placed) == {"actor", "reward", "hybrid"}  # nothing refused was placed
+
+
+def test_ranks_share_gpus_only_when_asked():
+    one = Placer(Host(1, (0, 1)))
+    expect(asyncrl.PlacementError, lambda: one.place("prod", 2, None),
+           "group 'prod' needs 2 GPU(s), one per rank, but this host has 1",
+           "or place=asyncrl.share_gpus(k) for k ranks per GPU (no NCCL inside the group)")
+    assert one.place("prod", 2, asyncrl.share_gpus(2)).env == {"CUDA_VISIBLE_DEVICES": "0"}
+    two = Placer(Host(2, (0, 1)))
+    assert two.place("a", 3, asyncrl.share_gpus(2)).env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    expect(asyncrl.PlacementError, lambda: two.place("b", 5, asyncrl.share_gpus(2)),
+           "group 'b' needs 3 GPU(s), one per 2 ranks (share_gpus(2)), but this host has 2",
+           "use nprocs <= 4")
+    expect(asyncrl.PlacementError, lambda: two.place("c", 2, [asyncrl.share_gpus(2),
+                                                              asyncrl.separate_from("a")]),
+           "needs 1 GPU(s) separate_from(a), but only 0 of this host's 2")
+    # a CPU-only host places by cores, as without it
+    assert Placer(Host(0, (0, 1))).place("cpu", 2, asyncrl.share_gpus(2)).env == \
+        {"ASYNCRL_CPUS": "0,1"}
+    expect(ValueError, lambda: asyncrl.share_gpus(0), "share_gpus(ranks_per_gpu) needs an int")
     assert issubclass(asyncrl.PlacementError, asyncrl.AsyncRLError)
     expect(asyncrl.PlacementError, lambda: Placer(Host(0, (0, 1))).place(
         "nv", 1, asyncrl.nvlink_group(2)), "this host has 0 GPU(s)",

@@ -42,6 +42,15 @@ class Producer(asyncrl.Worker):
     def fail(self):
         raise ValueError("boom in the producer")
 
+    @asyncrl.register
+    def whole(self, batch: TensorBatch) -> dict:  # every row: its own and its peers'
+        return {"i": batch["i"].tolist(), "v": batch["v"].tolist(), "name": batch["name"],
+                "src": batch["src"]}
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def again(self, batch: TensorBatch) -> TensorBatch:  # its own rows only
+        return batch.union(TensorBatch({"by": [self.rank] * len(batch)}))
+
     @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
     def unsendable(self) -> TensorBatch:  # too big to come inline, and a list it cannot send
         return TensorBatch({"x": torch.zeros(2, 40_000), "obj": [object(), object()]})
@@ -147,6 +156,20 @@ def test_broadcast_rank_zero_and_user_protocols(groups):
     assert get(groups["c2"].total(made)) == [[5, total, "row4"]] * 2  # ONE_TO_ALL
     assert get(groups["c2"].ids(made)) == [0, 1, 2, 3, 4]  # RANK_ZERO: the whole batch
     assert get(groups["c2"].second_half(made)) == [2, 3, 4]  # user protocol: slices rows
+
+
+def test_a_group_takes_its_own_rows_from_its_store_and_its_peers_rows_by_pull(groups):
+    """A rank copies the rows its own store holds (CUDA cannot open a process's own IPC
+    handles) and pulls the rest, in one batch, in order."""
+    p2 = groups["p2"]
+    made = p2.make(rows(9))
+    want = expected(9)
+    for out in get(p2.whole(made)):  # each rank: its own 5 or 4 rows, and the other's
+        assert out["i"] == want["i"] and out["v"] == want["v"] and out["name"] == want["name"]
+        assert out["src"] == [0] * 5 + [1] * 4
+    again = get(p2.again(made))  # DP -> DP on the same ranks: nothing pulled
+    assert_rows(again, 9)
+    assert again["by"] == again["src"] == [0] * 5 + [1] * 4
 
 
 def test_non_batch_values_are_pulled_whole(groups):

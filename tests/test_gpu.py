@@ -4,6 +4,8 @@ scripts/gpu_check.sh on a GPU machine."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import assert_gone, group_pids, run
@@ -22,6 +24,11 @@ class GpuProducer(asyncrl.Worker):
         return TensorBatch({"i": i, "h": (i[:, None] * 10 + torch.arange(4, device="cuda"))
                             .to(torch.bfloat16), "cpu": batch["i"] * 2,
                             "name": [f"r{k}" for k in batch["i"].tolist()]})
+
+
+    @asyncrl.register
+    def rows_seen(self, batch: TensorBatch) -> list:  # its own rows, and its peer's
+        return [batch["i"].tolist(), batch["h"].float().cpu().tolist(), batch["h"].is_cuda]
 
 
 class GpuConsumer(asyncrl.Worker):
@@ -45,12 +52,22 @@ def _expect(out: TensorBatch, n: int) -> None:
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_gpu_rows_between_groups(transport):
     async def main():
+        # two producer ranks on the one GPU a device machine has; the consumer on the same
+        # GPUs, where CUDA IPC can open the producers' memory
+        share = [asyncrl.share_gpus(2)] if torch.cuda.device_count() < 2 else []
         async with asyncrl.Controller(transport=transport) as ctl:
-            prod = await ctl.spawn(GpuProducer, nprocs=2, name="gprod")
-            cons = await ctl.spawn(GpuConsumer, nprocs=1, name="gcons")
+            prod = await ctl.spawn(GpuProducer, nprocs=2, name="gprod", place=share)
+            cons = await ctl.spawn(GpuConsumer, nprocs=1, name="gcons",
+                                   place=[asyncrl.colocate_with(prod), *share])
             pids = group_pids(prod) + group_pids(cons)
-            out = await cons.check(prod.make(TensorBatch({"i": torch.arange(9)})))
+            made = prod.make(TensorBatch({"i": torch.arange(9)}))
+            out = await cons.check(made)
             _expect(out, 9)
+            h = (torch.arange(9)[:, None] * 10 + torch.arange(4)).float().tolist()
+            # the producer's own ranks: their own rows from their store (CUDA refuses to
+            # open a process's own IPC handles), their peer's by IPC (or host staging)
+            for seen in await prod.rows_seen(made):
+                assert seen == [list(range(9)), h, True]
             assert ctl.payload_bytes == 0
             return pids
     assert_gone(run(main(), timeout=300))
@@ -101,7 +118,9 @@ def test_nccl_one_rank_communicator_through_cupy():
     """The real cupy.cuda.nccl calls asyncrl/comm/nccl.py makes, on the one GPU a device
     machine has: a 1-rank communicator from a controller-style unique id, a send to itself
     and a receive in one NCCL group, and the bounded wait on the stream."""
-    pytest.importorskip("cupy")
+    with warnings.catch_warnings():  # CuPy may warn on import (CUDA path, preloads): the
+        warnings.simplefilter("ignore")  # suite turns warnings into errors
+        pytest.importorskip("cupy.cuda.nccl")
     from asyncrl.comm import nccl
 
     nccl.join("self->self", nccl.new_unique_id(), 1, 0, {"self": 0})

@@ -244,6 +244,7 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
     init = fake_vllm.LLM.calls[0][1]
     assert init["distributed_executor_backend"] == "external_launcher"
     assert init["enable_sleep_mode"] is True
+    assert init["logprobs_mode"] == "processed_logprobs" and init["skip_tokenizer_init"]
     out = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
     mine = Sampler(build_model(ModelConfig()), SamplingConfig(max_new_tokens=6,
                                                               stop_token_ids=(2,)))
@@ -251,15 +252,31 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
     for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
         assert torch.equal(out[key], want[key]), key
     assert (out["logprobs"] - want["logprobs"]).abs().max().item() < 1e-6
+    hot = SamplingConfig(max_new_tokens=6, stop_token_ids=(2,), temperature=0.7)
+    hot_out = engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=hot)
+    hot_want = Sampler(mine.model, hot).generate(PROMPTS, seeds=[1, 2, 3, 4])
+    assert torch.equal(hot_out["response_ids"], hot_want["response_ids"])
+    assert (hot_out["logprobs"] - hot_want["logprobs"]).abs().max().item() < 1e-6  # after T
     engine.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    other = build_model(ModelConfig(seed=9))  # new weights while asleep survive the wake-up
+    assert engine.load_weights(other.named_parameters(), version=3) == \
+        len(list(other.parameters()))
     engine.wake()
-    other = build_model(ModelConfig(seed=9))
-    assert engine.load_weights(other.named_parameters()) == len(list(other.parameters()))
     changed = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    theirs = Sampler(other, SamplingConfig(max_new_tokens=6, stop_token_ids=(2,))).generate(
+        PROMPTS, seeds=[1, 2, 3, 4])
+    assert torch.equal(changed["response_ids"], theirs["response_ids"])
     assert not torch.equal(changed["response_ids"], out["response_ids"])
-    assert [c[0] for c in fake_vllm.LLM.calls] == ["init", "sleep", "wake_up", "collective_rpc"]
+    mask = changed["response_mask"].bool()
+    assert changed["versions"][mask].eq(3).all() and changed["versions"][~mask].eq(-1).all()
+    assert [(c[0], c[1]) for c in fake_vllm.LLM.calls if c[0] != "init"] == [
+        ("sleep", 1), ("wake_up", ["weights"]), ("collective_rpc", "asyncrl_load_weights"),
+        ("reset_prefix_cache", None), ("wake_up", ["kv_cache"])]
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        VLLMEngine("tiny-llama", tensor_parallel_size=2, llm_cls=fake_vllm.LLM,
+                   sampling_params_cls=fake_vllm.SamplingParams)
     # vLLM stays out of every CPU import path
     probe = subprocess.run([sys.executable, "-c", "import sys, asyncrl, asyncrl.hybrid.roles, "
                             "asyncrl.hybrid.vllm_engine; print('vllm' in sys.modules)"],

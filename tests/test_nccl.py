@@ -1,9 +1,9 @@
 """The NCCL transport's logic (asyncrl/comm/nccl.py, controller/links.py) on CPUs: real
 groups with `Controller(transport="nccl")` and tests/fake_nccl.py standing in for
 cupy.cuda.nccl (the bytes at each tensor's pointer travel over sockets). The communicator
-set-up from a controller-made unique id, its reuse per pair of groups, the order of sends
-and receives across buckets and producers, and the timeout are checked; NCCL on GPUs is not
-(no machine with two GPUs here: see the README)."""
+set-up from a unique id made on the producer's rank 0, its reuse per pair of groups, the
+order of sends and receives across buckets and producers, and the timeout are checked; NCCL
+on GPUs is not (no machine with two GPUs here: see the README)."""
 
 from __future__ import annotations
 
@@ -100,3 +100,20 @@ def test_stopped_producer_gives_transfer_timeout_and_drops_the_link(fake_nccl):
     msg, made = run(main())
     assert "maker:0" in msg and "within 5 s" in msg
     assert made == {}  # set up again for the next call
+
+
+def test_a_link_with_two_ranks_on_one_gpu_is_refused_before_nccl_is_asked():
+    from types import SimpleNamespace
+
+    from asyncrl.controller.links import _check_gpus
+
+    def group(name, *gpus):
+        return SimpleNamespace(name=name, ranks={r: SimpleNamespace(gpu=g)
+                                                 for r, g in enumerate(gpus)})
+
+    _check_gpus(group("train", "GPU-a", "GPU-b"), group("gen", "GPU-c"))  # apart: fine
+    _check_gpus(group("train", "", ""), group("gen", ""))  # CPU ranks: nothing to check
+    with pytest.raises(asyncrl.PlacementError) as info:
+        _check_gpus(group("train", "GPU-a", "GPU-b"), group("gen", "GPU-c", "GPU-b"))
+    assert "ranks train:1 and gen:1 are on the same GPU (GPU-b)" in str(info.value)
+    assert "separate_from" in str(info.value)

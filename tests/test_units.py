@@ -36,7 +36,7 @@ def test_public_api_is_the_facade():
         "SpawnError", "SpawnTimeout",
         "Split", "TensorBatch", "TransferTimeout", "Worker", "register", "register_protocol",
         "run", "DataFlow", "FlowError", "NodeError", "PlacementError", "colocate_with",
-        "config", "group", "node", "nvlink_group", "same_host_as", "separate_from",
+        "config", "group", "node", "nvlink_group", "same_host_as", "separate_from", "share_gpus",
         "breakpoint"])
     for name in asyncrl.__all__:
         assert getattr(asyncrl, name) is not None

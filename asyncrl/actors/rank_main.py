@@ -39,6 +39,7 @@ from asyncrl.actors.worker import construct
 from asyncrl.comm import codec
 from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
+from asyncrl.comm.cuda_ipc import device_uuid
 from asyncrl.comm.dataplane import DataClient, DataServer, pool_prefix, run_prefix
 from asyncrl.comm.messages import (
     NONE,
@@ -161,12 +162,14 @@ class RankMain:
         return self.io.dropped + self.exec.dropped + self.data.dropped + relayed
 
     def hello(self, role: str) -> Hello:
+        gpu = device_uuid(gpu_index()) if torch.cuda.is_available() else ""
         return Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
-                     self.host, role, self.data.address)
+                     self.host, role, self.data.address, gpu)
 
     def data_client(self, identity: str) -> DataClient:
         return DataClient(self.ctx, self.secret, identity, self.host, self.segments,
-                          self.transfer_timeout, self.transport, self.curve)
+                          self.transfer_timeout, self.transport, self.curve,
+                          own=(self.data.address, self.store.get))
 
     def keep(self, call: Call, value: Any) -> Result:
         """Keep a result in the object store (it may be passed to another group) and send
@@ -268,8 +271,13 @@ def bind_gpu() -> None:
     """Make this thread use the rank's GPU: the current CUDA device is per thread, and user
     code runs on the exec and pool threads, not on the one that initialised the rank."""
     if torch.cuda.is_available():
-        # ranks beyond the host's GPU count share GPUs (a one-GPU machine runs any group)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(gpu_index())
+
+
+def gpu_index() -> int:
+    """The rank's GPU among those it sees: ranks beyond their count share them (a group
+    placed with share_gpus)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
 
 
 def _init_distributed() -> None:

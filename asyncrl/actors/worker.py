@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.protocols import DP_AXIS
+from asyncrl.actors.protocols import DP_AXIS, Dispatch
 from asyncrl.actors.register import register
 
 
@@ -54,8 +54,16 @@ class Worker:
     def load_state(self, folder: Path) -> None:
         """Read back what `save_state` wrote into `folder`. The default loads nothing."""
 
+    @register(concurrent=True, dispatch=Dispatch.RANK_ZERO)
+    def _nccl_unique_id(self) -> bytes:
+        """A unique id for a communicator with this group's ranks first: made here, not on
+        the controller (NCCL's bootstrap root runs where it is made)."""
+        from asyncrl.comm import nccl
+
+        return nccl.new_unique_id()
+
     @register(concurrent=True)
-    def _nccl_join(self, key: str, uid: list[int], world: int, offsets: dict[str, int]) -> None:
+    def _nccl_join(self, key: str, uid: bytes, world: int, offsets: dict[str, int]) -> None:
         """Join the NCCL communicator `key` the controller sets up (asyncrl/controller/links.py)."""
         from asyncrl.comm import nccl
 

@@ -6,6 +6,11 @@ The producer keeps the tensor in its object store until the controller releases 
 after the consumer's call finished; the consumer copies the rows into its own memory at once,
 so nothing it keeps points into the producer's allocation. Imports nothing GPU-only until
 called. Never run yet: no GPU machine was lent to the session that wrote it.
+
+GPUs are named by UUID between processes: device indices depend on each process's
+CUDA_VISIBLE_DEVICES. A consumer opens a handle only if it sees the producer's GPU (the same
+one, or a peer in its visible set), and never its own process's handles (CUDA refuses them:
+DataClient copies its own rows from its store instead).
 """
 
 from __future__ import annotations
@@ -13,6 +18,21 @@ from __future__ import annotations
 import torch
 
 from asyncrl.comm.messages import IpcRows
+
+_visible: list[str] | None = None
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def visible_gpus() -> list[str]:
+    """The UUIDs of the GPUs this process sees, by device index ([] without CUDA)."""
+    global _visible
+    if _visible is None:
+        _visible = [device_uuid(i) for i in range(torch.cuda.device_count())] \
+            if torch.cuda.is_available() else []
+    return _visible
 
 
 def export_rows(t: torch.Tensor, start: int, stop: int) -> IpcRows:
@@ -23,16 +43,22 @@ def export_rows(t: torch.Tensor, start: int, stop: int) -> IpcRows:
                    bytes(ref_counter_handle), int(ref_counter_offset),
                    None if event_handle is None else bytes(event_handle), bool(event_sync),
                    str(rows.dtype)[6:], tuple(rows.shape), tuple(rows.stride()),
-                   int(rows.storage_offset()))
+                   int(rows.storage_offset()), device_uuid(int(device)))
 
 
 def copy_rows_into(info: IpcRows, dst: torch.Tensor) -> None:
     """Copy the shared rows into `dst` (a CUDA tensor of the same shape and dtype)."""
     torch.cuda._lazy_init()
+    visible = visible_gpus()
+    if info.gpu not in visible:
+        raise RuntimeError(f"CUDA IPC: the producer's GPU {info.gpu} is not visible to this "
+                           f"process (it sees {visible}); place the groups on the same GPUs "
+                           f"(colocate_with) or use Controller(transport='tcp')")
+    device = visible.index(info.gpu)  # the producer's index means nothing here
     storage = torch.UntypedStorage._new_shared_cuda(
-        info.device, info.handle, info.storage_bytes, info.storage_offset_bytes,
+        device, info.handle, info.storage_bytes, info.storage_offset_bytes,
         info.ref_counter_handle, info.ref_counter_offset, info.event_handle, info.event_sync)
-    src = torch.empty(0, dtype=getattr(torch, info.dtype), device=f"cuda:{info.device}")
+    src = torch.empty(0, dtype=getattr(torch, info.dtype), device=f"cuda:{device}")
     src.set_(storage, info.offset, info.shape, info.stride)
     dst.copy_(src)
     torch.cuda.current_stream(dst.device).synchronize()  # done before the producer may free

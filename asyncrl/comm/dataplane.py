@@ -32,7 +32,7 @@ from asyncrl.comm import codec, messages, nccl
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client, curve_server
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.channel import open_frame
-from asyncrl.comm.cuda_ipc import copy_rows_into, export_rows
+from asyncrl.comm.cuda_ipc import copy_rows_into, export_rows, visible_gpus
 from asyncrl.comm.messages import NONE, ColumnDest, Pull, Pulled
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue
 from asyncrl.comm.shm import SegmentMapper, SegmentPool
@@ -199,8 +199,12 @@ class DataClient:
 
     def __init__(self, ctx: zmq.Context, secret: bytes, identity: str, host: str,
                  pool: SegmentPool | None, timeout: float, transport: str = "auto",
-                 curve: CurveKeys | None = None):
+                 curve: CurveKeys | None = None,
+                 own: tuple[str, Callable[[int], Any]] | None = None):
         self._ctx, self._secret, self._identity = ctx, secret, identity
+        # this rank's data server and store: its own rows are copied, not pulled
+        self._own_addr = own[0] if own else ""
+        self._lookup: Callable[[int], Any] | None = own[1] if own else None
         self._curve = curve
         self._host, self._pool, self._timeout = host, pool, timeout
         self._transport = transport
@@ -302,11 +306,13 @@ class DataClient:
                                       device="cuda" if c.device == "cuda" and on_gpu else "cpu")
                    for c in tensor_cols if linked and (self._transport == "nccl" or (
                        c.device == "cuda" and on_gpu and not same_host))}
-        # GPU columns go device to device by CUDA IPC when both ends share a host; else they
-        # come through host memory and go back onto this rank's GPU, if it has one
+        # GPU columns go device to device by CUDA IPC when this rank sees every producer's
+        # GPU (the same host, and the same GPUs: colocated groups); else they come through
+        # host memory and go back onto this rank's GPU, if it has one
+        by_ipc = on_gpu and same_host and self._transport not in ("tcp", "nccl") and all(
+            p.shard.gpu in visible_gpus() for p in rb.pieces if p.shard.addr != self._own_addr)
         ipc = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype), device="cuda")
-               for c in tensor_cols if c.device == "cuda" and on_gpu and same_host and
-               self._transport not in ("tcp", "nccl") and c.key not in by_nccl}
+               for c in tensor_cols if c.device == "cuda" and by_ipc and c.key not in by_nccl}
         tensor_cols = [c for c in tensor_cols if c.key not in ipc and c.key not in by_nccl]
         offsets, total = {}, 0
         for c in tensor_cols:
@@ -317,7 +323,9 @@ class DataClient:
         lease = self._pool.acquire(total) if self._pool is not None and total else None
         direct = lease is not None and self._transport != "tcp" and same_host
         dests = [ColumnDest(c.key, offsets[c.key], row_bytes[c.key]) for c in tensor_cols]
-        requests, rows_at, row = [], {}, 0
+        requests: list[tuple[Piece, Pull]] = []
+        mine: list[tuple[Piece, Pull]] = []  # pieces of this rank's own store
+        rows_at, row = {}, 0
         for piece in _buckets(rb.pieces, sum(row_bytes.values())):
             req = Pull(next(self._xfer), piece.shard.obj_id, piece.start, piece.stop)
             if direct and lease is not None:
@@ -325,7 +333,7 @@ class DataClient:
             req.ipc = list(ipc)
             if by_nccl:
                 req.nccl, req.nccl_key = list(by_nccl), keys[piece.shard.group]
-            requests.append((piece, req))
+            (mine if piece.shard.addr == self._own_addr else requests).append((piece, req))
             rows_at[req.xfer_id] = row
             row += piece.stop - piece.start
         buf = lease.buf if lease is not None and not direct else None
@@ -343,6 +351,9 @@ class DataClient:
                 at = offsets[key] + start * row_bytes[key]
                 buf[at:at + count * row_bytes[key]] = np.frombuffer(frame.buffer, np.uint8)
 
+        for _, req in mine:  # this rank's own rows: a copy (CUDA cannot open its own handles)
+            self._copy_own(req, rows_at[req.xfer_id], lists, ipc, by_nccl,
+                           lease.buf if lease is not None else None, offsets, row_bytes)
         links = {k: nccl.link(k) for k in sorted({r.nccl_key for _, r in requests if r.nccl})}
 
         def post() -> None:  # the receives of every bucket, once its pull is on its way
@@ -386,8 +397,33 @@ class DataClient:
                 data[c.key] = data[c.key].cuda()
         for c in rb.columns:
             if c.dtype == "list":
-                data[c.key] = [x for _, req in requests for x in lists[req.xfer_id][c.key]]
+                data[c.key] = [x for xfer in sorted(lists) for x in lists[xfer][c.key]]
         return TensorBatch({c.key: data[c.key] for c in rb.columns}, rb.meta)
+
+    def _copy_own(self, req: Pull, row: int, lists: dict[int, Any], ipc: dict[str, Any],
+                  by_nccl: dict[str, Any], buf: np.ndarray | None, offsets: dict[str, int],
+                  row_bytes: dict[str, int]) -> None:
+        """Rows [req.start, req.stop) of an object in this rank's own store, copied to where
+        a pull would have put them (row `row` of the batch being built)."""
+        assert self._lookup is not None
+        try:
+            value = self._lookup(req.obj_id)
+        except KeyError:
+            raise LookupError(f"object {req.obj_id} is not held by this rank (released, or "
+                              f"never stored)") from None
+        start, stop, count = req.start, req.stop, req.stop - req.start
+        if not isinstance(value, TensorBatch) or not 0 <= start <= stop <= len(value):
+            raise ValueError(f"object {req.obj_id} of this rank has no rows {start}:{stop}")
+        cols = {k: c[start:stop] for k, c in value.items() if isinstance(c, list)}
+        if cols:
+            lists[req.xfer_id] = cols
+        for key, dst in (*ipc.items(), *by_nccl.items()):
+            dst[row:row + count].copy_(value.tensor(key)[start:stop])
+        if buf is not None:
+            for key, at in offsets.items():
+                src = _bytes_of(value.tensor(key)[start:stop])
+                at += row * row_bytes[key]
+                buf[at:at + src.nbytes] = src
 
     def _drop_socket(self, addr: str) -> None:
         entry = self._socks.pop(addr, None)

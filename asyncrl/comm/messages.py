@@ -37,6 +37,7 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     host: str
     role: str
     data_addr: str = ""  # the rank's data-plane server, where consumers pull its objects
+    gpu: str = ""  # the UUID of the rank's GPU ("" without one)
 
 
 class Construct(msgspec.Struct, tag=True, array_like=True):
@@ -179,6 +180,7 @@ class IpcRows(msgspec.Struct, array_like=True, frozen=True):
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int  # in elements, within the storage
+    gpu: str = ""  # the UUID of the GPU the rows are on (device is the producer's index)
 
 
 class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

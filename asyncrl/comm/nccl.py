@@ -1,7 +1,9 @@
 """NCCL through CuPy: GPU rows sent from a producer rank to a consumer rank on another host.
 
     controller: first call of group B that pulls GPU columns from group A's results
-      └─ uid = get_unique_id(); every rank of A and B joins one communicator
+      └─ uid from A's rank 0 (get_unique_id there: its NCCL bootstrap root runs where the
+         ranks reach it, and the controller needs no CuPy); every rank of A and B joins one
+         communicator
          (A's ranks first, then B's), kept per ordered pair of groups: A sends, B receives
     consumer (B rank c): Pull(nccl=[columns], nccl_key) to producer rank p, then posts the
       receives for every bucket it asked for, as one NCCL group (no order between producers
@@ -39,16 +41,30 @@ MODULE_ENV = "ASYNCRL_NCCL_MODULE"
 def backend() -> Any:
     """cupy.cuda.nccl, or the module ASYNCRL_NCCL_MODULE names."""
     name = os.environ.get(MODULE_ENV, "cupy.cuda.nccl")
+    hint = "GPU transfers between hosts use NCCL through CuPy: install cupy-cuda12x (or " \
+           "cupy-cuda13x) and nvidia-nccl-cu12 (or -cu13)"
     try:
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
     except ImportError as e:
-        raise ImportError(f"GPU transfers between hosts use NCCL through CuPy: install "
-                          f"cupy-cuda12x (or cupy-cuda13x) and nvidia-nccl-cu12 ({e})") from e
+        raise ImportError(f"{hint} ({e})") from e
+    if not getattr(module, "available", True):  # CuPy imports it even without libnccl
+        raise ImportError(f"{hint}: {name} imported, but found no NCCL library")
+    return module
 
 
-def new_unique_id() -> list[int]:
-    """A fresh NCCL unique id, as a list of ints (msgspec-encodable)."""
-    return [int(b) for b in backend().get_unique_id()]
+def new_unique_id() -> bytes:
+    """A fresh NCCL unique id (CuPy >= 14 gives bytes; older CuPy a tuple of signed chars)."""
+    uid = backend().get_unique_id()
+    return uid if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
+
+
+def _communicator(nccl: Any, world: int, uid: bytes, rank: int) -> Any:
+    try:
+        return nccl.NcclCommunicator(world, uid, rank)
+    except TypeError:  # CuPy < 14 takes the id as a tuple of signed chars (checked before
+        # it calls NCCL, so nothing was set up)
+        return nccl.NcclCommunicator(world, tuple(b - 256 if b > 127 else b for b in uid),
+                                     rank)
 
 
 @dataclass
@@ -64,12 +80,12 @@ _links: dict[str, Link] = {}  # key ("A->B") -> this rank's end
 _guard = threading.Lock()
 
 
-def join(key: str, uid: list[int], world: int, rank: int, offsets: dict[str, int]) -> None:
+def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -> None:
     """Make this rank's end of communicator `key` (blocks until all `world` ranks joined)."""
     nccl = backend()
     if torch.cuda.is_available():
         torch.cuda.current_device()  # NCCL binds the communicator to the current device
-    comm = nccl.NcclCommunicator(world, tuple(uid), rank)
+    comm = _communicator(nccl, world, uid, rank)
     with _guard:
         old = _links.pop(key, None)
         _links[key] = Link(comm, dict(offsets), threading.Lock())

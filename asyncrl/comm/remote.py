@@ -27,6 +27,7 @@ class Shard(msgspec.Struct, array_like=True, frozen=True):
     obj_id: int
     addr: str  # the owner's data-plane server
     host: str
+    gpu: str = ""  # the UUID of the owner's GPU ("" without one)
 
     @property
     def peer(self) -> str:

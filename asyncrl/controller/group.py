@@ -59,6 +59,7 @@ class RankInfo:
     identity: bytes = b""  # the rank's "io" socket: heartbeats, concurrent calls, shutdown
     exec_identity: bytes = b""  # its "exec" socket: construction and in-order calls
     data_addr: str = ""  # its data-plane server
+    gpu: str = ""  # the UUID of its GPU ("" without one)
     dropped: int = 0
     objects: int = 0  # what its object store holds, from its last heartbeat
     object_bytes: int = 0

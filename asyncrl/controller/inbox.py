@@ -103,7 +103,7 @@ class Inbox:
             info = group.ranks[msg.rank] = RankInfo(msg.pid, msg.host, time.monotonic())
             group.agent.rank_started(msg.rank, msg.pid, msg.host)
         if msg.role == "io":
-            info.identity, info.data_addr = identity, msg.data_addr
+            info.identity, info.data_addr, info.gpu = identity, msg.data_addr, msg.gpu
         elif msg.role == "exec":
             info.exec_identity = identity
         if info.identity and info.exec_identity and not info.constructing:

@@ -2,7 +2,7 @@
 
 A call of group B whose input is a result of group A, with GPU columns that cross hosts (or
 any tensor columns under `Controller(transport="nccl")`), needs a communicator in which A's
-ranks send and B's ranks receive. The controller makes a unique id and calls the built-in
+ranks send and B's ranks receive. A's rank 0 makes a unique id; the controller calls the built-in
 concurrent method `Worker._nccl_join` on every rank of both groups (they join together;
 A's ranks are 0..|A|-1, B's follow), within the transfer timeout. The link is kept for that
 pair of running groups; a call that failed while using it drops it (its ranks may have
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.comm import nccl
+from asyncrl.controller.placement import PlacementError
 from asyncrl.errors import TransferTimeout
 
 if TYPE_CHECKING:
@@ -52,7 +52,13 @@ class Links:
             made = self._made.get(key)
             if made is not None and made[0] is producer and made[1] is consumer:
                 return key
-            uid = nccl.new_unique_id()
+            _check_gpus(producer, consumer)
+            try:
+                uid = await asyncio.wait_for(producer.call("_nccl_unique_id"), self.timeout)
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"rank 0 of group {producer.name!r} did not make an "
+                                      f"NCCL unique id within {self.timeout:g} s "
+                                      f"(transfer_timeout)") from None
             offsets = {producer.name: 0, consumer.name: producer.nprocs}
             world = producer.nprocs + consumer.nprocs
             joins = [g.call("_nccl_join", key, uid, world, offsets)
@@ -71,3 +77,20 @@ class Links:
     def forget(self, keys: list[str]) -> None:
         for key in keys:
             self._made.pop(key, None)
+
+
+def _check_gpus(producer: GroupHandle, consumer: GroupHandle) -> None:
+    """NCCL refuses a communicator with two ranks on one GPU: say so before trying."""
+    seen: dict[str, str] = {}
+    for group in (producer, consumer):
+        for rank, info in sorted(group.ranks.items()):
+            if not info.gpu:
+                continue
+            first = seen.setdefault(info.gpu, f"{group.name}:{rank}")
+            if first != f"{group.name}:{rank}":
+                raise PlacementError(
+                    f"NCCL between groups {producer.name!r} and {consumer.name!r}: ranks "
+                    f"{first} and {group.name}:{rank} are on the same GPU ({info.gpu}), and "
+                    f"NCCL refuses two ranks of one communicator on one GPU; place the groups "
+                    f"apart (separate_from), or on one host leave Controller(transport='auto') "
+                    f"(CUDA IPC)")

@@ -44,7 +44,7 @@ class ObjectRef:
     def shard(self, rank: int) -> Shard:
         """Where `rank` keeps its part."""
         info = self.group.ranks[rank]
-        return Shard(self.group.name, rank, self.obj_id, info.data_addr, info.host)
+        return Shard(self.group.name, rank, self.obj_id, info.data_addr, info.host, info.gpu)
 
     def parts(self) -> Iterator[tuple[Shard, Schema]]:
         """Every stored part: where it is and what it holds."""

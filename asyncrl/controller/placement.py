@@ -2,9 +2,10 @@
 
 Constraints: `colocate_with(g)` (share g's devices: the hybrid engine), `separate_from(g)`
 (disjoint devices), `same_host_as(g)` (always true on one host), `nvlink_group(n)` (all ranks
-within one NVLink domain of n GPUs). Groups are placed one at a time, in spawn order, each on
-the devices used least so far; a constraint that cannot be met is an error saying why — except
-on a CPU-only host, where groups share cores with a warning when there are too few.
+within one NVLink domain of n GPUs), `share_gpus(k)` (up to k of the group's ranks per GPU).
+Groups are placed one at a time, in spawn order, each on the devices used least so far; a
+constraint that cannot be met is an error saying why — except on a CPU-only host, where
+groups share cores with a warning when there are too few.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ def nvlink_group(n: int) -> Constraint:
     return Constraint("nvlink_group", None, n)
 
 
+def share_gpus(ranks_per_gpu: int) -> Constraint:
+    """Up to `ranks_per_gpu` of the group's ranks on each GPU (rank i on GPU i % n). For
+    groups that only move data (CUDA IPC, host staging) or run a rank's own GPU work: NCCL
+    refuses two ranks of one communicator on one GPU, so no NCCL collective inside the
+    group. Ignored on a CPU-only host."""
+    if not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1:
+        raise ValueError(f"share_gpus(ranks_per_gpu) needs an int >= 1, got {ranks_per_gpu!r}")
+    return Constraint("share_gpus", None, ranks_per_gpu)
+
+
 @dataclass(frozen=True)
 class Host:
     gpus: int
@@ -99,15 +110,21 @@ class Placer:
         constraints = _constraints(place)
         host = self.host
         pool = list(range(host.gpus)) if host.gpus else list(host.cores)
+        per = max((c.n for c in constraints if c.kind == "share_gpus"), default=1) \
+            if host.gpus else 1
+        needed = -(-nprocs // per)  # devices it needs: one per rank, or per `per` ranks
+        each = "one per rank" if per == 1 else f"one per {per} ranks (share_gpus({per}))"
+        share = "" if per > 1 or not host.gpus else \
+            ", or place=asyncrl.share_gpus(k) for k ranks per GPU (no NCCL inside the group)"
         for c in constraints:
             if c.target is not None and c.target not in self.placed:
                 raise PlacementError(
                     f"group {group!r}: {c!r} names a group that is not placed yet; spawn "
                     f"{c.target!r} first (groups are placed in spawn order)")
-            if c.kind == "nvlink_group" and (not host.gpus or nprocs > min(c.n, host.gpus)):
+            if c.kind == "nvlink_group" and (not host.gpus or needed > min(c.n, host.gpus)):
                 fix = "drop nvlink_group on a host without GPUs" if not host.gpus else \
-                    f"use nprocs <= {min(c.n, host.gpus)}" + (
-                        f", or nvlink_group({nprocs})" if c.n < nprocs <= host.gpus else "")
+                    f"use nprocs <= {min(c.n, host.gpus) * per}" + (
+                        f", or nvlink_group({needed})" if c.n < needed <= host.gpus else "")
                 raise PlacementError(
                     f"group {group!r}: nvlink_group({c.n}) needs its {nprocs} ranks on GPUs of "
                     f"one NVLink domain of {c.n}, but this host has {host.gpus} GPU(s); {fix}")
@@ -133,19 +150,19 @@ class Placer:
         else:
             away = {d for t in apart for d in on[t]}
             free = [d for d in pool if d not in away]
-            if len(free) < nprocs and apart:
-                problem = (f"group {group!r} needs {nprocs} {host.kind}(s) "
+            if len(free) < needed and apart:
+                problem = (f"group {group!r} needs {needed} {host.kind}(s) "
                            f"{' and '.join(f'separate_from({t})' for t in apart)}, but only "
                            f"{len(free)} of this host's {len(pool)} are free of those groups; "
-                           f"use nprocs <= {len(free)}, give those groups fewer ranks, or drop "
-                           f"separate_from")
-            elif len(free) < nprocs:
-                problem = (f"group {group!r} needs {nprocs} {host.kind}(s), one per rank, but "
-                           f"this host has {len(pool)}; use nprocs <= {len(pool)}, or spread "
-                           f"the group over several hosts with --hosts")
+                           f"use nprocs <= {len(free) * per}, give those groups fewer ranks, or "
+                           f"drop separate_from{share}")
+            elif len(free) < needed:
+                problem = (f"group {group!r} needs {needed} {host.kind}(s), {each}, but this "
+                           f"host has {len(pool)}; use nprocs <= {len(pool) * per}, or spread "
+                           f"the group over several hosts with --hosts{share}")
             free = free or pool
             free.sort(key=lambda d: (self._use[d], d))  # the least used first
-            devices = free[:nprocs]
+            devices = free[:needed]
         if problem and host.gpus:
             raise PlacementError(problem)
         if not host.gpus and len(devices) < nprocs and not problem:  # colocated on fewer

@@ -7,6 +7,15 @@ the rank is in); `enable_sleep_mode=True` lets the hybrid engine free the KV cac
 offload weights while training. New weights go in through a worker extension whose method
 `collective_rpc` calls on every vLLM worker: no reload from disk.
 
+Matching the built-in Sampler: log-probs after temperature (`logprobs_mode=
+"processed_logprobs"`, vLLM >= 0.10.2; vLLM's default is before it), token ids in and out
+(no tokenizer, no detokenizing), stops on `stop_token_ids` only (`ignore_eos`). Weights
+loaded while asleep first wake vLLM's weight memory (loading into slept memory is an illegal
+access, and waking after it would restore the old weights over the new). Not supported:
+tensor parallelism (every rank of a TP group would need the same prompts, and the DP
+dispatch gives each its own), and swapping weights in the middle of a generation (the
+Sampler's interruptible rollouts).
+
 Never imported on a CPU path: `import vllm` happens in the constructor. It has NOT run against
 real vLLM yet (vLLM cannot be installed on the CPU machines, and no GPU machine with vLLM has
 been available); its logic is tested against a fake that follows vLLM's documented API.
@@ -45,15 +54,25 @@ class VLLMEngine:
                 raise ImportError("the vLLM engine needs vLLM on a GPU machine: pip install "
                                   "'asyncrl[vllm]'; on CPU use the built-in Sampler") from e
             llm_cls, sampling_params_cls = LLM, SamplingParams
+        if tensor_parallel_size != 1:
+            raise ValueError(f"VLLMEngine(tensor_parallel_size={tensor_parallel_size}): only 1 "
+                             f"is supported (each rank generates its own DP rows); use more "
+                             f"ranks instead")
         self.config = sampling or SamplingConfig()
         self._params_cls = sampling_params_cls
-        self.llm = llm_cls(model=model_path, tensor_parallel_size=tensor_parallel_size,
+        # vLLM refuses to start if less than gpu_memory_utilization of the GPU is free: build
+        # it before the trainer on a shared GPU, or lower it
+        self.llm = llm_cls(model=model_path, tensor_parallel_size=1,
                            distributed_executor_backend="external_launcher",
                            enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
-                           dtype=dtype, seed=seed,
+                           dtype=dtype, seed=seed, skip_tokenizer_init=True,
+                           logprobs_mode="processed_logprobs",
                            worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}")
         self.asleep = False
+        self._asleep_parts: set[str] = set()  # "weights", "kv_cache": what vLLM has released
         self.paused = False
+        self.version = 0  # the policy version of the weights held (set by load_weights)
+        self.on_token: Any = None  # not called: vLLM generates a whole batch in one call
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  config: SamplingConfig | None = None) -> TensorBatch:
@@ -67,7 +86,8 @@ class VLLMEngine:
         params = [self._params_cls(temperature=cfg.temperature, top_p=cfg.top_p,
                                    max_tokens=cfg.max_new_tokens,
                                    stop_token_ids=list(cfg.stop_token_ids), seed=int(s),
-                                   logprobs=0) for s in seeds]
+                                   logprobs=0, ignore_eos=True, detokenize=False)
+                  for s in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                     use_tqdm=False)
         prompt_ids, prompt_mask = left_pad(prompts, cfg.pad_token_id)
@@ -82,19 +102,38 @@ class VLLMEngine:
             mask[i, :len(tokens)] = 1
             for j, (token, entry) in enumerate(zip(tokens, sample.logprobs or [], strict=False)):
                 logp[i, j] = float(entry[token].logprob)  # the sampled token's entry
+        versions = torch.where(mask.bool(), self.version, -1)
         return TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-                            "response_ids": ids, "response_mask": mask, "logprobs": logp})
+                            "response_ids": ids, "response_mask": mask, "logprobs": logp,
+                            "versions": versions})
 
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]],
+                     version: int | None = None) -> int:
+        """Copy new weights in by name (on every vLLM worker); `version` tags the tokens
+        sampled from now on. Asleep, vLLM's weight memory is woken first (not its KV cache)."""
+        if "weights" in self._asleep_parts:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep_parts.discard("weights")
         counts = self.llm.collective_rpc("asyncrl_load_weights", args=(list(named),))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        if version is not None:
+            self.version = version
         return int(counts[0])
 
-    def sleep(self) -> None:
-        self.llm.sleep(level=1)  # KV cache dropped, weights offloaded to host memory
+    # vLLM owns its weights' memory: "adopting" tensors is a copy into it
+    adopt_weights = load_weights
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache, and offload the weights to host memory (level 1) or drop
+        them (level 2: for callers that load new weights before the next generation)."""
+        self.llm.sleep(level=level)
+        self._asleep_parts = {"weights", "kv_cache"}
         self.asleep = True
 
     def wake(self) -> None:
-        self.llm.wake_up()
+        if self._asleep_parts:
+            self.llm.wake_up(tags=sorted(self._asleep_parts))
+        self._asleep_parts = set()
         self.asleep = False
 
     def pause(self) -> None:
