@@ -33,3 +33,8 @@ timeout 200 python3 benchmarks/data_plane.py --gpu --mib 1024 --repeat 5 2>"$OUT
 timeout 200 python3 benchmarks/hybrid_switch.py --repeat 5 2>>"$OUT/bench.err" \
   | tee -a "$OUT/gpu-bench.jsonl"
 tail -20 "$OUT/bench.err"
+# GRPO end to end on the GPU (one rank per group, all on the one GPU): the hybrid switch,
+# training on GPU batches, the reference and the data plane together
+timeout 300 python3 -m asyncrl launch examples/grpo_tiny.py --steps 3 --run-dir "$OUT/grpo" \
+  actor_procs=1 > "$OUT/grpo.log" 2>&1; echo "grpo exit $?" | tee -a "$OUT/grpo.log"
+tail -5 "$OUT/grpo.log"; rm -rf "$OUT/grpo/checkpoints"

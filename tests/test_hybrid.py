@@ -175,6 +175,32 @@ def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_in_buckets
     assert stats[0]["loss"] > 0
 
 
+def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
+    """FSDP2 leaves the root's parameters gathered after a forward with no backward; the
+    backend reshards them, so a first switch right after log-probs plans on the real
+    (sharded) parameters, and later switches carry the trained weights."""
+    from asyncrl.hybrid.roles import Policy
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(Policy, {"preset": "tiny-llama", "seed": 1},
+                                     {"lr": 3e-3, "micro_batch_size": 2},
+                                     {"max_new_tokens": 4}, bucket_bytes=64 << 10, nprocs=2,
+                                     name="policy")
+            pids = group_pids(policy)
+            batch = fixed_batch()
+            await policy.logprobs(batch)  # train mode, no backward
+            await policy.generate(prompts_batch(4))  # the first switch right after it
+            await policy.train_step(batch)
+            await policy.logprobs(batch)
+            await policy.generate(prompts_batch(4))
+            return ((await policy.weights("engine"))[0], (await policy.weights("train"))[0],
+                    pids)
+    engine_w, train_w, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
+
+
 class AnyTrainer(asyncrl.Worker):
     """FSDP2 or ZeRO-2/3 behind one interface."""
 

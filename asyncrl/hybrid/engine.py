@@ -1,14 +1,15 @@
 """The hybrid engine: the same ranks train (FSDP2) and generate (the built-in engine).
 
-    train mode ──to_generate()──▶ sharded parameters are all-gathered bucket by bucket
-                                  (about 32 MiB: one collective each) and copied straight
-                                  into the engine's own weights: never a second full copy;
-                                  optimizer state leaves the GPU; the engine wakes
-    generate   ──to_train()────▶ the engine sleeps (no KV cache is kept between calls);
+    train mode ──to_generate()──▶ optimizer state leaves the GPU; sharded parameters are
+                                  all-gathered bucket by bucket (about 32 MiB: one
+                                  collective each) and copied straight into the engine's
+                                  own weights: never a second full copy; the engine wakes
+    generate   ──to_train()────▶ the engine sleeps (no KV cache is kept between calls); on
+                                  a GPU its weights and the gather buffers are freed;
                                   optimizer state comes back
 
 Nothing is reloaded from disk. On a CPU-only host there is no device memory to free: the
-optimizer state stays where it is.
+optimizer state and the engine's weights stay where they are (warm memory, reused).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class HybridEngine:
         self.engine.sleep()
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
+        self.released = False  # the engine's weights are freed (GPU, train mode)
         self._plan: list[Any] | None = None
         self._local: torch.Tensor | None = None  # reused gather buffers: warm memory
         self._out: torch.Tensor | None = None
@@ -80,6 +82,11 @@ class HybridEngine:
             return
         if self._plan is None:
             self._plan = self._make_plan()
+        self._move_optimizer("cpu")  # first: its memory makes room for the engine's weights
+        if self.released:
+            for p in self.engine.model.parameters():
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            self.released = False
         self.peak_gather_bytes = 0
         for item in self._plan:
             if isinstance(item, _Bucket):
@@ -97,7 +104,6 @@ class HybridEngine:
                                              full.numel() * full.element_size())
                 target.copy_(full)
                 del full
-        self._move_optimizer("cpu")
         self.engine.wake()
         self.mode = "generate"
 
@@ -125,8 +131,12 @@ class HybridEngine:
         world, width = bucket.world, bucket.width
         if self._local is None or self._local.numel() < width or \
                 self._local.dtype != bucket.dtype or self._local.device != bucket.device:
-            self._local = torch.zeros(width, dtype=bucket.dtype, device=bucket.device)
-            self._out = torch.empty(width * world, dtype=bucket.dtype, device=bucket.device)
+            self._local = self._out = None  # freed before the new ones: never both alive
+            assert self._plan is not None  # sized for the widest bucket like it: made once
+            widest = max(b.width for b in self._plan if isinstance(b, _Bucket) and
+                         b.dtype == bucket.dtype and b.device == bucket.device)
+            self._local = torch.zeros(widest, dtype=bucket.dtype, device=bucket.device)
+            self._out = torch.empty(widest * world, dtype=bucket.dtype, device=bucket.device)
         assert self._out is not None
         local, out = self._local[:width], self._out[:width * world]
         for param, _, at, _n in bucket.items:
@@ -148,15 +158,32 @@ class HybridEngine:
             return
         self.engine.sleep()
         device = next(self.backend.model.parameters()).device
+        if device.type == "cuda":  # what the idle engine holds, freed for training
+            for p in self.engine.model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.released = True
+            self._local = self._out = None
         self._move_optimizer(device)
         self.mode = "train"
 
+    @property
+    def buffer_bytes(self) -> int:
+        """What the gather buffers hold now."""
+        return sum(t.numel() * t.element_size() for t in (self._local, self._out)
+                   if t is not None)
+
     def _move_optimizer(self, device: Any) -> None:
-        """Optimizer state to `device` (off the GPU while generating; a no-op on CPU)."""
+        """Optimizer state to `device` (off the GPU while generating; a no-op on CPU). Step
+        counters (0-d) stay where the optimizer keeps them."""
+        moved = False
         for state in self.backend.opt.state.values():
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.device != torch.device(device):
+                if isinstance(value, torch.Tensor) and value.dim() and \
+                        value.device != torch.device(device):
                     state[key] = value.to(device, non_blocking=True)
+                    moved = True
+        if moved and torch.device(device).type == "cpu" and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # host copies are only valid after it
 
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> Any:
         if self.mode != "generate":

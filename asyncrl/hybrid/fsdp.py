@@ -162,7 +162,17 @@ class TrainBackend:
     forward_module: torch.nn.Module
     stats_group: Any = None  # the group a step's statistics are averaged over (None: world)
 
+    def _on_device(self, b: TensorBatch) -> TensorBatch:
+        """The batch's tensors on the model's device: batches arrive on the CPU (rollouts,
+        the data plane's host staging), and the loss meets them with the model's outputs."""
+        device = next(self.forward_module.parameters()).device
+        if all(v.device == device for _, v in b.items() if isinstance(v, torch.Tensor)):
+            return b
+        return TensorBatch({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                            for k, v in b.items()}, b.meta)
+
     def _forward(self, b: TensorBatch, entropy: bool = False) -> dict[str, torch.Tensor]:
+        b = self._on_device(b)
         if self.head == "value":
             return {"values": sequence_values(self.forward_module, *_columns(b))}
         if entropy:
@@ -172,13 +182,21 @@ class TrainBackend:
 
     @torch.no_grad()
     def logprobs(self, batch: TensorBatch) -> torch.Tensor:
-        return torch.cat([self._forward(m)["logprobs"]
-                          for m in batch.split(self.cfg.micro_batch_size)])
+        out = torch.cat([self._forward(m)["logprobs"]
+                         for m in batch.split(self.cfg.micro_batch_size)])
+        self._inference_done()
+        return out
 
     @torch.no_grad()
     def values(self, batch: TensorBatch) -> torch.Tensor:
-        return torch.cat([self._forward(m)["values"]
-                          for m in batch.split(self.cfg.micro_batch_size)])
+        out = torch.cat([self._forward(m)["values"]
+                         for m in batch.split(self.cfg.micro_batch_size)])
+        self._inference_done()
+        return out
+
+    def _inference_done(self) -> None:
+        """After forward passes with no backward (the sharding hooks may leave parameters
+        gathered until a backward)."""
 
     def _accumulate(self, batch: TensorBatch, loss_fn: LossFn, entropy: bool,
                     backward: Callable[[torch.Tensor], None]) -> dict[str, float]:
@@ -187,6 +205,7 @@ class TrainBackend:
         sums: dict[str, float] = {}
         for micro in batch.split(self.cfg.micro_batch_size):
             weight = len(micro) / len(batch)
+            micro = self._on_device(micro)
             loss, stats = loss_fn(self._forward(micro, entropy), micro)
             backward(loss * weight)
             for k, v in {"loss": loss.detach().item(), **stats}.items():
@@ -199,6 +218,12 @@ class TrainBackend:
 
 
 class FSDPBackend(TrainBackend):
+    def _inference_done(self) -> None:
+        # FSDP2 keeps the root's parameters unsharded after its forward, for the backward
+        # that follows; with none coming they would stay whole (memory), and the hybrid
+        # engine's plan and sync_pack would take those temporaries for the parameters
+        self.model.reshard()  # type: ignore[operator]  # an FSDPModule after fully_shard
+
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Any,
                  head: str = "lm"):
         self.cfg, self.head = train_cfg, check_head(head)

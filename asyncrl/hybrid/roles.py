@@ -141,6 +141,8 @@ class Policy(Worker):
     def weights(self, layout: str = "train") -> dict[str, torch.Tensor]:
         """Full weights as training holds them, or as the generation engine holds them."""
         if layout == "engine" and self.hybrid is not None:
+            if self.hybrid.released:  # freed while training (GPU): gathered again
+                self.hybrid.to_generate()
             return {k: v.detach().clone() for k, v in self.hybrid.engine.model.state_dict().items()}
         if layout != "train":
             raise ValueError(f"layout is 'train' or 'engine', got {layout!r}")
