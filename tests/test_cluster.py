@@ -35,10 +35,11 @@ def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
     assert [(h.name, slots) for h, slots in spread] == [("gpu1", list(range(8))),
                                                         ("gpu2", list(range(8)))]
     h = spread[1][0]
-    cmd = torchrun_command(h, {"ASYNCRL_GROUP": "actor", "HOME": "/x"}, 2, 1, 8,
-                           "gpu1:29400", "actor-run")
-    assert cmd[:4] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu2"]
-    assert "--export=ALL,ASYNCRL_GROUP=actor" in cmd  # ours only, not the whole environment
+    cmd = torchrun_command(h, {"ASYNCRL_GROUP": "actor", "CUDA_VISIBLE_DEVICES": "0,1"}, 2,
+                           1, 8, "gpu1:29400", "actor-run")
+    assert cmd[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu2", "--export=ALL"]
+    # the environment goes with srun's own (a list would split "0,1" at the comma)
+    assert not any("CUDA_VISIBLE_DEVICES" in c or "ASYNCRL_GROUP" in c for c in cmd)
     i = cmd.index("--nnodes")
     assert cmd[i:i + 6] == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "8"]
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "gpu1:29400"

@@ -10,6 +10,7 @@ import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, sequence_mean_nll
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.roles import Policy
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig, top_p_filter
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
@@ -132,7 +133,7 @@ def prompts_batch(n: int) -> TensorBatch:
 
 
 def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_in_buckets():
-    from asyncrl.hybrid.roles import Policy, Reference
+    from asyncrl.hybrid.roles import Reference
 
     model = {"preset": "tiny-llama", "seed": 0}
 
@@ -179,7 +180,8 @@ def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
     """FSDP2 leaves the root's parameters gathered after a forward with no backward; the
     backend reshards them, so a first switch right after log-probs plans on the real
     (sharded) parameters, and later switches carry the trained weights."""
-    from asyncrl.hybrid.roles import Policy
+
+    batch = fixed_batch()  # here, not on the controller's loop (it would block heartbeats)
 
     async def main():
         async with asyncrl.Controller() as ctl:
@@ -188,17 +190,53 @@ def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
                                      {"max_new_tokens": 4}, bucket_bytes=64 << 10, nprocs=2,
                                      name="policy")
             pids = group_pids(policy)
-            batch = fixed_batch()
             await policy.logprobs(batch)  # train mode, no backward
             await policy.generate(prompts_batch(4))  # the first switch right after it
-            await policy.train_step(batch)
-            await policy.logprobs(batch)
+            await policy.train_step(batch)  # its backward frees FSDP's gathered temporaries
             await policy.generate(prompts_batch(4))
             return ((await policy.weights("engine"))[0], (await policy.weights("train"))[0],
                     pids)
     engine_w, train_w, pids = run(main(), timeout=300)
     assert_gone(pids)
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
+
+
+class ReleasingPolicy(Policy):
+    """A hybrid Policy that frees its engine's weights while training, as on a GPU."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hybrid._frees_memory = lambda: True
+        self.hybrid._release()  # as its constructor does on a GPU
+
+    @asyncrl.register
+    def engine_numel(self) -> int:
+        return sum(p.numel() for p in self.hybrid.engine.model.parameters())
+
+
+def test_an_engine_freed_while_training_comes_back_with_the_trained_weights():
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(ReleasingPolicy, {"preset": "tiny-llama", "seed": 2},
+                                     {"lr": 3e-3, "micro_batch_size": 2},
+                                     {"max_new_tokens": 4}, bucket_bytes=64 << 10, nprocs=2,
+                                     name="policy")
+            pids = group_pids(policy)
+            held = [await policy.engine_numel()]  # built in train mode: nothing held
+            rollout = policy.generate(prompts_batch(4))
+            held.append(await policy.engine_numel())
+            await policy.train_step(rollout)
+            held.append(await policy.engine_numel())  # training: freed again
+            engine_w = (await policy.weights("engine"))[0]  # gathered again for this
+            train_w = (await policy.weights("train"))[0]
+            again = await policy.generate(prompts_batch(4))
+            return held, engine_w, train_w, again, pids
+    held, engine_w, train_w, again, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    total = sum(v.numel() for v in train_w.values())
+    assert held[0][0] == 0 and held[1][0] >= total and held[2][0] == 0, held
+    assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
+    assert len(again) == 4 and again["response_mask"].sum() > 0
 
 
 class AnyTrainer(asyncrl.Worker):
@@ -337,7 +375,6 @@ def test_fsdp2_bf16_computes_in_bf16_and_stays_close_to_fp32():
 @pytest.mark.timeout(600)
 def test_hybrid_policy_on_zero3_round_trip():
     pytest.importorskip("deepspeed")
-    from asyncrl.hybrid.roles import Policy
 
     async def main():
         async with asyncrl.Controller(construct_timeout=500) as ctl:

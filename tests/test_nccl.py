@@ -12,7 +12,7 @@ import signal
 
 import pytest
 import torch
-from helpers import run
+from helpers import assert_gone, group_pids, run
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
@@ -117,3 +117,71 @@ def test_a_link_with_two_ranks_on_one_gpu_is_refused_before_nccl_is_asked():
         _check_gpus(group("train", "GPU-a", "GPU-b"), group("gen", "GPU-c", "GPU-b"))
     assert "ranks train:1 and gen:1 are on the same GPU (GPU-b)" in str(info.value)
     assert "separate_from" in str(info.value)
+
+
+def test_gpu_columns_need_nccl_across_hosts_and_gpus_but_not_within_shared_gpus():
+    from types import SimpleNamespace as NS
+
+    from asyncrl.controller.links import Links
+
+    def group(host, *gpus):
+        return NS(ranks={r: NS(host=host, gpu=g) for r, g in enumerate(gpus)})
+
+    def ref(producer, device="cuda"):
+        schema = NS(columns=[NS(dtype="float32", device=device), NS(dtype="list", device="")])
+        return NS(group=producer, parts=lambda: [(NS(host=i.host, gpu=i.gpu), schema)
+                                                 for i in producer.ranks.values()])
+
+    needed = Links(1.0).needed
+    trainer = group("h1", "GPU-0", "GPU-1")
+    assert needed(ref(trainer), group("h1", "GPU-2", "GPU-3"), "auto")  # apart on one host
+    assert needed(ref(trainer), group("h2", "GPU-0"), "auto")  # another host
+    assert not needed(ref(trainer), group("h1", "GPU-0", "GPU-1"), "auto")  # colocated: IPC
+    assert not needed(ref(trainer), group("h1", "GPU-1", "GPU-2"), "auto")  # a shared GPU
+    assert not needed(ref(trainer, "cpu"), group("h1", "GPU-2"), "auto")  # CPU columns
+    assert not needed(ref(trainer), trainer, "auto")  # a group's own rows
+    assert not needed(ref(trainer), group("h2", "GPU-0"), "tcp")  # sockets, as asked
+    cpus = group("h1", "", "")
+    assert needed(ref(cpus, "cpu"), group("h1", ""), "nccl")  # every tensor column
+    assert not needed(ref(cpus, "cpu"), group("h1", ""), "auto")
+
+
+def test_without_nccl_gpu_rows_fall_back_to_host_memory_unless_nccl_was_asked_for():
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from asyncrl.controller.links import Links
+
+    asked: list[str] = []
+
+    def caller(name, error=None):
+        async def call(method, *args):
+            asked.append(name)
+            if error:
+                raise asyncrl.RemoteError(name, 0, method, "ImportError", error, "")
+            return b"id"
+        return NS(name=name, ranks={}, nprocs=1, call=call)
+
+    producer, consumer = caller("train"), caller("gen", "install cupy-cuda12x")
+
+    async def main():
+        links = Links(5.0)
+        first = await links.ensure(producer, consumer)
+        again = await links.ensure(producer, consumer)  # remembered: nothing asked
+        return first, again, list(asked)
+    assert asyncio.run(main()) == (None, None, ["train", "gen"])
+    with pytest.raises(asyncrl.RemoteError, match="install cupy"):
+        asyncio.run(Links(5.0).ensure(producer, consumer, required=True))
+
+
+def test_transport_nccl_without_nccl_fails_the_call_with_the_install_hint():
+    async def main():
+        async with asyncrl.Controller(transport="nccl") as ctl:
+            maker = await ctl.spawn(Maker, nprocs=1)
+            taker = await ctl.spawn(Taker, nprocs=1)
+            with pytest.raises(asyncrl.RemoteError) as info:
+                await taker.take(maker.make(TensorBatch({"i": torch.arange(3)})))
+            return str(info.value), group_pids(maker) + group_pids(taker)
+    msg, pids = run(main())
+    assert_gone(pids)
+    assert "ImportError" in msg and "install cupy-cuda12x" in msg, msg

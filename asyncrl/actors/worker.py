@@ -55,11 +55,15 @@ class Worker:
         """Read back what `save_state` wrote into `folder`. The default loads nothing."""
 
     @register(concurrent=True, dispatch=Dispatch.RANK_ZERO)
-    def _nccl_unique_id(self) -> bytes:
-        """A unique id for a communicator with this group's ranks first: made here, not on
-        the controller (NCCL's bootstrap root runs where it is made)."""
+    def _nccl_unique_id(self, make: bool = True) -> bytes:
+        """Raises ImportError without NCCL through CuPy; else, if `make`, a unique id for a
+        communicator with this group's ranks first: made here, not on the controller
+        (NCCL's bootstrap root runs where it is made)."""
         from asyncrl.comm import nccl
 
+        if not make:
+            nccl.backend()  # the ImportError, if there is no NCCL
+            return b""
         return nccl.new_unique_id()
 
     @register(concurrent=True)

@@ -298,19 +298,19 @@ class DataClient:
         row_bytes = {c.key: _row_bytes(c.dtype, c.shape) for c in tensor_cols}
         same_host = all(p.shard.host == self._host for p in rb.pieces)
         on_gpu = torch.cuda.is_available()
-        # GPU columns from another host go by NCCL when the controller set up a communicator
-        # with their group (transport="nccl": every tensor column, for tests on CPUs)
+        # GPU columns go device to device by CUDA IPC when this rank sees every producer's
+        # GPU (the same host, and the same GPUs: colocated groups); else by NCCL when the
+        # controller set up a communicator with their group (another host, or other GPUs;
+        # transport="nccl": every tensor column, for tests on CPUs); else through host
+        # memory and back onto this rank's GPU, if it has one
+        by_ipc = on_gpu and same_host and self._transport not in ("tcp", "nccl") and all(
+            p.shard.gpu in visible_gpus() for p in rb.pieces if p.shard.addr != self._own_addr)
         keys = {p.shard.group: f"{p.shard.group}->{self._group}" for p in rb.pieces}
         linked = all(nccl.has(k) for k in keys.values())
         by_nccl = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype),
                                       device="cuda" if c.device == "cuda" and on_gpu else "cpu")
                    for c in tensor_cols if linked and (self._transport == "nccl" or (
-                       c.device == "cuda" and on_gpu and not same_host))}
-        # GPU columns go device to device by CUDA IPC when this rank sees every producer's
-        # GPU (the same host, and the same GPUs: colocated groups); else they come through
-        # host memory and go back onto this rank's GPU, if it has one
-        by_ipc = on_gpu and same_host and self._transport not in ("tcp", "nccl") and all(
-            p.shard.gpu in visible_gpus() for p in rb.pieces if p.shard.addr != self._own_addr)
+                       c.device == "cuda" and on_gpu and not by_ipc))}
         ipc = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype), device="cuda")
                for c in tensor_cols if c.device == "cuda" and by_ipc and c.key not in by_nccl}
         tensor_cols = [c for c in tensor_cols if c.key not in ipc and c.key not in by_nccl]

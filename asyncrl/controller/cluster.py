@@ -154,11 +154,13 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
         return run
     if host.via == "netns":  # the environment passes through `ip netns exec`
         return ["ip", "netns", "exec", host.name, *run]
-    exports = [f"{k}={v}" for k, v in env.items() if k.startswith(("ASYNCRL_", "PYTHONPATH",
-                                                                   "OMP_", "CUDA_"))]
-    if host.via == "srun":
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host.name}",
-                "--export=ALL," + ",".join(exports), *run]
+    if host.via == "srun":  # srun runs in the ranks' environment and exports all of it (a
+        # list after ALL would split values at commas: CUDA_VISIBLE_DEVICES=0,1)
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host.name}", "--export=ALL",
+                *run]
+    # ssh passes no environment: ours, and the network and library settings users tune
+    exports = [f"{k}={v}" for k, v in env.items() if k.startswith(
+        ("ASYNCRL_", "PYTHONPATH", "OMP_", "CUDA_", "NCCL_", "GLOO_", "TORCH_"))]
     return ["ssh", "-o", "BatchMode=yes", host.address,
             "env " + " ".join(shlex.quote(e) for e in exports) + " " + shlex.join(run)]
 

@@ -473,8 +473,11 @@ class GroupHandle:
         except Exception as e:
             raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e
         item.inputs.append(ref)
-        if self._ctl.links.needed(ref, self, self._ctl.transport):
-            item.links.append(await self._ctl.links.ensure(ref.group, self))
+        transport = self._ctl.transport
+        if self._ctl.links.needed(ref, self, transport):
+            key = await self._ctl.links.ensure(ref.group, self, required=transport == "nccl")
+            if key is not None:
+                item.links.append(key)
         return ref.view()
 
     def _fail_all(self, exc: BaseException) -> None:

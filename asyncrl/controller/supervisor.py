@@ -55,23 +55,29 @@ class Supervisor:
                 elif not info.gone and now - info.last_seen > ctl.heartbeat_timeout:
                     silent.append(rank)
             if silent:
-                rank, why = self.culprit(group, silent)
+                rank, why = self.culprit(group, silent, now)
                 group._mark_dead(rank, None, f"no heartbeat for "
                                  f"{now - group.ranks[rank].last_seen:.1f} s (heartbeat_timeout="
                                  f"{ctl.heartbeat_timeout} s){why}")
                 group.agent.signal_all(signal.SIGKILL)
         box.flush()
 
-    def culprit(self, group: GroupHandle, silent: list[int]) -> tuple[int, str]:
-        """Which of the silent ranks to name: one whose process runs relays that others
-        reach the controller through (its silence silences them), else the first."""
-        relay_of = self._ctl.relay_of
-        relays = {relay_of.get(info.identity) for info in group.ranks.values()}
+    def culprit(self, group: GroupHandle, silent: list[int], now: float) -> tuple[int, str]:
+        """Which of the silent ranks to name: the rank whose process runs the relays a
+        silent rank reaches the controller through, if that rank is falling silent too (its
+        silence silences its host: all go quiet together, and it may not have crossed the
+        timeout yet when another has); else the first."""
+        ctl = self._ctl
         for rank in silent:
-            mine = f"{group.name}/{rank}/".encode()
-            if any(r is not None and r.startswith(mine) for r in relays):
-                return rank, ("; it runs its host's relays, so the host's other ranks go "
-                              "silent with it")
+            relay = ctl.relay_of.get(group.ranks[rank].identity)
+            if relay is None:
+                continue
+            runner = int(relay.split(b"/")[1])
+            info = group.ranks.get(runner)
+            if info is not None and (runner in silent or
+                                     now - info.last_seen > ctl.heartbeat_timeout / 2):
+                return runner, ("; it runs its host's relays, so the host's other ranks go "
+                                "silent with it")
         return silent[0], ""
 
     async def rank_gone(self, group: GroupHandle, rank: int) -> None:

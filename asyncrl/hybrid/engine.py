@@ -72,9 +72,11 @@ class HybridEngine:
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
         self.released = False  # the engine's weights are freed (GPU, train mode)
+        self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []  # theirs, meanwhile
         self._plan: list[Any] | None = None
         self._local: torch.Tensor | None = None  # reused gather buffers: warm memory
         self._out: torch.Tensor | None = None
+        self._release()  # built in train mode: the engine holds nothing until generating
 
     @torch.no_grad()
     def to_generate(self) -> None:
@@ -84,8 +86,8 @@ class HybridEngine:
             self._plan = self._make_plan()
         self._move_optimizer("cpu")  # first: its memory makes room for the engine's weights
         if self.released:
-            for p in self.engine.model.parameters():
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            for p, shape in self._shapes:
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
             self.released = False
         self.peak_gather_bytes = 0
         for item in self._plan:
@@ -157,14 +159,24 @@ class HybridEngine:
         if self.mode == "train":
             return
         self.engine.sleep()
-        device = next(self.backend.model.parameters()).device
-        if device.type == "cuda":  # what the idle engine holds, freed for training
-            for p in self.engine.model.parameters():
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self.released = True
-            self._local = self._out = None
-        self._move_optimizer(device)
+        self._release()
+        self._move_optimizer(next(self.backend.model.parameters()).device)
         self.mode = "train"
+
+    def _frees_memory(self) -> bool:
+        return next(self.engine.model.parameters()).device.type == "cuda"
+
+    def _release(self) -> None:
+        """On a GPU, free what the idle engine holds (its weights, the gather buffers) for
+        training; the next switch to generation allocates them again."""
+        if not self._frees_memory():
+            return
+        if not self.released:
+            self._shapes = [(p, p.shape) for p in self.engine.model.parameters()]
+        for p, _ in self._shapes:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.released = True
+        self._local = self._out = None
 
     @property
     def buffer_bytes(self) -> int:
