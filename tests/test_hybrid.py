@@ -69,6 +69,28 @@ def test_engine_loads_weights_in_place_and_sleeps():
     assert len(engine.generate(PROMPTS, seeds=[0, 0, 0, 0])) == 4
 
 
+def test_engine_takes_state_dicts_of_tied_models_bf16_packs_and_refuses_bad_ones_whole():
+    src, dst = build_model(ModelConfig(preset="tiny-gpt2", seed=1)), build_model(
+        ModelConfig(preset="tiny-gpt2", seed=2))
+    engine = Sampler(dst)
+    state = src.state_dict()  # its tied lm_head.weight is a name of the embedding too
+    assert engine.load_weights(state.items()) == len(state)
+    assert all(torch.equal(v, dst.state_dict()[k]) for k, v in state.items())
+    half = {k: v.to(torch.bfloat16) for k, v in build_model(
+        ModelConfig(preset="tiny-gpt2", seed=3)).state_dict().items()}  # a bf16 trainer's pack
+    assert engine.adopt_weights(half.items(), version=4) == len(half)
+    assert all(p.dtype == torch.float32 for p in dst.parameters()) and engine.version == 4
+    assert all(torch.equal(v.float(), dst.state_dict()[k]) for k, v in half.items())
+    kept = {k: v.clone() for k, v in dst.state_dict().items()}
+    bad = [*state.items(), ("transformer.wte.weight", torch.zeros(3, 3))]
+    with pytest.raises(ValueError, match=r"transformer.wte.weight is \(3, 3\)"):
+        engine.adopt_weights(bad, version=5)
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        engine.load_weights([*state.items(), ("nope", torch.zeros(1))])
+    assert all(torch.equal(v, dst.state_dict()[k]) for k, v in kept.items())  # nothing changed
+    assert engine.version == 4
+
+
 def fixed_batch() -> TensorBatch:
     model = build_model(ModelConfig(seed=3))
     return Sampler(model, SamplingConfig(max_new_tokens=6)).generate(

@@ -174,13 +174,17 @@ class DataServer:
             if col.key not in tensors:
                 raise KeyError(f"object {req.obj_id} on {self._peer} has no tensor column "
                                f"{col.key!r}")
-            src = _bytes_of(tensors[col.key][req.start:req.stop])
-            if src.nbytes != col.row_bytes * (req.stop - req.start):
+            rows = tensors[col.key][req.start:req.stop]
+            nbytes = rows.numel() * rows.element_size()
+            if nbytes != col.row_bytes * (req.stop - req.start):
                 raise ValueError(f"column {col.key!r}: {col.row_bytes} bytes per row asked, "
-                                 f"{src.nbytes // max(1, req.stop - req.start)} held")
-            dst = self._mapper.view(req.dest, col.offset + req.dest_row * col.row_bytes,
-                                    src.nbytes)
-            np.copyto(np.frombuffer(dst, np.uint8), src)
+                                 f"{nbytes // max(1, req.stop - req.start)} held")
+            dst = np.frombuffer(self._mapper.view(
+                req.dest, col.offset + req.dest_row * col.row_bytes, nbytes), np.uint8)
+            if rows.is_cuda and nbytes:  # device to shared memory in one copy
+                torch.from_numpy(dst).copy_(rows.contiguous().view(torch.uint8).reshape(-1))
+            else:
+                np.copyto(dst, _bytes_of(rows))
         return reply, []
 
     def close(self) -> None:
@@ -305,12 +309,15 @@ class DataClient:
         # memory and back onto this rank's GPU, if it has one
         by_ipc = on_gpu and same_host and self._transport not in ("tcp", "nccl") and all(
             p.shard.gpu in visible_gpus() for p in rb.pieces if p.shard.addr != self._own_addr)
-        keys = {p.shard.group: f"{p.shard.group}->{self._group}" for p in rb.pieces}
-        linked = all(nccl.has(k) for k in keys.values())
+        keys = {p.shard.group: f"{p.shard.group}->{self._group}" for p in rb.pieces
+                if p.shard.addr != self._own_addr}
+        linked = bool(keys) and all(nccl.has(k) for k in keys.values())
+        # NCCL moves device memory only: with a GPU here, CPU columns never go by it
         by_nccl = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype),
                                       device="cuda" if c.device == "cuda" and on_gpu else "cpu")
-                   for c in tensor_cols if linked and (self._transport == "nccl" or (
-                       c.device == "cuda" and on_gpu and not by_ipc))}
+                   for c in tensor_cols if linked and (
+                       (self._transport == "nccl" and (c.device == "cuda" or not on_gpu)) or
+                       (c.device == "cuda" and on_gpu and not by_ipc))}
         ipc = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype), device="cuda")
                for c in tensor_cols if c.device == "cuda" and by_ipc and c.key not in by_nccl}
         tensor_cols = [c for c in tensor_cols if c.key not in ipc and c.key not in by_nccl]

@@ -84,7 +84,7 @@ def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -
     """Make this rank's end of communicator `key` (blocks until all `world` ranks joined)."""
     nccl = backend()
     if torch.cuda.is_available():
-        torch.cuda.current_device()  # NCCL binds the communicator to the current device
+        torch.cuda.current_device()  # the communicator is on this thread's device (bind_gpu)
     comm = _communicator(nccl, world, uid, rank)
     with _guard:
         old = _links.pop(key, None)

@@ -94,8 +94,9 @@ class Controller:
     collective_timeout: how long a collective inside a group (gloo, NCCL) may wait for a
     peer; then it raises on the rank (gloo) or the NCCL watchdog ends the rank's process,
     which the supervisor reports (a hung NCCL kernel cannot be interrupted otherwise).
-    transport: "auto" (CPU rows: shared memory on one host, else TCP; GPU rows: CUDA IPC on
-    one host, else NCCL), "tcp" to force sockets, "nccl" to send every tensor by NCCL.
+    transport: "auto" (CPU rows: shared memory on one host, else TCP; GPU rows: CUDA IPC
+    where the consumer sees the producer's GPU, else NCCL through CuPy, else host memory),
+    "tcp" to force sockets, "nccl" to send every tensor by NCCL.
     run_dir: logs (one file per group) and the secret; a temporary folder by default.
     encrypt: CurveZMQ on every control and data-plane socket, for untrusted networks (the
     keys go to the ranks in the 0600 secret file; frames stay HMAC-signed).

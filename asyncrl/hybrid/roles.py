@@ -125,8 +125,8 @@ class Policy(Worker):
         `load_weights` (a collective: every rank gathers; rank 0's pack is the result)."""
         self.to_train()
         start = time.perf_counter()
-        if hasattr(self.backend, "gathered"):  # ZeRO-3 partitions: its gathered state dict
-            named: Any = self.backend.state_dict().items()
+        if hasattr(self.backend, "gathered"):  # ZeRO: gathered one by one, kept on rank 0
+            named: Any = self.backend.state_dict(everywhere=False).items()
         else:  # FSDP2: each parameter gathered straight into the pack buffer
             named = self.backend.model.named_parameters()
         if self.rank != 0:  # the gathers are collectives: take part, keep nothing
@@ -191,7 +191,7 @@ class Rollout(Worker):
                         "version": self.engine.version}, folder / "rollout.pt")
 
     def load_state(self, folder: Path) -> None:
-        state = torch.load(folder / "rollout.pt")
+        state = torch.load(folder / "rollout.pt", map_location="cpu", weights_only=True)
         self.engine.load_weights(state["weights"].items(), int(state["version"]))
 
 

@@ -149,42 +149,46 @@ class Sampler:
                             "response_ids": out_ids.cpu(), "response_mask": out_mask.cpu(),
                             "logprobs": out_logp.cpu(), "versions": out_version})
 
+    def _match(self, named: Iterable[tuple[str, torch.Tensor]],
+               what: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, new value) for each entry, all checked before any is used: a bad
+        entry changes nothing. Tied weights answer to each of their names."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        pairs = []
+        for name, value in named:
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"{what}: the engine's model has no parameter {name!r}")
+            if value.shape != param.shape:
+                raise ValueError(f"{what}: {name} is {tuple(value.shape)}, the model's is "
+                                 f"{tuple(param.shape)}")
+            pairs.append((param, value))
+        return pairs
+
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:
         """Copy new weights in, by name, in place (no new allocation), between two token
         steps of a running generation; `version` tags the tokens sampled from now on."""
-        params = dict(self.model.named_parameters())
-        count = 0
+        pairs = self._match(named, "load_weights")
         with self._step, torch.no_grad():
-            for name, value in named:
-                if name not in params:
-                    raise KeyError(f"load_weights: the engine's model has no parameter {name!r}")
-                params[name].copy_(value)
-                count += 1
+            for param, value in pairs:
+                param.copy_(value)
             if version is not None:
                 self.version = version
-        return count
+        return len(pairs)
 
     def adopt_weights(self, named: Iterable[tuple[str, torch.Tensor]],
                       version: int | None = None) -> int:
         """Make the given tensors the model's weights (no copy: e.g. views into a buffer just
-        pulled from a trainer), between two token steps; how many."""
-        params = dict(self.model.named_parameters())
-        count = 0
+        pulled from a trainer; a copy where the device or dtype differs: a bf16 trainer's
+        pack for an fp32 engine), between two token steps; how many."""
+        pairs = self._match(named, "adopt_weights")
         with self._step:
-            for name, value in named:
-                param = params.get(name)
-                if param is None:
-                    raise KeyError(f"adopt_weights: the engine's model has no parameter {name!r}")
-                if value.shape != param.shape or value.dtype != param.dtype:
-                    raise ValueError(f"adopt_weights: {name} is {value.dtype} "
-                                     f"{tuple(value.shape)}, the model's is {param.dtype} "
-                                     f"{tuple(param.shape)}")
-                param.data = value.to(param.device)
-                count += 1
+            for param, value in pairs:
+                param.data = value.to(param.device, param.dtype)
             if version is not None:
                 self.version = version
-        return count
+        return len(pairs)
 
     def sleep(self) -> None:
         self.asleep = True

@@ -46,6 +46,11 @@ class ZeroBackend(TrainBackend):
         if stage not in (2, 3):
             raise ValueError(f"ZeRO stage must be 2 or 3, got {stage}")
         ds = _deepspeed()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available() and local >= torch.cuda.device_count():
+            raise ValueError(f"ZeRO needs a GPU per rank (DeepSpeed binds cuda:LOCAL_RANK), but "
+                             f"local rank {local} sees {torch.cuda.device_count()} GPU(s): do not "
+                             f"place this group with share_gpus, or give it fewer ranks")
         self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
         model = HEADS[head](model_cfg).train()
         opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr,
@@ -54,6 +59,8 @@ class ZeroBackend(TrainBackend):
                   "gradient_accumulation_steps": 1, "gradient_clipping": train_cfg.grad_clip,
                   "zero_optimization": {"stage": stage},
                   "bf16": {"enabled": use_bf16(train_cfg)},
+                  # gradients averaged in fp32, as FSDP2 reduces them (bf16 would by default)
+                  "communication_data_type": "fp32",
                   "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=config)
         self.model = self.engine.module
@@ -92,11 +99,19 @@ class ZeroBackend(TrainBackend):
         return self._ds.zero.GatheredParameters(params, modifier_rank=None,
                                                 enabled=self.stage == 3)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights on every rank, on the CPU (gathered under ZeRO-3)."""
-        params = list(self.model.parameters())
-        with self._ds.zero.GatheredParameters(params, modifier_rank=None, enabled=self.stage == 3):
-            return {k: v.detach().clone().cpu() for k, v in self.model.state_dict().items()}
+    def state_dict(self, everywhere: bool = True) -> dict[str, torch.Tensor]:
+        """Full weights on the CPU, on every rank (or on rank 0 only: the others take part in
+        the gathers and keep nothing). Under ZeRO-3 one parameter is whole at a time."""
+        keep = everywhere or dist.get_rank() == 0
+        out: dict[str, torch.Tensor] = {}
+        done: dict[int, torch.Tensor] = {}  # tied weights: gathered once, under each name
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if id(value) not in done:
+                with self.gathered([value] if isinstance(value, torch.nn.Parameter) else []):
+                    done[id(value)] = value.detach().to("cpu", copy=True) if keep else value
+            if keep:
+                out[name] = done[id(value)]
+        return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """New weights in the model and in ZeRO's fp32 partitions the optimizer steps."""
