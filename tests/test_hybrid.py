@@ -198,6 +198,13 @@ def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_in_buckets
     assert stats[0]["loss"] > 0
 
 
+async def small_policy(ctl, cls: type, seed: int):
+    """A 2-rank hybrid tiny-llama policy with 64 KiB gather buckets."""
+    return await ctl.spawn(cls, {"preset": "tiny-llama", "seed": seed},
+                           {"lr": 3e-3, "micro_batch_size": 2}, {"max_new_tokens": 4},
+                           bucket_bytes=64 << 10, nprocs=2, name="policy")
+
+
 def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
     """FSDP2 leaves the root's parameters gathered after a forward with no backward; the
     backend reshards them, so a first switch right after log-probs plans on the real
@@ -207,10 +214,7 @@ def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
 
     async def main():
         async with asyncrl.Controller() as ctl:
-            policy = await ctl.spawn(Policy, {"preset": "tiny-llama", "seed": 1},
-                                     {"lr": 3e-3, "micro_batch_size": 2},
-                                     {"max_new_tokens": 4}, bucket_bytes=64 << 10, nprocs=2,
-                                     name="policy")
+            policy = await small_policy(ctl, Policy, seed=1)
             pids = group_pids(policy)
             await policy.logprobs(batch)  # train mode, no backward
             await policy.generate(prompts_batch(4))  # the first switch right after it
@@ -239,10 +243,7 @@ class ReleasingPolicy(Policy):
 def test_an_engine_freed_while_training_comes_back_with_the_trained_weights():
     async def main():
         async with asyncrl.Controller() as ctl:
-            policy = await ctl.spawn(ReleasingPolicy, {"preset": "tiny-llama", "seed": 2},
-                                     {"lr": 3e-3, "micro_batch_size": 2},
-                                     {"max_new_tokens": 4}, bucket_bytes=64 << 10, nprocs=2,
-                                     name="policy")
+            policy = await small_policy(ctl, ReleasingPolicy, seed=2)
             pids = group_pids(policy)
             held = [await policy.engine_numel()]  # built in train mode: nothing held
             rollout = policy.generate(prompts_batch(4))
