@@ -226,3 +226,31 @@ def test_errors_name_the_argument_and_the_fix(call, exc, message):
     with pytest.raises(exc, match=message):
         call(mixed(3))
 
+
+
+# -- take, concat and union edge cases -------------------------------------------------------
+@pytest.mark.parametrize("mask", [torch.tensor([True, False, True]), [True, False, True]])
+def test_take_refuses_a_boolean_mask(mask):
+    with pytest.raises(TypeError, match=r"boolean mask; pass mask.nonzero\(\).flatten\(\)"):
+        mixed(3).take(mask)
+
+
+def test_take_accepts_any_iterable_of_indices_once():
+    b = TensorBatch({"s": ["a", "b", "c"]})
+    assert b.take(i for i in (2, 0)).to_dict() == {"s": ["c", "a"]}  # a generator
+    assert rows(mixed(3).take(torch.tensor([2, 0]))) == [row(2), row(0)]
+
+
+def test_concat_refuses_columns_of_different_dtypes():
+    ids = TensorBatch({"x": torch.tensor([(1 << 24) + 1])})  # not exact in float32
+    with pytest.raises(ValueError, match=r"column 'x' has different dtypes \(batch 0: "
+                                         r"torch.int64; batch 1: torch.float32\)"):
+        TensorBatch.concat([ids, TensorBatch({"x": torch.tensor([1.0])})])
+
+
+def test_union_of_a_column_holding_nan_with_itself_or_a_copy():
+    t = torch.tensor([float("nan"), 1.0])
+    assert TensorBatch({"x": t}).union(TensorBatch({"x": t})).keys() == ["x"]
+    assert TensorBatch({"x": t}).union(TensorBatch({"x": t.clone()})).keys() == ["x"]
+    with pytest.raises(ValueError, match="different values"):
+        TensorBatch({"x": t}).union(TensorBatch({"x": torch.tensor([float("nan"), 2.0])}))

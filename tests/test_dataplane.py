@@ -328,3 +328,60 @@ def test_stalled_producer_gives_transfer_timeout_naming_it():
     pids, message = run(main())
     assert "stalled:0" in message and "within 2 s" in message and "cons[rank 0].ids" in message
     assert_gone(pids)
+
+
+def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch):
+    """A reply that arrives after its pull was given up (another pull of the same fetch
+    failed) may hold CUDA IPC handles: the consumer still releases them, or the producer
+    keeps their GPU block until it exits. A scripted producer answers on a real socket."""
+    import threading
+
+    import msgspec
+    import zmq
+
+    from asyncrl.comm import codec, dataplane
+    from asyncrl.comm.channel import open_frame
+    from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
+
+    released = []
+    monkeypatch.setattr(dataplane.cuda_ipc, "release", released.append)
+    secret = b"k" * 32
+    gpu_rows = messages.IpcRows(0, b"h", 64, 0, b"r", 0, None, False, "float32", (2,), (1,),
+                                0, "GPU-x")
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    signer, verifier = Signer(secret), Verifier(secret)
+
+    def pulls(n):
+        got = [server.recv_multipart() for _ in range(n)]
+        return [(i, open_frame(verifier, i + b"@" + addr.encode(), f)) for i, *f in got]
+
+    def answer(identity, reply):
+        server.send_multipart([identity, *signer.sign(b">" + identity,
+                                                     messages.encode(reply))])
+
+    def producer():
+        (who, first), (_, second) = pulls(2)  # one fetch, two pieces
+        answer(who, messages.Pulled(first.xfer_id, error="LookupError: gone"))
+        answer(who, messages.Pulled(second.xfer_id, ipc={"x": gpu_rows}))  # after the error
+        [(who, third)] = pulls(1)
+        answer(who, messages.Pulled(third.xfer_id, value=msgspec.Raw(codec.encode(7))))
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    client = dataplane.DataClient(ctx, secret, "cons/0", "127.0.0.1", None, timeout=10)
+    try:
+        shard = Shard("prod", 0, 1, addr, "127.0.0.1")
+        two = RemoteBatch([Piece(shard, 0, 1), Piece(shard, 1, 2)],
+                          [messages.Column("x", "list")])
+        with pytest.raises(RuntimeError, match="gone"):
+            client.fetch_batch(two)
+        assert released == []
+        assert client.fetch_value(RemoteValue(shard)) == 7  # the late reply came first
+        assert released == [gpu_rows]
+    finally:
+        thread.join(10)
+        client.close()
+        server.close(0)
+        ctx.term()

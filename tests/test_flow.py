@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import pytest
 from helpers import ROOT, run
@@ -210,6 +211,31 @@ def test_run_returns_values_and_failures_name_node_and_group():
     assert values == [{"on_left": ["left", 0]}, {"on_left": ["left", 1]}]
     assert err.node == "explode" and "group 'left'" in str(err)
     assert "reward model exploded" in str(err.__cause__)
+
+
+class Pair(NamedTuple):
+    first: object
+    second: object
+
+
+restartable = asyncrl.group(Clocked, name="restartable", max_restarts=1)
+
+
+@asyncrl.node
+def twice(step):  # one future twice, in a namedtuple, followed by recovery (restarts on)
+    fut = restartable.work(["again", step], 0.0)
+    return Pair(fut, {"same": fut})
+
+
+def test_a_node_may_return_a_namedtuple_holding_one_future_twice():
+    flow = asyncrl.DataFlow(nodes=[twice], inputs={"step": range(2)}, groups=[restartable])
+
+    async def main():
+        async with asyncrl.Controller():
+            return await flow.run()
+    values = run(main())
+    assert values == [{"twice": Pair(["again", t], {"same": ["again", t]})} for t in range(2)]
+    assert isinstance(values[0]["twice"], Pair)
 
 
 def test_launch_run_node_and_timeline_end_to_end(tmp_path):

@@ -129,8 +129,10 @@ def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
 
 def test_nccl_one_rank_communicator_through_cupy():
     """The real cupy.cuda.nccl calls asyncrl/comm/nccl.py makes, on the one GPU a device
-    machine has: a 1-rank communicator from a controller-style unique id, a send to itself
-    and a receive in one NCCL group, and the bounded wait on the stream."""
+    machine has: a 1-rank communicator from a unique id made as rank 0 makes it, a send to
+    itself and a receive in one NCCL group on the link's own stream, and the bounded wait.
+    The link's stream is not the default stream: work queued on the default stream after
+    the transfer finishes while the link is still busy."""
     with warnings.catch_warnings():  # CuPy may warn on import (CUDA path, preloads): the
         warnings.simplefilter("ignore")  # suite turns warnings into errors
         pytest.importorskip("cupy.cuda.nccl")
@@ -138,15 +140,22 @@ def test_nccl_one_rank_communicator_through_cupy():
 
     nccl.join("self->self", nccl.new_unique_id(), 1, 0, {"self": 0})
     end = nccl.link("self->self")
+    assert end.stream is not None and end.stream != torch.cuda.current_stream()
     src = (torch.arange(4096, device="cuda", dtype=torch.float32) * 3).to(torch.bfloat16)
     dst = torch.empty_like(src)
     backend = nccl.backend()
-    backend.groupStart()
-    flat_src, flat_dst = src.view(torch.uint8), dst.view(torch.uint8)
-    stream = torch.cuda.current_stream().cuda_stream
-    end.comm.send(flat_src.data_ptr(), flat_src.numel(), backend.NCCL_UINT8, 0, stream)
-    end.comm.recv(flat_dst.data_ptr(), flat_dst.numel(), backend.NCCL_UINT8, 0, stream)
+    with torch.cuda.stream(end.stream):
+        torch.cuda._sleep(2_000_000_000)  # the link busy for about a second
+    backend.groupStart()  # a rank's send to itself goes in one group with its receive
+    end.stream.wait_stream(torch.cuda.current_stream())
+    flat_src = src.view(torch.uint8)
+    end.comm.send(flat_src.data_ptr(), flat_src.numel(), backend.NCCL_UINT8, 0,
+                  end.stream.cuda_stream)
+    nccl.receive("self->self", end, [(("self", 0), dst)])
     backend.groupEnd()
+    later = torch.ones(1 << 20, device="cuda").sum()  # default stream, queued after it
+    assert later.item() == 1 << 20  # done while the link's stream still sleeps
+    assert not end.stream.query()
     nccl.finish("self->self", end, 30)
     assert torch.equal(dst, src)
     nccl.forget("self->self")

@@ -162,8 +162,8 @@ def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_in_buckets
     async def main():
         async with asyncrl.Controller() as ctl:
             policy = await ctl.spawn(Policy, model, {"lr": 3e-3, "micro_batch_size": 2},
-                                     {"max_new_tokens": 6}, bucket_bytes=64 << 10, nprocs=2,
-                                     name="policy")
+                                     {"max_new_tokens": 6, "temperature": 0.7},
+                                     bucket_bytes=64 << 10, nprocs=2, name="policy")
             ref = await ctl.spawn(Reference, model, nprocs=1, name="ref")
             pids = group_pids(policy) + group_pids(ref)
             rollout = policy.generate(prompts_batch(4))  # train -> generate
@@ -192,7 +192,9 @@ def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_in_buckets
     assert report["mode"] == "generate"
     # buckets of 64 KiB: the largest temporary is a bucket plus the parameter that closed it
     assert biggest < report["peak_gather_bytes"] <= (64 << 10) + biggest < total / 2
-    # the engine's log-probs, the training forward and the reference agree before training
+    # the engine's log-probs, the training forward and the reference agree before training,
+    # at the temperature the rollout was sampled at (its meta carries it to both)
+    assert gen.meta["temperature"] == 0.7
     assert (lp["logprobs"] - gen["logprobs"]).abs().max().item() < 1e-5
     assert (ref_lp["logprobs"] - gen["logprobs"]).abs().max().item() < 1e-5
     assert stats[0]["loss"] > 0

@@ -70,6 +70,21 @@ def test_dead_or_hung_stateless_rank_reruns_only_its_node(tmp_path, sig):
     assert "restarting group 'scorer' (1/2)" in err
 
 
+def test_a_node_that_called_a_stateful_group_is_not_rerun_but_rewound(tmp_path):
+    """The train node updates the trainer, then calls the scorer, which dies: re-running the
+    node would train on step 3 twice, so the flow goes back to its checkpoint instead."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = launch(tmp_path / "run", "steps=5", "hold=echo:3", f"marks={marks}", "mixed=1")
+    pid = held_pid(marks, "echo", proc)
+    os.kill(pid, signal.SIGKILL)
+    finish(proc)
+    steps_once(tmp_path / "run", 5)
+    [event] = recoveries(tmp_path / "run")
+    assert (event["kind"], event["groups"], event["step"], event["resumed_at"]) == \
+        ("rewind", ["scorer"], 3, 2)
+
+
 def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()

@@ -58,8 +58,28 @@ def test_ppo_policy_loss_by_hand():
     assert clipfrac.item() == pytest.approx(2 / 5)
     seq, _ = ppo_policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean")
     assert seq.item() == pytest.approx((sum(per[0]) / 3 + sum(per[1]) / 2) / 2, abs=1e-6)
+    # a row with no token in the mask (padding, a dropped sample) counts in neither mean
+    padded = [torch.cat([t, t[:1]]) for t in (logp, old, adv)]
+    empty = torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)])
+    assert ppo_policy_loss(*padded, empty)[0].item() == pytest.approx(loss.item())
+    assert ppo_policy_loss(*padded, empty, agg="seq-mean-token-mean")[0].item() == \
+        pytest.approx(seq.item())
     with pytest.raises(ValueError, match="agg is"):
         ppo_policy_loss(logp, old, adv, mask, agg="sum")
+
+
+def test_clip_higher_and_dual_clip_by_hand():
+    logp = torch.log(torch.tensor([[1.25, 5.0, 0.5]]))
+    old, mask = torch.zeros(1, 3), torch.ones(1, 3)
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    # clip 0.2, clip_high 0.3: ratio 1.25 stays (not 1.2), 0.5 -> 0.8; A=-1, ratio 5:
+    # max(5, 1.3) = 5 without dual clip, min(5, 3) = 3 with c=3
+    loss, _ = ppo_policy_loss(logp, old, adv, mask, clip_high=0.3)
+    assert loss.item() == pytest.approx((-1.25 + 5.0 - 0.5) / 3)
+    loss, _ = ppo_policy_loss(logp, old, adv, mask, clip_high=0.3, dual_clip=3.0)
+    assert loss.item() == pytest.approx((-1.25 + 3.0 - 0.5) / 3)
+    symmetric, _ = ppo_policy_loss(logp, old, adv, mask)
+    assert symmetric.item() == pytest.approx((-1.2 + 5.0 - 0.5) / 3)
 
 
 def test_kl_penalty_by_hand():

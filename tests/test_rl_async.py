@@ -197,7 +197,7 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(tmp_pat
                            "versions": torch.tensor([[0], [0], [-1], [-2]]).expand(4, 3) * rmask})
     scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 0.0])})
     rl = {"algo": "grpo", "group_size": 2, "max_staleness": 1, "correction": "tis",
-          "tis_cap": 2.0}
+          "tis_cap": 2.0, "mini_batches": 2}
 
     async def main():
         async with asyncrl.Controller() as ctl:
@@ -206,6 +206,7 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(tmp_pat
             return await trainer.update(rollout, scores)
     stats = run(main())
     assert stats["staleness/dropped"] == 1  # the sample 2 versions behind
+    assert stats["actor/version"] == 1  # one update, whatever its optimizer steps
     assert stats["staleness/lag_0"] == 0.5 and stats["staleness/lag_1"] == 0.25
     assert stats["staleness/lag_2"] == 0.25 and stats["staleness/mean"] == 0.75
     kept = rmask.float()

@@ -109,6 +109,9 @@ def test_token_rewards_put_the_score_last_and_subtract_the_kl():
                                             kl_kind="k1"))
     # k1 = logp - ref: row 0: 0.5, 0; row 1: 0, -0.5, 0
     torch.testing.assert_close(with_kl, torch.tensor([[-0.05, 1.0, 0], [0, 0.05, 0.5]]))
+    batch.tensor("loss_mask")[0] = 0  # row 0 dropped as too stale: its rewards stay
+    torch.testing.assert_close(token_rewards(batch, RLConfig(
+        algo="ppo", kl_coef=0.1, kl_in_reward=True, kl_kind="k1")), with_kl)
 
 
 def test_policy_loss_by_hand():
@@ -127,6 +130,18 @@ def test_policy_loss_by_hand():
     assert stats["pg_loss"] == pytest.approx(pg) and stats["clipfrac"] == pytest.approx(0.5)
     assert stats["kl"] == pytest.approx(kl) and stats["entropy"] == pytest.approx(3.0)
     assert loss.item() == pytest.approx(pg + 0.5 * kl - 0.1 * 3.0)
+
+
+def test_seq_mean_policy_loss_leaves_empty_rows_out():
+    """seq-mean-token-mean over a micro-batch with a padding (or dropped) row: the same loss
+    as the real row alone."""
+    cfg = RLConfig(algo="grpo", group_size=2, agg="seq-mean-token-mean")
+    micro = TensorBatch({"logprobs": torch.zeros(2, 2), "advantages": torch.ones(2, 2),
+                         "loss_mask": torch.tensor([[1.0, 1.0], [0.0, 0.0]])})
+    micro.meta.update(tokens=2, seqs=1, rows=2, dp=1)
+    loss, _ = policy_loss(cfg)({"logprobs": torch.zeros(2, 2),
+                                "entropy": torch.zeros(2, 2)}, micro)
+    assert loss.item() == pytest.approx(-1.0)
 
 
 def test_value_loss_by_hand():
@@ -155,6 +170,8 @@ def test_config_errors_say_what_to_change():
         RLConfig(algo="grpo")
     with pytest.raises(ValueError, match="algo is 'grpo' or 'ppo'"):
         RLConfig(algo="dpo")
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        RLConfig(algo="ppo", dual_clip=0.5)
 
 
 def test_group_sampling_repeats_prompts_with_a_seed_per_sample():

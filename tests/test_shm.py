@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import subprocess
@@ -281,4 +282,27 @@ def test_mapper_sees_the_owner_memory_and_forget_remaps(pool):
     assert bytes(view) == b"zbcd"
     del view
     assert bytes(mapper.view(lease.name, 8, 4)) == b"zbcd"
+    mapper.close()
+
+
+def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus(pool, prefix, monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"cannot reserve a 65536-byte shared-memory segment in "
+                                      r"/dev/shm .*--shm-size") as info:
+        pool.acquire(100)
+    assert info.value.errno == errno.ENOSPC
+    assert files(prefix) == [] and pool.stats().segments == 0  # nothing left behind
+    monkeypatch.undo()
+    assert pool.acquire(100).size == 64 * 1024  # it works again once there is room
+
+
+def test_mapper_unmaps_segments_their_owner_unlinked(pool):
+    old, new = pool.acquire(10), pool.acquire(10)
+    mapper = SegmentMapper()
+    mapper.view(old.name, 0, 1)
+    old.discard()  # unlinked: nobody will ask for it again
+    mapper.view(new.name, 0, 1)
+    assert list(mapper._maps) == [new.name]
     mapper.close()

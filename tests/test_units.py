@@ -128,7 +128,17 @@ def test_signed_frames_verify_once_and_only_on_their_link():
 def test_frame_mac_is_rfc_2104_hmac_sha256():
     for secret in (os.urandom(32), os.urandom(64), os.urandom(100)):  # > one block: hashed
         body, mac = Signer(secret).sign(b"g/0/io/1", b"payload")
-        assert mac == hmac.digest(secret, b"g/0/io/1" + body, "sha256")
+        route = b"g/0/io/1"
+        assert mac == hmac.digest(secret, len(route).to_bytes(4, "big") + route + body,
+                                  "sha256")
+
+
+def test_a_frame_cannot_move_its_route_body_boundary():
+    """Re-sent from identity route + body[:k] with body[k:], a frame must not verify."""
+    secret = os.urandom(32)
+    body, mac = Signer(secret).sign(b"g/0/io/1", b"\x00" * 8 + b"payload")
+    for k in (1, 8, 12):
+        assert Verifier(secret).verify(b"g/0/io/1" + body[:k], [body[k:], mac]) is None
 
 
 # -- TensorBatch ---------------------------------------------------------------------------
@@ -276,3 +286,70 @@ def test_dp_collect_from_encoded_results_equals_decoding_each(seed):
     assert got.keys() == want.keys() and got.meta == want.meta and len(got) == len(want)
     assert got["s"] == want["s"]
     assert got["t"].dtype == want["t"].dtype and torch.equal(got["t"], want["t"])
+
+
+# -- codec and store edge cases ----------------------------------------------------------------
+def test_decode_concat_decodes_tensors_nested_in_meta_and_list_columns():
+    part = asyncrl.TensorBatch({"x": torch.arange(2), "l": [torch.tensor([1]), torch.tensor([2])]},
+                               {"stats": {"loss": torch.tensor(1.0)}, "h": [[torch.ones(1)]]})
+    raws = [codec.encode(part)] * 2
+    got = codec.decode_concat(raws, lambda i, rows: None) or \
+        asyncrl.TensorBatch.concat([codec.decode(r) for r in raws])
+    assert all(isinstance(t, torch.Tensor) for t in got["l"])
+    assert isinstance(got.meta["stats"]["loss"], torch.Tensor)
+    assert isinstance(got.meta["h"][0][0], torch.Tensor)
+    assert codec.decode_concat([codec.encode(asyncrl.TensorBatch({"x": torch.arange(2)}))] * 2,
+                               lambda i, rows: None) is not None  # the fast path still runs
+
+
+def _ext(code: int, header: list, raw: bytes) -> msgspec.msgpack.Ext:
+    """An array as the codec puts it on the wire: header length, msgpack header, bytes."""
+    head = msgspec.msgpack.encode(header)
+    return msgspec.msgpack.Ext(code, len(head).to_bytes(4, "big") + head + raw)
+
+
+SHAPE_ERROR = r"bad array shape .* ints >= 0|needs \d+ bytes but the message carries \d+"
+
+
+@pytest.mark.parametrize("shape, raw", [
+    ([1 << 40], b""), ([1 << 40], b"\0" * 8), ([-1], b"\0" * 8), ([3], b"\0" * 8),
+    ([2, "2"], b"\0" * 16)])
+def test_array_headers_must_match_the_bytes_sent(shape, raw):
+    """A small message must not make the receiver allocate what it never sent."""
+    for ext in (_ext(codec.EXT_TENSOR, ["float32", shape], raw),
+                _ext(codec.EXT_NDARRAY, ["<f4", shape], raw)):
+        with pytest.raises(ValueError, match=SHAPE_ERROR):
+            codec.decode(msgspec.msgpack.encode(ext))
+    good = codec.encode(asyncrl.TensorBatch({"t": torch.zeros(2)}))
+    bad = msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_BATCH, msgspec.msgpack.encode(
+        [{"t": _ext(codec.EXT_TENSOR, ["float32", shape], raw)}, {}])))
+    with pytest.raises(ValueError, match=SHAPE_ERROR):  # also where DP parts are joined
+        codec.decode_concat([good, bad], lambda i, rows: None)
+
+
+def test_numpy_arrays_keep_their_shape_and_structured_ones_are_refused():
+    for a in (np.array(3.5), np.zeros((0, 3), np.int16), np.arange(6.0).reshape(2, 3).T):
+        got = codec.decode(codec.encode(a))
+        assert got.shape == a.shape and got.dtype == a.dtype and np.array_equal(got, a)
+    with pytest.raises(TypeError, match="structured dtype .* send one array per field"):
+        codec.encode(np.zeros(2, dtype=[("a", "i4"), ("b", "f4")]))
+
+
+def test_conjugated_negated_and_sparse_tensors():
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    for t in (z.conj(), z._neg_view(), torch.stack([z, z]).conj().T):
+        assert torch.equal(codec.decode(codec.encode(t)), t.resolve_conj().resolve_neg())
+    with pytest.raises(codec.ArgEncodeError) as info:
+        codec.encode_call((1, torch.eye(2).to_sparse()), {}, ["a", "grad"])
+    assert info.value.name == "grad" and isinstance(info.value.cause, TypeError)
+    assert "to_dense()" in str(info.value.cause)
+
+
+def test_object_store_counts_an_overwritten_object_once():
+    from asyncrl.futures.store import ObjectStore
+    store = ObjectStore()
+    store.put(1, "a", 10)
+    store.put(1, "b", 30)
+    assert store.nbytes == 30 and store.get(1) == "b"
+    store.free([1])
+    assert store.nbytes == 0

@@ -1,10 +1,12 @@
 """HMAC-SHA256 on every frame, with a sequence number against replay.
 
 A frame is two ZeroMQ parts: ``body = seq (8 bytes, big endian) + message`` and
-``mac = HMAC(secret, route + body)``. ``route`` binds the frame to one link: the sender's
-identity for rank -> controller, ``b">" + destination identity`` for controller -> rank,
-so a frame cannot be replayed on another link, and the strictly increasing sequence number
-stops it being replayed on its own.
+``mac = HMAC(secret, len(route) (4 bytes, big endian) + route + body)``. ``route`` binds
+the frame to one link: the sender's identity for rank -> controller, ``b">" + destination
+identity`` for controller -> rank, so a frame cannot be replayed on another link, and the
+strictly increasing sequence number stops it being replayed on its own. The route's length
+keeps the route/body boundary from moving (a frame re-sent from identity ``route +
+body[:k]`` with body ``body[k:]`` would otherwise verify).
 
 The MAC is HMAC-SHA256 from the standard library, keyed once per socket and copied per frame
 (cheaper than keying it again for every frame).
@@ -36,6 +38,7 @@ import zmq
 
 SECRET_BYTES = 32
 _SEQ = struct.Struct(">Q")
+_ROUTE_LEN = struct.Struct(">I")
 
 
 def new_secret() -> bytes:
@@ -123,8 +126,9 @@ class _Mac:
         self._base = hmac.new(secret, digestmod=hashlib.sha256)
 
     def __call__(self, route: bytes, body: bytes | memoryview) -> bytes:
-        """HMAC(secret, route + body)."""
+        """HMAC(secret, len(route) + route + body)."""
         mac = self._base.copy()
+        mac.update(_ROUTE_LEN.pack(len(route)))
         mac.update(route)
         mac.update(body)
         return mac.digest()

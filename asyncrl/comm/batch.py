@@ -274,7 +274,13 @@ class TensorBatch(RowOps):
 
     def take(self, rows: Sequence[int]) -> TensorBatch:
         """The given rows, in the given order (copies)."""
-        index = torch.as_tensor(list(rows), dtype=torch.long)
+        # once: a generator would be empty the second time
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        index = torch.as_tensor(rows)
+        if index.dtype == torch.bool:  # else True, False would be rows 1, 0
+            raise TypeError("take(rows) needs row indices, got a boolean mask; pass "
+                            "mask.nonzero().flatten() (the indices where it is True)")
+        index = index.long()
         return TensorBatch(
             {k: v.index_select(0, index) if isinstance(v, torch.Tensor) else [v[i] for i in rows]
              for k, v in self._data.items()}, unpadded_meta(self.meta))
@@ -294,6 +300,11 @@ class TensorBatch(RowOps):
             cols = [b._data[k] for b in batches]
             tensors = [c for c in cols if isinstance(c, torch.Tensor)]
             if len(tensors) == len(cols):
+                if any(t.dtype != tensors[0].dtype for t in tensors):  # torch.cat would promote
+                    dtypes = "; ".join(f"batch {i}: {t.dtype}" for i, t in enumerate(tensors))
+                    raise ValueError(
+                        f"TensorBatch.concat: column {k!r} has different dtypes ({dtypes}); "
+                        f"cast it to one dtype in every batch first (e.g. .to(torch.int64))")
                 try:
                     data[k] = torch.cat(tensors, dim=0)
                 except RuntimeError as e:  # row shapes or devices differ
@@ -330,5 +341,10 @@ def _column_fix(keys: list[str], other: list[str], i: int) -> str:
 def _same_column(a: Column, b: Column) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         # torch.equal promotes dtypes; an int and a float column are not the same column.
-        return a.dtype == b.dtype and torch.equal(a, b)
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        # NaN != NaN, yet a column holding NaN is the same column as itself or a copy
+        return a is b or torch.equal(a, b) or (
+            (a.is_floating_point() or a.is_complex()) and
+            bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
     return isinstance(a, list) and isinstance(b, list) and a == b

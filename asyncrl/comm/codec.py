@@ -10,6 +10,7 @@ dicts, msgspec Structs, dataclasses, enums...). Tuples arrive as lists.
 
 from __future__ import annotations
 
+import math
 import struct
 import weakref
 from collections.abc import Callable, Sequence
@@ -139,12 +140,17 @@ def _forget_produced(key: int) -> None:
 def _enc_hook(obj: Any) -> Any:
     global produced_bytes_encoded
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:  # sparse, mkldnn...: not one buffer of raw bytes
+            raise TypeError(f"a {obj.layout} tensor cannot be sent; densify it first with "
+                            f".to_dense()")
         numel = obj.numel()
         if _produced and numel and obj.untyped_storage().data_ptr() in _produced:
             produced_bytes_encoded += numel * obj.element_size()
         t = obj.detach() if obj.requires_grad else obj  # each step only where it is needed:
         if not t.is_cpu:  # a DP call encodes one small chunk per rank
             t = t.cpu()
+        if t.is_conj() or t.is_neg():  # lazy bits numpy() refuses: apply them
+            t = t.resolve_conj().resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
         head, as_torch = _tensor_head(t)
@@ -156,8 +162,12 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             raise TypeError("a numpy array of Python objects cannot be sent; use a list")
-        a = np.ascontiguousarray(obj)
-        return msgspec.msgpack.Ext(EXT_NDARRAY, _pack_buffer([a.dtype.str, list(a.shape)], a))
+        if obj.dtype.names is not None:
+            raise TypeError(f"a numpy array of structured dtype {obj.dtype} cannot be sent (its "
+                            f"field names would be lost); send one array per field")
+        # not np.ascontiguousarray: it makes a 0-d array 1-d
+        a = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
+        return msgspec.msgpack.Ext(EXT_NDARRAY, _pack_buffer([a.dtype.str, list(obj.shape)], a))
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, TensorBatch):
@@ -180,6 +190,7 @@ def _tensor(name: Any, shape: list[int], raw: Any) -> torch.Tensor:
     """A tensor of dtype `name` and `shape` owning a copy of `raw` (the receive buffer may
     be reused)."""
     dt, carrier, as_torch = _wire_dtype(name)
+    _check_shape(shape, dt.itemsize, len(raw))
     if len(raw) == 0:
         return torch.empty(shape, dtype=dt)
     buf = bytearray(raw)
@@ -188,6 +199,17 @@ def _tensor(name: Any, shape: list[int], raw: Any) -> torch.Tensor:
         return t if len(shape) == 1 and shape[0] == t.shape[0] else t.reshape(shape)
     t = torch.from_numpy(np.frombuffer(buf, carrier).reshape(shape))  # reshapes cheaper
     return t if as_torch == dt else t.view(dt)
+
+
+def _check_shape(shape: Any, itemsize: int, nbytes: int) -> None:
+    """ValueError unless `shape` is a list of ints >= 0 whose elements fill exactly `nbytes`
+    bytes: a small hostile message must not make the receiver allocate what it never sent."""
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"bad array shape {shape!r} on the wire: it must be a list of ints >= 0")
+    need = math.prod(shape) * itemsize
+    if need != nbytes:
+        raise ValueError(f"an array of shape {shape} needs {need} bytes but the message "
+                         f"carries {nbytes}")
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
@@ -199,6 +221,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         dt = np.dtype(dtype)
         if dt.hasobject:
             raise ValueError("object arrays are refused")
+        _check_shape(shape, dt.itemsize, len(raw))
         return np.frombuffer(bytearray(raw), dtype=dt).reshape(shape)
     if code == EXT_BATCH:
         columns, meta = _decoder.decode(data)
@@ -236,6 +259,22 @@ _shallow = msgspec.msgpack.Decoder(ext_hook=_shallow_ext)
 _HEADS: dict[bytes, tuple[Any, Any]] = {}  # a tensor's encoded header -> (dtype, shape)
 
 
+def _has_ext(value: Any) -> bool:
+    """Whether a value decoded by `_shallow` holds an extension value anywhere (a tuple)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        kind = type(v)
+        if kind is tuple:
+            return True
+        if kind is list:
+            todo.extend(x for x in v if type(x) not in _LEAVES)  # skip numbers, str fast
+        elif kind is dict:
+            todo.extend(v)
+            todo.extend(v.values())
+    return False
+
+
 def _parsed_head(data: bytes) -> tuple[Any, Any, int]:
     """dtype name, shape and where the bytes start, of an encoded tensor (headers cached:
     a DP call's parts share theirs)."""
@@ -256,8 +295,8 @@ def decode_concat(parts: Sequence[Any], keep: Callable[[int, int], int | None]
     ``keep(i, rows of part i)`` rows (``.slice(0, k)``; None: kept whole, as it is) and
     `TensorBatch.concat`-ing them gives, with one tensor made per column rather than one per
     part (a DP call's results, one part per rank). None when a part is not a TensorBatch or
-    the parts' columns differ (names, order, kinds, dtypes, row shapes) or their meta holds
-    extension values: decode them one by one then."""
+    the parts' columns differ (names, order, kinds, dtypes, row shapes) or their meta or list
+    columns hold extension values (e.g. tensors): decode them one by one then."""
     first: list[Any] | None = None  # per column: its key, or (key, dtype, *row shape)
     pieces: list[list[Any]] = []
     metas: list[tuple[dict[str, Any], int]] = []
@@ -266,13 +305,15 @@ def decode_concat(parts: Sequence[Any], keep: Callable[[int, int], int | None]
         if type(top) is not tuple or top[0] != EXT_BATCH:
             return None
         columns, meta = _shallow.decode(top[1])
-        if type(meta) is not dict or (meta and any(type(v) is tuple for v in meta.values())):
+        if type(meta) is not dict or _has_ext(meta):  # tensors in it: decode() makes them
             return None
         kinds: list[Any] = []
         cut: list[Any] = []  # per column: a list's items, or (encoded tensor, start, row bytes)
         rows = -1
         for key, col in columns.items():
             if type(col) is list:
+                if _has_ext(col):  # e.g. a tensor per row
+                    return None
                 kinds.append(key)
                 cut.append(col)
                 n = len(col)
@@ -280,6 +321,7 @@ def decode_concat(parts: Sequence[Any], keep: Callable[[int, int], int | None]
                 name, shape, start = _parsed_head(col[1])
                 if type(shape) is not list or not shape:
                     return None
+                _check_shape(shape, _wire_dtype(name)[0].itemsize, len(col[1]) - start)
                 n = shape[0]
                 kinds.append((key, name, *shape[1:]))
                 cut.append((col[1], start, (len(col[1]) - start) // n if n else 0))

@@ -11,6 +11,10 @@ GPUs are named by UUID between processes: device indices depend on each process'
 CUDA_VISIBLE_DEVICES. A consumer opens a handle only if it sees the producer's GPU (the same
 one, or a peer in its visible set), and never its own process's handles (CUDA refuses them:
 DataClient copies its own rows from its store instead).
+
+torch frees an exported block only once every handle to it was opened and closed (a count
+in shared memory the consumer decrements). A consumer that will not copy rows it was sent
+(a reply that came after its pull failed) still opens and closes them: `release`.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ def export_rows(t: torch.Tensor, start: int, stop: int) -> IpcRows:
                    int(rows.storage_offset()), device_uuid(int(device)))
 
 
-def copy_rows_into(info: IpcRows, dst: torch.Tensor) -> None:
-    """Copy the shared rows into `dst` (a CUDA tensor of the same shape and dtype)."""
+def _open(info: IpcRows) -> tuple[int, torch.UntypedStorage]:
+    """(this process's index of the producer's GPU, the shared storage)."""
     torch.cuda._lazy_init()
     visible = visible_gpus()
     if info.gpu not in visible:
@@ -55,9 +59,20 @@ def copy_rows_into(info: IpcRows, dst: torch.Tensor) -> None:
                            f"process (it sees {visible}); place the groups on the same GPUs "
                            f"(colocate_with) or use Controller(transport='tcp')")
     device = visible.index(info.gpu)  # the producer's index means nothing here
-    storage = torch.UntypedStorage._new_shared_cuda(
+    return device, torch.UntypedStorage._new_shared_cuda(
         device, info.handle, info.storage_bytes, info.storage_offset_bytes,
         info.ref_counter_handle, info.ref_counter_offset, info.event_handle, info.event_sync)
+
+
+def release(info: IpcRows) -> None:
+    """Open and close rows this process will not copy, so the producer can free them."""
+    if torch.cuda.is_available() and info.gpu in visible_gpus():
+        _open(info)  # closed as it is dropped: torch's deleter decrements the count
+
+
+def copy_rows_into(info: IpcRows, dst: torch.Tensor) -> None:
+    """Copy the shared rows into `dst` (a CUDA tensor of the same shape and dtype)."""
+    device, storage = _open(info)
     src = torch.empty(0, dtype=getattr(torch, info.dtype), device=f"cuda:{device}")
     src.set_(storage, info.offset, info.shape, info.stride)
     dst.copy_(src)

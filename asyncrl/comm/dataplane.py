@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import zmq
 
-from asyncrl.comm import codec, messages, nccl
+from asyncrl.comm import codec, cuda_ipc, messages, nccl
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client, curve_server
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.channel import open_frame
@@ -67,6 +67,16 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     tensor; GPU tensors are staged through host memory until the GPU transports exist)."""
     t = t.detach().cpu().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+def _release(rows: Any) -> None:
+    """Rows sent by CUDA IPC that will not be copied: opened and closed all the same, or the
+    producer keeps their block until it exits."""
+    for info in rows:
+        try:
+            cuda_ipc.release(info)
+        except Exception as e:  # noqa: BLE001 - the producer may be gone; nothing to free
+            log.warning("asyncrl: could not release CUDA IPC rows on %s: %s", info.gpu, e)
 
 
 def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -287,6 +297,8 @@ class DataClient:
                                            f"{len(frames) - 2} buffers for "
                                            f"{len(reply.buffers)} columns")
                     take(req, reply, frames[2:])
+                elif isinstance(reply, Pulled):  # for a pull given up when another failed
+                    _release(reply.ipc.values())
 
     def fetch_value(self, ref: RemoteValue) -> Any:
         req = Pull(next(self._xfer), ref.shard.obj_id)
@@ -350,8 +362,13 @@ class DataClient:
             if len(reply.lists) > 1:  # more than a msgpack nil
                 lists[req.xfer_id] = codec.decode(reply.lists)
             start, count = rows_at[req.xfer_id], req.stop - req.start
-            for key, info in reply.ipc.items():
-                copy_rows_into(info, ipc[key][start:start + count])
+            left = dict(reply.ipc)
+            try:
+                for key, info in reply.ipc.items():
+                    copy_rows_into(info, ipc[key][start:start + count])
+                    del left[key]
+            finally:
+                _release(left.values())
             if buf is None:
                 return
             for key, frame in zip(reply.buffers, frames, strict=True):

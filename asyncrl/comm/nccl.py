@@ -8,8 +8,13 @@
     consumer (B rank c): Pull(nccl=[columns], nccl_key) to producer rank p, then posts the
       receives for every bucket it asked for, as one NCCL group (no order between producers
       can deadlock it)
-    producer (A rank p, data-server thread): sends the rows to c, waits for its stream with
-      a bound, then answers Pulled (so an answer means the bytes are there)
+    producer (A rank p, data-server thread): sends the rows to c, waits for the link's
+      stream with a bound, then answers Pulled (so an answer means the bytes are there)
+
+Each end of a communicator has its own CUDA stream, as torch's ProcessGroupNCCL does: it
+waits for the work queued so far on the caller's stream (which made the rows, or last used
+the memory received into), never for work queued later, so a sync neither waits behind nor
+holds up the generation or training that keeps running on the default stream.
 
 One communicator per direction: the producer's data-server thread only sends on it, the
 consumer's call threads only receive (under a lock), so no communicator is used by two
@@ -28,6 +33,8 @@ import importlib
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +81,7 @@ class Link:
     comm: Any
     offsets: dict[str, int]  # group -> the communicator rank of its rank 0
     lock: threading.Lock
+    stream: Any = None  # its torch.cuda.Stream on a GPU (None on CPUs: the stand-in's own)
 
 
 _links: dict[str, Link] = {}  # key ("A->B") -> this rank's end
@@ -83,12 +91,13 @@ _guard = threading.Lock()
 def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -> None:
     """Make this rank's end of communicator `key` (blocks until all `world` ranks joined)."""
     nccl = backend()
-    if torch.cuda.is_available():
-        torch.cuda.current_device()  # the communicator is on this thread's device (bind_gpu)
+    stream = None
+    if torch.cuda.is_available():  # the communicator is on this thread's device (bind_gpu)
+        stream = torch.cuda.Stream(torch.cuda.current_device())
     comm = _communicator(nccl, world, uid, rank)
     with _guard:
         old = _links.pop(key, None)
-        _links[key] = Link(comm, dict(offsets), threading.Lock())
+        _links[key] = Link(comm, dict(offsets), threading.Lock(), stream)
     if old is not None:
         _abort(old)
 
@@ -121,8 +130,19 @@ def _abort(found: Link) -> None:
         pass
 
 
-def _stream() -> int:
-    return torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else 0
+@contextmanager
+def _on_stream(end: Link, tensors: list[torch.Tensor]) -> Iterator[int]:
+    """Run NCCL calls on the link's stream, after the work the caller's stream has queued on
+    `tensors`; yields the stream's handle for CuPy (0 on CPUs)."""
+    if end.stream is None:
+        yield 0
+        return
+    end.stream.wait_stream(torch.cuda.current_stream())
+    for t in tensors:  # their memory stays reserved until the link's stream is done
+        if t.is_cuda:
+            t.record_stream(end.stream)
+    with torch.cuda.stream(end.stream):
+        yield end.stream.cuda_stream
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -131,10 +151,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wait(key: str, end: Link, what: str, timeout: float) -> None:
-    """Wait for this thread's stream with a bound; abort the communicator past it."""
-    if torch.cuda.is_available():
+    """Wait for the link's stream with a bound; abort the communicator past it."""
+    if end.stream is not None:
         event = torch.cuda.Event()
-        event.record()
+        event.record(end.stream)
         deadline = time.monotonic() + timeout
         while not event.query():
             if time.monotonic() > deadline:
@@ -153,12 +173,13 @@ def send(key: str, tensors: list[torch.Tensor], to: tuple[str, int], timeout: fl
     """Producer side: send `tensors` (rows already cut) to rank `to` = (group, rank)."""
     end, nccl = link(key), backend()
     peer = end.offsets[to[0]] + to[1]
-    flats = [_flat(t) for t in tensors]  # kept alive until the stream is done with them
-    nccl.groupStart()
-    for flat in flats:
-        if flat.numel():
-            end.comm.send(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, peer, _stream())
-    nccl.groupEnd()
+    with _on_stream(end, tensors) as stream:
+        flats = [_flat(t) for t in tensors]  # kept alive until the stream is done with them
+        nccl.groupStart()
+        for flat in flats:
+            if flat.numel():
+                end.comm.send(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, peer, stream)
+        nccl.groupEnd()
     _wait(key, end, f"send to {to[0]}:{to[1]}", timeout)
 
 
@@ -166,17 +187,19 @@ def receive(key: str, end: Link, wanted: list[tuple[tuple[str, int], torch.Tenso
     """Consumer side, holding `end.lock` from before its pulls were sent until `finish`: post
     a receive for each (producer (group, rank), destination rows), as one NCCL group."""
     nccl = backend()
-    nccl.groupStart()
-    try:
-        for (group, rank), dst in wanted:
-            if dst.numel():
-                flat = dst.view(-1).view(torch.uint8)  # contiguous rows of a fresh tensor
-                end.comm.recv(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8,
-                              end.offsets[group] + rank, _stream())
-    finally:
-        nccl.groupEnd()
+    with _on_stream(end, [dst for _, dst in wanted]) as stream:
+        nccl.groupStart()
+        try:
+            for (group, rank), dst in wanted:
+                if dst.numel():
+                    flat = dst.view(-1).view(torch.uint8)  # contiguous rows of a fresh tensor
+                    end.comm.recv(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8,
+                                  end.offsets[group] + rank, stream)
+        finally:
+            nccl.groupEnd()
 
 
 def finish(key: str, end: Link, timeout: float) -> None:
-    """After every producer answered: wait for the receives, with a bound."""
+    """After every producer answered: wait for the receives, with a bound (the host waits,
+    so the caller's stream may use the rows at once)."""
     _wait(key, end, "receive", timeout)

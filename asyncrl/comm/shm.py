@@ -209,7 +209,17 @@ class SegmentPool:
         self._paths.append(path)
         self._next += 1
         try:
-            os.ftruncate(fd, size)
+            try:
+                # reserve the memory now: ftruncate alone leaves a sparse file, and a write
+                # into the mapping beyond what /dev/shm can hold kills the process (SIGBUS)
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                self._paths.remove(path)
+                _unlink_all([path])
+                raise OSError(e.errno, (
+                    f"cannot reserve a {size}-byte shared-memory segment in {SHM_DIR} "
+                    f"({e.strerror}): it is too small or full; give it more room (e.g. docker "
+                    f"run --shm-size=8g) or free what other processes left there")) from e
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -253,11 +263,15 @@ class SegmentMapper:
     def view(self, name: str, offset: int, nbytes: int) -> memoryview:
         with self._lock:
             mm = self._maps.pop(name, None)
+            stale = []
             if mm is None:
                 mm = self._open(name)
+                # a new segment often replaces one its owner unlinked (discarded, or its pool
+                # closed; names are never reused): unmap those, else they pin their memory
+                stale = [n for n in self._maps if not os.path.exists(_path(n))]
             self._maps[name] = mm
-            stale = list(self._maps)[:-self._max_maps] if len(self._maps) > self._max_maps \
-                else []
+            if len(self._maps) > self._max_maps:
+                stale += list(self._maps)[:-self._max_maps]
         for old in stale:
             self.forget(old)
         if offset < 0 or nbytes < 0 or offset + nbytes > len(mm):

@@ -229,6 +229,12 @@ class DataFlow:
 
     def _reset_sources(self) -> None:
         """Every input from its beginning again, and no step run (a rewind starts here)."""
+        self._check_rereadable()
+        self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
+        self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
+        self._steps = []
+
+    def _check_rereadable(self) -> None:
         for name, source in self.inputs.items():
             it = self._sources.get(name)
             if it is not None and it is source:
@@ -236,9 +242,6 @@ class DataFlow:
                     f"input {name!r} is a one-shot iterator (a generator?): it cannot be read "
                     f"again from a checkpoint's position; pass a list, a PromptSource or "
                     f"another re-iterable source")
-        self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
-        self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
-        self._steps = []
 
     async def _abandon(self) -> None:
         """Cancel the steps in flight and what follows their outputs (a rewind)."""
@@ -249,7 +252,10 @@ class DataFlow:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def close(self) -> None:
-        """Close the groups this flow spawned (and its own Controller, if it opened one)."""
+        """Close the groups this flow spawned (and its own Controller, if it opened one),
+        after cancelling what still runs for it (steps, recoveries)."""
+        await self._abandon()
+        await self.recovery.finish()
         if self._ctl is not None:
             handles = [g.handle for g in self.groups if g.handle is not None]
             await asyncio.gather(*(self._ctl.close_group(h) for h in handles))
@@ -413,8 +419,9 @@ class DataFlow:
                     await self._run_steps(steps, on_step, checkpoint, done)
                     break
                 except Exception as e:
+                    failed = getattr(e, "step", self.next_step - 1)  # a NodeError says
                     if not self.recovery.enabled or \
-                            not await self.recovery.rewind(e, self.next_step - 1, restore):
+                            not await self.recovery.rewind(e, failed, restore):
                         raise
                     kept = self.next_step - 1
                     for t in [t for t in done if t > kept]:
@@ -514,11 +521,16 @@ async def _finished(returned: asyncio.Task, name: str, step: int) -> None:
         raise NodeError(name, step, e) from e
 
 
+def _rebuild(like: list | tuple, items: list[Any]) -> list | tuple:
+    """A list or tuple of the same type as `like` (a namedtuple too) holding `items`."""
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
+
+
 async def _value(out: Any) -> Any:
     if isinstance(out, DistFuture):
         return await out
     if isinstance(out, list | tuple):
-        return type(out)([await _value(x) for x in out])
+        return _rebuild(out, [await _value(x) for x in out])
     if isinstance(out, dict):
         return {k: await _value(v) for k, v in out.items()}
     return out

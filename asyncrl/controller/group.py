@@ -36,7 +36,7 @@ from asyncrl.comm.messages import (
     Schema,
 )
 from asyncrl.controller.objects import ObjectRef
-from asyncrl.controller.timeline import current_node
+from asyncrl.controller.timeline import called_groups, current_node
 from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError, TransferTimeout
 from asyncrl.futures.future import DistFuture
 
@@ -126,6 +126,7 @@ class GroupHandle:
         self._pending: dict[int, _Pending] = {}
         self._backlog: deque[_Queued] = deque()
         self._drainer: asyncio.Task | None = None
+        self._waiting: set[asyncio.Task] = set()  # concurrent calls waiting for their inputs
         self._arg_names: dict[str, list[str]] = {}
         self._fetches: dict[tuple[int, int], asyncio.Future[msgspec.Raw]] = {}
         self._fans: dict[str, list[_Host]] = {}
@@ -153,7 +154,7 @@ class GroupHandle:
     @property
     def busy(self) -> bool:
         """Calls sent and not answered, or waiting for their inputs."""
-        return bool(self._pending or self._backlog)
+        return bool(self._pending or self._backlog or self._waiting)
 
     @property
     def store_stats(self) -> dict[int, tuple[int, int]]:
@@ -198,6 +199,9 @@ class GroupHandle:
         timeline = self._ctl.timeline
         if timeline is not None:
             timeline.call(self.name, current_node.get(), future)
+        called = called_groups.get()
+        if called is not None:
+            called.add(self.name)
         if threading.get_ident() == self._ctl._loop_thread:
             self._submit(item)
         else:
@@ -209,8 +213,10 @@ class GroupHandle:
             raise self.dead or ClosedError(f"group {self.name!r} is closed")
         has_inputs = any(isinstance(a, DistFuture) for a in (*item.args, *item.kwargs.values()))
         if self.methods[item.method].concurrent:
-            if has_inputs:
-                self._ctl.loop.create_task(self._send_when_ready(item))
+            if has_inputs:  # kept: the loop holds tasks weakly, and busy counts them
+                task = self._ctl.loop.create_task(self._send_when_ready(item))
+                self._waiting.add(task)
+                task.add_done_callback(self._waiting.discard)
             else:
                 self._send(item)
         elif has_inputs or self._backlog:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.controller.timeline import called_groups
 from asyncrl.errors import ClosedError, GroupDeadError, SpawnError
 from asyncrl.futures.future import DistFuture
 
@@ -63,6 +64,7 @@ class Recovery:
         self.events: list[RecoveryEvent] = []
         self.log_path: Path | None = None  # set: each recovery is appended there as JSON
         self._locks: dict[str, asyncio.Lock] = {}
+        self._background: set[asyncio.Task] = set()  # closes and spawns a cancel cannot stop
 
     @property
     def enabled(self) -> bool:
@@ -74,36 +76,59 @@ class Recovery:
     def _left(self, spec: GroupSpec) -> bool:
         return self.restarts[spec.name] < spec.max_restarts
 
-    def rerunnable(self, exc: BaseException) -> GroupSpec | None:
-        """The stateless group whose death `exc` reports, if it may restart."""
+    def rerunnable(self, exc: BaseException, called: set[str]) -> GroupSpec | None:
+        """The stateless group whose death `exc` reports, if it may restart and the node
+        called no group that keeps state (a re-run repeats every call: an update twice)."""
         if not isinstance(exc, GroupDeadError):
             return None
         spec = self._spec(exc.group)
-        if spec is None or spec.stateful or not self._left(spec):
+        if spec is None or spec.stateful or not self._left(spec) or self._stateful(called):
             return None
         return spec
+
+    def _stateful(self, called: set[str]) -> bool:
+        return any(s is not None and s.stateful for s in map(self._spec, called))
 
     async def respawn(self, spec: GroupSpec, cause: BaseException, count: bool = True) -> bool:
         """Replace `spec`'s group by a fresh one; False when a dead one had already been
         replaced (several calls saw the same death). Raises `cause` when the budget is spent
         (or the respawn's own failure, once it is). A respawn that fails to start is another
-        restart. count=False: a live group that has to go (hung), not counted."""
+        restart. count=False: a live group that has to go (hung), not counted.
+
+        Until its replacement is up the old handle stays: calls to it raise its death (which
+        their nodes recover from), not "not running". Closing and spawning go on if the
+        caller is cancelled (a rewind), so no group is left half closed or unowned."""
+        if self.flow._ctl is None:  # the flow has closed: nothing to bring back
+            raise cause
         lock = self._locks.setdefault(spec.name, asyncio.Lock())
         async with lock:
             old = spec.handle
             if count and old is not None and old.dead is None and not old.closing:
                 return False
             if old is not None:
-                await self.flow._ctl.close_group(old)
-            spec.handle = None
+                await self._unstoppable(self.flow._ctl.close_group(old))
             while True:
                 if count:
                     await self._count(spec, cause)
                 try:
-                    spec.handle = await self.flow._spawn(spec)
+                    await self._unstoppable(self._spawn_into(spec))
                     return True
                 except SpawnError as e:
                     cause, count = e, True
+
+    async def _spawn_into(self, spec: GroupSpec) -> None:
+        spec.handle = await self.flow._spawn(spec)
+
+    async def _unstoppable(self, work: Awaitable[Any]) -> Any:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(_settled)
+        task.add_done_callback(self._background.discard)
+        return await asyncio.shield(task)
+
+    async def finish(self) -> None:
+        """Wait for closes and spawns that went on after a cancel (before the flow closes)."""
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     async def _count(self, spec: GroupSpec, cause: BaseException) -> None:
         """One restart of `spec` against its budget, after its backoff."""
@@ -121,39 +146,37 @@ class Recovery:
         """`fn()` (a node's function with its inputs bound), re-run after each death of a
         stateless group it reports; with restarts on, what it returns is guarded."""
         while True:
+            called: set[str] = set()
             try:
-                out = fn()
-                if asyncio.iscoroutine(out):
-                    out = await out
+                out = await _attempt(fn, called)
                 break
             except GroupDeadError as e:
-                spec = self.rerunnable(e)
+                spec = self.rerunnable(e, called)
                 if spec is None:
                     raise
                 started = time.monotonic()
                 await self.respawn(spec, e)
                 self._record("rerun", [spec.name], step, node, None, e, started)
-        return self._guard(node, step, out, fn) if self.enabled else out
+        return self._guard(node, step, out, fn, called) if self.enabled else out
 
-    def _guard(self, node: str, step: int, out: Any, fn: Callable[[], Any]) -> Any:
-        from asyncrl.controller.flow import _futures
-
-        inner = _futures(out)
+    def _guard(self, node: str, step: int, out: Any, fn: Callable[[], Any],
+               called: set[str]) -> Any:
+        inner = _unique_futures(out)
         if not inner:
             return out
         loop = asyncio.get_running_loop()
         proxies = {id(f): DistFuture._new(loop, f._label) for f in inner}
-        watcher = loop.create_task(self._follow(node, step, inner, list(proxies.values()), fn))
+        watcher = loop.create_task(self._follow(node, step, inner, list(proxies.values()), fn,
+                                                called))
         self.flow._watchers.add(watcher)
         watcher.add_done_callback(self.flow._watchers.discard)
         return _replace(out, proxies)
 
     async def _follow(self, node: str, step: int, inner: list[DistFuture],
-                      proxies: list[DistFuture], fn: Callable[[], Any]) -> None:
+                      proxies: list[DistFuture], fn: Callable[[], Any], called: set[str]
+                      ) -> None:
         """Pass each inner future's result on to its stand-in; on a death a re-run repairs,
         re-run and follow the new futures. Stand-ins left unresolved fail with the cause."""
-        from asyncrl.controller.flow import _futures
-
         failure: BaseException = ClosedError(f"node {node!r} of step {step} was abandoned")
         try:
             while True:
@@ -165,15 +188,14 @@ class Recovery:
                 if not failed or all(p.done() for p in proxies):
                     return
                 failure = failed[0]._fut.exception()  # type: ignore[assignment]
-                spec = self.rerunnable(failure) or await self._died(failed[0]._label)
+                spec = self.rerunnable(failure, called) or await self._died(failed[0]._label,
+                                                                            called)
                 if spec is None:
                     return
                 started = time.monotonic()
                 await self.respawn(spec, failure)
-                out = fn()
-                if asyncio.iscoroutine(out):
-                    out = await out
-                inner = _futures(out)
+                called = set()
+                inner = _unique_futures(await _attempt(fn, called))
                 if len(inner) != len(proxies):
                     failure = RecoveryError(f"node {node!r} returned {len(inner)} futures when "
                                             f"re-run, {len(proxies)} the first time")
@@ -187,11 +209,11 @@ class Recovery:
             for p in proxies:
                 p._set_exception(failure)  # no-op for those already resolved
 
-    async def _died(self, label: str) -> GroupSpec | None:
+    async def _died(self, label: str, called: set[str]) -> GroupSpec | None:
         """The stateless group that ran `label` ("group.method"), if it turns out dead: a rank
         whose peer died fails the call before the death is declared."""
-        spec = self._spec(label.partition(".")[0])
-        if spec is None or spec.stateful or not self._left(spec):
+        spec = self._spec(label.rpartition(".")[0])  # group names may hold dots
+        if spec is None or spec.stateful or not self._left(spec) or self._stateful(called):
             return None
         dead = await self._dead_groups()
         return spec if spec in dead else None
@@ -209,6 +231,7 @@ class Recovery:
         fresh = restore is None
         if fresh and (flow._origin[0] != 0):
             return False  # no checkpoint to go back to, and the groups are not at step 0
+        flow._check_rereadable()  # before any group is touched
         await flow._abandon()
         # a call pulling from a dead rank ends at its transfer timeout; one that outlasts
         # it is hung: its group goes too (not counted against its restarts)
@@ -220,6 +243,10 @@ class Recovery:
             await self.respawn(spec, exc, count=False)
         flow._reset_sources()
         loaded = await restore() if restore is not None else False
+        if not loaded and flow._origin[0] != 0:
+            raise RecoveryError(f"no checkpoint to go back to after {type(exc).__name__}, and "
+                                f"this run started at step {flow._origin[0]}, not 0: its "
+                                f"groups' state before that step is gone")
         if not loaded:  # before the first checkpoint: back to the run's start
             for spec in flow.groups:
                 if spec.stateful and spec not in dead + stuck:
@@ -267,6 +294,24 @@ class Recovery:
                 f.write(json.dumps(asdict(event)) + "\n")
 
 
+async def _attempt(fn: Callable[[], Any], called: set[str]) -> Any:
+    """fn() (awaited if it is a coroutine), noting in `called` every group it calls."""
+    called_groups.set(called)
+    out = fn()
+    return await out if asyncio.iscoroutine(out) else out
+
+
+def _unique_futures(out: Any) -> list[DistFuture]:
+    from asyncrl.controller.flow import _futures
+
+    return list({id(f): f for f in _futures(out)}.values())  # one future may appear twice
+
+
+def _settled(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: its awaiter may have been cancelled
+
+
 def _forward(done: asyncio.Future, proxy: DistFuture, inner: DistFuture) -> None:
     if not done.cancelled() and done.exception() is None:
         proxy.busy_s = inner.busy_s
@@ -274,10 +319,12 @@ def _forward(done: asyncio.Future, proxy: DistFuture, inner: DistFuture) -> None
 
 
 def _replace(out: Any, proxies: dict[int, DistFuture]) -> Any:
+    from asyncrl.controller.flow import _rebuild
+
     if isinstance(out, DistFuture):
         return proxies[id(out)]
     if isinstance(out, list | tuple):
-        return type(out)(_replace(x, proxies) for x in out)
+        return _rebuild(out, [_replace(x, proxies) for x in out])
     if isinstance(out, dict):
         return {k: _replace(v, proxies) for k, v in out.items()}
     return out

@@ -16,6 +16,10 @@ CONTROLLER_ROW = "controller"
 # (node, step) of the node running in this task: group calls are attributed to it
 current_node: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
     "asyncrl_current_node", default=None)
+# the groups the node running in this task called (recovery re-runs a node only when none of
+# them keeps state: a re-run repeats every call)
+called_groups: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "asyncrl_called_groups", default=None)
 
 
 @dataclass(frozen=True)

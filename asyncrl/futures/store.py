@@ -40,8 +40,9 @@ class ObjectStore:
 
     def put(self, obj_id: int, value: Any, nbytes: int) -> None:
         with self._lock:
+            old = self._objects.get(obj_id)  # overwritten: its bytes are no longer held
             self._objects[obj_id] = (value, nbytes)
-            self.nbytes += nbytes
+            self.nbytes += nbytes - (old[1] if old is not None else 0)
 
     def get(self, obj_id: int) -> Any:
         entry = self._objects.get(obj_id)

@@ -27,6 +27,7 @@ from asyncrl.hybrid.models import (
     ModelConfig,
     build_model,
     build_value_model,
+    sampled_at,
     sequence_logprobs,
     sequence_values,
 )
@@ -175,10 +176,13 @@ class TrainBackend:
         b = self._on_device(b)
         if self.head == "value":
             return {"values": sequence_values(self.forward_module, *_columns(b))}
+        temperature = sampled_at(b)
         if entropy:
-            logp, ent = sequence_logprobs(self.forward_module, *_columns(b), entropy=True)
+            logp, ent = sequence_logprobs(self.forward_module, *_columns(b),
+                                          temperature=temperature, entropy=True)
             return {"logprobs": logp, "entropy": ent}
-        return {"logprobs": sequence_logprobs(self.forward_module, *_columns(b))}
+        return {"logprobs": sequence_logprobs(self.forward_module, *_columns(b),
+                                              temperature=temperature)}
 
     @torch.no_grad()
     def logprobs(self, batch: TensorBatch) -> torch.Tensor:

@@ -153,6 +153,13 @@ def _joined(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
     return ids, mask, response_mask.to(device)
 
 
+def sampled_at(batch: Any) -> float:
+    """The temperature a batch's responses were sampled at (its meta, set by the generation
+    engines; 1.0 for sequences from elsewhere): log-probs and entropies are taken at it, so
+    the trainer's ratio starts at 1 and the reference's KL compares like with like."""
+    return float(batch.meta.get("temperature", 1.0))
+
+
 def sequence_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       response_ids: torch.Tensor, response_mask: torch.Tensor,
                       temperature: float = 1.0, entropy: bool = False

@@ -26,7 +26,13 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
-from asyncrl.hybrid.models import ModelConfig, build_model, default_device, sequence_logprobs
+from asyncrl.hybrid.models import (
+    ModelConfig,
+    build_model,
+    default_device,
+    sampled_at,
+    sequence_logprobs,
+)
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
@@ -86,7 +92,7 @@ class Policy(Worker):
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
                                    bucket_bytes) if hybrid else None
-        self.version = 0  # the policy version: optimizer steps taken
+        self.version = 0  # the policy version: updates applied (train_step, Actor.update)
         self.sync_source = SyncSource()
 
     def to_train(self) -> None:
@@ -117,7 +123,9 @@ class Policy(Worker):
     def train_step(self, batch: TensorBatch) -> dict:
         self.to_train()
         self.before_weights_change()
-        return self.backend.train_step(batch)
+        out = self.backend.train_step(batch)
+        self.version += 1
+        return out
 
     @register(dispatch=GATHER_TO_ZERO)
     def sync_pack(self) -> TensorBatch | None:
@@ -204,4 +212,5 @@ class Reference(Worker):
     def logprobs(self, batch: TensorBatch) -> TensorBatch:
         return TensorBatch({"logprobs": sequence_logprobs(
             self.model, batch.tensor("prompt_ids"), batch.tensor("prompt_mask"),
-            batch.tensor("response_ids"), batch.tensor("response_mask")).cpu()})
+            batch.tensor("response_ids"), batch.tensor("response_mask"),
+            temperature=sampled_at(batch)).cpu()})

@@ -5,8 +5,10 @@
                                         ─▶ append, extend the cache, stop on a stop token
 
 Reports each sampled token's log-prob under log_softmax(logits / temperature) — the same
-quantity `models.sequence_logprobs` computes in a training forward pass — and the policy
-version of the weights that produced it ("versions").
+quantity `models.sequence_logprobs` computes in a training forward pass at that temperature,
+which the result's meta carries ("temperature": training and the reference read it, as
+verl's actor divides by the rollout temperature) — and the policy version of the weights
+that produced it ("versions").
 
 Interruptible: `load_weights` may be called from another thread (a `concurrent=True` method)
 while a generation runs; it waits for the current token step to end, swaps the weights in
@@ -147,7 +149,8 @@ class Sampler:
             cache, logits = _cache_of(res), res.logits[:, -1]
         return TensorBatch({"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
                             "response_ids": out_ids.cpu(), "response_mask": out_mask.cpu(),
-                            "logprobs": out_logp.cpu(), "versions": out_version})
+                            "logprobs": out_logp.cpu(), "versions": out_version},
+                           {"temperature": cfg.temperature})
 
     def _match(self, named: Iterable[tuple[str, torch.Tensor]],
                what: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

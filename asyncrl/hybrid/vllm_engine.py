@@ -105,7 +105,7 @@ class VLLMEngine:
         versions = torch.where(mask.bool(), self.version, -1)
         return TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                             "response_ids": ids, "response_mask": mask, "logprobs": logp,
-                            "versions": versions})
+                            "versions": versions}, {"temperature": cfg.temperature})
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:

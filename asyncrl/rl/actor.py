@@ -8,8 +8,10 @@
        `mini_batches` optimizer steps on the clipped surrogate (+ KL loss, - entropy bonus)
     -> the step's statistics, the same on every rank (one dict comes back)
 
-Every update advances the policy version, saved in checkpoints with the weights and the
-optimizer state.
+Every update advances the policy version by one, whatever its mini-batches and epochs (as
+verl and AReaL count: a version is what a weight sync carries, so `max_staleness` and a
+flow's staleness bound count the same steps); it is saved in checkpoints with the weights
+and the optimizer state.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def policy_loss(cfg: RLConfig) -> Any:
         logp, mask = out["logprobs"], micro.tensor("loss_mask")
         per_token = share(micro, "tokens")  # local means -> parts of the global means
         pg, clipfrac = ppo_policy_loss(logp, micro.tensor("logprobs"),
-                                       micro.tensor("advantages"), mask, cfg.clip, cfg.agg)
+                                       micro.tensor("advantages"), mask, cfg.clip, cfg.agg,
+                                       cfg.clip_high, cfg.dual_clip)
         loss = pg * share(micro, "tokens" if cfg.agg == "token-mean" else "seqs")
         stats = {"pg_loss": loss.detach().item(), "clipfrac": clipfrac.item() * per_token}
         entropy = masked_mean(out["entropy"], mask) * per_token
@@ -100,7 +103,7 @@ class Actor(Policy):
             for mini in train.chunk(self.rl.mini_batches):
                 runs.append(self.backend.train_step(count_globally(mini, group),
                                                     policy_loss(self.rl), entropy=True))
-                self.version += 1
+        self.version += 1
         stats = mean_stats(runs)
         return {**{f"actor/{k}": v for k, v in stats.items()}, **off_policy, **stale,
                 "time/sync_wait_s": waited,

@@ -44,21 +44,30 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, clip: float = 0.2, agg: str = "token-mean"
+                    mask: torch.Tensor, clip: float = 0.2, agg: str = "token-mean",
+                    clip_high: float | None = None, dual_clip: float | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped surrogate: per token max(-A*ratio, -A*clip(ratio, 1-clip, 1+clip)), ratio =
-    exp(logp - old_logp); aggregated "token-mean" or "seq-mean-token-mean". clipfrac: the
+    """Clipped surrogate: per token max(-A*ratio, -A*clip(ratio, 1-clip, 1+clip_high)),
+    ratio = exp(logp - old_logp), clip_high = clip unless given (DAPO's clip-higher); with
+    `dual_clip` c > 1, a negative advantage's term is at most -A*c (dual-clip PPO, verl's
+    clip_ratio_c). Aggregated "token-mean" or "seq-mean-token-mean" (the mean over the rows
+    that have a token in the mask: padding and dropped rows count in neither). clipfrac: the
     share of masked tokens where the clipped term is the larger."""
     m = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
+    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + (clip if clip_high is None
+                                                              else clip_high))
     per_token = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * dual_clip),
+                                per_token)
     tokens = m.sum().clamp(min=1)
     if agg == "token-mean":
         loss = (per_token * m).sum() / tokens
     elif agg == "seq-mean-token-mean":
-        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+        rows = (m.sum(1) > 0).sum().clamp(min=1)
+        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum() / rows
     else:
         raise ValueError(f"ppo_policy_loss: agg is 'token-mean' or 'seq-mean-token-mean', got "
                          f"{agg!r}")

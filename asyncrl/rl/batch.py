@@ -90,8 +90,10 @@ def _kl(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
 
 def token_rewards(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
     """The score on each row's last response token, minus kl_coef * KL per token when the
-    KL is in the reward."""
-    mask = batch.tensor("loss_mask")
+    KL is in the reward. Taken on the response mask, not the loss mask: a sample dropped as
+    too stale keeps its reward (it still counts in its GRPO group's baseline, as it does
+    without the KL in the reward)."""
+    mask = batch.tensor("response_mask").float()
     lengths = mask.sum(1).long()
     rewards = torch.zeros_like(mask)
     rows = torch.arange(len(batch))

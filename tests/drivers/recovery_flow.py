@@ -1,6 +1,7 @@
 """A two-group flow for the recovery tests: a stateless scorer and a stateful trainer.
 
-    step t ──▶ score (scorer: t * 10) ──▶ train (trainer: appends (t, score) to its history)
+    step t ──▶ score (scorer: t * 10) ──▶ train (trainer: appends (t, score) to its history;
+                                                 with mixed=1, then asks the scorer to echo t)
 
 `hold=<group>:<step>`: that group's call of that step, on its first try only, writes its pid
 to `<marks>/<group>.pid` and waits there until the test kills or stops it. The trainer's
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import asyncrl
 
-cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2)
+cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 
 
@@ -39,6 +40,11 @@ class Scorer(asyncrl.Worker):
     def score(self, step):
         _hold("scorer", step)
         return step * 10
+
+    @asyncrl.register(dispatch="rank_zero")
+    def echo(self, step):
+        _hold("echo", step)
+        return step
 
 
 class Trainer(asyncrl.Worker):
@@ -70,8 +76,11 @@ def score(step):
 
 
 @asyncrl.node
-def train(step, score):
-    return trainer.train(step, score)
+async def train(step, score):
+    out = trainer.train(step, score)
+    if cfg["mixed"]:  # a stateless group called after a stateful one: never re-run
+        assert await scorer.echo(step) == step
+    return out
 
 
 flow = asyncrl.DataFlow(nodes=[score, train], inputs={"step": list(range(cfg["steps"]))},
