@@ -105,6 +105,11 @@ def launch(args: argparse.Namespace) -> int:
                              f"pass asyncrl.Controller(encrypt=True) there")
         result = run(main()) if inspect.iscoroutinefunction(main) else main()
         return int(result) if isinstance(result, int) else 0
+    stray = [a for a in args.args if "=" not in a]  # a flow takes key=value overrides only
+    if stray:
+        raise SystemExit(f"asyncrl launch: unrecognized arguments: {' '.join(stray)}; "
+                         f"{args.script} defines a flow, which takes key=value overrides "
+                         f"after the options (see `asyncrl launch --help`)")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
     if args.checkpoint_every is not None:
@@ -321,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command not in ("launch", "bench"):
         parser().error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides (or a driver's own arguments) after the options
+        if "--" in extra:  # argparse keeps the "--" that ends our options when some precede it
+            extra.remove("--")
         args.args = [*args.args, *extra]
     try:
         return args.func(args)

@@ -41,3 +41,37 @@ def test_launch_errors_are_clear(tmp_path):
     out = cli("launch", "examples/flow.py", "--checkpoint-every", "0")
     assert out.returncode != 0 and "--checkpoint-every must be >= 1, got 0" in out.stderr
 
+
+
+def test_launch_passes_a_driver_the_arguments_after_dash_dash_without_it(tmp_path,
+                                                                          monkeypatch):
+    import json
+
+    from asyncrl.cli import main
+
+    seen = tmp_path / "argv.json"
+    driver = tmp_path / "argv_driver.py"
+    driver.write_text(f"import json, pathlib, sys\n\ndef main():\n"
+                      f"    pathlib.Path({str(seen)!r}).write_text(json.dumps(sys.argv[1:]))\n")
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # launch sets the driver's
+    for argv in (["--steps", "3", "--", "--foo", "bar"], ["--", "--foo", "bar"]):
+        assert main(["launch", str(driver), *argv]) == 0
+        assert json.loads(seen.read_text()) == ["--foo", "bar"], argv
+
+
+def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
+    import pytest
+
+    import asyncrl.cli
+    from asyncrl.controller.declare import OVERRIDES_ENV
+
+    def never(*args, **kwargs):
+        raise AssertionError("the flow ran despite a mistyped option")
+
+    flow = tmp_path / "typo_flow.py"
+    flow.write_text("import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
+    monkeypatch.setattr(asyncrl.cli, "run", never)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    monkeypatch.setenv(OVERRIDES_ENV, "{}")  # launch sets the overrides for the import
+    with pytest.raises(SystemExit, match=r"unrecognized arguments: --stpes 3; .*key=value"):
+        asyncrl.cli.main(["launch", str(flow), "lr=0.1", "--stpes", "3"])

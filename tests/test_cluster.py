@@ -191,3 +191,63 @@ def test_a_group_across_network_namespaces_as_separate_hosts(namespaces):
     assert sorted(w["host"] for w in where) == ["asr_a", "asr_b"]
     assert all(w["sum"] == 3.0 for w in where)
     assert y["y"].tolist() == [0, 2, 4, 6]
+
+
+def test_cluster_never_hands_out_the_slots_of_a_running_group():
+    cluster = Cluster([HostSpec("h", "h", gpus=8)])
+    assert cluster.spread("A", 4)[0][1] == [0, 1, 2, 3]
+    assert cluster.spread("B", 4)[0][1] == [4, 5, 6, 7]
+    cluster.forget("A")
+    assert cluster.spread("C", 4)[0][1] == [0, 1, 2, 3]  # A's, not B's
+    cluster.forget("B")
+    assert cluster.spread("D", 2)[0][1] == [4, 5]
+    with pytest.raises(asyncrl.PlacementError, match=r"of the hosts \[\('h', 2\)\]"):
+        cluster.spread("E", 4)  # only 6, 7 are free
+    two = Cluster([HostSpec("a", "a", gpus=4), HostSpec("b", "b", gpus=4)])
+    two.spread("x", 2)  # a: 0, 1
+    two.spread("y", 2)  # b: 0, 1
+    two.spread("z", 2)  # a: 2, 3
+    two.forget("x")
+    assert [(h.name, s) for h, s in two.spread("w", 4)] == [("a", [0, 1]), ("b", [2, 3])]
+
+
+class _NoLogFolder(asyncrl.Controller):
+    """Its agents cannot open their log files: a start that fails before any process runs."""
+
+    blocker = "/dev/null"  # a file, where the log folder would be
+
+    def _make_agent(self, name, nprocs, extra):
+        from pathlib import Path
+
+        agent = super()._make_agent(name, nprocs, extra)
+        for a in agent.agents:
+            a.log_path = Path(self.blocker) / f"{name}.{a.host}.log"
+        return agent
+
+
+def test_a_cluster_refuses_constraints_it_cannot_honour_and_frees_failed_starts(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+
+    async def main():
+        async with _NoLogFolder(cluster=loopback_hosts(), echo_logs=False) as ctl:
+            ctl.blocker = str(blocker)
+            cluster = ctl.cluster
+            for place in (asyncrl.colocate_with("x"), asyncrl.share_gpus(2),
+                          asyncrl.nvlink_group(2), asyncrl.same_host_as("x")):
+                with pytest.raises(asyncrl.PlacementError) as e:
+                    await ctl.spawn(Spread, nprocs=1, name="g", place=place)
+                assert f"place={place!r} is not supported on a cluster (--hosts or SLURM) " \
+                    "yet" in str(e.value) and f"drop {place.kind}" in str(e.value)
+            with pytest.raises(asyncrl.PlacementError, match="names a group that is not placed"):
+                await ctl.spawn(Spread, nprocs=1, name="g", place=asyncrl.separate_from("x"))
+            with pytest.raises(OSError):  # the agents cannot start: what they took is freed
+                await ctl.spawn(Spread, nprocs=2, name="g")
+            assert ctl.groups == {} and cluster._groups == {}
+            assert not any(cluster._taken.values())
+    run(main(), timeout=60)
+    # separate_from holds by itself: groups never share a cluster's slots
+    cluster = Cluster([HostSpec("h", "h", gpus=4)])
+    cluster.spread("a", 2)
+    cluster.check_place("b", asyncrl.separate_from("a"))
+    assert cluster.spread("b", 2)[0][1] == [2, 3]

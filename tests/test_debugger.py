@@ -4,8 +4,13 @@ completes after `c`; the group's next call waits, another group goes on."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import os
+import queue
+import socket
 import sys
+import threading
 
 import pytest
 from helpers import ROOT, assert_gone, group_pids, poll_until, run
@@ -38,8 +43,9 @@ def test_attach_drives_pdb_in_a_rank_and_the_call_completes(tmp_path):
             other = await ctl.spawn(Other, nprocs=1, name="other")
             pids = group_pids(stops) + group_pids(other)
             call = stops.compute(21)
-            session = tmp_path / "debug" / "stops-0.json"
-            await poll_until(session.is_file, 60, "the rank to wait for a debugger")
+            await poll_until(lambda: any((tmp_path / "debug").glob("stops-0-*.json")), 60,
+                             "the rank to wait for a debugger")
+            session = next((tmp_path / "debug").glob("stops-0-*.json"))
             info = json.loads(session.read_text())
             assert info["where"].endswith("in compute") and (session.stat().st_mode & 0o77) == 0
             later = stops.ping()  # waits behind the call in the debugger
@@ -62,7 +68,7 @@ def test_attach_drives_pdb_in_a_rank_and_the_call_completes(tmp_path):
     assert_gone(pids)
     assert "attached to stops:0" in out and "42" in out and "continuing" in out
     assert result == [43]
-    assert not (tmp_path / "debug" / "stops-0.json").exists()
+    assert not any((tmp_path / "debug").glob("stops-0-*.json"))
 
 
 def test_attach_says_who_waits_when_the_choice_is_wrong(tmp_path, capsys):
@@ -70,3 +76,159 @@ def test_attach_says_who_waits_when_the_choice_is_wrong(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match="no rank waits for a debugger .* waiting: none"):
         main(["attach", str(tmp_path)])
+
+
+# -- in process: a thread stops in breakpoint(), the test is the attach client ---------------
+class _Rank:
+    """breakpoint() on threads of this process, as on a rank's threads; `stops` says when
+    one waits for a debugger (the line it prints comes after its session file)."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        from asyncrl.actors import debugger
+
+        self.dir = tmp_path
+        self.stops: queue.Queue[str] = queue.Queue()
+        self.results: dict[str, object] = {}
+        monkeypatch.setenv(debugger.DEBUG_DIR_ENV, str(tmp_path / "debug"))
+        monkeypatch.setenv("ASYNCRL_GROUP", "g")
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setattr(debugger, "print", lambda *a, **k: self.stops.put(a[0]),
+                            raising=False)
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, fn) -> None:
+        def body() -> None:
+            try:
+                self.results[name] = fn()
+            except BaseException as e:  # noqa: BLE001 - the test looks at it
+                self.results[name] = e
+        thread = threading.Thread(target=body, name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def next_stop(self) -> str:
+        return self.stops.get(timeout=30)
+
+    def session(self, where: str = "") -> dict:
+        from asyncrl.controller.attach import waiting
+
+        found = [s for s in waiting(self.dir) if where in s["where"]]
+        assert len(found) == 1, found
+        return found[0]
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(30)
+            assert not thread.is_alive(), f"{thread.name} is still in the debugger"
+
+
+def _connect(session: dict, token: bytes | None = None) -> socket.socket:
+    sock = socket.create_connection((session["host"], session["port"]), timeout=30)
+    sock.sendall((session["token"].encode() if token is None else token) + b"\n")
+    return sock
+
+
+def _until(sock: socket.socket, marker: bytes) -> str:
+    got = b""
+    while marker not in got:
+        data = sock.recv(65536)
+        if not data:
+            break
+        got += data
+    return got.decode()
+
+
+def _helper(x: int) -> int:
+    doubled = x * 2
+    return doubled
+
+
+def _stops_then_calls_helper() -> int:
+    x = 20
+    asyncrl.breakpoint()
+    return _helper(x) + 2
+
+
+@pytest.fixture
+def rank(tmp_path, monkeypatch):
+    import bdb
+
+    yield _Rank(tmp_path, monkeypatch)
+    bdb.Breakpoint.clearBreakpoints()  # pdb keeps breakpoints process-wide
+
+
+def test_a_breakpoint_set_in_pdb_waits_for_a_new_attach_after_continue(rank):
+    rank.start("call", _stops_then_calls_helper)
+    assert "in _stops_then_calls_helper" in rank.next_stop()
+    with _connect(rank.session()) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"b _helper\n")
+        assert "Breakpoint" in _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"c\n")
+        said = _until(sock, b"\n")
+    assert "continuing; 1 breakpoint(s) set" in said and "asyncrl attach" in said
+    assert "in _helper" in rank.next_stop()  # not a write to the closed connection
+    with _connect(rank.session("in _helper")) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"p x\n")
+        assert _until(sock, b"(asyncrl-pdb g:0)").startswith("20\n")
+        sock.sendall(b"c\n")
+        assert "continuing" in _until(sock, b"\n")
+    rank.join()
+    assert rank.results == {"call": 42}
+
+
+def test_a_token_with_non_ascii_bytes_is_refused_and_the_rank_still_waits(rank):
+    rank.start("call", _stops_then_calls_helper)
+    rank.next_stop()
+    session = rank.session()
+    with _connect(session, "é".encode() + b"\xff") as bad:
+        assert bad.recv(100) == b""  # refused: the rank closed it
+    assert "call" not in rank.results  # still waiting, not failed
+    with _connect(session) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"c\n")
+        _until(sock, b"\n")
+    rank.join()
+    assert rank.results == {"call": 42}
+
+
+def test_the_attach_client_going_away_lets_the_method_go_on(rank):
+    rank.start("call", _stops_then_calls_helper)
+    rank.next_stop()
+    with _connect(rank.session()) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")  # then the client leaves without `c`
+    rank.join()
+    assert rank.results == {"call": 42}  # not BdbQuit
+
+
+def test_two_breakpoints_of_one_rank_are_each_reachable(rank, tmp_path):
+    from asyncrl.controller.attach import attach, choose, waiting
+
+    def other() -> str:
+        asyncrl.breakpoint()
+        return "other"
+
+    rank.start("first", _stops_then_calls_helper)
+    assert "in _stops_then_calls_helper" in rank.next_stop()
+    rank.start("second", other)
+    assert "in other" in rank.next_stop()
+    sessions = waiting(tmp_path)
+    assert sorted(s["thread"] for s in sessions) == ["first", "second"]
+    with pytest.raises(LookupError, match="several ranks"):  # other ranks: still asked
+        choose([*sessions, {**sessions[0], "rank": 1}], "g", None)
+    for expected, also in (("first", "in other"), ("second", None)):
+        session = choose(waiting(tmp_path), "g", 0)  # the longest waiting first
+        assert session["thread"] == expected
+        assert (also in session["also"][0]) if also else session["also"] == []
+        keys, typed = os.pipe()
+        os.write(typed, b"c\n")
+        os.close(typed)
+        out = io.StringIO()
+        with open(keys, "rb") as stdin:
+            attach(session, stdin, out)
+        assert f"(thread {expected})" in out.getvalue() and "continuing" in out.getvalue()
+        assert ("also waits at" in out.getvalue()) == bool(also)
+    rank.join()
+    assert rank.results == {"first": 42, "second": "other"}
+    assert waiting(tmp_path) == []

@@ -3,6 +3,7 @@ controller, failing and slow construction. No process may outlive its controller
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -31,6 +32,15 @@ class Sleeper(asyncrl.Worker):
     @asyncrl.register
     def pid(self):
         return os.getpid()
+
+    @asyncrl.register(concurrent=True)
+    def open(self):
+        self.gate.set()
+        return True
+
+    @asyncrl.register(concurrent=True)
+    def take(self, value):
+        return value
 
     @asyncrl.register
     def say(self, text):
@@ -80,6 +90,27 @@ def test_exception_in_the_block_shuts_groups_down():
     with pytest.raises(KeyError, match="user bug"):
         run(main())
     assert_gone(pids)
+
+
+def test_closing_a_group_fails_its_concurrent_calls_still_waiting_for_inputs():
+    """A concurrent call waits for its inputs on the controller; closing its group fails it
+    at once, not when the inputs arrive (here: never, until the test opens the gate)."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            source = await ctl.spawn(Sleeper, name="source")
+            taker = await ctl.spawn(Sleeper, name="taker")
+            pids = group_pids(source) + group_pids(taker)
+            gated = source.wait(60)
+            waiting = taker.take(gated)
+            assert taker.busy  # counted while it waits for `gated`
+            await ctl.close_group(taker)
+            with pytest.raises(asyncrl.ClosedError):
+                await asyncio.wait_for(waiting, 10)
+            assert not taker.busy
+            await source.open()
+            assert await gated == [True]
+            return pids
+    assert_gone(run(main()))
 
 
 def test_killed_rank_fails_pending_calls_with_group_dead_error():

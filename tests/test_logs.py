@@ -69,3 +69,62 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
                           "critic", "--rank", "0"], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)
     assert bad.returncode != 0 and "actor:1" in bad.stderr
+
+
+def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):
+    import threading
+
+    from asyncrl.actors.output import LINE_CAP, OutputCapture, split_lines
+
+    assert split_lines(b"a\r\nb\n\nc\r d\r e") == ([b"a", b"b", b"", b"c", b" d"], b" e")
+    sent: list[str] = []
+    first = threading.Event()
+
+    def send(lines: list[str], dropped: int) -> None:
+        assert dropped == 0
+        sent.extend(lines)
+        first.set()
+
+    capture = OutputCapture(send)  # fed from a pipe of ours instead of fds 1 and 2
+    read_fd, write_fd = os.pipe()
+    capture._read_fd, capture._original = read_fd, os.open(os.devnull, os.O_WRONLY)
+    pump = threading.Thread(target=capture._pump, daemon=True)
+    pump.start()
+    try:
+        os.write(write_fd, b"\r 10%|#    |\r 20%|##   |")  # tqdm: no newline until the end
+        assert first.wait(30), "a progress bar's redraws were held back for a newline"
+        assert sent == [" 10%|#    |"]
+        long = "é" * LINE_CAP  # 2 * LINE_CAP bytes, never a newline
+        os.write(write_fd, long.encode())
+    finally:
+        os.close(write_fd)  # the last writer: the pump sends the rest and returns
+        pump.join(30)
+        os.close(read_fd)
+        os.close(capture._original)
+    assert not pump.is_alive()
+    assert sent[1].startswith(" 20%|##   |é") and "".join(sent[1:]) == " 20%|##   |" + long
+    assert len(sent) > 2 and all(len(x.encode()) <= LINE_CAP for x in sent)
+
+
+def test_a_respawned_agent_reports_only_its_own_part_of_the_shared_log(tmp_path):
+    import threading
+
+    from asyncrl.controller.launcher import Agent
+
+    def agent_printing(text: str) -> Agent:  # an agent whose "torchrun" prints `text`, exits
+        done = threading.Event()
+        agent = Agent("g", 1, dict(os.environ), tmp_path / "g.log", die_with_parent=False,
+                      command=[sys.executable, "-c", f"print({text!r})"])
+        agent.start(lambda code: done.set())
+        assert done.wait(60)
+        agent.wait()
+        return agent
+
+    failed = agent_printing(
+        "old: Traceback boom\n[E] failed (exitcode: 1) local_rank: 1\nRoot Cause (first "
+        "observed failure):\n  rank      : 1 (local_rank: 1)\n  exitcode  : 7 (pid: 9)")
+    assert failed.tail() == "old: Traceback boom" and failed.root_cause() == (1, 7)
+    again = agent_printing("new: the respawned group's line")  # appends to the same file
+    assert "old:" in (tmp_path / "g.log").read_text()
+    assert again.tail() == "new: the respawned group's line"
+    assert again.root_cause() is None

@@ -289,13 +289,28 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus(pool, prefix, monkeypatch)
     def full(fd, offset, size):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(OSError, match=r"cannot reserve a 65536-byte shared-memory segment in "
+    with pytest.raises(OSError, match=r"cannot reserve 100 bytes of shared memory in "
                                       r"/dev/shm .*--shm-size") as info:
         pool.acquire(100)
     assert info.value.errno == errno.ENOSPC
     assert files(prefix) == [] and pool.stats().segments == 0  # nothing left behind
     monkeypatch.undo()
-    assert pool.acquire(100).size == 64 * 1024  # it works again once there is room
+    lease = pool.acquire(100)  # it works again once there is room
+    assert lease.size == 64 * 1024
+    lease.release()
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert pool.acquire(100).size == 64 * 1024  # reserved already: no new reservation
+    with pytest.raises(OSError, match="cannot reserve 40000 bytes"):
+        pool.acquire(40_000)  # the same segment, more of it: refused, the segment kept
+    assert pool.stats().segments == 1
+
+
+def test_a_lease_reserves_the_bytes_it_asked_for_not_the_rounded_size(pool, prefix):
+    lease = pool.acquire(300 * 1024)  # a 512 KiB segment
+    assert lease.size == 512 * 1024
+    [name] = files(prefix)
+    held = os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
+    assert 300 * 1024 <= held < 512 * 1024
 
 
 def test_mapper_unmaps_segments_their_owner_unlinked(pool):

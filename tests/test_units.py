@@ -353,3 +353,127 @@ def test_object_store_counts_an_overwritten_object_once():
     assert store.nbytes == 30 and store.get(1) == "b"
     store.free([1])
     assert store.nbytes == 0
+
+
+def test_a_call_whose_exception_cannot_be_shown_still_gets_a_result():
+    from types import SimpleNamespace
+
+    from asyncrl.actors.rank_main import _Executor
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    class Fails:
+        def unprintable(self):
+            raise Unprintable()
+
+        def surrogate(self):  # os.fsdecode'd file names carry lone surrogates
+            raise FileNotFoundError("no file b'\udcff'")
+
+    sent: list = []
+    ex = object.__new__(_Executor)  # no sockets: the Results land in `sent`, encoded as sent
+    ex.main = SimpleNamespace(worker=Fails(), rank=3)
+    ex.sock = SimpleNamespace(send=lambda m: sent.append(messages.decode(messages.encode(m))))
+    ex.data = SimpleNamespace(materialize=lambda x: x)
+    payload = msgspec.Raw(codec.encode_call((), {}, []))
+    ex.run_call(messages.Call(1, "unprintable", payload))
+    ex.run_call(messages.Call(2, "surrogate", payload))
+    assert [(r.call_id, r.rank) for r in sent] == [(1, 3), (2, 3)]
+    assert sent[0].error.type.endswith("Unprintable")
+    assert "Unprintable raised RuntimeError; its message is lost" in sent[0].error.message
+    assert "Unprintable" in sent[0].error.traceback
+    assert sent[1].error.message == "no file b'\\udcff'"
+
+
+# -- placement on one described host -----------------------------------------------------------
+def test_placement_forget_frees_exactly_what_place_counted():
+    from asyncrl.controller.placement import Host, Placer
+
+    p = Placer(Host(8, (0, 1)))
+    assert p.place("actor", 4, None).devices == [0, 1, 2, 3]
+    # 2 ranks on actor's 4 GPUs: ranks use GPUs 0 and 1, and closing it frees those two
+    assert p.place("ref", 2, asyncrl.colocate_with("actor")).devices == [0, 1, 2, 3]
+    p.forget("ref")
+    assert p.place("next", 2, None).devices == [4, 5]  # not actor's GPUs 2, 3
+    # share_gpus: 4 ranks on 2 GPUs count twice each, and are forgotten twice each
+    p.place("shared", 4, asyncrl.share_gpus(2))
+    p.forget("shared")
+    p.forget("next")
+    assert {d: n for d, n in p._use.items() if n} == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert p.place("last", 4, None).devices == [4, 5, 6, 7]
+
+
+def test_placement_nvlink_group_stays_within_one_aligned_domain():
+    from asyncrl.controller.placement import Host, Placer
+
+    p = Placer(Host(8, (0, 1)))
+    p.place("small", 2, None)  # GPUs 0, 1
+    assert p.place("nv", 4, asyncrl.nvlink_group(4)).devices == [4, 5, 6, 7]  # not 2-5
+    assert p.place("nv2", 2, asyncrl.nvlink_group(2)).devices == [2, 3]
+    apart = Placer(Host(8, (0, 1)))
+    apart.place("a", 2, None)  # GPUs 0, 1
+    apart.place("b", 2, asyncrl.separate_from("a"))  # GPUs 2, 3
+    apart.place("c", 1, None)  # GPU 4
+    # 6 GPUs are free of a and c, but no aligned block of 4 holds 4 of them
+    with pytest.raises(asyncrl.PlacementError) as e:
+        apart.place("nv", 4, [asyncrl.nvlink_group(4), asyncrl.separate_from("a"),
+                              asyncrl.separate_from("c")])
+    assert "nvlink_group(4) needs its 4 GPU(s) within one NVLink domain" in str(e.value)
+    assert "GPUs 0-3, 4-7" in str(e.value) and "drop nvlink_group" in str(e.value)
+    assert "nv" not in apart.placed
+    # colocated on GPUs of two domains
+    apart.place("d", 2, None)  # GPUs 5, 6
+    with pytest.raises(asyncrl.PlacementError, match=re.escape(
+            "colocate_with(d) puts it on GPUs [5, 6], which are not within one NVLink domain")):
+        apart.place("co", 2, [asyncrl.colocate_with("d"), asyncrl.nvlink_group(2)])
+
+
+def test_placement_refuses_more_ranks_than_colocated_gpus_without_share_gpus():
+    from asyncrl.controller.placement import Host, Placer
+
+    p = Placer(Host(8, (0, 1)))
+    p.place("actor", 2, None)
+    with pytest.raises(asyncrl.PlacementError) as e:
+        p.place("ref", 4, asyncrl.colocate_with("actor"))
+    assert "group 'ref': colocate_with(actor) puts its 4 ranks on the 2 GPU(s) [0, 1], 2 " \
+        "ranks per GPU" in str(e.value)
+    assert "nprocs <= 2" in str(e.value) and "asyncrl.share_gpus(2)" in str(e.value)
+    assert "ref" not in p.placed
+    assert p.place("ref", 4, [asyncrl.colocate_with("actor"), asyncrl.share_gpus(2)]).env == \
+        {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert p.place("hybrid", 2, asyncrl.colocate_with("actor")).devices == [0, 1]
+
+
+class _Idle(asyncrl.Worker):
+    pass
+
+
+class _NoLogFolder(asyncrl.Controller):
+    """Its agents cannot open their log files: a start that fails before any process runs."""
+
+    blocker = "/dev/null"  # a file, where the log folder would be
+
+    def _make_agent(self, name, nprocs, extra):
+        from pathlib import Path
+
+        agent = super()._make_agent(name, nprocs, extra)
+        for a in getattr(agent, "agents", [agent]):
+            a.log_path = Path(self.blocker) / f"{name}.log"
+        return agent
+
+
+def test_placement_of_a_group_whose_agent_failed_to_start_is_freed(tmp_path):
+    import asyncio
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+
+    async def main():
+        async with _NoLogFolder(echo_logs=False) as ctl:
+            ctl.blocker = str(blocker)
+            with pytest.raises(OSError):
+                await ctl.spawn(_Idle, nprocs=1, name="idle")
+            assert ctl.groups == {} and ctl.placer.placed == {}
+            assert not any(ctl.placer._use.values())
+    asyncio.run(asyncio.wait_for(main(), 60))

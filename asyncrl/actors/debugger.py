@@ -1,12 +1,16 @@
 """`breakpoint()` inside a worker: a pdb session the user reaches with `asyncrl attach`.
 
-    rank: breakpoint() ──▶ listen on 127.0.0.1:<free port> ──▶ RUN_DIR/debug/<group>-<rank>.json
-          (host, port, pid, where, a one-time token; the file is 0600)
+    rank: breakpoint() ──▶ listen on 127.0.0.1:<free port>
+          ──▶ RUN_DIR/debug/<group>-<rank>-<thread>.json (one per waiting breakpoint: a
+          concurrent=True call may stop beside the in-order one; host, port, pid, thread,
+          where, a one-time token; the file is 0600)
           prints "<group>:<rank> waits for a debugger: asyncrl attach RUN_DIR"
     user: asyncrl attach RUN_DIR ──▶ lists waiting ranks ──▶ connects, sends the token ──▶ pdb
 
-The call stays in the debugger until the user continues (`c`); the group's later calls wait
-behind it, other groups go on, heartbeats keep flowing (they run on another thread).
+The call stays in the debugger until the user continues (`c`, or the attach client goes
+away: its connection closes either way); a breakpoint set with `b` then waits for a new
+`asyncrl attach` when reached. The group's later calls wait behind it, other groups go on,
+heartbeats keep flowing (they run on another thread).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import pdb
 import secrets
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,25 +31,37 @@ TOKEN_TIMEOUT_S = 10.0
 
 
 class _Conn:
-    """The socket as the text stream pdb reads and writes."""
+    """The socket as the text stream pdb reads and writes. A client that went away reads as
+    end of input (pdb then continues), and what is written after that is dropped."""
 
     def __init__(self, sock: socket.socket):
         self._sock = sock
         # two streams: one text stream for both would drop what it read ahead on a write
         self._in = sock.makefile("r", encoding="utf-8", newline="\n")
         self._out = sock.makefile("w", buffering=1, encoding="utf-8", newline="\n")
+        self.closed = False
 
     def readline(self) -> str:
-        return self._in.readline()
+        try:
+            return self._in.readline()
+        except (OSError, ValueError):  # reset by the client, or closed here
+            return ""
 
     def write(self, text: str) -> int:
-        self._out.write(text)
+        try:
+            self._out.write(text)
+        except (OSError, ValueError):
+            pass
         return len(text)
 
     def flush(self) -> None:
-        self._out.flush()
+        try:
+            self._out.flush()
+        except (OSError, ValueError):
+            pass
 
     def close(self) -> None:
+        self.closed = True
         for closing in (self._in.close, self._out.close, self._sock.close):
             try:
                 closing()
@@ -52,7 +69,7 @@ class _Conn:
                 pass
 
 
-def _token_line(conn: socket.socket) -> str:
+def _token_line(conn: socket.socket) -> bytes:
     """The first line, byte by byte: what follows it is pdb's, and must stay unread."""
     line = b""
     try:
@@ -62,8 +79,8 @@ def _token_line(conn: socket.socket) -> str:
                 break
             line += byte
     except OSError:
-        return ""
-    return line.decode(errors="replace").strip()
+        return b""
+    return line.strip()  # bytes: compare_digest refuses str with non-ASCII characters
 
 
 def _wait_for_debugger(folder: Path, where: str) -> _Conn:
@@ -74,12 +91,15 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     server.listen(1)
     token = secrets.token_hex(16)
     folder.mkdir(parents=True, exist_ok=True)
-    session = folder / f"{group}-{rank}.json"
+    _remove_stale(folder, group, int(rank))
+    thread = threading.current_thread()
+    session = folder / f"{group}-{rank}-{thread.ident}.json"
     fd = os.open(session, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"group": group, "rank": int(rank), "pid": os.getpid(),
-                   "host": "127.0.0.1", "port": server.getsockname()[1], "token": token,
-                   "where": where, "since": time.time()}, f)
+                   "thread": thread.name, "host": "127.0.0.1",
+                   "port": server.getsockname()[1], "token": token, "where": where,
+                   "since": time.time()}, f)
     print(f"[asyncrl] {group}:{rank} waits for a debugger at {where}: run "
           f"`asyncrl attach {folder.parent}`", file=sys.stderr, flush=True)
     try:
@@ -87,13 +107,25 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
             conn, _ = server.accept()
             conn.settimeout(TOKEN_TIMEOUT_S)
             sent = _token_line(conn)
-            if secrets.compare_digest(sent, token):
+            if secrets.compare_digest(sent, token.encode()):
                 conn.settimeout(None)
                 return _Conn(conn)
             conn.close()  # a wrong or missing token: not our user
     finally:
         server.close()
         session.unlink(missing_ok=True)
+
+
+def _remove_stale(folder: Path, group: str, rank: int) -> None:
+    """Remove sessions this group and rank left from an earlier process (one killed while it
+    waited): nobody would answer there."""
+    for path in folder.glob("*.json"):
+        try:
+            old = json.loads(path.read_text())
+            if old["group"] == group and old["rank"] == rank and old["pid"] != os.getpid():
+                path.unlink()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # another rank's, being written or removed right now
 
 
 def breakpointhook(*args: Any, **kwargs: Any) -> None:
@@ -111,27 +143,44 @@ def _break(frame: Any) -> None:
     if not folder:
         print("[asyncrl] breakpoint() without a run directory: ignored", file=sys.stderr)
         return
-    where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-    conn = _wait_for_debugger(Path(folder), where)
-    debugger = pdb.Pdb(stdin=conn, stdout=conn)  # type: ignore[arg-type]
-    debugger.use_rawinput = False
+    debugger = _RemotePdb(_wait_for_debugger(Path(folder), _where(frame)), Path(folder))
     debugger.prompt = f"(asyncrl-pdb {os.environ.get('ASYNCRL_GROUP')}:" \
                       f"{os.environ.get('RANK')}) "
-    _close_on_exit(debugger, conn)
     debugger.set_trace(frame)
 
 
-def _close_on_exit(debugger: pdb.Pdb, conn: _Conn) -> None:
-    """Close the connection when the user continues (pdb stops tracing)."""
-    original = debugger.set_continue
+def _where(frame: Any) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
-    def set_continue() -> None:
-        original()
-        conn.write("[asyncrl] continuing\n")
-        conn.flush()
-        conn.close()
 
-    debugger.set_continue = set_continue  # type: ignore[method-assign]
+class _RemotePdb(pdb.Pdb):
+    """pdb over the attach connection, which it closes when the user continues; a breakpoint
+    reached after that waits for a new attach."""
+
+    def __init__(self, conn: _Conn, folder: Path):
+        super().__init__(stdin=conn, stdout=conn)  # type: ignore[arg-type]
+        self.use_rawinput = False
+        self._conn, self._folder = conn, folder
+
+    def interaction(self, frame: Any, traceback: Any) -> None:
+        if self._conn.closed:  # stopped at a breakpoint after `c`: nobody is connected
+            self._conn = _wait_for_debugger(self._folder, _where(frame))
+            self.stdin = self.stdout = self._conn  # type: ignore[assignment]
+        super().interaction(frame, traceback)
+
+    def set_continue(self) -> None:
+        super().set_continue()
+        left = sum(len(lines) for lines in self.get_all_breaks().values())
+        note = (f"; {left} breakpoint(s) set: reaching one waits for `asyncrl attach` again "
+                f"(`cl FILE:LINE` clears one)" if left else "")
+        self._conn.write(f"[asyncrl] continuing{note}\n")
+        self._conn.flush()
+        self._conn.close()
+
+    def do_EOF(self, arg: str) -> bool:
+        """The attach client went away: let the method go on, as `c` would."""
+        self.do_continue(arg)
+        return True
 
 
 def install() -> None:

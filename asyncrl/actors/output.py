@@ -1,4 +1,6 @@
-"""A rank's stdout and stderr, streamed to the controller line by line.
+"""A rank's stdout and stderr, streamed to the controller line by line (a line ends at a
+newline, at a carriage return: each redraw of a progress bar is a line, or after LINE_CAP
+bytes without either).
 
     fd 1, fd 2 ──▶ pipe ──▶ reader thread ──▶ the original stdout (torchrun's group log
                                           │    keeps every byte, as before)
@@ -18,6 +20,26 @@ import time
 from collections.abc import Callable
 
 FLUSH_S = 0.1
+LINE_CAP = 64 * 1024  # output without a line end is sent in pieces of this size
+
+
+def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
+    """The complete lines of `data`, and the rest (at most LINE_CAP bytes) to complete. A
+    carriage return ends a line like a newline, but makes no empty line of its own (CRLF,
+    tqdm's leading one)."""
+    *complete, rest = data.split(b"\n")
+    lines: list[bytes] = []
+    for line in complete:
+        lines.extend([piece for piece in line.split(b"\r") if piece] or [b""])
+    *redrawn, rest = rest.split(b"\r")
+    lines.extend(piece for piece in redrawn if piece)
+    while len(rest) > LINE_CAP:
+        cut = LINE_CAP
+        while cut > LINE_CAP - 3 and rest[cut] & 0xC0 == 0x80:  # not inside a UTF-8 char
+            cut -= 1
+        lines.append(rest[:cut])
+        rest = rest[cut:]
+    return lines, rest
 
 
 class OutputCapture:
@@ -54,7 +76,7 @@ class OutputCapture:
                 return
             if chunk:
                 os.write(self._original, chunk)
-                *complete, partial = (partial + chunk).split(b"\n")
+                complete, partial = split_lines(partial + chunk)
                 now = time.monotonic()
                 if now - window >= 1.0:
                     window, sent = now, 0

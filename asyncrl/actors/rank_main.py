@@ -66,7 +66,23 @@ INLINE_LIMIT = 64 * 1024  # results up to this size also travel with their Resul
 
 
 def _failure(e: BaseException) -> Failure:
-    return Failure(type=type(e).__qualname__, message=str(e), traceback=traceback.format_exc())
+    """The failure to send back; never raises, or the call would get no Result at all."""
+    name = type(e).__qualname__
+    try:
+        message = str(e)
+    except BaseException as broken:  # noqa: BLE001 - a user exception's own __str__ failed
+        message = (f"<str() of the {name} raised {type(broken).__qualname__}; its message "
+                   f"is lost>")
+    try:
+        tb = traceback.format_exc()
+    except BaseException:  # noqa: BLE001 - e.g. a broken __repr__ / __str__ deeper down
+        tb = f"{name}: {message}\n(the traceback could not be formatted)\n"
+    return Failure(type=name, message=_sendable(message), traceback=_sendable(tb))
+
+
+def _sendable(text: str) -> str:
+    """`text` without lone surrogates (os.fsdecode'd names carry them): msgpack refuses them."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Executor:

@@ -6,7 +6,10 @@
     torch.from_numpy(a) ... (zero copy)
 
 Writing into a fresh mapping is slow (page faults), so segments are reused, never mapped
-anew per transfer, and a producer's mapper caches its mappings.
+anew per transfer, and a producer's mapper caches its mappings. Segments are sized in powers
+of two but only the bytes a lease asks for are reserved (fallocate): a write into a sparse
+tmpfs file that /dev/shm cannot hold kills the process with SIGBUS; a reservation that does
+not fit is a clear error instead, and the rounding costs no memory.
 
 Lifetime rule: a segment returns to its pool when nothing can reach its memory: not the
 lease (dropped, or ``release()``d) and no array from ``lease.arrays()``, nor any view, slice
@@ -75,10 +78,16 @@ class _Returns:
 
 
 class _Segment:
-    __slots__ = ("name", "size", "mm", "retired")
+    __slots__ = ("name", "size", "mm", "fd", "reserved", "retired")
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap):
+    def __init__(self, name: str, size: int, mm: mmap.mmap, fd: int):
         self.name, self.size, self.mm, self.retired = name, size, mm, False
+        self.fd, self.reserved = fd, 0  # bytes from 0 that /dev/shm holds for it
+
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass(frozen=True)
@@ -184,17 +193,41 @@ class SegmentPool:
                 self._free.remove(seg)
             else:
                 seg = self._create(max(MIN_SEGMENT, 1 << max(nbytes - 1, 0).bit_length()))
+            try:
+                self._reserve(seg, nbytes)
+            except OSError:
+                if seg.reserved:  # it served smaller leases: keep it for them
+                    self._free.append(seg)
+                else:
+                    self._unlink(seg)
+                raise
         root = np.frombuffer(seg.mm, np.uint8)
         weakref.finalize(root, self._returned.put, seg).atexit = False
         return Lease(seg, root, self._retire)
 
+    def _reserve(self, seg: _Segment, nbytes: int) -> None:
+        if nbytes <= seg.reserved:
+            return
+        try:
+            os.posix_fallocate(seg.fd, 0, nbytes)
+        except OSError as e:
+            raise OSError(e.errno, (
+                f"cannot reserve {nbytes} bytes of shared memory in {SHM_DIR} ({e.strerror}): "
+                f"it is too small or full; give it more room (e.g. docker run --shm-size=8g) "
+                f"or free what other processes left there")) from e
+        seg.reserved = nbytes
+
     def _retire(self, seg: _Segment) -> None:
         with self._lock:
-            if self._segments.pop(seg.name, None) is seg:
-                seg.retired = True
-                path = _path(seg.name)
-                self._paths.remove(path)
-                _unlink_all([path])
+            self._unlink(seg)
+
+    def _unlink(self, seg: _Segment) -> None:
+        if self._segments.pop(seg.name, None) is seg:
+            seg.retired = True
+            seg.close_fd()
+            path = _path(seg.name)
+            self._paths.remove(path)
+            _unlink_all([path])
 
     def _create(self, size: int) -> _Segment:
         name = f"{self.prefix}-{self._next}"
@@ -209,21 +242,12 @@ class SegmentPool:
         self._paths.append(path)
         self._next += 1
         try:
-            try:
-                # reserve the memory now: ftruncate alone leaves a sparse file, and a write
-                # into the mapping beyond what /dev/shm can hold kills the process (SIGBUS)
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                self._paths.remove(path)
-                _unlink_all([path])
-                raise OSError(e.errno, (
-                    f"cannot reserve a {size}-byte shared-memory segment in {SHM_DIR} "
-                    f"({e.strerror}): it is too small or full; give it more room (e.g. docker "
-                    f"run --shm-size=8g) or free what other processes left there")) from e
+            os.ftruncate(fd, size)  # sparse: acquire() reserves what each lease needs
             mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
-        seg = self._segments[name] = _Segment(name, size, mm)
+            raise
+        seg = self._segments[name] = _Segment(name, size, mm, fd)
         return seg
 
     def stats(self) -> PoolStats:
@@ -239,6 +263,7 @@ class SegmentPool:
             self._closed = self._returned.closed = True
             self._drain()
             for seg in self._segments.values():
+                seg.close_fd()
                 with suppress(BufferError):  # arrays still alive
                     seg.mm.close()
             self._segments.clear()

@@ -1,7 +1,8 @@
 """`asyncrl attach RUN_DIR [--group G --rank R]`: reach a rank waiting in `breakpoint()`.
 
-Lists the waiting ranks (RUN_DIR/debug/*.json, written by the ranks), connects to the chosen
-one with its one-time token, and joins the terminal to its pdb until it continues."""
+Lists the waiting ranks (RUN_DIR/debug/*.json, written by the ranks: one per waiting
+breakpoint, so a rank may have several), connects to the chosen one with its one-time token,
+and joins the terminal to its pdb until it continues. Leaving (Ctrl-C) lets the rank go on."""
 
 from __future__ import annotations
 
@@ -33,11 +34,14 @@ def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None
         listed = ", ".join(f"{s['group']}:{s['rank']}" for s in sessions) or "none"
         raise LookupError(f"no rank waits for a debugger there matching group={group} "
                           f"rank={rank}; waiting: {listed}")
-    if len(picked) > 1:
+    if len({(s["group"], s["rank"]) for s in picked}) > 1:
         listed = ", ".join(f"{s['group']}:{s['rank']} ({s['where']})" for s in picked)
         raise LookupError(f"several ranks wait for a debugger: {listed}; pick one with "
                           f"--group and --rank")
-    return picked[0]
+    # one rank stopped in several threads (a concurrent=True call beside the in-order one):
+    # the longest waiting first, the others named, to attach to after it continues
+    picked.sort(key=lambda s: s.get("since", 0.0))
+    return {**picked[0], "also": [s["where"] for s in picked[1:]]}
 
 
 def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.stdout) -> None:
@@ -45,21 +49,32 @@ def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.st
     sock = socket.create_connection((session["host"], session["port"]), timeout=10)
     sock.settimeout(None)
     sock.sendall((session["token"] + "\n").encode())
-    stdout.write(f"attached to {session['group']}:{session['rank']} at {session['where']}\n")
+    thread = f" (thread {session['thread']})" if session.get("thread") else ""
+    stdout.write(f"attached to {session['group']}:{session['rank']} at {session['where']}"
+                 f"{thread}\n")
+    if session.get("also"):
+        stdout.write(f"this rank also waits at {'; '.join(session['also'])}: run `asyncrl "
+                     f"attach` again once this one continues\n")
     stdout.flush()
     keys = stdin.fileno()  # raw reads: a buffered reader would hide lines from select
     inputs = [sock, keys]
-    while True:
-        ready, _, _ = select.select(inputs, [], [])
-        if sock in ready:
-            data = sock.recv(65536)
-            if not data:
-                return  # the rank continued
-            stdout.write(data.decode(errors="replace"))
-            stdout.flush()
-        if keys in ready:
-            typed = os.read(keys, 65536)
-            if not typed:  # end of input: leave the rank where it is
-                inputs.remove(keys)
-                continue
-            sock.sendall(typed)
+    try:
+        while True:
+            ready, _, _ = select.select(inputs, [], [])
+            if sock in ready:
+                data = sock.recv(65536)
+                if not data:
+                    return  # the rank continued
+                stdout.write(data.decode(errors="replace"))
+                stdout.flush()
+            if keys in ready:
+                typed = os.read(keys, 65536)
+                if not typed:  # end of input: leave the rank where it is
+                    inputs.remove(keys)
+                    continue
+                sock.sendall(typed)
+    except KeyboardInterrupt:  # the rank reads the closed connection as `c`
+        stdout.write("\n[asyncrl] detached: the rank continues\n")
+        stdout.flush()
+    finally:
+        sock.close()

@@ -21,12 +21,12 @@ import re
 import shlex
 import socket
 import sys
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from asyncrl.controller.placement import PlacementError
+from asyncrl.controller.placement import PlacementError, _constraints
 
 VIAS = ("local", "ssh", "srun", "netns")
 
@@ -75,8 +75,8 @@ class Cluster:
             if h.slots < 1:
                 raise ValueError(f"host {h.name!r} has no GPU and no CPU to run ranks on")
         self.hosts = hosts
-        self._use: Counter[str] = Counter()
-        self._groups: dict[str, dict[str, int]] = {}
+        self._taken: dict[str, set[int]] = {h.name: set() for h in hosts}  # slots in use
+        self._groups: dict[str, dict[str, list[int]]] = {}  # group -> host -> its slots
 
     @staticmethod
     def from_file(path: str | os.PathLike) -> Cluster:
@@ -115,27 +115,48 @@ class Cluster:
 
     def spread(self, group: str, nprocs: int) -> list[tuple[HostSpec, list[int]]]:
         """The fewest hosts that hold `nprocs` ranks evenly (torchrun runs the same number of
-        ranks on each), the least used first, with the slots (GPUs or cores) each gets."""
-        order = sorted(self.hosts, key=lambda h: (self._use[h.name], self.hosts.index(h)))
+        ranks on each), the least used first, with the free slots (GPUs or cores) each gets.
+        A slot serves one group at a time: groups on a cluster never share slots."""
+        def free(h: HostSpec) -> list[int]:
+            return [s for s in range(h.slots) if s not in self._taken[h.name]]
+
+        order = sorted(self.hosts, key=lambda h: (len(self._taken[h.name]),
+                                                  self.hosts.index(h)))
         for k in range(1, len(order) + 1):
             if nprocs % k:
                 continue
             per = nprocs // k
-            fit = [h for h in order if h.slots - self._use[h.name] >= per]
+            fit = [h for h in order if len(free(h)) >= per]
             if len(fit) >= k:
-                chosen = [(h, list(range(self._use[h.name], self._use[h.name] + per)))
-                          for h in fit[:k]]
-                self._use.update({h.name: per for h, _ in chosen})
-                self._groups[group] = {h.name: per for h, _ in chosen}
+                chosen = [(h, free(h)[:per]) for h in fit[:k]]
+                for h, slots in chosen:
+                    self._taken[h.name].update(slots)
+                self._groups[group] = {h.name: slots for h, slots in chosen}
                 return chosen
-        free = [(h.name, h.slots - self._use[h.name]) for h in self.hosts]
+        left = [(h.name, len(free(h))) for h in self.hosts]
         raise PlacementError(f"group {group!r}: {nprocs} ranks do not fit evenly on the free "
-                             f"slots (GPUs, else cores) of the hosts {free}; add hosts or slots "
+                             f"slots (GPUs, else cores) of the hosts {left}; add hosts or slots "
                              f"to the hosts file, or give the group a size they can hold")
 
+    def check_place(self, group: str, place: Any) -> None:
+        """Refuse the constraints a cluster cannot honour yet. separate_from holds by itself
+        (groups never share a cluster's slots); the others would need slots shared or picked
+        by host, which spreading does not do."""
+        for c in _constraints(place):
+            if c.kind == "separate_from":
+                if c.target not in self._groups:
+                    raise PlacementError(
+                        f"group {group!r}: {c!r} names a group that is not placed yet; spawn "
+                        f"{c.target!r} first (groups are placed in spawn order)")
+                continue
+            raise PlacementError(
+                f"group {group!r}: place={c!r} is not supported on a cluster (--hosts or "
+                f"SLURM) yet: there every group gets slots of its own, spread over the "
+                f"fewest hosts; drop {c.kind}, or run on one host without --hosts")
 
     def forget(self, group: str) -> None:
-        self._use.subtract(self._groups.pop(group, {}))
+        for name, slots in self._groups.pop(group, {}).items():
+            self._taken[name].difference_update(slots)
 
 
 def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_rank: int,

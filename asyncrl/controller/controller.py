@@ -267,7 +267,10 @@ class Controller:
             raise EncodeError(f"cannot send argument {e.name!r} of {worker_cls.__name__}(): "
                               f"{e.cause}") from None
         assert self.run_dir is not None
-        # before launch: errors say why (a cluster spreads groups over its hosts' slots instead)
+        # before launch: errors say why (a cluster spreads groups over its hosts' slots instead,
+        # and refuses the constraints it cannot honour)
+        if self.cluster is not None:
+            self.cluster.check_place(name, place)
         placement_env = {} if self.cluster is not None else \
             self.placer.place(name, nprocs, place).env
         extra = {**placement_env, "ASYNCRL_ADDR": self.channel.address, "ASYNCRL_GROUP": name,
@@ -291,8 +294,8 @@ class Controller:
         def exited(code: int) -> None:  # on the agent's watcher thread
             loop.call_soon_threadsafe(self.supervisor.agent_exited, group, code)
 
-        agent.start(exited)
         try:
+            agent.start(exited)  # inside: a failed start (EMFILE, no log folder) is undone too
             await self._wait(group, group.started, self.startup_timeout, "say hello")
             await self._wait(group, group.ready, self.construct_timeout,
                              f"build {worker_cls.__name__}")

@@ -126,7 +126,8 @@ class GroupHandle:
         self._pending: dict[int, _Pending] = {}
         self._backlog: deque[_Queued] = deque()
         self._drainer: asyncio.Task | None = None
-        self._waiting: set[asyncio.Task] = set()  # concurrent calls waiting for their inputs
+        # concurrent calls waiting for their inputs (the loop holds tasks only weakly)
+        self._waiting: dict[asyncio.Task, _Queued] = {}
         self._arg_names: dict[str, list[str]] = {}
         self._fetches: dict[tuple[int, int], asyncio.Future[msgspec.Raw]] = {}
         self._fans: dict[str, list[_Host]] = {}
@@ -213,10 +214,10 @@ class GroupHandle:
             raise self.dead or ClosedError(f"group {self.name!r} is closed")
         has_inputs = any(isinstance(a, DistFuture) for a in (*item.args, *item.kwargs.values()))
         if self.methods[item.method].concurrent:
-            if has_inputs:  # kept: the loop holds tasks weakly, and busy counts them
+            if has_inputs:
                 task = self._ctl.loop.create_task(self._send_when_ready(item))
-                self._waiting.add(task)
-                task.add_done_callback(self._waiting.discard)
+                self._waiting[task] = item
+                task.add_done_callback(self._waiting.pop)
             else:
                 self._send(item)
         elif has_inputs or self._backlog:
@@ -493,6 +494,9 @@ class GroupHandle:
         self._pending.clear()
         while self._backlog:
             self._backlog.popleft().future._set_exception(exc)
+        for task, item in list(self._waiting.items()):  # fail now, not when inputs arrive
+            task.cancel()
+            item.future._set_exception(exc)
         waiters: list[asyncio.Future[Any]] = [self.started, self.ready, *self._fetches.values()]
         self._fetches = {}
         for waiter in waiters:

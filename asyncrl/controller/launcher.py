@@ -92,6 +92,8 @@ class Agent:
         self._command = command  # one host's agent of a group spread over hosts
         self.proc: subprocess.Popen | None = None
         self.rank_pids: dict[int, int] = {}
+        self._log_start = 0  # where this agent's output starts in the log (a respawned
+        # group's agent appends to its predecessor's): tail() and root_cause() read from there
 
     def command(self) -> list[str]:
         if self._command is not None:
@@ -112,6 +114,7 @@ class Agent:
         """Start torchrun; `on_exit(returncode)` is called from a watcher thread."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self._log_start = os.fstat(log.fileno()).st_size
             self.proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=self._env, start_new_session=True,
@@ -131,13 +134,7 @@ class Agent:
     def tail(self, lines: int = 30) -> str:
         """The last lines the ranks printed (torchrun's own failure report left out: the
         exit code and rank it reports are in the error already)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        text = self._read_log(65536)
         report = _AGENT_REPORT.search(text)
         if report is not None:
             text = text[:report.start()]
@@ -145,12 +142,19 @@ class Agent:
 
     def root_cause(self) -> tuple[int, int] | None:
         """(rank, exit code) of the first failed rank, as torchrun reported it."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return None
-        matches = _ROOT_CAUSE.findall(text)
+        matches = _ROOT_CAUSE.findall(self._read_log())
         return (int(matches[-1][0]), int(matches[-1][1])) if matches else None
+
+    def _read_log(self, last: int | None = None) -> str:
+        """This agent's part of its log (at most its `last` bytes); "" when unreadable."""
+        try:
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                start = self._log_start if size >= self._log_start else 0  # truncated: all
+                f.seek(start if last is None else max(start, size - last))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def all_pids(self) -> list[int]:
         """The agent, its live children and every rank that said hello."""

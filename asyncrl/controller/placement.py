@@ -57,6 +57,9 @@ def same_host_as(group: Any) -> Constraint:
 
 
 def nvlink_group(n: int) -> Constraint:
+    """All of the group's GPUs within one NVLink domain of `n` GPUs. Domains are taken to be
+    aligned blocks of `n` GPU ids (GPU d is in domain d // n: 0..n-1, n..2n-1, ...), or the
+    whole host where it has n GPUs or fewer."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"nvlink_group(n) needs n >= 1, got {n!r}")
     return Constraint("nvlink_group", None, n)
@@ -105,6 +108,7 @@ class Placer:
         self.host = host or Host.detect()
         self.placed: dict[str, list[int]] = {}
         self._use: Counter[int] = Counter()
+        self._added: dict[str, list[int]] = {}  # what each group added to _use, one per rank
 
     def place(self, group: str, nprocs: int, place: Any) -> Placement:
         constraints = _constraints(place)
@@ -113,6 +117,7 @@ class Placer:
         per = max((c.n for c in constraints if c.kind == "share_gpus"), default=1) \
             if host.gpus else 1
         needed = -(-nprocs // per)  # devices it needs: one per rank, or per `per` ranks
+        nvlink = [c.n for c in constraints if c.kind == "nvlink_group"]
         each = "one per rank" if per == 1 else f"one per {per} ranks (share_gpus({per}))"
         share = "" if per > 1 or not host.gpus else \
             ", or place=asyncrl.share_gpus(k) for k ranks per GPU (no NCCL inside the group)"
@@ -147,6 +152,17 @@ class Placer:
                 problem = (f"group {group!r}: colocate_with({colocate[0]}) puts it on "
                            f"{host.kind}s {devices}, which conflicts with {'; '.join(clash)}; "
                            f"drop one of the constraints, or place those groups so they agree")
+            elif host.gpus and len(devices) * per < nprocs:  # NCCL refuses two ranks a GPU
+                k = -(-nprocs // len(devices))
+                problem = (f"group {group!r}: colocate_with({colocate[0]}) puts its {nprocs} "
+                           f"ranks on the {len(devices)} GPU(s) {devices}, {k} ranks per GPU; "
+                           f"give it nprocs <= {len(devices) * per}, or place it with "
+                           f"asyncrl.share_gpus({k}) as well (no NCCL inside the group)")
+            elif len({_domain(d, nvlink) for d in devices}) > 1:
+                problem = (f"group {group!r}: colocate_with({colocate[0]}) puts it on GPUs "
+                           f"{devices}, which are not within one NVLink domain of "
+                           f"{' and '.join(f'nvlink_group({n})' for n in nvlink)}; drop "
+                           f"nvlink_group, or place {colocate[0]!r} with it")
         else:
             away = {d for t in apart for d in on[t]}
             free = [d for d in pool if d not in away]
@@ -160,9 +176,22 @@ class Placer:
                 problem = (f"group {group!r} needs {needed} {host.kind}(s), {each}, but this "
                            f"host has {len(pool)}; use nprocs <= {len(pool) * per}, or spread "
                            f"the group over several hosts with --hosts{share}")
-            free = free or pool
-            free.sort(key=lambda d: (self._use[d], d))  # the least used first
-            devices = free[:needed]
+            free = sorted(free or pool, key=lambda d: (self._use[d], d))  # least used first
+            domains: dict[tuple[int, ...], list[int]] = {}  # one, without nvlink_group
+            for d in free:
+                domains.setdefault(_domain(d, nvlink), []).append(d)
+            fits = [ds[:needed] for ds in domains.values() if len(ds) >= needed]
+            devices = min(fits, key=lambda ds: (sum(self._use[d] for d in ds), min(ds))) \
+                if fits else free[:needed]
+            if not fits and not problem:  # enough GPUs, but not within one domain
+                n = min(nvlink)
+                spared = " free of " + " and ".join(f"separate_from({t})" for t in apart) \
+                    if apart else ""
+                problem = (f"group {group!r}: nvlink_group({n}) needs its {needed} GPU(s) "
+                           f"within one NVLink domain (aligned blocks: GPUs 0-{n - 1}, "
+                           f"{n}-{2 * n - 1}, ...), but no domain has {needed} GPU(s){spared} "
+                           f"(the free ones: {sorted(free)}); give those groups fewer ranks or "
+                           f"place them within one domain, or drop nvlink_group")
         if problem and host.gpus:
             raise PlacementError(problem)
         if not host.gpus and len(devices) < nprocs and not problem:  # colocated on fewer
@@ -172,13 +201,19 @@ class Placer:
             log.warning("asyncrl placement: %s; on this CPU-only host it runs anyway: ranks "
                         "will share cores", problem)
         self.placed[group] = devices
-        self._use.update(devices[i % len(devices)] for i in range(nprocs))
+        self._added[group] = [devices[i % len(devices)] for i in range(nprocs)]
+        self._use.update(self._added[group])
         key = "CUDA_VISIBLE_DEVICES" if host.gpus else "ASYNCRL_CPUS"
         return Placement(devices, {key: ",".join(map(str, devices))})
 
     def forget(self, group: str) -> None:
-        devices = self.placed.pop(group, [])
-        self._use.subtract(devices)
+        self.placed.pop(group, None)
+        self._use.subtract(self._added.pop(group, []))
+
+
+def _domain(device: int, nvlink: list[int]) -> tuple[int, ...]:
+    """The NVLink domain of a GPU under each nvlink_group(n) asked for (aligned blocks)."""
+    return tuple(device // n for n in nvlink)
 
 
 def _constraints(place: Any) -> list[Constraint]:
