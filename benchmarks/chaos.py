@@ -34,11 +34,34 @@ FAST = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--transfer-t
 
 
 def launch(run_dir: Path, steps: int, every: int) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "asyncrl", "launch", "examples/grpo_tiny.py", "--run-dir",
-         str(run_dir), "--steps", str(steps), "--checkpoint-every", str(every), *FAST,
-         f"steps={steps}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True)
+    """The launcher, its stderr in a file beside the run (a pipe nobody reads while the run
+    goes on would fill and block it)."""
+    with open(_stderr(run_dir), "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "asyncrl", "launch", "examples/grpo_tiny.py", "--run-dir",
+             str(run_dir), "--steps", str(steps), "--checkpoint-every", str(every), *FAST,
+             f"steps={steps}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _stderr(run_dir: Path) -> Path:
+    return run_dir.with_name(run_dir.name + ".stderr")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """The launcher and everything under it, if still there (a failed or interrupted run)."""
+    if proc.poll() is not None:
+        return
+    try:
+        family = [*psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    proc.kill()
+    proc.wait()
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def ranks(proc: subprocess.Popen) -> dict[str, list[int]]:
@@ -64,14 +87,44 @@ def count_lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def finish(proc: subprocess.Popen, what: str) -> None:
-    _, err = proc.communicate(timeout=900)
+def finish(proc: subprocess.Popen, run_dir: Path, what: str) -> None:
+    proc.wait(timeout=900)
     if proc.returncode != 0:
+        err = _stderr(run_dir).read_text()
         raise SystemExit(f"chaos: the {what} run failed:\n{err[-4000:]}")
 
 
 def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def disturb(proc: subprocess.Popen, chaos_dir: Path, args: argparse.Namespace,
+            rng: random.Random) -> list[dict]:
+    """Kill random ranks while the run goes on, one failure at a time; the kills made."""
+    started = time.perf_counter()
+    log = chaos_dir / "recoveries.jsonl"
+    kills: list[dict] = []
+    while len(kills) < args.kills and proc.poll() is None:
+        done = count_lines(chaos_dir / "metrics.jsonl")
+        if done >= args.steps - 5:
+            break  # a kill after a group's last call would need no recovery
+        if done < args.after or count_lines(log) < len(kills):
+            time.sleep(0.1)  # starting, or recovering from the last kill: poll
+            continue
+        time.sleep(rng.uniform(*args.gap))  # a random moment: that is the point here
+        live = {g: p for g, p in ranks(proc).items()
+                if args.groups is None or g in args.groups}
+        if not live or count_lines(chaos_dir / "metrics.jsonl") >= args.steps - 5:
+            continue
+        group = rng.choice(sorted(live))
+        pid = rng.choice(sorted(live[group]))
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        kills.append({"group": group, "pid": pid, "at_s": round(time.perf_counter()
+                                                                - started, 2)})
+    return kills
 
 
 def main() -> None:
@@ -91,35 +144,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="asyncrl-chaos-") as tmp:
         clean_dir, chaos_dir = Path(tmp) / "clean", Path(tmp) / "chaos"
         started = time.perf_counter()
-        finish(launch(clean_dir, args.steps, args.checkpoint_every), "undisturbed")
+        proc = launch(clean_dir, args.steps, args.checkpoint_every)
+        try:
+            finish(proc, clean_dir, "undisturbed")
+        finally:
+            stop(proc)
         clean_s = time.perf_counter() - started
 
         started = time.perf_counter()
         proc = launch(chaos_dir, args.steps, args.checkpoint_every)
-        log = chaos_dir / "recoveries.jsonl"
-        kills: list[dict] = []
-        while len(kills) < args.kills and proc.poll() is None:
-            done = count_lines(chaos_dir / "metrics.jsonl")
-            if done >= args.steps - 5:
-                break  # a kill after a group's last call would need no recovery
-            if done < args.after or count_lines(log) < len(kills):
-                time.sleep(0.1)  # starting, or recovering from the last kill: poll
-                continue
-            time.sleep(rng.uniform(*args.gap))  # a random moment: that is the point here
-            live = {g: p for g, p in ranks(proc).items()
-                    if args.groups is None or g in args.groups}
-            if not live or count_lines(chaos_dir / "metrics.jsonl") >= args.steps - 5:
-                continue
-            group = rng.choice(sorted(live))
-            pid = rng.choice(sorted(live[group]))
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            kills.append({"group": group, "pid": pid, "at_s": round(time.perf_counter()
-                                                                    - started, 2)})
-        finish(proc, "disturbed")
+        try:
+            kills = disturb(proc, chaos_dir, args, rng)
+            finish(proc, chaos_dir, "disturbed")
+        finally:
+            stop(proc)
         chaos_s = time.perf_counter() - started
+        log = chaos_dir / "recoveries.jsonl"
 
         clean, chaos = rows(clean_dir), rows(chaos_dir)
         seen = [r["step"] for r in chaos]

@@ -292,9 +292,25 @@ class AnyTrainer(asyncrl.Worker):
 
 
 @pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
+def test_trainer_forward_passes_have_no_dropout():
+    """GPT-2's config turns dropout on; a trainer's model (in train mode) must give the
+    log-probs the engine and the reference (in eval mode) give."""
+    model = build_model(ModelConfig(preset="tiny-gpt2", seed=0)).train()
+    batch = fixed_batch()
+    cols = [batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    with torch.no_grad():
+        first, second = sequence_logprobs(model, *cols), sequence_logprobs(model, *cols)
+        model.eval()
+        assert torch.equal(first, second) and torch.equal(first, sequence_logprobs(model, *cols))
+
+
+@pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
 def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
+    """Five steps of batches of 8, 4, 8, 6 and 8 rows (2, 1, 2, 2 and 2 micro-batches per
+    rank: DeepSpeed must step at each step's last micro-batch, whatever the last count)."""
     pytest.importorskip("deepspeed")
     batch = fixed_batch()
+    sizes = [8, 4, 8, 6, 8]
     model_cfg, train_cfg = {"preset": "tiny-llama", "seed": 0}, {"lr": 3e-3, "micro_batch_size": 2}
 
     async def main():
@@ -304,7 +320,7 @@ def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
                 group = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, nprocs=2,
                                         name=kind)
                 pids += group_pids(group)
-                losses[kind] = [(await group.step(batch))[0]["loss"] for _ in range(5)]
+                losses[kind] = [(await group.step(batch.slice(0, n)))[0]["loss"] for n in sizes]
                 if kind == "zero3":  # state dict out and in: the next step starts from it
                     w = (await group.weights())[0]
                     assert all(await group.reload(w))

@@ -119,7 +119,7 @@ def clip_grad_norm(params: Any, max_norm: float) -> float:
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         total_sq += float(norm) ** 2
     total = total_sq ** 0.5
-    if total > max_norm:
+    if max_norm and total > max_norm:  # 0 or None: no clipping, as DeepSpeed reads it
         scale = max_norm / (total + 1e-6)
         for g in grads:
             g.mul_(scale)

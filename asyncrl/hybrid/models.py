@@ -67,8 +67,16 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype: {self.dtype!r} is not a torch dtype")
 
 
+# RL compares the log-probs of one sequence under the engine, the trainer and the reference:
+# dropout in the trainer's forward passes would make them differ (verl turns it off too)
+DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+            "summary_first_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
+            "activation_dropout", "classifier_dropout", "dropout")
+
+
 def hf_config(cfg: ModelConfig) -> Any:
-    """The transformers config of the model `cfg` describes, with its overrides applied."""
+    """The transformers config of the model `cfg` describes, dropout off, with its
+    overrides applied (an override may turn dropout back on)."""
     if cfg.path is not None:
         from transformers import AutoConfig
 
@@ -76,6 +84,9 @@ def hf_config(cfg: ModelConfig) -> Any:
     else:
         assert cfg.preset is not None
         config = PRESETS[cfg.preset]()
+    for key in DROPOUTS:
+        if isinstance(getattr(config, key, None), float) and getattr(config, key):
+            setattr(config, key, 0.0)
     for key, value in cfg.overrides.items():
         if not hasattr(config, key):
             raise ValueError(f"ModelConfig.overrides: {type(config).__name__} has no field "

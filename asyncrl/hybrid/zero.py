@@ -76,9 +76,16 @@ class ZeroBackend(TrainBackend):
             self.engine.set_train_batch_size(
                 self.cfg.micro_batch_size * gas * dist.get_world_size())
 
+        done = 0
+
         def backward(loss: torch.Tensor) -> None:
+            nonlocal done
+            done += 1
+            # the boundary said outright: DeepSpeed's own micro-step counter runs on across
+            # steps, and steps at the wrong micro-batch once their count changes
+            self.engine.set_gradient_accumulation_boundary(done == gas)
             self.engine.backward(loss * gas)  # DeepSpeed divides by the accumulation steps
-            self.engine.step()  # steps the optimizer at the accumulation boundary only
+            self.engine.step()  # steps the optimizer at the boundary only
 
         stats = self._accumulate(batch, loss_fn, entropy, backward)
         norm = self.engine.get_global_grad_norm()
