@@ -19,6 +19,19 @@ from asyncrl.controller.launcher import pid_alive
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class NoLogFolder(asyncrl.Controller):
+    """Its agents (one, or one per host of a cluster) cannot open their log files: a start
+    that fails before any process runs. Set `blocker` to a file, where the folder would be."""
+
+    blocker = "/dev/null"
+
+    def _make_agent(self, name, nprocs, extra):
+        agent = super()._make_agent(name, nprocs, extra)
+        for a in getattr(agent, "agents", [agent]):
+            a.log_path = Path(self.blocker) / f"{name}.log"
+        return agent
+
+
 def run(coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
     """Run a test coroutine with a bound: a hang fails the test instead of the suite."""
     async def bounded() -> Any:

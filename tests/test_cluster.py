@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ROOT, assert_gone, group_pids, run
+from helpers import ROOT, NoLogFolder, assert_gone, group_pids, run
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -211,26 +211,12 @@ def test_cluster_never_hands_out_the_slots_of_a_running_group():
     assert [(h.name, s) for h, s in two.spread("w", 4)] == [("a", [0, 1]), ("b", [2, 3])]
 
 
-class _NoLogFolder(asyncrl.Controller):
-    """Its agents cannot open their log files: a start that fails before any process runs."""
-
-    blocker = "/dev/null"  # a file, where the log folder would be
-
-    def _make_agent(self, name, nprocs, extra):
-        from pathlib import Path
-
-        agent = super()._make_agent(name, nprocs, extra)
-        for a in agent.agents:
-            a.log_path = Path(self.blocker) / f"{name}.{a.host}.log"
-        return agent
-
-
 def test_a_cluster_refuses_constraints_it_cannot_honour_and_frees_failed_starts(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
 
     async def main():
-        async with _NoLogFolder(cluster=loopback_hosts(), echo_logs=False) as ctl:
+        async with NoLogFolder(cluster=loopback_hosts(), echo_logs=False) as ctl:
             ctl.blocker = str(blocker)
             cluster = ctl.cluster
             for place in (asyncrl.colocate_with("x"), asyncrl.share_gpus(2),

@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from helpers import NoLogFolder
 
 import asyncrl
 from asyncrl.actors.protocols import (
@@ -449,20 +450,6 @@ class _Idle(asyncrl.Worker):
     pass
 
 
-class _NoLogFolder(asyncrl.Controller):
-    """Its agents cannot open their log files: a start that fails before any process runs."""
-
-    blocker = "/dev/null"  # a file, where the log folder would be
-
-    def _make_agent(self, name, nprocs, extra):
-        from pathlib import Path
-
-        agent = super()._make_agent(name, nprocs, extra)
-        for a in getattr(agent, "agents", [agent]):
-            a.log_path = Path(self.blocker) / f"{name}.log"
-        return agent
-
-
 def test_placement_of_a_group_whose_agent_failed_to_start_is_freed(tmp_path):
     import asyncio
 
@@ -470,7 +457,7 @@ def test_placement_of_a_group_whose_agent_failed_to_start_is_freed(tmp_path):
     blocker.write_text("")
 
     async def main():
-        async with _NoLogFolder(echo_logs=False) as ctl:
+        async with NoLogFolder(echo_logs=False) as ctl:
             ctl.blocker = str(blocker)
             with pytest.raises(OSError):
                 await ctl.spawn(_Idle, nprocs=1, name="idle")
