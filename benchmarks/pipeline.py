@@ -6,7 +6,8 @@ task, model, batch and generation length. Everything in one run, on this machine
      "overlap_efficiency", "speedup_vs_k0", "tokens_per_s"}
         gen_s, train_s: the rollout and train nodes' busy time a step in the k=0 run;
         overlap_efficiency = step_s / max(gen_s, train_s) (targets at k=1: <= 1.15 and
-        step time >= 1.6x faster than k=0, with generation and training about equal)
+        step time >= 1.6x faster than k=0, with generation and training about equal);
+        busy_ms: every node's busy time a step in this run
     {"bench": "weight_sync", "bytes", "sync_s", "gib_per_s", "transport_gib_per_s",
      "outside_wire_fraction"}
         a trainer group's full weights to a rollout group (one call), against a plain
@@ -73,7 +74,11 @@ def pipeline(steps: int, warmup: int) -> list[dict]:
                      "gen_s": round(gen, 4), "train_s": round(train, 4),
                      "overlap_efficiency": round(f["step_s"] / max(gen, train), 3),
                      "speedup_vs_k0": round(figures[0]["step_s"] / f["step_s"], 3),
-                     "tokens_per_s": round(f["tokens_per_s"], 1)})
+                     "tokens_per_s": round(f["tokens_per_s"], 1),
+                     # this run's own busy times: what sharing the cores and the memory
+                     # bus does to each node when the groups overlap
+                     "busy_ms": {n: round(v["busy_s_per_step"] * 1000, 1)
+                                 for n, v in f["nodes"].items()}})
     return rows
 
 

@@ -13,6 +13,8 @@
 pulls them worker to worker (shared memory here) in buckets; a generation in flight picks
 them up at its next token. Every token carries the version that sampled it; the trainer
 drops samples older than the bound and corrects the rest with truncated importance weights.
+The reference and the reward run beside the rollout: the forward passes on one core, the
+training step on the other, about the same work a step each.
 """
 
 import math
@@ -44,7 +46,7 @@ trainer = asyncrl.group(
         "correction": cfg["correction"] if cfg["max_staleness"] else "none"})
 rollouts = asyncrl.group(Rollout, model=model, sampling=sampling, name="rollout",
                          nprocs=cfg["rollout_procs"], place=asyncrl.separate_from(trainer))
-ref = asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(trainer))
+ref = asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(rollouts))
 rewards = asyncrl.group(RewardFn, reward, name="reward", place=asyncrl.colocate_with(rollouts))
 
 data = next_digit.records(tok, copies=cfg["prompts"])

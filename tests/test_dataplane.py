@@ -330,6 +330,68 @@ def test_stalled_producer_gives_transfer_timeout_naming_it():
     assert_gone(pids)
 
 
+def test_gpu_rows_in_a_reply_after_a_transfer_timeout_are_released(monkeypatch):
+    """A producer that answers only after the consumer's TransferTimeout: the reply's CUDA
+    IPC rows are still opened and closed (at the next pull, or when the client closes), so
+    the producer's GPU block is freed. A scripted producer answers on a real socket."""
+    import threading
+
+    import msgspec
+    import zmq
+
+    from asyncrl.comm import codec, dataplane
+    from asyncrl.comm.channel import open_frame
+    from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
+
+    released = []
+    monkeypatch.setattr(dataplane.cuda_ipc, "release", released.append)
+    secret = b"k" * 32
+    rows = [messages.IpcRows(0, b"h", 64, 0, b"r", 0, None, False, "float32", (2,), (1,), 0,
+                             "GPU-x")]
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    signer, verifier = Signer(secret), Verifier(secret)
+    timed_out, stop = threading.Event(), threading.Event()
+
+    def pull():
+        who, *frames = server.recv_multipart()
+        return who, open_frame(verifier, who + b"@" + addr.encode(), frames)
+
+    def answer(identity, reply):
+        server.send_multipart([identity, *signer.sign(b">" + identity,
+                                                     messages.encode(reply))])
+
+    def producer():
+        who, req = pull()
+        timed_out.wait(30)
+        answer(who, messages.Pulled(req.xfer_id, ipc={"x": rows[0]}))  # after the timeout
+        while not stop.is_set():  # later fetches, answered at once
+            if server.poll(100):
+                who, req = pull()
+                answer(who, messages.Pulled(req.xfer_id, value=msgspec.Raw(codec.encode(7))))
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    client = dataplane.DataClient(ctx, secret, "cons/0", "127.0.0.1", None, timeout=0.3)
+    shard = Shard("prod", 0, 1, addr, "127.0.0.1")
+    try:
+        with pytest.raises(asyncrl.TransferTimeout, match="no answer from prod"):
+            client.fetch_batch(RemoteBatch([Piece(shard, 0, 1)], [messages.Column("x", "list")]))
+        assert released == []
+        timed_out.set()  # the late reply goes to the retired socket
+        deadline = time.monotonic() + 10
+        while not released and time.monotonic() < deadline:  # each later pull drains it
+            assert client.fetch_value(RemoteValue(shard)) == 7  # on a socket of its own
+        assert released == [rows[0]]
+    finally:
+        stop.set()
+        thread.join(10)
+        client.close()
+        server.close(0)
+        ctx.term()
+
+
 def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch):
     """A reply that arrives after its pull was given up (another pull of the same fetch
     failed) may hold CUDA IPC handles: the consumer still releases them, or the producer

@@ -11,7 +11,7 @@ from asyncrl import TensorBatch
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, sequence_mean_nll
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.roles import Policy
-from asyncrl.hybrid.sampler import Sampler, SamplingConfig, top_p_filter
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig, sample, streams, top_p_filter, uniforms
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
 
@@ -53,6 +53,33 @@ def test_seeds_stop_tokens_temperature_and_top_p():
         engine.generate(PROMPTS, seeds=[1])
     with pytest.raises(ValueError, match="temperature must be > 0"):
         SamplingConfig(temperature=0)
+
+
+def test_sampling_follows_the_distribution_and_depends_on_seed_and_step_only():
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.2]).expand(20_000, 4)
+    stream = streams(range(20_000))
+    drawn = sample(probs, uniforms(stream, step=0))
+    freq = torch.bincount(drawn, minlength=4) / 20_000
+    # 4 standard deviations of a binomial at n=20,000 is below 0.015
+    assert (freq - probs[0]).abs().max().item() < 0.015 and freq[2] == 0
+    later = sample(probs, uniforms(stream, step=1))
+    assert 0.3 < (later == drawn).float().mean().item() < 0.45  # steps independent (0.38)
+    u = uniforms(stream, 0)
+    assert 0 <= u.min().item() and u.max().item() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    # a sample draws the same uniforms alone or in any batch, whatever its seed's size
+    assert torch.equal(uniforms(streams([7]), 3)[0], uniforms(streams([5, 6, 7]), 3)[2])
+    assert uniforms(streams([-1, 2**64 - 1, 2**70]), 0).isfinite().all()
+    one_hot = torch.tensor([[0.0, 0.0, 1.0]])  # top-p left one token: always that one
+    assert sample(one_hot, torch.tensor([0.0])).item() == 2
+    assert sample(one_hot, torch.tensor([1 - 2**-53])).item() == 2
+    cut = torch.tensor([[0.3, 0.7, 0.0]])  # u rounds up to the total in fp32: not token 2
+    assert sample(cut, torch.tensor([1 - 2**-30], dtype=torch.float64)).item() == 1
+    model = build_model(ModelConfig())
+    engine = Sampler(model, SamplingConfig(max_new_tokens=8))
+    alone = engine.generate(PROMPTS[2:3], seeds=[3])
+    batch = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    n = int(alone["response_mask"].sum())
+    assert torch.equal(alone["response_ids"][0, :n], batch["response_ids"][2, :n])
 
 
 def test_engine_loads_weights_in_place_and_sleeps():

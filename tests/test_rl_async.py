@@ -181,7 +181,8 @@ def test_bench_reports_where_the_time_went(tmp_path):
     assert (run_dir / "timeline.png").stat().st_size > 0
 
 
-def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(tmp_path):
+@pytest.mark.parametrize("mini_batches", [2, 1])  # 1: the weights come from the training pass
+def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(mini_batches):
     from asyncrl.rl import Actor
 
     ids = torch.tensor([[1, 5], [1, 6], [1, 7], [1, 8]])
@@ -197,7 +198,7 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(tmp_pat
                            "versions": torch.tensor([[0], [0], [-1], [-2]]).expand(4, 3) * rmask})
     scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 0.0])})
     rl = {"algo": "grpo", "group_size": 2, "max_staleness": 1, "correction": "tis",
-          "tis_cap": 2.0, "mini_batches": 2}
+          "tis_cap": 2.0, "mini_batches": mini_batches}
 
     async def main():
         async with asyncrl.Controller() as ctl:
@@ -214,3 +215,46 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(tmp_pat
     weight = torch.exp(-shift).clamp(max=2.0)  # current / rollout probability, truncated
     expect = float((weight * kept).sum() / kept.sum())
     assert stats["actor/is_weight_mean"] == pytest.approx(expect, rel=1e-4)
+
+
+@pytest.mark.parametrize("correction", ["tis", "decoupled"])
+def test_a_correction_in_the_training_pass_equals_one_from_a_separate_pass(correction):
+    """One optimizer step per update: the proximal log-probs taken (detached) from the
+    training forward give the loss and gradients of the separate no-grad pass they replace."""
+    from asyncrl.rl.actor import importance_weights, policy_loss
+    from asyncrl.rl.config import RLConfig
+
+    cfg = RLConfig(algo="grpo", group_size=2, correction=correction, tis_cap=1.5, kl_coef=0.1)
+    ids, resp = torch.tensor([[1, 5], [1, 6], [1, 7]]), torch.tensor([[9, 10], [11, 2], [12, 3]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    model = build_model(ModelConfig(seed=0))
+
+    def forward():
+        return sequence_logprobs(model, ids, torch.ones_like(ids), resp, mask.long(),
+                                 entropy=True)
+    prox = forward()[0].detach() * mask
+    rollout = (prox + torch.tensor([[-1.0, 0.5], [0.3, 0.0], [0.0, 2.0]])) * mask
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [0.5, 0.5]])
+    columns = {"prompt_ids": ids, "response_ids": resp, "loss_mask": mask,
+               "ref_logprobs": prox - 0.2}
+    meta = {"tokens": 5.0, "seqs": 3.0, "rows": 3, "dp": 1}
+    results = []
+    for in_pass in (False, True):
+        if in_pass:  # the rollout's log-probs and the plain advantages go in
+            batch = TensorBatch({**columns, "logprobs": rollout, "advantages": adv}, meta)
+        else:  # the actor's separate pass: proximal log-probs, weighted advantages
+            weight = importance_weights(prox, rollout, mask, cfg)
+            batch = TensorBatch({**columns, "logprobs": prox, "advantages": adv * weight * mask},
+                                meta)
+        model.zero_grad()
+        logp, ent = forward()
+        loss, stats = policy_loss(cfg, in_pass)({"logprobs": logp, "entropy": ent}, batch)
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()], stats))
+    (loss_a, grads_a, _), (loss_b, grads_b, stats) = results
+    assert loss_b == pytest.approx(loss_a, rel=1e-6)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert torch.allclose(a, b, atol=1e-7), (a - b).abs().max()
+    weight = importance_weights(prox, rollout, mask, cfg)
+    assert stats["is_weight_mean"] == pytest.approx(float((weight * mask).sum() / 5), rel=1e-5)
+    assert (weight.max() <= 1.5) == (correction == "tis")  # one weight is e**1 before the cap

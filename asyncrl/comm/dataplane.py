@@ -41,6 +41,7 @@ from asyncrl.errors import TransferTimeout
 log = logging.getLogger("asyncrl")
 SHM_PREFIX = "asyncrl-"
 _ALIGN = 64
+MAX_LATE_SOCKETS = 64  # retired sockets (pulls timed out) still drained for late replies
 BUCKET_BYTES = 32 << 20  # pulls are split into buckets of at most this many bytes, all in
 # flight at once: the producer copies or sends one while the consumer takes in another
 
@@ -224,7 +225,11 @@ class DataClient:
         self._transport = transport
         self._group = identity.split("/")[0]
         self._socks: dict[str, tuple[zmq.Socket, Signer, Verifier, bytes]] = {}
+        # sockets of pulls that timed out: their late replies may hold CUDA IPC rows, which
+        # the producer frees only once they are opened and closed here; drained, never reused
+        self._late: list[tuple[zmq.Socket, Verifier, bytes]] = []
         self._xfer = itertools.count(1)
+        self._names = itertools.count()
 
     def materialize(self, value: Any) -> Any:
         """The value with every RemoteBatch / RemoteValue in it replaced by its data."""
@@ -242,7 +247,8 @@ class DataClient:
         entry = self._socks.get(addr)
         if entry is None:
             sock = self._ctx.socket(zmq.DEALER)
-            identity = f"{self._identity}/pull{len(self._socks)}".encode()
+            # never an identity still in use: a retired socket keeps its own connected
+            identity = f"{self._identity}/pull{next(self._names)}".encode()
             sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # sending a pull never blocks: only replies are waited
@@ -258,6 +264,7 @@ class DataClient:
                   sent: Callable[[], None] | None = None) -> None:
         """Send every request, call `sent()`, then hand each reply to `take` as it arrives (so
         the copy of one bucket overlaps the transfer of the next), all within the timeout."""
+        self._drain_late()
         pending: dict[int, tuple[Piece, Pull]] = {}
         poller = zmq.Poller()
         for piece, req in requests:
@@ -269,7 +276,10 @@ class DataClient:
         if sent is not None:
             sent()
         deadline = time.monotonic() + self._timeout
-        by_sock = {id(s): (s, v, i) for s, _, v, i in self._socks.values()}
+        for s, _, _ in self._late:  # late replies that come meanwhile are released too
+            poller.register(s, zmq.POLLIN)
+        by_sock = {id(s): (s, v, i) for s, v, i in self._late}
+        by_sock.update({id(s): (s, v, i) for s, _, v, i in self._socks.values()})
         while pending:
             left = deadline - time.monotonic()
             ready = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
@@ -277,7 +287,7 @@ class DataClient:
                 piece, _ = next(iter(pending.values()))
                 what = "whole value" if piece.start < 0 else f"rows {piece.start}:{piece.stop}"
                 for addr in {p.shard.addr for p, _ in pending.values()}:
-                    self._drop_socket(addr)  # late replies must not reach the next pull
+                    self._retire_socket(addr)  # late replies must not reach the next pull
                 raise TransferTimeout(
                     f"no answer from {piece.shard.peer} ({piece.shard.addr}) to a pull of "
                     f"{what} of object {piece.shard.obj_id} within {self._timeout:g} s "
@@ -449,12 +459,27 @@ class DataClient:
                 at += row * row_bytes[key]
                 buf[at:at + src.nbytes] = src
 
-    def _drop_socket(self, addr: str) -> None:
+    def _retire_socket(self, addr: str) -> None:
+        """Stop using the socket to `addr` (a pull on it timed out); keep draining it."""
         entry = self._socks.pop(addr, None)
         if entry is not None:
-            entry[0].close(0)
+            sock, _, verifier, identity = entry
+            self._late.append((sock, verifier, identity))
+            while len(self._late) > MAX_LATE_SOCKETS:  # a peer that never answers again
+                self._late.pop(0)[0].close(0)
+
+    def _drain_late(self) -> None:
+        """Release the CUDA IPC rows of replies that came after their pull timed out."""
+        for sock, verifier, identity in self._late:
+            while sock.poll(0, zmq.POLLIN):
+                frames = sock.recv_multipart(copy=False)
+                reply = open_frame(verifier, b">" + identity, [f.bytes for f in frames[:2]])
+                if isinstance(reply, Pulled):
+                    _release(reply.ipc.values())
 
     def close(self) -> None:
-        for sock, *_ in self._socks.values():
+        self._drain_late()
+        for sock in [e[0] for e in self._socks.values()] + [e[0] for e in self._late]:
             sock.close(0)
         self._socks.clear()
+        self._late.clear()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.controller.placement import PlacementError, _constraints
+from asyncrl.controller.placement import PlacementError, constraints_of
 
 VIAS = ("local", "ssh", "srun", "netns")
 
@@ -142,7 +142,7 @@ class Cluster:
         """Refuse the constraints a cluster cannot honour yet. separate_from holds by itself
         (groups never share a cluster's slots); the others would need slots shared or picked
         by host, which spreading does not do."""
-        for c in _constraints(place):
+        for c in constraints_of(place):
             if c.kind == "separate_from":
                 if c.target not in self._groups:
                     raise PlacementError(

@@ -111,7 +111,7 @@ class Placer:
         self._added: dict[str, list[int]] = {}  # what each group added to _use, one per rank
 
     def place(self, group: str, nprocs: int, place: Any) -> Placement:
-        constraints = _constraints(place)
+        constraints = constraints_of(place)
         host = self.host
         pool = list(range(host.gpus)) if host.gpus else list(host.cores)
         per = max((c.n for c in constraints if c.kind == "share_gpus"), default=1) \
@@ -216,7 +216,8 @@ def _domain(device: int, nvlink: list[int]) -> tuple[int, ...]:
     return tuple(device // n for n in nvlink)
 
 
-def _constraints(place: Any) -> list[Constraint]:
+def constraints_of(place: Any) -> list[Constraint]:
+    """A `place=` argument (None, one constraint, or a list of them) as a list, checked."""
     if place is None:
         return []
     items: Iterable[Any] = place if isinstance(place, list | tuple) else [place]

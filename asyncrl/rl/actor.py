@@ -44,19 +44,37 @@ TRAIN_COLUMNS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "
                  "loss_mask"]
 
 
-def policy_loss(cfg: RLConfig) -> Any:
+def importance_weights(prox: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
+                       cfg: RLConfig) -> torch.Tensor:
+    """Per token, the proximal policy's probability over the rollout's (1 outside the mask),
+    truncated at `tis_cap` for "tis"."""
+    weight = torch.exp((prox - rollout) * mask)
+    return weight.clamp(max=cfg.tis_cap) if cfg.correction == "tis" else weight
+
+
+def policy_loss(cfg: RLConfig, correct_in_pass: bool = False) -> Any:
     """The loss of one micro-batch: clipped surrogate, + kl_coef * KL to the reference (as a
-    loss), - entropy_coef * entropy; with the statistics metrics.jsonl reports."""
+    loss), - entropy_coef * entropy; with the statistics metrics.jsonl reports.
+
+    correct_in_pass: the off-policy correction with the proximal policy taken from this very
+    forward pass (detached). Right when an update is one optimizer step: no weight changes
+    between the micro-batches, so a separate forward pass would give the same log-probs
+    (verl's on-policy shortcut); it saves that pass."""
 
     def loss_fn(out: dict[str, torch.Tensor], micro: TensorBatch
                 ) -> tuple[torch.Tensor, dict[str, float]]:
         logp, mask = out["logprobs"], micro.tensor("loss_mask")
         per_token = share(micro, "tokens")  # local means -> parts of the global means
-        pg, clipfrac = ppo_policy_loss(logp, micro.tensor("logprobs"),
-                                       micro.tensor("advantages"), mask, cfg.clip, cfg.agg,
-                                       cfg.clip_high, cfg.dual_clip)
+        old, adv = micro.tensor("logprobs"), micro.tensor("advantages")
+        stats = {}
+        if correct_in_pass:  # old: the rollout's log-probs; the ratio's old: this pass's
+            weight = importance_weights(logp.detach(), old, mask, cfg)
+            old, adv = logp.detach(), adv * weight * mask
+            stats["is_weight_mean"] = masked_mean(weight, mask).item() * per_token
+        pg, clipfrac = ppo_policy_loss(logp, old, adv, mask, cfg.clip, cfg.agg, cfg.clip_high,
+                                       cfg.dual_clip)
         loss = pg * share(micro, "tokens" if cfg.agg == "token-mean" else "seqs")
-        stats = {"pg_loss": loss.detach().item(), "clipfrac": clipfrac.item() * per_token}
+        stats.update(pg_loss=loss.detach().item(), clipfrac=clipfrac.item() * per_token)
         entropy = masked_mean(out["entropy"], mask) * per_token
         stats["entropy"] = entropy.detach().item()
         if cfg.entropy_coef:
@@ -92,7 +110,8 @@ class Actor(Policy):
         stale = self._staleness(batch)  # may drop samples: before anything counts them
         adv, _ = advantages(batch, self.rl, group)
         off_policy: dict[str, float] = {}
-        if self.rl.correction != "none":
+        in_pass = self.rl.correction != "none" and self.rl.epochs == self.rl.mini_batches == 1
+        if self.rl.correction != "none" and not in_pass:
             batch, adv, off_policy = self._correct(batch, adv)
         train = batch.select(TRAIN_COLUMNS + (
             ["ref_logprobs"] if "ref_logprobs" in batch else [])).union(
@@ -102,7 +121,7 @@ class Actor(Policy):
         for _ in range(self.rl.epochs):
             for mini in train.chunk(self.rl.mini_batches):
                 runs.append(self.backend.train_step(count_globally(mini, group),
-                                                    policy_loss(self.rl), entropy=True))
+                                                    policy_loss(self.rl, in_pass), entropy=True))
         self.version += 1
         stats = mean_stats(runs)
         return {**{f"actor/{k}": v for k, v in stats.items()}, **off_policy, **stale,
@@ -136,9 +155,7 @@ class Actor(Policy):
         the PPO ratio; tokens are weighted by current / rollout probability."""
         mask = batch.tensor("loss_mask")
         prox = self.backend.logprobs(batch).cpu() * mask
-        weight = torch.exp(prox - batch.tensor("logprobs") * mask)
-        if self.rl.correction == "tis":
-            weight = weight.clamp(max=self.rl.tis_cap)
+        weight = importance_weights(prox, batch.tensor("logprobs"), mask, self.rl)
         n, w_sum = global_sums([float(mask.sum()), float((weight * mask).sum())],
                                self.backend.stats_group)
         batch = batch.select([k for k in batch.keys() if k != "logprobs"]).union(
