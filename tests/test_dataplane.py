@@ -331,9 +331,10 @@ def test_stalled_producer_gives_transfer_timeout_naming_it():
 
 
 def test_gpu_rows_in_a_reply_after_a_transfer_timeout_are_released(monkeypatch):
-    """A producer that answers only after the consumer's TransferTimeout: the reply's CUDA
-    IPC rows are still opened and closed (at the next pull, or when the client closes), so
-    the producer's GPU block is freed. A scripted producer answers on a real socket."""
+    """A producer that answers a CUDA IPC pull only after the consumer's TransferTimeout:
+    the reply's rows are still opened and closed (at the consumer's next pull), so the
+    producer's GPU block is freed; then that socket is closed. A timed-out pull of bytes is
+    not waited for: its socket is closed at once. A scripted producer on a real socket."""
     import threading
 
     import msgspec
@@ -341,18 +342,18 @@ def test_gpu_rows_in_a_reply_after_a_transfer_timeout_are_released(monkeypatch):
 
     from asyncrl.comm import codec, dataplane
     from asyncrl.comm.channel import open_frame
-    from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
+    from asyncrl.comm.remote import Piece, RemoteValue, Shard
 
     released = []
     monkeypatch.setattr(dataplane.cuda_ipc, "release", released.append)
     secret = b"k" * 32
-    rows = [messages.IpcRows(0, b"h", 64, 0, b"r", 0, None, False, "float32", (2,), (1,), 0,
-                             "GPU-x")]
+    rows = messages.IpcRows(0, b"h", 64, 0, b"r", 0, None, False, "float32", (2,), (1,), 0,
+                            "GPU-x")
     ctx = zmq.Context()
     server = ctx.socket(zmq.ROUTER)
     addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
     signer, verifier = Signer(secret), Verifier(secret)
-    timed_out, stop = threading.Event(), threading.Event()
+    timed_out, stop = [threading.Event(), threading.Event()], threading.Event()
 
     def pull():
         who, *frames = server.recv_multipart()
@@ -363,9 +364,10 @@ def test_gpu_rows_in_a_reply_after_a_transfer_timeout_are_released(monkeypatch):
                                                      messages.encode(reply))])
 
     def producer():
-        who, req = pull()
-        timed_out.wait(30)
-        answer(who, messages.Pulled(req.xfer_id, ipc={"x": rows[0]}))  # after the timeout
+        for late in timed_out:  # a pull of bytes, then one of GPU rows: both answered late
+            who, req = pull()
+            late.wait(30)
+            answer(who, messages.Pulled(req.xfer_id, ipc={"x": rows} if req.ipc else {}))
         while not stop.is_set():  # later fetches, answered at once
             if server.poll(100):
                 who, req = pull()
@@ -376,14 +378,16 @@ def test_gpu_rows_in_a_reply_after_a_transfer_timeout_are_released(monkeypatch):
     client = dataplane.DataClient(ctx, secret, "cons/0", "127.0.0.1", None, timeout=0.3)
     shard = Shard("prod", 0, 1, addr, "127.0.0.1")
     try:
-        with pytest.raises(asyncrl.TransferTimeout, match="no answer from prod"):
-            client.fetch_batch(RemoteBatch([Piece(shard, 0, 1)], [messages.Column("x", "list")]))
-        assert released == []
-        timed_out.set()  # the late reply goes to the retired socket
+        for n, ipc in enumerate(([], ["x"])):
+            req = messages.Pull(100 + n, 1, 0, 1, ipc=ipc)
+            with pytest.raises(asyncrl.TransferTimeout, match="no answer from prod"):
+                client._exchange([(Piece(shard, 0, 1), req)], lambda *_: None)
+            timed_out[n].set()  # the late reply goes to the socket given up
+            assert len(client._late) == n  # kept only for the IPC pull
         deadline = time.monotonic() + 10
         while not released and time.monotonic() < deadline:  # each later pull drains it
             assert client.fetch_value(RemoteValue(shard)) == 7  # on a socket of its own
-        assert released == [rows[0]]
+        assert released == [rows] and client._late == []  # all answered: closed
     finally:
         stop.set()
         thread.join(10)

@@ -74,6 +74,8 @@ def test_sampling_follows_the_distribution_and_depends_on_seed_and_step_only():
     assert sample(one_hot, torch.tensor([1 - 2**-53])).item() == 2
     cut = torch.tensor([[0.3, 0.7, 0.0]])  # u rounds up to the total in fp32: not token 2
     assert sample(cut, torch.tensor([1 - 2**-30], dtype=torch.float64)).item() == 1
+    with pytest.raises(ValueError, match="probabilities contain NaN"):
+        sample(torch.tensor([[float("nan"), 1.0]]), torch.tensor([0.5]))
     model = build_model(ModelConfig())
     engine = Sampler(model, SamplingConfig(max_new_tokens=8))
     alone = engine.generate(PROMPTS[2:3], seeds=[3])

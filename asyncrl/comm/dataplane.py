@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -41,7 +42,7 @@ from asyncrl.errors import TransferTimeout
 log = logging.getLogger("asyncrl")
 SHM_PREFIX = "asyncrl-"
 _ALIGN = 64
-MAX_LATE_SOCKETS = 64  # retired sockets (pulls timed out) still drained for late replies
+MAX_LATE_SOCKETS = 64  # per client: sockets of timed-out IPC pulls still drained
 BUCKET_BYTES = 32 << 20  # pulls are split into buckets of at most this many bytes, all in
 # flight at once: the producer copies or sends one while the consumer takes in another
 
@@ -209,6 +210,16 @@ def _buckets(pieces: list[Piece], row_bytes: int) -> list[Piece]:
             for s in range(p.start, p.stop, rows)]
 
 
+@dataclass
+class _Retired:
+    """A socket whose CUDA IPC pulls timed out, kept only to release their late replies."""
+
+    sock: zmq.Socket
+    verifier: Verifier
+    identity: bytes
+    owed: set[int]  # the transfer ids still unanswered
+
+
 class DataClient:
     """Pulls remote pieces for one thread (each thread that runs calls owns one)."""
 
@@ -225,9 +236,7 @@ class DataClient:
         self._transport = transport
         self._group = identity.split("/")[0]
         self._socks: dict[str, tuple[zmq.Socket, Signer, Verifier, bytes]] = {}
-        # sockets of pulls that timed out: their late replies may hold CUDA IPC rows, which
-        # the producer frees only once they are opened and closed here; drained, never reused
-        self._late: list[tuple[zmq.Socket, Verifier, bytes]] = []
+        self._late: list[_Retired] = []  # sockets of timed-out CUDA IPC pulls, drained
         self._xfer = itertools.count(1)
         self._names = itertools.count()
 
@@ -276,10 +285,10 @@ class DataClient:
         if sent is not None:
             sent()
         deadline = time.monotonic() + self._timeout
-        for s, _, _ in self._late:  # late replies that come meanwhile are released too
-            poller.register(s, zmq.POLLIN)
-        by_sock = {id(s): (s, v, i) for s, v, i in self._late}
-        by_sock.update({id(s): (s, v, i) for s, _, v, i in self._socks.values()})
+        late = {id(r.sock): r for r in self._late}
+        for r in self._late:  # late replies that come meanwhile are released too
+            poller.register(r.sock, zmq.POLLIN)
+        by_sock = {id(s): (s, v, i) for s, _, v, i in self._socks.values()}
         while pending:
             left = deadline - time.monotonic()
             ready = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
@@ -287,12 +296,19 @@ class DataClient:
                 piece, _ = next(iter(pending.values()))
                 what = "whole value" if piece.start < 0 else f"rows {piece.start}:{piece.stop}"
                 for addr in {p.shard.addr for p, _ in pending.values()}:
-                    self._retire_socket(addr)  # late replies must not reach the next pull
+                    # late replies must not reach the next pull
+                    self._give_up_socket(addr, [r for p, r in pending.values()
+                                                if p.shard.addr == addr])
                 raise TransferTimeout(
                     f"no answer from {piece.shard.peer} ({piece.shard.addr}) to a pull of "
                     f"{what} of object {piece.shard.obj_id} within {self._timeout:g} s "
                     f"({len(pending)} pull(s) unanswered)")
             for sock in ready:
+                if id(sock) in late:
+                    if self._drain(late[id(sock)]):  # owes nothing more
+                        poller.unregister(sock)
+                        self._close_retired(late.pop(id(sock)))
+                    continue
                 s, verifier, identity = by_sock[id(sock)]
                 frames = s.recv_multipart(copy=False)
                 reply = open_frame(verifier, b">" + identity, [f.bytes for f in frames[:2]])
@@ -459,27 +475,47 @@ class DataClient:
                 at += row * row_bytes[key]
                 buf[at:at + src.nbytes] = src
 
-    def _retire_socket(self, addr: str) -> None:
-        """Stop using the socket to `addr` (a pull on it timed out); keep draining it."""
+    def _give_up_socket(self, addr: str, unanswered: list[Pull]) -> None:
+        """Stop using the socket to `addr`: its pulls timed out. Closed, unless a late reply
+        may bring CUDA IPC rows (the producer frees their block only once they are opened
+        and closed here): then drained until every pull is answered. A TCP reply is never
+        waited for: it may be a whole bucket of bytes."""
         entry = self._socks.pop(addr, None)
-        if entry is not None:
-            sock, _, verifier, identity = entry
-            self._late.append((sock, verifier, identity))
-            while len(self._late) > MAX_LATE_SOCKETS:  # a peer that never answers again
-                self._late.pop(0)[0].close(0)
+        if entry is None:
+            return
+        sock, _, verifier, identity = entry
+        if not any(req.ipc for req in unanswered):
+            sock.close(0)
+            return
+        self._late.append(_Retired(sock, verifier, identity, {r.xfer_id for r in unanswered}))
+        while len(self._late) > MAX_LATE_SOCKETS:  # peers that never answer again
+            oldest = self._late[0]
+            self._drain(oldest)
+            self._close_retired(oldest)
+
+    def _drain(self, retired: _Retired) -> bool:
+        """Release the CUDA IPC rows of the late replies already in; whether all came."""
+        while retired.owed and retired.sock.poll(0, zmq.POLLIN):
+            frames = retired.sock.recv_multipart(copy=False)
+            reply = open_frame(retired.verifier, b">" + retired.identity,
+                               [f.bytes for f in frames[:2]])
+            if isinstance(reply, Pulled) and reply.xfer_id in retired.owed:
+                retired.owed.discard(reply.xfer_id)
+                _release(reply.ipc.values())
+        return not retired.owed
+
+    def _close_retired(self, retired: _Retired) -> None:
+        retired.sock.close(0)
+        self._late.remove(retired)
 
     def _drain_late(self) -> None:
-        """Release the CUDA IPC rows of replies that came after their pull timed out."""
-        for sock, verifier, identity in self._late:
-            while sock.poll(0, zmq.POLLIN):
-                frames = sock.recv_multipart(copy=False)
-                reply = open_frame(verifier, b">" + identity, [f.bytes for f in frames[:2]])
-                if isinstance(reply, Pulled):
-                    _release(reply.ipc.values())
+        for retired in list(self._late):
+            if self._drain(retired):
+                self._close_retired(retired)
 
     def close(self) -> None:
         self._drain_late()
-        for sock in [e[0] for e in self._socks.values()] + [e[0] for e in self._late]:
+        for sock in [e[0] for e in self._socks.values()] + [r.sock for r in self._late]:
             sock.close(0)
         self._socks.clear()
         self._late.clear()

@@ -86,24 +86,30 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 def streams(seeds: Sequence[int]) -> np.ndarray:
-    """Each sample's random stream, from its seed (any Python int)."""
-    return _mix(np.asarray([int(s) % 2**64 for s in seeds], dtype=np.uint64))
+    """Each sample's random stream, from its seed (any Python int, taken modulo 2**64)."""
+    return _mix(np.asarray([int(s) % 2**64 for s in seeds], dtype=np.uint64).reshape(-1))
 
 
 def uniforms(stream: np.ndarray, step: int) -> torch.Tensor:
     """One uniform in [0, 1) per sample for token `step`, a function of (seed, step) only: a
     sample draws the same tokens whatever batch it is in, on any device, and the whole batch
     draws at once (a generator per sample cost 40 % of generation in a Python loop)."""
-    z = _mix(stream + np.uint64(_GOLDEN * (step + 1) % 2**64))
+    z = _mix(np.atleast_1d(stream) + np.uint64(_GOLDEN * (step + 1) % 2**64))
     return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling, a row per sample: the first token whose cumulative probability
-    exceeds u times the row's total. Never a zero-probability token: its cumulative value
-    equals its predecessor's, and a u that rounds up to the total takes the last token with
-    a probability (fp32, as the probabilities: a 150k vocabulary's fp64 cumsum is large)."""
+    exceeds u times the row's total. Never a zero-probability token (one top-p removed): its
+    cumulative value is made its predecessor's (a GPU's parallel scan adds in another order
+    per element, so it may differ, even decrease), and a u that rounds up to the total takes
+    the last token with a probability. In fp32, as the probabilities (a 150k vocabulary's
+    fp64 cumsum is large)."""
+    if probs.isnan().any():
+        raise ValueError("sampling: the next-token probabilities contain NaN (NaN or inf "
+                         "logits: check the model's weights and dtype)")
     cdf = probs.float().cumsum(-1)
+    cdf = torch.where(probs > 0, cdf, 0.0).cummax(-1).values
     target = u.to(cdf.device, torch.float32)[:, None] * cdf[:, -1:]
     token = torch.searchsorted(cdf, target, right=True)[:, 0]
     last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
