@@ -319,6 +319,14 @@ class AnyTrainer(asyncrl.Worker):
         self.backend.load_state_dict(weights)
         return True
 
+    @asyncrl.register
+    def save(self, folder: str) -> None:
+        self.backend.save(folder)
+
+    @asyncrl.register
+    def load(self, folder: str) -> None:
+        self.backend.load(folder)
+
 
 @pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
 def test_trainer_forward_passes_have_no_dropout():
@@ -336,32 +344,84 @@ def test_trainer_forward_passes_have_no_dropout():
 @pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
 def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
     """Five steps of batches of 8, 4, 8, 6 and 8 rows (2, 1, 2, 2 and 2 micro-batches per
-    rank: DeepSpeed must step at each step's last micro-batch, whatever the last count)."""
+    rank: DeepSpeed must step at each step's last micro-batch, whatever the last count),
+    under one learning-rate schedule (warmup, then cosine: each backend steps it once per
+    optimizer step)."""
     pytest.importorskip("deepspeed")
+    from asyncrl.hybrid.fsdp import lr_factor
+
     batch = fixed_batch()
     sizes = [8, 4, 8, 6, 8]
-    model_cfg, train_cfg = {"preset": "tiny-llama", "seed": 0}, {"lr": 3e-3, "micro_batch_size": 2}
+    model_cfg = {"preset": "tiny-llama", "seed": 0}
+    train_cfg = {"lr": 3e-3, "micro_batch_size": 2, "warmup_steps": 2, "schedule": "cosine",
+                 "total_steps": 6, "min_lr_ratio": 0.1}
 
     async def main():
         async with asyncrl.Controller(construct_timeout=600) as ctl:
-            losses, pids = {}, []
+            losses, lrs, pids = {}, {}, []
             for kind in ("fsdp2", "zero2", "zero3"):
                 group = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, nprocs=2,
                                         name=kind)
                 pids += group_pids(group)
-                losses[kind] = [(await group.step(batch.slice(0, n)))[0]["loss"] for n in sizes]
+                steps = [(await group.step(batch.slice(0, n)))[0] for n in sizes]
+                losses[kind], lrs[kind] = [s["loss"] for s in steps], [s["lr"] for s in steps]
                 if kind == "zero3":  # state dict out and in: the next step starts from it
                     w = (await group.weights())[0]
                     assert all(await group.reload(w))
                     assert all(torch.equal(w[k], v) for k, v in (await group.weights())[0].items())
                 await ctl.close_group(group)
-            return losses, pids
-    losses, pids = run(main(), timeout=880)
+            return losses, lrs, pids
+    losses, lrs, pids = run(main(), timeout=880)
     assert_gone(pids)
     for kind in ("zero2", "zero3"):
         for got, want in zip(losses[kind], losses["fsdp2"], strict=True):
             assert abs(got - want) <= 1e-4 * abs(want), (kind, losses)
     assert losses["fsdp2"][-1] < losses["fsdp2"][0]
+    want = [3e-3 * lr_factor(TrainConfig(**train_cfg), i) for i in range(5)]
+    assert want[:3] == [0.0, 1.5e-3, 3e-3] and 3e-4 < want[4] < want[3] < 3e-3
+    for kind in lrs:
+        assert lrs[kind] == pytest.approx(want, abs=1e-12), (kind, lrs)
+
+
+def test_lr_schedules_and_their_config_errors():
+    from asyncrl.hybrid.fsdp import lr_factor
+
+    cos = TrainConfig(warmup_steps=4, schedule="cosine", total_steps=14, min_lr_ratio=0.2)
+    assert [lr_factor(cos, s) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(cos, 9) == pytest.approx(0.6)  # halfway: 0.2 + 0.8 * 0.5
+    assert lr_factor(cos, 14) == lr_factor(cos, 100) == pytest.approx(0.2)  # the floor
+    lin = TrainConfig(schedule="linear", total_steps=10)
+    assert [lr_factor(lin, s) for s in (0, 5, 10, 20)] == [1.0, 0.5, 0.0, 0.0]
+    assert lr_factor(TrainConfig(warmup_steps=2), 1_000) == 1.0
+    with pytest.raises(ValueError, match="total_steps, which must exceed warmup_steps"):
+        TrainConfig(schedule="cosine", warmup_steps=5, total_steps=5)
+    with pytest.raises(ValueError, match="schedule is 'constant', 'cosine' or 'linear'"):
+        TrainConfig(schedule="step")
+    with pytest.raises(ValueError, match="min_lr_ratio in"):
+        TrainConfig(min_lr_ratio=1.5)
+
+
+def test_a_resumed_fsdp2_trainer_continues_its_lr_schedule(tmp_path):
+    from asyncrl.hybrid.fsdp import lr_factor
+
+    batch = fixed_batch()
+    model_cfg = {"preset": "tiny-llama", "seed": 0}
+    train_cfg = {"lr": 1e-3, "micro_batch_size": 8, "warmup_steps": 4}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            first = await ctl.spawn(AnyTrainer, "fsdp2", model_cfg, train_cfg, name="first")
+            before = [(await first.step(batch))[0]["lr"] for _ in range(3)]
+            await first.save(str(tmp_path / "ckpt"))
+            again = await ctl.spawn(AnyTrainer, "fsdp2", model_cfg, train_cfg, name="again")
+            await again.load(str(tmp_path / "ckpt"))
+            after = [(await again.step(batch))[0]["lr"] for _ in range(2)]
+            return before, after, group_pids(first) + group_pids(again)
+    before, after, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    cfg = TrainConfig(**train_cfg)
+    assert before + after == pytest.approx([1e-3 * lr_factor(cfg, i) for i in range(5)])
+    assert after == pytest.approx([7.5e-4, 1e-3])  # the 4th and 5th steps, not a new warmup
 
 
 def test_vllm_adapter_against_a_fake_that_follows_vllm_api():

@@ -15,6 +15,8 @@ response_mask (a prefix of each row), as the generation engines produce.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     bf16: bool | None = None  # compute in bf16 (weights and reductions in fp32); None: on
     # the GPUs that support it, off on CPU (where bf16 matmuls are slow)
+    # the learning rate over optimizer steps: `warmup_steps` of linear warmup, then constant,
+    # or a cosine or linear decay to min_lr_ratio * lr at `total_steps`
+    warmup_steps: int = 0
+    schedule: str = "constant"  # "constant", "cosine" or "linear"
+    total_steps: int = 0  # optimizer steps of the whole run (needed by cosine and linear)
+    min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -51,6 +59,36 @@ class TrainConfig:
                              f"{self.micro_batch_size}")
         if self.lr < 0:  # 0 is allowed: a run that must not learn (a baseline)
             raise ValueError(f"TrainConfig.lr must be >= 0, got {self.lr}")
+        if self.schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"TrainConfig.schedule is 'constant', 'cosine' or 'linear', got "
+                             f"{self.schedule!r}")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig: warmup_steps must be >= 0 and min_lr_ratio in "
+                             f"[0, 1], got {self.warmup_steps} and {self.min_lr_ratio}")
+        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"TrainConfig.schedule={self.schedule!r} decays until total_steps, "
+                             f"which must exceed warmup_steps ({self.warmup_steps}); got "
+                             f"total_steps={self.total_steps} (the run's optimizer steps: "
+                             f"steps x epochs x mini_batches)")
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The multiplier of `cfg.lr` at optimizer step `step` (from 0), as transformers'
+    get_{constant,cosine,linear}_schedule_with_warmup (verl's) define it, with a floor of
+    min_lr_ratio after the warmup."""
+    if step < cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" \
+        else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+
+def lr_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> Any:
+    """A LambdaLR of `lr_factor`; stepped after each optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg))
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -243,6 +281,7 @@ class FSDPBackend(TrainBackend):
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr,
                                      weight_decay=train_cfg.weight_decay)
+        self.sched = lr_scheduler(self.opt, train_cfg)
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
                    entropy: bool = False) -> dict[str, float]:
@@ -250,9 +289,11 @@ class FSDPBackend(TrainBackend):
         accumulation; FSDP averages the gradients over the data-parallel ranks."""
         stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward())
         norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
+        lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
+        self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return {**stats, "grad_norm": float(norm)}
+        return {**stats, "grad_norm": float(norm), "lr": lr}
 
     def save(self, folder: Any) -> None:
         """Weights and optimizer state, each rank its shards (torch.distributed.checkpoint:
@@ -261,15 +302,25 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+        dcp.save({"model": model_sd, "optim": optim_sd, "sched": self._sched_state()},
+                 checkpoint_id=str(folder))
 
     def load(self, folder: Any) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))  # in place
+        sched = self._sched_state()
+        dcp.load({"model": model_sd, "optim": optim_sd, "sched": sched},
+                 checkpoint_id=str(folder))  # in place
         set_state_dict(self.model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        self.sched.last_epoch = int(sched["steps"])
+        for group, base in zip(self.opt.param_groups, self.sched.base_lrs, strict=True):
+            group["lr"] = base * lr_factor(self.cfg, self.sched.last_epoch)
+
+    def _sched_state(self) -> dict[str, torch.Tensor]:
+        """The schedule's position (optimizer steps taken), as a tensor DCP loads in place."""
+        return {"steps": torch.tensor(self.sched.last_epoch, dtype=torch.int64)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on every rank, on the CPU."""

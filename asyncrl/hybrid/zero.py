@@ -23,6 +23,7 @@ from asyncrl.hybrid.fsdp import (
     TrainBackend,
     TrainConfig,
     check_head,
+    lr_scheduler,
     nll_loss,
     use_bf16,
 )
@@ -62,7 +63,9 @@ class ZeroBackend(TrainBackend):
                   # gradients averaged in fp32, as FSDP2 reduces them (bf16 would by default)
                   "communication_data_type": "fp32",
                   "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
-        self.engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=config)
+        # DeepSpeed steps the schedule with the optimizer and keeps it in its checkpoints
+        self.engine, _, _, self.sched = ds.initialize(model=model, optimizer=opt, config=config,
+                                                      lr_scheduler=lr_scheduler(opt, train_cfg))
         self.model = self.engine.module
         self.forward_module = self.engine
         # the torch optimizer ZeRO wraps (its state is what the hybrid engine moves)
@@ -85,11 +88,12 @@ class ZeroBackend(TrainBackend):
             # steps, and steps at the wrong micro-batch once their count changes
             self.engine.set_gradient_accumulation_boundary(done == gas)
             self.engine.backward(loss * gas)  # DeepSpeed divides by the accumulation steps
-            self.engine.step()  # steps the optimizer at the boundary only
+            self.engine.step()  # steps the optimizer and the schedule at the boundary only
 
+        lr = self.opt.param_groups[0]["lr"]
         stats = self._accumulate(batch, loss_fn, entropy, backward)
         norm = self.engine.get_global_grad_norm()
-        return {**stats, "grad_norm": float(norm if norm is not None else 0.0)}
+        return {**stats, "grad_norm": float(norm if norm is not None else 0.0), "lr": lr}
 
     def save(self, folder: Any) -> None:
         """Weights and optimizer state in DeepSpeed's checkpoint format (same layout to load)."""
