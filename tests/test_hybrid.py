@@ -401,23 +401,28 @@ def test_lr_schedules_and_their_config_errors():
         TrainConfig(min_lr_ratio=1.5)
 
 
-def test_a_resumed_fsdp2_trainer_continues_its_lr_schedule(tmp_path):
+@pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
+@pytest.mark.parametrize("kind", ["fsdp2", "zero2"])
+def test_a_resumed_trainer_continues_its_lr_schedule(kind, tmp_path):
     from asyncrl.hybrid.fsdp import lr_factor
+
+    if kind != "fsdp2":
+        pytest.importorskip("deepspeed")
 
     batch = fixed_batch()
     model_cfg = {"preset": "tiny-llama", "seed": 0}
     train_cfg = {"lr": 1e-3, "micro_batch_size": 8, "warmup_steps": 4}
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            first = await ctl.spawn(AnyTrainer, "fsdp2", model_cfg, train_cfg, name="first")
+        async with asyncrl.Controller(construct_timeout=600) as ctl:
+            first = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="first")
             before = [(await first.step(batch))[0]["lr"] for _ in range(3)]
             await first.save(str(tmp_path / "ckpt"))
-            again = await ctl.spawn(AnyTrainer, "fsdp2", model_cfg, train_cfg, name="again")
+            again = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="again")
             await again.load(str(tmp_path / "ckpt"))
             after = [(await again.step(batch))[0]["lr"] for _ in range(2)]
             return before, after, group_pids(first) + group_pids(again)
-    before, after, pids = run(main(), timeout=300)
+    before, after, pids = run(main(), timeout=880)
     assert_gone(pids)
     cfg = TrainConfig(**train_cfg)
     assert before + after == pytest.approx([1e-3 * lr_factor(cfg, i) for i in range(5)])
