@@ -327,6 +327,15 @@ class AnyTrainer(asyncrl.Worker):
     def load(self, folder: str) -> None:
         self.backend.load(folder)
 
+    @asyncrl.register
+    def save_as_before_schedules(self, folder: str) -> None:
+        """An FSDP2 checkpoint as saved before schedules: weights and optimizer only."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.backend.model, self.backend.opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+
 
 @pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
 def test_trainer_forward_passes_have_no_dropout():
@@ -421,12 +430,25 @@ def test_a_resumed_trainer_continues_its_lr_schedule(kind, tmp_path):
             again = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="again")
             await again.load(str(tmp_path / "ckpt"))
             after = [(await again.step(batch))[0]["lr"] for _ in range(2)]
-            return before, after, group_pids(first) + group_pids(again)
-    before, after, pids = run(main(), timeout=880)
+            # a resumed run with another lr: the config's lr wins, on both backends
+            other = await ctl.spawn(AnyTrainer, kind, model_cfg, {**train_cfg, "lr": 2e-3},
+                                    name="other")
+            await other.load(str(tmp_path / "ckpt"))
+            changed = (await other.step(batch))[0]["lr"]
+            pids = group_pids(first) + group_pids(again) + group_pids(other)
+            old = None
+            if kind == "fsdp2":  # a checkpoint from before schedules: AdamW's step count
+                await first.save_as_before_schedules(str(tmp_path / "old"))
+                await other.load(str(tmp_path / "old"))
+                old = (await other.step(batch))[0]["lr"]
+            return before, after, changed, old, pids
+    before, after, changed, old, pids = run(main(), timeout=880)
     assert_gone(pids)
     cfg = TrainConfig(**train_cfg)
     assert before + after == pytest.approx([1e-3 * lr_factor(cfg, i) for i in range(5)])
     assert after == pytest.approx([7.5e-4, 1e-3])  # the 4th and 5th steps, not a new warmup
+    assert changed == pytest.approx(1.5e-3)  # step 4 of 2e-3's warmup
+    assert old == (pytest.approx(1.5e-3) if kind == "fsdp2" else None)
 
 
 def test_vllm_adapter_against_a_fake_that_follows_vllm_api():

@@ -74,8 +74,9 @@ class TrainConfig:
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
     """The multiplier of `cfg.lr` at optimizer step `step` (from 0), as transformers'
-    get_{constant,cosine,linear}_schedule_with_warmup (verl's) define it, with a floor of
-    min_lr_ratio after the warmup."""
+    get_{constant,cosine,linear}_schedule_with_warmup (verl's) define it (the first warmup
+    step at 0), with a floor of min_lr_ratio for the decays, held after total_steps (where
+    transformers' cosine rises again). A constant schedule has no floor."""
     if step < cfg.warmup_steps:
         return step / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -89,6 +90,16 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
 def lr_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> Any:
     """A LambdaLR of `lr_factor`; stepped after each optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg))
+
+
+def resume_schedule(sched: Any, opt: torch.optim.Optimizer, cfg: TrainConfig, steps: int) -> None:
+    """Put a loaded trainer's schedule at `steps` optimizer steps, with this config's lr (a
+    resumed run may change it; both backends then agree)."""
+    sched.last_epoch = steps
+    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr * lr_factor(cfg, steps)
+    sched._last_lr = [group["lr"] for group in opt.param_groups]
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -310,13 +321,15 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        sched = self._sched_state()
-        dcp.load({"model": model_sd, "optim": optim_sd, "sched": sched},
-                 checkpoint_id=str(folder))  # in place
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        if "sched.steps" in saved:  # checkpoints from before schedules have no position
+            state["sched"] = self._sched_state()
+        dcp.load(state, checkpoint_id=str(folder))  # in place
         set_state_dict(self.model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        self.sched.last_epoch = int(sched["steps"])
-        for group, base in zip(self.opt.param_groups, self.sched.base_lrs, strict=True):
-            group["lr"] = base * lr_factor(self.cfg, self.sched.last_epoch)
+        steps = int(state["sched"]["steps"]) if "sched" in state else max(
+            (int(s["step"]) for s in self.opt.state.values() if "step" in s), default=0)
+        resume_schedule(self.sched, self.opt, self.cfg, steps)
 
     def _sched_state(self) -> dict[str, torch.Tensor]:
         """The schedule's position (optimizer steps taken), as a tensor DCP loads in place."""

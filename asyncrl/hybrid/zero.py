@@ -25,6 +25,7 @@ from asyncrl.hybrid.fsdp import (
     check_head,
     lr_scheduler,
     nll_loss,
+    resume_schedule,
     use_bf16,
 )
 from asyncrl.hybrid.models import ModelConfig
@@ -103,6 +104,8 @@ class ZeroBackend(TrainBackend):
         path, _ = self.engine.load_checkpoint(str(folder), tag="state")
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
+        # its position restored, with this config's lr, as FSDP2 resumes
+        resume_schedule(self.sched, self.opt, self.cfg, self.sched.last_epoch)
 
     def gathered(self, params: list[Any]) -> Any:
         """A context in which these parameters are whole on every rank (ZeRO-3 partitions
