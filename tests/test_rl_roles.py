@@ -144,6 +144,26 @@ def test_seq_mean_policy_loss_leaves_empty_rows_out():
     assert loss.item() == pytest.approx(-1.0)
 
 
+def test_seq_mean_aggregates_the_kl_and_entropy_terms_too():
+    """verl's loss_agg_mode applies to the KL and entropy terms as to the policy term: with
+    seq-mean-token-mean a short row weighs as much as a long one."""
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    micro = TensorBatch({"logprobs": torch.zeros(2, 3), "advantages": torch.zeros(2, 3),
+                         "ref_logprobs": torch.tensor([[-1.0, -1.0, -1.0], [-4.0, 0.0, 0.0]]),
+                         "loss_mask": mask})
+    micro.meta.update(tokens=4, seqs=2, rows=2, dp=1)
+    out = {"logprobs": torch.zeros(2, 3), "entropy": torch.tensor([[1.0, 1.0, 1.0],
+                                                                   [5.0, 9.0, 9.0]])}
+    stats = {}
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        cfg = RLConfig(algo="grpo", group_size=2, kl_coef=1.0, kl_kind="k1", agg=agg)
+        stats[agg] = policy_loss(cfg)(out, micro)[1]
+    assert stats["token-mean"]["kl"] == pytest.approx((1 + 1 + 1 + 4) / 4)  # k1 = logp - ref
+    assert stats["seq-mean-token-mean"]["kl"] == pytest.approx((1 + 4) / 2)
+    assert stats["token-mean"]["entropy"] == pytest.approx((3 + 5) / 4)
+    assert stats["seq-mean-token-mean"]["entropy"] == pytest.approx((1 + 5) / 2)
+
+
 def test_value_loss_by_hand():
     micro = TensorBatch({"values": torch.tensor([[0.0, 1.0]]),
                          "returns": torch.tensor([[1.0, 1.0]]),

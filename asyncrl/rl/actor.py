@@ -25,7 +25,7 @@ from asyncrl.actors.register import register
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES
 from asyncrl.hybrid.roles import Policy
-from asyncrl.rl.algorithms import kl_penalty, ppo_policy_loss
+from asyncrl.rl.algorithms import aggregate, kl_penalty, ppo_policy_loss
 from asyncrl.rl.batch import (
     STATS,
     advantages,
@@ -73,15 +73,16 @@ def policy_loss(cfg: RLConfig, correct_in_pass: bool = False) -> Any:
             stats["is_weight_mean"] = masked_mean(weight, mask).item() * per_token
         pg, clipfrac = ppo_policy_loss(logp, old, adv, mask, cfg.clip, cfg.agg, cfg.clip_high,
                                        cfg.dual_clip)
-        loss = pg * share(micro, "tokens" if cfg.agg == "token-mean" else "seqs")
+        part = share(micro, "tokens" if cfg.agg == "token-mean" else "seqs")
+        loss = pg * part
         stats.update(pg_loss=loss.detach().item(), clipfrac=clipfrac.item() * per_token)
-        entropy = masked_mean(out["entropy"], mask) * per_token
+        entropy = aggregate(out["entropy"], mask, cfg.agg) * part  # as verl: one agg mode
         stats["entropy"] = entropy.detach().item()
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy
         if "ref_logprobs" in micro:
-            kl = masked_mean(kl_penalty(logp, micro.tensor("ref_logprobs"), cfg.kl_kind),
-                             mask) * per_token
+            kl = aggregate(kl_penalty(logp, micro.tensor("ref_logprobs"), cfg.kl_kind), mask,
+                           cfg.agg) * part
             stats["kl"] = kl.detach().item()
             if cfg.kl_coef and not cfg.kl_in_reward:
                 loss = loss + cfg.kl_coef * kl

@@ -62,17 +62,23 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     if dual_clip is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * dual_clip),
                                 per_token)
-    tokens = m.sum().clamp(min=1)
-    if agg == "token-mean":
-        loss = (per_token * m).sum() / tokens
-    elif agg == "seq-mean-token-mean":
-        rows = (m.sum(1) > 0).sum().clamp(min=1)
-        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum() / rows
-    else:
-        raise ValueError(f"ppo_policy_loss: agg is 'token-mean' or 'seq-mean-token-mean', got "
-                         f"{agg!r}")
-    clipfrac = ((clipped > unclipped).to(logp.dtype) * m).sum() / tokens
+    loss = aggregate(per_token, m, agg)
+    clipfrac = ((clipped > unclipped).to(logp.dtype) * m).sum() / m.sum().clamp(min=1)
     return loss, clipfrac.detach()
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
+              ) -> torch.Tensor:
+    """A per-token loss term's mean: over the masked tokens ("token-mean"), or over the rows
+    with a token of the mean of each row's tokens ("seq-mean-token-mean"), as verl's
+    loss_agg_mode applies to the policy, KL and entropy terms alike."""
+    m = mask.to(per_token.dtype)
+    if agg == "token-mean":
+        return (per_token * m).sum() / m.sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        rows = (m.sum(1) > 0).sum().clamp(min=1)
+        return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum() / rows
+    raise ValueError(f"agg is 'token-mean' or 'seq-mean-token-mean', got {agg!r}")
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
