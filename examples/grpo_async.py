@@ -44,8 +44,10 @@ trainer = asyncrl.group(
     rl={"algo": "grpo", "group_size": cfg["group_size"], "kl_coef": cfg["kl_coef"],
         "max_staleness": cfg["max_staleness"],
         "correction": cfg["correction"] if cfg["max_staleness"] else "none"})
+# nice: on its core the reference and the reward, which the trainer waits for, go first
 rollouts = asyncrl.group(Rollout, model=model, sampling=sampling, name="rollout",
-                         nprocs=cfg["rollout_procs"], place=asyncrl.separate_from(trainer))
+                         nprocs=cfg["rollout_procs"], place=asyncrl.separate_from(trainer),
+                         nice=5)
 ref = asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(rollouts))
 rewards = asyncrl.group(RewardFn, reward, name="reward", place=asyncrl.colocate_with(rollouts))
 

@@ -247,3 +247,24 @@ def test_sync_bridge(bg, pair):
 def test_distfuture_has_no_public_constructor():
     with pytest.raises(TypeError, match="no public constructor"):
         asyncrl.DistFuture()
+
+
+class Niceness(asyncrl.Worker):
+    @asyncrl.register
+    def nice(self) -> int:
+        import os
+
+        return os.nice(0)  # this process's niceness, unchanged
+
+
+def test_a_group_runs_at_the_cpu_priority_it_was_given(bg):
+    group = bg.spawn(Niceness, nprocs=2, name="humble", nice=7)
+    try:
+        assert get(group.nice()) == [7, 7]  # a rank's default is the controller's (0 here)
+    finally:
+        bg.run(bg.ctl.close_group(group))
+    with pytest.raises(ValueError, match="nice must be an int from 0 .* to 19"):
+        bg.spawn(Niceness, name="rude", nice=-5)  # refused before anything starts
+    with pytest.raises(ValueError, match="group 'niceness': nice must be an int"):
+        asyncrl.group(Niceness, nice=20)
+    assert "rude" not in bg.ctl.groups

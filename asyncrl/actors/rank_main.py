@@ -323,6 +323,7 @@ def pin_cpus() -> int:
 
 
 def main() -> None:
+    os.nice(int(os.environ.get("ASYNCRL_NICE", "0")))  # the group's `nice`: 0 by default
     cores = pin_cpus()
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
     _init_distributed()

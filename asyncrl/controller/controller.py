@@ -46,7 +46,7 @@ from asyncrl.controller.launcher import Agent, cluster_agents, kill_pids, pid_al
 from asyncrl.controller.links import Links
 from asyncrl.controller.logs import LogSink
 from asyncrl.controller.outbox import Outbox
-from asyncrl.controller.placement import Placer
+from asyncrl.controller.placement import Placer, check_nice
 from asyncrl.controller.releases import Releases
 from asyncrl.controller.supervisor import Supervisor
 from asyncrl.controller.timeline import Timeline
@@ -248,17 +248,19 @@ class Controller:
     async def spawn(self, worker_cls: type, *args: Any, nprocs: int = 1, name: str | None = None,
                     mesh: dict[str, int] | None = None, place: Any = None,
                     env: dict[str, str] | None = None, relay: bool | None = None,
-                    **kwargs: Any) -> GroupHandle:
+                    nice: int = 0, **kwargs: Any) -> GroupHandle:
         """Launch `worker_cls` as one torchrun job of `nprocs` ranks; wait until it is ready.
 
         `mesh` names the axes of the group's ranks (default ``{"dp": nprocs}``); `place` is a
         placement constraint or a list of them (`asyncrl.separate_from(g)`...); `env` adds
         environment variables for the ranks; `relay` overrides the controller's `relay` for
-        this group; other arguments go to ``worker_cls(...)``."""
+        this group; `nice` (0-19) lowers its ranks' CPU priority (see `check_nice`); other
+        arguments go to ``worker_cls(...)``."""
         if self._closed or not self._started:
             raise ClosedError("the controller is not running; use `async with Controller()`")
         name = name or worker_cls.__name__.lower()
         layout = self._check_spawn(worker_cls, name, nprocs, mesh, place)
+        nice = check_nice(name, nice)
         relayed = self._relays_for(name, nprocs, self.relay if relay is None else relay)
         try:
             params = list(_init_params(worker_cls))
@@ -281,7 +283,7 @@ class Controller:
                  "ASYNCRL_COLLECTIVE_TIMEOUT": str(self.collective_timeout),
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
                  "ASYNCRL_DEBUG_DIR": str(self.run_dir / "debug"),  # breakpoint() sessions
-                 **(env or {})}
+                 "ASYNCRL_NICE": str(nice), **(env or {})}
         if relayed:  # in the private folder: only this user reaches the relays' ipc sockets
             extra["ASYNCRL_RELAY"] = f"ipc://{self._private}/relay{next(self._relays)}"
         agent = self._make_agent(name, nprocs, extra)

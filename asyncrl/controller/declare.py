@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from asyncrl.controller.group import GroupHandle
+from asyncrl.controller.placement import check_nice
 
 OVERRIDES_ENV = "ASYNCRL_OVERRIDES"  # key=value pairs from `asyncrl launch`, as JSON
 
@@ -19,7 +20,7 @@ class GroupSpec:
     def __init__(self, worker_cls: type, args: tuple, kwargs: dict[str, Any], nprocs: int,
                  mesh: dict[str, int] | None, place: Any, name: str | None,
                  env: dict[str, str] | None, module: str, max_restarts: int = 0,
-                 restart_backoff: float = 1.0):
+                 restart_backoff: float = 1.0, nice: int = 0):
         self.worker_cls, self.args, self.kwargs = worker_cls, args, kwargs
         self.nprocs, self.mesh, self.place, self.env = nprocs, mesh, place, env
         self.name = name or worker_cls.__name__.lower()
@@ -31,6 +32,7 @@ class GroupSpec:
             raise ValueError(f"group {self.name!r}: restart_backoff must be a number of "
                              f"seconds >= 0, got {restart_backoff!r}")
         self.max_restarts, self.restart_backoff = max_restarts, float(restart_backoff)
+        self.nice = check_nice(self.name, nice)
         self.handle: GroupHandle | None = None
 
     @property
@@ -60,17 +62,19 @@ _declared: list[GroupSpec] = []
 
 def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | None = None,
           place: Any = None, name: str | None = None, env: dict[str, str] | None = None,
-          max_restarts: int = 0, restart_backoff: float = 1.0, **kwargs: Any) -> GroupSpec:
+          max_restarts: int = 0, restart_backoff: float = 1.0, nice: int = 0,
+          **kwargs: Any) -> GroupSpec:
     """Declare a worker group in a flow file; the launcher spawns it when the flow runs.
 
     `max_restarts`: how often the group may be respawned after a rank dies or hangs over the
-    run (see asyncrl/controller/recovery.py), waiting `restart_backoff` s, doubled each time."""
+    run (see asyncrl/controller/recovery.py), waiting `restart_backoff` s, doubled each time.
+    `nice` (0-19): a lower CPU priority for its ranks (see placement.check_nice)."""
     import inspect
 
     frame = inspect.currentframe()
     module = frame.f_back.f_globals.get("__name__", "") if frame and frame.f_back else ""
     spec = GroupSpec(worker_cls, args, kwargs, nprocs, mesh, place, name, env, module,
-                     max_restarts, restart_backoff)
+                     max_restarts, restart_backoff, nice)
     _declared.append(spec)
     return spec
 

@@ -225,7 +225,8 @@ class DataFlow:
 
     async def _spawn(self, g: GroupSpec) -> Any:
         return await self._ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,
-                                     mesh=g.mesh, place=g.place, env=g.env, **g.kwargs)
+                                     mesh=g.mesh, place=g.place, env=g.env, nice=g.nice,
+                                     **g.kwargs)
 
     def _reset_sources(self) -> None:
         """Every input from its beginning again, and no step run (a rewind starts here)."""

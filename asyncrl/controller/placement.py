@@ -44,6 +44,16 @@ def _name(g: Any) -> str:
     return name
 
 
+def check_nice(group: str, nice: Any) -> int:
+    """A group's `nice`: how much lower its ranks' CPU priority is (0-19, as nice(1) counts).
+    On shared cores the other groups' work goes first: e.g. the reference and the reward
+    beside a rollout, which the trainer waits for. Raising a priority needs privileges."""
+    if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
+        raise ValueError(f"group {group!r}: nice must be an int from 0 (the default) to 19 (the "
+                         f"lowest CPU priority), got {nice!r}")
+    return nice
+
+
 def colocate_with(group: Any) -> Constraint:
     return Constraint("colocate_with", _name(group))
 
