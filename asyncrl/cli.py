@@ -8,7 +8,8 @@
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
     asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
     asyncrl logs RUN_DIR --group G [--rank R] [--tail N]   one rank's output
-    asyncrl attach RUN_DIR [--group G] [--rank R] [--list] pdb on a rank in breakpoint()
+    asyncrl attach RUN_DIR [--group G] [--rank R] [--thread T] [--list]
+                                                         pdb on a rank in breakpoint()
     asyncrl bench FILE [--steps N] [--run-dir DIR] [key=value ...] (and launch's
                        Controller settings)  run FILE's flow and say where the time went
 """
@@ -189,10 +190,11 @@ def attach(args: argparse.Namespace) -> int:
     sessions = waiting(Path(args.run_dir))
     if args.list:
         for s in sessions:
-            print(f"{s['group']}:{s['rank']}  pid {s['pid']}  at {s['where']}")
+            print(f"{s['group']}:{s['rank']}  pid {s['pid']}  thread {s.get('thread')}  at "
+                  f"{s['where']}")
         return 0
     try:
-        session = choose(sessions, args.group, args.rank)
+        session = choose(sessions, args.group, args.rank, args.thread)
     except LookupError as e:
         raise SystemExit(f"asyncrl attach: {e}") from None
     bridge(session)
@@ -294,6 +296,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("run_dir")
     ap.add_argument("--group", default=None)
     ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--thread", default=None,
+                    help="one of the rank's threads stopped in breakpoint() (see --list); "
+                         "default: the one waiting longest")
     ap.add_argument("--list", action="store_true", help="only list the waiting ranks")
     ap.set_defaults(func=attach)
     gp = sub.add_parser("logs", help="print one rank's output from a run directory",

@@ -217,6 +217,9 @@ def test_two_breakpoints_of_one_rank_are_each_reachable(rank, tmp_path):
     assert sorted(s["thread"] for s in sessions) == ["first", "second"]
     with pytest.raises(LookupError, match="several ranks"):  # other ranks: still asked
         choose([*sessions, {**sessions[0], "rank": 1}], "g", None)
+    assert choose(sessions, "g", 0, thread="second")["thread"] == "second"  # asked for
+    with pytest.raises(LookupError, match=r"thread=third; waiting: .*\(thread first\)"):
+        choose(sessions, "g", 0, thread="third")
     for expected, also in (("first", "in other"), ("second", None)):
         session = choose(waiting(tmp_path), "g", 0)  # the longest waiting first
         assert session["thread"] == expected

@@ -26,20 +26,22 @@ def waiting(run_dir: Path) -> list[dict[str, Any]]:
     return sessions
 
 
-def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None
-           ) -> dict[str, Any]:
+def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
+           thread: str | None = None) -> dict[str, Any]:
     picked = [s for s in sessions if (group is None or s["group"] == group) and
-              (rank is None or s["rank"] == rank)]
+              (rank is None or s["rank"] == rank) and
+              (thread is None or s.get("thread") == thread)]
     if not picked:
-        listed = ", ".join(f"{s['group']}:{s['rank']}" for s in sessions) or "none"
+        listed = ", ".join(f"{s['group']}:{s['rank']} (thread {s.get('thread')})"
+                           for s in sessions) or "none"
         raise LookupError(f"no rank waits for a debugger there matching group={group} "
-                          f"rank={rank}; waiting: {listed}")
+                          f"rank={rank} thread={thread}; waiting: {listed}")
     if len({(s["group"], s["rank"]) for s in picked}) > 1:
         listed = ", ".join(f"{s['group']}:{s['rank']} ({s['where']})" for s in picked)
         raise LookupError(f"several ranks wait for a debugger: {listed}; pick one with "
                           f"--group and --rank")
     # one rank stopped in several threads (a concurrent=True call beside the in-order one):
-    # the longest waiting first, the others named, to attach to after it continues
+    # the longest waiting first (or the --thread asked for), the others named
     picked.sort(key=lambda s: s.get("since", 0.0))
     return {**picked[0], "also": [s["where"] for s in picked[1:]]}
 
