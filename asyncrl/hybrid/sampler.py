@@ -87,7 +87,7 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 def streams(seeds: Sequence[int]) -> np.ndarray:
     """Each sample's random stream, from its seed (any Python int, taken modulo 2**64)."""
-    return _mix(np.asarray([int(s) % 2**64 for s in seeds], dtype=np.uint64).reshape(-1))
+    return _mix(np.asarray([int(s) % 2**64 for s in seeds], dtype=np.uint64))
 
 
 def uniforms(stream: np.ndarray, step: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from asyncrl.actors.register import register
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES
 from asyncrl.hybrid.roles import Policy
-from asyncrl.rl.algorithms import aggregate, kl_penalty, ppo_policy_loss
+from asyncrl.rl.algorithms import aggregate, kl_penalty, masked_mean, ppo_policy_loss
 from asyncrl.rl.batch import (
     STATS,
     advantages,
@@ -33,7 +33,6 @@ from asyncrl.rl.batch import (
     count_globally,
     global_max,
     global_sums,
-    masked_mean,
     share,
     valid_rows,
 )

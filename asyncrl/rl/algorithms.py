@@ -63,8 +63,12 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * dual_clip),
                                 per_token)
     loss = aggregate(per_token, m, agg)
-    clipfrac = ((clipped > unclipped).to(logp.dtype) * m).sum() / m.sum().clamp(min=1)
+    clipfrac = masked_mean((clipped > unclipped).to(logp.dtype), m)
     return loss, clipfrac.detach()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
@@ -74,7 +78,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     loss_agg_mode applies to the policy, KL and entropy terms alike."""
     m = mask.to(per_token.dtype)
     if agg == "token-mean":
-        return (per_token * m).sum() / m.sum().clamp(min=1)
+        return masked_mean(per_token, m)
     if agg == "seq-mean-token-mean":
         rows = (m.sum(1) > 0).sum().clamp(min=1)
         return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum() / rows

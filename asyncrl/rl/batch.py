@@ -45,10 +45,6 @@ def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None 
     return batch.union(TensorBatch({"loss_mask": mask}))
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def global_sums(values: list[float], group: Any) -> list[float]:
     """Elementwise sums over the data-parallel ranks."""
     t = torch.tensor(values, dtype=torch.float64)

@@ -24,7 +24,8 @@ from asyncrl.hybrid.fsdp import TrainConfig
 from asyncrl.hybrid.models import ModelConfig
 from asyncrl.hybrid.roles import make_backend
 from asyncrl.rl.actor import mean_stats
-from asyncrl.rl.batch import STATS, advantages, assemble, count_globally, masked_mean, share
+from asyncrl.rl.algorithms import masked_mean
+from asyncrl.rl.batch import STATS, advantages, assemble, count_globally, share
 from asyncrl.rl.config import RLConfig
 
 
