@@ -48,7 +48,9 @@ trainer = asyncrl.group(
 rollouts = asyncrl.group(Rollout, model=model, sampling=sampling, name="rollout",
                          nprocs=cfg["rollout_procs"], place=asyncrl.separate_from(trainer),
                          nice=5)
-ref = asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(rollouts))
+# kl_coef=0 (TRL's default beta, DAPO's recipe): no KL term, so no reference model at all
+ref = (asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(rollouts))
+       if cfg["kl_coef"] else None)
 rewards = asyncrl.group(RewardFn, reward, name="reward", place=asyncrl.colocate_with(rollouts))
 
 data = next_digit.records(tok, copies=cfg["prompts"])
@@ -73,7 +75,7 @@ def reference(rollout):
 
 
 @asyncrl.node
-def train(rollout, score, reference):
+def train(rollout, score, reference=None):  # None: the flow has no reference node
     return trainer.update(rollout, score, reference)
 
 
@@ -82,5 +84,5 @@ def sync(train):  # after train: the trainer's calls run in order
     return rollouts.load_weights(trainer.sync_pack())
 
 
-flow = asyncrl.DataFlow(nodes=[rollout, score, reference, train, sync],
+flow = asyncrl.DataFlow(nodes=[rollout, score, train, sync] + ([reference] if ref else []),
                         inputs={"prompts": prompts}, max_staleness=cfg["max_staleness"])

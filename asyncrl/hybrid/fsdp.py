@@ -87,6 +87,15 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
 
 
+def adamw(params: Any, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with its fused kernel where the parameters' device has one (CPU, CUDA). On CPU
+    torch otherwise picks its per-tensor loop: 8x slower for a tiny model, 7x for ~100M."""
+    params = list(params)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             fused=fused or None)
+
+
 def lr_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> Any:
     """A LambdaLR of `lr_factor`; stepped after each optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg))
@@ -170,8 +179,8 @@ def clip_grad_norm(params: Any, max_norm: float) -> float:
     total = total_sq ** 0.5
     if max_norm and total > max_norm:  # 0 or None: no clipping, as DeepSpeed reads it
         scale = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(scale)
+        for group in by_mesh.values():  # one foreach op per mesh, not one op per tensor
+            torch._foreach_mul_(group, scale)
     return total
 
 
@@ -290,8 +299,7 @@ class FSDPBackend(TrainBackend):
         self.dp_group = self.stats_group = dp_mesh.get_group()
         self.forward_module = self.model
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr,
-                                     weight_decay=train_cfg.weight_decay)
+        self.opt = adamw(self.model.parameters(), train_cfg)
         self.sched = lr_scheduler(self.opt, train_cfg)
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,

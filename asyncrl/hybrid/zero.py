@@ -22,6 +22,7 @@ from asyncrl.hybrid.fsdp import (
     LossFn,
     TrainBackend,
     TrainConfig,
+    adamw,
     check_head,
     lr_scheduler,
     nll_loss,
@@ -55,8 +56,7 @@ class ZeroBackend(TrainBackend):
                              f"place this group with share_gpus, or give it fewer ranks")
         self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
         model = HEADS[head](model_cfg).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr,
-                                weight_decay=train_cfg.weight_decay)
+        opt = adamw(model.parameters(), train_cfg)
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
                   "gradient_accumulation_steps": 1, "gradient_clipping": train_cfg.grad_clip,
                   "zero_optimization": {"stage": stage},
