@@ -20,7 +20,8 @@ task, model, batch and generation length. Everything in one run, on this machine
         use a core each): the target is asyncrl ahead of the faster of the two
 
 Run: `.venv/bin/python benchmarks/pipeline.py [--steps 30] [--sync-preset llama-100m]`
-(`--skip-trl` without trl). Stdout holds only JSON lines. Driver code stays behind __main__:
+(`--skip-trl` without trl; `--kl-coef 0`: no KL term, so neither asyncrl nor TRL runs a
+reference model). Stdout holds only JSON lines. Driver code stays behind __main__:
 the ranks import this file to find the sync workers.
 """
 
@@ -50,21 +51,24 @@ FLOW = ROOT / "examples" / "grpo_async.py"
 SETTINGS = ["max_new_tokens=16", "lr=0"]  # lr=0: response lengths stay put over the run
 
 
-def run_flow(k: int, steps: int, run_dir: Path, warmup: int) -> dict:
+def run_flow(k: int, steps: int, run_dir: Path, warmup: int, kl_coef: float) -> dict:
     out = subprocess.run([sys.executable, "-m", "asyncrl", "launch", str(FLOW), "--steps",
                           str(steps), "--run-dir", str(run_dir), f"steps={steps}",
-                          f"max_staleness={k}", *SETTINGS],
+                          f"max_staleness={k}", f"kl_coef={kl_coef}", *SETTINGS],
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     from asyncrl.controller.bench import analyse
 
-    deps = {"rollout": [], "score": ["rollout"], "reference": ["rollout"],
-            "train": ["rollout", "score", "reference"], "sync": ["train"]}
+    deps = {"rollout": [], "score": ["rollout"], "train": ["rollout", "score"],
+            "sync": ["train"]}
+    if kl_coef:  # a KL term: the reference's log-probs, beside the rollout
+        deps["reference"] = ["rollout"]
+        deps["train"].append("reference")
     return analyse(run_dir, deps, warmup=warmup)
 
 
-def pipeline(steps: int, warmup: int, rounds: int) -> list[dict]:
+def pipeline(steps: int, warmup: int, rounds: int, kl_coef: float) -> list[dict]:
     """Each k run `rounds` times, the rounds interleaved (k = 0, 1, 2, 0, 1, 2, ...) so that a
     noisy minute hits every k alike; each k's fastest run is its figure (as timeit takes the
     best: what another process's work adds is not the pipeline's)."""
@@ -72,12 +76,13 @@ def pipeline(steps: int, warmup: int, rounds: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for k, done in runs.items():
-                done.append(run_flow(k, steps, Path(tmp) / f"k{k}-{r}", warmup))
+                done.append(run_flow(k, steps, Path(tmp) / f"k{k}-{r}", warmup, kl_coef))
     figures = {k: min(done, key=lambda f: f["step_s"]) for k, done in runs.items()}
     gen = figures[0]["nodes"]["rollout"]["busy_s_per_step"]
     train = figures[0]["nodes"]["train"]["busy_s_per_step"]
     for k, f in figures.items():
-        rows.append({"bench": "pipeline", "max_staleness": k, "step_s": round(f["step_s"], 4),
+        rows.append({"bench": "pipeline", "max_staleness": k, "kl_coef": kl_coef,
+                     "step_s": round(f["step_s"], 4),
                      "gen_s": round(gen, 4), "train_s": round(train, 4),
                      "overlap_efficiency": round(f["step_s"] / max(gen, train), 3),
                      "speedup_vs_k0": round(figures[0]["step_s"] / f["step_s"], 3),
@@ -144,9 +149,11 @@ def main() -> None:
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of each max_staleness, interleaved; the fastest is reported")
+    p.add_argument("--kl-coef", type=float, default=1e-3,
+                   help="0: no KL term, so no reference group (TRL's default beta)")
     args = p.parse_args()
     env = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__}
-    rows = pipeline(args.steps, args.warmup, args.rounds)
+    rows = pipeline(args.steps, args.warmup, args.rounds, args.kl_coef)
     rows.append(asyncio.run(weight_sync(args.sync_preset, args.repeat)))
     k1 = next(r for r in rows if r.get("max_staleness") == 1)
     rows.append({"bench": "grpo_vs_trl", "system": "asyncrl", "max_staleness": 1,
@@ -157,7 +164,7 @@ def main() -> None:
 
         for threads in sorted({1, os.cpu_count() or 1}):  # the same cores as asyncrl too
             rows.append(run_trl(args.steps, max_new_tokens=16, lr=0.0, warmup=args.warmup,
-                                threads=threads))
+                                threads=threads, beta=args.kl_coef))
         best = max(r["tokens_per_s"] for r in rows if r.get("system") == "trl")
         rows.append({"bench": "grpo_vs_trl", "summary": True,
                      "asyncrl_over_best_trl": k1["tokens_per_s"] / best,

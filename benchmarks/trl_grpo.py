@@ -64,8 +64,10 @@ def hf_tokenizer(vocab: next_digit.Vocab) -> Any:
 
 
 def run_trl(steps: int, prompts: int = 16, group_size: int = 8, max_new_tokens: int = 8,
-            lr: float = 0.0, seed: int = 0, warmup: int = 2, threads: int = THREADS) -> dict:
-    """Train `steps` GRPO steps with TRL; tokens/s over the steps after the first `warmup`."""
+            lr: float = 0.0, seed: int = 0, warmup: int = 2, threads: int = THREADS,
+            beta: float = 1e-3) -> dict:
+    """Train `steps` GRPO steps with TRL; tokens/s over the steps after the first `warmup`.
+    beta: the KL coefficient (0: no reference model)."""
     if steps <= warmup:
         raise ValueError(f"run_trl: steps ({steps}) must be more than warmup ({warmup})")
     from datasets import Dataset
@@ -108,7 +110,7 @@ def run_trl(steps: int, prompts: int = 16, group_size: int = 8, max_new_tokens: 
             output_dir=os.path.join(tmp, "out"), max_steps=steps, seed=seed,
             per_device_train_batch_size=batch, gradient_accumulation_steps=1,
             num_generations=group_size, max_completion_length=max_new_tokens,
-            temperature=1.0, beta=1e-3, learning_rate=lr, lr_scheduler_type="constant",
+            temperature=1.0, beta=beta, learning_rate=lr, lr_scheduler_type="constant",
             warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo",
             use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
             report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
@@ -125,7 +127,7 @@ def run_trl(steps: int, prompts: int = 16, group_size: int = 8, max_new_tokens: 
             "tokens_per_s": (c1["tokens"] - c0["tokens"]) / wall, "steps": timed,
             "step_s": wall / timed, "samples_per_step": samples / timed,
             "mean_completion_len": (c1["completion"] - c0["completion"]) / samples,
-            "threads": threads, "max_new_tokens": max_new_tokens}
+            "threads": threads, "max_new_tokens": max_new_tokens, "beta": beta}
 
 
 def main() -> None:

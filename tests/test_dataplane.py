@@ -221,6 +221,29 @@ def test_large_results_are_fetched_when_awaited(groups):
     assert out["i"].tolist() == list(range(n)) and out["v"].shape == (n, 4)
 
 
+class Weights(asyncrl.Worker):
+    @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
+    def full(self, mib: int) -> dict:  # a state dict's shape: a dict holding a large tensor
+        return {"w": torch.full((mib, 1 << 18), 1.5), "step": 3}
+
+
+def test_a_gigabyte_result_reaches_the_driver_while_heartbeats_flow():
+    # Encoded into one signed message, a GiB kept the rank busy copying and hashing with the
+    # GIL held for seconds: no heartbeat, and the controller declared it dead. Its bytes now
+    # go as raw frames on a socket of their own, and arrive as the tensor's memory.
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=0.1, heartbeat_timeout=1.5) as ctl:
+            group = await ctl.spawn(Weights, name="weights")
+            pids = group_pids(group)
+            got = await group.full(1024)
+            small = await group.full(1)  # the rank is alive and answers again
+            return pids, got, small
+    pids, got, small = run(main())
+    assert_gone(pids)
+    assert got["step"] == 3 and got["w"].shape == (1024, 1 << 18)  # checked once the loop
+    assert bool((got["w"] == 1.5).all()) and small["w"].shape == (1, 1 << 18)  # is gone
+
+
 def test_a_cancelled_await_leaves_the_future_and_the_group_usable(bg, groups):
     async def main():
         made = groups["p2"].make(rows(4))

@@ -76,6 +76,44 @@ def test_values_round_trip():
     assert out["nested"] == value["nested"] and out["np_scalar"] == 2.5
 
 
+def _sent_apart(value):
+    """encode_oob, its left-out arrays copied into fresh writable frames (as received)."""
+    body, out = codec.encode_oob(value)
+    return body, out, [bytearray(a.tobytes()) for a in out]
+
+
+def test_large_arrays_travel_out_of_band_and_decode_as_views_of_their_frames():
+    big = codec.OOB_MIN_BYTES // 4
+    value = {"w": torch.randn(big, 2), "bf": torch.randn(2 * big).bfloat16(),
+             "half": torch.randn(4, big // 2)[:, ::2],  # not contiguous: sent as a copy
+             "np": np.arange(big, dtype=np.int64), "small": torch.arange(3),
+             "batch": asyncrl.TensorBatch({"x": torch.ones(big, 1), "s": ["a"] * big})}
+    body, out, frames = _sent_apart(value)
+    assert len(out) == 5 and len(body) < 2 * codec.OOB_MIN_BYTES  # the small one inline
+    got = codec.decode_oob(body, frames)
+    for key in ("w", "bf", "half", "small"):
+        assert got[key].dtype == value[key].dtype and torch.equal(got[key], value[key])
+    assert np.array_equal(got["np"], value["np"])
+    assert torch.equal(got["batch"]["x"], value["batch"]["x"])
+    assert got["batch"]["s"] == value["batch"]["s"]
+    got["w"] += 1  # writable, and the frame's own memory: no copy was made
+    assert bytes(frames[0][:4]) == (value["w"].flatten()[:1] + 1).numpy().tobytes()
+
+
+@pytest.mark.parametrize("frames, message", [
+    (None, "0 buffers came with it"), ([], "0 buffers came with it"),
+    ([bytearray(8)], "needs .* bytes but the message carries 8")])
+def test_out_of_band_arrays_without_their_frames_are_refused(frames, message):
+    body, _, _ = _sent_apart(torch.ones(codec.OOB_MIN_BYTES))
+    with pytest.raises(ValueError, match=message):
+        codec.decode_oob(body, frames) if frames is not None else codec.decode(body)
+
+
+def test_plain_encode_keeps_every_array_in_the_message():
+    t = torch.ones(codec.OOB_MIN_BYTES)
+    assert torch.equal(codec.decode(codec.encode(t)), t)
+
+
 @pytest.mark.parametrize("value, message", [
     (lambda: 0, "lambda"), (object(), "builtins.object cannot be sent"),
     (np.array([object()]), "numpy array of Python objects")])

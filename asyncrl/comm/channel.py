@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -121,8 +122,17 @@ class ControllerChannel:
             self._verifier.drop("malformed")
             return
         identity = frames[0].bytes
-        msg = open_frame(self._verifier, identity, [f.bytes for f in frames[1:]])
+        msg = open_frame(self._verifier, identity, [f.bytes for f in frames[1:3]])
         if msg is None:
+            return
+        extra = frames[3:]
+        if isinstance(msg, messages.Fetched):  # a large result: its arrays' bytes follow
+            if [f.buffer.nbytes for f in extra] != msg.buffers:
+                self._verifier.drop("malformed")
+                return
+            msg.frames = [f.buffer for f in extra]  # views: the tensors use them as they are
+        elif extra:
+            self._verifier.drop("malformed")
             return
         try:
             handle(identity, msg)
@@ -157,9 +167,11 @@ class RankSocket:
     def dropped(self) -> int:
         return self._verifier.total_dropped
 
-    def send(self, msg: Message) -> None:
-        self._sock.send_multipart(self._signer.sign(self.identity, messages.encode(msg)),
-                                  copy=False)
+    def send(self, msg: Message, frames: Sequence[Any] = ()) -> None:
+        """Send a message; `frames` (raw buffers a Fetched announces) follow it, unsigned and
+        uncopied (held until sent)."""
+        self._sock.send_multipart([*self._signer.sign(self.identity, messages.encode(msg)),
+                                   *frames], copy=False)
 
     def recv(self, timeout_ms: int) -> Message | None:
         """The next valid message, or None when `timeout_ms` passed (invalid ones dropped)."""

@@ -4,6 +4,9 @@
     class / function -> Ext([module, qualname, file])  (imported again on the other side)
     RemoteBatch / RemoteValue -> Ext(where the data is)  (the receiving rank pulls it)
 
+`encode_oob` leaves the bytes of large tensors and arrays out of the message: they travel
+as frames of their own, sent and received without a copy (a driver's large result).
+
 Everything else must be msgspec-encodable (None, bool, int, float, str, bytes, lists,
 dicts, msgspec Structs, dataclasses, enums...). Tuples arrive as lists.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +35,10 @@ produced_bytes_encoded = 0
 _produced: dict[int, int] = {}  # storage address -> how many marked tensors use it
 
 EXT_TENSOR, EXT_NDARRAY, EXT_BATCH, EXT_REF, EXT_REMOTE_BATCH, EXT_REMOTE_VALUE = 1, 2, 3, 4, 5, 6
+EXT_OUT_OF_BAND = 7  # [kind, dtype, shape, index]: the bytes are buffer `index`, sent apart
+OOB_MIN_BYTES = 64 << 10  # smaller arrays stay in the message: a frame costs more than a copy
+_KIND_TENSOR, _KIND_NDARRAY = 0, 1
+_oob = threading.local()  # .out: buffers left out while encoding; .frames: while decoding
 _HLEN = struct.Struct(">I")
 _NO_BYTES = np.empty(0, np.uint8)
 # A dtype's wire name and how its bytes cross numpy (far cheaper than torch's byte views):
@@ -158,6 +166,8 @@ def _enc_hook(obj: Any) -> Any:
             raw = (t if as_torch == t.dtype else t.view(as_torch)).numpy()
         else:  # no numpy dtype carries it: send its bytes
             raw = t.reshape(-1).view(torch.uint8).numpy() if numel else _NO_BYTES
+        if _left_out(raw):
+            return _out_of_band(_KIND_TENSOR, _dtype_info(t.dtype)[0], t.shape, raw)
         return msgspec.msgpack.Ext(EXT_TENSOR, b"".join((head, raw.data)))
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
@@ -167,6 +177,8 @@ def _enc_hook(obj: Any) -> Any:
                             f"field names would be lost); send one array per field")
         # not np.ascontiguousarray: it makes a 0-d array 1-d
         a = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
+        if _left_out(a):
+            return _out_of_band(_KIND_NDARRAY, a.dtype.str, obj.shape, a)
         return msgspec.msgpack.Ext(EXT_NDARRAY, _pack_buffer([a.dtype.str, list(obj.shape)], a))
     if isinstance(obj, np.generic):
         return obj.item()
@@ -184,6 +196,49 @@ def _enc_hook(obj: Any) -> Any:
         f"an object of type {type(obj).__module__}.{type(obj).__qualname__} cannot be sent: "
         f"asyncrl sends msgspec-encodable values, tensors, ndarrays, TensorBatch, DistFutures "
         f"and module-level classes/functions, and never pickles")
+
+
+def _left_out(raw: np.ndarray) -> bool:
+    return raw.nbytes >= OOB_MIN_BYTES and getattr(_oob, "out", None) is not None
+
+
+def _out_of_band(kind: int, dtype: str, shape: Sequence[int], raw: np.ndarray
+                 ) -> msgspec.msgpack.Ext:
+    out = _oob.out
+    out.append(raw)
+    return msgspec.msgpack.Ext(EXT_OUT_OF_BAND, msgspec.msgpack.encode(
+        [kind, dtype, list(shape), len(out) - 1]))
+
+
+def _from_frame(data: memoryview) -> Any:
+    """The tensor or array of an EXT_OUT_OF_BAND: a view of its received frame, no copy."""
+    frames = getattr(_oob, "frames", None)
+    spec = msgspec.msgpack.decode(data)
+    if type(spec) is not list or len(spec) != 4 or type(spec[3]) is not int:
+        raise ValueError(f"bad out-of-band array {spec!r} on the wire")
+    kind, dtype, shape, index = spec
+    if frames is None or not 0 <= index < len(frames):
+        raise ValueError(f"out-of-band array {index} on the wire, but "
+                         f"{0 if frames is None else len(frames)} buffers came with it")
+    frame = memoryview(frames[index]).cast("B")
+    if kind == _KIND_NDARRAY:
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise ValueError("object arrays are refused")
+        _check_shape(shape, dt.itemsize, frame.nbytes)
+        return np.frombuffer(frame, dtype=dt).reshape(shape)
+    return _tensor_view(dtype, shape, frame)
+
+
+def _tensor_view(name: Any, shape: list[int], frame: memoryview) -> torch.Tensor:
+    dt, carrier, as_torch = _wire_dtype(name)
+    _check_shape(shape, dt.itemsize, frame.nbytes)
+    if frame.nbytes == 0:
+        return torch.empty(shape, dtype=dt)
+    if carrier is None:
+        return torch.frombuffer(frame, dtype=dt).reshape(shape)
+    t = torch.from_numpy(np.frombuffer(frame, carrier).reshape(shape))
+    return t if as_torch == dt else t.view(dt)
 
 
 def _tensor(name: Any, shape: list[int], raw: Any) -> torch.Tensor:
@@ -234,6 +289,8 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         return RemoteBatch(pieces, columns, meta)
     if code == EXT_REMOTE_VALUE:
         return RemoteValue(msgspec.msgpack.decode(data, type=Shard))
+    if code == EXT_OUT_OF_BAND:
+        return _from_frame(data)
     raise ValueError(f"unknown extension type {code}")
 
 
@@ -249,6 +306,28 @@ def encode(value: Any) -> bytes:
 
 def decode(buf: Any) -> Any:
     return _decoder.decode(buf)
+
+
+def encode_oob(value: Any) -> tuple[bytes, list[np.ndarray]]:
+    """Encode a value, leaving out the bytes of its tensors and arrays of OOB_MIN_BYTES or
+    more: they come back as a list of arrays (views, not copies) to send as frames of their
+    own, in order. The message then holds a few bytes per array, not its bytes."""
+    out: list[np.ndarray] = []
+    _oob.out = out
+    try:
+        return _encoder.encode(value), out
+    finally:
+        _oob.out = None
+
+
+def decode_oob(buf: Any, frames: Sequence[Any]) -> Any:
+    """Decode what `encode_oob` gave, with its arrays received as `frames` (writable
+    buffers): their tensors and arrays are views of the frames, not copies."""
+    _oob.frames = frames
+    try:
+        return _decoder.decode(buf)
+    finally:
+        _oob.frames = None
 
 
 def _shallow_ext(code: int, data: memoryview) -> tuple[int, bytes]:

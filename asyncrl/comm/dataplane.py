@@ -150,8 +150,10 @@ class DataServer:
         except KeyError:
             raise LookupError(f"object {req.obj_id} is not held by {self._peer} (released, "
                               f"or never stored)") from None
-        if req.start == -1 and req.stop == -1:
-            return Pulled(req.xfer_id, value=msgspec.Raw(codec.encode(value))), []
+        if req.start == -1 and req.stop == -1:  # large arrays as raw frames: never copied
+            body, arrays = codec.encode_oob(value)
+            return Pulled(req.xfer_id, value=msgspec.Raw(body),
+                          buffers=[str(i) for i in range(len(arrays))]), arrays
         if not isinstance(value, TensorBatch):
             raise TypeError(f"object {req.obj_id} on {self._peer} is a "
                             f"{type(value).__name__}, not a TensorBatch: pull it whole")
@@ -330,7 +332,8 @@ class DataClient:
         req = Pull(next(self._xfer), ref.shard.obj_id)
         got: list[Any] = []
         self._exchange([(Piece(ref.shard, -1, -1), req)],
-                       lambda req, reply, frames: got.append(codec.decode(reply.value)))
+                       lambda req, reply, frames: got.append(
+                           codec.decode_oob(reply.value, [f.buffer for f in frames])))
         return got[0]
 
     def fetch_batch(self, rb: RemoteBatch) -> TensorBatch:

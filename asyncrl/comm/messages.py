@@ -6,7 +6,7 @@ Payloads that hold user values (call arguments, results, constructor arguments) 
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -148,12 +148,16 @@ class Fetch(msgspec.Struct, tag=True, array_like=True):
 
 
 class Fetched(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """rank -> controller: the stored object, codec-encoded, or why not."""
+    """rank -> controller: the stored object (`codec.encode_oob`), or why not. The bytes of
+    its large arrays follow the signed frames as raw frames of the sizes in `buffers`, in
+    order; the controller's channel checks them and puts them in `frames` (sent empty)."""
 
     obj_id: int
     rank: int
     value: msgspec.Raw = NONE
     error: str = ""
+    buffers: list[int] = []
+    frames: list[Any] = []
 
 
 class ColumnDest(msgspec.Struct, array_like=True, frozen=True):
@@ -203,7 +207,8 @@ class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
 class Pulled(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     """producer -> consumer: done. `lists`: the rows of list columns (codec-encoded); `value`:
-    the whole value; raw tensor buffers follow as extra frames when `dest` was empty."""
+    the whole value (`codec.encode_oob`: its large arrays follow as frames "0", "1"...); raw
+    tensor buffers follow as extra frames when `dest` was empty."""
 
     xfer_id: int
     error: str = ""

@@ -448,8 +448,9 @@ class GroupHandle:
             return TransferTimeout(f"{self.name}[rank {rank}].{method}: {error.message}")
         return RemoteError(self.name, rank, method, error.type, error.message, error.traceback)
 
-    async def _fetch(self, rank: int, obj_id: int) -> msgspec.Raw:
-        """A stored part that was too big to come with its Result (a driver awaits it)."""
+    async def _fetch(self, rank: int, obj_id: int) -> Any:
+        """A stored part that was too big to come with its Result (a driver awaits it),
+        decoded: its large arrays are views of the frames they came in."""
         if self.dead is not None:
             raise self.dead
         if self.closing:
@@ -468,7 +469,10 @@ class GroupHandle:
             waiter.set_exception(LookupError(f"fetching the result of call {msg.obj_id} from "
                                              f"{self.name}:{msg.rank}: {msg.error}"))
         else:
-            waiter.set_result(msg.value)
+            try:
+                waiter.set_result(codec.decode_oob(msg.value, getattr(msg, "frames", [])))
+            except Exception as e:  # noqa: BLE001 - a value that does not decode: the driver's
+                waiter.set_exception(e)
 
     async def _view(self, arg: Any, name: int | str, item: _Queued) -> Any:
         """A DistFuture argument becomes references to its data: the consumer's ranks pull

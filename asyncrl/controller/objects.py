@@ -3,13 +3,15 @@
 It holds where each collected rank keeps its part (a `Shard` and its schema) and, when the
 parts were small, the encoded values themselves. Passing the call's future to another group
 uses `view()` — references that the consumer's ranks pull from — and never the values.
-`await` uses `value()`, fetching the parts that were too big to come inline. When the last
-reference to an ObjectRef goes (its DistFuture and every pending consumer call), the owners
-are told to free their parts.
+`await` uses `value()`, fetching the parts that were too big to come inline (their large
+arrays arrive as raw frames and are used in place). When the last reference to an ObjectRef
+goes (its DistFuture and every pending consumer call), the owners are told to free their
+parts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -70,15 +72,16 @@ class ObjectRef:
     async def value(self) -> Any:
         """The value itself, for the driver that awaits it (fetched where not inline)."""
         if not self._done:
-            raws = {}
-            for rank in self._ranks():
-                raw = self._inline.get(rank)
-                if raw is None:
-                    raw = await self.group._fetch(rank, self.obj_id)
-                raws[rank] = raw
-            value = None if self._collect_encoded is None else self._collect_encoded(raws)
+            ranks = self._ranks()
+            missing = [rank for rank in ranks if rank not in self._inline]
+            fetched = dict(zip(missing, await asyncio.gather(  # from every rank at once
+                *(self.group._fetch(rank, self.obj_id) for rank in missing)), strict=True))
+            value = None
+            if not fetched and self._collect_encoded is not None:  # every part came inline
+                value = self._collect_encoded(self._inline)
             if value is None:
-                value = self._collect({rank: codec.decode(raw) for rank, raw in raws.items()})
+                value = self._collect({rank: fetched[rank] if rank in fetched else
+                                       codec.decode(self._inline[rank]) for rank in ranks})
             self._value = codec.count_produced(value)
             self._done = True
         return self._value
