@@ -100,6 +100,22 @@ def test_large_arrays_travel_out_of_band_and_decode_as_views_of_their_frames():
     assert bytes(frames[0][:4]) == (value["w"].flatten()[:1] + 1).numpy().tobytes()
 
 
+def test_out_of_band_frames_off_a_dtypes_alignment_are_copied_others_used_in_place():
+    # libzmq's large frames start 8 bytes past a 16-byte boundary: complex128 wants 16
+    n = codec.OOB_MIN_BYTES // 8
+    value = [torch.randn(n, dtype=torch.complex128), torch.randn(n, dtype=torch.float64)]
+    body, out, _ = _sent_apart(value)
+    frames = []
+    for a in out:
+        raw = bytearray(a.nbytes + 8)
+        raw[8:] = a.tobytes()
+        frames.append(memoryview(raw)[8:])  # malloc'd (16-aligned) + 8
+    got = codec.decode_oob(body, frames)
+    assert all(torch.equal(g, v) for g, v in zip(got, value, strict=True))
+    assert got[0].data_ptr() % 16 == 0  # a copy, aligned
+    assert got[1].data_ptr() == np.frombuffer(frames[1], np.uint8).ctypes.data  # in place
+
+
 @pytest.mark.parametrize("frames, message", [
     (None, "0 buffers came with it"), ([], "0 buffers came with it"),
     ([bytearray(8)], "needs .* bytes but the message carries 8")])

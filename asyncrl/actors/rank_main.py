@@ -154,7 +154,8 @@ class RankMain:
         self.dp_rank, self.dp_size = 0, 1  # this rank's place on the mesh's "dp" axis
         self.methods: dict[str, MethodSpec] = {}
         self.pool: ThreadPoolExecutor | None = None
-        self.fetch_sock: RankSocket | None = None
+        self.fetch_sock: RankSocket | None = None  # owned by the fetcher's one thread
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-fetch")
         self.local = threading.local()
 
     def socket(self, role: str) -> RankSocket:
@@ -207,9 +208,10 @@ class RankMain:
         return Result(call.call_id, self.rank, value=raw, schema=schema, inline=inline)
 
     def send_fetched(self, obj_id: int) -> None:
-        """A stored value for a driver that awaits it. Its large arrays go as raw frames,
-        neither copied nor hashed, on a socket of their own: the io thread is free again at
-        once, and its heartbeats never queue behind gigabytes."""
+        """A stored value for a driver that awaits it, on the fetch thread. Its large arrays
+        go as raw frames, neither copied nor hashed, on a socket of their own (and a ZeroMQ
+        context of its own: CURVE encrypts on the context's I/O thread): the io thread's
+        heartbeats never wait for a GPU copy or queue behind gigabytes."""
         frames: list[Any] = []
         try:
             body, frames = codec.encode_oob(self.store.get(obj_id))
@@ -222,8 +224,9 @@ class RankMain:
             reply = Fetched(obj_id, self.rank, error=f"{type(e).__name__}: {e}")
         if self.fetch_sock is None:  # straight to the controller: a host relay forwards
             # signed messages only, and this is the one that has raw frames
+            bind_gpu()
             identity = f"{self.group}/{self.rank}/fetch/{os.getpid()}".encode()
-            self.fetch_sock = RankSocket(self.ctx, self.address, identity, self.secret,
+            self.fetch_sock = RankSocket(zmq.Context(), self.address, identity, self.secret,
                                          curve=self.curve)
         self.fetch_sock.send(reply, frames)
 
@@ -282,7 +285,7 @@ class RankMain:
                 elif isinstance(msg, Release):
                     self.store.free(msg.obj_ids)
                 elif isinstance(msg, Fetch):
-                    self.send_fetched(msg.obj_id)
+                    self.fetcher.submit(self.send_fetched, msg.obj_id)
                 elif isinstance(msg, Shutdown):
                     return 0
             if now >= next_beat:

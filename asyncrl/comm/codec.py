@@ -226,8 +226,16 @@ def _from_frame(data: memoryview) -> Any:
         if dt.hasobject:
             raise ValueError("object arrays are refused")
         _check_shape(shape, dt.itemsize, frame.nbytes)
-        return np.frombuffer(frame, dtype=dt).reshape(shape)
+        return np.frombuffer(_aligned(frame, dt.alignment), dtype=dt).reshape(shape)
     return _tensor_view(dtype, shape, frame)
+
+
+def _aligned(frame: memoryview, alignment: int) -> Any:
+    """The frame, or a copy where its address does not suit the dtype (libzmq's large
+    messages start 8 bytes past a 16-byte boundary: complex128 wants 16)."""
+    if frame.nbytes and np.frombuffer(frame, np.uint8).ctypes.data % alignment:
+        return bytearray(frame)
+    return frame
 
 
 def _tensor_view(name: Any, shape: list[int], frame: memoryview) -> torch.Tensor:
@@ -235,9 +243,10 @@ def _tensor_view(name: Any, shape: list[int], frame: memoryview) -> torch.Tensor
     _check_shape(shape, dt.itemsize, frame.nbytes)
     if frame.nbytes == 0:
         return torch.empty(shape, dtype=dt)
+    buf = _aligned(frame, min(dt.itemsize, 16))
     if carrier is None:
-        return torch.frombuffer(frame, dtype=dt).reshape(shape)
-    t = torch.from_numpy(np.frombuffer(frame, carrier).reshape(shape))
+        return torch.frombuffer(buf, dtype=dt).reshape(shape)
+    t = torch.from_numpy(np.frombuffer(buf, carrier).reshape(shape))
     return t if as_torch == dt else t.view(dt)
 
 

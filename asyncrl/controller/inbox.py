@@ -82,6 +82,8 @@ class Inbox:
                 inner = None
             if inner is None or type(inner) is Fanin:
                 channel.drop("undecodable")
+            elif type(inner) is Fetched:  # comes straight, its frames with it: never relayed
+                channel.drop("unexpected")
             elif not sender.startswith(prefix):
                 channel.drop("foreign")  # a relay claimed another group's socket
             elif type(inner) is Results:  # most of what relays bring: the shortest way
