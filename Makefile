@@ -29,7 +29,7 @@ demo: $(VENV)/.installed
 	$(BIN)/asyncrl launch examples/grpo_tiny.py
 
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15  # the slowest, to keep the suite in its budget
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/control_plane.py
