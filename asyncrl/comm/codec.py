@@ -145,6 +145,20 @@ def _forget_produced(key: int) -> None:
         _produced[key] = left
 
 
+def array_bytes(value: Any) -> int:
+    """The bytes of the tensors and arrays in a value, however deep in lists and dicts (a
+    state dict is a dict of tensors): what a store holds, and what cannot come inline."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, TensorBatch):
+        return sum(array_bytes(col) for _, col in value.items())
+    items = value.values() if isinstance(value, dict) else value if isinstance(
+        value, (list, tuple)) else ()
+    return sum(array_bytes(v) for v in items if type(v) not in _LEAVES)  # long lists: fast
+
+
 def _enc_hook(obj: Any) -> Any:
     global produced_bytes_encoded
     if isinstance(obj, torch.Tensor):
@@ -243,11 +257,7 @@ def _tensor_view(name: Any, shape: list[int], frame: memoryview) -> torch.Tensor
     _check_shape(shape, dt.itemsize, frame.nbytes)
     if frame.nbytes == 0:
         return torch.empty(shape, dtype=dt)
-    buf = _aligned(frame, min(dt.itemsize, 16))
-    if carrier is None:
-        return torch.frombuffer(buf, dtype=dt).reshape(shape)
-    t = torch.from_numpy(np.frombuffer(buf, carrier).reshape(shape))
-    return t if as_torch == dt else t.view(dt)
+    return _tensor_on(_aligned(frame, min(dt.itemsize, 16)), shape, dt, carrier, as_torch)
 
 
 def _tensor(name: Any, shape: list[int], raw: Any) -> torch.Tensor:
@@ -257,7 +267,12 @@ def _tensor(name: Any, shape: list[int], raw: Any) -> torch.Tensor:
     _check_shape(shape, dt.itemsize, len(raw))
     if len(raw) == 0:
         return torch.empty(shape, dtype=dt)
-    buf = bytearray(raw)
+    return _tensor_on(bytearray(raw), shape, dt, carrier, as_torch)
+
+
+def _tensor_on(buf: Any, shape: list[int], dt: torch.dtype, carrier: np.dtype | None,
+               as_torch: torch.dtype | None) -> torch.Tensor:
+    """A tensor using the (non-empty, checked) writable buffer `buf` as its memory."""
     if carrier is None or len(shape) == 1:  # torch.frombuffer: the cheapest in 1-d
         t = torch.frombuffer(buf, dtype=dt)
         return t if len(shape) == 1 and shape[0] == t.shape[0] else t.reshape(shape)

@@ -470,7 +470,7 @@ class GroupHandle:
                                              f"{self.name}:{msg.rank}: {msg.error}"))
         else:
             try:
-                waiter.set_result(codec.decode_oob(msg.value, getattr(msg, "frames", [])))
+                waiter.set_result(codec.decode_oob(msg.value, msg.frames))
             except Exception as e:  # noqa: BLE001 - a value that does not decode: the driver's
                 waiter.set_exception(e)
 

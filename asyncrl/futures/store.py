@@ -6,7 +6,6 @@ import threading
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 
 from asyncrl.comm import codec
@@ -27,24 +26,7 @@ def schema_of(value: Any) -> Schema:
                 columns.append(Column(key, "list"))
         meta = msgspec.Raw(codec.encode(value.meta)) if value.meta else NONE
         return Schema(len(value), tuple(columns), meta, nbytes)
-    return Schema(-1, nbytes=array_bytes(value))
-
-
-_LEAVES = frozenset({int, float, str, bytes, bool, type(None)})
-
-
-def array_bytes(value: Any) -> int:
-    """The bytes of the tensors and arrays in a value, however deep in lists and dicts (a
-    state dict is a dict of tensors): what the store holds, and what cannot come inline."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, np.ndarray):
-        return value.nbytes
-    if isinstance(value, TensorBatch):
-        return sum(array_bytes(col) for _, col in value.items())
-    items = value.values() if isinstance(value, dict) else value if isinstance(
-        value, (list, tuple)) else ()
-    return sum(array_bytes(v) for v in items if type(v) not in _LEAVES)  # long lists: fast
+    return Schema(-1, nbytes=codec.array_bytes(value))
 
 
 class ObjectStore:
