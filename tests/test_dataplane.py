@@ -226,6 +226,14 @@ class Weights(asyncrl.Worker):
     def full(self, mib: int) -> dict:  # a state dict's shape: a dict holding a large tensor
         return {"w": torch.full((mib, 1 << 18), 1.5), "step": 3}
 
+    @asyncrl.register
+    def load(self, state: dict) -> tuple:  # what each rank was sent, row by row
+        return state["w"].view(state["rows"], -1).double().sum(1), self.rank
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def row_sums(self, batch: TensorBatch) -> TensorBatch:
+        return TensorBatch({"s": batch["x"].sum(1)})
+
 
 def test_a_gigabyte_result_reaches_the_driver_while_heartbeats_flow():
     # Encoded into one signed message, a GiB kept the rank busy copying and hashing with the
@@ -242,6 +250,29 @@ def test_a_gigabyte_result_reaches_the_driver_while_heartbeats_flow():
     assert_gone(pids)
     assert got["step"] == 3 and got["w"].shape == (1024, 1 << 18)  # checked once the loop
     assert bool((got["w"] == 1.5).all()) and small["w"].shape == (1, 1 << 18)  # is gone
+
+
+@pytest.mark.parametrize("relay", [False, True])
+def test_large_arguments_reach_the_ranks_while_heartbeats_flow(relay):
+    # Encoded into the Call, 256 MiB held the controller's loop copying and signing for
+    # seconds (per rank): its heartbeats stopped and the ranks left. The bytes now follow the
+    # Call as raw frames, through the host's relay too, and the ranks use them as received.
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=0.1, heartbeat_timeout=1.5,
+                                      relay=relay) as ctl:
+            group = await ctl.spawn(Weights, nprocs=2, name="weights")
+            pids = group_pids(group)
+            w = torch.arange(1 << 26, dtype=torch.float32) % 1000  # 256 MiB
+            loaded = await group.load({"w": w, "rows": 256})
+            x = (torch.arange(64 * 4096) % 7).float().view(64, 4096)  # 1 MiB: a copy is sent
+            sums = group.row_sums(TensorBatch({"x": x}))  # each rank its rows of the host's
+            x.zero_()
+            return pids, w.view(256, -1).double().sum(1), loaded, (await sums)["s"]
+    pids, expected, loaded, sums = run(main())
+    assert_gone(pids)
+    assert [rank for _, rank in loaded] == [0, 1]
+    assert all(torch.equal(got, expected) for got, _ in loaded)
+    assert torch.equal(sums, (torch.arange(64 * 4096) % 7).float().view(64, 4096).sum(1))
 
 
 def test_a_cancelled_await_leaves_the_future_and_the_group_usable(bg, groups):

@@ -9,12 +9,13 @@ import socket
 import subprocess
 import sys
 
+import msgspec
 import zmq
 import zmq.asyncio
 from helpers import ROOT, assert_gone, group_pids, poll_until, run
 
 import asyncrl
-from asyncrl.comm import messages
+from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import Signer, read_secret
 
 
@@ -76,9 +77,15 @@ def test_rank_socket_drops_hostile_frames():
             send([rank_io, *replay])  # replayed
             junk = ctl.channel._signer.sign(b">" + rank_io, b"\xc1 not a message")
             send([rank_io, *junk])  # undecodable
-            await poll_until(lambda: group.dropped_frames[0] >= 5, 10,
+            beat = ctl.channel._signer.sign(b">" + rank_io, messages.encode(messages.Heartbeat()))
+            send([rank_io, *beat, b"raw"])  # raw frames on a message that has none: malformed
+            call = messages.Call(1, "add", msgspec.Raw(codec.encode_call((1, 1), {}, [])),
+                                 buffers=[8])
+            send([rank_io, *ctl.channel._signer.sign(b">" + rank_io, messages.encode(call)),
+                  b"four"])  # a Call whose raw frame is not the size it announced: malformed
+            await poll_until(lambda: group.dropped_frames[0] >= 7, 10,
                              "the rank to report drops")
-            assert group.dropped_frames[0] == 5
+            assert group.dropped_frames[0] == 7
             assert await group.add(1, 1) == [2]  # the forged Shutdown did nothing
             assert group.dead is None
             return pids

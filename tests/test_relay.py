@@ -25,7 +25,7 @@ import asyncrl
 from asyncrl import Dispatch, TensorBatch
 from asyncrl.comm import messages
 from asyncrl.comm.auth import Signer, read_secret
-from asyncrl.comm.messages import Fanin, Result, Results
+from asyncrl.comm.messages import Fanin, Fanout, Result, Results
 
 
 class Host(asyncrl.Worker):
@@ -183,9 +183,12 @@ def test_relay_drops_hostile_frames_and_the_controller_drops_false_claims():
             replay = ctl.channel._signer.sign(b">" + relay, messages.encode(messages.Heartbeat()))
             send([relay, *replay])  # valid, but a relay takes Fanouts only: dropped
             send([relay, *replay])  # replayed
-            await poll_until(lambda: group.dropped_frames[0] >= 5, 10,
+            fanout = Fanout([group.ranks[1].identity], [0], [msgspec.Raw(messages.encode(
+                messages.Shutdown()))], buffers=[1])  # a raw frame announced, none sent
+            send([relay, *ctl.channel._signer.sign(b">" + relay, messages.encode(fanout))])
+            await poll_until(lambda: group.dropped_frames[0] >= 6, 10,
                              "rank 0 to report its relay's drops")
-            assert group.dropped_frames[0] == 5
+            assert group.dropped_frames[0] == 6
 
             # signed Fanins with the run's secret from sockets that are not that group's relay
             secret = read_secret(str(ctl.secret_file))

@@ -100,7 +100,8 @@ class _Executor:
         start = time.perf_counter()
         try:
             fn = getattr(main.worker, call.method)
-            args, kwargs = codec.decode_call(call.payload)
+            args, kwargs = codec.decode_call(call.payload, call.frames)
+            call.frames = []  # the arguments hold what they use of them
             if call.dp_rows is not None:  # this host's rows of the batches: take our chunk
                 rows, first = call.dp_rows
                 args, kwargs = take_dp_rows(args, kwargs, DPRows(rows, main.dp_size), first,

@@ -35,6 +35,25 @@ def open_frame(verifier: Verifier, route: bytes, frames: list) -> Message | None
         return None
 
 
+def open_with_frames(verifier: Verifier, route: bytes, frames: list,
+                     kind: type[messages.Call] | type[messages.Fetched]) -> Message | None:
+    """`open_frame` of the signed frames[:2]; raw frames after them are allowed for a `kind`
+    message (Call, Fetched) that announces their sizes in its `buffers`, and go in its
+    `frames`. Anything else with raw frames is dropped as malformed."""
+    msg = open_frame(verifier, route, frames[:2])
+    extra = frames[2:]
+    if isinstance(msg, (messages.Call, messages.Fetched)) and isinstance(msg, kind):
+        if [f.nbytes for f in extra] != msg.buffers:
+            verifier.drop("malformed")
+            return None
+        if extra:
+            msg.frames = extra  # views: the arrays use them as they are
+    elif msg is not None and extra:
+        verifier.drop("malformed")
+        return None
+    return msg
+
+
 class ControllerChannel:
     """The controller's ROUTER, driven by the event loop's reader callback.
 
@@ -76,17 +95,26 @@ class ControllerChannel:
         self._loop.add_reader(self._fd, self._drain)
         self._wake()
 
-    def send(self, identity: bytes, msg: Message) -> None:
+    def send(self, identity: bytes, msg: Message, frames: Sequence[Any] = ()) -> None:
         """Queue a message for one rank socket, in order; never blocks the loop."""
-        self.send_encoded(identity, messages.encode(msg))
+        self.send_encoded(identity, messages.encode(msg), frames)
 
-    def send_encoded(self, identity: bytes, message: bytes) -> None:
-        """`send` of a message already encoded (one encoding serves every rank it goes to)."""
+    def send_encoded(self, identity: bytes, message: bytes, frames: Sequence[Any] = ()
+                     ) -> None:
+        """`send` of a message already encoded (one encoding serves every rank it goes to).
+        `frames` (raw buffers its Call or Fanout announces) follow it, unsigned and uncopied:
+        zmq holds them until they have left."""
         body, mac = self._signer.sign(b">" + identity, message)
         send = self._sock.send
         send(identity, _MORE)
         send(body, _MORE)
-        send(mac, _NOBLOCK)
+        if frames:
+            send(mac, _MORE)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                send(frame, _NOBLOCK if i == last else _MORE, copy=False)
+        else:
+            send(mac, _NOBLOCK)
         self._wake()
 
     def send_frames(self, frames: list[bytes]) -> None:
@@ -122,17 +150,10 @@ class ControllerChannel:
             self._verifier.drop("malformed")
             return
         identity = frames[0].bytes
-        msg = open_frame(self._verifier, identity, [f.bytes for f in frames[1:3]])
+        msg = open_with_frames(self._verifier, identity,
+                               [f.bytes for f in frames[1:3]] + [f.buffer for f in frames[3:]],
+                               messages.Fetched)  # a large result: its arrays' bytes follow
         if msg is None:
-            return
-        extra = frames[3:]
-        if isinstance(msg, messages.Fetched):  # a large result: its arrays' bytes follow
-            if [f.buffer.nbytes for f in extra] != msg.buffers:
-                self._verifier.drop("malformed")
-                return
-            msg.frames = [f.buffer for f in extra]  # views: the tensors use them as they are
-        elif extra:
-            self._verifier.drop("malformed")
             return
         try:
             handle(identity, msg)
@@ -174,15 +195,17 @@ class RankSocket:
                                    *frames], copy=False)
 
     def recv(self, timeout_ms: int) -> Message | None:
-        """The next valid message, or None when `timeout_ms` passed (invalid ones dropped)."""
+        """The next valid message, or None when `timeout_ms` passed (invalid ones dropped).
+        A Call's raw frames come as they were received, uncopied, in its `frames`."""
         if self._timeout != timeout_ms:
             self._sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._timeout = timeout_ms
         try:
-            frames = self._sock.recv_multipart()
+            frames = self._sock.recv_multipart(copy=False)
         except zmq.Again:
             return None
-        return open_frame(self._verifier, self._route, frames)
+        return open_with_frames(self._verifier, self._route, [f.buffer for f in frames],
+                                messages.Call)
 
     def close(self) -> None:
         self._sock.close()

@@ -5,7 +5,8 @@
     RemoteBatch / RemoteValue -> Ext(where the data is)  (the receiving rank pulls it)
 
 `encode_oob` leaves the bytes of large tensors and arrays out of the message: they travel
-as frames of their own, sent and received without a copy (a driver's large result).
+as frames of their own, sent and received without a copy (a driver's large result, a
+call's large arguments).
 
 Everything else must be msgspec-encodable (None, bool, int, float, str, bytes, lists,
 dicts, msgspec Structs, dataclasses, enums...). Tuples arrive as lists.
@@ -478,6 +479,27 @@ def encode_call(args: tuple, kwargs: dict[str, Any], names: list[str]) -> bytes:
         raise
 
 
+def encode_call_oob(args: tuple, kwargs: dict[str, Any], names: list[str]
+                    ) -> tuple[bytes, list[np.ndarray]]:
+    """`encode_call`, leaving out the bytes of arrays of OOB_MIN_BYTES or more as
+    `encode_oob` does: they come back as the frames to send after the message. Under
+    IN_PLACE_MIN bytes in all they are copies (the caller may change its tensors once the
+    call is made); from there on they are the arguments' own memory, sent without a copy,
+    since copying gigabytes would hold the controller's loop for seconds."""
+    out: list[np.ndarray] = []
+    _oob.out = out
+    try:
+        payload = encode_call(args, kwargs, names)
+    finally:
+        _oob.out = None
+    if sum(a.nbytes for a in out) < IN_PLACE_MIN:
+        out = [a.copy() for a in out]
+    return payload, out
+
+
+IN_PLACE_MIN = 32 << 20
+
+
 class ArgEncodeError(Exception):
     """Which argument failed to encode; callers re-raise it with the call's context."""
 
@@ -486,6 +508,8 @@ class ArgEncodeError(Exception):
         self.name, self.cause = name, cause
 
 
-def decode_call(buf: Any) -> tuple[list, dict[str, Any]]:
-    args, kwargs = _decoder.decode(buf)
+def decode_call(buf: Any, frames: Sequence[Any] = ()) -> tuple[list, dict[str, Any]]:
+    """[args, kwargs] from `encode_call` or `encode_call_oob` (with the frames it gave,
+    received as writable buffers: its arrays are views of them)."""
+    args, kwargs = decode_oob(buf, frames)
     return args, kwargs

@@ -57,15 +57,20 @@ class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
 
 class Call(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """controller -> rank: run `method`. `payload` is codec-encoded [args, kwargs].
-    `dp_rows` (a DP call): [rows of the whole batches, the first of them in `payload`]; the
-    rank takes its own chunk of each batch argument from the rows it was sent."""
+    """controller -> rank: run `method`. `payload` is codec-encoded [args, kwargs]
+    (`codec.encode_call`): the bytes of its large arrays follow the signed frames as raw
+    frames of the sizes in `buffers`, in order; the rank's socket checks them and puts them
+    in `frames` (sent empty). `dp_rows` (a DP call): [rows of the whole batches, the first of
+    them in `payload`]; the rank takes its own chunk of each batch argument from the rows it
+    was sent."""
 
     call_id: int
     method: str
     payload: msgspec.Raw
     collect: bool = True
     dp_rows: Union[tuple[int, int], None] = None
+    buffers: list[int] = []
+    frames: list[Any] = []
 
 
 NONE = msgspec.Raw(b"\xc0")  # msgpack nil: the value of a call whose result is not collected
@@ -226,12 +231,14 @@ class Fanout(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=F
     """controller -> a host's relay: deliver `frames[which[i]]` (an encoded message) to the
     rank socket `to[i]` behind it. One frame serves every socket that gets the same message.
     `call_id`: these are that call's Calls; the relay holds their Results until all of `to`
-    answered (or one failed) and sends them up together."""
+    answered (or one failed) and sends them up together. `buffers[j]`: how many of the raw
+    frames that follow the signed ones go with message j (its Call's `buffers`), in order."""
 
     to: list[bytes]
     which: list[int]
     frames: list[msgspec.Raw]
     call_id: int = 0
+    buffers: list[int] = []
 
 
 class Fanin(msgspec.Struct, tag=True, array_like=True, gc=False):

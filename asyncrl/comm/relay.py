@@ -131,27 +131,35 @@ class HostRelay:
                 frames = self._up.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            msg = open_frame(self._up_verifier, self._route, [f.buffer for f in frames])
-            if isinstance(msg, Fanout) and _well_formed(msg):
-                self._deliver(msg)
+            msg = open_frame(self._up_verifier, self._route, [f.buffer for f in frames[:2]])
+            extra = frames[2:]  # the raw frames of the Calls' large arguments
+            if isinstance(msg, Fanout) and _well_formed(msg, len(extra)):
+                self._deliver(msg, extra)
             elif msg is not None:
                 self._up_verifier.drop("unexpected")
 
-    def _deliver(self, msg: Fanout) -> None:
+    def _deliver(self, msg: Fanout, extra: list[zmq.Frame]) -> None:
         if msg.call_id:
             self._held[msg.call_id] = ({rank_of(to) for to in msg.to}, [])
+        raw: list[list[zmq.Frame]] = []  # per message, its raw frames
+        for n in msg.buffers:
+            raw.append(extra[:n])
+            extra = extra[n:]
         own = []
         for to, which in zip(msg.to, msg.which, strict=True):
             if to.startswith(self._own):
                 own.append((to, which))
             else:
-                self._send_down(to, msg.frames[which])
+                self._send_down(to, msg.frames[which], raw[which] if raw else [])
         for to, which in own:
-            self._send_down(to, msg.frames[which])
+            self._send_down(to, msg.frames[which], raw[which] if raw else [])
 
-    def _send_down(self, to: bytes, frame: msgspec.Raw) -> None:
+    def _send_down(self, to: bytes, frame: msgspec.Raw, raw: list[zmq.Frame]) -> None:
         body, mac = self._signer.sign(b">" + to, memoryview(frame))  # one copy: into body
-        self._down.send_multipart((to, body, mac), _NOBLOCK)
+        if raw:  # received frames go on as they are: zmq shares their bytes, no copy
+            self._down.send_multipart((to, body, mac, *raw), _NOBLOCK, copy=False)
+        else:
+            self._down.send_multipart((to, body, mac), _NOBLOCK)
 
     def _from_ranks(self) -> None:
         senders: list[bytes] = []
@@ -217,9 +225,13 @@ def _in_columns(call_id: int, answers: list[Result]) -> Results:
                    max(r.busy for r in answers))
 
 
-def _well_formed(msg: Fanout) -> bool:
-    """Every destination a rank socket's identity, with a frame (a signed Fanout comes from
-    the controller, but a bug there must not stop the relay)."""
+def _well_formed(msg: Fanout, raw_frames: int) -> bool:
+    """Every destination a rank socket's identity, with a frame, and the raw frames that
+    came are those announced (a signed Fanout comes from the controller, but a bug there
+    must not stop the relay)."""
+    buffers = msg.buffers
     return len(msg.to) == len(msg.which) and all(
         0 <= w < len(msg.frames) for w in msg.which) and all(
-        to.count(b"/") == 3 and to.split(b"/")[1].isdigit() for to in msg.to)
+        to.count(b"/") == 3 and to.split(b"/")[1].isdigit() for to in msg.to) and (
+        len(buffers) in (0, len(msg.frames)) and all(n >= 0 for n in buffers)
+        and sum(buffers) == raw_frames)

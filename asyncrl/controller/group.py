@@ -17,6 +17,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,8 @@ if TYPE_CHECKING:
 
 _call_ids = itertools.count(1)
 _Host = tuple[bytes | None, list[int], list[bytes]]  # a relay (None: direct), ranks, sockets
-_Send = tuple[Any, list[bytes], bytes]  # a relay or _ALL, the sockets, an encoded message
+# a relay or _ALL, the sockets, an encoded message and the raw frames it announces
+_Send = tuple[Any, list[bytes], bytes, list[Any]]
 _ALL = object()  # _Send's relay for a message to every rank of the group
 
 
@@ -187,7 +189,10 @@ class GroupHandle:
         """Call a registered method by name; the same as ``group.<method>(...)``.
 
         On the controller's loop, errors in the arguments raise here and nothing is sent;
-        from another thread the call is handed to the loop and such errors fail the future."""
+        from another thread the call is handed to the loop and such errors fail the future.
+        Arguments are read when the call is sent (later, if it waits for inputs or for the
+        calls ahead of it); a call's tensors of 32 MiB or more in all are sent from their own
+        memory (`codec.IN_PLACE_MIN`): do not change them in place until the call is done."""
         if self.closing:
             raise ClosedError(f"group {self.name!r} is closed")
         if self.dead is not None:
@@ -269,23 +274,26 @@ class GroupHandle:
                                           item.inputs, item.links)
         self._ctl.calls[call_id] = self
         box = self._ctl.outbox()
-        for relay, identities, call in sends:
+        for relay, identities, call, raw in sends:
             if relay is _ALL:
-                self.post_all(box, role, call)
+                self.post_all(box, role, call, raw)
             else:
-                box.put_many(relay, identities, call)
+                box.put_many(relay, identities, call, raw)
         box.flush(call_id)
 
-    def _encode(self, method: str, args: tuple, kwargs: dict[str, Any]) -> msgspec.Raw:
+    def _encode(self, method: str, args: tuple, kwargs: dict[str, Any]
+                ) -> tuple[msgspec.Raw, list[Any]]:
+        """The payload of a Call, and the raw frames of its large arrays."""
         try:
-            return msgspec.Raw(codec.encode_call(args, kwargs, self._names(method)))
+            payload, raw = codec.encode_call_oob(args, kwargs, self._names(method))
+            return msgspec.Raw(payload), raw
         except codec.ArgEncodeError as e:
             raise EncodeError(f"cannot send argument {e.name!r} of {self.name}.{method}(): "
                               f"{e.cause}") from None
 
     def _calls_by_rank(self, split: Split, method: str, role: str, call_id: int) -> list[_Send]:
         """A Call per rank; ranks given the same arguments share one encoding."""
-        payloads: dict[tuple[int, int], msgspec.Raw] = {}
+        payloads: dict[tuple[int, int], tuple[msgspec.Raw, list[Any]]] = {}
         for args, kwargs in split.calls.values():
             key = (id(args), id(kwargs))
             if key not in payloads:
@@ -293,18 +301,20 @@ class GroupHandle:
         collect = set(split.collect)
         if len(payloads) == 1 and len(split.calls) == len(collect) == self.nprocs:
             # the same Call for every rank (a broadcast): no work per rank
-            return [(_ALL, [], messages.encode(Call(call_id, method,
-                                                    next(iter(payloads.values())))))]
+            payload, raw = next(iter(payloads.values()))
+            return [(_ALL, [], messages.encode(Call(call_id, method, payload,
+                                                    buffers=_sizes(raw))), raw)]
         calls: dict[tuple[int, int, bool], bytes] = {}  # ranks with the same Call share it
         sends: list[_Send] = []
         for rank, (args, kwargs) in split.calls.items():
             which = (id(args), id(kwargs), rank in collect)
+            payload, raw = payloads[(which[0], which[1])]
             call = calls.get(which)
             if call is None:
                 call = calls[which] = messages.encode(Call(
-                    call_id, method, payloads[(which[0], which[1])], which[2]))
+                    call_id, method, payload, which[2], buffers=_sizes(raw)))
             identity = self.ranks[rank].socket(role)
-            sends.append((self._ctl.relay_of.get(identity), [identity], call))
+            sends.append((self._ctl.relay_of.get(identity), [identity], call, raw))
         return sends
 
     def _dp_calls(self, split: Split, method: str, role: str, call_id: int) -> list[_Send]:
@@ -317,13 +327,13 @@ class GroupHandle:
         for relay, ranks, identities in self._hosts(role):
             spans = [rows.span(dp_of[r]) for r in ranks]
             first, last = min(s[0] for s in spans), max(s[1] for s in spans)
-            payload = self._encode(method, *dp_block(args, kwargs, first, last))
+            payload, raw = self._encode(method, *dp_block(args, kwargs, first, last))
             by_flag: dict[bool, list[bytes]] = {}
             for rank, identity in zip(ranks, identities, strict=True):
                 by_flag.setdefault(rank in collect, []).append(identity)
             for flag, flagged in by_flag.items():
                 sends.append((relay, flagged, messages.encode(Call(
-                    call_id, method, payload, flag, (rows.rows, first)))))
+                    call_id, method, payload, flag, (rows.rows, first), _sizes(raw))), raw))
         return sends
 
     def _names(self, method: str) -> list[str]:
@@ -368,17 +378,19 @@ class GroupHandle:
                 out.append((relay, ranks, identities))
         return out
 
-    def post_all(self, box: Outbox, role: str, message: bytes) -> None:
-        """Put one message for every rank's `role` socket (those that said hello)."""
+    def post_all(self, box: Outbox, role: str, message: bytes, raw: Sequence[Any] = ()
+                 ) -> None:
+        """Put one message (and the raw frames it announces) for every rank's `role` socket
+        (those that said hello)."""
         fan = self.fan(role)
         if fan is None:
             for info in self.ranks.values():
                 identity = info.socket(role)
                 if identity:
-                    box.put(identity, message)
+                    box.put(identity, message, raw)
             return
         for relay, _, identities in fan:
-            box.put_many(relay, identities, message)
+            box.put_many(relay, identities, message, raw)
 
     def _on_result(self, msg: Result) -> None:
         p = self._pending.get(msg.call_id)
@@ -518,3 +530,8 @@ class GroupHandle:
         info = self.ranks.get(rank)
         if info is not None:
             info.last_seen = time.monotonic()
+
+
+def _sizes(raw: list[Any]) -> list[int]:
+    """A Call's `buffers`: the byte sizes of its raw frames."""
+    return [a.nbytes for a in raw]
