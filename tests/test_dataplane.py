@@ -114,13 +114,15 @@ def assert_rows(batch: TensorBatch, n: int) -> None:
 
 @pytest.fixture(scope="module")
 def groups(bg):
-    return {
-        "p4": bg.spawn(Producer, nprocs=4, name="p4"),
-        "p2": bg.spawn(Producer, nprocs=2, name="p2"),
-        "c2": bg.spawn(Consumer, nprocs=2, name="c2"),
-        "c1": bg.spawn(Consumer, nprocs=1, name="c1"),
-        "grid": bg.spawn(Consumer, nprocs=4, name="grid", mesh={"dp": 2, "tp": 2}),
-    }
+    async def spawn_all():  # together: one group's start-up waits overlap the others' work
+        ctl = bg.ctl
+        return dict(zip(["p4", "p2", "c2", "c1", "grid"], await asyncio.gather(
+            ctl.spawn(Producer, nprocs=4, name="p4"),
+            ctl.spawn(Producer, nprocs=2, name="p2"),
+            ctl.spawn(Consumer, nprocs=2, name="c2"),
+            ctl.spawn(Consumer, nprocs=1, name="c1"),
+            ctl.spawn(Consumer, nprocs=4, name="grid", mesh={"dp": 2, "tp": 2})), strict=True))
+    return bg.run(spawn_all(), timeout=240)
 
 
 def get(fut, timeout=60):

@@ -83,9 +83,12 @@ def test_rank_socket_drops_hostile_frames():
                                  buffers=[8])
             send([rank_io, *ctl.channel._signer.sign(b">" + rank_io, messages.encode(call)),
                   b"four"])  # a Call whose raw frame is not the size it announced: malformed
-            await poll_until(lambda: group.dropped_frames[0] >= 7, 10,
+            call = messages.Call(2, "add", msgspec.Raw(codec.encode_call((1, 1), {}, [])),
+                                 frames=[b"x" * 8])  # frames are what arrived, never sent
+            send([rank_io, *ctl.channel._signer.sign(b">" + rank_io, messages.encode(call))])
+            await poll_until(lambda: group.dropped_frames[0] >= 8, 10,
                              "the rank to report drops")
-            assert group.dropped_frames[0] == 7
+            assert group.dropped_frames[0] == 8
             assert await group.add(1, 1) == [2]  # the forged Shutdown did nothing
             assert group.dead is None
             return pids

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from helpers import assert_gone, group_pids, run
@@ -337,7 +339,6 @@ class AnyTrainer(asyncrl.Worker):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
 
 
-@pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
 def test_trainer_forward_passes_have_no_dropout():
     """GPT-2's config turns dropout on; a trainer's model (in train mode) must give the
     log-probs the engine and the reference (in eval mode) give."""
@@ -350,7 +351,6 @@ def test_trainer_forward_passes_have_no_dropout():
         assert torch.equal(first, second) and torch.equal(first, sequence_logprobs(model, *cols))
 
 
-@pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
 def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
     """Five steps of batches of 8, 4, 8, 6 and 8 rows (2, 1, 2, 2 and 2 micro-batches per
     rank: DeepSpeed must step at each step's last micro-batch, whatever the last count),
@@ -366,7 +366,7 @@ def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
                  "total_steps": 6, "min_lr_ratio": 0.1}
 
     async def main():
-        async with asyncrl.Controller(construct_timeout=600) as ctl:
+        async with asyncrl.Controller() as ctl:
             losses, lrs, pids = {}, {}, []
             for kind in ("fsdp2", "zero2", "zero3"):
                 group = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, nprocs=2,
@@ -380,7 +380,7 @@ def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
                     assert all(torch.equal(w[k], v) for k, v in (await group.weights())[0].items())
                 await ctl.close_group(group)
             return losses, lrs, pids
-    losses, lrs, pids = run(main(), timeout=880)
+    losses, lrs, pids = run(main(), timeout=280)
     assert_gone(pids)
     for kind in ("zero2", "zero3"):
         for got, want in zip(losses[kind], losses["fsdp2"], strict=True):
@@ -410,7 +410,6 @@ def test_lr_schedules_and_their_config_errors():
         TrainConfig(min_lr_ratio=1.5)
 
 
-@pytest.mark.timeout(900)  # the first ZeRO run compiles a DeepSpeed op (about a minute)
 @pytest.mark.parametrize("kind", ["fsdp2", "zero2"])
 def test_a_resumed_trainer_continues_its_lr_schedule(kind, tmp_path):
     from asyncrl.hybrid.fsdp import lr_factor
@@ -423,16 +422,16 @@ def test_a_resumed_trainer_continues_its_lr_schedule(kind, tmp_path):
     train_cfg = {"lr": 1e-3, "micro_batch_size": 8, "warmup_steps": 4}
 
     async def main():
-        async with asyncrl.Controller(construct_timeout=600) as ctl:
-            first = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="first")
+        async with asyncrl.Controller() as ctl:
+            first, again, other = await asyncio.gather(  # started together: quicker
+                ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="first"),
+                ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="again"),
+                # a resumed run with another lr: the config's lr wins, on both backends
+                ctl.spawn(AnyTrainer, kind, model_cfg, {**train_cfg, "lr": 2e-3}, name="other"))
             before = [(await first.step(batch))[0]["lr"] for _ in range(3)]
             await first.save(str(tmp_path / "ckpt"))
-            again = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="again")
             await again.load(str(tmp_path / "ckpt"))
             after = [(await again.step(batch))[0]["lr"] for _ in range(2)]
-            # a resumed run with another lr: the config's lr wins, on both backends
-            other = await ctl.spawn(AnyTrainer, kind, model_cfg, {**train_cfg, "lr": 2e-3},
-                                    name="other")
             await other.load(str(tmp_path / "ckpt"))
             changed = (await other.step(batch))[0]["lr"]
             pids = group_pids(first) + group_pids(again) + group_pids(other)
@@ -442,7 +441,7 @@ def test_a_resumed_trainer_continues_its_lr_schedule(kind, tmp_path):
                 await other.load(str(tmp_path / "old"))
                 old = (await other.step(batch))[0]["lr"]
             return before, after, changed, old, pids
-    before, after, changed, old, pids = run(main(), timeout=880)
+    before, after, changed, old, pids = run(main(), timeout=280)
     assert_gone(pids)
     cfg = TrainConfig(**train_cfg)
     assert before + after == pytest.approx([1e-3 * lr_factor(cfg, i) for i in range(5)])

@@ -44,12 +44,8 @@ def test_grpo_flow_on_two_ranks_equals_one_rank_and_lr0_stays_put(tmp_path, two)
     assert all(r["actor/kl"] == 0 for r in frozen)
     assert frozen[moved[0]]["actor/grad_norm"] > 0  # gradients, but no step
     assert frozen[0]["reward/mean"] == one[0]["reward/mean"]  # the same samples at step 0
-    # stopped after step 0 and resumed: weights, optimizer, version, prompt position restored
-    launch_example("grpo_tiny.py", tmp_path / "resumed", 1, *small, "actor_procs=2")
-    resumed = launch_example("grpo_tiny.py", tmp_path / "resumed", 3, *small, "actor_procs=2",
-                     "--resume")
-    for a, b in zip(two, resumed, strict=True):
-        assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
+    # resumes: the ZeRO test below (its resumed run must equal `two`), the PPO test (FSDP
+    # actor and critic), test_checkpoint.py and test_recovery.py (this demo, a rank killed)
 
 
 def test_zero2_actor_equals_fsdp_and_resumes_from_deepspeed_checkpoints(tmp_path, two):

@@ -129,15 +129,26 @@ def test_call_arguments_travel_out_of_band_copied_unless_gigabytes_would_be(monk
     small, big = torch.ones(codec.OOB_MIN_BYTES), torch.zeros(codec.OOB_MIN_BYTES // 4)
     payload, frames = codec.encode_call_oob((small, 7), {"w": big}, ["a", "b"])
     assert len(frames) == 2 and len(payload) < 1024  # the bytes are in the frames
+    codec.own_unless_large([frames])
     small += 1  # the caller may change its tensors once the call is made: copies were sent
     args, kwargs = codec.decode_call(payload, [bytearray(f.tobytes()) for f in frames])
     assert torch.equal(args[0], torch.ones(codec.OOB_MIN_BYTES)) and args[1] == 7
     assert torch.equal(kwargs["w"], big)
     monkeypatch.setattr(codec, "IN_PLACE_MIN", codec.OOB_MIN_BYTES)  # "gigabytes": in place
     _, frames = codec.encode_call_oob((small,), {}, ["a"])
+    codec.own_unless_large([frames])
     assert frames[0].ctypes.data == small.data_ptr()  # the tensor's own memory, no copy
     with pytest.raises(ValueError, match="0 buffers came with it"):
         codec.decode_call(payload)  # frames announced but missing: refused, not guessed
+
+
+def test_an_out_of_band_frame_named_twice_is_refused():
+    # a few signed bytes naming one large frame many times could make its receiver copy it
+    # (misaligned) as many times: an encoder names each frame once
+    spec = msgspec.msgpack.encode([0, "complex128", [8], 0])
+    twice = msgspec.msgpack.encode([msgspec.msgpack.Ext(codec.EXT_OUT_OF_BAND, spec)] * 2)
+    with pytest.raises(ValueError, match="named twice"):
+        codec.decode_oob(twice, [bytearray(128)])
 
 
 def test_plain_encode_keeps_every_array_in_the_message():

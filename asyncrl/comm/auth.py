@@ -22,6 +22,12 @@ secret key, which every rank serves with) travel in the secret file, beside the 
     curve-data-secret <Z85>
 
 Frames stay signed as above: CURVE hides them, the HMAC still decides what is accepted.
+
+Large arrays (a Call's arguments, a Fetched result, a Pulled batch) follow their signed
+message as raw parts, unhashed: the message binds them by count and exact sizes, and a
+ZeroMQ message arrives whole, so a peer that can only connect cannot attach its own parts to
+another's message. Against a peer that can alter TCP traffic in flight, `encrypt=True` is
+what protects their bytes.
 """
 
 from __future__ import annotations

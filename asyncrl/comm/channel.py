@@ -43,7 +43,8 @@ def open_with_frames(verifier: Verifier, route: bytes, frames: list,
     msg = open_frame(verifier, route, frames[:2])
     extra = frames[2:]
     if isinstance(msg, (messages.Call, messages.Fetched)) and isinstance(msg, kind):
-        if [f.nbytes for f in extra] != msg.buffers:
+        # `frames` is for what came here, never what a sender wrote into the message
+        if msg.frames or [f.nbytes for f in extra] != msg.buffers:
             verifier.drop("malformed")
             return None
         if extra:
@@ -200,12 +201,16 @@ class RankSocket:
         if self._timeout != timeout_ms:
             self._sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._timeout = timeout_ms
+        sock = self._sock
         try:
-            frames = self._sock.recv_multipart(copy=False)
+            frames: list[Any] = [sock.recv()]
         except zmq.Again:
             return None
-        return open_with_frames(self._verifier, self._route, [f.buffer for f in frames],
-                                messages.Call)
+        while sock.rcvmore and len(frames) < 2:  # the signed ones: small, copied
+            frames.append(sock.recv())
+        while sock.rcvmore:  # raw ones: large, used where zmq received them
+            frames.append(sock.recv(copy=False).buffer)
+        return open_with_frames(self._verifier, self._route, frames, messages.Call)
 
     def close(self) -> None:
         self._sock.close()

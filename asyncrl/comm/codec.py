@@ -39,7 +39,7 @@ EXT_TENSOR, EXT_NDARRAY, EXT_BATCH, EXT_REF, EXT_REMOTE_BATCH, EXT_REMOTE_VALUE 
 EXT_OUT_OF_BAND = 7  # [kind, dtype, shape, index]: the bytes are buffer `index`, sent apart
 OOB_MIN_BYTES = 64 << 10  # smaller arrays stay in the message: a frame costs more than a copy
 _KIND_TENSOR, _KIND_NDARRAY = 0, 1
-_oob = threading.local()  # .out: buffers left out while encoding; .frames: while decoding
+_oob = threading.local()  # .out: buffers left out while encoding; .frames, .used: decoding
 _HLEN = struct.Struct(">I")
 _NO_BYTES = np.empty(0, np.uint8)
 # A dtype's wire name and how its bytes cross numpy (far cheaper than torch's byte views):
@@ -235,6 +235,9 @@ def _from_frame(data: memoryview) -> Any:
     if frames is None or not 0 <= index < len(frames):
         raise ValueError(f"out-of-band array {index} on the wire, but "
                          f"{0 if frames is None else len(frames)} buffers came with it")
+    if index in _oob.used:  # an encoder names each once; a frame named again could be
+        raise ValueError(f"out-of-band array {index} named twice")  # copied many times
+    _oob.used.add(index)
     frame = memoryview(frames[index]).cast("B")
     if kind == _KIND_NDARRAY:
         dt = np.dtype(dtype)
@@ -348,7 +351,7 @@ def encode_oob(value: Any) -> tuple[bytes, list[np.ndarray]]:
 def decode_oob(buf: Any, frames: Sequence[Any]) -> Any:
     """Decode what `encode_oob` gave, with its arrays received as `frames` (writable
     buffers): their tensors and arrays are views of the frames, not copies."""
-    _oob.frames = frames
+    _oob.frames, _oob.used = frames, set()
     try:
         return _decoder.decode(buf)
     finally:
@@ -482,22 +485,27 @@ def encode_call(args: tuple, kwargs: dict[str, Any], names: list[str]) -> bytes:
 def encode_call_oob(args: tuple, kwargs: dict[str, Any], names: list[str]
                     ) -> tuple[bytes, list[np.ndarray]]:
     """`encode_call`, leaving out the bytes of arrays of OOB_MIN_BYTES or more as
-    `encode_oob` does: they come back as the frames to send after the message. Under
-    IN_PLACE_MIN bytes in all they are copies (the caller may change its tensors once the
-    call is made); from there on they are the arguments' own memory, sent without a copy,
-    since copying gigabytes would hold the controller's loop for seconds."""
+    `encode_oob` does: they come back as the frames to send after the message, views of
+    the arguments (see `own_unless_large`)."""
     out: list[np.ndarray] = []
     _oob.out = out
     try:
-        payload = encode_call(args, kwargs, names)
+        return encode_call(args, kwargs, names), out
     finally:
         _oob.out = None
-    if sum(a.nbytes for a in out) < IN_PLACE_MIN:
-        out = [a.copy() for a in out]
-    return payload, out
 
 
 IN_PLACE_MIN = 32 << 20
+
+
+def own_unless_large(frame_lists: Sequence[list[np.ndarray]]) -> None:
+    """Replace the frames of one call's messages by copies (its caller may change its
+    tensors once the call is made), unless they hold IN_PLACE_MIN bytes or more in all:
+    those are sent from the arguments' own memory, as copying gigabytes would hold the
+    controller's loop for seconds."""
+    if sum(a.nbytes for frames in frame_lists for a in frames) < IN_PLACE_MIN:
+        for frames in frame_lists:
+            frames[:] = [a.copy() for a in frames]
 
 
 class ArgEncodeError(Exception):

@@ -269,6 +269,7 @@ class GroupHandle:
         else:
             sends = self._calls_by_rank(split, item.method, role, call_id)
         self._ctl.payload_bytes += codec.produced_bytes_encoded - produced
+        codec.own_unless_large(list({id(raw): raw for *_, raw in sends if raw}.values()))
         self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
                                           split.state, set(split.calls), set(split.collect),
                                           item.inputs, item.links)

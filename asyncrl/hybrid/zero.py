@@ -2,8 +2,8 @@
 interface as `FSDPBackend`: `logprobs`/`values`, `train_step(batch, loss_fn)`, `state_dict` in
 and out, `save`/`load` (DeepSpeed's own checkpoint format).
 
-On a CPU-only host DeepSpeed runs with `DS_ACCELERATOR=cpu` over the rank's gloo group (its
-first use compiles a small op, about a minute, cached in ~/.cache/torch_extensions). The model
+On a CPU-only host DeepSpeed runs with `DS_ACCELERATOR=cpu` over the rank's gloo group,
+without the shared-memory all-reduce op it would compile first (only inference uses it). The model
 is built normally and handed to `deepspeed.initialize` (built inside `zero.Init` an HF model
 is mis-initialised), with a plain torch AdamW so the update is FSDP2's.
 """
@@ -33,14 +33,27 @@ from asyncrl.hybrid.models import ModelConfig
 
 
 def _deepspeed() -> Any:
-    if not torch.cuda.is_available():
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed
     except ImportError as e:
         raise ImportError("the ZeRO backend needs DeepSpeed: pip install 'asyncrl[deepspeed]'") \
             from e
+    if on_cpu:
+        _no_shared_memory_all_reduce(deepspeed)
     return deepspeed
+
+
+def _no_shared_memory_all_reduce(deepspeed: Any) -> None:
+    """On CPU, DeepSpeed's communication backend builds its shared-memory all-reduce op
+    with the C++ compiler when it starts, in every fresh environment (2.5 minutes on 2
+    cores). Only its inference all-reduce uses that op, never training; marked
+    unavailable, ZeRO starts at once (and that all-reduce falls back to torch.distributed)."""
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
 
 
 class ZeroBackend(TrainBackend):
