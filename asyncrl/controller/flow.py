@@ -217,8 +217,16 @@ class DataFlow:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise FlowError(f"two groups are named {dup}; pass name=... to asyncrl.group")
-        for g in self.groups:  # one by one: placement sees the groups before it
-            g.handle = await self._spawn(g)
+        # started together: one group's start-up waits overlap the others' work. Placement
+        # still sees the groups before each one: spawn places a group before its first await.
+        spawned = await asyncio.gather(*(self._spawn(g) for g in self.groups),
+                                       return_exceptions=True)
+        for g, handle in zip(self.groups, spawned, strict=True):
+            if not isinstance(handle, BaseException):
+                g.handle = handle  # closed with the flow, as every group that started
+        failed = [e for e in spawned if isinstance(e, BaseException)]
+        if failed:
+            raise failed[0]
         self._sources = {}
         self._reset_sources()
         self._start = 0
