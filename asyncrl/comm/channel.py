@@ -109,13 +109,11 @@ class ControllerChannel:
         send = self._sock.send
         send(identity, _MORE)
         send(body, _MORE)
+        send(mac, _MORE if frames else _NOBLOCK)
+        for frame in frames[:-1]:
+            send(frame, _MORE, copy=False)
         if frames:
-            send(mac, _MORE)
-            last = len(frames) - 1
-            for i, frame in enumerate(frames):
-                send(frame, _NOBLOCK if i == last else _MORE, copy=False)
-        else:
-            send(mac, _NOBLOCK)
+            send(frames[-1], _NOBLOCK, copy=False)
         self._wake()
 
     def send_frames(self, frames: list[bytes]) -> None:

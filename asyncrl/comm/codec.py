@@ -340,10 +340,15 @@ def encode_oob(value: Any) -> tuple[bytes, list[np.ndarray]]:
     """Encode a value, leaving out the bytes of its tensors and arrays of OOB_MIN_BYTES or
     more: they come back as a list of arrays (views, not copies) to send as frames of their
     own, in order. The message then holds a few bytes per array, not its bytes."""
+    return _leaving_out(lambda: _encoder.encode(value))
+
+
+def _leaving_out(encode: Callable[[], bytes]) -> tuple[bytes, list[np.ndarray]]:
+    """What `encode()` gives with large arrays left out, and the arrays left out."""
     out: list[np.ndarray] = []
     _oob.out = out
     try:
-        return _encoder.encode(value), out
+        return encode(), out
     finally:
         _oob.out = None
 
@@ -487,12 +492,7 @@ def encode_call_oob(args: tuple, kwargs: dict[str, Any], names: list[str]
     """`encode_call`, leaving out the bytes of arrays of OOB_MIN_BYTES or more as
     `encode_oob` does: they come back as the frames to send after the message, views of
     the arguments (see `own_unless_large`)."""
-    out: list[np.ndarray] = []
-    _oob.out = out
-    try:
-        return encode_call(args, kwargs, names), out
-    finally:
-        _oob.out = None
+    return _leaving_out(lambda: encode_call(args, kwargs, names))
 
 
 IN_PLACE_MIN = 32 << 20

@@ -142,7 +142,7 @@ class HostRelay:
         if msg.call_id:
             self._held[msg.call_id] = ({rank_of(to) for to in msg.to}, [])
         raw: list[list[zmq.Frame]] = []  # per message, its raw frames
-        for n in msg.buffers:
+        for n in msg.buffers or [0] * len(msg.frames):
             raw.append(extra[:n])
             extra = extra[n:]
         own = []
@@ -150,16 +150,15 @@ class HostRelay:
             if to.startswith(self._own):
                 own.append((to, which))
             else:
-                self._send_down(to, msg.frames[which], raw[which] if raw else [])
+                self._send_down(to, msg.frames[which], raw[which])
         for to, which in own:
-            self._send_down(to, msg.frames[which], raw[which] if raw else [])
+            self._send_down(to, msg.frames[which], raw[which])
 
     def _send_down(self, to: bytes, frame: msgspec.Raw, raw: list[zmq.Frame]) -> None:
         body, mac = self._signer.sign(b">" + to, memoryview(frame))  # one copy: into body
-        if raw:  # received frames go on as they are: zmq shares their bytes, no copy
-            self._down.send_multipart((to, body, mac, *raw), _NOBLOCK, copy=False)
-        else:
-            self._down.send_multipart((to, body, mac), _NOBLOCK)
+        # received frames go on as they are (zmq shares their bytes); pyzmq still copies
+        # parts under its copy_threshold, as the small signed ones are
+        self._down.send_multipart((to, body, mac, *raw), _NOBLOCK, copy=False)
 
     def _from_ranks(self) -> None:
         senders: list[bytes] = []

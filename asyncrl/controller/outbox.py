@@ -60,10 +60,7 @@ class Outbox:
     def flush(self, call_id: int = 0) -> None:
         """Send what waits for relays; `call_id`: the messages are that call's Calls."""
         for relay, (to, which, frames, raws, _) in self._fanouts.items():
-            if any(raws):
-                self._channel.send(relay, Fanout(to, which, frames, call_id,
-                                                 [len(r) for r in raws]),
-                                   [f for r in raws for f in r])
-            else:
-                self._channel.send(relay, Fanout(to, which, frames, call_id))
+            counts = [len(r) for r in raws] if any(raws) else []  # [] is left off the wire
+            self._channel.send(relay, Fanout(to, which, frames, call_id, counts),
+                               [f for r in raws for f in r])
         self._fanouts = {}
