@@ -131,6 +131,25 @@ def test_killed_rank_fails_pending_calls_with_group_dead_error():
     assert_gone(pids)
 
 
+def test_the_rank_that_died_is_named_not_the_ones_torchrun_stopped_after_it():
+    """Rank 2 dies; torchrun stops ranks 0 and 1, and rank 0 (stopped, so it cannot exit)
+    holds the agent up for its 30 s grace. With a slow supervisor round, ranks 1 and 2 are
+    seen gone in one round, rank 1 first: the error must still name rank 2, which died."""
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=1.0, heartbeat_timeout=3.0) as ctl:
+            group = await ctl.spawn(Sleeper, nprocs=3)
+            pids = group_pids(group)
+            pending = group.wait(60)
+            os.kill(group.pids[0], signal.SIGSTOP)  # silent for 3 s: named only after that
+            os.kill(group.pids[2], signal.SIGKILL)
+            with pytest.raises(asyncrl.GroupDeadError) as info:
+                await asyncio_wait_for(pending, 20)
+            return pids, info.value
+    pids, err = run(main())
+    assert (err.group, err.rank) == ("sleeper", 2), str(err)
+    assert_gone(pids)
+
+
 def test_hung_rank_is_found_by_missing_heartbeats():
     async def main():
         async with asyncrl.Controller(heartbeat_interval=0.2, heartbeat_timeout=1.5) as ctl:

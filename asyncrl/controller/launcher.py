@@ -25,6 +25,7 @@ _PR_SET_PDEATHSIG = 1
 _AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
 _ROOT_CAUSE = re.compile(
     r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
+_STOPPED = re.compile(r"Sending process (\d+) closing signal")  # torchrun stopping the rest
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -145,6 +146,10 @@ class Agent:
         matches = _ROOT_CAUSE.findall(self._read_log())
         return (int(matches[-1][0]), int(matches[-1][1])) if matches else None
 
+    def stopped_pids(self) -> set[int]:
+        """Pids torchrun itself stopped because another rank failed: followers, not causes."""
+        return {int(p) for p in _STOPPED.findall(self._read_log())}
+
     def _read_log(self, last: int | None = None) -> str:
         """This agent's part of its log (at most its `last` bytes); "" when unreadable."""
         try:
@@ -225,6 +230,9 @@ class HostAgents:
 
     def root_cause(self) -> tuple[int, int] | None:
         return next((c for a in self.agents if (c := a.root_cause()) is not None), None)
+
+    def stopped_pids(self) -> set[int]:
+        return {p for a in self.agents for p in a.stopped_pids()}
 
     def all_pids(self) -> list[int]:
         return sorted({p for a in self.agents for p in a.all_pids()})

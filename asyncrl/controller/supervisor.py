@@ -89,8 +89,18 @@ class Supervisor:
         try:
             await asyncio.wait_for(group.exited.wait(), wait)
         except asyncio.TimeoutError:
-            group._mark_dead(rank, None, "its process is gone")
+            group._mark_dead(self.first_gone(group, rank), None, "its process is gone")
         group.agent.signal_all(signal.SIGKILL)
+
+    def first_gone(self, group: GroupHandle, rank: int) -> int:
+        """Which gone rank to name: one torchrun did not stop itself. When one rank dies,
+        torchrun stops the others, and a loaded host may let the supervisor see them all
+        gone in one round, the followers first."""
+        stopped = group.agent.stopped_pids()
+        if group.ranks[rank].pid not in stopped:
+            return rank
+        causes = [r for r, info in group.ranks.items() if info.gone and info.pid not in stopped]
+        return causes[0] if causes else rank
 
     def agent_exited(self, group: GroupHandle, code: int) -> None:
         """The group's torchrun agent exited (on the loop, called from its watcher thread)."""
