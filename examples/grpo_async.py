@@ -13,8 +13,9 @@
 pulls them worker to worker (shared memory here) in buckets; a generation in flight picks
 them up at its next token. Every token carries the version that sampled it; the trainer
 drops samples older than the bound and corrects the rest with truncated importance weights.
-The reference and the reward run beside the rollout: the forward passes on one core, the
-training step on the other, about the same work a step each.
+The reference runs beside the rollout (the forward passes on one core) and the reward
+beside the trainer (the training step on the other), so each core has about the same work a
+step: the rollout's core sets the step when overlapped, and the reward is cheap to move.
 """
 
 import math
@@ -44,14 +45,14 @@ trainer = asyncrl.group(
     rl={"algo": "grpo", "group_size": cfg["group_size"], "kl_coef": cfg["kl_coef"],
         "max_staleness": cfg["max_staleness"],
         "correction": cfg["correction"] if cfg["max_staleness"] else "none"})
-# nice: on its core the reference and the reward, which the trainer waits for, go first
+# nice: on its core the reference, which the trainer waits for, goes first
 rollouts = asyncrl.group(Rollout, model=model, sampling=sampling, name="rollout",
                          nprocs=cfg["rollout_procs"], place=asyncrl.separate_from(trainer),
                          nice=5)
 # kl_coef=0 (TRL's default beta, DAPO's recipe): no KL term, so no reference model at all
 ref = (asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(rollouts))
        if cfg["kl_coef"] else None)
-rewards = asyncrl.group(RewardFn, reward, name="reward", place=asyncrl.colocate_with(rollouts))
+rewards = asyncrl.group(RewardFn, reward, name="reward", place=asyncrl.colocate_with(trainer))
 
 data = next_digit.records(tok, copies=cfg["prompts"])
 prompts = PromptSource(data, batch_size=cfg["prompts"], seed=cfg["seed"],
