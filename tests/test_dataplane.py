@@ -277,6 +277,35 @@ def test_large_arguments_reach_the_ranks_while_heartbeats_flow(relay):
     assert torch.equal(sums, (torch.arange(64 * 4096) % 7).float().view(64, 4096).sum(1))
 
 
+class Built(asyncrl.Worker):
+    def __init__(self, state: dict):
+        self.state = state
+
+    @asyncrl.register
+    def row_sums(self) -> tuple:
+        return self.state["w"].view(self.state["rows"], -1).double().sum(1), self.rank
+
+
+@pytest.mark.parametrize("relay", [False, True])
+def test_large_constructor_arguments_reach_the_ranks_while_heartbeats_flow(relay):
+    # Encoded into the Construct, 256 MiB were copied and signed on the loop once per rank
+    # as each said hello; now they follow it as raw frames, like a call's.
+    w = torch.arange(1 << 26, dtype=torch.float32) % 999  # 256 MiB
+
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=0.1, heartbeat_timeout=1.5,
+                                      relay=relay) as ctl:
+            group = await ctl.spawn(Built, {"w": w, "rows": 512}, nprocs=2)
+            pids = group_pids(group)
+            assert group.construct_frames == []  # sent: no longer held
+            return pids, await group.row_sums()
+    pids, built = run(main())
+    assert_gone(pids)
+    expected = w.view(512, -1).double().sum(1)
+    assert [rank for _, rank in built] == [0, 1]
+    assert all(torch.equal(got, expected) for got, _ in built)
+
+
 def test_a_cancelled_await_leaves_the_future_and_the_group_usable(bg, groups):
     async def main():
         made = groups["p2"].make(rows(4))

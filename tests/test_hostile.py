@@ -86,9 +86,13 @@ def test_rank_socket_drops_hostile_frames():
             call = messages.Call(2, "add", msgspec.Raw(codec.encode_call((1, 1), {}, [])),
                                  frames=[b"x" * 8])  # frames are what arrived, never sent
             send([rank_io, *ctl.channel._signer.sign(b">" + rank_io, messages.encode(call))])
-            await poll_until(lambda: group.dropped_frames[0] >= 8, 10,
+            build = messages.Construct(msgspec.Raw(codec.encode_call((Adder,), {}, [])), [],
+                                       buffers=[8])
+            send([rank_io, *ctl.channel._signer.sign(b">" + rank_io, messages.encode(build)),
+                  b"four"])  # so with a Construct's
+            await poll_until(lambda: group.dropped_frames[0] >= 9, 10,
                              "the rank to report drops")
-            assert group.dropped_frames[0] == 8
+            assert group.dropped_frames[0] == 9
             assert await group.add(1, 1) == [2]  # the forged Shutdown did nothing
             assert group.dead is None
             return pids

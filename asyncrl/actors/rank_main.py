@@ -248,7 +248,7 @@ class RankMain:
         coords = mesh_coords(tuple(msg.mesh), self.rank)
         self.dp_rank, self.dp_size = coords.get(DP_AXIS, 0), mesh.get(DP_AXIS, 1)
         try:
-            (cls, *args), kwargs = codec.decode_call(msg.payload)
+            (cls, *args), kwargs = codec.decode_call(msg.payload, msg.frames)
             attrs = dict(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
                          group_name=self.group, mesh=mesh, coords=coords)
             self.worker = construct(cls, args, kwargs, attrs)

@@ -35,14 +35,18 @@ def open_frame(verifier: Verifier, route: bytes, frames: list) -> Message | None
         return None
 
 
+_FRAMED = (messages.Call, messages.Construct, messages.Fetched)  # may bring raw frames
+
+
 def open_with_frames(verifier: Verifier, route: bytes, frames: list,
-                     kind: type[messages.Call] | type[messages.Fetched]) -> Message | None:
-    """`open_frame` of the signed frames[:2]; raw frames after them are allowed for a `kind`
-    message (Call, Fetched) that announces their sizes in its `buffers`, and go in its
-    `frames`. Anything else with raw frames is dropped as malformed."""
+                     kinds: tuple[type, ...]) -> Message | None:
+    """`open_frame` of the signed frames[:2]; raw frames after them are allowed for a
+    message of `kinds` (Call, Construct, Fetched) that announces their sizes in its
+    `buffers`, and go in its `frames`. Anything else with raw frames is dropped as
+    malformed."""
     msg = open_frame(verifier, route, frames[:2])
     extra = frames[2:]
-    if isinstance(msg, (messages.Call, messages.Fetched)) and isinstance(msg, kind):
+    if isinstance(msg, _FRAMED) and isinstance(msg, kinds):
         # `frames` is for what came here, never what a sender wrote into the message
         if msg.frames or [f.nbytes for f in extra] != msg.buffers:
             verifier.drop("malformed")
@@ -151,7 +155,7 @@ class ControllerChannel:
         identity = frames[0].bytes
         msg = open_with_frames(self._verifier, identity,
                                [f.bytes for f in frames[1:3]] + [f.buffer for f in frames[3:]],
-                               messages.Fetched)  # a large result: its arrays' bytes follow
+                               (messages.Fetched,))  # a large result: its arrays' bytes follow
         if msg is None:
             return
         try:
@@ -195,7 +199,7 @@ class RankSocket:
 
     def recv(self, timeout_ms: int) -> Message | None:
         """The next valid message, or None when `timeout_ms` passed (invalid ones dropped).
-        A Call's raw frames come as they were received, uncopied, in its `frames`."""
+        A Call's or Construct's raw frames come as received, uncopied, in its `frames`."""
         if self._timeout != timeout_ms:
             self._sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._timeout = timeout_ms
@@ -208,7 +212,8 @@ class RankSocket:
             frames.append(sock.recv())
         while sock.rcvmore:  # raw ones: large, used where zmq received them
             frames.append(sock.recv(copy=False).buffer)
-        return open_with_frames(self._verifier, self._route, frames, messages.Call)
+        return open_with_frames(self._verifier, self._route, frames,
+                                (messages.Call, messages.Construct))
 
     def close(self) -> None:
         self._sock.close()

@@ -40,11 +40,14 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     gpu: str = ""  # the UUID of the rank's GPU ("" without one)
 
 
-class Construct(msgspec.Struct, tag=True, array_like=True):
-    """controller -> rank: build the worker. `payload`: codec call [[cls, *args], kwargs]."""
+class Construct(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """controller -> rank: build the worker. `payload`: codec call [[cls, *args], kwargs];
+    `buffers` and `frames`: its large arrays' raw frames, as a Call's."""
 
     payload: msgspec.Raw
     mesh: list[tuple[str, int]]
+    buffers: list[int] = []
+    frames: list[Any] = []
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import uuid
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -232,10 +233,11 @@ class Controller:
         """Where messages for rank sockets go: `put` them, then `flush`."""
         return Outbox(self.channel, self.relay_of)
 
-    def post(self, identity: bytes, msg: Any) -> None:
-        """Send one message to one rank socket (through its relay, if it has one)."""
+    def post(self, identity: bytes, msg: Any, raw: Sequence[Any] = ()) -> None:
+        """Send one message (and the raw frames it announces) to one rank socket (through
+        its relay, if it has one)."""
         box = self.outbox()
-        box.put(identity, messages.encode(msg))
+        box.put(identity, messages.encode(msg), raw)
         box.flush()
 
     @property
@@ -255,7 +257,9 @@ class Controller:
         placement constraint or a list of them (`asyncrl.separate_from(g)`...); `env` adds
         environment variables for the ranks; `relay` overrides the controller's `relay` for
         this group; `nice` (0-19) lowers its ranks' CPU priority (see `check_nice`); other
-        arguments go to ``worker_cls(...)``."""
+        arguments go to ``worker_cls(...)``: their tensors of 64 KiB or more are sent from their
+        own memory while this waits (do not change them in place from another task meanwhile).
+        """
         if self._closed or not self._started:
             raise ClosedError("the controller is not running; use `async with Controller()`")
         name = name or worker_cls.__name__.lower()
@@ -264,7 +268,10 @@ class Controller:
         relayed = self._relays_for(name, nprocs, self.relay if relay is None else relay)
         try:
             params = list(_init_params(worker_cls))
-            payload = codec.encode_call((worker_cls, *args), kwargs, ["worker class", *params])
+            # large arrays as raw frames: the loop neither copies nor signs them per rank;
+            # sent from their own memory, before spawn returns
+            payload, frames = codec.encode_call_oob((worker_cls, *args), kwargs,
+                                                    ["worker class", *params])
         except codec.ArgEncodeError as e:
             raise EncodeError(f"cannot send argument {e.name!r} of {worker_cls.__name__}(): "
                               f"{e.cause}") from None
@@ -288,7 +295,9 @@ class Controller:
             extra["ASYNCRL_RELAY"] = f"ipc://{self._private}/relay{next(self._relays)}"
         agent = self._make_agent(name, nprocs, extra)
         group = GroupHandle(self, name, worker_cls, layout, agent)
-        group.construct_msg = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh))
+        group.construct_msg = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh),
+                                        buffers=[a.nbytes for a in frames])
+        group.construct_frames = frames
         self.groups[name] = group
         self._reaper.agents.append(agent)
         loop = self.loop

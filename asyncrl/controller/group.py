@@ -124,6 +124,7 @@ class GroupHandle:
         self.agent = agent
         self.methods: dict[str, MethodSpec] = {}
         self.construct_msg: Construct | None = None  # what each rank is sent to build
+        self.construct_frames: list[Any] = []  # and the raw frames of its large arguments
         self.ranks: dict[int, RankInfo] = {}
         self._pending: dict[int, _Pending] = {}
         self._backlog: deque[_Queued] = deque()

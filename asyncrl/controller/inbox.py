@@ -111,7 +111,7 @@ class Inbox:
         if info.identity and info.exec_identity and not info.constructing:
             info.constructing = True
             assert group.construct_msg is not None
-            self._ctl.post(info.exec_identity, group.construct_msg)
+            self._ctl.post(info.exec_identity, group.construct_msg, group.construct_frames)
             if not group.started.done() and len(group.ranks) == group.nprocs and \
                     all(i.constructing for i in group.ranks.values()):
                 group.started.set_result(None)
@@ -128,4 +128,5 @@ class Inbox:
         info.ready = True
         group.methods = dict(msg.methods)
         if all(i.ready for i in group.ranks.values()) and len(group.ranks) == group.nprocs:
+            group.construct_frames = []  # every rank has its arguments: the caller's again
             group.ready.set_result(None)
