@@ -124,7 +124,11 @@ def test_a_respawned_agent_reports_only_its_own_part_of_the_shared_log(tmp_path)
         "old: Traceback boom\n[E] failed (exitcode: 1) local_rank: 1\nRoot Cause (first "
         "observed failure):\n  rank      : 1 (local_rank: 1)\n  exitcode  : 7 (pid: 9)")
     assert failed.tail() == "old: Traceback boom" and failed.root_cause() == (1, 7)
+    stopping = agent_printing(  # torchrun stopping the rest, and a rank printing the words
+        "W1202 03:54:54.826000 3349 api.py:1028] Sending process 3354 closing signal SIGTERM\n"
+        "Sending process 77 closing signal SIGTERM")
+    assert stopping.stopped_pids() == {3354}
     again = agent_printing("new: the respawned group's line")  # appends to the same file
     assert "old:" in (tmp_path / "g.log").read_text()
     assert again.tail() == "new: the respawned group's line"
-    assert again.root_cause() is None
+    assert again.root_cause() is None and again.stopped_pids() == set()

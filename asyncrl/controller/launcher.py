@@ -25,7 +25,8 @@ _PR_SET_PDEATHSIG = 1
 _AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
 _ROOT_CAUSE = re.compile(
     r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
-_STOPPED = re.compile(r"Sending process (\d+) closing signal")  # torchrun stopping the rest
+# torchrun's own log line (not a rank's print) as it stops the ranks left
+_STOPPED = re.compile(r"\] Sending process (\d+) closing signal")
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -147,8 +148,9 @@ class Agent:
         return (int(matches[-1][0]), int(matches[-1][1])) if matches else None
 
     def stopped_pids(self) -> set[int]:
-        """Pids torchrun itself stopped because another rank failed: followers, not causes."""
-        return {int(p) for p in _STOPPED.findall(self._read_log())}
+        """Pids torchrun itself stopped because another rank failed: followers, not causes
+        (logged at the end: the log's last 256 KiB)."""
+        return {int(p) for p in _STOPPED.findall(self._read_log(1 << 18))}
 
     def _read_log(self, last: int | None = None) -> str:
         """This agent's part of its log (at most its `last` bytes); "" when unreadable."""
@@ -232,7 +234,8 @@ class HostAgents:
         return next((c for a in self.agents if (c := a.root_cause()) is not None), None)
 
     def stopped_pids(self) -> set[int]:
-        return {p for a in self.agents for p in a.stopped_pids()}
+        """This machine's only: a remote host's pids are of another pid namespace."""
+        return {p for a in self.agents if a.local for p in a.stopped_pids()}
 
     def all_pids(self) -> list[int]:
         return sorted({p for a in self.agents for p in a.all_pids()})

@@ -89,7 +89,8 @@ class Supervisor:
         try:
             await asyncio.wait_for(group.exited.wait(), wait)
         except asyncio.TimeoutError:
-            group._mark_dead(self.first_gone(group, rank), None, "its process is gone")
+            if group.dead is None:
+                group._mark_dead(self.first_gone(group, rank), None, "its process is gone")
         group.agent.signal_all(signal.SIGKILL)
 
     def first_gone(self, group: GroupHandle, rank: int) -> int:
