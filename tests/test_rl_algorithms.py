@@ -96,3 +96,25 @@ def test_whiten_uses_masked_positions_only():
     x = torch.tensor([[1.0, 3.0, 100.0]])
     m = torch.tensor([[1, 1, 0]])
     assert torch.allclose(whiten(x, m), torch.tensor([[-1.0, 1.0, 0.0]]), atol=1e-4)
+
+
+def test_an_actor_refuses_values_from_a_critic_that_computes_returns_differently():
+    from asyncrl import TensorBatch
+    from asyncrl.rl.batch import CRITIC_RL, check_critic_agrees
+    from asyncrl.rl.config import RLConfig
+
+    actor = RLConfig(algo="ppo", gamma=1.0, lam=0.95)
+    values = torch.zeros(2, 3)
+
+    def critic_values(**rl) -> TensorBatch:  # what Critic.values returns
+        return TensorBatch({"values": values}, {CRITIC_RL: RLConfig(**rl).returns_fields()})
+
+    check_critic_agrees(critic_values(algo="ppo", gamma=1.0, lam=0.95, clip=0.3), actor)
+    check_critic_agrees(TensorBatch({"values": values}), actor)  # not a Critic's: not checked
+    check_critic_agrees(None, actor)
+    with pytest.raises(ValueError, match=r"gamma: actor 1.0, critic 0.99; lam: actor 0.95, "
+                                         r"critic 0.9\).*same rl= to the Actor and the Critic"):
+        check_critic_agrees(critic_values(algo="ppo", gamma=0.99, lam=0.9), actor)
+    with pytest.raises(ValueError, match="kl_in_reward: actor False, critic True"):
+        check_critic_agrees(critic_values(algo="ppo", kl_in_reward=True, kl_coef=0.1),
+                            RLConfig(algo="ppo", kl_coef=0.1))

@@ -30,6 +30,7 @@ from asyncrl.rl.batch import (
     STATS,
     advantages,
     assemble,
+    check_critic_agrees,
     count_globally,
     global_max,
     global_sums,
@@ -104,6 +105,7 @@ class Actor(Policy):
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
                values: TensorBatch | None = None) -> dict[str, float]:
+        check_critic_agrees(values, self.rl)
         self.to_train()
         group = self.backend.stats_group
         batch = assemble(rollout, scores, ref, values)

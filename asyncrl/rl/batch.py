@@ -132,6 +132,24 @@ def whiten_across(x: torch.Tensor, mask: torch.Tensor, group: Any, eps: float = 
     return (x - mean) * (sq / max(count, 1.0) + eps) ** -0.5 * mask
 
 
+CRITIC_RL = "critic_rl"  # the meta key of the critic's values: its RLConfig.returns_fields()
+
+
+def check_critic_agrees(values: TensorBatch | None, cfg: RLConfig) -> None:
+    """The critic's values came from a Critic whose returns are computed as this actor's
+    advantages are (each group takes its own `rl=`): else a clear error, before training."""
+    theirs = values.meta.get(CRITIC_RL) if values is not None else None
+    if theirs is None:  # not from a Critic (a user's own values): nothing to compare
+        return
+    ours = cfg.returns_fields()
+    differ = [f"{k}: actor {ours[k]!r}, critic {theirs.get(k)!r}" for k in ours
+              if theirs.get(k) != ours[k]]
+    if differ:
+        raise ValueError(f"the actor's advantages and the critic's returns would be computed "
+                         f"differently ({'; '.join(differ)}): pass the same rl= to the Actor "
+                         f"and the Critic groups")
+
+
 def advantages(batch: TensorBatch, cfg: RLConfig, group: Any
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages [B, T] and, for PPO, the critic's returns (GAE before whitening)."""

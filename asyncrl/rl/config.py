@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+# what PPO's returns depend on (see RLConfig.returns_fields)
+RETURNS_FIELDS = ("gamma", "lam", "kl_in_reward", "kl_coef", "kl_kind")
 
 
 @dataclass(kw_only=True)
@@ -63,3 +67,8 @@ class RLConfig:
         if self.agg not in ("token-mean", "seq-mean-token-mean"):
             raise ValueError(f"RLConfig.agg is 'token-mean' or 'seq-mean-token-mean', got "
                              f"{self.agg!r}")
+
+    def returns_fields(self) -> dict[str, Any]:
+        """What PPO's returns depend on: the actor's advantages and the critic's targets
+        must be computed alike, or the critic learns values the actor does not use."""
+        return {k: getattr(self, k) for k in RETURNS_FIELDS}

@@ -25,7 +25,7 @@ from asyncrl.hybrid.models import ModelConfig
 from asyncrl.hybrid.roles import make_backend
 from asyncrl.rl.actor import mean_stats
 from asyncrl.rl.algorithms import masked_mean
-from asyncrl.rl.batch import STATS, advantages, assemble, count_globally, share
+from asyncrl.rl.batch import CRITIC_RL, STATS, advantages, assemble, count_globally, share
 from asyncrl.rl.config import RLConfig
 
 
@@ -54,7 +54,8 @@ class Critic(Worker):
 
     @register(dispatch=Dispatch.DP)
     def values(self, rollout: TensorBatch) -> TensorBatch:
-        return TensorBatch({"values": self.backend.values(rollout).cpu()})
+        return TensorBatch({"values": self.backend.values(rollout).cpu()},
+                           {CRITIC_RL: self.rl.returns_fields()})
 
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
