@@ -35,18 +35,18 @@ def open_frame(verifier: Verifier, route: bytes, frames: list) -> Message | None
         return None
 
 
-_FRAMED = (messages.Call, messages.Construct, messages.Fetched)  # may bring raw frames
+_Framed = type[messages.Call] | type[messages.Construct] | type[messages.Fetched]
 
 
 def open_with_frames(verifier: Verifier, route: bytes, frames: list,
-                     kinds: tuple[type, ...]) -> Message | None:
+                     kinds: tuple[_Framed, ...]) -> Message | None:
     """`open_frame` of the signed frames[:2]; raw frames after them are allowed for a
     message of `kinds` (Call, Construct, Fetched) that announces their sizes in its
     `buffers`, and go in its `frames`. Anything else with raw frames is dropped as
     malformed."""
     msg = open_frame(verifier, route, frames[:2])
     extra = frames[2:]
-    if isinstance(msg, _FRAMED) and isinstance(msg, kinds):
+    if isinstance(msg, kinds):
         # `frames` is for what came here, never what a sender wrote into the message
         if msg.frames or [f.nbytes for f in extra] != msg.buffers:
             verifier.drop("malformed")
