@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import psutil
 import pytest
@@ -35,3 +37,13 @@ def no_process_left_behind():
                 if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
 
     wait_until(lambda: not leftovers(), 20, "child processes of the test to exit")
+
+
+@pytest.fixture
+def killed_driver_env():
+    """The environment for a driver the test kills: a killed Controller cannot remove its
+    temporary folders (the run dir, the secret's folder), so they go under one the test
+    removes. Short (not tmp_path): relay sockets' ipc:// paths live in it."""
+    scratch = tempfile.mkdtemp(prefix="asyncrl-t-")
+    yield {**os.environ, "TMPDIR": scratch}
+    shutil.rmtree(scratch, ignore_errors=True)

@@ -12,12 +12,13 @@ import time
 from typing import NamedTuple
 
 import pytest
+import torch
 from helpers import ROOT, run
 
 import asyncrl
 from asyncrl.controller.launch import Metrics
 from asyncrl.controller.placement import Host, Placer
-from asyncrl.controller.timeline import Timeline, draw
+from asyncrl.controller.timeline import Event, Timeline, draw
 
 
 # -- the graph (no processes) ----------------------------------------------------------------
@@ -87,7 +88,7 @@ def test_metric_names_keep_full_names_and_add_tokens_per_second(tmp_path):
 def test_timeline_trace_and_png(tmp_path):
     tl = Timeline()
     tl.node("rollout", 0, 1.0, 1.2)
-    tl.events.append(type(tl.events[0])("policy", "rollout", 0, 1.0, 1.5))
+    tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
     tl.write(tmp_path / "timeline.json")
     trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
@@ -95,6 +96,23 @@ def test_timeline_trace_and_png(tmp_path):
         ("controller", 0.0, 200000.0), ("policy", 0.0, 500000.0)]
     png = draw(tmp_path / "timeline.json", tmp_path / "t.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_metrics_read_their_own_step_and_a_rewind_drops_later_steps(tmp_path):
+    tl = Timeline()
+    for t in range(3):
+        tl.add(Event("policy", "rollout", t, 10.0 * t, 10.0 * t + 1 + t))
+        tl.add(Event("policy", "train", t, 10.0 * t + 5, 10.0 * t + 6))
+    metrics = Metrics(tmp_path, 3, tl)
+    metrics(1, {}, 10.0)
+    metrics.rewind(0)  # steps 1 and 2 run again
+    assert [e.step for e in tl.events] == [0, 0] and tl.of_step(1) == tl.of_step(2) == []
+    tl.add(Event("policy", "rollout", 1, 50.0, 50.5))
+    metrics(1, {}, 10.0)
+    metrics.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1  # the first step-1 row went with the rewind
+    assert rows[0]["time/busy/policy_s"] == 0.5 and rows[0]["time/rollout_s"] == 0.5
 
 
 # -- running on real groups -----------------------------------------------------------------
@@ -114,6 +132,10 @@ class Clocked(asyncrl.Worker):
     @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
     def history(self):
         return self.log
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def rows(self, step):
+        return asyncrl.TensorBatch({"x": torch.full((4, 1), float(step))})
 
     @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
     def boom(self):
@@ -211,6 +233,34 @@ def test_run_returns_values_and_failures_name_node_and_group():
     assert values == [{"on_left": ["left", 0]}, {"on_left": ["left", 1]}]
     assert err.node == "explode" and "group 'left'" in str(err)
     assert "reward model exploded" in str(err.__cause__)
+
+
+@asyncrl.node
+def rows_of(step):
+    return left.rows(step)
+
+
+def test_a_run_that_keeps_nothing_fetches_no_batch_for_on_step():
+    """asyncrl launch's run: a long run's batches stay on their ranks; numbers still come."""
+    flow = asyncrl.DataFlow(nodes=[on_left, rows_of], inputs={"step": range(3)},
+                            groups=[left])
+    seen = []
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            await flow.open(ctl)  # open here: run() leaves the groups up for the awaits below
+            try:
+                kept = await flow.run(on_step=lambda t, values, s: seen.append(values),
+                                      keep=False)
+                return kept, [await v["rows_of"] for v in seen]
+            finally:
+                await flow.close()
+    kept, batches = run(main())
+    assert kept == []
+    assert [v["on_left"] for v in seen] == [["left", t] for t in range(3)]
+    assert all(isinstance(v["rows_of"], asyncrl.DistFuture) and v["rows_of"].done()
+               for v in seen)
+    assert [b.tensor("x")[0, 0].item() for b in batches] == [0.0, 1.0, 2.0]
 
 
 class Pair(NamedTuple):

@@ -234,14 +234,14 @@ def test_spawn_argument_errors_before_launch():
     run(main())
 
 
-def _start_hold(*extra: str) -> tuple[subprocess.Popen, dict]:
+def _start_hold(*extra: str, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
     # Ctrl-C as a terminal gives it: a test run started in the background (`cmd &` in a
     # script) ignores SIGINT, and so would the driver, which inherits that
     reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
              "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
     proc = subprocess.Popen([sys.executable, "-c", reset, *ASYNCRL[1:], "launch", HOLD,
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+                            text=True, cwd=ROOT, env=env)
     line = proc.stdout.readline()
     if not line:
         _, err = proc.communicate(timeout=30)
@@ -275,8 +275,8 @@ def test_ctrl_c_shuts_every_group_down():
     assert_gone([pids["agent"], *pids["ranks"]])
 
 
-def test_killed_controller_ranks_exit_on_lost_heartbeat():
-    proc, pids = _start_hold("--orphanable")
+def test_killed_controller_ranks_exit_on_lost_heartbeat(killed_driver_env):
+    proc, pids = _start_hold("--orphanable", env=killed_driver_env)
     proc.kill()
     proc.communicate(timeout=10)
     # torchrun does not die with the controller here: the ranks' watchdog must end them

@@ -18,10 +18,10 @@ FLOW = os.path.join(os.path.dirname(__file__), "drivers", "recovery_flow.py")
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2.5", "--transfer-timeout", "10"]
 
 
-def launch(run_dir: Path, *args: str) -> subprocess.Popen:
+def launch(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "asyncrl", "launch", FLOW, "--run-dir",
                              str(run_dir), *FAST, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def held_pid(marks: Path, group: str, proc: subprocess.Popen) -> int:
@@ -111,11 +111,12 @@ def test_restart_budget_spent_fails_the_run_with_the_cause(tmp_path):
     assert recoveries(tmp_path / "run") == []
 
 
-def test_killed_controller_leaves_no_rank_and_resume_goes_on(tmp_path):
+def test_killed_controller_leaves_no_rank_and_resume_goes_on(tmp_path, killed_driver_env):
     marks = tmp_path / "marks"
     marks.mkdir()
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "steps=6", "hold=trainer:3", f"marks={marks}")
+    proc = launch(run_dir, "steps=6", "hold=trainer:3", f"marks={marks}",
+                  env=killed_driver_env)
     held_pid(marks, "trainer", proc)  # steps 0..2 done, checkpoint after step 1
     children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     assert len(children) >= 4  # two torchrun agents and their ranks

@@ -404,7 +404,8 @@ class DataFlow:
                   on_step: Callable[[int, dict[str, Any], float], None] | None = None,
                   checkpoint: Callable[[int], Awaitable[None]] | None = None,
                   restore: Callable[[], Awaitable[bool]] | None = None,
-                  on_rewind: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+                  on_rewind: Callable[[int], None] | None = None,
+                  keep: bool = True) -> list[dict[str, Any]]:
         """Run until step index `steps` (or until an input is exhausted) inside the current
         Controller (or one of its own), spawning and closing the groups; return this run's
         node results by step, with DistFutures resolved to their values. Step indices count
@@ -416,7 +417,11 @@ class DataFlow:
         With restarts (`asyncrl.group(max_restarts=)`), a death the flow recovers from by
         going back (recovery.py) awaits `restore()` (load the newest checkpoint; False when
         there is none: the run starts over) and calls `on_rewind(t)`: steps after t run
-        again, and what `on_step` was given for them is void."""
+        again, and what `on_step` was given for them is void.
+
+        `keep=False` (what `asyncrl launch` runs): a run of any length holds nothing for its
+        return value (an empty list), and a node's TensorBatch left on its ranks is not
+        fetched for `on_step` either: it gets the DistFuture (done) in its place."""
         opened = self._ctl is None
         if opened:
             await self.open()
@@ -425,7 +430,7 @@ class DataFlow:
         try:
             while True:
                 try:
-                    await self._run_steps(steps, on_step, checkpoint, done)
+                    await self._run_steps(steps, on_step, checkpoint, done, keep)
                     break
                 except Exception as e:
                     failed = getattr(e, "step", self.next_step - 1)  # a NodeError says
@@ -445,7 +450,7 @@ class DataFlow:
     async def _run_steps(self, steps: int | None,
                          on_step: Callable[[int, dict[str, Any], float], None] | None,
                          checkpoint: Callable[[int], Awaitable[None]] | None,
-                         done: dict[int, dict[str, Any]]) -> None:
+                         done: dict[int, dict[str, Any]], keep: bool) -> None:
         pending: list[tuple[_Step, dict[str, Any]]] = []
         saved = None
         while steps is None or self.next_step < steps:
@@ -459,25 +464,29 @@ class DataFlow:
             while pending and (due or all(
                     x.done() for x in pending[0][0].finished.values())):
                 step, results = pending.pop(0)
-                done[step.index] = await self._complete(step, results, on_step)
+                values = await self._complete(step, results, on_step, keep)
+                if keep:
+                    done[step.index] = values
             if due:
                 assert checkpoint is not None
                 await checkpoint(t)
                 saved = t
         for step, results in pending:
-            done[step.index] = await self._complete(step, results, on_step)
+            values = await self._complete(step, results, on_step, keep)
+            if keep:
+                done[step.index] = values
         last = self.next_step - 1
         if checkpoint is not None and self._steps and saved != last:
             await checkpoint(last)
 
     async def _complete(self, step: _Step, results: dict[str, Any],
-                        on_step: Callable[[int, dict[str, Any], float], None] | None
-                        ) -> dict[str, Any]:
+                        on_step: Callable[[int, dict[str, Any], float], None] | None,
+                        keep: bool = True) -> dict[str, Any]:
         await asyncio.gather(*step.finished.values())
         values = {}
         for name, r in results.items():
             try:
-                values[name] = await _value(r)
+                values[name] = await _value(r, batches=keep)
             except Exception as e:
                 raise NodeError(name, step.index, e) from e
         if on_step is not None:
@@ -535,13 +544,17 @@ def _rebuild(like: list | tuple, items: list[Any]) -> list | tuple:
     return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
-async def _value(out: Any) -> Any:
+async def _value(out: Any, batches: bool = True) -> Any:
+    """What a node returned with its DistFutures resolved to values; `batches=False`: a
+    future whose value is TensorBatches kept on the ranks stays a future (nothing fetched)."""
     if isinstance(out, DistFuture):
+        if not batches and (await asyncio.shield(out._fut)).holds_batches():
+            return out
         return await out
     if isinstance(out, list | tuple):
-        return _rebuild(out, [await _value(x) for x in out])
+        return _rebuild(out, [await _value(x, batches) for x in out])
     if isinstance(out, dict):
-        return {k: await _value(v) for k, v in out.items()}
+        return {k: await _value(v, batches) for k, v in out.items()}
     return out
 
 

@@ -74,8 +74,8 @@ class Metrics:
             row["perf/tokens_per_s"] = row["perf/tokens"] / seconds
         spans: dict[str, list[float]] = {}
         busy: dict[str, list[tuple[float, float]]] = {}
-        for e in self.timeline.events:
-            if e.step == step and e.row != CONTROLLER_ROW:
+        for e in self.timeline.of_step(step):
+            if e.row != CONTROLLER_ROW:
                 s = spans.setdefault(e.name, [e.start, e.end])
                 s[0], s[1] = min(s[0], e.start), max(s[1], e.end)
                 busy.setdefault(e.row, []).append((e.start, e.end))
@@ -105,8 +105,7 @@ class Metrics:
         """Steps after `step` run again (a recovery went back to a checkpoint): their rows
         and timeline events go."""
         drop_rows_after(self.path, step)
-        self.timeline.events = [e for e in self.timeline.events
-                                if e.step <= step]
+        self.timeline.drop_after(step)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -170,7 +169,7 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                 if resume_from is not None:
                     await checkpoint.restore(flow, resume_from, meta)
                 await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
-                               on_rewind=metrics.rewind)
+                               on_rewind=metrics.rewind, keep=False)
             finally:
                 await flow.close()
         finally:

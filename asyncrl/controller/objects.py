@@ -86,5 +86,9 @@ class ObjectRef:
             self._done = True
         return self._value
 
+    def holds_batches(self) -> bool:
+        """Whether every part the ranks keep is a TensorBatch (and one is kept at all)."""
+        return bool(self.schemas) and all(s.rows >= 0 for s in self.schemas.values())
+
     def _ranks(self) -> list[int]:
         return sorted(set(self.schemas) | set(self._inline))

@@ -44,10 +44,23 @@ def union_length(spans: list[tuple[float, float]]) -> float:
 class Timeline:
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self._by_step: dict[int, list[Event]] = {}  # a step's events without a scan of all
         self.origin = time.perf_counter()
 
+    def add(self, event: Event) -> None:
+        self.events.append(event)
+        self._by_step.setdefault(event.step, []).append(event)
+
+    def of_step(self, step: int) -> list[Event]:
+        return self._by_step.get(step, [])
+
+    def drop_after(self, step: int) -> None:
+        """Forget the events of the steps after `step` (they run again)."""
+        self.events = [e for e in self.events if e.step <= step]
+        self._by_step = {t: es for t, es in self._by_step.items() if t <= step}
+
     def node(self, name: str, step: int, start: float, end: float) -> None:
-        self.events.append(Event(CONTROLLER_ROW, name, step, start, end))
+        self.add(Event(CONTROLLER_ROW, name, step, start, end))
 
     def call(self, group: str, node: tuple[str, int] | None, future: Any) -> None:
         """Record a group call made by a node: the time its ranks spent on it (their own
@@ -61,7 +74,7 @@ class Timeline:
             end = time.perf_counter()
             busy = getattr(future, "busy_s", None)
             began = max(start, end - busy) if busy else start
-            self.events.append(Event(group, node[0], node[1], began, end))
+            self.add(Event(group, node[0], node[1], began, end))
 
         future._fut.add_done_callback(done)
 

@@ -48,12 +48,13 @@ class RewardModel(Worker):
 
 
 def score_rows(fn: Callable[..., float], batch: TensorBatch) -> torch.Tensor:
-    ids, mask = batch.tensor("response_ids"), batch.tensor("response_mask")
+    # as Python lists once: indexing tensors row by row costs more than most rewards do
+    ids, mask = batch.tensor("response_ids").tolist(), batch.tensor("response_mask").tolist()
     prompts = batch["prompt"] if "prompt" in batch else [None] * len(batch)
     meta_keys = [k for k in batch.keys() if k not in RESERVED and isinstance(batch[k], list)]
     rewards = []
     for i in range(len(batch)):
-        response = ids[i][mask[i].bool()].tolist()
+        response = [t for t, m in zip(ids[i], mask[i], strict=True) if m]
         meta = {k: batch[k][i] for k in meta_keys}
         value = fn(prompts[i], response, **meta)
         if not isinstance(value, int | float) or isinstance(value, bool) or \
