@@ -133,7 +133,7 @@ def test_killed_actor_rank_of_the_grpo_demo_resumes_from_its_checkpoint():
     checkpoint (after step 2: killed once 4 steps are done) and ends with exactly the metrics
     of an undisturbed run."""
     out = subprocess.run([sys.executable, "benchmarks/chaos.py", "--kills", "1", "--groups",
-                          "actor", "--steps", "20", "--checkpoint-every", "3", "--after", "4",
+                          "actor", "--steps", "14", "--checkpoint-every", "3", "--after", "4",
                           "--gap", "0", "0.2"], capture_output=True, text=True, timeout=400,
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -141,5 +141,5 @@ def test_killed_actor_rank_of_the_grpo_demo_resumes_from_its_checkpoint():
     assert (result["kills"], result["killed"], result["kinds"]) == (1, ["actor"], ["rewind"]), \
         result
     assert (result["steps_completed"], result["steps_lost"], result["steps_repeated"]) == \
-        (20, 0, 0), result
+        (14, 0, 0), result
     assert result["max_reward_diff"] < 1e-6, result

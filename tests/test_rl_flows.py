@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -58,14 +59,18 @@ def test_zero2_actor_equals_fsdp_and_resumes_from_deepspeed_checkpoints(tmp_path
 
 
 def test_ppo_flow_trains_actor_and_critic_side_by_side_and_resumes_exactly(tmp_path):
-    rows = launch_example("ppo_tiny.py", tmp_path / "ppo", 3, "prompts=16")
+    rows = launch_example("ppo_tiny.py", tmp_path / "ppo", 3, "prompts=16",
+                          "--checkpoint-every", "1")
     for key in [*REQUIRED, "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
                 "time/values_s", "time/train_actor_s", "time/train_critic_s"]:
         assert key in rows[0], f"metrics.jsonl lacks {key!r}: {sorted(rows[0])}"
     assert rows[0]["critic/values_mean"] == 0  # the value head starts at zero...
     assert rows[2]["critic/values_mean"] != 0  # ...and the critic learns
     assert rows[1]["actor/kl"] != 0  # k1 here: an estimate that may be negative
-    launch_example("ppo_tiny.py", tmp_path / "resumed", 2, "prompts=16")
+    # stopped after step 1's checkpoint (step 2's row written, its checkpoint not): resumed,
+    # step 2 runs again and must come out the same
+    shutil.copytree(tmp_path / "ppo", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")
     resumed = launch_example("ppo_tiny.py", tmp_path / "resumed", 3, "prompts=16", "--resume")
     for a, b in zip(rows, resumed, strict=True):
         assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
