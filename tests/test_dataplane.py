@@ -295,11 +295,20 @@ def test_large_constructor_arguments_reach_the_ranks_while_heartbeats_flow(relay
     async def main():
         async with asyncrl.Controller(heartbeat_interval=0.1, heartbeat_timeout=1.5,
                                       relay=relay) as ctl:
+            sent = []  # the raw frames' bytes the controller sends, socket by socket
+            send = ctl.channel.send_encoded  # what every send comes down to
+
+            def counted(identity, message, frames=()):
+                sent.append(sum(memoryview(f).nbytes for f in frames))
+                return send(identity, message, frames)
+            ctl.channel.send_encoded = counted
             group = await ctl.spawn(Built, {"w": w, "rows": 512}, nprocs=2)
             pids = group_pids(group)
             assert group.construct_frames == []  # sent: no longer held
-            return pids, await group.row_sums()
-    pids, built = run(main())
+            return pids, await group.row_sums(), sent
+    pids, built, sent = run(main())
+    # to each rank's socket, or once to the host's relay, which hands them to both
+    assert sum(sent) == w.nbytes * (1 if relay else 2)
     assert_gone(pids)
     expected = w.view(512, -1).double().sum(1)
     assert [rank for _, rank in built] == [0, 1]

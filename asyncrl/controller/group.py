@@ -65,7 +65,6 @@ class RankInfo:
     dropped: int = 0
     objects: int = 0  # what its object store holds, from its last heartbeat
     object_bytes: int = 0
-    constructing: bool = False
     ready: bool = False
     gone: bool = False  # its process was found dead
 

@@ -108,13 +108,17 @@ class Inbox:
             info.identity, info.data_addr, info.gpu = identity, msg.data_addr, msg.gpu
         elif msg.role == "exec":
             info.exec_identity = identity
-        if info.identity and info.exec_identity and not info.constructing:
-            info.constructing = True
-            assert group.construct_msg is not None
-            self._ctl.post(info.exec_identity, group.construct_msg, group.construct_frames)
-            if not group.started.done() and len(group.ranks) == group.nprocs and \
-                    all(i.constructing for i in group.ranks.values()):
-                group.started.set_result(None)
+        if group.started.done() or len(group.ranks) < group.nprocs or \
+                not all(i.identity and i.exec_identity for i in group.ranks.values()):
+            return
+        # every rank said hello on both sockets (they passed the process group's rendezvous
+        # before: the hellos come together): one Construct, which a relay gets once per host
+        assert group.construct_msg is not None
+        encoded, box = messages.encode(group.construct_msg), self._ctl.outbox()
+        for rank in group.ranks.values():
+            box.put(rank.exec_identity, encoded, group.construct_frames)
+        box.flush()
+        group.started.set_result(None)
 
     def _on_ready(self, group: GroupHandle, msg: Ready) -> None:
         info = group.ranks.get(msg.rank)
