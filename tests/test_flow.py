@@ -3,6 +3,7 @@ edges across steps, and `asyncrl launch / run / timeline` end to end."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from helpers import ROOT, run
 
 import asyncrl
 from asyncrl.controller.launch import Metrics
+from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.placement import Host, Placer
 from asyncrl.controller.timeline import Event, Timeline, draw
 
@@ -261,6 +263,26 @@ def test_a_run_that_keeps_nothing_fetches_no_batch_for_on_step():
     assert all(isinstance(v["rows_of"], asyncrl.DistFuture) and v["rows_of"].done()
                for v in seen)
     assert [b.tensor("x")[0, 0].item() for b in batches] == [0.0, 1.0, 2.0]
+
+
+def test_a_long_run_lets_the_futures_of_finished_steps_go():
+    """A run's steps hold their nodes' futures (and so the ranks' objects: a future let go
+    releases its object) only while a later step may wait on them, so what a run holds does
+    not grow with its number of steps."""
+    flow = asyncrl.DataFlow(nodes=[rows_of], inputs={"step": range(12)}, groups=[left])
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            await flow.open(ctl)
+            try:
+                await flow.run(on_step=lambda t, values, s: None, keep=False)
+                gc.collect()
+                return [ref for ref in gc.get_objects()
+                        if type(ref) is ObjectRef and ref.group is left.handle]
+            finally:
+                await flow.close()
+    held = run(main())
+    assert len(held) == 1  # step 11's batch: a next step (max_staleness 0) would wait on it
 
 
 class Pair(NamedTuple):

@@ -136,8 +136,11 @@ class DataFlow:
         self.groups = list(groups) if groups is not None else declared_in(modules)
         self._sources: dict[str, Iterator[Any] | None] = {}
         self._consumed: dict[str, int] = {}  # items taken from each iterable, over the whole run
-        self._steps: list[_Step] = []  # this run's steps: _steps[0] is step index _start
+        # by index: the steps in flight and the last finished ones a later step waits on
+        # (older ones are let go, and with them the futures their nodes returned)
+        self._steps: dict[int, _Step] = {}
         self._start = 0  # > 0 once resumed from a checkpoint
+        self._dispatched = 0  # steps dispatched since _start
         self._ctl: Any = None
         self._own_ctl = False
         self.save_inputs: Path | None = None  # set: each node's inputs are written there
@@ -241,7 +244,7 @@ class DataFlow:
         self._check_rereadable()
         self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
         self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
-        self._steps = []
+        self._steps, self._dispatched = {}, 0
 
     def _check_rereadable(self) -> None:
         for name, source in self.inputs.items():
@@ -254,7 +257,8 @@ class DataFlow:
 
     async def _abandon(self) -> None:
         """Cancel the steps in flight and what follows their outputs (a rewind)."""
-        tasks = [t for s in self._steps for t in (*s.returned.values(), *s.finished.values())]
+        tasks = [t for s in self._steps.values()
+                 for t in (*s.returned.values(), *s.finished.values())]
         tasks += list(self._watchers)
         for task in tasks:
             task.cancel()
@@ -341,7 +345,7 @@ class DataFlow:
     @property
     def next_step(self) -> int:
         """The index of the step `step()` dispatches next."""
-        return self._start + len(self._steps)
+        return self._start + self._dispatched
 
     async def step(self) -> dict[str, Any] | None:
         """Dispatch one step; return ``{node: what it returned}`` once every node returned
@@ -351,17 +355,26 @@ class DataFlow:
         t = self.next_step
         window = t - self.max_staleness - 1
         if window >= self._start:  # at most max_staleness + 1 steps in flight
-            await asyncio.gather(*self._steps[window - self._start].finished.values())
+            await asyncio.gather(*self._steps[window].finished.values())
         values = self._next_inputs()
         if values is None:
             return None
         step = _Step(t, started=time.perf_counter())
-        self._steps.append(step)
+        self._steps[t] = step
+        self._dispatched += 1
         loop = asyncio.get_running_loop()
         for name in self.order:
-            task = _quiet(loop.create_task(self._run_node(step, self.nodes[name], values)))
+            n = self.nodes[name]
+            after = None  # `follows`: that node of step t-k-1 (steps before a resume are done)
+            if n.follows is not None and window >= self._start:
+                after = self._steps[window].finished[n.follows]
+            task = _quiet(loop.create_task(self._run_node(step, n, values, after)))
             step.returned[name] = task
             step.finished[name] = _quiet(loop.create_task(_finished(task, name, t)))
+        # step t+1 waits for step t-k, and nothing later looks further back: older steps
+        # (all finished, as step t-k-1 was before this one) are let go
+        for old in [i for i in self._steps if i < window + 1]:
+            del self._steps[old]
         try:
             return {name: await task for name, task in step.returned.items()}
         except BaseException:
@@ -369,7 +382,8 @@ class DataFlow:
                 task.cancel()
             raise
 
-    async def _run_node(self, step: _Step, n: Node, values: dict[str, Any]) -> Any:
+    async def _run_node(self, step: _Step, n: Node, values: dict[str, Any],
+                        after: asyncio.Task | None) -> Any:
         kwargs = {}
         for p in n.params:
             src = self.deps[n.name][p.name]
@@ -379,10 +393,8 @@ class DataFlow:
                 kwargs[p.name] = values[src[1]]
             else:
                 kwargs[p.name] = await step.returned[src[1]]
-        if n.follows is not None:
-            before = step.index - self.max_staleness - 1
-            if before >= self._start:  # steps before a resume finished in the earlier run
-                await self._steps[before - self._start].finished[n.follows]
+        if after is not None:
+            await after
         if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited)
             folder = self.save_inputs / f"step{step.index}"
             folder.mkdir(parents=True, exist_ok=True)
@@ -458,7 +470,7 @@ class DataFlow:
             if results is None:
                 break
             t = self.next_step - 1
-            pending.append((self._steps[-1], results))
+            pending.append((self._steps[t], results))
             due = (checkpoint is not None and self.checkpoint_every is not None
                    and (t + 1) % self.checkpoint_every == 0)
             while pending and (due or all(
