@@ -289,7 +289,7 @@ class Built(asyncrl.Worker):
 @pytest.mark.parametrize("relay", [False, True])
 def test_large_constructor_arguments_reach_the_ranks_while_heartbeats_flow(relay):
     # Encoded into the Construct, 256 MiB were copied and signed on the loop once per rank
-    # as each said hello; now they follow it as raw frames, like a call's.
+    # as each said hello; now they follow it as raw frames, like a call's, once per relay.
     w = torch.arange(1 << 26, dtype=torch.float32) % 999  # 256 MiB
 
     async def main():

@@ -282,7 +282,9 @@ def test_a_long_run_lets_the_futures_of_finished_steps_go():
             finally:
                 await flow.close()
     held = run(main())
-    assert len(held) == 1  # step 11's batch: a next step (max_staleness 0) would wait on it
+    # step 11's batch: a next step (max_staleness 0) would wait on it. (`left` has no
+    # restarts: recovery would follow the outputs too)
+    assert len(held) == 1
 
 
 class Pair(NamedTuple):

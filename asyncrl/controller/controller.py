@@ -390,8 +390,10 @@ class Controller:
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except asyncio.TimeoutError:
+            # hello: on both its sockets (its Construct waits for every rank's two)
             missing = sorted(set(range(group.nprocs)) - {
-                r for r, i in group.ranks.items() if (i.ready or waiter is group.started)})
+                r for r, i in group.ranks.items() if i.ready or (
+                    waiter is group.started and i.identity and i.exec_identity)})
             raise SpawnTimeout(
                 f"group {group.name!r}: ranks {missing} did not {what} within {timeout:g} s "
                 f"(raise Controller(startup_timeout=/construct_timeout=) if it needs longer)."

@@ -354,7 +354,10 @@ class DataFlow:
             raise RuntimeError("the flow is not open: use `async with flow:` or flow.run()")
         t = self.next_step
         window = t - self.max_staleness - 1
-        if window >= self._start:  # at most max_staleness + 1 steps in flight
+        # at most max_staleness + 1 steps in flight: every node of step t-k-1 has finished
+        # before step t starts, so a `follows=` edge holds as well (a step let go below, or
+        # one before a resume, has finished)
+        if window in self._steps:
             await asyncio.gather(*self._steps[window].finished.values())
         values = self._next_inputs()
         if values is None:
@@ -364,11 +367,7 @@ class DataFlow:
         self._dispatched += 1
         loop = asyncio.get_running_loop()
         for name in self.order:
-            n = self.nodes[name]
-            after = None  # `follows`: that node of step t-k-1 (steps before a resume are done)
-            if n.follows is not None and window >= self._start:
-                after = self._steps[window].finished[n.follows]
-            task = _quiet(loop.create_task(self._run_node(step, n, values, after)))
+            task = _quiet(loop.create_task(self._run_node(step, self.nodes[name], values)))
             step.returned[name] = task
             step.finished[name] = _quiet(loop.create_task(_finished(task, name, t)))
         # step t+1 waits for step t-k, and nothing later looks further back: older steps
@@ -382,8 +381,7 @@ class DataFlow:
                 task.cancel()
             raise
 
-    async def _run_node(self, step: _Step, n: Node, values: dict[str, Any],
-                        after: asyncio.Task | None) -> Any:
+    async def _run_node(self, step: _Step, n: Node, values: dict[str, Any]) -> Any:
         kwargs = {}
         for p in n.params:
             src = self.deps[n.name][p.name]
@@ -393,8 +391,6 @@ class DataFlow:
                 kwargs[p.name] = values[src[1]]
             else:
                 kwargs[p.name] = await step.returned[src[1]]
-        if after is not None:
-            await after
         if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited)
             folder = self.save_inputs / f"step{step.index}"
             folder.mkdir(parents=True, exist_ok=True)
@@ -433,7 +429,8 @@ class DataFlow:
 
         `keep=False` (what `asyncrl launch` runs): a run of any length holds nothing for its
         return value (an empty list), and a node's TensorBatch left on its ranks is not
-        fetched for `on_step` either: it gets the DistFuture (done) in its place."""
+        fetched for `on_step` either: it gets the DistFuture (done) in its place (a future
+        whose ranks keep TensorBatches, whatever its protocol collects them into)."""
         opened = self._ctl is None
         if opened:
             await self.open()
