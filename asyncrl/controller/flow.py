@@ -139,8 +139,7 @@ class DataFlow:
         # by index: the steps in flight and the last finished ones a later step waits on
         # (older ones are let go, and with them the futures their nodes returned)
         self._steps: dict[int, _Step] = {}
-        self._start = 0  # > 0 once resumed from a checkpoint
-        self._dispatched = 0  # steps dispatched since _start
+        self._next = 0  # the index of the step dispatched next (> 0 once resumed)
         self._ctl: Any = None
         self._own_ctl = False
         self.save_inputs: Path | None = None  # set: each node's inputs are written there
@@ -232,7 +231,6 @@ class DataFlow:
             raise failed[0]
         self._sources = {}
         self._reset_sources()
-        self._start = 0
 
     async def _spawn(self, g: GroupSpec) -> Any:
         return await self._ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,
@@ -244,7 +242,7 @@ class DataFlow:
         self._check_rereadable()
         self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
         self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
-        self._steps, self._dispatched = {}, 0
+        self._steps, self._next = {}, 0
 
     def _check_rereadable(self) -> None:
         for name, source in self.inputs.items():
@@ -326,7 +324,7 @@ class DataFlow:
                         f"consumed {state['consumed']}; resume with the same input data"
                     ) from None
             self._consumed[name] = state["consumed"]
-        self._start = start
+        self._next = start
 
     # -- steps --------------------------------------------------------------------------------
     def _next_inputs(self) -> dict[str, Any] | None:
@@ -345,7 +343,7 @@ class DataFlow:
     @property
     def next_step(self) -> int:
         """The index of the step `step()` dispatches next."""
-        return self._start + self._dispatched
+        return self._next
 
     async def step(self) -> dict[str, Any] | None:
         """Dispatch one step; return ``{node: what it returned}`` once every node returned
@@ -364,7 +362,7 @@ class DataFlow:
             return None
         step = _Step(t, started=time.perf_counter())
         self._steps[t] = step
-        self._dispatched += 1
+        self._next = t + 1
         loop = asyncio.get_running_loop()
         for name in self.order:
             task = _quiet(loop.create_task(self._run_node(step, self.nodes[name], values)))
@@ -462,6 +460,12 @@ class DataFlow:
                          done: dict[int, dict[str, Any]], keep: bool) -> None:
         pending: list[tuple[_Step, dict[str, Any]]] = []
         saved = None
+
+        async def complete(step: _Step, results: dict[str, Any]) -> None:
+            values = await self._complete(step, results, on_step, keep)
+            if keep:
+                done[step.index] = values
+
         while steps is None or self.next_step < steps:
             results = await self.step()
             if results is None:
@@ -472,25 +476,20 @@ class DataFlow:
                    and (t + 1) % self.checkpoint_every == 0)
             while pending and (due or all(
                     x.done() for x in pending[0][0].finished.values())):
-                step, results = pending.pop(0)
-                values = await self._complete(step, results, on_step, keep)
-                if keep:
-                    done[step.index] = values
+                await complete(*pending.pop(0))
             if due:
                 assert checkpoint is not None
                 await checkpoint(t)
                 saved = t
         for step, results in pending:
-            values = await self._complete(step, results, on_step, keep)
-            if keep:
-                done[step.index] = values
+            await complete(step, results)
         last = self.next_step - 1
         if checkpoint is not None and self._steps and saved != last:
             await checkpoint(last)
 
     async def _complete(self, step: _Step, results: dict[str, Any],
                         on_step: Callable[[int, dict[str, Any], float], None] | None,
-                        keep: bool = True) -> dict[str, Any]:
+                        keep: bool) -> dict[str, Any]:
         await asyncio.gather(*step.finished.values())
         values = {}
         for name, r in results.items():

@@ -43,12 +43,15 @@ def union_length(spans: list[tuple[float, float]]) -> float:
 
 class Timeline:
     def __init__(self) -> None:
-        self.events: list[Event] = []
         self._by_step: dict[int, list[Event]] = {}  # a step's events without a scan of all
         self.origin = time.perf_counter()
 
+    @property
+    def events(self) -> list[Event]:
+        """Every event, step by step."""
+        return [e for events in self._by_step.values() for e in events]
+
     def add(self, event: Event) -> None:
-        self.events.append(event)
         self._by_step.setdefault(event.step, []).append(event)
 
     def of_step(self, step: int) -> list[Event]:
@@ -56,7 +59,6 @@ class Timeline:
 
     def drop_after(self, step: int) -> None:
         """Forget the events of the steps after `step` (they run again)."""
-        self.events = [e for e in self.events if e.step <= step]
         self._by_step = {t: es for t, es in self._by_step.items() if t <= step}
 
     def node(self, name: str, step: int, start: float, end: float) -> None:
@@ -79,13 +81,14 @@ class Timeline:
         future._fut.add_done_callback(done)
 
     def chrome_trace(self) -> dict[str, Any]:
-        rows = [CONTROLLER_ROW] + sorted({e.row for e in self.events} - {CONTROLLER_ROW})
+        spans = self.events
+        rows = [CONTROLLER_ROW] + sorted({e.row for e in spans} - {CONTROLLER_ROW})
         tid = {row: i for i, row in enumerate(rows)}
-        origin = min((e.start for e in self.events), default=self.origin)  # the first event
+        origin = min((e.start for e in spans), default=self.origin)  # the first event
         events: list[dict[str, Any]] = [
             {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid[r], "args": {"name": r}}
             for r in rows]
-        for e in self.events:
+        for e in spans:
             events.append({"name": e.name, "cat": e.row, "ph": "X", "pid": 1, "tid": tid[e.row],
                            "ts": round((e.start - origin) * 1e6, 1),
                            "dur": round((e.end - e.start) * 1e6, 1), "args": {"step": e.step}})
