@@ -17,6 +17,7 @@ import asyncrl
 from asyncrl import Dispatch, TensorBatch
 from asyncrl.comm import messages
 from asyncrl.comm.auth import Signer, Verifier, read_secret
+from asyncrl.hybrid.weight_sync import GATHER_TO_ZERO
 
 
 def rows(n: int) -> TensorBatch:
@@ -285,9 +286,13 @@ class Built(asyncrl.Worker):
     def row_sums(self) -> tuple:
         return self.state["w"].view(self.state["rows"], -1).double().sum(1), self.rank
 
+    @asyncrl.register(dispatch=GATHER_TO_ZERO)  # every rank runs; rank 0's value is kept
+    def differs(self, w: torch.Tensor) -> tuple:
+        return int((w != self.state["w"]).sum()), self.rank
+
 
 @pytest.mark.parametrize("relay", [False, True])
-def test_large_constructor_arguments_reach_the_ranks_while_heartbeats_flow(relay):
+def test_large_arguments_reach_the_ranks_once_per_relay_while_heartbeats_flow(relay):
     # Encoded into the Construct, 256 MiB were copied and signed on the loop once per rank
     # as each said hello; now they follow it as raw frames, like a call's, once per relay.
     w = torch.arange(1 << 26, dtype=torch.float32) % 999  # 256 MiB
@@ -305,10 +310,14 @@ def test_large_constructor_arguments_reach_the_ranks_while_heartbeats_flow(relay
             group = await ctl.spawn(Built, {"w": w, "rows": 512}, nprocs=2)
             pids = group_pids(group)
             assert group.construct_frames == []  # sent: no longer held
-            return pids, await group.row_sums(), sent
-    pids, built, sent = run(main())
+            constructed = sum(sent)
+            sent.clear()
+            # the ranks differ in whether they keep a result, and still share one Call
+            assert await group.differs(w) == [0, 0]  # no byte differs; rank 0
+            return pids, await group.row_sums(), constructed, sum(sent)
+    pids, built, constructed, called = run(main())
     # to each rank's socket, or once to the host's relay, which hands them to both
-    assert sum(sent) == w.nbytes * (1 if relay else 2)
+    assert constructed == called == w.nbytes * (1 if relay else 2)
     assert_gone(pids)
     expected = w.view(512, -1).double().sum(1)
     assert [rank for _, rank in built] == [0, 1]

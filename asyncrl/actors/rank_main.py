@@ -111,7 +111,8 @@ class _Executor:
             del args, kwargs  # pulled inputs go back to their pool as soon as possible
             if inspect.isawaitable(value):
                 value = self.loop.run_until_complete(value)
-            result = main.keep(call, value) if call.collect else Result(call.call_id, main.rank)
+            kept = call.collect is None or main.rank in call.collect
+            result = main.keep(call, value) if kept else Result(call.call_id, main.rank)
         except BaseException as e:  # noqa: BLE001 - user code: every failure goes back
             result = Result(call.call_id, main.rank, error=_failure(e))
         result.busy = time.perf_counter() - start

@@ -65,12 +65,13 @@ class Call(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     frames of the sizes in `buffers`, in order; the rank's socket checks them and puts them
     in `frames` (sent empty). `dp_rows` (a DP call): [rows of the whole batches, the first of
     them in `payload`]; the rank takes its own chunk of each batch argument from the rows it
-    was sent."""
+    was sent. `collect`: the ranks, of those sent this Call, whose result the controller
+    collects (None: all of them); the others answer without a value and keep nothing."""
 
     call_id: int
     method: str
     payload: msgspec.Raw
-    collect: bool = True
+    collect: Union[list[int], None] = None
     dp_rows: Union[tuple[int, int], None] = None
     buffers: list[int] = []
     frames: list[Any] = []

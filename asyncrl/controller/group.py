@@ -17,7 +17,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -293,29 +293,26 @@ class GroupHandle:
                               f"{e.cause}") from None
 
     def _calls_by_rank(self, split: Split, method: str, role: str, call_id: int) -> list[_Send]:
-        """A Call per rank; ranks given the same arguments share one encoding."""
-        payloads: dict[tuple[int, int], tuple[msgspec.Raw, list[Any]]] = {}
-        for args, kwargs in split.calls.values():
-            key = (id(args), id(kwargs))
-            if key not in payloads:
-                payloads[key] = self._encode(method, args, kwargs)
-        collect = set(split.collect)
-        if len(payloads) == 1 and len(split.calls) == len(collect) == self.nprocs:
-            # the same Call for every rank (a broadcast): no work per rank
-            payload, raw = next(iter(payloads.values()))
-            return [(_ALL, [], messages.encode(Call(call_id, method, payload,
-                                                    buffers=_sizes(raw))), raw)]
-        calls: dict[tuple[int, int, bool], bytes] = {}  # ranks with the same Call share it
-        sends: list[_Send] = []
+        """A Call per distinct arguments, shared by the ranks given them."""
+        ranks_of: dict[tuple[int, int], list[int]] = {}
         for rank, (args, kwargs) in split.calls.items():
-            which = (id(args), id(kwargs), rank in collect)
-            payload, raw = payloads[(which[0], which[1])]
-            call = calls.get(which)
-            if call is None:
-                call = calls[which] = messages.encode(Call(
-                    call_id, method, payload, which[2], buffers=_sizes(raw)))
-            identity = self.ranks[rank].socket(role)
-            sends.append((self._ctl.relay_of.get(identity), [identity], call, raw))
+            ranks_of.setdefault((id(args), id(kwargs)), []).append(rank)
+        collect = set(split.collect)
+        if len(ranks_of) == 1 and len(split.calls) == self.nprocs:
+            # the same Call for every rank (a broadcast): no work per rank
+            args, kwargs = split.calls[0]
+            payload, raw = self._encode(method, args, kwargs)
+            return [(_ALL, [], messages.encode(Call(
+                call_id, method, payload, _keep(range(self.nprocs), collect),
+                buffers=_sizes(raw))), raw)]
+        sends: list[_Send] = []
+        for ranks in ranks_of.values():
+            payload, raw = self._encode(method, *split.calls[ranks[0]])
+            call = messages.encode(Call(call_id, method, payload, _keep(ranks, collect),
+                                        buffers=_sizes(raw)))
+            for rank in ranks:
+                identity = self.ranks[rank].socket(role)
+                sends.append((self._ctl.relay_of.get(identity), [identity], call, raw))
         return sends
 
     def _dp_calls(self, split: Split, method: str, role: str, call_id: int) -> list[_Send]:
@@ -329,12 +326,9 @@ class GroupHandle:
             spans = [rows.span(dp_of[r]) for r in ranks]
             first, last = min(s[0] for s in spans), max(s[1] for s in spans)
             payload, raw = self._encode(method, *dp_block(args, kwargs, first, last))
-            by_flag: dict[bool, list[bytes]] = {}
-            for rank, identity in zip(ranks, identities, strict=True):
-                by_flag.setdefault(rank in collect, []).append(identity)
-            for flag, flagged in by_flag.items():
-                sends.append((relay, flagged, messages.encode(Call(
-                    call_id, method, payload, flag, (rows.rows, first), _sizes(raw))), raw))
+            sends.append((relay, identities, messages.encode(Call(
+                call_id, method, payload, _keep(ranks, collect), (rows.rows, first),
+                _sizes(raw))), raw))
         return sends
 
     def _names(self, method: str) -> list[str]:
@@ -531,6 +525,13 @@ class GroupHandle:
         info = self.ranks.get(rank)
         if info is not None:
             info.last_seen = time.monotonic()
+
+
+def _keep(ranks: Iterable[int], collect: set[int]) -> list[int] | None:
+    """A Call's `collect` for the ranks it goes to: None when each of them keeps its result,
+    else those that do (so that ranks told apart only by it still share one Call)."""
+    ranks = list(ranks)
+    return None if collect.issuperset(ranks) else [r for r in ranks if r in collect]
 
 
 def _sizes(raw: list[Any]) -> list[int]:
