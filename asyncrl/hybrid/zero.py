@@ -114,11 +114,16 @@ class ZeroBackend(TrainBackend):
         self.engine.save_checkpoint(str(folder), tag="state", save_latest=False)
 
     def load(self, folder: Any) -> None:
-        path, _ = self.engine.load_checkpoint(str(folder), tag="state")
+        # the schedule's state comes back among the "client" states: checkpoints from before
+        # schedules hold None there, which DeepSpeed would hand to load_state_dict
+        path, client = self.engine.load_checkpoint(str(folder), tag="state",
+                                                   load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
-        # its position restored, with this config's lr, as FSDP2 resumes
-        resume_schedule(self.sched, self.opt, self.cfg, self.sched.last_epoch)
+        saved = client.get("lr_scheduler")
+        # its position restored (else its optimizer steps), with this config's lr, as FSDP2
+        steps = int(saved["last_epoch"]) if saved else int(self.engine.global_steps)
+        resume_schedule(self.sched, self.opt, self.cfg, steps)
 
     def gathered(self, params: list[Any]) -> Any:
         """A context in which these parameters are whole on every rank (ZeRO-3 partitions
