@@ -161,13 +161,28 @@ def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from asyncrl.controller.launch import load_inputs, run_one_node
+    from asyncrl.controller.declare import parse_overrides
+    from asyncrl.controller.launch import load_inputs, run_one_node, saved_overrides
 
-    module = _load(args.script)
+    stray = [a for a in args.args if "=" not in a]
+    if stray:
+        raise SystemExit(f"asyncrl run: unrecognized arguments: {' '.join(stray)}; after the "
+                         f"options it takes key=value overrides only")
+    inputs = Path(args.inputs)
+    if not inputs.is_file():
+        raise SystemExit(f"asyncrl run: --inputs {inputs} is not a file; pass one that "
+                         f"`asyncrl launch FLOW --save-inputs` wrote: "
+                         f"RUN_DIR/inputs/step<t>/{args.node}.msgpack")
+    # the groups are built as in the run that saved the inputs, unless told otherwise
+    overrides = {**saved_overrides(inputs), **parse_overrides(
+        [a for a in args.args if "=" in a])}
+    if overrides:
+        print(f"asyncrl run: overrides {json.dumps(overrides)}", file=sys.stderr)
+    module = _load(args.script, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
     flow = _flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl run: {args.script} defines no `flow`")
-    value = run(run_one_node(flow, args.node, load_inputs(Path(args.inputs))))
+    value = run(run_one_node(flow, args.node, *load_inputs(inputs)))
     print(repr(value))
     return 0
 
@@ -289,6 +304,8 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("script")
     rp.add_argument("--node", required=True)
     rp.add_argument("--inputs", required=True, help="RUN_DIR/inputs/step<t>/<node>.msgpack")
+    rp.add_argument("args", nargs="*", help="key=value overrides (default: those of the run "
+                    "that saved the inputs)")
     rp.set_defaults(func=run_node)
     ap = sub.add_parser("attach", help="reach a rank waiting in breakpoint() with pdb",
                         description="List the ranks of a run waiting in breakpoint() and open "
@@ -328,7 +345,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
-    if extra and args.command not in ("launch", "bench"):
+    if extra and args.command not in ("launch", "bench", "run"):
         parser().error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides (or a driver's own arguments) after the options
         if "--" in extra:  # argparse keeps the "--" that ends our options when some precede it

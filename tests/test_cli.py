@@ -75,3 +75,10 @@ def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
     monkeypatch.setenv(OVERRIDES_ENV, "{}")  # launch sets the overrides for the import
     with pytest.raises(SystemExit, match=r"unrecognized arguments: --stpes 3; .*key=value"):
         asyncrl.cli.main(["launch", str(flow), "lr=0.1", "--stpes", "3"])
+    # `run` takes key=value overrides too, and names what it cannot take
+    with pytest.raises(SystemExit, match=r"unrecognized arguments: --stpes; .*key=value"):
+        asyncrl.cli.main(["run", str(flow), "--node", "x", "--inputs", str(flow), "--stpes"])
+    with pytest.raises(SystemExit, match=r"--inputs .*missing.msgpack is not a file; .*"
+                                         r"RUN_DIR/inputs/step<t>/x.msgpack"):
+        asyncrl.cli.main(["run", str(flow), "--node", "x", "--inputs",
+                          str(tmp_path / "missing.msgpack"), "lr=0.1"])

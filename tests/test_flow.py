@@ -17,7 +17,7 @@ import torch
 from helpers import ROOT, run
 
 import asyncrl
-from asyncrl.controller.launch import Metrics
+from asyncrl.controller.launch import Metrics, load_inputs
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.placement import Host, Placer
 from asyncrl.controller.timeline import Event, Timeline, draw
@@ -323,7 +323,7 @@ def test_launch_run_node_and_timeline_end_to_end(tmp_path):
         return out
 
     out = cli("launch", "examples/flow.py", "--steps", "3", "--run-dir", str(run_dir),
-              "--save-inputs", "batch=4")
+              "--save-inputs", "batch=4", "lr=0.25")
     assert f"run_dir: {run_dir}" in out.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -333,6 +333,19 @@ def test_launch_run_node_and_timeline_end_to_end(tmp_path):
     out = cli("run", "examples/flow.py", "--node", "score", "--inputs", str(saved))
     scores = eval(out.stdout.strip().splitlines()[-1])  # a list of floats, printed by repr
     assert len(scores) == 4 and all(0 <= s <= 1 for s in scores)  # batch=4 reached the ranks
+    # an async node that awaits its inputs (DistFutures in the run: done ones again here),
+    # on groups built with the run's overrides (lr=0.25), unless the command line says else
+    saved = run_dir / "inputs" / "step2" / "train.msgpack"
+    values, futures = load_inputs(saved)
+    assert futures == {"rollout": [[]], "score": [[]], "reference": [[]]}
+    tokens, rewards = values["rollout"]["tokens"], torch.tensor(values["score"])
+    counts = torch.zeros(4, 16).scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float))
+    grad = ((rewards - rewards.mean())[:, None] * counts).mean(0)
+    for extra, lr in ((), 0.25), (("lr=0",), 0.0):
+        out = cli("run", "examples/flow.py", "--node", "train", "--inputs", str(saved), *extra)
+        got = eval(out.stdout.strip().splitlines()[-1])
+        assert got["reward"] == pytest.approx(float(rewards.mean()))
+        assert got["p_good"] == pytest.approx(float(torch.softmax(lr * grad, -1)[4]))
     out = cli("timeline", str(run_dir))
     png = run_dir / "timeline.png"
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000

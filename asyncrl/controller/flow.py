@@ -26,6 +26,10 @@ from asyncrl.controller.timeline import current_node
 from asyncrl.errors import AsyncRLError, CheckpointError
 from asyncrl.futures.future import DistFuture
 
+# what `--save-inputs` writes per node and step: {"format", "values", "futures": where the
+# node was given DistFutures (input -> paths into it), for `asyncrl run --node`}
+NODE_INPUTS = "asyncrl-node-inputs/1"
+
 
 class FlowError(AsyncRLError, ValueError):
     """The flow's graph is wrong: the message names the node and the fix."""
@@ -392,8 +396,12 @@ class DataFlow:
         if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited)
             folder = self.save_inputs / f"step{step.index}"
             folder.mkdir(parents=True, exist_ok=True)
-            saved = {k: await _value(v) for k, v in kwargs.items()}
-            (folder / f"{n.name}.msgpack").write_bytes(codec.encode(saved))
+            futures: dict[str, list[list[Any]]] = {}
+            saved = {k: await _value(v, found=futures.setdefault(k, []))
+                     for k, v in kwargs.items()}
+            (folder / f"{n.name}.msgpack").write_bytes(codec.encode(
+                {"format": NODE_INPUTS, "values": saved,
+                 "futures": {k: paths for k, paths in futures.items() if paths}}))
         current_node.set((n.name, step.index))
         start = time.perf_counter()
         try:  # an async node's DistFutures are passed on as they are
@@ -501,8 +509,11 @@ class DataFlow:
             on_step(step.index, values, time.perf_counter() - step.started)
         return values
 
-    async def run_node(self, name: str, inputs: dict[str, Any]) -> Any:
-        """Run one node alone with given inputs (values), for debugging; its value."""
+    async def run_node(self, name: str, inputs: dict[str, Any],
+                       futures: dict[str, list[list[Any]]] | None = None) -> Any:
+        """Run one node alone with given inputs (values), for debugging; its value.
+        `futures`: where the node was given DistFutures (input -> paths of keys and indices
+        into it; [] for the input itself): given done ones of those values again."""
         if name not in self.nodes:
             raise FlowError(f"no node named {name!r}; nodes: {sorted(self.nodes)}; pass --node "
                             f"with one of them")
@@ -514,6 +525,10 @@ class DataFlow:
                             f"{sorted(inputs)}: pass the inputs file `asyncrl launch "
                             f"--save-inputs` wrote for this node "
                             f"(RUN_DIR/inputs/step<t>/{name}.msgpack)")
+        for param, paths in (futures or {}).items():
+            for path in paths:
+                if param in kwargs:
+                    kwargs[param] = _held(kwargs[param], path, f"saved input {param!r}")
         out = n.fn(**kwargs)
         if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
             out = await out
@@ -552,18 +567,35 @@ def _rebuild(like: list | tuple, items: list[Any]) -> list | tuple:
     return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
-async def _value(out: Any, batches: bool = True) -> Any:
+async def _value(out: Any, batches: bool = True, found: list[list[Any]] | None = None,
+                 at: tuple[Any, ...] = ()) -> Any:
     """What a node returned with its DistFutures resolved to values; `batches=False`: a
-    future whose value is TensorBatches kept on the ranks stays a future (nothing fetched)."""
+    future whose value is TensorBatches kept on the ranks stays a future (nothing fetched).
+    `found` gets the path (keys and indices) of each future resolved."""
     if isinstance(out, DistFuture):
         if not batches and (await asyncio.shield(out._fut)).holds_batches():
             return out
+        if found is not None:
+            found.append(list(at))
         return await out
     if isinstance(out, list | tuple):
-        return _rebuild(out, [await _value(x, batches) for x in out])
+        return _rebuild(out, [await _value(x, batches, found, (*at, i))
+                              for i, x in enumerate(out)])
     if isinstance(out, dict):
-        return {k: await _value(v, batches) for k, v in out.items()}
+        return {k: await _value(v, batches, found, (*at, k)) for k, v in out.items()}
     return out
+
+
+def _held(value: Any, path: list[Any], label: str) -> Any:
+    """`value` with the item at `path` a done DistFuture of it again."""
+    if not path:
+        return DistFuture.held(value, label)
+    key, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, key: _held(value[key], rest, label)}
+    items = list(value)
+    items[key] = _held(items[key], rest, label)
+    return _rebuild(value, items)
 
 
 def _futures(out: Any) -> list[DistFuture]:

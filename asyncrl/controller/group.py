@@ -39,7 +39,7 @@ from asyncrl.comm.messages import (
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import called_groups, current_node
 from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError, TransferTimeout
-from asyncrl.futures.future import DistFuture
+from asyncrl.futures.future import DistFuture, Held
 
 if TYPE_CHECKING:
     from asyncrl.controller.controller import Controller
@@ -490,6 +490,8 @@ class GroupHandle:
             ref = await asyncio.shield(arg._fut)
         except Exception as e:
             raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e
+        if isinstance(ref, Held):  # a value on the controller: it goes with the call
+            return ref.view()
         item.inputs.append(ref)
         transport = self._ctl.transport
         if self._ctl.links.needed(ref, self, transport):

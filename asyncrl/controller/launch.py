@@ -18,8 +18,11 @@ from typing import Any
 from asyncrl.comm import codec
 from asyncrl.controller import checkpoint
 from asyncrl.controller.controller import Controller
-from asyncrl.controller.flow import DataFlow
+from asyncrl.controller.declare import OVERRIDES_ENV
+from asyncrl.controller.flow import NODE_INPUTS, DataFlow
 from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length
+
+OVERRIDES_FILE = "overrides.json"  # in RUN_DIR/inputs: the run's key=value overrides
 
 
 def default_run_dir() -> Path:
@@ -162,6 +165,10 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         timeline = ctl.timeline = Timeline()
         metrics = Metrics(run_dir, steps, timeline)
         flow.save_inputs = run_dir / "inputs" if save_inputs else None
+        if flow.save_inputs is not None:  # `asyncrl run --node` builds the groups alike
+            flow.save_inputs.mkdir(parents=True, exist_ok=True)
+            (flow.save_inputs / OVERRIDES_FILE).write_text(
+                os.environ.get(OVERRIDES_ENV, "{}"))
         flow.recovery.log_path = run_dir / "recoveries.jsonl"
         try:
             await flow.open(ctl)
@@ -178,18 +185,30 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     return run_dir
 
 
-def load_inputs(path: Path) -> dict[str, Any]:
-    inputs = codec.decode(path.read_bytes())
-    if not isinstance(inputs, dict):
+def load_inputs(path: Path) -> tuple[dict[str, Any], dict[str, list[list[Any]]]]:
+    """A node's saved inputs: their values, and where the node was given DistFutures."""
+    saved = codec.decode(path.read_bytes())
+    if isinstance(saved, dict) and saved.get("format") == NODE_INPUTS:
+        return saved["values"], saved["futures"]
+    if not isinstance(saved, dict):
         raise ValueError(f"{path} does not hold a node's inputs (a dict); write it with "
                          f"`asyncrl launch FLOW --save-inputs`")
-    return inputs
+    return saved, {}  # written before futures were noted: values only
 
 
-async def run_one_node(flow: DataFlow, name: str, inputs: dict[str, Any]) -> Any:
+def saved_overrides(inputs: Path) -> dict[str, Any]:
+    """The key=value overrides of the run that saved `inputs` (RUN_DIR/inputs/...)."""
+    for folder in inputs.resolve().parents:
+        if folder.name == "inputs" and (folder / OVERRIDES_FILE).is_file():
+            return dict(json.loads((folder / OVERRIDES_FILE).read_text()))
+    return {}
+
+
+async def run_one_node(flow: DataFlow, name: str, inputs: dict[str, Any],
+                       futures: dict[str, list[list[Any]]] | None = None) -> Any:
     async with Controller():
         await flow.open()
         try:
-            return await flow.run_node(name, inputs)
+            return await flow.run_node(name, inputs, futures)
         finally:
             await flow.close()

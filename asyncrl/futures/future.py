@@ -4,7 +4,8 @@
 threads. There is no public constructor: futures come from group calls. The future is done
 when every rank has finished; it then holds a reference to the result (an ObjectRef), whose
 value is fetched only when someone awaits it. Passed to another group's call, it is never
-fetched: the consumer's ranks pull the data from the producer's ranks.
+fetched: the consumer's ranks pull the data from the producer's ranks. `DistFuture.held`
+makes a done future of a value already on the controller (a node run alone on saved inputs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ class DistFuture:
         self._fut = loop.create_future()
         self._label = label
         self.busy_s = 0.0
+        return self
+
+    @classmethod
+    def held(cls, value: Any, label: str) -> DistFuture:
+        """A done future of a value the controller holds (in a running loop); passed to a
+        group's call, the value goes with the call."""
+        self = cls._new(asyncio.get_running_loop(), label)
+        self._set_result(Held(value))
         return self
 
     # -- controller side: resolve ---------------------------------------------------------
@@ -80,3 +89,21 @@ class DistFuture:
     def __repr__(self) -> str:
         state = "done" if self._fut.done() else "pending"
         return f"<DistFuture {self._label} {state}>"
+
+
+class Held:
+    """What a `DistFuture.held` future resolves to (in place of an ObjectRef)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    async def value(self) -> Any:
+        return self._value
+
+    def view(self) -> Any:
+        return self._value
+
+    def holds_batches(self) -> bool:
+        return False
