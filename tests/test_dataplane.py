@@ -93,6 +93,11 @@ class Consumer(asyncrl.Worker):
     def describe(self, values) -> list:
         return [sorted(v.items()) for v in values]
 
+    @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
+    def nested(self, batches: list, named: dict) -> list:
+        return [b["i"].tolist() for b in batches] + [[k, v if isinstance(v, int) else
+                                                      v["name"]] for k, v in named.items()]
+
     @asyncrl.register
     def history(self) -> list:
         return self.seen
@@ -322,6 +327,15 @@ def test_large_arguments_reach_the_ranks_once_per_relay_while_heartbeats_flow(re
     expected = w.view(512, -1).double().sum(1)
     assert [rank for _, rank in built] == [0, 1]
     assert all(torch.equal(got, expected) for got, _ in built)
+
+
+def test_futures_inside_lists_and_dicts_are_pulled_too(bg, groups):
+    p2, c1 = groups["p2"], groups["c1"]
+    before = bg.ctl.payload_bytes
+    got = get(c1.nested((p2.make(rows(4)), p2.make(rows(2))),
+                        {"a": p2.make(rows(3)), "n": 5}))
+    assert got == [[0, 1, 2, 3], [0, 1], ["a", ["row0", "row1", "row2"]], ["n", 5]]
+    assert bg.ctl.payload_bytes == before  # pulled from p2's ranks, not through here
 
 
 def test_a_cancelled_await_leaves_the_future_and_the_group_usable(bg, groups):

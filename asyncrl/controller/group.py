@@ -217,7 +217,7 @@ class GroupHandle:
     def _submit(self, item: _Queued) -> None:
         if self.closing or self.dead is not None:
             raise self.dead or ClosedError(f"group {self.name!r} is closed")
-        has_inputs = any(isinstance(a, DistFuture) for a in (*item.args, *item.kwargs.values()))
+        has_inputs = any(map(_holds_future, (*item.args, *item.kwargs.values())))
         if self.methods[item.method].concurrent:
             if has_inputs:
                 task = self._ctl.loop.create_task(self._send_when_ready(item))
@@ -482,10 +482,16 @@ class GroupHandle:
                 waiter.set_exception(e)
 
     async def _view(self, arg: Any, name: int | str, item: _Queued) -> Any:
-        """A DistFuture argument becomes references to its data: the consumer's ranks pull
-        it from the producer's ranks; the controller never carries it."""
+        """A DistFuture argument (or one in a list, tuple or dict) becomes references to its
+        data: the consumer's ranks pull it from the producer's ranks; the controller never
+        carries it."""
         if not isinstance(arg, DistFuture):
-            return arg
+            if not _holds_future(arg):
+                return arg
+            if isinstance(arg, dict):
+                return {k: await self._view(v, f"{name}[{k!r}]", item) for k, v in arg.items()}
+            items = [await self._view(v, f"{name}[{i}]", item) for i, v in enumerate(arg)]
+            return type(arg)(*items) if hasattr(arg, "_fields") else type(arg)(items)
         try:
             ref = await asyncio.shield(arg._fut)
         except Exception as e:
@@ -527,6 +533,17 @@ class GroupHandle:
         info = self.ranks.get(rank)
         if info is not None:
             info.last_seen = time.monotonic()
+
+
+def _holds_future(arg: Any) -> bool:
+    """Whether `arg` is a DistFuture or holds one (in lists, tuples and dicts)."""
+    if isinstance(arg, DistFuture):
+        return True
+    if isinstance(arg, list | tuple):
+        return any(map(_holds_future, arg))
+    if isinstance(arg, dict):
+        return any(map(_holds_future, arg.values()))
+    return False
 
 
 def _keep(ranks: Iterable[int], collect: set[int]) -> list[int] | None:
