@@ -43,6 +43,12 @@ class Policy(asyncrl.Worker):
         return {"loss": float(-(adv * r).mean()), "p_good": float(
             torch.softmax(self.logits, -1)[GOOD])}
 
+    def save_state(self, folder):  # what `asyncrl launch --resume` continues from
+        torch.save(self.logits, folder / f"logits{self.rank}.pt")
+
+    def load_state(self, folder):
+        self.logits = torch.load(folder / f"logits{self.rank}.pt")
+
 
 class Reward(asyncrl.Worker):
     @asyncrl.register(dispatch=Dispatch.RANK_ZERO)

@@ -161,6 +161,7 @@ def test_stopped_after_three_steps_and_resumed_matches_a_straight_run(straight, 
     assert checkpoint.latest(run_dir).name == "step_000002"  # the end of a run checkpoints
     out = launch(THIS, "--steps", "6", "--run-dir", str(run_dir), "--resume")
     assert f"resuming from {run_dir / 'checkpoints' / 'step_000002'}" in out.stdout
+    assert "groups sampler define no save_state: they resume as built" in out.stdout
     assert_same(rows(run_dir), want)
 
 

@@ -146,6 +146,10 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         dropped = drop_rows_after(run_dir / "metrics.jsonl", meta["step"])
         print(f"resuming from {resume_from} (steps 0..{meta['step']} done; dropped "
               f"{dropped} metrics rows written after it)", flush=True)
+        fresh = [g.name for g in flow.groups if not g.stateful]
+        if fresh:  # state a worker keeps without save_state is not in the checkpoint
+            print(f"groups {', '.join(fresh)} define no save_state: they resume as built, "
+                  f"with only their random number generators restored", flush=True)
     else:
         checkpoint.refuse_existing(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
