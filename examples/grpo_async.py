@@ -23,8 +23,7 @@ import math
 import next_digit
 
 import asyncrl
-from asyncrl.hybrid.roles import Reference, Rollout
-from asyncrl.rl import Actor, PromptSource, RewardFn
+from asyncrl.rl import Actor, PromptSource, Reference, RewardFn, Rollout
 
 cfg = asyncrl.config(steps=60, lr=3e-3, prompts=16, group_size=8, kl_coef=1e-3, seed=0,
                      max_staleness=1, correction="tis", trainer_procs=1, rollout_procs=1,

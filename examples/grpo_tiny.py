@@ -20,8 +20,7 @@ import math
 import next_digit
 
 import asyncrl
-from asyncrl.hybrid.roles import Reference
-from asyncrl.rl import Actor, PromptSource, RewardFn
+from asyncrl.rl import Actor, PromptSource, Reference, RewardFn
 
 cfg = asyncrl.config(steps=60, lr=3e-3, prompts=16, group_size=8, kl_coef=1e-3, seed=0,
                      actor_procs=2, backend="fsdp2", model_path=None, max_new_tokens=2,

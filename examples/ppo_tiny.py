@@ -18,8 +18,7 @@ import math
 import next_digit
 
 import asyncrl
-from asyncrl.hybrid.roles import Reference
-from asyncrl.rl import Actor, Critic, PromptSource, RewardFn
+from asyncrl.rl import Actor, Critic, PromptSource, Reference, RewardFn
 
 cfg = asyncrl.config(steps=60, lr=3e-3, critic_lr=1e-2, prompts=128, kl_coef=1e-3, seed=0,
                      gamma=1.0, lam=0.95, actor_procs=1, model_path=None, max_new_tokens=2)

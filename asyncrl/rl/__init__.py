@@ -1,5 +1,7 @@
-"""RL on the runtime: algorithms, prompt sources, rewards, the actor and the critic."""
+"""RL on the runtime: algorithms, prompt sources, rewards, the actor and the critic, and the
+policy, rollout and reference workers (built in asyncrl.hybrid) — what flow files import."""
 
+from asyncrl.hybrid.roles import Policy, Reference, Rollout
 from asyncrl.rl.actor import Actor
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty, ppo_policy_loss, whiten
 from asyncrl.rl.config import RLConfig
@@ -7,5 +9,6 @@ from asyncrl.rl.critic import Critic
 from asyncrl.rl.data import PromptSource
 from asyncrl.rl.reward import RewardFn, RewardModel
 
-__all__ = ["Actor", "Critic", "PromptSource", "RLConfig", "RewardFn", "RewardModel", "gae",
-           "grpo_advantages", "kl_penalty", "ppo_policy_loss", "whiten"]
+__all__ = ["Actor", "Critic", "Policy", "PromptSource", "RLConfig", "Reference", "RewardFn",
+           "RewardModel", "Rollout", "gae", "grpo_advantages", "kl_penalty", "ppo_policy_loss",
+           "whiten"]
