@@ -135,7 +135,7 @@ def launch(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The Controller settings given on the command line (its defaults for the others)."""
     names = ("heartbeat_interval", "heartbeat_timeout", "transfer_timeout",
-             "collective_timeout")
+             "collective_timeout", "startup_timeout", "construct_timeout", "transport", "relay")
     settings: dict[str, Any] = {n: getattr(args, n) for n in names
                                 if getattr(args, n) is not None}
     if args.encrypt:
@@ -249,6 +249,8 @@ def bench(args: argparse.Namespace) -> int:
 
 def _controller_flags(p: argparse.ArgumentParser) -> None:
     """The Controller settings a command line may give (read back by `_settings`)."""
+    from asyncrl.controller.controller import RELAY_MIN_RANKS
+
     p.add_argument("--heartbeat-interval", type=float, default=None, metavar="S",
                    help="seconds between heartbeats, both ways (default 0.5)")
     p.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
@@ -258,6 +260,16 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
                    help="how long a rank waits for a peer's data (default 60)")
     p.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                    help="how long a collective inside a group waits for a peer (default 600)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
+                   help="from torchrun's start until every rank said hello (default 120)")
+    p.add_argument("--construct-timeout", type=float, default=None, metavar="S",
+                   help="until every worker's __init__ returned (default 600)")
+    p.add_argument("--transport", choices=("auto", "tcp", "nccl"), default=None,
+                   help="how ranks move data: auto (shared memory on one host, TCP between "
+                   "hosts; CUDA IPC or NCCL for GPU rows), or force tcp or nccl")
+    p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None,
+                   help="send a group's control messages through one relay per host "
+                   f"(default: for groups of {RELAY_MIN_RANKS} ranks or more)")
     p.add_argument("--encrypt", action="store_true",
                    help="encrypt every control and data-plane socket with CurveZMQ (for "
                    "untrusted networks; frames are HMAC-signed either way)")

@@ -249,6 +249,12 @@ def test_launch_encrypt_reaches_the_controller_or_refuses(tmp_path, monkeypatch)
     args = cli.parser().parse_args(["launch", "flow.py", "--encrypt"])
     assert cli._settings(args) == {"encrypt": True}  # launch_flow's Controller(**settings)
     assert "encrypt" not in cli._settings(cli.parser().parse_args(["launch", "flow.py"]))
+    args = cli.parser().parse_args(["launch", "flow.py", "--transport", "tcp", "--no-relay",
+                                    "--startup-timeout", "30", "--construct-timeout", "90"])
+    assert cli._settings(args) == {"transport": "tcp", "relay": False, "startup_timeout": 30.0,
+                                   "construct_timeout": 90.0}
+    with pytest.raises(SystemExit):  # argparse names the choices
+        cli.parser().parse_args(["launch", "flow.py", "--transport", "shm"])
     driver = tmp_path / "driver.py"
     driver.write_text("async def main():\n    pass\n")
     with pytest.raises(SystemExit, match=r"Controller\(encrypt=True\)"):  # never unencrypted
