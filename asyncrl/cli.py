@@ -231,6 +231,9 @@ def bench(args: argparse.Namespace) -> int:
     from asyncrl.controller.launch import default_run_dir, launch_flow
     from asyncrl.controller.timeline import draw
 
+    if args.warmup < 0 or (args.steps is not None and args.warmup >= args.steps):
+        raise SystemExit(f"asyncrl bench: --warmup {args.warmup} leaves no step to measure; "
+                         f"give 0 <= N < --steps ({args.steps})")
     module = _load(args.script, [a for a in args.args if "=" in a])
     flow = _flow_of(module, args.script)
     if flow is None:
@@ -240,7 +243,7 @@ def bench(args: argparse.Namespace) -> int:
     run(launch_flow(flow, args.steps, run_dir, controller=_settings(args)))
     deps = {name: [src[1] for src in d.values() if src is not None and src[0] == "node"]
             for name, d in flow.deps.items()}
-    figures = analyse(run_dir, deps)
+    figures = analyse(run_dir, deps, warmup=args.warmup)
     (run_dir / "bench.json").write_text(json.dumps(figures, indent=1))
     print(report(figures))
     print(f"timeline: {draw(run_dir / 'timeline.json', run_dir / 'timeline.png')}")
@@ -346,6 +349,8 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("script")
     bp.add_argument("--steps", type=int, default=None)
     bp.add_argument("--run-dir", default=None)
+    bp.add_argument("--warmup", type=int, default=0, metavar="N",
+                    help="leave the first N steps out of the figures (start-up, first calls)")
     _controller_flags(bp)
     bp.add_argument("args", nargs="*", help="key=value overrides")
     bp.set_defaults(func=bench)

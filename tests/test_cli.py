@@ -82,3 +82,6 @@ def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
                                          r"RUN_DIR/inputs/step<t>/x.msgpack"):
         asyncrl.cli.main(["run", str(flow), "--node", "x", "--inputs",
                           str(tmp_path / "missing.msgpack"), "lr=0.1"])
+    with pytest.raises(SystemExit, match=r"--warmup 2 leaves no step to measure; give 0 <= N "
+                                         r"< --steps \(2\)"):
+        asyncrl.cli.main(["bench", str(flow), "--steps", "2", "--warmup", "2"])
