@@ -13,7 +13,8 @@ what is wrong and how to fix it, and loses nothing. Each entry and its test(s):
 |    |                            |                 |   (rows "missing ..."); test_run_node_...
 | 5  | impossible placement: too  | PlacementError; | test_impossible_gpu_placement_says_the_fix
 |    | few GPUs, conflicts; too   | a warning on a  | test_too_few_cores_warn_and_share
-|    | few cores                  | CPU-only host   |
+|    | few cores                  | CPU-only host;  | test_a_flow_that_cannot_be_placed_fails_
+|    |                            | no group starts |   before_any_group_starts
 | 6  | unregistered method        | AttributeError  | test_unregistered_method_names_the_decorator
 | 7  | unencodable argument (file,| EncodeError,    | test_unencodable_argument_named_not_sent
 |    | lambda, local def, lock)   | nothing sent    |
@@ -245,6 +246,32 @@ def test_too_few_cores_warn_and_share(caplog):
         assert p.place("big", 3, None).devices == [0, 1]
     assert "group 'big' needs 3 CPU core(s), one per rank, but this host has 2" in caplog.text
     assert "use nprocs <= 2" in caplog.text and "ranks will share cores" in caplog.text
+
+
+def test_a_flow_that_cannot_be_placed_fails_before_any_group_starts():
+    """Each group is placed on paper first: the first, placeable, never starts."""
+    first = asyncrl.group(Solo, name="first")
+    wide = asyncrl.group(Solo, name="wide", place=asyncrl.nvlink_group(2))
+    early = asyncrl.group(Solo, name="early", place=asyncrl.colocate_with("late"))
+    late = asyncrl.group(Solo, name="late")
+
+    @asyncrl.node
+    def a(x):
+        return [first.record(x), wide.record(x), early.record(x), late.record(x)]
+
+    async def attempt(groups):
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[a], inputs={"x": [1]}, groups=groups)
+            try:
+                await flow.open(ctl)
+            finally:
+                assert ctl.placer.placed == {} and ctl.groups == {}  # nothing started
+    with pytest.raises(asyncrl.PlacementError, match="drop nvlink_group on a host without GPUs"):
+        asyncio.run(attempt([first, wide]))
+    with pytest.raises(asyncrl.PlacementError, match=r"group 'early': colocate_with\(late\) "
+                                                     r"names a group that is not placed yet"):
+        asyncio.run(attempt([first, early, late]))
+    assert first.handle is None
 
 
 # -- 6-8 on a real group ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import inspect
 import itertools
 import logging
@@ -247,6 +248,19 @@ class Controller:
         return self.channel.dropped
 
     # -- spawning ---------------------------------------------------------------------------
+    def check_placements(self, groups: list[tuple[str, int, Any]]) -> None:
+        """Place (name, nprocs, place) groups in order on a copy of the current placement:
+        one that cannot be placed raises PlacementError before any of them starts."""
+        if self.cluster is not None:
+            placed = self.cluster.placed
+            for name, _, place in groups:
+                self.cluster.check_place(name, place, placed)
+                placed.add(name)
+            return
+        trial = copy.deepcopy(self.placer)
+        for name, nprocs, place in groups:
+            trial.place(name, nprocs, place, warn=False)
+
     async def spawn(self, worker_cls: type, *args: Any, nprocs: int = 1, name: str | None = None,
                     mesh: dict[str, int] | None = None, place: Any = None,
                     env: dict[str, str] | None = None, relay: bool | None = None,

@@ -223,6 +223,9 @@ class DataFlow:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise FlowError(f"two groups are named {dup}; pass name=... to asyncrl.group")
+        # every group placed on paper first: an impossible one fails before any starts (the
+        # others would otherwise load their models before the failure is reported)
+        ctl.check_placements([(g.name, g.nprocs, g.place) for g in self.groups])
         # started together: one group's start-up waits overlap the others' work. Placement
         # still sees the groups before each one: spawn places a group before its first await.
         spawned = await asyncio.gather(*(self._spawn(g) for g in self.groups),

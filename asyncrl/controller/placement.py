@@ -120,7 +120,7 @@ class Placer:
         self._use: Counter[int] = Counter()
         self._added: dict[str, list[int]] = {}  # what each group added to _use, one per rank
 
-    def place(self, group: str, nprocs: int, place: Any) -> Placement:
+    def place(self, group: str, nprocs: int, place: Any, warn: bool = True) -> Placement:
         constraints = constraints_of(place)
         host = self.host
         pool = list(range(host.gpus)) if host.gpus else list(host.cores)
@@ -207,7 +207,7 @@ class Placer:
         if not host.gpus and len(devices) < nprocs and not problem:  # colocated on fewer
             problem = (f"group {group!r} runs {nprocs} ranks on the {len(devices)} core(s) of "
                        f"colocate_with({colocate[0]})")
-        if problem:  # a CPU-only host runs it anyway, and says so
+        if problem and warn:  # a CPU-only host runs it anyway, and says so
             log.warning("asyncrl placement: %s; on this CPU-only host it runs anyway: ranks "
                         "will share cores", problem)
         self.placed[group] = devices
