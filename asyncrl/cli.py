@@ -243,7 +243,10 @@ def bench(args: argparse.Namespace) -> int:
     run(launch_flow(flow, args.steps, run_dir, controller=_settings(args)))
     deps = {name: [src[1] for src in d.values() if src is not None and src[0] == "node"]
             for name, d in flow.deps.items()}
-    figures = analyse(run_dir, deps, warmup=args.warmup)
+    try:
+        figures = analyse(run_dir, deps, warmup=args.warmup)
+    except ValueError as e:  # e.g. --warmup as long as the run
+        raise SystemExit(f"asyncrl bench: {e}") from None
     (run_dir / "bench.json").write_text(json.dumps(figures, indent=1))
     print(report(figures))
     print(f"timeline: {draw(run_dir / 'timeline.json', run_dir / 'timeline.png')}")
@@ -319,8 +322,8 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("script")
     rp.add_argument("--node", required=True)
     rp.add_argument("--inputs", required=True, help="RUN_DIR/inputs/step<t>/<node>.msgpack")
-    rp.add_argument("args", nargs="*", help="key=value overrides (default: those of the run "
-                    "that saved the inputs)")
+    rp.add_argument("args", nargs="*", help="key=value overrides, laid over those of the run "
+                    "that saved the inputs")
     rp.set_defaults(func=run_node)
     ap = sub.add_parser("attach", help="reach a rank waiting in breakpoint() with pdb",
                         description="List the ranks of a run waiting in breakpoint() and open "

@@ -261,6 +261,7 @@ def test_a_flow_that_cannot_be_placed_fails_before_any_group_starts():
 
     async def attempt(groups):
         async with asyncrl.Controller() as ctl:
+            ctl.placer = Placer(Host(0, (0, 1)))  # a CPU host here and on a GPU machine
             flow = asyncrl.DataFlow(nodes=[a], inputs={"x": [1]}, groups=groups)
             try:
                 await flow.open(ctl)

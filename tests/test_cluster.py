@@ -237,3 +237,15 @@ def test_a_cluster_refuses_constraints_it_cannot_honour_and_frees_failed_starts(
     cluster.spread("a", 2)
     cluster.check_place("b", asyncrl.separate_from("a"))
     assert cluster.spread("b", 2)[0][1] == [2, 3]
+
+
+def test_a_flow_is_placed_on_a_cluster_on_paper_first():
+    """Controller.check_placements (DataFlow.open): slots and constraints are tried on a copy
+    of the cluster, in spawn order, and nothing is taken."""
+    ctl = asyncrl.Controller(cluster=Cluster([HostSpec("h", "h", gpus=4)]))
+    ctl.check_placements([("a", 2, None), ("b", 2, asyncrl.separate_from("a"))])
+    with pytest.raises(asyncrl.PlacementError, match=r"group 'c': 1 ranks do not fit"):
+        ctl.check_placements([("a", 2, None), ("b", 2, None), ("c", 1, None)])
+    with pytest.raises(asyncrl.PlacementError, match="names a group that is not placed yet"):
+        ctl.check_placements([("b", 2, asyncrl.separate_from("a")), ("a", 2, None)])
+    assert ctl.cluster._groups == {} and not any(ctl.cluster._taken.values())

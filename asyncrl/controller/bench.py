@@ -32,7 +32,9 @@ def analyse(run_dir: Path, deps: dict[str, list[str]], warmup: int = 0) -> dict[
              if e["ph"] == "X" and e["args"]["step"] >= warmup]
     calls = [s for s in spans if s[0] != CONTROLLER_ROW]
     if not calls:
-        raise ValueError(f"{run_dir}/timeline.json has no group calls: nothing to analyse")
+        after = f" after the first {warmup} step(s)" if warmup else ""
+        raise ValueError(f"{run_dir}/timeline.json has no group calls{after}: nothing to "
+                         f"analyse")
     metrics = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                if r["step"] >= warmup]
     steps = sorted({s[2] for s in calls})

@@ -21,7 +21,7 @@ import re
 import shlex
 import socket
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,20 +138,13 @@ class Cluster:
                              f"slots (GPUs, else cores) of the hosts {left}; add hosts or slots "
                              f"to the hosts file, or give the group a size they can hold")
 
-    @property
-    def placed(self) -> set[str]:
-        """The groups that hold slots."""
-        return set(self._groups)
-
-    def check_place(self, group: str, place: Any, placed: Iterable[str] | None = None) -> None:
+    def check_place(self, group: str, place: Any) -> None:
         """Refuse the constraints a cluster cannot honour yet. separate_from holds by itself
         (groups never share a cluster's slots); the others would need slots shared or picked
-        by host, which spreading does not do. `placed`: the groups placed before this one
-        (default: those that hold slots)."""
-        placed = self.placed if placed is None else set(placed)
+        by host, which spreading does not do."""
         for c in constraints_of(place):
             if c.kind == "separate_from":
-                if c.target not in placed:
+                if c.target not in self._groups:
                     raise PlacementError(
                         f"group {group!r}: {c!r} names a group that is not placed yet; spawn "
                         f"{c.target!r} first (groups are placed in spawn order)")

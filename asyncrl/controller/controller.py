@@ -251,11 +251,11 @@ class Controller:
     def check_placements(self, groups: list[tuple[str, int, Any]]) -> None:
         """Place (name, nprocs, place) groups in order on a copy of the current placement:
         one that cannot be placed raises PlacementError before any of them starts."""
-        if self.cluster is not None:
-            placed = self.cluster.placed
-            for name, _, place in groups:
-                self.cluster.check_place(name, place, placed)
-                placed.add(name)
+        if self.cluster is not None:  # its constraints, then its slots, as spawn takes them
+            cluster = copy.deepcopy(self.cluster)
+            for name, nprocs, place in groups:
+                cluster.check_place(name, place)
+                cluster.spread(name, nprocs)
             return
         trial = copy.deepcopy(self.placer)
         for name, nprocs, place in groups:

@@ -300,7 +300,7 @@ class GroupHandle:
         collect = set(split.collect)
         if len(ranks_of) == 1 and len(split.calls) == self.nprocs:
             # the same Call for every rank (a broadcast): no work per rank
-            args, kwargs = split.calls[0]
+            args, kwargs = next(iter(split.calls.values()))
             payload, raw = self._encode(method, args, kwargs)
             return [(_ALL, [], messages.encode(Call(
                 call_id, method, payload, _keep(range(self.nprocs), collect),
