@@ -43,7 +43,7 @@ import torch
 
 import asyncrl
 from asyncrl import TensorBatch
-from asyncrl.hybrid.roles import Policy, Rollout
+from asyncrl.rl import Policy, Rollout
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOW = ROOT / "examples" / "grpo_async.py"
