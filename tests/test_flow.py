@@ -3,6 +3,7 @@ edges across steps, and `asyncrl launch / run / timeline` end to end."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -44,6 +45,27 @@ def test_graph_is_built_from_parameter_names():
     assert flow.order == ["gen", "judge", "learn"]
     assert flow.deps["learn"] == {"gen": ("node", "gen"), "judge": ("node", "judge"),
                                   "reference": None}  # optional: no node provides it
+
+
+def test_saved_inputs_note_where_futures_were_and_get_them_back():
+    """What `--save-inputs` writes for `asyncrl run --node`: values, and the paths of the
+    DistFutures among them (in lists, tuples and dicts), made done futures again."""
+    from asyncrl.comm import codec
+    from asyncrl.controller.flow import _held, _value
+
+    async def main():
+        given = {"a": [1, asyncrl.DistFuture.held({"x": 5}, "p")], "b": "s",
+                 "c": (asyncrl.DistFuture.held(7, "q"), 2)}
+        found: list = []
+        saved = codec.decode(codec.encode(await _value(given, found=found)))
+        assert saved == {"a": [1, {"x": 5}], "b": "s", "c": [7, 2]} and found == [
+            ["a", 1], ["c", 0]]
+        again = saved
+        for path in found:
+            again = _held(again, path, "saved")
+        assert isinstance(again["a"][1], asyncrl.DistFuture) and again["a"][0] == 1
+        return await again["a"][1], await again["c"][0], again["c"][1]
+    assert asyncio.run(main()) == ({"x": 5}, 7, 2)
 
 
 def test_out_suffix_and_input_mapping():
