@@ -68,7 +68,11 @@ class SlowInit(asyncrl.Worker):
         threading.Event().wait()  # never returns: construction hangs
 
 
-def test_spawn_and_clean_shutdown_leave_no_process():
+def test_spawn_and_clean_shutdown_leave_no_process_or_folder(tmp_path, monkeypatch):
+    # torchrun makes a folder of its own in the temporary directory it sees (its children
+    # read TMPDIR afresh): none may be left
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
     async def main():
         async with asyncrl.Controller() as ctl:
             group = await ctl.spawn(Sleeper, nprocs=2, name="s")
@@ -77,6 +81,7 @@ def test_spawn_and_clean_shutdown_leave_no_process():
             assert sorted(await group.pid()) == sorted(group.pids.values())
         return pids
     assert_gone(run(main()))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_exception_in_the_block_shuts_groups_down():

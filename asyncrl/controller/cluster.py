@@ -160,8 +160,11 @@ class Cluster:
 
 
 def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_rank: int,
-                     per_node: int, endpoint: str, rdzv_id: str) -> list[str]:
-    """The command that starts one host's agent of a group, run `via` the host's way."""
+                     per_node: int, endpoint: str, rdzv_id: str,
+                     scratch: str | None = None) -> list[str]:
+    """The command that starts one host's agent of a group, run `via` the host's way.
+    `scratch`: a folder of this machine for torchrun's own, on hosts that share its files."""
+    shared = host.via in ("local", "netns") and scratch is not None
     run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--nproc-per-node", str(per_node),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
@@ -169,8 +172,8 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
            # need not be one torchrun recognises as its own (namespaces, NAT, aliases)
            "--rdzv-conf", f"is_host={'true' if node_rank == 0 else 'false'}",
            "--local-addr", host.address,  # what the ranks of the first host are reached at
-           "--max-restarts", "0", "--monitor-interval", "0.1", "-m",
-           "asyncrl.actors.rank_main"]
+           "--max-restarts", "0", "--monitor-interval", "0.1",
+           *(["--log-dir", str(scratch)] if shared else []), "-m", "asyncrl.actors.rank_main"]
     if host.via == "local":
         return run
     if host.via == "netns":  # the environment passes through `ip netns exec`

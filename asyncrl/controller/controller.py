@@ -356,11 +356,13 @@ class Controller:
         `extra` is the ranks' environment beyond ours. A subclass may return any object with
         `Agent`'s interface (benchmarks/controller_scale.py starts simulated ranks)."""
         assert self.run_dir is not None
+        scratch = self._private / "torchrun"  # removed at close
         if self.cluster is not None:
             return cluster_agents(self.cluster, name, nprocs, extra, self.run_dir / "logs",
-                                  self.run_id, self._die_with_controller)
+                                  self.run_id, self._die_with_controller, scratch)
         return Agent(name, nprocs, rank_env(dict(os.environ), extra),
-                     self.run_dir / "logs" / f"{name}.log", self._die_with_controller)
+                     self.run_dir / "logs" / f"{name}.log", self._die_with_controller,
+                     scratch=scratch)
 
     async def close_group(self, group: GroupHandle) -> None:
         """Shut one group down (its ranks exit; pending calls fail with ClosedError)."""

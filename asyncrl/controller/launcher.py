@@ -85,8 +85,9 @@ class Agent:
 
     def __init__(self, group: str, nprocs: int, env: dict[str, str], log_path: Path,
                  die_with_parent: bool = True, command: list[str] | None = None,
-                 host: str | None = None, local: bool = True):
+                 host: str | None = None, local: bool = True, scratch: Path | None = None):
         self.group, self.nprocs, self.log_path = group, nprocs, log_path
+        self.scratch = scratch  # torchrun's own folders (else a torchelastic_* left in /tmp)
         self.host = host  # the host it starts ranks on (None: this one)
         self.local = local  # whether its ranks run on this machine (their pids mean something)
         self._env = env
@@ -100,9 +101,10 @@ class Agent:
     def command(self) -> list[str]:
         if self._command is not None:
             return self._command
+        scratch = ["--log-dir", str(self.scratch)] if self.scratch is not None else []
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", str(self.nprocs), "--max-restarts", "0",
-                "--monitor-interval", "0.1", "-m", "asyncrl.actors.rank_main"]
+                "--monitor-interval", "0.1", *scratch, "-m", "asyncrl.actors.rank_main"]
 
     def wait(self, timeout: float | None = None) -> None:
         if self.proc is not None:
@@ -257,7 +259,8 @@ def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
 
 
 def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, str],
-                   log_dir: Path, run_id: str, die_with_parent: bool) -> HostAgents:
+                   log_dir: Path, run_id: str, die_with_parent: bool,
+                   scratch: Path | None = None) -> HostAgents:
     """One torchrun agent per host group `name` spreads over, meeting at the first host."""
     hosts = cluster.spread(name, nprocs)
     per = nprocs // len(hosts)
@@ -272,7 +275,8 @@ def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, st
                                           "ASYNCRL_DATA_HOST": h.address})
         if h.via == "netns":  # gloo would pick the machine's address, not the namespace's
             env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
-        command = torchrun_command(h, env, len(hosts), i, per, endpoint, f"{name}-{run_id}")
+        command = torchrun_command(h, env, len(hosts), i, per, endpoint, f"{name}-{run_id}",
+                                   None if scratch is None else str(scratch))
         agents.append(Agent(name, per, env, log_dir / f"{name}.{h.name}.log", die_with_parent,
                             command, h.name, h.via in ("local", "netns")))
     return HostAgents(agents)
