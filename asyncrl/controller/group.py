@@ -217,20 +217,32 @@ class GroupHandle:
     def _submit(self, item: _Queued) -> None:
         if self.closing or self.dead is not None:
             raise self.dead or ClosedError(f"group {self.name!r} is closed")
-        has_inputs = any(map(_holds_future, (*item.args, *item.kwargs.values())))
+        concurrent = self.methods[item.method].concurrent
+        if any(isinstance(a, DistFuture) for a in (*item.args, *item.kwargs.values())) or (
+                self._backlog and not concurrent):
+            self._hold(item)
+            return
+        try:
+            self._send(item)
+        except EncodeError:
+            # futures inside a list, tuple or dict show up when encoding meets them (looking
+            # through every argument of every call would cost more than encoding it): the
+            # call waits for them as for top-level ones
+            if not any(map(_holds_future, (*item.args, *item.kwargs.values()))):
+                raise
+            self._hold(item)
+
+    def _hold(self, item: _Queued) -> None:
+        """Send `item` once its inputs are done (a call not `concurrent`: in order, after the
+        calls held before it)."""
         if self.methods[item.method].concurrent:
-            if has_inputs:
-                task = self._ctl.loop.create_task(self._send_when_ready(item))
-                self._waiting[task] = item
-                task.add_done_callback(self._waiting.pop)
-            else:
-                self._send(item)
-        elif has_inputs or self._backlog:
+            task = self._ctl.loop.create_task(self._send_when_ready(item))
+            self._waiting[task] = item
+            task.add_done_callback(self._waiting.pop)
+        else:
             self._backlog.append(item)
             if self._drainer is None or self._drainer.done():
                 self._drainer = self._ctl.loop.create_task(self._drain())
-        else:
-            self._send(item)
 
     def _submit_or_fail(self, item: _Queued) -> None:
         try:
