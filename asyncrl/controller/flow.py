@@ -24,7 +24,7 @@ from asyncrl.comm import codec
 from asyncrl.controller.declare import GroupSpec, declared_in
 from asyncrl.controller.timeline import current_node
 from asyncrl.errors import AsyncRLError, CheckpointError
-from asyncrl.futures.future import DistFuture
+from asyncrl.futures.future import DistFuture, futures_in, rebuild
 
 # what `--save-inputs` writes per node and step: {"format", "values", "futures": where the
 # node was given DistFutures (input -> paths into it), for `asyncrl run --node`}
@@ -529,9 +529,8 @@ class DataFlow:
                             f"--save-inputs` wrote for this node "
                             f"(RUN_DIR/inputs/step<t>/{name}.msgpack)")
         for param, paths in (futures or {}).items():
-            for path in paths:
-                if param in kwargs:
-                    kwargs[param] = _held(kwargs[param], path, f"saved input {param!r}")
+            for path in paths if param in kwargs else ():
+                kwargs[param] = _held(kwargs[param], path, f"saved input {param!r}")
         out = n.fn(**kwargs)
         if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
             out = await out
@@ -559,15 +558,10 @@ async def _finished(returned: asyncio.Task, name: str, step: int) -> None:
     """A node has finished when it returned and every DistFuture it returned is done."""
     out = await returned
     try:
-        for fut in _futures(out):
+        for fut in futures_in(out):
             await asyncio.shield(fut._fut)
     except Exception as e:  # the work the node started failed: say which node
         raise NodeError(name, step, e) from e
-
-
-def _rebuild(like: list | tuple, items: list[Any]) -> list | tuple:
-    """A list or tuple of the same type as `like` (a namedtuple too) holding `items`."""
-    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
 async def _value(out: Any, batches: bool = True, found: list[list[Any]] | None = None,
@@ -582,7 +576,7 @@ async def _value(out: Any, batches: bool = True, found: list[list[Any]] | None =
             found.append(list(at))
         return await out
     if isinstance(out, list | tuple):
-        return _rebuild(out, [await _value(x, batches, found, (*at, i))
+        return rebuild(out, [await _value(x, batches, found, (*at, i))
                               for i, x in enumerate(out)])
     if isinstance(out, dict):
         return {k: await _value(v, batches, found, (*at, k)) for k, v in out.items()}
@@ -598,14 +592,5 @@ def _held(value: Any, path: list[Any], label: str) -> Any:
         return {**value, key: _held(value[key], rest, label)}
     items = list(value)
     items[key] = _held(items[key], rest, label)
-    return _rebuild(value, items)
+    return rebuild(value, items)
 
-
-def _futures(out: Any) -> list[DistFuture]:
-    if isinstance(out, DistFuture):
-        return [out]
-    if isinstance(out, list | tuple):
-        return [f for x in out for f in _futures(x)]
-    if isinstance(out, dict):
-        return [f for x in out.values() for f in _futures(x)]
-    return []

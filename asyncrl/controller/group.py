@@ -39,7 +39,7 @@ from asyncrl.comm.messages import (
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import called_groups, current_node
 from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError, TransferTimeout
-from asyncrl.futures.future import DistFuture, Held
+from asyncrl.futures.future import DistFuture, Held, futures_in, rebuild
 
 if TYPE_CHECKING:
     from asyncrl.controller.controller import Controller
@@ -228,7 +228,7 @@ class GroupHandle:
             # futures inside a list, tuple or dict show up when encoding meets them (looking
             # through every argument of every call would cost more than encoding it): the
             # call waits for them as for top-level ones
-            if not any(map(_holds_future, (*item.args, *item.kwargs.values()))):
+            if not futures_in([*item.args, *item.kwargs.values()]):
                 raise
             self._hold(item)
 
@@ -498,12 +498,12 @@ class GroupHandle:
         data: the consumer's ranks pull it from the producer's ranks; the controller never
         carries it."""
         if not isinstance(arg, DistFuture):
-            if not _holds_future(arg):
+            if not futures_in(arg):
                 return arg
             if isinstance(arg, dict):
                 return {k: await self._view(v, f"{name}[{k!r}]", item) for k, v in arg.items()}
-            items = [await self._view(v, f"{name}[{i}]", item) for i, v in enumerate(arg)]
-            return type(arg)(*items) if hasattr(arg, "_fields") else type(arg)(items)
+            return rebuild(arg, [await self._view(v, f"{name}[{i}]", item)
+                                 for i, v in enumerate(arg)])
         try:
             ref = await asyncio.shield(arg._fut)
         except Exception as e:
@@ -545,17 +545,6 @@ class GroupHandle:
         info = self.ranks.get(rank)
         if info is not None:
             info.last_seen = time.monotonic()
-
-
-def _holds_future(arg: Any) -> bool:
-    """Whether `arg` is a DistFuture or holds one (in lists, tuples and dicts)."""
-    if isinstance(arg, DistFuture):
-        return True
-    if isinstance(arg, list | tuple):
-        return any(map(_holds_future, arg))
-    if isinstance(arg, dict):
-        return any(map(_holds_future, arg.values()))
-    return False
 
 
 def _keep(ranks: Iterable[int], collect: set[int]) -> list[int] | None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.controller.timeline import called_groups
 from asyncrl.errors import ClosedError, GroupDeadError, SpawnError
-from asyncrl.futures.future import DistFuture
+from asyncrl.futures.future import DistFuture, futures_in, rebuild
 
 if TYPE_CHECKING:
     from asyncrl.controller.declare import GroupSpec
@@ -302,9 +302,7 @@ async def _attempt(fn: Callable[[], Any], called: set[str]) -> Any:
 
 
 def _unique_futures(out: Any) -> list[DistFuture]:
-    from asyncrl.controller.flow import _futures
-
-    return list({id(f): f for f in _futures(out)}.values())  # one future may appear twice
+    return list({id(f): f for f in futures_in(out)}.values())  # one future may appear twice
 
 
 def _settled(task: asyncio.Task) -> None:
@@ -319,12 +317,10 @@ def _forward(done: asyncio.Future, proxy: DistFuture, inner: DistFuture) -> None
 
 
 def _replace(out: Any, proxies: dict[int, DistFuture]) -> Any:
-    from asyncrl.controller.flow import _rebuild
-
     if isinstance(out, DistFuture):
         return proxies[id(out)]
     if isinstance(out, list | tuple):
-        return _rebuild(out, [_replace(x, proxies) for x in out])
+        return rebuild(out, [_replace(x, proxies) for x in out])
     if isinstance(out, dict):
         return {k: _replace(v, proxies) for k, v in out.items()}
     return out

@@ -107,3 +107,19 @@ class Held:
 
     def holds_batches(self) -> bool:
         return False
+
+
+def futures_in(value: Any) -> list[DistFuture]:
+    """The DistFutures in `value`: itself, or inside its lists, tuples and dicts."""
+    if isinstance(value, DistFuture):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [f for x in value for f in futures_in(x)]
+    if isinstance(value, dict):
+        return [f for x in value.values() for f in futures_in(x)]
+    return []
+
+
+def rebuild(like: list | tuple, items: list[Any]) -> list | tuple:
+    """A list or tuple of the same type as `like` (a namedtuple too) holding `items`."""
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
