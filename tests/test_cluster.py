@@ -4,13 +4,16 @@ group spread over two "hosts" on loopback that rendezvous through --rdzv-endpoin
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ROOT, NoLogFolder, assert_gone, group_pids, run
+from helpers import ROOT, NoLogFolder, assert_gone, group_pids, run, wait_until
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -57,12 +60,47 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
                            "g-run")
     assert cmd[:3] == ["ssh", "-o", "BatchMode=yes"] and cmd[3] == "10.0.0.1"
     assert cmd[4].startswith("env ASYNCRL_ADDR=tcp://10.0.0.9:5000 ")
+    assert " -m asyncrl.actors.agent_main " in cmd[4]  # its torchrun folder goes with it
     f.write_text(json.dumps({"hosts": [{"name": "n1", "gpu": 4}]}))
     with pytest.raises(ValueError, match="unknown keys \\['gpu'\\]"):
         Cluster.from_file(f)
     f.write_text("{not json")
     with pytest.raises(ValueError, match="expected JSON like"):
         Cluster.from_file(f)
+
+
+def test_an_agent_off_this_machine_removes_its_torchrun_folder(tmp_path):
+    """ssh and srun hosts run torchrun through agent_main: torchrun's folder (its ranks'
+    error files) lives in a temporary one, gone after a normal exit and after a SIGTERM."""
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, sys, time\n"
+                    "open(sys.argv[1], 'w').write(os.environ['TORCHELASTIC_ERROR_FILE'])\n"
+                    "time.sleep(float(sys.argv[2]))\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+
+    def agent(seen: Path, sleep: float) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.actors.agent_main", "--standalone",
+             "--nproc-per-node", "1", "--monitor-interval", "0.1", str(rank), str(seen),
+             str(sleep)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+
+    done = agent(tmp_path / "done", 0)
+    assert done.wait(60) == 0
+    assert (tmp_path / "done").read_text().startswith(str(scratch / "asyncrl-torchrun-"))
+    assert list(scratch.iterdir()) == []
+    stopped = agent(tmp_path / "stopped", 120)
+    try:
+        wait_until(lambda: (tmp_path / "stopped").exists(), 60, "the rank to start")
+        assert len(list(scratch.iterdir())) == 1
+        stopped.send_signal(signal.SIGTERM)
+        assert stopped.wait(30) != 0
+    finally:
+        stopped.kill()
+        stopped.wait()
+    assert list(scratch.iterdir()) == []
 
 
 class Spread(asyncrl.Worker):

@@ -163,9 +163,11 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
                      per_node: int, endpoint: str, rdzv_id: str,
                      scratch: str | None = None) -> list[str]:
     """The command that starts one host's agent of a group, run `via` the host's way.
-    `scratch`: a folder of this machine for torchrun's own, on hosts that share its files."""
+    `scratch`: a folder of this machine for torchrun's own, on hosts that share its files
+    (elsewhere, and without one, `asyncrl.actors.agent_main` makes and removes its own)."""
     shared = host.via in ("local", "netns") and scratch is not None
-    run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+    agent = "torch.distributed.run" if shared else "asyncrl.actors.agent_main"
+    run = [sys.executable, "-m", agent, "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--nproc-per-node", str(per_node),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
            # the first host serves the rendezvous store: said outright, since its address
