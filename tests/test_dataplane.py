@@ -145,6 +145,17 @@ def test_dp_m_to_dp_n_moves_rows_in_order(bg, groups, producer, consumer, n):
     assert bg.ctl.payload_bytes == before  # nothing went through the controller
 
 
+def test_zero_width_columns_and_rowless_shards_arrive_empty_shaped(groups):
+    """A column of zero bytes per row (shape (n, 0)) moves like any other (on GPUs it never
+    goes by CUDA IPC or NCCL: an empty storage has nothing to export), and so does a batch
+    smaller than the producer group (padded rows dropped)."""
+    out = get(groups["c1"].echo(groups["p4"].make(rows(6), width=0)))
+    assert out["v"].shape == (6, 0) and out["v"].dtype == torch.bfloat16
+    assert out["i"].tolist() == list(range(6)) and out["name"] == expected(6)["name"]
+    few = get(groups["c2"].echo(groups["p4"].make(rows(2))))
+    assert_rows(few, 2)
+
+
 def test_dp4_to_dp2_pulls_only_the_shards_it_needs(groups):
     get(groups["c2"].echo(groups["p4"].make(rows(8))))
     last = [h[-1] for h in get(groups["c2"].history())]

@@ -23,6 +23,7 @@ class GpuProducer(asyncrl.Worker):
         i = batch["i"].cuda()
         return TensorBatch({"i": i, "h": (i[:, None] * 10 + torch.arange(4, device="cuda"))
                             .to(torch.bfloat16), "cpu": batch["i"] * 2,
+                            "none": torch.zeros(len(i), 0, device="cuda"),  # no bytes
                             "name": [f"r{k}" for k in batch["i"].tolist()]})
 
 
@@ -36,6 +37,7 @@ class GpuConsumer(asyncrl.Worker):
     def check(self, batch: TensorBatch) -> TensorBatch:
         return TensorBatch({"i": batch["i"].cpu(), "h": batch["h"].float().cpu(),
                             "cpu": batch["cpu"], "name": batch["name"],
+                            "none": batch["none"].cpu(),
                             "on_gpu": [bool(batch["i"].is_cuda and batch["h"].is_cuda)] * len(
                                 batch)})
 
@@ -46,6 +48,7 @@ def _expect(out: TensorBatch, n: int) -> None:
     assert out["h"].tolist() == (i[:, None] * 10 + torch.arange(4)).float().tolist()
     assert out["cpu"].tolist() == (i * 2).tolist()
     assert out["name"] == [f"r{k}" for k in range(n)]
+    assert out["none"].shape == (n, 0)
     assert all(out["on_gpu"])
 
 

@@ -353,14 +353,16 @@ class DataClient:
         keys = {p.shard.group: f"{p.shard.group}->{self._group}" for p in rb.pieces
                 if p.shard.addr != self._own_addr}
         linked = bool(keys) and all(nccl.has(k) for k in keys.values())
-        # NCCL moves device memory only: with a GPU here, CPU columns never go by it
+        # NCCL moves device memory only: with a GPU here, CPU columns never go by it; nor
+        # do columns of no bytes (shape (n, 0)), whose storage CUDA IPC cannot export
         by_nccl = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype),
                                       device="cuda" if c.device == "cuda" and on_gpu else "cpu")
-                   for c in tensor_cols if linked and (
+                   for c in tensor_cols if linked and row_bytes[c.key] and (
                        (self._transport == "nccl" and (c.device == "cuda" or not on_gpu)) or
                        (c.device == "cuda" and on_gpu and not by_ipc))}
         ipc = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype), device="cuda")
-               for c in tensor_cols if c.device == "cuda" and by_ipc and c.key not in by_nccl}
+               for c in tensor_cols if c.device == "cuda" and by_ipc and row_bytes[c.key]
+               and c.key not in by_nccl}
         tensor_cols = [c for c in tensor_cols if c.key not in ipc and c.key not in by_nccl]
         offsets, total = {}, 0
         for c in tensor_cols:
