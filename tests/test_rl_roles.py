@@ -60,7 +60,7 @@ def test_value_model_starts_at_zero_and_shares_the_lm_backbone():
 def test_reward_model_scores_the_last_real_token():
     rm = RewardModel.__new__(RewardModel)
     rm.__init__({"seed": 5})
-    torch.nn.init.normal_(rm.model.value_head.weight)
+    assert rm.model.value_head.weight.abs().sum() > 0  # a preset's head: drawn, not zeros
     b = padded_pair()
     scores = rm.score(b)["reward"]
     for row, ids in enumerate([[5, 6, 7, 11, 12], [9, 13, 14, 15]]):
@@ -68,6 +68,48 @@ def test_reward_model_scores_the_last_real_token():
         v = rm.model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
                      position_ids=torch.arange(len(ids))[None])
         assert scores[row].item() == pytest.approx(v[0, -1].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_a_reward_model_checkpoint_keeps_its_head(tmp_path, safe):
+    """A transformers *ForSequenceClassification checkpoint (safetensors or .bin) scores as
+    transformers does; a causal LM's checkpoint has no head: a reward model refuses it, a
+    critic starts from zeros; TRL's value head is read too, a 2-label head is refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForSequenceClassification
+
+    from asyncrl.hybrid.models import tiny_llama
+
+    config = tiny_llama()
+    config.num_labels = 1
+    torch.manual_seed(3)
+    hf = LlamaForSequenceClassification(config).eval()
+    torch.nn.init.normal_(hf.score.weight)
+    hf.save_pretrained(tmp_path / "rm", safe_serialization=safe)
+    rm = RewardModel.__new__(RewardModel)
+    rm.__init__({"preset": None, "path": str(tmp_path / "rm")})
+    scores = rm.score(padded_pair())["reward"]
+    for row, ids in enumerate([[5, 6, 7, 11, 12], [9, 13, 14, 15]]):
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor([ids])).logits[0, 0]
+        assert scores[row].item() == pytest.approx(want.item(), abs=1e-5)
+
+    build_model(ModelConfig(seed=3)).save_pretrained(tmp_path / "lm", safe_serialization=safe)
+    with pytest.raises(ValueError, match="has no scalar head .*num_labels=1"):
+        RewardModel.__new__(RewardModel).__init__({"preset": None, "path": str(tmp_path / "lm")})
+    critic = build_value_model(ModelConfig(preset=None, path=str(tmp_path / "lm")))
+    assert critic.value_head.weight.abs().sum() == 0
+    if safe:
+        state = load_file(tmp_path / "lm" / "model.safetensors")
+        trl = torch.randn(1, config.hidden_size)
+        save_file({**state, "v_head.summary.weight": trl}, tmp_path / "lm" / "model.safetensors",
+                  metadata={"format": "pt"})
+        critic = build_value_model(ModelConfig(preset=None, path=str(tmp_path / "lm")))
+        torch.testing.assert_close(critic.value_head.weight.detach(), trl)
+        config.num_labels = 2
+        LlamaForSequenceClassification(config).save_pretrained(tmp_path / "two")
+        with pytest.raises(ValueError, match="head 'score' has shape \\(2, 64\\)"):
+            build_value_model(ModelConfig(preset=None, path=str(tmp_path / "two")))
 
 
 def test_entropy_is_the_entropy_of_the_next_token_distribution():

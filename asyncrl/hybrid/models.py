@@ -133,14 +133,74 @@ class ValueModel(torch.nn.Module):
         return values.squeeze(-1).clone()
 
 
-def build_value_model(cfg: ModelConfig) -> ValueModel:
-    """The backbone of `cfg`'s LM (a checkpoint's LM head is dropped) with a value head."""
+# a scalar head as checkpoints name it: ours and OpenRLHF's, transformers'
+# *ForSequenceClassification with num_labels=1, TRL's AutoModelForCausalLMWithValueHead
+HEAD_NAMES = ("value_head", "score", "v_head.summary", "v_head")
+
+
+def checkpoint_head(path: str) -> dict[str, torch.Tensor] | None:
+    """The scalar head saved in checkpoint directory `path` ({"weight": [1, H], maybe
+    "bias"}), or None when it holds none (a causal LM's checkpoint)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(path)
+    files: list[Path] = []
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).exists():
+            weight_map = json.loads((folder / index).read_text())["weight_map"]
+            files = [folder / f for f in dict.fromkeys(weight_map.values())]
+            break
+    else:
+        files = [f for f in (folder / "model.safetensors", folder / "pytorch_model.bin")
+                 if f.exists()]
+    wanted = {f"{name}.{part}" for name in HEAD_NAMES for part in ("weight", "bias")}
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as st:
+                found.update({k: st.get_tensor(k) for k in st.keys() if k in wanted})
+        else:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            found.update({k: v for k, v in state.items() if k in wanted})
+    for name in HEAD_NAMES:
+        if f"{name}.weight" in found:
+            weight = found[f"{name}.weight"]
+            if weight.dim() != 2 or weight.shape[0] != 1:
+                raise ValueError(f"checkpoint {path}: head {name!r} has shape "
+                                 f"{tuple(weight.shape)}; a value or reward head gives one "
+                                 f"number per token ([1, hidden], num_labels=1)")
+            head = {"weight": weight}
+            if f"{name}.bias" in found:
+                head["bias"] = found[f"{name}.bias"]
+            return head
+    return None
+
+
+def build_value_model(cfg: ModelConfig, require_head: bool = False) -> ValueModel:
+    """The backbone of `cfg`'s LM (a checkpoint's LM head is dropped) with a scalar head: the
+    checkpoint's own when it has one (a reward model, a critic saved before), else zeros
+    (a critic starting from the policy); `require_head`: a checkpoint without one is an error
+    (a reward model whose head was dropped would score every sample 0)."""
     from transformers import AutoModel
 
     backbone = _build(cfg, AutoModel)
     config: Any = backbone.config
     hidden = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
-    return ValueModel(backbone, hidden).to(getattr(torch, cfg.dtype)).eval()
+    model = ValueModel(backbone, hidden)
+    head = checkpoint_head(cfg.path) if cfg.path is not None else None
+    if head is not None:
+        with torch.no_grad():
+            model.value_head.weight.copy_(head["weight"])
+            if "bias" in head:
+                model.value_head.bias.copy_(head["bias"])
+    elif require_head and cfg.path is not None:
+        raise ValueError(f"checkpoint {cfg.path} has no scalar head (looked for "
+                         f"{[n + '.weight' for n in HEAD_NAMES]}): a reward model needs one; "
+                         f"save it with AutoModelForSequenceClassification(num_labels=1)")
+    return model.to(getattr(torch, cfg.dtype)).eval()
 
 
 def default_device() -> torch.device:

@@ -24,13 +24,22 @@ RESERVED = {"prompt", "prompt_ids", "prompt_mask", "response_ids", "response_mas
 
 
 class RewardModel(Worker):
-    """A value model (backbone + scalar head; from a local checkpoint on GPU machines) whose
-    value at each sequence's last real token is its reward."""
+    """A value model (backbone + scalar head) whose value at each sequence's last real token
+    is its reward. From a local checkpoint, its head is the checkpoint's (transformers'
+    *ForSequenceClassification, OpenRLHF's or TRL's value head; none is an error); from a
+    preset, a random one drawn from the seed (a stand-in for tests and benchmarks)."""
 
     def __init__(self, model: dict[str, Any]):
         from asyncrl.hybrid.models import ModelConfig, build_value_model, default_device
 
-        self.model = build_value_model(ModelConfig(**model)).to(default_device())
+        cfg = ModelConfig(**model)
+        self.model = build_value_model(cfg, require_head=True)
+        if cfg.path is None:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(cfg.seed + 1)
+                torch.nn.init.normal_(self.model.value_head.weight,
+                                      std=self.model.value_head.in_features ** -0.5)
+        self.model.to(default_device())
 
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()
