@@ -529,3 +529,30 @@ def test_wrong_resumes_fail_before_anything_starts(tmp_path):
     assert out.returncode == 2 and "no complete checkpoint was found in" in out.stderr
     assert "run without --resume" in out.stderr
     assert not empty.exists()
+
+
+class Unbuildable(asyncrl.Worker):
+    def __init__(self):
+        raise RuntimeError("this worker cannot be built")
+
+
+def test_a_flow_whose_group_fails_to_start_closes_the_groups_that_did():
+    """open() fails as a whole: the groups that started are closed and the flow is not left
+    half open (a later run() would have skipped open() and failed on its inputs)."""
+    fine = asyncrl.group(Solo, name="fine")
+    broken = asyncrl.group(Unbuildable, name="broken")
+
+    @asyncrl.node
+    def both(x):
+        return [fine.record(x), broken.record(x)]
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[both], inputs={"x": [1]}, groups=[fine, broken])
+            with pytest.raises(asyncrl.AsyncRLError, match="this worker cannot be built"):
+                await flow.open(ctl)
+            left = dict(ctl.groups)
+            with pytest.raises(RuntimeError, match="the flow is not open"):
+                await flow.step()
+            return left, fine.handle
+    assert asyncio.run(main()) == ({}, None)

@@ -129,8 +129,17 @@ def test_killed_rank_fails_pending_calls_with_group_dead_error():
                 await asyncio_wait_for(pending, 2.0 + 10)
             with pytest.raises(asyncrl.GroupDeadError):
                 group.pid()  # a dead group refuses new calls at once
-            return pids, info.value
-    pids, err = run(main())
+            first = asyncio.ensure_future(ctl.close_group(group))  # a restart's close
+            await asyncio.sleep(0)  # one turn of the loop: the close has begun
+            assert group.closing
+            with pytest.raises(asyncrl.GroupDeadError):
+                group.pid()  # still its death while it closes (recovery re-runs on it)
+            first.cancel()  # the close goes on; a second one waits for it to end
+            await ctl.close_group(group)
+            alive = [p for p in pids if pid_alive(p)]
+            return pids, info.value, alive
+    pids, err, alive = run(main())
+    assert alive == []
     assert (err.group, err.rank, err.exit_code) == ("sleeper", 1, -signal.SIGKILL)
     assert "killed by signal 9" in str(err)
     assert_gone(pids)

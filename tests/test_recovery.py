@@ -85,6 +85,23 @@ def test_a_node_that_called_a_stateful_group_is_not_rerun_but_rewound(tmp_path):
         ("rewind", ["scorer"], 3, 2)
 
 
+def test_a_death_a_node_only_awaited_is_not_rerun_but_rewound(tmp_path):
+    """score reads the trainer, so the scorer's death there is not repaired by a re-run;
+    train awaits score's value and meets that death: train never called the scorer, and a
+    re-run of train would meet the same failure again (it spun the controller's loop: a
+    hang with the loop at 100 %), so the flow goes back to its checkpoint."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = launch(tmp_path / "run", "steps=5", "hold=scorer:3", f"marks={marks}", "peek=1")
+    pid = held_pid(marks, "scorer", proc)
+    os.kill(pid, signal.SIGKILL)
+    finish(proc)
+    steps_once(tmp_path / "run", 5)
+    [event] = recoveries(tmp_path / "run")
+    assert (event["kind"], event["groups"], event["step"], event["resumed_at"]) == \
+        ("rewind", ["scorer"], 3, 2)
+
+
 def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()

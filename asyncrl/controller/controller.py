@@ -417,17 +417,23 @@ class Controller:
                 f"{group.agent.tail()}") from None
 
     async def _stop_group(self, group: GroupHandle, grace: float | None = None) -> None:
-        """Ask the ranks to exit; kill whatever is left after `grace` seconds."""
-        if group.closing:
-            return
-        group.closing = True
-        group._fail_all(ClosedError(f"group {group.name!r} was shut down"))
-        box = self.outbox()
-        group.post_all(box, "io", messages.encode(Shutdown()))
-        box.flush()
-        for info in group.ranks.values():  # nothing else goes to its sockets
-            self.relay_of.pop(info.identity, None)
-            self.relay_of.pop(info.exec_identity, None)
+        """Ask the ranks to exit; kill whatever is left after `grace` seconds. A stop goes on
+        if its caller is cancelled, and a second caller waits for it: the group's devices
+        are free only when its processes are gone."""
+        if group.stopping is None:
+            group.closing = True
+            group._fail_all(ClosedError(f"group {group.name!r} was shut down"))
+            box = self.outbox()
+            group.post_all(box, "io", messages.encode(Shutdown()))
+            box.flush()
+            for info in group.ranks.values():  # nothing else goes to its sockets
+                self.relay_of.pop(info.identity, None)
+                self.relay_of.pop(info.exec_identity, None)
+            group.stopping = asyncio.ensure_future(self._reap(group, grace))
+            group.stopping.add_done_callback(_retrieved)
+        await asyncio.shield(group.stopping)
+
+    async def _reap(self, group: GroupHandle, grace: float | None) -> None:
         agent = group.agent
         grace = self.shutdown_grace if grace is None else grace
         if agent.proc is not None and grace > 0:
@@ -443,6 +449,11 @@ class Controller:
         for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
             if info.host == here:
                 cleanup_segments(pool_prefix(self.run_id, group.name, rank, info.pid) + "-")
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # its awaiter may have gone: not "never retrieved"
 
 
 def _init_params(cls: type) -> list[str]:

@@ -208,7 +208,6 @@ class DataFlow:
     async def open(self, ctl: Any = None) -> None:
         """Spawn the flow's groups on `ctl` (the running Controller; one is opened if none)."""
         from asyncrl.controller.controller import Controller
-        from asyncrl.controller.timeline import Timeline
 
         if ctl is None:
             ctl = Controller.current()
@@ -217,6 +216,15 @@ class DataFlow:
             await ctl.start()
             self._own_ctl = True
         self._ctl = ctl
+        try:
+            await self._open(ctl)
+        except BaseException:  # nothing left running, and the flow not half open
+            await self.close()
+            raise
+
+    async def _open(self, ctl: Any) -> None:
+        from asyncrl.controller.timeline import Timeline
+
         if ctl.timeline is None:
             ctl.timeline = Timeline()
         names = [g.name for g in self.groups]
@@ -344,6 +352,7 @@ class DataFlow:
                 values[name] = next(it)
             except StopIteration:
                 return None
+        for name in self._consumed:  # only for a step that runs (checkpoints save these)
             self._consumed[name] += 1
         return values
 

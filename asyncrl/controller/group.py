@@ -135,6 +135,7 @@ class GroupHandle:
         self._fans: dict[str, list[_Host]] = {}
         self.dead: GroupDeadError | None = None
         self.closing = False
+        self.stopping: asyncio.Future[None] | None = None  # the stop in progress (controller)
         loop = ctl.loop
         self.started: asyncio.Future[None] = loop.create_future()  # every rank said hello
         self.ready: asyncio.Future[None] = loop.create_future()  # every worker is built
@@ -193,10 +194,10 @@ class GroupHandle:
         Arguments are read when the call is sent (later, if it waits for inputs or for the
         calls ahead of it); a call's tensors of 32 MiB or more in all are sent from their own
         memory (`codec.IN_PLACE_MIN`): do not change them in place until the call is done."""
+        if self.dead is not None:  # first: a dead group being replaced is still dead (a
+            raise self.dead  # node that called it can then be re-run), not "closed"
         if self.closing:
             raise ClosedError(f"group {self.name!r} is closed")
-        if self.dead is not None:
-            raise self.dead
         if method not in self.methods:
             raise self._no_method(method)
         loop = self._ctl.loop

@@ -77,9 +77,10 @@ class Recovery:
         return self.restarts[spec.name] < spec.max_restarts
 
     def rerunnable(self, exc: BaseException, called: set[str]) -> GroupSpec | None:
-        """The stateless group whose death `exc` reports, if it may restart and the node
-        called no group that keeps state (a re-run repeats every call: an update twice)."""
-        if not isinstance(exc, GroupDeadError):
+        """The stateless group whose death `exc` reports, if the node called it (a death it
+        only awaited, an upstream node's, a re-run would meet again), it may restart, and the
+        node called no group that keeps state (a re-run repeats every call: an update twice)."""
+        if not isinstance(exc, GroupDeadError) or exc.group not in called:
             return None
         spec = self._spec(exc.group)
         if spec is None or spec.stateful or not self._left(spec) or self._stateful(called):
@@ -120,11 +121,22 @@ class Recovery:
         spec.handle = await self.flow._spawn(spec)
 
     async def _unstoppable(self, work: Awaitable[Any]) -> Any:
+        """`work`, carried on if the caller is cancelled; the cancelled caller still waits for
+        it (and so keeps the group's lock): a rewind that took the lock at once would find
+        the group half closed, or spawn it a second time beside the one still starting."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(_settled)
         task.add_done_callback(self._background.discard)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            while not task.done():
+                try:
+                    await asyncio.wait([task])
+                except asyncio.CancelledError:
+                    continue  # bounded: a spawn ends by its start-up timeouts
+            raise
 
     async def finish(self) -> None:
         """Wait for closes and spawns that went on after a cancel (before the flow closes)."""
@@ -138,13 +150,14 @@ class Recovery:
         n = self.restarts[spec.name]
         delay = min(spec.restart_backoff * 2 ** (n - 1), MAX_BACKOFF)
         print(f"[asyncrl] restarting group {spec.name!r} ({n}/{spec.max_restarts}) in "
-              f"{delay:g} s: {str(cause).splitlines()[0]}", file=sys.stderr, flush=True)
+              f"{delay:g} s: {_first_line(cause)}", file=sys.stderr, flush=True)
         await asyncio.sleep(delay)
 
     # -- re-running a node -------------------------------------------------------------------
     async def call(self, node: str, step: int, fn: Callable[[], Any]) -> Any:
         """`fn()` (a node's function with its inputs bound), re-run after each death of a
         stateless group it reports; with restarts on, what it returns is guarded."""
+        seen: list[BaseException] = []
         while True:
             called: set[str] = set()
             try:
@@ -152,11 +165,13 @@ class Recovery:
                 break
             except GroupDeadError as e:
                 spec = self.rerunnable(e, called)
-                if spec is None:
-                    raise
+                if spec is None or any(e is s for s in seen):  # the same failure again: a
+                    raise  # re-run does not reach what failed
+                seen.append(e)
                 started = time.monotonic()
-                await self.respawn(spec, e)
-                self._record("rerun", [spec.name], step, node, None, e, started)
+                respawned = await self.respawn(spec, e)
+                self._record("rerun", [spec.name] if respawned else [], step, node, None, e,
+                             started)
         return self._guard(node, step, out, fn, called) if self.enabled else out
 
     def _guard(self, node: str, step: int, out: Any, fn: Callable[[], Any],
@@ -170,6 +185,7 @@ class Recovery:
                                                 called))
         self.flow._watchers.add(watcher)
         watcher.add_done_callback(self.flow._watchers.discard)
+        watcher.add_done_callback(_settled)  # its failure reaches the stand-ins
         return _replace(out, proxies)
 
     async def _follow(self, node: str, step: int, inner: list[DistFuture],
@@ -193,14 +209,15 @@ class Recovery:
                 if spec is None:
                     return
                 started = time.monotonic()
-                await self.respawn(spec, failure)
+                respawned = await self.respawn(spec, failure)
                 called = set()
                 inner = _unique_futures(await _attempt(fn, called))
                 if len(inner) != len(proxies):
                     failure = RecoveryError(f"node {node!r} returned {len(inner)} futures when "
                                             f"re-run, {len(proxies)} the first time")
                     return
-                self._record("rerun", [spec.name], step, node, None, failure, started)
+                self._record("rerun", [spec.name] if respawned else [], step, node, None,
+                             failure, started)
         except BaseException as e:  # a restart that failed, or cancelled by a rewind
             if not isinstance(e, asyncio.CancelledError):
                 failure = e
@@ -213,7 +230,8 @@ class Recovery:
         """The stateless group that ran `label` ("group.method"), if it turns out dead: a rank
         whose peer died fails the call before the death is declared."""
         spec = self._spec(label.rpartition(".")[0])  # group names may hold dots
-        if spec is None or spec.stateful or not self._left(spec) or self._stateful(called):
+        if spec is None or spec.name not in called or spec.stateful or not self._left(spec) \
+                or self._stateful(called):
             return None
         dead = await self._dead_groups()
         return spec if spec in dead else None
@@ -235,8 +253,10 @@ class Recovery:
         await flow._abandon()
         # a call pulling from a dead rank ends at its transfer timeout; one that outlasts
         # it is hung: its group goes too (not counted against its restarts)
-        stuck = [g for g in await self._settle(ctl.transfer_timeout + ctl.heartbeat_timeout)
-                 if g not in dead]
+        busy = await self._settle(ctl.transfer_timeout + ctl.heartbeat_timeout)
+        dead += [g for g in self.flow.groups if g not in dead and (
+            g.handle is None or g.handle.dead is not None)]  # died while the calls ended
+        stuck = [g for g in busy if g not in dead]
         for spec in dead:
             await self.respawn(spec, exc)
         for spec in stuck:
@@ -255,7 +275,7 @@ class Recovery:
             flow.resume_at(*flow._origin)
         resumed = flow.next_step
         self._record("rewind", [g.name for g in dead], step, None, resumed, exc, started)
-        print(f"[asyncrl] rewound to step {resumed} after: {str(exc).splitlines()[0]}",
+        print(f"[asyncrl] rewound to step {resumed} after: {_first_line(exc)}",
               file=sys.stderr, flush=True)
         return True
 
@@ -286,7 +306,7 @@ class Recovery:
     def _record(self, kind: str, groups: list[str], step: int, node: str | None,
                 resumed: int | None, cause: BaseException, started: float) -> None:
         event = RecoveryEvent(kind, groups, step, node, resumed,
-                          f"{type(cause).__name__}: {str(cause).splitlines()[0]}",
+                          f"{type(cause).__name__}: {_first_line(cause)}",
                           round(time.monotonic() - started, 3))
         self.events.append(event)
         if self.log_path is not None:
@@ -299,6 +319,10 @@ async def _attempt(fn: Callable[[], Any], called: set[str]) -> Any:
     called_groups.set(called)
     out = fn()
     return await out if asyncio.iscoroutine(out) else out
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _unique_futures(out: Any) -> list[DistFuture]:

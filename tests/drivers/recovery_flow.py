@@ -2,6 +2,8 @@
 
     step t ──▶ score (scorer: t * 10) ──▶ train (trainer: appends (t, score) to its history;
                                                  with mixed=1, then asks the scorer to echo t)
+    peek=1: score first reads the trainer (so it is never re-run) and train awaits score's
+    value (a death it did not call, which re-running train cannot repair)
 
 `hold=<group>:<step>`: that group's call of that step, on its first try only, writes its pid
 to `<marks>/<group>.pid` and waits there until the test kills or stops it. The trainer's
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import asyncrl
 
-cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0)
+cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
+                     peek=0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 
 
@@ -57,6 +60,10 @@ class Trainer(asyncrl.Worker):
         self.history.append([step, score])
         return {"trained": len(self.history), "seen": step}
 
+    @asyncrl.register(dispatch="rank_zero")
+    def trained(self):
+        return len(self.history)
+
     def save_state(self, folder):
         (folder / "history.json").write_text(json.dumps(self.history))
 
@@ -72,11 +79,15 @@ trainer = asyncrl.group(Trainer, name="trainer", max_restarts=cfg["restarts"],
 
 @asyncrl.node
 def score(step):
+    if cfg["peek"]:
+        trainer.trained()
     return scorer.score(step)
 
 
 @asyncrl.node
 async def train(step, score):
+    if cfg["peek"]:
+        score = await score
     out = trainer.train(step, score)
     if cfg["mixed"]:  # a stateless group called after a stateful one: never re-run
         assert await scorer.echo(step) == step
