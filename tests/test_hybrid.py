@@ -141,6 +141,13 @@ class Trainer(asyncrl.Worker):
     def weights(self) -> dict:
         return self.backend.state_dict()
 
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def poisoned_step(self, batch: TensorBatch) -> dict:  # a loss that is NaN on rank 1 only
+        def loss_fn(out, micro):
+            loss = sequence_mean_nll(out["logprobs"], micro)
+            return (loss * float("nan") if self.rank == 1 else loss), {}
+        return self.backend.train_step(batch, loss_fn)
+
 
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"dp": 1, "tp": 2}], ids=["dp2", "dp1-tp2"])
 def test_fsdp2_steps_match_one_process_on_the_whole_batch(mesh):
@@ -170,9 +177,14 @@ def test_fsdp2_steps_match_one_process_on_the_whole_batch(mesh):
                 per_chunk = await group.step(batch)
                 assert len({c["loss"] for c in per_chunk}) == 1  # all-reduced over dp
                 losses.append(per_chunk[0]["loss"])
-            return losses, (await group.weights())[0], pids
-    losses, weights, pids = run(main(), timeout=300)
+            weights = (await group.weights())[0]
+            poisoned = await group.poisoned_step(batch)  # every rank skips the step
+            kept = (await group.weights())[0]
+            return losses, weights, poisoned, kept, pids
+    losses, weights, poisoned, kept, pids = run(main(), timeout=300)
     assert_gone(pids)
+    assert [p["grad_nonfinite"] for p in poisoned] == [1.0] * mesh["dp"]
+    assert all(torch.equal(kept[k], weights[k]) for k in weights)  # no NaN weights
     assert losses[2] < losses[0]
     for got, want in zip(losses, expected, strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
@@ -505,6 +517,9 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         VLLMEngine("tiny-llama", tensor_parallel_size=2, llm_cls=fake_vllm.LLM,
                    sampling_params_cls=fake_vllm.SamplingParams)
+    # vLLM's log-probs after top-p are renormalised over the nucleus: not the trainer's
+    with pytest.raises(ValueError, match="top_p=0.9 < 1 is not supported"):
+        engine.generate([[1, 4]], seeds=[0], config=SamplingConfig(top_p=0.9))
     # vLLM stays out of every CPU import path
     probe = subprocess.run([sys.executable, "-c", "import sys, asyncrl, asyncrl.hybrid.roles, "
                             "asyncrl.hybrid.vllm_engine; print('vllm' in sys.modules)"],

@@ -68,6 +68,13 @@ def test_ppo_policy_loss_by_hand():
         ppo_policy_loss(logp, old, adv, mask, agg="sum")
 
 
+def test_a_huge_ratio_with_a_zero_advantage_is_no_nan():
+    """exp(100) is inf in fp32, and inf * 0 is NaN: the log-ratio is clamped (verl's 20)."""
+    logp, old = torch.tensor([[50.0, -1.0]]), torch.tensor([[-50.0, -1.0]])
+    loss, _ = ppo_policy_loss(logp, old, torch.tensor([[0.0, 1.0]]), torch.ones(1, 2))
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(-0.5)
+
+
 def test_clip_higher_and_dual_clip_by_hand():
     logp = torch.log(torch.tensor([[1.25, 5.0, 0.5]]))
     old, mask = torch.zeros(1, 3), torch.ones(1, 3)
@@ -90,6 +97,8 @@ def test_kl_penalty_by_hand():
     assert torch.allclose(kl_penalty(logp, ref), torch.tensor([k3]), atol=1e-6)
     with pytest.raises(ValueError, match="kind is"):
         kl_penalty(logp, ref, "k4")
+    far = kl_penalty(torch.tensor([[-31.0, -1.0]]), torch.tensor([[-1.0, -31.0]]))
+    assert far.tolist() == [[10.0, 10.0]]  # e^30 - 31 and 29, clamped as verl does
 
 
 def test_whiten_uses_masked_positions_only():

@@ -157,7 +157,7 @@ def test_token_rewards_put_the_score_last_and_subtract_the_kl():
 
 
 def test_policy_loss_by_hand():
-    cfg = RLConfig(algo="grpo", group_size=2, clip=0.2, kl_coef=0.5, kl_kind="k1",
+    cfg = RLConfig(algo="grpo", group_size=2, clip=0.2, kl_coef=0.5, kl_kind="k2",
                    entropy_coef=0.1)
     micro = TensorBatch({"logprobs": torch.tensor([[0.0, 0.0]]),
                          "advantages": torch.tensor([[1.0, -2.0]]),
@@ -168,7 +168,7 @@ def test_policy_loss_by_hand():
     out = {"logprobs": logp, "entropy": torch.tensor([[2.0, 4.0]])}
     loss, stats = policy_loss(cfg)(out, micro)
     pg = (-1.0 * 1.2 + 2.0 * 1.0) / 2  # token 0 clipped (A > 0, ratio > 1.2), token 1 as is
-    kl = (0.5 + -0.5) / 2
+    kl = (0.5 ** 2 / 2 + 0.5 ** 2 / 2) / 2  # k2 of 0.5 and -0.5
     assert stats["pg_loss"] == pytest.approx(pg) and stats["clipfrac"] == pytest.approx(0.5)
     assert stats["kl"] == pytest.approx(kl) and stats["entropy"] == pytest.approx(3.0)
     assert loss.item() == pytest.approx(pg + 0.5 * kl - 0.1 * 3.0)
@@ -198,10 +198,11 @@ def test_seq_mean_aggregates_the_kl_and_entropy_terms_too():
                                                                    [5.0, 9.0, 9.0]])}
     stats = {}
     for agg in ("token-mean", "seq-mean-token-mean"):
-        cfg = RLConfig(algo="grpo", group_size=2, kl_coef=1.0, kl_kind="k1", agg=agg)
+        cfg = RLConfig(algo="grpo", group_size=2, kl_coef=1.0, kl_kind="k2", agg=agg)
         stats[agg] = policy_loss(cfg)(out, micro)[1]
-    assert stats["token-mean"]["kl"] == pytest.approx((1 + 1 + 1 + 4) / 4)  # k1 = logp - ref
-    assert stats["seq-mean-token-mean"]["kl"] == pytest.approx((1 + 4) / 2)
+    # k2 = (logp - ref)^2 / 2: 0.5 on row 0's tokens, 8 on row 1's one
+    assert stats["token-mean"]["kl"] == pytest.approx((0.5 * 3 + 8) / 4)
+    assert stats["seq-mean-token-mean"]["kl"] == pytest.approx((0.5 + 8) / 2)
     assert stats["token-mean"]["entropy"] == pytest.approx((3 + 5) / 4)
     assert stats["seq-mean-token-mean"]["entropy"] == pytest.approx((1 + 5) / 2)
 
@@ -234,6 +235,19 @@ def test_config_errors_say_what_to_change():
         RLConfig(algo="dpo")
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         RLConfig(algo="ppo", dual_clip=0.5)
+    with pytest.raises(ValueError, match="kl_kind='k1' as a loss term .* use kl_kind='k2'"):
+        RLConfig(algo="ppo", kl_coef=0.1, kl_kind="k1")
+    RLConfig(algo="ppo", kl_coef=0.1, kl_kind="k1", kl_in_reward=True)  # in the reward: fine
+
+
+def test_the_sft_loss_leaves_padding_rows_out():
+    """A DP chunk padded with a repeat of its last row: the loss is the real rows' alone."""
+    from asyncrl.hybrid.fsdp import sequence_mean_nll
+
+    logp = torch.tensor([[-1.0, -3.0], [-2.0, 0.0], [-2.0, 0.0]])
+    batch = TensorBatch({"response_mask": torch.tensor([[1, 1], [1, 0], [1, 0]])},
+                        {PAD_KEY: 1})
+    assert sequence_mean_nll(logp, batch).item() == pytest.approx((2.0 + 2.0) / 2)
 
 
 def test_group_sampling_repeats_prompts_with_a_seed_per_sample():

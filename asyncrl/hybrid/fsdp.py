@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.models import (
     ModelConfig,
     build_model,
@@ -185,9 +185,12 @@ def clip_grad_norm(params: Any, max_norm: float) -> float:
 
 
 def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
-    """Mean over sequences of the mean negative log-likelihood of their response tokens."""
+    """Mean over the real sequences (not a DP chunk's padding rows) of the mean negative
+    log-likelihood of their response tokens."""
     mask = batch.tensor("response_mask").to(logprobs.dtype)
-    return (-(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    per_row = -(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)
+    real = len(batch) - batch.meta.get(PAD_KEY, 0)
+    return per_row[:real].sum() / max(real, 1)
 
 
 def nll_loss(out: dict[str, torch.Tensor], batch: TensorBatch
@@ -309,10 +312,13 @@ class FSDPBackend(TrainBackend):
         stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward())
         norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
         lr = self.opt.param_groups[0]["lr"]
-        self.opt.step()
+        finite = math.isfinite(norm)
+        if finite:  # a NaN or inf gradient would make every weight NaN for good: skipped
+            self.opt.step()  # (as verl does; every rank sees the same global norm)
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return {**stats, "grad_norm": float(norm), "lr": lr}
+        return {**stats, "grad_norm": float(norm), "lr": lr,
+                "grad_nonfinite": 0.0 if finite else 1.0}
 
     def save(self, folder: Any) -> None:
         """Weights and optimizer state, each rank its shards (torch.distributed.checkpoint:

@@ -8,7 +8,8 @@ offload weights while training. New weights go in through a worker extension who
 `collective_rpc` calls on every vLLM worker: no reload from disk.
 
 Matching the built-in Sampler: log-probs after temperature (`logprobs_mode=
-"processed_logprobs"`, vLLM >= 0.10.2; vLLM's default is before it), token ids in and out
+"processed_logprobs"`, vLLM >= 0.10.2; vLLM's default is before it; after top-p too, so
+top_p < 1 is refused), token ids in and out
 (no tokenizer, no detokenizing), stops on `stop_token_ids` only (`ignore_eos`). Weights
 loaded while asleep first wake vLLM's weight memory (loading into slept memory is an illegal
 access, and waking after it would restore the old weights over the new). Not supported:
@@ -59,6 +60,7 @@ class VLLMEngine:
                              f"is supported (each rank generates its own DP rows); use more "
                              f"ranks instead")
         self.config = sampling or SamplingConfig()
+        _check_top_p(self.config)
         self._params_cls = sampling_params_cls
         # vLLM refuses to start if less than gpu_memory_utilization of the GPU is free: build
         # it before the trainer on a shared GPU, or lower it
@@ -83,6 +85,7 @@ class VLLMEngine:
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give "
                              f"one seed per sample")
+        _check_top_p(cfg)
         params = [self._params_cls(temperature=cfg.temperature, top_p=cfg.top_p,
                                    max_tokens=cfg.max_new_tokens,
                                    stop_token_ids=list(cfg.stop_token_ids), seed=int(s),
@@ -141,3 +144,13 @@ class VLLMEngine:
 
     def resume(self) -> None:
         self.paused = False
+
+
+def _check_top_p(cfg: SamplingConfig) -> None:
+    """vLLM's processed log-probs are renormalised over the top-p nucleus, the trainer's (and
+    the built-in Sampler's) are not: with top_p < 1 every ratio would start near top_p, not 1,
+    and PPO's clip would silence the negative advantages."""
+    if cfg.top_p < 1:
+        raise ValueError(f"VLLMEngine: top_p={cfg.top_p} < 1 is not supported: vLLM's "
+                         f"log-probs would be renormalised over the nucleus and differ from "
+                         f"the trainer's; sample with top_p=1 (as RL rollouts usually do)")

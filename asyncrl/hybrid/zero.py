@@ -10,6 +10,7 @@ is mis-initialised), with a plain torch AdamW so the update is FSDP2's.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -106,8 +107,10 @@ class ZeroBackend(TrainBackend):
 
         lr = self.opt.param_groups[0]["lr"]
         stats = self._accumulate(batch, loss_fn, entropy, backward)
-        norm = self.engine.get_global_grad_norm()
-        return {**stats, "grad_norm": float(norm if norm is not None else 0.0), "lr": lr}
+        norm = float(self.engine.get_global_grad_norm() or 0.0)
+        # reported, not skipped: DeepSpeed steps anyway outside fp16 loss scaling
+        return {**stats, "grad_norm": norm, "lr": lr,
+                "grad_nonfinite": 0.0 if math.isfinite(norm) else 1.0}
 
     def save(self, folder: Any) -> None:
         """Weights and optimizer state in DeepSpeed's checkpoint format (same layout to load)."""

@@ -167,7 +167,8 @@ class Actor(Policy):
     def _batch_stats(self, batch: TensorBatch) -> dict[str, float]:
         """Reward and lengths over the real rows of every rank."""
         valid = valid_rows(batch)
-        resp = batch.tensor("loss_mask").sum(1)
+        resp = batch.tensor("response_mask").float().sum(1) * valid  # dropped rows too: n has
+        # them (loss_mask leaves out the rows dropped as too stale)
         prompt = batch.tensor("prompt_mask").float().sum(1) * valid
         reward = batch.tensor("reward") * valid
         n, r_sum, r_sq, len_sum, tokens = global_sums(

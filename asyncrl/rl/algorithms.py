@@ -54,7 +54,8 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     that have a token in the mask: padding and dropped rows count in neither). clipfrac: the
     share of masked tokens where the clipped term is the larger."""
     m = mask.to(logp.dtype)
-    ratio = torch.exp(logp - old_logp)
+    # clamped as verl does: e^89 is inf in fp32, and inf * a zero advantage is NaN
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + (clip if clip_high is None
                                                               else clip_high))
@@ -86,15 +87,16 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL estimates against the reference policy, unclamped: k1 logp - ref,
-    k2 (logp - ref)^2 / 2, k3 exp(ref - logp) - (ref - logp) - 1."""
+    """Per-token KL estimates against the reference policy: k1 logp - ref, k2 (logp - ref)^2
+    / 2, k3 exp(ref - logp) - (ref - logp) - 1 clamped to [-10, 10] as verl's low_var_kl
+    (one token far below the reference would give e^30 and outweigh everything else)."""
     diff = logp - ref_logp
     if kind == "k1":
         return diff
     if kind == "k2":
         return diff.pow(2) / 2
     if kind == "k3":  # expm1: exp(-d) - 1 + d without cancelling away small d
-        return torch.expm1(-diff) + diff
+        return torch.clamp(torch.expm1(-diff) + diff, -10.0, 10.0)
     raise ValueError(f"kl_penalty: kind is 'k1', 'k2' or 'k3', got {kind!r}")
 
 

@@ -55,6 +55,10 @@ class RLConfig:
                 raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise ValueError(f"RLConfig.kl_kind is 'k1', 'k2' or 'k3', got {self.kl_kind!r}")
+        if self.kl_kind == "k1" and self.kl_coef and not self.kl_in_reward:
+            raise ValueError("RLConfig: kl_kind='k1' as a loss term does not pull towards the "
+                             "reference (its gradient, grad log p, is 0 in expectation); use "
+                             "kl_kind='k2' or 'k3' for a loss, or k1 with kl_in_reward=True")
         if self.correction not in ("none", "tis", "decoupled"):
             raise ValueError(f"RLConfig.correction is 'none', 'tis' or 'decoupled', got "
                              f"{self.correction!r}")
