@@ -411,9 +411,13 @@ def test_malformed_transfer_requests_are_rejected(bg, groups):
         assert "outside" in ask(messages.Pull(2, obj_id=obj, start=0, stop=99)).error
         assert "not a segment of the puller's pool" in ask(messages.Pull(
             3, obj_id=obj, start=0, stop=1, dest="../etc/passwd")).error
-        other_pool = f"asyncrl-{bg.ctl.run_id}-c1-0-0"  # another rank's live segment
+        other_pool = f"asyncrl-{bg.ctl.run_id}-c1+0-0"  # another rank's live segment
         assert "not a segment of the puller's pool" in ask(messages.Pull(
             5, obj_id=obj, start=0, stop=1, dest=other_pool,
+            columns=[messages.ColumnDest("i", 0, 8)])).error
+        lookalike = f"asyncrl-{bg.ctl.run_id}-tester-0+1-7"  # group "tester-0", not rank 0
+        assert "not a segment of the puller's pool" in ask(messages.Pull(
+            7, obj_id=obj, start=0, stop=1, dest=lookalike,
             columns=[messages.ColumnDest("i", 0, 8)])).error
         wrong_server = Signer(secret).sign(b"tester/0/pull@tcp://elsewhere:1",
                                            messages.encode(messages.Pull(6, obj_id=obj)))
@@ -557,7 +561,9 @@ def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch):
 
     def producer():
         (who, first), (_, second) = pulls(2)  # one fetch, two pieces
-        answer(who, messages.Pulled(first.xfer_id, error="LookupError: gone"))
+        # an error that came with rows exported before it: released at once
+        answer(who, messages.Pulled(first.xfer_id, error="LookupError: gone",
+                                    ipc={"x": gpu_rows}))
         answer(who, messages.Pulled(second.xfer_id, ipc={"x": gpu_rows}))  # after the error
         [(who, third)] = pulls(1)
         answer(who, messages.Pulled(third.xfer_id, value=msgspec.Raw(codec.encode(7))))
@@ -571,11 +577,55 @@ def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch):
                           [messages.Column("x", "list")])
         with pytest.raises(RuntimeError, match="gone"):
             client.fetch_batch(two)
-        assert released == []
-        assert client.fetch_value(RemoteValue(shard)) == 7  # the late reply came first
         assert released == [gpu_rows]
+        assert client.fetch_value(RemoteValue(shard)) == 7  # the late reply came first
+        assert released == [gpu_rows, gpu_rows]
     finally:
         thread.join(10)
         client.close()
         server.close(0)
         ctx.term()
+
+
+def test_pulled_frames_must_fill_their_rows_and_no_pool_means_process_memory():
+    """A client without a segment pool builds its columns in its own memory (they were left
+    uninitialised), and a frame of the wrong size is refused (numpy would have broadcast a
+    short one over the rows). A scripted producer answers on a real socket."""
+    import threading
+
+    import zmq
+
+    from asyncrl.comm import dataplane
+    from asyncrl.comm.channel import open_frame
+    from asyncrl.comm.remote import Piece, RemoteBatch, Shard
+
+    secret = b"k" * 32
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    signer, verifier = Signer(secret), Verifier(secret)
+    x = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+
+    def producer():
+        for short in (False, True):
+            who, *frames = server.recv_multipart()
+            req = open_frame(verifier, who + b"@" + addr.encode(), frames)
+            rows = x[req.start:req.stop].numpy().tobytes()
+            server.send_multipart([who, *signer.sign(b">" + who, messages.encode(
+                messages.Pulled(req.xfer_id, buffers=["x"]))), rows[:4] if short else rows])
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    client = dataplane.DataClient(ctx, secret, "cons/0", "127.0.0.1", None, timeout=10)
+    try:
+        batch = RemoteBatch([Piece(Shard("prod", 0, 1, addr, "127.0.0.1"), 0, 3)],
+                            [messages.Column("x", "float32", (2,))])
+        assert torch.equal(client.fetch_batch(batch)["x"], x)
+        with pytest.raises(RuntimeError, match="column 'x' came with 4 bytes, 24 expected"):
+            client.fetch_batch(batch)
+    finally:
+        thread.join(10)
+        client.close()
+        server.close(0)
+        ctx.term()
+

@@ -224,13 +224,21 @@ class RankMain:
                                                      f"{self.group}:{self.rank}")
         except Exception as e:  # noqa: BLE001 - e.g. a value that cannot be sent
             reply = Fetched(obj_id, self.rank, error=f"{type(e).__name__}: {e}")
+        try:
+            self._fetch_socket().send(reply, frames)
+        except Exception as e:  # noqa: BLE001 - the driver's await must hear of it (frames
+            traceback.print_exc()  # that could not be sent; else this raises too, printed)
+            self._fetch_socket().send(Fetched(obj_id, self.rank, error=(
+                f"sending it failed on {self.group}:{self.rank}: {type(e).__name__}: {e}")))
+
+    def _fetch_socket(self) -> RankSocket:
         if self.fetch_sock is None:  # straight to the controller: a host relay forwards
             # signed messages only, and this is the one that has raw frames
             bind_gpu()
             identity = f"{self.group}/{self.rank}/fetch/{os.getpid()}".encode()
             self.fetch_sock = RankSocket(zmq.Context(), self.address, identity, self.secret,
                                          curve=self.curve)
-        self.fetch_sock.send(reply, frames)
+        return self.fetch_sock
 
     # -- exec thread ----------------------------------------------------------------------
     def exec_loop(self) -> None:

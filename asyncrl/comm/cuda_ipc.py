@@ -72,6 +72,9 @@ def release(info: IpcRows) -> None:
 
 def copy_rows_into(info: IpcRows, dst: torch.Tensor) -> None:
     """Copy the shared rows into `dst` (a CUDA tensor of the same shape and dtype)."""
+    if tuple(info.shape) != tuple(dst.shape) or info.dtype != str(dst.dtype)[6:]:
+        raise ValueError(f"CUDA IPC rows of shape {tuple(info.shape)} {info.dtype} for a "
+                         f"destination of {tuple(dst.shape)} {str(dst.dtype)[6:]}")
     device, storage = _open(info)
     src = torch.empty(0, dtype=getattr(torch, info.dtype), device=f"cuda:{device}")
     src.set_(storage, info.offset, info.shape, info.stride)

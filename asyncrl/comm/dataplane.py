@@ -54,8 +54,9 @@ def run_prefix(run_id: str) -> str:
 
 def pool_prefix(run_id: str, group: str, rank: int, pid: int) -> str:
     """The names of one rank's segment pool: the pid, so that a respawned rank never meets
-    the segments its dead predecessor left behind."""
-    return f"{run_prefix(run_id)}{group}-{rank}-{pid}"
+    the segments its dead predecessor left behind. '+' cannot be in a group name: no other
+    group's names start with this group's and rank's ("a" rank 1 and group "a-1" would)."""
+    return f"{run_prefix(run_id)}{group}+{rank}-{pid}"
 
 
 def _puller(identity: bytes) -> tuple[str, str]:
@@ -102,7 +103,7 @@ class DataServer:
         self._route = b"@" + self.address.encode()  # a pull signed for another server fails
         self._lookup = lookup  # obj_id -> stored value, KeyError if absent
         self._peer = peer
-        self._run_prefix = run_prefix  # segments of this run: f"{run_prefix}{group}-{rank}-"
+        self._run_prefix = run_prefix  # segments of this run: f"{run_prefix}{group}+{rank}-"
         self._mapper = SegmentMapper()
         self._on_start = on_start
         self._timeout = timeout  # for an NCCL send to be received
@@ -115,7 +116,11 @@ class DataServer:
 
     def _serve(self) -> None:
         if self._on_start is not None:
-            self._on_start()
+            try:
+                self._on_start()
+            except Exception:  # noqa: BLE001 - CPU columns can still be served
+                log.exception("asyncrl data server %s: setting up its thread failed",
+                              self._peer)
         while True:
             try:
                 self._serve_one()
@@ -138,6 +143,9 @@ class DataServer:
             reply, buffers = self._answer(req, identity)
         except Exception as e:  # noqa: BLE001 - a bad request is refused, never fatal
             self.rejected += 1
+            if not isinstance(e, LookupError | ValueError | TypeError):  # not the request's
+                log.exception("asyncrl data server %s: pull %d failed", self._peer,
+                              req.xfer_id)  # fault: the puller gets one line, this the rest
             if req.dest:
                 self._mapper.forget(req.dest)  # the puller may have given the segment up
             reply, buffers = Pulled(req.xfer_id, error=f"{type(e).__name__}: {e}"), []
@@ -163,11 +171,22 @@ class DataServer:
         lists = {k: c[req.start:req.stop] for k, c in value.items() if isinstance(c, list)}
         reply = Pulled(req.xfer_id, lists=msgspec.Raw(codec.encode(lists)) if lists else NONE)
         tensors = {k: c for k, c in value.items() if isinstance(c, torch.Tensor)}
-        for key in req.ipc:  # GPU columns for a puller on this host: device to device
+        by_ipc = {}  # GPU columns for a puller on this host: device to device
+        for key in req.ipc:
             if key not in tensors or not tensors[key].is_cuda:
                 raise ValueError(f"column {key!r} of object {req.obj_id} on {self._peer} is "
                                  f"not a GPU tensor: it cannot go by CUDA IPC")
-            reply.ipc[key] = export_rows(tensors.pop(key), req.start, req.stop)
+            by_ipc[key] = tensors.pop(key)
+        reply, buffers = self._send_rest(req, identity, reply, tensors)
+        # exported last, once nothing else can fail: rows exported into a reply that then
+        # carried an error instead would never be opened, and their GPU block never freed
+        for key, t in by_ipc.items():
+            reply.ipc[key] = export_rows(t, req.start, req.stop)
+        return reply, buffers
+
+    def _send_rest(self, req: Pull, identity: bytes, reply: Pulled,
+                   tensors: dict[str, torch.Tensor]) -> tuple[Pulled, list[Any]]:
+        """The columns that go by NCCL, as frames, or into the puller's shared segment."""
         if req.nccl:  # sent before the answer: an answer means the bytes are there
             missing = [k for k in req.nccl if k not in tensors]
             if missing:
@@ -180,7 +199,7 @@ class DataServer:
             reply.buffers = list(tensors)
             return reply, [_bytes_of(t[req.start:req.stop]) for t in tensors.values()]
         group, rank = _puller(identity)
-        own = f"{self._run_prefix}{group}-{rank}-"  # only the puller's own pool, this run
+        own = f"{self._run_prefix}{group}+{rank}-"  # only the puller's own pool, this run
         if not req.dest.startswith(own):
             raise ValueError(f"destination {req.dest!r} is not a segment of the puller's "
                              f"pool (expected a name starting {own!r})")
@@ -317,13 +336,17 @@ class DataClient:
                 if isinstance(reply, Pulled) and reply.xfer_id in pending:
                     deadline = time.monotonic() + self._timeout  # the timeout is for silence
                     piece, req = pending.pop(reply.xfer_id)
-                    if reply.error:
-                        raise RuntimeError(f"pull from {piece.shard.peer} failed: "
-                                           f"{reply.error}")
-                    if len(frames) - 2 != len(reply.buffers):
-                        raise RuntimeError(f"pull from {piece.shard.peer}: "
-                                           f"{len(frames) - 2} buffers for "
-                                           f"{len(reply.buffers)} columns")
+                    try:
+                        if reply.error:
+                            raise RuntimeError(f"pull from {piece.shard.peer} failed: "
+                                               f"{reply.error}")
+                        if len(frames) - 2 != len(reply.buffers):
+                            raise RuntimeError(f"pull from {piece.shard.peer}: "
+                                               f"{len(frames) - 2} buffers for "
+                                               f"{len(reply.buffers)} columns")
+                    except RuntimeError:
+                        _release(reply.ipc.values())
+                        raise
                     take(req, reply, frames[2:])
                 elif isinstance(reply, Pulled):  # for a pull given up when another failed
                     _release(reply.ipc.values())
@@ -371,6 +394,7 @@ class DataClient:
         # the destination is a segment of this rank's pool (warm memory, reused): producers
         # on this host write into it directly; over TCP their frames are copied into it
         lease = self._pool.acquire(total) if self._pool is not None and total else None
+        heap = np.empty(total, np.uint8) if lease is None and total else None  # no pool
         direct = lease is not None and self._transport != "tcp" and same_host
         dests = [ColumnDest(c.key, offsets[c.key], row_bytes[c.key]) for c in tensor_cols]
         requests: list[tuple[Piece, Pull]] = []
@@ -386,15 +410,16 @@ class DataClient:
             (mine if piece.shard.addr == self._own_addr else requests).append((piece, req))
             rows_at[req.xfer_id] = row
             row += piece.stop - piece.start
-        buf = lease.buf if lease is not None and not direct else None
+        buf = heap if heap is not None else lease.buf if lease is not None and not direct \
+            else None
         lists: dict[int, Any] = {}
 
         def take(req: Pull, reply: Pulled, frames: list) -> None:
-            if len(reply.lists) > 1:  # more than a msgpack nil
-                lists[req.xfer_id] = codec.decode(reply.lists)
             start, count = rows_at[req.xfer_id], req.stop - req.start
             left = dict(reply.ipc)
             try:
+                if len(reply.lists) > 1:  # more than a msgpack nil
+                    lists[req.xfer_id] = codec.decode(reply.lists)
                 for key, info in reply.ipc.items():
                     copy_rows_into(info, ipc[key][start:start + count])
                     del left[key]
@@ -403,12 +428,16 @@ class DataClient:
             if buf is None:
                 return
             for key, frame in zip(reply.buffers, frames, strict=True):
+                size = count * row_bytes.get(key, -1)  # a frame must fill its rows exactly
+                if frame.buffer.nbytes != size:  # (numpy would broadcast a short one)
+                    raise RuntimeError(f"pull of object {req.obj_id}: column {key!r} came "
+                                       f"with {frame.buffer.nbytes} bytes, {size} expected")
                 at = offsets[key] + start * row_bytes[key]
-                buf[at:at + count * row_bytes[key]] = np.frombuffer(frame.buffer, np.uint8)
+                buf[at:at + size] = np.frombuffer(frame.buffer, np.uint8)
 
         for _, req in mine:  # this rank's own rows: a copy (CUDA cannot open its own handles)
             self._copy_own(req, rows_at[req.xfer_id], lists, ipc, by_nccl,
-                           lease.buf if lease is not None else None, offsets, row_bytes)
+                           lease.buf if lease is not None else heap, offsets, row_bytes)
         links = {k: nccl.link(k) for k in sorted({r.nccl_key for _, r in requests if r.nccl})}
 
         def post() -> None:  # the receives of every bucket, once its pull is on its way
@@ -442,9 +471,12 @@ class DataClient:
             for c, arr in zip(tensor_cols, arrays, strict=True):
                 data[c.key] = torch.from_numpy(arr).view(getattr(torch, c.dtype)).reshape(
                     n, *c.shape)
-        else:  # no rows, or no pool
+        else:  # no pool (or no bytes): in process memory
             for c in tensor_cols:
-                data[c.key] = torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype))
+                raw = heap[offsets[c.key]:offsets[c.key] + row_bytes[c.key] * n] \
+                    if heap is not None else np.empty(0, np.uint8)
+                data[c.key] = torch.from_numpy(raw).view(getattr(torch, c.dtype)).reshape(
+                    n, *c.shape)
         data.update(ipc)
         data.update(by_nccl)
         for c in all_cols:
