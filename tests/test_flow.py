@@ -238,6 +238,39 @@ def test_state_edges_with_staleness_one_overlap_but_stay_bounded():
     assert all(start[t] >= end[t - 2] for t in range(2, 4))  # never two trains behind
 
 
+aside = asyncrl.group(Clocked, name="aside")
+
+
+@asyncrl.node
+async def slow_eval(train, step):  # a side node of the trained weights: nothing of a later
+    await train  # step needs it
+    return aside.work(["eval", step], 0.5)
+
+
+def test_a_slow_side_node_does_not_hold_back_the_next_rollout():
+    """max_staleness=0: rollout t waits for train t-1 (its state edge), not for the slow eval
+    of step t-1 beside it; the eval may lag one step, not more (every node of step t-2 has
+    finished before step t starts)."""
+    flow = asyncrl.DataFlow(nodes=[roll, train, slow_eval], inputs={"step": range(4)},
+                            groups=[left, right, aside])
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            await flow.open(ctl)
+            try:
+                await flow.run()
+                return await left.history(), await right.history(), await aside.history()
+            finally:
+                await flow.close()
+    rolls, trains, evals = run(main())
+    start = {s: a for (tag, s), a, _ in rolls}
+    trained = {s: b for (tag, s), _, b in trains}
+    evaluated = {s: b for (tag, s), _, b in evals}
+    assert all(start[t] >= trained[t - 1] for t in range(1, 4))  # on-policy still
+    assert any(start[t] < evaluated[t - 1] for t in range(1, 4))  # not behind the eval
+    assert all(start[t] >= evaluated[t - 2] for t in range(2, 4))  # a lag of one at most
+
+
 @asyncrl.node
 def explode(step):
     return left.boom()
@@ -304,9 +337,10 @@ def test_a_long_run_lets_the_futures_of_finished_steps_go():
             finally:
                 await flow.close()
     held = run(main())
-    # step 11's batch: a next step (max_staleness 0) would wait on it. (`left` has no
-    # restarts: recovery would follow the outputs too)
-    assert len(held) == 1
+    # steps 10 and 11's batches: a next step (max_staleness 0) would wait on them (all of
+    # step 10, step 11's followed nodes). (`left` has no restarts: recovery would follow the
+    # outputs too)
+    assert len(held) == 2
 
 
 class Pair(NamedTuple):

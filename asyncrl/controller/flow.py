@@ -3,7 +3,8 @@
     step t:  inputs ──▶ rollout ──▶ score ──▶ train        a node starts when the nodes it
                           └──────▶ ref ───────┘             names have *returned* (their
     step t+1:  rollout(follows="train") waits for           futures may still be running), so
-               train of step t-k to finish (k = max_staleness)   a step is dispatched at once
+               train of step t-k to finish (k = max_staleness)   a step is dispatched at once;
+               and all of step t-k-1 (a bound on steps in flight)
     checkpoint after step t: steps <= t all finish, the save runs, then step t+1 is dispatched
 
 A node is a small controller-side function; its parameters name its inputs (flow inputs,
@@ -367,12 +368,12 @@ class DataFlow:
         if self._ctl is None:
             raise RuntimeError("the flow is not open: use `async with flow:` or flow.run()")
         t = self.next_step
-        window = t - self.max_staleness - 1
-        # at most max_staleness + 1 steps in flight: every node of step t-k-1 has finished
-        # before step t starts, so a `follows=` edge holds as well (a step let go below, or
-        # one before a resume, has finished)
-        if window in self._steps:
-            await asyncio.gather(*self._steps[window].finished.values())
+        # a `follows=` node waits for its node of step t-k-1 (_run_node); the steps in flight
+        # are bounded one further: every node of step t-k-2 has finished before step t starts
+        # (a side node, an eval or a critic's update, may lag one step behind, not more)
+        bound = t - self.max_staleness - 2
+        if bound in self._steps:
+            await asyncio.gather(*self._steps[bound].finished.values())
         values = self._next_inputs()
         if values is None:
             return None
@@ -384,9 +385,9 @@ class DataFlow:
             task = _quiet(loop.create_task(self._run_node(step, self.nodes[name], values)))
             step.returned[name] = task
             step.finished[name] = _quiet(loop.create_task(_finished(task, name, t)))
-        # step t+1 waits for step t-k, and nothing later looks further back: older steps
-        # (all finished, as step t-k-1 was before this one) are let go
-        for old in [i for i in self._steps if i < window + 1]:
+        # step t+1 looks back to step t-k-1 (its bound) and t-k (its follows= edges): older
+        # steps (all finished, as step t-k-2 was before this one) are let go
+        for old in [i for i in self._steps if i < bound + 1]:
             del self._steps[old]
         try:
             return {name: await task for name, task in step.returned.items()}
@@ -396,6 +397,10 @@ class DataFlow:
             raise
 
     async def _run_node(self, step: _Step, n: Node, values: dict[str, Any]) -> Any:
+        if n.follows is not None:  # the state edge: the followed node of step t-k-1 finished
+            before = self._steps.get(step.index - self.max_staleness - 1)
+            if before is not None:  # (absent: before a resume, or let go once finished)
+                await before.finished[n.follows]
         kwargs = {}
         for p in n.params:
             src = self.deps[n.name][p.name]
