@@ -74,6 +74,24 @@ def test_dead_or_hung_stateless_rank_reruns_only_its_node(tmp_path, sig):
     assert "restarting group 'scorer' (1/2)" in err
 
 
+def test_a_peer_death_an_async_node_meets_as_a_broken_collective_reruns_it(tmp_path):
+    """Rank 1 of the two-rank scorer dies while rank 0 waits in their all-reduce: the async
+    score node's await may fail with rank 0's RemoteError before the death is declared; it
+    waits for the death to show and re-runs like any other (it used to rewind)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = launch(tmp_path / "run", "steps=5", "hold=scorer:2", f"marks={marks}",
+                  "collective=1")
+    pid = held_pid(marks, "scorer", proc)
+    os.kill(pid, signal.SIGKILL)
+    finish(proc)
+    steps_once(tmp_path / "run", 5)
+    event, *others = recoveries(tmp_path / "run")
+    assert (event["kind"], event["groups"], event["node"], event["step"]) == \
+        ("rerun", ["scorer"], "score", 2)
+    assert all((e["kind"], e["groups"]) == ("rerun", []) for e in others)
+
+
 def test_a_node_that_called_a_stateful_group_is_not_rerun_but_rewound(tmp_path):
     """The train node updates the trainer, then calls the scorer, which dies: re-running the
     node would train on step 3 twice, so the flow goes back to its checkpoint instead."""

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.controller.timeline import called_groups
-from asyncrl.errors import ClosedError, GroupDeadError, SpawnError
+from asyncrl.errors import ClosedError, GroupDeadError, RemoteError, SpawnError
 from asyncrl.futures.future import DistFuture, futures_in, rebuild
 
 if TYPE_CHECKING:
@@ -156,15 +156,19 @@ class Recovery:
     # -- re-running a node -------------------------------------------------------------------
     async def call(self, node: str, step: int, fn: Callable[[], Any]) -> Any:
         """`fn()` (a node's function with its inputs bound), re-run after each death of a
-        stateless group it reports; with restarts on, what it returns is guarded."""
+        stateless group it called (an async node's await may meet it first as a peer's
+        broken collective); with restarts on, what it returns is guarded."""
         seen: list[BaseException] = []
         while True:
             called: set[str] = set()
             try:
                 out = await _attempt(fn, called)
                 break
-            except GroupDeadError as e:
+            except Exception as e:
                 spec = self.rerunnable(e, called)
+                if spec is None and isinstance(e, RemoteError):  # a peer's death fails a
+                    # collective before the death is declared: wait for it to show
+                    spec = await self._died(f"{e.group}.{e.method}", called)
                 if spec is None or any(e is s for s in seen):  # the same failure again: a
                     raise  # re-run does not reach what failed
                 seen.append(e)

@@ -4,6 +4,8 @@
                                                  with mixed=1, then asks the scorer to echo t)
     peek=1: score first reads the trainer (so it is never re-run) and train awaits score's
     value (a death it did not call, which re-running train cannot repair)
+    collective=1: the scorer has two ranks that all-reduce, score awaits it (an async node);
+    a hold there holds rank 1 only, so killing it breaks rank 0's collective
 
 `hold=<group>:<step>`: that group's call of that step, on its first try only, writes its pid
 to `<marks>/<group>.pid` and waits there until the test kills or stops it. The trainer's
@@ -19,7 +21,7 @@ from pathlib import Path
 import asyncrl
 
 cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
-                     peek=0)
+                     peek=0, collective=0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 
 
@@ -43,6 +45,17 @@ class Scorer(asyncrl.Worker):
     def score(self, step):
         _hold("scorer", step)
         return step * 10
+
+    @asyncrl.register
+    def score_all(self, step):  # every rank, through an all-reduce
+        import torch
+        import torch.distributed as dist
+
+        if self.rank == 1:
+            _hold("scorer", step)
+        t = torch.tensor([float(step * 10)])
+        dist.all_reduce(t)
+        return t.item() / self.world_size
 
     @asyncrl.register(dispatch="rank_zero")
     def echo(self, step):
@@ -71,14 +84,16 @@ class Trainer(asyncrl.Worker):
         self.history = json.loads((folder / "history.json").read_text())
 
 
-scorer = asyncrl.group(Scorer, name="scorer", max_restarts=cfg["restarts"],
-                       restart_backoff=0.1)
+scorer = asyncrl.group(Scorer, name="scorer", nprocs=2 if cfg["collective"] else 1,
+                       max_restarts=cfg["restarts"], restart_backoff=0.1)
 trainer = asyncrl.group(Trainer, name="trainer", max_restarts=cfg["restarts"],
                         restart_backoff=0.1)
 
 
 @asyncrl.node
-def score(step):
+async def score(step):
+    if cfg["collective"]:
+        return (await scorer.score_all(step))[0]
     if cfg["peek"]:
         trainer.trained()
     return scorer.score(step)
