@@ -272,6 +272,34 @@ def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
 
 
+def test_a_policy_checkpoint_brings_back_its_weights_and_the_engine_follows(tmp_path):
+    """A Policy that trains (SFT, or a trainer feeding Rollouts) keeps state: its checkpoint
+    restores weights and version (it resumed as freshly built), and the next generation runs
+    on the restored weights, not on those of the last switch."""
+    from asyncrl.controller.declare import GroupSpec
+
+    assert GroupSpec(Policy, (), {}, 1, None, None, None, None, "").stateful
+    batch = fixed_batch()
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await small_policy(ctl, Policy, seed=4)
+            pids = group_pids(policy)
+            await policy.train_step(batch)
+            await policy.save_checkpoint(str(tmp_path))
+            saved = (await policy.weights("train"))[0]
+            await policy.train_step(batch)
+            await policy.generate(prompts_batch(4))  # the engine holds step 2's weights
+            await policy.load_checkpoint(str(tmp_path))
+            await policy.generate(prompts_batch(4))
+            return (saved, (await policy.weights("train"))[0],
+                    (await policy.weights("engine"))[0], pids)
+    saved, loaded, engine, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert all(torch.equal(engine[k], saved[k]) for k in saved)
+
+
 class ReleasingPolicy(Policy):
     """A hybrid Policy that frees its engine's weights while training, as on a GPU."""
 

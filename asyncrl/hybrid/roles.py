@@ -156,6 +156,20 @@ class Policy(Worker):
             raise ValueError(f"layout is 'train' or 'engine', got {layout!r}")
         return self.backend.state_dict()
 
+    # -- checkpoints: weights, optimizer, schedule and version (a Policy that trains, an
+    # Actor) -- without them a resumed or restarted one came back as freshly built -----------
+    def save_state(self, folder: Path) -> None:
+        self.to_train()
+        self.backend.save(folder / "train")
+        if self.rank == 0:
+            torch.save({"version": self.version}, folder / "actor.pt")
+
+    def load_state(self, folder: Path) -> None:
+        self.to_train()
+        self.before_weights_change()  # a rollout may still be pulling a pack of the weights
+        self.backend.load(folder / "train")
+        self.version = int(torch.load(folder / "actor.pt")["version"])
+
     @register
     def switch_report(self) -> dict:
         """Where the last switch stood: its mode and the largest tensor it gathered."""

@@ -16,7 +16,6 @@ and the optimizer state.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,13 +178,3 @@ class Actor(Policy):
                 ** 0.5, "response_length/mean": len_sum / max(n, 1.0), "perf/tokens": tokens}
 
     # -- checkpoints --------------------------------------------------------------------------
-    def save_state(self, folder: Path) -> None:
-        self.to_train()
-        self.backend.save(folder / "train")
-        if self.rank == 0:
-            torch.save({"version": self.version}, folder / "actor.pt")
-
-    def load_state(self, folder: Path) -> None:
-        self.to_train()
-        self.backend.load(folder / "train")
-        self.version = int(torch.load(folder / "actor.pt")["version"])
