@@ -31,14 +31,17 @@ from asyncrl.errors import CheckpointError
 
 def _load(path: str, overrides: list[str] | None = None) -> Any:
     from asyncrl.comm.refs import _load_file
+    from asyncrl.controller import declare
     from asyncrl.controller.declare import OVERRIDES_ENV, parse_overrides
 
     if not os.path.isfile(path):
         raise SystemExit(f"asyncrl: no such file: {path}")
-    if overrides:  # before the import: the flow file reads them with asyncrl.config(...)
-        os.environ[OVERRIDES_ENV] = json.dumps(parse_overrides(overrides))
+    # before the import: the flow file reads them with asyncrl.config(...); none given,
+    # none left from an earlier load in this process
+    os.environ[OVERRIDES_ENV] = json.dumps(parse_overrides(overrides or []))
+    calls, loaded = declare.config_calls, set(sys.modules)
     try:
-        return _load_file(os.path.abspath(path))
+        module = _load_file(os.path.abspath(path))
     except SyntaxError as e:
         where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
         code = f"\n    {e.text.rstrip()}" if e.text else ""
@@ -53,6 +56,11 @@ def _load(path: str, overrides: list[str] | None = None) -> Any:
                             if isinstance(e, ImportError) else "fix the flow file") +
                          " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
                          ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
+    if overrides and module.__name__ not in loaded and declare.config_calls == calls:
+        raise SystemExit(f"asyncrl: {path} takes no settings (it never calls "
+                         f"asyncrl.config(...)), so {' '.join(overrides)} would be ignored; "
+                         f"declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop them")
+    return module
 
 
 def _user_line(error: BaseException, path: str) -> str:

@@ -508,6 +508,12 @@ def test_wrong_checkpoint_is_refused_in_words(tmp_path):
     expect(asyncrl.CheckpointError, lambda: checkpoint.refuse_existing(tmp_path),
            f"{tmp_path} already holds checkpoints of an earlier run (newest: step_000002)",
            "pass --resume to continue that run, or choose another --run-dir")
+    unsaved = tmp_path / "unsaved"  # a run that wrote rows but no checkpoint
+    unsaved.mkdir()
+    (unsaved / "metrics.jsonl").write_text('{"step": 0}\n')
+    expect(asyncrl.CheckpointError, lambda: checkpoint.refuse_existing(unsaved),
+           f"{unsaved} already holds metrics.jsonl of an earlier run (with no checkpoint",
+           "choose another --run-dir, or remove it to start afresh there")
 
 
 def test_wrong_resumes_fail_before_anything_starts(tmp_path):

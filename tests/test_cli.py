@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -69,7 +70,8 @@ def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
         raise AssertionError("the flow ran despite a mistyped option")
 
     flow = tmp_path / "typo_flow.py"
-    flow.write_text("import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
+    flow.write_text("import asyncrl\n\ncfg = asyncrl.config(lr=0.0)\n"
+                    "flow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
     monkeypatch.setattr(asyncrl.cli, "run", never)
     monkeypatch.setattr(sys, "argv", sys.argv[:])
     monkeypatch.setenv(OVERRIDES_ENV, "{}")  # launch sets the overrides for the import
@@ -85,3 +87,36 @@ def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--warmup 2 leaves no step to measure; give 0 <= N "
                                          r"< --steps \(2\)"):
         asyncrl.cli.main(["bench", str(flow), "--steps", "2", "--warmup", "2"])
+
+
+def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp_path,
+                                                                             monkeypatch):
+    """`use_ref=False` was the string "False" (true); `path=None` the string "None"."""
+    import pytest
+
+    import asyncrl.cli
+    from asyncrl.controller.declare import OVERRIDES_ENV, config, parse_overrides
+
+    def given(*pairs):
+        monkeypatch.setenv(OVERRIDES_ENV, json.dumps(parse_overrides(list(pairs))))
+
+    given("use_ref=False", "path=None", "lr=.5", "steps=1_000", "name=7", "tags=[1,2]",
+          "flag=0", "coef=0.25")
+    assert config(use_ref=True, path="/m", lr=1e-3, steps=5, name="a", tags=[], flag=True,
+                  coef=0) == {"use_ref": False, "path": None, "lr": 0.5, "steps": 1000,
+                              "name": "7", "tags": [1, 2], "flag": False, "coef": 0.25}
+    given("use_ref=maybe")
+    with pytest.raises(ValueError, match=r"setting use_ref='maybe' on the command line: "
+                                         r"expected a bool, as its default True is \(true/fal"):
+        config(use_ref=True)
+    given("steps=many")
+    with pytest.raises(ValueError, match="expected a int, as its default 5 is"):
+        config(steps=5)
+
+    flow = tmp_path / "no_settings.py"  # never calls asyncrl.config: lr=0.1 would be lost
+    flow.write_text("import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
+    monkeypatch.setattr(asyncrl.cli, "run", lambda *a, **k: 0)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    with pytest.raises(SystemExit, match=r"no_settings.py takes no settings \(it never calls "
+                                         r"asyncrl.config\(...\)\), so lr=0.1 would be ignored"):
+        asyncrl.cli.main(["launch", str(flow), "lr=0.1"])

@@ -107,6 +107,11 @@ def test_metric_names_keep_full_names_and_add_tokens_per_second(tmp_path):
     assert row == {"step": 0, "time/step_s": 2.0, "train/loss": 1.0, "reward/mean": 0.5,
                    "perf/tokens": 100.0, "train/stats/kl": 0.1, "actor/lr": 0.01,
                    "score": 3.0, "perf/tokens_per_s": 50.0}
+    metrics = Metrics(tmp_path, 2, Timeline())  # a diverging loss shows (it was dropped)
+    metrics(1, {"train": {"loss": float("nan"), "grad_norm": float("inf")}}, 1.0)
+    metrics.close()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
+    assert row["train/loss"] is None and row["train/grad_norm"] is None
 
 
 def test_timeline_trace_and_png(tmp_path):
@@ -129,6 +134,8 @@ def test_metrics_read_their_own_step_and_a_rewind_drops_later_steps(tmp_path):
         tl.add(Event("policy", "train", t, 10.0 * t + 5, 10.0 * t + 6))
     metrics = Metrics(tmp_path, 3, tl)
     metrics(1, {}, 10.0)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "actor/lo')  # a row cut short by a kill: dropped, not fatal
     metrics.rewind(0)  # steps 1 and 2 run again
     assert [e.step for e in tl.events] == [0, 0] and tl.of_step(1) == tl.of_step(2) == []
     tl.add(Event("policy", "rollout", 1, 50.0, 50.5))

@@ -69,7 +69,7 @@ def analyse(run_dir: Path, deps: dict[str, list[str]], warmup: int = 0) -> dict[
     critical_s, critical = max((heaviest(n) for n in deps), default=(0.0, []))
     busiest = max(sum(_union(group_step[(g, t)]) for t in steps if (g, t) in group_step)
                   / len(steps) for g in by_group)
-    tokens = sum(r.get("perf/tokens", 0.0) for r in metrics)
+    tokens = sum(r.get("perf/tokens") or 0.0 for r in metrics)
     return {"steps": len(steps), "wall_s": wall, "step_s": per_step_s,
             "nodes": {n: {"busy_s_per_step": node_busy[n]} for n in nodes},
             "groups": groups, "critical_path": critical,

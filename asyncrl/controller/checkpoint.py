@@ -67,6 +67,12 @@ def refuse_existing(run_dir: Path) -> None:
         raise CheckpointError(
             f"{run_dir} already holds checkpoints of an earlier run (newest: {found.name}); "
             f"pass --resume to continue that run, or choose another --run-dir")
+    rows = Path(run_dir) / "metrics.jsonl"
+    if rows.is_file() and rows.stat().st_size:
+        raise CheckpointError(
+            f"{run_dir} already holds {rows.name} of an earlier run (with no checkpoint to "
+            f"resume from); choose another --run-dir, or remove it to start afresh there "
+            f"(its rows would be mixed with this run's)")
 
 
 def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
@@ -94,21 +100,46 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step:06d}"
     tmp = root / f"{final.name}.tmp"
-    for stale in root.glob("*.tmp"):  # a save that died half-way
-        shutil.rmtree(stale)
+    for stale in [*root.glob("*.tmp"), *root.glob(".*.discarded")]:  # a save or a removal
+        shutil.rmtree(stale)  # that died half-way
     tmp.mkdir(parents=True)
     await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
     meta = {"step": step, "flow": identity(flow), "inputs": flow.positions(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: marks it complete
-    if final.exists():  # superseded: a run resumed from an older checkpoint passed it again
-        shutil.rmtree(final)
+    _write_synced(tmp / "meta.json", json.dumps(meta, indent=1))  # last: marks it complete
+    if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;
+        _discard(final)  # renamed away first: a half-deleted one is never taken as complete
     os.replace(tmp, final)
+    _sync_dir(final.parent)
     if keep is not None:
         for old in complete(run_dir)[:-keep]:
-            shutil.rmtree(old)
+            _discard(old)
     return final
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint folder: renamed out of the step_* names at once, then deleted."""
+    gone = path.with_name(f".{path.name}.discarded")
+    if gone.exists():
+        shutil.rmtree(gone)
+    os.replace(path, gone)
+    shutil.rmtree(gone)
 
 
 async def restore(flow: DataFlow, path: Path, meta: dict[str, Any]) -> int:

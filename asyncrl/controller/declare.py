@@ -83,16 +83,58 @@ def declared_in(modules: set[str]) -> list[GroupSpec]:
     return [g for g in _declared if g.module in modules]
 
 
+config_calls = 0  # how often a flow file asked for its settings (overrides need one)
+
+
 def config(**defaults: Any) -> dict[str, Any]:
     """The flow's settings: `defaults`, with `key=value` overrides from `asyncrl launch`
     applied (the same on the controller and on every rank, which inherit the environment).
-    Values are parsed as JSON when they parse (numbers, true/false, lists), else strings."""
+    Values are parsed as JSON when they parse (numbers, true/false, lists), else strings,
+    then taken as their default's type: True/False and None as Python writes them too, and
+    a value of another type is refused (the string "False" would have been true)."""
+    global config_calls
+    config_calls += 1
     overrides = json.loads(os.environ.get(OVERRIDES_ENV, "{}"))
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
         raise KeyError(f"unknown setting(s) {unknown} on the command line; this flow's settings "
                        f"are {sorted(defaults)}")
-    return {**defaults, **overrides}
+    return {**defaults, **{k: _as_default(k, v, defaults[k]) for k, v in overrides.items()}}
+
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def _as_default(key: str, value: Any, default: Any) -> Any:
+    """Override `value` of setting `key` as the type of its default."""
+    if value in ("None", "null"):
+        return None
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool):
+        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+    elif isinstance(default, int | float):  # a number stays a number: 0 may stand for 0.5
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value) if isinstance(default, float) else value
+        if isinstance(value, str):
+            for number in (int, float):
+                try:
+                    return number(value)  # .5, 5., +1, 1_000
+                except ValueError:
+                    pass
+    elif isinstance(default, str):
+        return value if isinstance(value, str) else json.dumps(value)
+    elif isinstance(default, list | tuple | dict):
+        if isinstance(value, list | dict) and isinstance(default, dict) == isinstance(value, dict):
+            return value
+    else:
+        return value
+    raise ValueError(f"setting {key}={value!r} on the command line: expected a "
+                     f"{type(default).__name__}, as its default {default!r} is"
+                     + (" (true/false)" if isinstance(default, bool) else ""))
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:

@@ -39,8 +39,8 @@ def scalars(prefix: str, value: Any) -> dict[str, float]:
     a "/" is already a full metric name ("reward/mean") and is kept as it is."""
     if isinstance(value, bool):
         return {}
-    if isinstance(value, int | float) and math.isfinite(value):
-        return {prefix: float(value)}
+    if isinstance(value, int | float):  # NaN and inf too: a diverging loss must show (as
+        return {prefix: float(value)}  # null in metrics.jsonl, which has no NaN)
     if isinstance(value, dict):
         out: dict[str, float] = {}
         for k, v in value.items():
@@ -88,7 +88,8 @@ class Metrics:
             row[f"time/busy/{group}_s"] = round(used, 4)
             row[f"time/idle/{group}_s"] = round(max(0.0, seconds - used), 4)
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None
+                                for k, v in row.items()}) + "\n")
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step":
@@ -121,11 +122,20 @@ def drop_rows_after(path: Path, step: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    kept = [line for line in lines if line.strip() and (_step_of(line) or 0) <= step
+            and _step_of(line) is not None]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
     return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics row; None for a row cut short (a kill while it was written)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
