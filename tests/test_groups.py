@@ -47,6 +47,22 @@ class Echo(asyncrl.Worker):
     def history(self):
         return list(self.log)
 
+    @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
+    def nothing(self):  # a method with no result, e.g. a save
+        return None
+
+    @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
+    def same(self, x):
+        return x
+
+    @asyncrl.register
+    def on_zero_only(self):
+        return "zero" if self.rank == 0 else None
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def rows_past_zero(self, batch: TensorBatch):  # dp rank 0 gives nothing back
+        return None if self.dp_rank == 0 else TensorBatch({"x": batch["x"]})
+
     @asyncrl.register(dispatch=Dispatch.DP)
     def double(self, batch: TensorBatch) -> TensorBatch:
         self.log.append(("double", len(batch)))
@@ -150,6 +166,18 @@ def test_one_to_all_all_to_all_rank_zero(pair):
     assert "only_zero" in hist[0] and "only_zero" not in hist[1]
     with pytest.raises(ValueError, match="one item per rank"):
         get(pair.plus_rank([1, 2, 3]))
+
+
+def test_results_of_none_keep_their_place(pair):
+    """Ranks that return None keep nothing but hold their place (their Result carries an
+    inline nil): rank 0's None is None, a list has one item per rank, and passed on, the
+    consumer gets None (a review suspected otherwise; this pins it down)."""
+    assert get(pair.nothing()) is None
+    assert get(pair.on_zero_only()) == ["zero", None]
+    assert get(pair.same(pair.nothing())) is None
+    assert get(pair.same(pair.on_zero_only())) == ["zero", None]
+    out = get(pair.rows_past_zero(TensorBatch({"x": torch.arange(3)})))
+    assert out[0] is None and out[1]["x"].tolist() == [2, 2]  # dp rank 1's row and its pad
 
 
 def test_user_protocol(pair):
