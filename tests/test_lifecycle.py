@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, assert_gone, group_pids, run
 
 import asyncrl
-from asyncrl.controller.launcher import pid_alive
+from asyncrl.controller.launcher import kill_pids, pid_alive
 
 HOLD = os.path.join(os.path.dirname(__file__), "drivers", "hold.py")
 ASYNCRL = [sys.executable, "-m", "asyncrl"]
@@ -41,6 +41,10 @@ class Sleeper(asyncrl.Worker):
     @asyncrl.register(concurrent=True)
     def take(self, value):
         return value
+
+    @asyncrl.register
+    def start_child(self):  # a sandbox, a compile worker: a process the rank started
+        return subprocess.Popen(["sleep", "300"]).pid
 
     @asyncrl.register
     def say(self, text):
@@ -116,6 +120,25 @@ def test_closing_a_group_fails_its_concurrent_calls_still_waiting_for_inputs():
             assert await gated == [True]
             return pids
     assert_gone(run(main()))
+
+
+def test_processes_a_rank_started_go_with_its_group():
+    """torchrun starts each rank in a session of its own, and ranks exit with os._exit: what
+    a rank started outlived its group until the group's close killed the rank's process
+    group too."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Sleeper, nprocs=2, name="parent")
+            children = await group.start_child()
+            assert all(pid_alive(p) for p in children)
+            await ctl.close_group(group)
+            return children, group_pids(group)
+    children, pids = run(main())
+    try:
+        assert [p for p in children if pid_alive(p)] == []
+        assert_gone(pids)
+    finally:
+        kill_pids([p for p in children if pid_alive(p)])
 
 
 def test_killed_rank_fails_pending_calls_with_group_dead_error():

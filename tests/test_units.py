@@ -587,3 +587,19 @@ def test_a_respawn_cancelled_mid_spawn_keeps_the_group_until_its_spawn_ends():
     assert isinstance(rerun, asyncio.CancelledError)
     assert rewound is False and spawns == ["reward"] and restarts == {"reward": 1}
     assert handle_dead is None  # the group the cancelled re-run started
+
+
+def test_a_user_protocols_split_is_checked_before_anything_is_sent():
+    from asyncrl.actors.protocols import Split, check_split
+
+    check_split("mine", Split({0: ((), {}), 1: ((), {})}, [1]), 2)  # fine
+    with pytest.raises(ValueError, match="protocol 'mine': split called no rank .* never"):
+        check_split("mine", Split({}, []), 2)
+    with pytest.raises(ValueError, match=r"split calls ranks \['2'\], but the group's ranks "
+                                         r"are 0..1"):
+        check_split("mine", Split({0: ((), {}), 2: ((), {})}, [0]), 2)
+    with pytest.raises(ValueError, match=r"collect names ranks \['1'\] that split does not "
+                                         r"call \(calls \[0\]\)"):
+        check_split("mine", Split({0: ((), {})}, [0, 1]), 2)
+    with pytest.raises(TypeError, match="split returned dict, not an asyncrl.Split"):
+        check_split("mine", {0: ((), {})}, 2)

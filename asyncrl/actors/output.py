@@ -50,6 +50,7 @@ class OutputCapture:
         self._read_fd = -1
         self._original = -1
         self._thread: threading.Thread | None = None
+        self._mirror = True  # copy to the original stdout (torchrun's log)
 
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -72,10 +73,15 @@ class OutputCapture:
                 if partial:
                     lines.append(partial.decode(errors="replace"))
                 if lines or dropped:
-                    self._send(lines, dropped)
+                    self._forward(lines, dropped)
                 return
             if chunk:
-                os.write(self._original, chunk)
+                if self._mirror:
+                    try:
+                        os.write(self._original, chunk)
+                    except OSError:  # the log's disk is full or its pipe broke: the lines
+                        self._mirror = False  # still reach the controller, and the pump
+                        # goes on (a pipe nobody drains would block every print)
                 complete, partial = split_lines(partial + chunk)
                 now = time.monotonic()
                 if now - window >= 1.0:
@@ -88,8 +94,14 @@ class OutputCapture:
                     lines.append(raw.decode(errors="replace"))
             now = time.monotonic()
             if (lines or dropped) and now - last_flush >= FLUSH_S:
-                self._send(lines, dropped)
+                self._forward(lines, dropped)
                 lines, dropped, last_flush = [], 0, now
+
+    def _forward(self, lines: list[str], dropped: int) -> None:
+        try:
+            self._send(lines, dropped)
+        except Exception:  # noqa: BLE001 - the controller gone, or its queue full: these
+            pass  # lines are in torchrun's log only; the pump must go on draining the pipe
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is left: point fds 1 and 2 back at the original stdout (the pipe's last

@@ -113,6 +113,25 @@ class Split:
     dp_rows: DPRows | None = None
 
 
+def check_split(protocol: str, split: Any, world: int) -> None:
+    """A user protocol's Split, checked before anything is sent: a call to no rank would
+    never finish, and unknown ranks would fail later with a bare KeyError."""
+    if not isinstance(split, Split):
+        raise TypeError(f"protocol {protocol!r}: split returned {type(split).__name__}, not "
+                        f"an asyncrl.Split(calls, collect)")
+    if not split.calls:
+        raise ValueError(f"protocol {protocol!r}: split called no rank (calls is empty): the "
+                         f"call would never finish")
+    bad = sorted(str(r) for r in split.calls if not (isinstance(r, int) and 0 <= r < world))
+    if bad:
+        raise ValueError(f"protocol {protocol!r}: split calls ranks {bad}, but the group's "
+                         f"ranks are 0..{world - 1}")
+    idle = sorted(str(r) for r in set(split.collect) - set(split.calls))
+    if idle:
+        raise ValueError(f"protocol {protocol!r}: collect names ranks {idle} that split does "
+                         f"not call (calls {sorted(split.calls)})")
+
+
 @dataclass(frozen=True)
 class Protocol:
     name: str

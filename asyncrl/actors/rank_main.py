@@ -215,6 +215,8 @@ class RankMain:
         context of its own: CURVE encrypts on the context's I/O thread): the io thread's
         heartbeats never wait for a GPU copy or queue behind gigabytes."""
         frames: list[Any] = []
+        if self.fetch_sock is None:
+            bind_gpu()  # before any copy off a GPU: else a context on GPU 0 for every rank
         try:
             body, frames = codec.encode_oob(self.store.get(obj_id))
             reply = Fetched(obj_id, self.rank, value=msgspec.Raw(body),
@@ -354,7 +356,9 @@ def main() -> None:
     _init_distributed()
     rank = RankMain()
     log_socket = rank.socket("log")  # used by the output thread alone
-    output = OutputCapture(lambda lines, dropped: log_socket.send(Log(lines, dropped)))
+    # never blocking: with the controller gone, a full queue must not stop the prints
+    output = OutputCapture(lambda lines, dropped: log_socket.send(Log(lines, dropped),
+                                                                  block=False))
     output.start()
     debugger.install()  # breakpoint() waits for `asyncrl attach` instead of hanging silently
     code = rank.serve()

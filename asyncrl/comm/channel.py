@@ -191,11 +191,11 @@ class RankSocket:
     def dropped(self) -> int:
         return self._verifier.total_dropped
 
-    def send(self, msg: Message, frames: Sequence[Any] = ()) -> None:
+    def send(self, msg: Message, frames: Sequence[Any] = (), block: bool = True) -> None:
         """Send a message; `frames` (raw buffers a Fetched announces) follow it, unsigned and
-        uncopied (held until sent)."""
+        uncopied (held until sent). block=False: zmq.Again when its queue is full."""
         self._sock.send_multipart([*self._signer.sign(self.identity, messages.encode(msg)),
-                                   *frames], copy=False)
+                                   *frames], 0 if block else zmq.NOBLOCK, copy=False)
 
     def recv(self, timeout_ms: int) -> Message | None:
         """The next valid message, or None when `timeout_ms` passed (invalid ones dropped).

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from asyncrl.actors.protocols import Layout, Protocol, Split, dp_block, get_protocol
+from asyncrl.actors.protocols import (
+    Layout,
+    Protocol,
+    Split,
+    check_split,
+    dp_block,
+    get_protocol,
+)
 from asyncrl.comm import codec, messages
 from asyncrl.comm.messages import (
     Call,
@@ -274,6 +281,8 @@ class GroupHandle:
     def _send(self, item: _Queued) -> None:
         protocol = get_protocol(self.methods[item.method].dispatch)
         split = protocol.split(self.layout, item.args, item.kwargs)
+        if not protocol.builtin:
+            check_split(protocol.name, split, self.nprocs)
         call_id = next(_call_ids)
         role = "io" if self.methods[item.method].concurrent else "exec"
         produced = codec.produced_bytes_encoded

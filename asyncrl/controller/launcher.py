@@ -177,6 +177,11 @@ class Agent:
         if self.proc is not None and self.proc.poll() is not None:
             pids.remove(self.proc.pid)  # reaped: its pid may belong to someone else now
         kill_pids(pids, sig)
+        for pid in self.rank_pids.values():  # torchrun starts each rank in a session of its
+            try:  # own: what a rank started (a sandbox, a compile worker) goes with it
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 class HostAgents:
