@@ -242,7 +242,11 @@ def bench(args: argparse.Namespace) -> int:
     if args.warmup < 0 or (args.steps is not None and args.warmup >= args.steps):
         raise SystemExit(f"asyncrl bench: --warmup {args.warmup} leaves no step to measure; "
                          f"give 0 <= N < --steps ({args.steps})")
-    module = _load(args.script, [a for a in args.args if "=" in a])
+    stray = [a for a in args.args if "=" not in a]
+    if stray:
+        raise SystemExit(f"asyncrl bench: unrecognized arguments: {' '.join(stray)}; a flow "
+                         f"takes key=value overrides after the options (`asyncrl bench --help`)")
+    module = _load(args.script, args.args)
     flow = _flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl bench: {args.script} defines no `flow` (a DataFlow)")
@@ -379,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         if "--" in extra:  # argparse keeps the "--" that ends our options when some precede it
             extra.remove("--")
         args.args = [*args.args, *extra]
+    if getattr(args, "steps", None) is not None and args.steps < 1:
+        parser().error(f"--steps must be >= 1 (a step count), got {args.steps}")
     try:
         return args.func(args)
     except KeyboardInterrupt:

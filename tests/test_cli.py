@@ -87,6 +87,11 @@ def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--warmup 2 leaves no step to measure; give 0 <= N "
                                          r"< --steps \(2\)"):
         asyncrl.cli.main(["bench", str(flow), "--steps", "2", "--warmup", "2"])
+    with pytest.raises(SystemExit, match=r"bench: unrecognized arguments: stray; a flow takes "
+                                         r"key=value"):
+        asyncrl.cli.main(["bench", str(flow), "--steps", "2", "stray", "lr=0.1"])
+    with pytest.raises(SystemExit):  # argparse's error: exit code 2, the message on stderr
+        asyncrl.cli.main(["launch", str(flow), "--steps", "-3"])
 
 
 def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp_path,

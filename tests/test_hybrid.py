@@ -601,3 +601,24 @@ def test_hybrid_policy_on_zero3_round_trip():
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
     assert all(torch.equal(engine_after[k], train_after[k]) for k in train_after)
     assert any(not torch.equal(train_after[k], train_w[k]) for k in train_w)
+
+
+def test_a_rollout_tags_loads_with_versions_and_keeps_the_newest():
+    """Rollout.load_weights runs on a pool beside generations: a dict without a version would
+    leave tokens tagged with the old one (refused), and an older load finishing after a
+    newer one is dropped (the engine would have gone back a version)."""
+    from asyncrl.hybrid.roles import Rollout
+
+    rollout = Rollout.__new__(Rollout)
+    rollout.__init__({"preset": "tiny-llama", "seed": 1})
+    params = dict(rollout.engine.model.named_parameters())
+
+    def weights(fill: float) -> dict:
+        return {k: torch.full_like(p, fill) for k, p in params.items()}
+    with pytest.raises(ValueError, match="give version= .* every token is tagged with it"):
+        rollout.load_weights(weights(1.0))
+    assert rollout.load_weights(weights(5.0), version=5)["sync/version"] == 5
+    assert rollout.load_weights(weights(3.0), version=3) == {"sync/version": 5.0,
+                                                             "sync/stale": 1.0}
+    assert all(p.eq(5.0).all() for p in rollout.engine.model.parameters())
+    assert rollout.engine.version == 5

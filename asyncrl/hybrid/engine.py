@@ -85,6 +85,17 @@ class HybridEngine:
         if self._plan is None:
             self._plan = self._make_plan()
         self._move_optimizer("cpu")  # first: its memory makes room for the engine's weights
+        try:
+            self._fill_engine()
+        except BaseException:  # still training: the optimizer goes back where it steps
+            self._move_optimizer(next(self.backend.model.parameters()).device)
+            raise
+        self.engine.wake()
+        self.mode = "generate"
+
+    def _fill_engine(self) -> None:
+        """The training shards gathered, bucket by bucket, into the engine's weights."""
+        assert self._plan is not None
         if self.released:
             for p, shape in self._shapes:
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
@@ -106,8 +117,6 @@ class HybridEngine:
                                              full.numel() * full.element_size())
                 target.copy_(full)
                 del full
-        self.engine.wake()
-        self.mode = "generate"
 
     def _make_plan(self) -> list[Any]:
         """Buckets of row-sharded parameters (FSDP alone), and the rest one by one. The

@@ -13,6 +13,7 @@ columns through (an "answer" the reward needs travels with its sample).
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,8 @@ class Policy(Worker):
     def weights(self, layout: str = "train") -> dict[str, torch.Tensor]:
         """Full weights as training holds them, or as the generation engine holds them."""
         if layout == "engine" and self.hybrid is not None:
-            if self.hybrid.released:  # freed while training (GPU): gathered again
-                self.hybrid.to_generate()
+            if self.hybrid.mode == "train":  # what the next generation runs on: the trained
+                self.hybrid.to_generate()  # weights (the engine may hold an older switch's)
             return {k: v.detach().clone() for k, v in self.hybrid.engine.model.state_dict().items()}
         if layout != "train":
             raise ValueError(f"layout is 'train' or 'engine', got {layout!r}")
@@ -181,6 +182,7 @@ class Rollout(Worker):
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None):
         self.engine = Sampler(build_model(ModelConfig(**model)).to(default_device()),
                               SamplingConfig(**(sampling or {})))
+        self._loading = threading.Lock()
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch) -> TensorBatch:
@@ -193,13 +195,20 @@ class Rollout(Worker):
         """New weights: a Policy's `sync_pack()` (its version with it) or a dict. Runs beside
         a generation in flight, which continues with them from its next token."""
         start = time.perf_counter()
-        if isinstance(weights, TensorBatch):  # the pulled buffer becomes the weights: no copy
+        if isinstance(weights, TensorBatch):
             version = version_of(weights) if version is None else version
-            nbytes = int(weights.meta["nbytes"])
-            count = self.engine.adopt_weights(unpack(weights), version)
-        else:
-            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-            count = self.engine.load_weights(weights.items(), version)
+        elif version is None:  # the tokens sampled from now on would carry the old one
+            raise ValueError("Rollout.load_weights(dict): give version= (the policy version "
+                             "of these weights): every token is tagged with it")
+        with self._loading:  # concurrent loads on the pool: an older one never lands last
+            if version < self.engine.version:
+                return {"sync/version": float(self.engine.version), "sync/stale": 1.0}
+            if isinstance(weights, TensorBatch):  # the pulled buffer becomes the weights
+                nbytes = int(weights.meta["nbytes"])
+                count = self.engine.adopt_weights(unpack(weights), version)
+            else:
+                nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+                count = self.engine.load_weights(weights.items(), version)
         out = {"sync/version": float(self.engine.version), "sync/tensors": float(count),
                "sync/bytes": float(nbytes), "sync/load_s": time.perf_counter() - start}
         if isinstance(weights, TensorBatch) and "pack_s" in weights.meta:
