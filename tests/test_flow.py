@@ -51,18 +51,18 @@ def test_saved_inputs_note_where_futures_were_and_get_them_back():
     """What `--save-inputs` writes for `asyncrl run --node`: values, and the paths of the
     DistFutures among them (in lists, tuples and dicts), made done futures again."""
     from asyncrl.comm import codec
-    from asyncrl.controller.flow import _held, _value
+    from asyncrl.futures.future import held_at, resolved
 
     async def main():
         given = {"a": [1, asyncrl.DistFuture.held({"x": 5}, "p")], "b": "s",
                  "c": (asyncrl.DistFuture.held(7, "q"), 2)}
         found: list = []
-        saved = codec.decode(codec.encode(await _value(given, found=found)))
+        saved = codec.decode(codec.encode(await resolved(given, found=found)))
         assert saved == {"a": [1, {"x": 5}], "b": "s", "c": [7, 2]} and found == [
             ["a", 1], ["c", 0]]
         again = saved
         for path in found:
-            again = _held(again, path, "saved")
+            again = held_at(again, path, "saved")
         assert isinstance(again["a"][1], asyncrl.DistFuture) and again["a"][0] == 1
         return await again["a"][1], await again["c"][0], again["c"][1]
     assert asyncio.run(main()) == ({"x": 5}, 7, 2)

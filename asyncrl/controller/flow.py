@@ -25,7 +25,7 @@ from asyncrl.comm import codec
 from asyncrl.controller.declare import GroupSpec, declared_in
 from asyncrl.controller.timeline import current_node
 from asyncrl.errors import AsyncRLError, CheckpointError
-from asyncrl.futures.future import DistFuture, futures_in, rebuild
+from asyncrl.futures.future import futures_in, held_at, resolved
 
 # what `--save-inputs` writes per node and step: {"format", "values", "futures": where the
 # node was given DistFutures (input -> paths into it), for `asyncrl run --node`}
@@ -414,7 +414,7 @@ class DataFlow:
             folder = self.save_inputs / f"step{step.index}"
             folder.mkdir(parents=True, exist_ok=True)
             futures: dict[str, list[list[Any]]] = {}
-            saved = {k: await _value(v, found=futures.setdefault(k, []))
+            saved = {k: await resolved(v, found=futures.setdefault(k, []))
                      for k, v in kwargs.items()}
             (folder / f"{n.name}.msgpack").write_bytes(codec.encode(
                 {"format": NODE_INPUTS, "values": saved,
@@ -519,7 +519,7 @@ class DataFlow:
         values = {}
         for name, r in results.items():
             try:
-                values[name] = await _value(r, batches=keep)
+                values[name] = await resolved(r, batches=keep)
             except Exception as e:
                 raise NodeError(name, step.index, e) from e
         if on_step is not None:
@@ -544,11 +544,11 @@ class DataFlow:
                             f"(RUN_DIR/inputs/step<t>/{name}.msgpack)")
         for param, paths in (futures or {}).items():
             for path in paths if param in kwargs else ():
-                kwargs[param] = _held(kwargs[param], path, f"saved input {param!r}")
+                kwargs[param] = held_at(kwargs[param], path, f"saved input {param!r}")
         out = n.fn(**kwargs)
         if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
             out = await out
-        return await _value(out)
+        return await resolved(out)
 
 
 def _quiet(task: asyncio.Task) -> asyncio.Task:
@@ -576,35 +576,3 @@ async def _finished(returned: asyncio.Task, name: str, step: int) -> None:
             await asyncio.shield(fut._fut)
     except Exception as e:  # the work the node started failed: say which node
         raise NodeError(name, step, e) from e
-
-
-async def _value(out: Any, batches: bool = True, found: list[list[Any]] | None = None,
-                 at: tuple[Any, ...] = ()) -> Any:
-    """What a node returned with its DistFutures resolved to values; `batches=False`: a
-    future whose value is TensorBatches kept on the ranks stays a future (nothing fetched).
-    `found` gets the path (keys and indices) of each future resolved."""
-    if isinstance(out, DistFuture):
-        if not batches and (await asyncio.shield(out._fut)).holds_batches():
-            return out
-        if found is not None:
-            found.append(list(at))
-        return await out
-    if isinstance(out, list | tuple):
-        return rebuild(out, [await _value(x, batches, found, (*at, i))
-                              for i, x in enumerate(out)])
-    if isinstance(out, dict):
-        return {k: await _value(v, batches, found, (*at, k)) for k, v in out.items()}
-    return out
-
-
-def _held(value: Any, path: list[Any], label: str) -> Any:
-    """`value` with the item at `path` a done DistFuture of it again."""
-    if not path:
-        return DistFuture.held(value, label)
-    key, rest = path[0], path[1:]
-    if isinstance(value, dict):
-        return {**value, key: _held(value[key], rest, label)}
-    items = list(value)
-    items[key] = _held(items[key], rest, label)
-    return rebuild(value, items)
-

@@ -123,3 +123,35 @@ def futures_in(value: Any) -> list[DistFuture]:
 def rebuild(like: list | tuple, items: list[Any]) -> list | tuple:
     """A list or tuple of the same type as `like` (a namedtuple too) holding `items`."""
     return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
+
+
+async def resolved(out: Any, batches: bool = True, found: list[list[Any]] | None = None,
+                   at: tuple[Any, ...] = ()) -> Any:
+    """A value (what a node returned) with its DistFutures resolved to values;
+    `batches=False`: a future whose value is TensorBatches kept on the ranks stays a future
+    (nothing fetched). `found` gets the path (keys and indices) of each future resolved."""
+    if isinstance(out, DistFuture):
+        if not batches and (await asyncio.shield(out._fut)).holds_batches():
+            return out
+        if found is not None:
+            found.append(list(at))
+        return await out
+    if isinstance(out, list | tuple):
+        return rebuild(out, [await resolved(x, batches, found, (*at, i))
+                              for i, x in enumerate(out)])
+    if isinstance(out, dict):
+        return {k: await resolved(v, batches, found, (*at, k)) for k, v in out.items()}
+    return out
+
+
+def held_at(value: Any, path: list[Any], label: str) -> Any:
+    """`value` with the item at `path` a done DistFuture of it again."""
+    if not path:
+        return DistFuture.held(value, label)
+    key, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, key: held_at(value[key], rest, label)}
+    items = list(value)
+    items[key] = held_at(items[key], rest, label)
+    return rebuild(value, items)
+
