@@ -127,6 +127,22 @@ def test_timeline_trace_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+def test_a_resumed_run_keeps_the_earlier_steps_in_its_timeline(tmp_path):
+    first = Timeline()
+    for t in range(3):
+        first.add(Event("policy", "rollout", t, 100.0 + t, 100.5 + t))
+    first.write(tmp_path / "timeline.json")
+    resumed = Timeline()  # resumed after step 1's checkpoint: step 2 runs again
+    assert resumed.resume(tmp_path / "timeline.json", 1) == 2
+    resumed.add(Event("policy", "rollout", 2, resumed.origin + 0.1, resumed.origin + 0.6))
+    resumed.write(tmp_path / "timeline.json")
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    spans = sorted((e["args"]["step"], e["ts"], e["dur"]) for e in trace if e["ph"] == "X")
+    assert [s for s, *_ in spans] == [0, 1, 2] and all(d == 500000.0 for *_, d in spans)
+    assert spans[1][1] - spans[0][1] == 1e6  # their spacing kept, and before the new step
+    assert spans[2][1] > spans[1][1] + spans[1][2]
+
+
 def test_metrics_read_their_own_step_and_a_rewind_drops_later_steps(tmp_path):
     tl = Timeline()
     for t in range(3):

@@ -177,6 +177,8 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     async with Controller(run_dir=run_dir, cluster=cluster, host=host,
                           **(controller or {})) as ctl:
         timeline = ctl.timeline = Timeline()
+        if resume_from is not None:  # the steps before the resume stay in timeline.json
+            timeline.resume(run_dir / "timeline.json", meta["step"])
         metrics = Metrics(run_dir, steps, timeline)
         flow.save_inputs = run_dir / "inputs" if save_inputs else None
         if flow.save_inputs is not None:  # `asyncrl run --node` builds the groups alike

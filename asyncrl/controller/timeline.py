@@ -97,6 +97,23 @@ class Timeline:
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.chrome_trace()))
 
+    def resume(self, path: Path, upto: int) -> int:
+        """Take the events of steps <= `upto` from a resumed run's trace, placed a second
+        before this timeline's own (each process has its own clock); how many."""
+        if not path.is_file():
+            return 0
+        trace = json.loads(path.read_text())["traceEvents"]
+        rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+        spans = [e for e in trace if e["ph"] == "X" and e["args"]["step"] <= upto]
+        if not spans:
+            return 0
+        shift = self.origin - 1.0 - max(e["ts"] + e["dur"] for e in spans) / 1e6
+        for e in spans:
+            start = e["ts"] / 1e6 + shift
+            self.add(Event(rows[e["tid"]], e["name"], e["args"]["step"], start,
+                           start + e["dur"] / 1e6))
+        return len(spans)
+
 
 def draw(trace_path: Path, png_path: Path) -> Path:
     """A Gantt chart of a Chrome trace written by `Timeline.write`: one row per group."""
