@@ -106,10 +106,11 @@ def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp
         monkeypatch.setenv(OVERRIDES_ENV, json.dumps(parse_overrides(list(pairs))))
 
     given("use_ref=False", "path=None", "lr=.5", "steps=1_000", "name=7", "tags=[1,2]",
-          "flag=0", "coef=0.25")
+          "flag=0", "coef=0.25", "rev=1.10", "dims=[2,3]", "scale=+1")
     assert config(use_ref=True, path="/m", lr=1e-3, steps=5, name="a", tags=[], flag=True,
-                  coef=0) == {"use_ref": False, "path": None, "lr": 0.5, "steps": 1000,
-                              "name": "7", "tags": [1, 2], "flag": False, "coef": 0.25}
+                  coef=0, rev="1.0", dims=(1,), scale=0.5) == {
+        "use_ref": False, "path": None, "lr": 0.5, "steps": 1000, "name": "7", "tags": [1, 2],
+        "flag": False, "coef": 0.25, "rev": "1.10", "dims": (2, 3), "scale": 1.0}
     given("use_ref=maybe")
     with pytest.raises(ValueError, match=r"setting use_ref='maybe' on the command line: "
                                          r"expected a bool, as its default True is \(true/fal"):

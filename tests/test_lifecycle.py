@@ -150,8 +150,14 @@ def test_killed_rank_fails_pending_calls_with_group_dead_error():
             os.kill(group.pids[1], signal.SIGKILL)
             with pytest.raises(asyncrl.GroupDeadError) as info:
                 await asyncio_wait_for(pending, 2.0 + 10)
+            from asyncrl.controller.timeline import called_groups
+
+            seen: set = set()
+            token = called_groups.set(seen)
             with pytest.raises(asyncrl.GroupDeadError):
-                group.pid()  # a dead group refuses new calls at once
+                group.pid()  # a dead group refuses new calls at once...
+            called_groups.reset(token)
+            assert seen == {"sleeper"}  # ...counted as called: its node may be re-run
             first = asyncio.ensure_future(ctl.close_group(group))  # a restart's close
             await asyncio.sleep(0)  # one turn of the loop: the close has begun
             assert group.closing

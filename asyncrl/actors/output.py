@@ -51,6 +51,7 @@ class OutputCapture:
         self._original = -1
         self._thread: threading.Thread | None = None
         self._mirror = True  # copy to the original stdout (torchrun's log)
+        self._unsent = 0  # lines a failed send lost
 
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -99,9 +100,11 @@ class OutputCapture:
 
     def _forward(self, lines: list[str], dropped: int) -> None:
         try:
-            self._send(lines, dropped)
+            self._send(lines, dropped + self._unsent)
+            self._unsent = 0
         except Exception:  # noqa: BLE001 - the controller gone, or its queue full: these
-            pass  # lines are in torchrun's log only; the pump must go on draining the pipe
+            self._unsent += dropped + len(lines)  # lines are in torchrun's log only (counted
+            # as dropped with the next send); the pump must go on draining the pipe
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is left: point fds 1 and 2 back at the original stdout (the pipe's last

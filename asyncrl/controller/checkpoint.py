@@ -126,11 +126,14 @@ def _write_synced(path: Path, text: str) -> None:
 
 
 def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    try:  # some shared and FUSE filesystems refuse a folder's fsync: the rename stands
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def _discard(path: Path) -> None:

@@ -106,9 +106,17 @@ _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
 
 def _as_default(key: str, value: Any, default: Any) -> Any:
-    """Override `value` of setting `key` as the type of its default."""
+    """Override `value` of setting `key` (its text from the command line; a parsed value in
+    the overrides.json of runs before session 13) as the type of its default."""
     if value in ("None", "null"):
         return None
+    if isinstance(default, str):  # the text as given: 1.10 stays "1.10"
+        return value if isinstance(value, str) else json.dumps(value)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)  # numbers, true/false, lists
+        except json.JSONDecodeError:
+            pass
     if default is None or value is None:
         return value
     if isinstance(default, bool):
@@ -117,19 +125,18 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
     elif isinstance(default, int | float):  # a number stays a number: 0 may stand for 0.5
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value) if isinstance(default, float) else value
         if isinstance(value, str):
             for number in (int, float):
                 try:
-                    return number(value)  # .5, 5., +1, 1_000
+                    value = number(value)  # .5, 5., +1, 1_000
+                    break
                 except ValueError:
                     pass
-    elif isinstance(default, str):
-        return value if isinstance(value, str) else json.dumps(value)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value) if isinstance(default, float) else value
     elif isinstance(default, list | tuple | dict):
         if isinstance(value, list | dict) and isinstance(default, dict) == isinstance(value, dict):
-            return value
+            return type(default)(value)
     else:
         return value
     raise ValueError(f"setting {key}={value!r} on the command line: expected a "
@@ -137,14 +144,12 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
                      + (" (true/false)" if isinstance(default, bool) else ""))
 
 
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def parse_overrides(pairs: list[str]) -> dict[str, str]:
+    """key=value pairs as {key: text}: `config()` reads each as its default's type."""
+    out: dict[str, str] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"override {pair!r} is not key=value")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
+        out[key] = raw
     return out

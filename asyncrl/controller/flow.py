@@ -400,7 +400,8 @@ class DataFlow:
         if n.follows is not None:  # the state edge: the followed node of step t-k-1 finished
             before = self._steps.get(step.index - self.max_staleness - 1)
             if before is not None:  # (absent: before a resume, or let go once finished)
-                await before.finished[n.follows]
+                await asyncio.shield(before.finished[n.follows])  # a cancel of this step
+                # must not reach step t-k-1's work
         kwargs = {}
         for p in n.params:
             src = self.deps[n.name][p.name]

@@ -201,8 +201,11 @@ class GroupHandle:
         Arguments are read when the call is sent (later, if it waits for inputs or for the
         calls ahead of it); a call's tensors of 32 MiB or more in all are sent from their own
         memory (`codec.IN_PLACE_MIN`): do not change them in place until the call is done."""
-        if self.dead is not None:  # first: a dead group being replaced is still dead (a
-            raise self.dead  # node that called it can then be re-run), not "closed"
+        called = called_groups.get()
+        if called is not None:  # first: a node whose call meets the death is re-run
+            called.add(self.name)
+        if self.dead is not None:  # a dead group being replaced is still dead (a node
+            raise self.dead  # that called it can then be re-run), not "closed"
         if self.closing:
             raise ClosedError(f"group {self.name!r} is closed")
         if method not in self.methods:
@@ -213,9 +216,6 @@ class GroupHandle:
         timeline = self._ctl.timeline
         if timeline is not None:
             timeline.call(self.name, current_node.get(), future)
-        called = called_groups.get()
-        if called is not None:
-            called.add(self.name)
         if threading.get_ident() == self._ctl._loop_thread:
             self._submit(item)
         else:

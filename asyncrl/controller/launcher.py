@@ -80,6 +80,15 @@ def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
             pass
 
 
+def _birth(pid: int) -> str | None:
+    """When process `pid` started (clock ticks after boot, /proc), None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 class Agent:
     """The torchrun process of one group."""
 
@@ -95,6 +104,7 @@ class Agent:
         self._command = command  # one host's agent of a group spread over hosts
         self.proc: subprocess.Popen | None = None
         self.rank_pids: dict[int, int] = {}
+        self._rank_birth: dict[int, str | None] = {}  # when each rank's process started
         self._log_start = 0  # where this agent's output starts in the log (a respawned
         # group's agent appends to its predecessor's): tail() and root_cause() read from there
 
@@ -113,6 +123,7 @@ class Agent:
     def rank_started(self, rank: int, pid: int, host: str) -> None:
         if self.local:
             self.rank_pids[rank] = pid
+            self._rank_birth[rank] = _birth(pid)
 
     def start(self, on_exit: Callable[[int], None]) -> None:
         """Start torchrun; `on_exit(returncode)` is called from a watcher thread."""
@@ -177,8 +188,14 @@ class Agent:
         if self.proc is not None and self.proc.poll() is not None:
             pids.remove(self.proc.pid)  # reaped: its pid may belong to someone else now
         kill_pids(pids, sig)
-        for pid in self.rank_pids.values():  # torchrun starts each rank in a session of its
-            try:  # own: what a rank started (a sandbox, a compile worker) goes with it
+        for rank, pid in self.rank_pids.items():  # torchrun starts each rank in a session
+            # of its own: what a rank started (a sandbox, a compile worker) goes with it. Its
+            # pid is not reused while its group has members; a live process of another
+            # birth under it is someone else's, left alone
+            birth = _birth(pid)
+            if birth is not None and birth != self._rank_birth.get(rank):
+                continue
+            try:
                 os.killpg(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass

@@ -100,11 +100,12 @@ class Timeline:
     def resume(self, path: Path, upto: int) -> int:
         """Take the events of steps <= `upto` from a resumed run's trace, placed a second
         before this timeline's own (each process has its own clock); how many."""
-        if not path.is_file():
-            return 0
-        trace = json.loads(path.read_text())["traceEvents"]
-        rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
-        spans = [e for e in trace if e["ph"] == "X" and e["args"]["step"] <= upto]
+        try:
+            trace = json.loads(path.read_text())["traceEvents"]
+            rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+            spans = [e for e in trace if e["ph"] == "X" and e["args"]["step"] <= upto]
+        except (OSError, ValueError, KeyError, TypeError):  # none, or cut short: only the
+            return 0  # trace's earlier steps are lost
         if not spans:
             return 0
         shift = self.origin - 1.0 - max(e["ts"] + e["dur"] for e in spans) / 1e6

@@ -87,7 +87,8 @@ class HybridEngine:
         self._move_optimizer("cpu")  # first: its memory makes room for the engine's weights
         try:
             self._fill_engine()
-        except BaseException:  # still training: the optimizer goes back where it steps
+        except BaseException:  # still training: the engine's memory freed again (GPU), the
+            self._release()  # optimizer back where it steps
             self._move_optimizer(next(self.backend.model.parameters()).device)
             raise
         self.engine.wake()
