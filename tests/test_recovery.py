@@ -38,6 +38,18 @@ def finish(proc: subprocess.Popen) -> str:
     return out + err
 
 
+def kill_held(tmp_path: Path, hold: str, *args: str, sig: int = signal.SIGKILL
+              ) -> tuple[int, str]:
+    """Launch the recovery flow with `hold=<group>:<step>`, send `sig` to the held rank once
+    it is held, and let the run finish: the rank's pid and the run's output."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = launch(tmp_path / "run", f"hold={hold}", f"marks={marks}", *args)
+    pid = held_pid(marks, hold.partition(":")[0], proc)
+    os.kill(pid, sig)
+    return pid, finish(proc)
+
+
 def steps_once(run_dir: Path, steps: int) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))
@@ -54,12 +66,7 @@ def recoveries(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_dead_or_hung_stateless_rank_reruns_only_its_node(tmp_path, sig):
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    proc = launch(tmp_path / "run", "steps=5", "hold=scorer:2", f"marks={marks}")
-    pid = held_pid(marks, "scorer", proc)
-    os.kill(pid, sig)
-    err = finish(proc)
+    pid, err = kill_held(tmp_path, "scorer:2", "steps=5", sig=sig)
     assert_gone([pid])
     steps_once(tmp_path / "run", 5)
     event, *others = recoveries(tmp_path / "run")
@@ -78,13 +85,7 @@ def test_a_peer_death_an_async_node_meets_as_a_broken_collective_reruns_it(tmp_p
     """Rank 1 of the two-rank scorer dies while rank 0 waits in their all-reduce: the async
     score node's await may fail with rank 0's RemoteError before the death is declared; it
     waits for the death to show and re-runs like any other (it used to rewind)."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    proc = launch(tmp_path / "run", "steps=5", "hold=scorer:2", f"marks={marks}",
-                  "collective=1")
-    pid = held_pid(marks, "scorer", proc)
-    os.kill(pid, signal.SIGKILL)
-    finish(proc)
+    kill_held(tmp_path, "scorer:2", "steps=5", "collective=1")
     steps_once(tmp_path / "run", 5)
     event, *others = recoveries(tmp_path / "run")
     assert (event["kind"], event["groups"], event["node"], event["step"]) == \
@@ -95,12 +96,7 @@ def test_a_peer_death_an_async_node_meets_as_a_broken_collective_reruns_it(tmp_p
 def test_a_node_that_called_a_stateful_group_is_not_rerun_but_rewound(tmp_path):
     """The train node updates the trainer, then calls the scorer, which dies: re-running the
     node would train on step 3 twice, so the flow goes back to its checkpoint instead."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    proc = launch(tmp_path / "run", "steps=5", "hold=echo:3", f"marks={marks}", "mixed=1")
-    pid = held_pid(marks, "echo", proc)
-    os.kill(pid, signal.SIGKILL)
-    finish(proc)
+    kill_held(tmp_path, "echo:3", "steps=5", "mixed=1")
     steps_once(tmp_path / "run", 5)
     [event] = recoveries(tmp_path / "run")
     assert (event["kind"], event["groups"], event["step"], event["resumed_at"]) == \
@@ -112,12 +108,7 @@ def test_a_death_a_node_only_awaited_is_not_rerun_but_rewound(tmp_path):
     train awaits score's value and meets that death: train never called the scorer, and a
     re-run of train would meet the same failure again (it spun the controller's loop: a
     hang with the loop at 100 %), so the flow goes back to its checkpoint."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    proc = launch(tmp_path / "run", "steps=5", "hold=scorer:3", f"marks={marks}", "peek=1")
-    pid = held_pid(marks, "scorer", proc)
-    os.kill(pid, signal.SIGKILL)
-    finish(proc)
+    kill_held(tmp_path, "scorer:3", "steps=5", "peek=1")
     steps_once(tmp_path / "run", 5)
     [event] = recoveries(tmp_path / "run")
     assert (event["kind"], event["groups"], event["step"], event["resumed_at"]) == \
@@ -125,12 +116,7 @@ def test_a_death_a_node_only_awaited_is_not_rerun_but_rewound(tmp_path):
 
 
 def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    proc = launch(tmp_path / "run", "steps=7", "hold=trainer:5", f"marks={marks}")
-    pid = held_pid(marks, "trainer", proc)
-    os.kill(pid, signal.SIGKILL)
-    err = finish(proc)
+    _, err = kill_held(tmp_path, "trainer:5", "steps=7")
     steps_once(tmp_path / "run", 7)
     [event] = recoveries(tmp_path / "run")
     # checkpoints after steps 1 and 3 (every 2): step 4 ran, then 5 died; back to 3
