@@ -1,7 +1,8 @@
 """Recovery from dead and hung ranks while a flow runs (tests/drivers/recovery_flow.py):
 a stateless group is respawned and only its node re-run; a stateful one sends the flow back
 to its last checkpoint; a killed controller leaves no rank behind and --resume goes on.
-Every run must end with each step exactly once in metrics.jsonl and in the trainer's state."""
+Every run must end with each step exactly once in metrics.jsonl and in the trainer's state.
+Last, one race of the respawn lock, on stand-ins for the flow and the controller."""
 
 import json
 import os
@@ -171,3 +172,46 @@ def test_killed_actor_rank_of_the_grpo_demo_resumes_from_its_checkpoint():
     assert (result["steps_completed"], result["steps_lost"], result["steps_repeated"]) == \
         (14, 0, 0), result
     assert result["max_reward_diff"] < 1e-6, result
+
+def test_a_respawn_cancelled_mid_spawn_keeps_the_group_until_its_spawn_ends():
+    """A node's re-run is respawning a dead group when a rewind cancels it: the spawn goes
+    on, and the rewind's own respawn must find the new group, not start a second (it failed
+    with "a group named ... already exists") nor count a second restart."""
+    import asyncio
+    import types
+
+    from asyncrl.controller.recovery import Recovery
+    from asyncrl.errors import GroupDeadError
+
+    async def main():
+        spawns, spawning, release = [], asyncio.Event(), asyncio.Event()
+
+        class Ctl:
+            async def close_group(self, handle):
+                handle.closing = True
+
+        async def spawn(spec):
+            spawns.append(spec.name)
+            spawning.set()
+            await release.wait()  # ranks saying hello, workers being built
+            return types.SimpleNamespace(dead=None, closing=False)
+
+        dead = GroupDeadError("reward", 0, -9, "killed")
+        spec = types.SimpleNamespace(name="reward", stateful=False, max_restarts=3,
+                                     restart_backoff=0.0,
+                                     handle=types.SimpleNamespace(dead=dead, closing=False))
+        flow = types.SimpleNamespace(groups=[spec], _ctl=Ctl(), _spawn=spawn)
+        recovery = Recovery(flow)
+        rerun = asyncio.ensure_future(recovery.respawn(spec, dead))
+        await spawning.wait()
+        rerun.cancel()  # the rewind's _abandon
+        rewind = asyncio.ensure_future(recovery.respawn(spec, dead))
+        await asyncio.sleep(0)  # one turn: the rewind is waiting for the group's lock
+        release.set()
+        results = await asyncio.gather(rerun, rewind, return_exceptions=True)
+        return results, spawns, recovery.restarts, spec.handle.dead
+    (rerun, rewound), spawns, restarts, handle_dead = asyncio.run(main())
+    assert isinstance(rerun, asyncio.CancelledError)
+    assert rewound is False and spawns == ["reward"] and restarts == {"reward": 1}
+    assert handle_dead is None  # the group the cancelled re-run started
+

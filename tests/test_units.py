@@ -546,49 +546,6 @@ def test_placement_of_a_group_whose_agent_failed_to_start_is_freed(tmp_path):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_a_respawn_cancelled_mid_spawn_keeps_the_group_until_its_spawn_ends():
-    """A node's re-run is respawning a dead group when a rewind cancels it: the spawn goes
-    on, and the rewind's own respawn must find the new group, not start a second (it failed
-    with "a group named ... already exists") nor count a second restart."""
-    import asyncio
-    import types
-
-    from asyncrl.controller.recovery import Recovery
-    from asyncrl.errors import GroupDeadError
-
-    async def main():
-        spawns, spawning, release = [], asyncio.Event(), asyncio.Event()
-
-        class Ctl:
-            async def close_group(self, handle):
-                handle.closing = True
-
-        async def spawn(spec):
-            spawns.append(spec.name)
-            spawning.set()
-            await release.wait()  # ranks saying hello, workers being built
-            return types.SimpleNamespace(dead=None, closing=False)
-
-        dead = GroupDeadError("reward", 0, -9, "killed")
-        spec = types.SimpleNamespace(name="reward", stateful=False, max_restarts=3,
-                                     restart_backoff=0.0,
-                                     handle=types.SimpleNamespace(dead=dead, closing=False))
-        flow = types.SimpleNamespace(groups=[spec], _ctl=Ctl(), _spawn=spawn)
-        recovery = Recovery(flow)
-        rerun = asyncio.ensure_future(recovery.respawn(spec, dead))
-        await spawning.wait()
-        rerun.cancel()  # the rewind's _abandon
-        rewind = asyncio.ensure_future(recovery.respawn(spec, dead))
-        await asyncio.sleep(0)  # one turn: the rewind is waiting for the group's lock
-        release.set()
-        results = await asyncio.gather(rerun, rewind, return_exceptions=True)
-        return results, spawns, recovery.restarts, spec.handle.dead
-    (rerun, rewound), spawns, restarts, handle_dead = asyncio.run(main())
-    assert isinstance(rerun, asyncio.CancelledError)
-    assert rewound is False and spawns == ["reward"] and restarts == {"reward": 1}
-    assert handle_dead is None  # the group the cancelled re-run started
-
-
 def test_a_user_protocols_split_is_checked_before_anything_is_sent():
     from asyncrl.actors.protocols import Split, check_split
 
