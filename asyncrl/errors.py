@@ -64,3 +64,8 @@ class CheckpointError(AsyncRLError, ValueError):
 
 class TransferTimeout(AsyncRLError, TimeoutError):
     """A data-plane peer did not answer in time; the message names the peer and operation."""
+
+
+class InputLostError(AsyncRLError):
+    """A call's input was held by a group that died or was closed before the call's ranks
+    pulled all of it: those rows are gone. The message names the group and why."""

@@ -462,170 +462,29 @@ def test_stalled_producer_gives_transfer_timeout_naming_it():
     assert_gone(pids)
 
 
-def test_gpu_rows_in_a_reply_after_a_transfer_timeout_are_released(monkeypatch):
-    """A producer that answers a CUDA IPC pull only after the consumer's TransferTimeout:
-    the reply's rows are still opened and closed (at the consumer's next pull), so the
-    producer's GPU block is freed; then that socket is closed. A timed-out pull of bytes is
-    not waited for: its socket is closed at once. A scripted producer on a real socket."""
-    import threading
-
-    import msgspec
-    import zmq
-
-    from asyncrl.comm import codec, dataplane
-    from asyncrl.comm.channel import open_frame
-    from asyncrl.comm.remote import Piece, RemoteValue, Shard
-
-    released = []
-    monkeypatch.setattr(dataplane.cuda_ipc, "release", released.append)
-    secret = b"k" * 32
-    rows = messages.IpcRows(0, b"h", 64, 0, b"r", 0, None, False, "float32", (2,), (1,), 0,
-                            "GPU-x")
-    ctx = zmq.Context()
-    server = ctx.socket(zmq.ROUTER)
-    addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
-    signer, verifier = Signer(secret), Verifier(secret)
-    timed_out, stop = [threading.Event(), threading.Event()], threading.Event()
-
-    def pull():
-        who, *frames = server.recv_multipart()
-        return who, open_frame(verifier, who + b"@" + addr.encode(), frames)
-
-    def answer(identity, reply):
-        server.send_multipart([identity, *signer.sign(b">" + identity,
-                                                     messages.encode(reply))])
-
-    def producer():
-        for late in timed_out:  # a pull of bytes, then one of GPU rows: both answered late
-            who, req = pull()
-            late.wait(30)
-            answer(who, messages.Pulled(req.xfer_id, ipc={"x": rows} if req.ipc else {}))
-        while not stop.is_set():  # later fetches, answered at once
-            if server.poll(100):
-                who, req = pull()
-                answer(who, messages.Pulled(req.xfer_id, value=msgspec.Raw(codec.encode(7))))
-
-    thread = threading.Thread(target=producer, daemon=True)
-    thread.start()
-    client = dataplane.DataClient(ctx, secret, "cons/0", "127.0.0.1", None, timeout=0.3)
-    shard = Shard("prod", 0, 1, addr, "127.0.0.1")
-    try:
-        for n, ipc in enumerate(([], ["x"])):
-            req = messages.Pull(100 + n, 1, 0, 1, ipc=ipc)
-            with pytest.raises(asyncrl.TransferTimeout, match="no answer from prod"):
-                client._exchange([(Piece(shard, 0, 1), req)], lambda *_: None)
-            timed_out[n].set()  # the late reply goes to the socket given up
-            assert len(client._late) == n  # kept only for the IPC pull
-        deadline = time.monotonic() + 10
-        while not released and time.monotonic() < deadline:  # each later pull drains it
-            assert client.fetch_value(RemoteValue(shard)) == 7  # on a socket of its own
-        assert released == [rows] and client._late == []  # all answered: closed
-    finally:
-        stop.set()
-        thread.join(10)
-        client.close()
-        server.close(0)
-        ctx.term()
-
-
-def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch):
-    """A reply that arrives after its pull was given up (another pull of the same fetch
-    failed) may hold CUDA IPC handles: the consumer still releases them, or the producer
-    keeps their GPU block until it exits. A scripted producer answers on a real socket."""
-    import threading
-
-    import msgspec
-    import zmq
-
-    from asyncrl.comm import codec, dataplane
-    from asyncrl.comm.channel import open_frame
-    from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
-
-    released = []
-    monkeypatch.setattr(dataplane.cuda_ipc, "release", released.append)
-    secret = b"k" * 32
-    gpu_rows = messages.IpcRows(0, b"h", 64, 0, b"r", 0, None, False, "float32", (2,), (1,),
-                                0, "GPU-x")
-    ctx = zmq.Context()
-    server = ctx.socket(zmq.ROUTER)
-    addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
-    signer, verifier = Signer(secret), Verifier(secret)
-
-    def pulls(n):
-        got = [server.recv_multipart() for _ in range(n)]
-        return [(i, open_frame(verifier, i + b"@" + addr.encode(), f)) for i, *f in got]
-
-    def answer(identity, reply):
-        server.send_multipart([identity, *signer.sign(b">" + identity,
-                                                     messages.encode(reply))])
-
-    def producer():
-        (who, first), (_, second) = pulls(2)  # one fetch, two pieces
-        # an error that came with rows exported before it: released at once
-        answer(who, messages.Pulled(first.xfer_id, error="LookupError: gone",
-                                    ipc={"x": gpu_rows}))
-        answer(who, messages.Pulled(second.xfer_id, ipc={"x": gpu_rows}))  # after the error
-        [(who, third)] = pulls(1)
-        answer(who, messages.Pulled(third.xfer_id, value=msgspec.Raw(codec.encode(7))))
-
-    thread = threading.Thread(target=producer, daemon=True)
-    thread.start()
-    client = dataplane.DataClient(ctx, secret, "cons/0", "127.0.0.1", None, timeout=10)
-    try:
-        shard = Shard("prod", 0, 1, addr, "127.0.0.1")
-        two = RemoteBatch([Piece(shard, 0, 1), Piece(shard, 1, 2)],
-                          [messages.Column("x", "list")])
-        with pytest.raises(RuntimeError, match="gone"):
-            client.fetch_batch(two)
-        assert released == [gpu_rows]
-        assert client.fetch_value(RemoteValue(shard)) == 7  # the late reply came first
-        assert released == [gpu_rows, gpu_rows]
-    finally:
-        thread.join(10)
-        client.close()
-        server.close(0)
-        ctx.term()
-
-
-def test_pulled_frames_must_fill_their_rows_and_no_pool_means_process_memory():
-    """A client without a segment pool builds its columns in its own memory (they were left
-    uninitialised), and a frame of the wrong size is refused (numpy would have broadcast a
-    short one over the rows). A scripted producer answers on a real socket."""
-    import threading
-
-    import zmq
-
-    from asyncrl.comm import dataplane
-    from asyncrl.comm.channel import open_frame
-    from asyncrl.comm.remote import Piece, RemoteBatch, Shard
-
-    secret = b"k" * 32
-    ctx = zmq.Context()
-    server = ctx.socket(zmq.ROUTER)
-    addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
-    signer, verifier = Signer(secret), Verifier(secret)
-    x = torch.arange(6, dtype=torch.float32).reshape(3, 2)
-
-    def producer():
-        for short in (False, True):
-            who, *frames = server.recv_multipart()
-            req = open_frame(verifier, who + b"@" + addr.encode(), frames)
-            rows = x[req.start:req.stop].numpy().tobytes()
-            server.send_multipart([who, *signer.sign(b">" + who, messages.encode(
-                messages.Pulled(req.xfer_id, buffers=["x"]))), rows[:4] if short else rows])
-
-    thread = threading.Thread(target=producer, daemon=True)
-    thread.start()
-    client = dataplane.DataClient(ctx, secret, "cons/0", "127.0.0.1", None, timeout=10)
-    try:
-        batch = RemoteBatch([Piece(Shard("prod", 0, 1, addr, "127.0.0.1"), 0, 3)],
-                            [messages.Column("x", "float32", (2,))])
-        assert torch.equal(client.fetch_batch(batch)["x"], x)
-        with pytest.raises(RuntimeError, match="column 'x' came with 4 bytes, 24 expected"):
-            client.fetch_batch(batch)
-    finally:
-        thread.join(10)
-        client.close()
-        server.close(0)
-        ctx.term()
-
+def test_a_producer_that_dies_fails_the_pull_with_its_death_not_a_timeout():
+    """The consumer pulls from a stopped producer, which is then killed: the controller
+    declares its group dead and tells the consumer's rank, whose pull fails with
+    InputLostError naming the death, not TransferTimeout at the end of the 60 s limit.
+    The group respawned under that name is pulled from as before."""
+    async def main():
+        async with asyncrl.Controller(transfer_timeout=60, transport="tcp") as ctl:
+            prod, cons = await asyncio.gather(ctl.spawn(Slow, nprocs=1, name="prod"),
+                                              ctl.spawn(Consumer, nprocs=1, name="cons"))
+            pids = group_pids(prod) + group_pids(cons)
+            made = prod.make(rows(3))
+            assert await cons.ids(made) == [0, 2, 4]
+            os.kill(prod.pids[0], signal.SIGSTOP)  # answers no pull from now on
+            pulled = cons.ids(made)
+            os.kill(prod.pids[0], signal.SIGKILL)
+            with pytest.raises(asyncrl.InputLostError) as info:
+                await asyncio.wait_for(pulled, 50)
+            await ctl.close_group(prod)
+            prod = await ctl.spawn(Slow, nprocs=1, name="prod")
+            pids += group_pids(prod)
+            assert await cons.ids(prod.make(rows(2))) == [0, 2]
+            return pids, str(info.value)
+    pids, message = run(main())
+    assert message.startswith("cons[rank 0].ids: cannot pull rows 0:3 of object ") and \
+        "from prod:0: group 'prod' is dead" in message, message
+    assert_gone(pids)

@@ -134,9 +134,11 @@ def test_restart_budget_spent_fails_the_run_with_the_cause(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     # the death fails score's own call of step 1, or first (steps overlap: nothing holds
-    # step 1 back while step 0 trains) train of step 0 still pulling score 0 from that rank
+    # step 1 back while step 0 trains) train of step 0 still pulling score 0 from that rank,
+    # which hears of the death and gives up at once
     assert ("node 'score' failed at step 1" in err and "killed by signal 9" in err) or (
-        "node 'train' failed at step 0" in err and "no answer from scorer:0" in err), err
+        "node 'train' failed at step 0" in err and "from scorer:0: group 'scorer' is dead"
+        in err), err
     assert recoveries(tmp_path / "run") == []
 
 

@@ -41,6 +41,7 @@ from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.cuda_ipc import device_uuid
 from asyncrl.comm.dataplane import DataClient, DataServer, pool_prefix, run_prefix
+from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import (
     NONE,
     Call,
@@ -52,6 +53,7 @@ from asyncrl.comm.messages import (
     Hello,
     Log,
     MethodSpec,
+    PeersGone,
     Ready,
     Release,
     Result,
@@ -145,6 +147,7 @@ class RankMain:
         self.io = self.socket("io")
         self.exec = self.socket("exec")  # handed to the exec thread, never used here again
         self.store = ObjectStore()
+        self.gone = GonePeers()  # groups the controller declared dead: pulls from them fail
         run_id = env.get("ASYNCRL_RUN_ID", str(os.getpid()))
         self.segments = SegmentPool(pool_prefix(run_id, self.group, self.rank, os.getpid()))
         self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
@@ -189,7 +192,7 @@ class RankMain:
     def data_client(self, identity: str) -> DataClient:
         return DataClient(self.ctx, self.secret, identity, self.host, self.segments,
                           self.transfer_timeout, self.transport, self.curve,
-                          own=(self.data.address, self.store.get))
+                          own=(self.data.address, self.store.get), gone=self.gone)
 
     def keep(self, call: Call, value: Any) -> Result:
         """Keep a result in the object store (it may be passed to another group) and send
@@ -298,6 +301,8 @@ class RankMain:
                     self.store.free(msg.obj_ids)
                 elif isinstance(msg, Fetch):
                     self.fetcher.submit(self.send_fetched, msg.obj_id)
+                elif isinstance(msg, PeersGone):
+                    self.gone.add(msg)
                 elif isinstance(msg, Shutdown):
                     return 0
             if now >= next_beat:

@@ -10,7 +10,8 @@
 Shared memory needs both ranks on one host; ZeroMQ TCP carries everything else. Every
 request and reply is signed like the control plane; raw tensor frames that follow a signed
 reply are bound to it by their count and sizes. A peer that does not answer within the
-timeout raises TransferTimeout naming it and the operation.
+timeout raises TransferTimeout naming it and the operation; one whose group the controller
+declared dead, InputLostError as soon as the rank hears of it (`comm.gone`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,14 +35,16 @@ from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client, curve_s
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.channel import open_frame
 from asyncrl.comm.cuda_ipc import copy_rows_into, export_rows, visible_gpus
+from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import NONE, ColumnDest, Pull, Pulled
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue
 from asyncrl.comm.shm import SegmentMapper, SegmentPool
-from asyncrl.errors import TransferTimeout
+from asyncrl.errors import InputLostError, TransferTimeout
 
 log = logging.getLogger("asyncrl")
 SHM_PREFIX = "asyncrl-"
 _ALIGN = 64
+WATCH_S = 0.1  # how often a pull waiting for answers looks for news of dead producers
 MAX_LATE_SOCKETS = 64  # per client: sockets of timed-out IPC pulls still drained
 BUCKET_BYTES = 32 << 20  # pulls are split into buckets of at most this many bytes, all in
 # flight at once: the producer copies or sends one while the consumer takes in another
@@ -247,8 +250,10 @@ class DataClient:
     def __init__(self, ctx: zmq.Context, secret: bytes, identity: str, host: str,
                  pool: SegmentPool | None, timeout: float, transport: str = "auto",
                  curve: CurveKeys | None = None,
-                 own: tuple[str, Callable[[int], Any]] | None = None):
+                 own: tuple[str, Callable[[int], Any]] | None = None,
+                 gone: GonePeers | None = None):
         self._ctx, self._secret, self._identity = ctx, secret, identity
+        self._gone = gone if gone is not None else GonePeers()  # producers known dead
         # this rank's data server and store: its own rows are copied, not pulled
         self._own_addr = own[0] if own else ""
         self._lookup: Callable[[int], Any] | None = own[1] if own else None
@@ -295,6 +300,7 @@ class DataClient:
         """Send every request, call `sent()`, then hand each reply to `take` as it arrives (so
         the copy of one bucket overlaps the transfer of the next), all within the timeout."""
         self._drain_late()
+        self._check_alive(piece for piece, _ in requests)  # before anything is sent
         pending: dict[int, tuple[Piece, Pull]] = {}
         poller = zmq.Poller()
         for piece, req in requests:
@@ -311,15 +317,21 @@ class DataClient:
             poller.register(r.sock, zmq.POLLIN)
         by_sock = {id(s): (s, v, i) for s, _, v, i in self._socks.values()}
         while pending:
+            try:
+                self._check_alive(p for p, _ in pending.values())
+            except InputLostError:  # a producer died: no answer will ever come
+                self._give_up(pending)
+                raise
             left = deadline - time.monotonic()
-            ready = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
+            # in slices: news of a dead producer comes on another thread
+            ready = dict(poller.poll(max(0, int(min(left, WATCH_S) * 1000)))) if left > 0 \
+                else {}
+            if not ready and time.monotonic() < deadline:
+                continue
             if not ready:
                 piece, _ = next(iter(pending.values()))
                 what = "whole value" if piece.start < 0 else f"rows {piece.start}:{piece.stop}"
-                for addr in {p.shard.addr for p, _ in pending.values()}:
-                    # late replies must not reach the next pull
-                    self._give_up_socket(addr, [r for p, r in pending.values()
-                                                if p.shard.addr == addr])
+                self._give_up(pending)
                 raise TransferTimeout(
                     f"no answer from {piece.shard.peer} ({piece.shard.addr}) to a pull of "
                     f"{what} of object {piece.shard.obj_id} within {self._timeout:g} s "
@@ -511,6 +523,18 @@ class DataClient:
                 src = _bytes_of(value.tensor(key)[start:stop])
                 at += row * row_bytes[key]
                 buf[at:at + src.nbytes] = src
+
+    def _check_alive(self, pieces: Iterable[Piece]) -> None:
+        """InputLostError if the producer of one of these pieces is known to be gone."""
+        for piece in pieces:
+            lost = self._gone.lost(piece)
+            if lost is not None:
+                raise lost
+
+    def _give_up(self, pending: dict[int, tuple[Piece, Pull]]) -> None:
+        """Stop waiting for these pulls: late replies must not reach the next pull."""
+        for addr in {p.shard.addr for p, _ in pending.values()}:
+            self._give_up_socket(addr, [r for p, r in pending.values() if p.shard.addr == addr])
 
     def _give_up_socket(self, addr: str, unanswered: list[Pull]) -> None:
         """Stop using the socket to `addr`: its pulls timed out. Closed, unless a late reply

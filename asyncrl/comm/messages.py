@@ -227,6 +227,18 @@ class Pulled(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     ipc: dict[str, IpcRows] = {}
 
 
+class PeersGone(msgspec.Struct, tag=True, array_like=True):
+    """controller -> rank: group `group` died or was closed; its ranks' data servers `addrs`
+    will never answer for the objects they held (ids below `below`): pulls of them fail at
+    once instead of at the transfer timeout. A respawned group of that name holds only
+    objects of later calls, whatever ports it binds."""
+
+    group: str
+    addrs: list[str]
+    below: int
+    reason: str
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """controller -> rank: exit now."""
 
@@ -254,7 +266,7 @@ class Fanin(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 Message = Union[Hello, Construct, Ready, Call, Result, Heartbeat, Shutdown, Release, Fetch,
-                Fetched, Pull, Pulled, Log, Fanout, Fanin, Results]
+                Fetched, Pull, Pulled, Log, Fanout, Fanin, Results, PeersGone]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -426,6 +426,7 @@ class Controller:
             box = self.outbox()
             group.post_all(box, "io", messages.encode(Shutdown()))
             box.flush()
+            group.announce_gone("was shut down")
             for info in group.ranks.values():  # nothing else goes to its sockets
                 self.relay_of.pop(info.identity, None)
                 self.relay_of.pop(info.exec_identity, None)

@@ -39,13 +39,21 @@ from asyncrl.comm.messages import (
     Fetch,
     Fetched,
     MethodSpec,
+    PeersGone,
     Result,
     Results,
     Schema,
 )
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import called_groups, current_node
-from asyncrl.errors import ClosedError, EncodeError, GroupDeadError, RemoteError, TransferTimeout
+from asyncrl.errors import (
+    ClosedError,
+    EncodeError,
+    GroupDeadError,
+    InputLostError,
+    RemoteError,
+    TransferTimeout,
+)
 from asyncrl.futures.future import DistFuture, Held, futures_in, rebuild
 
 if TYPE_CHECKING:
@@ -475,6 +483,8 @@ class GroupHandle:
     def _remote_error(self, rank: int, method: str, error: Failure) -> Exception:
         if error.type == "TransferTimeout":
             return TransferTimeout(f"{self.name}[rank {rank}].{method}: {error.message}")
+        if error.type == "InputLostError":
+            return InputLostError(f"{self.name}[rank {rank}].{method}: {error.message}")
         return RemoteError(self.name, rank, method, error.type, error.message, error.traceback)
 
     async def _fetch(self, rank: int, obj_id: int) -> Any:
@@ -550,6 +560,21 @@ class GroupHandle:
             return
         self.dead = GroupDeadError(self.name, rank, exit_code, reason, self.agent.tail())
         self._fail_all(self.dead)
+        self.announce_gone(f"is dead: {reason}")
+
+    def announce_gone(self, why: str) -> None:
+        """Tell the ranks of every other running group that this group's data servers will
+        never answer again: their pulls from it fail now (InputLostError), not at the
+        transfer timeout."""
+        addrs = [info.data_addr for info in self.ranks.values() if info.data_addr]
+        if not addrs:
+            return
+        message = messages.encode(PeersGone(self.name, addrs, next(_call_ids), why))
+        box = self._ctl.outbox()
+        for other in self._ctl.groups.values():
+            if other is not self and other.dead is None and not other.closing:
+                other.post_all(box, "io", message)
+        box.flush()
 
     def _touch(self, rank: int) -> None:
         info = self.ranks.get(rank)

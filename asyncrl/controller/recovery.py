@@ -255,8 +255,9 @@ class Recovery:
             return False  # no checkpoint to go back to, and the groups are not at step 0
         flow._check_rereadable()  # before any group is touched
         await flow._abandon()
-        # a call pulling from a dead rank ends at its transfer timeout; one that outlasts
-        # it is hung: its group goes too (not counted against its restarts)
+        # a call pulling from a dead rank ends when its rank hears of the death (at worst
+        # at its transfer timeout); one that outlasts that is hung: its group goes too (not
+        # counted against its restarts)
         busy = await self._settle(ctl.transfer_timeout + ctl.heartbeat_timeout)
         dead += [g for g in self.flow.groups if g not in dead and (
             g.handle is None or g.handle.dead is not None)]  # died while the calls ended

@@ -1,0 +1,194 @@
+"""A rank's data client against a scripted producer on a real socket: late replies, replies
+to pulls given up, frames of the wrong size, a producer whose group died."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+import asyncrl
+from asyncrl.comm import codec, dataplane, messages
+from asyncrl.comm.auth import Signer, Verifier
+from asyncrl.comm.channel import open_frame
+from asyncrl.comm.gone import GonePeers
+from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
+
+SECRET = b"k" * 32
+GPU_ROWS = messages.IpcRows(0, b"h", 64, 0, b"r", 0, None, False, "float32", (2,), (1,), 0,
+                            "GPU-x")
+
+
+class Producer:
+    """A ROUTER socket playing a producer rank's data server, its script on a thread."""
+
+    def __init__(self, ctx: zmq.Context):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.signer, self.verifier = Signer(SECRET), Verifier(SECRET)
+        self.shard = Shard("prod", 0, 1, self.addr, "127.0.0.1")
+        self.thread: threading.Thread | None = None
+
+    def pull(self) -> tuple[bytes, messages.Pull]:
+        who, *frames = self.sock.recv_multipart()
+        return who, open_frame(self.verifier, who + b"@" + self.addr.encode(), frames)
+
+    def answer(self, who: bytes, reply: messages.Pulled, *raw: bytes) -> None:
+        self.sock.send_multipart([who, *self.signer.sign(b">" + who, messages.encode(reply)),
+                                  *raw])
+
+    def play(self, script: Callable[[], None]) -> None:
+        self.thread = threading.Thread(target=script, daemon=True)
+        self.thread.start()
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[zmq.Context, Producer, list]]:
+    """A context, a scripted producer, and the clients a test makes (closed after it)."""
+    ctx = zmq.Context()
+    producer = Producer(ctx)
+    clients: list[dataplane.DataClient] = []
+    yield ctx, producer, clients
+    if producer.thread is not None:
+        producer.thread.join(10)
+    for client in clients:
+        client.close()
+    producer.sock.close(0)
+    ctx.term()
+
+
+def client_of(scripted, timeout: float, gone: GonePeers | None = None) -> dataplane.DataClient:
+    ctx, _, clients = scripted
+    clients.append(dataplane.DataClient(ctx, SECRET, "cons/0", "127.0.0.1", None,
+                                        timeout=timeout, gone=gone))
+    return clients[-1]
+
+
+def test_gpu_rows_in_a_reply_after_a_transfer_timeout_are_released(monkeypatch, scripted):
+    """A producer that answers a CUDA IPC pull only after the consumer's TransferTimeout:
+    the reply's rows are still opened and closed (at the consumer's next pull), so the
+    producer's GPU block is freed; then that socket is closed. A timed-out pull of bytes is
+    not waited for: its socket is closed at once."""
+    released: list = []
+    monkeypatch.setattr(dataplane.cuda_ipc, "release", released.append)
+    _, producer, _ = scripted
+    timed_out, stop = [threading.Event(), threading.Event()], threading.Event()
+
+    def script():
+        for late in timed_out:  # a pull of bytes, then one of GPU rows: both answered late
+            who, req = producer.pull()
+            late.wait(30)
+            producer.answer(who, messages.Pulled(req.xfer_id,
+                                                 ipc={"x": GPU_ROWS} if req.ipc else {}))
+        while not stop.is_set():  # later fetches, answered at once
+            if producer.sock.poll(100):
+                who, req = producer.pull()
+                producer.answer(who, messages.Pulled(req.xfer_id,
+                                                     value=msgspec.Raw(codec.encode(7))))
+
+    producer.play(script)
+    client = client_of(scripted, timeout=0.3)
+    try:
+        for n, ipc in enumerate(([], ["x"])):
+            req = messages.Pull(100 + n, 1, 0, 1, ipc=ipc)
+            with pytest.raises(asyncrl.TransferTimeout, match="no answer from prod"):
+                client._exchange([(Piece(producer.shard, 0, 1), req)], lambda *_: None)
+            timed_out[n].set()  # the late reply goes to the socket given up
+            assert len(client._late) == n  # kept only for the IPC pull
+        deadline = time.monotonic() + 10
+        while not released and time.monotonic() < deadline:  # each later pull drains it
+            assert client.fetch_value(RemoteValue(producer.shard)) == 7  # a socket of its own
+        assert released == [GPU_ROWS] and client._late == []  # all answered: closed
+    finally:
+        stop.set()
+
+
+def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch, scripted):
+    """A reply that arrives after its pull was given up (another pull of the same fetch
+    failed) may hold CUDA IPC handles: the consumer still releases them, or the producer
+    keeps their GPU block until it exits."""
+    released: list = []
+    monkeypatch.setattr(dataplane.cuda_ipc, "release", released.append)
+    _, producer, _ = scripted
+
+    def script():
+        (who, first), (_, second) = producer.pull(), producer.pull()  # one fetch, two pieces
+        # an error that came with rows exported before it: released at once
+        producer.answer(who, messages.Pulled(first.xfer_id, error="LookupError: gone",
+                                             ipc={"x": GPU_ROWS}))
+        producer.answer(who, messages.Pulled(second.xfer_id, ipc={"x": GPU_ROWS}))  # after
+        who, third = producer.pull()
+        producer.answer(who, messages.Pulled(third.xfer_id, value=msgspec.Raw(codec.encode(7))))
+
+    producer.play(script)
+    client = client_of(scripted, timeout=10)
+    two = RemoteBatch([Piece(producer.shard, 0, 1), Piece(producer.shard, 1, 2)],
+                      [messages.Column("x", "list")])
+    with pytest.raises(RuntimeError, match="gone"):
+        client.fetch_batch(two)
+    assert released == [GPU_ROWS]
+    assert client.fetch_value(RemoteValue(producer.shard)) == 7  # the late reply came first
+    assert released == [GPU_ROWS, GPU_ROWS]
+
+
+def test_pulled_frames_must_fill_their_rows_and_no_pool_means_process_memory(scripted):
+    """A client without a segment pool builds its columns in its own memory (they were left
+    uninitialised), and a frame of the wrong size is refused (numpy would have broadcast a
+    short one over the rows)."""
+    _, producer, _ = scripted
+    x = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+
+    def script():
+        for short in (False, True):
+            who, req = producer.pull()
+            rows = x[req.start:req.stop].numpy().tobytes()
+            producer.answer(who, messages.Pulled(req.xfer_id, buffers=["x"]),
+                            rows[:4] if short else rows)
+
+    producer.play(script)
+    client = client_of(scripted, timeout=10)
+    batch = RemoteBatch([Piece(producer.shard, 0, 3)], [messages.Column("x", "float32", (2,))])
+    assert torch.equal(client.fetch_batch(batch)["x"], x)
+    with pytest.raises(RuntimeError, match="column 'x' came with 4 bytes, 24 expected"):
+        client.fetch_batch(batch)
+
+
+def test_a_pull_from_a_producer_declared_dead_fails_at_once_naming_it(scripted):
+    """The producer never answers (its rank died); once the rank hears of the death
+    (`PeersGone`, from the controller, on another thread) a pull already waiting gives up
+    with InputLostError naming the group and the cause, long before its transfer timeout,
+    and so does a later one. The announcement covers only objects of earlier calls, and only
+    that group: a respawned group on the same port, or another group, is still pulled."""
+    _, producer, _ = scripted
+    gone = GonePeers()
+    waiting = threading.Event()
+
+    def script():
+        producer.pull()  # the pull is on its way; never answered
+        waiting.set()
+        who, req = producer.pull()  # a respawned group's object, on the same port
+        producer.answer(who, messages.Pulled(req.xfer_id, value=msgspec.Raw(codec.encode(7))))
+        who, req = producer.pull()  # another group's, on the same port
+        producer.answer(who, messages.Pulled(req.xfer_id, value=msgspec.Raw(codec.encode(8))))
+
+    producer.play(script)
+    client = client_of(scripted, timeout=60, gone=gone)
+    announcer = threading.Thread(target=lambda: waiting.wait(30) and gone.add(
+        messages.PeersGone("prod", [producer.addr], 5, "is dead: its process is gone")))
+    announcer.start()
+    with pytest.raises(asyncrl.InputLostError) as info:  # not a TransferTimeout after 60 s
+        client.fetch_value(RemoteValue(producer.shard))  # object 1, below 5
+    announcer.join()
+    assert str(info.value) == ("cannot pull a whole value of object 1 from prod:0: group 'prod' "
+                               "is dead: its process is gone")
+    # a later pull of that group's objects is not even sent (the script would answer it)
+    with pytest.raises(asyncrl.InputLostError, match="rows 0:2 of object 3 from prod:0"):
+        client.fetch_batch(RemoteBatch([Piece(Shard("prod", 0, 3, producer.addr, "h"), 0, 2)],
+                                       [messages.Column("x", "list")]))
+    assert client.fetch_value(RemoteValue(Shard("prod", 0, 5, producer.addr, "h"))) == 7
+    assert client.fetch_value(RemoteValue(Shard("other", 0, 2, producer.addr, "h"))) == 8
