@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from helpers import ROOT, run
+from helpers import ROOT, run, tensorboard_scalars
 
 import asyncrl
 from asyncrl.controller.launch import Metrics, load_inputs
@@ -160,6 +160,25 @@ def test_metrics_read_their_own_step_and_a_rewind_drops_later_steps(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1  # the first step-1 row went with the rewind
     assert rows[0]["time/busy/policy_s"] == 0.5 and rows[0]["time/rollout_s"] == 0.5
+
+
+def test_tensorboard_shows_each_step_once_after_a_rewind_and_a_resume(tmp_path):
+    """Event files are append-only: the scalars of steps run again after a rewind, or after
+    a resume, are hidden by a purge (they showed twice, old values beside new ones)."""
+    metrics = Metrics(tmp_path, 4, Timeline())
+    for t in range(3):
+        metrics(t, {"train": {"loss": float(t)}}, 1.0)
+    metrics.rewind(0)  # steps 1 and 2 run again, and compute other values
+    for t in (1, 2):
+        metrics(t, {"train": {"loss": 10.0 + t}}, 1.0)
+    metrics.close()
+    assert tensorboard_scalars(tmp_path, "train/loss") == [(0, 0.0), (1, 11.0), (2, 12.0)]
+    resumed = Metrics(tmp_path, 4, Timeline(), first_step=2)  # after step 1's checkpoint
+    for t in (2, 3):
+        resumed(t, {"train": {"loss": 20.0 + t}}, 1.0)
+    resumed.close()
+    assert tensorboard_scalars(tmp_path, "train/loss") == [(0, 0.0), (1, 11.0), (2, 22.0),
+                                                           (3, 23.0)]
 
 
 # -- running on real groups -----------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ROOT, assert_gone, wait_until
+from helpers import ROOT, assert_gone, tensorboard_scalars, wait_until
 
 FLOW = os.path.join(os.path.dirname(__file__), "drivers", "recovery_flow.py")
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2.5", "--transfer-timeout", "10"]
@@ -55,6 +55,7 @@ def steps_once(run_dir: Path, steps: int) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))
     assert [r["train/seen"] for r in rows] == list(range(steps))
+    assert tensorboard_scalars(run_dir, "train/seen") == [(t, float(t)) for t in range(steps)]
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     history = json.loads((last / "trainer" / "history.json").read_text())
     assert history == [[t, t * 10] for t in range(steps)]  # trained on each step once

@@ -58,16 +58,22 @@ class Metrics:
     over the step's seconds). Per group: "time/busy/<group>_s", the time its ranks spent on
     the step's calls, and "time/idle/<group>_s", the rest of the step's time."""
 
-    def __init__(self, run_dir: Path, steps: int | None, timeline: Timeline):
+    def __init__(self, run_dir: Path, steps: int | None, timeline: Timeline,
+                 first_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
         self.steps, self.timeline = steps, timeline
-        self.tb: Any = None
+        self.tb_dir = run_dir / "tensorboard"
+        self.tb: Any = self._writer(first_step or None)
+
+    def _writer(self, purge_step: int | None) -> Any:
+        """A TensorBoard writer, if it is installed. `purge_step`: TensorBoard hides what
+        earlier writers wrote for this step and later ones (they are written again)."""
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            return SummaryWriter(str(self.tb_dir), purge_step=purge_step)
         except Exception:  # noqa: BLE001 - TensorBoard is optional
-            self.tb = None
+            return None
 
     def __call__(self, step: int, values: dict[str, Any], seconds: float) -> None:
         row: dict[str, Any] = {"step": step, "time/step_s": round(seconds, 4)}
@@ -106,10 +112,13 @@ class Metrics:
               flush=True)
 
     def rewind(self, step: int) -> None:
-        """Steps after `step` run again (a recovery went back to a checkpoint): their rows
-        and timeline events go."""
+        """Steps after `step` run again (a recovery went back to a checkpoint): their rows,
+        timeline events and TensorBoard scalars go."""
         drop_rows_after(self.path, step)
         self.timeline.drop_after(step)
+        if self.tb is not None:  # event files are append-only: a purge marks what to hide
+            self.tb.close()
+            self.tb = self._writer(step + 1)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -179,7 +188,8 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         timeline = ctl.timeline = Timeline()
         if resume_from is not None:  # the steps before the resume stay in timeline.json
             timeline.resume(run_dir / "timeline.json", meta["step"])
-        metrics = Metrics(run_dir, steps, timeline)
+        metrics = Metrics(run_dir, steps, timeline,
+                          first_step=meta["step"] + 1 if resume_from is not None else 0)
         flow.save_inputs = run_dir / "inputs" if save_inputs else None
         if flow.save_inputs is not None:  # `asyncrl run --node` builds the groups alike
             flow.save_inputs.mkdir(parents=True, exist_ok=True)
