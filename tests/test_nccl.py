@@ -185,3 +185,56 @@ def test_transport_nccl_without_nccl_fails_the_call_with_the_install_hint():
     msg, pids = run(main())
     assert_gone(pids)
     assert "ImportError" in msg and "install cupy-cuda12x" in msg, msg
+
+
+def test_an_nccl_send_waiting_for_its_receiver_holds_up_no_other_pull(monkeypatch):
+    """A producer's NCCL send may wait for a receiver that gave up until the transfer
+    timeout. It waits on a thread of its communicator, so the data server answers other
+    pulls meanwhile (they waited behind it), and answers the NCCL pull once the send is
+    done. A real DataServer; a stand-in send that blocks until the test lets it go."""
+    import threading
+
+    import zmq
+
+    from asyncrl.comm import dataplane, dataserver, messages
+    from asyncrl.comm.auth import Signer, Verifier
+    from asyncrl.comm.channel import open_frame
+    from asyncrl.comm.remote import RemoteValue, Shard
+
+    sending, done = threading.Event(), threading.Event()
+    sent: list = []
+
+    def send(key, tensors, to, timeout):
+        sending.set()
+        assert done.wait(30)
+        sent.append((key, [t.tolist() for t in tensors], to))
+
+    monkeypatch.setattr(dataserver.nccl, "send", send)
+    secret = b"k" * 32
+    stored = {1: TensorBatch({"x": torch.arange(4.0)}), 2: {"whole": 7}}
+    ctx = zmq.Context()
+    server = dataserver.DataServer(ctx, "127.0.0.1", secret, stored.__getitem__, "maker:0",
+                                  "asyncrl-test-")
+    client = dataplane.DataClient(ctx, secret, "taker/0", "127.0.0.1", None, timeout=10)
+    puller = ctx.socket(zmq.DEALER)
+    identity = b"taker/0/pull-nccl"
+    puller.setsockopt(zmq.IDENTITY, identity)
+    puller.connect(server.address)
+    try:
+        pull = messages.Pull(1, 1, 1, 3, nccl=["x"], nccl_key="maker->taker")
+        puller.send_multipart(Signer(secret).sign(identity + b"@" + server.address.encode(),
+                                                  messages.encode(pull)))
+        assert sending.wait(30)
+        shard = Shard("maker", 0, 2, server.address, "127.0.0.1")
+        assert client.fetch_value(RemoteValue(shard)) == {"whole": 7}  # while it sends
+        assert not puller.poll(0) and sent == []
+        done.set()
+        assert puller.poll(30_000)
+        reply = open_frame(Verifier(secret), b">" + identity, puller.recv_multipart())
+        assert isinstance(reply, messages.Pulled) and reply.xfer_id == 1 and not reply.error
+        assert sent == [("maker->taker", [[1.0, 2.0]], ("taker", 0))]
+    finally:
+        done.set()
+        puller.close(0)
+        client.close()
+        server.close()

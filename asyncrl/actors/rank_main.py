@@ -40,7 +40,8 @@ from asyncrl.comm import codec
 from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.cuda_ipc import device_uuid
-from asyncrl.comm.dataplane import DataClient, DataServer, pool_prefix, run_prefix
+from asyncrl.comm.dataplane import DataClient, pool_prefix, run_prefix
+from asyncrl.comm.dataserver import DataServer
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import (
     NONE,

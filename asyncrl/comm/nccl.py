@@ -8,17 +8,19 @@
     consumer (B rank c): Pull(nccl=[columns], nccl_key) to producer rank p, then posts the
       receives for every bucket it asked for, as one NCCL group (no order between producers
       can deadlock it)
-    producer (A rank p, data-server thread): sends the rows to c, waits for the link's
-      stream with a bound, then answers Pulled (so an answer means the bytes are there)
+    producer (A rank p, the data server's thread for this link): sends the rows to c, waits
+      for the link's stream with a bound, then answers Pulled (so an answer means the bytes
+      are there)
 
 Each end of a communicator has its own CUDA stream, as torch's ProcessGroupNCCL does: it
 waits for the work queued so far on the caller's stream (which made the rows, or last used
 the memory received into), never for work queued later, so a sync neither waits behind nor
 holds up the generation or training that keeps running on the default stream.
 
-One communicator per direction: the producer's data-server thread only sends on it, the
-consumer's call threads only receive (under a lock), so no communicator is used by two
-threads at once. A send or receive that does not finish within the transfer timeout aborts
+One communicator per direction: one thread of the producer's data server only sends on it
+(a thread per communicator: a send waiting for a receiver that gave up holds no other
+pull), the consumer's call threads only receive (under a lock), so no communicator is used
+by two threads at once. A send or receive that does not finish within the transfer timeout aborts
 the communicator (NCCL cannot be interrupted otherwise); the pair is set up again next time.
 
 Imports CuPy only when a communicator is made. `ASYNCRL_NCCL_MODULE` names another module
@@ -116,11 +118,15 @@ def link(key: str) -> Link:
     return found
 
 
-def forget(key: str) -> None:
+def forget(key: str, end: Link | None = None) -> None:
+    """Drop this rank's end of `key` (only if it is still `end`: a send that timed out on
+    a communicator that was replaced meanwhile must not abort the new one)."""
     with _guard:
-        old = _links.pop(key, None)
-    if old is not None:
-        _abort(old)
+        old = _links.get(key)
+        if old is None or (end is not None and old is not end):
+            return
+        del _links[key]
+    _abort(old)
 
 
 def _abort(found: Link) -> None:
@@ -164,7 +170,7 @@ def _wait(key: str, end: Link, what: str, timeout: float) -> None:
             return
     elif end.comm.wait_all(timeout):  # the CPU stand-in's stream (tests/fake_nccl.py)
         return
-    forget(key)
+    forget(key, end)
     raise TransferTimeout(f"NCCL {what} on {key!r} not done within {timeout:g} s; the "
                           f"communicator was aborted")
 
