@@ -26,22 +26,37 @@ from typing import Any
 
 from asyncrl.controller.flow import NodeError
 from asyncrl.controller.runner import run
-from asyncrl.errors import CheckpointError
+from asyncrl.errors import CheckpointError, SettingError
 
 
-def _load(path: str, overrides: list[str] | None = None) -> Any:
+def _overrides(command: str, args: list[str]) -> dict[str, str]:
+    """The key=value arguments among `args`, as {key: text}."""
+    from asyncrl.controller.declare import parse_overrides
+
+    try:
+        return parse_overrides([a for a in args if "=" in a])
+    except ValueError as e:
+        raise SystemExit(f"asyncrl {command}: {e}; write overrides as key=value, with no "
+                         f"space around '='") from None
+
+
+def _load(path: str, overrides: dict[str, Any] | None = None) -> Any:
+    """Import the flow or driver file with `overrides` ({key: text}; parsed values of runs
+    before session 13 too) for its asyncrl.config(...)."""
     from asyncrl.comm.refs import _load_file
     from asyncrl.controller import declare
-    from asyncrl.controller.declare import OVERRIDES_ENV, parse_overrides
+    from asyncrl.controller.declare import OVERRIDES_ENV
 
     if not os.path.isfile(path):
         raise SystemExit(f"asyncrl: no such file: {path}")
     # before the import: the flow file reads them with asyncrl.config(...); none given,
     # none left from an earlier load in this process
-    os.environ[OVERRIDES_ENV] = json.dumps(parse_overrides(overrides or []))
+    os.environ[OVERRIDES_ENV] = json.dumps(overrides or {})
     calls, loaded = declare.config_calls, set(sys.modules)
     try:
         module = _load_file(os.path.abspath(path))
+    except SettingError as e:  # the command line's mistake, not the file's
+        raise SystemExit(f"asyncrl: {e}; fix the key=value arguments") from None
     except SyntaxError as e:
         where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
         code = f"\n    {e.text.rstrip()}" if e.text else ""
@@ -57,8 +72,9 @@ def _load(path: str, overrides: list[str] | None = None) -> Any:
                          " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
                          ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
     if overrides and module.__name__ not in loaded and declare.config_calls == calls:
+        given = " ".join(f"{k}={v}" for k, v in overrides.items())
         raise SystemExit(f"asyncrl: {path} takes no settings (it never calls "
-                         f"asyncrl.config(...)), so {' '.join(overrides)} would be ignored; "
+                         f"asyncrl.config(...)), so {given} would be ignored; "
                          f"declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop them")
     return module
 
@@ -95,8 +111,17 @@ def launch(args: argparse.Namespace) -> int:
     if args.keep_checkpoints < 0:
         raise SystemExit(f"asyncrl launch: --keep-checkpoints must be >= 0 (0 keeps all), "
                          f"got {args.keep_checkpoints}")
-    sys.argv = [args.script, *args.args]
-    module = _load(args.script, [a for a in args.args if "=" in a])
+    sys.argv = [args.script, *args.args, *args.passed]
+    overrides = _overrides("launch", args.args)
+    if args.resume:  # the run's own settings, under those given now (steps=... to go on)
+        from asyncrl.controller.checkpoint import saved_overrides
+
+        saved = saved_overrides(Path(args.run_dir))
+        if saved:
+            print(f"asyncrl launch: resuming with the run's settings "
+                  f"{json.dumps(saved)}, under those given now", file=sys.stderr)
+        overrides = {**saved, **overrides}
+    module = _load(args.script, overrides)
     flow = _flow_of(module, args.script)
     if flow is None:
         main = getattr(module, "main", None)
@@ -104,32 +129,31 @@ def launch(args: argparse.Namespace) -> int:
             raise SystemExit(f"asyncrl launch: {args.script} defines no `flow` and no main(); "
                              f"declare `flow = asyncrl.DataFlow(...)` or write `async def "
                              f"main():` that opens `async with asyncrl.Controller()`")
-        if args.resume or args.checkpoint_every is not None:
-            raise SystemExit(f"asyncrl launch: --resume and --checkpoint-every work on a "
-                             f"DataFlow; {args.script} defines main(), which saves its own "
-                             f"state")
-        if args.encrypt:  # never run unencrypted when asked to encrypt
-            raise SystemExit(f"asyncrl launch: --encrypt sets up the Controller of a "
-                             f"DataFlow; {args.script} defines main(), which makes its own: "
-                             f"pass asyncrl.Controller(encrypt=True) there")
+        _refuse_flow_options(args)
         result = run(main()) if inspect.iscoroutinefunction(main) else main()
         return int(result) if isinstance(result, int) else 0
-    stray = [a for a in args.args if "=" not in a]  # a flow takes key=value overrides only
-    if stray:
+    stray = [a for a in args.args if "=" not in a] + args.passed  # a flow takes key=value
+    if stray:                                                     # overrides only
         raise SystemExit(f"asyncrl launch: unrecognized arguments: {' '.join(stray)}; "
                          f"{args.script} defines a flow, which takes key=value overrides "
-                         f"after the options (see `asyncrl launch --help`)")
+                         f"after the options, and no '--' (see `asyncrl launch --help`)")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
     if args.checkpoint_every is not None:
         flow.checkpoint_every = args.checkpoint_every
     keep = args.keep_checkpoints or None  # 0 keeps every checkpoint
     cluster, host = _cluster(args)
+    return _run_flow("launch", run_dir, launch_flow(
+        flow, args.steps, run_dir, args.save_inputs, resume=args.resume, keep=keep,
+        cluster=cluster, host=host, controller=_settings(args)))
+
+
+def _run_flow(command: str, run_dir: Path, running: Any) -> int:
+    """Run a flow to its end: 0, or the exit code after saying what failed."""
     try:
-        run(launch_flow(flow, args.steps, run_dir, args.save_inputs, resume=args.resume,
-                        keep=keep, cluster=cluster, host=host, controller=_settings(args)))
+        run(running)
     except CheckpointError as e:
-        print(f"asyncrl launch: {e}", file=sys.stderr)
+        print(f"asyncrl {command}: {e}", file=sys.stderr)
         return 2
     except NodeError as e:  # the node, the step and the group; the remote traceback follows
         cause = e.__cause__
@@ -138,6 +162,38 @@ def launch(args: argparse.Namespace) -> int:
         print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
         return 1
     return 0
+
+
+# launch's options that set up a flow's run or its Controller: a driver's main() makes its
+# own Controller, so each would be ignored there; what to do instead
+_FLOW_OPTIONS = {
+    "steps": "run as many steps as main() asks for",
+    "run_dir": "pass asyncrl.Controller(run_dir=...)",
+    "hosts": "pass asyncrl.Controller(cluster=Cluster.from_file(...)), from "
+             "asyncrl.controller.cluster",
+    "controller_address": "pass asyncrl.Controller(host=...)",
+    "save_inputs": "save what main() needs itself",
+    "checkpoint_every": "save its state in main()",
+    "resume": "resume in main()",
+    "encrypt": "pass asyncrl.Controller(encrypt=True)",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _refuse_flow_options(args: argparse.Namespace) -> None:
+    """A driver's main() makes its own Controller: refuse what would be silently ignored."""
+    given = [name for name in _FLOW_OPTIONS if getattr(args, name) not in (None, False)]
+    given += [name for name in _settings(args) if name != "encrypt"]
+    if given:
+        flags = ", ".join(_flag(name) for name in given)
+        hints = "; ".join(f"{_flag(name)}: " + _FLOW_OPTIONS.get(
+            name, f"pass asyncrl.Controller({name}=...)") for name in given)
+        raise SystemExit(f"asyncrl launch: {flags} set up a DataFlow's run; {args.script} "
+                         f"defines main(), which makes its own Controller ({hints}). "
+                         f"Arguments for main() go after '--'")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,10 +225,9 @@ def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from asyncrl.controller.declare import parse_overrides
     from asyncrl.controller.launch import load_inputs, run_one_node, saved_overrides
 
-    stray = [a for a in args.args if "=" not in a]
+    stray = [a for a in args.args if "=" not in a] + args.passed
     if stray:
         raise SystemExit(f"asyncrl run: unrecognized arguments: {' '.join(stray)}; after the "
                          f"options it takes key=value overrides only")
@@ -182,11 +237,10 @@ def run_node(args: argparse.Namespace) -> int:
                          f"`asyncrl launch FLOW --save-inputs` wrote: "
                          f"RUN_DIR/inputs/step<t>/{args.node}.msgpack")
     # the groups are built as in the run that saved the inputs, unless told otherwise
-    overrides = {**saved_overrides(inputs), **parse_overrides(
-        [a for a in args.args if "=" in a])}
+    overrides = {**saved_overrides(inputs), **_overrides("run", args.args)}
     if overrides:
         print(f"asyncrl run: overrides {json.dumps(overrides)}", file=sys.stderr)
-    module = _load(args.script, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    module = _load(args.script, overrides)
     flow = _flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl run: {args.script} defines no `flow`")
@@ -202,7 +256,10 @@ def timeline(args: argparse.Namespace) -> int:
     if not trace.is_file():
         raise SystemExit(f"asyncrl timeline: {trace} does not exist; it is written by "
                          f"`asyncrl launch FLOW --run-dir {args.run_dir}`")
-    print(draw(trace, Path(args.run_dir) / "timeline.png"))
+    try:
+        print(draw(trace, Path(args.run_dir) / "timeline.png"))
+    except (ImportError, ValueError) as e:
+        raise SystemExit(f"asyncrl timeline: {e}") from None
     return 0
 
 
@@ -242,17 +299,20 @@ def bench(args: argparse.Namespace) -> int:
     if args.warmup < 0 or (args.steps is not None and args.warmup >= args.steps):
         raise SystemExit(f"asyncrl bench: --warmup {args.warmup} leaves no step to measure; "
                          f"give 0 <= N < --steps ({args.steps})")
-    stray = [a for a in args.args if "=" not in a]
+    stray = [a for a in args.args if "=" not in a] + args.passed
     if stray:
         raise SystemExit(f"asyncrl bench: unrecognized arguments: {' '.join(stray)}; a flow "
                          f"takes key=value overrides after the options (`asyncrl bench --help`)")
-    module = _load(args.script, args.args)
+    module = _load(args.script, _overrides("bench", args.args))
     flow = _flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl bench: {args.script} defines no `flow` (a DataFlow)")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
-    run(launch_flow(flow, args.steps, run_dir, controller=_settings(args)))
+    failed = _run_flow("bench", run_dir, launch_flow(flow, args.steps, run_dir,
+                                                     controller=_settings(args)))
+    if failed:
+        return failed
     deps = {name: [src[1] for src in d.values() if src is not None and src[0] == "node"]
             for name, d in flow.deps.items()}
     try:
@@ -261,7 +321,10 @@ def bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"asyncrl bench: {e}") from None
     (run_dir / "bench.json").write_text(json.dumps(figures, indent=1))
     print(report(figures))
-    print(f"timeline: {draw(run_dir / 'timeline.json', run_dir / 'timeline.png')}")
+    try:
+        print(f"timeline: {draw(run_dir / 'timeline.json', run_dir / 'timeline.png')}")
+    except ImportError as e:  # the figures are written: the picture is optional
+        print(f"timeline: not drawn: {e}", file=sys.stderr)
     return 0
 
 
@@ -376,13 +439,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed: list[str] = []  # after '--': a driver's own arguments, never settings
+    if "--" in argv:
+        argv, passed = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args, extra = parser().parse_known_args(argv)
-    if extra and args.command not in ("launch", "bench", "run"):
-        parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:  # key=value overrides (or a driver's own arguments) after the options
-        if "--" in extra:  # argparse keeps the "--" that ends our options when some precede it
-            extra.remove("--")
-        args.args = [*args.args, *extra]
+    if (extra or passed) and args.command not in ("launch", "bench", "run"):
+        parser().error(f"unrecognized arguments: {' '.join(extra + passed)}")
+    args.args = [*getattr(args, "args", []), *extra]  # key=value overrides after the options
+    args.passed = passed
     if getattr(args, "steps", None) is not None and args.steps < 1:
         parser().error(f"--steps must be >= 1 (a step count), got {args.steps}")
     try:

@@ -57,6 +57,11 @@ class EncodeError(AsyncRLError, TypeError):
     """An argument or result cannot cross the wire (nothing is ever pickled)."""
 
 
+class SettingError(AsyncRLError, ValueError):
+    """A key=value setting on the command line that the flow does not declare, or whose
+    value is not of its default's type."""
+
+
 class CheckpointError(AsyncRLError, ValueError):
     """A checkpoint cannot be written or resumed: none is there, it belongs to another flow,
     or a run directory would be overwritten. The message names the directory and the fix."""

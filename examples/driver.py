@@ -1,6 +1,6 @@
 """A small driver: two SPMD worker groups, futures passed from one to the other.
 
-    asyncrl launch examples/driver.py        (or: make demo)
+    asyncrl launch examples/driver.py        (`make demo` runs examples/grpo_tiny.py)
 
     prompts ──▶ sampler (2 ranks, DP) ──▶ scorer (1 rank) ──▶ mean reward (all-reduce)
 

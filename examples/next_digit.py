@@ -73,6 +73,6 @@ def score(text: str, answer: str) -> float:
 def model(tok: Any, model_path: str | None, seed: int) -> dict[str, Any]:
     """A tiny Llama sized to the vocabulary (random weights from `seed`), or the checkpoint."""
     if model_path:
-        return {"preset": None, "path": model_path}
+        return {"path": model_path}
     return {"preset": "tiny-llama", "seed": seed,
             "overrides": {"vocab_size": len(tok), "max_position_embeddings": 32}}

@@ -21,7 +21,8 @@ import asyncrl
 from asyncrl.rl import Actor, Critic, PromptSource, Reference, RewardFn
 
 cfg = asyncrl.config(steps=60, lr=3e-3, critic_lr=1e-2, prompts=128, kl_coef=1e-3, seed=0,
-                     gamma=1.0, lam=0.95, actor_procs=1, model_path=None, max_new_tokens=2)
+                     gamma=1.0, lam=0.95, actor_procs=1, backend="fsdp2", model_path=None,
+                     max_new_tokens=2)
 tok = next_digit.tokenizer(cfg["model_path"])
 model = next_digit.model(tok, cfg["model_path"], cfg["seed"])
 algo = {"algo": "ppo", "kl_coef": cfg["kl_coef"], "kl_in_reward": True, "kl_kind": "k1",
@@ -33,11 +34,11 @@ def reward(prompt, response, answer, **meta):
 
 
 actor = asyncrl.group(
-    Actor, model=model, name="actor", nprocs=cfg["actor_procs"], rl=algo,
+    Actor, model=model, name="actor", nprocs=cfg["actor_procs"], backend=cfg["backend"], rl=algo,
     train={"lr": cfg["lr"], "micro_batch_size": 128},
     sampling={"max_new_tokens": cfg["max_new_tokens"], "stop_token_ids": [tok.eos],
               "pad_token_id": tok.pad})
-critic = asyncrl.group(Critic, model=model, name="critic", rl=algo,
+critic = asyncrl.group(Critic, model=model, name="critic", rl=algo, backend=cfg["backend"],
                        train={"lr": cfg["critic_lr"], "micro_batch_size": 128})
 ref = asyncrl.group(Reference, model=model, name="ref")
 rewards = asyncrl.group(RewardFn, reward, name="reward")

@@ -403,13 +403,13 @@ def test_bad_prompt_data_names_place_and_fix(tmp_path, monkeypatch):
 
     empty = tmp_path / "empty.jsonl"
     expect(ValueError, source("empty.jsonl", "\n  \n"), f"no prompts in {empty}: it is empty",
-           'write one JSON object per line, such as {"prompt": "..."}')
+           'write one JSON object per line, such as {"prompt": [token ids], "answer": "7"}')
     bad = tmp_path / "bad.jsonl"
     expect(ValueError, source("bad.jsonl", '{"prompt": "a"}\n\n{"prompt": \n'),
            f"{bad}:3: not valid JSON", "each line must be one JSON object")
     expect(ValueError, source("list.jsonl", '[{"prompt": "a"}]\n'),
            f"{tmp_path / 'list.jsonl'}:1: a list, not a JSON object",
-           'each line must be one object such as {"prompt": "..."}')
+           'each line must be one object such as {"prompt": [token ids]}')
     expect(ValueError, source("array.json", '[\n  {"prompt": "a"}\n]\n'),
            f"{tmp_path / 'array.json'}:1: not valid JSON",
            "a .json file is read as JSON Lines: one object per line, not one array")
@@ -447,6 +447,11 @@ def test_bad_prompt_data_names_place_and_fix(tmp_path, monkeypatch):
            "saved for 4 records with seed 1, but this source has 3 records with seed 1",
            "resume with the prompt data and seed the run started with")
     assert ok.state_dict() == before  # the refused position was not taken
+    # text prompts reach generation only as token ids (they failed deep inside torch)
+    from asyncrl.hybrid.roles import _prompts
+    expect(TypeError, lambda: _prompts(TensorBatch({"prompt": ["What is 2+2?"], "seed": [1]})),
+           "generate: prompt 0 is 'What is 2+2?', not a list of token ids",
+           "tokenize the records first")
 
 
 FLOW_WITH_PROMPTS = """\
@@ -508,6 +513,18 @@ def test_wrong_checkpoint_is_refused_in_words(tmp_path):
     expect(asyncrl.CheckpointError, lambda: checkpoint.refuse_existing(tmp_path),
            f"{tmp_path} already holds checkpoints of an earlier run (newest: step_000002)",
            "pass --resume to continue that run, or choose another --run-dir")
+    resized = tmp_path / "resized"  # this flow's, but its group had 2 ranks (actor_procs=2)
+    solo = asyncrl.group(Solo, name="solo")
+    sized = asyncrl.DataFlow(nodes=[gen, judge], inputs={"prompts": [1]}, groups=[solo])
+    folder = resized / checkpoint.CHECKPOINTS / "step_000000"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({
+        "step": 0, "flow": checkpoint.identity(sized), "inputs": {}, "sizes": {"solo": 2},
+        "overrides": {"actor_procs": "2"}}))
+    expect(asyncrl.CheckpointError, lambda: checkpoint.resumable(resized, sized),
+           "was written by groups of other sizes (ranks of solo: 2 there, 1 here)",
+           "taken again unless the command line gives others: {'actor_procs': '2'}")
+    assert checkpoint.saved_overrides(resized) == {"actor_procs": "2"}
     unsaved = tmp_path / "unsaved"  # a run that wrote rows but no checkpoint
     unsaved.mkdir()
     (unsaved / "metrics.jsonl").write_text('{"step": 0}\n')

@@ -37,8 +37,8 @@ def test_launch_errors_are_clear(tmp_path):
     out = cli("launch", str(script))
     assert out.returncode != 0 and "defines no `flow` and no main()" in out.stderr
     out = cli("launch", "examples/driver.py", "--resume", "--run-dir", str(tmp_path))
-    assert out.returncode != 0 and "--resume and --checkpoint-every work on a DataFlow" \
-        in out.stderr
+    assert out.returncode != 0 and "--run-dir, --resume set up a DataFlow's run; " \
+        "examples/driver.py defines main(), which makes its own Controller" in out.stderr
     out = cli("launch", "examples/flow.py", "--checkpoint-every", "0")
     assert out.returncode != 0 and "--checkpoint-every must be >= 1, got 0" in out.stderr
 
@@ -46,7 +46,9 @@ def test_launch_errors_are_clear(tmp_path):
 
 def test_launch_passes_a_driver_the_arguments_after_dash_dash_without_it(tmp_path,
                                                                           monkeypatch):
-    import json
+    import re
+
+    import pytest
 
     from asyncrl.cli import main
 
@@ -55,9 +57,16 @@ def test_launch_passes_a_driver_the_arguments_after_dash_dash_without_it(tmp_pat
     driver.write_text(f"import json, pathlib, sys\n\ndef main():\n"
                       f"    pathlib.Path({str(seen)!r}).write_text(json.dumps(sys.argv[1:]))\n")
     monkeypatch.setattr(sys, "argv", sys.argv[:])  # launch sets the driver's
-    for argv in (["--steps", "3", "--", "--foo", "bar"], ["--", "--foo", "bar"]):
-        assert main(["launch", str(driver), *argv]) == 0
-        assert json.loads(seen.read_text()) == ["--foo", "bar"], argv
+    for passed in (["--foo", "bar"], ["--out=res.json", "k=v"]):  # never taken as settings
+        assert main(["launch", str(driver), "--", *passed]) == 0
+        assert json.loads(seen.read_text()) == passed
+    # options that set up a flow's run would be ignored by a main(): refused, with the way
+    for argv, said in ((["--steps", "3"], "--steps: run as many steps as main() asks for"),
+                       (["--run-dir", "r", "--transfer-timeout", "5"],
+                        "--run-dir: pass asyncrl.Controller(run_dir=...); --transfer-timeout: "
+                        "pass asyncrl.Controller(transfer_timeout=...)")):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            main(["launch", str(driver), *argv, "--", "--foo"])
 
 
 def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
@@ -92,6 +101,43 @@ def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
         asyncrl.cli.main(["bench", str(flow), "--steps", "2", "stray", "lr=0.1"])
     with pytest.raises(SystemExit):  # argparse's error: exit code 2, the message on stderr
         asyncrl.cli.main(["launch", str(flow), "--steps", "-3"])
+    # the command line's mistakes are blamed on it, not on the flow file, and before it runs
+    with pytest.raises(SystemExit, match=r"launch: override '=0.1' is not key=value; write "
+                                         r"overrides as key=value, with no space around"):
+        asyncrl.cli.main(["launch", str(flow), "lr", "=0.1"])
+    fresh = tmp_path / "typo_flow2.py"  # a file imported before is not run again
+    fresh.write_text(flow.read_text())
+    with pytest.raises(SystemExit, match=r"unknown setting\(s\) \['lrr'\] on the command "
+                                         r"line; .* fix the key=value arguments"):
+        asyncrl.cli.main(["launch", str(fresh), "lrr=0.1"])
+    with pytest.raises(SystemExit, match=r"unrecognized arguments: lr=0.1; .* and no '--'"):
+        asyncrl.cli.main(["launch", str(flow), "--", "lr=0.1"])
+
+
+def test_run_node_builds_the_groups_with_the_saved_overrides_as_given(tmp_path, monkeypatch):
+    """Saved overrides are text: they were JSON-encoded again, so backend=zero2 reached the
+    flow as '"zero2"' (with the quotes) and a list as a string, refused."""
+    import asyncrl.cli
+    import asyncrl.controller.launch
+
+    seen = tmp_path / "cfg.json"
+    flow = tmp_path / "settings_flow.py"
+    flow.write_text(f"import json, pathlib\nimport asyncrl\n\n"
+                    f"cfg = asyncrl.config(backend='fsdp2', dims=[1], lr=0.1, steps=3)\n"
+                    f"pathlib.Path({str(seen)!r}).write_text(json.dumps(cfg))\n"
+                    f"flow = asyncrl.DataFlow(nodes=[], inputs={{'x': [1]}})\n")
+    inputs = tmp_path / "run" / "inputs"
+    (inputs / "step0").mkdir(parents=True)
+    (inputs / "overrides.json").write_text(json.dumps(
+        {"backend": "zero2", "dims": "[3,4]", "lr": 0.5}))  # lr: as runs before session 13
+    saved = inputs / "step0" / "x.msgpack"
+    saved.write_bytes(b"")
+    monkeypatch.setattr(asyncrl.controller.launch, "load_inputs", lambda path: ({}, {}))
+    monkeypatch.setattr(asyncrl.cli, "run", lambda running: running.close())
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    asyncrl.cli.main(["run", str(flow), "--node", "x", "--inputs", str(saved), "steps=5"])
+    assert json.loads(seen.read_text()) == {"backend": "zero2", "dims": [3, 4], "lr": 0.5,
+                                            "steps": 5}
 
 
 def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp_path,

@@ -22,6 +22,7 @@ from asyncrl.controller.launch import Metrics, load_inputs
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.placement import Host, Placer
 from asyncrl.controller.timeline import Event, Timeline, draw
+from asyncrl.errors import SettingError
 
 
 # -- the graph (no processes) ----------------------------------------------------------------
@@ -80,7 +81,7 @@ def test_out_suffix_and_input_mapping():
 def test_config_overrides(monkeypatch):
     monkeypatch.setenv("ASYNCRL_OVERRIDES", json.dumps({"lr": 0.1}))
     assert asyncrl.config(lr=1.0, steps=3) == {"lr": 0.1, "steps": 3}
-    with pytest.raises(KeyError, match="unknown setting\\(s\\) \\['lr'\\]"):
+    with pytest.raises(SettingError, match="unknown setting\\(s\\) \\['lr'\\]"):
         asyncrl.config(steps=3)
 
 

@@ -28,6 +28,16 @@ def test_engine_logprobs_equal_a_training_forward_pass(preset):
     assert out["response_mask"].sum().item() == 4 * 10
 
 
+def test_a_model_config_takes_a_preset_or_a_path_and_defaults_to_tiny_llama():
+    """path= alone was refused: the preset default was there too."""
+    assert ModelConfig().preset == "tiny-llama"
+    assert (ModelConfig(path="/ckpt").preset, ModelConfig(path="/ckpt").path) == (None, "/ckpt")
+    with pytest.raises(ValueError, match="preset= .* or path= .*not both: got preset='tiny-"):
+        ModelConfig(preset="tiny-llama", path="/ckpt")
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        ModelConfig(preset="huge")
+
+
 def test_seeds_stop_tokens_temperature_and_top_p():
     model = build_model(ModelConfig())
     engine = Sampler(model)

@@ -147,7 +147,7 @@ def test_killed_controller_leaves_no_rank_and_resume_goes_on(tmp_path, killed_dr
     marks = tmp_path / "marks"
     marks.mkdir()
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "steps=6", "hold=trainer:3", f"marks={marks}",
+    proc = launch(run_dir, "steps=7", "hold=trainer:3", f"marks={marks}",
                   env=killed_driver_env)
     held_pid(marks, "trainer", proc)  # steps 0..2 done, checkpoint after step 1
     children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -155,9 +155,14 @@ def test_killed_controller_leaves_no_rank_and_resume_goes_on(tmp_path, killed_dr
     proc.kill()
     proc.communicate()
     assert_gone(children, timeout=15)  # the ranks exit on the controller's silence
-    resumed = launch(run_dir, "--resume", "steps=6", "hold=trainer:3", f"marks={marks}")
-    assert f"resuming from {run_dir / 'checkpoints' / 'step_000001'}" in finish(resumed)
-    steps_once(run_dir, 6)
+    resumed = launch(run_dir, "--resume")  # the run's own settings again: steps=7, ...
+    out = finish(resumed)
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_000001'}" in out
+    assert '"steps": "7"' in out
+    steps_once(run_dir, 7)
+    # the killed controller wrote its timeline at the checkpoint: the steps before it stay
+    trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    assert sorted({e["args"]["step"] for e in trace if e["ph"] == "X"}) == list(range(7))
 
 
 def test_killed_actor_rank_of_the_grpo_demo_resumes_from_its_checkpoint():

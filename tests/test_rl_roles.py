@@ -87,7 +87,7 @@ def test_a_reward_model_checkpoint_keeps_its_head(tmp_path, safe):
     torch.nn.init.normal_(hf.score.weight)
     hf.save_pretrained(tmp_path / "rm", safe_serialization=safe)
     rm = RewardModel.__new__(RewardModel)
-    rm.__init__({"preset": None, "path": str(tmp_path / "rm")})
+    rm.__init__({"path": str(tmp_path / "rm")})  # path= alone, as the README writes it
     scores = rm.score(padded_pair())["reward"]
     for row, ids in enumerate([[5, 6, 7, 11, 12], [9, 13, 14, 15]]):
         with torch.no_grad():
@@ -96,20 +96,20 @@ def test_a_reward_model_checkpoint_keeps_its_head(tmp_path, safe):
 
     build_model(ModelConfig(seed=3)).save_pretrained(tmp_path / "lm", safe_serialization=safe)
     with pytest.raises(ValueError, match="has no scalar head .*num_labels=1"):
-        RewardModel.__new__(RewardModel).__init__({"preset": None, "path": str(tmp_path / "lm")})
-    critic = build_value_model(ModelConfig(preset=None, path=str(tmp_path / "lm")))
+        RewardModel.__new__(RewardModel).__init__({"path": str(tmp_path / "lm")})
+    critic = build_value_model(ModelConfig(path=str(tmp_path / "lm")))
     assert critic.value_head.weight.abs().sum() == 0
     if safe:
         state = load_file(tmp_path / "lm" / "model.safetensors")
         trl = torch.randn(1, config.hidden_size)
         save_file({**state, "v_head.summary.weight": trl}, tmp_path / "lm" / "model.safetensors",
                   metadata={"format": "pt"})
-        critic = build_value_model(ModelConfig(preset=None, path=str(tmp_path / "lm")))
+        critic = build_value_model(ModelConfig(path=str(tmp_path / "lm")))
         torch.testing.assert_close(critic.value_head.weight.detach(), trl)
         config.num_labels = 2
         LlamaForSequenceClassification(config).save_pretrained(tmp_path / "two")
         with pytest.raises(ValueError, match="head 'score' has shape \\(2, 64\\)"):
-            build_value_model(ModelConfig(preset=None, path=str(tmp_path / "two")))
+            build_value_model(ModelConfig(path=str(tmp_path / "two")))
 
 
 def test_entropy_is_the_entropy_of_the_next_token_distribution():

@@ -6,8 +6,10 @@
     RUN_DIR/checkpoints/step_000003/       then renamed: only a complete checkpoint has this name
 
 meta.json: {"step": the last finished step index, "flow": identity(flow), "inputs":
-flow.positions(), "time": when}. A `.tmp` folder is a save that died half-way: never resumed
-from, removed by the next save. The newest `keep` checkpoints are kept (None: all).
+flow.positions(), "sizes": each group's ranks, "overrides": the run's key=value settings
+(a resume takes them again, under its own), "time": when}. A `.tmp` folder is a save that
+died half-way: never resumed from, removed by the next save. The newest `keep` checkpoints
+are kept (None: all).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from asyncrl.actors.worker import rng_state, set_rng_state
+from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
 from asyncrl.errors import CheckpointError
 
@@ -92,7 +95,26 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
         raise CheckpointError(
             f"checkpoint {path} was written by another flow ({'; '.join(differ)}); resume "
             f"it with the flow file that wrote it, or run this flow in another --run-dir")
+    resized = [f"{name}: {n} there, {sizes(flow).get(name)} here"
+               for name, n in meta.get("sizes", {}).items() if sizes(flow).get(name) != n]
+    if resized:  # each rank loads its own state: another count would lose or lack some
+        raise CheckpointError(
+            f"checkpoint {path} was written by groups of other sizes (ranks of "
+            f"{'; '.join(resized)}); resume with the settings that sized them (the "
+            f"checkpoint's key=value overrides are taken again unless the command line "
+            f"gives others: {meta.get('overrides', {})})")
     return path, meta
+
+
+def sizes(flow: DataFlow) -> dict[str, int]:
+    return {g.name: g.nprocs for g in flow.groups}
+
+
+def saved_overrides(run_dir: Path) -> dict[str, Any]:
+    """The key=value settings of the run whose newest checkpoint is in `run_dir` ({}: none,
+    or a checkpoint of before session 14)."""
+    path = latest(run_dir)
+    return dict(read_meta(path).get("overrides", {})) if path is not None else {}
 
 
 async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP) -> Path:
@@ -106,6 +128,7 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
     meta = {"step": step, "flow": identity(flow), "inputs": flow.positions(),
+            "sizes": sizes(flow), "overrides": json.loads(os.environ.get(OVERRIDES_ENV, "{}")),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write_synced(tmp / "meta.json", json.dumps(meta, indent=1))  # last: marks it complete
     if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;

@@ -9,6 +9,7 @@ from typing import Any
 
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.placement import check_nice
+from asyncrl.errors import SettingError
 
 OVERRIDES_ENV = "ASYNCRL_OVERRIDES"  # key=value pairs from `asyncrl launch`, as JSON
 
@@ -97,8 +98,8 @@ def config(**defaults: Any) -> dict[str, Any]:
     overrides = json.loads(os.environ.get(OVERRIDES_ENV, "{}"))
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
-        raise KeyError(f"unknown setting(s) {unknown} on the command line; this flow's settings "
-                       f"are {sorted(defaults)}")
+        raise SettingError(f"unknown setting(s) {unknown} on the command line; this flow's "
+                           f"settings are {sorted(defaults)}")
     return {**defaults, **{k: _as_default(k, v, defaults[k]) for k, v in overrides.items()}}
 
 
@@ -139,7 +140,7 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
             return type(default)(value)
     else:
         return value
-    raise ValueError(f"setting {key}={value!r} on the command line: expected a "
+    raise SettingError(f"setting {key}={value!r} on the command line: expected a "
                      f"{type(default).__name__}, as its default {default!r} is"
                      + (" (true/false)" if isinstance(default, bool) else ""))
 

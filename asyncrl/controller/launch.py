@@ -120,6 +120,10 @@ class Metrics:
             self.tb.close()
             self.tb = self._writer(step + 1)
 
+    def flush(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -174,6 +178,10 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     run_dir.mkdir(parents=True, exist_ok=True)
 
     async def save(step: int) -> None:
+        # what a resume from this checkpoint keeps of the steps before it, on disk first:
+        # a killed controller writes nothing at its end
+        timeline.write(run_dir / "timeline.json")
+        metrics.flush()
         await checkpoint.save(flow, run_dir, step, keep)
 
     async def restore() -> bool:  # after a death: the newest checkpoint, if there is one

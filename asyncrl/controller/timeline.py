@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,10 @@ class Timeline:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.chrome_trace()))
+        """The Chrome trace, replaced whole: a kill mid-write leaves the previous one."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.chrome_trace()))
+        os.replace(tmp, path)
 
     def resume(self, path: Path, upto: int) -> int:
         """Take the events of steps <= `upto` from a resumed run's trace, placed a second
@@ -117,13 +121,23 @@ class Timeline:
 
 
 def draw(trace_path: Path, png_path: Path) -> Path:
-    """A Gantt chart of a Chrome trace written by `Timeline.write`: one row per group."""
-    import matplotlib
+    """A Gantt chart of a Chrome trace written by `Timeline.write`: one row per group.
+    ValueError names what is wrong with the trace; ImportError, how to get matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("drawing a timeline needs matplotlib: pip install matplotlib (or "
+                          "asyncrl's `viz` extra); timeline.json opens in Perfetto "
+                          "(ui.perfetto.dev) without it") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    trace = json.loads(trace_path.read_text())["traceEvents"]
+    try:
+        trace = json.loads(trace_path.read_text())["traceEvents"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{trace_path} is not a trace asyncrl wrote (cut short when the "
+                         f"run was killed?): {type(err).__name__}: {err}") from None
     rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
     spans = [e for e in trace if e["ph"] == "X"]
     if not spans:

@@ -44,22 +44,27 @@ def llama_100m() -> Any:
 
 PRESETS: dict[str, Callable[[], Any]] = {
     "tiny-llama": tiny_llama, "tiny-gpt2": tiny_gpt2, "llama-100m": llama_100m}
+DEFAULT_PRESET = "tiny-llama"
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A preset name (random weights from `seed`) or a local checkpoint directory."""
+    """A preset name (random weights from `seed`) or a local checkpoint directory; neither
+    given: the tiny-llama preset."""
 
-    preset: str | None = "tiny-llama"
+    preset: str | None = None
     path: str | None = None
     dtype: str = "float32"
     seed: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields, e.g. vocab_size
 
     def __post_init__(self) -> None:
-        if (self.preset is None) == (self.path is None):
-            raise ValueError("ModelConfig: give exactly one of preset= (a name from "
-                             f"{sorted(PRESETS)}) and path= (a local checkpoint directory)")
+        if self.preset is not None and self.path is not None:
+            raise ValueError(f"ModelConfig: give preset= (a name from {sorted(PRESETS)}) or "
+                             f"path= (a local checkpoint directory), not both: got preset="
+                             f"{self.preset!r} and path={self.path!r}")
+        if self.preset is None and self.path is None:
+            self.preset = DEFAULT_PRESET
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"ModelConfig.preset: unknown preset {self.preset!r}; known: "
                              f"{sorted(PRESETS)}")

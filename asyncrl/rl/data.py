@@ -49,7 +49,7 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: a {type(record).__name__}, not a JSON "
                                  f"object; each line must be one object such as "
-                                 f'{{"prompt": "..."}}{hint}')
+                                 f'{{"prompt": [token ids]}}{hint}')
             records.append(record)
             lines.append(number)
     return records, lines
@@ -90,7 +90,7 @@ def _read_records(data: Sequence[dict[str, Any]]
     for i, r in enumerate(records):
         if not isinstance(r, dict):
             raise ValueError(f"{locate(i)} is a {type(r).__name__}, not a dict; pass records "
-                             f'as dicts such as {{"prompt": "..."}}')
+                             f'as dicts such as {{"prompt": [token ids], "answer": "7"}}')
     return records, "the given sequence", locate
 
 
@@ -102,7 +102,7 @@ class PromptSource:
                 raise ValueError(f"PromptSource: {name} must be an int >= 1, got {value!r}")
         if isinstance(data, str | os.PathLike):
             records, where, locate = _read_file(Path(data))
-            fix = 'write one JSON object per line, such as {"prompt": "..."}'
+            fix = 'write one JSON object per line, such as {"prompt": [token ids], "answer": "7"}'
         else:
             records, where, locate = _read_records(data)
             fix = "pass at least one record (a dict)"
