@@ -277,7 +277,12 @@ def attach(args: argparse.Namespace) -> int:
         session = choose(sessions, args.group, args.rank, args.thread)
     except LookupError as e:
         raise SystemExit(f"asyncrl attach: {e}") from None
-    bridge(session)
+    try:
+        bridge(session)
+    except OSError as e:
+        raise SystemExit(f"asyncrl attach: {session['group']}:{session['rank']} no longer "
+                         f"waits at {session['where']} ({e}); `asyncrl attach {args.run_dir} "
+                         f"--list` shows the ranks that do") from None
     return 0
 
 

@@ -531,6 +531,11 @@ def test_wrong_checkpoint_is_refused_in_words(tmp_path):
     expect(asyncrl.CheckpointError, lambda: checkpoint.refuse_existing(unsaved),
            f"{unsaved} already holds metrics.jsonl of an earlier run (with no checkpoint",
            "choose another --run-dir, or remove it to start afresh there")
+    (unsaved / "metrics.jsonl").unlink()  # removed alone: TensorBoard's curves would mix
+    (unsaved / "tensorboard").mkdir()
+    (unsaved / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
+    expect(asyncrl.CheckpointError, lambda: checkpoint.refuse_existing(unsaved),
+           f"{unsaved} already holds tensorboard/ of an earlier run")
 
 
 def test_wrong_resumes_fail_before_anything_starts(tmp_path):

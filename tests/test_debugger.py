@@ -76,6 +76,22 @@ def test_attach_says_who_waits_when_the_choice_is_wrong(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match="no rank waits for a debugger .* waiting: none"):
         main(["attach", str(tmp_path)])
+    # a rank that died at its breakpoint leaves its file (it exits with os._exit): not
+    # listed, and removed; one still running that no longer answers is named
+    import subprocess
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    debug = tmp_path / "debug"
+    debug.mkdir()
+    for name, pid in (("dead", gone.pid), ("stuck", os.getpid())):
+        (debug / f"{name}.json").write_text(json.dumps({
+            "group": name, "rank": 0, "pid": pid, "host": "127.0.0.1", "port": 9,
+            "token": "t", "where": "flow.py:3"}))
+    assert main(["attach", str(tmp_path), "--list"]) == 0
+    assert capsys.readouterr().out.startswith("stuck:0 ") and not (debug / "dead.json").exists()
+    with pytest.raises(SystemExit, match=r"stuck:0 no longer waits at flow.py:3 \(.*--list"):
+        main(["attach", str(tmp_path)])
 
 
 # -- in process: a thread stops in breakpoint(), the test is the attach client ---------------

@@ -14,16 +14,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncrl.controller.launcher import pid_alive
+
 
 def waiting(run_dir: Path) -> list[dict[str, Any]]:
+    """The breakpoints ranks of this machine wait at. A rank that died or was stopped there
+    (it exits with os._exit: its file stays) is left out and its file removed."""
     folder = Path(run_dir) / "debug"
     sessions = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
-            sessions.append(json.loads(path.read_text()))
+            session = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # being written or removed right now
+        if _here(session) and not pid_alive(int(session.get("pid", 0))):
+            path.unlink(missing_ok=True)
+            continue
+        sessions.append(session)
     return sessions
+
+
+def _here(session: dict[str, Any]) -> bool:
+    return session.get("host") in ("127.0.0.1", "localhost", socket.gethostname())
 
 
 def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,

@@ -70,12 +70,18 @@ def refuse_existing(run_dir: Path) -> None:
         raise CheckpointError(
             f"{run_dir} already holds checkpoints of an earlier run (newest: {found.name}); "
             f"pass --resume to continue that run, or choose another --run-dir")
-    rows = Path(run_dir) / "metrics.jsonl"
-    if rows.is_file() and rows.stat().st_size:
+    run_dir = Path(run_dir)
+    rows, board, recoveries = (run_dir / "metrics.jsonl", run_dir / "tensorboard",
+                               run_dir / "recoveries.jsonl")
+    held = [p.name for p in (rows, recoveries) if p.is_file() and p.stat().st_size]
+    if board.is_dir() and any(board.iterdir()):
+        held.append(f"{board.name}/")
+    if held:
         raise CheckpointError(
-            f"{run_dir} already holds {rows.name} of an earlier run (with no checkpoint to "
-            f"resume from); choose another --run-dir, or remove it to start afresh there "
-            f"(its rows would be mixed with this run's)")
+            f"{run_dir} already holds {', '.join(held)} of an earlier run (with no checkpoint "
+            f"to resume from); choose another --run-dir, or remove "
+            f"{'them' if len(held) > 1 else 'it'} to start afresh there (they would be "
+            f"mixed with this run's)")
 
 
 def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
