@@ -12,6 +12,7 @@ illegal memory access; generating needs everything awake."""
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,10 +55,15 @@ class _ModelRunner:
 
 
 class _LoadableModel:
-    """vLLM models expose load_weights(weights=iterable of (name, tensor))."""
+    """vLLM models expose load_weights(weights=iterable of (name, tensor)), by the
+    checkpoint's names; their own parameters are named otherwise (fused projections):
+    here a prefix stands for that."""
 
     def __init__(self, model: Any):
         self.module = model
+
+    def named_parameters(self) -> Any:
+        return self.module.named_parameters(prefix="vllm_internal")
 
     def load_weights(self, weights: Any) -> None:
         params = dict(self.module.named_parameters())
@@ -78,7 +84,8 @@ class LLM:
         ext = getattr(importlib.import_module(module), name)
         self._logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
         self._skip_tokenizer = kwargs.get("skip_tokenizer_init", False)
-        self._model = build_model(ModelConfig(preset=model))
+        self._model = build_model(ModelConfig(path=model) if os.path.isdir(model) else
+                                  ModelConfig(preset=model))
         self._worker = type("Worker", (ext,), {})()  # vLLM mixes the extension in
         self._worker.model_runner = _ModelRunner(self._model)
         self.asleep: set[str] = set()  # "weights", "kv_cache"

@@ -27,6 +27,28 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 BUCKET_BYTES = 32 << 20  # parameters gathered together, up to about this many bytes
 
 
+ENGINES = ("builtin", "vllm")
+
+
+def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | None,
+                options: dict[str, Any] | None = None) -> Any:
+    """A generation engine: the built-in Sampler, or vLLM (GPU machines, a local checkpoint;
+    `options`: VLLMEngine's keywords, e.g. gpu_memory_utilization)."""
+    if name == "builtin":
+        if options:
+            raise ValueError(f"engine_options {sorted(options)} are for engine='vllm'; the "
+                             f"built-in engine takes its settings from sampling=")
+        return Sampler(build_model(model_cfg).to(default_device()), sampling)
+    if name == "vllm":
+        if model_cfg.path is None:
+            raise ValueError(f"engine='vllm' loads a local checkpoint: give model={{'path': "
+                             f"DIR}}; the preset {model_cfg.preset!r} is for the built-in engine")
+        from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_cfg.path, sampling, seed=model_cfg.seed, **(options or {}))
+    raise ValueError(f"engine is one of {ENGINES}, got {name!r}")
+
+
 def _full(param: Any) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
@@ -64,10 +86,11 @@ class _Bucket:
 
 class HybridEngine:
     def __init__(self, backend: Any, model_cfg: ModelConfig,
-                 sampling: SamplingConfig | None = None, bucket_bytes: int = BUCKET_BYTES):
+                 sampling: SamplingConfig | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 engine: str = "builtin", engine_options: dict[str, Any] | None = None):
         self.backend = backend
         self.bucket_bytes = bucket_bytes
-        self.engine = Sampler(build_model(model_cfg).to(default_device()), sampling)
+        self.engine = make_engine(engine, model_cfg, sampling, engine_options)
         self.engine.sleep()
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
@@ -82,7 +105,7 @@ class HybridEngine:
     def to_generate(self) -> None:
         if self.mode == "generate":
             return
-        if self._plan is None:
+        if self._plan is None and not self.engine.owns_weights:
             self._plan = self._make_plan()
         self._move_optimizer("cpu")  # first: its memory makes room for the engine's weights
         try:
@@ -96,6 +119,9 @@ class HybridEngine:
 
     def _fill_engine(self) -> None:
         """The training shards gathered, bucket by bucket, into the engine's weights."""
+        if self.engine.owns_weights:
+            self._fill_by_name()
+            return
         assert self._plan is not None
         if self.released:
             for p, shape in self._shapes:
@@ -118,6 +144,26 @@ class HybridEngine:
                                              full.numel() * full.element_size())
                 target.copy_(full)
                 del full
+
+    def _fill_by_name(self) -> None:
+        """An engine that owns its weights' memory (vLLM, which fuses projections) takes
+        them by name: each parameter gathered whole, handed over in buckets, dropped."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = self.peak_gather_bytes = 0
+        for name, param in self.backend.model.named_parameters():
+            if hasattr(self.backend, "gathered"):  # DeepSpeed ZeRO: whole for a moment
+                with self.backend.gathered([param]):
+                    full = param.detach().clone()
+            else:
+                full = _full(param.detach())  # FSDP2 (+ TP): DTensor gathers it
+            bucket.append((name, full))
+            size += full.numel() * full.element_size()
+            self.peak_gather_bytes = max(self.peak_gather_bytes, size)
+            if size >= self.bucket_bytes:
+                self.engine.load_weights(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self.engine.load_weights(bucket)
 
     def _make_plan(self) -> list[Any]:
         """Buckets of row-sharded parameters (FSDP alone), and the rest one by one. The
@@ -174,7 +220,9 @@ class HybridEngine:
         self.mode = "train"
 
     def _frees_memory(self) -> bool:
-        return next(self.engine.model.parameters()).device.type == "cuda"
+        """Whether the engine's weights are freed here (vLLM frees its own as it sleeps)."""
+        return not self.engine.owns_weights and \
+            next(self.engine.model.parameters()).device.type == "cuda"
 
     def _release(self) -> None:
         """On a GPU, free what the idle engine holds (its weights, the gather buffers) for

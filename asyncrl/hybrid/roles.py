@@ -25,7 +25,7 @@ from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine
+from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
 from asyncrl.hybrid.models import (
     ModelConfig,
@@ -34,7 +34,7 @@ from asyncrl.hybrid.models import (
     sampled_at,
     sequence_logprobs,
 )
-from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+from asyncrl.hybrid.sampler import SamplingConfig
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
     GATHER_TO_ZERO,
@@ -92,12 +92,13 @@ def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg
 class Policy(Worker):
     def __init__(self, model: dict[str, Any], train: dict[str, Any] | None = None,
                  sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 backend: str = "fsdp2", hybrid: bool = True):
+                 backend: str = "fsdp2", hybrid: bool = True, engine: str = "builtin",
+                 engine_options: dict[str, Any] | None = None):
         model_cfg = ModelConfig(**model)
         train_cfg = TrainConfig(**(train or {}))
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
-                                   bucket_bytes) if hybrid else None
+                                   bucket_bytes, engine, engine_options) if hybrid else None
         self.version = 0  # the policy version: updates applied (train_step, Actor.update)
         self.sync_source = SyncSource()
 
@@ -157,7 +158,7 @@ class Policy(Worker):
         if layout == "engine" and self.hybrid is not None:
             if self.hybrid.mode == "train":  # what the next generation runs on: the trained
                 self.hybrid.to_generate()  # weights (the engine may hold an older switch's)
-            return {k: v.detach().clone() for k, v in self.hybrid.engine.model.state_dict().items()}
+            return {k: v.detach().clone() for k, v in self.hybrid.engine.state_dict().items()}
         if layout != "train":
             raise ValueError(f"layout is 'train' or 'engine', got {layout!r}")
         return self.backend.state_dict()
@@ -184,9 +185,10 @@ class Policy(Worker):
 
 
 class Rollout(Worker):
-    def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None):
-        self.engine = Sampler(build_model(ModelConfig(**model)).to(default_device()),
-                              SamplingConfig(**(sampling or {})))
+    def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None,
+                 engine: str = "builtin", engine_options: dict[str, Any] | None = None):
+        self.engine = make_engine(engine, ModelConfig(**model),
+                                  SamplingConfig(**(sampling or {})), engine_options)
         self._loading = threading.Lock()
 
     @register(dispatch=Dispatch.DP)
@@ -223,12 +225,12 @@ class Rollout(Worker):
     # -- checkpoints: the weights received and their version (rank 0 writes, all read) --------
     def save_state(self, folder: Path) -> None:
         if self.rank == 0:
-            torch.save({"weights": self.engine.model.state_dict(),
+            torch.save({"weights": self.engine.state_dict(),
                         "version": self.engine.version}, folder / "rollout.pt")
 
     def load_state(self, folder: Path) -> None:
         state = torch.load(folder / "rollout.pt", map_location="cpu", weights_only=True)
-        self.engine.load_weights(state["weights"].items(), int(state["version"]))
+        self.engine.load_state_dict(state["weights"], int(state["version"]))
 
 
 class Reference(Worker):

@@ -123,6 +123,8 @@ def _cache_of(res: Any) -> Any:
 class Sampler:
     """Generation engine interface: generate, load_weights, sleep/wake, pause/resume."""
 
+    owns_weights = False  # its model's parameters may be written directly (the hybrid engine)
+
     def __init__(self, model: torch.nn.Module, config: SamplingConfig | None = None):
         self.model = model
         self.config = config or SamplingConfig()
@@ -235,7 +237,15 @@ class Sampler:
                 self.version = version
         return len(pairs)
 
-    def sleep(self) -> None:
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights held, by name (a checkpoint of a rollout)."""
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Weights of `state_dict()` back in, with their version."""
+        self.load_weights(state.items(), version)
+
+    def sleep(self, level: int = 1) -> None:
         self.asleep = True
 
     def wake(self) -> None:

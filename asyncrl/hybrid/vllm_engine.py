@@ -15,7 +15,9 @@ loaded while asleep first wake vLLM's weight memory (loading into slept memory i
 access, and waking after it would restore the old weights over the new). Not supported:
 tensor parallelism (every rank of a TP group would need the same prompts, and the DP
 dispatch gives each its own), and swapping weights in the middle of a generation (the
-Sampler's interruptible rollouts).
+Sampler's interruptible rollouts): a load waits for the generation in flight to end.
+Roles take it with `engine="vllm"` and `engine_options=` (this constructor's keywords);
+the model must be a local checkpoint (`model={"path": DIR}`).
 
 Never imported on a CPU path: `import vllm` happens in the constructor. It has NOT run against
 real vLLM yet (vLLM cannot be installed on the CPU machines, and no GPU machine with vLLM has
@@ -24,6 +26,9 @@ been available); its logic is tested against a fake that follows vLLM's document
 
 from __future__ import annotations
 
+import importlib
+import os
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,6 +36,9 @@ import torch
 
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.sampler import SamplingConfig, left_pad
+
+MODULE_ENV = "ASYNCRL_VLLM_MODULE"  # another module with vLLM's LLM and SamplingParams: the
+# CPU tests' fake (tests/fake_vllm.py), in real torchrun groups
 
 
 class WeightLoader:
@@ -42,19 +50,39 @@ class WeightLoader:
         self.model_runner.model.load_weights(weights=weights)
         return len(weights)
 
+    def asyncrl_state(self) -> dict[str, torch.Tensor]:
+        """The weights as vLLM holds them (its own names: fused projections), on the host."""
+        return {k: v.detach().cpu() for k, v in self.model_runner.model.named_parameters()}
+
+    def asyncrl_set_state(self, state: dict[str, torch.Tensor]) -> int:
+        """`asyncrl_state()`'s weights back, by vLLM's own names (the same vLLM and model)."""
+        params = dict(self.model_runner.model.named_parameters())
+        missing = sorted(set(params) - set(state))
+        if missing:
+            raise KeyError(f"the saved vLLM weights lack {missing[:3]}: saved by another "
+                           f"model or vLLM version")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state[name])
+        return len(params)
+
 
 class VLLMEngine:
+    owns_weights = True  # new weights go in by name (load_weights): vLLM fuses projections
+
     def __init__(self, model_path: str, sampling: SamplingConfig | None = None, *,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", seed: int = 0, llm_cls: Any = None,
                  sampling_params_cls: Any = None):
         if llm_cls is None or sampling_params_cls is None:
+            name = os.environ.get(MODULE_ENV, "vllm")
             try:
-                from vllm import LLM, SamplingParams
+                vllm = importlib.import_module(name)
             except ImportError as e:
                 raise ImportError("the vLLM engine needs vLLM on a GPU machine: pip install "
-                                  "'asyncrl[vllm]'; on CPU use the built-in Sampler") from e
-            llm_cls, sampling_params_cls = LLM, SamplingParams
+                                  "'asyncrl[vllm]'; on CPU use the built-in engine "
+                                  "(engine='builtin')") from e
+            llm_cls, sampling_params_cls = vllm.LLM, vllm.SamplingParams
         if tensor_parallel_size != 1:
             raise ValueError(f"VLLMEngine(tensor_parallel_size={tensor_parallel_size}): only 1 "
                              f"is supported (each rank generates its own DP rows); use more "
@@ -75,6 +103,9 @@ class VLLMEngine:
         self.paused = False
         self.version = 0  # the policy version of the weights held (set by load_weights)
         self.on_token: Any = None  # not called: vLLM generates a whole batch in one call
+        # vLLM is not thread-safe: a weight load (a concurrent call) waits for a generation
+        # to end, and its tokens are tagged with the version they were sampled with
+        self._busy = threading.Lock()
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  config: SamplingConfig | None = None) -> TensorBatch:
@@ -91,8 +122,10 @@ class VLLMEngine:
                                    stop_token_ids=list(cfg.stop_token_ids), seed=int(s),
                                    logprobs=0, ignore_eos=True, detokenize=False)
                   for s in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                                    use_tqdm=False)
+        with self._busy:
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                        params, use_tqdm=False)
+            version = self.version
         prompt_ids, prompt_mask = left_pad(prompts, cfg.pad_token_id)
         n = cfg.max_new_tokens
         ids = torch.full((len(prompts), n), cfg.pad_token_id, dtype=torch.long)
@@ -105,7 +138,7 @@ class VLLMEngine:
             mask[i, :len(tokens)] = 1
             for j, (token, entry) in enumerate(zip(tokens, sample.logprobs or [], strict=False)):
                 logp[i, j] = float(entry[token].logprob)  # the sampled token's entry
-        versions = torch.where(mask.bool(), self.version, -1)
+        versions = torch.where(mask.bool(), version, -1)
         return TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                             "response_ids": ids, "response_mask": mask, "logprobs": logp,
                             "versions": versions}, {"temperature": cfg.temperature})
@@ -114,30 +147,49 @@ class VLLMEngine:
                      version: int | None = None) -> int:
         """Copy new weights in by name (on every vLLM worker); `version` tags the tokens
         sampled from now on. Asleep, vLLM's weight memory is woken first (not its KV cache)."""
-        if "weights" in self._asleep_parts:
-            self.llm.wake_up(tags=["weights"])
-            self._asleep_parts.discard("weights")
-        counts = self.llm.collective_rpc("asyncrl_load_weights", args=(list(named),))
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        if version is not None:
-            self.version = version
-        return int(counts[0])
+        return self._rpc("asyncrl_load_weights", list(named), version)
 
     # vLLM owns its weights' memory: "adopting" tensors is a copy into it
     adopt_weights = load_weights
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights held, by vLLM's own names (a checkpoint of a rollout)."""
+        with self._busy:
+            self._wake_weights()
+            return dict(self.llm.collective_rpc("asyncrl_state")[0])
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Weights of `state_dict()` back in, with their version."""
+        self._rpc("asyncrl_set_state", state, version)
+
+    def _rpc(self, method: str, weights: Any, version: int | None) -> int:
+        with self._busy:
+            self._wake_weights()
+            counts = self.llm.collective_rpc(method, args=(weights,))
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+            if version is not None:
+                self.version = version
+        return int(counts[0])
+
+    def _wake_weights(self) -> None:
+        if "weights" in self._asleep_parts:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep_parts.discard("weights")
+
     def sleep(self, level: int = 1) -> None:
         """Release the KV cache, and offload the weights to host memory (level 1) or drop
         them (level 2: for callers that load new weights before the next generation)."""
-        self.llm.sleep(level=level)
-        self._asleep_parts = {"weights", "kv_cache"}
-        self.asleep = True
+        with self._busy:
+            self.llm.sleep(level=level)
+            self._asleep_parts = {"weights", "kv_cache"}
+            self.asleep = True
 
     def wake(self) -> None:
-        if self._asleep_parts:
-            self.llm.wake_up(tags=sorted(self._asleep_parts))
-        self._asleep_parts = set()
-        self.asleep = False
+        with self._busy:
+            if self._asleep_parts:
+                self.llm.wake_up(tags=sorted(self._asleep_parts))
+            self._asleep_parts = set()
+            self.asleep = False
 
     def pause(self) -> None:
         self.paused = True

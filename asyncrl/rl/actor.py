@@ -97,9 +97,11 @@ def mean_stats(runs: list[dict[str, float]]) -> dict[str, float]:
 class Actor(Policy):
     def __init__(self, model: dict[str, Any], rl: dict[str, Any] | None = None,
                  train: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
-                 bucket_bytes: int = BUCKET_BYTES, backend: str = "fsdp2", hybrid: bool = True):
+                 bucket_bytes: int = BUCKET_BYTES, backend: str = "fsdp2", hybrid: bool = True,
+                 engine: str = "builtin", engine_options: dict[str, Any] | None = None):
         self.rl = RLConfig(**(rl or {}))
-        super().__init__(model, train, sampling, bucket_bytes, backend, hybrid)
+        super().__init__(model, train, sampling, bucket_bytes, backend, hybrid, engine,
+                         engine_options)
 
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,

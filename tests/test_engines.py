@@ -1,0 +1,274 @@
+"""Generation engines on CPU: the built-in Sampler, the vLLM adapter against a fake that
+follows vLLM's API (tests/fake_vllm.py), and roles built on either."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.roles import Policy, Rollout
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig, sample, streams, top_p_filter, uniforms
+
+PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+def test_engine_logprobs_equal_a_training_forward_pass(preset):
+    model = build_model(ModelConfig(preset=preset))
+    out = Sampler(model, SamplingConfig(max_new_tokens=10)).generate(PROMPTS, seeds=[1, 2, 3, 4])
+    forward = sequence_logprobs(model, out["prompt_ids"], out["prompt_mask"],
+                                out["response_ids"], out["response_mask"])
+    assert (forward - out["logprobs"]).abs().max().item() < 1e-5
+    assert out["response_mask"].sum().item() == 4 * 10
+
+
+def test_a_model_config_takes_a_preset_or_a_path_and_defaults_to_tiny_llama():
+    """path= alone was refused: the preset default was there too."""
+    assert ModelConfig().preset == "tiny-llama"
+    assert (ModelConfig(path="/ckpt").preset, ModelConfig(path="/ckpt").path) == (None, "/ckpt")
+    with pytest.raises(ValueError, match="preset= .* or path= .*not both: got preset='tiny-"):
+        ModelConfig(preset="tiny-llama", path="/ckpt")
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        ModelConfig(preset="huge")
+
+
+def test_seeds_stop_tokens_temperature_and_top_p():
+    model = build_model(ModelConfig())
+    engine = Sampler(model)
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.7)
+    a = engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=cfg)
+    b = engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=cfg)
+    c = engine.generate(PROMPTS, seeds=[5, 6, 7, 8], config=cfg)
+    assert torch.equal(a["response_ids"], b["response_ids"])  # a seed per sample
+    assert not torch.equal(a["response_ids"], c["response_ids"])
+    forward = sequence_logprobs(model, a["prompt_ids"], a["prompt_mask"], a["response_ids"],
+                                a["response_mask"], temperature=0.7)
+    assert (forward - a["logprobs"]).abs().max().item() < 1e-5
+    stop = int(a["response_ids"][0, 3])  # make that token a stop token: row 0 ends there
+    s = engine.generate(PROMPTS, seeds=[1, 2, 3, 4],
+                        config=SamplingConfig(max_new_tokens=12, temperature=0.7,
+                                              stop_token_ids=(stop,)))
+    first = (a["response_ids"][0] == stop).nonzero()[0].item()
+    mask = s["response_mask"][0].tolist()
+    assert mask == [1] * (first + 1) + [0] * (12 - first - 1)  # a prefix, stop included
+    assert s["response_ids"][0, first] == stop and s["logprobs"][0, first + 1:].eq(0).all()
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    kept = top_p_filter(logits, 0.7).isfinite()[0].tolist()
+    assert kept == [True, True, False, False]  # 0.64 < 0.7: the second token is kept too
+    with pytest.raises(ValueError, match="one seed per sample"):
+        engine.generate(PROMPTS, seeds=[1])
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        SamplingConfig(temperature=0)
+
+
+def test_sampling_follows_the_distribution_and_depends_on_seed_and_step_only():
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.2]).expand(20_000, 4)
+    stream = streams(range(20_000))
+    drawn = sample(probs, uniforms(stream, step=0))
+    freq = torch.bincount(drawn, minlength=4) / 20_000
+    # 4 standard deviations of a binomial at n=20,000 is below 0.015
+    assert (freq - probs[0]).abs().max().item() < 0.015 and freq[2] == 0
+    later = sample(probs, uniforms(stream, step=1))
+    assert 0.3 < (later == drawn).float().mean().item() < 0.45  # steps independent (0.38)
+    u = uniforms(stream, 0)
+    assert 0 <= u.min().item() and u.max().item() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    # a sample draws the same uniforms alone or in any batch, whatever its seed's size
+    assert torch.equal(uniforms(streams([7]), 3)[0], uniforms(streams([5, 6, 7]), 3)[2])
+    assert uniforms(streams([-1, 2**64 - 1, 2**70]), 0).isfinite().all()
+    one_hot = torch.tensor([[0.0, 0.0, 1.0]])  # top-p left one token: always that one
+    assert sample(one_hot, torch.tensor([0.0])).item() == 2
+    assert sample(one_hot, torch.tensor([1 - 2**-53])).item() == 2
+    cut = torch.tensor([[0.3, 0.7, 0.0]])  # u rounds up to the total in fp32: not token 2
+    assert sample(cut, torch.tensor([1 - 2**-30], dtype=torch.float64)).item() == 1
+    with pytest.raises(ValueError, match="probabilities contain NaN"):
+        sample(torch.tensor([[float("nan"), 1.0]]), torch.tensor([0.5]))
+    model = build_model(ModelConfig())
+    engine = Sampler(model, SamplingConfig(max_new_tokens=8))
+    alone = engine.generate(PROMPTS[2:3], seeds=[3])
+    batch = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    n = int(alone["response_mask"].sum())
+    assert torch.equal(alone["response_ids"][0, :n], batch["response_ids"][2, :n])
+
+
+def test_engine_loads_weights_in_place_and_sleeps():
+    src, dst = build_model(ModelConfig(seed=1)), build_model(ModelConfig(seed=2))
+    engine = Sampler(dst)
+    before = {n: p.data_ptr() for n, p in dst.named_parameters()}
+    assert engine.load_weights(src.named_parameters()) == len(before)
+    assert all(torch.equal(p, dict(src.named_parameters())[n]) for n, p in dst.named_parameters())
+    assert {n: p.data_ptr() for n, p in dst.named_parameters()} == before  # no new memory
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, seeds=[0, 0, 0, 0])
+    engine.wake()
+    assert len(engine.generate(PROMPTS, seeds=[0, 0, 0, 0])) == 4
+
+
+def test_engine_takes_state_dicts_of_tied_models_bf16_packs_and_refuses_bad_ones_whole():
+    src, dst = build_model(ModelConfig(preset="tiny-gpt2", seed=1)), build_model(
+        ModelConfig(preset="tiny-gpt2", seed=2))
+    engine = Sampler(dst)
+    state = src.state_dict()  # its tied lm_head.weight is a name of the embedding too
+    assert engine.load_weights(state.items()) == len(state)
+    assert all(torch.equal(v, dst.state_dict()[k]) for k, v in state.items())
+    half = {k: v.to(torch.bfloat16) for k, v in build_model(
+        ModelConfig(preset="tiny-gpt2", seed=3)).state_dict().items()}  # a bf16 trainer's pack
+    assert engine.adopt_weights(half.items(), version=4) == len(half)
+    assert all(p.dtype == torch.float32 for p in dst.parameters()) and engine.version == 4
+    assert all(torch.equal(v.float(), dst.state_dict()[k]) for k, v in half.items())
+    kept = {k: v.clone() for k, v in dst.state_dict().items()}
+    bad = [*state.items(), ("transformer.wte.weight", torch.zeros(3, 3))]
+    with pytest.raises(ValueError, match=r"transformer.wte.weight is \(3, 3\)"):
+        engine.adopt_weights(bad, version=5)
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        engine.load_weights([*state.items(), ("nope", torch.zeros(1))])
+    assert all(torch.equal(v, dst.state_dict()[k]) for k, v in kept.items())  # nothing changed
+    assert engine.version == 4
+
+
+
+def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
+    import subprocess
+    import sys
+
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    fake_vllm.LLM.calls.clear()
+    engine = VLLMEngine("tiny-llama", SamplingConfig(max_new_tokens=6, stop_token_ids=(2,)),
+                        llm_cls=fake_vllm.LLM, sampling_params_cls=fake_vllm.SamplingParams)
+    init = fake_vllm.LLM.calls[0][1]
+    assert init["distributed_executor_backend"] == "external_launcher"
+    assert init["enable_sleep_mode"] is True
+    assert init["logprobs_mode"] == "processed_logprobs" and init["skip_tokenizer_init"]
+    out = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    mine = Sampler(build_model(ModelConfig()), SamplingConfig(max_new_tokens=6,
+                                                              stop_token_ids=(2,)))
+    want = mine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
+        assert torch.equal(out[key], want[key]), key
+    assert (out["logprobs"] - want["logprobs"]).abs().max().item() < 1e-6
+    hot = SamplingConfig(max_new_tokens=6, stop_token_ids=(2,), temperature=0.7)
+    hot_out = engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=hot)
+    hot_want = Sampler(mine.model, hot).generate(PROMPTS, seeds=[1, 2, 3, 4])
+    assert torch.equal(hot_out["response_ids"], hot_want["response_ids"])
+    assert (hot_out["logprobs"] - hot_want["logprobs"]).abs().max().item() < 1e-6  # after T
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    other = build_model(ModelConfig(seed=9))  # new weights while asleep survive the wake-up
+    assert engine.load_weights(other.named_parameters(), version=3) == \
+        len(list(other.parameters()))
+    engine.wake()
+    changed = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    theirs = Sampler(other, SamplingConfig(max_new_tokens=6, stop_token_ids=(2,))).generate(
+        PROMPTS, seeds=[1, 2, 3, 4])
+    assert torch.equal(changed["response_ids"], theirs["response_ids"])
+    assert not torch.equal(changed["response_ids"], out["response_ids"])
+    mask = changed["response_mask"].bool()
+    assert changed["versions"][mask].eq(3).all() and changed["versions"][~mask].eq(-1).all()
+    assert [(c[0], c[1]) for c in fake_vllm.LLM.calls if c[0] != "init"] == [
+        ("sleep", 1), ("wake_up", ["weights"]), ("collective_rpc", "asyncrl_load_weights"),
+        ("reset_prefix_cache", None), ("wake_up", ["kv_cache"])]
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        VLLMEngine("tiny-llama", tensor_parallel_size=2, llm_cls=fake_vllm.LLM,
+                   sampling_params_cls=fake_vllm.SamplingParams)
+    # vLLM's log-probs after top-p are renormalised over the nucleus: not the trainer's
+    with pytest.raises(ValueError, match="top_p=0.9 < 1 is not supported"):
+        engine.generate([[1, 4]], seeds=[0], config=SamplingConfig(top_p=0.9))
+    # vLLM stays out of every CPU import path
+    probe = subprocess.run([sys.executable, "-c", "import sys, asyncrl, asyncrl.hybrid.roles, "
+                            "asyncrl.hybrid.vllm_engine; print('vllm' in sys.modules)"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "False", probe.stderr
+
+
+
+def test_a_rollout_tags_loads_with_versions_and_keeps_the_newest():
+    """Rollout.load_weights runs on a pool beside generations: a dict without a version would
+    leave tokens tagged with the old one (refused), and an older load finishing after a
+    newer one is dropped (the engine would have gone back a version)."""
+    from asyncrl.hybrid.roles import Rollout
+
+    rollout = Rollout.__new__(Rollout)
+    rollout.__init__({"preset": "tiny-llama", "seed": 1})
+    params = dict(rollout.engine.model.named_parameters())
+
+    def weights(fill: float) -> dict:
+        return {k: torch.full_like(p, fill) for k, p in params.items()}
+    with pytest.raises(ValueError, match="give version= .* every token is tagged with it"):
+        rollout.load_weights(weights(1.0))
+    assert rollout.load_weights(weights(5.0), version=5)["sync/version"] == 5
+    assert rollout.load_weights(weights(3.0), version=3) == {"sync/version": 5.0,
+                                                             "sync/stale": 1.0}
+    assert all(p.eq(5.0).all() for p in rollout.engine.model.parameters())
+    assert rollout.engine.version == 5
+
+
+def test_roles_generate_with_vllm_from_a_checkpoint_and_keep_its_weights(tmp_path):
+    """engine="vllm" in real torchrun groups, vLLM faked (ASYNCRL_VLLM_MODULE): the hybrid
+    Policy hands its trained weights to vLLM by name (vLLM fuses projections: it cannot be
+    written in place) and generates as the built-in engine does with the same weights; a
+    Rollout takes a sync pack, and its checkpoint brings back vLLM's weights and version."""
+    build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
+    model = {"path": str(tmp_path / "ckpt")}
+    env = {"ASYNCRL_VLLM_MODULE": "fake_vllm", "PYTHONPATH": str(Path(__file__).parent)}
+    sampling = {"max_new_tokens": 5, "temperature": 0.8}
+    train = {"lr": 3e-2, "micro_batch_size": 4}
+    batch = TensorBatch({"prompt": [[1, 4 + i, 9] for i in range(4)], "seed": list(range(4))})
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            on_vllm, builtin, rollout = await asyncio.gather(
+                ctl.spawn(Policy, model, train, sampling, engine="vllm", env=env,
+                          name="on_vllm"),
+                ctl.spawn(Policy, model, train, sampling, name="builtin"),
+                ctl.spawn(Rollout, model, sampling, engine="vllm", env=env, name="rollout"))
+            pids = group_pids(on_vllm) + group_pids(builtin) + group_pids(rollout)
+            first = [await on_vllm.generate(batch), await builtin.generate(batch)]
+            for policy in (on_vllm, builtin):
+                await policy.train_step(first[1])
+            trained = [await on_vllm.generate(batch), await builtin.generate(batch)]
+            synced = await rollout.load_weights(builtin.sync_pack())
+            from_rollout = await rollout.generate(batch)
+            await rollout.save_checkpoint(str(tmp_path / "saved"))
+            await rollout.load_weights(other, version=9)
+            changed = await rollout.generate(batch)
+            await rollout.load_checkpoint(str(tmp_path / "saved"))
+            restored = await rollout.generate(batch)
+            return first, trained, synced, from_rollout, changed, restored, pids
+    other = {k: v.detach() for k, v in build_model(ModelConfig(seed=7)).named_parameters()}
+    first, trained, synced, from_rollout, changed, restored, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    for on_vllm, builtin in (first, trained):
+        assert torch.equal(on_vllm["response_ids"], builtin["response_ids"])
+        assert (on_vllm["logprobs"] - builtin["logprobs"]).abs().max().item() < 1e-5
+    assert not torch.equal(first[1]["response_ids"], trained[1]["response_ids"])  # it trained
+    assert synced["sync/version"] == 1.0
+    assert torch.equal(from_rollout["response_ids"], trained[1]["response_ids"])
+    assert from_rollout["versions"][from_rollout["response_mask"].bool()].eq(1).all()
+    assert not torch.equal(changed["response_ids"], from_rollout["response_ids"])
+    assert changed["versions"][changed["response_mask"].bool()].eq(9).all()
+    assert torch.equal(restored["response_ids"], from_rollout["response_ids"])
+    assert restored["versions"][restored["response_mask"].bool()].eq(1).all()
+
+
+def test_engine_choices_are_checked_before_anything_is_built():
+    from asyncrl.hybrid.engine import make_engine
+
+    with pytest.raises(ValueError, match="engine='vllm' loads a local checkpoint: give "
+                                         "model=\\{'path': DIR\\}; the preset 'tiny-llama'"):
+        make_engine("vllm", ModelConfig(), None)
+    with pytest.raises(ValueError, match="engine is one of \\('builtin', 'vllm'\\), got 'vlm'"):
+        make_engine("vlm", ModelConfig(), None)
+    with pytest.raises(ValueError, match="engine_options \\['gpu_memory_utilization'\\] are "
+                                         "for engine='vllm'"):
+        make_engine("builtin", ModelConfig(), None, {"gpu_memory_utilization": 0.3})
