@@ -40,9 +40,11 @@ def _overrides(command: str, args: list[str]) -> dict[str, str]:
                          f"space around '='") from None
 
 
-def _load(path: str, overrides: dict[str, Any] | None = None) -> Any:
+def _load(path: str, overrides: dict[str, Any] | None = None,
+          saved: dict[str, Any] | None = None) -> Any:
     """Import the flow or driver file with `overrides` ({key: text}; parsed values of runs
-    before session 13 too) for its asyncrl.config(...)."""
+    before session 13 too) for its asyncrl.config(...); `saved`: those of them a resumed
+    run's checkpoint gave."""
     from asyncrl.comm.refs import _load_file
     from asyncrl.controller import declare
     from asyncrl.controller.declare import OVERRIDES_ENV
@@ -56,7 +58,10 @@ def _load(path: str, overrides: dict[str, Any] | None = None) -> Any:
     try:
         module = _load_file(os.path.abspath(path))
     except SettingError as e:  # the command line's mistake, not the file's
-        raise SystemExit(f"asyncrl: {e}; fix the key=value arguments") from None
+        raise SystemExit(f"asyncrl: {e}; fix the key=value arguments" + (
+            f" (on --resume, the run's own, kept in its checkpoint, count too: "
+            f"{json.dumps(saved)}; override them, or resume with the flow file that took "
+            f"them)" if saved else "")) from None
     except SyntaxError as e:
         where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
         code = f"\n    {e.text.rstrip()}" if e.text else ""
@@ -121,7 +126,7 @@ def launch(args: argparse.Namespace) -> int:
             print(f"asyncrl launch: resuming with the run's settings "
                   f"{json.dumps(saved)}, under those given now", file=sys.stderr)
         overrides = {**saved, **overrides}
-    module = _load(args.script, overrides)
+    module = _load(args.script, overrides, saved if args.resume else None)
     flow = _flow_of(module, args.script)
     if flow is None:
         main = getattr(module, "main", None)
@@ -445,6 +450,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[1:2] == ["--"]:  # `asyncrl launch -- script.py`: the end of the options
+        del argv[1]
     passed: list[str] = []  # after '--': a driver's own arguments, never settings
     if "--" in argv:
         argv, passed = argv[:argv.index("--")], argv[argv.index("--") + 1:]

@@ -272,3 +272,6 @@ def test_engine_choices_are_checked_before_anything_is_built():
     with pytest.raises(ValueError, match="engine_options \\['gpu_memory_utilization'\\] are "
                                          "for engine='vllm'"):
         make_engine("builtin", ModelConfig(), None, {"gpu_memory_utilization": 0.3})
+    with pytest.raises(ValueError, match="the model overrides \\['vocab_size'\\] would reach "
+                                         "the trainer only"):
+        make_engine("vllm", ModelConfig(path="/ckpt", overrides={"vocab_size": 64}), None)

@@ -166,6 +166,8 @@ def test_metrics_read_their_own_step_and_a_rewind_drops_later_steps(tmp_path):
 def test_tensorboard_shows_each_step_once_after_a_rewind_and_a_resume(tmp_path):
     """Event files are append-only: the scalars of steps run again after a rewind, or after
     a resume, are hidden by a purge (they showed twice, old values beside new ones)."""
+    Metrics(tmp_path / "failed", 4, Timeline()).close()  # a run that failed before a row
+    assert not (tmp_path / "failed").exists()  # leaves nothing to refuse a relaunch over
     metrics = Metrics(tmp_path, 4, Timeline())
     for t in range(3):
         metrics(t, {"train": {"loss": float(t)}}, 1.0)

@@ -238,3 +238,36 @@ def test_an_nccl_send_waiting_for_its_receiver_holds_up_no_other_pull(monkeypatc
         puller.close(0)
         client.close()
         server.close()
+
+
+def test_a_transfer_on_a_communicator_replaced_meanwhile_fails_and_spares_the_new_one():
+    """Set up again for another call, the old communicator is aborted: its kernels end, so a
+    transfer still waiting on it looked done (rows never received taken as received). And a
+    send that timed out on the old one must not abort the new one under the same key."""
+    import threading
+
+    from asyncrl.comm import nccl
+
+    class Comm:
+        aborts = 0
+
+        def wait_all(self, timeout):
+            return True
+
+        def abort(self):
+            Comm.aborts += 1
+
+    old = nccl.Link(Comm(), {}, threading.Lock())
+    nccl._wait("maker->taker", old, "receive", 1.0)  # done, not aborted: fine
+    new = nccl.Link(Comm(), {}, threading.Lock())
+    nccl._links["maker->taker"] = new
+    try:
+        nccl._abort(old)  # what join() does to the link it replaces
+        with pytest.raises(RuntimeError, match="aborted during it .* did not complete"):
+            nccl._wait("maker->taker", old, "receive", 1.0)
+        nccl.forget("maker->taker", old)  # a late give-up on the old one
+        assert nccl._links["maker->taker"] is new and Comm.aborts == 1
+        nccl.forget("maker->taker", new)
+        assert "maker->taker" not in nccl._links and Comm.aborts == 2
+    finally:
+        nccl._links.pop("maker->taker", None)

@@ -117,6 +117,30 @@ def test_a_death_a_node_only_awaited_is_not_rerun_but_rewound(tmp_path):
         ("rewind", ["scorer"], 3, 2)
 
 
+def test_an_input_lost_with_a_group_a_rerun_already_replaced_rewinds(tmp_path):
+    """The trainer waits at step 1 with train 2 and 3 queued behind it; the scorer is killed
+    in score 3, which re-runs on a new scorer. Then train 2 pulls score 2 from the dead one:
+    InputLostError, and nothing is dead any more. The flow goes back to its start (no
+    checkpoint yet) instead of failing for want of a dead group to blame."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "steps=6", "checkpoint_every=4", "hold=scorer:3",
+                  "wait=trainer:1", f"marks={marks}")
+    pid = held_pid(marks, "scorer", proc)
+    wait_until(lambda: (marks / "trainer.waiting").exists() or proc.poll() is not None, 60,
+               "the trainer to wait")
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: recoveries(run_dir) or proc.poll() is not None, 60, "the re-run")
+    (marks / "go").write_text("")
+    finish(proc)
+    steps_once(run_dir, 6)
+    rerun, rewind = recoveries(run_dir)
+    assert (rerun["kind"], rerun["groups"], rerun["node"]) == ("rerun", ["scorer"], "score")
+    assert (rewind["kind"], rewind["groups"], rewind["resumed_at"]) == ("rewind", [], 0)
+    assert "InputLostError" in rewind["cause"] and "group 'scorer' is dead" in rewind["cause"]
+
+
 def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
     _, err = kill_held(tmp_path, "trainer:5", "steps=7")
     steps_once(tmp_path / "run", 7)

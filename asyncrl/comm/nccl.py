@@ -18,10 +18,12 @@ the memory received into), never for work queued later, so a sync neither waits 
 holds up the generation or training that keeps running on the default stream.
 
 One communicator per direction: one thread of the producer's data server only sends on it
-(a thread per communicator: a send waiting for a receiver that gave up holds no other
-pull), the consumer's call threads only receive (under a lock), so no communicator is used
-by two threads at once. A send or receive that does not finish within the transfer timeout aborts
-the communicator (NCCL cannot be interrupted otherwise); the pair is set up again next time.
+(a thread per communicator, one send at a time in the process: a send waiting for a
+receiver that gave up holds up no pull by shared memory or sockets), the consumer's call
+threads only receive (under a lock), so no communicator is used by two threads at once. A
+send or receive that does not finish within the transfer timeout aborts the communicator
+(NCCL cannot be interrupted otherwise); the pair is set up again next time, and a transfer
+still waiting on the aborted one fails (its kernels end without moving the bytes).
 
 Imports CuPy only when a communicator is made. `ASYNCRL_NCCL_MODULE` names another module
 with the same API (cupy.cuda.nccl's get_unique_id, NcclCommunicator, groupStart/groupEnd,
@@ -84,10 +86,12 @@ class Link:
     offsets: dict[str, int]  # group -> the communicator rank of its rank 0
     lock: threading.Lock
     stream: Any = None  # its torch.cuda.Stream on a GPU (None on CPUs: the stand-in's own)
+    aborted: bool = False  # an aborted communicator's kernels end without moving the bytes
 
 
 _links: dict[str, Link] = {}  # key ("A->B") -> this rank's end
 _guard = threading.Lock()
+_sending = threading.Lock()
 
 
 def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -> None:
@@ -130,6 +134,7 @@ def forget(key: str, end: Link | None = None) -> None:
 
 
 def _abort(found: Link) -> None:
+    found.aborted = True
     try:
         found.comm.abort()
     except Exception:  # noqa: BLE001 - a broken communicator may refuse even that
@@ -157,7 +162,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wait(key: str, end: Link, what: str, timeout: float) -> None:
-    """Wait for the link's stream with a bound; abort the communicator past it."""
+    """Wait for the link's stream with a bound; abort the communicator past it. One aborted
+    meanwhile (set up again for another call) fails the transfer: its bytes did not move."""
     if end.stream is not None:
         event = torch.cuda.Event()
         event.record(end.stream)
@@ -167,26 +173,37 @@ def _wait(key: str, end: Link, what: str, timeout: float) -> None:
                 break
             time.sleep(0.0005)
         else:
+            _check_not_aborted(key, end, what)
             return
     elif end.comm.wait_all(timeout):  # the CPU stand-in's stream (tests/fake_nccl.py)
+        _check_not_aborted(key, end, what)
         return
     forget(key, end)
     raise TransferTimeout(f"NCCL {what} on {key!r} not done within {timeout:g} s; the "
                           f"communicator was aborted")
 
 
+def _check_not_aborted(key: str, end: Link, what: str) -> None:
+    if end.aborted:
+        raise RuntimeError(f"NCCL {what} on {key!r}: the communicator was aborted during it "
+                           f"(set up again for another call); the transfer did not complete")
+
+
 def send(key: str, tensors: list[torch.Tensor], to: tuple[str, int], timeout: float) -> None:
-    """Producer side: send `tensors` (rows already cut) to rank `to` = (group, rank)."""
-    end, nccl = link(key), backend()
-    peer = end.offsets[to[0]] + to[1]
-    with _on_stream(end, tensors) as stream:
-        flats = [_flat(t) for t in tensors]  # kept alive until the stream is done with them
-        nccl.groupStart()
-        for flat in flats:
-            if flat.numel():
-                end.comm.send(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, peer, stream)
-        nccl.groupEnd()
-    _wait(key, end, f"send to {to[0]}:{to[1]}", timeout)
+    """Producer side: send `tensors` (rows already cut) to rank `to` = (group, rank). One
+    send at a time in a process, whatever its communicator: NCCL kernels of two
+    communicators live on one GPU at once may deadlock each other (NCCL's guide)."""
+    with _sending:
+        end, nccl = link(key), backend()
+        peer = end.offsets[to[0]] + to[1]
+        with _on_stream(end, tensors) as stream:
+            flats = [_flat(t) for t in tensors]  # alive until the stream is done with them
+            nccl.groupStart()
+            for flat in flats:
+                if flat.numel():
+                    end.comm.send(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, peer, stream)
+            nccl.groupEnd()
+        _wait(key, end, f"send to {to[0]}:{to[1]}", timeout)
 
 
 def receive(key: str, end: Link, wanted: list[tuple[tuple[str, int], torch.Tensor]]) -> None:

@@ -530,6 +530,11 @@ class GroupHandle:
             raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e
         if isinstance(ref, Held):  # a value on the controller: it goes with the call
             return ref.view()
+        dead = ref.group.dead
+        if dead is not None or ref.group.closing:  # this group may have heard nothing of it
+            why = f"is dead: {dead.reason}" if dead is not None else "was shut down"
+            raise InputLostError(f"input {name!r} ({arg._label}) is lost: it was held by "
+                                 f"group {ref.group.name!r}, which {why}")
         item.inputs.append(ref)
         transport = self._ctl.transport
         if self._ctl.links.needed(ref, self, transport):

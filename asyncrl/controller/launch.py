@@ -7,6 +7,7 @@ line, write metrics.jsonl, checkpoints and timeline.json into the run directory,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from asyncrl.controller import checkpoint
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import NODE_INPUTS, DataFlow
-from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length
+from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length, write_trace
 
 OVERRIDES_FILE = "overrides.json"  # in RUN_DIR/inputs: the run's key=value overrides
 
@@ -63,17 +64,23 @@ class Metrics:
         self.path = run_dir / "metrics.jsonl"
         self.steps, self.timeline = steps, timeline
         self.tb_dir = run_dir / "tensorboard"
-        self.tb: Any = self._writer(first_step or None)
+        self.tb: Any = None  # made with the first row: a run that never got one leaves none
+        self._purge: int | None = first_step or None
+        self._board_missing = False  # TensorBoard is not installed
 
-    def _writer(self, purge_step: int | None) -> Any:
-        """A TensorBoard writer, if it is installed. `purge_step`: TensorBoard hides what
-        earlier writers wrote for this step and later ones (they are written again)."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+    def _board(self) -> Any:
+        """The TensorBoard writer, if it is installed. Its `purge_step` (a resume's first
+        step, a rewind's): TensorBoard hides what earlier writers wrote for that step and
+        later ones (they are written again)."""
+        if self.tb is None and not self._board_missing:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            return SummaryWriter(str(self.tb_dir), purge_step=purge_step)
-        except Exception:  # noqa: BLE001 - TensorBoard is optional
-            return None
+                self.tb = SummaryWriter(str(self.tb_dir), purge_step=self._purge)
+                self._purge = None
+            except Exception:  # noqa: BLE001 - TensorBoard is optional
+                self._board_missing = True
+        return self.tb
 
     def __call__(self, step: int, values: dict[str, Any], seconds: float) -> None:
         row: dict[str, Any] = {"step": step, "time/step_s": round(seconds, 4)}
@@ -96,10 +103,11 @@ class Metrics:
         with open(self.path, "a") as f:
             f.write(json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None
                                 for k, v in row.items()}) + "\n")
-        if self.tb is not None:
+        board = self._board()
+        if board is not None:
             for k, v in row.items():
                 if k != "step":
-                    self.tb.add_scalar(k, v, step)
+                    board.add_scalar(k, v, step)
         total = f"/{self.steps}" if self.steps else ""
         bar = ""
         if self.steps:
@@ -118,7 +126,8 @@ class Metrics:
         self.timeline.drop_after(step)
         if self.tb is not None:  # event files are append-only: a purge marks what to hide
             self.tb.close()
-            self.tb = self._writer(step + 1)
+            self.tb = None
+        self._purge = step + 1 if self._purge is None else min(self._purge, step + 1)
 
     def flush(self) -> None:
         if self.tb is not None:
@@ -180,7 +189,8 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     async def save(step: int) -> None:
         # what a resume from this checkpoint keeps of the steps before it, on disk first:
         # a killed controller writes nothing at its end
-        timeline.write(run_dir / "timeline.json")
+        # (encoded and written off the loop: the trace grows with the run)
+        await asyncio.to_thread(write_trace, run_dir / "timeline.json", timeline.chrome_trace())
         metrics.flush()
         await checkpoint.save(flow, run_dir, step, keep)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.controller.timeline import called_groups
-from asyncrl.errors import ClosedError, GroupDeadError, RemoteError, SpawnError
+from asyncrl.errors import ClosedError, GroupDeadError, InputLostError, RemoteError, SpawnError
 from asyncrl.futures.future import DistFuture, futures_in, rebuild
 
 if TYPE_CHECKING:
@@ -243,12 +243,16 @@ class Recovery:
     # -- rewinding to a checkpoint -----------------------------------------------------------
     async def rewind(self, exc: BaseException, step: int,
                      restore: Callable[[], Awaitable[bool]] | None) -> bool:
-        """Bring the flow back to its last checkpoint after `exc`, when a dead group explains
-        it and every dead group may restart; False when it does not (`exc` stands)."""
+        """Bring the flow back to its last checkpoint after `exc`, when a group's death
+        explains it (one dead now, or one a re-run has brought back: an input it held is
+        gone) and every dead group may restart; False when it does not (`exc` stands)."""
         flow, ctl = self.flow, self.flow._ctl
         started = time.monotonic()
-        dead = await self._dead_groups()
-        if not dead or not all(self._left(g) for g in dead):
+        # an input lost with a dead group, or its death, is explained even when a node's
+        # re-run has respawned that group meanwhile (nothing is dead now)
+        repaired = _death_behind(exc)
+        dead = await self._dead_groups(wait=not repaired)
+        if not (dead or repaired) or not all(self._left(g) for g in dead):
             return False
         fresh = restore is None
         if fresh and (flow._origin[0] != 0):
@@ -284,17 +288,17 @@ class Recovery:
               file=sys.stderr, flush=True)
         return True
 
-    async def _dead_groups(self) -> list[GroupSpec]:
+    async def _dead_groups(self, wait: bool = True) -> list[GroupSpec]:
         """The flow's dead groups. A failure can reach us before the supervisor declares the
-        death behind it (a peer's collective broke, a consumer lost its input): wait as long
-        as declaring takes for one to show. A failure with no death behind it (a bug in user
-        code) is reported that much later."""
+        death behind it (a peer's collective broke): wait as long as declaring takes for one
+        to show. A failure with no death behind it (a bug in user code) is reported that
+        much later. wait=False: those dead now."""
         ctl = self.flow._ctl
         deadline = time.monotonic() + ctl.heartbeat_timeout + 2 * ctl.heartbeat_interval
         while True:
             dead = [g for g in self.flow.groups
                     if g.handle is None or g.handle.dead is not None]
-            if dead or time.monotonic() > deadline:
+            if dead or not wait or time.monotonic() > deadline:
                 return dead
             await asyncio.sleep(ctl.heartbeat_interval / 4)
 
@@ -324,6 +328,17 @@ async def _attempt(fn: Callable[[], Any], called: set[str]) -> Any:
     called_groups.set(called)
     out = fn()
     return await out if asyncio.iscoroutine(out) else out
+
+
+def _death_behind(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a group's death, or an input lost with one:
+    declared deaths, which a rewind recovers from whether or not the group is back."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, GroupDeadError | InputLostError):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def _first_line(e: BaseException) -> str:

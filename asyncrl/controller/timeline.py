@@ -96,10 +96,7 @@ class Timeline:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: Path) -> None:
-        """The Chrome trace, replaced whole: a kill mid-write leaves the previous one."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.chrome_trace()))
-        os.replace(tmp, path)
+        write_trace(path, self.chrome_trace())
 
     def resume(self, path: Path, upto: int) -> int:
         """Take the events of steps <= `upto` from a resumed run's trace, placed a second
@@ -118,6 +115,13 @@ class Timeline:
             self.add(Event(rows[e["tid"]], e["name"], e["args"]["step"], start,
                            start + e["dur"] / 1e6))
         return len(spans)
+
+
+def write_trace(path: Path, trace: dict[str, Any]) -> None:
+    """A Chrome trace, replaced whole: a kill mid-write leaves the previous one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(trace))
+    os.replace(tmp, path)
 
 
 def draw(trace_path: Path, png_path: Path) -> Path:

@@ -43,6 +43,11 @@ def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | No
         if model_cfg.path is None:
             raise ValueError(f"engine='vllm' loads a local checkpoint: give model={{'path': "
                              f"DIR}}; the preset {model_cfg.preset!r} is for the built-in engine")
+        if model_cfg.overrides:  # the trainer would build another model than vLLM runs
+            raise ValueError(f"engine='vllm' runs the checkpoint's own config.json: the model "
+                             f"overrides {sorted(model_cfg.overrides)} would reach the trainer "
+                             f"only; save the checkpoint with them, or pass vLLM's "
+                             f"hf_overrides in engine_options too and drop them here")
         from asyncrl.hybrid.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_cfg.path, sampling, seed=model_cfg.seed, **(options or {}))
@@ -112,6 +117,8 @@ class HybridEngine:
             self._fill_engine()
         except BaseException:  # still training: the engine's memory freed again (GPU), the
             self._release()  # optimizer back where it steps
+            if self.engine.owns_weights:  # vLLM: the first load woke its weights
+                self.engine.sleep()
             self._move_optimizer(next(self.backend.model.parameters()).device)
             raise
         self.engine.wake()

@@ -8,7 +8,9 @@
     a hold there holds rank 1 only, so killing it breaks rank 0's collective
 
 `hold=<group>:<step>`: that group's call of that step, on its first try only, writes its pid
-to `<marks>/<group>.pid` and waits there until the test kills or stops it. The trainer's
+to `<marks>/<group>.pid` and waits there until the test kills or stops it. `wait=<group>:
+<step>`: that call writes `<marks>/<group>.waiting` and waits until the test writes
+`<marks>/go`. The trainer's
 history is in every checkpoint (trainer/history.json): a run that recovered must hold each
 step exactly once.
 """
@@ -21,8 +23,21 @@ from pathlib import Path
 import asyncrl
 
 cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
-                     peek=0, collective=0)
+                     peek=0, collective=0, wait="")
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
+WAIT_GROUP, _, WAIT_STEP = cfg["wait"].partition(":")
+
+
+def _wait(group: str, step: int) -> None:
+    if group != WAIT_GROUP or step != int(WAIT_STEP):
+        return
+    marks = Path(cfg["marks"])
+    (marks / f"{group}.waiting").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 60  # bounded: a test that never lets it go fails
+    while not (marks / "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{group} waited at step {step} and was never let go")
+        time.sleep(0.05)
 
 
 def _hold(group: str, step: int) -> None:
@@ -70,6 +85,7 @@ class Trainer(asyncrl.Worker):
     @asyncrl.register(dispatch="rank_zero")
     def train(self, step, score):
         _hold("trainer", step)
+        _wait("trainer", step)
         self.history.append([step, score])
         return {"trained": len(self.history), "seen": step}
 
