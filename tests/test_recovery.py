@@ -118,14 +118,15 @@ def test_a_death_a_node_only_awaited_is_not_rerun_but_rewound(tmp_path):
 
 
 def test_an_input_lost_with_a_group_a_rerun_already_replaced_rewinds(tmp_path):
-    """The trainer waits at step 1 with train 2 and 3 queued behind it; the scorer is killed
-    in score 3, which re-runs on a new scorer. Then train 2 pulls score 2 from the dead one:
-    InputLostError, and nothing is dead any more. The flow goes back to its start (no
-    checkpoint yet) instead of failing for want of a dead group to blame."""
+    """Steps 1-3 in flight (staleness=1): the trainer waits at step 1 with train 2 and 3
+    queued behind it; the scorer is killed in score 3, which re-runs on a new scorer. Then
+    train 2 pulls score 2 from the dead one: InputLostError, and nothing is dead any more.
+    The flow goes back to its start (no checkpoint yet) instead of failing for want of a
+    dead group to blame."""
     marks = tmp_path / "marks"
     marks.mkdir()
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "steps=6", "checkpoint_every=4", "hold=scorer:3",
+    proc = launch(run_dir, "steps=6", "checkpoint_every=4", "staleness=1", "hold=scorer:3",
                   "wait=trainer:1", f"marks={marks}")
     pid = held_pid(marks, "scorer", proc)
     wait_until(lambda: (marks / "trainer.waiting").exists() or proc.poll() is not None, 60,

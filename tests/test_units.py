@@ -33,7 +33,8 @@ DP = asyncrl.Dispatch.DP
 def test_public_api_is_the_facade():
     assert sorted(asyncrl.__all__) == sorted([
         "AsyncRLError", "CheckpointError", "ClosedError", "Controller", "Dispatch",
-        "DistFuture", "EncodeError", "GroupDeadError", "GroupHandle", "Layout", "RemoteError",
+        "DistFuture", "EncodeError", "GroupDeadError", "GroupHandle", "InputLostError", "Layout",
+        "RemoteError",
         "SpawnError", "SpawnTimeout",
         "Split", "TensorBatch", "TransferTimeout", "Worker", "register", "register_protocol",
         "run", "DataFlow", "FlowError", "NodeError", "PlacementError", "colocate_with",
