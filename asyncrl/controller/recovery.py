@@ -249,8 +249,9 @@ class Recovery:
         flow, ctl = self.flow, self.flow._ctl
         started = time.monotonic()
         # an input lost with a dead group, or its death, is explained even when a node's
-        # re-run has respawned that group meanwhile (nothing is dead now)
-        repaired = _death_behind(exc)
+        # re-run has respawned that group meanwhile (nothing is dead now); only then: the
+        # same loss again after this rewind would not be repaired by another
+        repaired = _death_behind(exc) and self._respawned_since_rewind()
         dead = await self._dead_groups(wait=not repaired)
         if not (dead or repaired) or not all(self._left(g) for g in dead):
             return False
@@ -287,6 +288,15 @@ class Recovery:
         print(f"[asyncrl] rewound to step {resumed} after: {_first_line(exc)}",
               file=sys.stderr, flush=True)
         return True
+
+    def _respawned_since_rewind(self) -> bool:
+        """Whether a re-run respawned a group since the last rewind (or the run's start)."""
+        for event in reversed(self.events):
+            if event.kind == "rewind":
+                return False
+            if event.groups:
+                return True
+        return False
 
     async def _dead_groups(self, wait: bool = True) -> list[GroupSpec]:
         """The flow's dead groups. A failure can reach us before the supervisor declares the
