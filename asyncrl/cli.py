@@ -119,9 +119,9 @@ def launch(args: argparse.Namespace) -> int:
     sys.argv = [args.script, *args.args, *args.passed]
     overrides = _overrides("launch", args.args)
     if args.resume:  # the run's own settings, under those given now (steps=... to go on)
-        from asyncrl.controller.checkpoint import saved_overrides
+        from asyncrl.controller.checkpoint import checkpoint_overrides
 
-        saved = saved_overrides(Path(args.run_dir))
+        saved = checkpoint_overrides(Path(args.run_dir))
         if saved:
             print(f"asyncrl launch: resuming with the run's settings "
                   f"{json.dumps(saved)}, under those given now", file=sys.stderr)
@@ -454,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         del argv[1]
     passed: list[str] = []  # after '--': a driver's own arguments, never settings
     if "--" in argv:
-        argv, passed = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        cut = argv.index("--")
+        argv, passed = argv[:cut], argv[cut + 1:]
     args, extra = parser().parse_known_args(argv)
     if (extra or passed) and args.command not in ("launch", "bench", "run"):
         parser().error(f"unrecognized arguments: {' '.join(extra + passed)}")

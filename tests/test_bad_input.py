@@ -524,7 +524,7 @@ def test_wrong_checkpoint_is_refused_in_words(tmp_path):
     expect(asyncrl.CheckpointError, lambda: checkpoint.resumable(resized, sized),
            "was written by groups of other sizes (ranks of solo: 2 there, 1 here)",
            "taken again unless the command line gives others: {'actor_procs': '2'}")
-    assert checkpoint.saved_overrides(resized) == {"actor_procs": "2"}
+    assert checkpoint.checkpoint_overrides(resized) == {"actor_procs": "2"}
     unsaved = tmp_path / "unsaved"  # a run that wrote rows but no checkpoint
     unsaved.mkdir()
     (unsaved / "metrics.jsonl").write_text('{"step": 0}\n')

@@ -101,8 +101,9 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
         raise CheckpointError(
             f"checkpoint {path} was written by another flow ({'; '.join(differ)}); resume "
             f"it with the flow file that wrote it, or run this flow in another --run-dir")
-    resized = [f"{name}: {n} there, {sizes(flow).get(name)} here"
-               for name, n in meta.get("sizes", {}).items() if sizes(flow).get(name) != n]
+    here = sizes(flow)
+    resized = [f"{name}: {n} there, {here.get(name)} here"
+               for name, n in meta.get("sizes", {}).items() if here.get(name) != n]
     if resized:  # each rank loads its own state: another count would lose or lack some
         raise CheckpointError(
             f"checkpoint {path} was written by groups of other sizes (ranks of "
@@ -116,7 +117,7 @@ def sizes(flow: DataFlow) -> dict[str, int]:
     return {g.name: g.nprocs for g in flow.groups}
 
 
-def saved_overrides(run_dir: Path) -> dict[str, Any]:
+def checkpoint_overrides(run_dir: Path) -> dict[str, Any]:
     """The key=value settings of the run whose newest checkpoint is in `run_dir` ({}: none,
     or a checkpoint of before session 14)."""
     path = latest(run_dir)

@@ -426,7 +426,8 @@ class Controller:
             box = self.outbox()
             group.post_all(box, "io", messages.encode(Shutdown()))
             box.flush()
-            group.announce_gone("was shut down")
+            if group.dead is None and not self._closed:  # a death was announced already;
+                group.announce_gone("was shut down")     # at close every group goes
             for info in group.ranks.values():  # nothing else goes to its sockets
                 self.relay_of.pop(info.identity, None)
                 self.relay_of.pop(info.exec_identity, None)

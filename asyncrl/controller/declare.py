@@ -141,8 +141,8 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
     else:
         return value
     raise SettingError(f"setting {key}={value!r} on the command line: expected a "
-                     f"{type(default).__name__}, as its default {default!r} is"
-                     + (" (true/false)" if isinstance(default, bool) else ""))
+                       f"{type(default).__name__}, as its default {default!r} is"
+                       + (" (true/false)" if isinstance(default, bool) else ""))
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, str]:

@@ -62,6 +62,8 @@ if TYPE_CHECKING:
     from asyncrl.controller.outbox import Outbox
 
 _call_ids = itertools.count(1)
+# errors of the data plane a rank reports by name: raised here as themselves
+_DATA_PLANE_ERRORS = {cls.__name__: cls for cls in (TransferTimeout, InputLostError)}
 _Host = tuple[bytes | None, list[int], list[bytes]]  # a relay (None: direct), ranks, sockets
 # a relay or _ALL, the sockets, an encoded message and the raw frames it announces
 _Send = tuple[Any, list[bytes], bytes, list[Any]]
@@ -481,10 +483,9 @@ class GroupHandle:
             None if encoded is None else lambda raws: encoded(layout, raws, state)))
 
     def _remote_error(self, rank: int, method: str, error: Failure) -> Exception:
-        if error.type == "TransferTimeout":
-            return TransferTimeout(f"{self.name}[rank {rank}].{method}: {error.message}")
-        if error.type == "InputLostError":
-            return InputLostError(f"{self.name}[rank {rank}].{method}: {error.message}")
+        own = _DATA_PLANE_ERRORS.get(error.type)  # raised by asyncrl itself on the rank
+        if own is not None:
+            return own(f"{self.name}[rank {rank}].{method}: {error.message}")
         return RemoteError(self.name, rank, method, error.type, error.message, error.traceback)
 
     async def _fetch(self, rank: int, obj_id: int) -> Any:

@@ -187,9 +187,9 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     run_dir.mkdir(parents=True, exist_ok=True)
 
     async def save(step: int) -> None:
-        # what a resume from this checkpoint keeps of the steps before it, on disk first:
-        # a killed controller writes nothing at its end
-        # (encoded and written off the loop: the trace grows with the run)
+        # what a resume from this checkpoint keeps of the steps before it, on disk first
+        # (a killed controller writes nothing at its end); the trace, which grows with the
+        # run, encoded and written off the loop
         await asyncio.to_thread(write_trace, run_dir / "timeline.json", timeline.chrome_trace())
         metrics.flush()
         await checkpoint.save(flow, run_dir, step, keep)

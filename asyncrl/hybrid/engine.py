@@ -14,6 +14,8 @@ optimizer state and the engine's weights stay where they are (warm memory, reuse
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -94,6 +96,7 @@ class HybridEngine:
                  sampling: SamplingConfig | None = None, bucket_bytes: int = BUCKET_BYTES,
                  engine: str = "builtin", engine_options: dict[str, Any] | None = None):
         self.backend = backend
+        self._zero = hasattr(backend, "gathered")  # DeepSpeed ZeRO: parameters gathered in place
         self.bucket_bytes = bucket_bytes
         self.engine = make_engine(engine, model_cfg, sampling, engine_options)
         self.engine.sleep()
@@ -140,17 +143,11 @@ class HybridEngine:
                 self._gather_bucket(item)
             else:
                 name, param, target = item
-                if hasattr(self.backend, "gathered"):  # DeepSpeed ZeRO: whole for a moment
-                    with self.backend.gathered([param]):
-                        target.copy_(param.detach())
+                with self._whole(param) as full:
+                    target.copy_(full)
                     self.peak_gather_bytes = max(self.peak_gather_bytes,
-                                                 target.numel() * target.element_size())
-                    continue
-                full = _full(param.detach())  # e.g. FSDP + TP: DTensor gathers it
-                self.peak_gather_bytes = max(self.peak_gather_bytes,
-                                             full.numel() * full.element_size())
-                target.copy_(full)
-                del full
+                                                 full.numel() * full.element_size())
+                del full  # one whole parameter alive at a time
 
     def _fill_by_name(self) -> None:
         """An engine that owns its weights' memory (vLLM, which fuses projections) takes
@@ -158,11 +155,8 @@ class HybridEngine:
         bucket: list[tuple[str, torch.Tensor]] = []
         size = self.peak_gather_bytes = 0
         for name, param in self.backend.model.named_parameters():
-            if hasattr(self.backend, "gathered"):  # DeepSpeed ZeRO: whole for a moment
-                with self.backend.gathered([param]):
-                    full = param.detach().clone()
-            else:
-                full = _full(param.detach())  # FSDP2 (+ TP): DTensor gathers it
+            with self._whole(param) as whole:  # ZeRO's is freed after: kept as a copy
+                full = whole.clone() if self._zero else whole
             bucket.append((name, full))
             size += full.numel() * full.element_size()
             self.peak_gather_bytes = max(self.peak_gather_bytes, size)
@@ -171,6 +165,16 @@ class HybridEngine:
                 bucket, size = [], 0
         if bucket:
             self.engine.load_weights(bucket)
+
+    @contextmanager
+    def _whole(self, param: Any) -> Iterator[torch.Tensor]:
+        """`param` whole for the time of the block: DeepSpeed ZeRO gathers it in place for
+        a moment; FSDP2 (+ TP) gathers a DTensor into a new tensor."""
+        if self._zero:
+            with self.backend.gathered([param]):
+                yield param.detach()
+        else:
+            yield _full(param.detach())
 
     def _make_plan(self) -> list[Any]:
         """Buckets of row-sharded parameters (FSDP alone), and the rest one by one. The
