@@ -4,10 +4,15 @@ send/recv(ptr, count, dtype, peer, stream) and abort, groupStart/groupEnd, NCCL_
 the bytes at `ptr` (a CPU tensor's memory) carried over ZeroMQ sockets between the ranks.
 
 Like NCCL: communicator creation blocks until all ranks joined; the operations between
-groupStart and groupEnd are issued together at groupEnd; a send never blocks; receives run
-in the background, in order, on the communicator's one "stream" (a thread), each taking the
-next message from its peer. asyncrl waits for a CPU stream with `wait_all(timeout)`, which
-only this module has (on GPUs it records a CUDA event instead).
+groupStart and groupEnd are issued together at groupEnd; sends and receives run in the
+background, in order, on the communicator's one "stream" (a thread); a receive takes the next
+message from its peer and a send is done only once its receiver took it (as NCCL's, whose
+kernels end when the peer's matching receive has the bytes): a send to a receiver that never
+posts one waits until the communicator is aborted. asyncrl waits for a CPU stream with
+`wait_all(timeout)`, which only this module has (on GPUs it records a CUDA event instead).
+
+FAKE_NCCL_HOLD=PATH (tests): a receive waits until PATH exists, and writes PATH.waiting
+meanwhile: its sender stays in the middle of its send.
 """
 
 from __future__ import annotations
@@ -68,11 +73,11 @@ class NcclCommunicator:
         port = self._pull.bind_to_random_port("tcp://127.0.0.1")
         _publish(os.path.join(folder, f"rank{rank}"), f"tcp://127.0.0.1:{port}")
         addrs = [_await_file(os.path.join(folder, f"rank{r}")) for r in range(world)]
-        self._push = {}
+        self._push = {}  # used by the stream's thread only
         for r, addr in enumerate(addrs):
             if r != rank:
                 sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 2000)
+                sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(addr)
                 self._push[r] = sock
         _publish(os.path.join(folder, f"done{rank}"), "1")
@@ -80,7 +85,7 @@ class NcclCommunicator:
             for r in range(world):
                 _await_file(os.path.join(folder, f"done{r}"))
             shutil.rmtree(folder, ignore_errors=True)
-        self._early: dict[int, deque[bytes]] = {}
+        self._early: dict[tuple[bytes, int], deque[bytes]] = {}  # (kind, peer) -> arrived
         self._stream: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
         self._queued = 0
@@ -92,7 +97,8 @@ class NcclCommunicator:
         while True:
             op = self._stream.get()
             if op is None:
-                self._pull.close(0)
+                for sock in [self._pull, *self._push.values()]:
+                    sock.close(0)
                 self._ctx.term()
                 return
             try:
@@ -104,7 +110,7 @@ class NcclCommunicator:
                 self._idle.notify_all()
 
     def wait_all(self, timeout: float) -> bool:
-        """Every receive issued so far is done (False: not within `timeout`)."""
+        """Every send and receive issued so far is done (False: not within `timeout`)."""
         with self._idle:
             done = self._idle.wait_for(lambda: self._queued == 0, timeout)
         if self._error is not None:
@@ -113,36 +119,55 @@ class NcclCommunicator:
 
     def send(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
         data = ctypes.string_at(ptr, count)  # copied now, as a stream would read it
-        _run("send", lambda: self._push[peer].send_multipart([str(self.rank).encode(), data]))
+
+        def put() -> None:
+            self._deliver(peer, b"data", data)
+            self._next(b"ack", peer)  # done once the receiver has the bytes
+        _run("send", lambda: self._issue(put))
 
     def recv(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
         def take() -> None:
-            data = self._next_from(peer)
+            hold = os.environ.get("FAKE_NCCL_HOLD")
+            if hold:
+                _publish(hold + ".waiting", "1")
+                while not os.path.exists(hold):
+                    if self._aborted.wait(0.05):
+                        raise RuntimeError("the communicator was aborted")
+            data = self._next(b"data", peer)
+            self._deliver(peer, b"ack", b"")
             if len(data) != count:
                 raise RuntimeError(f"{len(data)} bytes from {peer}, {count} posted")
             ctypes.memmove(ptr, data, count)
+        _run("recv", lambda: self._issue(take))
 
-        def issue() -> None:
-            with self._idle:
-                self._queued += 1
-            self._stream.put(take)
-        _run("recv", issue)
+    def _issue(self, op) -> None:
+        with self._idle:
+            self._queued += 1
+        self._stream.put(op)
 
-    def _next_from(self, peer: int) -> bytes:
-        queue = self._early.setdefault(peer, deque())
+    def _deliver(self, peer: int, kind: bytes, data: bytes) -> None:
+        frames = [kind, str(self.rank).encode(), data]
+        while True:  # a peer that went away: no blocking send, so an abort still ends it
+            try:
+                self._push[peer].send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self._aborted.wait(0.05):
+                    raise RuntimeError("the communicator was aborted") from None
+
+    def _next(self, kind: bytes, peer: int) -> bytes:
+        queue = self._early.setdefault((kind, peer), deque())
         while not queue:
             if self._aborted.is_set():
                 raise RuntimeError("the communicator was aborted")
             if self._pull.poll(50):  # a socket belongs to one thread: this one closes it
-                src, data = self._pull.recv_multipart()
-                self._early.setdefault(int(src), deque()).append(data)
+                got, src, data = self._pull.recv_multipart()
+                self._early.setdefault((got, int(src)), deque()).append(data)
         return queue.popleft()
 
     def abort(self) -> None:
         self._aborted.set()
         self._stream.put(None)
-        for sock in self._push.values():  # the senders' sockets (abort runs on their thread)
-            sock.close(0)
 
 
 def _publish(path: str, text: str) -> None:

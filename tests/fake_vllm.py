@@ -7,11 +7,14 @@ What it holds vLLM to: log-probs are vLLM's default "raw_logprobs" (before tempe
 unless `logprobs_mode="processed_logprobs"` (raw is only modelled at temperature 1: it
 refuses otherwise, which is the point); sleep level 1 backs the weights up and wake_up
 restores that backup; level 2 drops them; weights loaded while the weights sleep are an
-illegal memory access; generating needs everything awake."""
+illegal memory access; generating needs everything awake; `load_format="dummy"` starts from
+random weights, not the checkpoint's. With FAKE_VLLM_CALLS=DIR each process also writes what
+it was asked, one JSON line per call, to DIR/<pid>.jsonl (for tests of torchrun groups)."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,11 +74,19 @@ class _LoadableModel:
             params[name].data.copy_(tensor)
 
 
+def _record(name: str, arg: Any) -> None:
+    LLM.calls.append((name, arg))
+    folder = os.environ.get("FAKE_VLLM_CALLS")
+    if folder:
+        with open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps([name, arg], default=str) + "\n")
+
+
 class LLM:
     calls: list[tuple[str, Any]] = []  # what the adapter asked of vLLM, for the tests
 
     def __init__(self, model: str, **kwargs: Any):
-        LLM.calls.append(("init", kwargs))
+        _record("init", kwargs)
         required = {"distributed_executor_backend", "enable_sleep_mode", "worker_extension_cls"}
         missing = required - set(kwargs)
         if missing:
@@ -86,6 +97,9 @@ class LLM:
         self._skip_tokenizer = kwargs.get("skip_tokenizer_init", False)
         self._model = build_model(ModelConfig(path=model) if os.path.isdir(model) else
                                   ModelConfig(preset=model))
+        if kwargs.get("load_format", "auto") == "dummy":  # as vLLM's dummy weights
+            for p in self._model.parameters():
+                p.data.uniform_(-1e-3, 1e-3)
         self._worker = type("Worker", (ext,), {})()  # vLLM mixes the extension in
         self._worker.model_runner = _ModelRunner(self._model)
         self.asleep: set[str] = set()  # "weights", "kv_cache"
@@ -118,18 +132,18 @@ class LLM:
         return out
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        LLM.calls.append(("collective_rpc", method))
+        _record("collective_rpc", method)
         if "weights" in self.asleep:
             raise RuntimeError("fake LLM: CUDA error: an illegal memory access (the weights' "
                                "memory is released while asleep)")
         return [getattr(self._worker, method)(*args)]
 
     def reset_prefix_cache(self) -> bool:
-        LLM.calls.append(("reset_prefix_cache", None))
+        _record("reset_prefix_cache", None)
         return True
 
     def sleep(self, level: int = 1) -> None:
-        LLM.calls.append(("sleep", level))
+        _record("sleep", level)
         params = dict(self._model.named_parameters())
         self._backup = {k: v.detach().clone() for k, v in params.items()} if level == 1 else None
         if level == 2:
@@ -138,7 +152,7 @@ class LLM:
         self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        LLM.calls.append(("wake_up", tags))
+        _record("wake_up", tags)
         tags = ["weights", "kv_cache"] if tags is None else tags
         if "weights" in tags and "weights" in self.asleep and self._backup is not None:
             for k, v in self._model.named_parameters():  # level 1: the backup comes back

@@ -4,6 +4,7 @@ follows vLLM's API (tests/fake_vllm.py), and roles built on either."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -217,10 +218,14 @@ def test_roles_generate_with_vllm_from_a_checkpoint_and_keep_its_weights(tmp_pat
     """engine="vllm" in real torchrun groups, vLLM faked (ASYNCRL_VLLM_MODULE): the hybrid
     Policy hands its trained weights to vLLM by name (vLLM fuses projections: it cannot be
     written in place) and generates as the built-in engine does with the same weights; a
-    Rollout takes a sync pack, and its checkpoint brings back vLLM's weights and version."""
+    Rollout takes a sync pack, and its checkpoint brings back vLLM's weights and version.
+    The hybrid's vLLM starts from dummy weights and sleeps at level 2 (no host copy): the
+    trainer fills it before each generation."""
     build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
     model = {"path": str(tmp_path / "ckpt")}
-    env = {"ASYNCRL_VLLM_MODULE": "fake_vllm", "PYTHONPATH": str(Path(__file__).parent)}
+    (tmp_path / "calls").mkdir()
+    env = {"ASYNCRL_VLLM_MODULE": "fake_vllm", "PYTHONPATH": str(Path(__file__).parent),
+           "FAKE_VLLM_CALLS": str(tmp_path / "calls")}
     sampling = {"max_new_tokens": 5, "temperature": 0.8}
     train = {"lr": 3e-2, "micro_batch_size": 4}
     batch = TensorBatch({"prompt": [[1, 4 + i, 9] for i in range(4)], "seed": list(range(4))})
@@ -244,10 +249,21 @@ def test_roles_generate_with_vllm_from_a_checkpoint_and_keep_its_weights(tmp_pat
             changed = await rollout.generate(batch)
             await rollout.load_checkpoint(str(tmp_path / "saved"))
             restored = await rollout.generate(batch)
-            return first, trained, synced, from_rollout, changed, restored, pids
+            return first, trained, synced, from_rollout, changed, restored, pids, \
+                (list(on_vllm.pids.values()), list(rollout.pids.values()))
     other = {k: v.detach() for k, v in build_model(ModelConfig(seed=7)).named_parameters()}
-    first, trained, synced, from_rollout, changed, restored, pids = run(main(), timeout=300)
+    first, trained, synced, from_rollout, changed, restored, pids, (hybrid, separate) = \
+        run(main(), timeout=300)
     assert_gone(pids)
+    calls = {int(f.stem): [json.loads(line) for line in f.read_text().splitlines()]
+             for f in (tmp_path / "calls").iterdir()}
+    assert sorted(calls) == sorted(hybrid + separate)
+    for pid in hybrid:
+        assert calls[pid][0][1]["load_format"] == "dummy"
+        assert {arg for name, arg in calls[pid] if name == "sleep"} == {2}
+    for pid in separate:  # a Rollout loads the checkpoint and never sleeps
+        assert calls[pid][0][1]["load_format"] == "auto"
+        assert not [name for name, _ in calls[pid] if name == "sleep"]
     for on_vllm, builtin in (first, trained):
         assert torch.equal(on_vllm["response_ids"], builtin["response_ids"])
         assert (on_vllm["logprobs"] - builtin["logprobs"]).abs().max().item() < 1e-5

@@ -7,12 +7,13 @@ on GPUs is not (no machine with two GPUs here: see the README)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
 import pytest
 import torch
-from helpers import assert_gone, group_pids, run
+from helpers import assert_gone, group_pids, poll_until, run
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
@@ -100,6 +101,37 @@ def test_stopped_producer_gives_transfer_timeout_and_drops_the_link(fake_nccl):
     msg, made = run(main())
     assert "maker:0" in msg and "within 5 s" in msg
     assert made == {}  # set up again for the next call
+
+
+def test_a_send_to_a_consumer_that_died_ends_at_once_and_frees_the_producer(fake_nccl,
+                                                                           tmp_path):
+    """An NCCL send waits for its receiver, and a process sends one at a time. A consumer
+    killed in the middle of a pull left its producer's send waiting until the transfer
+    timeout, and every other NCCL pull from that producer behind it. The controller's
+    announcement of the death now aborts the producer's links with the dead group: another
+    group's pull goes through at once."""
+    hold = tmp_path / "hold"  # the doomed consumer's receive waits for this file: forever
+
+    async def main():
+        async with asyncrl.Controller(transport="nccl", transfer_timeout=120) as ctl:
+            maker, doomed, other = await asyncio.gather(
+                ctl.spawn(Maker, nprocs=1, env=spawn_env(), name="maker"),
+                ctl.spawn(Taker, nprocs=1, env={**spawn_env(), "FAKE_NCCL_HOLD": str(hold)},
+                          name="doomed"),
+                ctl.spawn(Taker, nprocs=1, env=spawn_env(), name="other"))
+            pids = group_pids(maker) + group_pids(doomed) + group_pids(other)
+            made = maker.make(TensorBatch({"i": torch.arange(4)}))
+            pending = asyncio.ensure_future(doomed.take(made))
+            await poll_until(lambda: os.path.exists(f"{hold}.waiting"), 60,
+                             "the doomed consumer's receive")
+            os.kill(doomed.pids[0], signal.SIGKILL)
+            with pytest.raises(asyncrl.GroupDeadError):
+                await pending
+            out = await asyncio.wait_for(other.take(made), 30)  # not the 120 s timeout
+            return out, pids
+    out, pids = run(main())
+    assert_gone(pids)
+    assert out["x"].tolist() == [0.0, 10.0, 20.0, 30.0] and out["taker"] == [0] * 4
 
 
 def test_a_link_with_two_ranks_on_one_gpu_is_refused_before_nccl_is_asked():

@@ -3,6 +3,7 @@ generations interrupted by new weights, staleness bounds and corrections, end to
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -215,6 +216,36 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(mini_ba
     weight = torch.exp(-shift).clamp(max=2.0)  # current / rollout probability, truncated
     expect = float((weight * kept).sum() / kept.sum())
     assert stats["actor/is_weight_mean"] == pytest.approx(expect, rel=1e-4)
+
+
+def test_the_critic_drops_the_samples_the_actor_drops():
+    """A row too stale for the actor is left out of the critic's value loss as well: the
+    critic's loss on the whole batch equals its loss on the batch without that row."""
+    from asyncrl.rl import Critic
+
+    ids = torch.tensor([[1, 5], [1, 6], [1, 7], [1, 8]])
+    resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
+    rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    rollout = TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
+                           "response_ids": resp, "response_mask": rmask,
+                           "logprobs": torch.zeros(4, 3),  # lags 0, 0, 1, 2
+                           "versions": torch.tensor([[0], [0], [-1], [-2]]).expand(4, 3) * rmask})
+    scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 5.0])})
+    rl = {"algo": "ppo", "max_staleness": 1}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            whole, kept = await asyncio.gather(*(
+                ctl.spawn(Critic, {"seed": 0}, rl, {"lr": 0.0}, nprocs=1, name=name)
+                for name in ("whole", "kept")))
+            values = await whole.values(rollout)
+            first = await whole.update(rollout, scores, values=values)
+            fresh = await kept.update(rollout.slice(0, 3), scores.slice(0, 3),
+                                      values=values.slice(0, 3))
+            return first, fresh
+    first, fresh = run(main())
+    assert first["critic/dropped"] == 1 and fresh["critic/dropped"] == 0
+    assert first["critic/vf_loss"] == pytest.approx(fresh["critic/vf_loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("correction", ["tis", "decoupled"])

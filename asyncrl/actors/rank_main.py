@@ -36,7 +36,7 @@ from asyncrl.actors.output import OutputCapture
 from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
 from asyncrl.actors.register import registered_methods
 from asyncrl.actors.worker import construct
-from asyncrl.comm import codec
+from asyncrl.comm import codec, nccl
 from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.cuda_ipc import device_uuid
@@ -304,6 +304,9 @@ class RankMain:
                     self.fetcher.submit(self.send_fetched, msg.obj_id)
                 elif isinstance(msg, PeersGone):
                     self.gone.add(msg)
+                    # links with it too (links made later, with a respawned group of that
+                    # name, are joined by calls that come after this on the same socket)
+                    nccl.forget_group(msg.group)
                 elif isinstance(msg, Shutdown):
                     return 0
             if now >= next_beat:

@@ -23,7 +23,9 @@ receiver that gave up holds up no pull by shared memory or sockets), the consume
 threads only receive (under a lock), so no communicator is used by two threads at once. A
 send or receive that does not finish within the transfer timeout aborts the communicator
 (NCCL cannot be interrupted otherwise); the pair is set up again next time, and a transfer
-still waiting on the aborted one fails (its kernels end without moving the bytes).
+still waiting on the aborted one fails (its kernels end without moving the bytes). When the
+controller announces a group dead or closed (PeersGone), every link with it is aborted at
+once: a send to a receiver that died ends then, not at the timeout.
 
 Imports CuPy only when a communicator is made. `ASYNCRL_NCCL_MODULE` names another module
 with the same API (cupy.cuda.nccl's get_unique_id, NcclCommunicator, groupStart/groupEnd,
@@ -131,6 +133,16 @@ def forget(key: str, end: Link | None = None) -> None:
             return
         del _links[key]
     _abort(old)
+
+
+def forget_group(group: str) -> None:
+    """Drop every link to or from `group`, dead or closed: its ranks will never post the
+    matching calls, so a send or receive waiting on one ends now (its communicator aborted),
+    not at the transfer timeout, and frees this process's one NCCL send for other links."""
+    with _guard:
+        ends = [(k, end) for k, end in _links.items() if group in k.split("->")]
+    for key, end in ends:
+        forget(key, end)
 
 
 def _abort(found: Link) -> None:

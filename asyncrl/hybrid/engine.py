@@ -1,6 +1,7 @@
 """The hybrid engine: the same ranks train (FSDP2) and generate (the built-in engine).
 
-    train mode ──to_generate()──▶ optimizer state leaves the GPU; sharded parameters are
+    train mode ──to_generate()──▶ optimizer state (and ZeRO's fp32 master partitions and
+                                  gradient partitions) leave the GPU; sharded parameters are
                                   all-gathered bucket by bucket (about 32 MiB: one
                                   collective each) and copied straight into the engine's
                                   own weights: never a second full copy; the engine wakes
@@ -98,10 +99,15 @@ class HybridEngine:
         self.backend = backend
         self._zero = hasattr(backend, "gathered")  # DeepSpeed ZeRO: parameters gathered in place
         self.bucket_bytes = bucket_bytes
+        if engine == "vllm":  # the trainer fills vLLM before every generation: vLLM need not
+            # read the checkpoint (random weights), nor keep a host copy of them asleep
+            engine_options = {"load_format": "dummy", **(engine_options or {})}
         self.engine = make_engine(engine, model_cfg, sampling, engine_options)
-        self.engine.sleep()
+        self._sleep_level = 2 if self.engine.owns_weights else 1
+        self.engine.sleep(self._sleep_level)
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
+        self.offloaded_bytes = 0  # fp32 masters (ZeRO) sent to the host, last switch
         self.released = False  # the engine's weights are freed (GPU, train mode)
         self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []  # theirs, meanwhile
         self._plan: list[Any] | None = None
@@ -115,14 +121,16 @@ class HybridEngine:
             return
         if self._plan is None and not self.engine.owns_weights:
             self._plan = self._make_plan()
-        self._move_optimizer("cpu")  # first: its memory makes room for the engine's weights
+        # first: their memory makes room for the engine's weights
+        self._move_optimizer("cpu")
+        self.offloaded_bytes = self.backend.offload_masters()
         try:
             self._fill_engine()
         except BaseException:  # still training: the engine's memory freed again (GPU), the
             self._release()  # optimizer back where it steps
             if self.engine.owns_weights:  # vLLM: the first load woke its weights
-                self.engine.sleep()
-            self._move_optimizer(next(self.backend.model.parameters()).device)
+                self.engine.sleep(self._sleep_level)
+            self._restore_training()
             raise
         self.engine.wake()
         self.mode = "generate"
@@ -225,10 +233,14 @@ class HybridEngine:
     def to_train(self) -> None:
         if self.mode == "train":
             return
-        self.engine.sleep()
+        self.engine.sleep(self._sleep_level)
         self._release()
-        self._move_optimizer(next(self.backend.model.parameters()).device)
+        self._restore_training()
         self.mode = "train"
+
+    def _restore_training(self) -> None:
+        self.backend.reload_masters()
+        self._move_optimizer(next(self.backend.model.parameters()).device)
 
     def _frees_memory(self) -> bool:
         """Whether the engine's weights are freed here (vLLM frees its own as it sleeps)."""

@@ -224,6 +224,15 @@ class TrainBackend:
     forward_module: torch.nn.Module
     stats_group: Any = None  # the group a step's statistics are averaged over (None: world)
 
+    def offload_masters(self) -> int:
+        """What training alone needs besides the weights and the torch optimizer's state,
+        to host memory while the hybrid engine generates; the bytes moved. FSDP2 has none:
+        its parameters are its fp32 masters, and generation gathers them."""
+        return 0
+
+    def reload_masters(self) -> None:
+        """`offload_masters()`'s tensors back where training uses them."""
+
     def _on_device(self, b: TensorBatch) -> TensorBatch:
         """The batch's tensors on the model's device: batches arrive on the CPU (rollouts,
         the data plane's host staging), and the loss meets them with the model's outputs."""

@@ -179,9 +179,11 @@ class Policy(Worker):
 
     @register
     def switch_report(self) -> dict:
-        """Where the last switch stood: its mode and the largest tensor it gathered."""
+        """Where the last switch stood: its mode, the largest tensor it gathered and the fp32
+        master bytes it sent to the host (ZeRO)."""
         assert self.hybrid is not None, "a hybrid=False Policy does not switch"
-        return {"mode": self.hybrid.mode, "peak_gather_bytes": self.hybrid.peak_gather_bytes}
+        return {"mode": self.hybrid.mode, "peak_gather_bytes": self.hybrid.peak_gather_bytes,
+                "offloaded_bytes": self.hybrid.offloaded_bytes}
 
 
 class Rollout(Worker):

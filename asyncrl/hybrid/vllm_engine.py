@@ -4,8 +4,10 @@ the built-in `Sampler`: generate, load_weights, sleep/wake, pause/resume.
 SPMD use: every rank of a torchrun group builds its own `LLM` with
 `distributed_executor_backend="external_launcher"` (vLLM joins the torch.distributed group
 the rank is in); `enable_sleep_mode=True` lets the hybrid engine free the KV cache and
-offload weights while training. New weights go in through a worker extension whose method
-`collective_rpc` calls on every vLLM worker: no reload from disk.
+the weights while training (level 2: no host copy; it hands vLLM the trained weights before
+each generation, and builds it with `load_format="dummy"`: the checkpoint is never read).
+New weights go in through a worker extension whose method `collective_rpc` calls on every
+vLLM worker: no reload from disk.
 
 Matching the built-in Sampler: log-probs after temperature (`logprobs_mode=
 "processed_logprobs"`, vLLM >= 0.10.2; vLLM's default is before it; after top-p too, so
@@ -72,8 +74,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, sampling: SamplingConfig | None = None, *,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "bfloat16", seed: int = 0, llm_cls: Any = None,
-                 sampling_params_cls: Any = None):
+                 dtype: str = "bfloat16", seed: int = 0, load_format: str = "auto",
+                 llm_cls: Any = None, sampling_params_cls: Any = None):
         if llm_cls is None or sampling_params_cls is None:
             name = os.environ.get(MODULE_ENV, "vllm")
             try:
@@ -95,7 +97,8 @@ class VLLMEngine:
         self.llm = llm_cls(model=model_path, tensor_parallel_size=1,
                            distributed_executor_backend="external_launcher",
                            enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
-                           dtype=dtype, seed=seed, skip_tokenizer_init=True,
+                           dtype=dtype, seed=seed, load_format=load_format,
+                           skip_tokenizer_init=True,
                            logprobs_mode="processed_logprobs",
                            worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}")
         self.asleep = False

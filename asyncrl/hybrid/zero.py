@@ -128,6 +128,34 @@ class ZeroBackend(TrainBackend):
         steps = int(saved["last_epoch"]) if saved else int(self.engine.global_steps)
         resume_schedule(self.sched, self.opt, self.cfg, steps)
 
+    def offload_masters(self) -> int:
+        """ZeRO's fp32 master partitions and its gradient partitions, to host memory while
+        the hybrid engine generates (the bit16 weights stay: generation gathers them; the
+        torch optimizer's state moves as FSDP2's does). The fp32 master bytes moved."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        masters = self._masters()
+        include = [State.lp_grads] + ([State.hp_params] if self.stage == 2 else [])
+        self.engine.offload_states(include=include, pin_memory=torch.cuda.is_available())
+        if self.stage == 3:  # DeepSpeed moves them only for its own FusedAdam (it asserts
+            for t in masters:  # the class); the move is the same for a torch AdamW
+                t.data = t.data.to("cpu")
+        return sum(t.numel() * t.element_size() for t in masters)
+
+    def reload_masters(self) -> None:
+        masters = self._masters()
+        if self.stage == 3:
+            device = next(self.model.parameters()).device
+            for t in masters:
+                t.data = t.data.to(device)
+        self.engine.reload_states()
+
+    def _masters(self) -> list[torch.Tensor]:
+        """The fp32 partitions the optimizer steps (this rank's share of the weights)."""
+        opt = self.engine.optimizer
+        return list(opt.single_partition_of_fp32_groups if self.stage == 2 else
+                    opt.fp32_partitioned_groups_flat)
+
     def gathered(self, params: list[Any]) -> Any:
         """A context in which these parameters are whole on every rank (ZeRO-3 partitions
         them; under ZeRO-2 they already are). A collective: every rank, the same order."""

@@ -31,6 +31,7 @@ from asyncrl.rl.batch import (
     assemble,
     check_critic_agrees,
     count_globally,
+    drop_stale,
     global_max,
     global_sums,
     share,
@@ -132,17 +133,10 @@ class Actor(Policy):
                 **self._batch_stats(batch), "actor/version": float(self.version)}
 
     def _staleness(self, batch: TensorBatch) -> dict[str, float]:
-        """How many versions behind each sample's oldest token is; samples beyond
-        `max_staleness` are dropped (their loss mask zeroed). A histogram for the metrics."""
+        """Samples beyond `max_staleness` dropped (`drop_stale`); a histogram of the lags."""
         if "versions" not in batch:
             return {}
-        mask = batch.tensor("loss_mask")
-        versions = batch.tensor("versions").masked_fill(mask == 0, self.version)
-        lag = (self.version - versions.min(1).values).clamp(min=0)
-        real = mask.sum(1) > 0
-        dropped = real & (lag > self.rl.max_staleness) if self.rl.max_staleness is not None \
-            else torch.zeros_like(real)
-        mask.mul_((~dropped).float()[:, None])  # in place: the batch's loss_mask column
+        lag, real, dropped = drop_stale(batch, self.version, self.rl.max_staleness)
         top = float(lag[real].max()) if real.any() else 0.0
         width = int(global_max(top, self.backend.stats_group)) + 1  # the same on every rank
         counts = global_sums([float(((lag == k) & real).sum()) for k in range(width)] +

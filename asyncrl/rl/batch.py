@@ -45,6 +45,22 @@ def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None 
     return batch.union(TensorBatch({"loss_mask": mask}))
 
 
+def drop_stale(batch: TensorBatch, version: int, max_staleness: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's lag, how many versions `version` is ahead of its oldest token; the rows more
+    than `max_staleness` behind get loss_mask 0 (in place: the batch's own column). The actor
+    and the critic both drop them, so neither trains on what the other leaves out. Returns
+    (lag, real, dropped): real marks the rows with tokens to train on."""
+    mask = batch.tensor("loss_mask")
+    versions = batch.tensor("versions").masked_fill(mask == 0, version)
+    lag = (version - versions.min(1).values).clamp(min=0)
+    real = mask.sum(1) > 0
+    dropped = real & (lag > max_staleness) if max_staleness is not None \
+        else torch.zeros_like(real)
+    mask.mul_((~dropped).float()[:, None])
+    return lag, real, dropped
+
+
 def global_sums(values: list[float], group: Any) -> list[float]:
     """Elementwise sums over the data-parallel ranks."""
     t = torch.tensor(values, dtype=torch.float64)

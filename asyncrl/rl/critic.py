@@ -7,6 +7,10 @@ clipping, on its own group with its own layout.
                                                          per-token rewards as the actor;
                                                          0.5 * max((V - R)^2,
                                                          (clip(V, V_old +- c) - R)^2)
+
+Like the actor, it drops the samples more than `max_staleness` versions behind: it counts
+its updates as the actor counts policy versions (one per update, kept in checkpoints), so
+with one update of each per step both leave out the same rows.
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ from asyncrl.hybrid.models import ModelConfig
 from asyncrl.hybrid.roles import make_backend
 from asyncrl.rl.actor import mean_stats
 from asyncrl.rl.algorithms import masked_mean
-from asyncrl.rl.batch import CRITIC_RL, STATS, advantages, assemble, count_globally, share
+from asyncrl.rl.batch import (
+    CRITIC_RL,
+    STATS,
+    advantages,
+    assemble,
+    count_globally,
+    drop_stale,
+    global_sums,
+    share,
+)
 from asyncrl.rl.config import RLConfig
 
 
@@ -51,6 +64,7 @@ class Critic(Worker):
         self.rl = RLConfig(**{"algo": "ppo", **(rl or {})})
         self.backend = make_backend(self, backend, ModelConfig(**model),
                                     TrainConfig(**(train or {})), head="value")
+        self.version = 0  # updates applied: the actor's policy version at the same step
 
     @register(dispatch=Dispatch.DP)
     def values(self, rollout: TensorBatch) -> TensorBatch:
@@ -64,6 +78,10 @@ class Critic(Worker):
             raise ValueError("Critic.update needs values=: the result of critic.values(rollout) "
                              "for the same rollout")
         batch = assemble(rollout, scores, ref, values)
+        dropped = 0.0
+        if "versions" in batch:  # before the returns: as the actor, before its advantages
+            _, _, stale = drop_stale(batch, self.version, self.rl.max_staleness)
+            (dropped,) = global_sums([float(stale.sum())], self.backend.stats_group)
         _, returns = advantages(batch, self.rl, self.backend.stats_group)
         assert returns is not None
         train = batch.select(["prompt_ids", "prompt_mask", "response_ids", "response_mask",
@@ -71,10 +89,16 @@ class Critic(Worker):
         runs = [self.backend.train_step(count_globally(mini, self.backend.stats_group),
                                         value_loss(self.rl))
                 for _ in range(self.rl.epochs) for mini in train.chunk(self.rl.mini_batches)]
-        return {f"critic/{k}": v for k, v in mean_stats(runs).items()}
+        self.version += 1
+        return {**{f"critic/{k}": v for k, v in mean_stats(runs).items()},
+                "critic/dropped": dropped}
 
     def save_state(self, folder: Path) -> None:
         self.backend.save(folder / "train")
+        if self.rank == 0:
+            torch.save({"version": self.version}, folder / "critic.pt")
 
     def load_state(self, folder: Path) -> None:
         self.backend.load(folder / "train")
+        saved = folder / "critic.pt"  # absent from checkpoints of before critics dropped rows
+        self.version = int(torch.load(saved)["version"]) if saved.exists() else 0
