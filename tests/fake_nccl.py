@@ -121,7 +121,7 @@ class NcclCommunicator:
         data = ctypes.string_at(ptr, count)  # copied now, as a stream would read it
 
         def put() -> None:
-            self._deliver(peer, b"data", data)
+            self._deliver(peer, data)
             self._next(b"ack", peer)  # done once the receiver has the bytes
         _run("send", lambda: self._issue(put))
 
@@ -134,7 +134,11 @@ class NcclCommunicator:
                     if self._aborted.wait(0.05):
                         raise RuntimeError("the communicator was aborted")
             data = self._next(b"data", peer)
-            self._deliver(peer, b"ack", b"")
+            try:  # best effort: a sender that died meanwhile needs none (as with NCCL)
+                self._push[peer].send_multipart([b"ack", str(self.rank).encode(), b""],
+                                                zmq.NOBLOCK)
+            except zmq.Again:
+                pass
             if len(data) != count:
                 raise RuntimeError(f"{len(data)} bytes from {peer}, {count} posted")
             ctypes.memmove(ptr, data, count)
@@ -145,8 +149,8 @@ class NcclCommunicator:
             self._queued += 1
         self._stream.put(op)
 
-    def _deliver(self, peer: int, kind: bytes, data: bytes) -> None:
-        frames = [kind, str(self.rank).encode(), data]
+    def _deliver(self, peer: int, data: bytes) -> None:
+        frames = [b"data", str(self.rank).encode(), data]
         while True:  # a peer that went away: no blocking send, so an abort still ends it
             try:
                 self._push[peer].send_multipart(frames, zmq.NOBLOCK)

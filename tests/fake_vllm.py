@@ -68,10 +68,12 @@ class _LoadableModel:
     def named_parameters(self) -> Any:
         return self.module.named_parameters(prefix="vllm_internal")
 
-    def load_weights(self, weights: Any) -> None:
+    def load_weights(self, weights: Any) -> set[str]:
+        """The names of the parameters filled, as vLLM's models return them."""
         params = dict(self.module.named_parameters())
         for name, tensor in weights:
             params[name].data.copy_(tensor)
+        return {f"vllm_internal.{name}" for name, _ in weights}
 
 
 def _record(name: str, arg: Any) -> None:

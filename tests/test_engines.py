@@ -193,6 +193,47 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
 
 
 
+def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfilled(tmp_path):
+    """A hybrid's vLLM starts from dummy weights: a parameter the trainer's names do not
+    reach would stay random. The first fill checks that vLLM's model reported every one of
+    its parameters filled; a complete fill generates as the built-in engine does."""
+    import fake_vllm
+
+    from asyncrl.hybrid.engine import HybridEngine
+
+    build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
+    model = build_model(ModelConfig(path=str(tmp_path / "ckpt")))
+    skipped = "model.layers.0.mlp.up_proj.weight"
+
+    class Partial(torch.nn.Module):  # the trainer's model, one parameter short
+        def named_parameters(self, *args, **kwargs):
+            return ((n, p) for n, p in model.named_parameters() if n != skipped)
+
+    class Backend:
+        def __init__(self, module):
+            self.model, self.opt = module, torch.optim.AdamW(model.parameters())
+
+        def offload_masters(self) -> int:
+            return 0
+
+        def reload_masters(self) -> None:
+            pass
+
+    options = {"llm_cls": fake_vllm.LLM, "sampling_params_cls": fake_vllm.SamplingParams}
+    cfg, sampling = ModelConfig(path=str(tmp_path / "ckpt")), SamplingConfig(max_new_tokens=5)
+    short = HybridEngine(Backend(Partial()), cfg, sampling, engine="vllm",
+                         engine_options=options)
+    with pytest.raises(RuntimeError, match=f"left 1 of vLLM's parameters unfilled "
+                                           f"\\(vllm_internal.{skipped}\\)"):
+        short.to_generate()
+    assert short.mode == "train"
+    whole = HybridEngine(Backend(model), cfg, sampling, engine="vllm", engine_options=options)
+    whole.to_generate()
+    out = whole.generate(PROMPTS, [1, 2, 3, 4])
+    want = Sampler(model, sampling).generate(PROMPTS, seeds=[1, 2, 3, 4])
+    assert torch.equal(out["response_ids"], want["response_ids"])
+
+
 def test_a_rollout_tags_loads_with_versions_and_keeps_the_newest():
     """Rollout.load_weights runs on a pool beside generations: a dict without a version would
     leave tokens tagged with the old one (refused), and an older load finishing after a

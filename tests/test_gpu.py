@@ -4,6 +4,7 @@ scripts/gpu_check.sh on a GPU machine."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -116,6 +117,38 @@ if torch.cuda.is_available():  # module level (ranks import it by path); GPU mac
                     "freed": training - base, "back": mem() - training}
 
 
+    class MeasuredZeroPolicy(Policy):
+        """A ZeRO-2 hybrid Policy on the GPU: device memory and where the fp32 masters are,
+        in training and while generating."""
+
+        def __init__(self):
+            super().__init__({"preset": "llama-100m"}, {"lr": 1e-4}, {"max_new_tokens": 4},
+                             backend="zero2")
+
+        @asyncrl.register
+        def switch(self) -> dict:
+            hybrid, mem = self.hybrid, torch.cuda.memory_allocated
+            hybrid.to_generate()
+            rollout = hybrid.generate([[1, 5, 6], [1, 7, 8]], [0, 1])
+            hybrid.to_train()
+            self.backend.train_step(rollout)  # Adam's moments now exist on the GPU
+            torch.cuda.synchronize()
+            training = mem()
+            hybrid.to_generate()
+            torch.cuda.synchronize()
+            generating = mem()
+            masters_while = sorted({t.device.type for t in self.backend._masters()})
+            engine = sum(p.numel() * p.element_size() for p in hybrid.engine.model.parameters())
+            hybrid.to_train()
+            torch.cuda.synchronize()
+            params = sum(p.numel() for p in self.backend.model.parameters())
+            return {"params": params, "training": training, "generating": generating,
+                    "engine": engine, "masters_while": masters_while,
+                    "masters_after": sorted({t.device.type for t in self.backend._masters()}),
+                    "offloaded": hybrid.offloaded_bytes, "back": mem() - training,
+                    "loss": self.backend.train_step(rollout)["loss"]}
+
+
 def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
     async def main():
         async with asyncrl.Controller(construct_timeout=600) as ctl:
@@ -128,6 +161,28 @@ def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
     assert report["freed"] > report["engine"], report  # Adam's two moments, at least
     assert report["engine"] <= report["peak"] <= report["bound"] < 2 * report["engine"], report
     assert abs(report["back"]) <= 1 << 20, report  # training again: the engine's memory freed
+
+
+def test_zero_hybrid_switch_on_gpu_sends_masters_and_optimizer_state_to_the_host():
+    """ZeRO-2 (the deepspeed wheel carried to the GPU machine, see scripts/gpu_wheels.sh):
+    while generating, the fp32 masters (4 bytes a parameter) and Adam's moments (8) are on
+    the host; the engine's fp32 weights (4) are on the GPU; back in training all returns."""
+    pytest.importorskip("deepspeed")
+
+    async def main():
+        async with asyncrl.Controller(construct_timeout=600) as ctl:
+            group = await ctl.spawn(MeasuredZeroPolicy, nprocs=1, name="zpolicy")
+            pids = group_pids(group)
+            return (await group.switch())[0], pids
+    report, pids = run(main(), timeout=600)
+    assert_gone(pids)
+    assert report["masters_while"] == ["cpu"] and report["masters_after"] == ["cuda"], report
+    assert abs(report["offloaded"] - 4 * report["params"]) <= 4 << 20, report
+    # before session 15 only Adam's moments left: 8 - 4 = 4 bytes a parameter freed
+    freed = report["training"] - report["generating"]
+    assert freed >= 0.9 * 12 * report["params"] - report["engine"], report
+    assert abs(report["back"]) <= 8 << 20, report
+    assert math.isfinite(report["loss"]), report  # the step after the round trip
 
 
 def test_nccl_one_rank_communicator_through_cupy():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -218,18 +219,22 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(mini_ba
     assert stats["actor/is_weight_mean"] == pytest.approx(expect, rel=1e-4)
 
 
-def test_the_critic_drops_the_samples_the_actor_drops():
+def test_the_critic_drops_the_samples_the_actor_drops(tmp_path):
     """A row too stale for the actor is left out of the critic's value loss as well: the
-    critic's loss on the whole batch equals its loss on the batch without that row."""
+    critic's loss on the whole batch equals its loss on the batch without that row. Its
+    version advances once per update, comes back from its checkpoint, and can be given."""
     from asyncrl.rl import Critic
 
     ids = torch.tensor([[1, 5], [1, 6], [1, 7], [1, 8]])
     resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
     rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
-    rollout = TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
-                           "response_ids": resp, "response_mask": rmask,
-                           "logprobs": torch.zeros(4, 3),  # lags 0, 0, 1, 2
-                           "versions": torch.tensor([[0], [0], [-1], [-2]]).expand(4, 3) * rmask})
+
+    def tagged(*tags: int) -> TensorBatch:  # each row's tokens made by policy version tag
+        return TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
+                            "response_ids": resp, "response_mask": rmask,
+                            "logprobs": torch.zeros(4, 3),
+                            "versions": torch.tensor(tags)[:, None].expand(4, 3) * rmask})
+    rollout = tagged(0, 0, -1, -2)  # lags 0, 0, 1, 2 behind version 0
     scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 5.0])})
     rl = {"algo": "ppo", "max_staleness": 1}
 
@@ -242,9 +247,19 @@ def test_the_critic_drops_the_samples_the_actor_drops():
             first = await whole.update(rollout, scores, values=values)
             fresh = await kept.update(rollout.slice(0, 3), scores.slice(0, 3),
                                       values=values.slice(0, 3))
-            return first, fresh
-    first, fresh = run(main())
-    assert first["critic/dropped"] == 1 and fresh["critic/dropped"] == 0
+            dropped = [first["critic/dropped"], fresh["critic/dropped"]]
+            later = tagged(0, 0, 0, -1)  # at version 1: lags 1, 1, 1, 2
+            dropped.append((await whole.update(later, scores, values=values))["critic/dropped"])
+            await whole.save_checkpoint(str(tmp_path))  # at version 2; kept is at 1
+            shutil.copytree(tmp_path / "whole", tmp_path / "kept")  # by group name
+            await kept.load_checkpoint(str(tmp_path))
+            last = tagged(2, 1, 0, 0)  # at version 2: lags 0, 1, 2, 2
+            for given in (None, 3):  # at 3: lags 1, 2, 3, 3
+                stats = await kept.update(last, scores, values=values, version=given)
+                dropped.append(stats["critic/dropped"])
+            return first, fresh, dropped
+    first, fresh, dropped = run(main())
+    assert dropped == [1, 0, 1, 2, 3]
     assert first["critic/vf_loss"] == pytest.approx(fresh["critic/vf_loss"], rel=1e-6)
 
 

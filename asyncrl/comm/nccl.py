@@ -141,8 +141,13 @@ def forget_group(group: str) -> None:
     not at the transfer timeout, and frees this process's one NCCL send for other links."""
     with _guard:
         ends = [(k, end) for k, end in _links.items() if group in k.split("->")]
-    for key, end in ends:
-        forget(key, end)
+    def abort_them() -> None:
+        for key, end in ends:
+            forget(key, end)
+
+    if ends:  # the ends as they are now; aborted beside the caller (the rank's io thread,
+        # which keeps its heartbeats going: an abort may take a while)
+        threading.Thread(target=abort_them, daemon=True, name="asyncrl-nccl-abort").start()
 
 
 def _abort(found: Link) -> None:

@@ -1,10 +1,10 @@
 """The hybrid engine: the same ranks train (FSDP2) and generate (the built-in engine).
 
-    train mode ──to_generate()──▶ optimizer state (and ZeRO's fp32 master partitions and
-                                  gradient partitions) leave the GPU; sharded parameters are
-                                  all-gathered bucket by bucket (about 32 MiB: one
-                                  collective each) and copied straight into the engine's
-                                  own weights: never a second full copy; the engine wakes
+    train mode ──to_generate()──▶ optimizer state (and ZeRO's fp32 master partitions)
+                                  leaves the GPU; sharded parameters are all-gathered
+                                  bucket by bucket (about 32 MiB: one collective each)
+                                  and copied straight into the engine's own weights:
+                                  never a second full copy; the engine wakes
     generate   ──to_train()────▶ the engine sleeps (no KV cache is kept between calls); on
                                   a GPU its weights and the gather buffers are freed;
                                   optimizer state comes back
@@ -108,6 +108,7 @@ class HybridEngine:
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
         self.offloaded_bytes = 0  # fp32 masters (ZeRO) sent to the host, last switch
+        self._filled_once = False  # an engine filled by name: checked complete the first time
         self.released = False  # the engine's weights are freed (GPU, train mode)
         self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []  # theirs, meanwhile
         self._plan: list[Any] | None = None
@@ -121,10 +122,12 @@ class HybridEngine:
             return
         if self._plan is None and not self.engine.owns_weights:
             self._plan = self._make_plan()
-        # first: their memory makes room for the engine's weights
-        self._move_optimizer("cpu")
-        self.offloaded_bytes = self.backend.offload_masters()
         try:
+            # first: their memory makes room for the engine's weights
+            self._move_optimizer("cpu")
+            self.offloaded_bytes = self.backend.offload_masters()
+            if self.engine.owns_weights and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # vLLM allocates from its own pool, not torch's cache
             self._fill_engine()
         except BaseException:  # still training: the engine's memory freed again (GPU), the
             self._release()  # optimizer back where it steps
@@ -173,6 +176,14 @@ class HybridEngine:
                 bucket, size = [], 0
         if bucket:
             self.engine.load_weights(bucket)
+        if not self._filled_once:  # from dummy weights: a name vLLM did not map stays random
+            missing = self.engine.not_loaded()
+            if missing:
+                raise RuntimeError(f"the trainer's weights left {len(missing)} of vLLM's "
+                                   f"parameters unfilled ({', '.join(missing[:4])}): vLLM "
+                                   f"would generate from random weights; the trainer's model "
+                                   f"and the checkpoint vLLM runs must be the same architecture")
+            self._filled_once = True
 
     @contextmanager
     def _whole(self, param: Any) -> Iterator[torch.Tensor]:

@@ -47,10 +47,22 @@ class WeightLoader:
     """vLLM worker extension (`worker_extension_cls`): methods run on every vLLM worker."""
 
     model_runner: Any
+    _asyncrl_loaded: set[str] | None = None  # the names filled since asyncrl last asked
 
     def asyncrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        self.model_runner.model.load_weights(weights=weights)
+        loaded = self.model_runner.model.load_weights(weights=weights)
+        if isinstance(loaded, set):  # vLLM's models report the parameters they filled
+            self._asyncrl_loaded = (self._asyncrl_loaded or set()) | loaded
         return len(weights)
+
+    def asyncrl_not_loaded(self) -> list[str] | None:
+        """vLLM's parameters no load has filled since the last call (None: the model does
+        not report what it loaded)."""
+        loaded, self._asyncrl_loaded = self._asyncrl_loaded, set()
+        if loaded is None:
+            return None
+        return sorted(n for n, _ in self.model_runner.model.named_parameters()
+                      if n not in loaded)
 
     def asyncrl_state(self) -> dict[str, torch.Tensor]:
         """The weights as vLLM holds them (its own names: fused projections), on the host."""
@@ -154,6 +166,12 @@ class VLLMEngine:
 
     # vLLM owns its weights' memory: "adopting" tensors is a copy into it
     adopt_weights = load_weights
+
+    def not_loaded(self) -> list[str]:
+        """vLLM's parameters that no `load_weights` filled since the last call: a hybrid's
+        vLLM starts from dummy weights, so the first fill must cover them all."""
+        with self._busy:
+            return self.llm.collective_rpc("asyncrl_not_loaded")[0] or []
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights held, by vLLM's own names (a checkpoint of a rollout)."""

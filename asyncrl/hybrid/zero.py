@@ -129,32 +129,39 @@ class ZeroBackend(TrainBackend):
         resume_schedule(self.sched, self.opt, self.cfg, steps)
 
     def offload_masters(self) -> int:
-        """ZeRO's fp32 master partitions and its gradient partitions, to host memory while
-        the hybrid engine generates (the bit16 weights stay: generation gathers them; the
-        torch optimizer's state moves as FSDP2's does). The fp32 master bytes moved."""
+        """ZeRO's fp32 master partitions to host memory while the hybrid engine generates,
+        and under ZeRO-3 its gradient partitions and buckets too (ZeRO-2 frees its own after
+        each step). The bit16 weights stay: generation gathers them; the torch optimizer's
+        state moves as FSDP2's does. The fp32 master bytes moved."""
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
         masters = self._masters()
-        include = [State.lp_grads] + ([State.hp_params] if self.stage == 2 else [])
-        self.engine.offload_states(include=include, pin_memory=torch.cuda.is_available())
-        if self.stage == 3:  # DeepSpeed moves them only for its own FusedAdam (it asserts
-            for t in masters:  # the class); the move is the same for a torch AdamW
+        if self.stage == 2:
+            include = [State.hp_params, State.lp_grads]
+        else:  # DeepSpeed moves ZeRO-3's masters only for its own FusedAdam (it asserts the
+            # class); the move is the same for a torch AdamW. First: the cache is emptied after
+            for t in masters:
                 t.data = t.data.to("cpu")
+            include = [State.lp_grads, State.contiguous_grad_buffer]  # scratch: made again
+        self.engine.offload_states(include=include, pin_memory=torch.cuda.is_available())
         return sum(t.numel() * t.element_size() for t in masters)
 
     def reload_masters(self) -> None:
-        masters = self._masters()
+        self.engine.reload_states()
         if self.stage == 3:
             device = next(self.model.parameters()).device
-            for t in masters:
+            for t in self._masters():
                 t.data = t.data.to(device)
-        self.engine.reload_states()
 
     def _masters(self) -> list[torch.Tensor]:
-        """The fp32 partitions the optimizer steps (this rank's share of the weights)."""
+        """The fp32 partitions the optimizer steps (this rank's share of the weights), those
+        that are not the weights themselves: ZeRO-3 training in fp32 steps its partitions of
+        the weights, which stay (generation gathers them)."""
         opt = self.engine.optimizer
-        return list(opt.single_partition_of_fp32_groups if self.stage == 2 else
-                    opt.fp32_partitioned_groups_flat)
+        if self.stage == 2:
+            return list(opt.single_partition_of_fp32_groups)
+        weights = {t.data_ptr() for t in opt.fp16_partitioned_groups_flat}
+        return [t for t in opt.fp32_partitioned_groups_flat if t.data_ptr() not in weights]
 
     def gathered(self, params: list[Any]) -> Any:
         """A context in which these parameters are whole on every rank (ZeRO-3 partitions

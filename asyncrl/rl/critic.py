@@ -8,13 +8,16 @@ clipping, on its own group with its own layout.
                                                          0.5 * max((V - R)^2,
                                                          (clip(V, V_old +- c) - R)^2)
 
-Like the actor, it drops the samples more than `max_staleness` versions behind: it counts
-its updates as the actor counts policy versions (one per update, kept in checkpoints), so
-with one update of each per step both leave out the same rows.
+Like the actor, it drops the samples more than `max_staleness` versions behind. The policy
+version it measures them against is its own count of updates (kept in checkpoints): the
+actor's when each updates once a step from the start, as in examples/ppo_tiny.py. A flow
+that updates them otherwise (a critic warm-up, a Policy.train_step of the actor) passes
+the actor's version: `update(..., version=N)`.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,8 @@ from asyncrl.rl.batch import (
     share,
 )
 from asyncrl.rl.config import RLConfig
+
+log = logging.getLogger("asyncrl")
 
 
 def value_loss(cfg: RLConfig) -> Any:
@@ -73,7 +78,10 @@ class Critic(Worker):
 
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
-               values: TensorBatch | None = None) -> dict[str, float]:
+               values: TensorBatch | None = None, version: int | None = None
+               ) -> dict[str, float]:
+        if version is not None:
+            self.version = version
         if values is None:
             raise ValueError("Critic.update needs values=: the result of critic.values(rollout) "
                              "for the same rollout")
@@ -101,4 +109,9 @@ class Critic(Worker):
     def load_state(self, folder: Path) -> None:
         self.backend.load(folder / "train")
         saved = folder / "critic.pt"  # absent from checkpoints of before critics dropped rows
-        self.version = int(torch.load(saved)["version"]) if saved.exists() else 0
+        if saved.exists():
+            self.version = int(torch.load(saved)["version"])
+        elif self.rl.max_staleness is not None:
+            log.warning("asyncrl: %s holds no critic.pt (a checkpoint from before session 15): "
+                        "the critic counts policy versions from 0 and drops too few stale "
+                        "rows; pass update(..., version=) to set it", folder)
