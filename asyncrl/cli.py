@@ -7,6 +7,7 @@
                                           run FILE's `flow` (a DataFlow), or its `main()`
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
     asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
+    asyncrl export RUN_DIR OUT [--group G] [--dtype D]   the trained policy as a HF model
     asyncrl logs RUN_DIR --group G [--rank R] [--tail N]   one rank's output
     asyncrl attach RUN_DIR [--group G] [--rank R] [--thread T] [--list]
                                                          pdb on a rank in breakpoint()
@@ -268,6 +269,21 @@ def timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    from transformers.utils import logging
+
+    from asyncrl.hybrid.export import export as write
+
+    logging.disable_progress_bar()  # one line says what was written
+    try:
+        done = write(Path(args.path), Path(args.out), args.group, args.dtype)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        raise SystemExit(f"asyncrl export: {e}") from None
+    print(f"asyncrl export: wrote {done['out']}: group {done['group']!r} of "
+          f"{done['checkpoint']}, {done['parameters']:,} parameters in {done['dtype']}")
+    return 0
+
+
 def attach(args: argparse.Namespace) -> int:
     from asyncrl.controller.attach import attach as bridge
     from asyncrl.controller.attach import choose, waiting
@@ -442,6 +458,18 @@ def parser() -> argparse.ArgumentParser:
     _controller_flags(bp)
     bp.add_argument("args", nargs="*", help="key=value overrides")
     bp.set_defaults(func=bench)
+    ep = sub.add_parser("export", help="write a run's trained policy as a Hugging Face model",
+                        description="Write the policy group of a run's newest checkpoint (or "
+                        "of the checkpoints/step_* folder given) as a Hugging Face model "
+                        "directory OUT: config.json, model.safetensors and the tokenizer "
+                        "files of the model it started from. Runs alone: no group starts.")
+    ep.add_argument("path", help="a run directory, or one of its checkpoints/step_* folders")
+    ep.add_argument("out", help="the model directory to write (new, or an empty folder)")
+    ep.add_argument("--group", default=None,
+                    help="the policy group to export (default: the only one)")
+    ep.add_argument("--dtype", default=None, help="the weights' dtype, e.g. bfloat16 (default: "
+                    "the model's own)")
+    ep.set_defaults(func=export)
     tp = sub.add_parser("timeline", help="draw a run's timeline as a PNG Gantt chart")
     tp.add_argument("run_dir")
     tp.set_defaults(func=timeline)

@@ -7,4 +7,5 @@
     engine.py    the hybrid engine: train <-> generate on the same ranks
     roles.py     Policy, Rollout, Reference workers
     vllm_engine.py  the vLLM generation engine (GPU; never imported on CPU paths)
+    export.py    a policy's checkpoint as a Hugging Face model directory (`asyncrl export`)
 """

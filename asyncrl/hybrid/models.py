@@ -79,9 +79,10 @@ DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", 
             "activation_dropout", "classifier_dropout", "dropout")
 
 
-def hf_config(cfg: ModelConfig) -> Any:
-    """The transformers config of the model `cfg` describes, dropout off, with its
-    overrides applied (an override may turn dropout back on)."""
+def hf_config(cfg: ModelConfig, dropout_off: bool = True) -> Any:
+    """The transformers config of the model `cfg` describes, dropout off (unless not
+    `dropout_off`: as given, for an export), with its overrides applied (an override may
+    turn dropout back on)."""
     if cfg.path is not None:
         from transformers import AutoConfig
 
@@ -89,7 +90,7 @@ def hf_config(cfg: ModelConfig) -> Any:
     else:
         assert cfg.preset is not None
         config = PRESETS[cfg.preset]()
-    for key in DROPOUTS:
+    for key in DROPOUTS if dropout_off else ():
         if isinstance(getattr(config, key, None), float) and getattr(config, key):
             setattr(config, key, 0.0)
     for key, value in cfg.overrides.items():

@@ -26,6 +26,7 @@ from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
+from asyncrl.hybrid.export import POLICY_FILE, save_model_config
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
 from asyncrl.hybrid.models import (
     ModelConfig,
@@ -97,6 +98,7 @@ class Policy(Worker):
         model_cfg = ModelConfig(**model)
         train_cfg = TrainConfig(**(train or {}))
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
+        self.model_cfg = model_cfg  # noted in checkpoints, for `asyncrl export`
         self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
                                    bucket_bytes, engine, engine_options) if hybrid else None
         self.version = 0  # the policy version: updates applied (train_step, Actor.update)
@@ -169,13 +171,14 @@ class Policy(Worker):
         self.to_train()
         self.backend.save(folder / "train")
         if self.rank == 0:
-            torch.save({"version": self.version}, folder / "actor.pt")
+            torch.save({"version": self.version}, folder / POLICY_FILE)
+            save_model_config(folder, self.model_cfg)
 
     def load_state(self, folder: Path) -> None:
         self.to_train()
         self.before_weights_change()  # a rollout may still be pulling a pack of the weights
         self.backend.load(folder / "train")
-        self.version = int(torch.load(folder / "actor.pt")["version"])
+        self.version = int(torch.load(folder / POLICY_FILE)["version"])
 
     @register
     def switch_report(self) -> dict:

@@ -1,0 +1,167 @@
+"""A trained policy as a Hugging Face model directory: config.json, model.safetensors and the
+tokenizer files of the model it started from; what transformers, vLLM and SGLang load.
+
+    asyncrl export RUN_DIR OUT [--group actor] [--dtype bfloat16]
+
+reads a run's newest checkpoint (or the step_* folder given) in this one process, with no
+group running, as verl's model merger does: an FSDP2 checkpoint with
+torch.distributed.checkpoint (whatever its layout: dp, tp), a ZeRO-2/3 one with DeepSpeed's
+zero_to_fp32. The weights are those training steps (its fp32 masters under ZeRO), in the
+model's dtype or `dtype`. A Policy (an Actor) notes its model in MODEL_FILE beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.hybrid.models import ModelConfig, hf_config
+
+MODEL_FILE = "model.json"  # the group's ModelConfig, in its checkpoint folder
+POLICY_FILE = "actor.pt"  # what a Policy's checkpoint holds besides its trainer's state
+# a source checkpoint's files that travel with the weights (tokenizers, chat templates)
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                   "merges.txt", "chat_template.*", "preprocessor_config.json",
+                   "generation_config.json")
+
+
+def save_model_config(folder: Path, cfg: ModelConfig) -> None:
+    (folder / MODEL_FILE).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+
+
+def checkpoint_folder(path: Path) -> Path:
+    """`path` itself when it is a checkpoint (step_* with meta.json), else the newest complete
+    checkpoint of the run directory `path`."""
+    from asyncrl.controller.checkpoint import latest
+
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist; give a run directory (the --run-dir "
+                                f"of asyncrl launch) or one of its checkpoints/step_* folders")
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} holds no complete checkpoint (checkpoints/step_*/meta"
+                                f".json): a run writes one after its last step and every "
+                                f"--checkpoint-every N steps")
+    return found
+
+
+def policy_groups(checkpoint: Path) -> list[str]:
+    return sorted(p.parent.name for p in checkpoint.glob(f"*/{POLICY_FILE}"))
+
+
+def pick_group(checkpoint: Path, group: str | None) -> Path:
+    """The folder of the policy group `group` (None: the only one there is)."""
+    policies = policy_groups(checkpoint)
+    if group is None:
+        if len(policies) != 1:
+            raise ValueError(f"{checkpoint} holds {len(policies)} policy groups "
+                             f"({policies or 'none'}): name one with --group")
+        group = policies[0]
+    folder = checkpoint / group
+    if group not in policies:
+        held = sorted(p.name for p in checkpoint.iterdir() if p.is_dir())
+        what = "holds no policy (a critic, reward or reference group?)" if folder.is_dir() \
+            else "is not in it"
+        raise ValueError(f"group {group!r} {what}; the groups in {checkpoint}: {held}, of "
+                         f"which policies (Policy, Actor): {policies}")
+    if not (folder / MODEL_FILE).is_file():
+        raise ValueError(f"{folder} has no {MODEL_FILE} (checkpoints written before session "
+                         f"16 do not name their model); resume the run for one step with "
+                         f"this version to write a checkpoint that does")
+    return folder
+
+
+def trained_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The full weights in a Policy group's checkpoint folder, by the model's names."""
+    train = folder / "train"
+    if (train / "state").is_dir():  # DeepSpeed: <tag>/ with each rank's partitions
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(train), tag="state"))
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(train)).read_metadata().state_dict_metadata
+    model = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in saved.items() if key.startswith("model.")
+             and isinstance(meta, dcp.metadata.TensorStorageMetadata)}
+    if not model:
+        raise ValueError(f"{train} holds no model weights (an FSDP2 checkpoint has "
+                         f"model.* entries)")
+    with warnings.catch_warnings():  # one process on purpose, which DCP warns of
+        warnings.filterwarnings("ignore", message=".*in a single process")
+        dcp.load({"model": model}, checkpoint_id=str(train), no_dist=True)  # read in place
+    return model
+
+
+def export(path: Path, out: Path, group: str | None = None,
+           dtype: str | None = None) -> dict[str, Any]:
+    """Write the policy of checkpoint (or run directory) `path` as a Hugging Face model
+    directory `out` (new or empty: nothing is overwritten); what was written."""
+    # transformers imports DeepSpeed where it is installed, which guesses its accelerator
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder: export writes a new "
+                              f"one (nothing is overwritten); give another path")
+    checkpoint = checkpoint_folder(path)
+    folder = pick_group(checkpoint, group)
+    cfg = ModelConfig(**json.loads((folder / MODEL_FILE).read_text()))
+    target = getattr(torch, dtype or cfg.dtype, None)
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating torch dtype (float32, bfloat16, "
+                         f"float16)")
+    weights = trained_weights(folder)
+    config = hf_config(cfg, dropout_off=False)  # as the model was given, dropout and all
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=target)
+    missing = _needed(model) - set(weights)
+    unexpected = set(weights) - set(model.state_dict())
+    if missing or unexpected:
+        raise ValueError(f"{folder}: the checkpoint's weights do not fit the model of "
+                         f"{MODEL_FILE}: missing {sorted(missing)[:5]}, unexpected "
+                         f"{sorted(unexpected)[:5]}")
+    model.load_state_dict({k: v.to(target) for k, v in weights.items()}, strict=False,
+                          assign=True)
+    model.tie_weights()  # a tied name the checkpoint left out shares its twin's tensor
+    tmp = out.with_name(f".{out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    if cfg.path is not None:  # its tokenizer, chat template and generation settings
+        for pattern in TOKENIZER_FILES:
+            for file in Path(cfg.path).glob(pattern):
+                shutil.copy2(file, tmp / file.name)
+    # safetensors writes its file owner-only: every file as config.json (the umask's mode)
+    mode = (tmp / "config.json").stat().st_mode & 0o777
+    for file in tmp.iterdir():
+        file.chmod(mode)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    os.replace(tmp, out)
+    return {"out": str(out), "checkpoint": str(checkpoint), "group": folder.name,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "dtype": str(target).removeprefix("torch.")}
+
+
+def _needed(model: torch.nn.Module) -> set[str]:
+    """The state-dict names a checkpoint must hold: one of each set of tied names."""
+    seen: set[int] = set()
+    needed = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            needed.add(name)
+    return needed
+

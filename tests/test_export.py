@@ -1,0 +1,154 @@
+"""`asyncrl export`: a trained policy's checkpoint as a Hugging Face model directory that
+transformers loads, weight for weight (FSDP2 and ZeRO-3 checkpoints), and the messages for
+paths and groups that are not one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_gone, cli, group_pids, run
+
+import asyncrl
+from asyncrl.hybrid.export import export
+from asyncrl.hybrid.models import ModelConfig, build_model, tiny_gpt2
+from asyncrl.hybrid.roles import Policy
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+
+
+def local_model(folder):
+    """A tiny GPT-2 (tied embeddings, dropout 0.1 as GPT-2 has it) with a word tokenizer, as
+    a user's local checkpoint directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_gpt2()).save_pretrained(folder)
+    words = ["<pad>", "<s>", "</s>", *(f"w{i}" for i in range(125))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(folder)
+    return folder
+
+
+def rollout_batch(model_cfg: dict):
+    return Sampler(build_model(ModelConfig(**model_cfg)), SamplingConfig(max_new_tokens=5)
+                   ).generate([[1, 4 + i, 5 + i] for i in range(8)], seeds=list(range(8)))
+
+
+def trained_checkpoint(run_dir, model_cfg: dict, **spawn) -> dict:
+    """A 2-rank Policy "actor" after one step, checkpointed as run_dir's step 0 (meta.json
+    marks it complete, as a run's save does); its full weights then."""
+    batch = rollout_batch(model_cfg)
+    step = run_dir / "checkpoints" / "step_000000"
+
+    async def main():
+        async with asyncrl.Controller(construct_timeout=500) as ctl:
+            policy = await ctl.spawn(Policy, model_cfg, {"lr": 1e-2, "micro_batch_size": 4},
+                                     nprocs=2, name="actor", hybrid=False, **spawn)
+            pids = group_pids(policy)
+            await policy.train_step(batch)
+            await policy.save_checkpoint(str(step))
+            return (await policy.weights("train"))[0], pids
+    weights, pids = run(main(), timeout=580)
+    assert_gone(pids)
+    (step / "meta.json").write_text(json.dumps({"step": 0}))
+    return weights
+
+
+def test_a_trained_fsdp2_policy_exports_as_the_model_it_started_from(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = local_model(tmp_path / "source")
+    trained = trained_checkpoint(tmp_path / "run", {"path": str(source)})
+    out = cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    assert "group 'actor'" in out.stdout and "float32" in out.stdout
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    exported = model.state_dict()
+    assert set(exported) == set(trained)
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    before = AutoModelForCausalLM.from_pretrained(source, local_files_only=True).state_dict()
+    assert any(not torch.equal(before[k], trained[k]) for k in trained)  # it did train
+    # the model as given (training turns dropout off), its embeddings still tied, and the
+    # source's tokenizer beside it
+    assert model.config.resid_pdrop == 0.1 and model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert tok("w3 w7").input_ids == [6, 10] and tok.eos_token == "</s>"
+
+
+@pytest.mark.timeout(600)
+def test_a_zero3_policy_exports_its_weights_in_the_dtype_asked_for(tmp_path):
+    pytest.importorskip("deepspeed")
+    from transformers import AutoModelForCausalLM
+
+    trained = trained_checkpoint(tmp_path / "run", {"preset": "tiny-llama", "seed": 5},
+                                 backend="zero3")
+    (tmp_path / "hf").mkdir()  # an empty folder is fine
+    done = export(tmp_path / "run" / "checkpoints" / "step_000000", tmp_path / "hf",
+                  dtype="bfloat16")
+    assert done["group"] == "actor" and done["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True,
+                                                 dtype="auto")
+    exported = model.state_dict()
+    assert model.dtype == torch.bfloat16 and set(exported) == set(trained)
+    # every rank's partition of the fp32 masters, put together (not the initial weights)
+    assert all(torch.equal(exported[k], trained[k].to(torch.bfloat16)) for k in trained)
+    initial = build_model(ModelConfig(preset="tiny-llama", seed=5)).state_dict()
+    assert any(not torch.equal(initial[k], trained[k]) for k in trained)
+
+
+def policy_folder(checkpoint, group: str, model: bool = True) -> None:
+    folder = checkpoint / group
+    folder.mkdir(parents=True)
+    torch.save({"version": 1}, folder / "actor.pt")
+    if model:
+        (folder / "model.json").write_text(json.dumps({"preset": "tiny-llama"}))
+
+
+def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist; give a run directory"):
+        export(tmp_path / "nowhere", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        export(tmp_path, tmp_path / "out")
+
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    policy_folder(step, "actor")
+    policy_folder(step, "student", model=False)
+    (step / "critic").mkdir()
+    torch.save({"version": 1}, step / "critic" / "critic.pt")
+    with pytest.raises(ValueError, match=r"2 policy groups \(\['actor', 'student'\]\): name "
+                                         r"one with --group"):
+        export(tmp_path / "run", tmp_path / "out")
+    with pytest.raises(ValueError, match="'critic' holds no policy .* policies .*: "
+                                         r"\['actor', 'student'\]"):
+        export(tmp_path / "run", tmp_path / "out", group="critic")
+    with pytest.raises(ValueError, match="'ref' is not in it"):
+        export(tmp_path / "run", tmp_path / "out", group="ref")
+    with pytest.raises(ValueError, match="has no model.json"):
+        export(tmp_path / "run", tmp_path / "out", group="student")
+    with pytest.raises(ValueError, match="'int8' is not a floating torch dtype"):
+        export(tmp_path / "run", tmp_path / "out", group="actor", dtype="int8")
+
+    import torch.distributed.checkpoint as dcp  # GPT-2's weights under a Llama's model.json
+
+    gpt2 = build_model(ModelConfig(preset="tiny-gpt2")).state_dict()
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": gpt2}, checkpoint_id=str(step / "actor" / "train"), no_dist=True)
+    with pytest.raises(ValueError, match=r"do not fit the model of model.json: missing "
+                                         r"\['model.embed_tokens.weight', .*unexpected "
+                                         r"\['transformer.h.0.attn.c_attn.bias'"):
+        export(tmp_path / "run", tmp_path / "out", group="actor")
+
+    kept = tmp_path / "out" / "mine.txt"  # nothing is overwritten
+    kept.parent.mkdir()
+    kept.write_text("keep me")
+    out = cli("export", str(tmp_path / "run"), str(tmp_path / "out"), "--group", "actor")
+    assert out.returncode == 1 and "exists and is not an empty folder" in out.stderr
+    assert kept.read_text() == "keep me" and not (tmp_path / "out" / "config.json").exists()
