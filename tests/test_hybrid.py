@@ -296,11 +296,44 @@ def test_trainer_forward_passes_have_no_dropout():
         assert torch.equal(first, second) and torch.equal(first, sequence_logprobs(model, *cols))
 
 
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_gradient_checkpointing_recomputes_each_layer_for_the_same_gradients(head):
+    """With `gradient_checkpointing`, every decoder layer runs again in the backward (its
+    activations were not kept), and the outputs and gradients are those without it."""
+    from asyncrl.hybrid.fsdp import decoder_layers, trainable
+    from asyncrl.hybrid.models import sequence_values
+
+    batch = fixed_batch()
+    cols = [batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    runs = {}
+    for on in (False, True):
+        model = trainable(ModelConfig(seed=0), TrainConfig(gradient_checkpointing=on), head)
+        if head == "value":  # a zero head passes no gradient to the backbone
+            seeded = torch.Generator().manual_seed(1)
+            torch.nn.init.normal_(model.value_head.weight, generator=seeded)
+        # the layers' MLPs starting (a layer's own hooks stay outside its checkpoint, and a
+        # recomputation stops once it has the last activation the backward needs)
+        calls = []
+        for layer in decoder_layers(model):
+            layer.mlp.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        out = (sequence_logprobs if head == "lm" else sequence_values)(model, *cols)
+        forward_calls = len(calls)
+        out.sum().backward()
+        runs[on] = (forward_calls, len(calls), out.detach(),
+                    {n: p.grad for n, p in model.named_parameters()})
+    layers = len(decoder_layers(model))
+    assert runs[False][:2] == (layers, layers) and runs[True][:2] == (layers, 2 * layers)
+    assert torch.equal(runs[True][2], runs[False][2])
+    assert all(torch.equal(g, runs[False][3][n]) for n, g in runs[True][3].items())
+
+
 def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
     """Five steps of batches of 8, 4, 8, 6 and 8 rows (2, 1, 2, 2 and 2 micro-batches per
     rank: DeepSpeed must step at each step's last micro-batch, whatever the last count),
     under one learning-rate schedule (warmup, then cosine: each backend steps it once per
-    optimizer step)."""
+    optimizer step). FSDP2 again and ZeRO-3 recompute their layers' activations
+    (gradient_checkpointing): FSDP2 gathers a layer's shards for its backward, ZeRO-3 for the
+    recomputation too."""
     pytest.importorskip("deepspeed")
     from asyncrl.hybrid.fsdp import lr_factor
 
@@ -313,12 +346,14 @@ def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
     async def main():
         async with asyncrl.Controller() as ctl:
             losses, lrs, pids = {}, {}, []
-            for kind in ("fsdp2", "zero2", "zero3"):
-                group = await ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, nprocs=2,
-                                        name=kind)
+            for name in ("fsdp2", "fsdp2_ckpt", "zero2", "zero3"):
+                kind, ckpt = name.removesuffix("_ckpt"), name in ("fsdp2_ckpt", "zero3")
+                group = await ctl.spawn(AnyTrainer, kind, model_cfg,
+                                        {**train_cfg, "gradient_checkpointing": ckpt},
+                                        nprocs=2, name=name)
                 pids += group_pids(group)
                 steps = [(await group.step(batch.slice(0, n)))[0] for n in sizes]
-                losses[kind], lrs[kind] = [s["loss"] for s in steps], [s["lr"] for s in steps]
+                losses[name], lrs[name] = [s["loss"] for s in steps], [s["lr"] for s in steps]
                 if kind == "zero3":  # state dict out and in: the next step starts from it
                     w = (await group.weights())[0]
                     assert all(await group.reload(w))
@@ -327,6 +362,7 @@ def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
             return losses, lrs, pids
     losses, lrs, pids = run(main(), timeout=280)
     assert_gone(pids)
+    assert losses["fsdp2_ckpt"] == pytest.approx(losses["fsdp2"], rel=1e-6)  # recomputed
     for kind in ("zero2", "zero3"):
         for got, want in zip(losses[kind], losses["fsdp2"], strict=True):
             assert abs(got - want) <= 1e-4 * abs(want), (kind, losses)

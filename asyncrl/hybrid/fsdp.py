@@ -27,6 +27,7 @@ import torch.distributed as dist
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.models import (
     ModelConfig,
+    ValueModel,
     build_model,
     build_value_model,
     sampled_at,
@@ -52,6 +53,10 @@ class TrainConfig:
     schedule: str = "constant"  # "constant", "cosine" or "linear"
     total_steps: int = 0  # optimizer steps of the whole run (needed by cosine and linear)
     min_lr_ratio: float = 0.0
+    # recompute each decoder layer's activations in the backward instead of keeping them:
+    # far less memory for long sequences, about a third more compute (verl's
+    # enable_gradient_checkpointing)
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -207,6 +212,21 @@ def _columns(b: TensorBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 HEADS = {"lm": build_model, "value": build_value_model}
 
 
+def trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, head: str) -> torch.nn.Module:
+    """The model a backend trains, in train mode, its layers checkpointed if asked: the
+    non-reentrant kind, whose recomputation runs the layer's hooks again (FSDP2 and ZeRO-3
+    gather its parameters for it as for the forward)."""
+    model = HEADS[check_head(head)](model_cfg).train()
+    if train_cfg.gradient_checkpointing:
+        lm: Any = model.model if isinstance(model, ValueModel) else model  # the HF model
+        kwargs = {"use_reentrant": False}
+        if hasattr(lm, "activation_checkpointing_enable"):  # newer transformers (the old name warns)
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
 def check_head(head: str) -> str:
     if head not in HEADS:
         raise ValueError(f"head is 'lm' (a causal LM) or 'value' (a scalar head: critics, "
@@ -302,7 +322,7 @@ class FSDPBackend(TrainBackend):
                  head: str = "lm"):
         self.cfg, self.head = train_cfg, check_head(head)
         self.mesh = mesh
-        self.model = HEADS[head](model_cfg)
+        self.model = trainable(model_cfg, train_cfg, head)
         names = mesh.mesh_dim_names or ()
         dp_mesh = mesh["dp"] if "dp" in names else mesh
         if "tp" in names and mesh["tp"].size() > 1:
@@ -310,7 +330,6 @@ class FSDPBackend(TrainBackend):
         apply_fsdp(self.model, dp_mesh, use_bf16(train_cfg))
         self.dp_group = self.stats_group = dp_mesh.get_group()
         self.forward_module = self.model
-        self.model.train()
         self.opt = adamw(self.model.parameters(), train_cfg)
         self.sched = lr_scheduler(self.opt, train_cfg)
 

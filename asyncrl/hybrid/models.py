@@ -133,7 +133,7 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids).last_hidden_state
+                            position_ids=position_ids, use_cache=False).last_hidden_state
         values = self.value_head(hidden.to(self.value_head.weight.dtype))
         # a fresh [B, T] tensor, not a view: FSDP hooks the module's output for backward
         return values.squeeze(-1).clone()
@@ -246,7 +246,9 @@ def sequence_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
 
     Prompts are left-padded, responses right-padded (their mask is a prefix of each row)."""
     ids, mask, rmask = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+    # no KV cache: one pass over whole sequences needs none (it would only take memory)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                   use_cache=False).logits
     p = prompt_ids.shape[1]
     logits = logits[:, p - 1:-1].float() / temperature  # the logits that predict responses
     logp_all = F.log_softmax(logits, -1)

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fsdp import (
-    HEADS,
     LossFn,
     TrainBackend,
     TrainConfig,
@@ -28,6 +27,7 @@ from asyncrl.hybrid.fsdp import (
     lr_scheduler,
     nll_loss,
     resume_schedule,
+    trainable,
     use_bf16,
 )
 from asyncrl.hybrid.models import ModelConfig
@@ -69,7 +69,7 @@ class ZeroBackend(TrainBackend):
                              f"local rank {local} sees {torch.cuda.device_count()} GPU(s): do not "
                              f"place this group with share_gpus, or give it fewer ranks")
         self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
-        model = HEADS[head](model_cfg).train()
+        model = trainable(model_cfg, train_cfg, head)
         opt = adamw(model.parameters(), train_cfg)
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
                   "gradient_accumulation_steps": 1, "gradient_clipping": train_cfg.grad_clip,
