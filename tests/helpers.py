@@ -125,3 +125,25 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     return sorted((e.step, e.value) for e in acc.Scalars(tag))
+
+
+# a word-level vocabulary of 128 (the tiny presets' size): specials, chat roles, w0..w121
+WORDS = ["<pad>", "<s>", "</s>", "user", "assistant", "system", *(f"w{i}" for i in range(122))]
+CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> "
+                 "{% endfor %}{% if add_generation_prompt %}<s> assistant {% endif %}")
+
+
+def word_tokenizer(folder: Path, chat: bool = True) -> Path:
+    """A Hugging Face tokenizer saved in `folder` (whitespace-split words of WORDS, with a
+    chat template unless not `chat`), as a model directory holds one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return folder

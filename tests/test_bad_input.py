@@ -451,7 +451,7 @@ def test_bad_prompt_data_names_place_and_fix(tmp_path, monkeypatch):
     from asyncrl.hybrid.roles import _prompts
     expect(TypeError, lambda: _prompts(TensorBatch({"prompt": ["What is 2+2?"], "seed": [1]})),
            "generate: prompt 0 is 'What is 2+2?', not a list of token ids",
-           "tokenize the records first")
+           "PromptSource(..., tokenizer=DIR)")
 
 
 FLOW_WITH_PROMPTS = """\

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_gone, cli, group_pids, run
+from helpers import WORDS, assert_gone, cli, group_pids, run, word_tokenizer
 
 import asyncrl
 from asyncrl.hybrid.export import export
@@ -20,17 +20,11 @@ from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 def local_model(folder):
     """A tiny GPT-2 (tied embeddings, dropout 0.1 as GPT-2 has it) with a word tokenizer, as
     a user's local checkpoint directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_gpt2()).save_pretrained(folder)
-    words = ["<pad>", "<s>", "</s>", *(f"w{i}" for i in range(125))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(folder)
-    return folder
+    return word_tokenizer(folder)
 
 
 def rollout_batch(model_cfg: dict):
@@ -78,7 +72,8 @@ def test_a_trained_fsdp2_policy_exports_as_the_model_it_started_from(tmp_path):
     assert model.config.resid_pdrop == 0.1 and model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
-    assert tok("w3 w7").input_ids == [6, 10] and tok.eos_token == "</s>"
+    assert tok("w3 w7").input_ids == [WORDS.index("w3"), WORDS.index("w7")]
+    assert tok.eos_token == "</s>" and tok.chat_template
 
 
 @pytest.mark.timeout(600)

@@ -1,10 +1,12 @@
-"""Prompt sources: files and sequences, seeded shuffling, resumable positions, bad data."""
+"""Prompt sources: files and sequences, seeded shuffling, resumable positions, text and chat
+prompts through a tokenizer, bad data."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from helpers import WORDS, word_tokenizer
 
 from asyncrl.rl import PromptSource
 
@@ -46,3 +48,85 @@ def test_seeded_order_and_exact_resume():
     with pytest.raises(ValueError, match="saved for 12 records with seed 7"):
         other.load_state_dict(state)
 
+
+
+def ids(text: str) -> list[int]:
+    return [WORDS.index(w) for w in text.split()]
+
+
+def test_text_and_chat_prompts_become_token_ids_through_the_tokenizer(tmp_path):
+    """verl's data: a chat goes through the chat template with the assistant's turn opened;
+    text is tokenized as it is; ids stay ids. What was given travels as "raw_prompt"."""
+    tok = word_tokenizer(tmp_path / "tok")
+    chat = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w5 w6"}]
+    rows = [{"question": "w3 w7", "answer": 1}, {"question": chat, "answer": 2},
+            {"question": [9, 10], "answer": 3}]
+    write_jsonl(tmp_path / "q.jsonl", rows)
+    src = PromptSource(tmp_path / "q.jsonl", batch_size=3, shuffle=False, repeat=2,
+                       tokenizer=str(tok), prompt_key="question")
+    batch = next(iter(src))
+    assert sorted(batch.keys()) == ["answer", "prompt", "raw_prompt", "seed"]
+    assert batch["prompt"][::2] == [ids("w3 w7"),
+                                    ids("<s> system w1 </s> <s> user w5 w6 </s> <s> assistant"),
+                                    [9, 10]]
+    assert batch["raw_prompt"][::2] == [r["question"] for r in rows]
+    assert batch["prompt"][0] == batch["prompt"][1]  # a GRPO group: the same prompt twice
+    # a loaded tokenizer does as well as its directory
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tok, local_files_only=True)
+    again = PromptSource(rows, batch_size=3, shuffle=False, tokenizer=loaded,
+                         prompt_key="question")
+    assert next(iter(again))["prompt"] == batch["prompt"][::2]
+
+
+def test_prompts_longer_than_the_limit_are_left_out_and_counted(tmp_path, caplog):
+    tok = word_tokenizer(tmp_path / "tok")
+    rows = [{"prompt": " ".join(f"w{i}" for i in range(n)), "n": n} for n in (2, 9, 4, 12, 6)]
+    src = PromptSource(rows, batch_size=8, shuffle=False, tokenizer=str(tok),
+                       max_prompt_length=6)
+    assert [len(p) for p in next(iter(src))["prompt"]] == [2, 4, 6]
+    assert "2 of the 5 prompts of the given sequence are longer than max_prompt_length=6 " \
+           "tokens (the longest: 12)" in caplog.text
+    assert src.state_dict()["records"] == 3  # a resume checks against the kept records
+    # token ids are counted without a tokenizer
+    assert len(PromptSource([{"prompt": [1] * 3}, {"prompt": [1] * 8}], batch_size=2,
+                            max_prompt_length=4).records) == 1
+    with pytest.raises(ValueError, match="every prompt of the given sequence is longer than "
+                                         "max_prompt_length=1 tokens \\(the shortest: 2\\)"):
+        PromptSource(rows, batch_size=2, tokenizer=str(tok), max_prompt_length=1)
+    with pytest.raises(ValueError, match="counts the token ids of 'prompt', but record 0 of "
+                                         "the given sequence has 'w0 w1'; give token ids, or "
+                                         "text with tokenizer="):
+        PromptSource(rows, batch_size=2, max_prompt_length=4)
+
+
+def test_prompts_a_tokenizer_cannot_take_are_refused_naming_the_record(tmp_path):
+    tok = str(word_tokenizer(tmp_path / "tok"))
+    plain = str(word_tokenizer(tmp_path / "plain", chat=False))
+    chat = [{"role": "user", "content": "w1"}]
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "w1"}, {"prompt": chat}])
+    cases = [
+        (dict(data=tmp_path / "p.jsonl", tokenizer=plain),
+         f"{tmp_path / 'p.jsonl'}:2 is a chat .* but the tokenizer has no chat template"),
+        (dict(data=[{"prompt": [{"role": "user"}]}], tokenizer=tok),
+         "record 0 of the given sequence: chat message .* needs a 'role' and a 'content'"),
+        (dict(data=[{"prompt": 3.5}], tokenizer=tok),
+         "record 0 of the given sequence: the prompt is '3.5' \\(float\\); give text, chat"),
+        (dict(data=[{"text": "w1"}], tokenizer=tok),
+         "have no 'prompt' key .* name the key that holds the prompt with prompt_key="),
+        (dict(data=[{"prompt": "w1", "raw_prompt": "x"}], tokenizer=tok),
+         "have a 'raw_prompt' key, where PromptSource puts"),
+        (dict(data=[{"text": "w1", "prompt": "x"}], tokenizer=tok, prompt_key="text"),
+         "have a 'prompt' key, where PromptSource puts"),
+        (dict(data=[{"text": "w1"}], prompt_key="text"),
+         "prompt_key='text' names the key to tokenize: give tokenizer= too"),
+        (dict(data=[{"prompt": "w1"}], tokenizer=str(tmp_path / "none")),
+         "tokenizer '.*none' is not a directory; give the local folder"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            PromptSource(kwargs.pop("data"), batch_size=1, **kwargs)
+    with pytest.raises(TypeError, match="give a local tokenizer directory or a Hugging Face "
+                                        "tokenizer, got int"):
+        PromptSource([{"prompt": "w1"}], batch_size=1, tokenizer=7)

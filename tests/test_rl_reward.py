@@ -1,14 +1,17 @@
-"""A reward function on its own group, fed straight from a generating group's results."""
+"""A reward function on its own group, fed straight from a generating group's results; on
+text with a tokenizer, from prompts a PromptSource tokenized."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
-from helpers import assert_gone, group_pids, run
+from helpers import WORDS, assert_gone, group_pids, run, word_tokenizer
 
 import asyncrl
 from asyncrl import TensorBatch
-from asyncrl.rl import RewardFn
+from asyncrl.rl import PromptSource, RewardFn
 from asyncrl.rl.reward import score_rows
 
 
@@ -53,3 +56,67 @@ def test_reward_group_scores_rows_pulled_from_another_group():
     scores, pids = run(main())
     assert_gone(pids)
     assert scores["reward"].tolist() == pytest.approx([1.0, 2 / 3, 0.0, 1.0])
+
+
+def says_the_answer(prompt, response, answer, raw_prompt):
+    """Text in: 1 when the response's first word is the answer; the prompt as decoded."""
+    assert isinstance(prompt, str) and isinstance(response, str)
+    return float(response.split()[:1] == [answer]) + (0.5 if raw_prompt in prompt else 0.0)
+
+
+def test_a_reward_function_reads_text_with_a_tokenizer(tmp_path):
+    from asyncrl.rl.tokens import load_tokenizer
+
+    tok = load_tokenizer(str(word_tokenizer(tmp_path / "tok")))
+    w = WORDS.index
+    batch = TensorBatch({"response_ids": torch.tensor([[w("w5"), w("</s>"), 0], [w("w6"),
+                                                                                 w("w5"), 0]]),
+                         "response_mask": torch.tensor([[1, 1, 0], [1, 1, 0]]),
+                         "prompt": [[w("<s>"), w("w1")], [w("w2")]],
+                         "raw_prompt": ["w1", "w9"], "answer": ["w5", "w5"]})
+    # special tokens left out of both; the prompt decoded from its ids
+    assert score_rows(says_the_answer, batch, tok).tolist() == [1.5, 0.0]
+    with pytest.raises(TypeError, match=r"RewardFn\(tokenizer=\) is a local tokenizer "
+                                        "directory"):
+        RewardFn(says_the_answer, tokenizer=tok)
+
+
+def test_text_prompts_are_generated_from_and_scored_as_text(tmp_path):
+    """A local model with its tokenizer: chat prompts tokenized by the PromptSource, generated
+    from by a Policy, scored by a RewardFn that loads the tokenizer on its rank."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.hybrid.models import tiny_llama
+    from asyncrl.hybrid.roles import Policy
+
+    model_dir = tmp_path / "model"
+    AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(model_dir)
+    word_tokenizer(model_dir)
+    chats = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in range(4)]
+    source = PromptSource([{"prompt": c, "answer": f"w{i}"} for i, c in enumerate(chats)],
+                          batch_size=4, shuffle=False, repeat=2, tokenizer=str(model_dir))
+    prompts = next(iter(source))
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy, reward = await asyncio.gather(
+                ctl.spawn(Policy, {"path": str(model_dir)}, None,
+                          {"max_new_tokens": 3, "temperature": 1.0}, nprocs=2, name="policy"),
+                ctl.spawn(RewardFn, echo_reward, tokenizer=str(model_dir), name="reward"))
+            pids = group_pids(policy) + group_pids(reward)
+            rollout = policy.generate(prompts)
+            return await rollout, await reward.score(rollout), pids
+    rollout, scores, pids = run(main(), timeout=240)
+    assert_gone(pids)
+    assert rollout["raw_prompt"] == [c for c in chats for _ in range(2)]
+    words = WORDS[3:]  # what the reward saw: the rollout's tokens as text, no special tokens
+    want = [float(len([t for t, m in zip(ids, mask, strict=True) if m and WORDS[t] in words]))
+            for ids, mask in zip(rollout["response_ids"].tolist(),
+                                 rollout["response_mask"].tolist(), strict=True)]
+    assert scores["reward"].tolist() == want and sum(want) > 0
+
+
+def echo_reward(prompt, response, answer, raw_prompt):
+    """The number of words in the response text, once the prompt's text checks out."""
+    assert prompt.startswith(f"user {raw_prompt[0]['content']}"), (prompt, raw_prompt)
+    return float(len(response.split()))

@@ -220,7 +220,7 @@ def trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, head: str) -> torc
     if train_cfg.gradient_checkpointing:
         lm: Any = model.model if isinstance(model, ValueModel) else model  # the HF model
         kwargs = {"use_reentrant": False}
-        if hasattr(lm, "activation_checkpointing_enable"):  # newer transformers (the old name warns)
+        if hasattr(lm, "activation_checkpointing_enable"):  # newer transformers: the old warns
             lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -54,8 +54,9 @@ def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
     for i, p in enumerate(batch["prompt"]):
         if isinstance(p, str | bytes) or not all(isinstance(t, int) for t in p):
             raise TypeError(f"generate: prompt {i} is {str(p)[:40]!r}, not a list of token "
-                            f"ids; the engines take token ids: tokenize the records first "
-                            f"(as examples/next_digit.py's records() does)")
+                            f"ids; the engines take token ids: give the prompt source a "
+                            f"tokenizer (PromptSource(..., tokenizer=DIR)) or tokenize the "
+                            f"records first")
     prompts = [list(p) for p in batch["prompt"]]
     seeds = [int(s) for s in batch["seed"]]
     return prompts, seeds

@@ -7,11 +7,17 @@ stopped and resumed sees the same prompts in the same order.
 With `repeat=k` each record appears k times in a row (a GRPO group: k samples of one
 prompt), and a "seed" column gives every sample its own sampling seed, derived from the
 source's seed and the sample's place in the data (the same in a resumed run).
+
+With `tokenizer=` (a local directory or a tokenizer), prompts may be text or chat messages,
+as verl's parquet files hold them: each record's `prompt_key` becomes "prompt" (token ids:
+chats through the chat template, the assistant's turn opened) and "raw_prompt" (as given).
+`max_prompt_length` drops the records whose prompt has more tokens, and says how many.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -20,6 +26,9 @@ from typing import Any
 import torch
 
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.rl.tokens import load_tokenizer, prompt_ids
+
+log = logging.getLogger("asyncrl")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -94,9 +103,54 @@ def _read_records(data: Sequence[dict[str, Any]]
     return records, "the given sequence", locate
 
 
+def _tokenized(records: list[dict[str, Any]], keys: list[str], tokenizer: Any, prompt_key: str,
+               where: str, locate: Callable[[int], str]) -> list[dict[str, Any]]:
+    """The records with their `prompt_key` as token ids under "prompt", as given under
+    "raw_prompt"."""
+    if prompt_key not in keys:
+        raise ValueError(f"records of {where} have no {prompt_key!r} key (they have {keys}); "
+                         f"name the key that holds the prompt with prompt_key=")
+    taken = [k for k in ("raw_prompt", "prompt") if k in keys and k != prompt_key]
+    if taken:
+        raise ValueError(f"records of {where} have a {taken[0]!r} key, where PromptSource puts "
+                         f"the tokenized prompt ('prompt') and the prompt as given "
+                         f"('raw_prompt'): rename that key")
+    tok = load_tokenizer(tokenizer)
+    out = []
+    for i, r in enumerate(records):
+        r = dict(r)
+        raw = r.pop(prompt_key)
+        r["prompt"], r["raw_prompt"] = prompt_ids(tok, raw, locate(i)), raw
+        out.append(r)
+    return out
+
+
+def _short_enough(records: list[dict[str, Any]], limit: int, where: str,
+                  locate: Callable[[int], str]) -> list[dict[str, Any]]:
+    """The records whose prompt has at most `limit` tokens (verl's filter_overlong_prompts)."""
+    for i, r in enumerate(records):
+        if not isinstance(r.get("prompt"), list):
+            raise ValueError(f"max_prompt_length counts the token ids of 'prompt', but "
+                             f"{locate(i)} has {str(r.get('prompt'))[:40]!r}; give token ids, "
+                             f"or text with tokenizer=")
+    kept = [r for r in records if len(r["prompt"]) <= limit]
+    if len(kept) < len(records):
+        longest = max(len(r["prompt"]) for r in records)
+        if not kept:
+            raise ValueError(f"every prompt of {where} is longer than max_prompt_length="
+                             f"{limit} tokens (the shortest: "
+                             f"{min(len(r['prompt']) for r in records)}); raise the limit")
+        log.warning("asyncrl: %d of the %d prompts of %s are longer than max_prompt_length=%d "
+                    "tokens (the longest: %d) and are left out", len(records) - len(kept),
+                    len(records), where, limit, longest)
+    return kept
+
+
 class PromptSource:
     def __init__(self, data: str | os.PathLike | Sequence[dict[str, Any]], *, batch_size: int,
-                 seed: int = 0, shuffle: bool = True, epochs: int | None = 1, repeat: int = 1):
+                 seed: int = 0, shuffle: bool = True, epochs: int | None = 1, repeat: int = 1,
+                 tokenizer: Any = None, prompt_key: str = "prompt",
+                 max_prompt_length: int | None = None):
         for name, value in (("batch_size", batch_size), ("repeat", repeat)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PromptSource: {name} must be an int >= 1, got {value!r}")
@@ -120,6 +174,14 @@ class PromptSource:
         if "seed" in keys:
             raise ValueError(f"records of {where} have a 'seed' key; PromptSource adds the "
                              f"sampling seeds itself: rename that key")
+        if tokenizer is not None:
+            records = _tokenized(records, keys, tokenizer, prompt_key, where, locate)
+            keys = sorted(records[0])
+        elif prompt_key != "prompt":
+            raise ValueError(f"prompt_key={prompt_key!r} names the key to tokenize: give "
+                             f"tokenizer= too (the engines read token ids from 'prompt')")
+        if max_prompt_length is not None:
+            records = _short_enough(records, max_prompt_length, where, locate)
         self.records, self.keys = records, keys
         self.batch_size, self.seed, self.shuffle, self.epochs = batch_size, seed, shuffle, epochs
         self.repeat = repeat

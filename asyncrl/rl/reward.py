@@ -4,7 +4,10 @@
 `score(batch)` takes what generation returned (the prompt records' columns pass through it):
 the list column "prompt" (whatever the prompt source holds), the response token ids
 (response_ids cut by response_mask) and every other list column as keyword meta (an
-"answer", say). Both return {"reward": [B]}."""
+"answer", say; "raw_prompt" when the prompt source tokenized text). With
+`RewardFn(fn, tokenizer=DIR)` the function reads text instead: the response and a prompt of
+token ids decoded, special tokens left out (verl's solution_str). Both return
+{"reward": [B]}."""
 
 from __future__ import annotations
 
@@ -56,16 +59,22 @@ class RewardModel(Worker):
         return TensorBatch({"reward": values[rows, last.to(device)].float().cpu()})
 
 
-def score_rows(fn: Callable[..., float], batch: TensorBatch) -> torch.Tensor:
+def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) -> torch.Tensor:
+    """`fn` on each row; with a tokenizer `tok`, on text."""
     # as Python lists once: indexing tensors row by row costs more than most rewards do
     ids, mask = batch.tensor("response_ids").tolist(), batch.tensor("response_mask").tolist()
     prompts = batch["prompt"] if "prompt" in batch else [None] * len(batch)
     meta_keys = [k for k in batch.keys() if k not in RESERVED and isinstance(batch[k], list)]
     rewards = []
     for i in range(len(batch)):
-        response = [t for t, m in zip(ids[i], mask[i], strict=True) if m]
+        response: Any = [t for t, m in zip(ids[i], mask[i], strict=True) if m]
+        prompt = prompts[i]
+        if tok is not None:
+            response = tok.decode(response, skip_special_tokens=True)
+            if isinstance(prompt, list):
+                prompt = tok.decode(prompt, skip_special_tokens=True)
         meta = {k: batch[k][i] for k in meta_keys}
-        value = fn(prompts[i], response, **meta)
+        value = fn(prompt, response, **meta)
         if not isinstance(value, int | float) or isinstance(value, bool) or \
                 not math.isfinite(value):
             raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned "
@@ -75,13 +84,20 @@ def score_rows(fn: Callable[..., float], batch: TensorBatch) -> torch.Tensor:
 
 
 class RewardFn(Worker):
-    """A reward group running `fn` (a module-level function: it travels by reference)."""
+    """A reward group running `fn` (a module-level function: it travels by reference), on
+    token ids, or on text with `tokenizer` (a local tokenizer directory)."""
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], tokenizer: str | None = None):
+        from asyncrl.rl.tokens import load_tokenizer
+
         if not callable(fn):
             raise TypeError(f"RewardFn needs a function, got {fn!r}")
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            raise TypeError(f"RewardFn(tokenizer=) is a local tokenizer directory (its ranks "
+                            f"load it), got {type(tokenizer).__name__}")
         self.fn = fn
+        self.tok = load_tokenizer(tokenizer) if tokenizer is not None else None
 
     @register(dispatch=Dispatch.DP)
     def score(self, batch: TensorBatch) -> TensorBatch:
-        return TensorBatch({"reward": score_rows(self.fn, batch)})
+        return TensorBatch({"reward": score_rows(self.fn, batch, self.tok)})

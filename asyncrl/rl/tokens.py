@@ -1,0 +1,59 @@
+"""Text in, token ids out, and back: prompts given as text or as chat messages become the
+token ids the engines take (a chat through the tokenizer's chat template, with the
+assistant's turn opened), and rewards may read text instead of ids.
+
+A tokenizer is a local Hugging Face tokenizer directory (nothing is downloaded) or a loaded
+tokenizer object; workers on other ranks are given the directory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer from a local directory, or the tokenizer object given."""
+    if not isinstance(tokenizer, str | os.PathLike):
+        if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+            raise TypeError(f"tokenizer: give a local tokenizer directory or a Hugging Face "
+                            f"tokenizer, got {type(tokenizer).__name__}")
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(tokenizer):
+        raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} is not a directory; give "
+                                f"the local folder of a model or tokenizer (its "
+                                f"tokenizer.json or vocabulary files; nothing is downloaded)")
+    return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+
+
+def is_chat(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def prompt_ids(tok: Any, value: Any, where: str) -> list[int]:
+    """The token ids of a prompt: text (tokenized as the model's tokenizer does, its special
+    tokens added), chat messages [{"role", "content"}] (through the chat template, the
+    assistant's turn opened: add_generation_prompt), or token ids already."""
+    if isinstance(value, str):
+        return list(tok(value)["input_ids"])
+    if is_chat(value):
+        for m in value:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: chat message {m!r} needs a 'role' and a 'content' "
+                                 f"string, as {{'role': 'user', 'content': '...'}}")
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"{where} is a chat (a list of messages), but the tokenizer has "
+                             f"no chat template; give the prompt as text, or a tokenizer "
+                             f"with a chat template (an instruct model's)")
+        ids = tok.apply_chat_template(value, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # a BatchEncoding in transformers >= 5
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in value):
+        return value
+    raise ValueError(f"{where}: the prompt is {str(value)[:60]!r} ({type(value).__name__}); "
+                     f"give text, chat messages [{{'role': 'user', 'content': '...'}}] or a "
+                     f"list of token ids")
