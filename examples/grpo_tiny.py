@@ -8,13 +8,15 @@
                                         └──────────▶ reference (ref) ──────────────────┘
     rollout of step t follows train of step t-1: on-policy (the hybrid engine switches the
     actor's ranks between training and generation in place)
+    every `val_every` steps, after train: validate (greedy answers to the ten digits)
 
 Each prompt is sampled `group_size` times; each sample's advantage is its reward against its
 group's (GRPO); the KL to the reference is a loss term. metrics.jsonl has reward/mean,
 actor/kl, actor/pg_loss, actor/clipfrac, actor/grad_norm, actor/entropy,
-response_length/mean, time per node and tokens/s.
+response_length/mean, time per node and tokens/s, and val/reward every `val_every` steps.
 """
 
+import itertools
 import math
 
 import next_digit
@@ -24,7 +26,7 @@ from asyncrl.rl import Actor, PromptSource, Reference, RewardFn
 
 cfg = asyncrl.config(steps=60, lr=3e-3, prompts=16, group_size=8, kl_coef=1e-3, seed=0,
                      actor_procs=2, backend="fsdp2", model_path=None, max_new_tokens=2,
-                     restarts=3)
+                     restarts=3, val_every=20)
 tok = next_digit.tokenizer(cfg["model_path"])
 model = next_digit.model(tok, cfg["model_path"], cfg["seed"])
 
@@ -71,4 +73,19 @@ def train(rollout, score, reference):
     return actor.update(rollout, score, reference)
 
 
-flow = asyncrl.DataFlow(nodes=[rollout, score, reference, train], inputs={"prompts": prompts})
+# validation, as verl's test_freq: each digit once, answered greedily (the actor's calls run
+# in order: after this step's update)
+val_prompts = next(iter(PromptSource(next_digit.records(tok, copies=1), batch_size=10,
+                                     shuffle=False)))
+
+
+@asyncrl.node
+async def validate(step, train):
+    if (step + 1) % cfg["val_every"]:
+        return {}
+    answers = actor.generate(val_prompts, sampling={"temperature": 0})
+    return {"val/reward": float((await rewards.score(answers))["reward"].double().mean())}
+
+
+flow = asyncrl.DataFlow(nodes=[rollout, score, reference, train, validate],
+                        inputs={"prompts": prompts, "step": itertools.count()})

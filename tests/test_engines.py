@@ -65,8 +65,37 @@ def test_seeds_stop_tokens_temperature_and_top_p():
     assert kept == [True, True, False, False]  # 0.64 < 0.7: the second token is kept too
     with pytest.raises(ValueError, match="one seed per sample"):
         engine.generate(PROMPTS, seeds=[1])
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        SamplingConfig(temperature=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0 \\(0: greedy decoding\\)"):
+        SamplingConfig(temperature=-1)
+
+
+def test_temperature_zero_decodes_greedily_as_transformers_does():
+    """Greedy (validation): the most likely token at each step, whatever the seeds, as
+    transformers' generate(do_sample=False); log-probs at temperature 1, which the batch's
+    meta says (as vLLM reports them for greedy requests)."""
+    from asyncrl.hybrid.sampler import with_overrides
+
+    model = build_model(ModelConfig(seed=6))
+    engine = Sampler(model, SamplingConfig(max_new_tokens=8, temperature=0.7))
+    greedy = with_overrides(engine.config, {"temperature": 0})
+    assert (greedy.temperature, greedy.max_new_tokens, engine.config.temperature) == (0, 8, 0.7)
+    out = engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=greedy)
+    again = engine.generate(PROMPTS, seeds=[9, 8, 7, 6], config=greedy)
+    assert torch.equal(out["response_ids"], again["response_ids"])
+    for i, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+        assert out["response_ids"][i].tolist() == want[0, len(prompt):].tolist()
+    forward = sequence_logprobs(model, out["prompt_ids"], out["prompt_mask"],
+                                out["response_ids"], out["response_mask"], temperature=1.0)
+    assert (forward - out["logprobs"]).abs().max().item() < 1e-5
+    assert out.meta["temperature"] == 1.0
+    with pytest.raises(ValueError, match=r"\['temp'\] are not sampling settings; they are "
+                                         r"\['max_new_tokens', 'pad_token_id'"):
+        with_overrides(engine.config, {"temp": 0})
+    with pytest.raises(ValueError, match="top_p must be in"):
+        with_overrides(engine.config, {"top_p": 0})
 
 
 def test_sampling_follows_the_distribution_and_depends_on_seed_and_step_only():
@@ -285,16 +314,22 @@ def test_roles_generate_with_vllm_from_a_checkpoint_and_keep_its_weights(tmp_pat
             trained = [await on_vllm.generate(batch), await builtin.generate(batch)]
             synced = await rollout.load_weights(builtin.sync_pack())
             from_rollout = await rollout.generate(batch)
+            # greedy for one call (validation), whatever the seeds, on each engine
+            reseeded = TensorBatch({"prompt": batch["prompt"], "seed": [7, 5, 3, 1]})
+            greedy = [await on_vllm.generate(batch, {"temperature": 0}),
+                      await builtin.generate(reseeded, {"temperature": 0}),
+                      await rollout.generate(batch, sampling={"temperature": 0,
+                                                              "max_new_tokens": 3})]
             await rollout.save_checkpoint(str(tmp_path / "saved"))
             await rollout.load_weights(other, version=9)
             changed = await rollout.generate(batch)
             await rollout.load_checkpoint(str(tmp_path / "saved"))
             restored = await rollout.generate(batch)
             return first, trained, synced, from_rollout, changed, restored, pids, \
-                (list(on_vllm.pids.values()), list(rollout.pids.values()))
+                (list(on_vllm.pids.values()), list(rollout.pids.values())), greedy
     other = {k: v.detach() for k, v in build_model(ModelConfig(seed=7)).named_parameters()}
-    first, trained, synced, from_rollout, changed, restored, pids, (hybrid, separate) = \
-        run(main(), timeout=300)
+    first, trained, synced, from_rollout, changed, restored, pids, (hybrid, separate), \
+        greedy = run(main(), timeout=300)
     assert_gone(pids)
     calls = {int(f.stem): [json.loads(line) for line in f.read_text().splitlines()]
              for f in (tmp_path / "calls").iterdir()}
@@ -316,6 +351,11 @@ def test_roles_generate_with_vllm_from_a_checkpoint_and_keep_its_weights(tmp_pat
     assert changed["versions"][changed["response_mask"].bool()].eq(9).all()
     assert torch.equal(restored["response_ids"], from_rollout["response_ids"])
     assert restored["versions"][restored["response_mask"].bool()].eq(1).all()
+    assert torch.equal(greedy[0]["response_ids"], greedy[1]["response_ids"])
+    assert torch.equal(greedy[2]["response_ids"], greedy[1]["response_ids"][:, :3])
+    assert not torch.equal(greedy[1]["response_ids"], trained[1]["response_ids"])  # sampled
+    assert [g.meta["temperature"] for g in greedy] == [1.0, 1.0, 1.0]
+    assert changed.meta["temperature"] == 0.8  # the rollout's next call samples as before
 
 
 def test_engine_choices_are_checked_before_anything_is_built():

@@ -20,8 +20,9 @@ def learned(row: dict) -> dict:
 
 
 # 5 prompts x 3 samples = 15 rows: two ranks get 8 and 7 (+1 padding row), and a group
-# straddles them, so comparing layouts checks the padding and the cross-rank advantages
-SMALL = ("prompts=5", "group_size=3")
+# straddles them, so comparing layouts checks the padding and the cross-rank advantages;
+# validation after step 1
+SMALL = ("prompts=5", "group_size=3", "val_every=2")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,10 @@ def test_grpo_flow_on_two_ranks_equals_one_rank_and_lr0_stays_put(tmp_path, two)
     frozen = launch_example("grpo_tiny.py", tmp_path / "lr0", 3, *small, "lr=0")
     assert all(r["actor/kl"] == 0 for r in frozen)
     assert frozen[moved[0]]["actor/grad_norm"] > 0  # gradients, but no step
+    # validation: greedy answers to the ten digits after step 1, those of the initial model
+    # when nothing is learned
+    assert [i for i, r in enumerate(one) if "val/reward" in r] == [1]
+    assert frozen[1]["val/reward"] == pytest.approx(initial_greedy_reward())
     assert frozen[0]["reward/mean"] == one[0]["reward/mean"]  # the same samples at step 0
     # resumes: the ZeRO test below (its resumed run must equal `two`), the PPO test (FSDP
     # actor and critic), test_checkpoint.py and test_recovery.py (this demo, a rank killed)
@@ -76,12 +81,33 @@ def test_ppo_flow_trains_actor_and_critic_side_by_side_and_resumes_exactly(tmp_p
         assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
 
 
-def test_the_example_task_rewards_only_policies_that_read_the_prompt():
+def initial_greedy_reward() -> float:
+    """The example's validation score of its untrained policy, computed here."""
+    from asyncrl.hybrid.models import ModelConfig, build_model
+    from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+
+    next_digit = example_task()
+    tok = next_digit.Vocab()
+    model = build_model(ModelConfig(**next_digit.model(tok, None, seed=0)))
+    data = next_digit.records(tok, copies=1)
+    out = Sampler(model, SamplingConfig(temperature=0, max_new_tokens=2, stop_token_ids=(
+        tok.eos,))).generate([r["prompt"] for r in data], seeds=[0] * len(data))
+    answers = [tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) for ids, mask in
+               zip(out["response_ids"].tolist(), out["response_mask"].tolist(), strict=True)]
+    return sum(next_digit.score(a, r["answer"]) for a, r in zip(answers, data, strict=True)) / 10
+
+
+def example_task():
     sys.path.insert(0, str(Path(ROOT) / "examples"))
     try:
         import next_digit
     finally:
         sys.path.pop(0)
+    return next_digit
+
+
+def test_the_example_task_rewards_only_policies_that_read_the_prompt():
+    next_digit = example_task()
     tok = next_digit.Vocab()
     data = next_digit.records(tok, copies=3)
     assert {tok.decode(r["prompt"]) for r in data} == {f"{d}>" for d in "0123456789"}

@@ -289,7 +289,7 @@ class HybridEngine:
         if moved and torch.device(device).type == "cpu" and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # host copies are only valid after it
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Any:
+    def generate(self, prompts: list[list[int]], seeds: list[int], config: Any = None) -> Any:
         if self.mode != "generate":
             raise RuntimeError("the hybrid engine is in train mode: call to_generate() first")
-        return self.engine.generate(prompts, seeds)
+        return self.engine.generate(prompts, seeds, config)

@@ -35,7 +35,7 @@ from asyncrl.hybrid.models import (
     sampled_at,
     sequence_logprobs,
 )
-from asyncrl.hybrid.sampler import SamplingConfig
+from asyncrl.hybrid.sampler import SamplingConfig, with_overrides
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
     GATHER_TO_ZERO,
@@ -115,14 +115,18 @@ class Policy(Worker):
         return self.sync_source.wait_released(timeout)
 
     @register(dispatch=Dispatch.DP)
-    def generate(self, prompts: TensorBatch) -> TensorBatch:
+    def generate(self, prompts: TensorBatch, sampling: dict[str, Any] | None = None
+                 ) -> TensorBatch:
+        """Responses to `prompts`; `sampling` changes settings for this call only (e.g.
+        {"temperature": 0} for greedy validation)."""
         if self.hybrid is None:
             raise RuntimeError(f"group {self.group_name!r} was built with hybrid=False: it only "
                                f"trains; generate on a Rollout group that receives its weights")
+        cfg = with_overrides(self.hybrid.engine.config, sampling)
         self.hybrid.to_generate()
         self.hybrid.engine.version = self.version
-        return with_prompts(self.hybrid.generate(*_prompts(prompts)), prompts,
-                            self.hybrid.engine.config.pad_token_id)
+        return with_prompts(self.hybrid.generate(*_prompts(prompts), cfg), prompts,
+                            cfg.pad_token_id)
 
     @register(dispatch=Dispatch.DP)
     def logprobs(self, batch: TensorBatch) -> TensorBatch:
@@ -198,9 +202,12 @@ class Rollout(Worker):
         self._loading = threading.Lock()
 
     @register(dispatch=Dispatch.DP)
-    def generate(self, prompts: TensorBatch) -> TensorBatch:
-        return with_prompts(self.engine.generate(*_prompts(prompts)), prompts,
-                            self.engine.config.pad_token_id)
+    def generate(self, prompts: TensorBatch, sampling: dict[str, Any] | None = None
+                 ) -> TensorBatch:
+        """As Policy.generate."""
+        cfg = with_overrides(self.engine.config, sampling)
+        return with_prompts(self.engine.generate(*_prompts(prompts), cfg), prompts,
+                            cfg.pad_token_id)
 
     @register(dispatch=ALL_RANKS, concurrent=True)
     def load_weights(self, weights: TensorBatch | dict[str, torch.Tensor],

@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -34,21 +34,33 @@ from asyncrl.hybrid.models import positions
 
 @dataclass(kw_only=True)
 class SamplingConfig:
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy (the most likely token; log-probs at temperature 1)
     top_p: float = 1.0
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"SamplingConfig.temperature must be > 0, got {self.temperature} "
-                             f"(greedy decoding: a small temperature such as 1e-4)")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0 (0: greedy decoding), "
+                             f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got "
                              f"{self.max_new_tokens}")
+
+
+def with_overrides(cfg: SamplingConfig, overrides: dict[str, Any] | None) -> SamplingConfig:
+    """`cfg` with some fields changed for one call (validation's greedy decoding, say)."""
+    if not overrides:
+        return cfg
+    known = {f.name for f in fields(SamplingConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"sampling={overrides!r}: {unknown} are not sampling settings; they "
+                         f"are {sorted(known)}")
+    return replace(cfg, **overrides)  # checked again
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,10 +181,13 @@ class Sampler:
         for step in range(n):
             if step and self.on_token is not None:
                 self.on_token(step)  # between token steps: weights may be swapped here
-            scaled = logits.float() / cfg.temperature
+            scaled = logits.float() / (cfg.temperature or 1.0)
             logp_all = F.log_softmax(scaled, -1)
-            probs = top_p_filter(scaled, cfg.top_p).softmax(-1)
-            token = sample(probs, uniforms(stream, step))
+            if cfg.temperature == 0:  # greedy (as vLLM: log-probs before any temperature)
+                token = scaled.argmax(-1)
+            else:
+                probs = top_p_filter(scaled, cfg.top_p).softmax(-1)
+                token = sample(probs, uniforms(stream, step))
             token = torch.where(alive, token, torch.full_like(token, cfg.pad_token_id))
             out_ids[:, step] = token
             out_mask[:, step] = alive.long()
@@ -194,7 +209,7 @@ class Sampler:
         return TensorBatch({"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
                             "response_ids": out_ids.cpu(), "response_mask": out_mask.cpu(),
                             "logprobs": out_logp.cpu(), "versions": out_version},
-                           {"temperature": cfg.temperature})
+                           {"temperature": cfg.temperature or 1.0})
 
     def _match(self, named: Iterable[tuple[str, torch.Tensor]],
                what: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

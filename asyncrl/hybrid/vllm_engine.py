@@ -156,7 +156,7 @@ class VLLMEngine:
         versions = torch.where(mask.bool(), version, -1)
         return TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                             "response_ids": ids, "response_mask": mask, "logprobs": logp,
-                            "versions": versions}, {"temperature": cfg.temperature})
+                            "versions": versions}, {"temperature": cfg.temperature or 1.0})
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:
