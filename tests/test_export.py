@@ -5,25 +5,26 @@ paths and groups that are not one."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from helpers import WORDS, assert_gone, cli, group_pids, run, word_tokenizer
 
 import asyncrl
-from asyncrl.hybrid.export import export
+from asyncrl.hybrid.export import export, save_model_files
 from asyncrl.hybrid.models import ModelConfig, build_model, tiny_gpt2
 from asyncrl.hybrid.roles import Policy
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
 
 def local_model(folder):
-    """A tiny GPT-2 (tied embeddings, dropout 0.1 as GPT-2 has it) with a word tokenizer, as
-    a user's local checkpoint directory."""
+    """A tiny GPT-2 in bf16 (tied embeddings, dropout 0.1 as GPT-2 has it) with a word
+    tokenizer and a chat template, as a user's local checkpoint directory."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_gpt2()).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(tiny_gpt2()).to(torch.bfloat16).save_pretrained(folder)
     return word_tokenizer(folder)
 
 
@@ -53,27 +54,33 @@ def trained_checkpoint(run_dir, model_cfg: dict, **spawn) -> dict:
 
 
 def test_a_trained_fsdp2_policy_exports_as_the_model_it_started_from(tmp_path):
+    """A bf16 checkpoint trained in fp32 comes back in bf16, its config as given (training
+    turns dropout off), embeddings tied, with its tokenizer: from the run's checkpoint
+    alone, the source directory gone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = local_model(tmp_path / "source")
+    before = AutoModelForCausalLM.from_pretrained(source, local_files_only=True).state_dict()
     trained = trained_checkpoint(tmp_path / "run", {"path": str(source)})
+    shutil.rmtree(source)
     out = cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
-    assert "group 'actor'" in out.stdout and "float32" in out.stdout
+    assert "group 'actor'" in out.stdout and "in bfloat16" in out.stdout
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True,
+                                                 dtype="auto")
     exported = model.state_dict()
-    assert set(exported) == set(trained)
-    assert all(torch.equal(exported[k], trained[k]) for k in trained)
-    before = AutoModelForCausalLM.from_pretrained(source, local_files_only=True).state_dict()
-    assert any(not torch.equal(before[k], trained[k]) for k in trained)  # it did train
-    # the model as given (training turns dropout off), its embeddings still tied, and the
-    # source's tokenizer beside it
+    assert set(exported) == set(trained) and model.dtype == torch.bfloat16
+    assert all(torch.equal(exported[k], trained[k].to(torch.bfloat16)) for k in trained)
+    assert any(not torch.equal(before[k], exported[k]) for k in trained)  # it did train
     assert model.config.resid_pdrop == 0.1 and model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert tok("w3 w7").input_ids == [WORDS.index("w3"), WORDS.index("w7")]
     assert tok.eos_token == "</s>" and tok.chat_template
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []
+    assert oct((tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777) == \
+        oct((tmp_path / "hf" / "config.json").stat().st_mode & 0o777)
 
 
 @pytest.mark.timeout(600)
@@ -102,7 +109,7 @@ def policy_folder(checkpoint, group: str, model: bool = True) -> None:
     folder.mkdir(parents=True)
     torch.save({"version": 1}, folder / "actor.pt")
     if model:
-        (folder / "model.json").write_text(json.dumps({"preset": "tiny-llama"}))
+        save_model_files(folder, ModelConfig(preset="tiny-llama"))
 
 
 def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
@@ -126,7 +133,7 @@ def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
         export(tmp_path / "run", tmp_path / "out", group="critic")
     with pytest.raises(ValueError, match="'ref' is not in it"):
         export(tmp_path / "run", tmp_path / "out", group="ref")
-    with pytest.raises(ValueError, match="has no model.json"):
+    with pytest.raises(ValueError, match="has no model.json or hf/config.json"):
         export(tmp_path / "run", tmp_path / "out", group="student")
     with pytest.raises(ValueError, match="'int8' is not a floating torch dtype"):
         export(tmp_path / "run", tmp_path / "out", group="actor", dtype="int8")
@@ -147,3 +154,4 @@ def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
     out = cli("export", str(tmp_path / "run"), str(tmp_path / "out"), "--group", "actor")
     assert out.returncode == 1 and "exists and is not an empty folder" in out.stderr
     assert kept.read_text() == "keep me" and not (tmp_path / "out" / "config.json").exists()
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []

@@ -243,6 +243,18 @@ class AnyTrainer(asyncrl.Worker):
 
             self.backend = ZeroBackend(ModelConfig(**model_cfg), TrainConfig(**train_cfg),
                                        stage=int(kind[-1]))
+        from asyncrl.hybrid.fsdp import decoder_layers
+
+        self.mlp_runs = 0  # the layers' MLPs started: twice per forward when recomputed
+        for layer in decoder_layers(self.backend.model):
+            layer.mlp.register_forward_pre_hook(self._count)
+
+    def _count(self, *_) -> None:
+        self.mlp_runs += 1
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def runs(self) -> int:
+        return self.mlp_runs
 
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
     def step(self, batch: TensorBatch) -> dict:
@@ -331,9 +343,9 @@ def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
     """Five steps of batches of 8, 4, 8, 6 and 8 rows (2, 1, 2, 2 and 2 micro-batches per
     rank: DeepSpeed must step at each step's last micro-batch, whatever the last count),
     under one learning-rate schedule (warmup, then cosine: each backend steps it once per
-    optimizer step). FSDP2 again and ZeRO-3 recompute their layers' activations
-    (gradient_checkpointing): FSDP2 gathers a layer's shards for its backward, ZeRO-3 for the
-    recomputation too."""
+    optimizer step). FSDP2 and ZeRO-3 again, recomputing their layers' activations
+    (gradient_checkpointing): every layer runs again in each backward, with its shards
+    gathered for it."""
     pytest.importorskip("deepspeed")
     from asyncrl.hybrid.fsdp import lr_factor
 
@@ -345,25 +357,28 @@ def test_fsdp2_and_zero2_zero3_losses_agree_for_five_steps():
 
     async def main():
         async with asyncrl.Controller() as ctl:
-            losses, lrs, pids = {}, {}, []
-            for name in ("fsdp2", "fsdp2_ckpt", "zero2", "zero3"):
-                kind, ckpt = name.removesuffix("_ckpt"), name in ("fsdp2_ckpt", "zero3")
+            losses, lrs, runs, pids = {}, {}, {}, []
+            for name in ("fsdp2", "fsdp2_ckpt", "zero2", "zero3", "zero3_ckpt"):
+                kind, ckpt = name.removesuffix("_ckpt"), name.endswith("_ckpt")
                 group = await ctl.spawn(AnyTrainer, kind, model_cfg,
                                         {**train_cfg, "gradient_checkpointing": ckpt},
                                         nprocs=2, name=name)
                 pids += group_pids(group)
                 steps = [(await group.step(batch.slice(0, n)))[0] for n in sizes]
                 losses[name], lrs[name] = [s["loss"] for s in steps], [s["lr"] for s in steps]
-                if kind == "zero3":  # state dict out and in: the next step starts from it
+                runs[name] = await group.runs()
+                if name == "zero3":  # state dict out and in: the next step starts from it
                     w = (await group.weights())[0]
                     assert all(await group.reload(w))
                     assert all(torch.equal(w[k], v) for k, v in (await group.weights())[0].items())
                 await ctl.close_group(group)
-            return losses, lrs, pids
-    losses, lrs, pids = run(main(), timeout=280)
+            return losses, lrs, runs, pids
+    losses, lrs, runs, pids = run(main(), timeout=280)
     assert_gone(pids)
-    assert losses["fsdp2_ckpt"] == pytest.approx(losses["fsdp2"], rel=1e-6)  # recomputed
-    for kind in ("zero2", "zero3"):
+    # 9 micro-batches on rank 0 through 2 layers; recomputed in each backward when asked
+    assert runs == {"fsdp2": 18, "fsdp2_ckpt": 36, "zero2": 18, "zero3": 18, "zero3_ckpt": 36}
+    assert losses["fsdp2_ckpt"] == pytest.approx(losses["fsdp2"], rel=1e-6)
+    for kind in ("zero2", "zero3", "zero3_ckpt"):
         for got, want in zip(losses[kind], losses["fsdp2"], strict=True):
             assert abs(got - want) <= 1e-4 * abs(want), (kind, losses)
     assert losses["fsdp2"][-1] < losses["fsdp2"][0]

@@ -102,8 +102,14 @@ def test_prompts_longer_than_the_limit_are_left_out_and_counted(tmp_path, caplog
 
 
 def test_prompts_a_tokenizer_cannot_take_are_refused_naming_the_record(tmp_path):
+    from transformers import AutoTokenizer
+
     tok = str(word_tokenizer(tmp_path / "tok"))
     plain = str(word_tokenizer(tmp_path / "plain", chat=False))
+    refusing = AutoTokenizer.from_pretrained(tok, local_files_only=True)
+    refusing.chat_template = ("{% for m in messages %}{% if loop.index0 and m['role'] == "
+                              "messages[loop.index0 - 1]['role'] %}{{ raise_exception('roles "
+                              "must alternate') }}{% endif %}{{ m['content'] }} {% endfor %}")
     chat = [{"role": "user", "content": "w1"}]
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": "w1"}, {"prompt": chat}])
     cases = [
@@ -123,6 +129,17 @@ def test_prompts_a_tokenizer_cannot_take_are_refused_naming_the_record(tmp_path)
          "prompt_key='text' names the key to tokenize: give tokenizer= too"),
         (dict(data=[{"prompt": "w1"}], tokenizer=str(tmp_path / "none")),
          "tokenizer '.*none' is not a directory; give the local folder"),
+        (dict(data=[{"prompt": "w1"}, {"prompt": ""}], tokenizer=tok),
+         "record 1 of the given sequence: the prompt '' has no tokens"),
+        (dict(data=[{"prompt": []}], max_prompt_length=4),
+         "record 0 of the given sequence: the prompt \\[\\] has no tokens"),
+        (dict(data=[{"prompt": [{"role": "user", "content": "w1"}] * 2}], tokenizer=refusing),
+         "record 0 of the given sequence: the tokenizer's chat template refused this chat: "
+         "roles must alternate"),
+        (dict(data=[{"prompt": "w1"}], tokenizer=tok, max_prompt_length="512"),
+         "max_prompt_length must be an int >= 1, got '512'"),
+        (dict(data=[{"prompt": "w1"}], tokenizer=tok, max_prompt_length=0),
+         "max_prompt_length must be an int >= 1, got 0"),
     ]
     for kwargs, message in cases:
         with pytest.raises((ValueError, FileNotFoundError), match=message):

@@ -58,10 +58,10 @@ def test_reward_group_scores_rows_pulled_from_another_group():
     assert scores["reward"].tolist() == pytest.approx([1.0, 2 / 3, 0.0, 1.0])
 
 
-def says_the_answer(prompt, response, answer, raw_prompt):
-    """Text in: 1 when the response's first word is the answer; the prompt as decoded."""
-    assert isinstance(prompt, str) and isinstance(response, str)
-    return float(response.split()[:1] == [answer]) + (0.5 if raw_prompt in prompt else 0.0)
+def says_the_answer(prompt, response, answer):
+    """Text in (no raw_prompt parameter: a column it does not name is not passed): 1 when the
+    response is the answer, 0.5 more when the prompt is w1 (special tokens left out)."""
+    return float(response == answer) + (0.5 if prompt == "w1" else 0.0)
 
 
 def test_a_reward_function_reads_text_with_a_tokenizer(tmp_path):
@@ -76,6 +76,12 @@ def test_a_reward_function_reads_text_with_a_tokenizer(tmp_path):
                          "raw_prompt": ["w1", "w9"], "answer": ["w5", "w5"]})
     # special tokens left out of both; the prompt decoded from its ids
     assert score_rows(says_the_answer, batch, tok).tolist() == [1.5, 0.0]
+    seen = []
+    score_rows(lambda prompt, response, **meta: seen.append((prompt, response, meta)) or 0.0,
+               batch, tok)
+    assert seen[0] == ("w1", "w5", {"raw_prompt": "w1", "answer": "w5"})  # **meta: every one
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'solution'"):
+        score_rows(lambda prompt, response, solution: 0.0, batch, tok)
     with pytest.raises(TypeError, match=r"RewardFn\(tokenizer=\) is a local tokenizer "
                                         "directory"):
         RewardFn(says_the_answer, tokenizer=tok)

@@ -6,8 +6,11 @@ tokenizer files of the model it started from; what transformers, vLLM and SGLang
 reads a run's newest checkpoint (or the step_* folder given) in this one process, with no
 group running, as verl's model merger does: an FSDP2 checkpoint with
 torch.distributed.checkpoint (whatever its layout: dp, tp), a ZeRO-2/3 one with DeepSpeed's
-zero_to_fp32. The weights are those training steps (its fp32 masters under ZeRO), in the
-model's dtype or `dtype`. A Policy (an Actor) notes its model in MODEL_FILE beside them.
+zero_to_fp32. The weights are those training steps (its fp32 masters under ZeRO), in
+`dtype`, else the source checkpoint's dtype, else the one it trained in. A Policy (an Actor)
+writes what else an export needs into each checkpoint: its ModelConfig (MODEL_FILE), the
+model's config and its source's tokenizer files (HF_FOLDER), so that neither the source
+directory nor the flow file is needed again.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ import torch
 from asyncrl.hybrid.models import ModelConfig, hf_config
 
 MODEL_FILE = "model.json"  # the group's ModelConfig, in its checkpoint folder
+HF_FOLDER = "hf"  # beside it: the model's config.json and its tokenizer files
 POLICY_FILE = "actor.pt"  # what a Policy's checkpoint holds besides its trainer's state
 # a source checkpoint's files that travel with the weights (tokenizers, chat templates)
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
@@ -32,8 +37,20 @@ TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json",
                    "generation_config.json")
 
 
-def save_model_config(folder: Path, cfg: ModelConfig) -> None:
-    (folder / MODEL_FILE).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+def save_model_files(folder: Path, cfg: ModelConfig) -> None:
+    """What an export needs besides the weights, into a Policy's checkpoint folder: the
+    ModelConfig (MODEL_FILE) and, in HF_FOLDER, the model's config as given and its source's
+    tokenizer files (so the export needs neither the source directory nor the flow file)."""
+    given = dataclasses.asdict(cfg)
+    if cfg.path is not None:
+        given["path"] = os.path.abspath(cfg.path)
+    (folder / MODEL_FILE).write_text(json.dumps(given, indent=1))
+    hf = folder / HF_FOLDER
+    hf_config(cfg, dropout_off=False).save_pretrained(hf)  # dropout and all
+    if cfg.path is not None:  # its tokenizer, chat template and generation settings
+        for pattern in TOKENIZER_FILES:
+            for file in Path(cfg.path).glob(pattern):
+                shutil.copy2(file, hf / file.name)
 
 
 def checkpoint_folder(path: Path) -> Path:
@@ -74,10 +91,11 @@ def pick_group(checkpoint: Path, group: str | None) -> Path:
             else "is not in it"
         raise ValueError(f"group {group!r} {what}; the groups in {checkpoint}: {held}, of "
                          f"which policies (Policy, Actor): {policies}")
-    if not (folder / MODEL_FILE).is_file():
-        raise ValueError(f"{folder} has no {MODEL_FILE} (checkpoints written before session "
-                         f"16 do not name their model); resume the run for one step with "
-                         f"this version to write a checkpoint that does")
+    if not (folder / MODEL_FILE).is_file() or not (folder / HF_FOLDER / "config.json").is_file():
+        raise ValueError(f"{folder} has no {MODEL_FILE} or {HF_FOLDER}/config.json "
+                         f"(checkpoints written before session 16 do not describe their "
+                         f"model); resume the run for one step with this version to write a "
+                         f"checkpoint that does")
     return folder
 
 
@@ -106,24 +124,22 @@ def trained_weights(folder: Path) -> dict[str, torch.Tensor]:
 def export(path: Path, out: Path, group: str | None = None,
            dtype: str | None = None) -> dict[str, Any]:
     """Write the policy of checkpoint (or run directory) `path` as a Hugging Face model
-    directory `out` (new or empty: nothing is overwritten); what was written."""
+    directory `out` (new or empty: nothing is overwritten) in `dtype` (default: the source
+    checkpoint's, else the one it trained in); what was written."""
     # transformers imports DeepSpeed where it is installed, which guesses its accelerator
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = Path(out)
+    out = Path(out).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder: export writes a new "
                               f"one (nothing is overwritten); give another path")
     checkpoint = checkpoint_folder(path)
     folder = pick_group(checkpoint, group)
     cfg = ModelConfig(**json.loads((folder / MODEL_FILE).read_text()))
-    target = getattr(torch, dtype or cfg.dtype, None)
-    if not isinstance(target, torch.dtype) or not target.is_floating_point:
-        raise ValueError(f"dtype {dtype!r} is not a floating torch dtype (float32, bfloat16, "
-                         f"float16)")
+    config = AutoConfig.from_pretrained(folder / HF_FOLDER, local_files_only=True)
+    target = _dtype(dtype, config, cfg)
     weights = trained_weights(folder)
-    config = hf_config(cfg, dropout_off=False)  # as the model was given, dropout and all
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=target)
     missing = _needed(model) - set(weights)
@@ -132,27 +148,43 @@ def export(path: Path, out: Path, group: str | None = None,
         raise ValueError(f"{folder}: the checkpoint's weights do not fit the model of "
                          f"{MODEL_FILE}: missing {sorted(missing)[:5]}, unexpected "
                          f"{sorted(unexpected)[:5]}")
-    model.load_state_dict({k: v.to(target) for k, v in weights.items()}, strict=False,
-                          assign=True)
+    for name in list(weights):  # one tensor at a time: never two copies of the model
+        value = weights.pop(name)
+        weights[name] = value.to(target) if value.is_floating_point() else value
+    model.load_state_dict(weights, strict=False, assign=True)
+    del weights
     model.tie_weights()  # a tied name the checkpoint left out shares its twin's tensor
-    tmp = out.with_name(f".{out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
-    if cfg.path is not None:  # its tokenizer, chat template and generation settings
-        for pattern in TOKENIZER_FILES:
-            for file in Path(cfg.path).glob(pattern):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        model.save_pretrained(tmp)
+        for file in (folder / HF_FOLDER).iterdir():  # the tokenizer's files, if any
+            if file.name != "config.json":
                 shutil.copy2(file, tmp / file.name)
-    # safetensors writes its file owner-only: every file as config.json (the umask's mode)
-    mode = (tmp / "config.json").stat().st_mode & 0o777
-    for file in tmp.iterdir():
-        file.chmod(mode)
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    os.replace(tmp, out)
+        # safetensors writes its file owner-only: every file as config.json (the umask's)
+        mode = (tmp / "config.json").stat().st_mode & 0o777
+        for file in tmp.iterdir():
+            file.chmod(mode)
+        tmp.chmod(mode | (mode & 0o444) >> 2)  # mkdtemp's is owner-only: x where r
+        os.replace(tmp, out)  # onto an empty folder, or none
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return {"out": str(out), "checkpoint": str(checkpoint), "group": folder.name,
             "parameters": sum(p.numel() for p in model.parameters()),
             "dtype": str(target).removeprefix("torch.")}
+
+
+def _dtype(asked: str | None, config: Any, cfg: ModelConfig) -> torch.dtype:
+    """The export's dtype: the one asked for, else the source checkpoint's (its config), else
+    the one the model trained in."""
+    source = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = asked or (str(source).removeprefix("torch.") if source else cfg.dtype)
+    target = getattr(torch, name, None)
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a floating torch dtype (float32, bfloat16, "
+                         f"float16)")
+    return target
 
 
 def _needed(model: torch.nn.Module) -> set[str]:

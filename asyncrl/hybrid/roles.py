@@ -26,7 +26,7 @@ from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
-from asyncrl.hybrid.export import POLICY_FILE, save_model_config
+from asyncrl.hybrid.export import POLICY_FILE, save_model_files
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
 from asyncrl.hybrid.models import (
     ModelConfig,
@@ -177,7 +177,7 @@ class Policy(Worker):
         self.backend.save(folder / "train")
         if self.rank == 0:
             torch.save({"version": self.version}, folder / POLICY_FILE)
-            save_model_config(folder, self.model_cfg)
+            save_model_files(folder, self.model_cfg)
 
     def load_state(self, folder: Path) -> None:
         self.to_train()

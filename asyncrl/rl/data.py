@@ -133,6 +133,9 @@ def _short_enough(records: list[dict[str, Any]], limit: int, where: str,
             raise ValueError(f"max_prompt_length counts the token ids of 'prompt', but "
                              f"{locate(i)} has {str(r.get('prompt'))[:40]!r}; give token ids, "
                              f"or text with tokenizer=")
+        if not r["prompt"]:
+            raise ValueError(f"{locate(i)}: the prompt [] has no tokens; generation needs at "
+                             f"least one")
     kept = [r for r in records if len(r["prompt"]) <= limit]
     if len(kept) < len(records):
         longest = max(len(r["prompt"]) for r in records)
@@ -151,7 +154,9 @@ class PromptSource:
                  seed: int = 0, shuffle: bool = True, epochs: int | None = 1, repeat: int = 1,
                  tokenizer: Any = None, prompt_key: str = "prompt",
                  max_prompt_length: int | None = None):
-        for name, value in (("batch_size", batch_size), ("repeat", repeat)):
+        for name, value in (("batch_size", batch_size), ("repeat", repeat),
+                            ("max_prompt_length", 1 if max_prompt_length is None
+                             else max_prompt_length)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PromptSource: {name} must be an int >= 1, got {value!r}")
         if isinstance(data, str | os.PathLike):

@@ -3,14 +3,16 @@
 
 `score(batch)` takes what generation returned (the prompt records' columns pass through it):
 the list column "prompt" (whatever the prompt source holds), the response token ids
-(response_ids cut by response_mask) and every other list column as keyword meta (an
-"answer", say; "raw_prompt" when the prompt source tokenized text). With
+(response_ids cut by response_mask) and the other list columns as keyword meta (an "answer",
+say; "raw_prompt" when the prompt source tokenized text): those `fn` names, or all of them
+when it takes **meta. With
 `RewardFn(fn, tokenizer=DIR)` the function reads text instead: the response and a prompt of
 token ids decoded, special tokens left out (verl's solution_str). Both return
 {"reward": [B]}."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -59,12 +61,26 @@ class RewardModel(Worker):
         return TensorBatch({"reward": values[rows, last.to(device)].float().cpu()})
 
 
+def taken_by(fn: Callable[..., Any], keys: list[str]) -> list[str]:
+    """The keys `fn` takes as keywords: all of them if it has **kwargs, else those it names
+    (a column added upstream, such as raw_prompt, does not break a function that ignores
+    it; one it names and the batch lacks still fails, naming it)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: give it everything
+        return keys
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return keys
+    return [k for k in keys if k in params]
+
+
 def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) -> torch.Tensor:
     """`fn` on each row; with a tokenizer `tok`, on text."""
     # as Python lists once: indexing tensors row by row costs more than most rewards do
     ids, mask = batch.tensor("response_ids").tolist(), batch.tensor("response_mask").tolist()
     prompts = batch["prompt"] if "prompt" in batch else [None] * len(batch)
-    meta_keys = [k for k in batch.keys() if k not in RESERVED and isinstance(batch[k], list)]
+    meta_keys = taken_by(fn, [k for k in batch.keys()
+                              if k not in RESERVED and isinstance(batch[k], list)])
     rewards = []
     for i in range(len(batch)):
         response: Any = [t for t, m in zip(ids[i], mask[i], strict=True) if m]

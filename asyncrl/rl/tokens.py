@@ -35,7 +35,15 @@ def is_chat(value: Any) -> bool:
 def prompt_ids(tok: Any, value: Any, where: str) -> list[int]:
     """The token ids of a prompt: text (tokenized as the model's tokenizer does, its special
     tokens added), chat messages [{"role", "content"}] (through the chat template, the
-    assistant's turn opened: add_generation_prompt), or token ids already."""
+    assistant's turn opened: add_generation_prompt), or token ids already; never none."""
+    ids = _ids(tok, value, where)
+    if not ids:
+        raise ValueError(f"{where}: the prompt {value!r} has no tokens; generation needs at "
+                         f"least one")
+    return ids
+
+
+def _ids(tok: Any, value: Any, where: str) -> list[int]:
     if isinstance(value, str):
         return list(tok(value)["input_ids"])
     if is_chat(value):
@@ -47,7 +55,11 @@ def prompt_ids(tok: Any, value: Any, where: str) -> list[int]:
             raise ValueError(f"{where} is a chat (a list of messages), but the tokenizer has "
                              f"no chat template; give the prompt as text, or a tokenizer "
                              f"with a chat template (an instruct model's)")
-        ids = tok.apply_chat_template(value, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tok.apply_chat_template(value, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja's TemplateError: "roles must alternate", say
+            raise ValueError(f"{where}: the tokenizer's chat template refused this chat: "
+                             f"{e}") from None
         if not isinstance(ids, list):  # a BatchEncoding in transformers >= 5
             ids = ids["input_ids"]
         return [int(t) for t in ids]
