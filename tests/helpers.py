@@ -127,8 +127,10 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return sorted((e.step, e.value) for e in acc.Scalars(tag))
 
 
-# a word-level vocabulary of 128 (the tiny presets' size): specials, chat roles, w0..w121
-WORDS = ["<pad>", "<s>", "</s>", "user", "assistant", "system", *(f"w{i}" for i in range(122))]
+# a word-level vocabulary of 128 (the tiny presets' size): specials, chat roles, a final
+# answer's mark and digits, w0..w110
+WORDS = ["<pad>", "<s>", "</s>", "user", "assistant", "system", "####", *"0123456789",
+         *(f"w{i}" for i in range(111))]
 CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> "
                  "{% endfor %}{% if add_generation_prompt %}<s> assistant {% endif %}")
 

@@ -64,7 +64,15 @@ def test_ppo_policy_loss_by_hand():
     assert ppo_policy_loss(*padded, empty)[0].item() == pytest.approx(loss.item())
     assert ppo_policy_loss(*padded, empty, agg="seq-mean-token-mean")[0].item() == \
         pytest.approx(seq.item())
-    with pytest.raises(ValueError, match="agg is"):
+    # verl's other modes: each row's sum, or its sum over the response width (Dr. GRPO)
+    sums, _ = ppo_policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum")
+    assert sums.item() == pytest.approx((sum(per[0]) + sum(per[1])) / 2, abs=1e-6)
+    norm, _ = ppo_policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum-norm")
+    assert norm.item() == pytest.approx((sum(per[0]) / 3 + sum(per[1]) / 3) / 2, abs=1e-6)
+    for agg, value in (("seq-mean-token-sum", sums), ("seq-mean-token-sum-norm", norm)):
+        assert ppo_policy_loss(*padded, empty, agg=agg)[0].item() == pytest.approx(value.item())
+    with pytest.raises(ValueError, match="agg is one of token-mean, seq-mean-token-mean, "
+                                         "seq-mean-token-sum, seq-mean-token-sum-norm, got 'sum'"):
         ppo_policy_loss(logp, old, adv, mask, agg="sum")
 
 

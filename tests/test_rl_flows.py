@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import runpy
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, launch_example
+from helpers import ROOT, WORDS, cli, launch_example, word_tokenizer
 
 REQUIRED = ["step", "reward/mean", "actor/kl", "actor/pg_loss", "actor/clipfrac",
             "actor/grad_norm", "actor/entropy", "response_length/mean", "perf/tokens_per_s",
@@ -120,3 +122,59 @@ def test_the_example_task_rewards_only_policies_that_read_the_prompt():
                for r in data]
     assert sum(perfect) == len(data)
     assert tok.decode(tok.encode("7>")[1:] + [tok.eos, 5]) == "7>"  # stops at eos
+
+
+def math_task(folder: Path) -> dict:
+    """A tiny Llama with a word tokenizer (a chat template) and question files, as a user's
+    model directory and GSM8K-style data: the settings grpo_math.py needs."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.hybrid.models import tiny_llama
+
+    AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(folder / "model")
+    word_tokenizer(folder / "model")
+    for name, n in (("train", 8), ("val", 3)):
+        (folder / f"{name}.jsonl").write_text("".join(
+            json.dumps({"question": f"w{i} w{i + 1}", "answer": str(i % 10)}) + "\n"
+            for i in range(n)))
+    return {"model_path": folder / "model", "data": folder / "train.jsonl",
+            "val_data": folder / "val.jsonl"}
+
+
+def test_the_math_recipe_trains_a_local_model_on_text_and_exports_it(tmp_path):
+    """examples/grpo_math.py as a user runs it on a GPU, with CPU-sized parts: chats
+    through the tokenizer's template, rewards on text, greedy validation, then export."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    task = math_task(tmp_path)
+    rows = launch_example("grpo_math.py", tmp_path / "run", 2,
+                          *(f"{k}={v}" for k, v in task.items()), "prompts=4",
+                          "group_size=2", "max_new_tokens=6", "val_every=2",
+                          "max_prompt_length=64", "instruction=####")
+    assert all(0 <= r["reward/mean"] <= 1 for r in rows) and rows[1]["actor/version"] == 2
+    assert [i for i, r in enumerate(rows) if "val/reward" in r] == [1]
+    out = cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    before = AutoModelForCausalLM.from_pretrained(task["model_path"], local_files_only=True)
+    assert any(not a.equal(b) for a, b in zip(trained.parameters(), before.parameters(),
+                                              strict=True))
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template
+
+
+def test_the_math_recipes_reward_and_stops(tmp_path, monkeypatch):
+    """Its reward reads the last "#### <number>" of the text; generation stops where the
+    model's generation_config says."""
+    from asyncrl.controller.declare import OVERRIDES_ENV
+
+    task = math_task(tmp_path)
+    monkeypatch.setenv(OVERRIDES_ENV, json.dumps({k: str(v) for k, v in task.items()}))
+    recipe = runpy.run_path(str(Path(ROOT) / "examples" / "grpo_math.py"))
+    reward = recipe["reward"]
+    assert reward(None, "3 + 4 = 7 #### 7", "7") == 1.0
+    assert reward(None, "#### 5 then #### 1,234.", "1234") == 1.0  # the last, commas ignored
+    assert reward(None, "the answer is 7", "7") == 0.0  # no mark: no reward
+    assert reward(None, "#### 8", "7") == 0.0
+    assert recipe["stops"] == [WORDS.index("</s>")]  # tiny_llama's eos_token_id
+    missing = cli("launch", "examples/grpo_math.py")
+    assert missing.returncode == 1 and "needs model_path=DIR" in missing.stderr

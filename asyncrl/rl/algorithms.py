@@ -50,9 +50,9 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     """Clipped surrogate: per token max(-A*ratio, -A*clip(ratio, 1-clip, 1+clip_high)),
     ratio = exp(logp - old_logp), clip_high = clip unless given (DAPO's clip-higher); with
     `dual_clip` c > 1, a negative advantage's term is at most -A*c (dual-clip PPO, verl's
-    clip_ratio_c). Aggregated "token-mean" or "seq-mean-token-mean" (the mean over the rows
-    that have a token in the mask: padding and dropped rows count in neither). clipfrac: the
-    share of masked tokens where the clipped term is the larger."""
+    clip_ratio_c). Aggregated as `agg` says (see aggregate: padding and dropped rows count
+    in no mean). clipfrac: the share of masked tokens where the clipped term is the
+    larger."""
     m = mask.to(logp.dtype)
     # clamped as verl does: e^89 is inf in fp32, and inf * a zero advantage is NaN
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
@@ -72,18 +72,26 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+# verl's loss_agg_mode values
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
               ) -> torch.Tensor:
-    """A per-token loss term's mean: over the masked tokens ("token-mean"), or over the rows
-    with a token of the mean of each row's tokens ("seq-mean-token-mean"), as verl's
-    loss_agg_mode applies to the policy, KL and entropy terms alike."""
+    """A per-token loss term's mean, as verl's loss_agg_mode applies to the policy, KL and
+    entropy terms alike: over the masked tokens ("token-mean"), or over the rows with a
+    token of each row's mean ("seq-mean-token-mean"), sum ("seq-mean-token-sum") or sum
+    divided by the response width, a constant ("seq-mean-token-sum-norm": Dr. GRPO, no
+    length bias)."""
     m = mask.to(per_token.dtype)
     if agg == "token-mean":
         return masked_mean(per_token, m)
-    if agg == "seq-mean-token-mean":
-        rows = (m.sum(1) > 0).sum().clamp(min=1)
-        return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum() / rows
-    raise ValueError(f"agg is 'token-mean' or 'seq-mean-token-mean', got {agg!r}")
+    if agg not in AGGS:
+        raise ValueError(f"agg is one of {', '.join(AGGS)}, got {agg!r}")
+    sums = (per_token * m).sum(1)
+    per_row = {"seq-mean-token-mean": sums / m.sum(1).clamp(min=1), "seq-mean-token-sum": sums,
+               "seq-mean-token-sum-norm": sums / m.shape[1]}[agg]
+    return per_row.sum() / (m.sum(1) > 0).sum().clamp(min=1)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.rl.algorithms import AGGS
+
 # what PPO's returns depend on (see RLConfig.returns_fields)
 RETURNS_FIELDS = ("gamma", "lam", "kl_in_reward", "kl_coef", "kl_kind")
 
@@ -25,7 +27,8 @@ class RLConfig:
     clip: float = 0.2  # the ratio's clip range: [1 - clip, 1 + clip_high]
     clip_high: float | None = None  # None: clip (DAPO's clip-higher sets it above clip)
     dual_clip: float | None = None  # c > 1: negative advantages' loss at most -A*c (verl 3.0)
-    agg: str = "token-mean"  # or "seq-mean-token-mean"
+    agg: str = "token-mean"  # or a seq-mean mode (see algorithms.aggregate; Dr. GRPO:
+    # "seq-mean-token-sum-norm" with std_normalize=False)
     kl_coef: float = 0.0
     kl_kind: str = "k3"  # k1, k2, k3 (see kl_penalty)
     kl_in_reward: bool = False
@@ -68,9 +71,8 @@ class RLConfig:
         if self.clip <= 0 or (self.clip_high is not None and self.clip_high <= 0):
             raise ValueError(f"RLConfig.clip and clip_high must be > 0, got {self.clip} and "
                              f"{self.clip_high}")
-        if self.agg not in ("token-mean", "seq-mean-token-mean"):
-            raise ValueError(f"RLConfig.agg is 'token-mean' or 'seq-mean-token-mean', got "
-                             f"{self.agg!r}")
+        if self.agg not in AGGS:
+            raise ValueError(f"RLConfig.agg is one of {', '.join(AGGS)}, got {self.agg!r}")
 
     def returns_fields(self) -> dict[str, Any]:
         """What PPO's returns depend on: the actor's advantages and the critic's targets

@@ -72,6 +72,12 @@ def read_parquet(path: Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSONL or Parquet prompt file (to reshape them before a
+    PromptSource: a question into a chat, say), with PromptSource's errors for bad files."""
+    return _read_file(Path(path))[0]
+
+
 def _read_file(path: Path) -> tuple[list[dict[str, Any]], str, Callable[[int], str]]:
     """A prompt file's records, its name for messages, and `locate(i)`: where record i is."""
     if not path.is_file():

@@ -1,0 +1,117 @@
+"""GRPO on math word problems with a local instruct model: what verl's GSM8K recipe does.
+
+    asyncrl launch examples/grpo_math.py model_path=/models/Qwen2.5-0.5B-Instruct \
+        data=gsm8k_train.jsonl val_data=gsm8k_test.jsonl engine=vllm actor_procs=8
+    asyncrl export runs/<time> qwen-gsm8k-grpo     (the trained model, Hugging Face format)
+
+Records: {"question": "...", "answer": "72"}, JSONL or Parquet. Each question goes into a
+chat through the model's chat template; the reward reads the response as text: 1 when its
+final answer "#### 72" is the ground truth, else 0 (verl's strict GSM8K score). Generation
+stops at the model's end-of-turn tokens (its generation_config.json, as vLLM does). Every
+`val_every` steps the actor answers val_data greedily: val/reward.
+
+Written for GPUs (a real model, vLLM; never run on one yet). The tests run it on CPUs with
+a tiny Llama and a word tokenizer, and export its result.
+"""
+
+import itertools
+import math
+import re
+
+import asyncrl
+from asyncrl.rl import Actor, PromptSource, Reference, RewardFn
+from asyncrl.rl.data import read_records
+from asyncrl.rl.tokens import load_tokenizer
+
+cfg = asyncrl.config(model_path=None, data=None, val_data=None, steps=100, prompts=32,
+                     group_size=8, lr=1e-6, kl_coef=1e-3, max_prompt_length=512,
+                     max_new_tokens=512, micro_batch_size=8, actor_procs=1, backend="fsdp2",
+                     engine="builtin", gradient_checkpointing=False, val_every=10, seed=0,
+                     instruction="Let's think step by step and output the final answer "
+                                 "after \"####\".")
+if not cfg["model_path"] or not cfg["data"]:
+    raise SystemExit("grpo_math.py needs model_path=DIR (a local instruct model) and "
+                     "data=FILE (JSONL or Parquet of {\"question\", \"answer\"} records)")
+tok = load_tokenizer(cfg["model_path"])
+
+
+def end_of_turn_ids() -> list[int]:
+    """The ids generation stops at: the model's generation_config eos (an instruct model's
+    end-of-turn token among them), else the tokenizer's eos."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(cfg["model_path"]).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    eos = tok.eos_token_id if eos is None else eos
+    return sorted({eos} if isinstance(eos, int) else set(eos))
+
+
+def as_chat(record: dict) -> dict:
+    return {"prompt": [{"role": "user", "content": f"{record['question']} {cfg['instruction']}"}],
+            "answer": str(record["answer"])}
+
+
+def reward(prompt, response, answer):
+    """1 when the last "#### <number>" of the response is the answer (commas ignored)."""
+    found = re.findall(r"#### (-?[0-9.,]+)", response)
+    return float(bool(found) and found[-1].replace(",", "").rstrip(".") ==
+                 answer.replace(",", ""))
+
+
+stops = end_of_turn_ids()
+sampling = {"max_new_tokens": cfg["max_new_tokens"], "stop_token_ids": stops,
+            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else stops[0]}
+model = {"path": cfg["model_path"]}
+actor = asyncrl.group(
+    Actor, model=model, name="actor", nprocs=cfg["actor_procs"], backend=cfg["backend"],
+    engine=cfg["engine"], sampling=sampling,
+    rl={"algo": "grpo", "group_size": cfg["group_size"], "kl_coef": cfg["kl_coef"]},
+    train={"lr": cfg["lr"], "micro_batch_size": cfg["micro_batch_size"],
+           "gradient_checkpointing": cfg["gradient_checkpointing"]})
+ref = asyncrl.group(Reference, model=model, name="ref") if cfg["kl_coef"] else None
+rewards = asyncrl.group(RewardFn, reward, tokenizer=cfg["model_path"], name="reward")
+
+train_records = [as_chat(r) for r in read_records(cfg["data"])]
+prompts = PromptSource(train_records, batch_size=cfg["prompts"], seed=cfg["seed"],
+                       repeat=cfg["group_size"], tokenizer=tok,
+                       max_prompt_length=cfg["max_prompt_length"],
+                       epochs=math.ceil(cfg["steps"] * cfg["prompts"] / len(train_records)))
+val_prompts = None
+if cfg["val_data"]:
+    val_records = [as_chat(r) for r in read_records(cfg["val_data"])]
+    val_prompts = next(iter(PromptSource(val_records, batch_size=len(val_records),
+                                         shuffle=False, tokenizer=tok)))
+
+
+@asyncrl.node(follows="train")
+def rollout(prompts):
+    return actor.generate(prompts)
+
+
+@asyncrl.node
+def score(rollout):
+    return rewards.score(rollout)
+
+
+@asyncrl.node
+def reference(rollout):
+    return ref.logprobs(rollout)
+
+
+@asyncrl.node
+def train(rollout, score, reference=None):
+    return actor.update(rollout, score, reference)
+
+
+@asyncrl.node
+async def validate(step, train):
+    if val_prompts is None or (step + 1) % cfg["val_every"]:
+        return {}
+    answers = actor.generate(val_prompts, sampling={"temperature": 0})
+    return {"val/reward": float((await rewards.score(answers))["reward"].double().mean())}
+
+
+nodes = [rollout, score, train, validate] + ([reference] if ref is not None else [])
+flow = asyncrl.DataFlow(nodes=nodes, inputs={"prompts": prompts, "step": itertools.count()})
