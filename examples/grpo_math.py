@@ -14,7 +14,6 @@ Written for GPUs (a real model, vLLM; never run on one yet). The tests run it on
 a tiny Llama and a word tokenizer, and export its result.
 """
 
-import itertools
 import math
 import re
 
@@ -114,4 +113,4 @@ async def validate(step, train):
 
 
 nodes = [rollout, score, train, validate] + ([reference] if ref is not None else [])
-flow = asyncrl.DataFlow(nodes=nodes, inputs={"prompts": prompts, "step": itertools.count()})
+flow = asyncrl.DataFlow(nodes=nodes, inputs={"prompts": prompts})

@@ -16,7 +16,6 @@ actor/kl, actor/pg_loss, actor/clipfrac, actor/grad_norm, actor/entropy,
 response_length/mean, time per node and tokens/s, and val/reward every `val_every` steps.
 """
 
-import itertools
 import math
 
 import next_digit
@@ -88,4 +87,4 @@ async def validate(step, train):
 
 
 flow = asyncrl.DataFlow(nodes=[rollout, score, reference, train, validate],
-                        inputs={"prompts": prompts, "step": itertools.count()})
+                        inputs={"prompts": prompts})

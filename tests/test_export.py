@@ -104,6 +104,20 @@ def test_a_zero3_policy_exports_its_weights_in_the_dtype_asked_for(tmp_path):
     assert any(not torch.equal(initial[k], trained[k]) for k in trained)
 
 
+def test_a_tensor_parallel_policy_exports_whole_tensors(tmp_path):
+    """dp=1, tp=2: each rank saved its column or row shards (DTensors); the export reads
+    them back whole, as the model's own names and shapes."""
+    from transformers import AutoModelForCausalLM
+
+    trained = trained_checkpoint(tmp_path / "run", {"preset": "tiny-llama", "seed": 2},
+                                 mesh={"dp": 1, "tp": 2})
+    done = export(tmp_path / "run", tmp_path / "hf")
+    assert done["dtype"] == "float32"  # a preset: the dtype it trained in
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert set(exported) == set(trained)
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+
+
 def policy_folder(checkpoint, group: str, model: bool = True) -> None:
     folder = checkpoint / group
     folder.mkdir(parents=True)

@@ -69,6 +69,36 @@ def test_saved_inputs_note_where_futures_were_and_get_them_back():
     assert asyncio.run(main()) == ({"x": 5}, 7, 2)
 
 
+@asyncrl.node
+def numbered(prompts, step):
+    return {"seen": [prompts, step]}
+
+
+def test_a_parameter_named_step_gets_the_step_index_unless_an_input_has_that_name():
+    """Validation every N steps needs the step: a built-in source, which a rewind and a
+    resume give again as they are (an iterator input such as itertools.count() could not be
+    read again from a checkpoint's position)."""
+    flow = asyncrl.DataFlow(nodes=[numbered], inputs={"prompts": [10, 20, 30]}, groups=[])
+    assert flow.deps["numbered"] == {"prompts": ("input", "prompts"), "step": ("step", "step")}
+    shadowed = asyncrl.DataFlow(nodes=[numbered], inputs={"prompts": [1, 2], "step": [7, 9]},
+                                groups=[])
+    assert shadowed.deps["numbered"]["step"] == ("input", "step")
+
+    async def main():
+        async with asyncrl.Controller():
+            first = await flow.run()
+            await shadowed.open(asyncrl.Controller.current())
+            try:
+                shadowed.resume_at(1, {"prompts": {"consumed": 1}, "step": {"consumed": 1}})
+                resumed = await shadowed.run()
+            finally:
+                await shadowed.close()
+            return first, resumed
+    first, resumed = run(main())
+    assert [v["numbered"]["seen"] for v in first] == [[10, 0], [20, 1], [30, 2]]
+    assert [v["numbered"]["seen"] for v in resumed] == [[2, 9]]
+
+
 def test_out_suffix_and_input_mapping():
     @asyncrl.node(inputs={"x": "gen_out"}, name="copy")
     def copy_of(x):

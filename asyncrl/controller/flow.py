@@ -8,7 +8,8 @@
     checkpoint after step t: steps <= t all finish, the save runs, then step t+1 is dispatched
 
 A node is a small controller-side function; its parameters name its inputs (flow inputs,
-other nodes, or `<node>_out`). What it receives is exactly what the upstream node returned.
+other nodes, or `<node>_out`, and `step`: the step index, unless a node or an input has that
+name). What it receives is exactly what the upstream node returned.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from asyncrl.controller.declare import GroupSpec, declared_in
 from asyncrl.controller.timeline import current_node
 from asyncrl.errors import AsyncRLError, CheckpointError
 from asyncrl.futures.future import futures_in, held_at, resolved
+
+STEP = "step"  # a parameter nothing else provides: the step index (validate every N steps)
 
 # what `--save-inputs` writes per node and step: {"format", "values", "futures": where the
 # node was given DistFutures (input -> paths into it), for `asyncrl run --node`}
@@ -156,7 +159,8 @@ class DataFlow:
 
     # -- the graph ----------------------------------------------------------------------------
     def _source_of(self, p: _Param) -> tuple[str, str] | None:
-        """('node', name) / ('input', name), or None for an optional input nothing provides."""
+        """('node', name) / ('input', name) / ('step', 'step'), or None for an optional input
+        nothing provides."""
         s = p.source
         if s in self.nodes:
             return ("node", s)
@@ -164,6 +168,8 @@ class DataFlow:
             return ("node", s[:-4])
         if s in self.inputs:
             return ("input", s)
+        if s == STEP:
+            return ("step", s)
         return None
 
     def _resolve(self, n: Node) -> dict[str, tuple[str, str] | None]:
@@ -409,6 +415,8 @@ class DataFlow:
                 kwargs[p.name] = p.default
             elif src[0] == "input":
                 kwargs[p.name] = values[src[1]]
+            elif src[0] == "step":
+                kwargs[p.name] = step.index
             else:
                 kwargs[p.name] = await step.returned[src[1]]
         if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited)
