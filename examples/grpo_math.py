@@ -4,9 +4,11 @@
         data=gsm8k_train.jsonl val_data=gsm8k_test.jsonl engine=vllm actor_procs=8
     asyncrl export runs/<time> qwen-gsm8k-grpo     (the trained model, Hugging Face format)
 
-Records: {"question": "...", "answer": "72"}, JSONL or Parquet. Each question goes into a
-chat through the model's chat template; the reward reads the response as text: 1 when its
-final answer "#### 72" is the ground truth, else 0 (verl's strict GSM8K score). Generation
+Records, JSONL or Parquet: GSM8K's own {"question", "answer": "...worked solution... #### 72"}
+(or a bare "72"), or verl's preprocessed parquet {"prompt": [chat], "reward_model":
+{"ground_truth": "72"}}. Each question goes into a chat through the model's chat template;
+the reward reads the response as text: 1 when its last "#### 72" is the ground truth
+(commas ignored), else 0 (verl's strict GSM8K score). Generation
 stops at the model's end-of-turn tokens (its generation_config.json, as vLLM does). Every
 `val_every` steps the actor answers val_data greedily: val/reward.
 
@@ -47,16 +49,28 @@ def end_of_turn_ids() -> list[int]:
     return sorted({eos} if isinstance(eos, int) else set(eos))
 
 
+def ground_truth(answer: str) -> str:
+    """The final answer of a GSM8K solution ("... #### 1,234" -> "1234"), or the answer."""
+    return str(answer).split("####")[-1].strip().replace(",", "")
+
+
 def as_chat(record: dict) -> dict:
-    return {"prompt": [{"role": "user", "content": f"{record['question']} {cfg['instruction']}"}],
-            "answer": str(record["answer"])}
+    """A record as a chat prompt and its ground truth."""
+    if "question" in record and "answer" in record:  # GSM8K's own files
+        chat = [{"role": "user", "content": f"{record['question']} {cfg['instruction']}"}]
+        return {"prompt": chat, "answer": ground_truth(record["answer"])}
+    if "prompt" in record and "ground_truth" in (record.get("reward_model") or {}):  # verl's
+        return {"prompt": list(record["prompt"]),
+                "answer": ground_truth(record["reward_model"]["ground_truth"])}
+    raise SystemExit(f"grpo_math.py: a record has the keys {sorted(record)}; give "
+                     f"{{\"question\", \"answer\"}} records (GSM8K) or verl's {{\"prompt\", "
+                     f"\"reward_model\": {{\"ground_truth\"}}}}")
 
 
 def reward(prompt, response, answer):
     """1 when the last "#### <number>" of the response is the answer (commas ignored)."""
     found = re.findall(r"#### (-?[0-9.,]+)", response)
-    return float(bool(found) and found[-1].replace(",", "").rstrip(".") ==
-                 answer.replace(",", ""))
+    return float(bool(found) and found[-1].replace(",", "") == answer)
 
 
 stops = end_of_turn_ids()
@@ -75,13 +89,16 @@ rewards = asyncrl.group(RewardFn, reward, tokenizer=cfg["model_path"], name="rew
 train_records = [as_chat(r) for r in read_records(cfg["data"])]
 prompts = PromptSource(train_records, batch_size=cfg["prompts"], seed=cfg["seed"],
                        repeat=cfg["group_size"], tokenizer=tok,
-                       max_prompt_length=cfg["max_prompt_length"],
-                       epochs=math.ceil(cfg["steps"] * cfg["prompts"] / len(train_records)))
-val_prompts = None
+                       max_prompt_length=cfg["max_prompt_length"])
+# enough epochs of the prompts kept (overlong ones left out) for `steps` steps
+prompts.epochs = math.ceil(cfg["steps"] * cfg["prompts"] / len(prompts.records))
+# validation in batches of a training batch's size (memory: as a rollout's)
+val_batches = []
 if cfg["val_data"]:
     val_records = [as_chat(r) for r in read_records(cfg["val_data"])]
-    val_prompts = next(iter(PromptSource(val_records, batch_size=len(val_records),
-                                         shuffle=False, tokenizer=tok)))
+    val_batches = list(PromptSource(val_records, batch_size=cfg["prompts"] * cfg["group_size"],
+                                    shuffle=False, tokenizer=tok,
+                                    max_prompt_length=cfg["max_prompt_length"]))
 
 
 @asyncrl.node(follows="train")
@@ -106,10 +123,14 @@ def train(rollout, score, reference=None):
 
 @asyncrl.node
 async def validate(step, train):
-    if val_prompts is None or (step + 1) % cfg["val_every"]:
+    if not val_batches or (step + 1) % cfg["val_every"]:
         return {}
-    answers = actor.generate(val_prompts, sampling={"temperature": 0})
-    return {"val/reward": float((await rewards.score(answers))["reward"].double().mean())}
+    scores = [rewards.score(actor.generate(batch, sampling={"temperature": 0}))
+              for batch in val_batches]
+    total = 0.0
+    for s in scores:
+        total += float((await s)["reward"].double().sum())
+    return {"val/reward": total / sum(len(b) for b in val_batches)}
 
 
 nodes = [rollout, score, train, validate] + ([reference] if ref is not None else [])

@@ -79,7 +79,10 @@ def test_temperature_zero_decodes_greedily_as_transformers_does():
     engine = Sampler(model, SamplingConfig(max_new_tokens=8, temperature=0.7))
     greedy = with_overrides(engine.config, {"temperature": 0})
     assert (greedy.temperature, greedy.max_new_tokens, engine.config.temperature) == (0, 8, 0.7)
+    widths = []  # the LM head's positions per forward pass: the prefill's last one only
+    model.lm_head.register_forward_hook(lambda m, i, o: widths.append(o.shape[1]))
     out = engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=greedy)
+    assert widths == [1] * 8
     again = engine.generate(PROMPTS, seeds=[9, 8, 7, 6], config=greedy)
     assert torch.equal(out["response_ids"], again["response_ids"])
     for i, prompt in enumerate(PROMPTS):

@@ -133,7 +133,7 @@ def math_task(folder: Path) -> dict:
 
     AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(folder / "model")
     word_tokenizer(folder / "model")
-    for name, n in (("train", 8), ("val", 3)):
+    for name, n in (("train", 8), ("val", 10)):  # validation in 2 batches (8 + 2)
         (folder / f"{name}.jsonl").write_text("".join(
             json.dumps({"question": f"w{i} w{i + 1}", "answer": str(i % 10)}) + "\n"
             for i in range(n)))
@@ -174,9 +174,18 @@ def test_the_math_recipes_reward_and_stops(tmp_path, monkeypatch):
     recipe = runpy.run_path(str(Path(ROOT) / "examples" / "grpo_math.py"))
     reward = recipe["reward"]
     assert reward(None, "3 + 4 = 7 #### 7", "7") == 1.0
-    assert reward(None, "#### 5 then #### 1,234.", "1234") == 1.0  # the last, commas ignored
+    assert reward(None, "#### 5 then #### 1,234", "1234") == 1.0  # the last, commas ignored
     assert reward(None, "the answer is 7", "7") == 0.0  # no mark: no reward
-    assert reward(None, "#### 8", "7") == 0.0
+    assert reward(None, "#### 8", "7") == 0.0 and reward(None, "#### 7.", "7") == 0.0  # strict
+    # GSM8K's worked solutions and verl's parquet records give the same ground truth
+    as_chat = recipe["as_chat"]
+    gsm8k = as_chat({"question": "q?", "answer": "2 + 3 = <<2+3=5>>5 apples\n#### 1,205"})
+    verl = as_chat({"prompt": [{"role": "user", "content": "q?"}], "data_source": "gsm8k",
+                    "reward_model": {"ground_truth": "1205", "style": "rule"}})
+    assert gsm8k["answer"] == verl["answer"] == "1205"
+    assert gsm8k["prompt"] == [{"role": "user", "content": "q? " + recipe["cfg"]["instruction"]}]
+    with pytest.raises(SystemExit, match=r"a record has the keys \['problem', 'solution'\]"):
+        as_chat({"problem": "q?", "solution": "5"})
     assert recipe["stops"] == [WORDS.index("</s>")]  # tiny_llama's eos_token_id
     missing = cli("launch", "examples/grpo_math.py")
     assert missing.returncode == 1 and "needs model_path=DIR" in missing.stderr

@@ -80,11 +80,25 @@ def test_a_reward_function_reads_text_with_a_tokenizer(tmp_path):
     score_rows(lambda prompt, response, **meta: seen.append((prompt, response, meta)) or 0.0,
                batch, tok)
     assert seen[0] == ("w1", "w5", {"raw_prompt": "w1", "answer": "w5"})  # **meta: every one
-    with pytest.raises(TypeError, match="missing 1 required positional argument: 'solution'"):
+    with pytest.raises(TypeError, match=r"takes \['solution'\], which the batch has no "
+                                        r"column for; its columns: \['raw_prompt', 'answer'\]"):
         score_rows(lambda prompt, response, solution: 0.0, batch, tok)
     with pytest.raises(TypeError, match=r"RewardFn\(tokenizer=\) is a local tokenizer "
                                         "directory"):
         RewardFn(says_the_answer, tokenizer=tok)
+
+
+def test_a_reward_parameter_no_column_fills_is_warned_of(caplog):
+    """A misspelt parameter with a default would score every row with the default: said."""
+    def misspelt(prompt, response, answr=None):
+        return float(answr is not None)
+
+    assert score_rows(misspelt, rollout_like(2)).tolist() == [0.0, 0.0]
+    assert "reward function 'misspelt' gets no column for ['answr'] (they keep their " \
+           "defaults) while the columns ['answer'] go unused" in caplog.text
+    # the first two parameters are the prompt and the response, whatever their names
+    assert score_rows(lambda raw_prompt, text, answer: float(answer), rollout_like(1)
+                      ).tolist() == [5.0]
 
 
 def test_text_prompts_are_generated_from_and_scored_as_text(tmp_path):

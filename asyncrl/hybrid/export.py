@@ -93,9 +93,9 @@ def pick_group(checkpoint: Path, group: str | None) -> Path:
                          f"which policies (Policy, Actor): {policies}")
     if not (folder / MODEL_FILE).is_file() or not (folder / HF_FOLDER / "config.json").is_file():
         raise ValueError(f"{folder} has no {MODEL_FILE} or {HF_FOLDER}/config.json "
-                         f"(checkpoints written before session 16 do not describe their "
-                         f"model); resume the run for one step with this version to write a "
-                         f"checkpoint that does")
+                         f"(checkpoints written before asyncrl export existed do not "
+                         f"describe their model); resume the run for one step with this "
+                         f"version to write a checkpoint that does")
     return folder
 
 
@@ -178,7 +178,8 @@ def export(path: Path, out: Path, group: str | None = None,
 def _dtype(asked: str | None, config: Any, cfg: ModelConfig) -> torch.dtype:
     """The export's dtype: the one asked for, else the source checkpoint's (its config), else
     the one the model trained in."""
-    source = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 5 names it dtype (torch_dtype warns there), earlier releases torch_dtype
+    source = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     name = asked or (str(source).removeprefix("torch.") if source else cfg.dtype)
     target = getattr(torch, name, None)
     if not isinstance(target, torch.dtype) or not target.is_floating_point:

@@ -143,6 +143,9 @@ class Sampler:
         # transformers 5 names the KV cache `cache`; earlier releases `past_key_values`
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # the prefill needs the last position's logits only: [B, T, vocab] of them would be
+        # tens of GB for long prompts and a 150k vocabulary
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.asleep = False
         self.paused = False
         self.version = 0  # the policy version of the weights held (set by load_weights)
@@ -175,7 +178,7 @@ class Sampler:
         mask = prompt_mask
         with self._step:
             res = self.model(input_ids=prompt_ids, attention_mask=mask,
-                             position_ids=positions(mask), use_cache=True)
+                             position_ids=positions(mask), use_cache=True, **self._last_only)
             version = self.version  # of the weights behind `logits`
         cache, logits = _cache_of(res), res.logits[:, -1]
         for step in range(n):

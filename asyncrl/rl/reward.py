@@ -13,6 +13,7 @@ token ids decoded, special tokens left out (verl's solution_str). Both return
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,8 @@ from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
+
+log = logging.getLogger("asyncrl")
 
 RESERVED = {"prompt", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
             "seed"}
@@ -62,16 +65,36 @@ class RewardModel(Worker):
 
 
 def taken_by(fn: Callable[..., Any], keys: list[str]) -> list[str]:
-    """The keys `fn` takes as keywords: all of them if it has **kwargs, else those it names
-    (a column added upstream, such as raw_prompt, does not break a function that ignores
-    it; one it names and the batch lacks still fails, naming it)."""
+    """The meta keys `fn` takes as keywords: all of them if it has **kwargs, else those it
+    names after (prompt, response) (a column added upstream, such as raw_prompt, does not
+    break a function that ignores it). A parameter it needs that no column fills is refused,
+    naming the columns; one with a default that none fills, while columns go unused, is
+    warned of (a misspelt name would score with its default)."""
     try:
-        params = inspect.signature(fn).parameters
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function: give it everything
         return keys
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    if any(p.kind is p.VAR_KEYWORD for p in params):
         return keys
-    return [k for k in keys if k in params]
+    named = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    taken = [k for k in keys if k in {p.name for p in named}]
+    name = getattr(fn, "__name__", repr(fn))
+    missing = [p.name for p in named if p.name not in keys and p.default is p.empty]
+    if missing:
+        raise TypeError(f"reward function {name!r} takes {missing}, which the batch has no "
+                        f"column for; its columns: {keys} (rename the parameters, or add the "
+                        f"keys to the prompt records)")
+    unused = [k for k in keys if k not in taken]
+    defaulted = [p.name for p in named if p.name not in keys and p.default is not p.empty]
+    if unused and defaulted and (name, tuple(defaulted)) not in _warned:
+        _warned.add((name, tuple(defaulted)))
+        log.warning("asyncrl: reward function %r gets no column for %s (they keep their "
+                    "defaults) while the columns %s go unused: a misspelt parameter?", name,
+                    defaulted, unused)
+    return taken
+
+
+_warned: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) -> torch.Tensor:
