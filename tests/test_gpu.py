@@ -149,14 +149,20 @@ if torch.cuda.is_available():  # module level (ranks import it by path); GPU mac
                     "loss": self.backend.train_step(rollout)["loss"]}
 
 
-def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
+def switch_report(policy: type, name: str) -> dict:
+    """What one switch of a 1-rank `policy` group measured (its processes gone after)."""
     async def main():
         async with asyncrl.Controller(construct_timeout=600) as ctl:
-            group = await ctl.spawn(MeasuredPolicy, nprocs=1, name="gpolicy")
+            group = await ctl.spawn(policy, nprocs=1, name=name)
             pids = group_pids(group)
             return (await group.switch())[0], pids
     report, pids = run(main(), timeout=600)
     assert_gone(pids)
+    return report
+
+
+def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
+    report = switch_report(MeasuredPolicy, "gpolicy")
     assert report["state"] == ["cpu"]  # optimizer state left the GPU while generating
     assert report["freed"] > report["engine"], report  # Adam's two moments, at least
     assert report["engine"] <= report["peak"] <= report["bound"] < 2 * report["engine"], report
@@ -168,14 +174,7 @@ def test_zero_hybrid_switch_on_gpu_sends_masters_and_optimizer_state_to_the_host
     while generating, the fp32 masters (4 bytes a parameter) and Adam's moments (8) are on
     the host; the engine's fp32 weights (4) are on the GPU; back in training all returns."""
     pytest.importorskip("deepspeed")
-
-    async def main():
-        async with asyncrl.Controller(construct_timeout=600) as ctl:
-            group = await ctl.spawn(MeasuredZeroPolicy, nprocs=1, name="zpolicy")
-            pids = group_pids(group)
-            return (await group.switch())[0], pids
-    report, pids = run(main(), timeout=600)
-    assert_gone(pids)
+    report = switch_report(MeasuredZeroPolicy, "zpolicy")
     assert report["masters_while"] == ["cpu"] and report["masters_after"] == ["cuda"], report
     assert abs(report["offloaded"] - 4 * report["params"]) <= 4 << 20, report
     # before session 15 only Adam's moments left: 8 - 4 = 4 bytes a parameter freed

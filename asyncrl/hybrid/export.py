@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from asyncrl.hybrid.models import ModelConfig, hf_config
+from asyncrl.hybrid.zero import TAG
 
 MODEL_FILE = "model.json"  # the group's ModelConfig, in its checkpoint folder
 HF_FOLDER = "hf"  # beside it: the model's config.json and its tokenizer files
@@ -102,10 +103,10 @@ def pick_group(checkpoint: Path, group: str | None) -> Path:
 def trained_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The full weights in a Policy group's checkpoint folder, by the model's names."""
     train = folder / "train"
-    if (train / "state").is_dir():  # DeepSpeed: <tag>/ with each rank's partitions
+    if (train / TAG).is_dir():  # DeepSpeed: <tag>/ with each rank's partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(train), tag="state"))
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(train), tag=TAG))
     import torch.distributed.checkpoint as dcp
 
     saved = dcp.FileSystemReader(str(train)).read_metadata().state_dict_metadata

@@ -57,6 +57,9 @@ def _no_shared_memory_all_reduce(deepspeed: Any) -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
+TAG = "state"  # the one checkpoint folder DeepSpeed writes into a group's train/ (its tag)
+
+
 class ZeroBackend(TrainBackend):
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, stage: int = 2,
                  head: str = "lm"):
@@ -114,12 +117,12 @@ class ZeroBackend(TrainBackend):
 
     def save(self, folder: Any) -> None:
         """Weights and optimizer state in DeepSpeed's checkpoint format (same layout to load)."""
-        self.engine.save_checkpoint(str(folder), tag="state", save_latest=False)
+        self.engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
 
     def load(self, folder: Any) -> None:
         # the schedule's state comes back among the "client" states: checkpoints from before
         # schedules hold None there, which DeepSpeed would hand to load_state_dict
-        path, client = self.engine.load_checkpoint(str(folder), tag="state",
+        path, client = self.engine.load_checkpoint(str(folder), tag=TAG,
                                                    load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")

@@ -88,9 +88,11 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
         return masked_mean(per_token, m)
     if agg not in AGGS:
         raise ValueError(f"agg is one of {', '.join(AGGS)}, got {agg!r}")
-    sums = (per_token * m).sum(1)
-    per_row = {"seq-mean-token-mean": sums / m.sum(1).clamp(min=1), "seq-mean-token-sum": sums,
-               "seq-mean-token-sum-norm": sums / m.shape[1]}[agg]
+    per_row = (per_token * m).sum(1)
+    if agg == "seq-mean-token-mean":
+        per_row = per_row / m.sum(1).clamp(min=1)
+    elif agg == "seq-mean-token-sum-norm":
+        per_row = per_row / m.shape[1]
     return per_row.sum() / (m.sum(1) > 0).sum().clamp(min=1)
 
 
