@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
+from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
     ModelConfig,
     ValueModel,
@@ -44,6 +45,10 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     micro_batch_size: int = 4
+    # micro-batches by tokens instead (verl's use_dynamic_bsz, ppo_max_token_len_per_gpu):
+    # rows sorted by length and cut so that rows x used columns stays within this many tokens
+    # (a longer sequence alone); micro_batch_size is then unused
+    max_tokens_per_micro_batch: int | None = None
     grad_clip: float = 1.0
     bf16: bool | None = None  # compute in bf16 (weights and reductions in fp32); None: on
     # the GPUs that support it, off on CPU (where bf16 matmuls are slow)
@@ -62,6 +67,9 @@ class TrainConfig:
         if self.micro_batch_size < 1:
             raise ValueError(f"TrainConfig.micro_batch_size must be >= 1, got "
                              f"{self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"TrainConfig.max_tokens_per_micro_batch must be >= 1 or None, got "
+                             f"{self.max_tokens_per_micro_batch}")
         if self.lr < 0:  # 0 is allowed: a run that must not learn (a baseline)
             raise ValueError(f"TrainConfig.lr must be >= 0, got {self.lr}")
         if self.schedule not in ("constant", "cosine", "linear"):
@@ -274,17 +282,22 @@ class TrainBackend:
         return {"logprobs": sequence_logprobs(self.forward_module, *_columns(b),
                                               temperature=temperature)}
 
+    def micro_batches(self, batch: TensorBatch) -> tuple[list[TensorBatch], torch.Tensor | None]:
+        """This rank's micro-batches and the row order they hold (see `micro.micro_batches`)."""
+        return micro_batches(batch, self.cfg.micro_batch_size,
+                             self.cfg.max_tokens_per_micro_batch)
+
     @torch.no_grad()
     def logprobs(self, batch: TensorBatch) -> torch.Tensor:
-        out = torch.cat([self._forward(m)["logprobs"]
-                         for m in batch.split(self.cfg.micro_batch_size)])
-        self._inference_done()
-        return out
+        return self._inference(batch, "logprobs")
 
     @torch.no_grad()
     def values(self, batch: TensorBatch) -> torch.Tensor:
-        out = torch.cat([self._forward(m)["values"]
-                         for m in batch.split(self.cfg.micro_batch_size)])
+        return self._inference(batch, "values")
+
+    def _inference(self, batch: TensorBatch, key: str) -> torch.Tensor:
+        micros, order = self.micro_batches(batch)
+        out = in_batch_order([self._forward(m)[key] for m in micros], order)
         self._inference_done()
         return out
 
@@ -293,11 +306,12 @@ class TrainBackend:
         gathered until a backward)."""
 
     def _accumulate(self, batch: TensorBatch, loss_fn: LossFn, entropy: bool,
-                    backward: Callable[[torch.Tensor], None]) -> dict[str, float]:
+                    backward: Callable[[torch.Tensor], None],
+                    micros: list[TensorBatch] | None = None) -> dict[str, float]:
         """Forward and backward each micro-batch (weighted by its share of the rows); the
         loss and statistics, averaged over the micro-batches and the data-parallel ranks."""
         sums: dict[str, float] = {}
-        for micro in batch.split(self.cfg.micro_batch_size):
+        for micro in micros if micros is not None else self.micro_batches(batch)[0]:
             weight = len(micro) / len(batch)
             micro = self._on_device(micro)
             loss, stats = loss_fn(self._forward(micro, entropy), micro)

@@ -220,11 +220,26 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def used_columns(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, int]:
+    """(first prompt column, end of the response columns) that some row uses: the columns
+    outside are padding in every row (left of the prompts, right of the responses), and a
+    forward pass without them gives the same values for a fraction of the cost. At least
+    one prompt column stays (the logits before the first response token come from it)."""
+    used_p = prompt_mask.any(0)
+    first = min(int(used_p.int().argmax()) if bool(used_p.any()) else 0, prompt_mask.shape[1] - 1)
+    used_r = response_mask.any(0).nonzero()
+    return first, int(used_r.max()) + 1 if used_r.numel() else 0
+
+
 def _joined(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             response_ids: torch.Tensor, response_mask: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """prompt + response ids and mask on the model's device, and the response mask there."""
+    """prompt + response ids and mask on the model's device, and the response mask there,
+    without the columns no row uses (the callers pad their [B, N] results back)."""
     device = next(model.parameters()).device
+    first, end = used_columns(prompt_mask, response_mask)
+    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+    response_ids, response_mask = response_ids[:, :end], response_mask[:, :end]
     ids = torch.cat([prompt_ids.to(device), response_ids.to(device)], dim=1)
     mask = torch.cat([prompt_mask.to(device), response_mask.to(device)], dim=1)
     return ids, mask, response_mask.to(device)
@@ -249,13 +264,18 @@ def sequence_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     # no KV cache: one pass over whole sequences needs none (it would only take memory)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                    use_cache=False).logits
-    p = prompt_ids.shape[1]
+    p, width = ids.shape[1] - rmask.shape[1], response_ids.shape[1]
     logits = logits[:, p - 1:-1].float() / temperature  # the logits that predict responses
     logp_all = F.log_softmax(logits, -1)
     logp = torch.gather(logp_all, 2, ids[:, p:].unsqueeze(-1)).squeeze(-1) * rmask
     if not entropy:
-        return logp
-    return logp, -(logp_all.exp() * logp_all).sum(-1) * rmask
+        return _widened(logp, width)
+    return _widened(logp, width), _widened(-(logp_all.exp() * logp_all).sum(-1) * rmask, width)
+
+
+def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, n] -> [B, width]: zeros for the trimmed response columns."""
+    return F.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
 
 
 def sequence_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -264,5 +284,5 @@ def sequence_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     response_mask is 0 (the positions whose logits `sequence_logprobs` reads)."""
     ids, mask, rmask = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
     values = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
-    p = prompt_ids.shape[1]
-    return values[:, p - 1:-1].float() * rmask
+    p = ids.shape[1] - rmask.shape[1]
+    return _widened(values[:, p - 1:-1].float() * rmask, response_ids.shape[1])

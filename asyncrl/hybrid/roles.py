@@ -28,6 +28,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
 from asyncrl.hybrid.export import POLICY_FILE, save_model_files
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
+from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
     ModelConfig,
     build_model,
@@ -247,13 +248,26 @@ class Rollout(Worker):
 
 
 class Reference(Worker):
-    def __init__(self, model: dict[str, Any]):
+    """A frozen copy of a model; each rank scores its rows in micro-batches of
+    `micro_batch_size` rows (None: all at once) or of `max_tokens_per_micro_batch` tokens
+    (as TrainConfig's)."""
+
+    def __init__(self, model: dict[str, Any], micro_batch_size: int | None = None,
+                 max_tokens_per_micro_batch: int | None = None):
         self.model = build_model(ModelConfig(**model)).to(default_device())
+        # a TrainConfig checks the sizes as it does for training
+        self.sizes = TrainConfig(micro_batch_size=micro_batch_size or 1,
+                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        self.whole = micro_batch_size is None
 
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()
     def logprobs(self, batch: TensorBatch) -> TensorBatch:
-        return TensorBatch({"logprobs": sequence_logprobs(
-            self.model, batch.tensor("prompt_ids"), batch.tensor("prompt_mask"),
-            batch.tensor("response_ids"), batch.tensor("response_mask"),
-            temperature=sampled_at(batch)).cpu()})
+        # no parameters gathered from other ranks: each rank cuts its rows its own way
+        micros, order = micro_batches(
+            batch, max(len(batch), 1) if self.whole else self.sizes.micro_batch_size,
+            self.sizes.max_tokens_per_micro_batch, agree=False)
+        return TensorBatch({"logprobs": in_batch_order([sequence_logprobs(
+            self.model, m.tensor("prompt_ids"), m.tensor("prompt_mask"),
+            m.tensor("response_ids"), m.tensor("response_mask"),
+            temperature=sampled_at(batch)).cpu() for m in micros], order)})

@@ -92,7 +92,8 @@ class ZeroBackend(TrainBackend):
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
                    entropy: bool = False) -> dict[str, float]:
-        gas = len(batch.split(self.cfg.micro_batch_size))
+        micros = self.micro_batches(batch)[0]
+        gas = len(micros)
         if self.engine.gradient_accumulation_steps() != gas:  # this step's micro-batch count
             self.engine.set_train_batch_size(
                 self.cfg.micro_batch_size * gas * dist.get_world_size())
@@ -109,7 +110,7 @@ class ZeroBackend(TrainBackend):
             self.engine.step()  # steps the optimizer and the schedule at the boundary only
 
         lr = self.opt.param_groups[0]["lr"]
-        stats = self._accumulate(batch, loss_fn, entropy, backward)
+        stats = self._accumulate(batch, loss_fn, entropy, backward, micros)
         norm = float(self.engine.get_global_grad_norm() or 0.0)
         # reported, not skipped: DeepSpeed steps anyway outside fp16 loss scaling
         return {**stats, "grad_norm": norm, "lr": lr,
