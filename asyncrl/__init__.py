@@ -33,7 +33,7 @@ from asyncrl.errors import (
                                           SpawnTimeout,
                                           TransferTimeout,
 )
-from asyncrl.futures.future import DistFuture
+from asyncrl.futures.future import DistFuture, Rows, concat
 
 __version__ = "0.1.0"
 
@@ -54,6 +54,7 @@ __all__ = [
     "NodeError",
     "PlacementError",
     "RemoteError",
+    "Rows",
     "SpawnError",
     "SpawnTimeout",
     "Split",
@@ -62,6 +63,7 @@ __all__ = [
     "Worker",
     "breakpoint",
     "colocate_with",
+    "concat",
     "config",
     "group",
     "node",

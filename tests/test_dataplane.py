@@ -493,3 +493,39 @@ def test_a_producer_that_dies_fails_the_pull_with_its_death_not_a_timeout():
     assert message.startswith("cons[rank 0].ids: cannot pull rows 0:3 of object ") and \
         "from prod:0: group 'prod' is dead" in message, message
     assert_gone(pids)
+
+
+def test_rows_of_futures_are_one_batch_pulled_by_the_consumer(bg, groups):
+    """`fut.rows(...)` and `asyncrl.concat(...)`: rows picked from results on two groups,
+    in the order given, reach a DP consumer from the producers; awaited, the same rows."""
+    p4, p2, c2, c1 = groups["p4"], groups["p2"], groups["c2"], groups["c1"]
+    a = p4.make(rows(10))
+    b = p2.make(TensorBatch({"i": torch.arange(100, 106)}))
+    picked = asyncrl.concat(a.rows([9, 0, 4]), b.rows([5, 1]), a.rows([2]))
+    before = bg.ctl.payload_bytes
+    out = get(c2.echo(picked))
+    assert bg.ctl.payload_bytes == before
+    want = [9, 0, 4, 105, 101, 2]
+    assert out["i"].tolist() == want and out["x"].tolist() == [10.0 * i for i in want]
+    assert out["name"] == [f"row{i}" for i in want] and out["by"] == [0, 0, 0, 1, 1, 1]
+    assert out["v"].tolist() == (torch.tensor(want)[:, None] * 100 + torch.arange(3)).to(
+        torch.bfloat16).tolist()
+    fetched = bg.run(_awaited(picked))
+    assert fetched["i"].tolist() == want and fetched["name"] == out["name"]
+    assert get(c1.ids(asyncrl.concat(b, a.rows([1])))) == [100, 101, 102, 103, 104, 105, 1]
+
+    with pytest.raises(IndexError, match="row 10 is outside this batch of 10 rows"):
+        get(c1.ids(a.rows([10])))
+    with pytest.raises(ValueError, match=r"differ in columns .*'v', 'bfloat16', \(4,\)"):
+        get(c1.ids(asyncrl.concat(a, p2.make(rows(2), width=4))))
+    with pytest.raises(TypeError, match="not a TensorBatch"):
+        get(c1.ids(asyncrl.concat(p2.info(1))))
+    with pytest.raises(IndexError, match="negative row indices"):
+        a.rows([0, -1])
+    with pytest.raises(TypeError, match="takes group calls' futures"):
+        asyncrl.concat(a, rows(2))
+    assert get(c1.ids(a)) == list(range(10))  # the picked-from futures are still whole
+
+
+async def _awaited(picked):
+    return await picked

@@ -83,6 +83,38 @@ def test_ppo_flow_trains_actor_and_critic_side_by_side_and_resumes_exactly(tmp_p
         assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
 
 
+def test_dapo_keeps_groups_whose_rewards_differ_and_resumes_where_its_prompts_were(tmp_path):
+    """examples/dapo_tiny.py: each step trains on 16 groups whose rewards differ, drawing
+    more prompt batches when the first has too few; its steps come from the flow (no
+    --steps). Stopped after step 2's checkpoint and resumed, it draws the same prompts
+    (the source's shared position is saved) and comes out the same."""
+    run = tmp_path / "dapo"
+    out = cli("launch", "examples/dapo_tiny.py", "--run-dir", str(run), "steps=6",
+              "--checkpoint-every", "3", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    assert all(r["dapo/kept_groups"] == 16 for r in rows)
+    # one batch is enough exactly when none of its 16 groups scored alike
+    assert all((r["dapo/rounds"] == 1) == (r["dapo/uniform_groups"] == 0) for r in rows)
+    assert rows[0]["dapo/rounds"] > 1  # an untrained policy: most groups all wrong
+    # the filter leaves out all-wrong groups: the trained batch scores above the sampled
+    assert all(r["reward/mean"] >= r["dapo/sampled_mean"] for r in rows[:3])
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000005")
+    out = cli("launch", "examples/dapo_tiny.py", "--run-dir", str(resumed), "--resume",
+              timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows, again, strict=True):
+        assert learned(a) == pytest.approx(learned(b), rel=1e-4, abs=1e-6)
+    short = cli("launch", "examples/dapo_tiny.py", "--run-dir", str(tmp_path / "short"),
+                "steps=2", "max_rounds=1", timeout=300)
+    assert short.returncode != 0
+    assert "kept" in short.stderr and "after 1 prompt batches" in short.stderr, short.stderr
+
+
 def initial_greedy_reward() -> float:
     """The example's validation score of its untrained policy, computed here."""
     from asyncrl.hybrid.models import ModelConfig, build_model

@@ -125,7 +125,11 @@ class RemoteBatch(RowOps):
         columns = batches[0].columns
         for i, b in enumerate(batches[1:], 1):
             if b.columns != columns:
-                raise ValueError(f"concat: batch {i} has columns {b.keys()} "
-                                 f"but batch 0 has {batches[0].keys()}")
+                differ = sorted({(c.key, c.dtype, c.shape) for c in b.columns} ^
+                                {(c.key, c.dtype, c.shape) for c in columns})
+                raise ValueError(f"concat: batch {i} and batch 0 differ in columns (key, dtype, "
+                                 f"row shape) {differ}: batches concatenate when their columns "
+                                 f"match (responses to prompt batches of different widths "
+                                 f"do not: give the PromptSource max_prompt_length)")
         return RemoteBatch([p for b in batches for p in b.pieces], columns,
                            concat_meta([(b.meta, len(b)) for b in batches]))

@@ -116,7 +116,7 @@ class DataFlow:
 
     def __init__(self, nodes: list[Any], inputs: dict[str, Any] | None = None,
                  max_staleness: int = 0, groups: list[GroupSpec] | None = None,
-                 checkpoint_every: int | None = None):
+                 checkpoint_every: int | None = None, steps: int | None = None):
         self.nodes: dict[str, Node] = {}
         for n in nodes:
             if not isinstance(n, Node):
@@ -138,6 +138,10 @@ class DataFlow:
             raise FlowError(f"checkpoint_every must be an int >= 1 (or None: only after the "
                             f"last step), got {checkpoint_every!r}")
         self.checkpoint_every = checkpoint_every
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise FlowError(f"steps must be an int >= 1 (or None: until an input runs out), "
+                            f"got {steps!r}")
+        self.steps = steps  # what run() and `asyncrl launch` run when not told
         self.deps = {name: self._resolve(n) for name, n in self.nodes.items()}
         self.order = self._topological()
         modules = {n.fn.__module__ for n in self.nodes.values()}
@@ -446,7 +450,8 @@ class DataFlow:
                   restore: Callable[[], Awaitable[bool]] | None = None,
                   on_rewind: Callable[[int], None] | None = None,
                   keep: bool = True) -> list[dict[str, Any]]:
-        """Run until step index `steps` (or until an input is exhausted) inside the current
+        """Run until step index `steps` (default: the flow's `steps`, else until an input is
+        exhausted) inside the current
         Controller (or one of its own), spawning and closing the groups; return this run's
         node results by step, with DistFutures resolved to their values. Step indices count
         from 0 across resumes: resumed at step 4, ``run(8)`` runs steps 4..7.
@@ -463,6 +468,7 @@ class DataFlow:
         return value (an empty list), and a node's TensorBatch left on its ranks is not
         fetched for `on_step` either: it gets the DistFuture (done) in its place (a future
         whose ranks keep TensorBatches, whatever its protocol collects them into)."""
+        steps = self.steps if steps is None else steps
         opened = self._ctl is None
         if opened:
             await self.open()

@@ -54,7 +54,7 @@ from asyncrl.errors import (
     RemoteError,
     TransferTimeout,
 )
-from asyncrl.futures.future import DistFuture, Held, futures_in, rebuild
+from asyncrl.futures.future import DistFuture, Held, Rows, futures_in, rebuild
 
 if TYPE_CHECKING:
     from asyncrl.controller.controller import Controller
@@ -183,8 +183,7 @@ class GroupHandle:
         return {r: (info.objects, info.object_bytes) for r, info in self.ranks.items()}
 
     @property
-    def dropped_frames(self) -> dict[int, int]:
-        """rank -> frames that rank dropped (bad signature, replay, undecodable)."""
+    def dropped_frames(self) -> dict[int, int]:  # frames dropped: bad signature, replay...
         return {r: info.dropped for r, info in self.ranks.items()}
 
     def __getattr__(self, name: str) -> _Method:
@@ -515,12 +514,13 @@ class GroupHandle:
                 waiter.set_exception(e)
 
     async def _view(self, arg: Any, name: int | str, item: _Queued) -> Any:
-        """A DistFuture argument (or one in a list, tuple or dict) becomes references to its
-        data: the consumer's ranks pull it from the producer's ranks; the controller never
-        carries it."""
+        """A DistFuture argument (or one in a list, tuple, dict or Rows) becomes references to
+        its data, which the consumer's ranks pull from the producer's: never via here."""
         if not isinstance(arg, DistFuture):
             if not futures_in(arg):
                 return arg
+            if isinstance(arg, Rows):  # rows of futures: one batch of their references
+                return await arg.batch(lambda f: self._view(f, name, item))
             if isinstance(arg, dict):
                 return {k: await self._view(v, f"{name}[{k!r}]", item) for k, v in arg.items()}
             return rebuild(arg, [await self._view(v, f"{name}[{i}]", item)

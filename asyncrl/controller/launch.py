@@ -165,12 +165,13 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                       keep: int | None = checkpoint.KEEP, cluster: Any = None,
                       host: str = "127.0.0.1", controller: dict[str, Any] | None = None
                       ) -> Path:
-    """Run `flow` up to step index `steps` with its outputs in `run_dir`, checkpointing after
-    its last step (and every `flow.checkpoint_every` steps). `resume`: continue from the
-    newest complete checkpoint in `run_dir`; else `run_dir` must hold none. `controller`:
+    """Run `flow` up to step index `steps` (None: `flow.steps`) with its outputs in `run_dir`,
+    checkpointing after its last step (and every `flow.checkpoint_every` steps). `resume`:
+    continue from the newest complete checkpoint in `run_dir`; else none there. `controller`:
     more Controller settings (heartbeat_interval=...). Recoveries from dead groups are
     written to run_dir/recoveries.jsonl."""
     run_dir = Path(run_dir)
+    steps = flow.steps if steps is None else steps
     resume_from: Path | None = None
     meta: dict[str, Any] = {}
     if resume:  # checked before anything is spawned

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import operator
 import warnings
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
+
+from asyncrl.comm.batch import RowOps
 
 
 class DistFuture:
@@ -86,9 +90,77 @@ class DistFuture:
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"{self._label} not done after {timeout} s") from None
 
+    def rows(self, indices: Iterable[int]) -> Rows:
+        """Some rows of this future's TensorBatch, in the order given (a filter, a
+        reordering): passed to a group's call, its ranks pull only those rows."""
+        return Rows([(self, indices)])
+
     def __repr__(self) -> str:
         state = "done" if self._fut.done() else "pending"
         return f"<DistFuture {self._label} {state}>"
+
+
+class Rows:
+    """Rows of one or more batch futures, concatenated in order (`fut.rows(indices)`,
+    `asyncrl.concat(...)`), built without fetching anything: passed to a group's call it is
+    one batch whose rows the consumer's ranks pull from the producers, as a future's are;
+    `await` fetches the value. The batches must have the same columns (responses to prompt
+    batches of one PromptSource with max_prompt_length have)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[tuple[DistFuture, Iterable[int] | None]]):
+        self.parts: list[tuple[DistFuture, list[int] | None]] = []
+        for fut, indices in parts:
+            if not isinstance(fut, DistFuture):
+                raise TypeError(f"rows of a group call's future, not of {type(fut).__name__}")
+            picked = None if indices is None else [operator.index(i) for i in indices]
+            if picked is not None and any(i < 0 for i in picked):
+                raise IndexError(f"rows of {fut._label}: negative row indices "
+                                 f"{[i for i in picked if i < 0][:5]}; rows count from 0")
+            self.parts.append((fut, picked))
+
+    def futures(self) -> list[DistFuture]:
+        return [f for f, _ in self.parts]
+
+    async def batch(self, view: Callable[[DistFuture], Awaitable[Any]]) -> Any:
+        """The rows as one batch, each future turned into its batch by `view` (a future's
+        value, or the references a consumer's ranks pull from)."""
+        pieces = []
+        for fut, picked in self.parts:
+            whole = await view(fut)
+            if not isinstance(whole, RowOps):
+                raise TypeError(f"rows of {fut._label}: its value is a "
+                                f"{type(whole).__name__}, not a TensorBatch")
+            pieces.append(whole if picked is None else whole.take(picked))
+        kinds = {type(p) for p in pieces}
+        if len(kinds) > 1:  # a value the controller holds beside data on the ranks
+            raise TypeError(f"concat: {', '.join(f._label for f in self.futures())} mix "
+                            f"values on the controller with batches on the ranks")
+        return pieces[0] if len(pieces) == 1 else type(pieces[0]).concat(pieces)
+
+    def __await__(self) -> Any:
+        return self.batch(lambda f: f._get()).__await__()
+
+    def __repr__(self) -> str:
+        return "<Rows " + " + ".join(
+            f"{f._label}[{'all' if p is None else len(p)}]" for f, p in self.parts) + ">"
+
+
+def concat(*items: DistFuture | Rows) -> Rows:
+    """Batch futures (or `fut.rows(...)` of them) as one batch, in order; see `Rows`."""
+    if not items:
+        raise ValueError("asyncrl.concat needs at least one future")
+    parts: list[tuple[DistFuture, Iterable[int] | None]] = []
+    for item in items:
+        if isinstance(item, Rows):
+            parts += item.parts
+        elif isinstance(item, DistFuture):
+            parts.append((item, None))
+        else:
+            raise TypeError(f"asyncrl.concat takes group calls' futures and their .rows(...), "
+                            f"got {type(item).__name__}")
+    return Rows(parts)
 
 
 class Held:
@@ -113,6 +185,8 @@ def futures_in(value: Any) -> list[DistFuture]:
     """The DistFutures in `value`: itself, or inside its lists, tuples and dicts."""
     if isinstance(value, DistFuture):
         return [value]
+    if isinstance(value, Rows):
+        return value.futures()
     if isinstance(value, list | tuple):
         return [f for x in value for f in futures_in(x)]
     if isinstance(value, dict):
@@ -132,6 +206,12 @@ async def resolved(out: Any, batches: bool = True, found: list[list[Any]] | None
     (nothing fetched). `found` gets the path (keys and indices) of each future resolved."""
     if isinstance(out, DistFuture):
         if not batches and (await asyncio.shield(out._fut)).holds_batches():
+            return out
+        if found is not None:
+            found.append(list(at))
+        return await out
+    if isinstance(out, Rows):  # rows of batches: data on the ranks
+        if not batches:
             return out
         if found is not None:
             found.append(list(at))

@@ -36,7 +36,7 @@ from asyncrl.hybrid.models import (
     sampled_at,
     sequence_logprobs,
 )
-from asyncrl.hybrid.sampler import SamplingConfig, with_overrides
+from asyncrl.hybrid.sampler import PROMPT_WIDTH, SamplingConfig, with_overrides
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
     GATHER_TO_ZERO,
@@ -66,9 +66,10 @@ def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
 def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatch:
     """Generation's columns beside the prompt batch's (its meta, padding marks included),
     the prompts left-padded to the widest of the group's ranks, so that the ranks' results
-    concatenate (a collective: every rank of the group generates)."""
+    concatenate (a collective: every rank of the group generates), and at least to the
+    batch's PROMPT_WIDTH (so that separate calls' results concatenate too)."""
     ids, mask = out.tensor("prompt_ids"), out.tensor("prompt_mask")
-    width = torch.tensor([ids.shape[1]])
+    width = torch.tensor([max(ids.shape[1], int(prompts.meta.get(PROMPT_WIDTH, 0)))])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(width, op=dist.ReduceOp.MAX)
     more = int(width) - ids.shape[1]

@@ -63,6 +63,11 @@ def with_overrides(cfg: SamplingConfig, overrides: dict[str, Any] | None) -> Sam
     return replace(cfg, **overrides)  # checked again
 
 
+# a prompt batch's meta: the width generation pads its prompt columns to at least (a
+# PromptSource's max_prompt_length), so that rollouts of separate calls concatenate
+PROMPT_WIDTH = "prompt_width"
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")

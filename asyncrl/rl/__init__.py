@@ -7,8 +7,9 @@ from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty, ppo_policy_l
 from asyncrl.rl.config import RLConfig
 from asyncrl.rl.critic import Critic
 from asyncrl.rl.data import PromptSource
+from asyncrl.rl.dynamic import DynamicSamplingError, dynamic_sampling
 from asyncrl.rl.reward import RewardFn, RewardModel
 
-__all__ = ["Actor", "Critic", "Policy", "PromptSource", "RLConfig", "Reference", "RewardFn",
-           "RewardModel", "Rollout", "gae", "grpo_advantages", "kl_penalty", "ppo_policy_loss",
-           "whiten"]
+__all__ = ["Actor", "Critic", "DynamicSamplingError", "Policy", "PromptSource", "RLConfig",
+           "Reference", "RewardFn", "RewardModel", "Rollout", "dynamic_sampling", "gae",
+           "grpo_advantages", "kl_penalty", "ppo_policy_loss", "whiten"]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.sampler import PROMPT_WIDTH
 from asyncrl.rl.tokens import load_tokenizer, prompt_ids
 
 log = logging.getLogger("asyncrl")
@@ -195,7 +196,7 @@ class PromptSource:
             records = _short_enough(records, max_prompt_length, where, locate)
         self.records, self.keys = records, keys
         self.batch_size, self.seed, self.shuffle, self.epochs = batch_size, seed, shuffle, epochs
-        self.repeat = repeat
+        self.repeat, self.max_prompt_length = repeat, max_prompt_length
         self.epoch, self.index = 0, 0  # the position: the next batch starts here
 
     def _order(self, epoch: int) -> list[int]:
@@ -205,19 +206,29 @@ class PromptSource:
         return torch.randperm(len(self.records), generator=gen).tolist()
 
     def __iter__(self) -> Iterator[TensorBatch]:
-        while self.epochs is None or self.epoch < self.epochs:
-            order = self._order(self.epoch)
-            while self.index < len(order):
-                picked = order[self.index:self.index + self.batch_size]
-                first, self.index = self.index, self.index + len(picked)
-                rows = [self.records[i] for i in picked for _ in range(self.repeat)]
-                columns: dict[str, Any] = {k: [r[k] for r in rows] for k in self.keys}
-                # one seed per sample: its epoch, its place in the epoch, its copy
-                base = (self.seed * 1_000_003 + self.epoch) * len(order)
-                columns["seed"] = [((base + first + i) * self.repeat + j) % (1 << 62)
-                                   for i in range(len(picked)) for j in range(self.repeat)]
-                yield TensorBatch(columns)
+        while (batch := self.next_batch()) is not None:
+            yield batch
+
+    def next_batch(self) -> TensorBatch | None:
+        """The batch at the source's position (None once its epochs are done), moving it on:
+        every reader shares the one position (a dynamic-sampling node drawing more prompts
+        beside the flow's own reading), which checkpoints save."""
+        if self.index >= len(self.records):
             self.epoch, self.index = self.epoch + 1, 0
+        if self.epochs is not None and self.epoch >= self.epochs:
+            return None
+        epoch, first = self.epoch, self.index
+        picked = self._order(epoch)[first:first + self.batch_size]
+        self.index = first + len(picked)
+        rows = [self.records[i] for i in picked for _ in range(self.repeat)]
+        columns: dict[str, Any] = {k: [r[k] for r in rows] for k in self.keys}
+        # one seed per sample: its epoch, its place in the epoch, its copy
+        base = (self.seed * 1_000_003 + epoch) * len(self.records)
+        columns["seed"] = [((base + first + i) * self.repeat + j) % (1 << 62)
+                           for i in range(len(picked)) for j in range(self.repeat)]
+        # responses to prompts padded to one width concatenate across generate calls
+        meta = {} if self.max_prompt_length is None else {PROMPT_WIDTH: self.max_prompt_length}
+        return TensorBatch(columns, meta)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed,

@@ -1,0 +1,106 @@
+"""DAPO's dynamic sampling (verl's algorithm.filter_groups): a step trains on `groups`
+prompt groups whose rewards differ. A group whose samples all scored alike (all right, all
+wrong) has advantage 0 everywhere under GRPO: it only dilutes the batch. So the node
+generates and scores, keeps the groups whose rewards differ, draws the next prompt batch
+while it has too few, and hands on the kept rows of every round as one batch.
+
+    @asyncrl.node(follows="train")
+    async def sample(prompts):
+        return await dynamic_sampling(prompts, more=source.next_batch,
+                                      generate=actor.generate, score=rewards.score,
+                                      groups=16, group_size=8, max_rounds=4)
+    # then: ref.logprobs(sample["rollout"]), actor.update(sample["rollout"], sample["score"],
+    # reference); metrics dapo/rounds, dapo/kept_groups, dapo/uniform_groups, sampled_mean
+
+Only the scores come to the controller (one number per sample); the kept rows are
+`fut.rows(...)` of each round's rollout, which the consumers' ranks pull from the ranks that
+generated them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.futures.future import DistFuture, concat
+from asyncrl.hybrid.sampler import PROMPT_WIDTH
+
+
+class DynamicSamplingError(RuntimeError):
+    """Too few groups whose rewards differ within `max_rounds` prompt batches."""
+
+
+def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The indices of the groups (consecutive runs of `group_size` samples) whose values
+    differ."""
+    if values.numel() % group_size:
+        raise ValueError(f"dynamic sampling: {values.numel()} samples is not a multiple of "
+                         f"group_size={group_size}; sample group_size responses per prompt "
+                         f"(PromptSource(..., repeat=group_size))")
+    g = values.double().reshape(-1, group_size)
+    return (g.max(1).values > g.min(1).values).nonzero().flatten()
+
+
+async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBatch | None],
+                           generate: Callable[[TensorBatch], DistFuture],
+                           score: Callable[[DistFuture], DistFuture], groups: int,
+                           group_size: int, max_rounds: int | None = None,
+                           metric: str = "reward") -> dict[str, Any]:
+    """Generate and score `prompts`, then batches from `more()` (a PromptSource's
+    next_batch), until `groups` groups whose `metric` column differs are kept (the first
+    ones found, in order; a surplus is left out, as verl trims to train_batch_size).
+
+    Returns {"rollout": rows of the rollouts, "score": the same rows of the scores, and the
+    metrics dapo/rounds, dapo/kept_groups, dapo/uniform_groups (the share of the groups
+    seen that were left out), dapo/sampled_mean (the metric's mean over every sample
+    generated: the policy's score before the filter)}. More than `max_rounds` batches
+    needed (None: no limit) is a DynamicSamplingError, as verl's max_num_gen_batches. If
+    `more()` runs out first, the step trains on the groups kept so far (none: an error)."""
+    if groups < 1 or group_size < 1 or (max_rounds is not None and max_rounds < 1):
+        raise ValueError(f"dynamic_sampling: groups, group_size and max_rounds must be >= 1, "
+                         f"got {groups}, {group_size} and {max_rounds}")
+    kept_rollouts, kept_scores = [], []
+    kept = seen = uniform = rounds = 0
+    total, samples = 0.0, 0
+    batch: TensorBatch | None = prompts
+    while batch is not None and kept < groups:
+        if rounds and PROMPT_WIDTH not in batch.meta:
+            raise ValueError("dynamic_sampling draws more prompts when a batch has too few "
+                             "groups whose rewards differ, and their responses join the "
+                             "first batch's: give the PromptSource max_prompt_length= so "
+                             "that every batch's prompts are padded to one width")
+        rounds += 1
+        rollout = generate(batch)
+        scores = score(rollout)
+        got = await scores  # one number per sample: all that comes here
+        if metric not in got:
+            raise KeyError(f"dynamic_sampling(metric={metric!r}): the scores have columns "
+                           f"{got.keys()}")
+        values = torch.as_tensor(got[metric])
+        differ = informative_groups(values, group_size)
+        seen += len(values) // group_size
+        total, samples = total + float(values.double().sum()), samples + len(values)
+        uniform += len(values) // group_size - len(differ)
+        keep = differ[:groups - kept]
+        if len(keep):
+            rows = (keep[:, None] * group_size + torch.arange(group_size)).flatten().tolist()
+            kept_rollouts.append(rollout.rows(rows))
+            kept_scores.append(scores.rows(rows))
+            kept += len(keep)
+        if kept < groups and rounds == max_rounds:
+            raise DynamicSamplingError(
+                f"dynamic sampling kept {kept} of the {groups} groups needed after "
+                f"{rounds} prompt batches ({seen} groups, {uniform} of them scored alike): "
+                f"the prompts are too easy or too hard for the policy now; raise max_rounds "
+                f"(verl's max_num_gen_batches) or change the data")
+        if kept < groups:
+            batch = more()
+    if not kept:
+        raise DynamicSamplingError(f"dynamic sampling found no group whose rewards differ in "
+                                   f"{seen} groups before the prompts ran out")
+    return {"rollout": concat(*kept_rollouts), "score": concat(*kept_scores),
+            "dapo/rounds": rounds, "dapo/kept_groups": kept,
+            "dapo/uniform_groups": uniform / seen, "dapo/sampled_mean": total / samples}

@@ -1,0 +1,90 @@
+"""DAPO's dynamic sampling on real groups: a 2-rank Actor generates, a RewardFn scores, the
+groups whose rewards differ are kept across prompt batches and trained on as one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl.rl import Actor, DynamicSamplingError, PromptSource, RewardFn, dynamic_sampling
+from asyncrl.rl.dynamic import informative_groups
+
+GROUP = 4
+
+
+def parity(prompt, response, kind):
+    """'easy' prompts always score 1, 'hard' ones 0 (their groups all alike); 'mixed' ones
+    score the parity of the first response token (their groups usually differ)."""
+    if kind != "mixed":
+        return float(kind == "easy")
+    return float(response[0] % 2) if response else 0.0
+
+
+# in order (no shuffle): the first batch of 4 prompts has one 'mixed' prompt, so three
+# groups that differ need another batch at least; the prompts are 1-5 tokens long
+KINDS = ["easy", "mixed", "hard", "easy", "hard", "mixed", "mixed", "easy", "hard", "mixed",
+         "mixed", "hard", "easy", "mixed", "hard", "mixed"]
+RECORDS = [{"prompt": [1] + [10 + i] * (i % 5), "kind": k} for i, k in enumerate(KINDS)]
+
+
+def test_informative_groups_are_those_whose_values_differ():
+    values = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0.25])
+    assert informative_groups(values, 4).tolist() == [1, 3]
+    with pytest.raises(ValueError, match="15 samples is not a multiple of group_size=4"):
+        informative_groups(values[:15], 4)
+
+
+def test_dynamic_sampling_trains_on_groups_whose_rewards_differ():
+    def source(**kw):
+        return PromptSource(RECORDS, batch_size=4, repeat=GROUP, shuffle=False, epochs=None,
+                            **kw)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            actor = await ctl.spawn(Actor, {"seed": 0}, rl={"group_size": GROUP},
+                                    train={"lr": 1e-3}, sampling={"max_new_tokens": 3},
+                                    nprocs=2, name="actor")
+            rewards = await ctl.spawn(RewardFn, parity, nprocs=1, name="reward")
+            pids = group_pids(actor) + group_pids(rewards)
+            prompts = source(max_prompt_length=6)
+            out = await dynamic_sampling(next(iter(prompts)), more=prompts.next_batch,
+                                         generate=actor.generate, score=rewards.score,
+                                         groups=3, group_size=GROUP)
+            before = ctl.payload_bytes
+            stats = await actor.update(out["rollout"], out["score"])
+            moved = ctl.payload_bytes - before
+            rollout, scores = await out["rollout"], await out["score"]
+            position = prompts.state_dict()
+
+            errors = []
+            for kw, groups, rounds in (({"max_prompt_length": 6}, 4, 2), ({}, 3, None)):
+                again = source(**kw)
+                try:
+                    await dynamic_sampling(next(iter(again)), more=again.next_batch,
+                                           generate=actor.generate, score=rewards.score,
+                                           groups=groups, group_size=GROUP, max_rounds=rounds)
+                except (DynamicSamplingError, ValueError) as e:
+                    errors.append(e)
+            return out, stats, moved, rollout, scores, position, errors, pids
+    out, stats, moved, rollout, scores, position, errors, pids = run(main(), timeout=240)
+    assert_gone(pids)
+    rewards = scores["reward"].reshape(-1, GROUP)
+    assert rewards.shape == (3, GROUP)
+    assert (rewards.max(1).values > rewards.min(1).values).all()  # every kept group differs
+    assert rollout["kind"] == ["mixed"] * 3 * GROUP
+    # each kept row's score is its own response's: rows and scores picked alike
+    for i in range(len(rollout)):
+        response = rollout["response_ids"][i][rollout["response_mask"][i].bool()].tolist()
+        assert scores["reward"][i] == parity(None, response, "mixed")
+    assert rollout["prompt_ids"].shape[1] == 6  # every batch padded to max_prompt_length
+    assert out["dapo/rounds"] >= 2 and out["dapo/kept_groups"] == 3
+    # the batches drawn, 4 prompts each, moved the source's shared position on as far
+    assert position["index"] == (4 * out["dapo/rounds"] - 1) % len(RECORDS) + 1
+    seen = 4 * out["dapo/rounds"]
+    assert 0 < out["dapo/uniform_groups"] <= (seen - 3) / seen
+    assert stats["actor/version"] == 1 and torch.isfinite(torch.tensor(stats["actor/pg_loss"]))
+    assert moved == 0  # the kept rows went from the actor's ranks to the actor's ranks
+    assert "after 2 prompt batches" in str(errors[0]) and "raise max_rounds" in str(errors[0])
+    assert isinstance(errors[1], ValueError) and "max_prompt_length" in str(errors[1])
