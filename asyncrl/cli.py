@@ -333,6 +333,9 @@ def bench(args: argparse.Namespace) -> int:
     flow = _flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl bench: {args.script} defines no `flow` (a DataFlow)")
+    if args.steps is None and flow.steps is not None and args.warmup >= flow.steps:
+        raise SystemExit(f"asyncrl bench: --warmup {args.warmup} leaves none of the flow's "
+                         f"{flow.steps} steps to measure; give a smaller --warmup")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
     failed = _run_flow("bench", run_dir, launch_flow(flow, args.steps, run_dir,

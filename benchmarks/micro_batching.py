@@ -1,10 +1,11 @@
 """Micro-batching benchmark: one FSDP2 train step over a batch of RL-shaped sequences
 (prompts of 16-64 tokens, responses long-tailed from 8 to 512), three ways in the same run:
 
-  padded        micro-batches of `micro_batch_size` rows, every row padded to the batch's
-                longest prompt and response (what a trainer that pads per batch does: TRL,
-                transformers' Trainer; asyncrl before it trimmed columns)
-  rows          the same micro-batches, each trimmed to the columns its rows use
+  padded        micro-batches of `micro_batch_size` rows over all the batch's columns (as
+                verl computes without use_remove_padding or use_dynamic_bsz; asyncrl before
+                it trimmed columns)
+  rows          the same micro-batches, each trimmed to the columns its rows use (as a
+                collator that pads per micro-batch: transformers' Trainer's)
   token_budget  rows sorted by length and cut by `max_tokens_per_micro_batch` (verl's
                 use_dynamic_bsz), the budget no larger than a padded micro-batch
 

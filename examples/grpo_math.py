@@ -26,7 +26,8 @@ from asyncrl.rl.tokens import load_tokenizer
 
 cfg = asyncrl.config(model_path=None, data=None, val_data=None, steps=100, prompts=32,
                      group_size=8, lr=1e-6, kl_coef=1e-3, max_prompt_length=512,
-                     max_new_tokens=512, micro_batch_size=8, actor_procs=1, backend="fsdp2",
+                     max_new_tokens=512, micro_batch_size=8, max_tokens_per_micro_batch=0,
+                     overlong_buffer=0, actor_procs=1, backend="fsdp2",
                      engine="builtin", gradient_checkpointing=False, val_every=10, seed=0,
                      instruction="Let's think step by step and output the final answer "
                                  "after \"####\".")
@@ -81,10 +82,19 @@ actor = asyncrl.group(
     Actor, model=model, name="actor", nprocs=cfg["actor_procs"], backend=cfg["backend"],
     engine=cfg["engine"], sampling=sampling,
     rl={"algo": "grpo", "group_size": cfg["group_size"], "kl_coef": cfg["kl_coef"]},
+    # micro-batches of max_tokens_per_micro_batch tokens (verl's use_dynamic_bsz), else of
+    # micro_batch_size rows
     train={"lr": cfg["lr"], "micro_batch_size": cfg["micro_batch_size"],
+           "max_tokens_per_micro_batch": cfg["max_tokens_per_micro_batch"] or None,
            "gradient_checkpointing": cfg["gradient_checkpointing"]})
-ref = asyncrl.group(Reference, model=model, name="ref") if cfg["kl_coef"] else None
-rewards = asyncrl.group(RewardFn, reward, tokenizer=cfg["model_path"], name="reward")
+ref = asyncrl.group(Reference, model=model, name="ref", micro_batch_size=cfg["micro_batch_size"],
+                    max_tokens_per_micro_batch=cfg["max_tokens_per_micro_batch"] or None
+                    ) if cfg["kl_coef"] else None
+# overlong_buffer > 0: DAPO's soft overlong punishment over the last that many tokens
+rewards = asyncrl.group(RewardFn, reward, tokenizer=cfg["model_path"], name="reward",
+                        overlong={"max_length": cfg["max_new_tokens"],
+                                  "buffer": cfg["overlong_buffer"]}
+                        if cfg["overlong_buffer"] else None)
 
 train_records = [as_chat(r) for r in read_records(cfg["data"])]
 prompts = PromptSource(train_records, batch_size=cfg["prompts"], seed=cfg["seed"],

@@ -522,6 +522,8 @@ def test_rows_of_futures_are_one_batch_pulled_by_the_consumer(bg, groups):
         get(c1.ids(asyncrl.concat(p2.info(1))))
     with pytest.raises(IndexError, match="negative row indices"):
         a.rows([0, -1])
+    with pytest.raises(TypeError, match="not a boolean mask"):
+        a.rows(torch.tensor([True, False]))
     with pytest.raises(TypeError, match="takes group calls' futures"):
         asyncrl.concat(a, rows(2))
     assert get(c1.ids(a)) == list(range(10))  # the picked-from futures are still whole

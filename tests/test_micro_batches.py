@@ -12,8 +12,9 @@ from helpers import assert_gone, group_pids, run
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.comm.batch import PAD_KEY
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, sequence_mean_nll
-from asyncrl.hybrid.micro import _cost, token_runs
+from asyncrl.hybrid.micro import _cost, in_batch_order, micro_batches, token_runs
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs, used_columns
 from asyncrl.hybrid.roles import Reference
 
@@ -52,23 +53,54 @@ def test_token_runs_stay_within_budget_with_the_fewest_or_the_asked_count():
             assert worst <= max(budget, max(_cost(prompts, responses, [r]) for r in range(n)))
     # four short rows and two long ones: the long ones apart, the short ones together
     assert token_runs([2] * 6, [30, 1, 2, 28, 1, 1], budget=40) == [[0], [3], [2, 1, 4, 5]]
+    # a row over the budget is alone, and does not raise the budget of the others
+    cut = token_runs([1] * 30, [149] + [9] * 29, budget=100, count=4)
+    assert cut[0] == [0] and all(_cost([1] * 30, [149] + [9] * 29, r) <= 100 for r in cut[1:])
+    with pytest.raises(ValueError, match="5 micro-batches asked of 4 rows"):
+        token_runs([1] * 4, [2] * 4, budget=100, count=5)
     with pytest.raises(ValueError, match="more than the 1 asked for"):
         token_runs([2] * 6, [30, 1, 2, 28, 1, 1], budget=40, count=1)
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be >= 1"):
         TrainConfig(max_tokens_per_micro_batch=0)
 
 
-def ragged_batch() -> TensorBatch:
-    """8 rows, prompts of 2-5 tokens (left-padded to 6), responses of 1-20 tokens
-    (right-padded to 24): the long ones in the first half (rank 0's chunk under dp=2)."""
-    gen = torch.Generator().manual_seed(0)
-    prompt_lens, response_lens = [3, 5, 2, 4, 3, 2, 5, 4], [20, 17, 3, 2, 2, 1, 3, 2]
+def batch_of(prompt_lens: list[int], response_lens: list[int]) -> TensorBatch:
+    """Prompts left-padded to 6 columns, responses right-padded to 24, random tokens."""
+    gen, n = torch.Generator().manual_seed(0), len(prompt_lens)
     pm = torch.tensor([[0] * (6 - p) + [1] * p for p in prompt_lens])
     rm = torch.tensor([[1] * r + [0] * (24 - r) for r in response_lens])
-    return TensorBatch({"prompt_ids": torch.randint(3, 128, (8, 6), generator=gen) * pm,
+    return TensorBatch({"prompt_ids": torch.randint(3, 128, (n, 6), generator=gen) * pm,
                         "prompt_mask": pm,
-                        "response_ids": torch.randint(3, 128, (8, 24), generator=gen) * rm,
+                        "response_ids": torch.randint(3, 128, (n, 24), generator=gen) * rm,
                         "response_mask": rm})
+
+
+def ragged_batch() -> TensorBatch:
+    """8 rows, prompts of 2-5 tokens, responses of 1-20 tokens: the long ones in the first
+    half (rank 0's chunk under dp=2)."""
+    return batch_of([3, 5, 2, 4, 3, 2, 5, 4], [20, 17, 3, 2, 2, 1, 3, 2])
+
+
+def test_micro_batches_keep_padding_rows_trailing_and_results_come_back_in_row_order():
+    """A DP chunk's padding rows (copies of its last row, left out of every loss) stay the
+    trailing rows of the micro-batches they land in, counted in their meta as `split` counts
+    them; results go back to the batch's order (a length order not its own inverse)."""
+    batch = batch_of([2, 3, 2, 2], [1, 12, 6, 2]).pad_to(6)  # rows 4, 5: copies of row 3
+    micros, order = micro_batches(batch, 8, max_tokens=30, agree=False)
+    assert order.tolist()[:3] == [1, 2, 3]  # longest first
+    start = 0
+    for micro in micros:
+        rows = order[start:start + len(micro)].tolist()
+        start += len(micro)
+        padding = [r >= 4 for r in rows]
+        assert padding == sorted(padding)  # real rows first
+        assert micro.meta.get(PAD_KEY, 0) == sum(padding)
+    assert sum(m.meta.get(PAD_KEY, 0) for m in micros) == 2
+    lengths = [m.tensor("response_mask").sum(1, keepdim=True) for m in micros]
+    assert torch.equal(in_batch_order(lengths, order, batch),
+                       batch.tensor("response_mask").sum(1, keepdim=True))
+    empty = batch.slice(0, 0)
+    assert in_batch_order(*micro_batches(empty, 8, 30, agree=False), empty).shape == (0, 24)
 
 
 def test_forward_passes_skip_the_columns_no_row_uses():
@@ -134,8 +166,10 @@ def test_a_token_budget_trains_and_scores_as_row_micro_batches_do():
         initial = sequence_logprobs(ref, *cols)
     opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
     expected = []
-    for _ in range(2):
-        loss = sequence_mean_nll(sequence_logprobs(ref, *cols), batch)
+    steps = [batch, batch]
+    for b in steps:
+        cols = [b[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+        loss = sequence_mean_nll(sequence_logprobs(ref, *cols), b)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
@@ -150,7 +184,7 @@ def test_a_token_budget_trains_and_scores_as_row_micro_batches_do():
                                         name=kind)
                 pids += group_pids(group)
                 logp = (await group.logprobs(batch))["logprobs"]
-                losses = [(await group.step(batch))[0]["loss"] for _ in range(2)]
+                losses = [(await group.step(b))[0]["loss"] for b in steps]
                 out[kind] = (logp, losses, await group.forward_shapes())
                 await ctl.close_group(group)
             scorer = await ctl.spawn(Reference, model_cfg, max_tokens_per_micro_batch=40,

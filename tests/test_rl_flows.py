@@ -158,32 +158,47 @@ def test_the_example_task_rewards_only_policies_that_read_the_prompt():
 
 def math_task(folder: Path) -> dict:
     """A tiny Llama with a word tokenizer (a chat template) and question files, as a user's
-    model directory and GSM8K-style data: the settings grpo_math.py needs."""
+    model directory and data: the settings grpo_math.py needs. Training questions in verl's
+    preprocessed Parquet (chats, reward_model.ground_truth), validation in GSM8K's JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
 
     from asyncrl.hybrid.models import tiny_llama
 
     AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(folder / "model")
     word_tokenizer(folder / "model")
-    for name, n in (("train", 8), ("val", 10)):  # validation in 2 batches (8 + 2)
-        (folder / f"{name}.jsonl").write_text("".join(
-            json.dumps({"question": f"w{i} w{i + 1}", "answer": str(i % 10)}) + "\n"
-            for i in range(n)))
-    return {"model_path": folder / "model", "data": folder / "train.jsonl",
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "openai/gsm8k", "ability": "math",
+         "prompt": [{"role": "user", "content": f"w{i} w{i + 1}"}],
+         "reward_model": {"style": "rule", "ground_truth": str(i % 10)},
+         "extra_info": {"split": "train", "index": i}} for i in range(8)]),
+        folder / "train.parquet")
+    (folder / "val.jsonl").write_text("".join(  # validation in 2 batches (8 + 2)
+        json.dumps({"question": f"w{i} w{i + 1}", "answer": str(i % 10)}) + "\n"
+        for i in range(10)))
+    return {"model_path": folder / "model", "data": folder / "train.parquet",
             "val_data": folder / "val.jsonl"}
 
 
 def test_the_math_recipe_trains_a_local_model_on_text_and_exports_it(tmp_path):
     """examples/grpo_math.py as a user runs it on a GPU, with CPU-sized parts: chats
-    through the tokenizer's template, rewards on text, greedy validation, then export."""
+    through the tokenizer's template, rewards on text with the overlong penalty, micro-batches
+    by token budget, greedy validation, then export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     task = math_task(tmp_path)
     rows = launch_example("grpo_math.py", tmp_path / "run", 2,
                           *(f"{k}={v}" for k, v in task.items()), "prompts=4",
                           "group_size=2", "max_new_tokens=6", "val_every=2",
-                          "max_prompt_length=64", "instruction=####")
-    assert all(0 <= r["reward/mean"] <= 1 for r in rows) and rows[1]["actor/version"] == 2
+                          "max_prompt_length=64", "instruction=####",
+                          "max_tokens_per_micro_batch=128", "overlong_buffer=3")
+    # the reward: the strict score in [0, 1] plus the overlong penalty in [-1, 0]: past 3 of
+    # the 6 new tokens, and random responses often run to the limit
+    assert all(-1 <= r["reward/overlong_penalty"] <= 0 for r in rows)
+    assert any(r["reward/overlong_penalty"] < 0 for r in rows)
+    assert all(0 <= r["reward/mean"] - r["reward/overlong_penalty"] <= 1 for r in rows)
+    assert rows[1]["actor/version"] == 2
     assert [i for i, r in enumerate(rows) if "val/reward" in r] == [1]
     out = cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr

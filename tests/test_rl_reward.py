@@ -38,6 +38,29 @@ def test_score_rows_by_hand():
         score_rows(broken, rollout_like(1))
 
 
+def test_overlong_responses_lose_reward_linearly_through_the_buffer():
+    """DAPO's soft overlong punishment: past max_length - buffer = 1 token, each token costs
+    penalty_factor / buffer = 0.25; the scores keep fn's score and the penalty apart, and the
+    actor's batch carries the penalty to its metrics."""
+    from asyncrl.rl.batch import assemble
+
+    reward = RewardFn(count_answer, overlong={"max_length": 3, "buffer": 2,
+                                              "penalty_factor": 0.5})
+    batch = rollout_like(4)  # responses of 2, 3, 3 and 1 tokens
+    out = reward.score(batch)
+    assert out["overlong_penalty"].tolist() == [-0.25, -0.5, -0.5, 0.0]
+    assert out["score"].tolist() == pytest.approx([1.0, 2 / 3, 0.0, 1.0])
+    assert out["reward"].tolist() == pytest.approx([0.75, 2 / 3 - 0.5, -0.5, 1.0])
+    assert RewardFn(count_answer).score(batch).keys() == ["reward"]
+    rollout = batch.union(TensorBatch({"prompt_ids": torch.ones(4, 1, dtype=torch.long),
+                                       "prompt_mask": torch.ones(4, 1, dtype=torch.long)}))
+    assert torch.equal(assemble(rollout, out)["overlong_penalty"], out["overlong_penalty"])
+    with pytest.raises(TypeError, match=r"keys \['buffer', 'max_length', 'penalty_factor'\]"):
+        RewardFn(count_answer, overlong={"len": 4})
+    with pytest.raises(ValueError, match="1 <= buffer <= max_length"):
+        RewardFn(count_answer, overlong={"max_length": 2, "buffer": 3})
+
+
 class Producer(asyncrl.Worker):
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
     def rollout(self, index: TensorBatch) -> TensorBatch:

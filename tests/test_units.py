@@ -34,7 +34,7 @@ def test_public_api_is_the_facade():
     assert sorted(asyncrl.__all__) == sorted([
         "AsyncRLError", "CheckpointError", "ClosedError", "Controller", "Dispatch",
         "DistFuture", "EncodeError", "GroupDeadError", "GroupHandle", "InputLostError", "Layout",
-        "RemoteError",
+        "RemoteError", "Rows", "concat",
         "SpawnError", "SpawnTimeout",
         "Split", "TensorBatch", "TransferTimeout", "Worker", "register", "register_protocol",
         "run", "DataFlow", "FlowError", "NodeError", "PlacementError", "colocate_with",

@@ -127,9 +127,11 @@ class RemoteBatch(RowOps):
             if b.columns != columns:
                 differ = sorted({(c.key, c.dtype, c.shape) for c in b.columns} ^
                                 {(c.key, c.dtype, c.shape) for c in columns})
+                hint = " (responses to prompt batches of different widths: give the " \
+                    "PromptSource max_prompt_length, which pads prompts to it)" if any(
+                        key.startswith("prompt") for key, _, _ in differ) else ""
                 raise ValueError(f"concat: batch {i} and batch 0 differ in columns (key, dtype, "
-                                 f"row shape) {differ}: batches concatenate when their columns "
-                                 f"match (responses to prompt batches of different widths "
-                                 f"do not: give the PromptSource max_prompt_length)")
+                                 f"row shape) {differ or 'order'}: batches concatenate when "
+                                 f"their columns match{hint}")
         return RemoteBatch([p for b in batches for p in b.pieces], columns,
                            concat_meta([(b.meta, len(b)) for b in batches]))

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.controller.timeline import called_groups
 from asyncrl.errors import ClosedError, GroupDeadError, InputLostError, RemoteError, SpawnError
-from asyncrl.futures.future import DistFuture, futures_in, rebuild
+from asyncrl.futures.future import DistFuture, Rows, futures_in, rebuild
 
 if TYPE_CHECKING:
     from asyncrl.controller.declare import GroupSpec
@@ -373,6 +373,8 @@ def _forward(done: asyncio.Future, proxy: DistFuture, inner: DistFuture) -> None
 def _replace(out: Any, proxies: dict[int, DistFuture]) -> Any:
     if isinstance(out, DistFuture):
         return proxies[id(out)]
+    if isinstance(out, Rows):
+        return Rows([(proxies[id(f)], picked) for f, picked in out.parts])
     if isinstance(out, list | tuple):
         return rebuild(out, [_replace(x, proxies) for x in out])
     if isinstance(out, dict):

@@ -114,7 +114,7 @@ class Rows:
         for fut, indices in parts:
             if not isinstance(fut, DistFuture):
                 raise TypeError(f"rows of a group call's future, not of {type(fut).__name__}")
-            picked = None if indices is None else [operator.index(i) for i in indices]
+            picked = None if indices is None else [_row_index(fut, i) for i in indices]
             if picked is not None and any(i < 0 for i in picked):
                 raise IndexError(f"rows of {fut._label}: negative row indices "
                                  f"{[i for i in picked if i < 0][:5]}; rows count from 0")
@@ -145,6 +145,13 @@ class Rows:
     def __repr__(self) -> str:
         return "<Rows " + " + ".join(
             f"{f._label}[{'all' if p is None else len(p)}]" for f, p in self.parts) + ">"
+
+
+def _row_index(fut: DistFuture, i: Any) -> int:
+    if isinstance(i, bool) or "bool" in str(getattr(i, "dtype", "")):  # True, False: 1, 0
+        raise TypeError(f"rows of {fut._label}: give row indices, not a boolean mask (the "
+                        f"indices where it is True: mask.nonzero().flatten())")
+    return operator.index(i)
 
 
 def concat(*items: DistFuture | Rows) -> Rows:

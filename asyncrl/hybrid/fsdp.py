@@ -297,7 +297,7 @@ class TrainBackend:
 
     def _inference(self, batch: TensorBatch, key: str) -> torch.Tensor:
         micros, order = self.micro_batches(batch)
-        out = in_batch_order([self._forward(m)[key] for m in micros], order)
+        out = in_batch_order([self._forward(m)[key] for m in micros], order, batch)
         self._inference_done()
         return out
 

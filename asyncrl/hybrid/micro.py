@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.batch import PAD_KEY, TensorBatch
 
 
 def row_lengths(batch: TensorBatch) -> tuple[list[int], list[int]]:
@@ -51,16 +51,21 @@ def token_runs(prompts: list[int], responses: list[int], budget: int, count: int
     `count`, exactly that many runs (at most one per row) of the least largest cost."""
     order = sorted(range(len(prompts)), key=lambda r: -(prompts[r] + responses[r]))
     runs = _greedy(order, prompts, responses, budget)
-    if count is None or not order:
+    if count is None:
         return runs
-    count = min(count, len(order))
+    if count > len(order):  # the ranks hold equal rows (a DP call pads them): a bug upstream
+        raise ValueError(f"token_runs: {count} micro-batches asked of {len(order)} rows; the "
+                         f"ranks that shard one model must each hold at least as many rows "
+                         f"as the micro-batches they agree on")
     if len(runs) > count:
         raise ValueError(f"token_runs: {len(runs)} runs of at most {budget} tokens are needed, "
                          f"more than the {count} asked for")
     # the least budget whose greedy cut needs at most `count` runs (greedy is optimal for
     # consecutive runs of a fixed order); then split the runs with the most rows until there
     # are `count` (a split run costs no more than the whole)
-    low, high = max(_cost(prompts, responses, [r]) for r in order), budget
+    # (a row over the budget is a run alone whatever the budget: it does not raise the
+    # budget of the others)
+    low, high = min(max(_cost(prompts, responses, [r]) for r in order), budget), budget
     while low < high:
         mid = (low + high) // 2
         if len(_greedy(order, prompts, responses, mid)) <= count:
@@ -89,17 +94,31 @@ def micro_batches(batch: TensorBatch, micro_batch_size: int, max_tokens: int | N
     batch's own order; else results concatenated micro-batch by micro-batch are put back with
     `out[order.argsort()]`). By rows when `max_tokens` is None; by the token budget otherwise,
     the count agreed over `group` when `agree` (the ranks that shard one model)."""
-    if max_tokens is None:
+    if max_tokens is None or not len(batch):
         return batch.split(micro_batch_size), None
     prompts, responses = row_lengths(batch)
     runs = token_runs(prompts, responses, max_tokens)
     if agree and dist.is_initialized():
         runs = token_runs(prompts, responses, max_tokens, agreed(len(runs), group))
-    order = [r for run in runs for r in run]
-    return [batch.take(run) for run in runs], torch.tensor(order, dtype=torch.long)
+    # a DP chunk's trailing padding rows (copies, left out of every loss) stay trailing in
+    # each micro-batch, marked as `split` marks them
+    real = len(batch) - batch.meta.get(PAD_KEY, 0)
+    runs = [[r for r in run if r < real] + [r for r in run if r >= real] for run in runs]
+    micros = []
+    for run in runs:
+        micro = batch.take(run)
+        padding = sum(r >= real for r in run)
+        if padding:
+            micro.meta[PAD_KEY] = padding
+        micros.append(micro)
+    return micros, torch.tensor([r for run in runs for r in run], dtype=torch.long)
 
 
-def in_batch_order(parts: list[torch.Tensor], order: torch.Tensor | None) -> torch.Tensor:
-    """Micro-batches' results, concatenated, in the batch's row order."""
+def in_batch_order(parts: list[torch.Tensor], order: torch.Tensor | None,
+                   batch: TensorBatch) -> torch.Tensor:
+    """Micro-batches' [rows, response columns] results, concatenated, in the batch's row
+    order (none for an empty batch)."""
+    if not parts:
+        return torch.zeros(0, batch.tensor("response_mask").shape[1])
     out = torch.cat(parts)
     return out if order is None else out[order.argsort()]

@@ -257,7 +257,8 @@ class Reference(Worker):
                  max_tokens_per_micro_batch: int | None = None):
         self.model = build_model(ModelConfig(**model)).to(default_device())
         # a TrainConfig checks the sizes as it does for training
-        self.sizes = TrainConfig(micro_batch_size=micro_batch_size or 1,
+        self.sizes = TrainConfig(micro_batch_size=1 if micro_batch_size is None
+                                 else micro_batch_size,
                                  max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.whole = micro_batch_size is None
 
@@ -271,4 +272,4 @@ class Reference(Worker):
         return TensorBatch({"logprobs": in_batch_order([sequence_logprobs(
             self.model, m.tensor("prompt_ids"), m.tensor("prompt_mask"),
             m.tensor("response_ids"), m.tensor("response_mask"),
-            temperature=sampled_at(batch)).cpu() for m in micros], order)})
+            temperature=sampled_at(batch)).cpu() for m in micros], order, batch)})

@@ -170,7 +170,12 @@ class Actor(Policy):
             [float(valid.sum()), float(reward.sum()), float((reward * reward).sum()),
              float(resp.sum()), float(resp.sum() + prompt.sum())], self.backend.stats_group)
         mean = r_sum / max(n, 1.0)
-        return {"reward/mean": mean, "reward/std": max(r_sq / max(n, 1.0) - mean * mean, 0.0)
-                ** 0.5, "response_length/mean": len_sum / max(n, 1.0), "perf/tokens": tokens}
+        out = {"reward/mean": mean, "reward/std": max(r_sq / max(n, 1.0) - mean * mean, 0.0)
+               ** 0.5, "response_length/mean": len_sum / max(n, 1.0), "perf/tokens": tokens}
+        if "overlong_penalty" in batch:  # the part of reward/mean that is the penalty
+            (penalty,) = global_sums([float((batch.tensor("overlong_penalty") * valid).sum())],
+                                     self.backend.stats_group)
+            out["reward/overlong_penalty"] = penalty / max(n, 1.0)
+        return out
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -31,11 +31,14 @@ def valid_rows(batch: TensorBatch) -> torch.Tensor:
 
 def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
              values: TensorBatch | None = None) -> TensorBatch:
-    """The rollout's columns with "reward", "ref_logprobs", "values" and "loss_mask"."""
+    """The rollout's columns with "reward", "ref_logprobs", "values" and "loss_mask" (and
+    the scores' "overlong_penalty" when they have one)."""
     if "reward" not in scores:
         raise KeyError(f"the scores batch needs a 'reward' column (RewardFn.score or "
                        f"RewardModel.score return one); it has {scores.keys()}")
     parts = {"reward": scores.tensor("reward").float()}
+    if "overlong_penalty" in scores:  # reported with the reward (RewardFn(overlong=))
+        parts["overlong_penalty"] = scores.tensor("overlong_penalty").float()
     if ref is not None:
         parts["ref_logprobs"] = ref.tensor("logprobs")
     if values is not None:

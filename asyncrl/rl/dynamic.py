@@ -55,7 +55,7 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
 
     Returns {"rollout": rows of the rollouts, "score": the same rows of the scores, and the
     metrics dapo/rounds, dapo/kept_groups, dapo/uniform_groups (the share of the groups
-    seen that were left out), dapo/sampled_mean (the metric's mean over every sample
+    seen whose samples all scored alike), dapo/sampled_mean (the metric's mean over every sample
     generated: the policy's score before the filter)}. More than `max_rounds` batches
     needed (None: no limit) is a DynamicSamplingError, as verl's max_num_gen_batches. If
     `more()` runs out first, the step trains on the groups kept so far (none: an error)."""

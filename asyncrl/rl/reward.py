@@ -16,6 +16,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -52,14 +53,17 @@ class RewardModel(Worker):
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()
     def score(self, batch: TensorBatch) -> TensorBatch:
-        from asyncrl.hybrid.models import positions
+        from asyncrl.hybrid.models import positions, used_columns
 
         device = next(self.model.parameters()).device
-        ids = torch.cat([batch.tensor("prompt_ids"), batch.tensor("response_ids")], 1)
-        mask = torch.cat([batch.tensor("prompt_mask"), batch.tensor("response_mask")], 1)
+        pm, rm = batch.tensor("prompt_mask"), batch.tensor("response_mask")
+        first, end = used_columns(pm, rm)  # without the columns no row uses
+        ids = torch.cat([batch.tensor("prompt_ids")[:, first:],
+                         batch.tensor("response_ids")[:, :end]], 1)
+        mask = torch.cat([pm[:, first:], rm[:, :end]], 1)
         ids, mask = ids.to(device), mask.to(device)
         values = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
-        last = batch.tensor("prompt_ids").shape[1] + batch.tensor("response_mask").sum(1) - 1
+        last = pm.shape[1] - first + rm.sum(1) - 1
         rows = torch.arange(len(batch))
         return TensorBatch({"reward": values[rows, last.to(device)].float().cpu()})
 
@@ -122,11 +126,45 @@ def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) ->
     return torch.tensor(rewards, dtype=torch.float32)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Overlong:
+    """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer): a response
+    longer than `max_length - buffer` tokens loses `penalty_factor` x the share of the
+    buffer it runs into, down to -penalty_factor at `max_length` (the generation limit)."""
+
+    max_length: int
+    buffer: int
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.buffer <= self.max_length or self.penalty_factor < 0:
+            raise ValueError(f"RewardFn(overlong=): give 1 <= buffer <= max_length (the "
+                             f"generation's max_new_tokens) and penalty_factor >= 0, got "
+                             f"buffer={self.buffer}, max_length={self.max_length}, "
+                             f"penalty_factor={self.penalty_factor}")
+
+    def penalty(self, lengths: torch.Tensor) -> torch.Tensor:
+        over = lengths.float() - (self.max_length - self.buffer)
+        return (-over / self.buffer * self.penalty_factor).clamp(max=0.0)
+
+
+def overlong_config(overlong: dict[str, Any]) -> Overlong:
+    known = {f.name for f in fields(Overlong)}
+    if not isinstance(overlong, dict) or set(overlong) - known:
+        raise TypeError(f"RewardFn(overlong=) is a dict with keys {sorted(known)} "
+                        f"(max_length and buffer required), got {overlong!r}")
+    return Overlong(**overlong)
+
+
 class RewardFn(Worker):
     """A reward group running `fn` (a module-level function: it travels by reference), on
-    token ids, or on text with `tokenizer` (a local tokenizer directory)."""
+    token ids, or on text with `tokenizer` (a local tokenizer directory). With `overlong`
+    ({"max_length": N, "buffer": B, "penalty_factor": 1.0}, see `Overlong`) the reward is
+    fn's score plus the overlong penalty, and the scores hold both parts ("score",
+    "overlong_penalty": dynamic sampling may filter on "score", as verl's DAPO on "acc")."""
 
-    def __init__(self, fn: Callable[..., Any], tokenizer: str | None = None):
+    def __init__(self, fn: Callable[..., Any], tokenizer: str | None = None,
+                 overlong: dict[str, Any] | None = None):
         from asyncrl.rl.tokens import load_tokenizer
 
         if not callable(fn):
@@ -134,9 +172,15 @@ class RewardFn(Worker):
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise TypeError(f"RewardFn(tokenizer=) is a local tokenizer directory (its ranks "
                             f"load it), got {type(tokenizer).__name__}")
+        self.overlong = overlong_config(overlong) if overlong is not None else None
         self.fn = fn
         self.tok = load_tokenizer(tokenizer) if tokenizer is not None else None
 
     @register(dispatch=Dispatch.DP)
     def score(self, batch: TensorBatch) -> TensorBatch:
-        return TensorBatch({"reward": score_rows(self.fn, batch, self.tok)})
+        scores = score_rows(self.fn, batch, self.tok)
+        if self.overlong is None:
+            return TensorBatch({"reward": scores})
+        penalty = self.overlong.penalty(batch.tensor("response_mask").sum(1))
+        return TensorBatch({"reward": scores + penalty, "score": scores,
+                            "overlong_penalty": penalty})
