@@ -4,6 +4,7 @@ text with a tokenizer, from prompts a PromptSource tokenized."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from helpers import WORDS, assert_gone, group_pids, run, word_tokenizer
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.controller.launcher import pid_alive
 from asyncrl.rl import PromptSource, RewardFn
 from asyncrl.rl.reward import score_rows
 
@@ -59,6 +61,65 @@ def test_overlong_responses_lose_reward_linearly_through_the_buffer():
         RewardFn(count_answer, overlong={"len": 4})
     with pytest.raises(ValueError, match="1 <= buffer <= max_length"):
         RewardFn(count_answer, overlong={"max_length": 2, "buffer": 3})
+
+
+def verifier(prompt, response, answer):
+    """Scores the response length; hangs on answer 9 (a verifier stuck on one answer) and
+    fails on answer 7."""
+    if answer == 9:
+        threading.Event().wait()  # forever
+    if answer == 7:
+        raise ArithmeticError("cannot parse the answer")
+    print("this print goes to the log, not into the frames")
+    return float(len(response))
+
+
+def answers(*values: int) -> TensorBatch:
+    n = len(values)
+    return TensorBatch({"response_ids": torch.ones(n, 3, dtype=torch.long),
+                        "response_mask": torch.tensor([[1] * (i % 3 + 1) + [0] * (2 - i % 3)
+                                                       for i in range(n)]),
+                        "prompt": [[1]] * n, "answer": list(values)})
+
+
+def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process():
+    from asyncrl.rl.reward import row_inputs
+    from asyncrl.rl.scorer import ScorerPool
+
+    pool = ScorerPool(verifier, processes=2, timeout_s=1.0)
+    first = pool.pids()
+    try:
+        batch = answers(1, 9, 2, 3, 4)
+        values, late = pool.score(row_inputs(verifier, batch))
+        assert late == [False, True, False, False, False]
+        assert values == [1.0, None, 3.0, 1.0, 2.0]  # each row's own answer, in order
+        replaced = [p for p in first if p not in pool.pids()]
+        assert len(replaced) == 1 and not pid_alive(replaced[0])  # the hung one: killed
+        with pytest.raises(ValueError, match=r"(?s)failed on row 1:.*ArithmeticError: cannot "
+                                             r"parse the answer"):
+            pool.score(row_inputs(verifier, answers(1, 7)))
+    finally:
+        pids = pool.pids()
+        pool.close()
+    assert_gone(first + pids)
+
+
+def test_a_reward_group_scores_hung_rows_with_the_timeout_score_and_leaves_no_process():
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            reward = await ctl.spawn(RewardFn, verifier, processes=2, timeout_s=1.0,
+                                     timeout_score=-1.0, nprocs=1, name="reward")
+            scorers = (await reward.scorer_pids())[0]
+            scores = await reward.score(answers(1, 9, 2))
+            pids = group_pids(reward) + scorers + (await reward.scorer_pids())[0]
+            await ctl.close_group(reward)
+            return scores, pids
+    scores, pids = run(main(), timeout=120)
+    assert_gone(pids)  # the rank, its scoring processes and their replacements
+    assert scores["reward"].tolist() == [1.0, -1.0, 3.0]
+    assert scores["timed_out"].tolist() == [0.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="timeout_s > 0"):
+        RewardFn(verifier, timeout_s=0)
 
 
 class Producer(asyncrl.Worker):

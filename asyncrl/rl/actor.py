@@ -26,6 +26,7 @@ from asyncrl.hybrid.engine import BUCKET_BYTES
 from asyncrl.hybrid.roles import Policy
 from asyncrl.rl.algorithms import aggregate, kl_penalty, masked_mean, ppo_policy_loss
 from asyncrl.rl.batch import (
+    REPORTED,
     STATS,
     advantages,
     assemble,
@@ -172,10 +173,10 @@ class Actor(Policy):
         mean = r_sum / max(n, 1.0)
         out = {"reward/mean": mean, "reward/std": max(r_sq / max(n, 1.0) - mean * mean, 0.0)
                ** 0.5, "response_length/mean": len_sum / max(n, 1.0), "perf/tokens": tokens}
-        if "overlong_penalty" in batch:  # the part of reward/mean that is the penalty
-            (penalty,) = global_sums([float((batch.tensor("overlong_penalty") * valid).sum())],
-                                     self.backend.stats_group)
-            out["reward/overlong_penalty"] = penalty / max(n, 1.0)
-        return out
+        reported = [k for k in REPORTED if k in batch]  # the penalty, the rows timed out
+        sums = global_sums([float((batch.tensor(k) * valid).sum()) for k in reported],
+                           self.backend.stats_group) if reported else []
+        return {**out, **{f"reward/{k}": v / max(n, 1.0)
+                          for k, v in zip(reported, sums, strict=True)}}
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -18,6 +18,9 @@ from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty
 from asyncrl.rl.config import RLConfig
 
+# what a RewardFn's scores may hold beside "reward", reported as reward/<name> (batch means)
+REPORTED = ("overlong_penalty", "timed_out")
+
 # Batches split as DP splits them; the answer is rank 0's (it always answers a DP call), for
 # methods whose ranks all return the same all-reduced statistics (numbers for metrics.jsonl).
 STATS = register_protocol("dp_stats", split=_dp_split, collect=_rank_zero_collect)
@@ -32,13 +35,12 @@ def valid_rows(batch: TensorBatch) -> torch.Tensor:
 def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
              values: TensorBatch | None = None) -> TensorBatch:
     """The rollout's columns with "reward", "ref_logprobs", "values" and "loss_mask" (and
-    the scores' "overlong_penalty" when they have one)."""
+    the scores' REPORTED columns they have)."""
     if "reward" not in scores:
         raise KeyError(f"the scores batch needs a 'reward' column (RewardFn.score or "
                        f"RewardModel.score return one); it has {scores.keys()}")
     parts = {"reward": scores.tensor("reward").float()}
-    if "overlong_penalty" in scores:  # reported with the reward (RewardFn(overlong=))
-        parts["overlong_penalty"] = scores.tensor("overlong_penalty").float()
+    parts.update({k: scores.tensor(k).float() for k in REPORTED if k in scores})
     if ref is not None:
         parts["ref_logprobs"] = ref.tensor("logprobs")
     if values is not None:

@@ -101,14 +101,15 @@ def taken_by(fn: Callable[..., Any], keys: list[str]) -> list[str]:
 _warned: set[tuple[str, tuple[str, ...]]] = set()
 
 
-def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) -> torch.Tensor:
-    """`fn` on each row; with a tokenizer `tok`, on text."""
+def row_inputs(fn: Callable[..., Any], batch: TensorBatch, tok: Any = None
+               ) -> list[tuple[Any, Any, dict[str, Any]]]:
+    """(prompt, response, meta) of each row, as `fn` takes them; with a tokenizer, text."""
     # as Python lists once: indexing tensors row by row costs more than most rewards do
     ids, mask = batch.tensor("response_ids").tolist(), batch.tensor("response_mask").tolist()
     prompts = batch["prompt"] if "prompt" in batch else [None] * len(batch)
     meta_keys = taken_by(fn, [k for k in batch.keys()
                               if k not in RESERVED and isinstance(batch[k], list)])
-    rewards = []
+    rows = []
     for i in range(len(batch)):
         response: Any = [t for t, m in zip(ids[i], mask[i], strict=True) if m]
         prompt = prompts[i]
@@ -116,14 +117,23 @@ def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) ->
             response = tok.decode(response, skip_special_tokens=True)
             if isinstance(prompt, list):
                 prompt = tok.decode(prompt, skip_special_tokens=True)
-        meta = {k: batch[k][i] for k in meta_keys}
-        value = fn(prompt, response, **meta)
-        if not isinstance(value, int | float) or isinstance(value, bool) or \
-                not math.isfinite(value):
-            raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned "
-                             f"{value!r} for row {i}; it must return a finite float")
-        rewards.append(float(value))
-    return torch.tensor(rewards, dtype=torch.float32)
+        rows.append((prompt, response, {k: batch[k][i] for k in meta_keys}))
+    return rows
+
+
+def checked(fn: Callable[..., Any], value: Any, row: int) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or \
+            not math.isfinite(value):
+        raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned "
+                         f"{value!r} for row {row}; it must return a finite float")
+    return float(value)
+
+
+def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) -> torch.Tensor:
+    """`fn` on each row, in this process; with a tokenizer `tok`, on text."""
+    return torch.tensor([checked(fn, fn(p, r, **m), i)
+                         for i, (p, r, m) in enumerate(row_inputs(fn, batch, tok))],
+                        dtype=torch.float32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,10 +171,16 @@ class RewardFn(Worker):
     token ids, or on text with `tokenizer` (a local tokenizer directory). With `overlong`
     ({"max_length": N, "buffer": B, "penalty_factor": 1.0}, see `Overlong`) the reward is
     fn's score plus the overlong penalty, and the scores hold both parts ("score",
-    "overlong_penalty": dynamic sampling may filter on "score", as verl's DAPO on "acc")."""
+    "overlong_penalty": dynamic sampling may filter on "score", as verl's DAPO on "acc").
+    With `processes=N` each rank scores its rows N at a time in child processes
+    (`asyncrl.rl.scorer`); with `timeout_s` (one process at least) a row whose function runs
+    longer scores `timeout_score`, its process replaced, and the scores say which rows timed
+    out ("timed_out")."""
 
     def __init__(self, fn: Callable[..., Any], tokenizer: str | None = None,
-                 overlong: dict[str, Any] | None = None):
+                 overlong: dict[str, Any] | None = None, processes: int = 0,
+                 timeout_s: float | None = None, timeout_score: float = 0.0):
+        from asyncrl.rl.scorer import ScorerPool
         from asyncrl.rl.tokens import load_tokenizer
 
         if not callable(fn):
@@ -172,15 +188,39 @@ class RewardFn(Worker):
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise TypeError(f"RewardFn(tokenizer=) is a local tokenizer directory (its ranks "
                             f"load it), got {type(tokenizer).__name__}")
+        if processes < 0 or (timeout_s is not None and timeout_s <= 0) or \
+                not isinstance(timeout_score, int | float) or not math.isfinite(timeout_score):
+            raise ValueError(f"RewardFn: processes must be >= 0, timeout_s > 0 (or None) and "
+                             f"timeout_score a finite number, got {processes}, {timeout_s} "
+                             f"and {timeout_score!r}")
         self.overlong = overlong_config(overlong) if overlong is not None else None
-        self.fn = fn
+        self.fn, self.timeout_score = fn, float(timeout_score)
         self.tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+        # a function running in this process cannot be stopped: a timeout needs a child
+        processes = max(processes, 1) if timeout_s is not None else processes
+        self.pool = ScorerPool(fn, processes, timeout_s) if processes else None
 
     @register(dispatch=Dispatch.DP)
     def score(self, batch: TensorBatch) -> TensorBatch:
-        scores = score_rows(self.fn, batch, self.tok)
+        if self.pool is None:
+            scores, out = score_rows(self.fn, batch, self.tok), {}
+        else:
+            values, late = self.pool.score(row_inputs(self.fn, batch, self.tok))
+            scores = torch.tensor([self.timeout_score if t else checked(self.fn, v, i)
+                                   for i, (v, t) in enumerate(zip(values, late, strict=True))],
+                                  dtype=torch.float32)
+            out = {"timed_out": torch.tensor(late, dtype=torch.float32)}
+            if any(late):
+                log.warning("asyncrl: reward function %r ran past %s s on %d of %d rows; they "
+                            "score %s", self.pool.name, self.pool.timeout_s, sum(late),
+                            len(late), self.timeout_score)
         if self.overlong is None:
-            return TensorBatch({"reward": scores})
+            return TensorBatch({"reward": scores, **out})
         penalty = self.overlong.penalty(batch.tensor("response_mask").sum(1))
         return TensorBatch({"reward": scores + penalty, "score": scores,
-                            "overlong_penalty": penalty})
+                            "overlong_penalty": penalty, **out})
+
+    @register
+    def scorer_pids(self) -> list[int]:
+        """The pids of this rank's scoring processes (none without `processes`)."""
+        return self.pool.pids() if self.pool is not None else []

@@ -1,0 +1,171 @@
+"""A reward function in child processes (`RewardFn(processes=N, timeout_s=T)`): rows are
+scored N at a time, and a row whose function runs past `timeout_s` scores `timeout_score`
+while its process is killed and replaced. A verifier that hangs on one answer (sympy on a
+pathological expression, a sandbox that never returns) then costs that row, not the run.
+
+Each child is `python -m asyncrl.rl.scorer`: it imports the function by reference (its
+module, qualname and file, as the ranks import it), says it is ready, then scores the rows it
+is sent. Frames are length-prefixed msgpack on a pipe of their own (the function's prints go
+to stderr, the group's log); nothing is pickled. A child dies with its rank (PDEATHSIG) and
+ends when its input closes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import IO, Any
+
+import msgspec
+
+from asyncrl.comm.refs import make_ref, resolve_ref
+
+LENGTH = struct.Struct("<I")
+START_TIMEOUT_S = 300.0  # importing the function's module (torch, a flow file) may be slow
+
+
+def write_frame(out: IO[bytes], value: Any) -> None:
+    data = msgspec.msgpack.encode(value)
+    out.write(LENGTH.pack(len(data)) + data)
+    out.flush()
+
+
+def read_frame(src: IO[bytes]) -> Any:
+    """The next frame's value; None once the other side has closed."""
+    head = src.read(LENGTH.size)
+    if len(head) < LENGTH.size:
+        return None
+    size = LENGTH.unpack(head)[0]
+    data = src.read(size)
+    return None if len(data) < size else msgspec.msgpack.decode(data)
+
+
+def _child() -> None:
+    try:  # SIGKILL when the rank that started it dies, even inside a hung function
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    src = os.fdopen(sys.stdin.fileno(), "rb")
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints: to the log, not the frames
+    fn = resolve_ref(*read_frame(src))
+    write_frame(out, "ready")
+    while (job := read_frame(src)) is not None:
+        index, prompt, response, meta = job
+        try:
+            write_frame(out, [index, fn(prompt, response, **meta), None])
+        except Exception:  # noqa: BLE001 - the parent raises it, naming the row
+            write_frame(out, [index, None, traceback.format_exc()])
+
+
+class _Child:
+    def __init__(self, ref: tuple[str, str, str]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.rl.scorer"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        write_frame(self.stdin, list(ref))
+        self.ready = False
+        self.row: int | None = None  # the row it scores
+        self.since = self.started = time.monotonic()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.stdin.close()
+        self.stdout.close()
+
+
+class ScorerPool:
+    """`processes` children running `fn`; `score(jobs)` -> (values, timed-out flags)."""
+
+    def __init__(self, fn: Callable[..., Any], processes: int, timeout_s: float | None):
+        self.ref = make_ref(fn)
+        self.name = getattr(fn, "__name__", repr(fn))
+        self.timeout_s = timeout_s
+        self.children = [_Child(self.ref) for _ in range(processes)]
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.children]
+
+    def score(self, jobs: list[tuple[Any, Any, dict[str, Any]]]
+              ) -> tuple[list[Any], list[bool]]:
+        """Each job's value (None where it timed out) and whether it timed out."""
+        values: list[Any] = [None] * len(jobs)
+        timed_out = [False] * len(jobs)
+        todo, left = list(range(len(jobs)))[::-1], len(jobs)
+        sel = selectors.DefaultSelector()
+        for c in self.children:
+            sel.register(c.stdout, selectors.EVENT_READ, c)
+        try:
+            while left:
+                for c in self.children:  # idle and ready: give it the next row
+                    if c.ready and c.row is None and todo:
+                        c.row, c.since = todo.pop(), time.monotonic()
+                        write_frame(c.stdin, [c.row, *jobs[c.row]])
+                for key, _ in sel.select(self._wait()):
+                    left -= self._answer(key.data, values, sel)
+                left -= self._expire(values, timed_out, sel)
+                late = [c.proc.pid for c in self.children if not c.ready and
+                        time.monotonic() - c.started > START_TIMEOUT_S]
+                if late:
+                    raise RuntimeError(f"reward function {self.name!r}: processes {late} did "
+                                       f"not import it within {START_TIMEOUT_S:.0f} s")
+        finally:
+            sel.close()
+        return values, timed_out
+
+    def _wait(self) -> float:
+        """Until the first row could time out or a child be late starting."""
+        ends = [c.since + self.timeout_s for c in self.children
+                if c.row is not None and self.timeout_s is not None]
+        ends += [c.started + START_TIMEOUT_S for c in self.children if not c.ready]
+        return max(0.0, min(ends) - time.monotonic()) + 0.01 if ends else START_TIMEOUT_S
+
+    def _answer(self, c: _Child, values: list[Any], sel: selectors.BaseSelector) -> int:
+        """Read `c`'s frame: ready, or a row's value (1: a row done)."""
+        frame = read_frame(c.stdout)
+        if frame is None:  # it died, not by our hand
+            code = c.proc.wait()
+            raise RuntimeError(f"reward function {self.name!r}: its process {c.proc.pid} exited "
+                               f"with {code} while scoring row {c.row}; see the group's log")
+        if frame == "ready":
+            c.ready = True
+            return 0
+        index, value, error = frame
+        if error is not None:
+            raise ValueError(f"reward function {self.name!r} failed on row {index}:\n{error}")
+        values[index], c.row = value, None
+        return 1
+
+    def _expire(self, values: list[Any], timed_out: list[bool],
+                sel: selectors.BaseSelector) -> int:
+        """Replace the children past the timeout; their rows time out (the count)."""
+        if self.timeout_s is None:
+            return 0
+        now, expired = time.monotonic(), 0
+        for i, c in enumerate(self.children):
+            if c.row is not None and now - c.since > self.timeout_s:
+                timed_out[c.row], expired = True, expired + 1
+                sel.unregister(c.stdout)
+                c.kill()
+                self.children[i] = fresh = _Child(self.ref)
+                sel.register(fresh.stdout, selectors.EVENT_READ, fresh)
+        return expired
+
+    def close(self) -> None:
+        for c in self.children:
+            c.kill()
+        self.children = []
+
+
+if __name__ == "__main__":
+    _child()
