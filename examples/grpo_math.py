@@ -27,7 +27,7 @@ from asyncrl.rl.tokens import load_tokenizer
 cfg = asyncrl.config(model_path=None, data=None, val_data=None, steps=100, prompts=32,
                      group_size=8, lr=1e-6, kl_coef=1e-3, max_prompt_length=512,
                      max_new_tokens=512, micro_batch_size=8, max_tokens_per_micro_batch=0,
-                     overlong_buffer=0, actor_procs=1, backend="fsdp2",
+                     overlong_buffer=0, reward_timeout_s=0.0, actor_procs=1, backend="fsdp2",
                      engine="builtin", gradient_checkpointing=False, val_every=10, seed=0,
                      instruction="Let's think step by step and output the final answer "
                                  "after \"####\".")
@@ -90,11 +90,15 @@ actor = asyncrl.group(
 ref = asyncrl.group(Reference, model=model, name="ref", micro_batch_size=cfg["micro_batch_size"],
                     max_tokens_per_micro_batch=cfg["max_tokens_per_micro_batch"] or None
                     ) if cfg["kl_coef"] else None
-# overlong_buffer > 0: DAPO's soft overlong punishment over the last that many tokens
+# overlong_buffer > 0: DAPO's soft overlong punishment over the last that many tokens;
+# reward_timeout_s > 0: the reward runs in child processes, a row past it scores 0 (a
+# verifier such as math_verify may hang on a pathological answer)
 rewards = asyncrl.group(RewardFn, reward, tokenizer=cfg["model_path"], name="reward",
                         overlong={"max_length": cfg["max_new_tokens"],
                                   "buffer": cfg["overlong_buffer"]}
-                        if cfg["overlong_buffer"] else None)
+                        if cfg["overlong_buffer"] else None,
+                        processes=2 if cfg["reward_timeout_s"] else 0,
+                        timeout_s=cfg["reward_timeout_s"] or None)
 
 train_records = [as_chat(r) for r in read_records(cfg["data"])]
 prompts = PromptSource(train_records, batch_size=cfg["prompts"], seed=cfg["seed"],

@@ -183,8 +183,9 @@ def math_task(folder: Path) -> dict:
 
 def test_the_math_recipe_trains_a_local_model_on_text_and_exports_it(tmp_path):
     """examples/grpo_math.py as a user runs it on a GPU, with CPU-sized parts: chats
-    through the tokenizer's template, rewards on text with the overlong penalty, micro-batches
-    by token budget, greedy validation, then export."""
+    through the tokenizer's template, rewards on text with the overlong penalty (scored in
+    child processes that import the flow file), micro-batches by token budget, greedy
+    validation, then export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     task = math_task(tmp_path)
@@ -192,9 +193,11 @@ def test_the_math_recipe_trains_a_local_model_on_text_and_exports_it(tmp_path):
                           *(f"{k}={v}" for k, v in task.items()), "prompts=4",
                           "group_size=2", "max_new_tokens=6", "val_every=2",
                           "max_prompt_length=64", "instruction=####",
-                          "max_tokens_per_micro_batch=128", "overlong_buffer=3")
+                          "max_tokens_per_micro_batch=128", "overlong_buffer=3",
+                          "reward_timeout_s=60")
     # the reward: the strict score in [0, 1] plus the overlong penalty in [-1, 0]: past 3 of
     # the 6 new tokens, and random responses often run to the limit
+    assert all(r["reward/timed_out"] == 0 for r in rows)  # scored in child processes
     assert all(-1 <= r["reward/overlong_penalty"] <= 0 for r in rows)
     assert any(r["reward/overlong_penalty"] < 0 for r in rows)
     assert all(0 <= r["reward/mean"] - r["reward/overlong_penalty"] <= 1 for r in rows)

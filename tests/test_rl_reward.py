@@ -4,8 +4,12 @@ text with a tokenizer, from prompts a PromptSource tokenized."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import threading
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import WORDS, assert_gone, group_pids, run, word_tokenizer
@@ -64,14 +68,19 @@ def test_overlong_responses_lose_reward_linearly_through_the_buffer():
 
 
 def verifier(prompt, response, answer):
-    """Scores the response length; hangs on answer 9 (a verifier stuck on one answer) and
-    fails on answer 7."""
+    """Scores the response length (a numpy float); hangs on answer 9 (a verifier stuck on
+    one answer), on 8 in a sandbox process it started (its pid written where the test says),
+    and fails on 7."""
+    if answer == 8:
+        sandbox = subprocess.Popen(["sleep", "3600"])
+        Path(os.environ["ASYNCRL_TEST_SANDBOX"]).write_text(str(sandbox.pid))
+        sandbox.wait()
     if answer == 9:
         threading.Event().wait()  # forever
     if answer == 7:
         raise ArithmeticError("cannot parse the answer")
     print("this print goes to the log, not into the frames")
-    return float(len(response))
+    return np.float64(len(response))
 
 
 def answers(*values: int) -> TensorBatch:
@@ -82,26 +91,40 @@ def answers(*values: int) -> TensorBatch:
                         "prompt": [[1]] * n, "answer": list(values)})
 
 
-def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process():
+def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, monkeypatch):
     from asyncrl.rl.reward import row_inputs
     from asyncrl.rl.scorer import ScorerPool
 
+    monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(tmp_path / "sandbox.pid"))
     pool = ScorerPool(verifier, processes=2, timeout_s=1.0)
-    first = pool.pids()
+    seen = pool.pids()
     try:
-        batch = answers(1, 9, 2, 3, 4)
-        values, late = pool.score(row_inputs(verifier, batch))
+        values, late = pool.score(row_inputs(verifier, answers(1, 9, 2, 3, 4)))
         assert late == [False, True, False, False, False]
         assert values == [1.0, None, 3.0, 1.0, 2.0]  # each row's own answer, in order
-        replaced = [p for p in first if p not in pool.pids()]
+        replaced = [p for p in seen if p not in pool.pids()]
         assert len(replaced) == 1 and not pid_alive(replaced[0])  # the hung one: killed
+        seen += pool.pids()
+        # a sandbox the function started goes with its process
+        assert pool.score(row_inputs(verifier, answers(8)))[1] == [True]
+        sandbox = int((tmp_path / "sandbox.pid").read_text())
+        assert_gone([sandbox])
+        seen += pool.pids()
         with pytest.raises(ValueError, match=r"(?s)failed on row 1:.*ArithmeticError: cannot "
                                              r"parse the answer"):
-            pool.score(row_inputs(verifier, answers(1, 7)))
+            pool.score(row_inputs(verifier, answers(1, 7, 2, 3)))
+        seen += pool.pids()
+        # the next call starts clean: no answer of the failed call comes back in it
+        assert pool.score(row_inputs(verifier, answers(1, 2, 3))) == ([1.0, 2.0, 3.0],
+                                                                       [False] * 3)
+        untimed = ScorerPool(verifier, processes=1, timeout_s=None)
+        seen += untimed.pids()
+        assert untimed.score(row_inputs(verifier, answers(5, 6))) == ([1.0, 2.0], [False] * 2)
+        untimed.close()
     finally:
-        pids = pool.pids()
+        seen += pool.pids()
         pool.close()
-    assert_gone(first + pids)
+    assert_gone(seen)
 
 
 def test_a_reward_group_scores_hung_rows_with_the_timeout_score_and_leaves_no_process():
@@ -118,8 +141,10 @@ def test_a_reward_group_scores_hung_rows_with_the_timeout_score_and_leaves_no_pr
     assert_gone(pids)  # the rank, its scoring processes and their replacements
     assert scores["reward"].tolist() == [1.0, -1.0, 3.0]
     assert scores["timed_out"].tolist() == [0.0, 1.0, 0.0]
-    with pytest.raises(ValueError, match="timeout_s > 0"):
-        RewardFn(verifier, timeout_s=0)
+    for bad in ({"timeout_s": 0}, {"timeout_s": float("nan")}, {"processes": None},
+                {"timeout_score": True}):
+        with pytest.raises(ValueError, match="processes must be an int >= 0, timeout_s"):
+            RewardFn(verifier, **bad)
 
 
 class Producer(asyncrl.Worker):

@@ -371,6 +371,11 @@ def main() -> None:
     output.start()
     debugger.install()  # breakpoint() waits for `asyncrl attach` instead of hanging silently
     code = rank.serve()
+    if rank.worker is not None:
+        try:
+            rank.worker.on_close()
+        except Exception:  # noqa: BLE001 - the rank exits anyway: say why in its log
+            traceback.print_exc()
     rank.segments.close()  # unlink this rank's shared memory: os._exit runs no finalizer
     sys.stdout.flush()
     sys.stderr.flush()

@@ -54,6 +54,11 @@ class Worker:
     def load_state(self, folder: Path) -> None:
         """Read back what `save_state` wrote into `folder`. The default loads nothing."""
 
+    def on_close(self) -> None:
+        """Called on each rank as its group closes, after its last call: release what the
+        worker holds outside its process (child processes, say). The default does nothing;
+        a rank that dies runs no hook."""
+
     @register(concurrent=True, dispatch=Dispatch.RANK_ZERO)
     def _nccl_unique_id(self, make: bool = True) -> bytes:
         """Raises ImportError without NCCL through CuPy; else, if `make`, a unique id for a

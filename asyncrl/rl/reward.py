@@ -188,11 +188,14 @@ class RewardFn(Worker):
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise TypeError(f"RewardFn(tokenizer=) is a local tokenizer directory (its ranks "
                             f"load it), got {type(tokenizer).__name__}")
-        if processes < 0 or (timeout_s is not None and timeout_s <= 0) or \
-                not isinstance(timeout_score, int | float) or not math.isfinite(timeout_score):
-            raise ValueError(f"RewardFn: processes must be >= 0, timeout_s > 0 (or None) and "
-                             f"timeout_score a finite number, got {processes}, {timeout_s} "
-                             f"and {timeout_score!r}")
+        def number(x: Any) -> bool:
+            return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+        if not (isinstance(processes, int) and not isinstance(processes, bool)
+                and processes >= 0) or not (timeout_s is None or number(timeout_s)
+                                            and timeout_s > 0) or not number(timeout_score):
+            raise ValueError(f"RewardFn: processes must be an int >= 0, timeout_s a number "
+                             f"> 0 (or None) and timeout_score a finite number, got "
+                             f"{processes!r}, {timeout_s!r} and {timeout_score!r}")
         self.overlong = overlong_config(overlong) if overlong is not None else None
         self.fn, self.timeout_score = fn, float(timeout_score)
         self.tok = load_tokenizer(tokenizer) if tokenizer is not None else None
@@ -219,6 +222,10 @@ class RewardFn(Worker):
         penalty = self.overlong.penalty(batch.tensor("response_mask").sum(1))
         return TensorBatch({"reward": scores + penalty, "score": scores,
                             "overlong_penalty": penalty, **out})
+
+    def on_close(self) -> None:
+        if self.pool is not None:  # else the children, which share the rank's output
+            self.pool.close()  # pipe, would keep its last lines from being read
 
     @register
     def scorer_pids(self) -> list[int]:

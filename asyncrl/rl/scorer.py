@@ -12,6 +12,7 @@ ends when its input closes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import selectors
@@ -32,8 +33,20 @@ LENGTH = struct.Struct("<I")
 START_TIMEOUT_S = 300.0  # importing the function's module (torch, a flow file) may be slow
 
 
+def _plain(obj: Any) -> Any:
+    """numpy and torch scalars (a reward computed with numpy, meta from a DataFrame) as the
+    Python numbers they hold."""
+    if getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"a {type(obj).__name__} cannot be sent to or from a scoring process; "
+                    f"use numbers, strings, lists and dicts")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_plain)
+
+
 def write_frame(out: IO[bytes], value: Any) -> None:
-    data = msgspec.msgpack.encode(value)
+    data = _encoder.encode(value)
     out.write(LENGTH.pack(len(data)) + data)
     out.flush()
 
@@ -48,40 +61,53 @@ def read_frame(src: IO[bytes]) -> Any:
     return None if len(data) < size else msgspec.msgpack.decode(data)
 
 
-def _child() -> None:
+def _child(parent: int) -> None:
     try:  # SIGKILL when the rank that started it dies, even inside a hung function
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
     src = os.fdopen(sys.stdin.fileno(), "rb")
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints: to the log, not the frames
     fn = resolve_ref(*read_frame(src))
     write_frame(out, "ready")
+    # one frame answers each one received: the parent never has two to read from a child
     while (job := read_frame(src)) is not None:
         index, prompt, response, meta = job
         try:
-            write_frame(out, [index, fn(prompt, response, **meta), None])
+            value = fn(prompt, response, **meta)
+            frame = _encoder.encode([index, value, None])
         except Exception:  # noqa: BLE001 - the parent raises it, naming the row
-            write_frame(out, [index, None, traceback.format_exc()])
+            frame = _encoder.encode([index, None, traceback.format_exc()])
+        out.write(LENGTH.pack(len(frame)) + frame)
+        out.flush()
 
 
 class _Child:
     def __init__(self, ref: tuple[str, str, str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.rl.scorer"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # a session of its own: a timeout kills what the function started too (a sandbox)
+        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.rl.scorer",
+                                      str(os.getpid())], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, start_new_session=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
-        write_frame(self.stdin, list(ref))
+        self.ref = ref
         self.ready = False
         self.row: int | None = None  # the row it scores
         self.since = self.started = time.monotonic()
+        write_frame(self.stdin, list(ref))
 
-    def kill(self) -> None:
-        self.proc.kill()
+    def signal(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def reap(self) -> None:
         self.proc.wait()
-        self.stdin.close()
-        self.stdout.close()
+        for pipe in (self.stdin, self.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
 
 
 class ScorerPool:
@@ -98,30 +124,44 @@ class ScorerPool:
 
     def score(self, jobs: list[tuple[Any, Any, dict[str, Any]]]
               ) -> tuple[list[Any], list[bool]]:
-        """Each job's value (None where it timed out) and whether it timed out."""
+        """Each job's value (None where it timed out) and whether it timed out. On an error
+        the children busy with this call's rows are replaced: the next call starts clean."""
         values: list[Any] = [None] * len(jobs)
         timed_out = [False] * len(jobs)
         todo, left = list(range(len(jobs)))[::-1], len(jobs)
-        sel = selectors.DefaultSelector()
-        for c in self.children:
-            sel.register(c.stdout, selectors.EVENT_READ, c)
         try:
             while left:
                 for c in self.children:  # idle and ready: give it the next row
                     if c.ready and c.row is None and todo:
                         c.row, c.since = todo.pop(), time.monotonic()
-                        write_frame(c.stdin, [c.row, *jobs[c.row]])
-                for key, _ in sel.select(self._wait()):
-                    left -= self._answer(key.data, values, sel)
-                left -= self._expire(values, timed_out, sel)
+                        self._send(c, jobs)
+                for c in self._readable():
+                    left -= self._answer(c, values)
+                left -= self._expire(timed_out)
                 late = [c.proc.pid for c in self.children if not c.ready and
                         time.monotonic() - c.started > START_TIMEOUT_S]
                 if late:
                     raise RuntimeError(f"reward function {self.name!r}: processes {late} did "
                                        f"not import it within {START_TIMEOUT_S:.0f} s")
-        finally:
-            sel.close()
+        except BaseException:
+            self._replace([i for i, c in enumerate(self.children)
+                           if c.row is not None or c.proc.poll() is not None or not c.ready])
+            raise
         return values, timed_out
+
+    def _send(self, c: _Child, jobs: list[tuple[Any, Any, dict[str, Any]]]) -> None:
+        assert c.row is not None
+        try:
+            write_frame(c.stdin, [c.row, *jobs[c.row]])
+        except TypeError as e:
+            raise TypeError(f"reward function {self.name!r}: row {c.row}'s prompt, response "
+                            f"or meta cannot go to a scoring process: {e}") from None
+
+    def _readable(self) -> list[_Child]:
+        with selectors.DefaultSelector() as sel:
+            for c in self.children:
+                sel.register(c.stdout, selectors.EVENT_READ, c)
+            return [key.data for key, _ in sel.select(self._wait())]
 
     def _wait(self) -> float:
         """Until the first row could time out or a child be late starting."""
@@ -130,42 +170,55 @@ class ScorerPool:
         ends += [c.started + START_TIMEOUT_S for c in self.children if not c.ready]
         return max(0.0, min(ends) - time.monotonic()) + 0.01 if ends else START_TIMEOUT_S
 
-    def _answer(self, c: _Child, values: list[Any], sel: selectors.BaseSelector) -> int:
-        """Read `c`'s frame: ready, or a row's value (1: a row done)."""
+    def _answer(self, c: _Child, values: list[Any]) -> int:
+        """Read `c`'s frame: ready, or its row's value (1: a row done)."""
         frame = read_frame(c.stdout)
         if frame is None:  # it died, not by our hand
             code = c.proc.wait()
+            doing = f"while scoring row {c.row}" if c.ready else \
+                f"before importing {self.ref[0]}:{self.ref[1]}"
             raise RuntimeError(f"reward function {self.name!r}: its process {c.proc.pid} exited "
-                               f"with {code} while scoring row {c.row}; see the group's log")
+                               f"with {code} {doing}; see the group's log")
         if frame == "ready":
             c.ready = True
             return 0
         index, value, error = frame
+        row, c.row = c.row, None
+        assert index == row, (index, row)  # one frame answers each one sent
         if error is not None:
             raise ValueError(f"reward function {self.name!r} failed on row {index}:\n{error}")
-        values[index], c.row = value, None
+        values[index] = value
         return 1
 
-    def _expire(self, values: list[Any], timed_out: list[bool],
-                sel: selectors.BaseSelector) -> int:
+    def _expire(self, timed_out: list[bool]) -> int:
         """Replace the children past the timeout; their rows time out (the count)."""
         if self.timeout_s is None:
             return 0
-        now, expired = time.monotonic(), 0
-        for i, c in enumerate(self.children):
-            if c.row is not None and now - c.since > self.timeout_s:
-                timed_out[c.row], expired = True, expired + 1
-                sel.unregister(c.stdout)
-                c.kill()
-                self.children[i] = fresh = _Child(self.ref)
-                sel.register(fresh.stdout, selectors.EVENT_READ, fresh)
-        return expired
+        now = time.monotonic()
+        late = [i for i, c in enumerate(self.children)
+                if c.row is not None and now - c.since > self.timeout_s]
+        for i in late:
+            timed_out[self.children[i].row] = True  # type: ignore[index]
+        self._replace(late)
+        return len(late)
+
+    def _replace(self, indices: list[int]) -> None:
+        """Kill these children (and what they started) and start new ones in their place."""
+        old = [self.children[i] for i in indices]
+        for c in old:
+            c.signal()
+        for c in old:
+            c.reap()
+        for i in indices:
+            self.children[i] = _Child(self.ref)
 
     def close(self) -> None:
         for c in self.children:
-            c.kill()
+            c.signal()
+        for c in self.children:
+            c.reap()
         self.children = []
 
 
 if __name__ == "__main__":
-    _child()
+    _child(int(sys.argv[1]))
