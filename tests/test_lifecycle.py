@@ -339,3 +339,29 @@ async def _awaitable(fut):
 def asyncio_create_task(coro):
     import asyncio
     return asyncio.get_running_loop().create_task(coro)
+
+
+class Closing(asyncrl.Worker):
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    @asyncrl.register
+    def ping(self) -> int:
+        return self.rank
+
+    def on_close(self) -> None:  # what a worker holds outside its process is released here
+        with open(os.path.join(self.folder, f"closed{self.rank}"), "w") as f:
+            f.write("bye")
+
+
+def test_on_close_runs_on_every_rank_as_its_group_closes(tmp_path):
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Closing, str(tmp_path), nprocs=2)
+            assert await group.ping() == [0, 1]
+            assert not list(tmp_path.iterdir())  # not before the group closes
+            pids = group_pids(group)
+            await ctl.close_group(group)
+            return pids
+    assert_gone(run(main()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["closed0", "closed1"]
