@@ -154,7 +154,9 @@ def test_a_token_budget_trains_and_scores_as_row_micro_batches_do():
     """dp=2 with a budget of 40 tokens: rank 0 (two long rows) needs 3 micro-batches, rank 1
     (short rows) 1; both run 3 forward passes (each gathers the other's shards), none over
     the budget, and the log-probs come back in the batch's row order. FSDP2 and ZeRO-3 take
-    the steps one process takes on the whole batch; a Reference scores alike."""
+    the steps one process takes on the whole batch (of 8 rows, then 7: the loss is the mean
+    over the 7 real rows, however the ranks and micro-batches hold them); a Reference scores
+    alike."""
     pytest.importorskip("deepspeed")
     batch = ragged_batch()
     model_cfg = {"preset": "tiny-llama", "seed": 0}
@@ -166,7 +168,7 @@ def test_a_token_budget_trains_and_scores_as_row_micro_batches_do():
         initial = sequence_logprobs(ref, *cols)
     opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
     expected = []
-    steps = [batch, batch]
+    steps = [batch, batch.slice(0, 7)]  # 7 rows: rank 1 holds 3 and a padding row
     for b in steps:
         cols = [b[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
         loss = sequence_mean_nll(sequence_logprobs(ref, *cols), b)

@@ -197,13 +197,32 @@ def clip_grad_norm(params: Any, max_norm: float) -> float:
     return total
 
 
+ALL_ROWS = "all_rows"  # meta: (real rows of every dp rank, this rank's rows, dp ranks)
+
+
+def count_rows(batch: TensorBatch, group: Any) -> TensorBatch:
+    """Mark a rank's batch with the real rows of every data-parallel rank (one all-reduce),
+    so that `sequence_mean_nll` is the mean over all of them however they are split."""
+    t = torch.tensor([float(len(batch) - batch.meta.get(PAD_KEY, 0))], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    batch.meta[ALL_ROWS] = (float(t[0]), len(batch), dist.get_world_size(group))
+    return batch
+
+
 def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
     """Mean over the real sequences (not a DP chunk's padding rows) of the mean negative
-    log-likelihood of their response tokens."""
+    log-likelihood of their response tokens. On a micro-batch of a counted batch
+    (`count_rows`), the part of the mean over every rank's rows that the backend's
+    weighting (rows of the micro-batch / rows of the rank, averaged over the ranks) turns
+    into that mean: exact when chunks or micro-batches hold unequal real rows."""
     mask = batch.tensor("response_mask").to(logprobs.dtype)
     per_row = -(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)
     real = len(batch) - batch.meta.get(PAD_KEY, 0)
-    return per_row[:real].sum() / max(real, 1)
+    mean = per_row[:real].sum() / max(real, 1)
+    if ALL_ROWS not in batch.meta:
+        return mean
+    total, rows, dp = batch.meta[ALL_ROWS]
+    return mean * (dp * rows * real / (max(total, 1.0) * len(batch)))
 
 
 def nll_loss(out: dict[str, torch.Tensor], batch: TensorBatch
@@ -287,6 +306,10 @@ class TrainBackend:
         return micro_batches(batch, self.cfg.micro_batch_size,
                              self.cfg.max_tokens_per_micro_batch)
 
+    def train_micro_batches(self, batch: TensorBatch) -> list[TensorBatch]:
+        """A train step's micro-batches, each knowing the rows of every rank (`count_rows`)."""
+        return self.micro_batches(count_rows(batch, self.stats_group))[0]
+
     @torch.no_grad()
     def logprobs(self, batch: TensorBatch) -> torch.Tensor:
         return self._inference(batch, "logprobs")
@@ -311,7 +334,7 @@ class TrainBackend:
         """Forward and backward each micro-batch (weighted by its share of the rows); the
         loss and statistics, averaged over the micro-batches and the data-parallel ranks."""
         sums: dict[str, float] = {}
-        for micro in micros if micros is not None else self.micro_batches(batch)[0]:
+        for micro in micros if micros is not None else self.train_micro_batches(batch):
             weight = len(micro) / len(batch)
             micro = self._on_device(micro)
             loss, stats = loss_fn(self._forward(micro, entropy), micro)

@@ -92,7 +92,7 @@ class ZeroBackend(TrainBackend):
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
                    entropy: bool = False) -> dict[str, float]:
-        micros = self.micro_batches(batch)[0]
+        micros = self.train_micro_batches(batch)
         gas = len(micros)
         if self.engine.gradient_accumulation_steps() != gas:  # this step's micro-batch count
             self.engine.set_train_batch_size(
