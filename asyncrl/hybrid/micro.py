@@ -61,10 +61,9 @@ def token_runs(prompts: list[int], responses: list[int], budget: int, count: int
         raise ValueError(f"token_runs: {len(runs)} runs of at most {budget} tokens are needed, "
                          f"more than the {count} asked for")
     # the least budget whose greedy cut needs at most `count` runs (greedy is optimal for
-    # consecutive runs of a fixed order); then split the runs with the most rows until there
-    # are `count` (a split run costs no more than the whole)
-    # (a row over the budget is a run alone whatever the budget: it does not raise the
-    # budget of the others)
+    # consecutive runs of a fixed order; a row over the budget is a run alone and does not
+    # raise the others'); then split the runs with the most rows until there are `count` (a
+    # split run costs no more than the whole)
     low, high = min(max(_cost(prompts, responses, [r]) for r in order), budget), budget
     while low < high:
         mid = (low + high) // 2
