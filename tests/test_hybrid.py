@@ -12,7 +12,7 @@ import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, sequence_mean_nll
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
-from asyncrl.hybrid.roles import Policy
+from asyncrl.hybrid.roles import Policy, make_backend
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
@@ -235,14 +235,7 @@ class AnyTrainer(asyncrl.Worker):
     """FSDP2 or ZeRO-2/3 behind one interface."""
 
     def __init__(self, kind: str, model_cfg: dict, train_cfg: dict):
-        if kind == "fsdp2":
-            self.backend = FSDPBackend(ModelConfig(**model_cfg), TrainConfig(**train_cfg),
-                                       self.device_mesh)
-        else:
-            from asyncrl.hybrid.zero import ZeroBackend
-
-            self.backend = ZeroBackend(ModelConfig(**model_cfg), TrainConfig(**train_cfg),
-                                       stage=int(kind[-1]))
+        self.backend = make_backend(self, kind, ModelConfig(**model_cfg), TrainConfig(**train_cfg))
         from asyncrl.hybrid.fsdp import decoder_layers
 
         self.mlp_runs = 0  # the layers' MLPs started: twice per forward when recomputed

@@ -13,10 +13,10 @@ from helpers import assert_gone, group_pids, run
 import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.comm.batch import PAD_KEY
-from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, sequence_mean_nll
+from asyncrl.hybrid.fsdp import TrainConfig, sequence_mean_nll
 from asyncrl.hybrid.micro import _cost, in_batch_order, micro_batches, token_runs
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs, used_columns
-from asyncrl.hybrid.roles import Reference
+from asyncrl.hybrid.roles import Reference, make_backend
 
 
 def fewest_runs(prompts: list[int], responses: list[int], budget: int) -> int:
@@ -123,14 +123,7 @@ class BudgetTrainer(asyncrl.Worker):
     """FSDP2 or ZeRO-3, noting the shape of each forward pass."""
 
     def __init__(self, kind: str, model_cfg: dict, train_cfg: dict):
-        if kind == "fsdp2":
-            self.backend = FSDPBackend(ModelConfig(**model_cfg), TrainConfig(**train_cfg),
-                                       self.device_mesh)
-        else:
-            from asyncrl.hybrid.zero import ZeroBackend
-
-            self.backend = ZeroBackend(ModelConfig(**model_cfg), TrainConfig(**train_cfg),
-                                       stage=3)
+        self.backend = make_backend(self, kind, ModelConfig(**model_cfg), TrainConfig(**train_cfg))
         self.shapes: list[tuple[int, int]] = []
         self.backend.model.register_forward_pre_hook(self._note, with_kwargs=True)
 

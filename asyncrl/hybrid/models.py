@@ -231,7 +231,7 @@ def used_columns(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tupl
     return first, int(used_r.max()) + 1 if used_r.numel() else 0
 
 
-def _joined(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+def joined(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             response_ids: torch.Tensor, response_mask: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """prompt + response ids and mask on the model's device, and the response mask there,
@@ -260,7 +260,7 @@ def sequence_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     With `entropy=True`, also the entropy of each of those next-token distributions.
 
     Prompts are left-padded, responses right-padded (their mask is a prefix of each row)."""
-    ids, mask, rmask = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    ids, mask, rmask = joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
     # no KV cache: one pass over whole sequences needs none (it would only take memory)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                    use_cache=False).logits
@@ -282,7 +282,7 @@ def sequence_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
                     response_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """A ValueModel's value of the state before each response token, [B, N]; 0 where
     response_mask is 0 (the positions whose logits `sequence_logprobs` reads)."""
-    ids, mask, rmask = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    ids, mask, rmask = joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
     values = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
     p = ids.shape[1] - rmask.shape[1]
     return _widened(values[:, p - 1:-1].float() * rmask, response_ids.shape[1])

@@ -167,16 +167,15 @@ class Actor(Policy):
         # them (loss_mask leaves out the rows dropped as too stale)
         prompt = batch.tensor("prompt_mask").float().sum(1) * valid
         reward = batch.tensor("reward") * valid
-        n, r_sum, r_sq, len_sum, tokens = global_sums(
-            [float(valid.sum()), float(reward.sum()), float((reward * reward).sum()),
-             float(resp.sum()), float(resp.sum() + prompt.sum())], self.backend.stats_group)
-        mean = r_sum / max(n, 1.0)
-        out = {"reward/mean": mean, "reward/std": max(r_sq / max(n, 1.0) - mean * mean, 0.0)
-               ** 0.5, "response_length/mean": len_sum / max(n, 1.0), "perf/tokens": tokens}
         reported = [k for k in REPORTED if k in batch]  # the penalty, the rows timed out
-        sums = global_sums([float((batch.tensor(k) * valid).sum()) for k in reported],
-                           self.backend.stats_group) if reported else []
-        return {**out, **{f"reward/{k}": v / max(n, 1.0)
-                          for k, v in zip(reported, sums, strict=True)}}
+        n, r_sum, r_sq, len_sum, tokens, *sums = global_sums(
+            [float(valid.sum()), float(reward.sum()), float((reward * reward).sum()),
+             float(resp.sum()), float(resp.sum() + prompt.sum()),
+             *[float((batch.tensor(k) * valid).sum()) for k in reported]],
+            self.backend.stats_group)
+        mean = r_sum / max(n, 1.0)
+        return {"reward/mean": mean, "reward/std": max(r_sq / max(n, 1.0) - mean * mean, 0.0)
+                ** 0.5, "response_length/mean": len_sum / max(n, 1.0), "perf/tokens": tokens,
+                **{f"reward/{k}": v / max(n, 1.0) for k, v in zip(reported, sums, strict=True)}}
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -53,19 +53,14 @@ class RewardModel(Worker):
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()
     def score(self, batch: TensorBatch) -> TensorBatch:
-        from asyncrl.hybrid.models import positions, used_columns
+        from asyncrl.hybrid.models import joined, positions
 
-        device = next(self.model.parameters()).device
-        pm, rm = batch.tensor("prompt_mask"), batch.tensor("response_mask")
-        first, end = used_columns(pm, rm)  # without the columns no row uses
-        ids = torch.cat([batch.tensor("prompt_ids")[:, first:],
-                         batch.tensor("response_ids")[:, :end]], 1)
-        mask = torch.cat([pm[:, first:], rm[:, :end]], 1)
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask, rmask = joined(self.model, batch.tensor("prompt_ids"),
+                                  batch.tensor("prompt_mask"), batch.tensor("response_ids"),
+                                  batch.tensor("response_mask"))
         values = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
-        last = pm.shape[1] - first + rm.sum(1) - 1
-        rows = torch.arange(len(batch))
-        return TensorBatch({"reward": values[rows, last.to(device)].float().cpu()})
+        last = ids.shape[1] - rmask.shape[1] + rmask.sum(1) - 1  # each row's last real token
+        return TensorBatch({"reward": values[torch.arange(len(batch)), last].float().cpu()})
 
 
 def taken_by(fn: Callable[..., Any], keys: list[str]) -> list[str]:
@@ -121,9 +116,13 @@ def row_inputs(fn: Callable[..., Any], batch: TensorBatch, tok: Any = None
     return rows
 
 
+def is_number(x: Any) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def checked(fn: Callable[..., Any], value: Any, row: int) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or \
-            not math.isfinite(value):
+    if not is_number(value):
         raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned "
                          f"{value!r} for row {row}; it must return a finite float")
     return float(value)
@@ -188,11 +187,9 @@ class RewardFn(Worker):
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise TypeError(f"RewardFn(tokenizer=) is a local tokenizer directory (its ranks "
                             f"load it), got {type(tokenizer).__name__}")
-        def number(x: Any) -> bool:
-            return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
         if not (isinstance(processes, int) and not isinstance(processes, bool)
-                and processes >= 0) or not (timeout_s is None or number(timeout_s)
-                                            and timeout_s > 0) or not number(timeout_score):
+                and processes >= 0) or not (timeout_s is None or is_number(timeout_s)
+                                            and timeout_s > 0) or not is_number(timeout_score):
             raise ValueError(f"RewardFn: processes must be an int >= 0, timeout_s a number "
                              f"> 0 (or None) and timeout_score a finite number, got "
                              f"{processes!r}, {timeout_s!r} and {timeout_score!r}")

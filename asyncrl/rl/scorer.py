@@ -45,9 +45,13 @@ def _plain(obj: Any) -> Any:
 _encoder = msgspec.msgpack.Encoder(enc_hook=_plain)
 
 
-def write_frame(out: IO[bytes], value: Any) -> None:
+def frame(value: Any) -> bytes:
     data = _encoder.encode(value)
-    out.write(LENGTH.pack(len(data)) + data)
+    return LENGTH.pack(len(data)) + data
+
+
+def write_frame(out: IO[bytes], value: Any) -> None:
+    out.write(frame(value))
     out.flush()
 
 
@@ -76,12 +80,11 @@ def _child(parent: int) -> None:
     # one frame answers each one received: the parent never has two to read from a child
     while (job := read_frame(src)) is not None:
         index, prompt, response, meta = job
-        try:
-            value = fn(prompt, response, **meta)
-            frame = _encoder.encode([index, value, None])
+        try:  # encoded here: a value msgpack refuses is the function's error too
+            answer = frame([index, fn(prompt, response, **meta), None])
         except Exception:  # noqa: BLE001 - the parent raises it, naming the row
-            frame = _encoder.encode([index, None, traceback.format_exc()])
-        out.write(LENGTH.pack(len(frame)) + frame)
+            answer = frame([index, None, traceback.format_exc()])
+        out.write(answer)
         out.flush()
 
 
@@ -204,20 +207,21 @@ class ScorerPool:
 
     def _replace(self, indices: list[int]) -> None:
         """Kill these children (and what they started) and start new ones in their place."""
-        old = [self.children[i] for i in indices]
-        for c in old:
-            c.signal()
-        for c in old:
-            c.reap()
+        _stop([self.children[i] for i in indices])
         for i in indices:
             self.children[i] = _Child(self.ref)
 
     def close(self) -> None:
-        for c in self.children:
-            c.signal()
-        for c in self.children:
-            c.reap()
+        _stop(self.children)
         self.children = []
+
+
+def _stop(children: list[_Child]) -> None:
+    """Kill them all first, then wait for each (no one's wait holds up another's kill)."""
+    for c in children:
+        c.signal()
+    for c in children:
+        c.reap()
 
 
 if __name__ == "__main__":
