@@ -20,9 +20,9 @@ import math
 import re
 
 import asyncrl
+from asyncrl.hybrid.user_fn import load_tokenizer
 from asyncrl.rl import Actor, PromptSource, Reference, RewardFn
 from asyncrl.rl.data import read_records
-from asyncrl.rl.tokens import load_tokenizer
 
 cfg = asyncrl.config(model_path=None, data=None, val_data=None, steps=100, prompts=32,
                      group_size=8, lr=1e-6, kl_coef=1e-3, max_prompt_length=512,

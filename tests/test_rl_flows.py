@@ -115,6 +115,17 @@ def test_dapo_keeps_groups_whose_rewards_differ_and_resumes_where_its_prompts_we
     assert "kept" in short.stderr and "after 1 prompt batches" in short.stderr, short.stderr
 
 
+def test_the_tool_example_runs_turns_and_rewards_only_looked_up_answers(tmp_path):
+    """examples/tool_tiny.py, 3 steps: some samples call the tool and get a second turn
+    with the observation's two tokens; a reward needs the call, so it never exceeds the
+    share of samples with a second turn."""
+    rows = launch_example("tool_tiny.py", tmp_path / "tool", 3)
+    for r in rows:
+        assert 1.0 < r["multi_turn/turns"] < 2.0 and r["multi_turn/env_tokens"] > 0
+        assert r["reward/mean"] <= r["multi_turn/turns"] - 1.0 + 1e-9
+        assert r["response_length/mean"] <= 5.0
+
+
 def initial_greedy_reward() -> float:
     """The example's validation score of its untrained policy, computed here."""
     from asyncrl.hybrid.models import ModelConfig, build_model

@@ -174,7 +174,7 @@ def says_the_answer(prompt, response, answer):
 
 
 def test_a_reward_function_reads_text_with_a_tokenizer(tmp_path):
-    from asyncrl.rl.tokens import load_tokenizer
+    from asyncrl.hybrid.user_fn import load_tokenizer
 
     tok = load_tokenizer(str(word_tokenizer(tmp_path / "tok")))
     w = WORDS.index

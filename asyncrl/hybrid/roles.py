@@ -3,6 +3,8 @@
     Policy     train (FSDP2, optional TP) + generate (hybrid: the same ranks) + log-probs;
                with hybrid=False train only, its weights sent to a Rollout group (sync_pack)
     Rollout    generate only; receives weights (load_weights, also mid-generation)
+    (either generator may run multi-turn rollouts with an environment: multi_turn=, see
+    asyncrl.hybrid.turns)
     Reference  frozen: log-probs of given sequences
 
 Batches are TensorBatches with prompt_ids/prompt_mask (left-padded) and response_ids/
@@ -37,6 +39,7 @@ from asyncrl.hybrid.models import (
     sequence_logprobs,
 )
 from asyncrl.hybrid.sampler import PROMPT_WIDTH, SamplingConfig, with_overrides
+from asyncrl.hybrid.turns import Turns, multi_turn_config
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
     GATHER_TO_ZERO,
@@ -61,6 +64,16 @@ def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
     prompts = [list(p) for p in batch["prompt"]]
     seeds = [int(s) for s in batch["seed"]]
     return prompts, seeds
+
+
+def generate_with(engine: Any, turns: Turns | None, prompts: TensorBatch,
+                  cfg: SamplingConfig) -> TensorBatch:
+    """One generation of `prompts` by `engine` (a single turn, or `turns` of them), with the
+    prompt batch's columns (`with_prompts`)."""
+    ids, seeds = _prompts(prompts)
+    out = engine.generate(ids, seeds, cfg) if turns is None else \
+        turns.generate(engine.generate, prompts, ids, seeds, cfg)
+    return with_prompts(out, prompts, cfg.pad_token_id)
 
 
 def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatch:
@@ -97,13 +110,19 @@ class Policy(Worker):
     def __init__(self, model: dict[str, Any], train: dict[str, Any] | None = None,
                  sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES,
                  backend: str = "fsdp2", hybrid: bool = True, engine: str = "builtin",
-                 engine_options: dict[str, Any] | None = None):
+                 engine_options: dict[str, Any] | None = None,
+                 multi_turn: dict[str, Any] | None = None):
         model_cfg = ModelConfig(**model)
         train_cfg = TrainConfig(**(train or {}))
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.model_cfg = model_cfg  # noted in checkpoints, for `asyncrl export`
         self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
                                    bucket_bytes, engine, engine_options) if hybrid else None
+        turns = multi_turn_config(multi_turn)  # checked before a train-only Policy refuses it
+        if turns is not None and not hybrid:
+            raise ValueError("multi_turn= is for a Policy that generates: a hybrid=False one "
+                             "only trains; give multi_turn= to its Rollout group")
+        self.turns = Turns(turns) if turns is not None else None
         self.version = 0  # the policy version: updates applied (train_step, Actor.update)
         self.sync_source = SyncSource()
 
@@ -127,8 +146,7 @@ class Policy(Worker):
         cfg = with_overrides(self.hybrid.engine.config, sampling)
         self.hybrid.to_generate()
         self.hybrid.engine.version = self.version
-        return with_prompts(self.hybrid.generate(*_prompts(prompts), cfg), prompts,
-                            cfg.pad_token_id)
+        return generate_with(self.hybrid, self.turns, prompts, cfg)
 
     @register(dispatch=Dispatch.DP)
     def logprobs(self, batch: TensorBatch) -> TensorBatch:
@@ -198,18 +216,20 @@ class Policy(Worker):
 
 class Rollout(Worker):
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None,
-                 engine: str = "builtin", engine_options: dict[str, Any] | None = None):
+                 engine: str = "builtin", engine_options: dict[str, Any] | None = None,
+                 multi_turn: dict[str, Any] | None = None):
         self.engine = make_engine(engine, ModelConfig(**model),
                                   SamplingConfig(**(sampling or {})), engine_options)
+        turns = multi_turn_config(multi_turn)
+        self.turns = Turns(turns) if turns is not None else None
         self._loading = threading.Lock()
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch, sampling: dict[str, Any] | None = None
                  ) -> TensorBatch:
         """As Policy.generate."""
-        cfg = with_overrides(self.engine.config, sampling)
-        return with_prompts(self.engine.generate(*_prompts(prompts), cfg), prompts,
-                            cfg.pad_token_id)
+        return generate_with(self.engine, self.turns, prompts,
+                             with_overrides(self.engine.config, sampling))
 
     @register(dispatch=ALL_RANKS, concurrent=True)
     def load_weights(self, weights: TensorBatch | dict[str, torch.Tensor],

@@ -100,10 +100,11 @@ class Actor(Policy):
     def __init__(self, model: dict[str, Any], rl: dict[str, Any] | None = None,
                  train: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
                  bucket_bytes: int = BUCKET_BYTES, backend: str = "fsdp2", hybrid: bool = True,
-                 engine: str = "builtin", engine_options: dict[str, Any] | None = None):
+                 engine: str = "builtin", engine_options: dict[str, Any] | None = None,
+                 multi_turn: dict[str, Any] | None = None):
         self.rl = RLConfig(**(rl or {}))
         super().__init__(model, train, sampling, bucket_bytes, backend, hybrid, engine,
-                         engine_options)
+                         engine_options, multi_turn)
 
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
@@ -167,15 +168,19 @@ class Actor(Policy):
         # them (loss_mask leaves out the rows dropped as too stale)
         prompt = batch.tensor("prompt_mask").float().sum(1) * valid
         reward = batch.tensor("reward") * valid
-        reported = [k for k in REPORTED if k in batch]  # the penalty, the rows timed out
+        reported = {f"reward/{k}": batch.tensor(k).float() for k in REPORTED if k in batch}
+        if "turns" in batch:  # a multi-turn rollout: its turns, and the env's tokens
+            reported["multi_turn/turns"] = batch.tensor("turns").float()
+            reported["multi_turn/env_tokens"] = (batch.tensor("response_mask") * (
+                1 - batch.tensor("policy_mask"))).sum(1).float()
         n, r_sum, r_sq, len_sum, tokens, *sums = global_sums(
             [float(valid.sum()), float(reward.sum()), float((reward * reward).sum()),
              float(resp.sum()), float(resp.sum() + prompt.sum()),
-             *[float((batch.tensor(k) * valid).sum()) for k in reported]],
+             *[float((v * valid).sum()) for v in reported.values()]],
             self.backend.stats_group)
         mean = r_sum / max(n, 1.0)
         return {"reward/mean": mean, "reward/std": max(r_sq / max(n, 1.0) - mean * mean, 0.0)
                 ** 0.5, "response_length/mean": len_sum / max(n, 1.0), "perf/tokens": tokens,
-                **{f"reward/{k}": v / max(n, 1.0) for k, v in zip(reported, sums, strict=True)}}
+                **{k: v / max(n, 1.0) for k, v in zip(reported, sums, strict=True)}}
 
     # -- checkpoints --------------------------------------------------------------------------

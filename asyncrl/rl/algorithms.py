@@ -1,5 +1,6 @@
-"""RL algorithms as plain tensor functions (`mask` is 1 on response tokens, a prefix of
-each row). Trainers are built from these; each is tested against hand-computed values."""
+"""RL algorithms as plain tensor functions (`mask` is 1 on the response tokens that count: a
+prefix of each row, with gaps where a multi-turn rollout's observations are). Trainers are
+built from these; each is tested against hand-computed values."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over each row's response tokens; raw (whitening is a
-    separate step). returns = advantages + values; positions with mask 0 get 0."""
+    separate step). returns = advantages + values; positions with mask 0 get 0. Masked
+    positions inside a row (a multi-turn rollout's observations) are skipped, not ends: a
+    turn's tokens see the next turn's values and rewards, as if the gap were not there."""
     if not rewards.shape == values.shape == mask.shape:
         raise ValueError(f"gae: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} "
                          f"and mask {tuple(mask.shape)} must have the same [B, T] shape")
@@ -36,10 +39,11 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     next_value = torch.zeros_like(running)
     for t in reversed(range(r.shape[1])):
+        here = m[:, t] > 0
         delta = r[:, t] + gamma * next_value - v[:, t]
-        running = (delta + gamma * lam * running) * m[:, t]
-        adv[:, t] = running
-        next_value = v[:, t]  # 0 past a row's last response token (masked values are 0)
+        running = torch.where(here, delta + gamma * lam * running, running)
+        adv[:, t] = running * m[:, t]
+        next_value = torch.where(here, v[:, t], next_value)  # 0 past a row's last token
     return adv, (adv + v) * m
 
 

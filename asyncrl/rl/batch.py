@@ -32,6 +32,13 @@ def valid_rows(batch: TensorBatch) -> torch.Tensor:
     return (torch.arange(n) < n - batch.meta.get(PAD_KEY, 0)).float()
 
 
+def sampled_mask(batch: TensorBatch) -> torch.Tensor:
+    """1.0 on the response tokens the policy sampled: all of them, but for a multi-turn
+    rollout's observations (its policy_mask, asyncrl.hybrid.turns)."""
+    mask = batch.tensor("response_mask").float()
+    return mask * batch.tensor("policy_mask").float() if "policy_mask" in batch else mask
+
+
 def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
              values: TensorBatch | None = None) -> TensorBatch:
     """The rollout's columns with "reward", "ref_logprobs", "values" and "loss_mask" (and
@@ -46,7 +53,7 @@ def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None 
     if values is not None:
         parts["values"] = values.tensor("values")
     batch = rollout.union(TensorBatch(parts))
-    mask = batch.tensor("response_mask").float() * valid_rows(batch)[:, None]
+    mask = sampled_mask(batch) * valid_rows(batch)[:, None]
     return batch.union(TensorBatch({"loss_mask": mask}))
 
 
@@ -106,15 +113,14 @@ def _kl(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
 
 
 def token_rewards(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
-    """The score on each row's last response token, minus kl_coef * KL per token when the
-    KL is in the reward. Taken on the response mask, not the loss mask: a sample dropped as
-    too stale keeps its reward (it still counts in its GRPO group's baseline, as it does
+    """The score on each row's last sampled token, minus kl_coef * KL per sampled token when
+    the KL is in the reward. Taken on the sampled mask, not the loss mask: a sample dropped
+    as too stale keeps its reward (it still counts in its GRPO group's baseline, as it does
     without the KL in the reward)."""
-    mask = batch.tensor("response_mask").float()
-    lengths = mask.sum(1).long()
+    mask = sampled_mask(batch)
+    last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(1)  # 0 for a row without any
     rewards = torch.zeros_like(mask)
-    rows = torch.arange(len(batch))
-    rewards[rows, (lengths - 1).clamp(min=0)] = batch.tensor("reward") * (lengths > 0)
+    rewards[torch.arange(len(batch)), last] = batch.tensor("reward") * (mask.sum(1) > 0)
     if cfg.kl_in_reward and cfg.kl_coef:
         rewards = rewards - cfg.kl_coef * _kl(batch, cfg) * mask
     return rewards

@@ -27,7 +27,8 @@ import torch
 
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.sampler import PROMPT_WIDTH
-from asyncrl.rl.tokens import load_tokenizer, prompt_ids
+from asyncrl.hybrid.user_fn import load_tokenizer
+from asyncrl.rl.tokens import prompt_ids
 
 log = logging.getLogger("asyncrl")
 

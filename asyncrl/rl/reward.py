@@ -12,7 +12,6 @@ token ids decoded, special tokens left out (verl's solution_str). Both return
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.user_fn import taken_by
 
 log = logging.getLogger("asyncrl")
 
@@ -61,39 +61,6 @@ class RewardModel(Worker):
         values = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
         last = ids.shape[1] - rmask.shape[1] + rmask.sum(1) - 1  # each row's last real token
         return TensorBatch({"reward": values[torch.arange(len(batch)), last].float().cpu()})
-
-
-def taken_by(fn: Callable[..., Any], keys: list[str]) -> list[str]:
-    """The meta keys `fn` takes as keywords: all of them if it has **kwargs, else those it
-    names after (prompt, response) (a column added upstream, such as raw_prompt, does not
-    break a function that ignores it). A parameter it needs that no column fills is refused,
-    naming the columns; one with a default that none fills, while columns go unused, is
-    warned of (a misspelt name would score with its default)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C function: give it everything
-        return keys
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return keys
-    named = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    taken = [k for k in keys if k in {p.name for p in named}]
-    name = getattr(fn, "__name__", repr(fn))
-    missing = [p.name for p in named if p.name not in keys and p.default is p.empty]
-    if missing:
-        raise TypeError(f"reward function {name!r} takes {missing}, which the batch has no "
-                        f"column for; its columns: {keys} (rename the parameters, or add the "
-                        f"keys to the prompt records)")
-    unused = [k for k in keys if k not in taken]
-    defaulted = [p.name for p in named if p.name not in keys and p.default is not p.empty]
-    if unused and defaulted and (name, tuple(defaulted)) not in _warned:
-        _warned.add((name, tuple(defaulted)))
-        log.warning("asyncrl: reward function %r gets no column for %s (they keep their "
-                    "defaults) while the columns %s go unused: a misspelt parameter?", name,
-                    defaulted, unused)
-    return taken
-
-
-_warned: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def row_inputs(fn: Callable[..., Any], batch: TensorBatch, tok: Any = None
@@ -179,8 +146,8 @@ class RewardFn(Worker):
     def __init__(self, fn: Callable[..., Any], tokenizer: str | None = None,
                  overlong: dict[str, Any] | None = None, processes: int = 0,
                  timeout_s: float | None = None, timeout_score: float = 0.0):
+        from asyncrl.hybrid.user_fn import load_tokenizer
         from asyncrl.rl.scorer import ScorerPool
-        from asyncrl.rl.tokens import load_tokenizer
 
         if not callable(fn):
             raise TypeError(f"RewardFn needs a function, got {fn!r}")

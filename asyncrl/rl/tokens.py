@@ -3,29 +3,13 @@ token ids the engines take (a chat through the tokenizer's chat template, with t
 assistant's turn opened), and rewards may read text instead of ids.
 
 A tokenizer is a local Hugging Face tokenizer directory (nothing is downloaded) or a loaded
-tokenizer object; workers on other ranks are given the directory.
+tokenizer object (`asyncrl.hybrid.user_fn.load_tokenizer`); workers on other ranks are
+given the directory.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
-
-
-def load_tokenizer(tokenizer: Any) -> Any:
-    """A tokenizer from a local directory, or the tokenizer object given."""
-    if not isinstance(tokenizer, str | os.PathLike):
-        if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
-            raise TypeError(f"tokenizer: give a local tokenizer directory or a Hugging Face "
-                            f"tokenizer, got {type(tokenizer).__name__}")
-        return tokenizer
-    from transformers import AutoTokenizer
-
-    if not os.path.isdir(tokenizer):
-        raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} is not a directory; give "
-                                f"the local folder of a model or tokenizer (its "
-                                f"tokenizer.json or vocabulary files; nothing is downloaded)")
-    return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
 
 
 def is_chat(value: Any) -> bool:

@@ -1,0 +1,198 @@
+"""Multi-turn rollouts: the policy generates, an environment answers, the policy goes on.
+
+    turn 0   prompt ──────────────────────────▶ engine ─▶ tokens ─▶ env(...) ─▶ observation
+    turn 1   prompt + turn 0 + observation ────▶ engine ─▶ tokens ─▶ env(...) ─▶ ...
+    until the env returns nothing, `max_turns` turns, or the response budget (the sampling's
+    max_new_tokens, observations included) is spent
+
+The rollout's response holds every turn's tokens and the observations between them, so the
+trainer's forward pass sees what the policy saw. `policy_mask` is 1 on the tokens the
+policy sampled and 0 on the environment's: the losses leave those out (their log-probs are
+0 and their versions -1, as the engines mark positions without a sampled token), and
+`turns` counts each row's turns. Each turn is one engine call for the rows still going,
+whose prompt is the row so far (vLLM's prefix cache makes reading it again cheap; the
+built-in engine prefills it again). Turn t samples from seed + t * TURN_SEED: a row's first
+turn draws what a single-turn generation would.
+
+The environment is a module-level function (it travels by reference, as a reward function
+does) called on the generating rank, row by row:
+
+    env(prompt, response, **meta) -> observation, or None when the row is done
+
+`response` is the turn just generated; meta holds the prompt records' columns it names
+("answer", say), `turn` (0 for the first) and `transcript` (the whole response so far). With
+`tokenizer=` (a local directory) the prompt, response and transcript are text (special
+tokens left out, as rewards read them) and an observation may be text, tokenized without
+special tokens added: write a chat template's markers into it for a chat model. Without,
+they are token ids. An observation longer than `max_observation_tokens`, or than the budget
+left, keeps its first tokens.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.sampler import SamplingConfig, left_pad
+from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
+
+TURN_SEED = 0x632BE59BD9B4E019  # odd: each turn of a row draws from its own stream
+TURN_KEYS = ("turn", "transcript")  # what the env may take beside the records' columns
+NOT_META = {"prompt", "seed"}
+
+
+@dataclass(kw_only=True)
+class MultiTurn:
+    """A role's `multi_turn=` settings."""
+
+    env: Callable[..., Any]
+    max_turns: int = 2
+    max_observation_tokens: int = 64
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.env):
+            raise TypeError(f"multi_turn={{'env': ...}} is a module-level function "
+                            f"env(prompt, response, **meta), got {self.env!r}")
+        if self.max_turns < 1 or self.max_observation_tokens < 1:
+            raise ValueError(f"multi_turn: max_turns and max_observation_tokens must be >= 1, "
+                             f"got {self.max_turns} and {self.max_observation_tokens}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise TypeError(f"multi_turn={{'tokenizer': ...}} is a local tokenizer directory "
+                            f"(each rank loads it), got {type(self.tokenizer).__name__}")
+
+
+def multi_turn_config(settings: dict[str, Any] | None) -> MultiTurn | None:
+    if settings is None:
+        return None
+    known = {f.name for f in fields(MultiTurn)}
+    if not isinstance(settings, dict) or "env" not in settings:
+        raise TypeError(f"multi_turn= is a dict with 'env' (a function) and optionally "
+                        f"{sorted(known - {'env'})}; got {settings!r}")
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise TypeError(f"multi_turn: {unknown} are not settings; they are {sorted(known)}")
+    return MultiTurn(**settings)
+
+
+class Turns:
+    """Runs multi-turn generations with one engine's `generate`."""
+
+    def __init__(self, cfg: MultiTurn):
+        self.cfg = cfg
+        self.name = getattr(cfg.env, "__name__", repr(cfg.env))
+        self.tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
+
+    def generate(self, generate: Callable[..., TensorBatch], batch: TensorBatch,
+                 prompts: list[list[int]], seeds: list[int], cfg: SamplingConfig
+                 ) -> TensorBatch:
+        budget, n = cfg.max_new_tokens, len(prompts)
+        meta_keys = taken_by(self.cfg.env, [k for k in batch.keys() if k not in NOT_META and
+                                            isinstance(batch[k], list)] + list(TURN_KEYS),
+                             what="environment")
+        rows = [_Row() for _ in range(n)]
+        active, temperature = list(range(n)), 1.0
+        for turn in range(self.cfg.max_turns):
+            if not active:
+                break
+            room = max(budget - len(rows[i].ids) for i in active)
+            out = generate([prompts[i] + rows[i].ids for i in active],
+                           [(seeds[i] + turn * TURN_SEED) % 2**64 for i in active],
+                           replace(cfg, max_new_tokens=room))
+            temperature = float(out.meta.get("temperature", 1.0))
+            ids, mask, logp, vers = (out.tensor(k).tolist() for k in
+                                     ("response_ids", "response_mask", "logprobs", "versions"))
+            going = []
+            for j, i in enumerate(active):
+                k = min(sum(mask[j]), budget - len(rows[i].ids))  # the mask is a prefix
+                rows[i].add(ids[j][:k], 1, logp[j][:k], vers[j][:k])
+                rows[i].turns += 1
+                left = budget - len(rows[i].ids)
+                if not left or turn == self.cfg.max_turns - 1:
+                    continue
+                seen = self._observe(batch, i, prompts[i], ids[j][:k], rows[i].ids, turn,
+                                     meta_keys)[:min(left, self.cfg.max_observation_tokens)]
+                if seen:
+                    rows[i].add(seen, 0, [0.0] * len(seen), [-1] * len(seen))
+                    if len(rows[i].ids) < budget:
+                        going.append(i)
+            active = going
+        return self._batch(rows, prompts, cfg, temperature)
+
+    def _observe(self, batch: TensorBatch, i: int, prompt: list[int], turn_ids: list[int],
+                 transcript: list[int], turn: int, meta_keys: list[str]) -> list[int]:
+        """The env's observation after row i's turn, as token ids ([]: the row is done)."""
+        text = self.tok is not None
+        extra = {"turn": turn, "transcript": self._text(transcript) if text else
+                 list(transcript)}
+        meta = {k: extra[k] if k in extra else batch[k][i] for k in meta_keys}
+        try:
+            value = self.cfg.env(self._text(prompt) if text else list(prompt),
+                                 self._text(turn_ids) if text else list(turn_ids), **meta)
+        except Exception as e:
+            raise RuntimeError(f"environment {self.name!r} failed on row {i}, turn {turn}: "
+                               f"{e!r}\n{traceback.format_exc()}") from e
+        return self._ids(value, i, turn)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        assert self.tok is not None
+        return str(self.tok.decode(list(ids), skip_special_tokens=True))
+
+    def _ids(self, value: Any, i: int, turn: int) -> list[int]:
+        if value is None:
+            return []
+        if isinstance(value, str) and self.tok is not None:
+            return [int(t) for t in self.tok(value, add_special_tokens=False)["input_ids"]]
+        if isinstance(value, list | tuple) and all(isinstance(t, int) and not isinstance(
+                t, bool) for t in value):
+            return list(value)
+        hint = "text or token ids" if self.tok is not None else \
+            "token ids (text needs multi_turn={'tokenizer': DIR})"
+        raise TypeError(f"environment {self.name!r} returned {str(value)[:60]!r} for row {i}, "
+                        f"turn {turn}: it returns an observation as {hint}, or None when the "
+                        f"row is done")
+
+    @staticmethod
+    def _batch(rows: list[_Row], prompts: list[list[int]], cfg: SamplingConfig,
+               temperature: float) -> TensorBatch:
+        """The engines' columns (the response right-padded to the budget), with
+        policy_mask and turns."""
+        n, width = len(rows), cfg.max_new_tokens
+        prompt_ids, prompt_mask = left_pad(prompts, cfg.pad_token_id)
+        cols = {"response_ids": torch.full((n, width), cfg.pad_token_id, dtype=torch.long),
+                "response_mask": torch.zeros((n, width), dtype=torch.long),
+                "logprobs": torch.zeros((n, width), dtype=torch.float32),
+                "versions": torch.full((n, width), -1, dtype=torch.long),
+                "policy_mask": torch.zeros((n, width), dtype=torch.long)}
+        for i, row in enumerate(rows):
+            k = len(row.ids)
+            cols["response_ids"][i, :k] = torch.tensor(row.ids, dtype=torch.long)
+            cols["response_mask"][i, :k] = 1
+            cols["logprobs"][i, :k] = torch.tensor(row.logp, dtype=torch.float32)
+            cols["versions"][i, :k] = torch.tensor(row.versions, dtype=torch.long)
+            cols["policy_mask"][i, :k] = torch.tensor(row.own, dtype=torch.long)
+        return TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, **cols,
+                            "turns": torch.tensor([r.turns for r in rows], dtype=torch.long)},
+                           {"temperature": temperature})
+
+
+class _Row:
+    """One row's response so far: tokens, who produced each, log-probs, versions."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.own: list[int] = []
+        self.logp: list[float] = []
+        self.versions: list[int] = []
+        self.turns = 0
+
+    def add(self, ids: list[int], own: int, logp: list[float], versions: list[int]) -> None:
+        self.ids += ids
+        self.own += [own] * len(ids)
+        self.logp += logp
+        self.versions += versions

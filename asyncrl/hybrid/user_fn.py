@@ -1,0 +1,62 @@
+"""Calling a user's function on a batch's rows, for rewards and environments alike: the
+meta columns it names, and a local tokenizer when it reads text."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("asyncrl")
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer from a local directory, or the tokenizer object given."""
+    if not isinstance(tokenizer, str | os.PathLike):
+        if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+            raise TypeError(f"tokenizer: give a local tokenizer directory or a Hugging Face "
+                            f"tokenizer, got {type(tokenizer).__name__}")
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(tokenizer):
+        raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} is not a directory; give "
+                                f"the local folder of a model or tokenizer (its "
+                                f"tokenizer.json or vocabulary files; nothing is downloaded)")
+    return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+
+
+def taken_by(fn: Callable[..., Any], keys: list[str], what: str = "reward function"
+             ) -> list[str]:
+    """The meta keys `fn` takes as keywords: all of them if it has **kwargs, else those it
+    names after (prompt, response) (a column added upstream, such as raw_prompt, does not
+    break a function that ignores it). A parameter it needs that no column fills is refused,
+    naming the columns; one with a default that none fills, while columns go unused, is
+    warned of (a misspelt name would score with its default)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: give it everything
+        return keys
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return keys
+    named = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    taken = [k for k in keys if k in {p.name for p in named}]
+    name = getattr(fn, "__name__", repr(fn))
+    missing = [p.name for p in named if p.name not in keys and p.default is p.empty]
+    if missing:
+        raise TypeError(f"{what} {name!r} takes {missing}, which the batch has no "
+                        f"column for; its columns: {keys} (rename the parameters, or add the "
+                        f"keys to the prompt records)")
+    unused = [k for k in keys if k not in taken]
+    defaulted = [p.name for p in named if p.name not in keys and p.default is not p.empty]
+    if unused and defaulted and (name, tuple(defaulted)) not in _warned:
+        _warned.add((name, tuple(defaulted)))
+        log.warning("asyncrl: %s %r gets no column for %s (they keep their defaults) "
+                    "while the columns %s go unused: a misspelt parameter?", what, name,
+                    defaulted, unused)
+    return taken
+
+
+_warned: set[tuple[str, tuple[str, ...]]] = set()

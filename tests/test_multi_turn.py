@@ -1,0 +1,241 @@
+"""Multi-turn rollouts (asyncrl.hybrid.turns): the environment's observations in the
+response and out of every loss, in process and on real groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_gone, group_pids, run, word_tokenizer
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+from asyncrl.hybrid.turns import MultiTurn, Turns, multi_turn_config
+from asyncrl.rl.algorithms import gae
+from asyncrl.rl.batch import assemble, token_rewards
+from asyncrl.rl.config import RLConfig
+
+PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
+SEEDS = [11, 12, 13, 14]
+STOPS = tuple(range(20, 128, 3))  # a third of the vocabulary ends a turn: turns are short
+OBSERVED = [100, 101, 102]
+
+
+def echo(prompt, response, turn, transcript):
+    """Observes the turn index and the turn's length; done after the second observation."""
+    assert transcript[-len(response):] == response
+    return [OBSERVED[turn], len(response)] if turn < 2 else None
+
+
+def engine(max_new_tokens=24):
+    model = build_model(ModelConfig(preset="tiny-llama", seed=3)).eval()
+    return model, Sampler(model, SamplingConfig(max_new_tokens=max_new_tokens,
+                                                stop_token_ids=STOPS))
+
+
+def turns(env=echo, **kw):
+    return Turns(MultiTurn(env=env, **kw))
+
+
+def prompt_batch(**columns):
+    return TensorBatch({"prompt": PROMPTS, "seed": SEEDS, **columns})
+
+
+def test_each_turn_conditions_on_the_observations_which_stay_out_of_the_policy_tokens():
+    model, sampler = engine()
+    out = turns(max_turns=3).generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS,
+                                      sampler.config)
+    ids, mask, own = out["response_ids"], out["response_mask"], out["policy_mask"]
+    for i in range(len(PROMPTS)):
+        n = int(mask[i].sum())
+        assert mask[i, :n].all() and not mask[i, n:].any() and n <= 24  # a prefix: the budget
+        row, who = ids[i, :n].tolist(), own[i, :n].tolist()
+        # rebuild the row turn by turn: each observation follows a turn ending with a stop
+        # token, and says which turn it followed and how long it was
+        at, turn, spans = 0, 0, []
+        while at < n:
+            end = who.index(0, at) if 0 in who[at:] else n
+            spans.append((at, end))
+            assert row[end - 1] in STOPS or end == n
+            if end < n:
+                assert row[end:end + 2] == [OBSERVED[turn], end - at][:n - end]
+                at, turn = end + 2, turn + 1
+            else:
+                at = n
+        assert int(out["turns"][i]) == len(spans) <= 3
+        assert (out["versions"][i, :n] == torch.tensor(who) - 1).all()  # the env's: -1
+    assert int(out["turns"].max()) == 3, "the test should reach the last turn"
+    # the engine's log-probs are those of a training forward pass over the whole response,
+    # observations included: each turn saw them; the environment's tokens have none
+    forward = sequence_logprobs(model, out["prompt_ids"], out["prompt_mask"], ids, mask)
+    sampled = (mask * own).bool()
+    assert (forward - out["logprobs"]).abs()[sampled].max() < 1e-5
+    assert (out["logprobs"][~sampled] == 0).all()
+
+
+def test_the_first_turn_is_what_a_single_turn_generation_samples():
+    _, sampler = engine()
+    single = sampler.generate(PROMPTS, SEEDS)
+    one = turns(max_turns=1).generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS,
+                                      sampler.config)
+    for key in ("prompt_ids", "response_ids", "response_mask", "logprobs", "versions"):
+        assert torch.equal(one[key], single[key]), key
+    assert one["policy_mask"].equal(single["response_mask"]) and one["turns"].tolist() == [1] * 4
+    three = turns(max_turns=3).generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS,
+                                        sampler.config)
+    for i in range(4):
+        first = three["policy_mask"][i].tolist().index(0)
+        assert three["response_ids"][i, :first].equal(single["response_ids"][i, :first])
+
+
+def test_observations_are_cut_to_their_limit_and_the_budget():
+    _, sampler = engine(max_new_tokens=12)
+
+    def verbose(prompt, response):
+        return list(range(40, 60))
+
+    out = turns(verbose, max_turns=4, max_observation_tokens=5).generate(
+        sampler.generate, prompt_batch(), PROMPTS, SEEDS, sampler.config)
+    for i in range(4):
+        who = out["policy_mask"][i].tolist()
+        n = int(out["response_mask"][i].sum())
+        gaps = "".join(str(w) for w in who[:n]).split("1")
+        assert all(len(g) <= 5 for g in gaps)
+        env = [t for t, w in zip(out["response_ids"][i, :n].tolist(), who[:n], strict=True)
+               if not w]
+        assert env == list(range(40, 45)) * (len(env) // 5) + list(range(40, 40 + len(env) % 5))
+    assert int(out["response_mask"].sum(1).max()) == 12
+
+
+def test_a_text_environment_reads_and_writes_text_and_gets_the_columns_it_names(tmp_path):
+    folder = word_tokenizer(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    seen = []
+
+    def tool(prompt, response, answer, turn):
+        seen.append((prompt, response, answer, turn))
+        return "#### 4 2" if turn == 0 else None
+
+    _, sampler = engine()
+    t = Turns(MultiTurn(env=tool, max_turns=2, tokenizer=str(folder)))
+    out = t.generate(sampler.generate, prompt_batch(answer=["a", "b", "c", "d"]), PROMPTS,
+                     SEEDS, sampler.config)
+    assert [s[2] for s in seen] == ["a", "b", "c", "d"] and {s[3] for s in seen} == {0}
+    assert seen[1][0] == tok.decode(PROMPTS[1], skip_special_tokens=True)
+    said = tok("#### 4 2", add_special_tokens=False)["input_ids"]
+    for i in range(4):
+        who = out["policy_mask"][i].tolist()
+        start = who.index(0)
+        assert out["response_ids"][i, start:start + 3].tolist() == said
+        assert tok.decode(out["response_ids"][i, :start].tolist(),
+                          skip_special_tokens=True) == seen[i][1]
+
+
+def bad_value(prompt, response):
+    return {"tool": "x"}
+
+
+def broken(prompt, response, turn):
+    if turn == 0 and len(prompt) == 2:
+        raise ZeroDivisionError("the tool broke")
+    return [5]
+
+
+def needs_a_column(prompt, response, label):
+    return None
+
+
+def test_environment_errors_name_the_row_turn_and_fix():
+    _, sampler = engine()
+
+    def go(env, **kw):
+        return turns(env, **kw).generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS,
+                                         sampler.config)
+
+    with pytest.raises(TypeError, match=r"'bad_value' returned .*row 0, turn 0.*token ids"):
+        go(bad_value)
+    with pytest.raises(RuntimeError, match=r"'broken' failed on row 1, turn 0.*the tool broke"):
+        go(broken)
+    with pytest.raises(TypeError, match=r"environment 'needs_a_column' takes \['label'\]"):
+        go(needs_a_column)
+    with pytest.raises(TypeError, match="multi_turn= is a dict with 'env'"):
+        multi_turn_config({"max_turns": 2})
+    with pytest.raises(TypeError, match=r"multi_turn: \['turns'\] are not settings; they are"):
+        multi_turn_config({"env": echo, "turns": 2})
+    with pytest.raises(ValueError, match="max_turns and max_observation_tokens must be >= 1"):
+        multi_turn_config({"env": echo, "max_turns": 0})
+
+
+def test_the_losses_and_rewards_leave_the_observations_out():
+    own = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 1, 1, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    rollout = TensorBatch({"response_mask": mask, "policy_mask": own,
+                           "logprobs": torch.zeros(2, 6)})
+    batch = assemble(rollout, TensorBatch({"reward": torch.tensor([2.0, 3.0])}))
+    assert batch["loss_mask"].equal((mask * own).float())
+    # the score goes on each row's last sampled token, not on an observation after it
+    rewards = token_rewards(batch, RLConfig(group_size=2))
+    assert rewards[0].tolist() == [0, 0, 0, 0, 2, 0] and rewards[1].tolist() == [0, 0, 0, 3, 0, 0]
+
+
+def test_gae_skips_the_gaps_a_multi_turn_rollout_leaves():
+    """GAE over a row with observations equals GAE over the same row without them."""
+    torch.manual_seed(0)
+    own = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0, 0]], dtype=torch.float32)
+    rewards, values = torch.randn(1, 10) * own, torch.randn(1, 10)
+    adv, ret = gae(rewards, values, own, gamma=0.9, lam=0.8)
+    keep = own[0].bool()
+    dense_adv, dense_ret = gae(rewards[:, keep], values[:, keep], own[:, keep], 0.9, 0.8)
+    assert torch.allclose(adv[:, keep], dense_adv) and torch.allclose(ret[:, keep], dense_ret)
+    assert (adv[:, ~keep] == 0).all() and (ret[:, ~keep] == 0).all()
+
+
+def lookup(prompt, response, answer):
+    """Answers a turn that ended with a stop token (3, 7, 11, ...) with [9, answer]."""
+    return [9, answer] if response[-1] % 4 == 3 else None
+
+
+def test_an_actor_and_a_rollout_run_the_same_turns_and_the_update_reports_them():
+    """Multi-turn on real groups: the environment travels by reference to every rank; a
+    2-rank Actor and a 1-rank Rollout with the same weights and seeds give the same rows,
+    and the update trains on them, reporting the turns and the environment's tokens."""
+    sampling = {"max_new_tokens": 8, "stop_token_ids": list(range(3, 128, 4))}
+    multi = {"env": lookup, "max_turns": 3}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            actor = await ctl.spawn(Actor, {"seed": 4}, rl={"group_size": 4},
+                                    sampling=sampling, multi_turn=multi, nprocs=2,
+                                    name="actor")
+            rollout = await ctl.spawn(Rollout, {"seed": 4}, sampling=sampling,
+                                      multi_turn=multi, name="rollout")
+            pids = group_pids(actor) + group_pids(rollout)
+            prompts = TensorBatch({"prompt": [[1, 2], [1, 2, 3]] * 4,
+                                   "seed": list(range(8)), "answer": [50, 60] * 4})
+            mine, theirs = await actor.generate(prompts), await rollout.generate(prompts)
+            scores = TensorBatch({"reward": torch.arange(8, dtype=torch.float32)})
+            stats = await actor.update(mine, scores)
+            try:
+                await ctl.spawn(Policy, {"seed": 4}, hybrid=False, multi_turn=multi,
+                                name="trainer")
+            except Exception as e:  # noqa: BLE001 - its message is the point
+                refused = e
+        return mine, theirs, stats, refused, pids
+
+    from asyncrl.rl import Actor, Policy, Rollout
+
+    mine, theirs, stats, refused, pids = run(main(), timeout=240)
+    assert_gone(pids)
+    for key in ("response_ids", "response_mask", "policy_mask", "logprobs", "turns"):
+        assert torch.allclose(mine[key].float(), theirs[key].float(), atol=1e-5), key
+    env = (mine["response_mask"] * (1 - mine["policy_mask"])).bool()
+    assert env.any(), "some turn should have called the environment"
+    for i in range(8):
+        said = mine["response_ids"][i][env[i]].tolist()
+        assert said == ([9, [50, 60][i % 2]] * 4)[:len(said)]
+    assert stats["multi_turn/turns"] == pytest.approx(mine["turns"].float().mean().item())
+    assert stats["multi_turn/env_tokens"] == pytest.approx(env.sum(1).float().mean().item())
+    assert "hybrid=False one only trains" in str(refused)
