@@ -3,12 +3,15 @@ response and out of every loss, in process and on real groups."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import assert_gone, group_pids, run, word_tokenizer
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.controller.launcher import pid_alive
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 from asyncrl.hybrid.turns import MultiTurn, Turns, multi_turn_config
@@ -157,7 +160,7 @@ def test_environment_errors_name_the_row_turn_and_fix():
 
     with pytest.raises(TypeError, match=r"'bad_value' returned .*row 0, turn 0.*token ids"):
         go(bad_value)
-    with pytest.raises(RuntimeError, match=r"'broken' failed on row 1, turn 0.*the tool broke"):
+    with pytest.raises(ValueError, match=r"(?s)'broken' failed on row 1, turn 0:.*the tool broke"):
         go(broken)
     with pytest.raises(TypeError, match=r"environment 'needs_a_column' takes \['label'\]"):
         go(needs_a_column)
@@ -167,6 +170,40 @@ def test_environment_errors_name_the_row_turn_and_fix():
         multi_turn_config({"env": echo, "turns": 2})
     with pytest.raises(ValueError, match="max_turns and max_observation_tokens must be >= 1"):
         multi_turn_config({"env": echo, "max_turns": 0})
+
+
+def slow_tool(prompt, response, turn):
+    """Hangs on row 1's first call (its prompt ends with 7); fails on a prompt ending with 3."""
+    if prompt[-1] == 7 and turn == 0:
+        time.sleep(600)
+    if prompt[-1] == 3:
+        raise LookupError("no such tool")
+    return [OBSERVED[turn]]
+
+
+def test_an_environment_in_processes_ends_a_hung_row_and_keeps_the_others():
+    _, sampler = engine()
+    t = turns(slow_tool, max_turns=3, processes=2, timeout_s=1.0)
+    try:
+        first = t.pool.pids()
+        out = t.generate(sampler.generate, prompt_batch(), PROMPTS[:3], SEEDS[:3],
+                         sampler.config)
+        assert out["env_timeouts"].tolist() == [0, 1, 0]
+        assert int(out["turns"][1]) == 1 and int((1 - out["policy_mask"][1]).mul(
+            out["response_mask"][1]).sum()) == 0  # it ended where its call hung
+        for i in (0, 2):
+            env = out["response_ids"][i][(out["response_mask"][i] *
+                                          (1 - out["policy_mask"][i])).bool()].tolist()
+            assert env == OBSERVED[:len(env)] and len(env) == int(out["turns"][i]) - 1 >= 1
+        replaced = [p for p in first if p not in t.pool.pids()]
+        assert len(replaced) == 1 and not pid_alive(replaced[0])
+        with pytest.raises(ValueError, match=r"(?s)environment 'slow_tool' failed on row 3, "
+                                             r"turn 0:.*LookupError: no such tool"):
+            t.generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS, sampler.config)
+        pids = first + t.pool.pids()
+    finally:
+        t.close()
+    assert_gone(pids)
 
 
 def test_the_losses_and_rewards_leave_the_observations_out():

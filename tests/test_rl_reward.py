@@ -92,34 +92,34 @@ def answers(*values: int) -> TensorBatch:
 
 
 def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, monkeypatch):
+    from asyncrl.hybrid.fn_pool import FunctionPool
     from asyncrl.rl.reward import row_inputs
-    from asyncrl.rl.scorer import ScorerPool
 
     monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(tmp_path / "sandbox.pid"))
-    pool = ScorerPool(verifier, processes=2, timeout_s=1.0)
+    pool = FunctionPool(verifier, processes=2, timeout_s=1.0)
     seen = pool.pids()
     try:
-        values, late = pool.score(row_inputs(verifier, answers(1, 9, 2, 3, 4)))
+        values, late = pool.call(row_inputs(verifier, answers(1, 9, 2, 3, 4)))
         assert late == [False, True, False, False, False]
         assert values == [1.0, None, 3.0, 1.0, 2.0]  # each row's own answer, in order
         replaced = [p for p in seen if p not in pool.pids()]
         assert len(replaced) == 1 and not pid_alive(replaced[0])  # the hung one: killed
         seen += pool.pids()
         # a sandbox the function started goes with its process
-        assert pool.score(row_inputs(verifier, answers(8)))[1] == [True]
+        assert pool.call(row_inputs(verifier, answers(8)))[1] == [True]
         sandbox = int((tmp_path / "sandbox.pid").read_text())
         assert_gone([sandbox])
         seen += pool.pids()
         with pytest.raises(ValueError, match=r"(?s)failed on row 1:.*ArithmeticError: cannot "
                                              r"parse the answer"):
-            pool.score(row_inputs(verifier, answers(1, 7, 2, 3)))
+            pool.call(row_inputs(verifier, answers(1, 7, 2, 3)))
         seen += pool.pids()
         # the next call starts clean: no answer of the failed call comes back in it
-        assert pool.score(row_inputs(verifier, answers(1, 2, 3))) == ([1.0, 2.0, 3.0],
+        assert pool.call(row_inputs(verifier, answers(1, 2, 3))) == ([1.0, 2.0, 3.0],
                                                                        [False] * 3)
-        untimed = ScorerPool(verifier, processes=1, timeout_s=None)
+        untimed = FunctionPool(verifier, processes=1, timeout_s=None)
         seen += untimed.pids()
-        assert untimed.score(row_inputs(verifier, answers(5, 6))) == ([1.0, 2.0], [False] * 2)
+        assert untimed.call(row_inputs(verifier, answers(5, 6))) == ([1.0, 2.0], [False] * 2)
         untimed.close()
     finally:
         seen += pool.pids()

@@ -130,6 +130,10 @@ class Policy(Worker):
         if self.hybrid is not None:
             self.hybrid.to_train()
 
+    def on_close(self) -> None:
+        if self.turns is not None:  # its environment's processes, if any
+            self.turns.close()
+
     def before_weights_change(self, timeout: float = 300.0) -> float:
         """Wait until rollouts pulled the last sync_pack (it may be views of the live
         weights); the seconds waited."""
@@ -223,6 +227,10 @@ class Rollout(Worker):
         turns = multi_turn_config(multi_turn)
         self.turns = Turns(turns) if turns is not None else None
         self._loading = threading.Lock()
+
+    def on_close(self) -> None:
+        if self.turns is not None:  # its environment's processes, if any
+            self.turns.close()
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch, sampling: dict[str, Any] | None = None

@@ -25,11 +25,15 @@ does) called on the generating rank, row by row:
 tokens left out, as rewards read them) and an observation may be text, tokenized without
 special tokens added: write a chat template's markers into it for a chat model. Without,
 they are token ids. An observation longer than `max_observation_tokens`, or than the budget
-left, keeps its first tokens.
+left, keeps its first tokens. With `processes=N` the rows' calls of a turn run N at a time in
+child processes (asyncrl.hybrid.fn_pool: a tool that runs code, say); with `timeout_s` a call
+past it ends its row (its process, with whatever it started, is killed and replaced), and the
+rollout's `env_timeouts` counts them.
 """
 
 from __future__ import annotations
 
+import logging
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -38,12 +42,15 @@ from typing import Any
 import torch
 
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.fn_pool import FunctionPool
 from asyncrl.hybrid.sampler import SamplingConfig, left_pad
 from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
 
 TURN_SEED = 0x632BE59BD9B4E019  # odd: each turn of a row draws from its own stream
 TURN_KEYS = ("turn", "transcript")  # what the env may take beside the records' columns
 NOT_META = {"prompt", "seed"}
+
+log = logging.getLogger("asyncrl")
 
 
 @dataclass(kw_only=True)
@@ -54,6 +61,8 @@ class MultiTurn:
     max_turns: int = 2
     max_observation_tokens: int = 64
     tokenizer: str | None = None
+    processes: int = 0  # > 0: the env runs in this many child processes per rank
+    timeout_s: float | None = None  # a row's env call past it ends the row (one process)
 
     def __post_init__(self) -> None:
         if not callable(self.env):
@@ -62,6 +71,12 @@ class MultiTurn:
         if self.max_turns < 1 or self.max_observation_tokens < 1:
             raise ValueError(f"multi_turn: max_turns and max_observation_tokens must be >= 1, "
                              f"got {self.max_turns} and {self.max_observation_tokens}")
+        if not (isinstance(self.processes, int) and self.processes >= 0) or not (
+                self.timeout_s is None or isinstance(self.timeout_s, int | float)
+                and self.timeout_s > 0):
+            raise ValueError(f"multi_turn: processes must be an int >= 0 and timeout_s a "
+                             f"number > 0 (or None), got {self.processes!r} and "
+                             f"{self.timeout_s!r}")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise TypeError(f"multi_turn={{'tokenizer': ...}} is a local tokenizer directory "
                             f"(each rank loads it), got {type(self.tokenizer).__name__}")
@@ -87,6 +102,14 @@ class Turns:
         self.cfg = cfg
         self.name = getattr(cfg.env, "__name__", repr(cfg.env))
         self.tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
+        # a function running in this process cannot be stopped: a timeout needs a child
+        processes = max(cfg.processes, 1) if cfg.timeout_s is not None else cfg.processes
+        self.pool = FunctionPool(cfg.env, processes, cfg.timeout_s, what="environment") \
+            if processes else None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def generate(self, generate: Callable[..., TensorBatch], batch: TensorBatch,
                  prompts: list[list[int]], seeds: list[int], cfg: SamplingConfig
@@ -107,37 +130,61 @@ class Turns:
             temperature = float(out.meta.get("temperature", 1.0))
             ids, mask, logp, vers = (out.tensor(k).tolist() for k in
                                      ("response_ids", "response_mask", "logprobs", "versions"))
-            going = []
+            asked = []  # the rows the environment answers: budget and turns left
             for j, i in enumerate(active):
                 k = min(sum(mask[j]), budget - len(rows[i].ids))  # the mask is a prefix
                 rows[i].add(ids[j][:k], 1, logp[j][:k], vers[j][:k])
                 rows[i].turns += 1
-                left = budget - len(rows[i].ids)
-                if not left or turn == self.cfg.max_turns - 1:
-                    continue
-                seen = self._observe(batch, i, prompts[i], ids[j][:k], rows[i].ids, turn,
-                                     meta_keys)[:min(left, self.cfg.max_observation_tokens)]
+                if len(rows[i].ids) < budget and turn < self.cfg.max_turns - 1:
+                    asked.append((i, ids[j][:k]))
+            active = []
+            for (i, _), seen in zip(asked, self._observe(batch, prompts, rows, asked, turn,
+                                                         meta_keys), strict=True):
+                seen = seen[:min(budget - len(rows[i].ids), self.cfg.max_observation_tokens)]
                 if seen:
                     rows[i].add(seen, 0, [0.0] * len(seen), [-1] * len(seen))
                     if len(rows[i].ids) < budget:
-                        going.append(i)
-            active = going
-        return self._batch(rows, prompts, cfg, temperature)
+                        active.append(i)
+        out = self._batch(rows, prompts, cfg, temperature)
+        if self.cfg.timeout_s is not None:  # the env calls that ran past it, per row
+            out = out.union(TensorBatch({"env_timeouts": torch.tensor(
+                [r.timeouts for r in rows], dtype=torch.long)}))
+            if any(r.timeouts for r in rows):
+                assert self.pool is not None  # a timeout runs the env in a process
+                log.warning("asyncrl: %s ran past %s s on %d of %d rows; they end there",
+                            self.pool.name, self.cfg.timeout_s,
+                            sum(bool(r.timeouts) for r in rows), len(rows))
+        return out
 
-    def _observe(self, batch: TensorBatch, i: int, prompt: list[int], turn_ids: list[int],
-                 transcript: list[int], turn: int, meta_keys: list[str]) -> list[int]:
-        """The env's observation after row i's turn, as token ids ([]: the row is done)."""
+    def _observe(self, batch: TensorBatch, prompts: list[list[int]], rows: list[_Row],
+                 asked: list[tuple[int, list[int]]], turn: int, meta_keys: list[str]
+                 ) -> list[list[int]]:
+        """The env's observation after each asked row's turn, as token ids ([]: the row is
+        done); in this process row by row, or in the pool's (a row past its timeout is
+        done, and counted)."""
         text = self.tok is not None
-        extra = {"turn": turn, "transcript": self._text(transcript) if text else
-                 list(transcript)}
-        meta = {k: extra[k] if k in extra else batch[k][i] for k in meta_keys}
-        try:
-            value = self.cfg.env(self._text(prompt) if text else list(prompt),
-                                 self._text(turn_ids) if text else list(turn_ids), **meta)
-        except Exception as e:
-            raise RuntimeError(f"environment {self.name!r} failed on row {i}, turn {turn}: "
-                               f"{e!r}\n{traceback.format_exc()}") from e
-        return self._ids(value, i, turn)
+        jobs = []
+        for i, said in asked:
+            extra = {"turn": turn, "transcript": self._text(rows[i].ids) if text else
+                     list(rows[i].ids)}
+            jobs.append((self._text(prompts[i]) if text else list(prompts[i]),
+                         self._text(said) if text else list(said),
+                         {k: extra[k] if k in extra else batch[k][i] for k in meta_keys}))
+        if self.pool is not None:
+            values, late = self.pool.call(jobs, [f"row {i}, turn {turn}" for i, _ in asked])
+            for (i, _), timed_out in zip(asked, late, strict=True):
+                rows[i].timeouts += timed_out
+            return [[] if t else self._ids(v, i, turn)
+                    for (i, _), v, t in zip(asked, values, late, strict=True)]
+        out = []
+        for (i, _), (prompt, response, meta) in zip(asked, jobs, strict=True):
+            try:
+                value = self.cfg.env(prompt, response, **meta)
+            except Exception as e:  # as the pool reports it
+                raise ValueError(f"environment {self.name!r} failed on row {i}, turn {turn}:"
+                                 f"\n{traceback.format_exc()}") from e
+            out.append(self._ids(value, i, turn))
+        return out
 
     def _text(self, ids: Sequence[int]) -> str:
         assert self.tok is not None
@@ -190,6 +237,7 @@ class _Row:
         self.logp: list[float] = []
         self.versions: list[int] = []
         self.turns = 0
+        self.timeouts = 0  # env calls past the timeout (the last one ended the row)
 
     def add(self, ids: list[int], own: int, logp: list[float], versions: list[int]) -> None:
         self.ids += ids

@@ -173,6 +173,8 @@ class Actor(Policy):
             reported["multi_turn/turns"] = batch.tensor("turns").float()
             reported["multi_turn/env_tokens"] = (batch.tensor("response_mask") * (
                 1 - batch.tensor("policy_mask"))).sum(1).float()
+        if "env_timeouts" in batch:
+            reported["multi_turn/env_timeouts"] = batch.tensor("env_timeouts").float()
         n, r_sum, r_sq, len_sum, tokens, *sums = global_sums(
             [float(valid.sum()), float(reward.sum()), float((reward * reward).sum()),
              float(resp.sum()), float(resp.sum() + prompt.sum()),

@@ -139,15 +139,15 @@ class RewardFn(Worker):
     fn's score plus the overlong penalty, and the scores hold both parts ("score",
     "overlong_penalty": dynamic sampling may filter on "score", as verl's DAPO on "acc").
     With `processes=N` each rank scores its rows N at a time in child processes
-    (`asyncrl.rl.scorer`); with `timeout_s` (one process at least) a row whose function runs
+    (`asyncrl.hybrid.fn_pool`); with `timeout_s` (one process at least) a row whose function runs
     longer scores `timeout_score`, its process replaced, and the scores say which rows timed
     out ("timed_out")."""
 
     def __init__(self, fn: Callable[..., Any], tokenizer: str | None = None,
                  overlong: dict[str, Any] | None = None, processes: int = 0,
                  timeout_s: float | None = None, timeout_score: float = 0.0):
+        from asyncrl.hybrid.fn_pool import FunctionPool
         from asyncrl.hybrid.user_fn import load_tokenizer
-        from asyncrl.rl.scorer import ScorerPool
 
         if not callable(fn):
             raise TypeError(f"RewardFn needs a function, got {fn!r}")
@@ -165,21 +165,21 @@ class RewardFn(Worker):
         self.tok = load_tokenizer(tokenizer) if tokenizer is not None else None
         # a function running in this process cannot be stopped: a timeout needs a child
         processes = max(processes, 1) if timeout_s is not None else processes
-        self.pool = ScorerPool(fn, processes, timeout_s) if processes else None
+        self.pool = FunctionPool(fn, processes, timeout_s) if processes else None
 
     @register(dispatch=Dispatch.DP)
     def score(self, batch: TensorBatch) -> TensorBatch:
         if self.pool is None:
             scores, out = score_rows(self.fn, batch, self.tok), {}
         else:
-            values, late = self.pool.score(row_inputs(self.fn, batch, self.tok))
+            values, late = self.pool.call(row_inputs(self.fn, batch, self.tok))
             scores = torch.tensor([self.timeout_score if t else checked(self.fn, v, i)
                                    for i, (v, t) in enumerate(zip(values, late, strict=True))],
                                   dtype=torch.float32)
             out = {"timed_out": torch.tensor(late, dtype=torch.float32)}
             if any(late):
-                log.warning("asyncrl: reward function %r ran past %s s on %d of %d rows; they "
-                            "score %s", self.pool.name, self.pool.timeout_s, sum(late),
+                log.warning("asyncrl: %s ran past %s s on %d of %d rows; they score %s",
+                            self.pool.name, self.pool.timeout_s, sum(late),
                             len(late), self.timeout_score)
         if self.overlong is None:
             return TensorBatch({"reward": scores, **out})

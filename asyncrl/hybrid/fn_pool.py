@@ -1,11 +1,13 @@
-"""A reward function in child processes (`RewardFn(processes=N, timeout_s=T)`): rows are
-scored N at a time, and a row whose function runs past `timeout_s` scores `timeout_score`
-while its process is killed and replaced. A verifier that hangs on one answer (sympy on a
-pathological expression, a sandbox that never returns) then costs that row, not the run.
+"""A user's function of rows in child processes: a reward function (`RewardFn(processes=N,
+timeout_s=T)`) or a multi-turn environment (`multi_turn={"env": fn, "processes": N,
+"timeout_s": T}`). Rows go N at a time, and a row whose function runs past `timeout_s` is
+marked timed out while its process is killed and replaced. A verifier or a tool that hangs
+on one row (sympy on a pathological expression, a sandbox that never returns) then costs
+that row, not the run.
 
-Each child is `python -m asyncrl.rl.scorer`: it imports the function by reference (its
-module, qualname and file, as the ranks import it), says it is ready, then scores the rows it
-is sent. Frames are length-prefixed msgpack on a pipe of their own (the function's prints go
+Each child is `python -m asyncrl.hybrid.fn_pool`: it imports the function by reference (its
+module, qualname and file, as the ranks import it), says it is ready, then calls it on the
+rows it is sent. Frames are length-prefixed msgpack on a pipe of their own (the function's prints go
 to stderr, the group's log); nothing is pickled. A child dies with its rank (PDEATHSIG) and
 ends when its input closes.
 """
@@ -38,7 +40,7 @@ def _plain(obj: Any) -> Any:
     Python numbers they hold."""
     if getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
         return obj.item()
-    raise TypeError(f"a {type(obj).__name__} cannot be sent to or from a scoring process; "
+    raise TypeError(f"a {type(obj).__name__} cannot be sent to or from a function's process; "
                     f"use numbers, strings, lists and dicts")
 
 
@@ -91,14 +93,14 @@ def _child(parent: int) -> None:
 class _Child:
     def __init__(self, ref: tuple[str, str, str]):
         # a session of its own: a timeout kills what the function started too (a sandbox)
-        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.rl.scorer",
+        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.hybrid.fn_pool",
                                       str(os.getpid())], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.ref = ref
         self.ready = False
-        self.row: int | None = None  # the row it scores
+        self.row: int | None = None  # the row it works on
         self.since = self.started = time.monotonic()
         write_frame(self.stdin, list(ref))
 
@@ -113,22 +115,26 @@ class _Child:
                 pipe.close()
 
 
-class ScorerPool:
-    """`processes` children running `fn`; `score(jobs)` -> (values, timed-out flags)."""
+class FunctionPool:
+    """`processes` children running `fn`; `call(jobs)` -> (values, timed-out flags). `what`
+    names the function in errors ("reward function", "environment")."""
 
-    def __init__(self, fn: Callable[..., Any], processes: int, timeout_s: float | None):
+    def __init__(self, fn: Callable[..., Any], processes: int, timeout_s: float | None,
+                 what: str = "reward function"):
         self.ref = make_ref(fn)
-        self.name = getattr(fn, "__name__", repr(fn))
+        self.name = f"{what} {getattr(fn, '__name__', repr(fn))!r}"
         self.timeout_s = timeout_s
+        self.where: list[str] = []
         self.children = [_Child(self.ref) for _ in range(processes)]
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
 
-    def score(self, jobs: list[tuple[Any, Any, dict[str, Any]]]
-              ) -> tuple[list[Any], list[bool]]:
+    def call(self, jobs: list[tuple[Any, Any, dict[str, Any]]], where: list[str] | None = None
+             ) -> tuple[list[Any], list[bool]]:
         """Each job's value (None where it timed out) and whether it timed out. On an error
         the children busy with this call's rows are replaced: the next call starts clean."""
+        self.where = where or [f"row {i}" for i in range(len(jobs))]  # each job, in errors
         values: list[Any] = [None] * len(jobs)
         timed_out = [False] * len(jobs)
         todo, left = list(range(len(jobs)))[::-1], len(jobs)
@@ -144,8 +150,8 @@ class ScorerPool:
                 late = [c.proc.pid for c in self.children if not c.ready and
                         time.monotonic() - c.started > START_TIMEOUT_S]
                 if late:
-                    raise RuntimeError(f"reward function {self.name!r}: processes {late} did "
-                                       f"not import it within {START_TIMEOUT_S:.0f} s")
+                    raise RuntimeError(f"{self.name}: processes {late} did not import it "
+                                       f"within {START_TIMEOUT_S:.0f} s")
         except BaseException:
             self._replace([i for i, c in enumerate(self.children)
                            if c.row is not None or c.proc.poll() is not None or not c.ready])
@@ -157,8 +163,8 @@ class ScorerPool:
         try:
             write_frame(c.stdin, [c.row, *jobs[c.row]])
         except TypeError as e:
-            raise TypeError(f"reward function {self.name!r}: row {c.row}'s prompt, response "
-                            f"or meta cannot go to a scoring process: {e}") from None
+            raise TypeError(f"{self.name}: {self.where[c.row]}: the prompt, response or meta "
+                            f"cannot go to its process: {e}") from None
 
     def _readable(self) -> list[_Child]:
         with selectors.DefaultSelector() as sel:
@@ -178,10 +184,10 @@ class ScorerPool:
         frame = read_frame(c.stdout)
         if frame is None:  # it died, not by our hand
             code = c.proc.wait()
-            doing = f"while scoring row {c.row}" if c.ready else \
+            doing = f"on {self.where[c.row]}" if c.ready and c.row is not None else \
                 f"before importing {self.ref[0]}:{self.ref[1]}"
-            raise RuntimeError(f"reward function {self.name!r}: its process {c.proc.pid} exited "
-                               f"with {code} {doing}; see the group's log")
+            raise RuntimeError(f"{self.name}: its process {c.proc.pid} exited with {code} "
+                               f"{doing}; see the group's log")
         if frame == "ready":
             c.ready = True
             return 0
@@ -189,7 +195,7 @@ class ScorerPool:
         row, c.row = c.row, None
         assert index == row, (index, row)  # one frame answers each one sent
         if error is not None:
-            raise ValueError(f"reward function {self.name!r} failed on row {index}:\n{error}")
+            raise ValueError(f"{self.name} failed on {self.where[index]}:\n{error}")
         values[index] = value
         return 1
 
