@@ -14,7 +14,7 @@ from asyncrl import TensorBatch
 from asyncrl.controller.launcher import pid_alive
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
-from asyncrl.hybrid.turns import MultiTurn, Turns, multi_turn_config
+from asyncrl.hybrid.turns import MultiTurn, Turns, chat_turns, multi_turn_config
 from asyncrl.rl.algorithms import gae
 from asyncrl.rl.batch import assemble, token_rewards
 from asyncrl.rl.config import RLConfig
@@ -23,6 +23,10 @@ PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
 SEEDS = [11, 12, 13, 14]
 STOPS = tuple(range(20, 128, 3))  # a third of the vocabulary ends a turn: turns are short
 OBSERVED = [100, 101, 102]
+CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe brief.<|im_end|>\n"
+          "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% endif %}")
 
 
 def echo(prompt, response, turn, transcript):
@@ -92,6 +96,23 @@ def test_the_first_turn_is_what_a_single_turn_generation_samples():
         assert three["response_ids"][i, :first].equal(single["response_ids"][i, :first])
 
 
+def test_the_vllm_adapter_runs_the_same_turns_as_the_built_in_engine():
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    cfg = SamplingConfig(max_new_tokens=20, stop_token_ids=STOPS)
+    vllm = VLLMEngine("tiny-llama", cfg, llm_cls=fake_vllm.LLM,
+                      sampling_params_cls=fake_vllm.SamplingParams)
+    builtin = Sampler(build_model(ModelConfig()), cfg)
+    theirs, mine = (turns(max_turns=3).generate(e.generate, prompt_batch(), PROMPTS, SEEDS, cfg)
+                    for e in (vllm, builtin))
+    for key in ("response_ids", "response_mask", "policy_mask", "versions", "turns"):
+        assert torch.equal(theirs[key], mine[key]), key
+    assert (theirs["logprobs"] - mine["logprobs"]).abs().max() < 1e-6
+    assert int(mine["turns"].max()) > 1
+
+
 def test_observations_are_cut_to_their_limit_and_the_budget():
     _, sampler = engine(max_new_tokens=12)
 
@@ -135,6 +156,38 @@ def test_a_text_environment_reads_and_writes_text_and_gets_the_columns_it_names(
         assert out["response_ids"][i, start:start + 3].tolist() == said
         assert tok.decode(out["response_ids"][i, :start].tolist(),
                           skip_special_tokens=True) == seen[i][1]
+
+
+def test_chat_messages_are_written_as_the_template_writes_the_conversation(tmp_path):
+    """The prompt, the generated turn and the rendered messages, as token ids, are the chat
+    template's rendering of the whole conversation, the next assistant turn opened: whether
+    the turn stopped at the end-of-turn token or not."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(word_tokenizer(tmp_path / "tok"))
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    question = [{"role": "user", "content": "w1 w2"}]
+    prompt = tok.apply_chat_template(question, add_generation_prompt=True, tokenize=False)
+    reply = [{"role": "system", "content": "4 2"}]
+    for said in (ids("w7 w8 </s>"), ids("w7 w8")):  # stopped at </s>, or cut by the budget
+        observed = chat_turns(tok, reply, said, "row 0, turn 0")
+        whole = tok.apply_chat_template(
+            question + [{"role": "assistant", "content": "w7 w8"}] + reply,
+            add_generation_prompt=True, tokenize=False)
+        assert ids(prompt) + said + ids(observed) == ids(whole)
+    t = Turns(MultiTurn(env=echo, tokenizer=str(tmp_path / "tok")))
+    assert t._ids({"role": "user", "content": "4"}, 0, 0, said) == ids(
+        "</s> <s> user 4 </s> <s> assistant")
+    # ChatML (Qwen's): the turn stopped at <|im_end|>; the newline after it is the template's
+    tok.chat_template = CHATML
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    said = ids("w7") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert chat_turns(tok, [{"role": "tool", "content": "42"}], said, "row 0, turn 0") == \
+        "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    bare = AutoTokenizer.from_pretrained(word_tokenizer(tmp_path / "bare", chat=False))
+    with pytest.raises(ValueError, match="row 2, turn 1: the environment returned chat "
+                                         "messages, but the tokenizer has no chat template"):
+        chat_turns(bare, reply, said, "row 2, turn 1")
 
 
 def bad_value(prompt, response):

@@ -22,8 +22,10 @@ does) called on the generating rank, row by row:
 `response` is the turn just generated; meta holds the prompt records' columns it names
 ("answer", say), `turn` (0 for the first) and `transcript` (the whole response so far). With
 `tokenizer=` (a local directory) the prompt, response and transcript are text (special
-tokens left out, as rewards read them) and an observation may be text, tokenized without
-special tokens added: write a chat template's markers into it for a chat model. Without,
+tokens left out, as rewards read them) and an observation may be text (tokenized without
+special tokens added) or chat messages, {"role": "tool", "content": ...} or a list of them,
+written as the chat template writes them after the assistant's turn, with the next
+assistant turn opened (`chat_turns`, as verl's tool agent loop does). Without a tokenizer,
 they are token ids. An observation longer than `max_observation_tokens`, or than the budget
 left, keeps its first tokens. With `processes=N` the rows' calls of a turn run N at a time in
 child processes (asyncrl.hybrid.fn_pool: a tool that runs code, say); with `timeout_s` a call
@@ -174,31 +176,36 @@ class Turns:
             values, late = self.pool.call(jobs, [f"row {i}, turn {turn}" for i, _ in asked])
             for (i, _), timed_out in zip(asked, late, strict=True):
                 rows[i].timeouts += timed_out
-            return [[] if t else self._ids(v, i, turn)
-                    for (i, _), v, t in zip(asked, values, late, strict=True)]
+            return [[] if t else self._ids(v, i, turn, said)
+                    for (i, said), v, t in zip(asked, values, late, strict=True)]
         out = []
-        for (i, _), (prompt, response, meta) in zip(asked, jobs, strict=True):
+        for (i, said), (prompt, response, meta) in zip(asked, jobs, strict=True):
             try:
                 value = self.cfg.env(prompt, response, **meta)
             except Exception as e:  # as the pool reports it
                 raise ValueError(f"environment {self.name!r} failed on row {i}, turn {turn}:"
                                  f"\n{traceback.format_exc()}") from e
-            out.append(self._ids(value, i, turn))
+            out.append(self._ids(value, i, turn, said))
         return out
 
     def _text(self, ids: Sequence[int]) -> str:
         assert self.tok is not None
         return str(self.tok.decode(list(ids), skip_special_tokens=True))
 
-    def _ids(self, value: Any, i: int, turn: int) -> list[int]:
+    def _ids(self, value: Any, i: int, turn: int, said: list[int]) -> list[int]:
         if value is None:
             return []
+        if isinstance(value, dict) and self.tok is not None:
+            value = [value]
+        if isinstance(value, list) and value and all(isinstance(m, dict) for m in value) \
+                and self.tok is not None:
+            value = chat_turns(self.tok, value, said, f"row {i}, turn {turn}")
         if isinstance(value, str) and self.tok is not None:
             return [int(t) for t in self.tok(value, add_special_tokens=False)["input_ids"]]
         if isinstance(value, list | tuple) and all(isinstance(t, int) and not isinstance(
                 t, bool) for t in value):
             return list(value)
-        hint = "text or token ids" if self.tok is not None else \
+        hint = "text, chat messages or token ids" if self.tok is not None else \
             "token ids (text needs multi_turn={'tokenizer': DIR})"
         raise TypeError(f"environment {self.name!r} returned {str(value)[:60]!r} for row {i}, "
                         f"turn {turn}: it returns an observation as {hint}, or None when the "
@@ -226,6 +233,35 @@ class Turns:
         return TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, **cols,
                             "turns": torch.tensor([r.turns for r in rows], dtype=torch.long)},
                            {"temperature": temperature})
+
+
+MARK = "asyncrl-assistant-turn"  # an assistant message's content, found again in the text
+
+
+def chat_turns(tok: Any, messages: list[dict[str, Any]], said: list[int], where: str) -> str:
+    """Chat messages (a tool's answer, a user's reply) as the tokenizer's chat template writes
+    them after an assistant turn, the next assistant turn opened: the template's text for a
+    conversation with them less its text without them, less the part of the assistant turn's
+    closing that the generated turn already holds (it stopped at the end-of-turn token, the
+    newline after it is the template's)."""
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"{where}: the environment returned chat messages, but the tokenizer "
+                         f"has no chat template; return text or token ids")
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": MARK}]
+    try:
+        before = tok.apply_chat_template(base, tokenize=False)
+        after = tok.apply_chat_template(base + messages, tokenize=False,
+                                        add_generation_prompt=True)
+    except Exception as e:  # jinja's TemplateError: a role the template does not know
+        raise ValueError(f"{where}: the tokenizer's chat template refused the environment's "
+                         f"messages {messages!r}: {e}") from None
+    if MARK not in before or not after.startswith(before):
+        raise ValueError(f"{where}: this chat template does not write later messages by "
+                         f"appending to the conversation; return the observation as text")
+    closing = before[before.rindex(MARK) + len(MARK):]
+    made = str(tok.decode(said, skip_special_tokens=False))
+    held = max(k for k in range(len(closing) + 1) if made.endswith(closing[:k]))
+    return closing[held:] + after[len(before):]
 
 
 class _Row:
