@@ -11,6 +11,7 @@ from helpers import assert_gone, group_pids, run, word_tokenizer
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.comm.batch import PAD_KEY
 from asyncrl.controller.launcher import pid_alive
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
@@ -111,6 +112,21 @@ def test_the_vllm_adapter_runs_the_same_turns_as_the_built_in_engine():
         assert torch.equal(theirs[key], mine[key]), key
     assert (theirs["logprobs"] - mine["logprobs"]).abs().max() < 1e-6
     assert int(mine["turns"].max()) > 1
+
+
+def test_a_dp_chunks_padding_rows_take_one_turn_and_never_call_the_environment():
+    calls = []
+
+    def counting(prompt, response):
+        calls.append(prompt)
+        return [OBSERVED[0]]
+
+    _, sampler = engine()
+    batch = TensorBatch({"prompt": PROMPTS, "seed": SEEDS}, {PAD_KEY: 2})
+    out = turns(counting, max_turns=2).generate(sampler.generate, batch, PROMPTS, SEEDS,
+                                                sampler.config)
+    assert calls == PROMPTS[:2] and out["turns"].tolist()[2:] == [1, 1]
+    assert out["policy_mask"][2:].equal(out["response_mask"][2:])
 
 
 def test_observations_are_cut_to_their_limit_and_the_budget():

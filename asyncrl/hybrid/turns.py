@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.fn_pool import FunctionPool
 from asyncrl.hybrid.sampler import SamplingConfig, left_pad
 from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
@@ -121,6 +121,8 @@ class Turns:
                                             isinstance(batch[k], list)] + list(TURN_KEYS),
                              what="environment")
         rows = [_Row() for _ in range(n)]
+        real = n - int(batch.meta.get(PAD_KEY, 0))  # a DP chunk's padding rows: one turn, no
+        # env call (a tool with side effects would run twice for one row)
         active, temperature = list(range(n)), 1.0
         for turn in range(self.cfg.max_turns):
             if not active:
@@ -137,7 +139,7 @@ class Turns:
                 k = min(sum(mask[j]), budget - len(rows[i].ids))  # the mask is a prefix
                 rows[i].add(ids[j][:k], 1, logp[j][:k], vers[j][:k])
                 rows[i].turns += 1
-                if len(rows[i].ids) < budget and turn < self.cfg.max_turns - 1:
+                if len(rows[i].ids) < budget and turn < self.cfg.max_turns - 1 and i < real:
                     asked.append((i, ids[j][:k]))
             active = []
             for (i, _), seen in zip(asked, self._observe(batch, prompts, rows, asked, turn,
