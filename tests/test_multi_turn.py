@@ -7,17 +7,19 @@ import time
 
 import pytest
 import torch
-from helpers import assert_gone, group_pids, run, word_tokenizer
+from helpers import CHAT_TEMPLATE, assert_gone, group_pids, run, word_tokenizer
 
 import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.comm.batch import PAD_KEY
 from asyncrl.controller.launcher import pid_alive
+from asyncrl.hybrid.fsdp import sequence_mean_nll
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 from asyncrl.hybrid.turns import MultiTurn, Turns, chat_turns, multi_turn_config
+from asyncrl.rl.actor import policy_loss
 from asyncrl.rl.algorithms import gae
-from asyncrl.rl.batch import assemble, token_rewards
+from asyncrl.rl.batch import assemble, drop_stale, token_rewards
 from asyncrl.rl.config import RLConfig
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
@@ -28,6 +30,10 @@ CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe brief.
           "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
           "{% endif %}")
+QWEN3_LIKE = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
+              "<|im_start|>assistant\n<think>\n\n</think>\n\n{{ m['content'] }}<|im_end|>\n"
+              "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def echo(prompt, response, turn, transcript):
@@ -200,6 +206,17 @@ def test_chat_messages_are_written_as_the_template_writes_the_conversation(tmp_p
     said = ids("w7") + [tok.convert_tokens_to_ids("<|im_end|>")]
     assert chat_turns(tok, [{"role": "tool", "content": "42"}], said, "row 0, turn 0") == \
         "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    # Qwen3's writes the last assistant turn with an empty think block, an earlier one
+    # without: only what follows the assistant's content is read
+    tok.chat_template = QWEN3_LIKE
+    assert chat_turns(tok, [{"role": "tool", "content": "42"}], said, "row 0, turn 0") == \
+        "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    # a long message is cut to max_observation_tokens in its content, its markers kept
+    tok.chat_template = CHAT_TEMPLATE
+    t = Turns(MultiTurn(env=echo, tokenizer=str(tmp_path / "tok"), max_observation_tokens=9))
+    long = {"role": "user", "content": " ".join(f"w{k}" for k in range(30))}
+    cut = t._ids(long, 0, 0, ids("w7 </s>"))
+    assert cut == ids("<s> user w0 w1 w2 w3 </s> <s> assistant")  # 9 tokens
     bare = AutoTokenizer.from_pretrained(word_tokenizer(tmp_path / "bare", chat=False))
     with pytest.raises(ValueError, match="row 2, turn 1: the environment returned chat "
                                          "messages, but the tokenizer has no chat template"):
@@ -285,6 +302,43 @@ def test_the_losses_and_rewards_leave_the_observations_out():
     # the score goes on each row's last sampled token, not on an observation after it
     rewards = token_rewards(batch, RLConfig(group_size=2))
     assert rewards[0].tolist() == [0, 0, 0, 0, 2, 0] and rewards[1].tolist() == [0, 0, 0, 3, 0, 0]
+
+
+def test_no_loss_term_reaches_an_observation_and_stale_tags_ignore_them():
+    """The policy loss, its KL and entropy terms and the SFT loss give the environment's
+    tokens no gradient; their version -1 never makes a row look stale."""
+    own = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 0]])
+    rollout = TensorBatch({"response_mask": torch.ones(2, 6, dtype=torch.long),
+                           "policy_mask": own, "logprobs": torch.zeros(2, 6),
+                           "versions": torch.where(own.bool(), 5, -1)})
+    batch = assemble(rollout, TensorBatch({"reward": torch.tensor([1.0, 0.0])}))
+    _, _, dropped = drop_stale(batch, version=5, max_staleness=0)
+    assert not dropped.any() and batch["loss_mask"].equal(own.float())
+    micro = batch.select(["logprobs", "loss_mask"]).union(TensorBatch({
+        "advantages": torch.ones(2, 6), "ref_logprobs": torch.randn(2, 6)}))
+    micro.meta.update(tokens=float(own.sum()), seqs=2, rows=2, dp=1)
+    logp = torch.randn(2, 6, requires_grad=True)
+    entropy = torch.rand(2, 6, requires_grad=True)
+    loss, _ = policy_loss(RLConfig(group_size=2, kl_coef=0.5, entropy_coef=0.1))(
+        {"logprobs": logp, "entropy": entropy}, micro)
+    loss.backward()
+    for grad in (logp.grad, entropy.grad):
+        assert (grad[~own.bool()] == 0).all() and (grad[own.bool()] != 0).all()
+    logp.grad = None
+    sequence_mean_nll(logp, rollout).backward()
+    assert (logp.grad[~own.bool()] == 0).all() and (logp.grad[own.bool()] != 0).all()
+
+
+def test_a_reward_function_may_take_a_multi_turn_rows_turns():
+    from asyncrl.rl.reward import row_inputs
+
+    def by_turns(prompt, response, turns):
+        return float(turns)
+
+    rollout = TensorBatch({"prompt": [[1], [2]], "response_ids": torch.ones(2, 3).long(),
+                           "response_mask": torch.ones(2, 3).long(),
+                           "turns": torch.tensor([1, 3])})
+    assert [m for _, _, m in row_inputs(by_turns, rollout)] == [{"turns": 1}, {"turns": 3}]
 
 
 def test_gae_skips_the_gaps_a_multi_turn_rollout_leaves():

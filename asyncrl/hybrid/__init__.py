@@ -6,6 +6,9 @@
     zero.py      the DeepSpeed ZeRO-2/3 training backend (same interface)
     engine.py    the hybrid engine: train <-> generate on the same ranks
     roles.py     Policy, Rollout, Reference workers
+    turns.py     multi-turn rollouts: an environment's observations between turns
+    fn_pool.py   a user's function (a reward, an environment) in child processes, timed out
+    user_fn.py   a user's function's inputs from a batch's columns; local tokenizers
     vllm_engine.py  the vLLM generation engine (GPU; never imported on CPU paths)
     export.py    a policy's checkpoint as a Hugging Face model directory (`asyncrl export`)
 """

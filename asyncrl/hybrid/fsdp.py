@@ -35,6 +35,7 @@ from asyncrl.hybrid.models import (
     sequence_logprobs,
     sequence_values,
 )
+from asyncrl.hybrid.turns import sampled_mask
 
 # (forward outputs of a micro-batch, the micro-batch) -> (loss, scalar stats to report)
 LossFn = Callable[[dict[str, torch.Tensor], TensorBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -214,8 +215,9 @@ def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tenso
     log-likelihood of their response tokens. On a micro-batch of a counted batch
     (`count_rows`), the part of the mean over every rank's rows that the backend's
     weighting (rows of the micro-batch / rows of the rank, averaged over the ranks) turns
-    into that mean: exact when chunks or micro-batches hold unequal real rows."""
-    mask = batch.tensor("response_mask").to(logprobs.dtype)
+    into that mean: exact when chunks or micro-batches hold unequal real rows. A multi-turn
+    rollout's observations are not the model's to learn: only sampled tokens count."""
+    mask = sampled_mask(batch).to(logprobs.dtype)
     per_row = -(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)
     real = len(batch) - batch.meta.get(PAD_KEY, 0)
     mean = per_row[:real].sum() / max(real, 1)

@@ -17,7 +17,8 @@ turn draws what a single-turn generation would.
 The environment is a module-level function (it travels by reference, as a reward function
 does) called on the generating rank, row by row:
 
-    env(prompt, response, **meta) -> observation, or None when the row is done
+    env(prompt, response, **meta) -> observation, or None (or an empty one) when the row
+                                      is done
 
 `response` is the turn just generated; meta holds the prompt records' columns it names
 ("answer", say), `turn` (0 for the first) and `transcript` (the whole response so far). With
@@ -27,15 +28,21 @@ special tokens added) or chat messages, {"role": "tool", "content": ...} or a li
 written as the chat template writes them after the assistant's turn, with the next
 assistant turn opened (`chat_turns`, as verl's tool agent loop does). Without a tokenizer,
 they are token ids. An observation longer than `max_observation_tokens`, or than the budget
-left, keeps its first tokens. With `processes=N` the rows' calls of a turn run N at a time in
-child processes (asyncrl.hybrid.fn_pool: a tool that runs code, say); with `timeout_s` a call
-past it ends its row (its process, with whatever it started, is killed and replaced), and the
-rollout's `env_timeouts` counts them.
+left, keeps its first tokens (chat messages keep their markers: their contents are cut).
+Every rank that generates a row calls the env for it: with tensor parallelism each replica
+of a DP chunk does (their calls agree, and one result is kept), so a tool whose side effects
+reach outside its row runs once per replica.
+
+With `processes=N` the rows' calls of a turn run N at a time in child processes
+(asyncrl.hybrid.fn_pool: a tool that runs code, say); with `timeout_s` a call past it ends
+its row (its process, with whatever it started, is killed and replaced), and the rollout's
+`env_timeouts` counts them.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -95,6 +102,13 @@ def multi_turn_config(settings: dict[str, Any] | None) -> MultiTurn | None:
     if unknown:
         raise TypeError(f"multi_turn: {unknown} are not settings; they are {sorted(known)}")
     return MultiTurn(**settings)
+
+
+def sampled_mask(batch: TensorBatch) -> torch.Tensor:
+    """1.0 on the response tokens the policy sampled: all of them, but for a multi-turn
+    rollout's observations (its policy_mask)."""
+    mask = batch.tensor("response_mask").float()
+    return mask * batch.tensor("policy_mask").float() if "policy_mask" in batch else mask
 
 
 class Turns:
@@ -201,17 +215,46 @@ class Turns:
             value = [value]
         if isinstance(value, list) and value and all(isinstance(m, dict) for m in value) \
                 and self.tok is not None:
-            value = chat_turns(self.tok, value, said, f"row {i}, turn {turn}")
+            return self._chat(value, said, f"row {i}, turn {turn}")
         if isinstance(value, str) and self.tok is not None:
-            return [int(t) for t in self.tok(value, add_special_tokens=False)["input_ids"]]
-        if isinstance(value, list | tuple) and all(isinstance(t, int) and not isinstance(
-                t, bool) for t in value):
-            return list(value)
+            return self._encode(value)
+        if isinstance(value, list | tuple) and all(isinstance(t, numbers.Integral) and not
+                                                   isinstance(t, bool) for t in value):
+            return [int(t) for t in value]
         hint = "text, chat messages or token ids" if self.tok is not None else \
             "token ids (text needs multi_turn={'tokenizer': DIR})"
         raise TypeError(f"environment {self.name!r} returned {str(value)[:60]!r} for row {i}, "
                         f"turn {turn}: it returns an observation as {hint}, or None when the "
                         f"row is done")
+
+    def _encode(self, text: str) -> list[int]:
+        assert self.tok is not None
+        return [int(t) for t in self.tok(text, add_special_tokens=False)["input_ids"]]
+
+    def _chat(self, messages: list[dict[str, Any]], said: list[int], where: str) -> list[int]:
+        """Rendered chat messages within max_observation_tokens: the messages' contents are
+        cut (their last tokens first), never the template's markers, which the next turn
+        needs whole."""
+        limit = self.cfg.max_observation_tokens
+        ids = self._encode(chat_turns(self.tok, messages, said, where))
+        for _ in range(3):  # re-tokenizing a cut content may shift a token or two
+            over = len(ids) - limit
+            if over <= 0:
+                return ids
+            messages = [dict(m) for m in messages]
+            for m in reversed(messages):
+                content = self._encode(str(m.get("content", "")))
+                keep = max(0, len(content) - over)
+                over -= len(content) - keep
+                m["content"] = self._text(content[:keep])
+                if over <= 0:
+                    break
+            ids = self._encode(chat_turns(self.tok, messages, said, where))
+        if len(ids) > limit:
+            raise ValueError(f"{where}: the chat template's markers around the environment's "
+                             f"messages take {len(ids)} tokens, more than max_observation_tokens"
+                             f"={limit}; raise it")
+        return ids
 
     @staticmethod
     def _batch(rows: list[_Row], prompts: list[list[int]], cfg: SamplingConfig,
@@ -242,28 +285,29 @@ MARK = "asyncrl-assistant-turn"  # an assistant message's content, found again i
 
 def chat_turns(tok: Any, messages: list[dict[str, Any]], said: list[int], where: str) -> str:
     """Chat messages (a tool's answer, a user's reply) as the tokenizer's chat template writes
-    them after an assistant turn, the next assistant turn opened: the template's text for a
-    conversation with them less its text without them, less the part of the assistant turn's
-    closing that the generated turn already holds (it stopped at the end-of-turn token, the
-    newline after it is the template's)."""
+    them after an assistant turn, the next assistant turn opened: the template's text of a
+    conversation ending with them after the assistant's content, less the end-of-turn token
+    the generated turn stopped at (the newline the template puts after it stays). Only the
+    text after the assistant's content is read: a template may write earlier turns
+    differently once later ones follow (Qwen3 drops an empty think block)."""
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{where}: the environment returned chat messages, but the tokenizer "
                          f"has no chat template; return text or token ids")
     base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": MARK}]
     try:
-        before = tok.apply_chat_template(base, tokenize=False)
-        after = tok.apply_chat_template(base + messages, tokenize=False,
-                                        add_generation_prompt=True)
+        text = tok.apply_chat_template(base + messages, tokenize=False,
+                                       add_generation_prompt=True)
     except Exception as e:  # jinja's TemplateError: a role the template does not know
         raise ValueError(f"{where}: the tokenizer's chat template refused the environment's "
                          f"messages {messages!r}: {e}") from None
-    if MARK not in before or not after.startswith(before):
-        raise ValueError(f"{where}: this chat template does not write later messages by "
-                         f"appending to the conversation; return the observation as text")
-    closing = before[before.rindex(MARK) + len(MARK):]
-    made = str(tok.decode(said, skip_special_tokens=False))
-    held = max(k for k in range(len(closing) + 1) if made.endswith(closing[:k]))
-    return closing[held:] + after[len(before):]
+    if MARK not in text:
+        raise ValueError(f"{where}: this chat template does not write the assistant's content "
+                         f"as given; return the observation as text")
+    after = text[text.rindex(MARK) + len(MARK):]
+    last = str(tok.decode(said[-1:], skip_special_tokens=False)) if said else ""
+    last, space = last.strip(), len(after) - len(after.lstrip())
+    held = space + len(last) if last and after[space:].startswith(last) else 0  # <|im_end|>
+    return after[held:]
 
 
 class _Row:

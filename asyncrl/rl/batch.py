@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from asyncrl.actors.protocols import _dp_split, _rank_zero_collect, register_protocol
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
+from asyncrl.hybrid.turns import sampled_mask
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty
 from asyncrl.rl.config import RLConfig
 
@@ -30,13 +31,6 @@ def valid_rows(batch: TensorBatch) -> torch.Tensor:
     """1.0 for real rows, 0.0 for the trailing padding rows a DP chunk may carry."""
     n = len(batch)
     return (torch.arange(n) < n - batch.meta.get(PAD_KEY, 0)).float()
-
-
-def sampled_mask(batch: TensorBatch) -> torch.Tensor:
-    """1.0 on the response tokens the policy sampled: all of them, but for a multi-turn
-    rollout's observations (its policy_mask, asyncrl.hybrid.turns)."""
-    mask = batch.tensor("response_mask").float()
-    return mask * batch.tensor("policy_mask").float() if "policy_mask" in batch else mask
 
 
 def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,

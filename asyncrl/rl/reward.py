@@ -69,8 +69,11 @@ def row_inputs(fn: Callable[..., Any], batch: TensorBatch, tok: Any = None
     # as Python lists once: indexing tensors row by row costs more than most rewards do
     ids, mask = batch.tensor("response_ids").tolist(), batch.tensor("response_mask").tolist()
     prompts = batch["prompt"] if "prompt" in batch else [None] * len(batch)
-    meta_keys = taken_by(fn, [k for k in batch.keys()
-                              if k not in RESERVED and isinstance(batch[k], list)])
+    columns = {k: batch[k] for k in batch.keys() if k not in RESERVED and
+               isinstance(batch[k], list)}
+    if "turns" in batch:  # a multi-turn rollout's: its response holds the env's tokens too
+        columns["turns"] = batch.tensor("turns").tolist()
+    meta_keys = taken_by(fn, list(columns))
     rows = []
     for i in range(len(batch)):
         response: Any = [t for t, m in zip(ids[i], mask[i], strict=True) if m]
@@ -79,7 +82,7 @@ def row_inputs(fn: Callable[..., Any], batch: TensorBatch, tok: Any = None
             response = tok.decode(response, skip_special_tokens=True)
             if isinstance(prompt, list):
                 prompt = tok.decode(prompt, skip_special_tokens=True)
-        rows.append((prompt, response, {k: batch[k][i] for k in meta_keys}))
+        rows.append((prompt, response, {k: columns[k][i] for k in meta_keys}))
     return rows
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncrl.hybrid.user_fn import load_tokenizer  # noqa: F401 - flow files import it here
+
 
 def is_chat(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
