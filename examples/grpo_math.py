@@ -10,7 +10,8 @@ Records, JSONL or Parquet: GSM8K's own {"question", "answer": "...worked solutio
 the reward reads the response as text: 1 when its last "#### 72" is the ground truth
 (commas ignored), else 0 (verl's strict GSM8K score). Generation
 stops at the model's end-of-turn tokens (its generation_config.json, as vLLM does). Every
-`val_every` steps the actor answers val_data greedily: val/reward.
+`val_every` steps the actor answers val_data greedily: val/reward; with val_samples=n, n
+samples per question at val_temperature: val/reward (mean@n), val/pass@1 and val/pass@n.
 
 Written for GPUs (a real model, vLLM; never run on one yet). The tests run it on CPUs with
 a tiny Llama and a word tokenizer, and export its result.
@@ -19,9 +20,11 @@ a tiny Llama and a word tokenizer, and export its result.
 import math
 import re
 
+import torch
+
 import asyncrl
 from asyncrl.hybrid.user_fn import load_tokenizer
-from asyncrl.rl import Actor, PromptSource, Reference, RewardFn
+from asyncrl.rl import Actor, PromptSource, Reference, RewardFn, pass_at_k
 from asyncrl.rl.data import read_records
 
 cfg = asyncrl.config(model_path=None, data=None, val_data=None, steps=100, prompts=32,
@@ -29,6 +32,7 @@ cfg = asyncrl.config(model_path=None, data=None, val_data=None, steps=100, promp
                      max_new_tokens=512, micro_batch_size=8, max_tokens_per_micro_batch=0,
                      overlong_buffer=0, reward_timeout_s=0.0, actor_procs=1, backend="fsdp2",
                      engine="builtin", gradient_checkpointing=False, val_every=10, seed=0,
+                     val_samples=1, val_temperature=1.0,
                      instruction="Let's think step by step and output the final answer "
                                  "after \"####\".")
 if not cfg["model_path"] or not cfg["data"]:
@@ -106,13 +110,15 @@ prompts = PromptSource(train_records, batch_size=cfg["prompts"], seed=cfg["seed"
                        max_prompt_length=cfg["max_prompt_length"])
 # enough epochs of the prompts kept (overlong ones left out) for `steps` steps
 prompts.epochs = math.ceil(cfg["steps"] * cfg["prompts"] / len(prompts.records))
-# validation in batches of a training batch's size (memory: as a rollout's)
+# validation in batches of about a training batch's rows (memory: as a rollout's): each
+# question answered greedily, or sampled val_samples times (verl's val_kwargs.n)
 val_batches = []
 if cfg["val_data"]:
     val_records = [as_chat(r) for r in read_records(cfg["val_data"])]
-    val_batches = list(PromptSource(val_records, batch_size=cfg["prompts"] * cfg["group_size"],
-                                    shuffle=False, tokenizer=tok,
-                                    max_prompt_length=cfg["max_prompt_length"]))
+    val_batches = list(PromptSource(
+        val_records, batch_size=max(1, cfg["prompts"] * cfg["group_size"] // cfg["val_samples"]),
+        shuffle=False, tokenizer=tok, max_prompt_length=cfg["max_prompt_length"],
+        repeat=cfg["val_samples"], seed=cfg["seed"]))
 
 
 @asyncrl.node(follows="train")
@@ -139,12 +145,16 @@ def train(rollout, score, reference=None):
 async def validate(step, train):
     if not val_batches or (step + 1) % cfg["val_every"]:
         return {}
-    scores = [rewards.score(actor.generate(batch, sampling={"temperature": 0}))
-              for batch in val_batches]
-    total = 0.0
-    for s in scores:
-        total += float((await s)["reward"].double().sum())
-    return {"val/reward": total / sum(len(b) for b in val_batches)}
+    n = cfg["val_samples"]
+    sampling = {"temperature": 0} if n == 1 else {"temperature": cfg["val_temperature"]}
+    scores = [rewards.score(actor.generate(batch, sampling=sampling)) for batch in val_batches]
+    values = [await s for s in scores]
+    reward = torch.cat([v["reward"] for v in values]).double()
+    out = {"val/reward": float(reward.mean())}  # mean@n
+    if n > 1:  # the share of questions answered right in k of n samples (unbiased)
+        right = torch.cat([v["score"] if "score" in v else v["reward"] for v in values]) > 0
+        out.update({f"val/pass@{k}": pass_at_k(right, n, k) for k in sorted({1, n})})
+    return out
 
 
 nodes = [rollout, score, train, validate] + ([reference] if ref is not None else [])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.rl import gae, grpo_advantages, kl_penalty, ppo_policy_loss, whiten
+from asyncrl.rl import gae, grpo_advantages, kl_penalty, pass_at_k, ppo_policy_loss, whiten
 
 
 def test_grpo_advantages_by_hand():
@@ -113,6 +113,18 @@ def test_whiten_uses_masked_positions_only():
     x = torch.tensor([[1.0, 3.0, 100.0]])
     m = torch.tensor([[1, 1, 0]])
     assert torch.allclose(whiten(x, m), torch.tensor([[-1.0, 1.0, 0.0]]), atol=1e-4)
+
+
+def test_pass_at_k_by_hand():
+    # three prompts of 4 samples: 1, 0 and 3 correct
+    correct = torch.tensor([0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1])
+    assert pass_at_k(correct, n=4, k=1) == pytest.approx((1 / 4 + 0 + 3 / 4) / 3)  # the mean
+    # k=2: 1 - C(3,2)/C(4,2) = 1/2; 0; 1 - C(1,2)/C(4,2) = 1
+    assert pass_at_k(correct, n=4, k=2) == pytest.approx((0.5 + 0 + 1) / 3)
+    assert pass_at_k(correct, n=4, k=4) == pytest.approx(2 / 3)  # prompts with one right
+    for bad in ({"n": 5, "k": 1}, {"n": 4, "k": 5}, {"n": 4, "k": 0}):
+        with pytest.raises(ValueError, match="pass_at_k: 12 samples in groups of"):
+            pass_at_k(correct, **bad)
 
 
 def test_an_actor_refuses_values_from_a_critic_that_computes_returns_differently():

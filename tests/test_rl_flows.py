@@ -195,8 +195,8 @@ def math_task(folder: Path) -> dict:
 def test_the_math_recipe_trains_a_local_model_on_text_and_exports_it(tmp_path):
     """examples/grpo_math.py as a user runs it on a GPU, with CPU-sized parts: chats
     through the tokenizer's template, rewards on text with the overlong penalty (scored in
-    child processes that import the flow file), micro-batches by token budget, greedy
-    validation, then export."""
+    child processes that import the flow file), micro-batches by token budget, validation
+    sampled twice per question (pass@k), then export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     task = math_task(tmp_path)
@@ -205,7 +205,7 @@ def test_the_math_recipe_trains_a_local_model_on_text_and_exports_it(tmp_path):
                           "group_size=2", "max_new_tokens=6", "val_every=2",
                           "max_prompt_length=64", "instruction=####",
                           "max_tokens_per_micro_batch=128", "overlong_buffer=3",
-                          "reward_timeout_s=60")
+                          "reward_timeout_s=60", "val_samples=2")
     # the reward: the strict score in [0, 1] plus the overlong penalty in [-1, 0]: past 3 of
     # the 6 new tokens, and random responses often run to the limit
     assert all(r["reward/timed_out"] == 0 for r in rows)  # scored in child processes
@@ -214,6 +214,7 @@ def test_the_math_recipe_trains_a_local_model_on_text_and_exports_it(tmp_path):
     assert all(0 <= r["reward/mean"] - r["reward/overlong_penalty"] <= 1 for r in rows)
     assert rows[1]["actor/version"] == 2
     assert [i for i, r in enumerate(rows) if "val/reward" in r] == [1]
+    assert 0 <= rows[1]["val/pass@1"] <= rows[1]["val/pass@2"] <= 1  # 2 samples a question
     out = cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
     # (a random tiny model never writes "#### n": rewards are all 0, so nothing is learned)

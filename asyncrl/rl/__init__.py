@@ -3,7 +3,14 @@ policy, rollout and reference workers (built in asyncrl.hybrid) — what flow fi
 
 from asyncrl.hybrid.roles import Policy, Reference, Rollout
 from asyncrl.rl.actor import Actor
-from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty, ppo_policy_loss, whiten
+from asyncrl.rl.algorithms import (
+    gae,
+    grpo_advantages,
+    kl_penalty,
+    pass_at_k,
+    ppo_policy_loss,
+    whiten,
+)
 from asyncrl.rl.config import RLConfig
 from asyncrl.rl.critic import Critic
 from asyncrl.rl.data import PromptSource
@@ -12,4 +19,4 @@ from asyncrl.rl.reward import RewardFn, RewardModel
 
 __all__ = ["Actor", "Critic", "DynamicSamplingError", "Policy", "PromptSource", "RLConfig",
            "Reference", "RewardFn", "RewardModel", "Rollout", "dynamic_sampling", "gae",
-           "grpo_advantages", "kl_penalty", "ppo_policy_loss", "whiten"]
+           "grpo_advantages", "kl_penalty", "pass_at_k", "ppo_policy_loss", "whiten"]

@@ -4,6 +4,8 @@ built from these; each is tested against hand-computed values."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -121,3 +123,15 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch
     mean = (values * m).sum() / n
     var = ((values - mean).pow(2) * m).sum() / n
     return (values - mean) * torch.rsqrt(var + eps) * m
+
+
+def pass_at_k(correct: torch.Tensor, n: int, k: int) -> float:
+    """The unbiased pass@k (Chen et al., 2021) of contiguous groups of `n` samples per
+    prompt, averaged over the prompts: per prompt with c correct, 1 - C(n - c, k) / C(n, k),
+    the chance that k of its n samples drawn without replacement hold a correct one. pass@1
+    is the mean; pass@n, the share of prompts with a correct sample."""
+    if not 1 <= k <= n or correct.dim() != 1 or correct.numel() % n or not correct.numel():
+        raise ValueError(f"pass_at_k: {correct.numel()} samples in groups of n={n} with "
+                         f"1 <= k={k} <= n; give each prompt's n samples contiguous")
+    counts = correct.bool().view(-1, n).sum(1).tolist()
+    return sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in counts) / len(counts)
