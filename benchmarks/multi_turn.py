@@ -1,11 +1,14 @@
-"""Multi-turn benchmark: what the turns cost the built-in engine, in one process, three ways
+"""Multi-turn benchmark: what the turns cost the built-in engine, in one process, four ways
 in the same run on the same model and prompts:
 
   single_turn        one generation of `budget` tokens per row, no stop token
   multi_turn         turns ended by stop tokens (1 vocabulary id in 64: about 64 tokens a
                      turn), an environment answering each with 16 tokens, until the
-                     budget is spent or 8 turns (each turn prefills the row so far again)
-  multi_turn_procs   the same with the environment in 2 child processes (the pool a tool
+                     budget is spent or 8 turns; continued inside the engine's decode loop
+                     (the observation fed through the KV cache as the row's turn ends)
+  multi_turn_calls   the same turns as one generate call per turn, as the vLLM adapter runs
+                     them: each turn waits for the batch's longest and prefills rows again
+  multi_turn_procs   multi_turn with the environment in 2 child processes (the pool a tool
                      with a timeout runs in: a message round trip per call)
 
 One JSON line per way: {"bench": "multi_turn", "system": ..., "s": (median of the repeats),
@@ -22,6 +25,7 @@ import json
 import platform
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -68,11 +72,13 @@ def main() -> None:
                               stop_token_ids=tuple(range(200, 4096, 64)))
     systems = {"single_turn": lambda: sampler.generate(prompts, seeds, single)}
     pools = {}
-    for name, processes in (("multi_turn", 0), ("multi_turn_procs", 2)):
+    calls = SimpleNamespace(generate=sampler.generate)  # no turn loop of its own
+    for name, processes, engine in (("multi_turn", 0, sampler), ("multi_turn_calls", 0, calls),
+                                    ("multi_turn_procs", 2, sampler)):
         turns = pools[name] = Turns(MultiTurn(env=tool, max_turns=8, processes=processes,
                                               max_observation_tokens=len(OBSERVATION)))
-        systems[name] = lambda t=turns: t.generate(sampler.generate, batch, prompts, seeds,
-                                                   stopping)
+        systems[name] = lambda t=turns, e=engine: t.generate(e, batch, prompts, seeds,
+                                                             stopping)
     try:
         for name, run in systems.items():
             s, out = measure(run, args.repeat)

@@ -4,6 +4,7 @@ response and out of every loss, in process and on real groups."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,6 +49,17 @@ def engine(max_new_tokens=24):
                                                 stop_token_ids=STOPS))
 
 
+def by_turn(engine):
+    """The engine without its own turn loop: one generate call per turn, as vLLM runs."""
+    return SimpleNamespace(generate=engine.generate)
+
+
+@pytest.fixture(params=["in_loop", "by_turn"])
+def drive(request):
+    """Both ways of running turns on the built-in engine: they must give the same rows."""
+    return (lambda engine: engine) if request.param == "in_loop" else by_turn
+
+
 def turns(env=echo, **kw):
     return Turns(MultiTurn(env=env, **kw))
 
@@ -56,9 +68,9 @@ def prompt_batch(**columns):
     return TensorBatch({"prompt": PROMPTS, "seed": SEEDS, **columns})
 
 
-def test_each_turn_conditions_on_the_observations_which_stay_out_of_the_policy_tokens():
+def test_each_turn_conditions_on_the_observations_which_stay_out_of_the_policy_tokens(drive):
     model, sampler = engine()
-    out = turns(max_turns=3).generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS,
+    out = turns(max_turns=3).generate(drive(sampler), prompt_batch(), PROMPTS, SEEDS,
                                       sampler.config)
     ids, mask, own = out["response_ids"], out["response_mask"], out["policy_mask"]
     for i in range(len(PROMPTS)):
@@ -88,19 +100,30 @@ def test_each_turn_conditions_on_the_observations_which_stay_out_of_the_policy_t
     assert (out["logprobs"][~sampled] == 0).all()
 
 
-def test_the_first_turn_is_what_a_single_turn_generation_samples():
+def test_the_first_turn_is_what_a_single_turn_generation_samples(drive):
     _, sampler = engine()
     single = sampler.generate(PROMPTS, SEEDS)
-    one = turns(max_turns=1).generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS,
+    one = turns(max_turns=1).generate(drive(sampler), prompt_batch(), PROMPTS, SEEDS,
                                       sampler.config)
     for key in ("prompt_ids", "response_ids", "response_mask", "logprobs", "versions"):
         assert torch.equal(one[key], single[key]), key
     assert one["policy_mask"].equal(single["response_mask"]) and one["turns"].tolist() == [1] * 4
-    three = turns(max_turns=3).generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS,
+    three = turns(max_turns=3).generate(drive(sampler), prompt_batch(), PROMPTS, SEEDS,
                                         sampler.config)
     for i in range(4):
         first = three["policy_mask"][i].tolist().index(0)
         assert three["response_ids"][i, :first].equal(single["response_ids"][i, :first])
+
+
+def test_turns_in_the_decode_loop_equal_a_generate_call_per_turn():
+    _, sampler = engine()
+    loop, calls = (turns(max_turns=4).generate(e, prompt_batch(), PROMPTS, SEEDS,
+                                               sampler.config)
+                   for e in (sampler, by_turn(sampler)))
+    for key in ("response_ids", "response_mask", "policy_mask", "versions", "turns"):
+        assert torch.equal(loop[key], calls[key]), key
+    assert (loop["logprobs"] - calls["logprobs"]).abs().max() < 1e-5
+    assert int(loop["turns"].max()) > 2
 
 
 def test_the_vllm_adapter_runs_the_same_turns_as_the_built_in_engine():
@@ -112,7 +135,8 @@ def test_the_vllm_adapter_runs_the_same_turns_as_the_built_in_engine():
     vllm = VLLMEngine("tiny-llama", cfg, llm_cls=fake_vllm.LLM,
                       sampling_params_cls=fake_vllm.SamplingParams)
     builtin = Sampler(build_model(ModelConfig()), cfg)
-    theirs, mine = (turns(max_turns=3).generate(e.generate, prompt_batch(), PROMPTS, SEEDS, cfg)
+    # vLLM runs a call per turn; the built-in engine continues turns in its decode loop
+    theirs, mine = (turns(max_turns=3).generate(e, prompt_batch(), PROMPTS, SEEDS, cfg)
                     for e in (vllm, builtin))
     for key in ("response_ids", "response_mask", "policy_mask", "versions", "turns"):
         assert torch.equal(theirs[key], mine[key]), key
@@ -120,7 +144,7 @@ def test_the_vllm_adapter_runs_the_same_turns_as_the_built_in_engine():
     assert int(mine["turns"].max()) > 1
 
 
-def test_a_dp_chunks_padding_rows_take_one_turn_and_never_call_the_environment():
+def test_a_dp_chunks_padding_rows_take_one_turn_and_never_call_the_environment(drive):
     calls = []
 
     def counting(prompt, response):
@@ -129,20 +153,20 @@ def test_a_dp_chunks_padding_rows_take_one_turn_and_never_call_the_environment()
 
     _, sampler = engine()
     batch = TensorBatch({"prompt": PROMPTS, "seed": SEEDS}, {PAD_KEY: 2})
-    out = turns(counting, max_turns=2).generate(sampler.generate, batch, PROMPTS, SEEDS,
+    out = turns(counting, max_turns=2).generate(drive(sampler), batch, PROMPTS, SEEDS,
                                                 sampler.config)
     assert calls == PROMPTS[:2] and out["turns"].tolist()[2:] == [1, 1]
     assert out["policy_mask"][2:].equal(out["response_mask"][2:])
 
 
-def test_observations_are_cut_to_their_limit_and_the_budget():
+def test_observations_are_cut_to_their_limit_and_the_budget(drive):
     _, sampler = engine(max_new_tokens=12)
 
     def verbose(prompt, response):
         return list(range(40, 60))
 
     out = turns(verbose, max_turns=4, max_observation_tokens=5).generate(
-        sampler.generate, prompt_batch(), PROMPTS, SEEDS, sampler.config)
+        drive(sampler), prompt_batch(), PROMPTS, SEEDS, sampler.config)
     for i in range(4):
         who = out["policy_mask"][i].tolist()
         n = int(out["response_mask"][i].sum())
@@ -167,17 +191,18 @@ def test_a_text_environment_reads_and_writes_text_and_gets_the_columns_it_names(
 
     _, sampler = engine()
     t = Turns(MultiTurn(env=tool, max_turns=2, tokenizer=str(folder)))
-    out = t.generate(sampler.generate, prompt_batch(answer=["a", "b", "c", "d"]), PROMPTS,
+    out = t.generate(sampler, prompt_batch(answer=["a", "b", "c", "d"]), PROMPTS,
                      SEEDS, sampler.config)
-    assert [s[2] for s in seen] == ["a", "b", "c", "d"] and {s[3] for s in seen} == {0}
-    assert seen[1][0] == tok.decode(PROMPTS[1], skip_special_tokens=True)
+    by_row = {s[2]: s for s in seen}  # asked as each row's turn ends
+    assert sorted(by_row) == ["a", "b", "c", "d"] and {s[3] for s in seen} == {0}
+    assert by_row["b"][0] == tok.decode(PROMPTS[1], skip_special_tokens=True)
     said = tok("#### 4 2", add_special_tokens=False)["input_ids"]
     for i in range(4):
         who = out["policy_mask"][i].tolist()
         start = who.index(0)
         assert out["response_ids"][i, start:start + 3].tolist() == said
         assert tok.decode(out["response_ids"][i, :start].tolist(),
-                          skip_special_tokens=True) == seen[i][1]
+                          skip_special_tokens=True) == by_row["abcd"[i]][1]
 
 
 def test_chat_messages_are_written_as_the_template_writes_the_conversation(tmp_path):
@@ -241,7 +266,7 @@ def test_environment_errors_name_the_row_turn_and_fix():
     _, sampler = engine()
 
     def go(env, **kw):
-        return turns(env, **kw).generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS,
+        return turns(env, **kw).generate(sampler, prompt_batch(), PROMPTS, SEEDS,
                                          sampler.config)
 
     with pytest.raises(TypeError, match=r"'bad_value' returned .*row 0, turn 0.*token ids"):
@@ -272,7 +297,7 @@ def test_an_environment_in_processes_ends_a_hung_row_and_keeps_the_others():
     t = turns(slow_tool, max_turns=3, processes=2, timeout_s=1.0)
     try:
         first = t.pool.pids()
-        out = t.generate(sampler.generate, prompt_batch(), PROMPTS[:3], SEEDS[:3],
+        out = t.generate(sampler, prompt_batch(), PROMPTS[:3], SEEDS[:3],
                          sampler.config)
         assert out["env_timeouts"].tolist() == [0, 1, 0]
         assert int(out["turns"][1]) == 1 and int((1 - out["policy_mask"][1]).mul(
@@ -285,7 +310,7 @@ def test_an_environment_in_processes_ends_a_hung_row_and_keeps_the_others():
         assert len(replaced) == 1 and not pid_alive(replaced[0])
         with pytest.raises(ValueError, match=r"(?s)environment 'slow_tool' failed on row 3, "
                                              r"turn 0:.*LookupError: no such tool"):
-            t.generate(sampler.generate, prompt_batch(), PROMPTS, SEEDS, sampler.config)
+            t.generate(sampler, prompt_batch(), PROMPTS, SEEDS, sampler.config)
         pids = first + t.pool.pids()
     finally:
         t.close()

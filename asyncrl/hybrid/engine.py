@@ -289,7 +289,13 @@ class HybridEngine:
         if moved and torch.device(device).type == "cpu" and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # host copies are only valid after it
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], config: Any = None) -> Any:
+    @property
+    def continues_turns(self) -> bool:
+        """Whether the engine runs multi-turn rollouts in its own loop (asyncrl.hybrid.turns)."""
+        return bool(getattr(self.engine, "continues_turns", False))
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], config: Any = None,
+                 **turns: Any) -> Any:
         if self.mode != "generate":
             raise RuntimeError("the hybrid engine is in train mode: call to_generate() first")
-        return self.engine.generate(prompts, seeds, config)
+        return self.engine.generate(prompts, seeds, config, **turns)

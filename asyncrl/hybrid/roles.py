@@ -72,7 +72,7 @@ def generate_with(engine: Any, turns: Turns | None, prompts: TensorBatch,
     prompt batch's columns (`with_prompts`)."""
     ids, seeds = _prompts(prompts)
     out = engine.generate(ids, seeds, cfg) if turns is None else \
-        turns.generate(engine.generate, prompts, ids, seeds, cfg)
+        turns.generate(engine, prompts, ids, seeds, cfg)
     return with_prompts(out, prompts, cfg.pad_token_id)
 
 

@@ -92,6 +92,7 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
+TURN_SEED = 0x632BE59BD9B4E019  # turn t of a sample draws from seed + t * TURN_SEED
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -107,11 +108,14 @@ def streams(seeds: Sequence[int]) -> np.ndarray:
     return _mix(np.asarray([int(s) % 2**64 for s in seeds], dtype=np.uint64))
 
 
-def uniforms(stream: np.ndarray, step: int) -> torch.Tensor:
-    """One uniform in [0, 1) per sample for token `step`, a function of (seed, step) only: a
-    sample draws the same tokens whatever batch it is in, on any device, and the whole batch
-    draws at once (a generator per sample cost 40 % of generation in a Python loop)."""
-    z = _mix(np.atleast_1d(stream) + np.uint64(_GOLDEN * (step + 1) % 2**64))
+def uniforms(stream: np.ndarray, step: int | Sequence[int]) -> torch.Tensor:
+    """One uniform in [0, 1) per sample for token `step` (one for all, or one per sample), a
+    function of (seed, step) only: a sample draws the same tokens whatever batch it is in,
+    on any device, and the whole batch draws at once (a generator per sample cost 40 % of
+    generation in a Python loop)."""
+    steps = [step] if isinstance(step, int) else list(step)
+    z = _mix(np.atleast_1d(stream) + np.asarray([_GOLDEN * (k + 1) % 2**64 for k in steps],
+                                                dtype=np.uint64))
     return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
@@ -157,12 +161,22 @@ class Sampler:
         self._step = threading.Lock()  # one forward pass, or one weight swap, at a time
         self.on_token: Any = None  # called with the step index between token steps
 
+    continues_turns = True  # generate(..., respond=) runs a multi-turn rollout in one loop
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                 config: SamplingConfig | None = None) -> TensorBatch:
+                 config: SamplingConfig | None = None, respond: Any = None,
+                 max_turns: int = 1) -> TensorBatch:
         """prompt_ids/prompt_mask (left-padded), response_ids/response_mask (a prefix of
         each row), logprobs of the response tokens (0 elsewhere), and versions: the policy
-        version that sampled each token (-1 elsewhere)."""
+        version that sampled each token (-1 elsewhere).
+
+        Multi-turn (asyncrl.hybrid.turns): `respond([(row, turn, said, response), ...])`
+        is called at the end of a token step for the rows whose turn just ended at a stop
+        token with turns and budget left; each row it answers with tokens feeds them in,
+        one a step, through the KV cache (no prefill again, no row waiting for another's
+        turn), then samples its next turn from seed + turn * TURN_SEED; a row answered
+        with none is done. The result then holds policy_mask (1 where sampled) and turns."""
         cfg = config or self.config
         if self.asleep:
             raise RuntimeError("the engine is asleep (its weights were released): wake() it "
@@ -178,8 +192,11 @@ class Sampler:
         out_mask = torch.zeros((b, n), dtype=torch.long, device=device)
         out_logp = torch.zeros((b, n), dtype=torch.float32, device=device)
         out_version = torch.full((b, n), -1, dtype=torch.long)
+        sampled = torch.ones((b, n), dtype=torch.long)  # 0: a token fed in by `respond`
         alive = torch.ones(b, dtype=torch.bool, device=device)
         stops = torch.as_tensor(list(cfg.stop_token_ids), dtype=torch.long, device=device)
+        turn, began = [0] * b, [0] * b  # each row's turn, and the step its turn began at
+        forced: list[list[int]] = [[] for _ in range(b)]  # tokens to feed each row next
         mask = prompt_mask
         with self._step:
             res = self.model(input_ids=prompt_ids, attention_mask=mask,
@@ -195,16 +212,26 @@ class Sampler:
                 token = scaled.argmax(-1)
             else:
                 probs = top_p_filter(scaled, cfg.top_p).softmax(-1)
-                token = sample(probs, uniforms(stream, step))
+                token = sample(probs, uniforms(stream, [step - k for k in began]))
             token = torch.where(alive, token, torch.full_like(token, cfg.pad_token_id))
+            logp = torch.where(alive, logp_all.gather(1, token[:, None])[:, 0],
+                               torch.zeros_like(token, dtype=torch.float))
+            fed = [i for i in range(b) if forced[i]]
+            for i in fed:  # the environment's tokens, in place of what was sampled
+                token[i], logp[i] = forced[i].pop(0), 0.0
+                sampled[i, step] = 0
             out_ids[:, step] = token
             out_mask[:, step] = alive.long()
-            out_version[:, step] = torch.where(alive.cpu(), version, -1)
-            out_logp[:, step] = torch.where(
-                alive, logp_all.gather(1, token[:, None])[:, 0], torch.zeros_like(token,
-                                                                                 dtype=torch.float))
+            out_version[:, step] = torch.where(alive.cpu() & (sampled[:, step] > 0), version,
+                                               -1)
+            out_logp[:, step] = logp
             if stops.numel():
-                alive = alive & ~torch.isin(token, stops)
+                ended = alive & torch.isin(token, stops) & sampled[:, step].bool().to(device)
+                if respond is not None and step < n - 1 and bool(ended.any()):
+                    stream = self._next_turns(respond, ended, turn, began, forced, stream,
+                                              seeds, out_ids, step, max_turns)
+                    ended &= torch.tensor([not f for f in forced], device=device)
+                alive = alive & ~ended
             if not alive.any() or step == n - 1:
                 break
             mask = torch.cat([mask, alive.long()[:, None] | out_mask[:, step:step + 1]], dim=1)
@@ -214,10 +241,38 @@ class Sampler:
                                  position_ids=pos, use_cache=True, **{self._cache_arg: cache})
                 version = self.version
             cache, logits = _cache_of(res), res.logits[:, -1]
-        return TensorBatch({"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
-                            "response_ids": out_ids.cpu(), "response_mask": out_mask.cpu(),
-                            "logprobs": out_logp.cpu(), "versions": out_version},
-                           {"temperature": cfg.temperature or 1.0})
+        columns = {"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
+                   "response_ids": out_ids.cpu(), "response_mask": out_mask.cpu(),
+                   "logprobs": out_logp.cpu(), "versions": out_version}
+        if respond is not None:
+            columns["policy_mask"] = sampled * out_mask.cpu()
+            columns["turns"] = torch.tensor([t + 1 for t in turn], dtype=torch.long)
+        return TensorBatch(columns, {"temperature": cfg.temperature or 1.0})
+
+    @staticmethod
+    def _next_turns(respond: Any, ended: torch.Tensor, turn: list[int], began: list[int],
+                    forced: list[list[int]], stream: np.ndarray, seeds: Sequence[int],
+                    out_ids: torch.Tensor, step: int, max_turns: int) -> np.ndarray:
+        """Ask `respond` about the rows whose turn ended at `step`; queue its answers (cut
+        to the budget) and start those rows' next turns: their own random streams."""
+        rows = [i for i in ended.nonzero()[:, 0].tolist() if turn[i] < max_turns - 1]
+        if not rows:
+            return stream
+        ids = out_ids[rows, :step + 1].tolist()
+        answers = respond([(i, turn[i], ids[j][began[i]:], ids[j])
+                           for j, i in enumerate(rows)])
+        stream = stream.copy()
+        room = out_ids.shape[1] - step - 1
+        for i, seen in zip(rows, answers, strict=True):
+            seen = list(seen)[:room]
+            if seen and len(seen) < room:  # room left to sample after it
+                forced[i] = seen
+                turn[i] += 1
+                began[i] = step + 1 + len(seen)
+                stream[i] = streams([(int(seeds[i]) + turn[i] * TURN_SEED) % 2**64])[0]
+            elif seen:  # the budget ends inside the observation: it is the row's last
+                forced[i] = seen
+        return stream
 
     def _match(self, named: Iterable[tuple[str, torch.Tensor]],
                what: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

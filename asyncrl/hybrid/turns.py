@@ -52,10 +52,11 @@ import torch
 
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.fn_pool import FunctionPool
-from asyncrl.hybrid.sampler import SamplingConfig, left_pad
+from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad
 from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
 
-TURN_SEED = 0x632BE59BD9B4E019  # odd: each turn of a row draws from its own stream
+# a row's turn the environment is asked about: (row, turn, its tokens, the response so far)
+Asked = tuple[int, int, list[int], list[int]]
 TURN_KEYS = ("turn", "transcript")  # what the env may take beside the records' columns
 NOT_META = {"prompt", "seed"}
 
@@ -127,16 +128,45 @@ class Turns:
         if self.pool is not None:
             self.pool.close()
 
-    def generate(self, generate: Callable[..., TensorBatch], batch: TensorBatch,
-                 prompts: list[list[int]], seeds: list[int], cfg: SamplingConfig
-                 ) -> TensorBatch:
-        budget, n = cfg.max_new_tokens, len(prompts)
+    def generate(self, engine: Any, batch: TensorBatch, prompts: list[list[int]],
+                 seeds: list[int], cfg: SamplingConfig) -> TensorBatch:
+        """A multi-turn generation on `engine`: inside its decode loop when it can continue
+        turns there (the built-in Sampler), else one `generate` call per turn."""
+        n = len(prompts)
         meta_keys = taken_by(self.cfg.env, [k for k in batch.keys() if k not in NOT_META and
                                             isinstance(batch[k], list)] + list(TURN_KEYS),
                              what="environment")
-        rows = [_Row() for _ in range(n)]
         real = n - int(batch.meta.get(PAD_KEY, 0))  # a DP chunk's padding rows: one turn, no
         # env call (a tool with side effects would run twice for one row)
+        timeouts = [0] * n
+
+        def respond(asked: list[Asked]) -> list[list[int]]:
+            mine = [a for a in asked if a[0] < real]
+            seen = dict(zip([a[0] for a in mine], self._observe(batch, prompts, mine,
+                                                                meta_keys, timeouts),
+                            strict=True))
+            return [seen.get(a[0], [])[:self.cfg.max_observation_tokens] for a in asked]
+
+        if getattr(engine, "continues_turns", False):
+            out = engine.generate(prompts, seeds, cfg, respond=respond,
+                                  max_turns=self.cfg.max_turns)
+        else:
+            out = self._turn_by_turn(engine.generate, prompts, seeds, cfg, respond)
+        if self.cfg.timeout_s is not None:  # the env calls that ran past it, per row
+            out = out.union(TensorBatch({"env_timeouts": torch.tensor(timeouts)}))
+            if any(timeouts):
+                assert self.pool is not None  # a timeout runs the env in a process
+                log.warning("asyncrl: %s ran past %s s on %d of %d rows; they end there",
+                            self.pool.name, self.cfg.timeout_s, sum(map(bool, timeouts)), n)
+        return out
+
+    def _turn_by_turn(self, generate: Callable[..., TensorBatch], prompts: list[list[int]],
+                      seeds: list[int], cfg: SamplingConfig,
+                      respond: Callable[[list[Asked]], list[list[int]]]) -> TensorBatch:
+        """One engine call per turn for the rows still going, each prompted with its row so
+        far (vLLM's prefix cache makes reading it again cheap)."""
+        budget, n = cfg.max_new_tokens, len(prompts)
+        rows = [_Row() for _ in range(n)]
         active, temperature = list(range(n)), 1.0
         for turn in range(self.cfg.max_turns):
             if not active:
@@ -148,56 +178,45 @@ class Turns:
             temperature = float(out.meta.get("temperature", 1.0))
             ids, mask, logp, vers = (out.tensor(k).tolist() for k in
                                      ("response_ids", "response_mask", "logprobs", "versions"))
-            asked = []  # the rows the environment answers: budget and turns left
+            asked: list[Asked] = []  # the rows the environment answers: budget, turns left
             for j, i in enumerate(active):
                 k = min(sum(mask[j]), budget - len(rows[i].ids))  # the mask is a prefix
                 rows[i].add(ids[j][:k], 1, logp[j][:k], vers[j][:k])
                 rows[i].turns += 1
-                if len(rows[i].ids) < budget and turn < self.cfg.max_turns - 1 and i < real:
-                    asked.append((i, ids[j][:k]))
+                if len(rows[i].ids) < budget and turn < self.cfg.max_turns - 1:
+                    asked.append((i, turn, ids[j][:k], list(rows[i].ids)))
             active = []
-            for (i, _), seen in zip(asked, self._observe(batch, prompts, rows, asked, turn,
-                                                         meta_keys), strict=True):
-                seen = seen[:min(budget - len(rows[i].ids), self.cfg.max_observation_tokens)]
+            for (i, *_), seen in zip(asked, respond(asked), strict=True):
+                seen = seen[:budget - len(rows[i].ids)]
                 if seen:
                     rows[i].add(seen, 0, [0.0] * len(seen), [-1] * len(seen))
                     if len(rows[i].ids) < budget:
                         active.append(i)
-        out = self._batch(rows, prompts, cfg, temperature)
-        if self.cfg.timeout_s is not None:  # the env calls that ran past it, per row
-            out = out.union(TensorBatch({"env_timeouts": torch.tensor(
-                [r.timeouts for r in rows], dtype=torch.long)}))
-            if any(r.timeouts for r in rows):
-                assert self.pool is not None  # a timeout runs the env in a process
-                log.warning("asyncrl: %s ran past %s s on %d of %d rows; they end there",
-                            self.pool.name, self.cfg.timeout_s,
-                            sum(bool(r.timeouts) for r in rows), len(rows))
-        return out
+        return self._batch(rows, prompts, cfg, temperature)
 
-    def _observe(self, batch: TensorBatch, prompts: list[list[int]], rows: list[_Row],
-                 asked: list[tuple[int, list[int]]], turn: int, meta_keys: list[str]
-                 ) -> list[list[int]]:
+    def _observe(self, batch: TensorBatch, prompts: list[list[int]], asked: list[Asked],
+                 meta_keys: list[str], timeouts: list[int]) -> list[list[int]]:
         """The env's observation after each asked row's turn, as token ids ([]: the row is
         done); in this process row by row, or in the pool's (a row past its timeout is
-        done, and counted)."""
+        done, and counted in `timeouts`)."""
         text = self.tok is not None
         jobs = []
-        for i, said in asked:
-            extra = {"turn": turn, "transcript": self._text(rows[i].ids) if text else
-                     list(rows[i].ids)}
+        for i, turn, said, response in asked:
+            extra = {"turn": turn, "transcript": self._text(response) if text else
+                     list(response)}
             jobs.append((self._text(prompts[i]) if text else list(prompts[i]),
                          self._text(said) if text else list(said),
                          {k: extra[k] if k in extra else batch[k][i] for k in meta_keys}))
         if self.pool is not None:
-            values, late = self.pool.call(jobs, [f"row {i}, turn {turn}" for i, _ in asked])
-            for (i, _), timed_out in zip(asked, late, strict=True):
-                rows[i].timeouts += timed_out
+            values, late = self.pool.call(jobs, [f"row {i}, turn {t}" for i, t, *_ in asked])
+            for (i, *_), timed_out in zip(asked, late, strict=True):
+                timeouts[i] += timed_out
             return [[] if t else self._ids(v, i, turn, said)
-                    for (i, said), v, t in zip(asked, values, late, strict=True)]
+                    for (i, turn, said, _), v, t in zip(asked, values, late, strict=True)]
         out = []
-        for (i, said), (prompt, response, meta) in zip(asked, jobs, strict=True):
+        for (i, turn, said, _), (prompt, reply, meta) in zip(asked, jobs, strict=True):
             try:
-                value = self.cfg.env(prompt, response, **meta)
+                value = self.cfg.env(prompt, reply, **meta)
             except Exception as e:  # as the pool reports it
                 raise ValueError(f"environment {self.name!r} failed on row {i}, turn {turn}:"
                                  f"\n{traceback.format_exc()}") from e
@@ -319,7 +338,6 @@ class _Row:
         self.logp: list[float] = []
         self.versions: list[int] = []
         self.turns = 0
-        self.timeouts = 0  # env calls past the timeout (the last one ended the row)
 
     def add(self, ids: list[int], own: int, logp: list[float], versions: list[int]) -> None:
         self.ids += ids
