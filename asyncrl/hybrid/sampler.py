@@ -113,9 +113,10 @@ def uniforms(stream: np.ndarray, step: int | Sequence[int]) -> torch.Tensor:
     function of (seed, step) only: a sample draws the same tokens whatever batch it is in,
     on any device, and the whole batch draws at once (a generator per sample cost 40 % of
     generation in a Python loop)."""
-    steps = [step] if isinstance(step, int) else list(step)
-    z = _mix(np.atleast_1d(stream) + np.asarray([_GOLDEN * (k + 1) % 2**64 for k in steps],
-                                                dtype=np.uint64))
+    steps = np.asarray([step] if isinstance(step, int) else step, dtype=np.int64)
+    # uint64 arrays wrap modulo 2**64 (negative steps too: a fed row's draw, never used)
+    z = _mix(np.atleast_1d(stream) + (steps.astype(np.uint64) + np.uint64(1)) *
+             np.uint64(_GOLDEN))
     return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
@@ -197,6 +198,7 @@ class Sampler:
         stops = torch.as_tensor(list(cfg.stop_token_ids), dtype=torch.long, device=device)
         turn, began = [0] * b, [0] * b  # each row's turn, and the step its turn began at
         forced: list[list[int]] = [[] for _ in range(b)]  # tokens to feed each row next
+        feeding: set[int] = set()  # the rows with some
         mask = prompt_mask
         with self._step:
             res = self.model(input_ids=prompt_ids, attention_mask=mask,
@@ -212,24 +214,30 @@ class Sampler:
                 token = scaled.argmax(-1)
             else:
                 probs = top_p_filter(scaled, cfg.top_p).softmax(-1)
-                token = sample(probs, uniforms(stream, [step - k for k in began]))
+                token = sample(probs, uniforms(stream, [step - k for k in began]
+                                               if respond is not None else step))
             token = torch.where(alive, token, torch.full_like(token, cfg.pad_token_id))
             logp = torch.where(alive, logp_all.gather(1, token[:, None])[:, 0],
                                torch.zeros_like(token, dtype=torch.float))
-            fed = [i for i in range(b) if forced[i]]
-            for i in fed:  # the environment's tokens, in place of what was sampled
-                token[i], logp[i] = forced[i].pop(0), 0.0
-                sampled[i, step] = 0
+            fed = sorted(i for i in feeding if forced[i])  # the environment's tokens, in
+            if fed:  # place of what was sampled: one write for all the rows
+                at = torch.tensor(fed, device=device)
+                token[at] = torch.tensor([forced[i].pop(0) for i in fed], device=device)
+                logp[at] = 0.0
+                sampled[fed, step] = 0
             out_ids[:, step] = token
             out_mask[:, step] = alive.long()
-            out_version[:, step] = torch.where(alive.cpu() & (sampled[:, step] > 0), version,
-                                               -1)
+            out_version[:, step] = torch.where(alive.cpu(), version, -1)
+            out_version[fed, step] = -1
             out_logp[:, step] = logp
             if stops.numel():
-                ended = alive & torch.isin(token, stops) & sampled[:, step].bool().to(device)
+                ended = alive & torch.isin(token, stops)
+                if fed:  # a fed token never ends a turn
+                    ended[at] = False
                 if respond is not None and step < n - 1 and bool(ended.any()):
                     stream = self._next_turns(respond, ended, turn, began, forced, stream,
                                               seeds, out_ids, step, max_turns)
+                    feeding = {i for i in range(b) if forced[i]}
                     ended &= torch.tensor([not f for f in forced], device=device)
                 alive = alive & ~ended
             if not alive.any() or step == n - 1:
