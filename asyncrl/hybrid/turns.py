@@ -9,13 +9,15 @@ The rollout's response holds every turn's tokens and the observations between th
 trainer's forward pass sees what the policy saw. `policy_mask` is 1 on the tokens the
 policy sampled and 0 on the environment's: the losses leave those out (their log-probs are
 0 and their versions -1, as the engines mark positions without a sampled token), and
-`turns` counts each row's turns. Each turn is one engine call for the rows still going,
-whose prompt is the row so far (vLLM's prefix cache makes reading it again cheap; the
-built-in engine prefills it again). Turn t samples from seed + t * TURN_SEED: a row's first
-turn draws what a single-turn generation would.
+`turns` counts each row's turns. The built-in engine continues turns inside its decode
+loop (Sampler.generate's `respond`: a row's observation goes through the KV cache as its
+turn ends, and no row waits for another's); other engines (vLLM) get one generate call per
+turn for the rows still going, each prompted with its row so far (vLLM's prefix cache makes
+reading it again cheap). Turn t samples from seed + t * TURN_SEED: a row's first turn draws
+what a single-turn generation would, and both ways draw the same tokens.
 
 The environment is a module-level function (it travels by reference, as a reward function
-does) called on the generating rank, row by row:
+does) called on the generating rank, for each row whose turn ended:
 
     env(prompt, response, **meta) -> observation, or None (or an empty one) when the row
                                       is done
@@ -33,10 +35,10 @@ Every rank that generates a row calls the env for it: with tensor parallelism ea
 of a DP chunk does (their calls agree, and one result is kept), so a tool whose side effects
 reach outside its row runs once per replica.
 
-With `processes=N` the rows' calls of a turn run N at a time in child processes
-(asyncrl.hybrid.fn_pool: a tool that runs code, say); with `timeout_s` a call past it ends
-its row (its process, with whatever it started, is killed and replaced), and the rollout's
-`env_timeouts` counts them.
+With `processes=N` the calls asked together (the rows whose turns ended at one token step,
+or in one call) run N at a time in child processes (asyncrl.hybrid.fn_pool: a tool that
+runs code, say); with `timeout_s` a call past it ends its row (its process, with whatever
+it started, is killed and replaced), and the rollout's `env_timeouts` counts them.
 """
 
 from __future__ import annotations
