@@ -281,6 +281,9 @@ def test_environment_errors_name_the_row_turn_and_fix():
         multi_turn_config({"env": echo, "turns": 2})
     with pytest.raises(ValueError, match="max_turns and max_observation_tokens must be >= 1"):
         multi_turn_config({"env": echo, "max_turns": 0})
+    for bad in ({"timeout_s": float("nan")}, {"timeout_s": 0}, {"processes": True}):
+        with pytest.raises(ValueError, match="processes must be an int >= 0 and timeout_s"):
+            multi_turn_config({"env": echo, **bad})
 
 
 def slow_tool(prompt, response, turn):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import selectors
 import signal
@@ -220,6 +221,22 @@ class FunctionPool:
     def close(self) -> None:
         _stop(self.children)
         self.children = []
+
+
+def pool_settings_ok(processes: Any, timeout_s: Any) -> bool:
+    """`processes` an int >= 0 and `timeout_s` None or a finite number > 0 (no bools)."""
+    return isinstance(processes, int) and not isinstance(processes, bool) and processes >= 0 \
+        and (timeout_s is None or isinstance(timeout_s, int | float) and
+             not isinstance(timeout_s, bool) and math.isfinite(timeout_s) and timeout_s > 0)
+
+
+def pool_for(fn: Callable[..., Any], processes: int, timeout_s: float | None,
+             what: str) -> FunctionPool | None:
+    """The pool `fn` runs in (settings checked by `pool_settings_ok`), or None: the caller's
+    process. A function running in the caller's process cannot be stopped: a timeout needs
+    a child, so it starts one at least."""
+    processes = max(processes, 1) if timeout_s is not None else processes
+    return FunctionPool(fn, processes, timeout_s, what) if processes else None
 
 
 def _stop(children: list[_Child]) -> None:

@@ -228,7 +228,8 @@ class Sampler:
             out_ids[:, step] = token
             out_mask[:, step] = alive.long()
             out_version[:, step] = torch.where(alive.cpu(), version, -1)
-            out_version[fed, step] = -1
+            if fed:
+                out_version[fed, step] = -1
             out_logp[:, step] = logp
             if stops.numel():
                 ended = alive & torch.isin(token, stops)

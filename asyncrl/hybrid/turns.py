@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
-from asyncrl.hybrid.fn_pool import FunctionPool
+from asyncrl.hybrid.fn_pool import pool_for, pool_settings_ok
 from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad
 from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
 
@@ -83,11 +83,9 @@ class MultiTurn:
         if self.max_turns < 1 or self.max_observation_tokens < 1:
             raise ValueError(f"multi_turn: max_turns and max_observation_tokens must be >= 1, "
                              f"got {self.max_turns} and {self.max_observation_tokens}")
-        if not (isinstance(self.processes, int) and self.processes >= 0) or not (
-                self.timeout_s is None or isinstance(self.timeout_s, int | float)
-                and self.timeout_s > 0):
+        if not pool_settings_ok(self.processes, self.timeout_s):
             raise ValueError(f"multi_turn: processes must be an int >= 0 and timeout_s a "
-                             f"number > 0 (or None), got {self.processes!r} and "
+                             f"finite number > 0 (or None), got {self.processes!r} and "
                              f"{self.timeout_s!r}")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise TypeError(f"multi_turn={{'tokenizer': ...}} is a local tokenizer directory "
@@ -121,10 +119,7 @@ class Turns:
         self.cfg = cfg
         self.name = getattr(cfg.env, "__name__", repr(cfg.env))
         self.tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
-        # a function running in this process cannot be stopped: a timeout needs a child
-        processes = max(cfg.processes, 1) if cfg.timeout_s is not None else cfg.processes
-        self.pool = FunctionPool(cfg.env, processes, cfg.timeout_s, what="environment") \
-            if processes else None
+        self.pool = pool_for(cfg.env, cfg.processes, cfg.timeout_s, "environment")
 
     def close(self) -> None:
         if self.pool is not None:

@@ -149,7 +149,7 @@ class RewardFn(Worker):
     def __init__(self, fn: Callable[..., Any], tokenizer: str | None = None,
                  overlong: dict[str, Any] | None = None, processes: int = 0,
                  timeout_s: float | None = None, timeout_score: float = 0.0):
-        from asyncrl.hybrid.fn_pool import FunctionPool
+        from asyncrl.hybrid.fn_pool import pool_for, pool_settings_ok
         from asyncrl.hybrid.user_fn import load_tokenizer
 
         if not callable(fn):
@@ -157,18 +157,14 @@ class RewardFn(Worker):
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise TypeError(f"RewardFn(tokenizer=) is a local tokenizer directory (its ranks "
                             f"load it), got {type(tokenizer).__name__}")
-        if not (isinstance(processes, int) and not isinstance(processes, bool)
-                and processes >= 0) or not (timeout_s is None or is_number(timeout_s)
-                                            and timeout_s > 0) or not is_number(timeout_score):
+        if not pool_settings_ok(processes, timeout_s) or not is_number(timeout_score):
             raise ValueError(f"RewardFn: processes must be an int >= 0, timeout_s a number "
                              f"> 0 (or None) and timeout_score a finite number, got "
                              f"{processes!r}, {timeout_s!r} and {timeout_score!r}")
         self.overlong = overlong_config(overlong) if overlong is not None else None
         self.fn, self.timeout_score = fn, float(timeout_score)
         self.tok = load_tokenizer(tokenizer) if tokenizer is not None else None
-        # a function running in this process cannot be stopped: a timeout needs a child
-        processes = max(processes, 1) if timeout_s is not None else processes
-        self.pool = FunctionPool(fn, processes, timeout_s) if processes else None
+        self.pool = pool_for(fn, processes, timeout_s, "reward function")
 
     @register(dispatch=Dispatch.DP)
     def score(self, batch: TensorBatch) -> TensorBatch:
