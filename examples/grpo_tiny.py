@@ -3,6 +3,7 @@
     asyncrl launch examples/grpo_tiny.py            (make demo)
     asyncrl launch examples/grpo_tiny.py lr=0       (a baseline that must not learn)
     asyncrl launch examples/grpo_tiny.py model_path=/models/Qwen2.5-0.5B  (a GPU machine)
+    asyncrl launch examples/grpo_tiny.py lora_rank=8 lr=5e-3   (LoRA: adapters and the head)
 
     prompts (16 x 8 samples) ──▶ rollout (actor: generate) ──▶ score (reward fn) ──▶ train
                                         └──────────▶ reference (ref) ──────────────────┘
@@ -25,9 +26,14 @@ from asyncrl.rl import Actor, PromptSource, Reference, RewardFn
 
 cfg = asyncrl.config(steps=60, lr=3e-3, prompts=16, group_size=8, kl_coef=1e-3, seed=0,
                      actor_procs=2, backend="fsdp2", model_path=None, max_new_tokens=2,
-                     restarts=3, val_every=20)
+                     restarts=3, val_every=20, lora_rank=0)
 tok = next_digit.tokenizer(cfg["model_path"])
 model = next_digit.model(tok, cfg["model_path"], cfg["seed"])
+if cfg["lora_rank"]:
+    # the head trains whole: this random model's frozen one cannot give a confident answer
+    # (a pretrained model's can: drop modules_to_save there)
+    model["lora"] = {"rank": cfg["lora_rank"], "alpha": 2 * cfg["lora_rank"],
+                     "modules_to_save": ["lm_head"]}
 
 
 def reward(prompt, response, answer, **meta):
@@ -43,6 +49,8 @@ actor = asyncrl.group(
     train={"lr": cfg["lr"], "micro_batch_size": 128},
     sampling={"max_new_tokens": cfg["max_new_tokens"], "stop_token_ids": [tok.eos],
               "pad_token_id": tok.pad})
+# (given a LoRA model, the reference builds it without adapters: the model LoRA started from;
+# a LoRA actor whose adapters alone train is its own reference: actor.ref_logprobs)
 ref = asyncrl.group(Reference, model=model, name="ref", max_restarts=cfg["restarts"])
 rewards = asyncrl.group(RewardFn, reward, name="reward", max_restarts=cfg["restarts"])
 

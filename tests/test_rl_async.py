@@ -108,12 +108,20 @@ def test_sync_moves_weights_between_groups_into_a_generation_in_flight(transport
             held = rollout.generate(prompts(6))
             sync = await rollout.load_weights(trainer.sync_pack(), version=7)
             out = await held
-            after = await rollout.generate(prompts(6))
+            generated = rollout.generate(prompts(6))
+            # a trained step, synced through the pack buffer the first sync filled
+            await trainer.train_step(generated)
+            after = await generated
+            assert (await rollout.load_weights(trainer.sync_pack(), version=8))["sync/version"] == 8
+            again = rollout.generate(prompts(6))
+            scored, again = await trainer.logprobs(again), await again
             assert ctl.payload_bytes == 0  # the weights went worker to worker
-            assert ctl.links.setups == (transport == "nccl")
-            return sync, out, after, pids
-    sync, out, after, pids = run(main())
+            # NCCL links made once per direction: weights one way, samples the other
+            assert ctl.links.setups == (2 if transport == "nccl" else 0)
+            return sync, out, after, pids, again, scored
+    sync, out, after, pids, again, scored = run(main())
     assert_gone(pids)
+    torch.testing.assert_close(again["logprobs"], scored["logprobs"], atol=1e-5, rtol=0)
     assert sync["sync/version"] == 7 and sync["sync/bytes"] > 0
     versions = out["versions"][out["response_mask"].bool()]
     assert set(versions.tolist()) == {0, 7}  # tokens before and after the swap, all kept

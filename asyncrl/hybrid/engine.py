@@ -9,6 +9,9 @@
                                   a GPU its weights and the gather buffers are freed;
                                   optimizer state comes back
 
+A LoRA model's frozen weights are gathered once: later switches gather the adapters alone
+(again after the engine's weights were freed, on a GPU, or new weights were loaded).
+
 Nothing is reloaded from disk. On a CPU-only host there is no device memory to free: the
 optimizer state and the engine's weights stay where they are (warm memory, reused).
 """
@@ -20,13 +23,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from asyncrl.hybrid.gather import Gatherer, full, plan_gather
+from asyncrl.hybrid.lora import delta, is_adapter, lora_layers
 from asyncrl.hybrid.models import ModelConfig, build_model, default_device
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
-# one collective into one flat tensor (renamed all_gather_single in newer torch releases)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 BUCKET_BYTES = 32 << 20  # parameters gathered together, up to about this many bytes
 
 
@@ -57,41 +59,6 @@ def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | No
     raise ValueError(f"engine is one of {ENGINES}, got {name!r}")
 
 
-def _full(param: Any) -> torch.Tensor:
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
-
-
-def _row_sharded(p: Any) -> bool:
-    """A DTensor sharded by rows over a 1-D mesh (FSDP without TP) on the CPU or a GPU."""
-    from torch.distributed.tensor import Shard
-
-    placements = getattr(p, "placements", None)
-    return placements is not None and len(placements) == 1 and placements[0] == Shard(0) \
-        and p.dim() >= 1
-
-
-class _Bucket:
-    """Row-sharded parameters gathered by one collective. Each rank's shard takes
-    ceil(rows / ranks) rows in the buffer (rank r holds rows [r*per, (r+1)*per), as
-    torch.chunk splits them), so every rank contributes the same width."""
-
-    def __init__(self, mesh: Any, dtype: torch.dtype, device: torch.device):
-        self.device = device
-        self.group = mesh.get_group()
-        self.world = mesh.size()
-        self.items: list[tuple[Any, torch.Tensor, int, int]] = []  # param, target, at, n
-        self.width = 0
-        self.nbytes = 0
-        self.dtype = dtype
-
-    def add(self, param: Any, target: torch.Tensor) -> None:
-        per = -(-param.shape[0] // self.world)
-        n = per * (param.numel() // max(1, param.shape[0]))
-        self.items.append((param, target, self.width, n))
-        self.width += n
-        self.nbytes += param.numel() * param.element_size()
-
-
 class HybridEngine:
     def __init__(self, backend: Any, model_cfg: ModelConfig,
                  sampling: SamplingConfig | None = None, bucket_bytes: int = BUCKET_BYTES,
@@ -109,19 +76,19 @@ class HybridEngine:
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
         self.offloaded_bytes = 0  # fp32 masters (ZeRO) sent to the host, last switch
         self._filled_once = False  # an engine filled by name: checked complete the first time
+        self._frozen_held = False  # the engine holds the frozen parameters (LoRA): not again
         self.released = False  # the engine's weights are freed (GPU, train mode)
         self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []  # theirs, meanwhile
-        self._plan: list[Any] | None = None
-        self._local: torch.Tensor | None = None  # reused gather buffers: warm memory
-        self._out: torch.Tensor | None = None
+        self._plans: dict[bool, list[Any]] | None = None  # frozen or not: its gather plan
+        self._gatherer = Gatherer()  # its buffers reused: warm memory
         self._release()  # built in train mode: the engine holds nothing until generating
 
     @torch.no_grad()
     def to_generate(self) -> None:
         if self.mode == "generate":
             return
-        if self._plan is None and not self.engine.owns_weights:
-            self._plan = self._make_plan()
+        if self._plans is None and not self.engine.owns_weights:
+            self._plans = self._make_plans()
         try:
             # first: their memory makes room for the engine's weights
             self._move_optimizer("cpu")
@@ -143,33 +110,49 @@ class HybridEngine:
         if self.engine.owns_weights:
             self._fill_by_name()
             return
-        assert self._plan is not None
+        assert self._plans is not None
         if self.released:
             for p, shape in self._shapes:
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
             self.released = False
-        self.peak_gather_bytes = 0
-        for item in self._plan:
-            if isinstance(item, _Bucket):
-                self._gather_bucket(item)
-            else:
-                name, param, target = item
-                with self._whole(param) as full:
-                    target.copy_(full)
+        # the trained parameters, and the frozen ones unless the engine holds them already
+        plan = self._plans[False] if self._frozen_held else \
+            self._plans[True] + self._plans[False]
+        if self._zero:  # ZeRO-3 gathers in place, one parameter at a time
+            self.peak_gather_bytes = 0
+            for param, target in plan:
+                with self._whole(param) as whole:
+                    target.copy_(whole)
                     self.peak_gather_bytes = max(self.peak_gather_bytes,
-                                                 full.numel() * full.element_size())
-                del full  # one whole parameter alive at a time
+                                                 whole.numel() * whole.element_size())
+        else:
+            self._gatherer.run(plan)
+            self.peak_gather_bytes = self._gatherer.peak_bytes
+        self._frozen_held = True
+
+    def weights_replaced(self) -> None:
+        """The trainer's weights were loaded anew (a checkpoint): the next switch gathers the
+        frozen ones too."""
+        self._frozen_held = False
 
     def _fill_by_name(self) -> None:
         """An engine that owns its weights' memory (vLLM, which fuses projections) takes
-        them by name: each parameter gathered whole, handed over in buckets, dropped."""
+        them by name: each parameter gathered whole, handed over in buckets, dropped. A LoRA
+        layer's weight goes merged with its adapters (the engine has none)."""
         bucket: list[tuple[str, torch.Tensor]] = []
         size = self.peak_gather_bytes = 0
+        layers = lora_layers(self.backend.model)
         for name, param in self.backend.model.named_parameters():
+            if is_adapter(name):
+                continue
             with self._whole(param) as whole:  # ZeRO's is freed after: kept as a copy
-                full = whole.clone() if self._zero else whole
-            bucket.append((name, full))
-            size += full.numel() * full.element_size()
+                value = whole.clone() if self._zero else whole
+            layer = layers.get(name.removesuffix(".weight"))
+            if layer is not None and name.endswith(".weight"):
+                with self._whole(layer.lora_A) as a, self._whole(layer.lora_B) as b:
+                    value = (value.float() + delta(a, b, layer.scaling)).to(value.dtype)
+            bucket.append((name, value))
+            size += value.numel() * value.element_size()
             self.peak_gather_bytes = max(self.peak_gather_bytes, size)
             if size >= self.bucket_bytes:
                 self.engine.load_weights(bucket)
@@ -193,53 +176,17 @@ class HybridEngine:
             with self.backend.gathered([param]):
                 yield param.detach()
         else:
-            yield _full(param.detach())
+            yield full(param.detach())
 
-    def _make_plan(self) -> list[Any]:
-        """Buckets of row-sharded parameters (FSDP alone), and the rest one by one. The
-        sharded parameters are the same objects for the whole run, so this is done once."""
+    def _make_plans(self) -> dict[bool, list[Any]]:
+        """The gather plans of the frozen parameters (LoRA: gathered once) and of the
+        trained ones. The sharded parameters are the same objects for the whole run: made
+        once."""
         targets = dict(self.engine.model.named_parameters())
-        plan: list[Any] = []
-        bucket: _Bucket | None = None
-        for name, param in self.backend.model.named_parameters():
-            if not _row_sharded(param):
-                plan.append((name, param, targets[name]))
-                continue
-            if bucket is None or bucket.nbytes >= self.bucket_bytes or \
-                    bucket.dtype != param.dtype or bucket.device != param.device:
-                bucket = _Bucket(param.device_mesh, param.dtype,  # type: ignore[attr-defined]
-                                 param.device)
-                plan.append(bucket)
-            bucket.add(param, targets[name])
-        return plan
-
-    def _gather_bucket(self, bucket: _Bucket) -> None:
-        """One all_gather for the bucket's parameters into warm, reused buffers, then each
-        rank's real rows copied straight into the engine's weights."""
-        world, width = bucket.world, bucket.width
-        if self._local is None or self._local.numel() < width or \
-                self._local.dtype != bucket.dtype or self._local.device != bucket.device:
-            self._local = self._out = None  # freed before the new ones: never both alive
-            assert self._plan is not None  # sized for the widest bucket like it: made once
-            widest = max(b.width for b in self._plan if isinstance(b, _Bucket) and
-                         b.dtype == bucket.dtype and b.device == bucket.device)
-            self._local = torch.zeros(widest, dtype=bucket.dtype, device=bucket.device)
-            self._out = torch.empty(widest * world, dtype=bucket.dtype, device=bucket.device)
-        assert self._out is not None
-        local, out = self._local[:width], self._out[:width * world]
-        for param, _, at, _n in bucket.items:
-            shard = param.detach().to_local().reshape(-1)
-            local[at:at + shard.numel()] = shard
-        _all_gather(out, local, group=bucket.group)
-        self.peak_gather_bytes = max(self.peak_gather_bytes, out.numel() * out.element_size())
-        per_rank = out.view(world, width)
-        for param, target, at, _n in bucket.items:
-            rows = param.shape[0]
-            per, row = -(-rows // world), param.numel() // max(1, rows)
-            flat = target.view(-1)
-            for r in range(world):
-                real = max(0, min(per, rows - r * per)) * row
-                flat[r * per * row:r * per * row + real].copy_(per_rank[r, at:at + real])
+        named = list(self.backend.model.named_parameters())
+        return {frozen: plan_gather(((p, targets[n]) for n, p in named
+                                     if p.requires_grad != frozen), self.bucket_bytes)
+                for frozen in (True, False)}
 
     def to_train(self) -> None:
         if self.mode == "train":
@@ -268,13 +215,13 @@ class HybridEngine:
         for p, _ in self._shapes:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.released = True
-        self._local = self._out = None
+        self._frozen_held = False
+        self._gatherer.free()
 
     @property
     def buffer_bytes(self) -> int:
         """What the gather buffers hold now."""
-        return sum(t.numel() * t.element_size() for t in (self._local, self._out)
-                   if t is not None)
+        return self._gatherer.buffer_bytes
 
     def _move_optimizer(self, device: Any) -> None:
         """Optimizer state to `device` (off the GPU while generating; a no-op on CPU). Step

@@ -11,6 +11,10 @@ zero_to_fp32. The weights are those training steps (its fp32 masters under ZeRO)
 writes what else an export needs into each checkpoint: its ModelConfig (MODEL_FILE), the
 model's config and its source's tokenizer files (HF_FOLDER), so that neither the source
 directory nor the flow file is needed again.
+
+A LoRA policy is written merged (W + (alpha / rank) B A: a plain model), and its adapters
+beside it in peft's format (ADAPTER_FOLDER: adapter_config.json, adapter_model.safetensors),
+which peft and vLLM's LoRA serving load onto the model it started from.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from typing import Any
 
 import torch
 
+from asyncrl.hybrid.lora import is_adapter, lora_config, merged
 from asyncrl.hybrid.models import ModelConfig, hf_config
 from asyncrl.hybrid.zero import TAG
 
 MODEL_FILE = "model.json"  # the group's ModelConfig, in its checkpoint folder
 HF_FOLDER = "hf"  # beside it: the model's config.json and its tokenizer files
+ADAPTER_FOLDER = "lora_adapter"  # in an export of a LoRA policy: its adapters, peft's format
 POLICY_FILE = "actor.pt"  # what a Policy's checkpoint holds besides its trainer's state
 # a source checkpoint's files that travel with the weights (tokenizers, chat templates)
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
@@ -141,6 +147,12 @@ def export(path: Path, out: Path, group: str | None = None,
     config = AutoConfig.from_pretrained(folder / HF_FOLDER, local_files_only=True)
     target = _dtype(dtype, config, cfg)
     weights = trained_weights(folder)
+    lora = lora_config(cfg.lora)
+    saved = set(lora.modules_to_save or ()) if lora is not None else set()
+    adapters = {k: weights[k] for k in weights  # and the modules trained whole
+                if is_adapter(k) or k.rsplit(".", 2)[-2] in saved}
+    if lora is not None:  # one merged layer at a time; the adapters kept for their own file
+        weights = dict(merged(weights, lora))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=target)
     missing = _needed(model) - set(weights)
@@ -162,10 +174,12 @@ def export(path: Path, out: Path, group: str | None = None,
         for file in (folder / HF_FOLDER).iterdir():  # the tokenizer's files, if any
             if file.name != "config.json":
                 shutil.copy2(file, tmp / file.name)
+        if lora is not None:
+            _save_adapter(tmp / ADAPTER_FOLDER, adapters, cfg, target)
         # safetensors writes its file owner-only: every file as config.json (the umask's)
         mode = (tmp / "config.json").stat().st_mode & 0o777
-        for file in tmp.iterdir():
-            file.chmod(mode)
+        for file in tmp.rglob("*"):
+            file.chmod(mode if file.is_file() else mode | (mode & 0o444) >> 2)
         tmp.chmod(mode | (mode & 0o444) >> 2)  # mkdtemp's is owner-only: x where r
         os.replace(tmp, out)  # onto an empty folder, or none
     except BaseException:
@@ -174,6 +188,27 @@ def export(path: Path, out: Path, group: str | None = None,
     return {"out": str(out), "checkpoint": str(checkpoint), "group": folder.name,
             "parameters": sum(p.numel() for p in model.parameters()),
             "dtype": str(target).removeprefix("torch.")}
+
+
+def _save_adapter(out: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig,
+                  dtype: torch.dtype) -> None:
+    """A LoRA policy's adapters as peft saves them: `base_model.model.<layer>.lora_A.weight`
+    and adapter_config.json (base_model_name_or_path: the checkpoint it started from)."""
+    from safetensors.torch import save_file
+
+    lora = lora_config(cfg.lora)
+    assert lora is not None
+    out.mkdir()
+    save_file({f"base_model.model.{k}.weight" if is_adapter(k) else f"base_model.model.{k}":
+               v.to(dtype).contiguous() for k, v in adapters.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    layers = sorted({k.rsplit(".", 2)[-2] for k in adapters if is_adapter(k)})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+        "lora_alpha": lora.alpha, "target_modules": layers, "lora_dropout": 0.0,
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "modules_to_save": lora.modules_to_save,
+        "base_model_name_or_path": os.path.abspath(cfg.path) if cfg.path else None}, indent=1))
 
 
 def _dtype(asked: str | None, config: Any, cfg: ModelConfig) -> torch.dtype:

@@ -256,6 +256,12 @@ def trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, head: str) -> torc
     return model
 
 
+def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer steps: every parameter, or a LoRA model's adapters (and a value
+    model's head) alone."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def check_head(head: str) -> str:
     if head not in HEADS:
         raise ValueError(f"head is 'lm' (a causal LM) or 'value' (a scalar head: critics, "
@@ -365,11 +371,14 @@ class FSDPBackend(TrainBackend):
         names = mesh.mesh_dim_names or ()
         dp_mesh = mesh["dp"] if "dp" in names else mesh
         if "tp" in names and mesh["tp"].size() > 1:
+            if model_cfg.lora is not None:  # ColwiseParallel would split A by its rows too
+                raise ValueError("LoRA with tensor parallelism (tp > 1) is not supported: "
+                                 "use tp=1 (FSDP shards the frozen model and the adapters)")
             apply_tp(self.model, mesh["tp"])
         apply_fsdp(self.model, dp_mesh, use_bf16(train_cfg))
         self.dp_group = self.stats_group = dp_mesh.get_group()
         self.forward_module = self.model
-        self.opt = adamw(self.model.parameters(), train_cfg)
+        self.opt = adamw(trained_parameters(self.model), train_cfg)
         self.sched = lr_scheduler(self.opt, train_cfg)
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,

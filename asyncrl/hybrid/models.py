@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asyncrl.hybrid.lora import apply_lora, lora_config
+
 
 def tiny_llama() -> Any:
     from transformers import LlamaConfig
@@ -57,6 +59,8 @@ class ModelConfig:
     dtype: str = "float32"
     seed: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields, e.g. vocab_size
+    # LoRA adapters, the model frozen: {"rank", "alpha", "target_modules"} (asyncrl.hybrid.lora)
+    lora: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.path is not None:
@@ -70,6 +74,17 @@ class ModelConfig:
                              f"{sorted(PRESETS)}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"ModelConfig.dtype: {self.dtype!r} is not a torch dtype")
+        lora_config(self.lora)  # checked here: a bad entry fails before any group starts
+
+    def frozen_model(self) -> dict[str, Any]:
+        """What fixes a LoRA model's frozen weights (a preset's seed; a checkpoint's path),
+        and its adapters' shapes: a trainer and a rollout exchanging adapters agree on it."""
+        import os
+
+        lora = lora_config(self.lora)
+        return {"preset": self.preset, "seed": self.seed if self.path is None else None,
+                "path": os.path.abspath(self.path) if self.path is not None else None,
+                "overrides": self.overrides, "lora": lora.described() if lora else None}
 
 
 # RL compares the log-probs of one sequence under the engine, the trainer and the reference:
@@ -102,13 +117,21 @@ def hf_config(cfg: ModelConfig, dropout_off: bool = True) -> Any:
 
 
 def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
+    """The model (random weights from `cfg.seed`, or the checkpoint's) with its LoRA adapters
+    (drawn from `cfg.seed`): the same on every rank."""
     dtype = getattr(torch, cfg.dtype)
     config = hf_config(cfg)
-    if cfg.path is not None:
-        return auto.from_pretrained(cfg.path, config=config, local_files_only=True, dtype=dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return auto.from_config(config).to(dtype)
+        if cfg.path is not None:
+            model = auto.from_pretrained(cfg.path, config=config, local_files_only=True,
+                                         dtype=dtype)
+        else:
+            model = auto.from_config(config).to(dtype)
+        lora = lora_config(cfg.lora)
+        if lora is not None:
+            apply_lora(model, lora)
+        return model
 
 
 def build_model(cfg: ModelConfig) -> torch.nn.Module:

@@ -5,7 +5,8 @@
     Rollout    generate only; receives weights (load_weights, also mid-generation)
     (either generator may run multi-turn rollouts with an environment: multi_turn=, see
     asyncrl.hybrid.turns)
-    Reference  frozen: log-probs of given sequences
+    Reference  frozen: log-probs of given sequences (a LoRA model's without adapters; a LoRA
+               Policy gives them itself: ref_logprobs)
 
 Batches are TensorBatches with prompt_ids/prompt_mask (left-padded) and response_ids/
 response_mask (prefix masks), as `generate` returns them; prompts come as a TensorBatch with
@@ -30,6 +31,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
 from asyncrl.hybrid.export import POLICY_FILE, save_model_files
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
+from asyncrl.hybrid.lora import adapters_off
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
     ModelConfig,
@@ -44,9 +46,9 @@ from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
     GATHER_TO_ZERO,
     SyncSource,
+    gathered,
     unpack,
     version_of,
-    whole,
 )
 
 
@@ -125,6 +127,7 @@ class Policy(Worker):
         self.turns = Turns(turns) if turns is not None else None
         self.version = 0  # the policy version: updates applied (train_step, Actor.update)
         self.sync_source = SyncSource()
+        self.bucket_bytes = bucket_bytes
 
     def to_train(self) -> None:
         if self.hybrid is not None:
@@ -158,6 +161,21 @@ class Policy(Worker):
         return TensorBatch({"logprobs": self.backend.logprobs(batch).cpu()})
 
     @register(dispatch=Dispatch.DP)
+    def ref_logprobs(self, batch: TensorBatch) -> TensorBatch:
+        """The frozen model's log-probs, this LoRA policy's adapters off: a reference with no
+        Reference group (verl's reference in the actor), as Reference.logprobs gives them."""
+        lora = self.model_cfg.lora
+        if lora is None or lora.get("modules_to_save"):  # their training is not undone
+            raise ValueError(f"group {self.group_name!r}: ref_logprobs needs a LoRA model "
+                             f"whose adapters alone train (model={{..., 'lora': {{'rank': "
+                             f"16}}}}, no modules_to_save); this policy's reference is a "
+                             f"Reference group (given the same model=, it builds the model "
+                             f"without adapters)")
+        self.to_train()
+        with adapters_off(self.backend.model):
+            return TensorBatch({"logprobs": self.backend.logprobs(batch).cpu()})
+
+    @register(dispatch=Dispatch.DP)
     def train_step(self, batch: TensorBatch) -> dict:
         self.to_train()
         self.before_weights_change()
@@ -168,19 +186,21 @@ class Policy(Worker):
     @register(dispatch=GATHER_TO_ZERO)
     def sync_pack(self) -> TensorBatch | None:
         """The full weights, tagged with the policy version, packed for a Rollout group's
-        `load_weights` (a collective: every rank gathers; rank 0's pack is the result)."""
+        `load_weights` (a collective: every rank gathers; rank 0's pack is the result). A
+        LoRA model's adapters only: the rollout holds the same frozen model."""
         self.to_train()
         start = time.perf_counter()
         if hasattr(self.backend, "gathered"):  # ZeRO: gathered one by one, kept on rank 0
-            named: Any = self.backend.state_dict(everywhere=False).items()
-        else:  # FSDP2: each parameter gathered straight into the pack buffer
-            named = self.backend.model.named_parameters()
-        if self.rank != 0:  # the gathers are collectives: take part, keep nothing
-            for _, p in named:
-                whole(p)
+            named: Any = self.backend.state_dict(everywhere=False, trained=True).items()
+        else:  # FSDP2: the small ones in buckets, the large ones one by one
+            named = gathered([(n, p) for n, p in self.backend.model.named_parameters()
+                              if p.requires_grad], self.bucket_bytes, keep=self.rank == 0)
+        if self.rank != 0:  # it took part in the gathers (collectives): nothing to send
             return None
         pack = self.sync_source.pack(named, self.version)
         pack.meta["pack_s"] = time.perf_counter() - start  # gathering and packing
+        if self.model_cfg.lora is not None:  # the receiver's must be this frozen model
+            pack.meta["frozen_model"] = self.model_cfg.frozen_model()
         return pack
 
     @register
@@ -208,6 +228,8 @@ class Policy(Worker):
         self.before_weights_change()  # a rollout may still be pulling a pack of the weights
         self.backend.load(folder / "train")
         self.version = int(torch.load(folder / POLICY_FILE)["version"])
+        if self.hybrid is not None:
+            self.hybrid.weights_replaced()
 
     @register
     def switch_report(self) -> dict:
@@ -222,8 +244,14 @@ class Rollout(Worker):
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None,
                  engine: str = "builtin", engine_options: dict[str, Any] | None = None,
                  multi_turn: dict[str, Any] | None = None):
-        self.engine = make_engine(engine, ModelConfig(**model),
-                                  SamplingConfig(**(sampling or {})), engine_options)
+        self.model_cfg = ModelConfig(**model)
+        if self.model_cfg.lora is not None and engine != "builtin":
+            raise ValueError(f"a Rollout group with engine={engine!r} and a LoRA model is not "
+                             f"supported yet (its weight syncs carry the adapters alone, "
+                             f"which only the built-in engine applies); use engine='builtin', "
+                             f"or a hybrid Policy, whose switch merges them for vLLM")
+        self.engine = make_engine(engine, self.model_cfg, SamplingConfig(**(sampling or {})),
+                                  engine_options)
         turns = multi_turn_config(multi_turn)
         self.turns = Turns(turns) if turns is not None else None
         self._loading = threading.Lock()
@@ -254,6 +282,7 @@ class Rollout(Worker):
             if version < self.engine.version:
                 return {"sync/version": float(self.engine.version), "sync/stale": 1.0}
             if isinstance(weights, TensorBatch):  # the pulled buffer becomes the weights
+                self._check_frozen_model(weights.meta.get("frozen_model"))
                 nbytes = int(weights.meta["nbytes"])
                 count = self.engine.adopt_weights(unpack(weights), version)
             else:
@@ -264,6 +293,17 @@ class Rollout(Worker):
         if isinstance(weights, TensorBatch) and "pack_s" in weights.meta:
             out["sync/pack_s"] = float(weights.meta["pack_s"])
         return out
+
+    def _check_frozen_model(self, theirs: dict[str, Any] | None) -> None:
+        """A LoRA trainer sends adapters alone: they mean something only on its frozen model."""
+        if theirs is None:
+            return
+        ours = self.model_cfg.frozen_model() if self.model_cfg.lora is not None else None
+        if ours != theirs:
+            raise ValueError(f"the trainer sends LoRA adapters for the frozen model {theirs}, "
+                             f"but this Rollout holds {ours or 'a model without LoRA'}: give "
+                             f"both groups the same model={{...}} (preset or path, seed, "
+                             f"overrides, lora)")
 
     # -- checkpoints: the weights received and their version (rank 0 writes, all read) --------
     def save_state(self, folder: Path) -> None:
@@ -283,7 +323,8 @@ class Reference(Worker):
 
     def __init__(self, model: dict[str, Any], micro_batch_size: int | None = None,
                  max_tokens_per_micro_batch: int | None = None):
-        self.model = build_model(ModelConfig(**model)).to(default_device())
+        # a LoRA model's reference is its frozen model: the adapters start as no change
+        self.model = build_model(ModelConfig(**{**model, "lora": None})).to(default_device())
         # a TrainConfig checks the sizes as it does for training
         self.sizes = TrainConfig(micro_batch_size=1 if micro_batch_size is None
                                  else micro_batch_size,

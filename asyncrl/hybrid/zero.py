@@ -28,6 +28,7 @@ from asyncrl.hybrid.fsdp import (
     nll_loss,
     resume_schedule,
     trainable,
+    trained_parameters,
     use_bf16,
 )
 from asyncrl.hybrid.models import ModelConfig
@@ -73,7 +74,7 @@ class ZeroBackend(TrainBackend):
                              f"place this group with share_gpus, or give it fewer ranks")
         self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
         model = trainable(model_cfg, train_cfg, head)
-        opt = adamw(model.parameters(), train_cfg)
+        opt = adamw(trained_parameters(model), train_cfg)
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
                   "gradient_accumulation_steps": 1, "gradient_clipping": train_cfg.grad_clip,
                   "zero_optimization": {"stage": stage},
@@ -173,13 +174,17 @@ class ZeroBackend(TrainBackend):
         return self._ds.zero.GatheredParameters(params, modifier_rank=None,
                                                 enabled=self.stage == 3)
 
-    def state_dict(self, everywhere: bool = True) -> dict[str, torch.Tensor]:
+    def state_dict(self, everywhere: bool = True, trained: bool = False
+                   ) -> dict[str, torch.Tensor]:
         """Full weights on the CPU, on every rank (or on rank 0 only: the others take part in
-        the gathers and keep nothing). Under ZeRO-3 one parameter is whole at a time."""
+        the gathers and keep nothing); `trained`: those the optimizer steps only (a LoRA
+        model's adapters). Under ZeRO-3 one parameter is whole at a time."""
         keep = everywhere or dist.get_rank() == 0
         out: dict[str, torch.Tensor] = {}
         done: dict[int, torch.Tensor] = {}  # tied weights: gathered once, under each name
         for name, value in self.model.state_dict(keep_vars=True).items():
+            if trained and not value.requires_grad:
+                continue
             if id(value) not in done:
                 with self.gathered([value] if isinstance(value, torch.nn.Parameter) else []):
                     done[id(value)] = value.detach().to("cpu", copy=True) if keep else value

@@ -1,0 +1,127 @@
+"""Sharded parameters gathered whole into given tensors, bucket by bucket: one all_gather per
+~`bucket_bytes` of row-sharded parameters (FSDP2 alone) through reused buffers (warm memory),
+the rest (TP's DTensors, unsharded ones) one by one. The hybrid engine gathers into its
+engine's weights; a weight sync into the pack it sends.
+
+    plan = plan_gather([(param, target), ...], bucket_bytes)   # once: the shards stay put
+    gatherer.run(plan)                                          # each time
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# one collective into one flat tensor (renamed all_gather_single in newer torch releases)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def full(param: Any) -> torch.Tensor:
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def row_sharded(p: Any) -> bool:
+    """A DTensor sharded by rows over a 1-D mesh (FSDP without TP) on the CPU or a GPU."""
+    from torch.distributed.tensor import Shard
+
+    placements = getattr(p, "placements", None)
+    return placements is not None and len(placements) == 1 and placements[0] == Shard(0) \
+        and p.dim() >= 1
+
+
+class Bucket:
+    """Row-sharded parameters gathered by one collective. Each rank's shard takes
+    ceil(rows / ranks) rows in the buffer (rank r holds rows [r*per, (r+1)*per), as
+    torch.chunk splits them), so every rank contributes the same width."""
+
+    def __init__(self, mesh: Any, dtype: torch.dtype, device: torch.device):
+        self.device = device
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.items: list[tuple[Any, torch.Tensor, int]] = []  # param, target, offset
+        self.width = 0
+        self.nbytes = 0
+        self.dtype = dtype
+
+    def add(self, param: Any, target: torch.Tensor) -> None:
+        per = -(-param.shape[0] // self.world)
+        self.items.append((param, target, self.width))
+        self.width += per * (param.numel() // max(1, param.shape[0]))
+        self.nbytes += param.numel() * param.element_size()
+
+
+def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int) -> list[Any]:
+    """Buckets of the row-sharded parameters in order, and (param, target) for the rest."""
+    plan: list[Any] = []
+    bucket: Bucket | None = None
+    for param, target in pairs:
+        if not row_sharded(param):
+            plan.append((param, target))
+            continue
+        if bucket is None or bucket.nbytes >= bucket_bytes or \
+                bucket.dtype != param.dtype or bucket.device != param.device:
+            bucket = Bucket(param.device_mesh, param.dtype, param.device)
+            plan.append(bucket)
+        bucket.add(param, target)
+    return plan
+
+
+class Gatherer:
+    """Runs gather plans through its buffers, sized for the widest bucket it met."""
+
+    def __init__(self) -> None:
+        self._local: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self.peak_bytes = 0  # the largest gathered tensor alive at once, last run
+
+    @torch.no_grad()
+    def run(self, plan: list[Any]) -> None:
+        self.peak_bytes = 0
+        for item in plan:
+            if isinstance(item, Bucket):
+                self._bucket(item, plan)
+                continue
+            param, target = item
+            whole = full(param.detach())
+            target.copy_(whole)
+            self.peak_bytes = max(self.peak_bytes, whole.numel() * whole.element_size())
+            del whole  # one whole parameter alive at a time
+
+    def _bucket(self, bucket: Bucket, plan: list[Any]) -> None:
+        """One all_gather for the bucket's parameters, then each rank's real rows copied
+        straight into the targets."""
+        world, width = bucket.world, bucket.width
+        if self._local is None or self._local.numel() < width or \
+                self._local.dtype != bucket.dtype or self._local.device != bucket.device:
+            self.free()  # before the new ones: never both alive
+            widest = max(b.width for b in plan if isinstance(b, Bucket) and
+                         b.dtype == bucket.dtype and b.device == bucket.device)
+            self._local = torch.zeros(widest, dtype=bucket.dtype, device=bucket.device)
+            self._out = torch.empty(widest * world, dtype=bucket.dtype, device=bucket.device)
+        assert self._out is not None
+        local, out = self._local[:width], self._out[:width * world]
+        for param, _, at in bucket.items:
+            shard = param.detach().to_local().reshape(-1)
+            local[at:at + shard.numel()] = shard
+        _all_gather(out, local, group=bucket.group)
+        self.peak_bytes = max(self.peak_bytes, out.numel() * out.element_size())
+        per_rank = out.view(world, width)
+        for param, target, at in bucket.items:
+            rows = param.shape[0]
+            per, row = -(-rows // world), param.numel() // max(1, rows)
+            flat = target.view(-1)
+            for r in range(world):
+                real = max(0, min(per, rows - r * per)) * row
+                flat[r * per * row:r * per * row + real].copy_(per_rank[r, at:at + real])
+
+    def free(self) -> None:
+        self._local = self._out = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """What the buffers hold now."""
+        return sum(t.numel() * t.element_size() for t in (self._local, self._out)
+                   if t is not None)

@@ -1,0 +1,203 @@
+"""LoRA: low-rank adapters on a frozen model (Hu et al. 2021; verl's lora_rank, peft's
+LoraConfig). Only the adapters train, so gradients and optimizer state are theirs alone, and a
+weight sync or a hybrid switch moves them and not the model.
+
+    model={"preset": ..., "lora": {"rank": 16, "alpha": 32, "target_modules": "all-linear"}}
+
+Each targeted nn.Linear becomes a `LoraLinear` in place: the same `weight` and `bias` under the
+same names (frozen), plus `lora_A` [rank, in] (random, seeded) and `lora_B` [out, rank]
+(zeros: the model starts as it was), and
+
+    y = x W^T + b + (alpha / rank) * (x A^T) B^T
+
+kept unmerged everywhere the built-in code runs (trainer, built-in engine, rollouts), so the
+engine's log-probs are the trainer's. An engine that takes whole weights by name (vLLM) and
+`asyncrl export` get the merged W + (alpha / rank) B A.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ADAPTERS = ("lora_A", "lora_B")  # the parameters LoRA adds to each targeted layer
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    rank: int
+    alpha: float = 16.0  # the update is scaled by alpha / rank (verl's and peft's default 16)
+    # "all-linear": every nn.Linear but the output head; or the layers' own names, e.g.
+    # ["q_proj", "v_proj"] (a name matches the last part of a module's path, as in peft)
+    target_modules: str | list[str] = "all-linear"
+    # modules trained whole beside the adapters (peft's modules_to_save), e.g. ["lm_head"]
+    modules_to_save: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"lora.rank must be an int >= 1, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or \
+                not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ValueError(f"lora.alpha must be a number > 0, got {self.alpha!r}")
+        names = self.target_modules
+        if names != "all-linear" and (isinstance(names, str) or not names or
+                                      not all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"lora.target_modules is 'all-linear' or a list of layer names "
+                             f"(e.g. ['q_proj', 'v_proj']), got {names!r}")
+        whole = self.modules_to_save
+        if whole is not None and (isinstance(whole, str) or
+                                  not all(isinstance(n, str) and n for n in whole)):
+            raise ValueError(f"lora.modules_to_save is a list of module names (e.g. "
+                             f"['lm_head']), got {whole!r}")
+
+    def described(self) -> dict[str, Any]:
+        """As plain data, the same however it was given (tuples or lists, int or float)."""
+        names, whole = self.target_modules, self.modules_to_save
+        return {"rank": self.rank, "alpha": float(self.alpha),
+                "target_modules": names if isinstance(names, str) else list(names),
+                "modules_to_save": None if whole is None else list(whole)}
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def lora_config(given: dict[str, Any] | LoraConfig | None) -> LoraConfig | None:
+    """A model config's `lora` entry checked: None (no LoRA) or a LoraConfig."""
+    if given is None or isinstance(given, LoraConfig):
+        return given
+    if not isinstance(given, dict):
+        raise TypeError(f"model lora= is a dict such as {{'rank': 16, 'alpha': 32}}, got "
+                        f"{type(given).__name__}")
+    try:
+        return LoraConfig(**given)
+    except TypeError as e:
+        raise ValueError(f"model lora=: {e}; its keys are rank, alpha, target_modules, "
+                         f"modules_to_save") from e
+
+
+class LoraLinear(torch.nn.Linear):
+    """An nn.Linear with a low-rank update beside its frozen weight."""
+
+    scaling: float
+    adapters_on: bool  # off: the frozen model alone (a reference's log-probs)
+    lora_A: torch.nn.Parameter
+    lora_B: torch.nn.Parameter
+
+    @classmethod
+    def around(cls, linear: torch.nn.Linear, rank: int, scaling: float) -> LoraLinear:
+        """The layer with adapters: `linear`'s own weight and bias (no copy), frozen."""
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        for p in (new.weight, new.bias):
+            if p is not None:
+                p.requires_grad_(False)
+        w = linear.weight
+        new.lora_A = torch.nn.Parameter(w.new_empty(rank, linear.in_features))
+        new.lora_B = torch.nn.Parameter(w.new_zeros(linear.out_features, rank))
+        torch.nn.init.kaiming_uniform_(new.lora_A, a=math.sqrt(5))  # as peft, nn.Linear
+        new.scaling, new.adapters_on = scaling, True
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.adapters_on:
+            return out
+        # scaled at rank width, where it is cheapest
+        return out + F.linear(F.linear(x, self.lora_A) * self.scaling, self.lora_B)
+
+
+def delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """What adapters A, B add to their layer's weight: scaling * B A (in fp32)."""
+    return (b.float() @ a.float()).mul_(scaling)
+
+
+def _output_heads(model: torch.nn.Module) -> set[int]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return {id(head)} if head is not None else set()
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
+    """Adapters on `model`'s targeted layers, every other parameter frozen but those of
+    `modules_to_save`; the layers' names. Draws A from torch's generator: seed it for the
+    same adapters on every rank."""
+    heads = _output_heads(model)
+    wanted = None if cfg.target_modules == "all-linear" else set(cfg.target_modules)
+    chosen = [(name, m) for name, m in model.named_modules()
+              if type(m) is torch.nn.Linear and id(m) not in heads and
+              (wanted is None or name.rsplit(".", 1)[-1] in wanted)]
+    found = {name.rsplit(".", 1)[-1] for name, _ in chosen}
+    if not chosen or (wanted is not None and wanted - found):
+        layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if type(m) is torch.nn.Linear and id(m) not in heads})
+        what = f"named {sorted(wanted - found)}" if wanted is not None else "to adapt"
+        raise ValueError(f"lora.target_modules={cfg.target_modules!r}: "
+                         f"{type(model).__name__} has no nn.Linear layer {what}; its "
+                         f"nn.Linear layers: {layers or 'none'} "
+                         f"(LoRA adapts nn.Linear layers: Llama, Qwen or Mistral-style models; "
+                         f"GPT-2 uses Conv1D)")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, linear in chosen:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr,
+                LoraLinear.around(linear, cfg.rank, cfg.scaling))
+    _train_whole(model, cfg.modules_to_save or [])
+    return [name for name, _ in chosen]
+
+
+def _train_whole(model: torch.nn.Module, names: list[str]) -> None:
+    """The parameters of the modules named (the last part of their path) trainable."""
+    chosen = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names]
+    missing = set(names) - {n.rsplit(".", 1)[-1] for n, m in chosen
+                             if next(m.parameters(), None) is not None}
+    if missing:
+        raise ValueError(f"lora.modules_to_save: {type(model).__name__} has no module with "
+                         f"parameters named {sorted(missing)}")
+    for _, m in chosen:
+        for p in m.parameters():
+            p.requires_grad_(True)
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, LoraLinear]:
+    """The layers with adapters, by path (empty for a model without LoRA)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def is_adapter(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ADAPTERS
+
+
+class adapters_off:
+    """A context in which `model`'s LoRA layers run without their adapters: the frozen model
+    (verl's reference without a reference model)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = list(lora_layers(model).values())
+
+    def __enter__(self) -> None:
+        for m in self.layers:
+            m.adapters_on = False
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in self.layers:
+            m.adapters_on = True
+
+
+def merged(weights: dict[str, torch.Tensor], cfg: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA model's full weights (by name) as the plain model's: W + scaling * B A under
+    W's name, the adapters dropped. One layer's merge at a time."""
+    for name, value in weights.items():
+        if is_adapter(name):
+            continue
+        prefix = name.removesuffix(".weight")
+        a, b = weights.get(f"{prefix}.lora_A"), weights.get(f"{prefix}.lora_B")
+        if name.endswith(".weight") and a is not None and b is not None:
+            value = (value.float() + delta(a, b, cfg.scaling)).to(value.dtype)
+        yield name, value

@@ -1,0 +1,272 @@
+"""LoRA: adapters on a frozen model. Only they train (FSDP2, ZeRO-2), a hybrid switch gathers
+the frozen model once and the adapters after, a weight sync carries the adapters alone, the
+reference is the policy with its adapters off, and an export is the merged model plus the
+adapters in peft's format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.hybrid.export import ADAPTER_FOLDER, export
+from asyncrl.hybrid.lora import (
+    LoraConfig,
+    LoraLinear,
+    adapters_off,
+    is_adapter,
+    lora_layers,
+    merged,
+)
+from asyncrl.hybrid.models import ModelConfig, build_model, build_value_model
+from asyncrl.hybrid.roles import Policy, Rollout
+
+LORA = {"rank": 4, "alpha": 8}
+MODEL = {"preset": "tiny-llama", "seed": 0, "lora": LORA}
+SAMPLING = {"max_new_tokens": 6, "temperature": 0.8}
+TRAIN = {"lr": 3e-2, "micro_batch_size": 4}
+
+
+def prompts(n: int = 8) -> TensorBatch:
+    return TensorBatch({"prompt": [[1, 4 + i, 5 + i] for i in range(n)], "seed": list(range(n))})
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21], [1, 30, 40, 50, 60, 70]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def trained_lora_model() -> torch.nn.Module:
+    model = build_model(ModelConfig(**MODEL))
+    with torch.no_grad():  # as if trained: the adapters change the model
+        for layer in lora_layers(model).values():
+            layer.lora_B.normal_(0, 0.05)
+    return model
+
+
+def test_adapters_start_as_no_change_and_alone_train():
+    base, model = build_model(ModelConfig(seed=0)), build_model(ModelConfig(**MODEL))
+    assert torch.equal(logits(base), logits(model))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(is_adapter(n) for n in trained)
+    assert len(lora_layers(model)) == 7 * 2  # q k v o gate up down, two layers; no lm_head
+    assert {n for n, _ in base.named_parameters()} == \
+        {n for n, _ in model.named_parameters() if not is_adapter(n)}  # the same names
+    qv = {"rank": 2, "target_modules": ["q_proj", "v_proj"]}
+    only_qv = build_model(ModelConfig(**{**MODEL, "lora": qv}))
+    assert sorted({n.rsplit(".", 1)[-1] for n in lora_layers(only_qv)}) == ["q_proj", "v_proj"]
+    critic = build_value_model(ModelConfig(**MODEL))  # adapters on the backbone, the head whole
+    assert {n for n, p in critic.named_parameters() if p.requires_grad and not is_adapter(n)} \
+        == {"value_head.weight", "value_head.bias"}
+    # the same adapters on every rank: drawn from the model's seed
+    again = build_model(ModelConfig(**MODEL))
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters(),
+                                                 strict=True))
+
+
+def test_merged_weights_and_adapters_off_are_the_plain_models():
+    model = trained_lora_model()
+    plain = build_model(ModelConfig(seed=0))
+    out = logits(model)
+    assert not torch.allclose(out, logits(plain), atol=1e-3)  # the adapters do something
+    with adapters_off(model):
+        assert torch.equal(logits(model), logits(plain))
+    assert torch.equal(logits(model), out)  # and on again
+    weights = dict(merged(model.state_dict(), LoraConfig(**LORA)))
+    assert set(weights) == set(plain.state_dict())
+    plain.load_state_dict(weights)
+    assert (logits(plain) - out).abs().max().item() < 1e-5
+
+
+def test_modules_to_save_train_whole_beside_the_adapters():
+    model = build_model(ModelConfig(**{**MODEL, "lora": {**LORA, "modules_to_save": ["lm_head"]}}))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "lm_head.weight" in trained and all(is_adapter(n) for n in trained - {"lm_head.weight"})
+    with pytest.raises(ValueError, match=r"has no module with parameters named \['head'\]"):
+        build_model(ModelConfig(lora={**LORA, "modules_to_save": ["head"]}))
+
+
+@pytest.mark.parametrize("lora, message", [
+    ({"rank": 0}, "lora.rank must be an int >= 1"),
+    ({"rank": 4, "alpha": -1}, "lora.alpha must be a number > 0"),
+    ({"rank": 4, "target_modules": "q_proj"}, "'all-linear' or a list of layer names"),
+    ({"rank": 4, "dropout": 0.1}, "its keys are rank, alpha, target_modules"),
+    ({"rank": 4, "modules_to_save": "lm_head"}, "modules_to_save is a list of module names"),
+    ([4], "lora= is a dict"),
+])
+def test_a_bad_lora_entry_is_refused_by_the_model_config(lora, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        ModelConfig(lora=lora)
+
+
+def test_lora_names_the_layers_a_model_has_when_none_match():
+    with pytest.raises(ValueError, match=r"no nn.Linear layer named \['qkv'\]; its nn.Linear "
+                                         r"layers: \['down_proj', 'gate_proj', 'k_proj'"):
+        build_model(ModelConfig(lora={"rank": 2, "target_modules": ["q_proj", "qkv"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no nn.Linear layer to adapt"):
+        build_model(ModelConfig(preset="tiny-gpt2", lora={"rank": 2}))
+
+
+def test_a_rollout_refuses_adapters_for_another_frozen_model_and_vllm():
+    rollout = Rollout.__new__(Rollout)
+    rollout.__init__({**MODEL, "seed": 1})
+    pack = TensorBatch({"x": torch.zeros(1, 1)}, meta={
+        "frozen_model": ModelConfig(**MODEL).frozen_model(), "version": 1, "nbytes": 4,
+        "shapes": {"x": [1]}})
+    with pytest.raises(ValueError, match="adapters for the frozen model .*'seed': 0.* this "
+                                         "Rollout holds .*'seed': 1"):
+        rollout.load_weights(pack)
+    assert rollout.engine.version == 0
+    with pytest.raises(ValueError, match="engine='vllm' and a LoRA model is not supported yet"):
+        Rollout.__new__(Rollout).__init__(MODEL, engine="vllm")
+
+
+def test_a_hybrid_lora_policy_trains_adapters_alone_and_switches_with_them():
+    """FSDP2 on two ranks: the frozen weights never change; the first switch gathers them,
+    the next ones the adapters alone, and the engine still scores as the trainer does; the
+    policy's own reference (adapters off) stays the frozen model's."""
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(Policy, MODEL, TRAIN, SAMPLING, nprocs=2, name="actor")
+            pids = group_pids(policy)
+            before = (await policy.weights("train"))[0]
+            first = await policy.generate(prompts())
+            reports = [(await policy.switch_report())[0]]
+            lps = [await policy.logprobs(first), await policy.ref_logprobs(first)]
+            stats = [await policy.train_step(first) for _ in range(2)]
+            after = (await policy.weights("train"))[0]
+            second = await policy.generate(prompts())
+            reports.append((await policy.switch_report())[0])
+            engine = (await policy.weights("engine"))[0]
+            lps += [await policy.logprobs(second), await policy.ref_logprobs(second),
+                    await policy.ref_logprobs(first)]
+            return before, first, reports, lps, stats, after, second, engine, pids
+    before, first, reports, lps, stats, after, second, engine, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    lp_first, ref_first, lp_second, ref_second, ref_first_again = [x["logprobs"] for x in lps]
+    assert stats[0][0]["loss"] != stats[1][0]["loss"]
+    frozen = [k for k in before if not is_adapter(k)]
+    assert all(torch.equal(before[k], after[k]) for k in frozen)
+    assert all(not torch.equal(before[k], after[k]) for k in after if k.endswith("lora_B"))
+    assert all(torch.equal(engine[k], after[k]) for k in after)  # the engine has the adapters
+    # the engine's log-probs are the trainer's, before and after training
+    assert (lp_first - first["logprobs"]).abs().max().item() < 1e-5
+    assert (lp_second - second["logprobs"]).abs().max().item() < 1e-5
+    assert (ref_first - lp_first).abs().max().item() < 1e-6  # B = 0: no change yet
+    assert torch.equal(ref_first, ref_first_again)  # the reference never moves
+    assert (ref_second - lp_second).abs().max().item() > 1e-3  # the policy did
+    adapters = sum(v.numel() * v.element_size() for k, v in after.items() if is_adapter(k))
+    assert reports[1]["peak_gather_bytes"] <= adapters < reports[0]["peak_gather_bytes"]
+
+
+def test_a_zero2_lora_trainer_syncs_its_adapters_alone_to_a_rollout():
+    """A separate rollout receives the adapters only (its frozen model is its own build) and
+    then samples as the trainer scores; ZeRO-2 steps the adapters alone."""
+
+    async def main():
+        async with asyncrl.Controller(construct_timeout=500) as ctl:
+            trainer = await ctl.spawn(Policy, MODEL, TRAIN, backend="zero2", hybrid=False,
+                                      name="trainer")
+            rollout = await ctl.spawn(Rollout, MODEL, SAMPLING, name="rollout")
+            pids = group_pids(trainer) + group_pids(rollout)
+            before = (await trainer.weights("train"))[0]
+            batch = await rollout.generate(prompts())
+            stats = await trainer.train_step(batch)
+            synced = await rollout.load_weights(trainer.sync_pack())
+            after = (await trainer.weights("train"))[0]
+            again = await rollout.generate(prompts())
+            return before, stats, synced, after, again, await trainer.logprobs(again), pids
+    before, stats, synced, after, again, scored, pids = run(main(), timeout=580)
+    assert_gone(pids)
+    assert stats[0]["loss"] > 0
+    assert all(torch.equal(before[k], after[k]) for k in before if not is_adapter(k))
+    adapters = {k: v for k, v in after.items() if is_adapter(k)}
+    assert any(not torch.equal(before[k], v) for k, v in adapters.items())
+    assert synced["sync/tensors"] == len(adapters)
+    assert synced["sync/bytes"] == sum(v.numel() * v.element_size() for v in adapters.values())
+    assert synced["sync/version"] == 1
+    assert (scored["logprobs"] - again["logprobs"]).abs().max().item() < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's
+def test_a_lora_policy_resumes_and_exports_merged_and_as_a_peft_adapter(tmp_path):
+    """The export is the plain model with the adapters (and the head, trained whole) merged
+    in: transformers loads it; beside it the adapters, which peft loads onto the frozen
+    model: the same logits. A checkpoint brings the adapters back, into the engine too."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    step = tmp_path / "run" / "checkpoints" / "step_000000"
+    model = {**MODEL, "lora": {**LORA, "modules_to_save": ["lm_head"]}}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(Policy, model, TRAIN, SAMPLING, nprocs=2, name="actor")
+            pids = group_pids(policy)
+            await policy.train_step(await policy.generate(prompts()))
+            await policy.save_checkpoint(str(step))
+            saved = (await policy.weights("train"))[0]
+            await policy.train_step(await policy.generate(prompts()))
+            with pytest.raises(asyncrl.RemoteError, match="no modules_to_save"):
+                await policy.ref_logprobs(await policy.generate(prompts()))
+            await policy.load_checkpoint(str(step))
+            await policy.generate(prompts())
+            return saved, (await policy.weights("train"))[0], \
+                (await policy.weights("engine"))[0], pids
+    weights, loaded, engine, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    assert all(torch.equal(weights[k], loaded[k]) and torch.equal(engine[k], loaded[k])
+               for k in weights)
+    (step / "meta.json").write_text(json.dumps({"step": 0}))
+    done = export(tmp_path / "run", tmp_path / "out")
+    policy = build_model(ModelConfig(**model))
+    policy.load_state_dict(weights)
+    want = logits(policy)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert not any(isinstance(m, LoraLinear) for m in exported.modules())
+    assert done["parameters"] == sum(p.numel() for p in exported.parameters())
+    assert (logits(exported) - want).abs().max().item() < 1e-5
+    config = json.loads((tmp_path / "out" / ADAPTER_FOLDER / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["modules_to_save"]) == (4, 8, ["lm_head"])
+    frozen = build_model(ModelConfig(seed=0))
+    with_adapter = PeftModel.from_pretrained(frozen, tmp_path / "out" / ADAPTER_FOLDER).eval()
+    assert (logits(with_adapter) - want).abs().max().item() < 1e-5
+
+
+def test_a_hybrid_vllm_gets_the_lora_layers_merged_and_samples_as_the_builtin_engine(tmp_path):
+    """vLLM (faked) has no adapters: the hybrid engine hands it W + scaling B A by the plain
+    model's names, and it samples what the built-in engine samples with the adapters apart."""
+    import fake_vllm
+
+    from asyncrl.hybrid.engine import HybridEngine
+    from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+
+    build_model(ModelConfig(seed=0)).save_pretrained(tmp_path / "ckpt")
+    cfg = ModelConfig(path=str(tmp_path / "ckpt"), lora=LORA)
+    model = trained_lora_model()
+
+    class Backend:
+        def __init__(self) -> None:
+            self.model, self.opt = model, torch.optim.AdamW(model.parameters())
+
+        def offload_masters(self) -> int:
+            return 0
+
+        def reload_masters(self) -> None:
+            pass
+
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.8)
+    hybrid = HybridEngine(Backend(), cfg, sampling, engine="vllm", engine_options={
+        "llm_cls": fake_vllm.LLM, "sampling_params_cls": fake_vllm.SamplingParams})
+    hybrid.to_generate()  # would fail naming any parameter of vLLM's left unfilled
+    seeds = list(range(6))
+    out = hybrid.generate([[1, 4 + i, 9] for i in seeds], seeds)
+    want = Sampler(model, sampling).generate([[1, 4 + i, 9] for i in seeds], seeds)
+    assert torch.equal(out["response_ids"], want["response_ids"])
+    assert (out["logprobs"] - want["logprobs"]).abs().max().item() < 1e-5
