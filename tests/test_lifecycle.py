@@ -365,3 +365,30 @@ def test_on_close_runs_on_every_rank_as_its_group_closes(tmp_path):
             return pids
     assert_gone(run(main()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["closed0", "closed1"]
+
+
+def test_agents_are_forked_from_one_warm_server_that_goes_with_the_controller(monkeypatch):
+    """torchrun agents come from one process that imported torch once (asyncrl/controller/
+    agent_fork.py), each in a session of its own; the server goes with the controller.
+    ASYNCRL_FORK_AGENTS=0: torchrun started anew, a child of the controller."""
+    import psutil
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            a, b = await asyncio.gather(ctl.spawn(Sleeper, name="a"),
+                                        ctl.spawn(Sleeper, name="b", nprocs=2))
+            assert len(set(await a.pid() + await b.pid())) == 3  # every rank is up
+            server = ctl._reaper.server
+            agents = [g.agent.pid for g in (a, b)]
+            parents = [psutil.Process(p).ppid() for p in agents]
+            sessions = {os.getsid(p) for p in agents}
+            return server.proc.pid if server else None, agents, parents, sessions, \
+                group_pids(a) + group_pids(b)
+    server, agents, parents, sessions, pids = run(main())
+    assert server is not None and parents == [server, server]
+    assert sessions == set(agents)  # each agent leads a session of its own
+    assert_gone(pids + agents + [server])
+    monkeypatch.setenv("ASYNCRL_FORK_AGENTS", "0")
+    server, agents, parents, _, pids = run(main())
+    assert server is None and parents == [os.getpid()] * 2
+    assert_gone(pids + agents)

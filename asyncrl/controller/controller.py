@@ -41,6 +41,7 @@ from asyncrl.comm.dataplane import pool_prefix, run_prefix
 from asyncrl.comm.messages import Construct, Shutdown
 from asyncrl.comm.refs import make_ref
 from asyncrl.comm.shm import cleanup as cleanup_segments
+from asyncrl.controller.agent_fork import AgentServer
 from asyncrl.controller.cluster import Cluster
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
@@ -73,6 +74,7 @@ class _Reaper:
 
     def __init__(self) -> None:
         self.agents: list[Agent] = []
+        self.server: AgentServer | None = None  # what forks the agents, once started
 
     def kill_all(self) -> None:
         for agent in self.agents:
@@ -82,6 +84,8 @@ class _Reaper:
                     agent.wait(timeout=5)
                 except Exception:  # noqa: BLE001 - best effort at exit
                     pass
+        if self.server is not None:
+            self.server.close()
 
 
 class Controller:
@@ -164,6 +168,7 @@ class Controller:
         self.releases = Releases(self)
         self._tasks: list[asyncio.Task] = []
         self._reaper = _Reaper()
+        self._no_server = False  # the agent server failed once: not tried again
         self._finalizer = weakref.finalize(self, self._reaper.kill_all)
         self._started = False
         self._closed = False
@@ -362,7 +367,24 @@ class Controller:
                                   self.run_id, self._die_with_controller, scratch)
         return Agent(name, nprocs, rank_env(dict(os.environ), extra),
                      self.run_dir / "logs" / f"{name}.log", self._die_with_controller,
-                     scratch=scratch)
+                     scratch=scratch, server=self._agent_server())
+
+    def _agent_server(self) -> AgentServer | None:
+        """The warm process this controller's torchrun agents are forked from (started at
+        the first group; asyncrl.controller.agent_fork), or None: torchrun started anew
+        (the server failed to start, or ASYNCRL_FORK_AGENTS=0)."""
+        server = self._reaper.server
+        if server is not None and server.alive:
+            return server
+        if os.environ.get("ASYNCRL_FORK_AGENTS", "1") == "0" or self._no_server:
+            return None
+        try:
+            self._reaper.server = AgentServer(self._die_with_controller)
+        except (OSError, RuntimeError) as e:
+            log.warning("asyncrl: torchrun agents start anew (%s)", e)
+            self._no_server = True
+            return None
+        return self._reaper.server
 
     async def close_group(self, group: GroupHandle) -> None:
         """Shut one group down (its ranks exit; pending calls fail with ClosedError)."""

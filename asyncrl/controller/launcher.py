@@ -7,7 +7,6 @@ by pid: the agent, the ranks that said hello, and any child the agent still has.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import re
@@ -19,21 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import asyncrl
+from asyncrl.controller.agent_fork import AgentServer, ForkedAgent
+from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
 from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
 
-_PR_SET_PDEATHSIG = 1
 _AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
 _ROOT_CAUSE = re.compile(
     r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 # torchrun's own log line (not a rank's print) as it stops the ranks left
 _STOPPED = re.compile(r"\] Sending process (\d+) closing signal")
-
-
-def _die_with_parent() -> None:  # runs in the child before exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -94,7 +87,8 @@ class Agent:
 
     def __init__(self, group: str, nprocs: int, env: dict[str, str], log_path: Path,
                  die_with_parent: bool = True, command: list[str] | None = None,
-                 host: str | None = None, local: bool = True, scratch: Path | None = None):
+                 host: str | None = None, local: bool = True, scratch: Path | None = None,
+                 server: AgentServer | None = None):
         self.group, self.nprocs, self.log_path = group, nprocs, log_path
         self.scratch = scratch  # torchrun's own folders (else a torchelastic_* left in /tmp)
         self.host = host  # the host it starts ranks on (None: this one)
@@ -102,7 +96,8 @@ class Agent:
         self._env = env
         self._die_with_parent = die_with_parent
         self._command = command  # one host's agent of a group spread over hosts
-        self.proc: subprocess.Popen | None = None
+        self._server = server  # forks torchrun from a warm process (this host's groups)
+        self.proc: subprocess.Popen | ForkedAgent | None = None
         self.rank_pids: dict[int, int] = {}
         self._rank_birth: dict[int, str | None] = {}  # when each rank's process started
         self._log_start = 0  # where this agent's output starts in the log (a respawned
@@ -111,10 +106,13 @@ class Agent:
     def command(self) -> list[str]:
         if self._command is not None:
             return self._command
+        return [sys.executable, "-m", "torch.distributed.run", *self._torchrun_args()]
+
+    def _torchrun_args(self) -> list[str]:
         scratch = ["--log-dir", str(self.scratch)] if self.scratch is not None else []
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                "--nproc-per-node", str(self.nprocs), "--max-restarts", "0",
-                "--monitor-interval", "0.1", *scratch, "-m", "asyncrl.actors.rank_main"]
+        return ["--standalone", "--nnodes", "1", "--nproc-per-node", str(self.nprocs),
+                "--max-restarts", "0", "--monitor-interval", "0.1", *scratch,
+                "-m", "asyncrl.actors.rank_main"]
 
     def wait(self, timeout: float | None = None) -> None:
         if self.proc is not None:
@@ -130,10 +128,14 @@ class Agent:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_start = os.fstat(log.fileno()).st_size
-            self.proc = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self._env, start_new_session=True,
-                preexec_fn=_die_with_parent if self._die_with_parent else None)
+            if self._server is not None and self._command is None and self._server.alive:
+                self.proc = self._server.start(self._torchrun_args(), self._env,
+                                               str(self.log_path), self._die_with_parent)
+            else:
+                self.proc = subprocess.Popen(
+                    self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
+                    preexec_fn=_die_with_parent if self._die_with_parent else None)
         proc = self.proc
         threading.Thread(target=lambda: on_exit(proc.wait()), daemon=True,
                          name=f"asyncrl-agent-{self.group}").start()
@@ -222,7 +224,7 @@ class HostAgents:
                 a.rank_started(rank, pid, host)
 
     @property
-    def proc(self) -> subprocess.Popen | None:
+    def proc(self) -> subprocess.Popen | ForkedAgent | None:
         return self.agents[0].proc
 
     @property

@@ -9,8 +9,10 @@
                                   a GPU its weights and the gather buffers are freed;
                                   optimizer state comes back
 
-A LoRA model's frozen weights are gathered once: later switches gather the adapters alone
-(again after the engine's weights were freed, on a GPU, or new weights were loaded).
+A LoRA model's frozen weights are gathered once on a CPU host: later switches gather the
+adapters alone (and the frozen weights again after the trainer loaded new ones). On a GPU the
+engine's weights are freed while training, so each switch gathers them all; an engine filled
+by name (vLLM) takes the merged weights at each switch.
 
 Nothing is reloaded from disk. On a CPU-only host there is no device memory to free: the
 optimizer state and the engine's weights stay where they are (warm memory, reused).
@@ -76,10 +78,13 @@ class HybridEngine:
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
         self.offloaded_bytes = 0  # fp32 masters (ZeRO) sent to the host, last switch
         self._filled_once = False  # an engine filled by name: checked complete the first time
-        self._frozen_held = False  # the engine holds the frozen parameters (LoRA): not again
+        # the trainer's load count (TrainBackend.loads) when the engine last took its frozen
+        # parameters (LoRA): while it stands, they are not gathered again
+        self._frozen_at: int | None = None
         self.released = False  # the engine's weights are freed (GPU, train mode)
         self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []  # theirs, meanwhile
-        self._plans: dict[bool, list[Any]] | None = None  # frozen or not: its gather plan
+        self._frozen_plan: list[Any] | None = None  # gather plans, made once
+        self._trained_plan: list[Any] = []
         self._gatherer = Gatherer()  # its buffers reused: warm memory
         self._release()  # built in train mode: the engine holds nothing until generating
 
@@ -87,8 +92,8 @@ class HybridEngine:
     def to_generate(self) -> None:
         if self.mode == "generate":
             return
-        if self._plans is None and not self.engine.owns_weights:
-            self._plans = self._make_plans()
+        if self._frozen_plan is None and not self.engine.owns_weights:
+            self._make_plans()
         try:
             # first: their memory makes room for the engine's weights
             self._move_optimizer("cpu")
@@ -110,15 +115,17 @@ class HybridEngine:
         if self.engine.owns_weights:
             self._fill_by_name()
             return
-        assert self._plans is not None
+        assert self._frozen_plan is not None
         if self.released:
             for p, shape in self._shapes:
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
             self.released = False
         # the trained parameters, and the frozen ones unless the engine holds them already
-        plan = self._plans[False] if self._frozen_held else \
-            self._plans[True] + self._plans[False]
-        if self._zero:  # ZeRO-3 gathers in place, one parameter at a time
+        loads = getattr(self.backend, "loads", 0)  # (a backend that never reloads: 0)
+        plan = self._trained_plan if self._frozen_at == loads else \
+            self._frozen_plan + self._trained_plan
+        if self._zero:  # ZeRO-3 gathers in place, one parameter at a time (no DTensors:
+            # its plans hold (parameter, target) pairs only)
             self.peak_gather_bytes = 0
             for param, target in plan:
                 with self._whole(param) as whole:
@@ -128,12 +135,7 @@ class HybridEngine:
         else:
             self._gatherer.run(plan)
             self.peak_gather_bytes = self._gatherer.peak_bytes
-        self._frozen_held = True
-
-    def weights_replaced(self) -> None:
-        """The trainer's weights were loaded anew (a checkpoint): the next switch gathers the
-        frozen ones too."""
-        self._frozen_held = False
+        self._frozen_at = loads
 
     def _fill_by_name(self) -> None:
         """An engine that owns its weights' memory (vLLM, which fuses projections) takes
@@ -178,15 +180,15 @@ class HybridEngine:
         else:
             yield full(param.detach())
 
-    def _make_plans(self) -> dict[bool, list[Any]]:
-        """The gather plans of the frozen parameters (LoRA: gathered once) and of the
-        trained ones. The sharded parameters are the same objects for the whole run: made
-        once."""
+    def _make_plans(self) -> None:
+        """The gather plans of the frozen parameters (LoRA's: gathered once) and of the
+        trained ones. The sharded parameters are the same objects for the whole run."""
         targets = dict(self.engine.model.named_parameters())
         named = list(self.backend.model.named_parameters())
-        return {frozen: plan_gather(((p, targets[n]) for n, p in named
-                                     if p.requires_grad != frozen), self.bucket_bytes)
-                for frozen in (True, False)}
+        self._frozen_plan = plan_gather(((p, targets[n]) for n, p in named
+                                         if not p.requires_grad), self.bucket_bytes)
+        self._trained_plan = plan_gather(((p, targets[n]) for n, p in named
+                                          if p.requires_grad), self.bucket_bytes)
 
     def to_train(self) -> None:
         if self.mode == "train":
@@ -215,7 +217,7 @@ class HybridEngine:
         for p, _ in self._shapes:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.released = True
-        self._frozen_held = False
+        self._frozen_at = None
         self._gatherer.free()
 
     @property

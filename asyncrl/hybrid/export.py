@@ -148,11 +148,13 @@ def export(path: Path, out: Path, group: str | None = None,
     target = _dtype(dtype, config, cfg)
     weights = trained_weights(folder)
     lora = lora_config(cfg.lora)
-    saved = set(lora.modules_to_save or ()) if lora is not None else set()
-    adapters = {k: weights[k] for k in weights  # and the modules trained whole
-                if is_adapter(k) or k.rsplit(".", 2)[-2] in saved}
-    if lora is not None:  # one merged layer at a time; the adapters kept for their own file
-        weights = dict(merged(weights, lora))
+    adapters: dict[str, torch.Tensor] = {}
+    if lora is not None:  # what trained, for peft's file; merged in place, a layer at a time
+        adapters = {k: v for k, v in weights.items() if is_adapter(k) or lora.trains_whole(k)}
+        for name, value in merged(weights, lora):
+            weights[name] = value  # (the unmerged one dropped: never two copies)
+        for name in [k for k in weights if is_adapter(k)]:
+            del weights[name]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=target)
     missing = _needed(model) - set(weights)

@@ -278,6 +278,7 @@ class TrainBackend:
     head: str
     forward_module: torch.nn.Module
     stats_group: Any = None  # the group a step's statistics are averaged over (None: world)
+    loads = 0  # times weights were loaded (load, load_state_dict): frozen ones may have changed
 
     def offload_masters(self) -> int:
         """What training alone needs besides the weights and the torch optimizer's state,
@@ -415,6 +416,7 @@ class FSDPBackend(TrainBackend):
         saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
         if "sched.steps" in saved:  # checkpoints from before schedules have no position
             state["sched"] = self._sched_state()
+        self.loads += 1
         dcp.load(state, checkpoint_id=str(folder))  # in place
         set_state_dict(self.model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
         steps = int(state["sched"]["steps"]) if "sched" in state else max(
@@ -436,5 +438,6 @@ class FSDPBackend(TrainBackend):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        self.loads += 1
         full: dict[str, Any] = dict(state)
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))

@@ -44,27 +44,40 @@ class LoraConfig:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or \
                 not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"lora.alpha must be a number > 0, got {self.alpha!r}")
-        names = self.target_modules
-        if names != "all-linear" and (isinstance(names, str) or not names or
-                                      not all(isinstance(n, str) and n for n in names)):
-            raise ValueError(f"lora.target_modules is 'all-linear' or a list of layer names "
-                             f"(e.g. ['q_proj', 'v_proj']), got {names!r}")
-        whole = self.modules_to_save
-        if whole is not None and (isinstance(whole, str) or
-                                  not all(isinstance(n, str) and n for n in whole)):
-            raise ValueError(f"lora.modules_to_save is a list of module names (e.g. "
-                             f"['lm_head']), got {whole!r}")
+        if self.target_modules != "all-linear":
+            self.target_modules = _names(self.target_modules, "target_modules",
+                                         "'all-linear' or a list of layer names (e.g. "
+                                         "['q_proj', 'v_proj'])")
+        if self.modules_to_save is not None:
+            self.modules_to_save = _names(self.modules_to_save, "modules_to_save",
+                                          "a list of module names (e.g. ['lm_head'])")
+            both = set(self.modules_to_save) & set(self.target_modules) \
+                if self.target_modules != "all-linear" else set()
+            if both:
+                raise ValueError(f"lora: {sorted(both)} in both target_modules (adapted) and "
+                                 f"modules_to_save (trained whole); name each in one")
 
     def described(self) -> dict[str, Any]:
-        """As plain data, the same however it was given (tuples or lists, int or float)."""
-        names, whole = self.target_modules, self.modules_to_save
+        """As plain data (alpha a float), for a rollout to compare with its own."""
         return {"rank": self.rank, "alpha": float(self.alpha),
-                "target_modules": names if isinstance(names, str) else list(names),
-                "modules_to_save": None if whole is None else list(whole)}
+                "target_modules": self.target_modules, "modules_to_save": self.modules_to_save}
+
+    def trains_whole(self, name: str) -> bool:
+        """Whether parameter `name` belongs to a module of modules_to_save (at any depth)."""
+        return bool(set(name.split(".")[:-1]) & set(self.modules_to_save or ()))
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+def _names(given: Any, key: str, what: str) -> list[str]:
+    """A list of names, sorted: the same config however given (a rollout compares it with
+    its own)."""
+    names = list(given) if isinstance(given, list | tuple | set) else None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"lora.{key} is {what}, got {given!r}")
+    return sorted(names)
 
 
 def lora_config(given: dict[str, Any] | LoraConfig | None) -> LoraConfig | None:
@@ -148,20 +161,39 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr,
                 LoraLinear.around(linear, cfg.rank, cfg.scaling))
-    _train_whole(model, cfg.modules_to_save or [])
+    _train_whole(model, cfg)
     return [name for name, _ in chosen]
 
 
-def _train_whole(model: torch.nn.Module, names: list[str]) -> None:
-    """The parameters of the modules named (the last part of their path) trainable."""
-    chosen = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names]
-    missing = set(names) - {n.rsplit(".", 1)[-1] for n, m in chosen
-                             if next(m.parameters(), None) is not None}
-    if missing:
+def _train_whole(model: torch.nn.Module, cfg: LoraConfig) -> None:
+    """The parameters of modules_to_save's modules trainable (`cfg.trains_whole`), none of
+    them an adapted layer's or tied to a parameter outside them (peft's adapter would not
+    hold what trained)."""
+    names = set(cfg.modules_to_save or ())
+    if not names:
+        return
+    owners: dict[int, list[str]] = {}  # a parameter's names: a tied one has several
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    found = {part for paths in owners.values() for n in paths
+             for part in n.split(".")[:-1]} & names
+    if names - found:
         raise ValueError(f"lora.modules_to_save: {type(model).__name__} has no module with "
-                         f"parameters named {sorted(missing)}")
-    for _, m in chosen:
-        for p in m.parameters():
+                         f"parameters named {sorted(names - found)}")
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLinear) and set(name.split(".")) & names:
+            raise ValueError(f"lora.modules_to_save: {name} is adapted by LoRA (all-linear "
+                             f"or target_modules): leave it out of one of them")
+    for p in model.parameters():
+        paths = owners[id(p)]
+        saved = [n for n in paths if cfg.trains_whole(n)]
+        if saved:
+            others = [n for n in paths if n not in saved]
+            if others:
+                raise ValueError(f"lora.modules_to_save: {saved[0]} is tied to {others} "
+                                 f"(tie_word_embeddings?), which would train too; untie them "
+                                 f"(model overrides {{'tie_word_embeddings': False}}) or "
+                                 f"leave it out")
             p.requires_grad_(True)
 
 
@@ -180,14 +212,16 @@ class adapters_off:
 
     def __init__(self, model: torch.nn.Module):
         self.layers = list(lora_layers(model).values())
+        self.were: list[bool] = []
 
     def __enter__(self) -> None:
+        self.were = [m.adapters_on for m in self.layers]
         for m in self.layers:
             m.adapters_on = False
 
     def __exit__(self, *exc: Any) -> None:
-        for m in self.layers:
-            m.adapters_on = True
+        for m, on in zip(self.layers, self.were, strict=True):
+            m.adapters_on = on
 
 
 def merged(weights: dict[str, torch.Tensor], cfg: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -59,7 +59,8 @@ class ModelConfig:
     dtype: str = "float32"
     seed: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields, e.g. vocab_size
-    # LoRA adapters, the model frozen: {"rank", "alpha", "target_modules"} (asyncrl.hybrid.lora)
+    # LoRA adapters, the model frozen: {"rank", "alpha", "target_modules", "modules_to_save"}
+    # (asyncrl.hybrid.lora)
     lora: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -77,14 +78,13 @@ class ModelConfig:
         lora_config(self.lora)  # checked here: a bad entry fails before any group starts
 
     def frozen_model(self) -> dict[str, Any]:
-        """What fixes a LoRA model's frozen weights (a preset's seed; a checkpoint's path),
-        and its adapters' shapes: a trainer and a rollout exchanging adapters agree on it."""
-        import os
-
+        """What fixes a LoRA model's frozen weights (a preset's seed; a checkpoint's path, as
+        given: hosts may mount it in different places), and its adapters' shapes: a trainer
+        and a rollout exchanging adapters agree on it."""
         lora = lora_config(self.lora)
         return {"preset": self.preset, "seed": self.seed if self.path is None else None,
-                "path": os.path.abspath(self.path) if self.path is not None else None,
-                "overrides": self.overrides, "lora": lora.described() if lora else None}
+                "path": self.path, "overrides": self.overrides,
+                "lora": lora.described() if lora else None}
 
 
 # RL compares the log-probs of one sequence under the engine, the trainer and the reference:

@@ -31,7 +31,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
 from asyncrl.hybrid.export import POLICY_FILE, save_model_files
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
-from asyncrl.hybrid.lora import adapters_off
+from asyncrl.hybrid.lora import adapters_off, lora_config
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
     ModelConfig,
@@ -164,8 +164,8 @@ class Policy(Worker):
     def ref_logprobs(self, batch: TensorBatch) -> TensorBatch:
         """The frozen model's log-probs, this LoRA policy's adapters off: a reference with no
         Reference group (verl's reference in the actor), as Reference.logprobs gives them."""
-        lora = self.model_cfg.lora
-        if lora is None or lora.get("modules_to_save"):  # their training is not undone
+        lora = lora_config(self.model_cfg.lora)
+        if lora is None or lora.modules_to_save:  # their training is not undone
             raise ValueError(f"group {self.group_name!r}: ref_logprobs needs a LoRA model "
                              f"whose adapters alone train (model={{..., 'lora': {{'rank': "
                              f"16}}}}, no modules_to_save); this policy's reference is a "
@@ -187,7 +187,8 @@ class Policy(Worker):
     def sync_pack(self) -> TensorBatch | None:
         """The full weights, tagged with the policy version, packed for a Rollout group's
         `load_weights` (a collective: every rank gathers; rank 0's pack is the result). A
-        LoRA model's adapters only: the rollout holds the same frozen model."""
+        LoRA model's trained parameters only (adapters, modules_to_save): the rollout holds
+        the same frozen model."""
         self.to_train()
         start = time.perf_counter()
         if hasattr(self.backend, "gathered"):  # ZeRO: gathered one by one, kept on rank 0
@@ -228,8 +229,6 @@ class Policy(Worker):
         self.before_weights_change()  # a rollout may still be pulling a pack of the weights
         self.backend.load(folder / "train")
         self.version = int(torch.load(folder / POLICY_FILE)["version"])
-        if self.hybrid is not None:
-            self.hybrid.weights_replaced()
 
     @register
     def switch_report(self) -> dict:

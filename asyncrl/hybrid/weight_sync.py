@@ -11,8 +11,9 @@ Views of live parameters must not change while a rollout pulls them: `SyncSource
 the packs still held (in the object store, until every consumer pulled and the controller
 released them) and the trainer waits for none before its next optimizer step.
 
-Parameters sharded over several ranks are gathered bucket by bucket (one all_gather per ~32
-MiB, `asyncrl.hybrid.gather`) into one flat buffer, views of which are the pack's columns.
+Small parameters sharded over several ranks (up to SMALL_BYTES) are gathered together, one
+all_gather per bucket (`asyncrl.hybrid.gather`) into one flat buffer whose views are the
+pack's columns; large ones one by one, each straight into its own tensor.
 """
 
 from __future__ import annotations

@@ -124,6 +124,7 @@ class ZeroBackend(TrainBackend):
     def load(self, folder: Any) -> None:
         # the schedule's state comes back among the "client" states: checkpoints from before
         # schedules hold None there, which DeepSpeed would hand to load_state_dict
+        self.loads += 1
         path, client = self.engine.load_checkpoint(str(folder), tag=TAG,
                                                    load_lr_scheduler_states=False)
         if path is None:
@@ -177,14 +178,14 @@ class ZeroBackend(TrainBackend):
     def state_dict(self, everywhere: bool = True, trained: bool = False
                    ) -> dict[str, torch.Tensor]:
         """Full weights on the CPU, on every rank (or on rank 0 only: the others take part in
-        the gathers and keep nothing); `trained`: those the optimizer steps only (a LoRA
-        model's adapters). Under ZeRO-3 one parameter is whole at a time."""
+        the gathers and keep nothing); `trained`: without the frozen parameters (a LoRA
+        model's: its adapters and buffers go). Under ZeRO-3 one parameter is whole at a time."""
         keep = everywhere or dist.get_rank() == 0
         out: dict[str, torch.Tensor] = {}
         done: dict[int, torch.Tensor] = {}  # tied weights: gathered once, under each name
         for name, value in self.model.state_dict(keep_vars=True).items():
-            if trained and not value.requires_grad:
-                continue
+            if trained and isinstance(value, torch.nn.Parameter) and not value.requires_grad:
+                continue  # (a LoRA model's frozen weights; buffers still go)
             if id(value) not in done:
                 with self.gathered([value] if isinstance(value, torch.nn.Parameter) else []):
                     done[id(value)] = value.detach().to("cpu", copy=True) if keep else value
@@ -194,6 +195,7 @@ class ZeroBackend(TrainBackend):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """New weights in the model and in ZeRO's fp32 partitions the optimizer steps."""
+        self.loads += 1
         params = list(self.model.parameters())
         with self._ds.zero.GatheredParameters(params, modifier_rank=0, enabled=self.stage == 3):
             self.model.load_state_dict(state)
