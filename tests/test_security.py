@@ -202,6 +202,8 @@ for module in (pickle, _pickle):
 pickle._loads, pickle._load, pickle._Unpickler = loads, load, PyUnpickler
 with open("/proc/self/cmdline", "rb") as f:
     _write(f"armed {os.getpid()} " + f.read().replace(b"\\0", b" ").decode(errors="replace"))
+# torchrun agents forked from the agent server run no interpreter start of their own
+os.register_at_fork(after_in_child=lambda: _write(f"forked {os.getpid()} {os.getppid()}"))
 '''
 
 
@@ -236,13 +238,17 @@ def test_nothing_is_ever_unpickled_from_a_socket(tmp_path):
     ours = {result["driver"], *result["pids"]}  # the controller and every rank
     assert ours <= set(armed) and all("asyncrl.actors.rank_main" in armed[p]
                                       for p in result["pids"])
-    agents = [p for p, line in armed.items() if "torch.distributed.run" in line]
-    assert len(agents) == 2
+    servers = {p for p, line in armed.items() if "agent_fork" in line}
+    agents = [int(line.split()[1]) for line in lines if line.startswith("forked ")
+              and int(line.split()[2]) in servers]
+    assert len(servers) == 1 and len(agents) == 2
     # nothing at all in the controller or a rank; torchrun's agents read their own
     # rendezvous state from their c10d store with pickle (torch's, not asyncrl's sockets)
     unpickled = [line for line in lines if line.startswith("unpickled ")]
+    # (who unpickles: the innermost caller, first in the stack; an agent's stack starts in
+    # asyncrl's agent server, which runs torchrun's main)
     bad = [line for line in unpickled if int(line.split()[1]) not in agents
-           or "/asyncrl/" in line or "torch/distributed/elastic/rendezvous/" not in line]
+           or "torch/distributed/elastic/rendezvous/" not in line.split(" ", 3)[3].split(" < ")[0]]
     assert not bad, "\n".join(bad)
 
 

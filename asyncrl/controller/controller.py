@@ -41,7 +41,7 @@ from asyncrl.comm.dataplane import pool_prefix, run_prefix
 from asyncrl.comm.messages import Construct, Shutdown
 from asyncrl.comm.refs import make_ref
 from asyncrl.comm.shm import cleanup as cleanup_segments
-from asyncrl.controller.agent_fork import AgentServer
+from asyncrl.controller.agent_fork import AgentServer, forking_enabled
 from asyncrl.controller.cluster import Cluster
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
@@ -168,7 +168,6 @@ class Controller:
         self.releases = Releases(self)
         self._tasks: list[asyncio.Task] = []
         self._reaper = _Reaper()
-        self._no_server = False  # the agent server failed once: not tried again
         self._finalizer = weakref.finalize(self, self._reaper.kill_all)
         self._started = False
         self._closed = False
@@ -206,6 +205,7 @@ class Controller:
         self.channel = ControllerChannel(secret, self.host, curve_secret)
         self.channel.start(self.inbox.on_message)
         self._tasks = [self.loop.create_task(self.supervisor.run())]
+        self._agent_server()  # its torch import runs while the driver goes on to its groups
 
     async def close(self) -> None:
         """Shut every group down (killing what does not exit in time) and stop the plane."""
@@ -370,20 +370,22 @@ class Controller:
                      scratch=scratch, server=self._agent_server())
 
     def _agent_server(self) -> AgentServer | None:
-        """The warm process this controller's torchrun agents are forked from (started at
-        the first group; asyncrl.controller.agent_fork), or None: torchrun started anew
-        (the server failed to start, or ASYNCRL_FORK_AGENTS=0)."""
+        """The warm process this controller's torchrun agents are forked from
+        (asyncrl.controller.agent_fork; started with the controller, again if it died), or
+        None: torchrun started anew (hosts files, ASYNCRL_FORK_AGENTS=0, or it cannot
+        start)."""
         server = self._reaper.server
         if server is not None and server.alive:
             return server
-        if os.environ.get("ASYNCRL_FORK_AGENTS", "1") == "0" or self._no_server:
+        if self.cluster is not None or not forking_enabled():
             return None
+        if server is not None:
+            server.close()
         try:
             self._reaper.server = AgentServer(self._die_with_controller)
-        except (OSError, RuntimeError) as e:
+        except OSError as e:
             log.warning("asyncrl: torchrun agents start anew (%s)", e)
-            self._no_server = True
-            return None
+            self._reaper.server = None
         return self._reaper.server
 
     async def close_group(self, group: GroupHandle) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import asyncrl
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
+from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users import it here)
 from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
 
 _AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
@@ -27,22 +28,6 @@ _ROOT_CAUSE = re.compile(
     r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 # torchrun's own log line (not a rank's print) as it stops the ranks left
 _STOPPED = re.compile(r"\] Sending process (\d+) closing signal")
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
 
 
 def child_pids(pid: int) -> list[int]:
@@ -114,6 +99,16 @@ class Agent:
                 "--max-restarts", "0", "--monitor-interval", "0.1", *scratch,
                 "-m", "asyncrl.actors.rank_main"]
 
+    def _forked(self) -> ForkedAgent | None:
+        """The agent forked by the server (None: none, or it could not: torchrun anew)."""
+        if self._server is None or self._command is not None or not self._server.alive:
+            return None
+        try:
+            return self._server.start(self._torchrun_args(), self._env, str(self.log_path),
+                                      self._die_with_parent)
+        except RuntimeError:
+            return None
+
     def wait(self, timeout: float | None = None) -> None:
         if self.proc is not None:
             self.proc.wait(timeout)
@@ -128,10 +123,8 @@ class Agent:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_start = os.fstat(log.fileno()).st_size
-            if self._server is not None and self._command is None and self._server.alive:
-                self.proc = self._server.start(self._torchrun_args(), self._env,
-                                               str(self.log_path), self._die_with_parent)
-            else:
+            self.proc = self._forked()
+            if self.proc is None:
                 self.proc = subprocess.Popen(
                     self.command(), stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
