@@ -267,12 +267,15 @@ class AgentServer:
 
     def close(self) -> None:
         """Stop the server (agents still running get SIGTERM if they die with it). Its stdin
-        closing ends it, unless a fork of the controller holds the pipe too: then a signal."""
+        closing ends it, unless a fork of the controller holds the pipe too: then a signal.
+        One still importing torch has forked nothing (nothing is asked before it is ready)
+        and reads no stdin until it is done: signalled at once."""
         try:
             self._stdin.close()
         except OSError:
             pass
-        for stop, wait in ((None, 2.0), (self.proc.terminate, 5.0), (self.proc.kill, None)):
+        steps = ((None, 2.0), (self.proc.terminate, 5.0), (self.proc.kill, None))
+        for stop, wait in steps if self._ready.is_set() else steps[1:]:
             if stop is not None:
                 stop()
             try:
