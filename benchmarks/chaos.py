@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+RANK_TITLE = re.compile(r"asyncrl\.actors\.rank_main \[(\S+) rank \d+\]")
 FAST = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--transfer-timeout", "15"]
 
 
@@ -65,7 +67,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def ranks(proc: subprocess.Popen) -> dict[str, list[int]]:
-    """group -> pids of its live ranks (processes that run asyncrl's rank main)."""
+    """group -> pids of its live ranks (processes titled `... asyncrl.actors.rank_main [<group>
+    rank <r>]`, forked by the agent server or started anew)."""
     out: dict[str, list[int]] = {}
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -73,13 +76,11 @@ def ranks(proc: subprocess.Popen) -> dict[str, list[int]]:
         return out
     for p in children:
         try:
-            if "asyncrl.actors.rank_main" not in " ".join(p.cmdline()):
-                continue
-            group = p.environ().get("ASYNCRL_GROUP")
+            title = RANK_TITLE.search(" ".join(p.cmdline()))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if group:
-            out.setdefault(group, []).append(p.pid)
+        if title:
+            out.setdefault(title[1], []).append(p.pid)
     return out
 
 

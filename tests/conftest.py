@@ -12,6 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import BackgroundController, assert_gone, group_pids, wait_until  # noqa: E402
 
+from asyncrl.controller.agent_fork import shared_server_pid  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def bg():
@@ -27,14 +29,16 @@ def bg():
 
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
-    """Every test must leave no child process (torchrun agents, ranks, drivers) behind."""
+    """Every test must leave no child process (torchrun agents, ranks, drivers) behind; the
+    process-wide agent server (asyncrl/controller/agent_fork.py) outlives controllers."""
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
 
     def leftovers() -> list[int]:
         return [p.pid for p in me.children(recursive=True)
-                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+                if p.pid not in before and p.pid != shared_server_pid()
+                and p.status() != psutil.STATUS_ZOMBIE]
 
     wait_until(lambda: not leftovers(), 20, "child processes of the test to exit")
 

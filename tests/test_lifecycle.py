@@ -74,7 +74,12 @@ class SlowInit(asyncrl.Worker):
 
 def test_spawn_and_clean_shutdown_leave_no_process_or_folder(tmp_path, monkeypatch):
     # torchrun makes a folder of its own in the temporary directory it sees (its children
-    # read TMPDIR afresh): none may be left
+    # read TMPDIR afresh): none may be left. (The process's agent server, started before:
+    # torch's own cache folder, made when it imports torch._dynamo, is not ours to remove.)
+    from asyncrl.controller.agent_fork import shared_server
+
+    server = shared_server()
+    assert server is not None and server.ranks_address() is not None
     monkeypatch.setenv("TMPDIR", str(tmp_path))
 
     async def main():
@@ -367,27 +372,41 @@ def test_on_close_runs_on_every_rank_as_its_group_closes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["closed0", "closed1"]
 
 
-def test_agents_are_forked_from_one_warm_server_that_goes_with_the_controller(monkeypatch):
+def test_agents_are_forked_from_one_warm_server_shared_by_the_process(monkeypatch):
     """torchrun agents come from one process that imported torch once (asyncrl/controller/
-    agent_fork.py), each in a session of its own; the server goes with the controller.
-    ASYNCRL_FORK_AGENTS=0: torchrun started anew, a child of the controller."""
+    agent_fork.py), each in a session of its own; the server serves every controller of the
+    process, outlives the thread that started one, and ends at close_shared_server (or with
+    the process). ASYNCRL_FORK_AGENTS=0: torchrun started anew, a child of the controller."""
     import psutil
+
+    from asyncrl.controller.agent_fork import close_shared_server, shared_server_pid
 
     async def main():
         async with asyncrl.Controller() as ctl:
             a, b = await asyncio.gather(ctl.spawn(Sleeper, name="a"),
                                         ctl.spawn(Sleeper, name="b", nprocs=2))
             assert len(set(await a.pid() + await b.pid())) == 3  # every rank is up
-            server = ctl._reaper.server
             agents = [g.agent.pid for g in (a, b)]
             parents = [psutil.Process(p).ppid() for p in agents]
             sessions = {os.getsid(p) for p in agents}
-            return server.proc.pid if server else None, agents, parents, sessions, \
+            return shared_server_pid(), agents, parents, sessions, \
                 group_pids(a) + group_pids(b)
-    server, agents, parents, sessions, pids = run(main())
+
+    close_shared_server()  # the first controller below starts it, on a thread that ends
+    first: list = []
+    thread = threading.Thread(target=lambda: first.append(run(main())))
+    thread.start()
+    thread.join()
+    server, agents, parents, sessions, pids = first[0]
     assert server is not None and parents == [server, server]
     assert sessions == set(agents)  # each agent leads a session of its own
-    assert_gone(pids + agents + [server])
+    assert_gone(pids + agents)
+    assert pid_alive(server)
+    again, agents, parents, _, pids = run(main())
+    assert again == server and parents == [server, server]
+    assert_gone(pids + agents)
+    close_shared_server()
+    assert_gone([server])
     monkeypatch.setenv("ASYNCRL_FORK_AGENTS", "0")
     server, agents, parents, _, pids = run(main())
     assert server is None and parents == [os.getpid()] * 2

@@ -235,13 +235,16 @@ def test_nothing_is_ever_unpickled_from_a_socket(tmp_path):
 
     lines = log.read_text().splitlines()
     armed = {int(line.split()[1]): line for line in lines if line.startswith("armed ")}
-    ours = {result["driver"], *result["pids"]}  # the controller and every rank
-    assert ours <= set(armed) and all("asyncrl.actors.rank_main" in armed[p]
-                                      for p in result["pids"])
+    assert result["driver"] in armed
     servers = {p for p, line in armed.items() if "agent_fork" in line}
-    agents = [int(line.split()[1]) for line in lines if line.startswith("forked ")
-              and int(line.split()[2]) in servers]
-    assert len(servers) == 1 and len(agents) == 2
+    forked = {int(line.split()[1]) for line in lines if line.startswith("forked ")
+              and int(line.split()[2]) in servers}
+    # every rank forked from the agent server (asyncrl/actors/rank_fork.py), which was
+    # armed as it started; torchrun's stand-ins for them run no site (-S) and unpickle
+    # nothing (stdlib json)
+    assert len(servers) == 1 and set(result["pids"]) <= forked
+    agents = forked - set(result["pids"])
+    assert len(agents) == 2
     # nothing at all in the controller or a rank; torchrun's agents read their own
     # rendezvous state from their c10d store with pickle (torch's, not asyncrl's sockets)
     unpickled = [line for line in lines if line.startswith("unpickled ")]

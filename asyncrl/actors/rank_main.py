@@ -34,6 +34,8 @@ import zmq
 from asyncrl.actors import debugger
 from asyncrl.actors.output import OutputCapture
 from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
+from asyncrl.actors.rank_client import STAND_IN
+from asyncrl.actors.rank_fork import set_title
 from asyncrl.actors.register import registered_methods
 from asyncrl.actors.worker import construct
 from asyncrl.comm import codec, nccl
@@ -187,8 +189,9 @@ class RankMain:
 
     def hello(self, role: str) -> Hello:
         gpu = device_uuid(gpu_index()) if torch.cuda.is_available() else ""
+        launched = int(os.environ.get(STAND_IN, os.getpid()))  # what torchrun started
         return Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
-                     self.host, role, self.data.address, gpu)
+                     self.host, role, self.data.address, gpu, launched)
 
     def data_client(self, identity: str) -> DataClient:
         return DataClient(self.ctx, self.secret, identity, self.host, self.segments,
@@ -359,6 +362,9 @@ def pin_cpus() -> int:
 
 
 def main() -> None:
+    # as `ps` shows every rank, forked (asyncrl/actors/rank_fork.py) or started anew
+    set_title(f"{sys.executable} -m asyncrl.actors.rank_main [{os.environ.get('ASYNCRL_GROUP')}"
+              f" rank {os.environ.get('RANK')}]")
     os.nice(int(os.environ.get("ASYNCRL_NICE", "0")))  # the group's `nice`: 0 by default
     cores = pin_cpus()
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))

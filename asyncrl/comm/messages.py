@@ -38,6 +38,8 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     role: str
     data_addr: str = ""  # the rank's data-plane server, where consumers pull its objects
     gpu: str = ""  # the UUID of the rank's GPU ("" without one)
+    launched: int = 0  # the pid torchrun started for it: its own, or its stand-in's
+    # (asyncrl/actors/rank_fork.py)
 
 
 class Construct(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

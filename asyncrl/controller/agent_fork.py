@@ -2,11 +2,11 @@
 
 A group's agent is torchrun (`torch.distributed.run`), which imports torch before it starts a
 rank: 2.6 s of the 5.5 s a 1-rank group takes to start on 2 cores, paid again by every group
-of a flow and by every restart. A controller's `AgentServer` (started with the controller)
-imports it once, then forks each agent from it (the server is single-threaded: fork is safe
-there, as DataLoader workers fork after importing torch). The agent runs torchrun's own
-`main` with the group's arguments, environment, working directory and log, in a session of
-its own, as a new torchrun process would.
+of a flow and by every restart. One `AgentServer` per process (`shared_server()`, started with
+the first controller) imports it once, then forks each agent from it (the server is
+single-threaded: fork is safe there, as DataLoader workers fork after importing torch). The
+agent runs torchrun's own `main` with the group's arguments, environment, working directory
+and log, in a session of its own, as a new torchrun process would.
 
 Lines of JSON on the server's stdin and on a private copy of its stdout (fd 1 itself goes to
 stderr, so a stray print cannot break the protocol): {"argv", "env", "cwd", "umask", "log",
@@ -18,19 +18,27 @@ server takes its groups down, as a dead controller does).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import json
+import logging
 import os
+import queue
 import select
 import signal
 import subprocess
 import sys
 import threading
-import traceback
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from asyncrl.actors.rank_fork import run_forked, serve_ranks, set_title, take_place
+
+log = logging.getLogger("asyncrl")
 _PR_SET_PDEATHSIG = 1
 READY_TIMEOUT = 120.0  # the server's torch import, on a loaded machine
 ANSWER_TIMEOUT = 60.0
@@ -60,41 +68,30 @@ def pid_alive(pid: int) -> bool:
             return False
 
 
-def forking_enabled() -> bool:
-    return os.environ.get("ASYNCRL_FORK_AGENTS", "1").lower() not in ("0", "false", "no")
+def forking_enabled(what: str = "AGENTS") -> bool:
+    """ASYNCRL_FORK_AGENTS=0: torchrun agents start anew (and so do ranks);
+    ASYNCRL_FORK_RANKS=0: ranks do."""
+    return os.environ.get(f"ASYNCRL_FORK_{what}", "1").lower() not in ("0", "false", "no")
 
 
 # -- the server ------------------------------------------------------------------------------
-def _agent(torchrun: Any, ask: dict[str, Any], proto: int) -> NoReturn:
-    """In the forked child: become the group's torchrun."""
-    code = 1
-    try:
-        os.close(proto)
-        os.setsid()
-        if ask["die_with_parent"]:
-            die_with_parent()
-        os.chdir(ask["cwd"])
-        os.umask(ask["umask"])
-        log = os.open(ask["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.environ.clear()
-        os.environ.update(ask["env"])
-        sys.argv = [torchrun.__file__, *ask["argv"]]
-        torchrun.main(ask["argv"])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # as `python -m torch.distributed.run` reports it, exit code 1
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+def _agent(torchrun: Any, ask: dict[str, Any], proto: int, ranks: Any) -> None:
+    """In the forked child: become the group's torchrun (run by run_forked)."""
+    os.close(proto)
+    if ranks is not None:
+        ranks.forget()
+    os.setsid()
+    if ask["die_with_parent"]:
+        die_with_parent()
+    log = os.open(ask["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    take_place(ask)
+    sys.argv = [torchrun.__file__, *ask["argv"]]
+    set_title(" ".join([sys.executable, "-m", "torch.distributed.run", *ask["argv"]]))
+    torchrun.main(ask["argv"])
 
 
 def serve() -> None:
@@ -102,17 +99,27 @@ def serve() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # waitpid must see the agents
+    # (first while the environment is as the process began: setproctitle takes its space)
+    set_title(f"{sys.executable} -m asyncrl.controller.agent_fork [the agent server of "
+              f"{os.getppid()}]")
 
     def send(msg: dict[str, Any]) -> None:
         os.write(proto, (json.dumps(msg) + "\n").encode())  # unbuffered: nothing to copy
 
     import torch.distributed.run as torchrun  # the import every agent used to pay
 
-    send({"ready": True})
-    children: set[int] = set()
+    ranks = None
+    if forking_enabled("RANKS"):
+        ranks = serve_ranks()  # (imports what every rank imports)
+    send({"ready": True, "ranks": ranks.address if ranks is not None else None})
+    children: set[int] = set()  # agents
     pending = b""
     while True:
-        if select.select([0], [], [], 0.05)[0]:
+        readable = select.select([0, *(ranks.watched() if ranks else ())], [], [], 0.05)[0]
+        for fd in readable:
+            if fd != 0 and ranks is not None:
+                ranks.readable(fd, close_in_child=[proto])
+        if 0 in readable:
             data = os.read(0, 1 << 16)
             if not data:
                 os._exit(0)  # the controller closed (or died): no teardown of torch
@@ -126,15 +133,22 @@ def serve() -> None:
                     send({"error": f"fork: {e}"})
                     continue
                 if pid == 0:
-                    _agent(torchrun, ask, proto)
+                    run_forked(functools.partial(_agent, torchrun, ask, proto, ranks))
                 children.add(pid)
                 send({"pid": pid})
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
             if pid == 0:
                 break
-            children.discard(pid)
-            send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            code = os.waitstatus_to_exitcode(status)
+            if pid in children:
+                children.discard(pid)
+                send({"exit": pid, "code": code})
+            elif ranks is not None:
+                ranks.exited(pid, code)
 
 
 # -- the controller's side ---------------------------------------------------------------------
@@ -168,17 +182,17 @@ def _watch(agent: ForkedAgent) -> None:
 
 
 class AgentServer:
-    """One controller's server: started with it (its torch import runs meanwhile), used by
-    its first group on, closed with it."""
+    """A server process and the controller's side of its protocol. It dies with the thread
+    that started it (see `shared_server`)."""
 
-    def __init__(self, dies_with_controller: bool):
+    def __init__(self) -> None:
         root = str(Path(__file__).resolve().parents[2])  # asyncrl importable, as the ranks
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from asyncrl.controller.agent_fork import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True,
-            preexec_fn=die_with_parent if dies_with_controller else None)
+            preexec_fn=die_with_parent)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
         self._lock = threading.Lock()  # one request at a time: answers come in order
@@ -187,6 +201,7 @@ class AgentServer:
         self._agents: dict[int, ForkedAgent] = {}
         self._ended: dict[int, int] = {}  # exits reported before their handle was made
         self._ready = threading.Event()
+        self._ranks: str | None = None  # where it forks ranks (asyncrl.actors.rank_fork)
         self._eof = False  # the server's output ended: it reports nothing more
         self.broken = False  # an answer never came: not used again
         self._reader = threading.Thread(target=self._read, daemon=True,
@@ -213,6 +228,7 @@ class AgentServer:
 
     def _take(self, msg: dict[str, Any]) -> None:
         if "ready" in msg:
+            self._ranks = msg.get("ranks")
             self._ready.set()
         elif "pid" in msg or "error" in msg:
             with self._answered:
@@ -229,6 +245,11 @@ class AgentServer:
     @property
     def alive(self) -> bool:
         return not self.broken and not self._eof and self.proc.poll() is None
+
+    def ranks_address(self) -> str | None:
+        """Where this server forks ranks (once it is ready), or None: it does not."""
+        self._ready.wait(READY_TIMEOUT)
+        return self._ranks
 
     def start(self, argv: list[str], env: dict[str, str], log: str,
               die_with_parent: bool) -> ForkedAgent:
@@ -285,3 +306,78 @@ class AgentServer:
                 continue
         if self._reader is not threading.current_thread():
             self._reader.join(10)
+
+
+# -- one per process ---------------------------------------------------------------------------
+class _Starter:
+    """Starts servers from one thread that lives as long as the process: a parent-death
+    signal follows the thread that forked, and a controller's thread may end before its
+    process (a controller on a background thread)."""
+
+    def __init__(self) -> None:
+        self._asks: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True,
+                         name="asyncrl-agent-server-starter").start()
+
+    def _run(self) -> None:
+        while True:
+            make, done = self._asks.get()
+            try:
+                done.set_result(make())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+    def start(self) -> AgentServer:
+        done: Future = Future()
+        self._asks.put((AgentServer, done))
+        return done.result()
+
+
+_lock = threading.Lock()
+_starter: _Starter | None = None
+_server: AgentServer | None = None
+
+
+def shared_server() -> AgentServer | None:
+    """This process's agent server, shared by its controllers: started on first use (its
+    torch import runs while the caller goes on), again if it died; None if it cannot start
+    (torchrun is then started anew). It ends with the process, or at `close_shared_server`;
+    agents started to die with their controller die with it."""
+    global _starter, _server
+    with _lock:
+        if _server is not None and _server.alive:
+            return _server
+        old, _server = _server, None
+        if old is not None:
+            old.close()
+        try:
+            if _starter is None:
+                _starter = _Starter()
+            _server = _starter.start()
+        except OSError as e:
+            log.warning("asyncrl: torchrun agents start anew (%s)", e)
+        return _server
+
+
+def shared_server_pid() -> int | None:
+    """The running server's pid (a process that outlives controllers, by design)."""
+    server = _server
+    return server.proc.pid if server is not None and server.alive else None
+
+
+def close_shared_server() -> None:
+    global _server
+    with _lock:
+        server, _server = _server, None
+    if server is not None:
+        server.close()
+
+
+def _forget_after_fork() -> None:
+    """A forked child shares the parent's pipes to the server, not its starter thread."""
+    global _lock, _starter, _server
+    _lock, _starter, _server = threading.Lock(), None, None
+
+
+atexit.register(close_shared_server)
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -41,7 +41,7 @@ from asyncrl.comm.dataplane import pool_prefix, run_prefix
 from asyncrl.comm.messages import Construct, Shutdown
 from asyncrl.comm.refs import make_ref
 from asyncrl.comm.shm import cleanup as cleanup_segments
-from asyncrl.controller.agent_fork import AgentServer, forking_enabled
+from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_server
 from asyncrl.controller.cluster import Cluster
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
@@ -74,7 +74,6 @@ class _Reaper:
 
     def __init__(self) -> None:
         self.agents: list[Agent] = []
-        self.server: AgentServer | None = None  # what forks the agents, once started
 
     def kill_all(self) -> None:
         for agent in self.agents:
@@ -84,8 +83,6 @@ class _Reaper:
                     agent.wait(timeout=5)
                 except Exception:  # noqa: BLE001 - best effort at exit
                     pass
-        if self.server is not None:
-            self.server.close()
 
 
 class Controller:
@@ -370,23 +367,12 @@ class Controller:
                      scratch=scratch, server=self._agent_server())
 
     def _agent_server(self) -> AgentServer | None:
-        """The warm process this controller's torchrun agents are forked from
-        (asyncrl.controller.agent_fork; started with the controller, again if it died), or
-        None: torchrun started anew (hosts files, ASYNCRL_FORK_AGENTS=0, or it cannot
-        start)."""
-        server = self._reaper.server
-        if server is not None and server.alive:
-            return server
+        """The warm process torchrun agents are forked from (asyncrl.controller.agent_fork;
+        one per process, shared by its controllers), or None: torchrun started anew (hosts
+        files, ASYNCRL_FORK_AGENTS=0, or it cannot start)."""
         if self.cluster is not None or not forking_enabled():
             return None
-        if server is not None:
-            server.close()
-        try:
-            self._reaper.server = AgentServer(self._die_with_controller)
-        except OSError as e:
-            log.warning("asyncrl: torchrun agents start anew (%s)", e)
-            self._reaper.server = None
-        return self._reaper.server
+        return shared_server()
 
     async def close_group(self, group: GroupHandle) -> None:
         """Shut one group down (its ranks exit; pending calls fail with ClosedError)."""

@@ -103,7 +103,7 @@ class Inbox:
         info = group.ranks.get(msg.rank)
         if info is None:
             info = group.ranks[msg.rank] = RankInfo(msg.pid, msg.host, time.monotonic())
-            group.agent.rank_started(msg.rank, msg.pid, msg.host)
+            group.agent.rank_started(msg.rank, msg.pid, msg.host, msg.launched)
         if msg.role == "io":
             info.identity, info.data_addr, info.gpu = identity, msg.data_addr, msg.gpu
         elif msg.role == "exec":

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import asyncrl
-from asyncrl.controller.agent_fork import AgentServer, ForkedAgent
+from asyncrl.actors import rank_client
+from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
 from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users import it here)
 from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
@@ -85,6 +86,7 @@ class Agent:
         self.proc: subprocess.Popen | ForkedAgent | None = None
         self.rank_pids: dict[int, int] = {}
         self._rank_birth: dict[int, str | None] = {}  # when each rank's process started
+        self._launched: dict[int, int] = {}  # the pid torchrun started -> the rank's
         self._log_start = 0  # where this agent's output starts in the log (a respawned
         # group's agent appends to its predecessor's): tail() and root_cause() read from there
 
@@ -93,19 +95,24 @@ class Agent:
             return self._command
         return [sys.executable, "-m", "torch.distributed.run", *self._torchrun_args()]
 
-    def _torchrun_args(self) -> list[str]:
+    def _torchrun_args(self, forked_ranks: bool = False) -> list[str]:
+        """torchrun's arguments; `forked_ranks`: each rank's process is a stand-in for a
+        rank the agent server forks (asyncrl/actors/rank_fork.py)."""
         scratch = ["--log-dir", str(self.scratch)] if self.scratch is not None else []
+        program = ["--no-python", sys.executable, "-I", "-S", rank_client.__file__] \
+            if forked_ranks else ["-m", "asyncrl.actors.rank_main"]
         return ["--standalone", "--nnodes", "1", "--nproc-per-node", str(self.nprocs),
-                "--max-restarts", "0", "--monitor-interval", "0.1", *scratch,
-                "-m", "asyncrl.actors.rank_main"]
+                "--max-restarts", "0", "--monitor-interval", "0.1", *scratch, *program]
 
     def _forked(self) -> ForkedAgent | None:
         """The agent forked by the server (None: none, or it could not: torchrun anew)."""
         if self._server is None or self._command is not None or not self._server.alive:
             return None
+        ranks = self._server.ranks_address() if forking_enabled("RANKS") else None
+        env = {**self._env, rank_client.SERVER: ranks} if ranks else self._env
         try:
-            return self._server.start(self._torchrun_args(), self._env, str(self.log_path),
-                                      self._die_with_parent)
+            return self._server.start(self._torchrun_args(ranks is not None), env,
+                                      str(self.log_path), self._die_with_parent)
         except RuntimeError:
             return None
 
@@ -113,10 +120,13 @@ class Agent:
         if self.proc is not None:
             self.proc.wait(timeout)
 
-    def rank_started(self, rank: int, pid: int, host: str) -> None:
+    def rank_started(self, rank: int, pid: int, host: str, launched: int = 0) -> None:
+        """Rank `rank` runs as `pid`; torchrun knows it as `launched` (its stand-in's pid
+        when the agent server forked it)."""
         if self.local:
             self.rank_pids[rank] = pid
             self._rank_birth[rank] = _birth(pid)
+            self._launched[launched or pid] = pid
 
     def start(self, on_exit: Callable[[int], None]) -> None:
         """Start torchrun; `on_exit(returncode)` is called from a watcher thread."""
@@ -158,7 +168,8 @@ class Agent:
     def stopped_pids(self) -> set[int]:
         """Pids torchrun itself stopped because another rank failed: followers, not causes
         (logged at the end: the log's last 256 KiB)."""
-        return {int(p) for p in _STOPPED.findall(self._read_log(1 << 18))}
+        return {self._launched.get(int(p), int(p))
+                for p in _STOPPED.findall(self._read_log(1 << 18))}
 
     def _read_log(self, last: int | None = None) -> str:
         """This agent's part of its log (at most its `last` bytes); "" when unreadable."""
@@ -210,11 +221,11 @@ class HostAgents:
     def rank_pids(self) -> dict[int, int]:
         return {r: p for a in self.agents for r, p in a.rank_pids.items()}
 
-    def rank_started(self, rank: int, pid: int, host: str) -> None:
+    def rank_started(self, rank: int, pid: int, host: str, launched: int = 0) -> None:
         """Pids of ranks on this machine only: a remote pid names nothing here."""
         for a in self.agents:
             if a.host == host:
-                a.rank_started(rank, pid, host)
+                a.rank_started(rank, pid, host, launched)
 
     @property
     def proc(self) -> subprocess.Popen | ForkedAgent | None:

@@ -85,7 +85,7 @@ class HybridEngine:
         self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []  # theirs, meanwhile
         self._frozen_plan: list[Any] | None = None  # gather plans, made once
         self._trained_plan: list[Any] = []
-        self._gatherer = Gatherer()  # its buffers reused: warm memory
+        self._gatherer = Gatherer(self._whole)  # its buffers reused: warm memory
         self._release()  # built in train mode: the engine holds nothing until generating
 
     @torch.no_grad()
@@ -124,17 +124,8 @@ class HybridEngine:
         loads = getattr(self.backend, "loads", 0)  # (a backend that never reloads: 0)
         plan = self._trained_plan if self._frozen_at == loads else \
             self._frozen_plan + self._trained_plan
-        if self._zero:  # ZeRO-3 gathers in place, one parameter at a time (no DTensors:
-            # its plans hold (parameter, target) pairs only)
-            self.peak_gather_bytes = 0
-            for param, target in plan:
-                with self._whole(param) as whole:
-                    target.copy_(whole)
-                    self.peak_gather_bytes = max(self.peak_gather_bytes,
-                                                 whole.numel() * whole.element_size())
-        else:
-            self._gatherer.run(plan)
-            self.peak_gather_bytes = self._gatherer.peak_bytes
+        self._gatherer.run(plan)  # (ZeRO: no DTensors, so no buckets: one by one, in place)
+        self.peak_gather_bytes = self._gatherer.peak_bytes
         self._frozen_at = loads
 
     def _fill_by_name(self) -> None:

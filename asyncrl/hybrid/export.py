@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.hybrid.lora import is_adapter, lora_config, merged
+from asyncrl.hybrid.lora import is_adapter, merged
 from asyncrl.hybrid.models import ModelConfig, hf_config
 from asyncrl.hybrid.zero import TAG
 
@@ -147,7 +147,7 @@ def export(path: Path, out: Path, group: str | None = None,
     config = AutoConfig.from_pretrained(folder / HF_FOLDER, local_files_only=True)
     target = _dtype(dtype, config, cfg)
     weights = trained_weights(folder)
-    lora = lora_config(cfg.lora)
+    lora = cfg.lora
     adapters: dict[str, torch.Tensor] = {}
     if lora is not None:  # what trained, for peft's file; merged in place, a layer at a time
         adapters = {k: v for k, v in weights.items() if is_adapter(k) or lora.trains_whole(k)}
@@ -198,7 +198,7 @@ def _save_adapter(out: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig
     and adapter_config.json (base_model_name_or_path: the checkpoint it started from)."""
     from safetensors.torch import save_file
 
-    lora = lora_config(cfg.lora)
+    lora = cfg.lora
     assert lora is not None
     out.mkdir()
     save_file({f"base_model.model.{k}.weight" if is_adapter(k) else f"base_model.model.{k}":

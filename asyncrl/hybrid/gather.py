@@ -1,7 +1,7 @@
 """Sharded parameters gathered whole into given tensors, bucket by bucket: one all_gather per
 ~`bucket_bytes` of row-sharded parameters (FSDP2 alone) through reused buffers (warm memory),
-the rest (TP's DTensors, unsharded ones) one by one. The hybrid engine gathers into its
-engine's weights; a weight sync into the pack it sends.
+the rest (TP's DTensors, unsharded ones, DeepSpeed ZeRO's) one by one. The hybrid engine
+gathers into its engine's weights; a weight sync into the pack it sends.
 
     plan = plan_gather([(param, target), ...], bucket_bytes)   # once: the shards stay put
     gatherer.run(plan)                                          # each time
@@ -9,7 +9,8 @@ engine's weights; a weight sync into the pack it sends.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -69,10 +70,18 @@ def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int) ->
     return plan
 
 
-class Gatherer:
-    """Runs gather plans through its buffers, sized for the widest bucket it met."""
+@contextmanager
+def _full(param: Any) -> Iterator[torch.Tensor]:
+    yield full(param.detach())
 
-    def __init__(self) -> None:
+
+class Gatherer:
+    """Runs gather plans through its buffers, sized for the widest bucket it met. `whole`
+    makes a parameter of no bucket whole for a moment (DeepSpeed ZeRO-3 gathers in place);
+    by default a DTensor's full_tensor()."""
+
+    def __init__(self, whole: Callable[[Any], AbstractContextManager[torch.Tensor]] = _full):
+        self._whole = whole
         self._local: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
         self.peak_bytes = 0  # the largest gathered tensor alive at once, last run
@@ -85,10 +94,9 @@ class Gatherer:
                 self._bucket(item, plan)
                 continue
             param, target = item
-            whole = full(param.detach())
-            target.copy_(whole)
-            self.peak_bytes = max(self.peak_bytes, whole.numel() * whole.element_size())
-            del whole  # one whole parameter alive at a time
+            with self._whole(param) as whole:  # one whole parameter alive at a time
+                target.copy_(whole)
+                self.peak_bytes = max(self.peak_bytes, whole.numel() * whole.element_size())
 
     def _bucket(self, bucket: Bucket, plan: list[Any]) -> None:
         """One all_gather for the bucket's parameters, then each rank's real rows copied

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncrl.hybrid.lora import apply_lora, lora_config
+from asyncrl.hybrid.lora import LoraConfig, apply_lora, lora_config
 
 
 def tiny_llama() -> Any:
@@ -60,8 +60,8 @@ class ModelConfig:
     seed: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields, e.g. vocab_size
     # LoRA adapters, the model frozen: {"rank", "alpha", "target_modules", "modules_to_save"}
-    # (asyncrl.hybrid.lora)
-    lora: dict[str, Any] | None = None
+    # given as a dict or a LoraConfig (asyncrl.hybrid.lora), held as a LoraConfig
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.path is not None:
@@ -75,16 +75,15 @@ class ModelConfig:
                              f"{sorted(PRESETS)}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"ModelConfig.dtype: {self.dtype!r} is not a torch dtype")
-        lora_config(self.lora)  # checked here: a bad entry fails before any group starts
+        self.lora = lora_config(self.lora)  # a bad entry fails before any group starts
 
     def frozen_model(self) -> dict[str, Any]:
         """What fixes a LoRA model's frozen weights (a preset's seed; a checkpoint's path, as
         given: hosts may mount it in different places), and its adapters' shapes: a trainer
         and a rollout exchanging adapters agree on it."""
-        lora = lora_config(self.lora)
         return {"preset": self.preset, "seed": self.seed if self.path is None else None,
                 "path": self.path, "overrides": self.overrides,
-                "lora": lora.described() if lora else None}
+                "lora": self.lora.described() if self.lora else None}
 
 
 # RL compares the log-probs of one sequence under the engine, the trainer and the reference:
@@ -128,9 +127,8 @@ def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
                                          dtype=dtype)
         else:
             model = auto.from_config(config).to(dtype)
-        lora = lora_config(cfg.lora)
-        if lora is not None:
-            apply_lora(model, lora)
+        if cfg.lora is not None:
+            apply_lora(model, cfg.lora)
         return model
 
 

@@ -31,7 +31,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
 from asyncrl.hybrid.export import POLICY_FILE, save_model_files
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
-from asyncrl.hybrid.lora import adapters_off, lora_config
+from asyncrl.hybrid.lora import adapters_off
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
     ModelConfig,
@@ -164,7 +164,7 @@ class Policy(Worker):
     def ref_logprobs(self, batch: TensorBatch) -> TensorBatch:
         """The frozen model's log-probs, this LoRA policy's adapters off: a reference with no
         Reference group (verl's reference in the actor), as Reference.logprobs gives them."""
-        lora = lora_config(self.model_cfg.lora)
+        lora = self.model_cfg.lora
         if lora is None or lora.modules_to_save:  # their training is not undone
             raise ValueError(f"group {self.group_name!r}: ref_logprobs needs a LoRA model "
                              f"whose adapters alone train (model={{..., 'lora': {{'rank': "

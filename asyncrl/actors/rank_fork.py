@@ -1,0 +1,276 @@
+"""Ranks forked from the agent server (asyncrl.controller.agent_fork), which imported what
+every rank imports (torch, asyncrl's rank program, transformers' model code): a rank used to
+spend 3-6 s of CPU importing them, for every rank of every group and every restart.
+
+torchrun still starts each rank's process: `rank_client.py`, which connects to the server's
+abstract unix socket, hands over its stdin/stdout/stderr (SCM_RIGHTS) with its environment,
+directory and umask, and stands in for the rank the server forks. The rank runs
+`rank_main.main()` with that environment, in a session of its own, as torchrun's workers do.
+The server reports its exit to the stand-in; a stand-in that dies takes its rank with it.
+
+A rank is refused (and its stand-in runs `python -m asyncrl.actors.rank_main` itself) when
+the server would not give it what a new interpreter would: an environment variable that
+Python or torch read at start-up differs, or its path finds another asyncrl.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import io
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from asyncrl.actors.rank_client import STAND_IN
+
+# what a rank imports, once here; transformers' for the model presets (asyncrl.hybrid.models)
+PRELOAD = ("asyncrl.actors.rank_main", "asyncrl.hybrid.roles", "asyncrl.rl",
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
+# read when Python or torch start (a forked rank never starts): the same as the server's or
+# the rank starts anew. OMP_NUM_THREADS is not: every rank calls torch.set_num_threads.
+START_KEYS = ("PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONWARNINGS",
+              "PYTHONDEVMODE", "PYTHONOPTIMIZE", "PYTHONMALLOC", "PYTHONNOUSERSITE",
+              "PYTHONUSERBASE", "PYTHONDONTWRITEBYTECODE", "PYTHONSTARTUP", "LD_PRELOAD",
+              "LD_LIBRARY_PATH", "LOGLEVEL", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS",
+              "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISABLE_ADDR2LINE")
+START_PREFIXES = ("KMP_", "MKL_", "GOMP_", "OPENBLAS_", "MALLOC_", "TRANSFORMERS_", "HF_")
+REQUEST_LIMIT = 1 << 22  # a rank's environment and directory
+
+
+def set_title(title: str) -> None:
+    """What `ps` shows for this process: a forked one would show the server's command line
+    (tools find ranks by theirs). Best effort: without setproctitle, unchanged."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return
+    setproctitle(title)
+
+
+def _start_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k in START_KEYS or k.startswith(START_PREFIXES)}
+
+
+class RankForker:
+    """The server's side: a listening socket, and per forked rank the stand-in's connection
+    its exit goes to."""
+
+    def __init__(self) -> None:
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass  # (an optional one): the rank imports it if it needs it
+        self.start_env = _start_env(dict(os.environ))
+        given = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        self.site_path = [p for p in sys.path[1:] if p not in given]  # sys.path[0]: -c's ''
+        import asyncrl
+
+        self.asyncrl = os.path.dirname(os.path.abspath(asyncrl.__file__))
+        self.address = f"asyncrl-ranks-{os.getpid()}-{os.urandom(8).hex()}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + self.address)
+        self.listener.listen(256)
+        self.stand_ins: dict[int, socket.socket] = {}  # rank pid -> its stand-in's connection
+        self.by_fd: dict[int, int] = {}  # a connection's fd -> its rank's pid
+
+    def watched(self) -> list[int]:
+        return [self.listener.fileno(), *self.by_fd]
+
+    def readable(self, fd: int, close_in_child: list[int]) -> None:
+        if fd == self.listener.fileno():
+            self._accept(close_in_child)
+            return
+        pid = self.by_fd[fd]
+        conn = self.stand_ins[pid]
+        try:
+            gone = not conn.recv(1 << 10)
+        except OSError:
+            gone = True
+        if gone:  # the stand-in died (torchrun killed it): so does its rank
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._drop(pid)
+
+    def exited(self, pid: int, code: int) -> bool:
+        """Report a forked rank's exit to its stand-in; False: not one of ours."""
+        conn = self.stand_ins.get(pid)
+        if conn is None:
+            return False
+        try:
+            conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+        except OSError:
+            pass
+        self._drop(pid)
+        return True
+
+    def _drop(self, pid: int) -> None:
+        conn = self.stand_ins.pop(pid)
+        self.by_fd.pop(conn.fileno(), None)
+        conn.close()
+
+    def forget(self) -> None:
+        """In a forked child: its copies of the server's sockets closed (the stand-ins must
+        see EOF when the server goes)."""
+        for sock in (self.listener, *self.stand_ins.values()):
+            os.close(sock.detach())
+        self.stand_ins, self.by_fd = {}, {}
+
+    def _accept(self, close_in_child: list[int]) -> None:
+        conn, _ = self.listener.accept()
+        fds: list[int] = []
+        try:
+            conn.settimeout(10)  # a stand-in sends its request at once
+            peer, uid, _ = struct.unpack("3i", conn.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            if uid != os.getuid():
+                raise PermissionError(f"uid {uid} is not the server's")
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            if len(data) < 4 or len(fds) != 3:
+                raise ValueError("a request needs its length and three fds")
+            size = struct.unpack("!I", data[:4])[0]
+            if size > REQUEST_LIMIT:
+                raise ValueError(f"a request of {size} bytes")
+            data = data[4:]
+            while len(data) < size:
+                more = conn.recv(size - len(data))
+                if not more:
+                    raise ValueError("the request was cut short")
+                data += more
+            ask = json.loads(data)
+            ask["stand_in"] = peer
+            why = self._refusal(ask)
+            if why:
+                raise ValueError(why)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            try:
+                conn.sendall(json.dumps({"error": str(e)}).encode() + b"\n")
+            except OSError:
+                pass
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        conn.settimeout(None)
+        pid = os.fork()
+        if pid == 0:
+            self.forget()
+            os.close(conn.detach())
+            run_forked(lambda: _become_rank(ask, fds, close_in_child))
+        for fd in fds:
+            os.close(fd)
+        self.stand_ins[pid] = conn
+        self.by_fd[conn.fileno()] = pid
+        try:
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:  # the stand-in is gone already: the next select sees it
+            pass
+
+    def _refusal(self, ask: dict[str, Any]) -> str | None:
+        env = ask["env"]
+        if not isinstance(env, dict) or not isinstance(ask["cwd"], str) or \
+                not isinstance(ask["umask"], int):
+            return "a malformed request"
+        import torch
+
+        if torch.cuda.is_initialized():  # a forked child could not use CUDA
+            return "the server initialised CUDA"
+        theirs = _start_env(env)
+        if theirs != self.start_env:
+            keys = sorted(k for k in set(theirs) | set(self.start_env)
+                          if theirs.get(k) != self.start_env.get(k))
+            return f"{', '.join(keys)} differs from the server's (read at start-up)"
+        spec = importlib.machinery.PathFinder.find_spec("asyncrl", _rank_path(self, env,
+                                                                                ask["cwd"]))
+        found = spec.submodule_search_locations if spec is not None else None
+        if not found or os.path.abspath(list(found)[0]) != self.asyncrl:
+            return f"its path finds another asyncrl than the server's ({self.asyncrl})"
+        return None
+
+
+def _rank_path(forker: RankForker, env: dict[str, str], cwd: str) -> list[str]:
+    """sys.path as `python -m` would make it: the directory, PYTHONPATH, then site's."""
+    given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [cwd, *given, *forker.site_path]
+
+
+_forker: RankForker | None = None  # the server's, for _become_rank's path
+
+
+def serve_ranks() -> RankForker | None:
+    """The server's rank forker, or None where it cannot fork ranks safely (a thread of
+    Python's running: fork keeps only the caller's)."""
+    global _forker
+    import threading
+
+    _forker = RankForker()
+    if threading.active_count() > 1:
+        _forker.forget()
+        _forker = None
+    return _forker
+
+
+def _become_rank(ask: dict[str, Any], fds: list[int], close: list[int]) -> None:
+    """In the forked child: the rank torchrun asked for (run by run_forked)."""
+    os.setsid()  # as torchrun starts its workers
+    for fd in close:
+        os.close(fd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    take_place(ask)
+    os.environ[STAND_IN] = str(ask["stand_in"])
+    assert _forker is not None
+    sys.path[:] = _rank_path(_forker, ask["env"], ask["cwd"])
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                  errors="backslashreplace")
+    tempfile.tempdir = None  # from this environment's TMPDIR
+    random.seed()  # not the server's sequence, nor another rank's
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    from asyncrl.actors import rank_main
+
+    sys.argv = [rank_main.__file__]
+    rank_main.main()  # ends the process itself
+
+
+def take_place(ask: dict[str, Any]) -> None:
+    """A forked child takes the directory, umask and environment it was asked for."""
+    os.chdir(ask["cwd"])
+    os.umask(ask["umask"])
+    os.environ.clear()
+    os.environ.update(ask["env"])
+
+
+def run_forked(body: Callable[[], None]) -> NoReturn:
+    """A forked child's life: `body`, then the exit code Python would give it, without the
+    interpreter's teardown (the server's state is not the child's to finalise)."""
+    code = 1
+    try:
+        body()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # as Python reports it, exit code 1
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)

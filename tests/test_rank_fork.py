@@ -1,0 +1,137 @@
+"""Ranks forked from the agent server (asyncrl/actors/rank_fork.py): torchrun starts a
+stand-in per rank (asyncrl/actors/rank_client.py) that mirrors a rank forked from the warm
+server; ranks the server would not start as a new interpreter would start anew."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+
+import psutil
+import pytest
+from helpers import assert_gone, group_pids, run
+
+import asyncrl
+from asyncrl.actors.rank_client import STAND_IN
+from asyncrl.controller.agent_fork import shared_server, shared_server_pid
+
+
+class Probe(asyncrl.Worker):
+    @asyncrl.register
+    def seen(self):
+        with open("/proc/self/cmdline", "rb") as f:
+            title = f.read().replace(b"\0", b" ").decode()
+        return {"pid": os.getpid(), "ppid": os.getppid(), "stand_in": os.environ.get(STAND_IN),
+                "marker": os.environ.get("PROBE_MARKER"), "cwd": os.getcwd(),
+                "random": random.random(), "hash": hash("asyncrl"), "title": title}
+
+
+def _server_pid() -> int:
+    server = shared_server()
+    assert server is not None and server.ranks_address() is not None  # it forks ranks
+    pid = shared_server_pid()
+    assert pid is not None
+    return pid
+
+
+def test_ranks_are_forked_from_the_server_and_their_stand_ins_go_with_them(tmp_path,
+                                                                           monkeypatch):
+    """Each rank is a child of the agent server, with its stand-in's environment and
+    directory, a random state of its own and a title naming it; its stand-in is torchrun's
+    worker. A stand-in killed (as torchrun kills a worker) takes its rank along."""
+    server = _server_pid()
+    monkeypatch.chdir(tmp_path)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Probe, nprocs=2, name="probe",
+                                    env={"PROBE_MARKER": "given"})
+            seen = await group.seen()
+            stand_ins = [int(s["stand_in"]) for s in seen]
+            parents = [psutil.Process(p).ppid() for p in stand_ins]
+            titles = [" ".join(psutil.Process(p).cmdline()) for p in stand_ins]
+            os.kill(stand_ins[1], signal.SIGKILL)
+            with pytest.raises(asyncrl.GroupDeadError):
+                for _ in range(600):
+                    await group.seen()
+                    await asyncio.sleep(0.05)
+            return seen, parents, titles, group.agent.pid, group_pids(group)
+
+    seen, parents, titles, agent, pids = run(main())
+    assert [s["ppid"] for s in seen] == [server, server]
+    assert parents == [agent, agent] and all("rank_client.py" in t for t in titles)
+    assert [s["marker"] for s in seen] == ["given", "given"]
+    assert {s["cwd"] for s in seen} == {str(tmp_path)}
+    assert seen[0]["random"] != seen[1]["random"]
+    assert [s["title"].split("rank_main ")[1].strip() for s in seen] == \
+        ["[probe rank 0]", "[probe rank 1]"]
+    assert_gone(pids + [s["pid"] for s in seen])
+
+
+def test_a_rank_whose_start_up_environment_differs_starts_anew(monkeypatch):
+    """PYTHONHASHSEED takes effect when Python starts: a rank given one the server did not
+    start with is started anew (its stand-in becomes it), and hashes as that seed says;
+    so does every rank with ASYNCRL_FORK_RANKS=0."""
+    _server_pid()
+    env = {**os.environ, "PYTHONHASHSEED": "7"}
+    expected = int(subprocess.run([sys.executable, "-c", "print(hash('asyncrl'))"], env=env,
+                                  capture_output=True, text=True, check=True).stdout)
+
+    async def main(env):
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Probe, name="anew", env=env)
+            return (await group.seen())[0], group.agent.pid
+
+    seen, agent = run(main({"PYTHONHASHSEED": "7"}))
+    assert seen["ppid"] == agent and seen["stand_in"] is None  # torchrun's own worker
+    assert seen["hash"] == expected
+    monkeypatch.setenv("ASYNCRL_FORK_RANKS", "0")
+    seen, agent = run(main({}))
+    assert seen["ppid"] == agent and seen["stand_in"] is None
+
+
+def _ask(address: str, payload: bytes, fds: list[int]) -> dict:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)
+    conn.connect("\0" + address)
+    with conn:
+        if fds:
+            socket.send_fds(conn, [payload], fds)
+        else:
+            conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)
+        return json.loads(conn.makefile("rb").readline() or b"{}")
+
+
+def test_the_rank_server_refuses_what_no_stand_in_sends():
+    """Requests without the three fds, with a length past the limit, of bad JSON or of the
+    wrong shape get an error and fork nothing; the server still forks ranks after."""
+    server = _server_pid()
+    address = shared_server().ranks_address()
+    good = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "umask": 0o22}).encode()
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        answers = [
+            _ask(address, struct.pack("!I", len(good)) + good, []),  # no fds
+            _ask(address, struct.pack("!I", 1 << 30) + good, [null] * 3),  # too long
+            _ask(address, struct.pack("!I", 9) + b"not json!", [null] * 3),
+            _ask(address, struct.pack("!I", 12) + b'{"env": [1]}', [null] * 3),
+            _ask(address, struct.pack("!I", 100) + b"{}", [null] * 3),  # cut short
+        ]
+    finally:
+        os.close(null)
+    assert all(set(a) == {"error"} for a in answers), answers
+    assert psutil.Process(server).children() == []  # nothing forked
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Probe, name="after")
+            return (await group.seen())[0]
+    assert run(main())["ppid"] == server
