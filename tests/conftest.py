@@ -35,10 +35,15 @@ def no_process_left_behind():
     before = {p.pid for p in me.children(recursive=True)}
     yield
 
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # gone between the listing and the look
+            return False
+
     def leftovers() -> list[int]:
         return [p.pid for p in me.children(recursive=True)
-                if p.pid not in before and p.pid != shared_server_pid()
-                and p.status() != psutil.STATUS_ZOMBIE]
+                if p.pid not in before and p.pid != shared_server_pid() and alive(p)]
 
     wait_until(lambda: not leftovers(), 20, "child processes of the test to exit")
 

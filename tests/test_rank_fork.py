@@ -32,6 +32,12 @@ class Probe(asyncrl.Worker):
                 "marker": os.environ.get("PROBE_MARKER"), "cwd": os.getcwd(),
                 "random": random.random(), "hash": hash("asyncrl"), "title": title}
 
+    @asyncrl.register
+    def start_child(self):
+        """A process of the rank's own (as a compile worker or a sandbox would be)."""
+        self.child = subprocess.Popen(["sleep", "600"])
+        return self.child.pid
+
 
 def _server_pid() -> int:
     server = shared_server()
@@ -45,7 +51,8 @@ def test_ranks_are_forked_from_the_server_and_their_stand_ins_go_with_them(tmp_p
                                                                            monkeypatch):
     """Each rank is a child of the agent server, with its stand-in's environment and
     directory, a random state of its own and a title naming it; its stand-in is torchrun's
-    worker. A stand-in killed (as torchrun kills a worker) takes its rank along."""
+    worker. A stand-in killed (as torchrun kills a worker) takes its rank along, and what the
+    rank started."""
     server = _server_pid()
     monkeypatch.chdir(tmp_path)
 
@@ -57,12 +64,13 @@ def test_ranks_are_forked_from_the_server_and_their_stand_ins_go_with_them(tmp_p
             stand_ins = [int(s["stand_in"]) for s in seen]
             parents = [psutil.Process(p).ppid() for p in stand_ins]
             titles = [" ".join(psutil.Process(p).cmdline()) for p in stand_ins]
+            children = await group.start_child()
             os.kill(stand_ins[1], signal.SIGKILL)
             with pytest.raises(asyncrl.GroupDeadError):
                 for _ in range(600):
                     await group.seen()
                     await asyncio.sleep(0.05)
-            return seen, parents, titles, group.agent.pid, group_pids(group)
+            return seen, parents, titles, group.agent.pid, group_pids(group) + children
 
     seen, parents, titles, agent, pids = run(main())
     assert [s["ppid"] for s in seen] == [server, server]
@@ -111,19 +119,28 @@ def _ask(address: str, payload: bytes, fds: list[int]) -> dict:
 
 
 def test_the_rank_server_refuses_what_no_stand_in_sends():
-    """Requests without the three fds, with a length past the limit, of bad JSON or of the
-    wrong shape get an error and fork nothing; the server still forks ranks after."""
+    """Requests without the four fds, with a length past the limit, of bad JSON (nested
+    past the recursion limit too) or of the wrong shape get an error and fork nothing; the
+    same server forks ranks after."""
     server = _server_pid()
     address = shared_server().ranks_address()
     good = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "umask": 0o22}).encode()
+    bad_path = json.dumps({"env": {"PYTHONPATH": 1}, "cwd": ".", "umask": 18}).encode()
+    deep = b"[" * 100_000 + b"]" * 100_000
     null = os.open(os.devnull, os.O_RDWR)
+
+    def framed(body: bytes) -> bytes:
+        return struct.pack("!I", len(body)) + body
     try:
         answers = [
-            _ask(address, struct.pack("!I", len(good)) + good, []),  # no fds
-            _ask(address, struct.pack("!I", 1 << 30) + good, [null] * 3),  # too long
-            _ask(address, struct.pack("!I", 9) + b"not json!", [null] * 3),
-            _ask(address, struct.pack("!I", 12) + b'{"env": [1]}', [null] * 3),
-            _ask(address, struct.pack("!I", 100) + b"{}", [null] * 3),  # cut short
+            _ask(address, framed(good), []),  # no fds
+            _ask(address, framed(good), [null] * 3),  # no lifeline
+            _ask(address, struct.pack("!I", 1 << 30) + good, [null] * 4),  # too long
+            _ask(address, framed(b"not json!"), [null] * 4),
+            _ask(address, framed(b'{"env": [1]}'), [null] * 4),
+            _ask(address, framed(bad_path), [null] * 4),
+            _ask(address, framed(deep), [null] * 4),
+            _ask(address, struct.pack("!I", 100) + b"{}", [null] * 4),  # cut short
         ]
     finally:
         os.close(null)

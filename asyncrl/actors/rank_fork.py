@@ -3,14 +3,16 @@ every rank imports (torch, asyncrl's rank program, transformers' model code): a 
 spend 3-6 s of CPU importing them, for every rank of every group and every restart.
 
 torchrun still starts each rank's process: `rank_client.py`, which connects to the server's
-abstract unix socket, hands over its stdin/stdout/stderr (SCM_RIGHTS) with its environment,
-directory and umask, and stands in for the rank the server forks. The rank runs
+abstract unix socket, hands over its stdin/stdout/stderr and a lifeline (SCM_RIGHTS) with its
+environment, directory and umask, and stands in for the rank the server forks. The rank runs
 `rank_main.main()` with that environment, in a session of its own, as torchrun's workers do.
-The server reports its exit to the stand-in; a stand-in that dies takes its rank with it.
+The server reports its exit to the stand-in; a stand-in that dies takes the rank's process
+group with it (its lifeline closes; the server kills it too).
 
 A rank is refused (and its stand-in runs `python -m asyncrl.actors.rank_main` itself) when
-the server would not give it what a new interpreter would: an environment variable that
-Python or torch read at start-up differs, or its path finds another asyncrl.
+the server would not give it what a new interpreter would: an environment variable read at
+start-up differs, its path finds another copy of a package the server imported, or CUDA was
+initialised here.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -35,15 +38,17 @@ from asyncrl.actors.rank_client import STAND_IN
 # what a rank imports, once here; transformers' for the model presets (asyncrl.hybrid.models)
 PRELOAD = ("asyncrl.actors.rank_main", "asyncrl.hybrid.roles", "asyncrl.rl",
            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
-# read when Python or torch start (a forked rank never starts): the same as the server's or
-# the rank starts anew. OMP_NUM_THREADS is not: every rank calls torch.set_num_threads.
-START_KEYS = ("PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONWARNINGS",
-              "PYTHONDEVMODE", "PYTHONOPTIMIZE", "PYTHONMALLOC", "PYTHONNOUSERSITE",
-              "PYTHONUSERBASE", "PYTHONDONTWRITEBYTECODE", "PYTHONSTARTUP", "LD_PRELOAD",
-              "LD_LIBRARY_PATH", "LOGLEVEL", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS",
-              "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISABLE_ADDR2LINE")
-START_PREFIXES = ("KMP_", "MKL_", "GOMP_", "OPENBLAS_", "MALLOC_", "TRANSFORMERS_", "HF_")
+PACKAGES = ("asyncrl", "torch", "transformers", "numpy", "zmq", "msgspec")  # of PRELOAD's
+# read when Python, torch, transformers or the C runtime start, or when torch is imported: the
+# same as the server's or the rank starts anew. Not these: read when used (after the fork),
+# and OMP_NUM_THREADS (every rank calls torch.set_num_threads)
+START_KEYS = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LANG", "LOGLEVEL")
+START_PREFIXES = ("PYTHON", "LC_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
+                  "KMP_", "MKL_", "GOMP_", "OPENBLAS_", "MALLOC_", "TRANSFORMERS_", "HF_")
+READ_WHEN_USED = ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCH_NCCL_", "TORCH_DISTRIBUTED_",
+                  "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 REQUEST_LIMIT = 1 << 22  # a rank's environment and directory
+FDS = 4  # stdin, stdout, stderr, lifeline
 
 
 def set_title(title: str) -> None:
@@ -57,25 +62,36 @@ def set_title(title: str) -> None:
 
 
 def _start_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k in START_KEYS or k.startswith(START_PREFIXES)}
+    return {k: v for k, v in env.items() if (k in START_KEYS or k.startswith(START_PREFIXES))
+            and not k.startswith(READ_WHEN_USED)}
+
+
+def _check(ask: Any) -> dict[str, Any]:
+    """The request, its types checked."""
+    if not isinstance(ask, dict) or not isinstance(ask.get("cwd"), str) or \
+            not isinstance(ask.get("umask"), int) or not isinstance(ask.get("env"), dict) or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in ask["env"].items()):
+        raise ValueError("a request is {'env': {str: str}, 'cwd': str, 'umask': int}")
+    return ask
 
 
 class RankForker:
     """The server's side: a listening socket, and per forked rank the stand-in's connection
     its exit goes to."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
+        """`env`: the server's environment as it started (imports may set variables: torch's
+        inductor sets TORCHINDUCTOR_CACHE_DIR)."""
         for name in PRELOAD:
             try:
                 importlib.import_module(name)
             except ImportError:
                 pass  # (an optional one): the rank imports it if it needs it
-        self.start_env = _start_env(dict(os.environ))
-        given = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        self.start_env = _start_env(env)
+        given = env.get("PYTHONPATH", "").split(os.pathsep)
         self.site_path = [p for p in sys.path[1:] if p not in given]  # sys.path[0]: -c's ''
-        import asyncrl
-
-        self.asyncrl = os.path.dirname(os.path.abspath(asyncrl.__file__))
+        self.packages = {name: _location(name, sys.path) for name in PACKAGES
+                         if name in sys.modules}
         self.address = f"asyncrl-ranks-{os.getpid()}-{os.urandom(8).hex()}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + self.address)
@@ -91,16 +107,12 @@ class RankForker:
             self._accept(close_in_child)
             return
         pid = self.by_fd[fd]
-        conn = self.stand_ins[pid]
         try:
-            gone = not conn.recv(1 << 10)
+            gone = not self.stand_ins[pid].recv(1 << 10)
         except OSError:
             gone = True
         if gone:  # the stand-in died (torchrun killed it): so does its rank
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(pid)
             self._drop(pid)
 
     def exited(self, pid: int, code: int) -> bool:
@@ -128,17 +140,22 @@ class RankForker:
         self.stand_ins, self.by_fd = {}, {}
 
     def _accept(self, close_in_child: list[int]) -> None:
-        conn, _ = self.listener.accept()
+        """Fork the rank a stand-in asks for, or answer why not. Nothing a request holds
+        may end the server: it serves every group of the process."""
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:  # (out of fds: the stand-in, refused, starts its rank anew)
+            return
         fds: list[int] = []
         try:
-            conn.settimeout(10)  # a stand-in sends its request at once
+            conn.settimeout(2)  # a stand-in sends its request at once
             peer, uid, _ = struct.unpack("3i", conn.getsockopt(
                 socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
             if uid != os.getuid():
                 raise PermissionError(f"uid {uid} is not the server's")
-            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-            if len(data) < 4 or len(fds) != 3:
-                raise ValueError("a request needs its length and three fds")
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, FDS)
+            if len(data) < 4 or len(fds) != FDS:
+                raise ValueError(f"a request needs its length and {FDS} fds")
             size = struct.unpack("!I", data[:4])[0]
             if size > REQUEST_LIMIT:
                 raise ValueError(f"a request of {size} bytes")
@@ -148,22 +165,22 @@ class RankForker:
                 if not more:
                     raise ValueError("the request was cut short")
                 data += more
-            ask = json.loads(data)
-            ask["stand_in"] = peer
+            ask = _check(json.loads(data))
             why = self._refusal(ask)
             if why:
                 raise ValueError(why)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            ask["stand_in"] = peer
+            conn.settimeout(None)
+            pid = os.fork()
+        except Exception as e:  # noqa: BLE001 - refused: the stand-in starts its rank anew
             try:
-                conn.sendall(json.dumps({"error": str(e)}).encode() + b"\n")
+                conn.sendall(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
             except OSError:
                 pass
             for fd in fds:
                 os.close(fd)
             conn.close()
             return
-        conn.settimeout(None)
-        pid = os.fork()
         if pid == 0:
             self.forget()
             os.close(conn.detach())
@@ -174,29 +191,30 @@ class RankForker:
         self.by_fd[conn.fileno()] = pid
         try:
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        except OSError:  # the stand-in is gone already: the next select sees it
+        except OSError:  # the stand-in is gone already: the next poll sees it
             pass
 
     def _refusal(self, ask: dict[str, Any]) -> str | None:
-        env = ask["env"]
-        if not isinstance(env, dict) or not isinstance(ask["cwd"], str) or \
-                not isinstance(ask["umask"], int):
-            return "a malformed request"
         import torch
 
         if torch.cuda.is_initialized():  # a forked child could not use CUDA
             return "the server initialised CUDA"
-        theirs = _start_env(env)
+        theirs = _start_env(ask["env"])
         if theirs != self.start_env:
             keys = sorted(k for k in set(theirs) | set(self.start_env)
                           if theirs.get(k) != self.start_env.get(k))
             return f"{', '.join(keys)} differs from the server's (read at start-up)"
-        spec = importlib.machinery.PathFinder.find_spec("asyncrl", _rank_path(self, env,
-                                                                                ask["cwd"]))
-        found = spec.submodule_search_locations if spec is not None else None
-        if not found or os.path.abspath(list(found)[0]) != self.asyncrl:
-            return f"its path finds another asyncrl than the server's ({self.asyncrl})"
+        path = _rank_path(self, ask["env"], ask["cwd"])
+        for name, ours in self.packages.items():
+            if _location(name, path) != ours:
+                return f"its path finds another {name} than the server's ({ours})"
         return None
+
+
+def _location(package: str, path: list[str]) -> str | None:
+    spec = importlib.machinery.PathFinder.find_spec(package, path)
+    found = spec.submodule_search_locations if spec is not None else None
+    return os.path.realpath(list(found)[0]) if found else None
 
 
 def _rank_path(forker: RankForker, env: dict[str, str], cwd: str) -> list[str]:
@@ -205,20 +223,37 @@ def _rank_path(forker: RankForker, env: dict[str, str], cwd: str) -> list[str]:
     return [cwd, *given, *forker.site_path]
 
 
+def _kill_group(pid: int) -> None:
+    """SIGKILL to a rank and what it started (it leads its process group)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 _forker: RankForker | None = None  # the server's, for _become_rank's path
 
 
-def serve_ranks() -> RankForker | None:
-    """The server's rank forker, or None where it cannot fork ranks safely (a thread of
-    Python's running: fork keeps only the caller's)."""
+def serve_ranks(env: dict[str, str]) -> RankForker | None:
+    """The server's rank forker (`env`: the server's environment as it started), or None
+    where it cannot fork ranks safely (a thread of Python's running: fork keeps only the
+    caller's)."""
     global _forker
-    import threading
-
-    _forker = RankForker()
+    _forker = RankForker(env)
     if threading.active_count() > 1:
         _forker.forget()
         _forker = None
     return _forker
+
+
+def _hold_lifeline(fd: int) -> None:
+    """The stand-in's end closes when it dies: the rank's group goes too."""
+    try:
+        while os.read(fd, 1 << 10):
+            pass
+    except OSError:
+        pass
+    _kill_group(os.getpid())
 
 
 def _become_rank(ask: dict[str, Any], fds: list[int], close: list[int]) -> None:
@@ -226,18 +261,20 @@ def _become_rank(ask: dict[str, Any], fds: list[int], close: list[int]) -> None:
     os.setsid()  # as torchrun starts its workers
     for fd in close:
         os.close(fd)
-    for target, fd in enumerate(fds):
+    *stdio, lifeline = fds
+    for target, fd in enumerate(stdio):
         os.dup2(fd, target)
         os.close(fd)
+    threading.Thread(target=_hold_lifeline, args=(lifeline,), daemon=True,
+                     name="asyncrl-lifeline").start()
     take_place(ask)
     os.environ[STAND_IN] = str(ask["stand_in"])
     assert _forker is not None
     sys.path[:] = _rank_path(_forker, ask["env"], ask["cwd"])
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                   errors="backslashreplace")
-    tempfile.tempdir = None  # from this environment's TMPDIR
     random.seed()  # not the server's sequence, nor another rank's
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -255,17 +292,24 @@ def take_place(ask: dict[str, Any]) -> None:
     os.umask(ask["umask"])
     os.environ.clear()
     os.environ.update(ask["env"])
+    tempfile.tempdir = None  # from this environment's TMPDIR
 
 
 def run_forked(body: Callable[[], None]) -> NoReturn:
-    """A forked child's life: `body`, then the exit code Python would give it, without the
+    """A forked child's life: `body`, then the exit Python would give it, without the
     interpreter's teardown (the server's state is not the child's to finalise)."""
     code = 1
     try:
         body()
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:  # sys.exit("why"): printed, exit code 1
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # as Python: the traceback, then death by SIGINT
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:  # as Python reports it, exit code 1
         traceback.print_exc()
     finally:
@@ -273,4 +317,7 @@ def run_forked(body: Callable[[], None]) -> NoReturn:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            if code < 0:
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code & 0xFF)

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -95,6 +96,7 @@ def _agent(torchrun: Any, ask: dict[str, Any], proto: int, ranks: Any) -> None:
 
 
 def serve() -> None:
+    started_with = dict(os.environ)  # before imports set some
     proto = os.dup(1)  # the protocol's own fd: fd 1 becomes stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -110,15 +112,21 @@ def serve() -> None:
 
     ranks = None
     if forking_enabled("RANKS"):
-        ranks = serve_ranks()  # (imports what every rank imports)
+        ranks = serve_ranks(started_with)  # (imports what every rank imports)
     send({"ready": True, "ranks": ranks.address if ranks is not None else None})
     children: set[int] = set()  # agents
     pending = b""
     while True:
-        readable = select.select([0, *(ranks.watched() if ranks else ())], [], [], 0.05)[0]
+        poller = select.poll()  # (select cannot watch fds past 1024: one per forked rank)
+        for fd in (0, *(ranks.watched() if ranks else ())):
+            poller.register(fd, select.POLLIN)
+        readable = [fd for fd, _ in poller.poll(50)]
         for fd in readable:
             if fd != 0 and ranks is not None:
-                ranks.readable(fd, close_in_child=[proto])
+                try:
+                    ranks.readable(fd, close_in_child=[proto])
+                except Exception:  # noqa: BLE001 - one rank's trouble ends no other group
+                    traceback.print_exc()
         if 0 in readable:
             data = os.read(0, 1 << 16)
             if not data:
