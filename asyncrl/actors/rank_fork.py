@@ -17,6 +17,7 @@ initialised here.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.machinery
 import io
@@ -87,6 +88,10 @@ class RankForker:
                 importlib.import_module(name)
             except ImportError:
                 pass  # (an optional one): the rank imports it if it needs it
+        # the imports' objects out of the collector's sight: a forked rank's collections would
+        # walk them all (tens of thousands of modules' objects) and, writing their headers,
+        # copy the pages it shares with the server
+        gc.freeze()
         self.start_env = _start_env(env)
         given = env.get("PYTHONPATH", "").split(os.pathsep)
         self.site_path = [p for p in sys.path[1:] if p not in given]  # sys.path[0]: -c's ''
