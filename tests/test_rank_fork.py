@@ -84,9 +84,9 @@ def test_ranks_are_forked_from_the_server_and_their_stand_ins_go_with_them(tmp_p
 
 
 def test_a_rank_whose_start_up_environment_differs_starts_anew(monkeypatch):
-    """PYTHONHASHSEED takes effect when Python starts: a rank given one the server did not
-    start with is started anew (its stand-in becomes it), and hashes as that seed says;
-    so does every rank with ASYNCRL_FORK_RANKS=0."""
+    """PYTHONHASHSEED takes effect when Python starts: a group given one the server did not
+    start with gets torchrun and ranks started anew, and its ranks hash as that seed says;
+    ASYNCRL_FORK_RANKS=0 starts ranks anew (through a forked agent)."""
     _server_pid()
     env = {**os.environ, "PYTHONHASHSEED": "7"}
     expected = int(subprocess.run([sys.executable, "-c", "print(hash('asyncrl'))"], env=env,
@@ -95,13 +95,16 @@ def test_a_rank_whose_start_up_environment_differs_starts_anew(monkeypatch):
     async def main(env):
         async with asyncrl.Controller() as ctl:
             group = await ctl.spawn(Probe, name="anew", env=env)
-            return (await group.seen())[0], group.agent.pid
+            agent = group.agent.pid
+            return (await group.seen())[0], agent, psutil.Process(agent).ppid()
 
-    seen, agent = run(main({"PYTHONHASHSEED": "7"}))
+    seen, agent, its_parent = run(main({"PYTHONHASHSEED": "7"}))
+    assert its_parent == os.getpid()  # torchrun started anew, by the controller
     assert seen["ppid"] == agent and seen["stand_in"] is None  # torchrun's own worker
     assert seen["hash"] == expected
     monkeypatch.setenv("ASYNCRL_FORK_RANKS", "0")
-    seen, agent = run(main({}))
+    seen, agent, its_parent = run(main({}))
+    assert its_parent == shared_server_pid()  # the agent forked, its ranks not
     assert seen["ppid"] == agent and seen["stand_in"] is None
 
 

@@ -62,9 +62,15 @@ def set_title(title: str) -> None:
     setproctitle(title)
 
 
-def _start_env(env: dict[str, str]) -> dict[str, str]:
+def start_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables of `env` read at start-up (a forked process gets the server's)."""
     return {k: v for k, v in env.items() if (k in START_KEYS or k.startswith(START_PREFIXES))
             and not k.startswith(READ_WHEN_USED)}
+
+
+def differs(theirs: dict[str, str], ours: dict[str, str]) -> str:
+    keys = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    return f"{', '.join(keys)} differs from the server's (read at start-up)"
 
 
 def _check(ask: Any) -> dict[str, Any]:
@@ -92,7 +98,7 @@ class RankForker:
         # walk them all (tens of thousands of modules' objects) and, writing their headers,
         # copy the pages it shares with the server
         gc.freeze()
-        self.start_env = _start_env(env)
+        self.start_env = start_env(env)
         given = env.get("PYTHONPATH", "").split(os.pathsep)
         self.site_path = [p for p in sys.path[1:] if p not in given]  # sys.path[0]: -c's ''
         self.packages = {name: _location(name, sys.path) for name in PACKAGES
@@ -204,11 +210,9 @@ class RankForker:
 
         if torch.cuda.is_initialized():  # a forked child could not use CUDA
             return "the server initialised CUDA"
-        theirs = _start_env(ask["env"])
+        theirs = start_env(ask["env"])
         if theirs != self.start_env:
-            keys = sorted(k for k in set(theirs) | set(self.start_env)
-                          if theirs.get(k) != self.start_env.get(k))
-            return f"{', '.join(keys)} differs from the server's (read at start-up)"
+            return differs(theirs, self.start_env)
         path = _rank_path(self, ask["env"], ask["cwd"])
         for name, ours in self.packages.items():
             if _location(name, path) != ours:

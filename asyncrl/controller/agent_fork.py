@@ -37,7 +37,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.rank_fork import run_forked, serve_ranks, set_title, take_place
+from asyncrl.actors.rank_fork import (
+    differs,
+    run_forked,
+    serve_ranks,
+    set_title,
+    start_env,
+    take_place,
+)
 
 log = logging.getLogger("asyncrl")
 _PR_SET_PDEATHSIG = 1
@@ -113,6 +120,7 @@ def serve() -> None:
     ranks = None
     if forking_enabled("RANKS"):
         ranks = serve_ranks(started_with)  # (imports what every rank imports)
+    ours = start_env(started_with)
     send({"ready": True, "ranks": ranks.address if ranks is not None else None})
     children: set[int] = set()  # agents
     pending = b""
@@ -135,6 +143,9 @@ def serve() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 ask = json.loads(line)
+                if start_env(ask["env"]) != ours:  # (LOGLEVEL: torchrun read it here)
+                    send({"error": differs(start_env(ask["env"]), ours)})
+                    continue
                 try:
                     pid = os.fork()
                 except OSError as e:  # this group's start fails, not the others
