@@ -108,6 +108,22 @@ def test_a_rank_whose_start_up_environment_differs_starts_anew(monkeypatch):
     assert seen["ppid"] == agent and seen["stand_in"] is None
 
 
+def test_variables_imports_set_in_the_controller_keep_groups_forked(monkeypatch):
+    """`import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK, torch._dynamo's import
+    TORCHINDUCTOR_CACHE_DIR: in the controller after its server started, they are read when
+    used, and its groups are still forked."""
+    server = _server_pid()
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/inductor")
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Probe, name="later")
+            return (await group.seen())[0], psutil.Process(group.agent.pid).ppid()
+    seen, agent_parent = run(main())
+    assert agent_parent == server and seen["ppid"] == server
+
+
 def _ask(address: str, payload: bytes, fds: list[int]) -> dict:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(30)

@@ -62,7 +62,12 @@ def stand_in(conn, reader, lifeline, pid: int) -> None:
     def forward(signum: int, _frame: object) -> None:
         try:
             os.killpg(pid, signum)  # the rank leads its group, as torchrun's workers do
-        except ProcessLookupError:
+        except ProcessLookupError:  # not yet: it has not called setsid
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+        except OSError:
             pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):

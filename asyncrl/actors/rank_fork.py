@@ -17,6 +17,7 @@ initialised here.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import importlib.machinery
@@ -47,7 +48,9 @@ START_KEYS = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LANG", "LOGLEVEL")
 START_PREFIXES = ("PYTHON", "LC_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
                   "KMP_", "MKL_", "GOMP_", "OPENBLAS_", "MALLOC_", "TRANSFORMERS_", "HF_")
 READ_WHEN_USED = ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCH_NCCL_", "TORCH_DISTRIBUTED_",
-                  "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                  "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCH_CUDA_ARCH_LIST",
+                  # set by imports (deepspeed's, torch._dynamo's) in the controller too
+                  "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 REQUEST_LIMIT = 1 << 22  # a rank's environment and directory
 FDS = 4  # stdin, stdout, stderr, lifeline
 
@@ -68,9 +71,13 @@ def start_env(env: dict[str, str]) -> dict[str, str]:
             and not k.startswith(READ_WHEN_USED)}
 
 
-def differs(theirs: dict[str, str], ours: dict[str, str]) -> str:
-    keys = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-    return f"{', '.join(keys)} differs from the server's (read at start-up)"
+def differs(env: dict[str, str], started: dict[str, str]) -> str | None:
+    """Why a process with `env` cannot be forked from the server (None: it can): a
+    start-up variable that is neither as the server started nor as its imports set it."""
+    theirs, now = start_env(env), start_env(dict(os.environ))
+    keys = sorted(k for k in set(theirs) | set(started)
+                  if theirs.get(k) != started.get(k) and theirs.get(k) != now.get(k))
+    return f"{', '.join(keys)} differs from the server's (read at start-up)" if keys else None
 
 
 def _check(ask: Any) -> dict[str, Any]:
@@ -98,7 +105,7 @@ class RankForker:
         # walk them all (tens of thousands of modules' objects) and, writing their headers,
         # copy the pages it shares with the server
         gc.freeze()
-        self.start_env = start_env(env)
+        self.start_env = start_env(env)  # as the server started
         given = env.get("PYTHONPATH", "").split(os.pathsep)
         self.site_path = [p for p in sys.path[1:] if p not in given]  # sys.path[0]: -c's ''
         self.packages = {name: _location(name, sys.path) for name in PACKAGES
@@ -210,9 +217,9 @@ class RankForker:
 
         if torch.cuda.is_initialized():  # a forked child could not use CUDA
             return "the server initialised CUDA"
-        theirs = start_env(ask["env"])
-        if theirs != self.start_env:
-            return differs(theirs, self.start_env)
+        why = differs(ask["env"], self.start_env)
+        if why:
+            return why
         path = _rank_path(self, ask["env"], ask["cwd"])
         for name, ours in self.packages.items():
             if _location(name, path) != ours:
@@ -255,6 +262,13 @@ def serve_ranks(env: dict[str, str]) -> RankForker | None:
     return _forker
 
 
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def _hold_lifeline(fd: int) -> None:
     """The stand-in's end closes when it dies: the rank's group goes too."""
     try:
@@ -274,6 +288,8 @@ def _become_rank(ask: dict[str, Any], fds: list[int], close: list[int]) -> None:
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
         os.close(fd)
+    os.set_inheritable(lifeline, False)  # the rank's alone: not its children's
+    os.register_at_fork(after_in_child=functools.partial(_close_quietly, lifeline))
     threading.Thread(target=_hold_lifeline, args=(lifeline,), daemon=True,
                      name="asyncrl-lifeline").start()
     take_place(ask)
@@ -307,7 +323,7 @@ def take_place(ask: dict[str, Any]) -> None:
 def run_forked(body: Callable[[], None]) -> NoReturn:
     """A forked child's life: `body`, then the exit Python would give it, without the
     interpreter's teardown (the server's state is not the child's to finalise)."""
-    code = 1
+    code, sig = 1, None
     try:
         body()
         code = 0
@@ -318,15 +334,15 @@ def run_forked(body: Callable[[], None]) -> NoReturn:
             print(e.code, file=sys.stderr)
     except KeyboardInterrupt:  # as Python: the traceback, then death by SIGINT
         traceback.print_exc()
-        code = -signal.SIGINT
+        sig = signal.SIGINT
     except BaseException:  # as Python reports it, exit code 1
         traceback.print_exc()
     finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            if sig is not None:
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
         finally:
-            if code < 0:
-                signal.signal(-code, signal.SIG_DFL)
-                os.kill(os.getpid(), -code)
             os._exit(code & 0xFF)

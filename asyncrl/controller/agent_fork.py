@@ -120,7 +120,7 @@ def serve() -> None:
     ranks = None
     if forking_enabled("RANKS"):
         ranks = serve_ranks(started_with)  # (imports what every rank imports)
-    ours = start_env(started_with)
+    started = start_env(started_with)
     send({"ready": True, "ranks": ranks.address if ranks is not None else None})
     children: set[int] = set()  # agents
     pending = b""
@@ -143,8 +143,9 @@ def serve() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 ask = json.loads(line)
-                if start_env(ask["env"]) != ours:  # (LOGLEVEL: torchrun read it here)
-                    send({"error": differs(start_env(ask["env"]), ours)})
+                why = differs(ask["env"], started)  # (LOGLEVEL: torchrun read it here)
+                if why:
+                    send({"error": why})
                     continue
                 try:
                     pid = os.fork()

@@ -7,6 +7,7 @@ by pid: the agent, the ranks that said hello, and any child the agent still has.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -25,6 +26,8 @@ from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users i
 from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
 
 _AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
+log = logging.getLogger("asyncrl")
+_SAID: set[str] = set()  # why an agent was not forked, said once each
 _ROOT_CAUSE = re.compile(
     r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 # torchrun's own log line (not a rank's print) as it stops the ranks left
@@ -113,7 +116,10 @@ class Agent:
         try:
             return self._server.start(self._torchrun_args(ranks is not None), env,
                                       str(self.log_path), self._die_with_parent)
-        except RuntimeError:
+        except RuntimeError as e:
+            if str(e) not in _SAID:  # once: every group after would say the same
+                _SAID.add(str(e))
+                log.warning("asyncrl: torchrun of group %r started anew (%s)", self.group, e)
             return None
 
     def wait(self, timeout: float | None = None) -> None:
