@@ -94,12 +94,15 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     _remove_stale(folder, group, int(rank))
     thread = threading.current_thread()
     session = folder / f"{group}-{rank}-{thread.ident}.json"
-    fd = os.open(session, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # written aside and renamed: `asyncrl attach` (or a test) never reads half a file
+    partial = session.with_suffix(".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"group": group, "rank": int(rank), "pid": os.getpid(),
                    "thread": thread.name, "host": "127.0.0.1",
                    "port": server.getsockname()[1], "token": token, "where": where,
                    "since": time.time()}, f)
+    os.replace(partial, session)
     print(f"[asyncrl] {group}:{rank} waits for a debugger at {where}: run "
           f"`asyncrl attach {folder.parent}`", file=sys.stderr, flush=True)
     try:
@@ -125,7 +128,7 @@ def _remove_stale(folder: Path, group: str, rank: int) -> None:
             if old["group"] == group and old["rank"] == rank and old["pid"] != os.getpid():
                 path.unlink()
         except (OSError, ValueError, KeyError, TypeError):
-            continue  # another rank's, being written or removed right now
+            continue  # another rank's, removed right now, or unreadable
 
 
 def breakpointhook(*args: Any, **kwargs: Any) -> None:

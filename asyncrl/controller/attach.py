@@ -26,7 +26,7 @@ def waiting(run_dir: Path) -> list[dict[str, Any]]:
         try:
             session = json.loads(path.read_text())
         except (OSError, ValueError):
-            continue  # being written or removed right now
+            continue  # removed right now, or unreadable
         if _here(session) and not pid_alive(int(session.get("pid", 0))):
             path.unlink(missing_ok=True)
             continue
