@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from asyncrl.actors.rank_client import STAND_IN
@@ -65,19 +65,40 @@ def set_title(title: str) -> None:
     setproctitle(title)
 
 
-def start_env(env: dict[str, str]) -> dict[str, str]:
-    """The variables of `env` read at start-up (a forked process gets the server's)."""
+def _start_vars(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if (k in START_KEYS or k.startswith(START_PREFIXES))
             and not k.startswith(READ_WHEN_USED)}
 
 
-def differs(env: dict[str, str], started: dict[str, str]) -> str | None:
-    """Why a process with `env` cannot be forked from the server (None: it can): a
-    start-up variable that is neither as the server started nor as its imports set it."""
-    theirs, now = start_env(env), start_env(dict(os.environ))
-    keys = sorted(k for k in set(theirs) | set(started)
-                  if theirs.get(k) != started.get(k) and theirs.get(k) != now.get(k))
-    return f"{', '.join(keys)} differs from the server's (read at start-up)" if keys else None
+class StartUp:
+    """The server's variables read at start-up (a forked process gets the server's), as it
+    started and as its imports set them (torch's inductor sets TORCHINDUCTOR_CACHE_DIR)."""
+
+    def __init__(self, started_with: Mapping[str, str]) -> None:
+        """`started_with`: the server's environment before its imports; built after them."""
+        self.started = _start_vars(started_with)
+        self.imported = _start_vars(os.environ)
+
+    def differs(self, env: Mapping[str, str]) -> str | None:
+        """Why a process with `env` cannot be forked from the server (None: it can)."""
+        theirs = _start_vars(env)
+        keys = sorted(k for k in set(theirs) | set(self.started)
+                      if theirs.get(k) != self.started.get(k)
+                      and theirs.get(k) != self.imported.get(k))
+        return f"{', '.join(keys)} differs from the server's (read at start-up)" if keys else None
+
+
+def preload() -> None:
+    """Import what a rank imports, once, in the server."""
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # (an optional one): the rank imports it if it needs it
+    # the imports' objects out of the collector's sight: a forked rank's collections would
+    # walk them all (tens of thousands of modules' objects) and, writing their headers, copy
+    # the pages it shares with the server
+    gc.freeze()
 
 
 def _check(ask: Any) -> dict[str, Any]:
@@ -93,20 +114,10 @@ class RankForker:
     """The server's side: a listening socket, and per forked rank the stand-in's connection
     its exit goes to."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        """`env`: the server's environment as it started (imports may set variables: torch's
-        inductor sets TORCHINDUCTOR_CACHE_DIR)."""
-        for name in PRELOAD:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass  # (an optional one): the rank imports it if it needs it
-        # the imports' objects out of the collector's sight: a forked rank's collections would
-        # walk them all (tens of thousands of modules' objects) and, writing their headers,
-        # copy the pages it shares with the server
-        gc.freeze()
-        self.start_env = start_env(env)  # as the server started
-        given = env.get("PYTHONPATH", "").split(os.pathsep)
+    def __init__(self, started_with: Mapping[str, str], start_up: StartUp) -> None:
+        """`started_with`: the server's environment before its imports (`preload`)."""
+        self.start_up = start_up
+        given = started_with.get("PYTHONPATH", "").split(os.pathsep)
         self.site_path = [p for p in sys.path[1:] if p not in given]  # sys.path[0]: -c's ''
         self.packages = {name: _location(name, sys.path) for name in PACKAGES
                          if name in sys.modules}
@@ -202,7 +213,7 @@ class RankForker:
         if pid == 0:
             self.forget()
             os.close(conn.detach())
-            run_forked(lambda: _become_rank(ask, fds, close_in_child))
+            run_forked(lambda: self._become_rank(ask, fds, close_in_child))
         for fd in fds:
             os.close(fd)
         self.stand_ins[pid] = conn
@@ -217,26 +228,55 @@ class RankForker:
 
         if torch.cuda.is_initialized():  # a forked child could not use CUDA
             return "the server initialised CUDA"
-        why = differs(ask["env"], self.start_env)
+        why = self.start_up.differs(ask["env"])
         if why:
             return why
-        path = _rank_path(self, ask["env"], ask["cwd"])
+        path = self.rank_path(ask["env"], ask["cwd"])
         for name, ours in self.packages.items():
             if _location(name, path) != ours:
                 return f"its path finds another {name} than the server's ({ours})"
         return None
+
+    def rank_path(self, env: Mapping[str, str], cwd: str) -> list[str]:
+        """sys.path as `python -m` would make it: the directory, PYTHONPATH, then site's."""
+        given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        return [cwd, *given, *self.site_path]
+
+    def _become_rank(self, ask: dict[str, Any], fds: list[int], close: list[int]) -> None:
+        """In the forked child: the rank torchrun asked for (run by run_forked)."""
+        os.setsid()  # as torchrun starts its workers
+        for fd in close:
+            os.close(fd)
+        *stdio, lifeline = fds
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.set_inheritable(lifeline, False)  # the rank's alone: not its children's
+        os.register_at_fork(after_in_child=functools.partial(_close_quietly, lifeline))
+        threading.Thread(target=_hold_lifeline, args=(lifeline,), daemon=True,
+                         name="asyncrl-lifeline").start()
+        take_place(ask)
+        os.environ[STAND_IN] = str(ask["stand_in"])
+        sys.path[:] = self.rank_path(ask["env"], ask["cwd"])
+        sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")
+        random.seed()  # not the server's sequence, nor another rank's
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        from asyncrl.actors import rank_main
+
+        sys.argv = [rank_main.__file__]
+        rank_main.main()  # ends the process itself
 
 
 def _location(package: str, path: list[str]) -> str | None:
     spec = importlib.machinery.PathFinder.find_spec(package, path)
     found = spec.submodule_search_locations if spec is not None else None
     return os.path.realpath(list(found)[0]) if found else None
-
-
-def _rank_path(forker: RankForker, env: dict[str, str], cwd: str) -> list[str]:
-    """sys.path as `python -m` would make it: the directory, PYTHONPATH, then site's."""
-    given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return [cwd, *given, *forker.site_path]
 
 
 def _kill_group(pid: int) -> None:
@@ -247,19 +287,14 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-_forker: RankForker | None = None  # the server's, for _become_rank's path
-
-
-def serve_ranks(env: dict[str, str]) -> RankForker | None:
-    """The server's rank forker (`env`: the server's environment as it started), or None
-    where it cannot fork ranks safely (a thread of Python's running: fork keeps only the
-    caller's)."""
-    global _forker
-    _forker = RankForker(env)
+def serve_ranks(started_with: Mapping[str, str], start_up: StartUp) -> RankForker | None:
+    """The server's rank forker, or None where it cannot fork ranks safely (a thread of
+    Python's running: fork keeps only the caller's)."""
+    forker = RankForker(started_with, start_up)
     if threading.active_count() > 1:
-        _forker.forget()
-        _forker = None
-    return _forker
+        forker.forget()
+        return None
+    return forker
 
 
 def _close_quietly(fd: int) -> None:
@@ -277,38 +312,6 @@ def _hold_lifeline(fd: int) -> None:
     except OSError:
         pass
     _kill_group(os.getpid())
-
-
-def _become_rank(ask: dict[str, Any], fds: list[int], close: list[int]) -> None:
-    """In the forked child: the rank torchrun asked for (run by run_forked)."""
-    os.setsid()  # as torchrun starts its workers
-    for fd in close:
-        os.close(fd)
-    *stdio, lifeline = fds
-    for target, fd in enumerate(stdio):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.set_inheritable(lifeline, False)  # the rank's alone: not its children's
-    os.register_at_fork(after_in_child=functools.partial(_close_quietly, lifeline))
-    threading.Thread(target=_hold_lifeline, args=(lifeline,), daemon=True,
-                     name="asyncrl-lifeline").start()
-    take_place(ask)
-    os.environ[STAND_IN] = str(ask["stand_in"])
-    assert _forker is not None
-    sys.path[:] = _rank_path(_forker, ask["env"], ask["cwd"])
-    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                  errors="backslashreplace")
-    random.seed()  # not the server's sequence, nor another rank's
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    from asyncrl.actors import rank_main
-
-    sys.argv = [rank_main.__file__]
-    rank_main.main()  # ends the process itself
 
 
 def take_place(ask: dict[str, Any]) -> None:

@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.rank_fork import (
-    differs,
+    StartUp,
+    preload,
     run_forked,
     serve_ranks,
     set_title,
-    start_env,
     take_place,
 )
 
@@ -91,11 +91,11 @@ def _agent(torchrun: Any, ask: dict[str, Any], proto: int, ranks: Any) -> None:
     os.setsid()
     if ask["die_with_parent"]:
         die_with_parent()
-    log = os.open(ask["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    out = os.open(ask["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
     take_place(ask)
     sys.argv = [torchrun.__file__, *ask["argv"]]
     set_title(" ".join([sys.executable, "-m", "torch.distributed.run", *ask["argv"]]))
@@ -117,10 +117,11 @@ def serve() -> None:
 
     import torch.distributed.run as torchrun  # the import every agent used to pay
 
-    ranks = None
-    if forking_enabled("RANKS"):
-        ranks = serve_ranks(started_with)  # (imports what every rank imports)
-    started = start_env(started_with)
+    forks_ranks = forking_enabled("RANKS")
+    if forks_ranks:
+        preload()  # what every rank imports
+    start_up = StartUp(started_with)
+    ranks = serve_ranks(started_with, start_up) if forks_ranks else None
     send({"ready": True, "ranks": ranks.address if ranks is not None else None})
     children: set[int] = set()  # agents
     pending = b""
@@ -143,7 +144,7 @@ def serve() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 ask = json.loads(line)
-                why = differs(ask["env"], started)  # (LOGLEVEL: torchrun read it here)
+                why = start_up.differs(ask["env"])  # (LOGLEVEL: torchrun read it here)
                 if why:
                     send({"error": why})
                     continue
