@@ -27,6 +27,7 @@ from typing import Any
 
 from asyncrl.controller.flow import NodeError
 from asyncrl.controller.runner import run
+from asyncrl.controller.trackers import TrackerError
 from asyncrl.errors import CheckpointError, SettingError
 
 
@@ -151,14 +152,30 @@ def launch(args: argparse.Namespace) -> int:
     cluster, host = _cluster(args)
     return _run_flow("launch", run_dir, launch_flow(
         flow, args.steps, run_dir, args.save_inputs, resume=args.resume, keep=keep,
-        cluster=cluster, host=host, controller=_settings(args)))
+        cluster=cluster, host=host, controller=_settings(args), wandb=_wandb(args, run_dir)))
+
+
+def _wandb(args: argparse.Namespace, run_dir: Path) -> str | None:
+    """The wandb project of the run: --wandb, or on --resume the one the run logged to."""
+    from asyncrl.controller.trackers import require_wandb, wandb_project_of
+
+    project = args.wandb or (wandb_project_of(run_dir) if args.resume else None)
+    if project is not None:
+        try:
+            require_wandb()
+        except TrackerError as e:
+            raise SystemExit(f"asyncrl launch: {e}") from None
+        if args.resume and not args.wandb:
+            print(f"asyncrl launch: logging to wandb project {project!r} as the run did",
+                  file=sys.stderr)
+    return project
 
 
 def _run_flow(command: str, run_dir: Path, running: Any) -> int:
     """Run a flow to its end: 0, or the exit code after saying what failed."""
     try:
         run(running)
-    except CheckpointError as e:
+    except (CheckpointError, TrackerError) as e:
         print(f"asyncrl {command}: {e}", file=sys.stderr)
         return 2
     except NodeError as e:  # the node, the step and the group; the remote traceback follows
@@ -182,6 +199,7 @@ _FLOW_OPTIONS = {
     "checkpoint_every": "save its state in main()",
     "resume": "resume in main()",
     "encrypt": "pass asyncrl.Controller(encrypt=True)",
+    "wandb": "call wandb.init and wandb.log in main()",
 }
 
 
@@ -416,6 +434,9 @@ def parser() -> argparse.ArgumentParser:
                     help="keep the newest K checkpoints (default 3; 0 keeps all)")
     lp.add_argument("--resume", action="store_true",
                     help="continue the run in --run-dir from its newest complete checkpoint")
+    lp.add_argument("--wandb", default=None, metavar="PROJECT",
+                    help="log the metrics to this Weights & Biases project too (pip install "
+                    "'asyncrl[wandb]'; WANDB_MODE=offline keeps the run on disk)")
     _controller_flags(lp)
     lp.add_argument("args", nargs="*", help="key=value overrides, or arguments passed on "
                     "to a driver's main() (after --)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -125,6 +126,48 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     return sorted((e.step, e.value) for e in acc.Scalars(tag))
+
+
+def wandb_history(run_dir: Path) -> tuple[list[tuple[int, dict[str, Any]]], dict[str, Any],
+                                           set[str]]:
+    """What offline wandb wrote under run_dir/wandb, oldest run first: (step, row) of each
+    history record, the config, and the run ids. The .wandb files are leveldb logs of
+    protobuf Records (32 KiB blocks, a 7-byte header per chunk, after a 7-byte file header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    history: list[tuple[int, dict[str, Any]]] = []
+    config: dict[str, Any] = {}
+    ids: set[str] = set()
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        data, pos, chunks = path.read_bytes(), 7, b""
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            left = (1 << 15) - pos % (1 << 15)
+            if left < 7:  # a block's tail too short for a header: padding
+                pos += left
+                continue
+            _, size, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunks += data[pos + 7:pos + 7 + size]
+            pos += 7 + size
+            if kind not in (1, 4):  # not FULL nor LAST: the record goes on
+                continue
+            record, chunks = pb.Record.FromString(chunks), b""
+            which = record.WhichOneof("record_type")
+            if which == "history":
+                row = {_key(item): json.loads(item.value_json) for item in record.history.item}
+                history.append((record.history.step.num, row))
+            elif which == "config":
+                config.update({_key(item): json.loads(item.value_json)
+                               for item in record.config.update})
+            elif which == "run":  # (with the config wandb.init was given)
+                ids.add(record.run.run_id)
+                config.update({_key(item): json.loads(item.value_json)
+                               for item in record.run.config.update})
+    return history, config, ids
+
+
+def _key(item: Any) -> str:
+    return item.key or "/".join(item.nested_key)  # ("train/loss" comes as a nested key)
 
 
 # a word-level vocabulary of 128 (the tiny presets' size): specials, chat roles, a final

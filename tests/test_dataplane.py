@@ -276,18 +276,21 @@ def test_large_arguments_reach_the_ranks_while_heartbeats_flow(relay):
     # Encoded into the Call, 256 MiB held the controller's loop copying and signing for
     # seconds (per rank): its heartbeats stopped and the ranks left. The bytes now follow the
     # Call as raw frames, through the host's relay too, and the ranks use them as received.
+    # (the test's own tensor work out of the loop: it would stop the heartbeats itself)
+    w = torch.arange(1 << 26, dtype=torch.float32) % 1000  # 256 MiB
+
     async def main():
         async with asyncrl.Controller(heartbeat_interval=0.1, heartbeat_timeout=1.5,
                                       relay=relay) as ctl:
             group = await ctl.spawn(Weights, nprocs=2, name="weights")
             pids = group_pids(group)
-            w = torch.arange(1 << 26, dtype=torch.float32) % 1000  # 256 MiB
             loaded = await group.load({"w": w, "rows": 256})
             x = (torch.arange(64 * 4096) % 7).float().view(64, 4096)  # 1 MiB: a copy is sent
             sums = group.row_sums(TensorBatch({"x": x}))  # each rank its rows of the host's
             x.zero_()
-            return pids, w.view(256, -1).double().sum(1), loaded, (await sums)["s"]
-    pids, expected, loaded, sums = run(main())
+            return pids, loaded, (await sums)["s"]
+    pids, loaded, sums = run(main())
+    expected = w.view(256, -1).double().sum(1)
     assert_gone(pids)
     assert [rank for _, rank in loaded] == [0, 1]
     assert all(torch.equal(got, expected) for got, _ in loaded)

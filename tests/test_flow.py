@@ -15,13 +15,14 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from helpers import ROOT, run, tensorboard_scalars
+from helpers import ROOT, run, tensorboard_scalars, wandb_history
 
 import asyncrl
 from asyncrl.controller.launch import Metrics, load_inputs
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.placement import Host, Placer
 from asyncrl.controller.timeline import Event, Timeline, draw
+from asyncrl.controller.trackers import Wandb
 from asyncrl.errors import SettingError
 
 
@@ -212,6 +213,35 @@ def test_tensorboard_shows_each_step_once_after_a_rewind_and_a_resume(tmp_path):
     resumed.close()
     assert tensorboard_scalars(tmp_path, "train/loss") == [(0, 0.0), (1, 11.0), (2, 22.0),
                                                            (3, 23.0)]
+
+
+def test_wandb_gets_each_step_once_through_a_rewind_and_a_resume(tmp_path, monkeypatch,
+                                                                 capsys):
+    """One wandb run across a resume (its id kept in the run directory); wandb refuses a step
+    below its last, so the steps run again keep their first values there, and that is said."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Wandb(tmp_path, "asyncrl-tests", {"lr": 0.5})
+    metrics = Metrics(tmp_path, 4, Timeline(), trackers=[tracker])
+    for t in range(3):
+        metrics(t, {"train": {"loss": float(t)}}, 1.0)
+    metrics.rewind(0)  # steps 1 and 2 run again
+    for t in (1, 2):
+        metrics(t, {"train": {"loss": 10.0 + t}}, 1.0)
+    metrics.close()
+    assert "step 1 ran again; wandb keeps the values it was given first (through step 2)" \
+        in capsys.readouterr().err
+    resumed = Metrics(tmp_path, 4, Timeline(), first_step=2, trackers=[
+        Wandb(tmp_path, "asyncrl-tests", {"lr": 0.5}, resume=True)])
+    for t in (2, 3):  # after step 1's checkpoint: step 2 again, then step 3
+        resumed(t, {"train": {"loss": 20.0 + t}, "perf/tokens": 8}, 2.0)
+    resumed.close()
+    history, config, ids = wandb_history(tmp_path)
+    assert [(step, row["train/loss"]) for step, row in history] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 23.0)]
+    assert history[-1][1]["perf/tokens_per_s"] == 4.0 and "step" not in history[-1][1]
+    assert len(ids) == 1 and config["lr"] == 0.5
+    assert json.loads((tmp_path / "wandb.json").read_text())["logged"] == 3
 
 
 # -- running on real groups -----------------------------------------------------------------
@@ -444,7 +474,7 @@ def test_a_node_may_return_a_namedtuple_holding_one_future_twice():
 
 
 def test_launch_run_node_and_timeline_end_to_end(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     run_dir = tmp_path / "run"
 
     def cli(*args):
@@ -454,12 +484,21 @@ def test_launch_run_node_and_timeline_end_to_end(tmp_path):
         return out
 
     out = cli("launch", "examples/flow.py", "--steps", "3", "--run-dir", str(run_dir),
-              "--save-inputs", "batch=4", "lr=0.25")
+              "--save-inputs", "--wandb", "asyncrl-tests", "batch=4", "lr=0.25")
     assert f"run_dir: {run_dir}" in out.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all("train/reward" in r and "time/train_s" in r for r in rows)
     assert "step 3/3" in out.stderr
+    # a resume logs to the run's wandb run, without --wandb again
+    out = cli("launch", "examples/flow.py", "--steps", "4", "--run-dir", str(run_dir),
+              "--resume")
+    assert "logging to wandb project 'asyncrl-tests' as the run did" in out.stderr
+    history, config, ids = wandb_history(run_dir)
+    assert [step for step, _ in history] == [0, 1, 2, 3] and len(ids) == 1
+    assert [row["train/reward"] for _, row in history[:3]] == [r["train/reward"] for r in rows]
+    assert (config["batch"], config["lr"], config["length"]) == (4, 0.25, 8)  # settings
+    assert config["asyncrl"]["steps"] == 4  # as the resumed run set it
     saved = run_dir / "inputs" / "step1" / "score.msgpack"
     out = cli("run", "examples/flow.py", "--node", "score", "--inputs", str(saved))
     scores = eval(out.stdout.strip().splitlines()[-1])  # a list of floats, printed by repr

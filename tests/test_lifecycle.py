@@ -12,7 +12,7 @@ import sys
 import threading
 
 import pytest
-from helpers import ROOT, assert_gone, group_pids, run
+from helpers import ROOT, assert_gone, group_pids, poll_until, run
 
 import asyncrl
 from asyncrl.controller.launcher import kill_pids, pid_alive
@@ -140,7 +140,7 @@ def test_processes_a_rank_started_go_with_its_group():
             return children, group_pids(group)
     children, pids = run(main())
     try:
-        assert [p for p in children if pid_alive(p)] == []
+        assert_gone(children)  # (SIGKILL is delivered asynchronously)
         assert_gone(pids)
     finally:
         kill_pids([p for p in children if pid_alive(p)])
@@ -152,9 +152,16 @@ def test_killed_rank_fails_pending_calls_with_group_dead_error():
             group = await ctl.spawn(Sleeper, nprocs=2)
             pids = group_pids(group)
             pending = group.wait(60)
-            os.kill(group.pids[1], signal.SIGKILL)
+            victim = group.pids[1]
+            os.kill(victim, signal.SIGKILL)
             with pytest.raises(asyncrl.GroupDeadError) as info:
                 await asyncio_wait_for(pending, 2.0 + 10)
+            # the server that forked it saw how it ended (the supervisor's source when
+            # torchrun is slow to report it)
+            server = ctl.agent_server()
+            assert server is not None
+            await poll_until(lambda: server.rank_exit(victim) == -signal.SIGKILL, 10,
+                             "the agent server to report the rank's exit")
             from asyncrl.controller.timeline import called_groups
 
             seen: set = set()
@@ -204,6 +211,8 @@ def test_hung_rank_is_found_by_missing_heartbeats():
             group = await ctl.spawn(Sleeper, nprocs=2)
             pids = group_pids(group)
             await group.say("about to stall")
+            await poll_until(lambda: "rank 0: about to stall" in group.agent.tail(), 20,
+                             "the rank's output thread to log its line")
             pending = group.wait(60)
             os.kill(group.pids[0], signal.SIGSTOP)  # alive but silent
             with pytest.raises(asyncrl.GroupDeadError) as info:

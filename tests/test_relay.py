@@ -153,6 +153,8 @@ def test_a_dead_or_silent_rank_behind_a_relay_is_named(how, victim):
             group = await ctl.spawn(Host, nprocs=3)
             pids = group_pids(group)
             await group.say("still here")
+            await poll_until(lambda: f"rank {victim}: still here" in group.agent.tail(), 20,
+                             "the rank's output thread to log its line")
             pending = group.fail_or_wait("/nonexistent", failing=-1)  # all wait 60 s
             os.kill(group.pids[victim], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             with pytest.raises(asyncrl.GroupDeadError) as info:

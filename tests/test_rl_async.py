@@ -70,15 +70,22 @@ def test_a_generation_takes_new_weights_at_a_token_boundary_and_keeps_its_tokens
 
 
 class HeldRollout(Rollout):
-    """Its generation waits after token 3 until new weights have arrived."""
+    """Its generation waits after token 3 until new weights have arrived; the weights wait
+    for it to get there (a loaded host may start the generation late)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.loaded = threading.Event()
-        self.engine.on_token = lambda step: step == 3 and self.loaded.wait(60)
+        self.reached, self.loaded = threading.Event(), threading.Event()
+        self.engine.on_token = self._hold
+
+    def _hold(self, step):
+        if step == 3:
+            self.reached.set()
+            self.loaded.wait(60)
 
     @asyncrl.register(dispatch=ALL_RANKS, concurrent=True)
     def load_weights(self, weights, version=None):
+        self.reached.wait(60)  # (set once: later syncs go straight in)
         out = super().load_weights(weights, version)
         self.loaded.set()
         return out

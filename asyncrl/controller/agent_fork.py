@@ -50,6 +50,7 @@ log = logging.getLogger("asyncrl")
 _PR_SET_PDEATHSIG = 1
 READY_TIMEOUT = 120.0  # the server's torch import, on a loaded machine
 ANSWER_TIMEOUT = 60.0
+RANK_EXITS_KEPT = 4096  # forked ranks' exit codes kept for the supervisor
 
 
 def die_with_parent() -> None:
@@ -168,8 +169,8 @@ def serve() -> None:
             if pid in children:
                 children.discard(pid)
                 send({"exit": pid, "code": code})
-            elif ranks is not None:
-                ranks.exited(pid, code)
+            elif ranks is not None and ranks.exited(pid, code):
+                send({"rank_exit": pid, "code": code})  # (before torchrun can tell it)
 
 
 # -- the controller's side ---------------------------------------------------------------------
@@ -221,6 +222,7 @@ class AgentServer:
         self._answered = threading.Condition()
         self._agents: dict[int, ForkedAgent] = {}
         self._ended: dict[int, int] = {}  # exits reported before their handle was made
+        self._rank_exits: dict[int, int] = {}  # a forked rank's pid -> its exit code
         self._ready = threading.Event()
         self._ranks: str | None = None  # where it forks ranks (asyncrl.actors.rank_fork)
         self._eof = False  # the server's output ended: it reports nothing more
@@ -255,6 +257,11 @@ class AgentServer:
             with self._answered:
                 self._answers.append(msg)
                 self._answered.notify_all()
+        elif "rank_exit" in msg:
+            with self._answered:
+                self._rank_exits[msg["rank_exit"]] = msg["code"]
+                if len(self._rank_exits) > RANK_EXITS_KEPT:
+                    del self._rank_exits[next(iter(self._rank_exits))]  # the oldest
         else:
             with self._answered:
                 agent = self._agents.pop(msg["exit"], None)
@@ -266,6 +273,12 @@ class AgentServer:
     @property
     def alive(self) -> bool:
         return not self.broken and not self._eof and self.proc.poll() is None
+
+    def rank_exit(self, pid: int) -> int | None:
+        """The exit code of a rank this server forked (negative: the signal), None while it
+        runs or if it was not one of its own."""
+        with self._answered:
+            return self._rank_exits.get(pid)
 
     def ranks_address(self) -> str | None:
         """Where this server forks ranks (once it is ready), or None: it does not."""

@@ -85,6 +85,7 @@ def declared_in(modules: set[str]) -> list[GroupSpec]:
 
 
 config_calls = 0  # how often a flow file asked for its settings (overrides need one)
+settings: dict[str, Any] = {}  # what config() gave this process, for the run's trackers
 
 
 def config(**defaults: Any) -> dict[str, Any]:
@@ -100,7 +101,9 @@ def config(**defaults: Any) -> dict[str, Any]:
     if unknown:
         raise SettingError(f"unknown setting(s) {unknown} on the command line; this flow's "
                            f"settings are {sorted(defaults)}")
-    return {**defaults, **{k: _as_default(k, v, defaults[k]) for k, v in overrides.items()}}
+    given = {**defaults, **{k: _as_default(k, v, defaults[k]) for k, v in overrides.items()}}
+    settings.update(given)
+    return given
 
 
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.comm import codec
-from asyncrl.controller import checkpoint
+from asyncrl.controller import checkpoint, declare
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import NODE_INPUTS, DataFlow
+from asyncrl.controller.logs import append_line
 from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length, write_trace
+from asyncrl.controller.trackers import TensorBoard, Wandb
 
 OVERRIDES_FILE = "overrides.json"  # in RUN_DIR/inputs: the run's key=value overrides
 
@@ -51,7 +53,8 @@ def scalars(prefix: str, value: Any) -> dict[str, float]:
 
 
 class Metrics:
-    """metrics.jsonl (one object per step), TensorBoard when installed, a progress line.
+    """metrics.jsonl (one object per step), the trackers (TensorBoard when installed, wandb
+    when asked for: asyncrl/controller/trackers.py), a progress line.
 
     A row: {"step": t, "time/step_s": ..., "time/<node>_s": ..., then each node's numbers}.
     A node returning {"loss": x} gives "<node>/loss"; a key with a "/" ({"actor/kl": x}) is
@@ -60,27 +63,10 @@ class Metrics:
     the step's calls, and "time/idle/<group>_s", the rest of the step's time."""
 
     def __init__(self, run_dir: Path, steps: int | None, timeline: Timeline,
-                 first_step: int = 0):
+                 first_step: int = 0, trackers: list[Any] | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.steps, self.timeline = steps, timeline
-        self.tb_dir = run_dir / "tensorboard"
-        self.tb: Any = None  # made with the first row: a run that never got one leaves none
-        self._purge: int | None = first_step or None
-        self._board_missing = False  # TensorBoard is not installed
-
-    def _board(self) -> Any:
-        """The TensorBoard writer, if it is installed. Its `purge_step` (a resume's first
-        step, a rewind's): TensorBoard hides what earlier writers wrote for that step and
-        later ones (they are written again)."""
-        if self.tb is None and not self._board_missing:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.tb_dir), purge_step=self._purge)
-                self._purge = None
-            except Exception:  # noqa: BLE001 - TensorBoard is optional
-                self._board_missing = True
-        return self.tb
+        self.trackers = [TensorBoard(run_dir, first_step)] if trackers is None else trackers
 
     def __call__(self, step: int, values: dict[str, Any], seconds: float) -> None:
         row: dict[str, Any] = {"step": step, "time/step_s": round(seconds, 4)}
@@ -100,14 +86,12 @@ class Metrics:
             used = union_length(group_spans)
             row[f"time/busy/{group}_s"] = round(used, 4)
             row[f"time/idle/{group}_s"] = round(max(0.0, seconds - used), 4)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None
-                                for k, v in row.items()}) + "\n")
-        board = self._board()
-        if board is not None:
-            for k, v in row.items():
-                if k != "step":
-                    board.add_scalar(k, v, step)
+        append_line(self.path, json.dumps({
+            k: v if not isinstance(v, float) or math.isfinite(v) else None
+            for k, v in row.items()}))
+        values = {k: v for k, v in row.items() if k != "step"}
+        for tracker in self.trackers:
+            tracker.log(step, values)
         total = f"/{self.steps}" if self.steps else ""
         bar = ""
         if self.steps:
@@ -124,18 +108,16 @@ class Metrics:
         timeline events and TensorBoard scalars go."""
         drop_rows_after(self.path, step)
         self.timeline.drop_after(step)
-        if self.tb is not None:  # event files are append-only: a purge marks what to hide
-            self.tb.close()
-            self.tb = None
-        self._purge = step + 1 if self._purge is None else min(self._purge, step + 1)
+        for tracker in self.trackers:
+            tracker.rewind(step)
 
     def flush(self) -> None:
-        if self.tb is not None:
-            self.tb.flush()
+        for tracker in self.trackers:
+            tracker.flush()
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def drop_rows_after(path: Path, step: int) -> int:
@@ -163,13 +145,14 @@ def _step_of(line: str) -> int | None:
 async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                       save_inputs: bool = False, *, resume: bool = False,
                       keep: int | None = checkpoint.KEEP, cluster: Any = None,
-                      host: str = "127.0.0.1", controller: dict[str, Any] | None = None
-                      ) -> Path:
+                      host: str = "127.0.0.1", controller: dict[str, Any] | None = None,
+                      wandb: str | None = None) -> Path:
     """Run `flow` up to step index `steps` (None: `flow.steps`) with its outputs in `run_dir`,
     checkpointing after its last step (and every `flow.checkpoint_every` steps). `resume`:
     continue from the newest complete checkpoint in `run_dir`; else none there. `controller`:
-    more Controller settings (heartbeat_interval=...). Recoveries from dead groups are
-    written to run_dir/recoveries.jsonl."""
+    more Controller settings (heartbeat_interval=...). `wandb`: a Weights & Biases project
+    the metrics go to as well. Recoveries from dead groups are written to
+    run_dir/recoveries.jsonl."""
     run_dir = Path(run_dir)
     steps = flow.steps if steps is None else steps
     resume_from: Path | None = None
@@ -186,6 +169,15 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     else:
         checkpoint.refuse_existing(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    first_step = meta["step"] + 1 if resume_from is not None else 0
+    trackers: list[Any] = [TensorBoard(run_dir, first_step)]
+    if wandb is not None:  # started before any group: a refusal costs nothing
+        config = {**declare.settings, "asyncrl": {  # the flow's settings, as config() gave
+            "steps": steps, "max_staleness": flow.max_staleness,
+            "groups": {g.name: g.nprocs for g in flow.groups}}}
+        trackers.append(Wandb(run_dir, wandb, config, resume=resume_from is not None))
+    timeline = Timeline()
+    metrics = Metrics(run_dir, steps, timeline, first_step, trackers)
 
     async def save(step: int) -> None:
         # what a resume from this checkpoint keeps of the steps before it, on disk first
@@ -202,33 +194,32 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         await checkpoint.restore(flow, found, checkpoint.read_meta(found))
         return True
 
-    async with Controller(run_dir=run_dir, cluster=cluster, host=host,
-                          **(controller or {})) as ctl:
-        timeline = ctl.timeline = Timeline()
-        if resume_from is not None:  # the steps before the resume stay in timeline.json
-            timeline.resume(run_dir / "timeline.json", meta["step"])
-        metrics = Metrics(run_dir, steps, timeline,
-                          first_step=meta["step"] + 1 if resume_from is not None else 0)
-        flow.save_inputs = run_dir / "inputs" if save_inputs else None
-        if flow.save_inputs is not None:  # `asyncrl run --node` builds the groups alike
-            flow.save_inputs.mkdir(parents=True, exist_ok=True)
-            (flow.save_inputs / OVERRIDES_FILE).write_text(
-                os.environ.get(OVERRIDES_ENV, "{}"))
-        flow.recovery.log_path = run_dir / "recoveries.jsonl"
-        try:
-            await flow.open(ctl)
+    try:
+        async with Controller(run_dir=run_dir, cluster=cluster, host=host,
+                              **(controller or {})) as ctl:
+            ctl.timeline = timeline
+            if resume_from is not None:  # the steps before the resume stay in timeline.json
+                timeline.resume(run_dir / "timeline.json", meta["step"])
+            flow.save_inputs = run_dir / "inputs" if save_inputs else None
+            if flow.save_inputs is not None:  # `asyncrl run --node` builds the groups alike
+                flow.save_inputs.mkdir(parents=True, exist_ok=True)
+                (flow.save_inputs / OVERRIDES_FILE).write_text(
+                    os.environ.get(OVERRIDES_ENV, "{}"))
+            flow.recovery.log_path = run_dir / "recoveries.jsonl"
             try:
-                if resume_from is not None:
-                    await checkpoint.restore(flow, resume_from, meta)
-                await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
-                               on_rewind=metrics.rewind, keep=False)
+                await flow.open(ctl)
+                try:
+                    if resume_from is not None:
+                        await checkpoint.restore(flow, resume_from, meta)
+                    await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
+                                   on_rewind=metrics.rewind, keep=False)
+                finally:
+                    await flow.close()
             finally:
-                await flow.close()
-        finally:
-            metrics.close()
-            timeline.write(run_dir / "timeline.json")
+                timeline.write(run_dir / "timeline.json")
+    finally:
+        metrics.close()  # (wandb's service process with it)
     return run_dir
-
 
 def load_inputs(path: Path) -> tuple[dict[str, Any], dict[str, list[list[Any]]]]:
     """A node's saved inputs: their values, and where the node was given DistFutures."""

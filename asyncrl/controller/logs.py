@@ -4,6 +4,7 @@ rank (the rest is counted and said to be in the file)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -78,3 +79,13 @@ def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> s
                                 f"logs there: {known or 'none'}")
     lines = path.read_text(errors="replace").splitlines()
     return "\n".join(lines[-tail:] if tail else lines)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` to a JSON-lines file (metrics.jsonl, recoveries.jsonl) in one write to an
+    O_APPEND descriptor: a reader polling the file never sees half of it."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.controller.logs import append_line
 from asyncrl.controller.timeline import called_groups
 from asyncrl.errors import ClosedError, GroupDeadError, InputLostError, RemoteError, SpawnError
 from asyncrl.futures.future import DistFuture, Rows, futures_in, rebuild
@@ -328,9 +329,8 @@ class Recovery:
                           f"{type(cause).__name__}: {_first_line(cause)}",
                           round(time.monotonic() - started, 3))
         self.events.append(event)
-        if self.log_path is not None:
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(asdict(event)) + "\n")
+        if self.log_path is not None:  # one write of a whole line: a reader sees it whole
+            append_line(self.log_path, json.dumps(asdict(event)))
 
 
 async def _attempt(fn: Callable[[], Any], called: set[str]) -> Any:

@@ -90,8 +90,17 @@ class Supervisor:
             await asyncio.wait_for(group.exited.wait(), wait)
         except asyncio.TimeoutError:
             if group.dead is None:
-                group._mark_dead(self.first_gone(group, rank), None, "its process is gone")
+                culprit = self.first_gone(group, rank)
+                code = self.exit_code(group.ranks[culprit].pid)
+                group._mark_dead(culprit, code, "its process is gone" if code is None else
+                                 "its process exited")
         group.agent.signal_all(signal.SIGKILL)
+
+    def exit_code(self, pid: int | None) -> int | None:
+        """A rank's exit code as the agent server that forked it saw it (torchrun, slower on
+        a loaded host, may not have told it yet); None where it was not forked there."""
+        server = self._ctl.agent_server()
+        return server.rank_exit(pid) if server is not None and pid is not None else None
 
     def first_gone(self, group: GroupHandle, rank: int) -> int:
         """Which gone rank to name: one torchrun did not stop itself. When one rank dies,

@@ -1,0 +1,139 @@
+"""Where a run's metrics go besides metrics.jsonl: TensorBoard (when installed) and Weights &
+Biases (`asyncrl launch --wandb PROJECT`). Each takes a step's row, a rewind (a recovery
+went back to a checkpoint: the steps after it run again), a flush and a close."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+WANDB_STATE = "wandb.json"  # in the run directory: the wandb run's id, for --resume
+
+
+class TrackerError(RuntimeError):
+    """A tracker asked for cannot start (said before any group starts)."""
+
+
+class TensorBoard:
+    """Scalars under run_dir/tensorboard, the writer made with the first row (a run that never
+    got one leaves none). Event files are append-only: the steps a rewind or a resume runs
+    again are hidden by a purge, and show once, with their new values."""
+
+    def __init__(self, run_dir: Path, first_step: int = 0):
+        self.dir = Path(run_dir) / "tensorboard"
+        self.writer: Any = None
+        self._purge: int | None = first_step or None
+        self._missing = find_spec("tensorboard") is None
+
+    def log(self, step: int, row: dict[str, float]) -> None:
+        if self.writer is None and not self._missing:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(self.dir), purge_step=self._purge)
+                self._purge = None
+            except Exception:  # noqa: BLE001 - TensorBoard is optional
+                self._missing = True
+        if self.writer is not None:
+            for k, v in row.items():
+                self.writer.add_scalar(k, v, step)
+
+    def rewind(self, step: int) -> None:
+        if self.writer is not None:  # the next writer purges from the first step run again
+            self.writer.close()
+            self.writer = None
+        self._purge = step + 1 if self._purge is None else min(self._purge, step + 1)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Wandb:
+    """One wandb run per asyncrl run, named after the run directory, its id kept in
+    run_dir/wandb.json so that `--resume` goes on in the same wandb run. wandb takes no step
+    below its last: the steps a rewind or a resume runs again keep their first values there
+    (metrics.jsonl and TensorBoard show the new ones), and the run says so. WANDB_MODE=offline
+    runs without a network (`wandb sync` uploads later); WANDB_ENTITY and the like apply."""
+
+    def __init__(self, run_dir: Path, project: str, config: dict[str, Any],
+                 resume: bool = False):
+        require_wandb()
+        import wandb
+
+        self.state = Path(run_dir) / WANDB_STATE
+        saved = _read_state(self.state) if resume else {}
+        self.logged: int = saved.get("logged", -1)  # the last step wandb was given
+        # the console is ours (the progress line; ranks' output is in logs/): not captured,
+        # unless WANDB_CONSOLE says otherwise
+        settings = wandb.Settings() if "WANDB_CONSOLE" in os.environ else \
+            wandb.Settings(console="off")
+        try:
+            self.run = wandb.init(project=project, name=Path(run_dir).name, config=config,
+                                  dir=str(run_dir), id=saved.get("id"), resume="allow",
+                                  settings=settings)
+        except Exception as e:  # noqa: BLE001 - said before any group starts
+            raise TrackerError(
+                f"wandb could not start a run in project {project!r}: {type(e).__name__}: "
+                f"{e}. Log in (`wandb login` or WANDB_API_KEY), or set WANDB_MODE=offline "
+                f"to keep the run on disk (`wandb sync` uploads it later)") from e
+        self._save(project)
+        self._said_through = -1  # the steps skipped were said up to here
+
+    def log(self, step: int, row: dict[str, float]) -> None:
+        if step <= self.logged:
+            if step > self._said_through:
+                print(f"wandb: step {step} ran again; wandb keeps the values it was given "
+                      f"first (through step {self.logged}); metrics.jsonl has the new ones",
+                      file=sys.stderr, flush=True)
+                self._said_through = self.logged
+            return
+        self.run.log(row, step=step)
+        self.logged = step
+        self._save(self.run.project)
+
+    def rewind(self, step: int) -> None:
+        """Nothing to take back: wandb refuses the steps up to `logged` when they come."""
+
+    def flush(self) -> None:
+        """wandb writes as it goes."""
+
+    def close(self) -> None:
+        import wandb
+
+        self.run.finish()
+        wandb.teardown()  # its service process too: a run leaves none behind
+
+    def _save(self, project: str) -> None:
+        tmp = self.state.with_name(self.state.name + ".tmp")
+        tmp.write_text(json.dumps({"id": self.run.id, "project": project,
+                                   "logged": self.logged}))
+        os.replace(tmp, self.state)
+
+
+def require_wandb() -> None:
+    """Refuse --wandb where wandb is not installed, before anything starts."""
+    if find_spec("wandb") is None:
+        raise TrackerError("--wandb needs the wandb package: pip install 'asyncrl[wandb]'")
+
+
+def wandb_project_of(run_dir: Path) -> str | None:
+    """The wandb project a run logged to (None: it did not), for its resume."""
+    project = _read_state(Path(run_dir) / WANDB_STATE).get("project")
+    return project if isinstance(project, str) else None
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # an earlier run without wandb: a new wandb run
+    return saved if isinstance(saved, dict) else {}
