@@ -56,6 +56,7 @@ def _load(path: str, overrides: dict[str, Any] | None = None,
     # before the import: the flow file reads them with asyncrl.config(...); none given,
     # none left from an earlier load in this process
     os.environ[OVERRIDES_ENV] = json.dumps(overrides or {})
+    declare.settings.clear()  # this file's, for the run's trackers
     calls, loaded = declare.config_calls, set(sys.modules)
     try:
         module = _load_file(os.path.abspath(path))

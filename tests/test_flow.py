@@ -19,6 +19,7 @@ from helpers import ROOT, run, tensorboard_scalars, wandb_history
 
 import asyncrl
 from asyncrl.controller.launch import Metrics, load_inputs
+from asyncrl.controller.launcher import rank_env
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.placement import Host, Placer
 from asyncrl.controller.timeline import Event, Timeline, draw
@@ -221,27 +222,43 @@ def test_wandb_gets_each_step_once_through_a_rewind_and_a_resume(tmp_path, monke
     below its last, so the steps run again keep their first values there, and that is said."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    tracker = Wandb(tmp_path, "asyncrl-tests", {"lr": 0.5})
-    metrics = Metrics(tmp_path, 4, Timeline(), trackers=[tracker])
-    for t in range(3):
-        metrics(t, {"train": {"loss": float(t)}}, 1.0)
-    metrics.rewind(0)  # steps 1 and 2 run again
-    for t in (1, 2):
-        metrics(t, {"train": {"loss": 10.0 + t}}, 1.0)
-    metrics.close()
+    metrics = Metrics(tmp_path, 5, Timeline(),
+                      trackers=[Wandb(tmp_path, "asyncrl-tests", {"lr": 0.5})])
+    try:
+        # the controller's wandb service is not the ranks' (a worker's wandb.init would join
+        # it, and lose it when the run ends)
+        assert "WANDB_SERVICE" in os.environ
+        assert "WANDB_SERVICE" not in rank_env(dict(os.environ), {})
+        for t in range(3):
+            metrics(t, {"train": {"loss": float(t)}}, 1.0)
+        metrics.rewind(0)  # steps 1 and 2 run again
+        for t in (1, 2):
+            metrics(t, {"train": {"loss": 10.0 + t}}, 1.0)
+    finally:
+        metrics.close()  # (wandb's service process with it, whatever failed)
     assert "step 1 ran again; wandb keeps the values it was given first (through step 2)" \
         in capsys.readouterr().err
-    resumed = Metrics(tmp_path, 4, Timeline(), first_step=2, trackers=[
-        Wandb(tmp_path, "asyncrl-tests", {"lr": 0.5}, resume=True)])
-    for t in (2, 3):  # after step 1's checkpoint: step 2 again, then step 3
-        resumed(t, {"train": {"loss": 20.0 + t}, "perf/tokens": 8}, 2.0)
-    resumed.close()
+    # resumed after step 1's checkpoint: step 2 is logged again (a killed controller's last
+    # rows may never have reached wandb), into the same wandb run
+    resumed = Metrics(tmp_path, 5, Timeline(), first_step=2, trackers=[
+        Wandb(tmp_path, "asyncrl-tests", {"lr": 0.5}, resumed_after=1)])
+    try:
+        for t in (2, 3):
+            resumed(t, {"train": {"loss": 20.0 + t}, "perf/tokens": 8}, 2.0)
+    finally:
+        resumed.close()
     history, config, ids = wandb_history(tmp_path)
     assert [(step, row["train/loss"]) for step, row in history] == [
-        (0, 0.0), (1, 1.0), (2, 2.0), (3, 23.0)]
+        (0, 0.0), (1, 1.0), (2, 2.0), (2, 22.0), (3, 23.0)]
     assert history[-1][1]["perf/tokens_per_s"] == 4.0 and "step" not in history[-1][1]
     assert len(ids) == 1 and config["lr"] == 0.5
     assert json.loads((tmp_path / "wandb.json").read_text())["logged"] == 3
+    # resumed into another project: a wandb run of its own there
+    other = Wandb(tmp_path, "asyncrl-other", {}, resumed_after=3)
+    try:
+        assert other.run.id not in ids and other.run.project == "asyncrl-other"
+    finally:
+        other.close()
 
 
 # -- running on real groups -----------------------------------------------------------------

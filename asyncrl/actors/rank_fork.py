@@ -131,10 +131,10 @@ class RankForker:
     def watched(self) -> list[int]:
         return [self.listener.fileno(), *self.by_fd]
 
-    def readable(self, fd: int, close_in_child: list[int]) -> None:
+    def readable(self, fd: int, close_in_child: list[int]) -> int | None:
+        """Serve what `fd` has: a rank forked (its pid), or a stand-in gone (its rank too)."""
         if fd == self.listener.fileno():
-            self._accept(close_in_child)
-            return
+            return self._accept(close_in_child)
         pid = self.by_fd[fd]
         try:
             gone = not self.stand_ins[pid].recv(1 << 10)
@@ -143,6 +143,7 @@ class RankForker:
         if gone:  # the stand-in died (torchrun killed it): so does its rank
             _kill_group(pid)
             self._drop(pid)
+        return None
 
     def exited(self, pid: int, code: int) -> bool:
         """Report a forked rank's exit to its stand-in; False: not one of ours."""
@@ -168,13 +169,13 @@ class RankForker:
             os.close(sock.detach())
         self.stand_ins, self.by_fd = {}, {}
 
-    def _accept(self, close_in_child: list[int]) -> None:
+    def _accept(self, close_in_child: list[int]) -> int | None:
         """Fork the rank a stand-in asks for, or answer why not. Nothing a request holds
         may end the server: it serves every group of the process."""
         try:
             conn, _ = self.listener.accept()
         except OSError:  # (out of fds: the stand-in, refused, starts its rank anew)
-            return
+            return None
         fds: list[int] = []
         try:
             conn.settimeout(2)  # a stand-in sends its request at once
@@ -209,7 +210,7 @@ class RankForker:
             for fd in fds:
                 os.close(fd)
             conn.close()
-            return
+            return None
         if pid == 0:
             self.forget()
             os.close(conn.detach())
@@ -222,6 +223,7 @@ class RankForker:
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         except OSError:  # the stand-in is gone already: the next poll sees it
             pass
+        return pid
 
     def _refusal(self, ask: dict[str, Any]) -> str | None:
         import torch

@@ -134,9 +134,12 @@ def serve() -> None:
         for fd in readable:
             if fd != 0 and ranks is not None:
                 try:
-                    ranks.readable(fd, close_in_child=[proto])
+                    forked = ranks.readable(fd, close_in_child=[proto])
                 except Exception:  # noqa: BLE001 - one rank's trouble ends no other group
                     traceback.print_exc()
+                    continue
+                if forked is not None:  # (its pid may be an earlier rank's: not its exit)
+                    send({"rank_start": forked})
         if 0 in readable:
             data = os.read(0, 1 << 16)
             if not data:
@@ -257,6 +260,9 @@ class AgentServer:
             with self._answered:
                 self._answers.append(msg)
                 self._answered.notify_all()
+        elif "rank_start" in msg:
+            with self._answered:
+                self._rank_exits.pop(msg["rank_start"], None)
         elif "rank_exit" in msg:
             with self._answered:
                 self._rank_exits[msg["rank_exit"]] = msg["code"]

@@ -202,7 +202,7 @@ class Controller:
         self.channel = ControllerChannel(secret, self.host, curve_secret)
         self.channel.start(self.inbox.on_message)
         self._tasks = [self.loop.create_task(self.supervisor.run())]
-        self.agent_server()  # its torch import runs while the driver goes on to its groups
+        self._agent_server()  # its torch import runs while the driver goes on to its groups
 
     async def close(self) -> None:
         """Shut every group down (killing what does not exit in time) and stop the plane."""
@@ -364,9 +364,9 @@ class Controller:
                                   self.run_id, self._die_with_controller, scratch)
         return Agent(name, nprocs, rank_env(dict(os.environ), extra),
                      self.run_dir / "logs" / f"{name}.log", self._die_with_controller,
-                     scratch=scratch, server=self.agent_server())
+                     scratch=scratch, server=self._agent_server())
 
-    def agent_server(self) -> AgentServer | None:
+    def _agent_server(self) -> AgentServer | None:
         """The warm process torchrun agents are forked from (asyncrl.controller.agent_fork;
         one per process, shared by its controllers), or None: torchrun started anew (hosts
         files, ASYNCRL_FORK_AGENTS=0, or it cannot start)."""

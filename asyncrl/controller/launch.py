@@ -23,7 +23,7 @@ from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import NODE_INPUTS, DataFlow
 from asyncrl.controller.logs import append_line
 from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length, write_trace
-from asyncrl.controller.trackers import TensorBoard, Wandb
+from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
 
 OVERRIDES_FILE = "overrides.json"  # in RUN_DIR/inputs: the run's key=value overrides
 
@@ -115,9 +115,17 @@ class Metrics:
         for tracker in self.trackers:
             tracker.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close every tracker (`failed`: the run ended with an error), each in turn: one
+        that fails to close keeps no other open."""
+        errors = []
         for tracker in self.trackers:
-            tracker.close()
+            try:
+                tracker.close(failed)
+            except Exception as e:  # noqa: BLE001 - said after the others closed
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def drop_rows_after(path: Path, step: int) -> int:
@@ -171,11 +179,14 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     run_dir.mkdir(parents=True, exist_ok=True)
     first_step = meta["step"] + 1 if resume_from is not None else 0
     trackers: list[Any] = [TensorBoard(run_dir, first_step)]
+    if resume_from is None:  # an earlier run's wandb run is not this one's
+        (run_dir / WANDB_STATE).unlink(missing_ok=True)
     if wandb is not None:  # started before any group: a refusal costs nothing
-        config = {**declare.settings, "asyncrl": {  # the flow's settings, as config() gave
-            "steps": steps, "max_staleness": flow.max_staleness,
-            "groups": {g.name: g.nprocs for g in flow.groups}}}
-        trackers.append(Wandb(run_dir, wandb, config, resume=resume_from is not None))
+        config = {"asyncrl": {"steps": steps, "max_staleness": flow.max_staleness,
+                              "groups": {g.name: g.nprocs for g in flow.groups}},
+                  **declare.settings}  # the flow's settings, as config() gave them
+        trackers.append(Wandb(run_dir, wandb, config,
+                              resumed_after=meta["step"] if resume_from is not None else None))
     timeline = Timeline()
     metrics = Metrics(run_dir, steps, timeline, first_step, trackers)
 
@@ -194,6 +205,7 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         await checkpoint.restore(flow, found, checkpoint.read_meta(found))
         return True
 
+    failed = True
     try:
         async with Controller(run_dir=run_dir, cluster=cluster, host=host,
                               **(controller or {})) as ctl:
@@ -217,9 +229,11 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                     await flow.close()
             finally:
                 timeline.write(run_dir / "timeline.json")
+        failed = False
     finally:
-        metrics.close()  # (wandb's service process with it)
+        metrics.close(failed)  # (wandb's service process with it)
     return run_dir
+
 
 def load_inputs(path: Path) -> tuple[dict[str, Any], dict[str, list[list[Any]]]]:
     """A node's saved inputs: their values, and where the node was given DistFutures."""

@@ -171,6 +171,14 @@ class Agent:
         matches = _ROOT_CAUSE.findall(self._read_log())
         return (int(matches[-1][0]), int(matches[-1][1])) if matches else None
 
+    def exit_seen(self, rank: int) -> int | None:
+        """Rank `rank`'s exit code as the agent server that forked it saw it (torchrun, slow
+        on a loaded host, may not have reported it yet); None: running, or not forked."""
+        pid = self.rank_pids.get(rank)
+        if self._server is None or pid is None or pid in self._launched:  # (started anew:
+            return None                                                  # its own pid)
+        return self._server.rank_exit(pid)
+
     def stopped_pids(self) -> set[int]:
         """Pids torchrun itself stopped because another rank failed: followers, not causes
         (logged at the end: the log's last 256 KiB)."""
@@ -269,6 +277,9 @@ class HostAgents:
     def root_cause(self) -> tuple[int, int] | None:
         return next((c for a in self.agents if (c := a.root_cause()) is not None), None)
 
+    def exit_seen(self, rank: int) -> int | None:
+        return next((c for a in self.agents if (c := a.exit_seen(rank)) is not None), None)
+
     def stopped_pids(self) -> set[int]:
         """This machine's only: a remote host's pids are of another pid namespace."""
         return {p for a in self.agents if a.local for p in a.stopped_pids()}
@@ -284,6 +295,7 @@ class HostAgents:
 def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     """The environment of a group's ranks: ours, the user's `env=`, and the package path."""
     env = dict(base)
+    env.pop("WANDB_SERVICE", None)  # the controller's wandb service: a rank's wandb its own
     env.update(extra)
     env.setdefault("OMP_NUM_THREADS", env.get("ASYNCRL_THREADS", "1"))
     env["PYTHONUNBUFFERED"] = "1"

@@ -91,16 +91,10 @@ class Supervisor:
         except asyncio.TimeoutError:
             if group.dead is None:
                 culprit = self.first_gone(group, rank)
-                code = self.exit_code(group.ranks[culprit].pid)
+                code = group.agent.exit_seen(culprit)  # (a forked rank's, from its server)
                 group._mark_dead(culprit, code, "its process is gone" if code is None else
                                  "its process exited")
         group.agent.signal_all(signal.SIGKILL)
-
-    def exit_code(self, pid: int | None) -> int | None:
-        """A rank's exit code as the agent server that forked it saw it (torchrun, slower on
-        a loaded host, may not have told it yet); None where it was not forked there."""
-        server = self._ctl.agent_server()
-        return server.rank_exit(pid) if server is not None and pid is not None else None
 
     def first_gone(self, group: GroupHandle, rank: int) -> int:
         """Which gone rank to name: one torchrun did not stop itself. When one rank dies,

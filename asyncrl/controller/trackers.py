@@ -52,43 +52,54 @@ class TensorBoard:
         if self.writer is not None:
             self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
 class Wandb:
     """One wandb run per asyncrl run, named after the run directory, its id kept in
-    run_dir/wandb.json so that `--resume` goes on in the same wandb run. wandb takes no step
-    below its last: the steps a rewind or a resume runs again keep their first values there
+    run_dir/wandb.json so that `--resume` goes on in the same wandb run. A resume logs the
+    steps after its checkpoint again: a killed controller's last rows may never have reached
+    wandb, which buffers them (where it has them, it refuses the repeats: its steps only
+    increase). Within a run, the steps a rewind runs again keep their first values there
     (metrics.jsonl and TensorBoard show the new ones), and the run says so. WANDB_MODE=offline
-    runs without a network (`wandb sync` uploads later); WANDB_ENTITY and the like apply."""
+    runs without a network (`wandb sync` uploads later); WANDB_ENTITY and the like apply.
+    A wandb failure mid-run is said and ends wandb's logging, not the run."""
 
     def __init__(self, run_dir: Path, project: str, config: dict[str, Any],
-                 resume: bool = False):
+                 resumed_after: int | None = None):
+        """`resumed_after`: the step of the checkpoint a resume starts after."""
         require_wandb()
         import wandb
 
         self.state = Path(run_dir) / WANDB_STATE
-        saved = _read_state(self.state) if resume else {}
-        self.logged: int = saved.get("logged", -1)  # the last step wandb was given
+        saved = _read_state(self.state) if resumed_after is not None else {}
+        if saved.get("project") != project:
+            saved = {}  # another project: a new wandb run there
         # the console is ours (the progress line; ranks' output is in logs/): not captured,
         # unless WANDB_CONSOLE says otherwise
         settings = wandb.Settings() if "WANDB_CONSOLE" in os.environ else \
             wandb.Settings(console="off")
         try:
-            self.run = wandb.init(project=project, name=Path(run_dir).name, config=config,
-                                  dir=str(run_dir), id=saved.get("id"), resume="allow",
-                                  settings=settings)
+            self.run: Any = wandb.init(
+                project=project, name=Path(run_dir).name, config=config, dir=str(run_dir),
+                id=saved.get("id"), resume="allow", settings=settings)
         except Exception as e:  # noqa: BLE001 - said before any group starts
+            wandb.teardown()  # its service process, started for the run
             raise TrackerError(
                 f"wandb could not start a run in project {project!r}: {type(e).__name__}: "
                 f"{e}. Log in (`wandb login` or WANDB_API_KEY), or set WANDB_MODE=offline "
-                f"to keep the run on disk (`wandb sync` uploads it later)") from e
-        self._save(project)
+                f"to keep the run on disk (`wandb sync` uploads it later); "
+                f"WANDB_INIT_TIMEOUT bounds the wait for its server") from e
+        self.project = project
+        self.logged = -1 if resumed_after is None else resumed_after  # the last step given
         self._said_through = -1  # the steps skipped were said up to here
+        self._save()
 
     def log(self, step: int, row: dict[str, float]) -> None:
+        if self.run is None:
+            return
         if step <= self.logged:
             if step > self._said_through:
                 print(f"wandb: step {step} ran again; wandb keeps the values it was given "
@@ -96,25 +107,38 @@ class Wandb:
                       file=sys.stderr, flush=True)
                 self._said_through = self.logged
             return
-        self.run.log(row, step=step)
+        try:
+            self.run.log(row, step=step)
+        except Exception as e:  # noqa: BLE001 - the training goes on without wandb
+            print(f"wandb: logging step {step} failed ({type(e).__name__}: {e}); no more "
+                  f"rows go to wandb in this run (metrics.jsonl has them all)",
+                  file=sys.stderr, flush=True)
+            self.close(failed=True)
+            return
         self.logged = step
-        self._save(self.run.project)
+        self._save()
 
     def rewind(self, step: int) -> None:
-        """Nothing to take back: wandb refuses the steps up to `logged` when they come."""
+        """Nothing to take back (wandb refuses the steps up to `logged` when they come);
+        the first of them is said again."""
+        self._said_through = min(self._said_through, step)
 
     def flush(self) -> None:
         """wandb writes as it goes."""
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         import wandb
 
-        self.run.finish()
-        wandb.teardown()  # its service process too: a run leaves none behind
+        run, self.run = self.run, None
+        try:
+            if run is not None:
+                run.finish(exit_code=1 if failed else 0)
+        finally:
+            wandb.teardown()  # its service process too: a run leaves none behind
 
-    def _save(self, project: str) -> None:
+    def _save(self) -> None:
         tmp = self.state.with_name(self.state.name + ".tmp")
-        tmp.write_text(json.dumps({"id": self.run.id, "project": project,
+        tmp.write_text(json.dumps({"id": self.run.id, "project": self.project,
                                    "logged": self.logged}))
         os.replace(tmp, self.state)
 
