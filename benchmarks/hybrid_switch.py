@@ -1,11 +1,12 @@
 """Hybrid-engine benchmark: time of a train -> generate -> train switch on a 2-rank FSDP2
-group, beside in the same run a gloo all_gather of the same weights across the same ranks
-(the floor of moving sharded weights into a full copy). Target on CPU: switch <= 1.5x.
+(or DeepSpeed ZeRO-3) group, beside in the same run a gloo all_gather of the same weights
+across the same ranks (the floor of moving sharded weights into a full copy). Target on CPU:
+switch <= 1.5x.
 
 One JSON line per model: {"bench": "hybrid_switch", "params": ..., "switch_s": ...,
 "baseline": "all_gather", "baseline_s": ...}. Run: `.venv/bin/python benchmarks/hybrid_switch.py
-[--presets tiny-llama llama-100m] [--repeat 5]`. Driver code stays behind __main__ (the
-ranks import this file to find SwitchBench).
+[--presets tiny-llama llama-100m] [--backend fsdp2|zero3] [--repeat 5]`. Driver code stays
+behind __main__ (the ranks import this file to find SwitchBench).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import torch.distributed as dist
 
 import asyncrl
 from asyncrl.hybrid.engine import HybridEngine
-from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
+from asyncrl.hybrid.fsdp import TrainConfig
 from asyncrl.hybrid.models import ModelConfig
+from asyncrl.hybrid.roles import make_backend
 
 
 class SwitchBench(asyncrl.Worker):
-    def __init__(self, preset: str):
+    def __init__(self, preset: str, backend: str = "fsdp2"):
         cfg = ModelConfig(preset=preset)
-        self.backend = FSDPBackend(cfg, TrainConfig(), self.device_mesh)
+        self.backend = make_backend(self, backend, cfg, TrainConfig())
         self.hybrid = HybridEngine(self.backend, cfg)
         self.params = sum(p.numel() for p in self.hybrid.engine.model.parameters())
 
@@ -69,8 +71,7 @@ class SwitchBench(asyncrl.Worker):
 
     @asyncrl.register
     def all_gather(self, repeat: int) -> float:
-        local = torch.cat([p.to_local().reshape(-1) if hasattr(p, "to_local") else
-                           p.reshape(-1) for p in self.backend.model.parameters()]).detach()
+        local = torch.cat([_local(p) for p in self.backend.model.parameters()]).detach()
         out = torch.empty(local.numel() * self.world_size, dtype=local.dtype)
         times = []
         for _ in range(repeat + 1):
@@ -82,18 +83,25 @@ class SwitchBench(asyncrl.Worker):
         return statistics.median(times[1:])
 
 
-async def bench(presets: list[str], repeat: int) -> None:
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A rank's shard of a parameter: FSDP2's DTensor's, ZeRO-3's partition, else whole."""
+    if hasattr(p, "to_local"):
+        return p.to_local().reshape(-1)
+    return getattr(p, "ds_tensor", p).reshape(-1)
+
+
+async def bench(presets: list[str], repeat: int, backend: str) -> None:
     async with asyncrl.Controller(construct_timeout=900) as ctl:
         for preset in presets:
             ranks = 1 if torch.cuda.device_count() == 1 else 2  # one GPU: one rank
-            group = await ctl.spawn(SwitchBench, preset, nprocs=ranks,
+            group = await ctl.spawn(SwitchBench, preset, backend, nprocs=ranks,
                                     name=f"switch-{preset}")
             switch = (await group.switch(repeat))[0]
             gpu = torch.cuda.is_available()
             baseline = (await (group.device_copy(repeat) if gpu else
                                group.all_gather(repeat)))[0]
             limit = 3.0 if gpu else 1.5
-            print(json.dumps({"bench": "hybrid_switch", "preset": preset,
+            print(json.dumps({"bench": "hybrid_switch", "preset": preset, "backend": backend,
                               "params": switch["params"], "ranks": ranks,
                               "switch_s": round(switch["switch_s"], 4),
                               "baseline": "memcpy" if gpu else "all_gather",
@@ -108,9 +116,10 @@ async def bench(presets: list[str], repeat: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["tiny-llama", "llama-100m"])
+    p.add_argument("--backend", choices=("fsdp2", "zero3"), default="fsdp2")
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
-    asyncrl.run(bench(args.presets, args.repeat))
+    asyncrl.run(bench(args.presets, args.repeat, args.backend))
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ class HybridEngine:
         self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []  # theirs, meanwhile
         self._frozen_plan: list[Any] | None = None  # gather plans, made once
         self._trained_plan: list[Any] = []
-        self._gatherer = Gatherer(self._whole)  # its buffers reused: warm memory
+        self._gatherer = Gatherer(self._wholes)  # its buffers reused: warm memory
         self._release()  # built in train mode: the engine holds nothing until generating
 
     @torch.no_grad()
@@ -124,7 +124,7 @@ class HybridEngine:
         loads = getattr(self.backend, "loads", 0)  # (a backend that never reloads: 0)
         plan = self._trained_plan if self._frozen_at == loads else \
             self._frozen_plan + self._trained_plan
-        self._gatherer.run(plan)  # (ZeRO: no DTensors, so no buckets: one by one, in place)
+        self._gatherer.run(plan)  # (ZeRO: groups gathered in place, a collective each)
         self.peak_gather_bytes = self._gatherer.peak_bytes
         self._frozen_at = loads
 
@@ -162,14 +162,20 @@ class HybridEngine:
             self._filled_once = True
 
     @contextmanager
-    def _whole(self, param: Any) -> Iterator[torch.Tensor]:
-        """`param` whole for the time of the block: DeepSpeed ZeRO gathers it in place for
-        a moment; FSDP2 (+ TP) gathers a DTensor into a new tensor."""
+    def _wholes(self, params: list[Any]) -> Iterator[list[torch.Tensor]]:
+        """`params` whole for the time of the block: DeepSpeed ZeRO gathers them in place
+        for a moment (one coalesced collective); FSDP2 (+ TP) gathers each DTensor into a new
+        tensor."""
         if self._zero:
-            with self.backend.gathered([param]):
-                yield param.detach()
+            with self.backend.gathered(params):
+                yield [p.detach() for p in params]
         else:
-            yield full(param.detach())
+            yield [full(p.detach()) for p in params]
+
+    @contextmanager
+    def _whole(self, param: Any) -> Iterator[torch.Tensor]:
+        with self._wholes([param]) as (whole,):
+            yield whole
 
     def _make_plans(self) -> None:
         """The gather plans of the frozen parameters (LoRA's: gathered once) and of the
@@ -177,9 +183,9 @@ class HybridEngine:
         targets = dict(self.engine.model.named_parameters())
         named = list(self.backend.model.named_parameters())
         self._frozen_plan = plan_gather(((p, targets[n]) for n, p in named
-                                         if not p.requires_grad), self.bucket_bytes)
+                                         if not p.requires_grad), self.bucket_bytes, self._zero)
         self._trained_plan = plan_gather(((p, targets[n]) for n, p in named
-                                          if p.requires_grad), self.bucket_bytes)
+                                          if p.requires_grad), self.bucket_bytes, self._zero)
 
     def to_train(self) -> None:
         if self.mode == "train":

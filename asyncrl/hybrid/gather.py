@@ -1,7 +1,8 @@
 """Sharded parameters gathered whole into given tensors, bucket by bucket: one all_gather per
-~`bucket_bytes` of row-sharded parameters (FSDP2 alone) through reused buffers (warm memory),
-the rest (TP's DTensors, unsharded ones, DeepSpeed ZeRO's) one by one. The hybrid engine
-gathers into its engine's weights; a weight sync into the pack it sends.
+~`bucket_bytes` of row-sharded parameters (FSDP2 alone) through reused buffers (warm memory);
+DeepSpeed ZeRO-3's in groups of ~`bucket_bytes` (one coalesced all_gather each, in place);
+the rest (TP's DTensors, unsharded ones) one by one. The hybrid engine gathers into its
+engine's weights; a weight sync into the pack it sends.
 
     plan = plan_gather([(param, target), ...], bucket_bytes)   # once: the shards stay put
     gatherer.run(plan)                                          # each time
@@ -54,14 +55,25 @@ class Bucket:
         self.nbytes += param.numel() * param.element_size()
 
 
-def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int) -> list[Any]:
-    """Buckets of the row-sharded parameters in order, and (param, target) for the rest."""
+def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int,
+                together: bool = False) -> list[Any]:
+    """Buckets of the row-sharded parameters in order, and groups of [(param, target)] for
+    the rest: one each, or (`together`: the Gatherer's `whole` gathers many at once, as
+    DeepSpeed does) up to `bucket_bytes` each."""
     plan: list[Any] = []
     bucket: Bucket | None = None
+    group: list[tuple[Any, torch.Tensor]] | None = None
+    group_bytes = 0
     for param, target in pairs:
         if not row_sharded(param):
-            plan.append((param, target))
+            size = target.numel() * target.element_size()
+            if group is None or not together or group_bytes + size > bucket_bytes:
+                group, group_bytes = [], 0
+                plan.append(group)
+            group.append((param, target))
+            group_bytes += size
             continue
+        group = None
         if bucket is None or bucket.nbytes >= bucket_bytes or \
                 bucket.dtype != param.dtype or bucket.device != param.device:
             bucket = Bucket(param.device_mesh, param.dtype, param.device)
@@ -71,16 +83,17 @@ def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int) ->
 
 
 @contextmanager
-def _full(param: Any) -> Iterator[torch.Tensor]:
-    yield full(param.detach())
+def _full(params: list[Any]) -> Iterator[list[torch.Tensor]]:
+    yield [full(p.detach()) for p in params]
 
 
 class Gatherer:
     """Runs gather plans through its buffers, sized for the widest bucket it met. `whole`
-    makes a parameter of no bucket whole for a moment (DeepSpeed ZeRO-3 gathers in place);
-    by default a DTensor's full_tensor()."""
+    makes a group of parameters of no bucket whole for a moment (DeepSpeed ZeRO-3 gathers
+    them in place, together); by default each a DTensor's full_tensor()."""
 
-    def __init__(self, whole: Callable[[Any], AbstractContextManager[torch.Tensor]] = _full):
+    def __init__(self, whole: Callable[[list[Any]], AbstractContextManager[list[torch.Tensor]]]
+                 = _full):
         self._whole = whole
         self._local: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
@@ -93,10 +106,11 @@ class Gatherer:
             if isinstance(item, Bucket):
                 self._bucket(item, plan)
                 continue
-            param, target = item
-            with self._whole(param) as whole:  # one whole parameter alive at a time
-                target.copy_(whole)
-                self.peak_bytes = max(self.peak_bytes, whole.numel() * whole.element_size())
+            with self._whole([param for param, _ in item]) as wholes:  # one group at a time
+                for (_, target), whole in zip(item, wholes, strict=True):
+                    target.copy_(whole)
+                self.peak_bytes = max(self.peak_bytes,
+                                      sum(w.numel() * w.element_size() for w in wholes))
 
     def _bucket(self, bucket: Bucket, plan: list[Any]) -> None:
         """One all_gather for the bucket's parameters, then each rank's real rows copied
