@@ -73,8 +73,8 @@ class Wandb:
         require_wandb()
         import wandb
 
-        self.state = Path(run_dir) / WANDB_STATE
-        saved = _read_state(self.state) if resumed_after is not None else {}
+        state = Path(run_dir) / WANDB_STATE
+        saved = _read_state(state) if resumed_after is not None else {}
         if saved.get("project") != project:
             saved = {}  # another project: a new wandb run there
         # the console is ours (the progress line; ranks' output is in logs/): not captured,
@@ -92,10 +92,11 @@ class Wandb:
                 f"{e}. Log in (`wandb login` or WANDB_API_KEY), or set WANDB_MODE=offline "
                 f"to keep the run on disk (`wandb sync` uploads it later); "
                 f"WANDB_INIT_TIMEOUT bounds the wait for its server") from e
-        self.project = project
         self.logged = -1 if resumed_after is None else resumed_after  # the last step given
         self._said_through = -1  # the steps skipped were said up to here
-        self._save()
+        tmp = state.with_name(state.name + ".tmp")  # what a resume reads
+        tmp.write_text(json.dumps({"id": self.run.id, "project": project}))
+        os.replace(tmp, state)
 
     def log(self, step: int, row: dict[str, float]) -> None:
         if self.run is None:
@@ -116,7 +117,6 @@ class Wandb:
             self.close(failed=True)
             return
         self.logged = step
-        self._save()
 
     def rewind(self, step: int) -> None:
         """Nothing to take back (wandb refuses the steps up to `logged` when they come);
@@ -135,12 +135,6 @@ class Wandb:
                 run.finish(exit_code=1 if failed else 0)
         finally:
             wandb.teardown()  # its service process too: a run leaves none behind
-
-    def _save(self) -> None:
-        tmp = self.state.with_name(self.state.name + ".tmp")
-        tmp.write_text(json.dumps({"id": self.run.id, "project": self.project,
-                                   "logged": self.logged}))
-        os.replace(tmp, self.state)
 
 
 def require_wandb() -> None:
