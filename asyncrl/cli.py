@@ -161,6 +161,11 @@ def _wandb(args: argparse.Namespace, run_dir: Path) -> str | None:
     from asyncrl.controller.trackers import require_wandb, wandb_project_of
 
     project = args.wandb or (wandb_project_of(run_dir) if args.resume else None)
+    if args.no_wandb:
+        if project is not None:  # its id stays in the run directory for a later resume
+            print(f"asyncrl launch: not logging to wandb project {project!r} (--no-wandb)",
+                  file=sys.stderr)
+        return None
     if project is not None:
         try:
             require_wandb()
@@ -435,9 +440,13 @@ def parser() -> argparse.ArgumentParser:
                     help="keep the newest K checkpoints (default 3; 0 keeps all)")
     lp.add_argument("--resume", action="store_true",
                     help="continue the run in --run-dir from its newest complete checkpoint")
-    lp.add_argument("--wandb", default=None, metavar="PROJECT",
-                    help="log the metrics to this Weights & Biases project too (pip install "
-                    "'asyncrl[wandb]'; WANDB_MODE=offline keeps the run on disk)")
+    tracking = lp.add_mutually_exclusive_group()
+    tracking.add_argument("--wandb", default=None, metavar="PROJECT",
+                          help="log the metrics to this Weights & Biases project too (pip "
+                          "install 'asyncrl[wandb]'; WANDB_MODE=offline keeps the run on disk)")
+    tracking.add_argument("--no-wandb", action="store_true",
+                          help="with --resume: do not log to the wandb run the run logged to "
+                          "(this time only: a later --resume without it logs there again)")
     _controller_flags(lp)
     lp.add_argument("args", nargs="*", help="key=value overrides, or arguments passed on "
                     "to a driver's main() (after --)")

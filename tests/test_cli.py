@@ -172,3 +172,28 @@ def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp
     with pytest.raises(SystemExit, match=r"no_settings.py takes no settings \(it never calls "
                                          r"asyncrl.config\(...\)\), so lr=0.1 would be ignored"):
         asyncrl.cli.main(["launch", str(flow), "lr=0.1"])
+
+
+def test_a_resume_logs_to_the_runs_wandb_project_unless_told_not_to(tmp_path, capsys):
+    import pytest
+
+    from asyncrl import cli as asyncrl_cli
+
+    state = tmp_path / "wandb.json"
+    state.write_text(json.dumps({"id": "abc123", "project": "p1"}))
+
+    def project(*flags: str) -> str | None:
+        args = asyncrl_cli.parser().parse_args(
+            ["launch", "flow.py", "--run-dir", str(tmp_path), *flags])
+        return asyncrl_cli._wandb(args, tmp_path)
+
+    assert project("--resume") == "p1"
+    assert "logging to wandb project 'p1' as the run did" in capsys.readouterr().err
+    assert project("--resume", "--no-wandb") is None
+    assert "not logging to wandb project 'p1' (--no-wandb)" in capsys.readouterr().err
+    assert json.loads(state.read_text())["id"] == "abc123"  # kept for a later resume
+    assert project("--wandb", "p2") == "p2"
+    assert project() is None  # a fresh run logs to wandb only when told to
+    with pytest.raises(SystemExit):
+        project("--wandb", "p2", "--no-wandb")
+    assert "--no-wandb: not allowed with argument --wandb" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.hybrid.gather import Gatherer, full, plan_gather
+from asyncrl.hybrid.gather import Gatherer, plan_gather, whole_each
 from asyncrl.hybrid.lora import delta, is_adapter, lora_layers
 from asyncrl.hybrid.models import ModelConfig, build_model, default_device
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
@@ -170,7 +170,8 @@ class HybridEngine:
             with self.backend.gathered(params):
                 yield [p.detach() for p in params]
         else:
-            yield [full(p.detach()) for p in params]
+            with whole_each(params) as wholes:
+                yield wholes
 
     @contextmanager
     def _whole(self, param: Any) -> Iterator[torch.Tensor]:

@@ -83,7 +83,8 @@ def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int,
 
 
 @contextmanager
-def _full(params: list[Any]) -> Iterator[list[torch.Tensor]]:
+def whole_each(params: list[Any]) -> Iterator[list[torch.Tensor]]:
+    """Each parameter whole, in a new tensor (a DTensor's full_tensor())."""
     yield [full(p.detach()) for p in params]
 
 
@@ -93,7 +94,7 @@ class Gatherer:
     them in place, together); by default each a DTensor's full_tensor()."""
 
     def __init__(self, whole: Callable[[list[Any]], AbstractContextManager[list[torch.Tensor]]]
-                 = _full):
+                 = whole_each):
         self._whole = whole
         self._local: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
