@@ -401,8 +401,8 @@ def test_an_actor_and_a_rollout_run_the_same_turns_and_the_update_reports_them()
             rollout = await ctl.spawn(Rollout, {"seed": 4}, sampling=sampling,
                                       multi_turn=multi, name="rollout")
             pids = group_pids(actor) + group_pids(rollout)
-            prompts = TensorBatch({"prompt": [[1, 2], [1, 2, 3]] * 4,
-                                   "seed": list(range(8)), "answer": [50, 60] * 4})
+            prompts = TensorBatch({"prompt": [[1, 2]] * 4 + [[1, 2, 3]] * 4,  # 2 groups
+                                   "seed": list(range(8)), "answer": [50] * 4 + [60] * 4})
             mine, theirs = await actor.generate(prompts), await rollout.generate(prompts)
             scores = TensorBatch({"reward": torch.arange(8, dtype=torch.float32)})
             stats = await actor.update(mine, scores)
@@ -423,7 +423,7 @@ def test_an_actor_and_a_rollout_run_the_same_turns_and_the_update_reports_them()
     assert env.any(), "some turn should have called the environment"
     for i in range(8):
         said = mine["response_ids"][i][env[i]].tolist()
-        assert said == ([9, [50, 60][i % 2]] * 4)[:len(said)]
+        assert said == ([9, [50, 60][i // 4]] * 4)[:len(said)]
     assert stats["multi_turn/turns"] == pytest.approx(mine["turns"].float().mean().item())
     assert stats["multi_turn/env_tokens"] == pytest.approx(env.sum(1).float().mean().item())
     assert "hybrid=False one only trains" in str(refused)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -81,6 +82,63 @@ def test_a_huge_ratio_with_a_zero_advantage_is_no_nan():
     logp, old = torch.tensor([[50.0, -1.0]]), torch.tensor([[-50.0, -1.0]])
     loss, _ = ppo_policy_loss(logp, old, torch.tensor([[0.0, 1.0]]), torch.ones(1, 2))
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx(-0.5)
+
+
+def test_importance_weights_stay_finite_far_off_policy():
+    """A rollout 94 nats less likely than the trainer's policy: exp overflows without the
+    clamp, and a zero advantage times inf is NaN (the decoupled objective has no cap)."""
+    from asyncrl.rl.actor import importance_weights
+    from asyncrl.rl.config import RLConfig
+
+    prox, rollout, mask = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-95.0, -2.0]]), \
+        torch.ones(1, 2)
+    weight = importance_weights(prox, rollout, mask, RLConfig(group_size=2,
+                                                               correction="decoupled"))
+    assert torch.isfinite(weight).all() and weight[0, 0] == pytest.approx(math.exp(20))
+    assert (weight * torch.tensor([[0.0, 1.0]])).isfinite().all()
+    tis = importance_weights(prox, rollout, mask, RLConfig(group_size=2, correction="tis"))
+    assert tis.tolist() == [[2.0, 1.0]]
+
+
+def test_rl_config_refuses_settings_that_would_train_wrong_silently():
+    from asyncrl.rl.config import RLConfig
+
+    for bad, said in [({"max_staleness": -1}, "max_staleness must be >= 0"),
+                      ({"clip": 1.5}, "clip must be in (0, 1)"),
+                      ({"gamma": -1.0}, "gamma must be in [0, 1]"),
+                      ({"lam": 1.5}, "lam must be in [0, 1]"),
+                      ({"tis_cap": 0.0}, "tis_cap must be > 0"),
+                      ({"value_clip": -0.2}, "value_clip must be > 0"),
+                      ({"kl_coef": -0.1}, "kl_coef must be >= 0")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            RLConfig(group_size=2, **bad)
+    assert RLConfig(group_size=2, max_staleness=0, gamma=0.0, lam=1.0).max_staleness == 0
+
+
+def test_grpo_groups_must_each_answer_one_prompt():
+    """PromptSource(repeat=4) read with group_size=8: each group would mix two prompts."""
+    from asyncrl.comm.batch import TensorBatch
+    from asyncrl.rl.batch import check_groups, mini_batches, prompt_fingerprints
+    from asyncrl.rl.config import RLConfig
+
+    def batch(prompts: list[list[int]], width: int) -> TensorBatch:  # left-padded with 0
+        return TensorBatch({
+            "prompt_ids": torch.tensor([[0] * (width - len(p)) + p for p in prompts]),
+            "prompt_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p)
+                                         for p in prompts])})
+
+    a, b = [5, 6, 7], [5, 6, 8]
+    prints = prompt_fingerprints(batch([a] * 4 + [b] * 4, 4))
+    check_groups(prints, 4)  # repeat == group_size
+    with pytest.raises(ValueError, match=re.escape("samples 0..7 of the batch (group 0) answer "
+                                                   "different prompts")):
+        check_groups(prints, 8)
+    # the same prompt padded to another width (another rank's batch) is the same prompt
+    assert prompt_fingerprints(batch([a], 6)).tolist() == prints[:1].tolist()
+    with pytest.raises(ValueError, match="mini_batches=4, but this rank holds 3 rows"):
+        mini_batches(batch([a] * 3, 3), RLConfig(group_size=2, mini_batches=4))
+    assert [len(m) for m in mini_batches(batch([a] * 3, 3), RLConfig(
+        group_size=2, mini_batches=3))] == [1, 1, 1]
 
 
 def test_clip_higher_and_dual_clip_by_hand():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -202,7 +203,7 @@ def test_bench_reports_where_the_time_went(tmp_path):
 def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(mini_batches):
     from asyncrl.rl import Actor
 
-    ids = torch.tensor([[1, 5], [1, 6], [1, 7], [1, 8]])
+    ids = torch.tensor([[1, 5], [1, 5], [1, 7], [1, 7]])  # two groups of one prompt each
     resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
     rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
     model = build_model(ModelConfig(seed=0))
@@ -221,7 +222,13 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(mini_ba
         async with asyncrl.Controller() as ctl:
             trainer = await ctl.spawn(Actor, {"seed": 0}, rl, {"lr": 0.0}, nprocs=1,
                                       hybrid=False)
-            return await trainer.update(rollout, scores)
+            stats = await trainer.update(rollout, scores)
+            with_kl = await ctl.spawn(Actor, {"seed": 0}, {**rl, "kl_coef": 0.1}, nprocs=1,
+                                      hybrid=False, name="with_kl")
+            with pytest.raises(asyncrl.RemoteError, match=re.escape(
+                    "RLConfig.kl_coef=0.1 but update() got no ref=")):
+                await with_kl.update(rollout, scores)  # no KL term would train, silently
+            return stats
     stats = run(main())
     assert stats["staleness/dropped"] == 1  # the sample 2 versions behind
     assert stats["actor/version"] == 1  # one update, whatever its optimizer steps

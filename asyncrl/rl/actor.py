@@ -35,6 +35,7 @@ from asyncrl.rl.batch import (
     drop_stale,
     global_max,
     global_sums,
+    mini_batches,
     share,
     valid_rows,
 )
@@ -49,7 +50,7 @@ def importance_weights(prox: torch.Tensor, rollout: torch.Tensor, mask: torch.Te
                        cfg: RLConfig) -> torch.Tensor:
     """Per token, the proximal policy's probability over the rollout's (1 outside the mask),
     truncated at `tis_cap` for "tis"."""
-    weight = torch.exp((prox - rollout) * mask)
+    weight = torch.exp(((prox - rollout) * mask).clamp(-20.0, 20.0))  # as the ratio: never inf
     return weight.clamp(max=cfg.tis_cap) if cfg.correction == "tis" else weight
 
 
@@ -110,6 +111,11 @@ class Actor(Policy):
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
                values: TensorBatch | None = None) -> dict[str, float]:
         check_critic_agrees(values, self.rl)
+        if self.rl.kl_coef and ref is None:
+            raise ValueError(f"RLConfig.kl_coef={self.rl.kl_coef} but update() got no ref=: "
+                             f"pass the reference's log-probs (a Reference group's "
+                             f"logprobs(rollout), or actor.ref_logprobs(rollout) for a LoRA "
+                             f"actor), or set kl_coef=0")
         self.to_train()
         group = self.backend.stats_group
         batch = assemble(rollout, scores, ref, values)
@@ -125,7 +131,7 @@ class Actor(Policy):
         waited = self.before_weights_change()  # the last sync may still be pulled
         runs = []
         for _ in range(self.rl.epochs):
-            for mini in train.chunk(self.rl.mini_batches):
+            for mini in mini_batches(train, self.rl):
                 runs.append(self.backend.train_step(count_globally(mini, group),
                                                     policy_loss(self.rl, in_pass), entropy=True))
         self.version += 1

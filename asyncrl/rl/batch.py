@@ -120,6 +120,38 @@ def token_rewards(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
     return rewards
 
 
+def mini_batches(train: TensorBatch, cfg: RLConfig) -> list[TensorBatch]:
+    """The batch in `cfg.mini_batches` near-equal parts, one optimizer step each."""
+    if len(train) < cfg.mini_batches:
+        raise ValueError(f"RLConfig.mini_batches={cfg.mini_batches}, but this rank holds "
+                         f"{len(train)} rows of the batch: a mini-batch without rows would "
+                         f"step the optimizer on nothing; use at most {len(train)} "
+                         f"mini-batches or a larger batch")
+    return train.chunk(cfg.mini_batches)
+
+
+def prompt_fingerprints(batch: TensorBatch) -> torch.Tensor:
+    """Per row, a hash of its prompt's tokens (padding left out): equal prompts, equal
+    hashes, whatever their rows' widths."""
+    ids, mask = batch.tensor("prompt_ids"), batch.tensor("prompt_mask").bool()
+    return torch.tensor([hash(tuple(row[keep].tolist())) for row, keep in zip(ids, mask,
+                                                                               strict=True)],
+                        dtype=torch.int64)
+
+
+def check_groups(prompts: torch.Tensor, group_size: int) -> None:
+    """Each GRPO group (`group_size` consecutive samples) answers one prompt (`prompts`:
+    their fingerprints): else its baseline would mix prompts, silently."""
+    groups = prompts.view(-1, group_size)
+    mixed = (groups != groups[:, :1]).any(1).nonzero()
+    if len(mixed):
+        first = int(mixed[0]) * group_size
+        raise ValueError(f"GRPO: samples {first}..{first + group_size - 1} of the batch "
+                         f"(group {int(mixed[0])}) answer different prompts: a group is "
+                         f"group_size={group_size} consecutive samples of one prompt; sample "
+                         f"that many per prompt (PromptSource(..., repeat=group_size))")
+
+
 def _grpo(batch: TensorBatch, cfg: RLConfig, group: Any) -> torch.Tensor:
     """Each row's group-relative advantage: the groups may straddle ranks, so every rank
     gathers all the (few) sequence rewards and keeps its own rows' advantages."""
@@ -130,11 +162,15 @@ def _grpo(batch: TensorBatch, cfg: RLConfig, group: Any) -> torch.Tensor:
     flags = [torch.zeros_like(valid) for _ in range(world)]
     dist.all_gather(rewards, seq.float().contiguous(), group=group)
     dist.all_gather(flags, valid.contiguous(), group=group)
+    prompts = [torch.zeros(len(seq), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(prompts, prompt_fingerprints(batch), group=group)
     everything = torch.cat([r[f.bool()] for r, f in zip(rewards, flags, strict=True)])
     if everything.numel() % cfg.group_size:
         raise ValueError(f"GRPO: the batch has {everything.numel()} samples, not a multiple of "
                          f"group_size={cfg.group_size}; sample group_size responses per prompt "
                          f"(PromptSource(..., repeat=group_size))")
+    check_groups(torch.cat([p[f.bool()] for p, f in zip(prompts, flags, strict=True)]),
+                 cfg.group_size)
     adv = grpo_advantages(everything, cfg.group_size, std_normalize=cfg.std_normalize)
     me = dist.get_rank(group)
     start = int(sum(int(f.sum()) for f in flags[:me]))

@@ -68,9 +68,21 @@ class RLConfig:
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"RLConfig.dual_clip must be > 1 (verl uses 3.0) or None, got "
                              f"{self.dual_clip}")
-        if self.clip <= 0 or (self.clip_high is not None and self.clip_high <= 0):
-            raise ValueError(f"RLConfig.clip and clip_high must be > 0, got {self.clip} and "
+        if not 0 < self.clip < 1 or (self.clip_high is not None and self.clip_high <= 0):
+            raise ValueError(f"RLConfig.clip must be in (0, 1) (the ratio's lower bound is "
+                             f"1 - clip) and clip_high > 0, got {self.clip} and "
                              f"{self.clip_high}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"RLConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("value_clip", "tis_cap"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RLConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"RLConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"RLConfig.max_staleness must be >= 0 (0: only the newest "
+                             f"policy's samples) or None, got {self.max_staleness}")
         if self.agg not in AGGS:
             raise ValueError(f"RLConfig.agg is one of {', '.join(AGGS)}, got {self.agg!r}")
 

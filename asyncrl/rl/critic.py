@@ -40,6 +40,7 @@ from asyncrl.rl.batch import (
     count_globally,
     drop_stale,
     global_sums,
+    mini_batches,
     share,
 )
 from asyncrl.rl.config import RLConfig
@@ -67,6 +68,9 @@ class Critic(Worker):
     def __init__(self, model: dict[str, Any], rl: dict[str, Any] | None = None,
                  train: dict[str, Any] | None = None, backend: str = "fsdp2"):
         self.rl = RLConfig(**{"algo": "ppo", **(rl or {})})
+        if self.rl.algo != "ppo":
+            raise ValueError(f"a Critic learns PPO's returns: its rl= takes algo 'ppo' (the "
+                             f"default), got {self.rl.algo!r}; GRPO needs no critic")
         self.backend = make_backend(self, backend, ModelConfig(**model),
                                     TrainConfig(**(train or {})), head="value")
         self.version = 0  # updates applied: the actor's policy version at the same step
@@ -91,12 +95,12 @@ class Critic(Worker):
             _, _, stale = drop_stale(batch, self.version, self.rl.max_staleness)
             (dropped,) = global_sums([float(stale.sum())], self.backend.stats_group)
         _, returns = advantages(batch, self.rl, self.backend.stats_group)
-        assert returns is not None
+        assert returns is not None  # PPO's (checked when built)
         train = batch.select(["prompt_ids", "prompt_mask", "response_ids", "response_mask",
                               "values", "loss_mask"]).union(TensorBatch({"returns": returns}))
         runs = [self.backend.train_step(count_globally(mini, self.backend.stats_group),
                                         value_loss(self.rl))
-                for _ in range(self.rl.epochs) for mini in train.chunk(self.rl.mini_batches)]
+                for _ in range(self.rl.epochs) for mini in mini_batches(train, self.rl)]
         self.version += 1
         return {**{f"critic/{k}": v for k, v in mean_stats(runs).items()},
                 "critic/dropped": dropped}
