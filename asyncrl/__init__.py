@@ -10,8 +10,9 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import config, group
-from asyncrl.controller.flow import DataFlow, FlowError, NodeError, node
+from asyncrl.controller.flow import DataFlow
 from asyncrl.controller.group import GroupHandle
+from asyncrl.controller.nodes import FlowError, NodeError, node
 from asyncrl.controller.placement import (
                                           PlacementError,
                                           colocate_with,

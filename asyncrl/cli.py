@@ -22,13 +22,15 @@ import inspect
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
-from asyncrl.controller.flow import NodeError
+from asyncrl.controller.nodes import FlowError, NodeError
+from asyncrl.controller.recovery import RecoveryError
 from asyncrl.controller.runner import run
 from asyncrl.controller.trackers import TrackerError
-from asyncrl.errors import CheckpointError, SettingError
+from asyncrl.errors import AsyncRLError, CheckpointError, SettingError
 
 
 def _overrides(command: str, args: list[str]) -> dict[str, str]:
@@ -184,10 +186,16 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
     except (CheckpointError, TrackerError) as e:
         print(f"asyncrl {command}: {e}", file=sys.stderr)
         return 2
-    except NodeError as e:  # the node, the step and the group; the remote traceback follows
+    except NodeError as e:  # the node, the step and the group (a rank's traceback in it)
         cause = e.__cause__
-        detail = getattr(cause, "remote_traceback", "") or ""
-        print(f"asyncrl: {e}\n{detail}".rstrip(), file=sys.stderr)
+        where = "" if cause is None or isinstance(cause, AsyncRLError) else "".join(
+            traceback.format_exception(cause))  # a bug in the node's own code: its line
+        print(f"asyncrl: {e}\n{where}".rstrip(), file=sys.stderr)
+        print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
+        return 1
+    except (AsyncRLError, RecoveryError) as e:  # a group that could not start or be placed,
+        # one that died outside a node, a flow that cannot run, recoveries used up
+        print(f"asyncrl {command}: {type(e).__name__}: {e}", file=sys.stderr)
         print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
         return 1
     return 0
@@ -206,6 +214,7 @@ _FLOW_OPTIONS = {
     "resume": "resume in main()",
     "encrypt": "pass asyncrl.Controller(encrypt=True)",
     "wandb": "call wandb.init and wandb.log in main()",
+    "no_wandb": "leave wandb out of main()",
 }
 
 
@@ -274,7 +283,12 @@ def run_node(args: argparse.Namespace) -> int:
     flow = _flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl run: {args.script} defines no `flow`")
-    value = run(run_one_node(flow, args.node, *load_inputs(inputs)))
+    saved, futures = load_inputs(inputs)
+    try:  # a mistyped node, before its groups load their models
+        flow.node_inputs(args.node, saved)
+    except FlowError as e:
+        raise SystemExit(f"asyncrl run: {e}") from None
+    value = run(run_one_node(flow, args.node, saved, futures))
     print(repr(value))
     return 0
 
@@ -334,6 +348,8 @@ def attach(args: argparse.Namespace) -> int:
 def logs(args: argparse.Namespace) -> int:
     from asyncrl.controller.logs import read_log
 
+    if args.tail is not None and args.tail < 0:
+        raise SystemExit(f"asyncrl logs: --tail takes a number of lines >= 0, got {args.tail}")
     try:
         print(read_log(Path(args.run_dir), args.group, args.rank, args.tail))
     except FileNotFoundError as e:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -584,3 +585,39 @@ def test_a_flow_whose_group_fails_to_start_closes_the_groups_that_did():
                 await flow.step()
             return left, fine.handle
     assert asyncio.run(main()) == ({}, None)
+
+
+def test_a_step_after_a_failed_one_is_refused_with_what_to_do():
+    """A driver that catches a node's failure and steps on: the failed step's nodes were
+    cancelled, and the next step's follows= edge waits on them (it raised CancelledError,
+    which looks like the driver itself was cancelled)."""
+    @asyncrl.node
+    def gen(x):
+        if x == 2:
+            raise ValueError("no sample for 2")
+        return x
+
+    @asyncrl.node(follows="train")
+    def rollout(gen):
+        return gen
+
+    @asyncrl.node
+    def train(rollout):
+        return rollout
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[gen, rollout, train], inputs={"x": [1, 2, 3]},
+                                    groups=[])
+            await flow.open(ctl)
+            try:
+                first = await flow.step()
+                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
+                    await flow.step()
+                with pytest.raises(asyncrl.FlowError, match=re.escape(
+                        "step 1 failed, and the steps after it need its nodes: rewind")):
+                    await flow.step()
+            finally:
+                await flow.close()
+            return first
+    assert asyncio.run(main()) == {"gen": 1, "rollout": 1, "train": 1}

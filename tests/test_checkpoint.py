@@ -150,6 +150,25 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
     assert checkpoint.latest(tmp_path / "nowhere") is None
 
 
+def test_sync_tree_puts_every_file_and_folder_of_a_checkpoint_on_disk(tmp_path, monkeypatch):
+    """What meta.json vouches for is fsynced before it is written: each file (torch.save and
+    save_state write without syncing) and each folder (their names)."""
+    import os
+
+    from asyncrl.actors.worker import sync_tree
+
+    for rel in ("actor/rng_rank0.pt", "actor/train/model.pt", "reward/rng_rank0.pt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(
+        f"/proc/self/fd/{fd}")), real(fd)))
+    sync_tree(tmp_path)
+    every = {str(p) for p in [tmp_path, *tmp_path.rglob("*")]}
+    assert set(synced) == every and len(synced) == len(every) == 7
+
+
 # -- stop and resume (real groups) ----------------------------------------------------------
 def test_stopped_after_three_steps_and_resumed_matches_a_straight_run(straight, tmp_path):
     want = rows(straight)
@@ -162,6 +181,11 @@ def test_stopped_after_three_steps_and_resumed_matches_a_straight_run(straight, 
     out = launch(THIS, "--steps", "6", "--run-dir", str(run_dir), "--resume")
     assert f"resuming from {run_dir / 'checkpoints' / 'step_000002'}" in out.stdout
     assert "groups sampler define no save_state: they resume as built" in out.stdout
+    assert_same(rows(run_dir), want)
+    # resumed again with nothing left: said, and the run left as it is
+    out = launch(THIS, "--steps", "6", "--run-dir", str(run_dir), "--resume")
+    assert "nothing to run: steps 0..5 are done" in out.stdout
+    assert "pass --steps N above 6 to go on" in out.stdout
     assert_same(rows(run_dir), want)
 
 

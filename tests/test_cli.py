@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+import pytest
 from helpers import cli
 
 
@@ -48,8 +50,6 @@ def test_launch_passes_a_driver_the_arguments_after_dash_dash_without_it(tmp_pat
                                                                           monkeypatch):
     import re
 
-    import pytest
-
     from asyncrl.cli import main
 
     seen = tmp_path / "argv.json"
@@ -70,8 +70,6 @@ def test_launch_passes_a_driver_the_arguments_after_dash_dash_without_it(tmp_pat
 
 
 def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
-    import pytest
-
     import asyncrl.cli
     from asyncrl.controller.declare import OVERRIDES_ENV
 
@@ -125,26 +123,32 @@ def test_run_node_builds_the_groups_with_the_saved_overrides_as_given(tmp_path, 
     flow.write_text(f"import json, pathlib\nimport asyncrl\n\n"
                     f"cfg = asyncrl.config(backend='fsdp2', dims=[1], lr=0.1, steps=3)\n"
                     f"pathlib.Path({str(seen)!r}).write_text(json.dumps(cfg))\n"
-                    f"flow = asyncrl.DataFlow(nodes=[], inputs={{'x': [1]}})\n")
+                    f"@asyncrl.node\ndef x(p):\n    return p\n"
+                    f"flow = asyncrl.DataFlow(nodes=[x], inputs={{'p': [1]}})\n")
     inputs = tmp_path / "run" / "inputs"
     (inputs / "step0").mkdir(parents=True)
     (inputs / "overrides.json").write_text(json.dumps(
         {"backend": "zero2", "dims": "[3,4]", "lr": 0.5}))  # lr: as runs before session 13
     saved = inputs / "step0" / "x.msgpack"
     saved.write_bytes(b"")
-    monkeypatch.setattr(asyncrl.controller.launch, "load_inputs", lambda path: ({}, {}))
-    monkeypatch.setattr(asyncrl.cli, "run", lambda running: running.close())
+    monkeypatch.setattr(asyncrl.controller.launch, "load_inputs",
+                        lambda path: ({"p": 1}, {}))
+    ran = []
+    monkeypatch.setattr(asyncrl.cli, "run", lambda running: ran.append(running.close()))
     monkeypatch.setattr(sys, "argv", sys.argv[:])
     asyncrl.cli.main(["run", str(flow), "--node", "x", "--inputs", str(saved), "steps=5"])
     assert json.loads(seen.read_text()) == {"backend": "zero2", "dims": [3, 4], "lr": 0.5,
                                             "steps": 5}
+    # a mistyped node is refused before any group starts (and loads its model)
+    with pytest.raises(SystemExit, match=re.escape("asyncrl run: no node named 'y'; nodes: "
+                                                   "['x']; pass --node with one of them")):
+        asyncrl.cli.main(["run", str(flow), "--node", "y", "--inputs", str(saved)])
+    assert len(ran) == 1
 
 
 def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp_path,
                                                                              monkeypatch):
     """`use_ref=False` was the string "False" (true); `path=None` the string "None"."""
-    import pytest
-
     import asyncrl.cli
     from asyncrl.controller.declare import OVERRIDES_ENV, config, parse_overrides
 
@@ -157,6 +161,10 @@ def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp
                   coef=0, rev="1.0", dims=(1,), scale=0.5) == {
         "use_ref": False, "path": None, "lr": 0.5, "steps": 1000, "name": "7", "tags": [1, 2],
         "flag": False, "coef": 0.25, "rev": "1.10", "dims": (2, 3), "scale": 1.0}
+    given("batch=1e3", "procs=2.0", "coef=0.5")
+    settings = config(batch=8, procs=1, coef=0)
+    assert settings == {"batch": 1000, "procs": 2, "coef": 0.5}
+    assert type(settings["batch"]) is int and type(settings["procs"]) is int
     given("use_ref=maybe")
     with pytest.raises(ValueError, match=r"setting use_ref='maybe' on the command line: "
                                          r"expected a bool, as its default True is \(true/fal"):
@@ -175,8 +183,6 @@ def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp
 
 
 def test_a_resume_logs_to_the_runs_wandb_project_unless_told_not_to(tmp_path, capsys):
-    import pytest
-
     from asyncrl import cli as asyncrl_cli
 
     state = tmp_path / "wandb.json"
@@ -197,3 +203,27 @@ def test_a_resume_logs_to_the_runs_wandb_project_unless_told_not_to(tmp_path, ca
     with pytest.raises(SystemExit):
         project("--wandb", "p2", "--no-wandb")
     assert "--no-wandb: not allowed with argument --wandb" in capsys.readouterr().err
+
+
+def test_launch_failures_are_said_without_asyncios_traceback(tmp_path):
+    """A flow that cannot run says why in a line (exit 1); a bug in a node's own code (on the
+    controller) shows where it is, once."""
+    dup = tmp_path / "dup_flow.py"
+    dup.write_text("import asyncrl\n\n\nclass W(asyncrl.Worker):\n    pass\n\n\n"
+                   "a = asyncrl.group(W, name='same')\nb = asyncrl.group(W, name='same')\n\n\n"
+                   "@asyncrl.node\ndef n(x):\n    return x\n\n\n"
+                   "flow = asyncrl.DataFlow(nodes=[n], inputs={'x': [1, 2]})\n")
+    out = cli("launch", str(dup), "--steps", "1", "--run-dir", str(tmp_path / "dup"))
+    assert out.returncode == 1
+    assert "asyncrl launch: FlowError: two groups are named ['same']; pass name=... to " \
+        "asyncrl.group" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    buggy = tmp_path / "buggy_flow.py"
+    buggy.write_text("import asyncrl\n\n\n@asyncrl.node\ndef score(x):\n"
+                     "    return {'r': x['missing']}\n\n\n"
+                     "flow = asyncrl.DataFlow(nodes=[score], inputs={'x': [{}]})\n")
+    out = cli("launch", str(buggy), "--steps", "1", "--run-dir", str(tmp_path / "bug"))
+    assert out.returncode == 1
+    assert "asyncrl: node 'score' failed at step 0: KeyError: 'missing'" in out.stderr
+    assert f'File "{buggy}", line 6, in score' in out.stderr, out.stderr
+    assert out.stderr.count("KeyError: 'missing'") == 2  # the line above, the traceback's end

@@ -65,6 +65,10 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
                           "actor", "--rank", "1", "--tail", "2"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.splitlines() == ["second", "third"]
+    from asyncrl.controller.logs import read_log
+
+    assert read_log(tmp_path, "actor", 1, 0) == ""  # not the whole log
+    assert read_log(tmp_path, "actor", 1, 5) == "first\nsecond\nthird"
     bad = subprocess.run([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
                           "critic", "--rank", "0"], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)

@@ -6,6 +6,7 @@ Last, one race of the respawn lock, on stand-ins for the flow and the controller
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -127,7 +128,7 @@ def test_an_input_lost_with_a_group_a_rerun_already_replaced_rewinds(tmp_path):
     marks.mkdir()
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "steps=6", "checkpoint_every=4", "staleness=1", "hold=scorer:3",
-                  "wait=trainer:1", f"marks={marks}")
+                  "wait=trainer:1", f"marks={marks}", "draw=1")
     pid = held_pid(marks, "scorer", proc)
     wait_until(lambda: (marks / "trainer.waiting").exists() or proc.poll() is not None, 60,
                "the trainer to wait")
@@ -140,6 +141,11 @@ def test_an_input_lost_with_a_group_a_rerun_already_replaced_rewinds(tmp_path):
     assert (rerun["kind"], rerun["groups"], rerun["node"]) == ("rerun", ["scorer"], "score")
     assert (rewind["kind"], rewind["groups"], rewind["resumed_at"]) == ("rewind", [], 0)
     assert "InputLostError" in rewind["cause"] and "group 'scorer' is dead" in rewind["cause"]
+    # the controller's random numbers drawn again from where the run started, as a straight
+    # run draws them (they went on from where they were)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    seeded = random.Random(0)
+    assert [r["noise"] for r in rows] == [seeded.random() for _ in range(6)]
 
 
 def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):

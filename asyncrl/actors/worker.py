@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ class Worker:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), folder / f"rng_rank{self.rank}.pt")
         self.save_state(folder)
+        sync_tree(folder)  # on disk before the controller marks the checkpoint complete
 
     @register
     def load_checkpoint(self, path: str) -> None:
@@ -102,6 +104,35 @@ class Worker:
                 f"{self.world_size} ranks?); resume with the group sizes that wrote it")
         set_rng_state(torch.load(rng, weights_only=True))
         self.load_state(folder)
+
+
+def sync_tree(path: Path) -> None:
+    """fsync every file and folder under `path`: a power cut after a checkpoint is marked
+    complete must not leave its files empty or cut short."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            sync_file(Path(root, name))
+        sync_dir(Path(root))
+
+
+def sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_dir(path: Path) -> None:
+    """fsync a folder (what was created or renamed in it)."""
+    try:  # some shared and FUSE filesystems refuse a folder's fsync: the rename stands
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def rng_state() -> dict[str, Any]:

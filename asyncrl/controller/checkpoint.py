@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.actors.worker import rng_state, set_rng_state
+from asyncrl.actors.worker import rng_state, set_rng_state, sync_dir, sync_tree
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
 from asyncrl.errors import CheckpointError
@@ -134,6 +134,8 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     tmp.mkdir(parents=True)
     await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
+    # (the ranks synced what they wrote: here, the folders and the rest; off the loop)
+    await asyncio.to_thread(sync_tree, tmp)
     meta = {"step": step, "flow": identity(flow), "inputs": flow.positions(),
             "sizes": sizes(flow), "overrides": json.loads(os.environ.get(OVERRIDES_ENV, "{}")),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -141,7 +143,7 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;
         _discard(final)  # renamed away first: a half-deleted one is never taken as complete
     os.replace(tmp, final)
-    _sync_dir(final.parent)
+    sync_dir(final.parent)
     if keep is not None:
         for old in complete(run_dir)[:-keep]:
             _discard(old)
@@ -153,17 +155,6 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _sync_dir(path: Path) -> None:
-    try:  # some shared and FUSE filesystems refuse a folder's fsync: the rename stands
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def _discard(path: Path) -> None:

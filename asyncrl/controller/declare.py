@@ -137,7 +137,10 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
                 except ValueError:
                     pass
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value) if isinstance(default, float) else value
+            if isinstance(default, float):
+                return float(value)
+            # an int's: 1e3 is 1000, not 1000.0 (a range() refuses that deep in a rank)
+            return int(value) if isinstance(value, float) and value.is_integer() else value
     elif isinstance(default, list | tuple | dict):
         if isinstance(value, list | dict) and isinstance(default, dict) == isinstance(value, dict):
             return type(default)(value)

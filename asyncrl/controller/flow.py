@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.worker import rng_state
 from asyncrl.comm import codec
 from asyncrl.controller.declare import GroupSpec, declared_in
+from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
 from asyncrl.controller.timeline import current_node
-from asyncrl.errors import AsyncRLError, CheckpointError
+from asyncrl.errors import CheckpointError
 from asyncrl.futures.future import futures_in, held_at, resolved
 
 STEP = "step"  # a parameter nothing else provides: the step index (validate every N steps)
@@ -33,68 +35,6 @@ STEP = "step"  # a parameter nothing else provides: the step index (validate eve
 # what `--save-inputs` writes per node and step: {"format", "values", "futures": where the
 # node was given DistFutures (input -> paths into it), for `asyncrl run --node`}
 NODE_INPUTS = "asyncrl-node-inputs/1"
-
-
-class FlowError(AsyncRLError, ValueError):
-    """The flow's graph is wrong: the message names the node and the fix."""
-
-
-class NodeError(AsyncRLError):
-    """A node failed while the flow ran; `.node` and `.step` say which, the cause is chained."""
-
-    def __init__(self, node: str, step: int, cause: BaseException):
-        self.node, self.step = node, step
-        where = ""
-        group = getattr(cause, "group", None)
-        if group is not None:
-            where = f" on group {group!r}"
-        super().__init__(f"node {node!r} failed at step {step}{where}: "
-                         f"{type(cause).__name__}: {cause}")
-
-
-@dataclass(frozen=True)
-class _Param:
-    name: str  # the function's parameter
-    source: str  # the flow input or node it reads
-    optional: bool
-    default: Any = None
-
-
-@dataclass
-class Node:
-    fn: Callable[..., Any]
-    name: str
-    params: list[_Param]
-    follows: str | None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # still a plain function
-        return self.fn(*args, **kwargs)
-
-
-def node(fn: Callable[..., Any] | None = None, *, name: str | None = None,
-         inputs: dict[str, str] | None = None, follows: str | None = None) -> Any:
-    """Mark a controller-side function as a node: ``@asyncrl.node`` or
-    ``@asyncrl.node(inputs={"param": "source"}, follows="train", name="...")``."""
-
-    def make(f: Callable[..., Any]) -> Node:
-        sig = inspect.signature(f)
-        mapping = dict(inputs or {})
-        unknown = sorted(set(mapping) - set(sig.parameters))
-        if unknown:
-            raise FlowError(f"node {f.__name__!r}: inputs= names {unknown}, which are not "
-                            f"parameters of the function; its parameters are "
-                            f"{list(sig.parameters)}")
-        params = []
-        for p in sig.parameters.values():
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise FlowError(f"node {f.__name__!r}: *args/**kwargs cannot name inputs; "
-                                f"give every input its own parameter")
-            optional = p.default is not p.empty
-            params.append(_Param(p.name, mapping.get(p.name, p.name), optional,
-                                 p.default if optional else None))
-        return Node(f, name or f.__name__, params, follows)
-
-    return make(fn) if fn is not None else make
 
 
 @dataclass
@@ -151,18 +91,20 @@ class DataFlow:
         # by index: the steps in flight and the last finished ones a later step waits on
         # (older ones are let go, and with them the futures their nodes returned)
         self._steps: dict[int, _Step] = {}
+        self._failed: int | None = None  # a step that failed: no step after it can run
         self._next = 0  # the index of the step dispatched next (> 0 once resumed)
         self._ctl: Any = None
         self._own_ctl = False
         self.save_inputs: Path | None = None  # set: each node's inputs are written there
         self._watchers: set[asyncio.Task] = set()  # recovery tasks following node outputs
         self._origin: tuple[int, dict[str, Any]] = (0, {})  # where this run started
+        self._origin_rng: dict[str, Any] = {}  # and the controller's random state there
         from asyncrl.controller.recovery import Recovery
 
         self.recovery = Recovery(self)
 
     # -- the graph ----------------------------------------------------------------------------
-    def _source_of(self, p: _Param) -> tuple[str, str] | None:
+    def _source_of(self, p: Param) -> tuple[str, str] | None:
         """('node', name) / ('input', name) / ('step', 'step'), or None for an optional input
         nothing provides."""
         s = p.source
@@ -268,7 +210,7 @@ class DataFlow:
         self._check_rereadable()
         self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
         self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
-        self._steps, self._next = {}, 0
+        self._steps, self._next, self._failed = {}, 0, None
 
     def _check_rereadable(self) -> None:
         for name, source in self.inputs.items():
@@ -331,7 +273,10 @@ class DataFlow:
                     f"{sorted(positions)}); resume with the flow that wrote it")
             source, state = self.inputs[name], positions[name]
             if hasattr(source, "load_state_dict"):
-                source.load_state_dict(state)
+                try:
+                    source.load_state_dict(state)
+                except ValueError as e:  # another source than the run's (its data, seed)
+                    raise CheckpointError(f"input {name!r}: {e}") from e
                 self._sources[name] = iter(source)  # a fresh iterator, from that position
                 self._consumed[name] = start
                 continue
@@ -377,6 +322,10 @@ class DataFlow:
         (None when an input source is exhausted). Earlier steps may still be finishing."""
         if self._ctl is None:
             raise RuntimeError("the flow is not open: use `async with flow:` or flow.run()")
+        if self._failed is not None:  # its nodes were cancelled: later steps wait on them
+            raise FlowError(f"step {self._failed} failed, and the steps after it need its "
+                            f"nodes: rewind the flow to a checkpoint (asyncrl.group("
+                            f"max_restarts=...) makes flow.run() do it) or close it")
         t = self.next_step
         # a `follows=` node waits for its node of step t-k-1 (_run_node); the steps in flight
         # are bounded one further: every node of step t-k-2 has finished before step t starts
@@ -402,6 +351,7 @@ class DataFlow:
         try:
             return {name: await task for name, task in step.returned.items()}
         except BaseException:
+            self._failed = t
             for task in (*step.returned.values(), *step.finished.values()):
                 task.cancel()
             raise
@@ -473,7 +423,7 @@ class DataFlow:
         if opened:
             await self.open()
         done: dict[int, dict[str, Any]] = {}
-        self._origin = (self.next_step, self.positions())
+        self._origin, self._origin_rng = (self.next_step, self.positions()), rng_state()
         try:
             while True:
                 try:
@@ -541,11 +491,9 @@ class DataFlow:
             on_step(step.index, values, time.perf_counter() - step.started)
         return values
 
-    async def run_node(self, name: str, inputs: dict[str, Any],
-                       futures: dict[str, list[list[Any]]] | None = None) -> Any:
-        """Run one node alone with given inputs (values), for debugging; its value.
-        `futures`: where the node was given DistFutures (input -> paths of keys and indices
-        into it; [] for the input itself): given done ones of those values again."""
+    def node_inputs(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Node `name`'s arguments among saved `inputs`: FlowError for a node that does not
+        exist or inputs it lacks (checked before any group starts)."""
         if name not in self.nodes:
             raise FlowError(f"no node named {name!r}; nodes: {sorted(self.nodes)}; pass --node "
                             f"with one of them")
@@ -557,10 +505,18 @@ class DataFlow:
                             f"{sorted(inputs)}: pass the inputs file `asyncrl launch "
                             f"--save-inputs` wrote for this node "
                             f"(RUN_DIR/inputs/step<t>/{name}.msgpack)")
+        return kwargs
+
+    async def run_node(self, name: str, inputs: dict[str, Any],
+                       futures: dict[str, list[list[Any]]] | None = None) -> Any:
+        """Run one node alone with given inputs (values), for debugging; its value.
+        `futures`: where the node was given DistFutures (input -> paths of keys and indices
+        into it; [] for the input itself): given done ones of those values again."""
+        kwargs = self.node_inputs(name, inputs)
         for param, paths in (futures or {}).items():
             for path in paths if param in kwargs else ():
                 kwargs[param] = held_at(kwargs[param], path, f"saved input {param!r}")
-        out = n.fn(**kwargs)
+        out = self.nodes[name].fn(**kwargs)
         if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
             out = await out
         return await resolved(out)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.worker import sync_file
 from asyncrl.comm import codec
 from asyncrl.controller import checkpoint, declare
 from asyncrl.controller.controller import Controller
@@ -167,6 +168,10 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     meta: dict[str, Any] = {}
     if resume:  # checked before anything is spawned
         resume_from, meta = checkpoint.resumable(run_dir, flow)
+        if steps is not None and meta["step"] + 1 >= steps:  # a finished run: left as it is
+            print(f"nothing to run: steps 0..{meta['step']} are done ({resume_from}); pass "
+                  f"--steps N above {meta['step'] + 1} to go on", flush=True)
+            return run_dir
         dropped = drop_rows_after(run_dir / "metrics.jsonl", meta["step"])
         print(f"resuming from {resume_from} (steps 0..{meta['step']} done; dropped "
               f"{dropped} metrics rows written after it)", flush=True)
@@ -196,6 +201,8 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         # run, encoded and written off the loop
         await asyncio.to_thread(write_trace, run_dir / "timeline.json", timeline.chrome_trace())
         metrics.flush()
+        if (run_dir / "metrics.jsonl").exists():  # its rows up to the checkpoint, on disk
+            await asyncio.to_thread(sync_file, run_dir / "metrics.jsonl")
         await checkpoint.save(flow, run_dir, step, keep)
 
     async def restore() -> bool:  # after a death: the newest checkpoint, if there is one

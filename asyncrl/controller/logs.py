@@ -78,7 +78,7 @@ def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> s
         raise FileNotFoundError(f"no log for group {group!r} rank {rank} in {folder}; "
                                 f"logs there: {known or 'none'}")
     lines = path.read_text(errors="replace").splitlines()
-    return "\n".join(lines[-tail:] if tail else lines)
+    return "\n".join(lines if tail is None else lines[max(len(lines) - tail, 0):])
 
 
 def append_line(path: Path, line: str) -> None:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.actors.worker import set_rng_state
 from asyncrl.controller.logs import append_line
 from asyncrl.controller.timeline import called_groups
 from asyncrl.errors import ClosedError, GroupDeadError, InputLostError, RemoteError, SpawnError
@@ -278,11 +279,12 @@ class Recovery:
             raise RecoveryError(f"no checkpoint to go back to after {type(exc).__name__}, and "
                                 f"this run started at step {flow._origin[0]}, not 0: its "
                                 f"groups' state before that step is gone")
-        if not loaded:  # before the first checkpoint: back to the run's start
-            for spec in flow.groups:
-                if spec.stateful and spec not in dead + stuck:
+        if not loaded:  # before the first checkpoint: back to the run's start, every group
+            for spec in flow.groups:  # as built (random number generators too)
+                if spec not in dead + stuck:
                     await ctl.close_group(spec.handle)
                     spec.handle = await flow._spawn(spec)
+            set_rng_state(flow._origin_rng)  # nodes that draw random numbers draw them again
             flow.resume_at(*flow._origin)
         resumed = flow.next_step
         self._record("rewind", [g.name for g in dead], step, None, resumed, exc, started)

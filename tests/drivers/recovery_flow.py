@@ -10,20 +10,22 @@
 `hold=<group>:<step>`: that group's call of that step, on its first try only, writes its pid
 to `<marks>/<group>.pid` and waits there until the test kills or stops it. `wait=<group>:
 <step>`: that call writes `<marks>/<group>.waiting` and waits until the test writes
-`<marks>/go`. `staleness=k`: steps t-k-2 to t in flight (more to overlap). The trainer's
-history is in every checkpoint (trainer/history.json): a run that recovered must hold each
-step exactly once.
+`<marks>/go`. `staleness=k`: steps t-k-2 to t in flight (more to overlap). `draw=1`: a
+node draws a random number per step on the controller (seeded: a rewind draws the same ones
+again). The trainer's history is in every checkpoint (trainer/history.json): a run that
+recovered must hold each step exactly once.
 """
 
 import json
 import os
+import random
 import time
 from pathlib import Path
 
 import asyncrl
 
 cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
-                     peek=0, collective=0, wait="", staleness=0)
+                     peek=0, collective=0, wait="", staleness=0, draw=0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 WAIT_GROUP, _, WAIT_STEP = cfg["wait"].partition(":")
 
@@ -125,6 +127,14 @@ async def train(step, score):
     return out
 
 
-flow = asyncrl.DataFlow(nodes=[score, train], inputs={"step": list(range(cfg["steps"]))},
+@asyncrl.node
+def noise(step):
+    return random.random()
+
+
+if cfg["draw"]:
+    random.seed(0)
+flow = asyncrl.DataFlow(nodes=[score, train] + ([noise] if cfg["draw"] else []),
+                        inputs={"step": list(range(cfg["steps"]))},
                         checkpoint_every=cfg["checkpoint_every"],
                         max_staleness=cfg["staleness"])  # k: steps t-k-2.. in flight
