@@ -621,3 +621,28 @@ def test_a_step_after_a_failed_one_is_refused_with_what_to_do():
                 await flow.close()
             return first
     assert asyncio.run(main()) == {"gen": 1, "rollout": 1, "train": 1}
+
+
+def test_a_nodes_failure_is_said_without_waiting_for_a_slower_node_before_it():
+    never = []  # set only by a step that ends: the slow node waits on it
+
+    @asyncrl.node
+    async def slow(x):
+        await never[0].wait()
+
+    @asyncrl.node
+    def broken(x):
+        raise ValueError("broken at once")
+
+    async def main():
+        never.append(asyncio.Event())
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": [1]}, groups=[])
+            assert flow.order == ["slow", "broken"]
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError, match="broken at once"):
+                    await asyncio.wait_for(flow.step(), 30)  # not a TimeoutError
+            finally:
+                await flow.close()
+    asyncio.run(main())

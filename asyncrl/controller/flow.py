@@ -348,7 +348,12 @@ class DataFlow:
         # steps (all finished, as step t-k-2 was before this one) are let go
         for old in [i for i in self._steps if i < bound + 1]:
             del self._steps[old]
-        try:
+        try:  # a node's failure said at once, not after the slower nodes before it return
+            await asyncio.wait(step.returned.values(), return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in step.returned.values() if t.done() and not t.cancelled()
+                      and t.exception() is not None]
+            for task in failed[:1]:
+                task.result()  # raises its NodeError
             return {name: await task for name, task in step.returned.items()}
         except BaseException:
             self._failed = t
