@@ -144,6 +144,38 @@ def test_engine_loads_weights_in_place_and_sleeps():
     assert len(engine.generate(PROMPTS, seeds=[0, 0, 0, 0])) == 4
 
 
+def test_a_paused_engine_holds_its_generation_at_a_token_boundary_until_resumed():
+    """pause() from another thread (a weight sync's): the generation in flight stops between
+    two token steps, keeps its tokens, takes no new call, and goes on once resumed, with the
+    tokens an undisturbed generation gives (the same weights, the same seeds)."""
+    import threading
+
+    engine = Sampler(build_model(ModelConfig(seed=3)), SamplingConfig(max_new_tokens=6))
+    want = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    steps, held = [], threading.Event()
+
+    def on_token(step):
+        steps.append(step)
+        if step == 2:
+            engine.pause()
+            held.set()
+    engine.on_token = on_token
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(got=engine.generate(
+        PROMPTS, seeds=[1, 2, 3, 4])))
+    worker.start()
+    assert held.wait(60)
+    worker.join(0.5)  # it would have finished its 6 tokens by now
+    assert worker.is_alive() and steps == [1, 2] and engine.paused
+    with pytest.raises(RuntimeError, match=r"paused: resume\(\) it before generating"):
+        engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    engine.resume()
+    worker.join(60)
+    assert not worker.is_alive() and steps == [1, 2, 3, 4, 5]
+    for key in ("response_ids", "response_mask", "logprobs"):
+        assert torch.equal(out["got"][key], want[key]), key
+
+
 def test_engine_takes_state_dicts_of_tied_models_bf16_packs_and_refuses_bad_ones_whole():
     src, dst = build_model(ModelConfig(preset="tiny-gpt2", seed=1)), build_model(
         ModelConfig(preset="tiny-gpt2", seed=2))

@@ -12,7 +12,7 @@ import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, sequence_mean_nll
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
-from asyncrl.hybrid.roles import Policy, make_backend
+from asyncrl.hybrid.roles import Policy, Rollout, make_backend
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
@@ -146,6 +146,21 @@ async def small_policy(ctl, cls: type, seed: int):
                            bucket_bytes=64 << 10, nprocs=2, name="policy")
 
 
+def test_gather_groups_are_sized_by_the_parameters_not_their_freed_targets():
+    """A GPU engine's weights are freed while training (0 elements) and a ZeRO-3 partition's
+    numel() is 0 too: grouped by those, the first switch gathered the whole model at once."""
+    from asyncrl.hybrid.gather import plan_gather
+
+    plain = [torch.nn.Parameter(torch.zeros(4096)) for _ in range(4)]  # 16 KiB each
+    zero3 = [torch.nn.Parameter(torch.empty(0)) for _ in range(6)]
+    for p in zero3:
+        p.ds_numel = 4096  # what DeepSpeed gives a partitioned parameter
+    freed = [(p, torch.empty(0)) for p in plain + zero3]
+    plan = plan_gather(freed, 32 << 10, together=True)
+    assert [len(group) for group in plan] == [2, 2, 2, 2, 2]
+    assert [len(group) for group in plan_gather(freed, 32 << 10)] == [1] * 10
+
+
 def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
     """FSDP2 leaves the root's parameters gathered after a forward with no backward; the
     backend reshards them, so a first switch right after log-probs plans on the real
@@ -229,6 +244,50 @@ def test_an_engine_freed_while_training_comes_back_with_the_trained_weights():
     assert held[0][0] == 0 and held[1][0] >= total and held[2][0] == 0, held
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
     assert len(again) == 4 and again["response_mask"].sum() > 0
+
+
+def test_a_bf16_trainers_engine_generates_in_bf16():
+    """As on a GPU, where bf16 is the default: the engine's weights are the trainer's cast to
+    bf16 (an fp32 engine held twice the memory and computed otherwise than the trainer), and
+    its log-probs are close to the trainer's bf16 forward's."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(Policy, {"preset": "tiny-llama", "seed": 4},
+                                     {"bf16": True}, {"max_new_tokens": 6}, name="bf16")
+            rollout = await policy.generate(prompts_batch(4))
+            trained = await policy.logprobs(rollout)
+            return ((await policy.weights("engine"))[0], (await policy.weights("train"))[0],
+                    rollout, trained, group_pids(policy))
+    engine_w, train_w, rollout, trained, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    assert {v.dtype for v in engine_w.values()} == {torch.bfloat16}
+    assert all(torch.equal(engine_w[k], train_w[k].bfloat16()) for k in train_w)
+    mask = rollout["response_mask"].bool()
+    assert torch.allclose(rollout["logprobs"][mask], trained["logprobs"][mask], atol=5e-3)
+
+
+def test_a_zero_policy_syncs_each_parameter_once_and_no_buffers():
+    """tiny-gpt2 ties lm_head to the embeddings: the pack named both (the bytes twice), and
+    it held buffers too, which a rollout's engine refuses (as FSDP2's pack never sent)."""
+    pytest.importorskip("deepspeed")
+
+    async def main():
+        async with asyncrl.Controller(construct_timeout=500) as ctl:
+            model = {"preset": "tiny-gpt2", "seed": 5}
+            policy, rollout = await asyncio.gather(
+                ctl.spawn(Policy, model, backend="zero2", hybrid=False, name="zero"),
+                ctl.spawn(Rollout, {**model, "seed": 6}, name="rollout"))
+            synced = await rollout.load_weights(policy.sync_pack())
+            sampled = await rollout.generate(prompts_batch(4))
+            return (synced, sampled, await policy.logprobs(sampled),
+                    group_pids(policy) + group_pids(rollout))
+    synced, sampled, scored, pids = run(main(), timeout=580)
+    assert_gone(pids)
+    unique = build_model(ModelConfig(preset="tiny-gpt2")).named_parameters()
+    sizes = [p.numel() * p.element_size() for _, p in unique]
+    assert synced["sync/tensors"] == len(sizes) and synced["sync/bytes"] == sum(sizes)
+    # the rollout samples with the policy's weights (its own seed's are gone)
+    assert (scored["logprobs"] - sampled["logprobs"]).abs().max().item() < 1e-5
 
 
 class AnyTrainer(asyncrl.Worker):

@@ -40,7 +40,7 @@ class Bucket:
     torch.chunk splits them), so every rank contributes the same width."""
 
     def __init__(self, mesh: Any, dtype: torch.dtype, device: torch.device):
-        self.device = device
+        self.device, self.mesh = device, mesh
         self.group = mesh.get_group()
         self.world = mesh.size()
         self.items: list[tuple[Any, torch.Tensor, int]] = []  # param, target, offset
@@ -66,7 +66,9 @@ def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int,
     group_bytes = 0
     for param, target in pairs:
         if not row_sharded(param):
-            size = target.numel() * target.element_size()
+            # the parameter's whole size, not the target's: a GPU engine's weights are freed
+            # (0 elements) while training, and a ZeRO-3 partition's numel() is 0 as well
+            size = (getattr(param, "ds_numel", 0) or param.numel()) * param.element_size()
             if group is None or not together or group_bytes + size > bucket_bytes:
                 group, group_bytes = [], 0
                 plan.append(group)
@@ -74,8 +76,8 @@ def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int,
             group_bytes += size
             continue
         group = None
-        if bucket is None or bucket.nbytes >= bucket_bytes or \
-                bucket.dtype != param.dtype or bucket.device != param.device:
+        if bucket is None or bucket.nbytes >= bucket_bytes or bucket.dtype != param.dtype \
+                or bucket.device != param.device or bucket.mesh is not param.device_mesh:
             bucket = Bucket(param.device_mesh, param.dtype, param.device)
             plan.append(bucket)
         bucket.add(param, target)

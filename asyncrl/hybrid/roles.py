@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
 from asyncrl.hybrid.export import POLICY_FILE, save_model_files
-from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
+from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, use_bf16
 from asyncrl.hybrid.lora import adapters_off
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
@@ -118,7 +119,11 @@ class Policy(Worker):
         train_cfg = TrainConfig(**(train or {}))
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.model_cfg = model_cfg  # noted in checkpoints, for `asyncrl export`
-        self.hybrid = HybridEngine(self.backend, model_cfg, SamplingConfig(**(sampling or {})),
+        # the engine computes as the trainer does: a bf16 trainer's log-probs from an fp32
+        # engine would differ by ~1e-3 (the first PPO ratio not 1), at twice its memory
+        engine_cfg = replace(model_cfg, dtype="bfloat16") if use_bf16(train_cfg) and \
+            model_cfg.dtype == "float32" else model_cfg
+        self.hybrid = HybridEngine(self.backend, engine_cfg, SamplingConfig(**(sampling or {})),
                                    bucket_bytes, engine, engine_options) if hybrid else None
         turns = multi_turn_config(multi_turn)  # checked before a train-only Policy refuses it
         if turns is not None and not hybrid:
@@ -191,8 +196,11 @@ class Policy(Worker):
         the same frozen model."""
         self.to_train()
         start = time.perf_counter()
-        if hasattr(self.backend, "gathered"):  # ZeRO: gathered one by one, kept on rank 0
-            named: Any = self.backend.state_dict(everywhere=False, trained=True).items()
+        if hasattr(self.backend, "gathered"):  # ZeRO: gathered one by one, kept on rank 0;
+            # parameters only (not buffers: the engine has its own), tied ones once
+            params = dict(self.backend.model.named_parameters())
+            named: Any = [(n, v) for n, v in self.backend.state_dict(
+                everywhere=False, trained=True).items() if n in params]
         else:  # FSDP2: the small ones in buckets, the large ones one by one
             named = gathered([(n, p) for n, p in self.backend.model.named_parameters()
                               if p.requires_grad], self.bucket_bytes, keep=self.rank == 0)

@@ -35,7 +35,9 @@ from asyncrl.hybrid.models import positions
 @dataclass(kw_only=True)
 class SamplingConfig:
     temperature: float = 1.0  # 0: greedy (the most likely token; log-probs at temperature 1)
-    top_p: float = 1.0
+    top_p: float = 1.0  # < 1: log-probs are still the whole temperature-scaled distribution's
+    # (what the trainer computes: the ratio starts at 1), not the nucleus the token was drawn
+    # from (their log Z higher): an off-policy correction sees that bias, as with verl's vLLM
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int = 0
@@ -157,7 +159,8 @@ class Sampler:
         # tens of GB for long prompts and a 150k vocabulary
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.asleep = False
-        self.paused = False
+        self._running = threading.Event()  # cleared while paused: generation holds at a
+        self._running.set()  # token boundary until resume()
         self.version = 0  # the policy version of the weights held (set by load_weights)
         self._step = threading.Lock()  # one forward pass, or one weight swap, at a time
         self.on_token: Any = None  # called with the step index between token steps
@@ -179,9 +182,10 @@ class Sampler:
         turn), then samples its next turn from seed + turn * TURN_SEED; a row answered
         with none is done. The result then holds policy_mask (1 where sampled) and turns."""
         cfg = config or self.config
-        if self.asleep:
+        if self.asleep or self.paused:
             raise RuntimeError("the engine is asleep (its weights were released): wake() it "
-                               "before generating")
+                               "before generating" if self.asleep else
+                               "the engine is paused: resume() it before generating")
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give "
                              f"one seed per sample")
@@ -208,6 +212,7 @@ class Sampler:
         for step in range(n):
             if step and self.on_token is not None:
                 self.on_token(step)  # between token steps: weights may be swapped here
+            self._running.wait()  # paused: held here, between token steps, until resume()
             scaled = logits.float() / (cfg.temperature or 1.0)
             logp_all = F.log_softmax(scaled, -1)
             if cfg.temperature == 0:  # greedy (as vLLM: log-probs before any temperature)
@@ -338,8 +343,14 @@ class Sampler:
     def wake(self) -> None:
         self.asleep = False
 
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
     def pause(self) -> None:
-        self.paused = True
+        """Hold a generation in flight at its next token boundary (its tokens kept; weights
+        may be loaded meanwhile, from another thread), and refuse new ones, until resume()."""
+        self._running.clear()
 
     def resume(self) -> None:
-        self.paused = False
+        self._running.set()
