@@ -28,7 +28,7 @@ from typing import Any
 
 from asyncrl.controller.nodes import FlowError, NodeError
 from asyncrl.controller.recovery import RecoveryError
-from asyncrl.controller.runner import run
+from asyncrl.controller.runner import Terminated, run
 from asyncrl.controller.trackers import TrackerError
 from asyncrl.errors import AsyncRLError, CheckpointError, SettingError
 
@@ -546,3 +546,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("asyncrl: interrupted; every group was shut down", file=sys.stderr)
         return 130
+    except Terminated:
+        print("asyncrl: terminated (SIGTERM); every group was shut down", file=sys.stderr)
+        return 143

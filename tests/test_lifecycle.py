@@ -94,6 +94,28 @@ def test_spawn_and_clean_shutdown_leave_no_process_or_folder(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_agent_never_signals_a_pid_that_is_no_longer_its_own(tmp_path):
+    """Over a long run pids come round again: torchrun reaped, or a rank gone, their pids
+    may be another process's by the time the group closes (or a closed controller is
+    collected), which was sent SIGKILL."""
+    from asyncrl.controller.launcher import Agent, _birth
+
+    agent = Agent("g", 1, {}, tmp_path / "g.log")
+    agent.proc = subprocess.Popen(["true"])
+    agent.proc.wait()  # torchrun, reaped
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        agent.rank_pids[0], agent._rank_birth[0] = stranger.pid, "1"  # the rank's, long gone
+        assert agent.all_pids() == []
+        agent.signal_all(signal.SIGKILL)
+        assert stranger.poll() is None
+        agent._rank_birth[0] = _birth(stranger.pid)  # were it the rank itself
+        assert agent.all_pids() == [stranger.pid]
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_exception_in_the_block_shuts_groups_down():
     pids = []
 
@@ -236,20 +258,22 @@ def test_collective_past_its_timeout_fails_the_call_naming_it():
 
 
 def test_failing_construction_raises_remote_error_and_cleans_up():
-    pids = []
+    made = []
+
+    class Recording(asyncrl.Controller):
+        def _make_agent(self, *args):
+            made.append(super()._make_agent(*args))
+            return made[-1]
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            task = asyncio_create_task(ctl.spawn(BrokenInit, 1, nprocs=2, name="broken"))
-            try:
-                await task
-            finally:
-                pids.extend(ctl._reaper.agents[0].all_pids())
+        async with Recording() as ctl:
+            await asyncio_create_task(ctl.spawn(BrokenInit, 1, nprocs=2, name="broken"))
     with pytest.raises(asyncrl.RemoteError) as info:
         run(main())
     assert info.value.method == "__init__" and info.value.rank == 1
     assert "cannot build on rank 1" in str(info.value)
-    assert_gone(pids)
+    assert len(made[0].rank_pids) == 2  # both said hello
+    assert_gone([made[0].pid, *made[0].rank_pids.values()])
 
 
 def test_construction_timeout_names_the_group_and_shows_its_output():
@@ -331,6 +355,19 @@ def test_ctrl_c_shuts_every_group_down():
     assert_gone([pids["agent"], *pids["ranks"]])
 
 
+def test_sigterm_shuts_every_group_down_as_ctrl_c_does(killed_driver_env):
+    """scancel, docker stop: SIGTERM ended the controller at once (no close: its ranks,
+    shared memory and private folders were left to chance)."""
+    proc, pids = _start_hold(env=killed_driver_env)
+    proc.send_signal(signal.SIGTERM)
+    err = _finished(proc, 30)
+    assert proc.returncode == 143, err
+    assert "asyncrl: terminated (SIGTERM); every group was shut down" in err
+    assert_gone([pids["agent"], *pids["ranks"]])
+    assert not [p for p in os.listdir(killed_driver_env["TMPDIR"])
+                if p.startswith("asyncrl-secret-")]  # its secret's folder removed at close
+
+
 def test_killed_controller_ranks_exit_on_lost_heartbeat(killed_driver_env):
     proc, pids = _start_hold("--orphanable", env=killed_driver_env)
     proc.kill()
@@ -380,6 +417,32 @@ def test_on_close_runs_on_every_rank_as_its_group_closes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["closed0", "closed1"]
 
 
+class HungClose(asyncrl.Worker):
+    @asyncrl.register
+    def ping(self):
+        return self.rank
+
+    def on_close(self):
+        threading.Event().wait()  # a collective whose peers are gone
+
+
+def test_a_hung_on_close_ends_at_the_collective_timeout():
+    """With the controller gone nobody kills a rank whose on_close never returns: it held
+    its process (and its GPU) forever. Here the controller waits longer than the timeout
+    before it would kill: the rank ends itself and says why."""
+    async def main():
+        async with asyncrl.Controller(collective_timeout=1.0, shutdown_grace=120) as ctl:
+            group = await ctl.spawn(HungClose)
+            assert await group.ping() == [0]
+            pids = group_pids(group)
+            await ctl.close_group(group)
+            said = "on_close() did not return within 1 s; exiting"  # its last line, streamed
+            await poll_until(lambda: said in ctl.logs.path("hungclose", 0).read_text(), 20,
+                             "the rank's last line")
+            return pids
+    assert_gone(run(main(), timeout=100))
+
+
 def test_agents_are_forked_from_one_warm_server_shared_by_the_process(monkeypatch):
     """torchrun agents come from one process that imported torch once (asyncrl/controller/
     agent_fork.py), each in a session of its own; the server serves every controller of the
@@ -419,3 +482,72 @@ def test_agents_are_forked_from_one_warm_server_shared_by_the_process(monkeypatc
     server, agents, parents, _, pids = run(main())
     assert server is None and parents == [os.getpid()] * 2
     assert_gone(pids + agents)
+
+
+def test_a_slow_agent_server_does_not_stall_the_other_groups_heartbeats(monkeypatch):
+    """A group is started while the agent server takes seconds to answer (busy, or importing
+    torch after a restart): asked on the loop, it stopped the heartbeats and every other
+    group's ranks exited as if the controller were gone."""
+    import time
+
+    from asyncrl.controller.launcher import Agent
+
+    fork = Agent.fork
+
+    def slow_fork(self):
+        if self.group == "late":
+            time.sleep(3.0)  # the server's slow answer (longer than the heartbeat timeout)
+        return fork(self)
+
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=0.2, heartbeat_timeout=1.5) as ctl:
+            first = await ctl.spawn(Sleeper, name="first")
+            monkeypatch.setattr(Agent, "fork", slow_fork)
+            late = await ctl.spawn(Sleeper, name="late")
+            return await first.take(7), await late.take(8), group_pids(first) + group_pids(late)
+    first, late, pids = run(main())
+    assert (first, late) == ([7], [8])
+    assert_gone(pids)
+
+
+def test_an_answer_nobody_waits_for_stops_its_agent_and_a_broken_server_is_not_closed(
+        monkeypatch):
+    """The agent server answered after its asker gave up (it started torchrun anew): that
+    torchrun would serve the same group twice. And a server set aside as broken still runs
+    the agents it forked: closing it (the next spawn did) stopped every one of them."""
+    import collections
+
+    from asyncrl.controller import agent_fork
+
+    server = object.__new__(agent_fork.AgentServer)
+    server.broken, server._answers = True, collections.deque()
+    server._answered = threading.Condition()
+    orphan = subprocess.Popen(["sleep", "60"])
+    try:
+        server._take({"pid": orphan.pid})
+        assert orphan.wait(10) == -signal.SIGTERM and not server._answers
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+    class Running:
+        broken, alive, closed = True, False, False
+        proc = subprocess.Popen(["sleep", "60"])
+
+        def close(self):
+            self.closed = True
+
+    class Starter:
+        def start(self):
+            return "a new server"
+
+    running = Running()
+    monkeypatch.setattr(agent_fork, "_server", running)
+    monkeypatch.setattr(agent_fork, "_starter", Starter())
+    monkeypatch.setattr(agent_fork, "_retired", [])
+    try:
+        assert agent_fork.shared_server() == "a new server"
+        assert not running.closed and agent_fork._retired == [running]
+    finally:
+        Running.proc.kill()
+        Running.proc.wait()

@@ -68,6 +68,16 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
     from asyncrl.controller.logs import read_log
 
     assert read_log(tmp_path, "actor", 1, 0) == ""  # not the whole log
+    other = tmp_path / "other"
+    sink = LogSink(other / "logs", echo=False)  # a group closed: its files closed too
+    sink.write("actor", 0, ["a"])
+    sink.write("critic", 0, ["b"])
+    opened = set(os.listdir("/proc/self/fd"))
+    sink.close_group("actor")
+    assert len(opened - set(os.listdir("/proc/self/fd"))) == 1
+    sink.write("actor", 0, ["c"])  # a respawned group's rank: opened again, appended to
+    sink.close()
+    assert read_log(other, "actor", 0) == "a\nc"
     assert read_log(tmp_path, "actor", 1, 5) == "first\nsecond\nthird"
     bad = subprocess.run([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
                           "critic", "--rank", "0"], capture_output=True, text=True, timeout=60,

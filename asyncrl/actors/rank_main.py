@@ -335,9 +335,13 @@ def gpu_index() -> int:
     return int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
 
 
+def collective_timeout() -> float:
+    """Seconds a collective may wait (the Controller's collective_timeout)."""
+    return float(os.environ.get("ASYNCRL_COLLECTIVE_TIMEOUT", "600"))
+
+
 def _init_distributed() -> None:
-    timeout = datetime.timedelta(seconds=float(os.environ.get("ASYNCRL_COLLECTIVE_TIMEOUT",
-                                                              "600")))
+    timeout = datetime.timedelta(seconds=collective_timeout())
     if torch.cuda.is_available():
         bind_gpu()
         # a collective past its timeout ends this process (the NCCL watchdog): the
@@ -378,14 +382,31 @@ def main() -> None:
     debugger.install()  # breakpoint() waits for `asyncrl attach` instead of hanging silently
     code = rank.serve()
     if rank.worker is not None:
+        # on_close may wait in a collective whose peers are gone (and with the controller
+        # gone nobody kills this rank): past the collective timeout, it exits all the same
+        watchdog = threading.Timer(collective_timeout(), _on_close_hung, (rank, code, output))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             rank.worker.on_close()
         except Exception:  # noqa: BLE001 - the rank exits anyway: say why in its log
             traceback.print_exc()
+        watchdog.cancel()
+    _exit(rank, code, output)
+
+
+def _on_close_hung(rank: RankMain, code: int, output: OutputCapture) -> None:
+    print(f"[asyncrl] {rank.group}:{rank.rank}: on_close() did not return within "
+          f"{collective_timeout():g} s; exiting", file=sys.stderr, flush=True)
+    _exit(rank, code, output)
+
+
+def _exit(rank: RankMain, code: int, output: OutputCapture | None = None) -> None:
     rank.segments.close()  # unlink this rank's shared memory: os._exit runs no finalizer
     sys.stdout.flush()
     sys.stderr.flush()
-    output.close()  # the last lines reach the controller
+    if output is not None:
+        output.close()  # the last lines reach the controller
     for relay in rank.relays:
         relay.close()
     os._exit(code)  # user threads may be blocked in collectives: do not wait for them

@@ -199,6 +199,15 @@ class ForkedAgent:
         return self.returncode
 
 
+def _stop_orphan(pid: int) -> None:
+    """An agent forked for a request nobody waits for any more: torchrun stops its ranks on
+    SIGTERM (its stand-ins, and with them the ranks the server forked)."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _watch(agent: ForkedAgent) -> None:
     """An agent the server can no longer report on: ended when its pid is gone."""
     while pid_alive(agent.pid):
@@ -258,6 +267,9 @@ class AgentServer:
             self._ready.set()
         elif "pid" in msg or "error" in msg:
             with self._answered:
+                if self.broken and "pid" in msg:  # its asker gave up and started torchrun
+                    _stop_orphan(msg["pid"])       # anew: two jobs would serve one group
+                    return
                 self._answers.append(msg)
                 self._answered.notify_all()
         elif "rank_start" in msg:
@@ -309,9 +321,17 @@ class AgentServer:
             except OSError as e:
                 self.broken = True
                 raise RuntimeError(f"the torchrun agent server is gone ({e})") from e
+            except BaseException:  # (an interrupt) half a request may have gone
+                self.broken = True
+                raise
             with self._answered:
-                if not self._answered.wait_for(lambda: self._answers or self._eof,
-                                               ANSWER_TIMEOUT) or not self._answers:
+                try:
+                    answered = self._answered.wait_for(lambda: self._answers or self._eof,
+                                                       ANSWER_TIMEOUT) and self._answers
+                except BaseException:  # an interrupt: the answer would go to the next
+                    self.broken = True  # request
+                    raise
+                if not answered:
                     self.broken = True  # a late answer would go to the next request
                     raise RuntimeError("the torchrun agent server did not answer")
                 answer = self._answers.popleft()
@@ -376,6 +396,7 @@ class _Starter:
 _lock = threading.Lock()
 _starter: _Starter | None = None
 _server: AgentServer | None = None
+_retired: list[AgentServer] = []  # servers no longer asked (broken) that still run
 
 
 def shared_server() -> AgentServer | None:
@@ -388,7 +409,9 @@ def shared_server() -> AgentServer | None:
         if _server is not None and _server.alive:
             return _server
         old, _server = _server, None
-        if old is not None:
+        if old is not None and old.proc.poll() is None:  # broken, yet its agents run: left
+            _retired.append(old)  # to serve them (closing it would stop them), closed at exit
+        elif old is not None:
             old.close()
         try:
             if _starter is None:
@@ -408,15 +431,17 @@ def shared_server_pid() -> int | None:
 def close_shared_server() -> None:
     global _server
     with _lock:
-        server, _server = _server, None
-    if server is not None:
+        servers = [s for s in (_server, *_retired) if s is not None]
+        _server = None
+        _retired.clear()
+    for server in servers:
         server.close()
 
 
 def _forget_after_fork() -> None:
     """A forked child shares the parent's pipes to the server, not its starter thread."""
-    global _lock, _starter, _server
-    _lock, _starter, _server = threading.Lock(), None, None
+    global _lock, _starter, _server, _retired
+    _lock, _starter, _server, _retired = threading.Lock(), None, None, []
 
 
 atexit.register(close_shared_server)

@@ -45,7 +45,7 @@ from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_s
 from asyncrl.controller.cluster import Cluster
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
-from asyncrl.controller.launcher import Agent, cluster_agents, kill_pids, pid_alive, rank_env
+from asyncrl.controller.launcher import Agent, cluster_agents, rank_env
 from asyncrl.controller.links import Links
 from asyncrl.controller.logs import LogSink
 from asyncrl.controller.outbox import Outbox
@@ -321,22 +321,35 @@ class Controller:
         def exited(code: int) -> None:  # on the agent's watcher thread
             loop.call_soon_threadsafe(self.supervisor.agent_exited, group, code)
 
+        # the agent server asked from a thread: busy, or still importing torch, it answers
+        # in seconds, while the other groups' heartbeats must go on
+        fork = getattr(agent, "fork", None)
+        forking = loop.run_in_executor(None, fork) if fork is not None else None
         try:
-            agent.start(exited)  # inside: a failed start (EMFILE, no log folder) is undone too
+            if forking is None:
+                agent.start(exited)  # a failed start (EMFILE, no log folder) is undone too
+            else:
+                agent.start(exited, await asyncio.shield(forking))
             await self._wait(group, group.started, self.startup_timeout, "say hello")
             await self._wait(group, group.ready, self.construct_timeout,
                              f"build {worker_cls.__name__}")
         except GroupDeadError as e:
-            await asyncio.shield(self._stop_group(group, grace=0.0))
-            del self.groups[name]
-            self._forget(name)
+            await asyncio.shield(self._undo_spawn(group, forking))
             raise SpawnError(f"group {name!r} failed while starting: {e}") from e
         except BaseException:
-            await asyncio.shield(self._stop_group(group, grace=0.0))
-            del self.groups[name]
-            self._forget(name)
+            await asyncio.shield(self._undo_spawn(group, forking))
             raise
         return group
+
+    async def _undo_spawn(self, group: GroupHandle, forking: asyncio.Future | None) -> None:
+        if forking is not None:  # a fork under way when the spawn was cancelled: its
+            await asyncio.wait([forking])  # torchrun is stopped too, not left running
+            if group.agent.proc is None and not forking.cancelled() and \
+                    forking.exception() is None and forking.result() is not None:
+                group.agent.proc = forking.result()
+        await self._stop_group(group, grace=0.0)
+        del self.groups[group.name]
+        self._forget(group.name)
 
     def _relays_for(self, name: str, nprocs: int, relay: bool | None) -> bool:
         """Whether group `name` talks to the controller through host relays."""
@@ -456,7 +469,11 @@ class Controller:
         agent.signal_all(signal.SIGKILL)
         if agent.proc is not None:
             await self.loop.run_in_executor(None, agent.wait)
-        kill_pids([p for p in agent.rank_pids.values() if pid_alive(p)])
+        agent.signal_all(signal.SIGKILL)  # ranks torchrun did not take with it (ours only)
+        if agent in self._reaper.agents:  # gone: nothing of it is signalled again at close
+            self._reaper.agents.remove(agent)
+        if self.logs is not None:  # (a respawned group's ranks open them again)
+            self.logs.close_group(group.name)
         here = socket.gethostname()
         for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
             if info.host == here:

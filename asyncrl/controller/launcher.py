@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import asyncrl
 from asyncrl.actors import rank_client
@@ -69,6 +70,9 @@ def _birth(pid: int) -> str | None:
             return f.read().rpartition(")")[2].split()[19]
     except (OSError, IndexError):
         return None
+
+
+_ASK = object()  # Agent.start: ask the agent server for a forked torchrun
 
 
 class Agent:
@@ -134,12 +138,20 @@ class Agent:
             self._rank_birth[rank] = _birth(pid)
             self._launched[launched or pid] = pid
 
-    def start(self, on_exit: Callable[[int], None]) -> None:
-        """Start torchrun; `on_exit(returncode)` is called from a watcher thread."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    def fork(self) -> ForkedAgent | None:
+        """torchrun forked by the agent server, or None (it cannot: `start` starts it anew).
+        It may wait seconds for the server (starting, or busy): the controller asks from a
+        thread of its own, then hands the agent to `start` on its loop."""
+        self._mark_log_start()
+        return self._forked()
+
+    def start(self, on_exit: Callable[[int], None], forked: Any = _ASK) -> None:
+        """Start torchrun (`forked`: what `fork` gave already, None: anew; by default the
+        agent server is asked here); `on_exit(returncode)` is called from a watcher thread."""
+        if forked is _ASK:
+            forked = self.fork()
         with open(self.log_path, "ab") as log:
-            self._log_start = os.fstat(log.fileno()).st_size
-            self.proc = self._forked()
+            self.proc = forked
             if self.proc is None:
                 self.proc = subprocess.Popen(
                     self.command(), stdin=subprocess.DEVNULL, stdout=log,
@@ -148,6 +160,11 @@ class Agent:
         proc = self.proc
         threading.Thread(target=lambda: on_exit(proc.wait()), daemon=True,
                          name=f"asyncrl-agent-{self.group}").start()
+
+    def _mark_log_start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._log_start = os.fstat(log.fileno()).st_size
 
     @property
     def pid(self) -> int | None:
@@ -168,7 +185,7 @@ class Agent:
 
     def root_cause(self) -> tuple[int, int] | None:
         """(rank, exit code) of the first failed rank, as torchrun reported it."""
-        matches = _ROOT_CAUSE.findall(self._read_log())
+        matches = _ROOT_CAUSE.findall(self._read_log(1 << 18))  # its report: at the end
         return (int(matches[-1][0]), int(matches[-1][1])) if matches else None
 
     def exit_seen(self, rank: int) -> int | None:
@@ -197,17 +214,18 @@ class Agent:
             return ""
 
     def all_pids(self) -> list[int]:
-        """The agent, its live children and every rank that said hello."""
+        """The agent and its children while it runs, and every rank that said hello and is
+        still the process that did: a pid reaped may be someone else's by now."""
         if self.proc is None:
             return []
-        pids = {self.proc.pid, *self.rank_pids.values(), *child_pids(self.proc.pid)}
+        pids = set() if self.proc.poll() is not None else \
+            {self.proc.pid, *child_pids(self.proc.pid)}
+        pids |= {pid for rank, pid in self.rank_pids.items()
+                 if _birth(pid) is not None and _birth(pid) == self._rank_birth.get(rank)}
         return sorted(pids)
 
     def signal_all(self, sig: int) -> None:
-        pids = self.all_pids()
-        if self.proc is not None and self.proc.poll() is not None:
-            pids.remove(self.proc.pid)  # reaped: its pid may belong to someone else now
-        kill_pids(pids, sig)
+        kill_pids(self.all_pids(), sig)
         for rank, pid in self.rank_pids.items():  # torchrun starts each rank in a session
             # of its own: what a rank started (a sandbox, a compile worker) goes with it. Its
             # pid is not reused while its group has members; a live process of another

@@ -63,6 +63,14 @@ class LogSink:
             sys.stderr.write("\n".join(out) + "\n")
             sys.stderr.flush()
 
+    def close_group(self, group: str) -> None:
+        """A group stopped: its ranks' files closed (a respawn opens them again), so that a
+        long run of many groups and restarts holds no descriptor per rank it ever had."""
+        for key in [k for k in self._files if k[0] == group]:
+            self._files.pop(key).close()
+            self._tokens.pop(key, None)
+            self._hidden.pop(key, None)
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()

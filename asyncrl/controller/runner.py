@@ -1,12 +1,21 @@
-"""run(): the event loop a driver runs on: uvloop when it is installed."""
+"""run(): the event loop a driver runs on: uvloop when it is installed.
+
+SIGTERM (scancel, docker stop, a supervisor) cancels the driver as Ctrl-C does: its
+controller shuts every group down and removes what it made, then run() raises Terminated.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+class Terminated(BaseException):
+    """The process got SIGTERM while a driver ran: it was cancelled, its groups shut down."""
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -14,5 +23,28 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return asyncio.run(_until_sigterm(coro))
+    return uvloop.run(_until_sigterm(coro))
+
+
+async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    terminated = []
+
+    def terminate() -> None:
+        terminated.append(True)
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, terminate)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+        return await coro
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if terminated:
+            raise Terminated("SIGTERM") from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
