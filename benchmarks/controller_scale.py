@@ -53,7 +53,16 @@ from asyncrl.actors.register import registered_methods
 from asyncrl.comm import codec
 from asyncrl.comm.auth import CurveKeys, read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
-from asyncrl.comm.messages import Call, Construct, Heartbeat, Hello, Ready, Result, Shutdown
+from asyncrl.comm.messages import (
+    SPAWN_ENV,
+    Call,
+    Construct,
+    Heartbeat,
+    Hello,
+    Ready,
+    Result,
+    Shutdown,
+)
 from asyncrl.comm.relay import RELAY_ROLES, HostRelay, relay_address, relay_identity
 from asyncrl.controller.launcher import Agent, HostAgents, rank_env
 from asyncrl.futures.store import schema_of
@@ -115,7 +124,7 @@ def host_main(group: str, first: int, count: int, world: int) -> None:
     for sim in ranks:
         for role, sock in (("io", sim.io), ("exec", sim.exec)):
             sock.send(Hello(group, sim.rank, world, sim.rank % RANKS_PER_HOST, os.getpid(),
-                            host, role))
+                            host, role, spawn=env.get(SPAWN_ENV, "")))
             poller.register(sock._sock, zmq.POLLIN)
             owner[sock._sock] = (sim, sock)
     running = len(ranks)

@@ -273,3 +273,55 @@ def test_launch_encrypt_reaches_the_controller_or_refuses(tmp_path, monkeypatch)
     driver.write_text("async def main():\n    pass\n")
     with pytest.raises(SystemExit, match=r"Controller\(encrypt=True\)"):  # never unencrypted
         cli.main(["launch", "--encrypt", str(driver)])
+
+
+def test_a_late_hello_from_an_earlier_group_of_the_name_is_dropped():
+    """A rank of a group that was stopped before it said hello (a spawn that timed out) says
+    it late, to the group respawned under that name: taken, it gave rank 0 a stale pid and
+    route. It carries its own spawn's token, not this group's."""
+    from helpers import poll_until
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Echo, name="g")
+            before = (group.ranks[0].pid, group.ranks[0].identity)
+            secret = read_secret(str(ctl.secret_file))
+            ctx = zmq.asyncio.Context()
+            late = ctx.socket(zmq.DEALER)
+            late.setsockopt(zmq.LINGER, 0)
+            late.setsockopt(zmq.IDENTITY, b"g/0/io/4242")
+            late.connect(ctl.channel.address)
+            hello = messages.Hello("g", 0, 1, 0, 4242, socket.gethostname(), "io",
+                                   "tcp://x:1", spawn="an-earlier-spawn")
+            await late.send_multipart(Signer(secret).sign(b"g/0/io/4242",
+                                                          messages.encode(hello)))
+            await poll_until(lambda: ctl.dropped_frames.get("stale") == 1, 20,
+                             "the late hello to be dropped")
+            late.close()
+            ctx.term()
+            after = (group.ranks[0].pid, group.ranks[0].identity)
+            return before, after, await group.add(1, 2), group_pids(group)
+    before, after, added, pids = run(main())
+    assert_gone(pids)
+    assert after == before and added == [3]
+
+
+def test_a_stopped_groups_sockets_leave_the_replay_table():
+    """The controller keeps each socket's last sequence number: one entry per socket any
+    rank ever had grew without end over a run of respawns (and a pid given again to a rank
+    had its frames dropped as replays)."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            sizes = []
+            for _ in range(3):
+                group = await ctl.spawn(Echo, name="again", nprocs=2)
+                assert await group.add(1, 1) == [2, 2]
+                pids = group_pids(group)
+                await ctl.close_group(group)
+                assert_gone(pids)
+                sizes.append(len(ctl.channel._verifier._last_seq))
+            return sizes
+    sizes = run(main())
+    # none of the 4 sockets a group had stays (bar a last log frame after its stop); they
+    # were 4, 8, 12
+    assert max(sizes) < 4, sizes

@@ -47,6 +47,7 @@ from asyncrl.comm.dataserver import DataServer
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import (
     NONE,
+    SPAWN_ENV,
     Call,
     Construct,
     Failure,
@@ -191,7 +192,8 @@ class RankMain:
         gpu = device_uuid(gpu_index()) if torch.cuda.is_available() else ""
         launched = int(os.environ.get(STAND_IN, os.getpid()))  # what torchrun started
         return Hello(self.group, self.rank, self.world_size, self.local_rank, os.getpid(),
-                     self.host, role, self.data.address, gpu, launched)
+                     self.host, role, self.data.address, gpu, launched,
+                     os.environ.get(SPAWN_ENV, ""))
 
     def data_client(self, identity: str) -> DataClient:
         return DataClient(self.ctx, self.secret, identity, self.host, self.segments,

@@ -38,6 +38,7 @@ import os
 import secrets
 import struct
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
 
 import zmq
@@ -165,6 +166,13 @@ class Verifier:
     def drop(self, reason: str) -> None:
         self.dropped[reason] += 1
         self.total_dropped += 1
+
+    def forget(self, gone: Callable[[bytes], bool]) -> None:
+        """Let go of the routes that will not speak again (a stopped group's sockets): the
+        table stays the size of what runs, and a rank given a pid again (its identity
+        again) starts its sequence anew."""
+        for route in [r for r in self._last_seq if gone(r)]:
+            del self._last_seq[route]
 
     def verify(self, route: bytes, frames: list[bytes] | list[memoryview]) -> memoryview | None:
         """Return the message bytes of a valid frame from ``route``, or None (dropped)."""

@@ -93,6 +93,10 @@ class ControllerChannel:
         """Count a message dropped after its frame was accepted (e.g. inside a relay's)."""
         self._verifier.drop(reason)
 
+    def forget(self, gone: Callable[[bytes], bool]) -> None:
+        """Routes (socket identities) that will not speak again: see Verifier.forget."""
+        self._verifier.forget(gone)
+
     def start(self, handle: Callable[[bytes, Message], None]) -> None:
         """Call ``handle(identity, message)`` on the running loop for every valid frame."""
         self._handle = handle

@@ -24,6 +24,9 @@ class Failure(msgspec.Struct, frozen=True):
     traceback: str
 
 
+SPAWN_ENV = "ASYNCRL_SPAWN"  # a rank's environment: the token of the spawn that started it
+
+
 class Hello(msgspec.Struct, tag=True, array_like=True):
     """rank -> controller, right after torch.distributed is initialised, once from each of
     the rank's sockets: "io" (heartbeats, concurrent calls, shutdown) and "exec" (in-order
@@ -40,6 +43,8 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     gpu: str = ""  # the UUID of the rank's GPU ("" without one)
     launched: int = 0  # the pid torchrun started for it: its own, or its stand-in's
     # (asyncrl/actors/rank_fork.py)
+    spawn: str = ""  # the spawn that started it (ASYNCRL_SPAWN): an earlier group's of the
+    # same name, late, is told apart
 
 
 class Construct(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

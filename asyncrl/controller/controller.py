@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -38,7 +39,7 @@ from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import curve_available, new_curve_keys, new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
 from asyncrl.comm.dataplane import pool_prefix, run_prefix
-from asyncrl.comm.messages import Construct, Shutdown
+from asyncrl.comm.messages import SPAWN_ENV, Construct, Shutdown
 from asyncrl.comm.refs import make_ref
 from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_server
@@ -151,6 +152,7 @@ class Controller:
         self.encrypt = encrypt
         self.relay = relay
         self.relay_of: dict[bytes, bytes] = {}  # rank socket identity -> its relay's
+        self.spawn_tokens: dict[str, str] = {}  # group name -> its latest spawn's token
         self._relays = itertools.count()
         if not host.startswith("127.") and host != "localhost":
             log.warning("asyncrl: the control plane listens on %s, reachable from the network "
@@ -246,7 +248,8 @@ class Controller:
     @property
     def dropped_frames(self) -> dict[str, int]:
         """Frames the controller dropped, by reason: malformed, bad_mac, replay, undecodable,
-        foreign (a relay that spoke for another group's socket)."""
+        foreign (a relay that spoke for another group's socket), stale (a hello from a rank
+        of an earlier group of that name)."""
         return self.channel.dropped
 
     # -- spawning ---------------------------------------------------------------------------
@@ -307,6 +310,9 @@ class Controller:
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,
                  "ASYNCRL_DEBUG_DIR": str(self.run_dir / "debug"),  # breakpoint() sessions
                  "ASYNCRL_NICE": str(nice), **(env or {})}
+        # every spawn its own token: a rank of an earlier group of this name, late, is
+        # not taken for one of this group's
+        self.spawn_tokens[name] = extra[SPAWN_ENV] = secrets.token_hex(8)
         if relayed:  # in the private folder: only this user reaches the relays' ipc sockets
             extra["ASYNCRL_RELAY"] = f"ipc://{self._private}/relay{next(self._relays)}"
         agent = self._make_agent(name, nprocs, extra)
@@ -474,10 +480,20 @@ class Controller:
             self._reaper.agents.remove(agent)
         if self.logs is not None:  # (a respawned group's ranks open them again)
             self.logs.close_group(group.name)
+        name, ranks = group.name.encode(), {(str(r).encode(), str(info.pid).encode())
+                                            for r, info in group.ranks.items()}
+        self.channel.forget(lambda route: _rank_route(route, name, ranks))
         here = socket.gethostname()
         for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
             if info.host == here:
                 cleanup_segments(pool_prefix(self.run_id, group.name, rank, info.pid) + "-")
+
+
+def _rank_route(route: bytes, group: bytes, ranks: set[tuple[bytes, bytes]]) -> bool:
+    """Whether `route` is a socket of one of `ranks` ((rank, pid)) of `group`: their
+    identities are group/rank/role/pid."""
+    parts = route.split(b"/")
+    return len(parts) == 4 and parts[0] == group and (parts[1], parts[3]) in ranks
 
 
 def _retrieved(task: asyncio.Future) -> None:

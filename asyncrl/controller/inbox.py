@@ -98,6 +98,9 @@ class Inbox:
         if msg.world_size != group.nprocs or not 0 <= msg.rank < group.nprocs or \
                 group.closing or group.dead is not None:
             return
+        if msg.spawn != self._ctl.spawn_tokens.get(group.name):  # an earlier group's rank
+            self._ctl.channel.drop("stale")
+            return
         if relay is not None:  # from now on, what goes to this socket goes through it
             self._ctl.relay_of[identity] = relay
         info = group.ranks.get(msg.rank)
