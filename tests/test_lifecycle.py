@@ -98,7 +98,8 @@ def test_an_agent_never_signals_a_pid_that_is_no_longer_its_own(tmp_path):
     """Over a long run pids come round again: torchrun reaped, or a rank gone, their pids
     may be another process's by the time the group closes (or a closed controller is
     collected), which was sent SIGKILL."""
-    from asyncrl.controller.launcher import Agent, _birth
+    from asyncrl.actors.procs import birth
+    from asyncrl.controller.launcher import Agent
 
     agent = Agent("g", 1, {}, tmp_path / "g.log")
     agent.proc = subprocess.Popen(["true"])
@@ -109,7 +110,7 @@ def test_an_agent_never_signals_a_pid_that_is_no_longer_its_own(tmp_path):
         assert agent.all_pids() == []
         agent.signal_all(signal.SIGKILL)
         assert stranger.poll() is None
-        agent._rank_birth[0] = _birth(stranger.pid)  # were it the rank itself
+        agent._rank_birth[0] = birth(stranger.pid)  # were it the rank itself
         assert agent.all_pids() == [stranger.pid]
     finally:
         stranger.kill()
@@ -366,6 +367,30 @@ def test_sigterm_shuts_every_group_down_as_ctrl_c_does(killed_driver_env):
     assert_gone([pids["agent"], *pids["ranks"]])
     assert not [p for p in os.listdir(killed_driver_env["TMPDIR"])
                 if p.startswith("asyncrl-secret-")]  # its secret's folder removed at close
+
+
+def test_a_controller_busy_past_the_heartbeat_timeout_loses_no_group():
+    """Work on the controller's loop (a node's own tokenising, a large encode) for longer
+    than heartbeat_timeout: the ranks left (no heartbeat) and the controller, back, took
+    their heartbeats still unread for silence. A rank on this host waits for a controller
+    whose process runs; the controller judges no silence right after being busy."""
+    import time
+
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=0.2, heartbeat_timeout=1.5) as ctl:
+            group = await ctl.spawn(Sleeper, nprocs=2)
+            pids = group_pids(group)
+            time.sleep(4.0)  # noqa: ASYNC251 - the loop, busy: the point of the test
+            said = "no heartbeat from the controller for"  # each rank, once
+            logs = [ctl.logs.path("sleeper", r) for r in (0, 1)]
+            await poll_until(lambda: all(p.exists() and said in p.read_text() for p in logs),
+                             20, "the ranks to say they wait")
+            assert "but its process runs: waiting for it" in \
+                ctl.logs.path("sleeper", 0).read_text()
+            return await group.take(5), group.dead, pids
+    taken, dead, pids = run(main())
+    assert_gone(pids)
+    assert taken == [5, 5] and dead is None
 
 
 def test_killed_controller_ranks_exit_on_lost_heartbeat(killed_driver_env):

@@ -33,6 +33,7 @@ import zmq
 
 from asyncrl.actors import debugger
 from asyncrl.actors.output import OutputCapture
+from asyncrl.actors.procs import PROCESS_ENV, runs
 from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
 from asyncrl.actors.rank_client import STAND_IN
 from asyncrl.actors.rank_fork import set_title
@@ -137,6 +138,7 @@ class RankMain:
         self.curve = read_curve(env["ASYNCRL_SECRET_FILE"])  # None: the run is not encrypted
         self.hb_interval = float(env.get("ASYNCRL_HB_INTERVAL", "0.5"))
         self.hb_timeout = float(env.get("ASYNCRL_HB_TIMEOUT", "3.0"))
+        self.controller = env.get(PROCESS_ENV, "")  # on this host: "pid:birth"
         self.ctx = zmq.Context()
         self.transfer_timeout = float(env.get("ASYNCRL_TRANSFER_TIMEOUT", "60"))
         self.transport = env.get("ASYNCRL_TRANSPORT", "auto")
@@ -296,6 +298,7 @@ class RankMain:
         threading.Thread(target=self.exec_loop, name="asyncrl-exec", daemon=True).start()
         interval_ms = max(1, int(self.hb_interval * 1000))
         last_heard = next_beat = time.monotonic()
+        waiting = False  # for a controller that is silent but runs (said once)
         while True:
             msg = self.io.recv(max(0, int((next_beat - time.monotonic()) * 1000)) or 0)
             now = time.monotonic()
@@ -318,10 +321,18 @@ class RankMain:
                 self.io.send(Heartbeat(self.dropped, len(self.store), self.store.nbytes))
                 next_beat = now + interval_ms / 1000
             if now - last_heard > self.hb_timeout:
+                if self.controller and runs(self.controller):  # here, alive: its loop is
+                    if not waiting:  # busy (a node's own work on it), not gone
+                        print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the "
+                              f"controller for {now - last_heard:.1f}s, but its process runs: "
+                              f"waiting for it", file=sys.stderr, flush=True)
+                    waiting = True
+                    continue
                 print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the controller for "
                       f"{now - last_heard:.1f}s (limit {self.hb_timeout}s); exiting",
                       file=sys.stderr, flush=True)
                 return EXIT_CONTROLLER_LOST
+            waiting = False
 
 
 def bind_gpu() -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.actors.procs import PROCESS_ENV, this_process
 from asyncrl.actors.protocols import Layout
 from asyncrl.actors.worker import Worker
 from asyncrl.comm import codec, messages
@@ -313,6 +314,8 @@ class Controller:
         # every spawn its own token: a rank of an earlier group of this name, late, is
         # not taken for one of this group's
         self.spawn_tokens[name] = extra[SPAWN_ENV] = secrets.token_hex(8)
+        if self.cluster is None:  # ranks on this host: a silent controller that runs is
+            extra[PROCESS_ENV] = this_process()  # busy, not gone (they wait for it)
         if relayed:  # in the private folder: only this user reaches the relays' ipc sockets
             extra["ASYNCRL_RELAY"] = f"ipc://{self._private}/relay{next(self._relays)}"
         agent = self._make_agent(name, nprocs, extra)

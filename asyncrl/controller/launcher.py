@@ -21,6 +21,7 @@ from typing import Any
 
 import asyncrl
 from asyncrl.actors import rank_client
+from asyncrl.actors.procs import birth
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
 from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users import it here)
@@ -61,15 +62,6 @@ def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def _birth(pid: int) -> str | None:
-    """When process `pid` started (clock ticks after boot, /proc), None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 _ASK = object()  # Agent.start: ask the agent server for a forked torchrun
@@ -135,7 +127,7 @@ class Agent:
         when the agent server forked it)."""
         if self.local:
             self.rank_pids[rank] = pid
-            self._rank_birth[rank] = _birth(pid)
+            self._rank_birth[rank] = birth(pid)
             self._launched[launched or pid] = pid
 
     def fork(self) -> ForkedAgent | None:
@@ -221,7 +213,7 @@ class Agent:
         pids = set() if self.proc.poll() is not None else \
             {self.proc.pid, *child_pids(self.proc.pid)}
         pids |= {pid for rank, pid in self.rank_pids.items()
-                 if _birth(pid) is not None and _birth(pid) == self._rank_birth.get(rank)}
+                 if birth(pid) is not None and birth(pid) == self._rank_birth.get(rank)}
         return sorted(pids)
 
     def signal_all(self, sig: int) -> None:
@@ -230,8 +222,8 @@ class Agent:
             # of its own: what a rank started (a sandbox, a compile worker) goes with it. Its
             # pid is not reused while its group has members; a live process of another
             # birth under it is someone else's, left alone
-            birth = _birth(pid)
-            if birth is not None and birth != self._rank_birth.get(rank):
+            born = birth(pid)
+            if born is not None and born != self._rank_birth.get(rank):
                 continue
             try:
                 os.killpg(pid, sig)

@@ -32,14 +32,19 @@ class Supervisor:
 
     async def run(self) -> None:
         while True:
+            slept = time.monotonic()
             await asyncio.sleep(self._ctl.heartbeat_interval)
+            # the loop busy (a node's own work on it) for longer than an interval: the ranks'
+            # heartbeats of that time wait unread, and a silence now would be the loop's
+            busy = time.monotonic() - slept > 2 * self._ctl.heartbeat_interval
             try:
-                self.check()
+                self.check(judge=not busy)
             except Exception:  # a bug here must not stop the heartbeats
                 log.exception("asyncrl supervisor: checking the ranks failed")
 
-    def check(self) -> None:
-        """Send one round of heartbeats; declare ranks whose process is gone or silent."""
+    def check(self, judge: bool = True) -> None:
+        """Send one round of heartbeats; declare ranks whose process is gone or (`judge`)
+        silent."""
         ctl = self._ctl
         beat, now, here = messages.encode(Heartbeat()), time.monotonic(), socket.gethostname()
         box = ctl.outbox()
@@ -52,7 +57,7 @@ class Supervisor:
                 if info.host == here and not info.gone and not pid_alive(info.pid):
                     info.gone = True
                     ctl.loop.create_task(self.rank_gone(group, rank))
-                elif not info.gone and now - info.last_seen > ctl.heartbeat_timeout:
+                elif judge and not info.gone and now - info.last_seen > ctl.heartbeat_timeout:
                     silent.append(rank)
             if silent:
                 rank, why = self.culprit(group, silent, now)
