@@ -117,6 +117,52 @@ def test_an_agent_never_signals_a_pid_that_is_no_longer_its_own(tmp_path):
         stranger.wait()
 
 
+def test_a_process_runs_while_it_is_itself_and_not_a_zombie():
+    import time
+
+    from asyncrl.actors.procs import birth, runs, this_process
+
+    assert runs(this_process())
+    alive = subprocess.Popen(["sleep", "60"])
+    done = subprocess.Popen(["true"])
+    try:
+        assert runs(f"{alive.pid}:{birth(alive.pid)}")
+        assert not runs(f"{alive.pid}:1")  # the pid, another process's by then
+        born = birth(done.pid)
+
+        def state() -> str:
+            with open(f"/proc/{done.pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0]
+        deadline = time.monotonic() + 30
+        while state() != "Z":  # exited, not reaped: a zombie (a killed controller, until
+            assert time.monotonic() < deadline  # its parent reaps it)
+            os.sched_yield()
+        assert not runs(f"{done.pid}:{born}")
+    finally:
+        alive.kill()
+        alive.wait()
+        done.wait()
+
+
+def test_run_keeps_a_sigterm_handler_the_caller_set():
+    """run() turns SIGTERM into a shutdown only where nobody handles it: a scheduler's own
+    handler (a requeue) stays, during and after."""
+    def mine(signum, frame):
+        pass
+
+    async def handler():
+        return signal.getsignal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert asyncrl.run(handler()) is mine and signal.getsignal(signal.SIGTERM) is mine
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert asyncrl.run(handler()) is not signal.SIG_DFL  # ours, while it runs
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_exception_in_the_block_shuts_groups_down():
     pids = []
 

@@ -135,10 +135,11 @@ def test_grpo_groups_must_each_answer_one_prompt():
         check_groups(prints, 8)
     # the same prompt padded to another width (another rank's batch) is the same prompt
     assert prompt_fingerprints(batch([a], 6)).tolist() == prints[:1].tolist()
-    with pytest.raises(ValueError, match="mini_batches=4, but this rank holds 3 rows"):
-        mini_batches(batch([a] * 3, 3), RLConfig(group_size=2, mini_batches=4))
+    # more mini-batches than rows (a short last batch): one step per row, none on nothing
     assert [len(m) for m in mini_batches(batch([a] * 3, 3), RLConfig(
-        group_size=2, mini_batches=3))] == [1, 1, 1]
+        group_size=2, mini_batches=4))] == [1, 1, 1]
+    assert [len(m) for m in mini_batches(batch([a] * 5, 3), RLConfig(
+        group_size=2, mini_batches=2))] == [3, 2]
 
 
 def test_clip_higher_and_dual_clip_by_hand():

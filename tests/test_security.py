@@ -293,10 +293,16 @@ def test_a_late_hello_from_an_earlier_group_of_the_name_is_dropped():
             late.connect(ctl.channel.address)
             hello = messages.Hello("g", 0, 1, 0, 4242, socket.gethostname(), "io",
                                    "tcp://x:1", spawn="an-earlier-spawn")
-            await late.send_multipart(Signer(secret).sign(b"g/0/io/4242",
-                                                          messages.encode(hello)))
+            signer = Signer(secret)  # (one sequence for the socket's frames)
+            await late.send_multipart(signer.sign(b"g/0/io/4242", messages.encode(hello)))
             await poll_until(lambda: ctl.dropped_frames.get("stale") == 1, 20,
                              "the late hello to be dropped")
+            # nor are its heartbeats taken for rank 0's (they kept a hung rank 0 alive)
+            beat = messages.Heartbeat(0, 999, 999)
+            await late.send_multipart(signer.sign(b"g/0/io/4242", messages.encode(beat)))
+            await poll_until(lambda: ctl.dropped_frames.get("stale") == 2, 20,
+                             "the late heartbeat to be dropped")
+            assert group.store_stats[0] != (999, 999)
             late.close()
             ctx.term()
             after = (group.ranks[0].pid, group.ranks[0].identity)

@@ -22,6 +22,13 @@ def this_process() -> str:
 
 
 def runs(process: str) -> bool:
-    """Whether the process `this_process()` named (in another process) still runs."""
+    """Whether the process `this_process()` named (in another process) still runs (a zombie,
+    killed and not yet reaped, does not)."""
     pid, _, born = process.partition(":")
-    return pid.isdigit() and born != "None" and birth(int(pid)) == born
+    if not pid.isdigit() or born == "None" or birth(int(pid)) != born:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

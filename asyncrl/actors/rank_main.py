@@ -299,11 +299,12 @@ class RankMain:
         interval_ms = max(1, int(self.hb_interval * 1000))
         last_heard = next_beat = time.monotonic()
         waiting = False  # for a controller that is silent but runs (said once)
+        heard = False  # from the controller: it took this rank's hello
         while True:
             msg = self.io.recv(max(0, int((next_beat - time.monotonic()) * 1000)) or 0)
             now = time.monotonic()
             if msg is not None:
-                last_heard = now
+                last_heard, heard = now, True
                 if isinstance(msg, Call):
                     self.run_beside(msg)
                 elif isinstance(msg, Release):
@@ -321,8 +322,11 @@ class RankMain:
                 self.io.send(Heartbeat(self.dropped, len(self.store), self.store.nbytes))
                 next_beat = now + interval_ms / 1000
             if now - last_heard > self.hb_timeout:
-                if self.controller and runs(self.controller):  # here, alive: its loop is
-                    if not waiting:  # busy (a node's own work on it), not gone
+                # a controller here that runs, and that took this rank (it has heard from
+                # it): its loop is busy (a node's own work on it), not gone; for a while
+                if heard and self.controller and runs(self.controller) and \
+                        now - last_heard < max(self.hb_timeout, collective_timeout()):
+                    if not waiting:
                         print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the "
                               f"controller for {now - last_heard:.1f}s, but its process runs: "
                               f"waiting for it", file=sys.stderr, flush=True)

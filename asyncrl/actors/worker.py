@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -116,9 +117,22 @@ def sync_tree(path: Path) -> None:
 
 
 def sync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """fsync a regular file (opened for writing where allowed: some filesystems refuse a
+    read-only descriptor's fsync); one gone meanwhile (a peer's temporary) is skipped."""
+    try:
+        if not path.is_file():
+            return
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except PermissionError:
+            fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):  # cannot be synced:
+            raise  # (a pipe, some FUSE mounts) as sync_dir; a failed write-back is an error
     finally:
         os.close(fd)
 
@@ -141,8 +155,8 @@ def rng_state() -> dict[str, Any]:
     import torch
 
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # (a process that never
+        state["cuda"] = torch.cuda.get_rng_state_all()  # used CUDA: not made to, for this)
     try:
         import numpy as np
     except ImportError:

@@ -357,8 +357,14 @@ class Controller:
                     forking.exception() is None and forking.result() is not None:
                 group.agent.proc = forking.result()
         await self._stop_group(group, grace=0.0)
-        del self.groups[group.name]
-        self._forget(group.name)
+        # a close() that stopped the group while its torchrun was being forked found none:
+        # what started after is stopped here
+        group.agent.signal_all(signal.SIGKILL)
+        if group.agent.proc is not None:
+            await self.loop.run_in_executor(None, group.agent.wait)
+        if self.groups.get(group.name) is group:
+            del self.groups[group.name]
+            self._forget(group.name)
 
     def _relays_for(self, name: str, nprocs: int, relay: bool | None) -> bool:
         """Whether group `name` talks to the controller through host relays."""

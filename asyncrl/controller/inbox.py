@@ -52,8 +52,12 @@ class Inbox:
         if group is None or len(parts) != 4:
             return
         rank = int(parts[1])
+        info = group.ranks.get(rank)
+        if info is not None and parts[3] != str(info.pid).encode() and \
+                isinstance(msg, Heartbeat | Log):  # a rank of an earlier group of the name
+            self._ctl.channel.drop("stale")  # (its hello was dropped): its beats must not
+            return  # keep a hung one alive
         if isinstance(msg, Heartbeat):
-            info = group.ranks.get(rank)
             if info is not None:
                 info.last_seen = time.monotonic()
                 info.dropped, info.objects, info.object_bytes = (msg.dropped, msg.objects,

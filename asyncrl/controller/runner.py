@@ -36,6 +36,9 @@ async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
         terminated.append(True)
         task.cancel()
 
+    before = signal.getsignal(signal.SIGTERM)
+    if before is not signal.SIG_DFL:  # the caller's own (a scheduler's requeue): kept
+        return await coro
     try:
         loop.add_signal_handler(signal.SIGTERM, terminate)
     except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
@@ -48,3 +51,4 @@ async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
         raise
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, before)

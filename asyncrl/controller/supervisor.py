@@ -29,6 +29,7 @@ log = logging.getLogger("asyncrl")
 class Supervisor:
     def __init__(self, ctl: Controller):
         self._ctl = ctl
+        self._skipped = False  # the last round judged no silence (the loop had been busy)
 
     async def run(self) -> None:
         while True:
@@ -37,8 +38,9 @@ class Supervisor:
             # the loop busy (a node's own work on it) for longer than an interval: the ranks'
             # heartbeats of that time wait unread, and a silence now would be the loop's
             busy = time.monotonic() - slept > 2 * self._ctl.heartbeat_interval
-            try:
-                self.check(judge=not busy)
+            judge, self._skipped = self._skipped or not busy, busy and not self._skipped
+            try:  # (one round only: a loop busy all the time still finds a hung rank)
+                self.check(judge=judge)
             except Exception:  # a bug here must not stop the heartbeats
                 log.exception("asyncrl supervisor: checking the ranks failed")
 

@@ -8,6 +8,7 @@ unpadded one would.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.turns import sampled_mask
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty
 from asyncrl.rl.config import RLConfig
+
+log = logging.getLogger("asyncrl")
 
 # what a RewardFn's scores may hold beside "reward", reported as reward/<name> (batch means)
 REPORTED = ("overlong_penalty", "timed_out")
@@ -121,13 +124,14 @@ def token_rewards(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
 
 
 def mini_batches(train: TensorBatch, cfg: RLConfig) -> list[TensorBatch]:
-    """The batch in `cfg.mini_batches` near-equal parts, one optimizer step each."""
+    """The batch in `cfg.mini_batches` near-equal parts, one optimizer step each; fewer when
+    this rank holds fewer rows (a short last batch of dynamic sampling): a part without rows
+    would step the optimizer on nothing."""
     if len(train) < cfg.mini_batches:
-        raise ValueError(f"RLConfig.mini_batches={cfg.mini_batches}, but this rank holds "
-                         f"{len(train)} rows of the batch: a mini-batch without rows would "
-                         f"step the optimizer on nothing; use at most {len(train)} "
-                         f"mini-batches or a larger batch")
-    return train.chunk(cfg.mini_batches)
+        log.warning("asyncrl: RLConfig.mini_batches=%d, but this rank holds %d rows of the "
+                    "batch: %d optimizer steps this time", cfg.mini_batches, len(train),
+                    max(len(train), 1))
+    return train.chunk(max(1, min(cfg.mini_batches, len(train))))
 
 
 def prompt_fingerprints(batch: TensorBatch) -> torch.Tensor:
