@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import os
+
 PROCESS_ENV = "ASYNCRL_CONTROLLER_PROCESS"  # a local rank's: its controller, as "pid:birth"
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state first), [] when none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return []
 
 
 def birth(pid: int) -> str | None:
     """When process `pid` started (clock ticks after boot, /proc), None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
-        return None
+    fields = _stat(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def this_process() -> str:
     """This process as `runs` reads it."""
-    import os
-
     return f"{os.getpid()}:{birth(os.getpid())}"
 
 
@@ -25,10 +31,5 @@ def runs(process: str) -> bool:
     """Whether the process `this_process()` named (in another process) still runs (a zombie,
     killed and not yet reaped, does not)."""
     pid, _, born = process.partition(":")
-    if not pid.isdigit() or born == "None" or birth(int(pid)) != born:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    fields = _stat(int(pid)) if pid.isdigit() else []
+    return len(fields) > 19 and fields[19] == born and fields[0] not in ("Z", "X")

@@ -213,7 +213,7 @@ class Agent:
         pids = set() if self.proc.poll() is not None else \
             {self.proc.pid, *child_pids(self.proc.pid)}
         pids |= {pid for rank, pid in self.rank_pids.items()
-                 if birth(pid) is not None and birth(pid) == self._rank_birth.get(rank)}
+                 if (born := birth(pid)) is not None and born == self._rank_birth.get(rank)}
         return sorted(pids)
 
     def signal_all(self, sig: int) -> None:

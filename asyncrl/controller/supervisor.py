@@ -38,9 +38,9 @@ class Supervisor:
             # the loop busy (a node's own work on it) for longer than an interval: the ranks'
             # heartbeats of that time wait unread, and a silence now would be the loop's
             busy = time.monotonic() - slept > 2 * self._ctl.heartbeat_interval
-            judge, self._skipped = self._skipped or not busy, busy and not self._skipped
-            try:  # (one round only: a loop busy all the time still finds a hung rank)
-                self.check(judge=judge)
+            self._skipped = busy and not self._skipped  # (one round only: a loop busy all
+            try:                                        # the time still finds a hung rank)
+                self.check(judge=not self._skipped)
             except Exception:  # a bug here must not stop the heartbeats
                 log.exception("asyncrl supervisor: checking the ranks failed")
 
