@@ -1,0 +1,71 @@
+"""A DataFlow whose node fails while stepping: said at once, and no step after it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+import asyncrl
+
+
+def test_a_step_after_a_failed_one_is_refused_with_what_to_do():
+    """A driver that catches a node's failure and steps on: the failed step's nodes were
+    cancelled, and the next step's follows= edge waits on them (it raised CancelledError,
+    which looks like the driver itself was cancelled)."""
+    @asyncrl.node
+    def gen(x):
+        if x == 2:
+            raise ValueError("no sample for 2")
+        return x
+
+    @asyncrl.node(follows="train")
+    def rollout(gen):
+        return gen
+
+    @asyncrl.node
+    def train(rollout):
+        return rollout
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[gen, rollout, train], inputs={"x": [1, 2, 3]},
+                                    groups=[])
+            await flow.open(ctl)
+            try:
+                first = await flow.step()
+                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
+                    await flow.step()
+                with pytest.raises(asyncrl.FlowError, match=re.escape(
+                        "step 1 failed, and the steps after it need its nodes: rewind")):
+                    await flow.step()
+            finally:
+                await flow.close()
+            return first
+    assert asyncio.run(main()) == {"gen": 1, "rollout": 1, "train": 1}
+
+
+def test_a_nodes_failure_is_said_without_waiting_for_a_slower_node_before_it():
+    never = []  # set only by a step that ends: the slow node waits on it
+
+    @asyncrl.node
+    async def slow(x):
+        await never[0].wait()
+
+    @asyncrl.node
+    def broken(x):
+        raise ValueError("broken at once")
+
+    async def main():
+        never.append(asyncio.Event())
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": [1]}, groups=[])
+            assert flow.order == ["slow", "broken"]
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError, match="broken at once"):
+                    await asyncio.wait_for(flow.step(), 30)  # not a TimeoutError
+            finally:
+                await flow.close()
+    asyncio.run(main())

@@ -1,0 +1,123 @@
+"""Processes told apart by their start time, and the agent server's answers: what the
+controller signals is its own, whatever pids the system hands out again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+
+import asyncrl
+
+
+def test_an_agent_never_signals_a_pid_that_is_no_longer_its_own(tmp_path):
+    """Over a long run pids come round again: torchrun reaped, or a rank gone, their pids
+    may be another process's by the time the group closes (or a closed controller is
+    collected), which was sent SIGKILL."""
+    from asyncrl.actors.procs import birth
+    from asyncrl.controller.launcher import Agent
+
+    agent = Agent("g", 1, {}, tmp_path / "g.log")
+    agent.proc = subprocess.Popen(["true"])
+    agent.proc.wait()  # torchrun, reaped
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        agent.rank_pids[0], agent._rank_birth[0] = stranger.pid, "1"  # the rank's, long gone
+        assert agent.all_pids() == []
+        agent.signal_all(signal.SIGKILL)
+        assert stranger.poll() is None
+        agent._rank_birth[0] = birth(stranger.pid)  # were it the rank itself
+        assert agent.all_pids() == [stranger.pid]
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_process_runs_while_it_is_itself_and_not_a_zombie():
+    import time
+
+    from asyncrl.actors.procs import birth, runs, this_process
+
+    assert runs(this_process())
+    alive = subprocess.Popen(["sleep", "60"])
+    done = subprocess.Popen(["true"])
+    try:
+        assert runs(f"{alive.pid}:{birth(alive.pid)}")
+        assert not runs(f"{alive.pid}:1")  # the pid, another process's by then
+        born = birth(done.pid)
+
+        def state() -> str:
+            with open(f"/proc/{done.pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0]
+        deadline = time.monotonic() + 30
+        while state() != "Z":  # exited, not reaped: a zombie (a killed controller, until
+            assert time.monotonic() < deadline  # its parent reaps it)
+            os.sched_yield()
+        assert not runs(f"{done.pid}:{born}")
+    finally:
+        alive.kill()
+        alive.wait()
+        done.wait()
+
+
+def test_run_keeps_a_sigterm_handler_the_caller_set():
+    """run() turns SIGTERM into a shutdown only where nobody handles it: a scheduler's own
+    handler (a requeue) stays, during and after."""
+    def mine(signum, frame):
+        pass
+
+    async def handler():
+        return signal.getsignal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert asyncrl.run(handler()) is mine and signal.getsignal(signal.SIGTERM) is mine
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert asyncrl.run(handler()) is not signal.SIG_DFL  # ours, while it runs
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_answer_nobody_waits_for_stops_its_agent_and_a_broken_server_is_not_closed(
+        monkeypatch):
+    """The agent server answered after its asker gave up (it started torchrun anew): that
+    torchrun would serve the same group twice. And a server set aside as broken still runs
+    the agents it forked: closing it (the next spawn did) stopped every one of them."""
+    import collections
+
+    from asyncrl.controller import agent_fork
+
+    server = object.__new__(agent_fork.AgentServer)
+    server.broken, server._answers = True, collections.deque()
+    server._answered = threading.Condition()
+    orphan = subprocess.Popen(["sleep", "60"])
+    try:
+        server._take({"pid": orphan.pid})
+        assert orphan.wait(10) == -signal.SIGTERM and not server._answers
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+    class Running:
+        broken, alive, closed = True, False, False
+        proc = subprocess.Popen(["sleep", "60"])
+
+        def close(self):
+            self.closed = True
+
+    class Starter:
+        def start(self):
+            return "a new server"
+
+    running = Running()
+    monkeypatch.setattr(agent_fork, "_server", running)
+    monkeypatch.setattr(agent_fork, "_starter", Starter())
+    monkeypatch.setattr(agent_fork, "_retired", [])
+    try:
+        assert agent_fork.shared_server() == "a new server"
+        assert not running.closed and agent_fork._retired == [running]
+    finally:
+        Running.proc.kill()
+        Running.proc.wait()
