@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -254,3 +256,30 @@ def test_union_of_a_column_holding_nan_with_itself_or_a_copy():
     assert TensorBatch({"x": t}).union(TensorBatch({"x": t.clone()})).keys() == ["x"]
     with pytest.raises(ValueError, match="different values"):
         TensorBatch({"x": t}).union(TensorBatch({"x": torch.tensor([float("nan"), 2.0])}))
+
+
+# -- rows pulled once (repeated or reordered rows of remote batches) ----------------------
+def held_rows(rb: RemoteBatch) -> list[tuple[int, int]]:
+    return [(p.shard.rank, r) for p in rb.pieces for r in range(p.start, p.stop)]
+
+
+def test_compacted_pulls_each_held_row_once_in_one_piece_per_shard():
+    repeated = remote([3, 4]).repeat(8)  # a piece per row: 56 pulls uncompacted
+    held, order = repeated.compacted()
+    assert [(p.shard.rank, p.start, p.stop) for p in held.pieces] == [(0, 2, 5), (1, 2, 6)]
+    assert [held_rows(held)[i] for i in order] == held_rows(repeated)
+    assert remote([3, 4]).compacted() is None  # nothing to merge: pulled as it is
+    rng = random.Random(0)
+    for _ in range(200):
+        batch = remote([rng.randrange(4) for _ in range(rng.randrange(1, 5))])
+        if not len(batch):
+            continue
+        picked = batch.take([rng.randrange(len(batch)) for _ in range(rng.randrange(1, 20))])
+        compact, want = picked.compacted(), held_rows(picked)
+        if compact is None:  # no row twice, no two pieces to join
+            assert len(set(want)) == len(want)
+            continue
+        held, order = compact
+        got = held_rows(held)
+        assert len(held.pieces) < len(picked.pieces) and sorted(set(want)) == sorted(got)
+        assert [got[i] for i in order] == want

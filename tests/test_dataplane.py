@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_gone, group_pids, run
+from helpers import assert_gone, group_pids, poll_until, run
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
@@ -22,6 +22,18 @@ from asyncrl.hybrid.weight_sync import GATHER_TO_ZERO
 
 def rows(n: int) -> TensorBatch:
     return TensorBatch({"i": torch.arange(n)})
+
+
+def _by_rank_split(layout, args, kwargs):  # a user's own DP: one chunk per rank
+    (batch,) = args
+    ranks = list(range(layout.world_size))
+    return asyncrl.Split({r: ((c,), kwargs) for r, c in enumerate(batch.chunk(len(ranks)))},
+                         ranks)
+
+
+# collect sees references to the rows when the result is passed on, not TensorBatches
+asyncrl.register_protocol("my_dp", split=_by_rank_split, collect=lambda layout, results, state:
+                          TensorBatch.concat([results[r] for r in sorted(results)]))
 
 
 class Producer(asyncrl.Worker):
@@ -51,6 +63,25 @@ class Producer(asyncrl.Worker):
     @asyncrl.register(dispatch=Dispatch.DP)
     def again(self, batch: TensorBatch) -> TensorBatch:  # its own rows only
         return batch.union(TensorBatch({"by": [self.rank] * len(batch)}))
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def lazy(self, batch: TensorBatch) -> TensorBatch:  # x as a view with the negative bit
+        made = self.make(batch)
+        return TensorBatch({**made.to_dict(), "x": (-made["x"])._neg_view()})
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def nest(self, batch: TensorBatch) -> TensorBatch:
+        return TensorBatch({"i": batch["i"].clone(), "tags": [[k] for k in batch["i"].tolist()]})
+
+    @asyncrl.register
+    def touch(self, batch: TensorBatch) -> list:  # every row (own and peers'), changed here
+        for tags in batch["tags"]:
+            tags.append(-1)
+        return batch["tags"]
+
+    @asyncrl.register(dispatch="my_dp")
+    def make_mine(self, batch: TensorBatch) -> TensorBatch:
+        return self.make(batch)
 
     @asyncrl.register(dispatch=Dispatch.RANK_ZERO)
     def unsendable(self) -> TensorBatch:  # too big to come inline, and a list it cannot send
@@ -175,6 +206,9 @@ def test_broadcast_rank_zero_and_user_protocols(groups):
     assert get(groups["c2"].total(made)) == [[5, total, "row4"]] * 2  # ONE_TO_ALL
     assert get(groups["c2"].ids(made)) == [0, 1, 2, 3, 4]  # RANK_ZERO: the whole batch
     assert get(groups["c2"].second_half(made)) == [2, 3, 4]  # user protocol: slices rows
+    mine = groups["p2"].make_mine(rows(5))  # a user protocol whose collect concats batches
+    assert_rows(get(mine), 5)
+    assert_rows(get(groups["c1"].echo(mine)), 5)  # its collect also joins the references
 
 
 def test_a_group_takes_its_own_rows_from_its_store_and_its_peers_rows_by_pull(groups):
@@ -189,6 +223,21 @@ def test_a_group_takes_its_own_rows_from_its_store_and_its_peers_rows_by_pull(gr
     again = get(p2.again(made))  # DP -> DP on the same ranks: nothing pulled
     assert_rows(again, 9)
     assert again["by"] == again["src"] == [0] * 5 + [1] * 4
+
+
+def test_columns_with_lazy_bits_move_as_their_values(groups):
+    """A column that is a negative (or conjugate) view moves as the values it reads as: the
+    data plane moves raw bytes, and the bit is not in them."""
+    assert_rows(get(groups["c1"].echo(groups["p2"].lazy(rows(5)))), 5)
+
+
+def test_rows_from_a_ranks_own_store_are_copies_like_pulled_ones(groups):
+    """A consumer that changes the list rows it got changes no stored result: its own
+    store's rows are copies, as its peers' pulled ones are."""
+    made = groups["p2"].nest(rows(4))
+    want = [[[k, -1] for k in range(4)]] * 2
+    assert get(groups["p2"].touch(made)) == want
+    assert get(groups["p2"].touch(made)) == want  # not [0, -1, -1]: the store kept [0]
 
 
 def test_non_batch_values_are_pulled_whole(groups):
@@ -442,8 +491,14 @@ class Slow(asyncrl.Worker):
     def pid(self) -> int:
         return os.getpid()
 
+    @asyncrl.register
+    def big(self) -> TensorBatch:  # too big to come with its Result: fetched when awaited
+        return TensorBatch({"x": torch.ones(2, 40_000)})
+
 
 def test_stalled_producer_gives_transfer_timeout_naming_it():
+    """A producer alive yet silent fails a consumer's pull, and a driver's fetch of its
+    result, with TransferTimeout naming it; once it answers again, the result is there."""
     async def main():
         async with asyncrl.Controller(transfer_timeout=2, heartbeat_timeout=60,
                                       transport="tcp") as ctl:
@@ -453,15 +508,22 @@ def test_stalled_producer_gives_transfer_timeout_naming_it():
             made = prod.make(rows(6))
             out = await cons.ids(made)  # forced TCP works end to end
             assert out == [0, 2, 4, 6, 8, 10]
+            big = prod.big()
+            await poll_until(big.done, 30, "the reference to the big result")
             os.kill(prod.pids[0], signal.SIGSTOP)
             try:
                 with pytest.raises(asyncrl.TransferTimeout) as info:
                     await cons.ids(made)
+                with pytest.raises(asyncrl.TransferTimeout) as fetched:
+                    await big
             finally:
                 os.kill(prod.pids[0], signal.SIGCONT)
-            return pids, str(info.value)
-    pids, message = run(main())
+            assert float((await big)[0]["x"].sum()) == 80_000  # asked again, answered
+            return pids, str(info.value), str(fetched.value)
+    pids, message, fetch = run(main())
     assert "stalled:0" in message and "within 2 s" in message and "cons[rank 0].ids" in message
+    assert fetch.startswith("fetching the result of call ") and "from stalled:0: no answer " \
+        "within 2 s (raise Controller(transfer_timeout=...))" in fetch
     assert_gone(pids)
 
 
@@ -516,6 +578,7 @@ def test_rows_of_futures_are_one_batch_pulled_by_the_consumer(bg, groups):
     fetched = bg.run(_awaited(picked))
     assert fetched["i"].tolist() == want and fetched["name"] == out["name"]
     assert get(c1.ids(asyncrl.concat(b, a.rows([1])))) == [100, 101, 102, 103, 104, 105, 1]
+    assert get(c1.ids(a.rows([3, 3, 0, 3, 8, 8]))) == [3, 3, 0, 3, 8, 8]  # each pulled once
 
     with pytest.raises(IndexError, match="row 10 is outside this batch of 10 rows"):
         get(c1.ids(a.rows([10])))

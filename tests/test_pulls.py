@@ -11,9 +11,11 @@ import msgspec
 import pytest
 import torch
 import zmq
+from helpers import wait_until
+from zmq.utils.monitor import recv_monitor_message
 
 import asyncrl
-from asyncrl.comm import codec, dataplane, messages
+from asyncrl.comm import codec, dataplane, dataserver, messages
 from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.channel import open_frame
 from asyncrl.comm.gone import GonePeers
@@ -128,7 +130,7 @@ def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch, script
 
     producer.play(script)
     client = client_of(scripted, timeout=10)
-    two = RemoteBatch([Piece(producer.shard, 0, 1), Piece(producer.shard, 1, 2)],
+    two = RemoteBatch([Piece(producer.shard, 0, 1), Piece(producer.shard, 2, 3)],
                       [messages.Column("x", "list")])
     with pytest.raises(RuntimeError, match="gone"):
         client.fetch_batch(two)
@@ -140,7 +142,7 @@ def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch, script
 def test_pulled_frames_must_fill_their_rows_and_no_pool_means_process_memory(scripted):
     """A client without a segment pool builds its columns in its own memory (they were left
     uninitialised), and a frame of the wrong size is refused (numpy would have broadcast a
-    short one over the rows)."""
+    short one over the rows), and so is a reply that leaves a column out."""
     _, producer, _ = scripted
     x = torch.arange(6, dtype=torch.float32).reshape(3, 2)
 
@@ -150,12 +152,16 @@ def test_pulled_frames_must_fill_their_rows_and_no_pool_means_process_memory(scr
             rows = x[req.start:req.stop].numpy().tobytes()
             producer.answer(who, messages.Pulled(req.xfer_id, buffers=["x"]),
                             rows[:4] if short else rows)
+        who, req = producer.pull()  # a column left out: its rows would be stale bytes
+        producer.answer(who, messages.Pulled(req.xfer_id, buffers=[]))
 
     producer.play(script)
     client = client_of(scripted, timeout=10)
     batch = RemoteBatch([Piece(producer.shard, 0, 3)], [messages.Column("x", "float32", (2,))])
     assert torch.equal(client.fetch_batch(batch)["x"], x)
     with pytest.raises(RuntimeError, match="column 'x' came with 4 bytes, 24 expected"):
+        client.fetch_batch(batch)
+    with pytest.raises(RuntimeError, match=r"the reply lacks column\(s\) \['x'\]"):
         client.fetch_batch(batch)
 
 
@@ -193,3 +199,29 @@ def test_a_pull_from_a_producer_declared_dead_fails_at_once_naming_it(scripted):
                                        [messages.Column("x", "list")]))
     assert client.fetch_value(RemoteValue(Shard("prod", 0, 5, producer.addr, "h"))) == 7
     assert client.fetch_value(RemoteValue(Shard("other", 0, 2, producer.addr, "h"))) == 8
+
+
+def test_the_data_server_drops_a_peer_that_sends_an_oversized_frame():
+    """Pulls are small: a frame over the limit closes its connection before it is buffered
+    whole (no MAC is checked before the whole message is in), and the server goes on."""
+    ctx = zmq.Context()
+    server = dataserver.DataServer(ctx, "127.0.0.1", SECRET, {}.__getitem__, "maker:0",
+                                   "asyncrl-test-")
+    big, small = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    events = big.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    try:
+        big.connect(server.address)
+        assert events.poll(10_000) and recv_monitor_message(events)["event"] == \
+            zmq.EVENT_CONNECTED
+        big.send_multipart([b"x" * (dataserver.MAX_PULL_BYTES + 1), b"mac", b"body"])
+        assert events.poll(10_000), "the server kept the connection of an oversized frame"
+        assert recv_monitor_message(events)["event"] == zmq.EVENT_DISCONNECTED
+        small.connect(server.address)
+        small.send_multipart([b"not", b"signed", b"right"])
+        wait_until(lambda: server.dropped == 1, 10, "the small frame to be dropped")
+        assert server.rejected == 0
+    finally:
+        big.disable_monitor()
+        for sock in (events, big, small):
+            sock.close(0)
+        server.close()

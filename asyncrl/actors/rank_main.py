@@ -66,7 +66,7 @@ from asyncrl.comm.messages import (
 )
 from asyncrl.comm.relay import RELAY_ROLES, HostRelay, relay_address, relay_identity
 from asyncrl.comm.shm import SegmentPool
-from asyncrl.futures.store import ObjectStore, schema_of
+from asyncrl.futures.store import ObjectStore, schema_of, storable
 
 EXIT_CONTROLLER_LOST = 75
 INLINE_LIMIT = 64 * 1024  # results up to this size also travel with their Result
@@ -207,6 +207,7 @@ class RankMain:
         the controller its schema, with the value itself when it is small."""
         if value is None:
             return Result(call.call_id, self.rank)
+        value = storable(value)
         schema = schema_of(value)
         raw, inline = NONE, schema.nbytes <= INLINE_LIMIT  # its arrays alone are too big
         if inline:

@@ -280,16 +280,25 @@ class TensorBatch(RowOps):
         if index.dtype == torch.bool:  # else True, False would be rows 1, 0
             raise TypeError("take(rows) needs row indices, got a boolean mask; pass "
                             "mask.nonzero().flatten() (the indices where it is True)")
-        index = index.long()
+        on: dict[torch.device, torch.Tensor] = {torch.device("cpu"): index.long()}
+
+        def index_on(device: torch.device) -> torch.Tensor:  # index_select wants it there
+            if device not in on:
+                on[device] = on[torch.device("cpu")].to(device)
+            return on[device]
         return TensorBatch(
-            {k: v.index_select(0, index) if isinstance(v, torch.Tensor) else [v[i] for i in rows]
-             for k, v in self._data.items()}, unpadded_meta(self.meta))
+            {k: v.index_select(0, index_on(v.device)) if isinstance(v, torch.Tensor) else
+             [v[i] for i in rows] for k, v in self._data.items()}, unpadded_meta(self.meta))
 
     @staticmethod
     def concat(batches: Sequence[TensorBatch]) -> TensorBatch:
         """Rows of every batch, in order. Keys must match; `meta` is the first batch's."""
         if not batches:
             raise ValueError("TensorBatch.concat needs at least one batch")
+        if not isinstance(batches[0], TensorBatch) and isinstance(batches[0], RowOps):
+            # a protocol's collect sees references to rows on the ranks when its result is
+            # passed on: concat them the way their own type does
+            return type(batches[0]).concat(batches)
         keys = batches[0].keys()
         for i, b in enumerate(batches[1:], 1):
             if b.keys() != keys:

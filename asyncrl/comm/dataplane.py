@@ -221,6 +221,13 @@ class DataClient:
         return got[0]
 
     def fetch_batch(self, rb: RemoteBatch) -> TensorBatch:
+        compact = rb.compacted()
+        if compact is None:
+            return self._fetch_rows(rb)
+        held, order = compact  # each row pulled once (a pull per repeat would cost k times)
+        return TensorBatch(self._fetch_rows(held).take(order).to_dict(), rb.meta)
+
+    def _fetch_rows(self, rb: RemoteBatch) -> TensorBatch:
         n = len(rb)
         tensor_cols = [c for c in rb.columns if c.dtype != "list"]
         all_cols = tensor_cols
@@ -279,6 +286,12 @@ class DataClient:
             start, count = rows_at[req.xfer_id], req.stop - req.start
             left = dict(reply.ipc)
             try:
+                # a column left out would leave its rows as whatever the buffer held before
+                lacking = [k for k in ipc if k not in reply.ipc] + (
+                    [k for k in offsets if k not in reply.buffers] if buf is not None else [])
+                if lacking:
+                    raise RuntimeError(f"pull of object {req.obj_id}: the reply lacks "
+                                       f"column(s) {lacking}")
                 if len(reply.lists) > 1:  # more than a msgpack nil
                     lists[req.xfer_id] = codec.decode(reply.lists)
                 for key, info in reply.ipc.items():
@@ -363,8 +376,8 @@ class DataClient:
         if not isinstance(value, TensorBatch) or not 0 <= start <= stop <= len(value):
             raise ValueError(f"object {req.obj_id} of this rank has no rows {start}:{stop}")
         cols = {k: c[start:stop] for k, c in value.items() if isinstance(c, list)}
-        if cols:
-            lists[req.xfer_id] = cols
+        if cols:  # as a pull decodes them: copies (the store's stay as they were), same types
+            lists[req.xfer_id] = codec.decode(codec.encode(cols))
         for key, dst in (*ipc.items(), *by_nccl.items()):
             dst[row:row + count].copy_(value.tensor(key)[start:stop])
         if buf is not None:

@@ -29,6 +29,7 @@ from asyncrl.comm.messages import NONE, Pull, Pulled
 from asyncrl.comm.shm import SegmentMapper
 
 log = logging.getLogger("asyncrl")
+MAX_PULL_BYTES = 1 << 20  # a pull names rows and columns: far below this
 
 
 def _puller(identity: bytes) -> tuple[str, str]:
@@ -57,6 +58,8 @@ class DataServer:
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
+        # pulls are small: a peer sending more is cut off before the frame is buffered whole
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_PULL_BYTES)
         if curve is not None:  # encrypted: every rank serves with the run's data key pair
             curve_server(self._sock, curve.data_secret)
         port = self._sock.bind_to_random_port(f"tcp://{host}")

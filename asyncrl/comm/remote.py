@@ -10,6 +10,8 @@ ranks then pull their pieces straight from the producers (`comm.dataplane`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,16 +109,47 @@ class RemoteBatch(RowOps):
 
     def take(self, rows: Sequence[int]) -> RemoteBatch:
         out: list[Piece] = []
+        ends = list(itertools.accumulate(p.stop - p.start for p in self.pieces))
         for r in rows:
             if not 0 <= r < self._len:
                 raise IndexError(f"take: row {r} is outside this batch of {self._len} rows")
-            p = self.slice(r, r + 1).pieces[0]
+            i = bisect.bisect_right(ends, r)  # the piece holding row r
+            held = self.pieces[i]
+            at = held.stop - (ends[i] - r)  # row r is ends[i] - r rows before its end
+            p = Piece(held.shard, at, at + 1)
             last = out[-1] if out else None
             if last is not None and last.shard == p.shard and last.stop == p.start:
                 out[-1] = Piece(p.shard, last.start, p.stop)  # merge runs of adjacent rows
             else:
                 out.append(p)
         return RemoteBatch(out, self.columns, unpadded_meta(self.meta))
+
+    def compacted(self) -> tuple[RemoteBatch, list[int]] | None:
+        """The rows to pull when fewer pieces hold them (rows repeated, e.g. `repeat(k)`, or
+        reordered): each shard's ranges merged, and for each row of this batch its row in
+        them. None when the pieces cannot be merged (each would still be one pull)."""
+        ranges: dict[Shard, list[list[int]]] = {}
+        for p in sorted(self.pieces, key=lambda p: p.start):
+            merged = ranges.setdefault(p.shard, [])
+            if merged and p.start <= merged[-1][1]:  # overlapping or adjacent
+                merged[-1][1] = max(merged[-1][1], p.stop)
+            else:
+                merged.append([p.start, p.stop])
+        if sum(map(len, ranges.values())) >= len(self.pieces):
+            return None
+        first, at = {}, 0  # shard -> (range starts, their rows in the compact batch)
+        for shard, merged in ranges.items():
+            first[shard] = ([a for a, _ in merged], [])
+            for a, b in merged:
+                first[shard][1].append(at)
+                at += b - a
+        order = []
+        for p in self.pieces:
+            starts, rows = first[p.shard]
+            i = bisect.bisect_right(starts, p.start) - 1
+            order.extend(range(rows[i] + p.start - starts[i], rows[i] + p.stop - starts[i]))
+        compact = [Piece(shard, a, b) for shard, merged in ranges.items() for a, b in merged]
+        return RemoteBatch(compact, self.columns), order
 
     @staticmethod
     def concat(batches: Sequence[RemoteBatch]) -> RemoteBatch:  # type: ignore[override]

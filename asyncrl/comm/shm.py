@@ -297,13 +297,17 @@ class SegmentMapper:
             self._maps[name] = mm
             if len(self._maps) > self._max_maps:
                 stale += list(self._maps)[:-self._max_maps]
+            if offset < 0 or nbytes < 0 or offset + nbytes > len(mm):
+                raise ValueError(
+                    f"cannot view {nbytes} bytes at offset {offset} (ending at "
+                    f"{offset + nbytes}) of shared-memory segment {name!r}, which has "
+                    f"{len(mm)} bytes")
+            # made under the lock: another thread's forget() may close the mapping once
+            # it is unlocked, and a live view is what keeps it open
+            view = memoryview(mm)[offset:offset + nbytes]
         for old in stale:
             self.forget(old)
-        if offset < 0 or nbytes < 0 or offset + nbytes > len(mm):
-            raise ValueError(
-                f"cannot view {nbytes} bytes at offset {offset} (ending at {offset + nbytes}) "
-                f"of shared-memory segment {name!r}, which has {len(mm)} bytes")
-        return memoryview(mm)[offset:offset + nbytes]
+        return view
 
     @staticmethod
     def _open(name: str) -> mmap.mmap:

@@ -36,14 +36,13 @@ from asyncrl.comm.messages import (
     Call,
     Construct,
     Failure,
-    Fetch,
-    Fetched,
     MethodSpec,
     PeersGone,
     Result,
     Results,
     Schema,
 )
+from asyncrl.controller.fetches import Fetches
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import called_groups, current_node
 from asyncrl.errors import (
@@ -148,7 +147,8 @@ class GroupHandle:
         # concurrent calls waiting for their inputs (the loop holds tasks only weakly)
         self._waiting: dict[asyncio.Task, _Queued] = {}
         self._arg_names: dict[str, list[str]] = {}
-        self._fetches: dict[tuple[int, int], asyncio.Future[msgspec.Raw]] = {}
+        self.fetches = Fetches(name, ctl.loop, lambda rank, msg: ctl.post(
+            self.ranks[rank].identity, msg), ctl.transfer_timeout)
         self._fans: dict[str, list[_Host]] = {}
         self.dead: GroupDeadError | None = None
         self.closing = False
@@ -488,30 +488,12 @@ class GroupHandle:
         return RemoteError(self.name, rank, method, error.type, error.message, error.traceback)
 
     async def _fetch(self, rank: int, obj_id: int) -> Any:
-        """A stored part that was too big to come with its Result (a driver awaits it),
-        decoded: its large arrays are views of the frames they came in."""
+        """A stored part that was too big to come with its Result (a driver awaits it)."""
         if self.dead is not None:
             raise self.dead
         if self.closing:
             raise ClosedError(f"group {self.name!r} is closed; its results are gone")
-        waiter = self._fetches.get((rank, obj_id))
-        if waiter is None:
-            waiter = self._fetches[(rank, obj_id)] = self._ctl.loop.create_future()
-            self._ctl.post(self.ranks[rank].identity, Fetch(obj_id))
-        return await asyncio.shield(waiter)
-
-    def _on_fetched(self, msg: Fetched) -> None:
-        waiter = self._fetches.pop((msg.rank, msg.obj_id), None)
-        if waiter is None or waiter.done():
-            return
-        if msg.error:
-            waiter.set_exception(LookupError(f"fetching the result of call {msg.obj_id} from "
-                                             f"{self.name}:{msg.rank}: {msg.error}"))
-        else:
-            try:
-                waiter.set_result(codec.decode_oob(msg.value, msg.frames))
-            except Exception as e:  # noqa: BLE001 - a value that does not decode: the driver's
-                waiter.set_exception(e)
+        return await self.fetches.get(rank, obj_id)
 
     async def _view(self, arg: Any, name: int | str, item: _Queued) -> Any:
         """A DistFuture argument (or one in a list, tuple, dict or Rows) becomes references to
@@ -554,9 +536,8 @@ class GroupHandle:
         for task, item in list(self._waiting.items()):  # fail now, not when inputs arrive
             task.cancel()
             item.future._set_exception(exc)
-        waiters: list[asyncio.Future[Any]] = [self.started, self.ready, *self._fetches.values()]
-        self._fetches = {}
-        for waiter in waiters:
+        self.fetches.fail(exc)
+        for waiter in (self.started, self.ready):
             if not waiter.done():
                 waiter.set_exception(exc)
                 waiter.exception()

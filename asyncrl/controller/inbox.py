@@ -63,7 +63,7 @@ class Inbox:
                 info.dropped, info.objects, info.object_bytes = (msg.dropped, msg.objects,
                                                                  msg.object_bytes)
         elif isinstance(msg, Fetched):
-            group._on_fetched(msg)
+            group.fetches.answered(msg)
         elif isinstance(msg, Hello):
             self._on_hello(group, identity, msg, relay)
         elif isinstance(msg, Ready):

@@ -29,6 +29,16 @@ def schema_of(value: Any) -> Schema:
     return Schema(-1, nbytes=codec.array_bytes(value))
 
 
+def storable(value: Any) -> Any:
+    """The value with the lazy conjugate and negative bits of its batch columns applied: the
+    data plane moves a column's raw bytes (shared memory, CUDA IPC, NCCL), which lack them."""
+    if isinstance(value, TensorBatch) and any(
+            isinstance(c, torch.Tensor) and (c.is_conj() or c.is_neg()) for _, c in value.items()):
+        return TensorBatch({k: c.resolve_conj().resolve_neg() if isinstance(c, torch.Tensor)
+                            else c for k, c in value.items()}, value.meta)
+    return value
+
+
 class ObjectStore:
     """obj_id -> value. The exec thread puts, the data server reads, the io thread frees."""
 

@@ -1,0 +1,57 @@
+"""A driver's fetches of stored results too big to have come with their Result: one Fetch
+per part however many await it, answered, failed, or timed out after the transfer timeout
+(a rank alive yet silent must not hang the driver)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from asyncrl.comm import codec
+from asyncrl.comm.messages import Fetch, Fetched
+from asyncrl.errors import TransferTimeout
+
+
+class Fetches:
+    def __init__(self, group: str, loop: asyncio.AbstractEventLoop,
+                 post: Callable[[int, Fetch], None], timeout: float):
+        self._group, self._loop, self._post, self._timeout = group, loop, post, timeout
+        self._waiters: dict[tuple[int, int], asyncio.Future[Any]] = {}
+
+    async def get(self, rank: int, obj_id: int) -> Any:
+        """Rank `rank`'s part of call `obj_id`'s result, decoded: its large arrays are views
+        of the frames they came in."""
+        key = (rank, obj_id)
+        waiter = self._waiters.get(key)
+        if waiter is None:
+            waiter = self._waiters[key] = self._loop.create_future()
+            self._post(rank, Fetch(obj_id))
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), self._timeout)
+        except TimeoutError:
+            if self._waiters.get(key) is waiter:  # awaiting it again asks again
+                del self._waiters[key]
+            raise TransferTimeout(
+                f"fetching the result of call {obj_id} from {self._group}:{rank}: no answer "
+                f"within {self._timeout:g} s (raise Controller(transfer_timeout=...))") from None
+
+    def answered(self, msg: Fetched) -> None:
+        waiter = self._waiters.pop((msg.rank, msg.obj_id), None)
+        if waiter is None or waiter.done():
+            return
+        if msg.error:
+            waiter.set_exception(LookupError(f"fetching the result of call {msg.obj_id} from "
+                                             f"{self._group}:{msg.rank}: {msg.error}"))
+            return
+        try:
+            waiter.set_result(codec.decode_oob(msg.value, msg.frames))
+        except Exception as e:  # noqa: BLE001 - a value that does not decode: the driver's
+            waiter.set_exception(e)
+
+    def fail(self, exc: BaseException) -> None:
+        waiters, self._waiters = list(self._waiters.values()), {}
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(exc)
+                waiter.exception()  # retrieved: no "never retrieved" warning
