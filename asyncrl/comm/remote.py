@@ -137,13 +137,15 @@ class RemoteBatch(RowOps):
                 merged.append([p.start, p.stop])
         if sum(map(len, ranges.values())) >= len(self.pieces):
             return None
-        first, at = {}, 0  # shard -> (range starts, their rows in the compact batch)
+        # shard -> (its ranges' starts, their first rows in the compact batch)
+        first: dict[Shard, tuple[list[int], list[int]]] = {}
+        at = 0
         for shard, merged in ranges.items():
             first[shard] = ([a for a, _ in merged], [])
             for a, b in merged:
                 first[shard][1].append(at)
                 at += b - a
-        order = []
+        order: list[int] = []
         for p in self.pieces:
             starts, rows = first[p.shard]
             i = bisect.bisect_right(starts, p.start) - 1
