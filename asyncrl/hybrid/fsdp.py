@@ -367,9 +367,12 @@ class FSDPBackend(TrainBackend):
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Any,
                  head: str = "lm"):
         self.cfg, self.head = train_cfg, check_head(head)
+        names = mesh.mesh_dim_names or ()
+        if "tp" in names and "dp" not in names:  # FSDP would shard over the TP ranks
+            raise ValueError(f"a mesh with a 'tp' axis needs a 'dp' axis too (mesh axes: "
+                             f"{list(names)}); spawn with mesh={{'dp': 1, 'tp': ...}}")
         self.mesh = mesh
         self.model = trainable(model_cfg, train_cfg, head)
-        names = mesh.mesh_dim_names or ()
         dp_mesh = mesh["dp"] if "dp" in names else mesh
         if "tp" in names and mesh["tp"].size() > 1:
             if model_cfg.lora is not None:  # ColwiseParallel would split A by its rows too
@@ -386,6 +389,7 @@ class FSDPBackend(TrainBackend):
                    entropy: bool = False) -> dict[str, float]:
         """One optimizer step over this rank's rows, in micro-batches with gradient
         accumulation; FSDP averages the gradients over the data-parallel ranks."""
+        self.opt.zero_grad(set_to_none=True)  # a step that failed midway left some behind
         stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward())
         norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
         lr = self.opt.param_groups[0]["lr"]
@@ -403,6 +407,11 @@ class FSDPBackend(TrainBackend):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if not self.opt.state:  # get_state_dict makes the state by a step at lr 0: one
+            get_state_dict(self.model, self.opt)  # not taken (AdamW's bias correction counts)
+            for state in self.opt.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"].zero_()
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         dcp.save({"model": model_sd, "optim": optim_sd, "sched": self._sched_state()},
                  checkpoint_id=str(folder))

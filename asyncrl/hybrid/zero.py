@@ -82,6 +82,8 @@ class ZeroBackend(TrainBackend):
                   # gradients averaged in fp32, as FSDP2 reduces them (bf16 would by default)
                   "communication_data_type": "fp32",
                   "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
+        if use_bf16(train_cfg):  # micro-batches' gradients summed in fp32, as FSDP2 sums
+            config["data_types"] = {"grad_accum_dtype": "fp32"}  # them (bf16 by default)
         # DeepSpeed steps the schedule with the optimizer and keeps it in its checkpoints
         self.engine, _, _, self.sched = ds.initialize(model=model, optimizer=opt, config=config,
                                                       lr_scheduler=lr_scheduler(opt, train_cfg))

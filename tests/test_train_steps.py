@@ -1,0 +1,90 @@
+"""What a training step leaves behind for the next: a checkpoint saved before the first
+step, a step that failed midway, and bf16 gradients summed over micro-batches by ZeRO."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from helpers import assert_gone, group_pids, run
+from test_hybrid import AnyTrainer, fixed_batch
+
+import asyncrl
+from asyncrl import TensorBatch
+from asyncrl.hybrid.fsdp import nll_loss
+
+
+class StepTrainer(AnyTrainer):
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def failing_step(self, batch: TensorBatch) -> dict:
+        """A step whose loss fails at its second micro-batch (the first's backward done)."""
+        seen = []
+
+        def loss_fn(out, micro):
+            seen.append(len(micro))
+            if len(seen) == 2:
+                raise RuntimeError("the loss failed at micro-batch 2")
+            return nll_loss(out, micro)
+        return self.backend.train_step(batch, loss_fn)
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def grad_accum_dtype(self) -> str:
+        return str(self.backend.engine.optimizer.gradient_accumulation_dtype)
+
+
+def test_a_save_before_the_first_step_and_a_failed_step_change_no_later_step(tmp_path):
+    """Saving before any step made the optimizer's state by a step at lr 0 (counted: AdamW's
+    next update was another), and a step that failed midway left its first micro-batch's
+    gradients to be added to the next step's: each trainer must step as one that did
+    neither."""
+    batch = fixed_batch()
+    model_cfg = {"preset": "tiny-llama", "seed": 0}
+    train_cfg = {"lr": 1e-2, "micro_batch_size": 4}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            plain, saved = await asyncio.gather(*(
+                ctl.spawn(StepTrainer, "fsdp2", model_cfg, train_cfg, name=name)
+                for name in ("plain", "saved")))
+            await saved.save(str(tmp_path / "before"))
+            await asyncio.gather(plain.step(batch), saved.step(batch))
+            after_save = [(await g.weights())[0] for g in (plain, saved)]
+            with pytest.raises(asyncrl.RemoteError, match="the loss failed at micro-batch 2"):
+                await saved.failing_step(batch)
+            await asyncio.gather(plain.step(batch), saved.step(batch))
+            after_failure = [(await g.weights())[0] for g in (plain, saved)]
+            return after_save, after_failure, group_pids(plain) + group_pids(saved)
+    after_save, after_failure, pids = run(main(), timeout=240)
+    assert_gone(pids)
+    for want, got in (after_save, after_failure):
+        assert all(torch.equal(got[k], v) for k, v in want.items()), [
+            k for k, v in want.items() if not torch.equal(got[k], v)]
+
+
+@pytest.mark.parametrize("kind", ["zero2", "zero3"])
+def test_bf16_zero_sums_micro_batch_gradients_in_fp32(kind):
+    """DeepSpeed sums a bf16 model's gradients over micro-batches in bf16 unless told
+    otherwise; FSDP2 (and asyncrl's ZeRO) in fp32."""
+    pytest.importorskip("deepspeed")
+
+    async def main():
+        async with asyncrl.Controller(construct_timeout=500) as ctl:
+            group = await ctl.spawn(StepTrainer, kind, {"preset": "tiny-llama", "seed": 0},
+                                    {"bf16": True, "micro_batch_size": 4}, name=kind)
+            stats = (await group.step(fixed_batch()))[0]  # two micro-batches
+            return stats, await group.grad_accum_dtype(), group_pids(group)
+    stats, dtype, pids = run(main(), timeout=580)
+    assert_gone(pids)
+    assert dtype == "torch.float32" and stats["grad_norm"] > 0
+
+
+def test_a_tp_mesh_without_a_dp_axis_is_refused_naming_the_fix():
+    from types import SimpleNamespace
+
+    from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
+    from asyncrl.hybrid.models import ModelConfig
+
+    with pytest.raises(ValueError, match=r"needs a 'dp' axis too \(mesh axes: \['tp'\]\); "
+                                         r"spawn with mesh=\{'dp': 1, 'tp': ...\}"):
+        FSDPBackend(ModelConfig(), TrainConfig(), SimpleNamespace(mesh_dim_names=("tp",)))
