@@ -26,18 +26,21 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, zmq, msgspec; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-# the GPU tests, then the CPU data-plane tests as a sanity check of this machine's stack
-timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
-# (with the GPU hidden: those groups have more ranks than the machine has GPUs)
-CUDA_VISIBLE_DEVICES= timeout 300 python3 -m pytest -q -p no:cacheprovider -x \
-  tests/test_dataplane.py tests/test_units.py 2>&1 | tail -5 | tee -a "$OUT/gpu-tests.log"
-timeout 200 python3 benchmarks/data_plane.py --gpu --mib 1024 --repeat 5 2>"$OUT/bench.err" \
+# Budget: the device tool allows 600 s a call and 15 min a session, start-up included, so
+# the steps below add up to 540 s at most (run it with timeout_s=600). The CPU tests are not
+# rerun here: CI runs them.
+export ASYNCRL_REQUIRE_GPU_DEPS=1  # a missing NCCL or DeepSpeed fails its test, not skips it
+export NCCL_DEBUG=WARN
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 \
+  | tail -40 | tee "$OUT/gpu-tests.log"
+timeout 80 python3 benchmarks/data_plane.py --gpu --mib 1024 --repeat 3 2>"$OUT/bench.err" \
   | tee "$OUT/gpu-bench.jsonl"
-timeout 200 python3 benchmarks/hybrid_switch.py --repeat 5 2>>"$OUT/bench.err" \
+timeout 80 python3 benchmarks/hybrid_switch.py --repeat 3 2>>"$OUT/bench.err" \
   | tee -a "$OUT/gpu-bench.jsonl"
 tail -20 "$OUT/bench.err"
 # GRPO end to end on the GPU (one rank per group, all on the one GPU): the hybrid switch,
-# training on GPU batches, the reference and the data plane together
-timeout 300 python3 -m asyncrl launch examples/grpo_tiny.py --steps 3 --run-dir "$OUT/grpo" \
-  actor_procs=1 > "$OUT/grpo.log" 2>&1; echo "grpo exit $?" | tee -a "$OUT/grpo.log"
-tail -5 "$OUT/grpo.log"; rm -rf "$OUT/grpo/checkpoints"
+# training on GPU batches, the reference and the data plane together; its run directory in
+# /tmp (checkpoints under $OUT would crowd out the logs), its log's tail in $OUT
+timeout 140 python3 -m asyncrl launch examples/grpo_tiny.py --steps 3 --run-dir /tmp/grpo \
+  actor_procs=1 > /tmp/grpo.log 2>&1; echo "grpo exit $?" >> /tmp/grpo.log
+tail -40 /tmp/grpo.log | tee "$OUT/grpo.log"

@@ -6,10 +6,12 @@ real log-probs. Used because vLLM cannot be installed on the CPU machines.
 What it holds vLLM to: log-probs are vLLM's default "raw_logprobs" (before temperature)
 unless `logprobs_mode="processed_logprobs"` (raw is only modelled at temperature 1: it
 refuses otherwise, which is the point); sleep level 1 backs the weights up and wake_up
-restores that backup; level 2 drops them; weights loaded while the weights sleep are an
-illegal memory access; generating needs everything awake; `load_format="dummy"` starts from
-random weights, not the checkpoint's. With FAKE_VLLM_CALLS=DIR each process also writes what
-it was asked, one JSON line per call, to DIR/<pid>.jsonl (for tests of torchrun groups)."""
+restores that backup; level 2 drops them; sleep while any part still sleeps (the weights
+woken alone) does nothing, as vLLM's executor is "already sleeping"; weights loaded while
+the weights sleep are an illegal memory access; generating needs everything awake;
+`load_format="dummy"` starts from random weights, not the checkpoint's. With
+FAKE_VLLM_CALLS=DIR each process also writes what it was asked, one JSON line per call, to
+DIR/<pid>.jsonl (for tests of torchrun groups)."""
 
 from __future__ import annotations
 
@@ -146,6 +148,8 @@ class LLM:
 
     def sleep(self, level: int = 1) -> None:
         _record("sleep", level)
+        if self.asleep:  # vLLM's executor: "already sleeping" while any tag sleeps, even
+            return       # with the weights woken alone: nothing is released
         params = dict(self._model.named_parameters())
         self._backup = {k: v.detach().clone() for k, v in params.items()} if level == 1 else None
         if level == 2:
@@ -156,6 +160,8 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         _record("wake_up", tags)
         tags = ["weights", "kv_cache"] if tags is None else tags
+        if not self.asleep or not set(tags) <= self.asleep:  # vLLM warns and does nothing
+            return
         if "weights" in tags and "weights" in self.asleep and self._backup is not None:
             for k, v in self._model.named_parameters():  # level 1: the backup comes back
                 v.data.copy_(self._backup[k])

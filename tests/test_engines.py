@@ -291,6 +291,7 @@ def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfille
                                            f"\\(vllm_internal.{skipped}\\)"):
         short.to_generate()
     assert short.mode == "train"
+    assert short.engine.llm.asleep == {"weights", "kv_cache"}  # the weights it woke: asleep
     whole = HybridEngine(Backend(model), cfg, sampling, engine="vllm", engine_options=options)
     whole.to_generate()
     out = whole.generate(PROMPTS, [1, 2, 3, 4])

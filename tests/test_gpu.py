@@ -4,7 +4,9 @@ scripts/gpu_check.sh on a GPU machine."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import warnings
 
 import pytest
@@ -16,6 +18,14 @@ from asyncrl import Dispatch, TensorBatch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def lacking(reason: str) -> None:
+    """Skip for a missing GPU-side dependency; fail instead where scripts/gpu_check.sh asks
+    (ASYNCRL_REQUIRE_GPU_DEPS=1): a skip there would pass a device run that tested nothing."""
+    if os.environ.get("ASYNCRL_REQUIRE_GPU_DEPS") == "1":
+        pytest.fail(f"required on the GPU machine: {reason}")
+    pytest.skip(reason)
 
 
 class GpuProducer(asyncrl.Worker):
@@ -165,7 +175,8 @@ def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
     report = switch_report(MeasuredPolicy, "gpolicy")
     assert report["state"] == ["cpu"]  # optimizer state left the GPU while generating
     assert report["freed"] > report["engine"], report  # Adam's two moments, at least
-    assert report["engine"] <= report["peak"] <= report["bound"] < 2 * report["engine"], report
+    # (the bound is not compared with the engine: a bf16 engine is half its fp32 buffers)
+    assert report["engine"] <= report["peak"] <= report["bound"], report
     assert abs(report["back"]) <= 1 << 20, report  # training again: the engine's memory freed
 
 
@@ -173,7 +184,8 @@ def test_zero_hybrid_switch_on_gpu_sends_masters_and_optimizer_state_to_the_host
     """ZeRO-2 (the deepspeed wheel carried to the GPU machine, see scripts/gpu_wheels.sh):
     while generating, the fp32 masters (4 bytes a parameter) and Adam's moments (8) are on
     the host; the engine's fp32 weights (4) are on the GPU; back in training all returns."""
-    pytest.importorskip("deepspeed")
+    if importlib.util.find_spec("deepspeed") is None:
+        lacking("deepspeed (carry its source: bash scripts/gpu_wheels.sh)")
     report = switch_report(MeasuredZeroPolicy, "zpolicy")
     assert report["masters_while"] == ["cpu"] and report["masters_after"] == ["cuda"], report
     assert abs(report["offloaded"] - 4 * report["params"]) <= 4 << 20, report
@@ -192,9 +204,12 @@ def test_nccl_one_rank_communicator_through_cupy():
     the transfer finishes while the link is still busy."""
     with warnings.catch_warnings():  # CuPy may warn on import (CUDA path, preloads): the
         warnings.simplefilter("ignore")  # suite turns warnings into errors
-        cupy_nccl = pytest.importorskip("cupy.cuda.nccl")
+        try:
+            import cupy.cuda.nccl as cupy_nccl
+        except ImportError as e:
+            lacking(f"cupy.cuda.nccl does not import: {e}")
     if not getattr(cupy_nccl, "available", True):  # CuPy imports it without libnccl
-        pytest.skip("cupy.cuda.nccl has no NCCL library (install nvidia-nccl-cu12 or -cu13)")
+        lacking("cupy.cuda.nccl has no NCCL library (install nvidia-nccl-cu12 or -cu13)")
     from asyncrl.comm import nccl
 
     nccl.join("self->self", nccl.new_unique_id(), 1, 0, {"self": 0})

@@ -107,6 +107,8 @@ class HybridEngine:
                 self.engine.sleep(self._sleep_level)
             self._restore_training()
             raise
+        if self.engine.owns_weights and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the fill's buffers: vLLM's KV cache is not torch's
         self.engine.wake()
         self.mode = "generate"
 

@@ -101,6 +101,11 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine(tensor_parallel_size={tensor_parallel_size}): only 1 "
                              f"is supported (each rank generates its own DP rows); use more "
                              f"ranks instead")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available() and local >= torch.cuda.device_count():
+            raise ValueError(f"vLLM needs a GPU per rank (it binds cuda:LOCAL_RANK), but local "
+                             f"rank {local} sees {torch.cuda.device_count()} GPU(s): do not "
+                             f"place this group with share_gpus, or give it fewer ranks")
         self.config = sampling or SamplingConfig()
         _check_top_p(self.config)
         self._params_cls = sampling_params_cls
@@ -201,6 +206,11 @@ class VLLMEngine:
         """Release the KV cache, and offload the weights to host memory (level 1) or drop
         them (level 2: for callers that load new weights before the next generation)."""
         with self._busy:
+            if self._asleep_parts == {"weights", "kv_cache"}:  # nothing more to release
+                return
+            if self._asleep_parts:  # partly awake (weights woken to load): vLLM would take
+                # itself for asleep and ignore this, keeping the weights on the GPU
+                self.llm.wake_up(tags=sorted(self._asleep_parts))
             self.llm.sleep(level=level)
             self._asleep_parts = {"weights", "kv_cache"}
             self.asleep = True
