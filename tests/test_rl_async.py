@@ -188,6 +188,12 @@ def test_bench_reports_where_the_time_went(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads((run_dir / "bench.json").read_text())
     assert figures["steps"] == 4 and figures["tokens_per_s"] > 0  # steps 1-4: 0 left out
+    # the period between the starts of steps 1 and 4, from the timeline's own spans
+    trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    began = {t: min(e["ts"] for e in trace if e["ph"] == "X" and e["args"]["step"] == t
+                    and names[e["tid"]] != "controller") / 1e6 for t in (1, 4)}
+    assert figures["period_s"] == pytest.approx((began[4] - began[1]) / 3)
     assert set(figures["groups"]) == {"trainer", "rollout", "ref", "reward"}
     for g in figures["groups"].values():  # busy and idle split the run's wall time
         assert g["busy_s"] + g["idle_s"] == pytest.approx(figures["wall_s"])

@@ -3,6 +3,8 @@
     per node   time its group calls kept a group busy (worker-side, per step)
     per group  busy time, idle time and utilisation over the run
     critical   the chain of dependent nodes with the most busy time per step
+    step       wall time / steps; period: the time between steps' starts (the tail of the
+               last overlapped step left out)
     overlap    step time / the busiest group's time per step: 1.0 means the step takes
                exactly as long as its busiest group (everything else hidden behind it)
     tokens/s   metrics' perf/tokens over the run's wall time
@@ -41,6 +43,13 @@ def analyse(run_dir: Path, deps: dict[str, list[str]], warmup: int = 0) -> dict[
     start, end = min(s[3] for s in spans), max(s[4] for s in spans)
     wall = end - start
     per_step_s = wall / len(steps)
+    # overlapped steps (max_staleness >= 1) end with the last one's tail, which wall / steps
+    # spreads over every step: the period between steps' starts leaves it out
+    began: dict[int, float] = {}
+    for _, _, step, a, _ in calls:
+        began[step] = min(a, began.get(step, a))
+    period_s = (began[steps[-1]] - began[steps[0]]) / (len(steps) - 1) if len(steps) > 1 \
+        else wall
 
     by_group: dict[str, list[tuple[float, float]]] = defaultdict(list)
     node_step: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
@@ -70,7 +79,7 @@ def analyse(run_dir: Path, deps: dict[str, list[str]], warmup: int = 0) -> dict[
     busiest = max(sum(_union(group_step[(g, t)]) for t in steps if (g, t) in group_step)
                   / len(steps) for g in by_group)
     tokens = sum(r.get("perf/tokens") or 0.0 for r in metrics)
-    return {"steps": len(steps), "wall_s": wall, "step_s": per_step_s,
+    return {"steps": len(steps), "wall_s": wall, "step_s": per_step_s, "period_s": period_s,
             "nodes": {n: {"busy_s_per_step": node_busy[n]} for n in nodes},
             "groups": groups, "critical_path": critical,
             "critical_path_s": critical_s, "busiest_group_s_per_step": busiest,
@@ -80,7 +89,8 @@ def analyse(run_dir: Path, deps: dict[str, list[str]], warmup: int = 0) -> dict[
 
 def report(figures: dict[str, Any]) -> str:
     f = figures
-    lines = [f"{f['steps']} steps in {f['wall_s']:.2f} s: {f['step_s'] * 1e3:.1f} ms a step, "
+    lines = [f"{f['steps']} steps in {f['wall_s']:.2f} s: {f['step_s'] * 1e3:.1f} ms a step "
+             f"({f['period_s'] * 1e3:.1f} ms from one step's start to the next's), "
              f"{f['tokens_per_s']:.0f} tokens/s", "", "node              busy ms/step"]
     for n, v in f["nodes"].items():
         lines.append(f"  {n:<16}{v['busy_s_per_step'] * 1e3:>10.1f}")
