@@ -11,6 +11,8 @@ single-thread copy of the same bytes between two already-allocated buffers.
              the actor returns, before the timing starts; reported, no target)
     memcpy   torch copy_ of the same bytes, one thread, both buffers warm
 
+Then dp2 -> dp1 again with the producing call inside the timing (`"timed": "produce+hand-off"`,
+asyncrl and both Ray variants): every system's copies counted, wherever it makes them.
 Then a lifetime check: 10,000 calls whose results are passed on and dropped; the object
 stores must end empty and the ranks' memory flat.
 
@@ -156,9 +158,33 @@ def bench_ray(nbytes: int, repeat: int, ctx: dict[str, Any]) -> list[dict[str, A
                 emit(rec)
                 out.append(rec)
             del refs
+            out.append(_timed(lambda make=make: ray.get(sinks[0].total.remote(
+                *[getattr(s, make).remote(rows) for s in sources])), system, nbytes, repeat, ctx))
     finally:
         ray.shutdown()
     return out
+
+
+def _timed(hand_off: Any, system: str, nbytes: int, repeat: int,
+           ctx: dict[str, Any]) -> dict[str, Any]:
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        hand_off()
+        times.append(time.perf_counter() - t0)
+    return _produced_too(system, nbytes, times, ctx)
+
+
+def _produced_too(system: str, nbytes: int, times: list[float],
+                  ctx: dict[str, Any]) -> dict[str, Any]:
+    """dp2 -> dp1 with the producing call inside the timing: where each system makes its
+    copies (Ray's numpy arrays into its store as the actor returns, asyncrl's rows into the
+    consumer's segment on the pull), all of them counted."""
+    rec = {"bench": "data_plane", "system": system, "layout": "dp2->dp1",
+           "timed": "produce+hand-off", "mib": nbytes >> 20,
+           **gib_per_s(nbytes, times[1:]), **ctx}
+    emit(rec)
+    return rec
 
 
 # -- asyncrl -------------------------------------------------------------------------------
@@ -193,6 +219,14 @@ async def _asyncrl(nbytes: int, repeat: int, calls: int, ctx: dict[str, Any],
             emit(rec)
             out.append(rec)
         del produced
+        if transport == "auto" and device == "cpu":
+            index = TensorBatch({"i": torch.arange(rows)})
+            times = []
+            for _ in range(repeat + 1):
+                t0 = time.perf_counter()
+                await sinks["dp2->dp1"].total(source.make(index))
+                times.append(time.perf_counter() - t0)
+            out.append(_produced_too("asyncrl", nbytes, times, ctx))
         if calls:
             out.append(await _lifetimes(ctl, source, sinks["dp2->dp1"], calls, ctx))
     return out
@@ -256,14 +290,15 @@ def main() -> None:
     copy = bench_memcpy(nbytes, args.repeat, ctx)
     ray_runs = bench_ray(nbytes, args.repeat, ctx)
     # the issue's peer: actors returning torch tensors; numpy arrays reported beside it
-    ray_recs = {r["layout"]: r for r in ray_runs if r["system"] == "ray"}
-    numpy_recs = {r["layout"]: r for r in ray_runs if r["system"] == "ray-numpy"}
+    ray_recs = {r["layout"]: r for r in ray_runs if r["system"] == "ray" and "timed" not in r}
+    numpy_recs = {r["layout"]: r for r in ray_runs
+                  if r["system"] == "ray-numpy" and "timed" not in r}
     ours = asyncrl.run(_asyncrl(nbytes, args.repeat, args.calls, ctx))
     asyncrl.run(_asyncrl(nbytes, args.repeat, 0, ctx, transport="tcp"))  # for reference
     summary: dict[str, Any] = {"bench": "data_plane", "summary": True}
     for rec in ours:
         layout = rec.get("layout")
-        if layout is None:
+        if layout is None or "timed" in rec:
             continue
         vs_ray = rec["gib_per_s"] / ray_recs[layout]["gib_per_s"] if layout in ray_recs \
             else None
