@@ -172,6 +172,8 @@ def main() -> None:
     if not args.skip_trl:  # found missing now, not after the asyncrl runs
         sys.path.insert(0, str(Path(__file__).parent))
         try:
+            import datasets  # noqa: F401 - what run_trl imports when it runs
+            import trl  # noqa: F401
             from trl_grpo import run_trl
         except ImportError as e:
             emit({"bench": "grpo_vs_trl", "system": "trl", "skipped": f"{e}"})

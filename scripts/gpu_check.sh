@@ -5,8 +5,8 @@
 # Before the run, on the CPU machine, fetch what it lacks into .whl (git-ignored, ~7 MB):
 #   bash scripts/gpu_wheels.sh
 # then run it with the device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"]).
-# Results land in $OUT (gpu-tests.log, gpu-bench.jsonl). Without DeepSpeed the ZeRO GPU test
-# skips; without .whl at all nothing but the torch/CuPy parts can run.
+# Results land in $OUT (gpu-tests.log, gpu-bench.jsonl, grpo.log). Without DeepSpeed the ZeRO
+# GPU test fails (ASYNCRL_REQUIRE_GPU_DEPS below); without .whl nothing past torch/CuPy runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -17,7 +17,7 @@ if [ -d .whl ]; then
   if ls .whl/deepspeed-*.tar.gz > /dev/null 2>&1; then  # its source, built without ops
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
       --no-compile --no-cache-dir --target /tmp/site .whl/deepspeed-*.tar.gz \
-      || echo "deepspeed did not install: the ZeRO GPU test will skip"
+      || echo "deepspeed did not install: the ZeRO GPU test will fail"
   fi
   export PYTHONPATH=/tmp/site:$PWD
 else

@@ -283,3 +283,12 @@ def test_compacted_pulls_each_held_row_once_in_one_piece_per_shard():
         got = held_rows(held)
         assert len(held.pieces) < len(picked.pieces) and sorted(set(want)) == sorted(got)
         assert [got[i] for i in order] == want
+
+
+def test_remote_take_accepts_numpy_and_tensor_indices_as_ints():
+    import numpy as np
+
+    for rows in (np.array([2, 0]), torch.tensor([2, 0]), [np.int64(2), torch.tensor(0)]):
+        picked = remote([3]).take(rows)
+        assert [(p.start, p.stop) for p in picked.pieces] == [(4, 5), (2, 3)]
+        assert all(type(p.start) is int for p in picked.pieces)

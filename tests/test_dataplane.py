@@ -233,11 +233,12 @@ def test_columns_with_lazy_bits_move_as_their_values(groups):
 
 def test_rows_from_a_ranks_own_store_are_copies_like_pulled_ones(groups):
     """A consumer that changes the list rows it got changes no stored result: its own
-    store's rows are copies, as its peers' pulled ones are."""
+    store's rows are copies, as its peers' pulled ones are, and so is each repeat of a row."""
     made = groups["p2"].nest(rows(4))
     want = [[[k, -1] for k in range(4)]] * 2
     assert get(groups["p2"].touch(made)) == want
     assert get(groups["p2"].touch(made)) == want  # not [0, -1, -1]: the store kept [0]
+    assert get(groups["p2"].touch(made.rows([1, 1, 3, 3]))) == [[[1, -1]] * 2 + [[3, -1]] * 2] * 2
 
 
 def test_non_batch_values_are_pulled_whole(groups):
@@ -578,7 +579,7 @@ def test_rows_of_futures_are_one_batch_pulled_by_the_consumer(bg, groups):
     fetched = bg.run(_awaited(picked))
     assert fetched["i"].tolist() == want and fetched["name"] == out["name"]
     assert get(c1.ids(asyncrl.concat(b, a.rows([1])))) == [100, 101, 102, 103, 104, 105, 1]
-    assert get(c1.ids(a.rows([3, 3, 0, 3, 8, 8]))) == [3, 3, 0, 3, 8, 8]  # each pulled once
+    assert get(c1.ids(a.rows([3, 3, 0, 3, 8, 8]))) == [3, 3, 0, 3, 8, 8]  # repeats: in order
 
     with pytest.raises(IndexError, match="row 10 is outside this batch of 10 rows"):
         get(c1.ids(a.rows([10])))

@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 import warnings
+from typing import NoReturn
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def lacking(reason: str) -> None:
+def lacking(reason: str) -> NoReturn:
     """Skip for a missing GPU-side dependency; fail instead where scripts/gpu_check.sh asks
     (ASYNCRL_REQUIRE_GPU_DEPS=1): a skip there would pass a device run that tested nothing."""
     if os.environ.get("ASYNCRL_REQUIRE_GPU_DEPS") == "1":

@@ -225,7 +225,12 @@ class DataClient:
         if compact is None:
             return self._fetch_rows(rb)
         held, order = compact  # each row pulled once (a pull per repeat would cost k times)
-        return TensorBatch(self._fetch_rows(held).take(order).to_dict(), rb.meta)
+        data = self._fetch_rows(held).take(order).to_dict()
+        if len(set(order)) < len(order):  # a repeated row's list items: each its own copy,
+            for key, col in data.items():  # as each pull of it decoded its own
+                if isinstance(col, list):
+                    data[key] = codec.decode(codec.encode(col))
+        return TensorBatch(data, rb.meta)
 
     def _fetch_rows(self, rb: RemoteBatch) -> TensorBatch:
         n = len(rb)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,7 +111,7 @@ class RemoteBatch(RowOps):
     def take(self, rows: Sequence[int]) -> RemoteBatch:
         out: list[Piece] = []
         ends = list(itertools.accumulate(p.stop - p.start for p in self.pieces))
-        for r in rows:
+        for r in map(operator.index, rows):  # numpy or 0-d torch indices: plain ints
             if not 0 <= r < self._len:
                 raise IndexError(f"take: row {r} is outside this batch of {self._len} rows")
             i = bisect.bisect_right(ends, r)  # the piece holding row r

@@ -18,25 +18,29 @@ class Fetches:
                  post: Callable[[int, Fetch], None], timeout: float):
         self._group, self._loop, self._post, self._timeout = group, loop, post, timeout
         self._waiters: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        self._stale: set[tuple[int, int]] = set()  # timed out once: asked again when awaited
 
     async def get(self, rank: int, obj_id: int) -> Any:
         """Rank `rank`'s part of call `obj_id`'s result, decoded: its large arrays are views
         of the frames they came in."""
         key = (rank, obj_id)
         waiter = self._waiters.get(key)
-        if waiter is None:
-            waiter = self._waiters[key] = self._loop.create_future()
+        if waiter is None or key in self._stale:  # (a stale one stays: others await it too)
+            if waiter is None:
+                waiter = self._waiters[key] = self._loop.create_future()
+            self._stale.discard(key)
             self._post(rank, Fetch(obj_id))
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self._timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             if self._waiters.get(key) is waiter:  # awaiting it again asks again
-                del self._waiters[key]
+                self._stale.add(key)
             raise TransferTimeout(
                 f"fetching the result of call {obj_id} from {self._group}:{rank}: no answer "
                 f"within {self._timeout:g} s (raise Controller(transfer_timeout=...))") from None
 
     def answered(self, msg: Fetched) -> None:
+        self._stale.discard((msg.rank, msg.obj_id))
         waiter = self._waiters.pop((msg.rank, msg.obj_id), None)
         if waiter is None or waiter.done():
             return
@@ -51,6 +55,7 @@ class Fetches:
 
     def fail(self, exc: BaseException) -> None:
         waiters, self._waiters = list(self._waiters.values()), {}
+        self._stale.clear()
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_exception(exc)

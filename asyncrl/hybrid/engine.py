@@ -103,9 +103,11 @@ class HybridEngine:
             self._fill_engine()
         except BaseException:  # still training: the engine's memory freed again (GPU), the
             self._release()  # optimizer back where it steps
-            if self.engine.owns_weights:  # vLLM: the first load woke its weights
-                self.engine.sleep(self._sleep_level)
-            self._restore_training()
+            try:
+                if self.engine.owns_weights:  # vLLM: the first load woke its weights
+                    self.engine.sleep(self._sleep_level)
+            finally:
+                self._restore_training()
             raise
         if self.engine.owns_weights and torch.cuda.is_available():
             torch.cuda.empty_cache()  # the fill's buffers: vLLM's KV cache is not torch's
