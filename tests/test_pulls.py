@@ -225,3 +225,32 @@ def test_the_data_server_drops_a_peer_that_sends_an_oversized_frame():
         for sock in (events, big, small):
             sock.close(0)
         server.close()
+
+
+def test_buckets_that_come_as_frames_are_asked_for_a_window_at_a_time(monkeypatch, scripted):
+    """Over a socket, a producer's buckets are asked FRAMES_WINDOW at a time (each answer
+    asks the next): all at once, every frame would wait in ZeroMQ's queue beside the batch
+    being filled, twice the batch's memory."""
+    monkeypatch.setattr(dataplane, "BUCKET_BYTES", 8)  # one 8-byte row a bucket
+    monkeypatch.setattr(dataplane, "FRAMES_WINDOW", 2)
+    _, producer, _ = scripted
+    x = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    most: list[int] = []
+
+    def script():
+        asked = [producer.pull() for _ in range(2)]
+        received = 2
+        while asked:
+            most.append(len(asked) + producer.sock.poll(100))  # a third would be here by now
+            who, req = asked.pop(0)
+            producer.answer(who, messages.Pulled(req.xfer_id, buffers=["x"]),
+                            x[req.start:req.stop].numpy().tobytes())
+            if received < 6:  # the answer asks the next
+                asked.append(producer.pull())
+                received += 1
+
+    producer.play(script)
+    client = client_of(scripted, timeout=10)
+    batch = RemoteBatch([Piece(producer.shard, 0, 6)], [messages.Column("x", "float32", (2,))])
+    assert torch.equal(client.fetch_batch(batch)["x"], x)
+    assert most == [2, 2, 2, 2, 2, 1]  # never more than two asked and unanswered

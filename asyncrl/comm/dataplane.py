@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +47,10 @@ SHM_PREFIX = "asyncrl-"
 _ALIGN = 64
 WATCH_S = 0.1  # how often a pull waiting for answers looks for news of dead producers
 MAX_LATE_SOCKETS = 64  # per client: sockets of timed-out IPC pulls still drained
-BUCKET_BYTES = 32 << 20  # pulls are split into buckets of at most this many bytes, all in
+BUCKET_BYTES = 32 << 20  # pulls are split into buckets of at most this many bytes, several in
 # flight at once: the producer copies or sends one while the consumer takes in another
+FRAMES_WINDOW = 4  # buckets asked of one producer at once when they come as frames: the rest
+# waits, else every frame would sit in ZeroMQ's queue beside the batch it is copied into
 
 
 def run_prefix(run_id: str) -> str:
@@ -145,19 +148,28 @@ class DataClient:
 
     def _exchange(self, requests: list[tuple[Piece, Pull]],
                   take: Callable[[Pull, Pulled, list], None],
-                  sent: Callable[[], None] | None = None) -> None:
-        """Send every request, call `sent()`, then hand each reply to `take` as it arrives (so
-        the copy of one bucket overlaps the transfer of the next), all within the timeout."""
+                  sent: Callable[[], None] | None = None, window: int = 0) -> None:
+        """Send the requests (at most `window` unanswered per producer, when > 0), call
+        `sent()`, then hand each reply to `take` as it arrives (so the copy of one bucket
+        overlaps the transfer of the next), all within the timeout."""
         self._drain_late()
         self._check_alive(piece for piece, _ in requests)  # before anything is sent
         pending: dict[int, tuple[Piece, Pull]] = {}
         poller = zmq.Poller()
+        queued: dict[str, deque[tuple[Piece, Pull]]] = {}  # per producer, in order
         for piece, req in requests:
-            sock, signer, _, identity = self._socket(piece.shard.addr)
-            route = identity + b"@" + piece.shard.addr.encode()
-            sock.send_multipart(signer.sign(route, messages.encode(req)))
+            queued.setdefault(piece.shard.addr, deque()).append((piece, req))
+
+        def send_next(addr: str) -> None:
+            piece, req = queued[addr].popleft()
+            sock, signer, _, identity = self._socket(addr)
+            sock.send_multipart(signer.sign(identity + b"@" + addr.encode(),
+                                            messages.encode(req)))
             pending[req.xfer_id] = (piece, req)
             poller.register(sock, zmq.POLLIN)
+        for addr, todo in queued.items():
+            for _ in range(min(len(todo), window) if window > 0 else len(todo)):
+                send_next(addr)
         if sent is not None:
             sent()
         deadline = time.monotonic() + self._timeout
@@ -209,6 +221,8 @@ class DataClient:
                         _release(reply.ipc.values())
                         raise
                     take(req, reply, frames[2:])
+                    if queued[piece.shard.addr]:  # the window moves on
+                        send_next(piece.shard.addr)
                 elif isinstance(reply, Pulled):  # for a pull given up when another failed
                     _release(reply.ipc.values())
 
@@ -330,7 +344,10 @@ class DataClient:
         for end in links.values():  # one puller at a time per communicator: receives match
             end.lock.acquire()      # sends in order
         try:
-            self._exchange(requests, take, post if links else None)
+            # frames over a socket come in a window of buckets (shared memory and NCCL
+            # bring none: their pulls all go at once)
+            self._exchange(requests, take, post if links else None,
+                           window=FRAMES_WINDOW if buf is not None and not links else 0)
             for key, end in links.items():
                 nccl.finish(key, end, self._timeout)
         except BaseException:
