@@ -92,9 +92,17 @@ class ZeroBackend(TrainBackend):
         # the torch optimizer ZeRO wraps (its state is what the hybrid engine moves)
         self.opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         self._ds = ds
+        self._failed_midway = ""  # a step whose backward ran for some micro-batches, not all
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
                    entropy: bool = False) -> dict[str, float]:
+        if self._failed_midway:  # DeepSpeed keeps what it accumulated, in its own buffers:
+            # stepping on would add it to this step's gradients
+            raise RuntimeError(
+                f"ZeRO train_step refused: the step before failed after some of its "
+                f"micro-batches' backward ({self._failed_midway}), and DeepSpeed keeps their "
+                f"gradients; respawn the group (a flow's rewind does) or use FSDP2, which "
+                f"drops them")
         micros = self.train_micro_batches(batch)
         gas = len(micros)
         if self.engine.gradient_accumulation_steps() != gas:  # this step's micro-batch count
@@ -113,7 +121,12 @@ class ZeroBackend(TrainBackend):
             self.engine.step()  # steps the optimizer and the schedule at the boundary only
 
         lr = self.opt.param_groups[0]["lr"]
-        stats = self._accumulate(batch, loss_fn, entropy, backward, micros)
+        try:
+            stats = self._accumulate(batch, loss_fn, entropy, backward, micros)
+        except BaseException as e:
+            if 0 < done < gas:
+                self._failed_midway = f"{type(e).__name__}: {e}"
+            raise
         norm = float(self.engine.get_global_grad_norm() or 0.0)
         # reported, not skipped: DeepSpeed steps anyway outside fp16 loss scaling
         return {**stats, "grad_norm": norm, "lr": lr,
