@@ -11,7 +11,8 @@ in the same run on the same model and prompts:
   multi_turn_procs   multi_turn with the environment in 2 child processes (the pool a tool
                      with a timeout runs in: a message round trip per call)
 
-One JSON line per way: {"bench": "multi_turn", "system": ..., "s": (median of the repeats),
+One JSON line per way: {"bench": "multi_turn", "system": ..., "s": (median of the repeats
+after one untimed warm-up),
 "sampled_tokens_per_s": (the policy's tokens), "response_tokens": (observations included),
 "turns_mean": ...}. Run: `.venv/bin/python benchmarks/multi_turn.py [--rows 32]
 [--budget 256] [--repeat 3]`. Driver code stays behind __main__ (the pool's processes
@@ -42,6 +43,7 @@ def tool(prompt, response, turn):
 
 
 def measure(run, repeat: int) -> tuple[float, object]:
+    run()  # untimed warm-up: the first run also starts a pool's processes and fills caches
     times, out = [], None
     for _ in range(repeat):
         start = time.perf_counter()
