@@ -353,6 +353,16 @@ def gpu_index() -> int:
     return int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
 
 
+def require_own_gpu(needs: str) -> None:
+    """Refuse a rank that would share a GPU (share_gpus) where an engine binds
+    cuda:LOCAL_RANK itself; `needs` says which, e.g. "vLLM needs a GPU per rank (...)"."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and local >= torch.cuda.device_count():
+        raise ValueError(f"{needs}, but local rank {local} sees {torch.cuda.device_count()} "
+                         f"GPU(s): do not place this group with share_gpus, or give it fewer "
+                         f"ranks")
+
+
 def collective_timeout() -> float:
     """Seconds a collective may wait (the Controller's collective_timeout)."""
     return float(os.environ.get("ASYNCRL_COLLECTIVE_TIMEOUT", "600"))

@@ -280,14 +280,9 @@ class TensorBatch(RowOps):
         if index.dtype == torch.bool:  # else True, False would be rows 1, 0
             raise TypeError("take(rows) needs row indices, got a boolean mask; pass "
                             "mask.nonzero().flatten() (the indices where it is True)")
-        on: dict[torch.device, torch.Tensor] = {torch.device("cpu"): index.long()}
-
-        def index_on(device: torch.device) -> torch.Tensor:  # index_select wants it there
-            if device not in on:
-                on[device] = on[torch.device("cpu")].to(device)
-            return on[device]
-        return TensorBatch(
-            {k: v.index_select(0, index_on(v.device)) if isinstance(v, torch.Tensor) else
+        index = index.long()
+        return TensorBatch(  # the index on each column's device (a no-op on the CPU's)
+            {k: v.index_select(0, index.to(v.device)) if isinstance(v, torch.Tensor) else
              [v[i] for i in rows] for k, v in self._data.items()}, unpadded_meta(self.meta))
 
     @staticmethod

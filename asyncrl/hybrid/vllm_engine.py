@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.actors.rank_main import require_own_gpu
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.sampler import SamplingConfig, left_pad
 
@@ -101,11 +102,7 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine(tensor_parallel_size={tensor_parallel_size}): only 1 "
                              f"is supported (each rank generates its own DP rows); use more "
                              f"ranks instead")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available() and local >= torch.cuda.device_count():
-            raise ValueError(f"vLLM needs a GPU per rank (it binds cuda:LOCAL_RANK), but local "
-                             f"rank {local} sees {torch.cuda.device_count()} GPU(s): do not "
-                             f"place this group with share_gpus, or give it fewer ranks")
+        require_own_gpu("vLLM needs a GPU per rank (it binds cuda:LOCAL_RANK)")
         self.config = sampling or SamplingConfig()
         _check_top_p(self.config)
         self._params_cls = sampling_params_cls

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncrl.actors.rank_main import require_own_gpu
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fsdp import (
     LossFn,
@@ -67,11 +68,7 @@ class ZeroBackend(TrainBackend):
         if stage not in (2, 3):
             raise ValueError(f"ZeRO stage must be 2 or 3, got {stage}")
         ds = _deepspeed()
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available() and local >= torch.cuda.device_count():
-            raise ValueError(f"ZeRO needs a GPU per rank (DeepSpeed binds cuda:LOCAL_RANK), but "
-                             f"local rank {local} sees {torch.cuda.device_count()} GPU(s): do not "
-                             f"place this group with share_gpus, or give it fewer ranks")
+        require_own_gpu("ZeRO needs a GPU per rank (DeepSpeed binds cuda:LOCAL_RANK)")
         self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
         model = trainable(model_cfg, train_cfg, head)
         opt = adamw(trained_parameters(model), train_cfg)
