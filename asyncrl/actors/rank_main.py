@@ -139,6 +139,8 @@ class RankMain:
         self.hb_interval = float(env.get("ASYNCRL_HB_INTERVAL", "0.5"))
         self.hb_timeout = float(env.get("ASYNCRL_HB_TIMEOUT", "3.0"))
         self.controller = env.get(PROCESS_ENV, "")  # on this host: "pid:birth"
+        # the controller took this rank: it sent it something (its Construct, a heartbeat)
+        self.taken = False
         self.ctx = zmq.Context()
         self.transfer_timeout = float(env.get("ASYNCRL_TRANSFER_TIMEOUT", "60"))
         self.transport = env.get("ASYNCRL_TRANSPORT", "auto")
@@ -264,7 +266,8 @@ class RankMain:
             if isinstance(msg, Call):
                 ex.run_call(msg)
             elif isinstance(msg, Construct):
-                ex.sock.send(self.build(msg))
+                self.taken = True  # (its heartbeats may not have come yet: a loop busy
+                ex.sock.send(self.build(msg))  # right after the spawn sends none)
 
     def build(self, msg: Construct) -> Ready:
         mesh = dict(msg.mesh)
@@ -300,12 +303,11 @@ class RankMain:
         interval_ms = max(1, int(self.hb_interval * 1000))
         last_heard = next_beat = time.monotonic()
         waiting = False  # for a controller that is silent but runs (said once)
-        heard = False  # from the controller: it took this rank's hello
         while True:
             msg = self.io.recv(max(0, int((next_beat - time.monotonic()) * 1000)) or 0)
             now = time.monotonic()
             if msg is not None:
-                last_heard, heard = now, True
+                last_heard, self.taken = now, True
                 if isinstance(msg, Call):
                     self.run_beside(msg)
                 elif isinstance(msg, Release):
@@ -325,7 +327,7 @@ class RankMain:
             if now - last_heard > self.hb_timeout:
                 # a controller here that runs, and that took this rank (it has heard from
                 # it): its loop is busy (a node's own work on it), not gone; for a while
-                if heard and self.controller and runs(self.controller) and \
+                if self.taken and self.controller and runs(self.controller) and \
                         now - last_heard < max(self.hb_timeout, collective_timeout()):
                     if not waiting:
                         print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the "
