@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -41,6 +42,7 @@ except ImportError:  # the lifetime check says it skipped, after the rest
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
+from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
 
 ROW = 1024  # float32 values per row: 4 KiB rows
 
@@ -132,6 +134,10 @@ def bench_ray(nbytes: int, repeat: int, ctx: dict[str, Any]) -> list[dict[str, A
         def total(self, *parts: torch.Tensor) -> float:
             return float(sum(p.sum() for p in parts))
 
+    # Ray's workers inherit this environment: the huge pages asyncrl's ranks ask for, which
+    # make Ray's torch hand-off faster too (1.7 against 1.1 GiB/s dp2->dp2 here; numpy's
+    # arrays take them anyway)
+    os.environ.update({**RANK_ENV_DEFAULTS, **os.environ})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=max(4 * nbytes, 1 << 30))
     out = []

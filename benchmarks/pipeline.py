@@ -47,6 +47,7 @@ import torch
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
 from asyncrl.rl import Policy, Rollout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,6 +158,21 @@ async def weight_sync(preset: str, repeat: int) -> dict:
             "load_s": round(statistics.median(g["sync/load_s"] for _, g in syncs[1:]), 4)}
 
 
+def trl_run(steps: int, warmup: int, threads: int, beta: float) -> dict:
+    """TRL's GRPOTrainer (trl_grpo.py) in a process of its own, as asyncrl's groups are.
+    With torch's own allocator settings, not the huge pages asyncrl's ranks ask for: with
+    them TRL ran slower here (two threads: 9,800 against 13,200 tokens/s)."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV_DEFAULTS}
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "trl_grpo.py"), "--steps", str(steps),
+         "--warmup", str(warmup), "--threads", str(threads), "--beta", str(beta),
+         "--max-new-tokens", "16", "--lr", "0"],
+        env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"trl_grpo.py exited with {out.returncode}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
@@ -174,15 +190,14 @@ def main() -> None:
     def emit(row: dict) -> None:  # as produced: a later part failing loses no figure
         print(json.dumps({**row, **env}), flush=True)
 
-    run_trl = None
-    if not args.skip_trl:  # found missing now, not after the asyncrl runs
-        sys.path.insert(0, str(Path(__file__).parent))
+    run_trl = not args.skip_trl
+    if run_trl:  # found missing now, not after the asyncrl runs
         try:
-            import datasets  # noqa: F401 - what run_trl imports when it runs
+            import datasets  # noqa: F401 - what trl_grpo.py imports
             import trl  # noqa: F401
-            from trl_grpo import run_trl
         except ImportError as e:
             emit({"bench": "grpo_vs_trl", "system": "trl", "skipped": f"{e}"})
+            run_trl = False
     rows = pipeline(args.steps, args.warmup, args.rounds, args.kl_coef)
     for row in rows:
         emit(row)
@@ -190,11 +205,10 @@ def main() -> None:
     k1 = next(r for r in rows if r.get("max_staleness") == 1)
     emit({"bench": "grpo_vs_trl", "system": "asyncrl", "max_staleness": 1,
           "tokens_per_s": k1["tokens_per_s"], "median_tokens_per_s": k1["median_tokens_per_s"]})
-    if run_trl is not None:
+    if run_trl:
         trl = []
         for threads in sorted({1, os.cpu_count() or 1}):  # the same cores as asyncrl too
-            trl.append(run_trl(args.steps, max_new_tokens=16, lr=0.0, warmup=args.warmup,
-                               threads=threads, beta=args.kl_coef))
+            trl.append(trl_run(args.steps, args.warmup, threads, args.kl_coef))
             emit(trl[-1])
         best = max(r["tokens_per_s"] for r in trl)
         # asyncrl's best round against TRL's single run, and its median round beside it

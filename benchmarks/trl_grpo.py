@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=THREADS)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--beta", type=float, default=1e-3)
     args = parser.parse_args()
     from transformers.utils import logging
 
@@ -144,7 +146,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the JSON line
         result = run_trl(args.steps, max_new_tokens=args.max_new_tokens, lr=args.lr,
-                         threads=args.threads)
+                         warmup=args.warmup, threads=args.threads, beta=args.beta)
     print(json.dumps(result))
 
 

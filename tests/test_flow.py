@@ -25,6 +25,7 @@ from asyncrl.controller.placement import Host, Placer
 from asyncrl.controller.timeline import Event, Timeline, draw
 from asyncrl.controller.trackers import Wandb
 from asyncrl.errors import SettingError
+from asyncrl.rl import PromptSource
 
 
 # -- the graph (no processes) ----------------------------------------------------------------
@@ -99,6 +100,32 @@ def test_a_parameter_named_step_gets_the_step_index_unless_an_input_has_that_nam
     first, resumed = run(main())
     assert [v["numbered"]["seen"] for v in first] == [[10, 0], [20, 1], [30, 2]]
     assert [v["numbered"]["seen"] for v in resumed] == [[2, 9]]
+
+
+@asyncrl.node
+def paired(prompts, offsets):
+    return {"x": prompts["x"], "offset": offsets}
+
+
+def test_an_input_that_ends_leaves_the_ones_before_it_where_the_steps_left_them():
+    """Two inputs, the second shorter: the step that finds it ended has already read the
+    first's next batch, which no step uses. The position saved at the run's end (its last
+    checkpoint) is the one the last step left: resumed from it, the run reads that batch."""
+    def source():
+        return PromptSource([{"x": i} for i in range(8)], batch_size=2, seed=3, epochs=None)
+    prompts = source()
+    flow = asyncrl.DataFlow(nodes=[paired], inputs={"prompts": prompts, "offsets": [0, 1]},
+                            groups=[])
+
+    async def main():
+        async with asyncrl.Controller():
+            return await flow.run(), flow.positions()
+    out, positions = run(main())
+    straight = iter(source())
+    assert [v["paired"]["x"] for v in out] == [next(straight)["x"] for _ in range(2)]
+    resumed = source()
+    resumed.load_state_dict(positions["prompts"])
+    assert resumed.next_batch()["x"] == next(straight)["x"]
 
 
 def test_out_suffix_and_input_mapping():

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import poll_until
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
@@ -112,6 +113,10 @@ class Echo(asyncrl.Worker):
     def mesh_sizes(self):
         mesh = self.device_mesh  # built collectively on first use
         return {name: mesh[name].size() for name in self.mesh}
+
+    @asyncrl.register
+    def big(self) -> TensorBatch:  # too big to come with its Result: fetched when awaited
+        return TensorBatch({"x": torch.ones(2, 40_000), "tag": ["a", "b"]})
 
     @asyncrl.register
     def record(self, value):
@@ -238,6 +243,26 @@ def test_call_waiting_for_an_input_holds_back_later_calls(pair):
     logs = get(after)
     assert logs[0][-2:] == [[True, True], "after"]
     assert get(waits)[0][-1] == [True, True]
+
+
+def test_awaiters_of_one_fetched_result_get_one_value_built_once(bg, pair):
+    """A result too big to come with its Result, awaited by three at once, one of them
+    cancelled while the parts are fetched: the others get the same value, built once."""
+    async def awaited(fut):
+        return await fut
+
+    async def three():
+        fut = pair.big()
+        await poll_until(fut.done, 30, "the reference to the big result")
+        tasks = [asyncio.ensure_future(awaited(fut)) for _ in range(3)]
+        await asyncio.sleep(0)  # each has asked for the value: the fetch is under way
+        tasks[2].cancel()
+        first, second = await asyncio.gather(*tasks[:2])
+        return first, second, tasks[2].cancelled(), await fut
+    first, second, cancelled, later = bg.run(three())
+    assert first is second is later and cancelled
+    assert [float(b["x"].sum()) for b in first] == [80_000] * 2  # each rank's part
+    assert [b["tag"] for b in first] == [["a", "b"]] * 2
 
 
 def test_remote_error_carries_group_rank_method_and_traceback(pair):

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.rank_fork import (
+    RANK_ENV_DEFAULTS,
     StartUp,
     preload,
     run_forked,
@@ -221,7 +222,8 @@ class AgentServer:
 
     def __init__(self) -> None:
         root = str(Path(__file__).resolve().parents[2])  # asyncrl importable, as the ranks
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        # the ranks' defaults too: read at start-up, they must be the server's to fork ranks
+        env = {**RANK_ENV_DEFAULTS, **os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from asyncrl.controller.agent_fork import serve; serve()"],

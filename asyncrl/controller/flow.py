@@ -300,14 +300,26 @@ class DataFlow:
     # -- steps --------------------------------------------------------------------------------
     def _next_inputs(self) -> dict[str, Any] | None:
         values = {}
+        # with several iterable inputs, one may end after the ones before it gave this step's
+        # item: those are put back where they were, or the run's last checkpoint would save
+        # them one item past what its steps used (a resumed run would skip it)
+        several = len(self._consumed) > 1
+        taken: list[tuple[Any, Any]] = []
         for name, it in self._sources.items():
             if it is None:
                 values[name] = self.inputs[name]
                 continue
+            source = self.inputs[name]
+            before = source.state_dict() if several and hasattr(source, "load_state_dict") \
+                else None
             try:
                 values[name] = next(it)
             except StopIteration:
+                for source, state in taken:
+                    source.load_state_dict(state)
                 return None
+            if before is not None:
+                taken.append((source, before))
         for name in self._consumed:  # only for a step that runs (checkpoints save these)
             self._consumed[name] += 1
         return values

@@ -22,6 +22,7 @@ from typing import Any
 import asyncrl
 from asyncrl.actors import rank_client
 from asyncrl.actors.procs import birth
+from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
 from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users import it here)
@@ -308,6 +309,8 @@ def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     env.pop("WANDB_SERVICE", None)  # the controller's wandb service: a rank's wandb its own
     env.update(extra)
     env.setdefault("OMP_NUM_THREADS", env.get("ASYNCRL_THREADS", "1"))
+    for key, value in RANK_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
     env["PYTHONUNBUFFERED"] = "1"
     pkg_root = str(Path(asyncrl.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)

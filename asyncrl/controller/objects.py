@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 class ObjectRef:
     __slots__ = ("group", "obj_id", "_collect", "_collect_encoded", "schemas", "_inline",
-                 "_value", "_done", "__weakref__")
+                 "_value", "_done", "_building", "__weakref__")
 
     def __init__(self, group: GroupHandle, obj_id: int, collect: Callable[[dict[int, Any]], Any],
                  schemas: dict[int, Schema], inline: dict[int, msgspec.Raw],
@@ -40,6 +40,7 @@ class ObjectRef:
         self._inline = inline  # rank -> encoded value, for the parts that came with the Result
         self._value: Any = None
         self._done = False
+        self._building: asyncio.Task[Any] | None = None  # fetching parts, for every awaiter
         if schemas:
             weakref.finalize(self, group._ctl.releases.later, group, list(schemas), obj_id)
 
@@ -70,21 +71,40 @@ class ObjectRef:
         return self._collect(parts)
 
     async def value(self) -> Any:
-        """The value itself, for the driver that awaits it (fetched where not inline)."""
-        if not self._done:
-            ranks = self._ranks()
-            missing = [rank for rank in ranks if rank not in self._inline]
-            fetched = dict(zip(missing, await asyncio.gather(  # from every rank at once
-                *(self.group._fetch(rank, self.obj_id) for rank in missing)), strict=True))
-            value = None
-            if not fetched and self._collect_encoded is not None:  # every part came inline
-                value = self._collect_encoded(self._inline)
-            if value is None:
-                value = self._collect({rank: fetched[rank] if rank in fetched else
-                                       codec.decode(self._inline[rank]) for rank in ranks})
-            self._value = codec.count_produced(value)
-            self._done = True
+        """The value itself, for the driver that awaits it (fetched where not inline). Every
+        awaiter gets the same object, built once."""
+        if self._done:
+            return self._value
+        ranks = self._ranks()
+        missing = [rank for rank in ranks if rank not in self._inline]
+        if not missing:  # every part came inline: built at once, nothing to wait for
+            return self._build(ranks, {})
+        if self._building is None:  # one build however many await (each awaiter shielded:
+            # one cancelled leaves the others theirs); a failure: the next await asks again
+            self._building = asyncio.ensure_future(self._fetch_and_build(ranks, missing))
+            self._building.add_done_callback(self._built)
+        return await asyncio.shield(self._building)
+
+    async def _fetch_and_build(self, ranks: list[int], missing: list[int]) -> Any:
+        fetched = dict(zip(missing, await asyncio.gather(  # from every rank at once
+            *(self.group._fetch(rank, self.obj_id) for rank in missing)), strict=True))
+        return self._build(ranks, fetched)
+
+    def _build(self, ranks: list[int], fetched: dict[int, Any]) -> Any:
+        value = None
+        if not fetched and self._collect_encoded is not None:  # every part came inline
+            value = self._collect_encoded(self._inline)
+        if value is None:
+            value = self._collect({rank: fetched[rank] if rank in fetched else
+                                   codec.decode(self._inline[rank]) for rank in ranks})
+        self._value = codec.count_produced(value)
+        self._done = True
         return self._value
+
+    def _built(self, task: asyncio.Task[Any]) -> None:
+        self._building = None
+        if not task.cancelled():
+            task.exception()  # seen by its awaiters; none left: not "never retrieved"
 
     def holds_batches(self) -> bool:
         """Whether every part the ranks keep is a TensorBatch (and one is kept at all)."""
