@@ -118,7 +118,7 @@ def launch(args: argparse.Namespace) -> int:
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise SystemExit(f"asyncrl launch: --checkpoint-every must be >= 1, got "
                          f"{args.checkpoint_every}")
-    if args.keep_checkpoints < 0:
+    if args.keep_checkpoints is not None and args.keep_checkpoints < 0:
         raise SystemExit(f"asyncrl launch: --keep-checkpoints must be >= 0 (0 keeps all), "
                          f"got {args.keep_checkpoints}")
     sys.argv = [args.script, *args.args, *args.passed]
@@ -151,7 +151,7 @@ def launch(args: argparse.Namespace) -> int:
     print(f"run_dir: {run_dir}", flush=True)
     if args.checkpoint_every is not None:
         flow.checkpoint_every = args.checkpoint_every
-    keep = args.keep_checkpoints or None  # 0 keeps every checkpoint
+    keep = 3 if args.keep_checkpoints is None else args.keep_checkpoints or None  # 0: all
     cluster, host = _cluster(args)
     return _run_flow("launch", run_dir, launch_flow(
         flow, args.steps, run_dir, args.save_inputs, resume=args.resume, keep=keep,
@@ -211,6 +211,7 @@ _FLOW_OPTIONS = {
     "controller_address": "pass asyncrl.Controller(host=...)",
     "save_inputs": "save what main() needs itself",
     "checkpoint_every": "save its state in main()",
+    "keep_checkpoints": "keep what main() saves itself",
     "resume": "resume in main()",
     "encrypt": "pass asyncrl.Controller(encrypt=True)",
     "wandb": "call wandb.init and wandb.log in main()",
@@ -452,7 +453,7 @@ def parser() -> argparse.ArgumentParser:
     lp.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                     help="checkpoint into RUN_DIR/checkpoints every N steps (a run always "
                     "checkpoints after its last step)")
-    lp.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
+    lp.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
                     help="keep the newest K checkpoints (default 3; 0 keeps all)")
     lp.add_argument("--resume", action="store_true",
                     help="continue the run in --run-dir from its newest complete checkpoint")

@@ -330,6 +330,28 @@ def on_right(step):
     return right.work(["right", step], 0.4)
 
 
+@asyncrl.node
+def brief(step):
+    return left.work(["brief", step], 0.1)
+
+
+def test_a_steps_seconds_are_the_period_it_adds_not_its_time_since_dispatch():
+    """Steps are dispatched ahead (step t once step t-2 finished, at max_staleness 0): a
+    step's seconds (time/step_s, tokens/s, idle time) run from the end of the step before,
+    so they add up to the run's time, not about twice it."""
+    flow = asyncrl.DataFlow(nodes=[brief], inputs={"step": range(5)}, groups=[left])
+    seen: list[float] = []
+
+    async def main():
+        async with asyncrl.Controller(), flow:
+            start = time.perf_counter()
+            await flow.run(on_step=lambda t, values, seconds: seen.append(seconds))
+            return time.perf_counter() - start
+    wall = run(main())
+    assert len(seen) == 5 and min(seen) >= 0.1  # each step's own work is in its period
+    assert sum(seen) <= wall
+
+
 def test_independent_nodes_run_at_the_same_time_on_their_groups():
     flow = asyncrl.DataFlow(nodes=[on_left, on_right], inputs={"step": [0]},
                             groups=[left, right])

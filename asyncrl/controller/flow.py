@@ -42,7 +42,11 @@ class _Step:
     index: int
     returned: dict[str, asyncio.Task] = field(default_factory=dict)
     finished: dict[str, asyncio.Task] = field(default_factory=dict)
-    started: float = 0.0
+    started: float = 0.0  # dispatched (steps are dispatched ahead: k + 1 in flight)
+    ended: float = 0.0  # its last node finished
+
+    def _finish(self, _: asyncio.Task) -> None:
+        self.ended = max(self.ended, time.perf_counter())
 
 
 class DataFlow:
@@ -88,6 +92,7 @@ class DataFlow:
         self.groups = list(groups) if groups is not None else declared_in(modules)
         self._sources: dict[str, Iterator[Any] | None] = {}
         self._consumed: dict[str, int] = {}  # items taken from each iterable, over the whole run
+        self._last_end = 0.0  # when the last step given to on_step finished
         # by index: the steps in flight and the last finished ones a later step waits on
         # (older ones are let go, and with them the futures their nodes returned)
         self._steps: dict[int, _Step] = {}
@@ -356,6 +361,7 @@ class DataFlow:
             task = _quiet(loop.create_task(self._run_node(step, self.nodes[name], values)))
             step.returned[name] = task
             step.finished[name] = _quiet(loop.create_task(_finished(task, name, t)))
+            step.finished[name].add_done_callback(step._finish)
         # step t+1 looks back to step t-k-1 (its bound) and t-k (its follows= edges): older
         # steps (all finished, as step t-k-2 was before this one) are let go
         for old in [i for i in self._steps if i < bound + 1]:
@@ -431,6 +437,11 @@ class DataFlow:
         there is none: the run starts over) and calls `on_rewind(t)`: steps after t run
         again, and what `on_step` was given for them is void.
 
+        `on_step(t, values, seconds)` gets each step's values once it finished, in order;
+        `seconds`: from the end of the step before (or its dispatch, if later) to its own end,
+        the period a step adds to the run (a step dispatched while earlier ones still run
+        would count their time too, measured from its dispatch).
+
         `keep=False` (what `asyncrl launch` runs): a run of any length holds nothing for its
         return value (an empty list), and a node's TensorBatch left on its ranks is not
         fetched for `on_step` either: it gets the DistFuture (done) in its place (a future
@@ -505,7 +516,9 @@ class DataFlow:
             except Exception as e:
                 raise NodeError(name, step.index, e) from e
         if on_step is not None:
-            on_step(step.index, values, time.perf_counter() - step.started)
+            since = max(step.started, self._last_end)
+            on_step(step.index, values, max(0.0, step.ended - since))
+        self._last_end = max(self._last_end, step.ended)
         return values
 
     def node_inputs(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:

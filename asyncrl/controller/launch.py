@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import numbers
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from asyncrl.actors.worker import sync_file
 from asyncrl.comm import codec
@@ -30,21 +34,29 @@ OVERRIDES_FILE = "overrides.json"  # in RUN_DIR/inputs: the run's key=value over
 
 
 def default_run_dir() -> Path:
-    """runs/<date-time>, with a suffix when a run started in the same second."""
+    """runs/<date-time>, made here: a run started in the same second takes a suffix, also
+    when both chose at once (a sweep's runs started together)."""
     base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 1
-    while path.exists():
-        path, n = base.with_name(f"{base.name}-{n}"), n + 1
-    return path
+    while True:
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            path, n = base.with_name(f"{base.name}-{n}"), n + 1
 
 
 def scalars(prefix: str, value: Any) -> dict[str, float]:
     """The numbers in a node's result, flattened: {"train/loss": 0.5, ...}; a key that holds
     a "/" is already a full metric name ("reward/mean") and is kept as it is."""
-    if isinstance(value, bool):
+    if isinstance(value, bool | np.bool_):
         return {}
-    if isinstance(value, int | float):  # NaN and inf too: a diverging loss must show (as
-        return {prefix: float(value)}  # null in metrics.jsonl, which has no NaN)
+    if isinstance(value, numbers.Real):  # numpy's scalars too; NaN and inf: a diverging loss
+        return {prefix: float(value)}  # must show (as null in metrics.jsonl, with no NaN)
+    if isinstance(value, torch.Tensor | np.ndarray) and math.prod(value.shape) == 1 and \
+            value.dtype not in (torch.bool, np.bool_):  # a worker's loss.detach()
+        return {prefix: float(value.item())}
     if isinstance(value, dict):
         out: dict[str, float] = {}
         for k, v in value.items():
@@ -118,15 +130,20 @@ class Metrics:
 
     def close(self, failed: bool = False) -> None:
         """Close every tracker (`failed`: the run ended with an error), each in turn: one
-        that fails to close keeps no other open."""
+        that fails to close keeps no other open. Its error is raised after the others
+        closed, or only said when the run failed (the run's own error is the one to see)."""
         errors = []
         for tracker in self.trackers:
             try:
                 tracker.close(failed)
             except Exception as e:  # noqa: BLE001 - said after the others closed
-                errors.append(e)
-        if errors:
-            raise errors[0]
+                errors.append((tracker, e))
+        if errors and failed:
+            for tracker, error in errors:
+                print(f"closing the {type(tracker).__name__} tracker failed too: "
+                      f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        elif errors:
+            raise errors[0][1]
 
 
 def drop_rows_after(path: Path, step: int) -> int:

@@ -114,7 +114,11 @@ class Wandb:
             print(f"wandb: logging step {step} failed ({type(e).__name__}: {e}); no more "
                   f"rows go to wandb in this run (metrics.jsonl has them all)",
                   file=sys.stderr, flush=True)
-            self.close(failed=True)
+            try:  # (a dead wandb service fails its finish too: still not the run's end)
+                self.close(failed=True)
+            except Exception as e:  # noqa: BLE001 - said; the training goes on
+                print(f"wandb: closing its run failed too ({type(e).__name__}: {e})",
+                      file=sys.stderr, flush=True)
             return
         self.logged = step
 
