@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -77,6 +78,10 @@ def verifier(prompt, response, answer):
         sandbox.wait()
     if answer == 9:
         threading.Event().wait()  # forever
+    if answer == 66:  # a tool run on the row, reading its stdin: it must find it empty
+        tool = subprocess.run([sys.executable, "-c", "import sys; print(sys.stdin.read())"],
+                              capture_output=True, timeout=60)
+        return np.float64(len(tool.stdout.strip()))
     if answer == 7:
         raise ArithmeticError("cannot parse the answer")
     print("this print goes to the log, not into the frames")
@@ -117,6 +122,9 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
         # the next call starts clean: no answer of the failed call comes back in it
         assert pool.call(row_inputs(verifier, answers(1, 2, 3))) == ([1.0, 2.0, 3.0],
                                                                        [False] * 3)
+        # what the function starts reads nothing from the job pipe (it waited there for a
+        # frame that never came while its row ran: the row timed out)
+        assert pool.call(row_inputs(verifier, answers(66))) == ([0.0], [False])
         untimed = FunctionPool(verifier, processes=1, timeout_s=None)
         seen += untimed.pids()
         assert untimed.call(row_inputs(verifier, answers(5, 6))) == ([1.0, 2.0], [False] * 2)

@@ -75,9 +75,14 @@ def _child(parent: int) -> None:
         pass
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
-    src = os.fdopen(sys.stdin.fileno(), "rb")
+    src = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints: to the log, not the frames
+    # the function's own input() or subprocesses (a tool running code) read nothing, rather
+    # than wait on the job pipe, or eat the next job's bytes
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, sys.stdin.fileno())
+    os.close(null)
     fn = resolve_ref(*read_frame(src))
     write_frame(out, "ready")
     # one frame answers each one received: the parent never has two to read from a child

@@ -31,7 +31,7 @@ ADAPTERS = ("lora_A", "lora_B")  # the parameters LoRA adds to each targeted lay
 @dataclass(kw_only=True)
 class LoraConfig:
     rank: int
-    alpha: float = 16.0  # the update is scaled by alpha / rank (verl's and peft's default 16)
+    alpha: float = 16.0  # the update is scaled by alpha / rank (verl's default; peft's is 8)
     # "all-linear": every nn.Linear but the output head; or the layers' own names, e.g.
     # ["q_proj", "v_proj"] (a name matches the last part of a module's path, as in peft)
     target_modules: str | list[str] = "all-linear"
