@@ -79,6 +79,14 @@ def test_adapters_start_as_no_change_and_alone_train():
     critic = build_value_model(ModelConfig(**MODEL))  # adapters on the backbone, the head whole
     assert {n for n, p in critic.named_parameters() if p.requires_grad and not is_adapter(n)} \
         == {"value_head.weight", "value_head.bias"}
+    # the actor's config with its LM head trained whole serves the critic (no LM head there)
+    head_too = {**MODEL, "lora": {**LORA, "modules_to_save": ["lm_head"]}}
+    critic = build_value_model(ModelConfig(**head_too))
+    assert {n for n, p in critic.named_parameters() if p.requires_grad and not is_adapter(n)} \
+        == {"value_head.weight", "value_head.bias"}
+    with pytest.raises(ValueError, match=r"\['lm_head'\] is the model's output head, which "
+                                         r"LoRA does not adapt here; train it whole"):
+        build_model(ModelConfig(**{**MODEL, "lora": {"rank": 2, "target_modules": ["lm_head"]}}))
     # the same adapters on every rank: drawn from the model's seed
     again = build_model(ModelConfig(**MODEL))
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters(),

@@ -146,6 +146,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
               if type(m) is torch.nn.Linear and id(m) not in heads and
               (wanted is None or name.rsplit(".", 1)[-1] in wanted)]
     found = {name.rsplit(".", 1)[-1] for name, _ in chosen}
+    head_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if id(m) in heads}
+    if wanted is not None and wanted & head_names:
+        raise ValueError(f"lora.target_modules: {sorted(wanted & head_names)} is the model's "
+                         f"output head, which LoRA does not adapt here; train it whole "
+                         f"instead: modules_to_save={sorted(wanted & head_names)}")
     if not chosen or (wanted is not None and wanted - found):
         layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                          if type(m) is torch.nn.Linear and id(m) not in heads})

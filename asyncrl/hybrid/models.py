@@ -8,6 +8,7 @@ reward models are the same backbone with a scalar head (`ValueModel`): `sequence
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,6 +164,7 @@ class ValueModel(torch.nn.Module):
 # a scalar head as checkpoints name it: ours and OpenRLHF's, transformers'
 # *ForSequenceClassification with num_labels=1, TRL's AutoModelForCausalLMWithValueHead
 HEAD_NAMES = ("value_head", "score", "v_head.summary", "v_head")
+LM_HEADS = ("lm_head", "embed_out")  # output heads of HF causal LMs (GPT-NeoX: embed_out)
 
 
 def checkpoint_head(path: str) -> dict[str, torch.Tensor] | None:
@@ -213,6 +215,11 @@ def build_value_model(cfg: ModelConfig, require_head: bool = False) -> ValueMode
     (a reward model whose head was dropped would score every sample 0)."""
     from transformers import AutoModel
 
+    if cfg.lora is not None and cfg.lora.modules_to_save:
+        # the backbone has no LM head (the value head, trained whole, takes its place): the
+        # actor's model config, head in modules_to_save, serves the critic too
+        kept = [n for n in cfg.lora.modules_to_save if n not in LM_HEADS] or None
+        cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, modules_to_save=kept))
     backbone = _build(cfg, AutoModel)
     config: Any = backbone.config
     hidden = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
