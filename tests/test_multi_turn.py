@@ -242,6 +242,9 @@ def test_chat_messages_are_written_as_the_template_writes_the_conversation(tmp_p
     long = {"role": "user", "content": " ".join(f"w{k}" for k in range(30))}
     cut = t._ids(long, 0, 0, ids("w7 </s>"))
     assert cut == ids("<s> user w0 w1 w2 w3 </s> <s> assistant")  # 9 tokens
+    parts = {"role": "tool", "content": [{"type": "text", "text": long["content"]}]}
+    with pytest.raises(ValueError, match="a content that is not text .* cannot be cut"):
+        t._ids(parts, 0, 0, ids("w7 </s>"))  # (it was cut as its repr, written as text)
     bare = AutoTokenizer.from_pretrained(word_tokenizer(tmp_path / "bare", chat=False))
     with pytest.raises(ValueError, match="row 2, turn 1: the environment returned chat "
                                          "messages, but the tokenizer has no chat template"):

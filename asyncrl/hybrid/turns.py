@@ -253,19 +253,28 @@ class Turns:
         needs whole."""
         limit = self.cfg.max_observation_tokens
         ids = self._encode(chat_turns(self.tok, messages, said, where))
+        untouched = False
         for _ in range(3):  # re-tokenizing a cut content may shift a token or two
             over = len(ids) - limit
             if over <= 0:
                 return ids
             messages = [dict(m) for m in messages]
             for m in reversed(messages):
-                content = self._encode(str(m.get("content", "")))
+                if not isinstance(m.get("content"), str):  # none, or parts (text, images):
+                    untouched = True  # cut as text they would become their Python repr
+                    continue
+                content = self._encode(m["content"])
                 keep = max(0, len(content) - over)
                 over -= len(content) - keep
                 m["content"] = self._text(content[:keep])
                 if over <= 0:
                     break
             ids = self._encode(chat_turns(self.tok, messages, said, where))
+        if len(ids) > limit and untouched:
+            raise ValueError(f"{where}: the environment's messages take {len(ids)} tokens, more "
+                             f"than max_observation_tokens={limit}, and a content that is not "
+                             f"text (None, or a list of parts) cannot be cut: return text "
+                             f"contents, or raise the limit")
         if len(ids) > limit:
             raise ValueError(f"{where}: the chat template's markers around the environment's "
                              f"messages take {len(ids)} tokens, more than max_observation_tokens"
