@@ -110,6 +110,7 @@ def _flow_of(module: Any, path: str) -> Any:
 
 
 def launch(args: argparse.Namespace) -> int:
+    from asyncrl.controller.checkpoint import KEEP
     from asyncrl.controller.launch import default_run_dir, launch_flow
 
     if args.resume and not args.run_dir:
@@ -151,7 +152,7 @@ def launch(args: argparse.Namespace) -> int:
     print(f"run_dir: {run_dir}", flush=True)
     if args.checkpoint_every is not None:
         flow.checkpoint_every = args.checkpoint_every
-    keep = 3 if args.keep_checkpoints is None else args.keep_checkpoints or None  # 0: all
+    keep = KEEP if args.keep_checkpoints is None else args.keep_checkpoints or None  # 0: all
     cluster, host = _cluster(args)
     return _run_flow("launch", run_dir, launch_flow(
         flow, args.steps, run_dir, args.save_inputs, resume=args.resume, keep=keep,
@@ -225,7 +226,8 @@ def _flag(name: str) -> str:
 
 def _refuse_flow_options(args: argparse.Namespace) -> None:
     """A driver's main() makes its own Controller: refuse what would be silently ignored."""
-    given = [name for name in _FLOW_OPTIONS if getattr(args, name) not in (None, False)]
+    given = [name for name in _FLOW_OPTIONS  # (0 is given: --keep-checkpoints 0)
+             if getattr(args, name) is not None and getattr(args, name) is not False]
     given += [name for name in _settings(args) if name != "encrypt"]
     if given:
         flags = ", ".join(_flag(name) for name in given)

@@ -41,7 +41,7 @@ def test_launch_errors_are_clear(tmp_path):
     out = cli("launch", "examples/driver.py", "--resume", "--run-dir", str(tmp_path))
     assert out.returncode != 0 and "--run-dir, --resume set up a DataFlow's run; " \
         "examples/driver.py defines main(), which makes its own Controller" in out.stderr
-    out = cli("launch", "examples/driver.py", "--keep-checkpoints", "7")
+    out = cli("launch", "examples/driver.py", "--keep-checkpoints", "0")
     assert out.returncode != 0 and "--keep-checkpoints: keep what main() saves" in out.stderr
     out = cli("launch", "examples/flow.py", "--checkpoint-every", "0")
     assert out.returncode != 0 and "--checkpoint-every must be >= 1, got 0" in out.stderr

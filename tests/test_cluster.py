@@ -56,10 +56,11 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
     f = tmp_path / "hosts.json"
     f.write_text(json.dumps({"hosts": [{"name": "n1", "address": "10.0.0.1", "gpus": 4}]}))
     (h,) = Cluster.from_file(f).hosts
-    cmd = torchrun_command(h, {"ASYNCRL_ADDR": "tcp://10.0.0.9:5000"}, 1, 0, 4, "10.0.0.1:1",
-                           "g-run")
+    cmd = torchrun_command(h, {"ASYNCRL_ADDR": "tcp://10.0.0.9:5000", "HOME": "/root",
+                               "THP_MEM_ALLOC_ENABLE": "1"}, 1, 0, 4, "10.0.0.1:1", "g-run")
     assert cmd[:3] == ["ssh", "-o", "BatchMode=yes"] and cmd[3] == "10.0.0.1"
-    assert cmd[4].startswith("env ASYNCRL_ADDR=tcp://10.0.0.9:5000 ")
+    # ours, and the ranks' defaults (huge pages), which ssh would not pass on
+    assert cmd[4].startswith("env ASYNCRL_ADDR=tcp://10.0.0.9:5000 THP_MEM_ALLOC_ENABLE=1 ")
     assert " -m asyncrl.actors.agent_main " in cmd[4]  # its torchrun folder goes with it
     f.write_text(json.dumps({"hosts": [{"name": "n1", "gpu": 4}]}))
     with pytest.raises(ValueError, match="unknown keys \\['gpu'\\]"):

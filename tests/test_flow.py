@@ -348,8 +348,8 @@ def test_a_steps_seconds_are_the_period_it_adds_not_its_time_since_dispatch():
             await flow.run(on_step=lambda t, values, seconds: seen.append(seconds))
             return time.perf_counter() - start
     wall = run(main())
-    assert len(seen) == 5 and min(seen) >= 0.1  # each step's own work is in its period
-    assert sum(seen) <= wall
+    assert len(seen) == 5 and sum(seen) >= 0.4  # the steps' own work (0.1 s each) is in
+    assert sum(seen) <= wall  # their periods, and each period is counted once
 
 
 def test_independent_nodes_run_at_the_same_time_on_their_groups():

@@ -574,7 +574,9 @@ def test_metrics_take_numpy_scalars_and_one_element_tensors():
     got = scalars("train", {"loss": torch.tensor(1.5), "mean": np.float32(0.5),
                             "n": np.int64(3), "w": torch.ones(1, 1, dtype=torch.bfloat16),
                             "a": np.array(2.5), "flag": np.bool_(True),
-                            "mask": torch.tensor(True), "vec": torch.ones(3)})
+                            "mask": torch.tensor(True), "vec": torch.ones(3),
+                            "name": np.array("policy"), "z": torch.tensor(1 + 2j),
+                            "obj": np.array([None], dtype=object)})
     assert got == {"train/loss": 1.5, "train/mean": 0.5, "train/n": 3.0, "train/w": 1.0,
                    "train/a": 2.5}
 

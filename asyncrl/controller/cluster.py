@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
 from asyncrl.controller.placement import PlacementError, constraints_of
 
 VIAS = ("local", "ssh", "srun", "netns")
@@ -186,7 +187,8 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
                 *run]
     # ssh passes no environment: ours, and the network and library settings users tune
     exports = [f"{k}={v}" for k, v in env.items() if k.startswith(
-        ("ASYNCRL_", "PYTHONPATH", "OMP_", "CUDA_", "NCCL_", "GLOO_", "TORCH_"))]
+        ("ASYNCRL_", "PYTHONPATH", "OMP_", "CUDA_", "NCCL_", "GLOO_", "TORCH_"))
+        or k in RANK_ENV_DEFAULTS]
     return ["ssh", "-o", "BatchMode=yes", host.address,
             "env " + " ".join(shlex.quote(e) for e in exports) + " " + shlex.join(run)]
 

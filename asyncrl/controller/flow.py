@@ -309,7 +309,7 @@ class DataFlow:
         # item: those are put back where they were, or the run's last checkpoint would save
         # them one item past what its steps used (a resumed run would skip it)
         several = len(self._consumed) > 1
-        taken: list[tuple[Any, Any]] = []
+        taken: list[tuple[str, Any, Any]] = []
         for name, it in self._sources.items():
             if it is None:
                 values[name] = self.inputs[name]
@@ -320,11 +320,12 @@ class DataFlow:
             try:
                 values[name] = next(it)
             except StopIteration:
-                for source, state in taken:
+                for key, source, state in taken:  # (a fresh iterator: from that position)
                     source.load_state_dict(state)
+                    self._sources[key] = iter(source)
                 return None
             if before is not None:
-                taken.append((source, before))
+                taken.append((name, source, before))
         for name in self._consumed:  # only for a step that runs (checkpoints save these)
             self._consumed[name] += 1
         return values

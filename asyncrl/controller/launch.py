@@ -31,6 +31,7 @@ from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length, 
 from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
 
 OVERRIDES_FILE = "overrides.json"  # in RUN_DIR/inputs: the run's key=value overrides
+INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)  # metrics
 
 
 def default_run_dir() -> Path:
@@ -54,8 +55,9 @@ def scalars(prefix: str, value: Any) -> dict[str, float]:
         return {}
     if isinstance(value, numbers.Real):  # numpy's scalars too; NaN and inf: a diverging loss
         return {prefix: float(value)}  # must show (as null in metrics.jsonl, with no NaN)
-    if isinstance(value, torch.Tensor | np.ndarray) and math.prod(value.shape) == 1 and \
-            value.dtype not in (torch.bool, np.bool_):  # a worker's loss.detach()
+    if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "iuf" or \
+            isinstance(value, torch.Tensor) and value.numel() == 1 and \
+            (value.dtype.is_floating_point or value.dtype in INT_DTYPES):  # loss.detach()
         return {prefix: float(value.item())}
     if isinstance(value, dict):
         out: dict[str, float] = {}

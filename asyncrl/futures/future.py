@@ -88,7 +88,7 @@ class DistFuture:
         try:
             return value.result(timeout)
         except concurrent.futures.TimeoutError:
-            value.cancel()  # the fetch it started (the call itself is shielded)
+            value.cancel()  # this wait (the call, and a fetch other awaiters share, go on)
             raise TimeoutError(f"{self._label} not done after {timeout} s") from None
 
     def rows(self, indices: Iterable[int]) -> Rows:
