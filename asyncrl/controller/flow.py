@@ -42,7 +42,7 @@ class _Step:
     index: int
     returned: dict[str, asyncio.Task] = field(default_factory=dict)
     finished: dict[str, asyncio.Task] = field(default_factory=dict)
-    started: float = 0.0  # dispatched (steps are dispatched ahead: k + 1 in flight)
+    started: float = 0.0  # dispatched (ahead: up to max_staleness + 2 steps in flight)
     ended: float = 0.0  # its last node finished
 
     def _finish(self, _: asyncio.Task) -> None:
