@@ -180,6 +180,10 @@ def test_a_bad_lora_entry_is_refused_by_the_model_config(lora, message):
         ModelConfig(lora=lora)
 
 
+def test_an_empty_modules_to_save_means_none():
+    assert ModelConfig(lora={"rank": 4, "modules_to_save": []}).lora == LoraConfig(rank=4)
+
+
 def test_lora_names_the_layers_a_model_has_when_none_match():
     with pytest.raises(ValueError, match=r"no nn.Linear layer named \['qkv'\]; its nn.Linear "
                                          r"layers: \['down_proj', 'gate_proj', 'k_proj'"):

@@ -48,6 +48,8 @@ class LoraConfig:
             self.target_modules = _names(self.target_modules, "target_modules",
                                          "'all-linear' or a list of layer names (e.g. "
                                          "['q_proj', 'v_proj'])")
+        if isinstance(self.modules_to_save, list | tuple) and not self.modules_to_save:
+            self.modules_to_save = None  # (a YAML `modules_to_save: []`): none, as peft reads it
         if self.modules_to_save is not None:
             self.modules_to_save = _names(self.modules_to_save, "modules_to_save",
                                           "a list of module names (e.g. ['lm_head'])")
