@@ -190,14 +190,14 @@ def main() -> None:
     def emit(row: dict) -> None:  # as produced: a later part failing loses no figure
         print(json.dumps({**row, **env}), flush=True)
 
-    run_trl = not args.skip_trl
-    if run_trl:  # found missing now, not after the asyncrl runs
+    with_trl = not args.skip_trl
+    if with_trl:  # found missing now, not after the asyncrl runs
         try:
             import datasets  # noqa: F401 - what trl_grpo.py imports
             import trl  # noqa: F401
         except ImportError as e:
             emit({"bench": "grpo_vs_trl", "system": "trl", "skipped": f"{e}"})
-            run_trl = False
+            with_trl = False
     rows = pipeline(args.steps, args.warmup, args.rounds, args.kl_coef)
     for row in rows:
         emit(row)
@@ -205,7 +205,7 @@ def main() -> None:
     k1 = next(r for r in rows if r.get("max_staleness") == 1)
     emit({"bench": "grpo_vs_trl", "system": "asyncrl", "max_staleness": 1,
           "tokens_per_s": k1["tokens_per_s"], "median_tokens_per_s": k1["median_tokens_per_s"]})
-    if run_trl:
+    if with_trl:
         trl = []
         for threads in sorted({1, os.cpu_count() or 1}):  # the same cores as asyncrl too
             trl.append(trl_run(args.steps, args.warmup, threads, args.kl_coef))

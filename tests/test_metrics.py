@@ -1,0 +1,68 @@
+"""What a launched run records besides its steps (asyncrl/controller/launch.py, trackers.py):
+the numbers of its metrics rows, trackers that fail, and its run directory. No processes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.controller.launch import Metrics, default_run_dir, scalars
+from asyncrl.controller.timeline import Timeline
+from asyncrl.controller.trackers import Wandb
+
+
+def test_metrics_take_numpy_scalars_and_one_element_tensors():
+    """A worker's `{"loss": loss.detach()}` arrives as a tensor, a mean on the controller
+    may be a numpy float32: both are numbers of the row (they were dropped without a word);
+    flags and tensors of several values are not."""
+    got = scalars("train", {"loss": torch.tensor(1.5), "mean": np.float32(0.5),
+                            "n": np.int64(3), "w": torch.ones(1, 1, dtype=torch.bfloat16),
+                            "a": np.array(2.5), "flag": np.bool_(True),
+                            "mask": torch.tensor(True), "vec": torch.ones(3),
+                            "name": np.array("policy"), "z": torch.tensor(1 + 2j),
+                            "obj": np.array([None], dtype=object)})
+    assert got == {"train/loss": 1.5, "train/mean": 0.5, "train/n": 3.0, "train/w": 1.0,
+                   "train/a": 2.5}
+
+
+def test_a_tracker_failing_mid_run_or_at_its_close_neither_ends_nor_hides_the_run(tmp_path,
+                                                                                  capsys):
+    """A wandb service that died fails the run's log and its finish: said, and the training
+    goes on. A tracker failing to close after the run failed is said, not raised in place of
+    the run's own error; after a run that went well it is raised."""
+    class DeadService:
+        def log(self, row, step):
+            raise BrokenPipeError("the wandb service is gone")
+
+        def finish(self, exit_code):
+            raise BrokenPipeError("the wandb service is gone")
+
+    w = Wandb.__new__(Wandb)  # as made by a run that started well
+    w.run, w.logged, w._said_through = DeadService(), -1, -1
+    w.log(0, {"loss": 1.0})
+    err = capsys.readouterr().err
+    assert w.run is None and "no more rows go to wandb" in err and "failed too" in err
+
+    class FullDisk:
+        def close(self, failed):
+            raise OSError("no space left on device")
+
+    Metrics(tmp_path, 1, Timeline(), trackers=[FullDisk()]).close(failed=True)
+    assert "closing the FullDisk tracker failed too: OSError: no space left on device" in \
+        capsys.readouterr().err
+    with pytest.raises(OSError, match="no space left"):
+        Metrics(tmp_path, 1, Timeline(), trackers=[FullDisk()]).close()
+
+
+def test_runs_started_in_the_same_second_get_run_directories_of_their_own(tmp_path,
+                                                                          monkeypatch):
+    """The directory is made when chosen: two runs choosing at once (a sweep started in one
+    go) cannot both take the same one and write into each other's metrics."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261204-120000")
+    first, second = default_run_dir(), default_run_dir()
+    assert first != second and first.is_dir() and second.is_dir()
+    assert second.name == "20261204-120000-1"
