@@ -46,7 +46,7 @@ def trained_lora_model() -> torch.nn.Module:
     model = build_model(ModelConfig(**MODEL))
     with torch.no_grad():  # as if trained: the adapters change the model
         for layer in lora_layers(model).values():
-            layer.lora_B.normal_(0, 0.05)
+            layer.lora_B.weight.normal_(0, 0.05)
     return model
 
 
@@ -149,7 +149,8 @@ def test_the_engine_gathers_frozen_weights_once_until_the_trainer_loads_new_ones
     backend = WholeBackend(model)
     hybrid = HybridEngine(backend, ModelConfig(**MODEL))
     engine = dict(hybrid.engine.model.named_parameters())
-    frozen, adapter = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.lora_B"
+    frozen = "model.layers.0.mlp.up_proj.weight"
+    adapter = "model.layers.0.mlp.up_proj.lora_B.weight"
     hybrid.to_generate()
     assert all(torch.equal(engine[k], v) for k, v in model.named_parameters())
     first = hybrid.peak_gather_bytes
@@ -242,7 +243,7 @@ def test_a_hybrid_lora_policy_trains_adapters_alone_and_switches_with_them():
     assert stats[0][0]["loss"] != stats[1][0]["loss"]
     frozen = [k for k in before if not is_adapter(k)]
     assert all(torch.equal(before[k], after[k]) for k in frozen)
-    assert all(not torch.equal(before[k], after[k]) for k in after if k.endswith("lora_B"))
+    assert all(not torch.equal(before[k], after[k]) for k in after if k.endswith("lora_B.weight"))
     assert all(torch.equal(engine[k], after[k]) for k in after)  # the engine has the adapters
     # the engine's log-probs are the trainer's, before and after training
     assert (lp_first - first["logprobs"]).abs().max().item() < 1e-5
@@ -374,3 +375,35 @@ def test_a_hybrid_vllm_gets_the_lora_layers_merged_and_samples_as_the_builtin_en
     want = Sampler(model, sampling).generate([[1, 4 + i, 9] for i in seeds], seeds)
     assert torch.equal(out["response_ids"], want["response_ids"])
     assert (out["logprobs"] - want["logprobs"]).abs().max().item() < 1e-5
+
+
+def test_a_bf16_lora_policy_trains_fp32_adapters_that_small_updates_move():
+    """On a bf16 model the adapters are fp32 (as peft makes them), FSDP2 sharding them apart
+    from the bf16 layers: an update at a LoRA learning rate (1e-5, below a bf16 weight's
+    resolution at A's size) moves nearly every element of the adapters; in bf16 it rounded
+    away. The
+    engine holds the same fp32 adapters."""
+    model = {**MODEL, "dtype": "bfloat16"}
+    built = build_model(ModelConfig(**model))
+    dtypes = {n: p.dtype for n, p in built.named_parameters()}
+    assert {d for n, d in dtypes.items() if is_adapter(n)} == {torch.float32}
+    assert {d for n, d in dtypes.items() if not is_adapter(n)} == {torch.bfloat16}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(Policy, model, {**TRAIN, "lr": 1e-5}, SAMPLING, nprocs=2,
+                                     name="actor")
+            pids = group_pids(policy)
+            before = (await policy.weights("train"))[0]
+            for _ in range(2):  # (A's gradient is 0 while B is: the second step moves A)
+                await policy.train_step(await policy.generate(prompts()))
+            after = (await policy.weights("train"))[0]
+            return before, after, (await policy.weights("engine"))[0], pids
+    before, after, engine, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    assert {k: v.dtype for k, v in after.items()} == dtypes
+    for name in (k for k in after if is_adapter(k)):
+        moved = (after[name] != before[name]).float().mean().item()
+        assert moved > 0.9, f"{name}: {moved:.0%} of it moved"
+    assert all(torch.equal(before[k], after[k]) for k in after if not is_adapter(k))
+    assert all(torch.equal(engine[k], v) and engine[k].dtype == v.dtype for k, v in after.items())

@@ -146,7 +146,7 @@ class HybridEngine:
                 value = whole.clone() if self._zero else whole
             layer = layers.get(name.removesuffix(".weight"))
             if layer is not None and name.endswith(".weight"):
-                with self._whole(layer.lora_A) as a, self._whole(layer.lora_B) as b:
+                with self._whole(layer.lora_A.weight) as a, self._whole(layer.lora_B.weight) as b:
                     value = (value.float() + delta(a, b, layer.scaling)).to(value.dtype)
             bucket.append((name, value))
             size += value.numel() * value.element_size()

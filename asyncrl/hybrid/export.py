@@ -201,10 +201,9 @@ def _save_adapter(out: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig
     lora = cfg.lora
     assert lora is not None
     out.mkdir()
-    save_file({f"base_model.model.{k}.weight" if is_adapter(k) else f"base_model.model.{k}":
-               v.to(dtype).contiguous() for k, v in adapters.items()},
+    save_file({f"base_model.model.{k}": v.to(dtype).contiguous() for k, v in adapters.items()},
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    layers = sorted({k.rsplit(".", 2)[-2] for k in adapters if is_adapter(k)})
+    layers = sorted({k.rsplit(".", 3)[-3] for k in adapters if is_adapter(k)})
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
         "lora_alpha": lora.alpha, "target_modules": layers, "lora_dropout": 0.0,

@@ -5,14 +5,19 @@ weight sync or a hybrid switch moves them and not the model.
     model={"preset": ..., "lora": {"rank": 16, "alpha": 32, "target_modules": "all-linear"}}
 
 Each targeted nn.Linear becomes a `LoraLinear` in place: the same `weight` and `bias` under the
-same names (frozen), plus `lora_A` [rank, in] (random, seeded) and `lora_B` [out, rank]
-(zeros: the model starts as it was), and
+same names (frozen), plus `lora_A.weight` [rank, in] (random, seeded) and `lora_B.weight`
+[out, rank] (zeros: the model starts as it was), named as peft names them, and
 
     y = x W^T + b + (alpha / rank) * (x A^T) B^T
 
 kept unmerged everywhere the built-in code runs (trainer, built-in engine, rollouts), so the
 engine's log-probs are the trainer's. An engine that takes whole weights by name (vLLM) and
 `asyncrl export` get the merged W + (alpha / rank) B A.
+
+The adapters are fp32 on a bf16 (or fp16) model, as peft makes them: an update of the size
+AdamW makes at a LoRA learning rate (1e-5 of a weight ~0.03) is below a bf16 weight's
+resolution and would round away. Each factor is a module of its own, so FSDP2 can shard them
+apart from the layer's bf16 weight (one dtype per FSDP unit).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ADAPTERS = ("lora_A", "lora_B")  # the parameters LoRA adds to each targeted layer
+ADAPTERS = ("lora_A", "lora_B")  # the factors LoRA adds to each targeted layer
 
 
 @dataclass(kw_only=True)
@@ -96,13 +101,25 @@ def lora_config(given: dict[str, Any] | LoraConfig | None) -> LoraConfig | None:
                          f"modules_to_save") from e
 
 
+class LoraFactor(torch.nn.Module):
+    """One low-rank factor: a `weight` alone (peft's are bias-free nn.Linear layers; not one
+    here, so that nothing looking for layers to adapt or shard takes it for one)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # called, not read: FSDP2 gathers it in its hook
+
+
 class LoraLinear(torch.nn.Linear):
     """An nn.Linear with a low-rank update beside its frozen weight."""
 
     scaling: float
     adapters_on: bool  # off: the frozen model alone (a reference's log-probs)
-    lora_A: torch.nn.Parameter
-    lora_B: torch.nn.Parameter
+    lora_A: LoraFactor
+    lora_B: LoraFactor
 
     @classmethod
     def around(cls, linear: torch.nn.Linear, rank: int, scaling: float) -> LoraLinear:
@@ -113,9 +130,12 @@ class LoraLinear(torch.nn.Linear):
             if p is not None:
                 p.requires_grad_(False)
         w = linear.weight
-        new.lora_A = torch.nn.Parameter(w.new_empty(rank, linear.in_features))
-        new.lora_B = torch.nn.Parameter(w.new_zeros(linear.out_features, rank))
-        torch.nn.init.kaiming_uniform_(new.lora_A, a=math.sqrt(5))  # as peft, nn.Linear
+        dtype = adapter_dtype(w.dtype)
+        a = torch.empty(rank, linear.in_features, dtype=dtype, device=w.device)
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as peft, nn.Linear
+        new.lora_A = LoraFactor(a)
+        new.lora_B = LoraFactor(torch.zeros(linear.out_features, rank, dtype=dtype,
+                                            device=w.device))
         new.scaling, new.adapters_on = scaling, True
         return new
 
@@ -123,8 +143,15 @@ class LoraLinear(torch.nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if not self.adapters_on:
             return out
-        # scaled at rank width, where it is cheapest
-        return out + F.linear(F.linear(x, self.lora_A) * self.scaling, self.lora_B)
+        # in the adapters' dtype (fp32 beside a bf16 weight), scaled at rank width, where it
+        # is cheapest
+        low = self.lora_A(x.to(self.lora_A.weight.dtype)) * self.scaling
+        return out + self.lora_B(low).to(out.dtype)
+
+
+def adapter_dtype(weight: torch.dtype) -> torch.dtype:
+    """fp32 for the adapters of a bf16 or fp16 layer (fp64 for an fp64 one)."""
+    return torch.promote_types(weight, torch.float32)
 
 
 def delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -210,7 +237,14 @@ def lora_layers(model: torch.nn.Module) -> dict[str, LoraLinear]:
 
 
 def is_adapter(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in ADAPTERS
+    """Whether parameter `name` is a LoRA factor's (`<layer>.lora_A.weight`)."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and parts[1] in ADAPTERS and parts[2] == "weight"
+
+
+def adapter_modules(module: torch.nn.Module) -> list[LoraFactor]:
+    """The LoRA factors inside `module` (a decoder layer's: FSDP2 shards them as a unit)."""
+    return [m for m in module.modules() if isinstance(m, LoraFactor)]
 
 
 class adapters_off:
@@ -238,7 +272,7 @@ def merged(weights: dict[str, torch.Tensor], cfg: LoraConfig) -> Iterator[tuple[
         if is_adapter(name):
             continue
         prefix = name.removesuffix(".weight")
-        a, b = weights.get(f"{prefix}.lora_A"), weights.get(f"{prefix}.lora_B")
+        a, b = weights.get(f"{prefix}.lora_A.weight"), weights.get(f"{prefix}.lora_B.weight")
         if name.endswith(".weight") and a is not None and b is not None:
             value = (value.float() + delta(a, b, cfg.scaling)).to(value.dtype)
         yield name, value

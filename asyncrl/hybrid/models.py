@@ -234,7 +234,8 @@ def build_value_model(cfg: ModelConfig, require_head: bool = False) -> ValueMode
         raise ValueError(f"checkpoint {cfg.path} has no scalar head (looked for "
                          f"{[n + '.weight' for n in HEAD_NAMES]}): a reward model needs one; "
                          f"save it with AutoModelForSequenceClassification(num_labels=1)")
-    return model.to(getattr(torch, cfg.dtype)).eval()
+    model.value_head.to(getattr(torch, cfg.dtype))  # (the backbone's is; LoRA's fp32 stay)
+    return model.eval()
 
 
 def default_device() -> torch.device:
