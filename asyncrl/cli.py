@@ -332,8 +332,8 @@ def attach(args: argparse.Namespace) -> int:
     sessions = waiting(Path(args.run_dir))
     if args.list:
         for s in sessions:
-            print(f"{s['group']}:{s['rank']}  pid {s['pid']}  thread {s.get('thread')}  at "
-                  f"{s['where']}")
+            print(f"{s['group']}:{s['rank']}  host {s['host']}  pid {s['pid']}  thread "
+                  f"{s.get('thread')}  at {s['where']}")
         return 0
     try:
         session = choose(sessions, args.group, args.rank, args.thread)

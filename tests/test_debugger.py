@@ -84,14 +84,22 @@ def test_attach_says_who_waits_when_the_choice_is_wrong(tmp_path, capsys):
     gone.wait()
     debug = tmp_path / "debug"
     debug.mkdir()
-    for name, pid in (("dead", gone.pid), ("stuck", os.getpid())):
+    # a rank of another host (a shared run directory): its pid means nothing here
+    for name, pid, host in (("dead", gone.pid, socket.gethostname()),
+                            ("stuck", os.getpid(), "127.0.0.1"), ("far", gone.pid, "node7")):
         (debug / f"{name}.json").write_text(json.dumps({
-            "group": name, "rank": 0, "pid": pid, "host": "127.0.0.1", "port": 9,
+            "group": name, "rank": 0, "pid": pid, "host": host, "port": 9,
             "token": "t", "where": "flow.py:3"}))
     assert main(["attach", str(tmp_path), "--list"]) == 0
-    assert capsys.readouterr().out.startswith("stuck:0 ") and not (debug / "dead.json").exists()
+    listed = capsys.readouterr().out.splitlines()
+    assert [x.split()[:3] for x in listed] == [["far:0", "host", "node7"],
+                                               ["stuck:0", "host", "127.0.0.1"]]
+    assert not (debug / "dead.json").exists() and (debug / "far.json").exists()
+    with pytest.raises(SystemExit, match="far:0 waits for a debugger on host node7: run "
+                                         "`asyncrl attach` there"):
+        main(["attach", str(tmp_path), "--group", "far"])
     with pytest.raises(SystemExit, match=r"stuck:0 no longer waits at flow.py:3 \(.*--list"):
-        main(["attach", str(tmp_path)])
+        main(["attach", str(tmp_path), "--group", "stuck"])
 
 
 # -- in process: a thread stops in breakpoint(), the test is the attach client ---------------
@@ -139,7 +147,7 @@ class _Rank:
 
 
 def _connect(session: dict, token: bytes | None = None) -> socket.socket:
-    sock = socket.create_connection((session["host"], session["port"]), timeout=30)
+    sock = socket.create_connection(("127.0.0.1", session["port"]), timeout=30)
     sock.sendall((session["token"].encode() if token is None else token) + b"\n")
     return sock
 
@@ -216,6 +224,22 @@ def test_the_attach_client_going_away_lets_the_method_go_on(rank):
         _until(sock, b"(asyncrl-pdb g:0)")  # then the client leaves without `c`
     rank.join()
     assert rank.results == {"call": 42}  # not BdbQuit
+
+
+def test_quit_in_pdb_leaves_the_debugger_and_the_method_goes_on(rank):
+    """`q` does not fail the call (its group's other ranks would wait in collectives); it
+    clears the breakpoints set in pdb and closes the attach client's connection."""
+    rank.start("call", _stops_then_calls_helper)
+    rank.next_stop()
+    with _connect(rank.session()) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"b _helper\n")
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"q\n")
+        said = _until(sock, b"\x00")  # to the end: the rank closes the connection
+    assert "quit: the call goes on" in said and "breakpoint(s) set" not in said
+    rank.join()
+    assert rank.results == {"call": 42}  # not BdbQuit, and no stop in _helper
 
 
 def test_two_breakpoints_of_one_rank_are_each_reachable(rank, tmp_path):

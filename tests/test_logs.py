@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT, assert_gone, group_pids, poll_until, run
 
 import asyncrl
@@ -146,3 +147,37 @@ def test_a_respawned_agent_reports_only_its_own_part_of_the_shared_log(tmp_path)
     assert "old:" in (tmp_path / "g.log").read_text()
     assert again.tail() == "new: the respawned group's line"
     assert again.root_cause() is None and again.stopped_pids() == set()
+
+
+class Crasher(asyncrl.Worker):
+    @asyncrl.register
+    def crash(self) -> None:
+        print("a line before", flush=True)
+        os.write(2, b"terminate called after throwing an instance of 'c10::Error'\n")
+        os.abort()  # as C++ does after that: no Python cleanup, no reader thread left
+
+    @asyncrl.register
+    def segfault(self) -> None:
+        import ctypes
+
+        print("a line before", flush=True)
+        ctypes.string_at(0)
+
+
+@pytest.mark.parametrize("how, last_words", [
+    ("crash", "terminate called after throwing"),
+    ("segfault", "Fatal Python error: Segmentation fault")])
+def test_what_a_rank_wrote_as_it_crashed_is_in_its_log_and_the_error(how, last_words):
+    """The rank's reader thread dies with it: its last words (a fault's Python traceback
+    too) reach torchrun's log through a tee of their own, and the dead group's error shows
+    them."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Crasher, name="crasher")
+            pids = group_pids(group)
+            with pytest.raises(asyncrl.GroupDeadError) as info:
+                await getattr(group, how)()
+            return pids, str(info.value)
+    pids, err = run(main())
+    assert_gone(pids)
+    assert "a line before" in err and last_words in err, err

@@ -4,13 +4,15 @@
           ──▶ RUN_DIR/debug/<group>-<rank>-<thread>.json (one per waiting breakpoint: a
           concurrent=True call may stop beside the in-order one; host, port, pid, thread,
           where, a one-time token; the file is 0600)
-          prints "<group>:<rank> waits for a debugger: asyncrl attach RUN_DIR"
-    user: asyncrl attach RUN_DIR ──▶ lists waiting ranks ──▶ connects, sends the token ──▶ pdb
+          prints "<group>:<rank> waits for a debugger on <host>: asyncrl attach RUN_DIR"
+    user, on that host: asyncrl attach RUN_DIR ──▶ lists waiting ranks ──▶ connects, sends
+          the token ──▶ pdb
 
-The call stays in the debugger until the user continues (`c`, or the attach client goes
-away: its connection closes either way); a breakpoint set with `b` then waits for a new
-`asyncrl attach` when reached. The group's later calls wait behind it, other groups go on,
-heartbeats keep flowing (they run on another thread).
+The call stays in the debugger until the user continues (`c`, `q`, or the attach client
+goes away: its connection closes either way; `q` clears the breakpoints set in pdb, and does
+not fail the call: its group's other ranks would wait in their collectives); a breakpoint
+set with `b` then waits for a new `asyncrl attach` when reached. The group's later calls
+wait behind it, other groups go on, heartbeats keep flowing (they run on another thread).
 """
 
 from __future__ import annotations
@@ -99,12 +101,13 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"group": group, "rank": int(rank), "pid": os.getpid(),
-                   "thread": thread.name, "host": "127.0.0.1",
+                   "thread": thread.name, "host": socket.gethostname(),
                    "port": server.getsockname()[1], "token": token, "where": where,
                    "since": time.time()}, f)
     os.replace(partial, session)
     print(f"[asyncrl] {group}:{rank} waits for a debugger at {where}: run "
-          f"`asyncrl attach {folder.parent}`", file=sys.stderr, flush=True)
+          f"`asyncrl attach {folder.parent}` on {socket.gethostname()}", file=sys.stderr,
+          flush=True)
     try:
         while True:
             conn, _ = server.accept()
@@ -179,6 +182,16 @@ class _RemotePdb(pdb.Pdb):
         self._conn.write(f"[asyncrl] continuing{note}\n")
         self._conn.flush()
         self._conn.close()
+
+    def do_quit(self, arg: str) -> bool:
+        """q(uit): leave the debugger, the breakpoints set in it cleared; the call goes on
+        (failing it would leave the group's other ranks waiting in their collectives)."""
+        self.clear_all_breaks()
+        self._conn.write("[asyncrl] quit: the call goes on\n")
+        self.do_continue(arg)
+        return True
+
+    do_q = do_exit = do_quit
 
     def do_EOF(self, arg: str) -> bool:
         """The attach client went away: let the method go on, as `c` would."""

@@ -2,19 +2,26 @@
 newline, at a carriage return: each redraw of a progress bar is a line, or after LINE_CAP
 bytes without either).
 
-    fd 1, fd 2 ──▶ pipe ──▶ reader thread ──▶ the original stdout (torchrun's group log
-                                          │    keeps every byte, as before)
-                                          └──▶ send(lines) every 0.1 s, at most
-                                               `max_bytes_per_s` a second (more is
-                                               counted, not sent: the group log has it)
+    fd 1, fd 2 ──▶ pipe ──▶ tee ──▶ the original stdout (torchrun's group log keeps
+                             │         every byte, as before)
+                             └──▶ pipe ──▶ reader thread ──▶ send(lines) every 0.1 s, at
+                                           most `max_bytes_per_s` a second (more is counted,
+                                           not sent: the group log has it)
 
 Print from anywhere (C extensions too: the file descriptors themselves are redirected).
+`tee` is a process of its own (coreutils'), in a session of its own: what a dying rank wrote
+last (a C++ `terminate called...` before abort, a fault's traceback) still reaches the log
+after the rank and its reader thread are gone; the controller's report of the dead rank
+shows that log's tail. Without a `tee -p`, the reader thread copies to the log itself.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import select
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -52,10 +59,16 @@ class OutputCapture:
         self._thread: threading.Thread | None = None
         self._mirror = True  # copy to the original stdout (torchrun's log)
         self._unsent = 0  # lines a failed send lost
+        self._tee: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
         self._original = os.dup(1)
+        tee = _tee(read_fd, self._original)
+        if tee is not None:
+            os.close(read_fd)
+            self._tee, read_fd = tee
+            self._mirror = False  # tee writes the log
         os.dup2(write_fd, 1)
         os.dup2(write_fd, 2)
         os.close(write_fd)
@@ -113,4 +126,37 @@ class OutputCapture:
             return
         os.dup2(self._original, 1)
         os.dup2(self._original, 2)
-        self._thread.join(timeout)
+        self._thread.join(timeout)  # (tee's end: the pipe's last writers closed)
+        if self._tee is not None:
+            self._tee.poll()  # reaped if done (a child of the rank's may still write)
+
+
+def _tee(source: int, log: int) -> tuple[subprocess.Popen[bytes], int] | None:
+    """A `tee` copying pipe `source` to `log` and to a new pipe, and that pipe's read end;
+    None where there is no tee that keeps going once that pipe's reader is gone (`-p`)."""
+    path = _tee_path()
+    if path is None:
+        return None
+    read_fd, write_fd = os.pipe()
+    try:
+        # the log is tee's stdout, the very file description (its offset shared with
+        # torchrun's other writers); the reader's pipe is the file it opens
+        tee = subprocess.Popen([path, "-p", f"/dev/fd/{write_fd}"], stdin=source, stdout=log,
+                               stderr=log, pass_fds=(write_fd,), start_new_session=True)
+    except OSError:
+        os.close(read_fd)
+        return None
+    finally:
+        os.close(write_fd)
+    return tee, read_fd
+
+
+@functools.cache
+def _tee_path() -> str | None:
+    path = shutil.which("tee")
+    try:  # busybox's has no -p
+        ok = path is not None and subprocess.run(
+            [path, "-p"], input=b"", capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return path if ok else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import faulthandler
 import inspect
 import os
 import socket
@@ -409,6 +410,7 @@ def main() -> None:
     output = OutputCapture(lambda lines, dropped: log_socket.send(Log(lines, dropped),
                                                                   block=False))
     output.start()
+    faulthandler.enable(all_threads=False)  # a crash's traceback: through the tee to the log
     debugger.install()  # breakpoint() waits for `asyncrl attach` instead of hanging silently
     code = rank.serve()
     if rank.worker is not None:

@@ -18,8 +18,9 @@ from asyncrl.controller.launcher import pid_alive
 
 
 def waiting(run_dir: Path) -> list[dict[str, Any]]:
-    """The breakpoints ranks of this machine wait at. A rank that died or was stopped there
-    (it exits with os._exit: its file stays) is left out and its file removed."""
+    """The breakpoints ranks wait at (a shared run directory: other hosts' too, `here`
+    False). A rank of this host that died or was stopped there (it exits with os._exit: its
+    file stays) is left out and its file removed."""
     folder = Path(run_dir) / "debug"
     sessions = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -27,15 +28,12 @@ def waiting(run_dir: Path) -> list[dict[str, Any]]:
             session = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # removed right now, or unreadable
-        if _here(session) and not pid_alive(int(session.get("pid", 0))):
+        session["here"] = session.get("host") in ("127.0.0.1", socket.gethostname())
+        if session["here"] and not pid_alive(int(session.get("pid", 0))):
             path.unlink(missing_ok=True)
             continue
         sessions.append(session)
     return sessions
-
-
-def _here(session: dict[str, Any]) -> bool:
-    return session.get("host") in ("127.0.0.1", "localhost", socket.gethostname())
 
 
 def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
@@ -55,12 +53,15 @@ def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
     # one rank stopped in several threads (a concurrent=True call beside the in-order one):
     # the longest waiting first (or the --thread asked for), the others named
     picked.sort(key=lambda s: s.get("since", 0.0))
+    if not picked[0].get("here", True):  # its debugger listens on its host's loopback
+        raise LookupError(f"{picked[0]['group']}:{picked[0]['rank']} waits for a debugger "
+                          f"on host {picked[0]['host']}: run `asyncrl attach` there")
     return {**picked[0], "also": [s["where"] for s in picked[1:]]}
 
 
 def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.stdout) -> None:
     """Bridge the terminal and the rank's pdb until the rank closes the connection."""
-    sock = socket.create_connection((session["host"], session["port"]), timeout=10)
+    sock = socket.create_connection(("127.0.0.1", session["port"]), timeout=10)
     sock.settimeout(None)
     sock.sendall((session["token"] + "\n").encode())
     thread = f" (thread {session['thread']})" if session.get("thread") else ""
