@@ -24,6 +24,9 @@ def test_slurm_node_lists_expand():
     assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07",
                                                       "gpu5"]
     assert expand_nodelist("a1") == ["a1"]
+    # text after a range, and several ranges (the last fastest, as scontrol expands them)
+    assert expand_nodelist("gpu[1-2]-ib,x") == ["gpu1-ib", "gpu2-ib", "x"]
+    assert expand_nodelist("r[1-2]-n[08-09]") == ["r1-n08", "r1-n09", "r2-n08", "r2-n09"]
 
 
 def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
@@ -68,6 +71,13 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ValueError, match="expected JSON like"):
         Cluster.from_file(f)
+    for bad in (None, "eight", -2, 1.5, True):  # each named, with its file and host
+        f.write_text(json.dumps({"hosts": [{"name": "n1", "gpus": bad, "cpus": 4}]}))
+        with pytest.raises(ValueError, match=f"{f}: host 'n1': \"gpus\" is a whole number"):
+            Cluster.from_file(f)
+    # GPU hosts beside CPU-only ones: a group would land on either kind, or on both
+    with pytest.raises(ValueError, match=r"hosts \['g'\] have GPUs and \['c'\] none"):
+        Cluster([HostSpec("g", "g", gpus=8), HostSpec("c", "c", cpus=64)])
 
 
 def test_an_agent_off_this_machine_removes_its_torchrun_folder(tmp_path):

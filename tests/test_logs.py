@@ -92,6 +92,10 @@ def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):
     from asyncrl.actors.output import LINE_CAP, OutputCapture, split_lines
 
     assert split_lines(b"a\r\nb\n\nc\r d\r e") == ([b"a", b"b", b"", b"c", b" d"], b" e")
+    # a CRLF split between two reads makes no empty line; a blank CRLF line stays one
+    lines, rest = split_lines(b"abc\r")
+    more, rest = split_lines(rest + b"\ndef\r\n\r\n")
+    assert (lines, more, rest) == ([], [b"abc", b"def", b""], b"")
     sent: list[str] = []
     first = threading.Event()
 

@@ -38,8 +38,10 @@ def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
     lines: list[bytes] = []
     for line in complete:
         lines.extend([piece for piece in line.split(b"\r") if piece] or [b""])
-    *redrawn, rest = rest.split(b"\r")
+    held = rest.endswith(b"\r")  # maybe half a CRLF: what comes next says
+    *redrawn, rest = (rest[:-1] if held else rest).split(b"\r")
     lines.extend(piece for piece in redrawn if piece)
+    rest += b"\r" if held else b""
     while len(rest) > LINE_CAP:
         cut = LINE_CAP
         while cut > LINE_CAP - 3 and rest[cut] & 0xC0 == 0x80:  # not inside a UTF-8 char
@@ -84,8 +86,8 @@ class OutputCapture:
             ready, _, _ = select.select([self._read_fd], [], [], FLUSH_S)
             chunk = os.read(self._read_fd, 65536) if ready else b""
             if ready and not chunk:  # every writer closed: the rank is exiting
-                if partial:
-                    lines.append(partial.decode(errors="replace"))
+                if partial.rstrip(b"\r"):
+                    lines.append(partial.rstrip(b"\r").decode(errors="replace"))
                 if lines or dropped:
                     self._forward(lines, dropped)
                 return

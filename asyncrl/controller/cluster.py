@@ -46,20 +46,26 @@ class HostSpec:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compressed host list: "node[01-03,07],gpu5" -> node01 node02 node03 node07 gpu5."""
+    """SLURM's compressed host list: "node[01-03,07],gpu5" -> node01 node02 node03 node07
+    gpu5; text after a range and several ranges in a name too ("rack[1-2]-n[1-2]-ib", as
+    `scontrol show hostnames` expands them: the last range fastest)."""
     hosts: list[str] = []
-    for prefix, ranges, single in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if single:
-            hosts.append(single)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            for i in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        names = [""]
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            parts = [text + n for n in _expand_ranges(ranges)] if ranges else [text]
+            names = [name + part for name in names for part in parts]
+        hosts.extend(names)
     return hosts
+
+
+def _expand_ranges(ranges: str) -> list[str]:
+    """"01-03,07" -> 01 02 03 07 (the width of the first bound kept)."""
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend([lo] if not hi else [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)])
+    return out
 
 
 class Cluster:
@@ -73,8 +79,19 @@ class Cluster:
         for h in hosts:
             if h.via not in VIAS:
                 raise ValueError(f"host {h.name!r}: via is one of {VIAS}, got {h.via!r}")
+            for key in ("gpus", "cpus"):
+                n = getattr(h, key)
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise ValueError(f"host {h.name!r}: {key} is a whole number >= 0, got "
+                                     f"{n!r}")
             if h.slots < 1:
                 raise ValueError(f"host {h.name!r} has no GPU and no CPU to run ranks on")
+        if any(h.gpus for h in hosts) and not all(h.gpus for h in hosts):
+            # a group would land on either kind (or be split over both: NCCL beside gloo)
+            raise ValueError(f"hosts {[h.name for h in hosts if h.gpus]} have GPUs and "
+                             f"{[h.name for h in hosts if not h.gpus]} none: a cluster of "
+                             f"both kinds is not supported (a group cannot say which it "
+                             f"needs); list one kind")
         self.hosts = hosts
         self._taken: dict[str, set[int]] = {h.name: set() for h in hosts}  # slots in use
         self._groups: dict[str, dict[str, list[int]]] = {}  # group -> host -> its slots
@@ -99,9 +116,13 @@ class Cluster:
                 raise ValueError(f"hosts file {p}: host {entry['name']!r} has unknown keys "
                                  f"{unknown}")
             name = str(entry["name"])
-            hosts.append(HostSpec(name, str(entry.get("address", name)),
-                                  int(entry.get("gpus", 0)), int(entry.get("cpus", 1)),
-                                  str(entry.get("via", "ssh"))))
+            for key in ("gpus", "cpus"):
+                n = entry.get(key, 0)
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise ValueError(f"hosts file {p}: host {name!r}: \"{key}\" is a whole "
+                                     f"number >= 0, got {n!r}")
+            hosts.append(HostSpec(name, str(entry.get("address", name)), entry.get("gpus", 0),
+                                  entry.get("cpus", 1), str(entry.get("via", "ssh"))))
         return Cluster(hosts)
 
     @staticmethod
