@@ -4,6 +4,7 @@ The seeded fuzzer (benchmarks/fuzz.py) runs here for a bounded number of frames.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -93,7 +94,15 @@ def test_rank_socket_drops_hostile_frames():
             await poll_until(lambda: group.dropped_frames[0] >= 9, 10,
                              "the rank to report drops")
             assert group.dropped_frames[0] == 9
-            assert await group.add(1, 1) == [2]  # the forged Shutdown did nothing
+            # signed and well formed, but no mesh of the group's ranks: the built rank says
+            # so (ignored now) and its in-order calls go on
+            rank_exec = group.ranks[0].exec_identity
+            build = messages.Construct(msgspec.Raw(codec.encode_call((Adder,), {}, [])),
+                                       [("dp", 0)])
+            send([rank_exec, *ctl.channel._signer.sign(b">" + rank_exec,
+                                                       messages.encode(build))])
+            assert await asyncio.wait_for(group.add(1, 1), 30) == [2]  # the forged Shutdown
+            # did nothing
             assert group.dead is None
             return pids
     assert_gone(run(main()))

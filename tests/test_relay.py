@@ -230,3 +230,28 @@ def test_relay_refused_where_its_socket_path_cannot_fit(tmp_path, monkeypatch):
             group = await ctl.spawn(Host, nprocs=1, relay=False)  # nothing was left behind
             assert await group.ping(1) == [[0, 1]]
     run(main())
+
+
+def test_a_malformed_message_in_a_relays_bundle_loses_neither_the_others_nor_the_call(tmp_path):
+    """A Results whose columns disagree is dropped before it touches the call (the ranks'
+    real answers still complete it), and the messages after it in the same Fanin count."""
+    marker = tmp_path / "go"
+
+    async def main():
+        async with asyncrl.Controller(relay=True) as ctl:
+            group = await ctl.spawn(Host, nprocs=2)
+            pending = asyncio.ensure_future(group.fail_or_wait(str(marker), failing=-1))
+            await poll_until(lambda: bool(ctl.calls), 10, "the call to be sent")
+            (call_id,) = ctl.calls
+            none = msgspec.Raw(messages.encode(None))
+            bad = Results(call_id, [0, 1], [none, none], [True, True], [-1], [], 0.0)
+            io = group.ranks[1].identity
+            ctl.inbox.on_fanin(ctl.relay_of[io], Fanin(
+                [group.ranks[0].exec_identity, io],
+                [msgspec.Raw(messages.encode(bad)),
+                 msgspec.Raw(messages.encode(messages.Heartbeat(dropped=7)))]))
+            assert group.ranks[1].dropped == 7  # the message after the bad one counted (now)
+            assert ctl.dropped_frames.get("malformed") == 1
+            marker.touch()
+            return await asyncio.wait_for(pending, 30)
+    assert run(main()) == [True, True]

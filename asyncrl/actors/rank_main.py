@@ -18,6 +18,7 @@ import asyncio
 import datetime
 import faulthandler
 import inspect
+import math
 import os
 import socket
 import sys
@@ -264,17 +265,24 @@ class RankMain:
         ex.sock.send(self.hello("exec"))
         while True:
             msg = ex.sock.recv(-1)
-            if isinstance(msg, Call):
-                ex.run_call(msg)
-            elif isinstance(msg, Construct):
-                self.taken = True  # (its heartbeats may not have come yet: a loop busy
-                ex.sock.send(self.build(msg))  # right after the spawn sends none)
+            try:
+                if isinstance(msg, Call):
+                    ex.run_call(msg)
+                elif isinstance(msg, Construct):
+                    self.taken = True  # (its heartbeats may not have come yet: a loop busy
+                    ex.sock.send(self.build(msg))  # right after the spawn sends none)
+            except Exception:  # noqa: BLE001 - one message must not end the in-order calls
+                traceback.print_exc()
 
     def build(self, msg: Construct) -> Ready:
-        mesh = dict(msg.mesh)
-        coords = mesh_coords(tuple(msg.mesh), self.rank)
-        self.dp_rank, self.dp_size = coords.get(DP_AXIS, 0), mesh.get(DP_AXIS, 1)
         try:
+            mesh = dict(msg.mesh)
+            if any(size < 1 for size in mesh.values()) or \
+                    math.prod(mesh.values()) != self.world_size or len(mesh) != len(msg.mesh):
+                raise ValueError(f"mesh {msg.mesh} does not lay out the group's "
+                                 f"{self.world_size} ranks")
+            coords = mesh_coords(tuple(msg.mesh), self.rank)
+            self.dp_rank, self.dp_size = coords.get(DP_AXIS, 0), mesh.get(DP_AXIS, 1)
             (cls, *args), kwargs = codec.decode_call(msg.payload, msg.frames)
             attrs = dict(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
                          group_name=self.group, mesh=mesh, coords=coords)

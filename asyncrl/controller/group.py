@@ -443,6 +443,11 @@ class GroupHandle:
         if p is None:
             return
         ranks = msg.ranks
+        n = len(ranks)
+        if len(msg.values) != n or len(msg.inline) != n or len(msg.schema_of) != n or \
+                any(not -1 <= i < len(msg.schemas) for i in msg.schema_of):
+            self._ctl.channel.drop("malformed")  # before any state changes: the ranks'
+            return  # real answers still count
         if not p.waiting.issuperset(ranks) or not p.collect.issuperset(ranks):
             for i, rank in enumerate(ranks):  # not the common case: one by one
                 schema = msg.schemas[msg.schema_of[i]] if msg.schema_of[i] >= 0 else None

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ from asyncrl.comm.messages import (
 from asyncrl.comm.relay import is_relay
 from asyncrl.controller.group import GroupHandle, RankInfo
 from asyncrl.errors import RemoteError
+
+log = logging.getLogger("asyncrl")
 
 if TYPE_CHECKING:
     from asyncrl.controller.controller import Controller
@@ -90,12 +93,20 @@ class Inbox:
                 channel.drop("unexpected")
             elif not sender.startswith(prefix):
                 channel.drop("foreign")  # a relay claimed another group's socket
-            elif type(inner) is Results:  # most of what relays bring: the shortest way
-                group = self._ctl.calls.get(inner.call_id)
-                if group is not None:
-                    group._on_results(inner)
             else:
-                self.on_message(sender, inner, relay)
+                try:  # each on its own, as if sent apart: one failing loses no other
+                    self._on_relayed(sender, inner, relay)
+                except Exception:  # noqa: BLE001 - as the channel's own dispatch
+                    log.exception("asyncrl: handling %s from %r (relayed) failed",
+                                  type(inner).__name__, sender)
+
+    def _on_relayed(self, sender: bytes, inner: Message, relay: bytes) -> None:
+        if type(inner) is Results:  # most of what relays bring: the shortest way
+            group = self._ctl.calls.get(inner.call_id)
+            if group is not None:
+                group._on_results(inner)
+        else:
+            self.on_message(sender, inner, relay)
 
     def _on_hello(self, group: GroupHandle, identity: bytes, msg: Hello,
                   relay: bytes | None) -> None:
