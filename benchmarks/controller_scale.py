@@ -113,7 +113,7 @@ def host_main(group: str, first: int, count: int, world: int) -> None:
         for role in RELAY_ROLES:
             addresses[role] = relay_address(env["ASYNCRL_RELAY"], int(env["GROUP_RANK"]), role)
             relays.append(HostRelay(address, addresses[role],
-                                    relay_identity(group, first, role, os.getpid()),
+                                    relay_identity(group, first, role, str(os.getpid())),
                                     secret, curve).start())
         curve = None
     ranks = [_SimRank(ctx, addresses, group, r, secret, curve)

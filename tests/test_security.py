@@ -310,6 +310,11 @@ def test_a_late_hello_from_an_earlier_group_of_the_name_is_dropped():
     before, after, added, pids = run(main())
     assert_gone(pids)
     assert after == before and added == [3]
+    # a rank's sockets are named with its pid and 64 random bits: no other process of the
+    # host can connect first under the name (pid and group are in `ps`) and take its frames
+    import re
+
+    assert re.fullmatch(rb"g/0/io/%d\.[0-9a-f]{16}" % before[0], before[1]), before[1]
 
 
 def test_a_stopped_groups_sockets_leave_the_replay_table():

@@ -20,6 +20,7 @@ import faulthandler
 import inspect
 import math
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -149,6 +150,10 @@ class RankMain:
         # the host name the controller launched this rank on (several "hosts" may share a
         # machine when imitating a cluster on loopback), else the machine's
         self.host = env.get("ASYNCRL_HOST_NAME") or socket.gethostname()
+        # the last part of this rank's socket identities: its pid, and a part nobody can
+        # guess, so no other local process can connect first under the name and take what
+        # is sent to it (a ROUTER routes by the name the peer gives; the first one keeps it)
+        self.tag = f"{os.getpid()}.{secrets.token_hex(8)}"
         self.relays: list[HostRelay] = []
         self.relay_addresses: dict[str, str] = {}  # "exec" / "io" -> its relay; empty: none
         self.control_curve = self.curve
@@ -174,7 +179,7 @@ class RankMain:
         self.local = threading.local()
 
     def socket(self, role: str) -> RankSocket:
-        identity = f"{self.group}/{self.rank}/{role}/{os.getpid()}".encode()
+        identity = f"{self.group}/{self.rank}/{role}/{self.tag}".encode()
         address = self.relay_addresses.get("exec" if role == "exec" else "io", self.address)
         return RankSocket(self.ctx, address, identity, self.secret, curve=self.control_curve)
 
@@ -184,7 +189,7 @@ class RankMain:
         self.relay_addresses = {role: relay_address(prefix, node, role) for role in RELAY_ROLES}
         if self.local_rank == 0:
             self.relays = [HostRelay(self.address, address,
-                                     relay_identity(self.group, self.rank, role, os.getpid()),
+                                     relay_identity(self.group, self.rank, role, self.tag),
                                      self.secret, self.curve).start()
                            for role, address in self.relay_addresses.items()]
         self.control_curve = None
@@ -253,7 +258,7 @@ class RankMain:
         if self.fetch_sock is None:  # straight to the controller: a host relay forwards
             # signed messages only, and this is the one that has raw frames
             bind_gpu()
-            identity = f"{self.group}/{self.rank}/fetch/{os.getpid()}".encode()
+            identity = f"{self.group}/{self.rank}/fetch/{self.tag}".encode()
             self.fetch_sock = RankSocket(zmq.Context(), self.address, identity, self.secret,
                                          curve=self.curve)
         return self.fetch_sock

@@ -43,8 +43,9 @@ def relay_address(prefix: str, node: int, role: str) -> str:
     return f"{prefix}-{node}-{role}"
 
 
-def relay_identity(group: str, rank: int, role: str, pid: int) -> bytes:
-    return f"{group}/{rank}/relay-{role}/{pid}".encode()
+def relay_identity(group: str, rank: int, role: str, tag: str) -> bytes:
+    """`tag`: the rank's pid and a part nobody can guess (`RankMain.tag`)."""
+    return f"{group}/{rank}/relay-{role}/{tag}".encode()
 
 
 def is_relay(identity: bytes) -> bool:

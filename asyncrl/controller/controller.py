@@ -500,9 +500,10 @@ class Controller:
 
 def _rank_route(route: bytes, group: bytes, ranks: set[tuple[bytes, bytes]]) -> bool:
     """Whether `route` is a socket of one of `ranks` ((rank, pid)) of `group`: their
-    identities are group/rank/role/pid."""
+    identities are group/rank/role/pid.nonce."""
     parts = route.split(b"/")
-    return len(parts) == 4 and parts[0] == group and (parts[1], parts[3]) in ranks
+    return len(parts) == 4 and parts[0] == group and \
+        (parts[1], parts[3].split(b".")[0]) in ranks
 
 
 def _retrieved(task: asyncio.Future) -> None:
