@@ -141,6 +141,14 @@ def test_repeat_interleaved_and_tiled():
     for out in (b.repeat(2), b.repeat(2, interleave=False)):
         assert out.meta == {"k": 1} and out.meta is not b.meta
     assert len(mixed(0).repeat(4)) == 0 and len(mixed(0).repeat(4, interleave=False)) == 0
+    # a padded DP chunk's k samples per row: the padding rows' copies stay marked (they
+    # counted as real rows), and trailing; tiled, they would sit among real rows: refused
+    chunk = mixed(3).chunk(2, pad=True)[1]  # row 2 and its padding copy
+    out = chunk.repeat(3)
+    assert rows(out) == [row(2)] * 6 and out.meta[PAD_KEY] == 3
+    assert rows(out.slice(0, len(out) - out.meta[PAD_KEY])) == [row(2)] * 3
+    with pytest.raises(ValueError, match="1 padding row.* repeat interleaved, or drop"):
+        chunk.repeat(2, interleave=False)
 
 
 def test_repeat_copies_rather_than_aliasing():

@@ -140,6 +140,10 @@ def test_prompts_a_tokenizer_cannot_take_are_refused_naming_the_record(tmp_path)
          "max_prompt_length must be an int >= 1, got '512'"),
         (dict(data=[{"prompt": "w1"}], tokenizer=tok, max_prompt_length=0),
          "max_prompt_length must be an int >= 1, got 0"),
+        # a run of no step, float sampling seeds, a shuffle asked off that shuffled
+        (dict(data=[{"prompt": [1]}], epochs=0), "epochs must be an int >= 1, or None"),
+        (dict(data=[{"prompt": [1]}], seed=1.5), "seed must be an int, got 1.5"),
+        (dict(data=[{"prompt": [1]}], shuffle="no"), "shuffle must be True or False"),
     ]
     for kwargs, message in cases:
         with pytest.raises((ValueError, FileNotFoundError), match=message):

@@ -45,6 +45,21 @@ def test_score_rows_by_hand():
         score_rows(broken, rollout_like(1))
 
 
+def test_numpy_and_torch_scalars_score_in_process_as_in_a_pool(caplog):
+    """As a pool's child sends them: a reward computed with numpy scores by default too. A
+    column named as the function's own response parameter (a reference answer) is not
+    passed again as a keyword (it failed: got multiple values), and said so."""
+    def as_numpy(prompt, response, **meta):
+        return np.float32(len(response)) if len(response) > 1 else torch.tensor(0.5)
+
+    batch = rollout_like(4)
+    batch = batch.union(TensorBatch({"response": ["ref"] * 4}))
+    assert score_rows(as_numpy, batch).tolist() == [2.0, 3.0, 3.0, 0.5]
+    assert "is not given the column(s) ['response']" in caplog.text
+    with pytest.raises(ValueError, match=r"returned array\(\[1., 2.\]\) for row 0"):
+        score_rows(lambda p, r: np.array([1.0, 2.0]), rollout_like(1))  # not a scalar
+
+
 def test_overlong_responses_lose_reward_linearly_through_the_buffer():
     """DAPO's soft overlong punishment: past max_length - buffer = 1 token, each token costs
     penalty_factor / buffer = 0.25; the scores keep fn's score and the penalty apart, and the
@@ -129,6 +144,31 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
         seen += untimed.pids()
         assert untimed.call(row_inputs(verifier, answers(5, 6))) == ([1.0, 2.0], [False] * 2)
         untimed.close()
+    finally:
+        seen += pool.pids()
+        pool.close()
+    assert_gone(seen)
+
+
+def test_a_scorer_process_killed_while_idle_costs_no_row():
+    """Killed between calls (out of memory): the next call replaces it and scores every
+    row (it failed whole on a broken pipe); one killed during a call, idle, likewise."""
+    import signal
+
+    from asyncrl.hybrid.fn_pool import FunctionPool
+    from asyncrl.rl.reward import row_inputs
+
+    pool = FunctionPool(verifier, processes=2, timeout_s=None)
+    seen = pool.pids()
+    try:
+        jobs = row_inputs(verifier, answers(1, 2, 3))
+        assert pool.call(jobs) == ([1.0, 2.0, 3.0], [False] * 3)
+        for c in pool.children:  # both: the first one given a row is dead whichever it is
+            os.kill(c.proc.pid, signal.SIGKILL)
+            c.proc.wait()
+        assert pool.call(jobs) == ([1.0, 2.0, 3.0], [False] * 3)
+        assert not set(pool.pids()) & set(seen)
+        seen += pool.pids()
     finally:
         seen += pool.pids()
         pool.close()

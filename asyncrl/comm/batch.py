@@ -137,8 +137,16 @@ class RowOps:
         """Each row `k` times: row0,row0,row1,row1 when interleaved (e.g. k samples per
         prompt), else the whole batch `k` times: row0,row1,row0,row1."""
         k = _count("repeat", "k", k)
+        pad = self.meta.get(PAD_KEY, 0)
         if interleave:
-            return self.take([i for i in range(len(self)) for _ in range(k)])
+            out = self.take([i for i in range(len(self)) for _ in range(k)])
+            if pad:  # the padding rows' copies: trailing still (a DP chunk's k samples)
+                out.meta[PAD_KEY] = pad * k
+            return out
+        if pad:
+            raise ValueError(f"repeat(k, interleave=False) of a batch with {pad} padding "
+                             f"row(s) puts them among real rows; repeat interleaved, or drop "
+                             f"them first (batch.slice(0, len(batch) - {pad}))")
         return type(self).concat([self] * k)
 
 

@@ -144,12 +144,16 @@ class FunctionPool:
         values: list[Any] = [None] * len(jobs)
         timed_out = [False] * len(jobs)
         todo, left = list(range(len(jobs)))[::-1], len(jobs)
+        # those that died since the last call (killed while idle: out of memory): no row lost
+        self._replace([i for i, c in enumerate(self.children) if c.proc.poll() is not None])
         try:
             while left:
                 for c in self.children:  # idle and ready: give it the next row
                     if c.ready and c.row is None and todo:
                         c.row, c.since = todo.pop(), time.monotonic()
-                        self._send(c, jobs)
+                        if not self._send(c, jobs):  # it died just now: the row goes back
+                            todo.append(c.row)
+                            self._replace([self.children.index(c)])
                 for c in self._readable():
                     left -= self._answer(c, values)
                 left -= self._expire(timed_out)
@@ -164,13 +168,17 @@ class FunctionPool:
             raise
         return values, timed_out
 
-    def _send(self, c: _Child, jobs: list[tuple[Any, Any, dict[str, Any]]]) -> None:
+    def _send(self, c: _Child, jobs: list[tuple[Any, Any, dict[str, Any]]]) -> bool:
+        """Send `c` its row; False where it is gone (its pipe broken)."""
         assert c.row is not None
         try:
             write_frame(c.stdin, [c.row, *jobs[c.row]])
         except TypeError as e:
             raise TypeError(f"{self.name}: {self.where[c.row]}: the prompt, response or meta "
                             f"cannot go to its process: {e}") from None
+        except OSError:  # BrokenPipeError: it exited since it last answered
+            return False
+        return True
 
     def _readable(self) -> list[_Child]:
         with selectors.DefaultSelector() as sel:
@@ -188,6 +196,9 @@ class FunctionPool:
     def _answer(self, c: _Child, values: list[Any]) -> int:
         """Read `c`'s frame: ready, or its row's value (1: a row done)."""
         frame = read_frame(c.stdout)
+        if frame is None and c.ready and c.row is None:  # died idle: no row lost
+            self._replace([self.children.index(c)])
+            return 0
         if frame is None:  # it died, not by our hand
             code = c.proc.wait()
             doing = f"on {self.where[c.row]}" if c.ready and c.row is not None else \

@@ -39,11 +39,18 @@ def taken_by(fn: Callable[..., Any], keys: list[str], what: str = "reward functi
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function: give it everything
         return keys
+    name = getattr(fn, "__name__", repr(fn))
+    own = {p.name for p in params[:2]}  # (prompt, response): given, never as a meta key
+    if own & set(keys) and (name, tuple(sorted(own & set(keys)))) not in _warned:
+        _warned.add((name, tuple(sorted(own & set(keys)))))
+        log.warning("asyncrl: %s %r is not given the column(s) %s: they are named as its "
+                    "own first parameters (the prompt and the response); rename them in the "
+                    "prompt records to pass them", what, name, sorted(own & set(keys)))
+    keys = [k for k in keys if k not in own]
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return keys
     named = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     taken = [k for k in keys if k in {p.name for p in named}]
-    name = getattr(fn, "__name__", repr(fn))
     missing = [p.name for p in named if p.name not in keys and p.default is p.empty]
     if missing:
         raise TypeError(f"{what} {name!r} takes {missing}, which the batch has no "

@@ -167,6 +167,14 @@ class PromptSource:
                              else max_prompt_length)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PromptSource: {name} must be an int >= 1, got {value!r}")
+        if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or
+                                   epochs < 1):  # 0 ran a run of no step without a word
+            raise ValueError(f"PromptSource: epochs must be an int >= 1, or None (endless), "
+                             f"got {epochs!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):  # the samples' seeds
+            raise ValueError(f"PromptSource: seed must be an int, got {seed!r}")
+        if not isinstance(shuffle, bool):  # "no" shuffled
+            raise ValueError(f"PromptSource: shuffle must be True or False, got {shuffle!r}")
         if isinstance(data, str | os.PathLike):
             records, where, locate = _read_file(Path(data))
             fix = 'write one JSON object per line, such as {"prompt": [token ids], "answer": "7"}'
