@@ -275,3 +275,44 @@ def test_two_breakpoints_of_one_rank_are_each_reachable(rank, tmp_path):
     rank.join()
     assert rank.results == {"first": 42, "second": "other"}
     assert waiting(tmp_path) == []
+
+
+def test_attach_shows_a_character_split_between_two_reads_whole():
+    """pdb's output arrives in pieces: a UTF-8 character cut between two showed as two
+    replacement characters."""
+    from asyncrl.controller.attach import attach
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    shown: queue.Queue[str] = queue.Queue()
+
+    class Screen(io.StringIO):
+        def write(self, text: str) -> int:
+            shown.put(text)
+            return len(text)
+
+    def rank() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(100)  # the token
+            conn.sendall("é".encode()[:1])
+            while "attached" in shown.get(timeout=30):  # the first byte was read and shown
+                pass
+            conn.sendall("é".encode()[1:] + b"\n")
+
+    thread = threading.Thread(target=rank, daemon=True)
+    thread.start()
+    keys = os.pipe()  # no keys typed
+    try:
+        with os.fdopen(keys[0]) as stdin:
+            attach({"port": server.getsockname()[1], "token": "t", "group": "g", "rank": 0,
+                    "where": "w"}, stdin=stdin, stdout=Screen())
+    finally:
+        os.close(keys[1])
+        server.close()
+    thread.join(30)
+    rest = []
+    while not shown.empty():
+        rest.append(shown.get())
+    assert "".join(rest) == "é\n"

@@ -80,6 +80,14 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
     sink.close()
     assert read_log(other, "actor", 0) == "a\nc"
     assert read_log(tmp_path, "actor", 1, 5) == "first\nsecond\nthird"
+    # read from the end, a block at a time: lines across blocks come whole
+    from asyncrl.controller.logs import _last_lines
+
+    big = tmp_path / "big.log"
+    big.write_text("".join(f"{i:05d} " + "x" * (i % 37) + "\n" for i in range(3000)))
+    want = big.read_text().splitlines()
+    for n in (0, 1, 7, 500, 5000):
+        assert _last_lines(big, n, block=100) == want[max(len(want) - n, 0):]
     bad = subprocess.run([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
                           "critic", "--rank", "0"], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)

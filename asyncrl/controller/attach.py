@@ -6,6 +6,7 @@ and joins the terminal to its pdb until it continues. Leaving (Ctrl-C) lets the 
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import select
@@ -73,6 +74,8 @@ def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.st
     stdout.flush()
     keys = stdin.fileno()  # raw reads: a buffered reader would hide lines from select
     inputs = [sock, keys]
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span
+    # two reads
     try:
         while True:
             ready, _, _ = select.select(inputs, [], [])
@@ -80,7 +83,7 @@ def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.st
                 data = sock.recv(65536)
                 if not data:
                     return  # the rank continued
-                stdout.write(data.decode(errors="replace"))
+                stdout.write(text.decode(data))
                 stdout.flush()
             if keys in ready:
                 typed = os.read(keys, 65536)

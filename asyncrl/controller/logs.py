@@ -85,8 +85,24 @@ def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> s
                        for p in folder.glob("*/rank*.log")) if folder.is_dir() else []
         raise FileNotFoundError(f"no log for group {group!r} rank {rank} in {folder}; "
                                 f"logs there: {known or 'none'}")
-    lines = path.read_text(errors="replace").splitlines()
-    return "\n".join(lines if tail is None else lines[max(len(lines) - tail, 0):])
+    if tail is None:
+        return "\n".join(path.read_text(errors="replace").splitlines())
+    return "\n".join(_last_lines(path, tail))
+
+
+def _last_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
+    """The last `n` lines of `path`, read from its end a block at a time (a rank's log may
+    be gigabytes)."""
+    with open(path, "rb") as f:
+        at = f.seek(0, os.SEEK_END)
+        data = b""
+        while at > 0 and data.count(b"\n") <= n:  # one more: the first may be cut
+            step = min(block, at)
+            at -= step
+            f.seek(at)
+            data = f.read(step) + data
+    lines = data.decode(errors="replace").splitlines()
+    return lines[max(len(lines) - n, 0):]
 
 
 def append_line(path: Path, line: str) -> None:
