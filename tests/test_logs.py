@@ -3,6 +3,7 @@ run directory, rate-limited on the console only, and read back with `asyncrl log
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -104,6 +105,8 @@ def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):
     lines, rest = split_lines(b"abc\r")
     more, rest = split_lines(rest + b"\ndef\r\n\r\n")
     assert (lines, more, rest) == ([], [b"abc", b"def", b""], b"")
+    lines, rest = split_lines(b"x" * LINE_CAP + b"\r")  # a full piece, then half a CRLF
+    assert (lines, split_lines(rest + b"\nnext\n")) == ([], ([b"x" * LINE_CAP, b"next"], b""))
     sent: list[str] = []
     first = threading.Event()
 
@@ -131,6 +134,38 @@ def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):
     assert not pump.is_alive()
     assert sent[1].startswith(" 20%|##   |é") and "".join(sent[1:]) == " 20%|##   |" + long
     assert len(sent) > 2 and all(len(x.encode()) <= LINE_CAP for x in sent)
+
+
+def test_a_rank_whose_output_tee_is_killed_prints_on_to_its_log():
+    """The tee gone, the rank's prints failed on its broken pipe (BrokenPipeError in user
+    code); they go to the log itself now, and the controller is told."""
+    script = """if True:
+        import json, os, signal, threading
+        from asyncrl.actors.output import OutputCapture
+        sent, through = [], threading.Event()
+
+        def send(lines, dropped):
+            sent.extend(lines)
+            through.set()
+
+        capture = OutputCapture(send)
+        capture.start()
+        print("before", flush=True)
+        assert through.wait(30)  # through the tee (what it has not read yet dies with it)
+        os.kill(capture._tee.pid, signal.SIGKILL)
+        capture._tee.wait()
+        capture._thread.join(30)  # the reader sees the tee's end
+        print("after", flush=True)
+        capture.close()
+        os.write(capture._original, ("sent " + json.dumps(sent) + "\\n").encode())
+    """
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    note = "[asyncrl] the output tee exited: this rank's output goes to this log only"
+    assert lines[:3] == ["before", note, "after"], lines
+    assert json.loads(lines[3].removeprefix("sent ")) == ["before", note]
 
 
 def test_a_respawned_agent_reports_only_its_own_part_of_the_shared_log(tmp_path):
@@ -162,6 +197,11 @@ def test_a_respawned_agent_reports_only_its_own_part_of_the_shared_log(tmp_path)
 
 
 class Crasher(asyncrl.Worker):
+    def __init__(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left behind
+
     @asyncrl.register
     def crash(self) -> None:
         print("a line before", flush=True)

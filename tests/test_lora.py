@@ -333,6 +333,11 @@ def test_a_lora_policy_resumes_and_exports_merged_and_as_a_peft_adapter(tmp_path
                 await policy.ref_logprobs(await policy.generate(prompts()))
             await policy.load_checkpoint(str(step))
             await policy.generate(prompts())
+            # a checkpoint of before 2026-12-04, its adapters named `<layer>.lora_A`: refused
+            # by name here, exported below
+            with pytest.raises(asyncrl.RemoteError, match=r"under the names asyncrl gave "
+                               r"them before 2026-12-04 \(model\.layers\.0\..*\.lora_A; now"):
+                await policy.load_checkpoint(str(legacy_checkpoint(step, tmp_path / "old")))
             return saved, (await policy.weights("train"))[0], \
                 (await policy.weights("engine"))[0], pids
     weights, loaded, engine, pids = run(main(), timeout=300)
@@ -353,6 +358,32 @@ def test_a_lora_policy_resumes_and_exports_merged_and_as_a_peft_adapter(tmp_path
     frozen = build_model(ModelConfig(seed=0))
     with_adapter = PeftModel.from_pretrained(frozen, tmp_path / "out" / ADAPTER_FOLDER).eval()
     assert (logits(with_adapter) - want).abs().max().item() < 1e-5
+    export(tmp_path / "old", tmp_path / "old_out")  # the old names, read as peft's
+    old = AutoModelForCausalLM.from_pretrained(tmp_path / "old_out").eval()
+    assert (logits(old) - want).abs().max().item() < 1e-5
+
+
+def legacy_checkpoint(step, run):
+    """A copy of checkpoint `step` in run directory `run`, its weights' adapters named as
+    asyncrl named them before 2026-12-04 (`<layer>.lora_A`)."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from asyncrl.hybrid.export import trained_weights
+
+    old = run / "checkpoints" / step.name
+    shutil.copytree(step, old)
+    weights = trained_weights(old / "actor")
+    shutil.rmtree(old / "actor" / "train")
+    with warnings.catch_warnings():  # one process on purpose, which DCP warns of
+        warnings.filterwarnings("ignore", message=".*in a single process")
+        dcp.save({"model": {k.removesuffix(".weight") if is_adapter(k) else k: v
+                            for k, v in weights.items()}},
+                 checkpoint_id=str(old / "actor" / "train"), no_dist=True)
+    (old / "meta.json").write_text(json.dumps({"step": 0}))
+    return old
 
 
 def test_a_hybrid_vllm_gets_the_lora_layers_merged_and_samples_as_the_builtin_engine(tmp_path):

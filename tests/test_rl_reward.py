@@ -56,6 +56,11 @@ def test_numpy_and_torch_scalars_score_in_process_as_in_a_pool(caplog):
     batch = batch.union(TensorBatch({"response": ["ref"] * 4}))
     assert score_rows(as_numpy, batch).tolist() == [2.0, 3.0, 3.0, 0.5]
     assert "is not given the column(s) ['response']" in caplog.text
+    # positional-only, the function's own names clash with no keyword: the column is passed
+    def positional(prompt, response, /, **meta):
+        return float(meta["response"] == "ref")
+
+    assert score_rows(positional, batch).tolist() == [1.0] * 4
     with pytest.raises(ValueError, match=r"returned array\(\[1., 2.\]\) for row 0"):
         score_rows(lambda p, r: np.array([1.0, 2.0]), rollout_like(1))  # not a scalar
 
@@ -152,7 +157,7 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
 
 def test_a_scorer_process_killed_while_idle_costs_no_row():
     """Killed between calls (out of memory): the next call replaces it and scores every
-    row (it failed whole on a broken pipe); one killed during a call, idle, likewise."""
+    row (it failed whole on a broken pipe)."""
     import signal
 
     from asyncrl.hybrid.fn_pool import FunctionPool

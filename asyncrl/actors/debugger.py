@@ -9,9 +9,9 @@
           the token ──▶ pdb
 
 The call stays in the debugger until the user continues (`c`, `q`, or the attach client
-goes away: its connection closes either way; `q` clears the breakpoints set in pdb, and does
-not fail the call: its group's other ranks would wait in their collectives); a breakpoint
-set with `b` then waits for a new `asyncrl attach` when reached. The group's later calls
+goes away: its connection closes either way; `q` is `c` here: failing the call would leave
+its group's other ranks waiting in their collectives); a breakpoint set with `b` then waits
+for a new `asyncrl attach` when reached. The group's later calls
 wait behind it, other groups go on, heartbeats keep flowing (they run on another thread).
 """
 
@@ -184,9 +184,8 @@ class _RemotePdb(pdb.Pdb):
         self._conn.close()
 
     def do_quit(self, arg: str) -> bool:
-        """q(uit): leave the debugger, the breakpoints set in it cleared; the call goes on
-        (failing it would leave the group's other ranks waiting in their collectives)."""
-        self.clear_all_breaks()
+        """q(uit): leave the debugger as `c` does: the call goes on (failing it would leave
+        the group's other ranks waiting in their collectives)."""
         self._conn.write("[asyncrl] quit: the call goes on\n")
         self.do_continue(arg)
         return True

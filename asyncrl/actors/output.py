@@ -17,6 +17,7 @@ shows that log's tail. Without a `tee -p`, the reader thread copies to the log i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import select
@@ -42,7 +43,7 @@ def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
     *redrawn, rest = (rest[:-1] if held else rest).split(b"\r")
     lines.extend(piece for piece in redrawn if piece)
     rest += b"\r" if held else b""
-    while len(rest) > LINE_CAP:
+    while len(rest) - held > LINE_CAP:
         cut = LINE_CAP
         while cut > LINE_CAP - 3 and rest[cut] & 0xC0 == 0x80:  # not inside a UTF-8 char
             cut -= 1
@@ -62,6 +63,7 @@ class OutputCapture:
         self._mirror = True  # copy to the original stdout (torchrun's log)
         self._unsent = 0  # lines a failed send lost
         self._tee: subprocess.Popen[bytes] | None = None
+        self._closing = False
 
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -90,6 +92,8 @@ class OutputCapture:
                     lines.append(partial.rstrip(b"\r").decode(errors="replace"))
                 if lines or dropped:
                     self._forward(lines, dropped)
+                if self._tee is not None and not self._closing:  # the tee died (killed):
+                    self._tee_gone()  # prints would fail on its broken pipe
                 return
             if chunk:
                 if self._mirror:
@@ -121,11 +125,20 @@ class OutputCapture:
             self._unsent += dropped + len(lines)  # lines are in torchrun's log only (counted
             # as dropped with the next send); the pump must go on draining the pipe
 
+    def _tee_gone(self) -> None:
+        os.dup2(self._original, 1)  # the log alone from now on
+        os.dup2(self._original, 2)
+        note = "[asyncrl] the output tee exited: this rank's output goes to this log only"
+        self._forward([note], 0)
+        with contextlib.suppress(OSError):
+            os.write(self._original, note.encode() + b"\n")
+
     def close(self, timeout: float = 2.0) -> None:
         """Send what is left: point fds 1 and 2 back at the original stdout (the pipe's last
         writers), let the reader drain it."""
         if self._thread is None:
             return
+        self._closing = True
         os.dup2(self._original, 1)
         os.dup2(self._original, 2)
         self._thread.join(timeout)  # (tee's end: the pipe's last writers closed)
@@ -155,10 +168,22 @@ def _tee(source: int, log: int) -> tuple[subprocess.Popen[bytes], int] | None:
 
 @functools.cache
 def _tee_path() -> str | None:
+    """coreutils' tee, where it copies to a /dev/fd pipe as `_tee` asks (busybox's has no
+    -p; a system may lack /dev/fd)."""
     path = shutil.which("tee")
-    try:  # busybox's has no -p
-        ok = path is not None and subprocess.run(
-            [path, "-p"], input=b"", capture_output=True, timeout=10).returncode == 0
+    if path is None:
+        return None
+    read_fd, write_fd = os.pipe()
+    try:
+        done = subprocess.run([path, "-p", f"/dev/fd/{write_fd}"], input=b"ok",
+                              capture_output=True, pass_fds=(write_fd,), timeout=10)
+        os.close(write_fd)
+        write_fd = -1
+        ok = done.returncode == 0 and os.read(read_fd, 2) == b"ok"
     except (OSError, subprocess.TimeoutExpired):
         ok = False
+    finally:
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
     return path if ok else None

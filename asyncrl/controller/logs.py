@@ -93,15 +93,17 @@ def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> s
 def _last_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
     """The last `n` lines of `path`, read from its end a block at a time (a rank's log may
     be gigabytes)."""
+    blocks: list[bytes] = []
+    newlines = 0
     with open(path, "rb") as f:
         at = f.seek(0, os.SEEK_END)
-        data = b""
-        while at > 0 and data.count(b"\n") <= n:  # one more: the first may be cut
+        while at > 0 and newlines <= n:  # one more: the first may be cut
             step = min(block, at)
             at -= step
             f.seek(at)
-            data = f.read(step) + data
-    lines = data.decode(errors="replace").splitlines()
+            blocks.append(f.read(step))
+            newlines += blocks[-1].count(b"\n")
+    lines = b"".join(reversed(blocks)).decode(errors="replace").splitlines()
     return lines[max(len(lines) - n, 0):]
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.hybrid.lora import is_adapter, merged
+from asyncrl.hybrid.lora import is_adapter, legacy_adapter_names, merged
 from asyncrl.hybrid.models import ModelConfig, hf_config
 from asyncrl.hybrid.zero import TAG
 
@@ -125,6 +125,8 @@ def trained_weights(folder: Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # one process on purpose, which DCP warns of
         warnings.filterwarnings("ignore", message=".*in a single process")
         dcp.load({"model": model}, checkpoint_id=str(train), no_dist=True)  # read in place
+    for name in legacy_adapter_names(list(model)):  # an earlier LoRA run's: peft's names
+        model[f"{name}.weight"] = model.pop(name)
     return model
 
 

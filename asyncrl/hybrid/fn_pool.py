@@ -132,6 +132,7 @@ class FunctionPool:
         self.timeout_s = timeout_s
         self.where: list[str] = []
         self.children = [_Child(self.ref) for _ in range(processes)]
+        self._idle_deaths = 0  # in the call under way
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
@@ -144,6 +145,7 @@ class FunctionPool:
         values: list[Any] = [None] * len(jobs)
         timed_out = [False] * len(jobs)
         todo, left = list(range(len(jobs)))[::-1], len(jobs)
+        self._idle_deaths = 0
         # those that died since the last call (killed while idle: out of memory): no row lost
         self._replace([i for i, c in enumerate(self.children) if c.proc.poll() is not None])
         try:
@@ -153,7 +155,8 @@ class FunctionPool:
                         c.row, c.since = todo.pop(), time.monotonic()
                         if not self._send(c, jobs):  # it died just now: the row goes back
                             todo.append(c.row)
-                            self._replace([self.children.index(c)])
+                            c.row = None
+                            self._died_idle(c)
                 for c in self._readable():
                     left -= self._answer(c, values)
                 left -= self._expire(timed_out)
@@ -197,7 +200,7 @@ class FunctionPool:
         """Read `c`'s frame: ready, or its row's value (1: a row done)."""
         frame = read_frame(c.stdout)
         if frame is None and c.ready and c.row is None:  # died idle: no row lost
-            self._replace([self.children.index(c)])
+            self._died_idle(c)
             return 0
         if frame is None:  # it died, not by our hand
             code = c.proc.wait()
@@ -215,6 +218,17 @@ class FunctionPool:
             raise ValueError(f"{self.name} failed on {self.where[index]}:\n{error}")
         values[index] = value
         return 1
+
+    def _died_idle(self, c: _Child) -> None:
+        """Replace `c`, which exited between rows; again and again in one call is an error
+        (replacements that keep exiting would loop for ever)."""
+        code = c.proc.wait()
+        self._idle_deaths += 1
+        if self._idle_deaths > 2 * len(self.children):
+            raise RuntimeError(f"{self.name}: its processes keep exiting between rows "
+                               f"({self._idle_deaths} in this call, the last with {code}); "
+                               f"see the group's log")
+        self._replace([self.children.index(c)])
 
     def _expire(self, timed_out: list[bool]) -> int:
         """Replace the children past the timeout; their rows time out (the count)."""

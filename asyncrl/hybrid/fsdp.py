@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
-from asyncrl.hybrid.lora import adapter_modules, is_adapter
+from asyncrl.hybrid.lora import adapter_modules, is_adapter, legacy_adapter_names
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
     ModelConfig,
@@ -439,6 +439,14 @@ class FSDPBackend(TrainBackend):
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        old = legacy_adapter_names(k.removeprefix("model.") for k in saved
+                                   if k.startswith("model."))
+        if old:
+            raise ValueError(f"{folder} holds LoRA adapters under the names asyncrl gave "
+                             f"them before 2026-12-04 ({old[0]}; now {old[0]}.weight, as "
+                             f"peft names them), which do not load into this model: "
+                             f"`asyncrl export` still reads it (the merged model, and the "
+                             f"adapters in peft's format) to start a new run from")
         if "sched.steps" in saved:  # checkpoints from before schedules have no position
             state["sched"] = self._sched_state()
         self.loads += 1

@@ -23,7 +23,7 @@ apart from the layer's bf16 weight (one dtype per FSDP unit).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +240,11 @@ def is_adapter(name: str) -> bool:
     """Whether parameter `name` is a LoRA factor's (`<layer>.lora_A.weight`)."""
     parts = name.rsplit(".", 2)
     return len(parts) == 3 and parts[1] in ADAPTERS and parts[2] == "weight"
+
+
+def legacy_adapter_names(names: Iterable[str]) -> list[str]:
+    """Adapters as checkpoints before 2026-12-04 name them: `<layer>.lora_A`, no `.weight`."""
+    return [n for n in names if n.rsplit(".", 1)[-1] in ADAPTERS]
 
 
 def adapter_modules(module: torch.nn.Module) -> list[LoraFactor]:

@@ -40,7 +40,8 @@ def taken_by(fn: Callable[..., Any], keys: list[str], what: str = "reward functi
     except (TypeError, ValueError):  # a builtin or C function: give it everything
         return keys
     name = getattr(fn, "__name__", repr(fn))
-    own = {p.name for p in params[:2]}  # (prompt, response): given, never as a meta key
+    # (prompt, response), given positionally: a keyword of the same name would clash
+    own = {p.name for p in params[:2] if p.kind is p.POSITIONAL_OR_KEYWORD}
     if own & set(keys) and (name, tuple(sorted(own & set(keys)))) not in _warned:
         _warned.add((name, tuple(sorted(own & set(keys)))))
         log.warning("asyncrl: %s %r is not given the column(s) %s: they are named as its "
