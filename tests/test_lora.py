@@ -438,3 +438,41 @@ def test_a_bf16_lora_policy_trains_fp32_adapters_that_small_updates_move():
         assert moved > 0.9, f"{name}: {moved:.0%} of it moved"
     assert all(torch.equal(before[k], after[k]) for k in after if not is_adapter(k))
     assert all(torch.equal(engine[k], v) and engine[k].dtype == v.dtype for k, v in after.items())
+
+
+class AdapterProbe(asyncrl.Worker):
+    @asyncrl.register
+    def adapter_dtypes(self, model: dict, train: dict) -> list[tuple[str, str]]:
+        """The dtypes the adapters compute in, on this rank's FSDP2 trainer: (weight as the
+        forward sees it, output)."""
+        from asyncrl.hybrid.fsdp import TrainConfig
+        from asyncrl.hybrid.lora import LoraFactor
+        from asyncrl.hybrid.roles import make_backend
+
+        backend = make_backend(self, "fsdp2", ModelConfig(**model), TrainConfig(**train))
+        seen: set[tuple[str, str]] = set()
+        for m in backend.model.modules():
+            if isinstance(m, LoraFactor):
+                m.register_forward_hook(
+                    lambda m, _, out: seen.add((str(m.weight.dtype), str(out.dtype))))
+        with torch.no_grad():
+            backend.model(input_ids=torch.tensor([[1, 5, 9]]))
+        return sorted(seen)
+
+
+def test_adapters_compute_in_fp32_beside_bf16_layers_as_the_engines_do():
+    """Training in bf16 (an fp32 model, FSDP2's bf16 compute; or a bf16 model): the layers
+    compute in bf16, the adapters in fp32, as the engine's fp32 adapters beside its bf16
+    weights do (FSDP's cast took them to bf16: trainer and engine differed)."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            probe = await ctl.spawn(AdapterProbe, nprocs=2)
+            pids = group_pids(probe)
+            seen = [await probe.adapter_dtypes(MODEL, {"bf16": True}),
+                    await probe.adapter_dtypes({**MODEL, "dtype": "bfloat16"}, {}),
+                    await probe.adapter_dtypes(MODEL, {})]
+            return seen, pids
+    seen, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    fp32 = [[["torch.float32", "torch.float32"]]] * 2  # each rank's
+    assert all(s == fp32 for s in seen), seen

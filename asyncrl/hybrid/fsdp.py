@@ -175,23 +175,26 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: Any, bf16: bool = False) -> None
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if bf16 else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        _shard_adapters_apart(layer, dp_mesh, mp)
+        _shard_adapters_apart(layer, dp_mesh, bf16)
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
-    _shard_adapters_apart(model, dp_mesh, mp)  # any outside the decoder layers
+    _shard_adapters_apart(model, dp_mesh, bf16)  # any outside the decoder layers
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
-def _shard_adapters_apart(module: torch.nn.Module, dp_mesh: Any, mp: Any) -> None:
-    """LoRA's fp32 factors inside `module` beside its bf16 weights: a unit of their own, as
-    FSDP2 wants one dtype per unit (one unit for all of them: one gather)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def _shard_adapters_apart(module: torch.nn.Module, dp_mesh: Any, bf16: bool) -> None:
+    """LoRA's factors inside `module` as a unit of their own (one for all of them: one
+    gather) where they are fp32 beside bf16 weights (FSDP2 wants one dtype per unit) or
+    the layers compute in bf16: the adapters compute in fp32 all the same, as the engine's
+    fp32 adapters do beside its bf16 weights (and peft's)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     factors: list[torch.nn.Module] = [m for m in adapter_modules(module)
                                       if not isinstance(m, FSDPModule)]
     theirs = {p.dtype for m in factors for p in m.parameters()}
     others = {p.dtype for n, p in module.named_parameters() if not is_adapter(n)}
-    if factors and others - theirs:
-        fully_shard(factors, mesh=dp_mesh, mp_policy=mp)
+    if factors and (bf16 or others - theirs):
+        fully_shard(factors, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(
+            reduce_dtype=torch.float32 if bf16 else None))
 
 
 def clip_grad_norm(params: Any, max_norm: float) -> float:
