@@ -247,6 +247,41 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(mini_ba
     assert stats["actor/is_weight_mean"] == pytest.approx(expect, rel=1e-4)
 
 
+def test_an_update_whose_every_sample_is_too_stale_leaves_the_weights_as_they_were():
+    """No token to train on: no optimizer step (AdamW's momentum from the step before moved
+    the weights all the same), and the version stays that of the policy that generated."""
+    from asyncrl.rl import Actor
+
+    ids = torch.tensor([[1, 5], [1, 5], [1, 7], [1, 7]])
+    resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
+    rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+
+    def tagged(version: int) -> TensorBatch:
+        return TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
+                            "response_ids": resp, "response_mask": rmask,
+                            "logprobs": torch.zeros(4, 3),
+                            "versions": torch.full((4, 3), version) * rmask})
+    scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 0.0])})
+    rl = {"algo": "grpo", "group_size": 2, "max_staleness": 0}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            trainer = await ctl.spawn(Actor, {"seed": 0}, rl, {"lr": 1e-2}, nprocs=1,
+                                      hybrid=False)
+            fresh = await trainer.update(tagged(0), scores)  # version 0 -> 1
+            before = (await trainer.weights())[0]
+            stale = await trainer.update(tagged(0), scores)  # lag 1 > 0: every row dropped
+            after = (await trainer.weights())[0]
+            again = await trainer.update(tagged(1), scores)  # the policy's own: trained
+            return fresh, stale, again, before, after
+    fresh, stale, again, before, after = run(main())
+    assert (fresh["actor/skipped_steps"], fresh["actor/version"]) == (0, 1)
+    assert stale["staleness/dropped"] == 4 and stale["actor/skipped_steps"] == 1
+    assert stale["actor/version"] == 1 and "actor/pg_loss" not in stale
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert (again["actor/skipped_steps"], again["actor/version"]) == (0, 2)
+
+
 def test_the_critic_drops_the_samples_the_actor_drops(tmp_path):
     """A row too stale for the actor is left out of the critic's value loss as well: the
     critic's loss on the whole batch equals its loss on the batch without that row. Its

@@ -16,6 +16,7 @@ and the optimizer state.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -37,9 +38,12 @@ from asyncrl.rl.batch import (
     global_sums,
     mini_batches,
     share,
+    trained_steps,
     valid_rows,
 )
 from asyncrl.rl.config import RLConfig
+
+log = logging.getLogger("asyncrl")
 
 # what the policy loss reads (besides the advantages and, when present, ref_logprobs)
 TRAIN_COLUMNS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
@@ -129,15 +133,21 @@ class Actor(Policy):
             ["ref_logprobs"] if "ref_logprobs" in batch else [])).union(
             TensorBatch({"advantages": adv}))
         waited = self.before_weights_change()  # the last sync may still be pulled
-        runs = []
-        for _ in range(self.rl.epochs):
-            for mini in mini_batches(train, self.rl):
-                runs.append(self.backend.train_step(count_globally(mini, group),
-                                                    policy_loss(self.rl, in_pass), entropy=True))
-        self.version += 1
-        stats = mean_stats(runs)
+        runs, skipped = trained_steps(
+            (count_globally(mini, group) for _ in range(self.rl.epochs)
+             for mini in mini_batches(train, self.rl)),
+            lambda mini: self.backend.train_step(mini, policy_loss(self.rl, in_pass),
+                                                 entropy=True))
+        if runs:  # else no update: the policy is the one that generated (its version too)
+            self.version += 1
+        elif self.rank == 0:
+            log.warning("asyncrl: actor update skipped: every sample was older than "
+                        "RLConfig.max_staleness=%s policy versions (dropped); give the actor "
+                        "rl={'max_staleness': k} with k >= the flow's max_staleness",
+                        self.rl.max_staleness)
+        stats = mean_stats(runs) if runs else {}
         return {**{f"actor/{k}": v for k, v in stats.items()}, **off_policy, **stale,
-                "time/sync_wait_s": waited,
+                "time/sync_wait_s": waited, "actor/skipped_steps": float(skipped),
                 **self._batch_stats(batch), "actor/version": float(self.version)}
 
     def _staleness(self, batch: TensorBatch) -> dict[str, float]:

@@ -93,6 +93,19 @@ def count_globally(mini: TensorBatch, group: Any) -> TensorBatch:
     return mini
 
 
+def trained_steps(minis: Any, step: Any) -> tuple[list[dict[str, float]], int]:
+    """`step(mini)` for each mini-batch (counted globally) with a token to train on, and
+    how many had none (every row dropped as too stale): a step there would still move the
+    weights, by AdamW's momentum and weight decay."""
+    runs, skipped = [], 0
+    for mini in minis:
+        if mini.meta["tokens"]:
+            runs.append(step(mini))
+        else:
+            skipped += 1
+    return runs, skipped
+
+
 def share(micro: TensorBatch, per: str) -> float:
     """The factor that turns a micro-batch's local mean (per "tokens" or "seqs") into its
     part of the global mean: the backend weights micro-batches by rows and averages ranks."""

@@ -42,6 +42,7 @@ from asyncrl.rl.batch import (
     global_sums,
     mini_batches,
     share,
+    trained_steps,
 )
 from asyncrl.rl.config import RLConfig
 
@@ -98,12 +99,14 @@ class Critic(Worker):
         assert returns is not None  # PPO's (checked when built)
         train = batch.select(["prompt_ids", "prompt_mask", "response_ids", "response_mask",
                               "values", "loss_mask"]).union(TensorBatch({"returns": returns}))
-        runs = [self.backend.train_step(count_globally(mini, self.backend.stats_group),
-                                        value_loss(self.rl))
-                for _ in range(self.rl.epochs) for mini in mini_batches(train, self.rl)]
-        self.version += 1
-        return {**{f"critic/{k}": v for k, v in mean_stats(runs).items()},
-                "critic/dropped": dropped}
+        runs, skipped = trained_steps(
+            (count_globally(mini, self.backend.stats_group) for _ in range(self.rl.epochs)
+             for mini in mini_batches(train, self.rl)),
+            lambda mini: self.backend.train_step(mini, value_loss(self.rl)))
+        if runs:  # as the actor's: no update where every row was dropped
+            self.version += 1
+        return {**{f"critic/{k}": v for k, v in (mean_stats(runs) if runs else {}).items()},
+                "critic/dropped": dropped, "critic/skipped_steps": float(skipped)}
 
     def save_state(self, folder: Path) -> None:
         self.backend.save(folder / "train")
