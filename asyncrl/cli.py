@@ -153,6 +153,19 @@ def launch(args: argparse.Namespace) -> int:
     if args.checkpoint_every is not None:
         flow.checkpoint_every = args.checkpoint_every
     keep = KEEP if args.keep_checkpoints is None else args.keep_checkpoints or None  # 0: all
+    if args.resume:  # as the run checkpointed, unless told otherwise now
+        from asyncrl.controller.checkpoint import checkpoint_settings
+
+        kept = checkpoint_settings(run_dir)
+        if args.checkpoint_every is None and "checkpoint_every" in kept:
+            flow.checkpoint_every = kept["checkpoint_every"]
+        if args.keep_checkpoints is None and "keep" in kept:
+            keep = kept["keep"]
+        if kept:
+            every = flow.checkpoint_every
+            print(f"asyncrl launch: checkpointing {f'every {every} steps and ' if every else ''}"
+                  f"after the last, keeping {keep or 'all'}: as the run did (--checkpoint-every"
+                  f" and --keep-checkpoints say otherwise)", file=sys.stderr)
     cluster, host = _cluster(args)
     return _run_flow("launch", run_dir, launch_flow(
         flow, args.steps, run_dir, args.save_inputs, resume=args.resume, keep=keep,

@@ -193,10 +193,11 @@ def test_stopped_after_three_steps_and_resumed_matches_a_straight_run(straight, 
 def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(straight,
                                                                             tmp_path):
     run_dir = tmp_path / "run"
-    launch(THIS, "--steps", "5", "--checkpoint-every", "2", "--run-dir", str(run_dir))
+    launch(THIS, "--steps", "5", "--checkpoint-every", "1", "--keep-checkpoints", "0",
+           "--run-dir", str(run_dir))
     root = run_dir / "checkpoints"
     assert [p.name for p in checkpoint.complete(run_dir)] == [
-        "step_000001", "step_000003", "step_000004"]
+        f"step_00000{t}" for t in range(5)]
     # a crash while step 4 was being saved: its folder has no meta.json and keeps .tmp,
     # and metrics.jsonl already has step 4's row
     (root / "step_000004" / "meta.json").unlink()
@@ -205,6 +206,8 @@ def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(stra
     assert "resuming from" in out.stdout and "step_000003" in out.stdout
     assert "dropped 1 metrics rows" in out.stdout
     assert_same(rows(run_dir), rows(straight))
-    assert sorted(p.name for p in root.iterdir()) == [
-        "step_000001", "step_000003", "step_000005"]  # the stray .tmp is gone
+    # checkpointed as the run did (every step, all kept: it had none but the last, 3 kept);
+    # the stray .tmp is gone
+    assert "checkpointing every 1 steps and after the last, keeping all" in out.stderr
+    assert sorted(p.name for p in root.iterdir()) == [f"step_00000{t}" for t in range(6)]
 

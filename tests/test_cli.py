@@ -229,3 +229,15 @@ def test_launch_failures_are_said_without_asyncios_traceback(tmp_path):
     assert "asyncrl: node 'score' failed at step 0: KeyError: 'missing'" in out.stderr
     assert f'File "{buggy}", line 6, in score' in out.stderr, out.stderr
     assert out.stderr.count("KeyError: 'missing'") == 2  # the line above, the traceback's end
+
+
+def test_a_run_whose_input_ends_before_its_steps_says_so(tmp_path):
+    """--steps 5 on an input of 2 items ran 2 steps and ended without a word."""
+    short = tmp_path / "short_flow.py"
+    short.write_text("import asyncrl\n\n\n@asyncrl.node\ndef n(x):\n    return {'v': x}\n\n\n"
+                     "flow = asyncrl.DataFlow(nodes=[n], inputs={'x': [1, 2]})\n")
+    out = cli("launch", str(short), "--steps", "5", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    assert "asyncrl: input 'x' ran out after 2 steps, before the 5 asked for" in out.stderr
+    out = cli("launch", str(short), "--run-dir", str(tmp_path / "all"))  # no steps asked
+    assert out.returncode == 0 and "ran out" not in out.stderr

@@ -99,6 +99,11 @@ def test_temperature_zero_decodes_greedily_as_transformers_does():
         with_overrides(engine.config, {"temp": 0})
     with pytest.raises(ValueError, match="top_p must be in"):
         with_overrides(engine.config, {"top_p": 0})
+    # a count given as a fraction (a command line's max_new_tokens=2.5), an id as text
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 2.5"):
+        with_overrides(engine.config, {"max_new_tokens": 2.5})
+    with pytest.raises(ValueError, match=r"token ids \(ints >= 0\), got 0 and \['2'\]"):
+        with_overrides(engine.config, {"stop_token_ids": ["2"]})
 
 
 def test_sampling_follows_the_distribution_and_depends_on_seed_and_step_only():

@@ -7,7 +7,8 @@
 
 meta.json: {"step": the last finished step index, "flow": identity(flow), "inputs":
 flow.positions(), "sizes": each group's ranks, "overrides": the run's key=value settings
-(a resume takes them again, under its own), "time": when}. A `.tmp` folder is a save that
+(a resume takes them again, under its own), "checkpoint_every" and "keep" (a resume goes on
+with them unless given others), "time": when}. A `.tmp` folder is a save that
 died half-way: never resumed from, removed by the next save. The newest `keep` checkpoints
 are kept (None: all).
 """
@@ -117,6 +118,14 @@ def sizes(flow: DataFlow) -> dict[str, int]:
     return {g.name: g.nprocs for g in flow.groups}
 
 
+def checkpoint_settings(run_dir: Path) -> dict[str, Any]:
+    """How the run whose newest checkpoint is in `run_dir` checkpointed: its
+    checkpoint_every and keep ({}: no checkpoint, or one of before session 25)."""
+    path = latest(run_dir)
+    meta = read_meta(path) if path is not None else {}
+    return {k: meta[k] for k in ("checkpoint_every", "keep") if k in meta}
+
+
 def checkpoint_overrides(run_dir: Path) -> dict[str, Any]:
     """The key=value settings of the run whose newest checkpoint is in `run_dir` ({}: none,
     or a checkpoint of before session 14)."""
@@ -138,6 +147,8 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     await asyncio.to_thread(sync_tree, tmp)
     meta = {"step": step, "flow": identity(flow), "inputs": flow.positions(),
             "sizes": sizes(flow), "overrides": json.loads(os.environ.get(OVERRIDES_ENV, "{}")),
+            # how the run checkpoints, which a resume goes on with unless told otherwise
+            "checkpoint_every": flow.checkpoint_every, "keep": keep,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write_synced(tmp / "meta.json", json.dumps(meta, indent=1))  # last: marks it complete
     if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;

@@ -92,6 +92,7 @@ class DataFlow:
         self.groups = list(groups) if groups is not None else declared_in(modules)
         self._sources: dict[str, Iterator[Any] | None] = {}
         self._consumed: dict[str, int] = {}  # items taken from each iterable, over the whole run
+        self.ended: str | None = None  # the input whose end ended the run, if one did
         self._last_end = 0.0  # when the last step given to on_step finished
         # by index: the steps in flight and the last finished ones a later step waits on
         # (older ones are let go, and with them the futures their nodes returned)
@@ -323,6 +324,7 @@ class DataFlow:
                 for key, source, state in taken:  # (a fresh iterator: from that position)
                     source.load_state_dict(state)
                     self._sources[key] = iter(source)
+                self.ended = name
                 return None
             if before is not None:
                 taken.append((name, source, before))

@@ -251,6 +251,11 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                         await checkpoint.restore(flow, resume_from, meta)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
                                    on_rewind=metrics.rewind, keep=False)
+                    if flow.ended is not None and steps is not None and flow.next_step < steps:
+                        print(f"asyncrl: input {flow.ended!r} ran out after "
+                              f"{flow.next_step} steps, before the {steps} asked for (a "
+                              f"PromptSource ends after its epochs: epochs=None goes on)",
+                              file=sys.stderr, flush=True)
                 finally:
                     await flow.close()
             finally:

@@ -48,9 +48,15 @@ class SamplingConfig:
                              f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got "
-                             f"{self.max_new_tokens}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:  # (2.5 failed deep in torch)
+            raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got "
+                             f"{self.max_new_tokens!r}")
+        ids = [self.pad_token_id, *self.stop_token_ids]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"SamplingConfig: pad_token_id and stop_token_ids are token ids "
+                             f"(ints >= 0), got {self.pad_token_id!r} and "
+                             f"{self.stop_token_ids!r}")
 
 
 def with_overrides(cfg: SamplingConfig, overrides: dict[str, Any] | None) -> SamplingConfig:
