@@ -69,3 +69,41 @@ def test_a_nodes_failure_is_said_without_waiting_for_a_slower_node_before_it():
             finally:
                 await flow.close()
     asyncio.run(main())
+
+
+class Faulty(asyncrl.Worker):
+    @asyncrl.register
+    def make(self, x):
+        raise ValueError(f"no rollout for {x}")
+
+    @asyncrl.register
+    def take(self, rows):
+        return rows
+
+
+faulty = asyncrl.group(Faulty, name="faulty")
+
+
+def test_a_failure_is_named_by_the_node_it_began_in_not_one_it_fed():
+    """`train` awaits a call on `gen`'s failed result: its own call fails first, with
+    'input 0 (faulty.make) failed', but the error names gen, whose work failed."""
+    @asyncrl.node
+    def gen(x):
+        return faulty.make(x)
+
+    @asyncrl.node
+    async def train(gen):
+        return await faulty.take(gen)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[gen, train], inputs={"x": [1]}, groups=[faulty])
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError) as info:
+                    await asyncio.wait_for(flow.step(), 60)
+            finally:
+                await flow.close()
+            return info.value
+    err = asyncio.run(main())
+    assert err.node == "gen" and "no rollout for 1" in str(err), str(err)

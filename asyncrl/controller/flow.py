@@ -15,6 +15,7 @@ name). What it receives is exactly what the upstream node returned.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -363,7 +364,8 @@ class DataFlow:
         for name in self.order:
             task = _quiet(loop.create_task(self._run_node(step, self.nodes[name], values)))
             step.returned[name] = task
-            step.finished[name] = _quiet(loop.create_task(_finished(task, name, t)))
+            step.finished[name] = _quiet(loop.create_task(_finished(
+                task, functools.partial(self._blame, step, name))))
             step.finished[name].add_done_callback(step._finish)
         # step t+1 looks back to step t-k-1 (its bound) and t-k (its follows= edges): older
         # steps (all finished, as step t-k-2 was before this one) are let go
@@ -413,7 +415,8 @@ class DataFlow:
         try:  # an async node's DistFutures are passed on as they are
             out = await self.recovery.call(n.name, step.index, lambda: n.fn(**kwargs))
         except Exception as e:
-            raise NodeError(n.name, step.index, e) from e
+            err = self._blame(step, n.name, e)
+            raise err from err.__cause__
         finally:
             timeline = self._ctl.timeline if self._ctl is not None else None
             if timeline is not None:
@@ -517,12 +520,51 @@ class DataFlow:
             try:
                 values[name] = await resolved(r, batches=keep)
             except Exception as e:
-                raise NodeError(name, step.index, e) from e
+                err = self._blame(step, name, e)
+                raise err from err.__cause__
         if on_step is not None:
             since = max(step.started, self._last_end)
             on_step(step.index, values, max(0.0, step.ended - since))
         self._last_end = max(self._last_end, step.ended)
         return values
+
+    def _blame(self, step: _Step, name: str, e: Exception) -> NodeError:
+        """The error for node `name`'s failure `e`, or for a node upstream of it whose own
+        work has already failed: a failed result fails the nodes it feeds too, and which of
+        them is heard of first is chance; the error names where the failure began."""
+        if isinstance(e, NodeError):
+            return e
+        node = name
+        cause: BaseException = e
+        for up in self._upstream(name):
+            task = step.returned.get(up)
+            if task is None or not task.done() or task.cancelled():
+                continue
+            failed = task.exception()
+            if isinstance(failed, NodeError):
+                return failed
+            for fut in futures_in(task.result()) if failed is None else ():
+                done = fut._fut
+                failed = done.exception() if done.done() and not done.cancelled() else None
+                if failed is not None:
+                    break
+            if failed is not None:
+                node, cause = up, failed
+                break
+        err = NodeError(node, step.index, cause)
+        err.__cause__ = cause  # raised from it: a rewind looks through it for a group's death
+        return err
+
+    def _upstream(self, name: str) -> list[str]:
+        """The nodes of the same step whose results reach `name`, in topological order."""
+        seen: set[str] = set()
+        todo = [name]
+        while todo:
+            for src in self.deps[todo.pop()].values():
+                if src is not None and src[0] == "node" and src[1] not in seen:
+                    seen.add(src[1])
+                    todo.append(src[1])
+        return [n for n in self.order if n in seen]
 
     def node_inputs(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         """Node `name`'s arguments among saved `inputs`: FlowError for a node that does not
@@ -572,11 +614,12 @@ def _iterate(source: Any) -> Iterator[Any] | None:
     return iter(source)
 
 
-async def _finished(returned: asyncio.Task, name: str, step: int) -> None:
+async def _finished(returned: asyncio.Task, blame: Callable[[Exception], NodeError]) -> None:
     """A node has finished when it returned and every DistFuture it returned is done."""
     out = await returned
     try:
         for fut in futures_in(out):
             await asyncio.shield(fut._fut)
     except Exception as e:  # the work the node started failed: say which node
-        raise NodeError(name, step, e) from e
+        err = blame(e)
+        raise err from err.__cause__
