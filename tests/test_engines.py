@@ -104,6 +104,10 @@ def test_temperature_zero_decodes_greedily_as_transformers_does():
         with_overrides(engine.config, {"max_new_tokens": 2.5})
     with pytest.raises(ValueError, match=r"token ids \(ints >= 0\), got 0 and \['2'\]"):
         with_overrides(engine.config, {"stop_token_ids": ["2"]})
+    vocab = engine.model.get_input_embeddings().num_embeddings  # not torch's IndexError
+    with pytest.raises(ValueError, match=rf"prompt 1 has token ids outside the model's "
+                                         rf"vocabulary of {vocab} \(\[{vocab}, -1\]\)"):
+        engine.generate([[1, 2], [3, vocab, -1]], [0, 1])
 
 
 def test_sampling_follows_the_distribution_and_depends_on_seed_and_step_only():

@@ -61,6 +61,8 @@ def test_numpy_and_torch_scalars_score_in_process_as_in_a_pool(caplog):
         return float(meta["response"] == "ref")
 
     assert score_rows(positional, batch).tolist() == [1.0] * 4
+    # a match as a bool is 1 or 0 (`return answer == truth`: it was refused)
+    assert score_rows(lambda p, r: len(r) == 3, rollout_like(4)).tolist() == [0, 1, 1, 0]
     with pytest.raises(ValueError, match=r"returned array\(\[1., 2.\]\) for row 0"):
         score_rows(lambda p, r: np.array([1.0, 2.0]), rollout_like(1))  # not a scalar
 

@@ -195,6 +195,13 @@ class Sampler:
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give "
                              f"one seed per sample")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for i, p in enumerate(prompts):  # else an IndexError deep in torch's embedding
+            outside = [t for t in p if not 0 <= t < vocab]
+            if outside:
+                raise ValueError(f"generate: prompt {i} has token ids outside the model's "
+                                 f"vocabulary of {vocab} ({outside[:5]}): tokenize with the "
+                                 f"model's own tokenizer")
         device = next(self.model.parameters()).device
         prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, cfg.pad_token_id))
         stream = streams(seeds)

@@ -94,9 +94,12 @@ def is_number(x: Any) -> bool:
 def checked(fn: Callable[..., Any], value: Any, row: int) -> float:
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
         value = value.item()  # a numpy or torch scalar: as a process pool's child sends it
+    if isinstance(value, bool):  # `return answer == truth`: 1 or 0, as verl takes it
+        return float(value)
     if not is_number(value):
         raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned "
-                         f"{value!r} for row {row}; it must return a finite float")
+                         f"{value!r} for row {row}; it must return a finite number (or a "
+                         f"bool: 1 or 0)")
     return float(value)
 
 
