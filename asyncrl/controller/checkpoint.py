@@ -98,7 +98,11 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
     theirs = meta.get("flow", {})
     differ = [f"{key}: {theirs.get(key)!r} there, {mine[key]!r} here"
               for key in mine if theirs.get(key) != mine[key]]
-    if differ:
+    if differ == [f"file: {theirs.get('file')!r} there, {mine['file']!r} here"]:
+        # the same nodes and groups from a file renamed or copied: taken, and said
+        print(f"asyncrl: resuming {path}, written by {theirs.get('file')!r}, with "
+              f"{mine['file']!r}: the same nodes and groups", file=sys.stderr)
+    elif differ:
         raise CheckpointError(
             f"checkpoint {path} was written by another flow ({'; '.join(differ)}); resume "
             f"it with the flow file that wrote it, or run this flow in another --run-dir")
