@@ -197,6 +197,14 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
     """Run a flow to its end: 0, or the exit code after saying what failed."""
     try:
         run(running)
+    except (KeyboardInterrupt, Terminated):
+        from asyncrl.controller.checkpoint import latest
+
+        if command == "launch" and run_dir.is_dir() and latest(run_dir) is None:
+            print(f"asyncrl: stopped before its first checkpoint, so {run_dir} cannot be "
+                  f"resumed: launch again in another --run-dir, or remove it (--checkpoint-"
+                  f"every N saves along the way)", file=sys.stderr)
+        raise
     except (CheckpointError, TrackerError) as e:
         print(f"asyncrl {command}: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import sys
 import threading
 
 import pytest
-from helpers import ROOT, assert_gone, group_pids, poll_until, run
+from helpers import ROOT, assert_gone, group_pids, poll_until, run, wait_until
 
 import asyncrl
 from asyncrl.controller.agent_fork import forking_enabled
@@ -92,6 +92,36 @@ def test_spawn_and_clean_shutdown_leave_no_process_or_folder(tmp_path, monkeypat
         return pids
     assert_gone(run(main()))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_controllers_private_folder_is_removed_by_the_next_one(tmp_path):
+    """A controller killed before it closed left its folder (the run's secret, torchrun's
+    files) behind: the next one removes it, but not a live controller's, another host's
+    (a shared TMPDIR) or one without an owner."""
+    import socket
+
+    from asyncrl.actors.procs import birth, this_process
+    from asyncrl.controller.controller import OWNER_FILE, remove_orphans
+
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = f"{gone.pid}:{birth(gone.pid)}"
+    gone.kill()
+    gone.wait()
+    here = socket.gethostname()
+    owners = {"dead": f"{here} {dead}", "live": f"{here} {this_process()}",
+              "far": f"node7 {dead}", "new": None}
+    for name, owner in owners.items():
+        (tmp_path / f"asyncrl-secret-{name}").mkdir()
+        if owner is not None:
+            (tmp_path / f"asyncrl-secret-{name}" / OWNER_FILE).write_text(owner)
+    remove_orphans(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "asyncrl-secret-far", "asyncrl-secret-live", "asyncrl-secret-new"]
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            return (ctl._private / OWNER_FILE).read_text()
+    assert run(main()) == f"{here} {this_process()}"
 
 
 def test_exception_in_the_block_shuts_groups_down():
@@ -331,6 +361,31 @@ def test_ctrl_c_shuts_every_group_down():
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert_gone([pids["agent"], *pids["ranks"]])
+
+
+def test_a_flow_stopped_before_its_first_checkpoint_says_its_run_dir_cannot_resume(tmp_path):
+    """Its run directory, holding metrics but no checkpoint, refuses --resume and a fresh
+    launch alike: said when it stops, with what to do."""
+    flow = tmp_path / "waits.py"
+    started = tmp_path / "started"
+    flow.write_text(
+        "import asyncio, pathlib\nimport asyncrl\n\n\n@asyncrl.node\nasync def wait(x):\n"
+        f"    pathlib.Path({str(started)!r}).touch()\n    await asyncio.Event().wait()\n\n\n"
+        "flow = asyncrl.DataFlow(nodes=[wait], inputs={'x': [1]})\n")
+    reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", reset, *ASYNCRL[1:], "launch", str(flow),
+                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        wait_until(started.exists, 60, "the node to start")
+    finally:
+        proc.send_signal(signal.SIGINT)
+    err = _finished(proc, 30)
+    assert proc.returncode == 130, err
+    assert f"asyncrl: stopped before its first checkpoint, so {run_dir} cannot be resumed: " \
+        "launch again in another --run-dir, or remove it" in err, err
 
 
 def test_sigterm_shuts_every_group_down_as_ctrl_c_does(killed_driver_env):

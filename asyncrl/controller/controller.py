@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.actors.procs import PROCESS_ENV, this_process
+from asyncrl.actors.procs import PROCESS_ENV, runs, this_process
 from asyncrl.actors.protocols import Layout
 from asyncrl.actors.worker import Worker
 from asyncrl.comm import codec, messages
@@ -197,7 +197,9 @@ class Controller:
             self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs = LogSink(self.run_dir / "logs", echo=self.echo_logs)
+        remove_orphans(Path(tempfile.gettempdir()))  # of controllers killed before closing
         self._private = Path(tempfile.mkdtemp(prefix="asyncrl-secret-"))  # 0700, removed at close
+        (self._private / OWNER_FILE).write_text(f"{socket.gethostname()} {this_process()}")
         self.secret_file = self._private / "secret"
         secret = new_secret()
         keys, curve_secret = new_curve_keys() if self.encrypt else (None, None)
@@ -496,6 +498,23 @@ class Controller:
         for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
             if info.host == here:
                 cleanup_segments(pool_prefix(self.run_id, group.name, rank, info.pid) + "-")
+
+
+OWNER_FILE = "owner"  # in a controller's private folder: "HOST PID:BIRTH"
+
+
+def remove_orphans(tmp: Path) -> None:
+    """Remove the private folders (the run's secret, torchrun's files) of controllers that
+    died without closing (SIGKILL): this host's only, since a shared TMPDIR holds other
+    hosts' too; a folder without an owner (being made, or another user's) stays."""
+    here = socket.gethostname()
+    for folder in tmp.glob("asyncrl-secret-*"):
+        try:
+            host, process = (folder / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if host == here and not runs(process):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _rank_route(route: bytes, group: bytes, ranks: set[tuple[bytes, bytes]]) -> bool:

@@ -195,7 +195,8 @@ class Sampler:
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give "
                              f"one seed per sample")
-        vocab = self.model.get_input_embeddings().num_embeddings
+        embeddings: Any = self.model.get_input_embeddings()  # type: ignore[operator]
+        vocab = embeddings.num_embeddings
         for i, p in enumerate(prompts):  # else an IndexError deep in torch's embedding
             outside = [t for t in p if not 0 <= t < vocab]
             if outside:
