@@ -417,3 +417,21 @@ def test_engine_choices_are_checked_before_anything_is_built():
     with pytest.raises(ValueError, match="the model overrides \\['vocab_size'\\] would reach "
                                          "the trainer only"):
         make_engine("vllm", ModelConfig(path="/ckpt", overrides={"vocab_size": 64}), None)
+
+
+def test_a_checkpoints_model_stops_at_its_end_of_sequence_unless_told(tmp_path):
+    """verl stops at the model's EOS: a checkpoint given by path generated on past it unless
+    stop_token_ids were given. Its generation_config's ids, else its config's; [] for none."""
+    import json
+
+    from asyncrl.hybrid.roles import sampling_config
+
+    build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
+    path = str(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert sampling_config({}, ModelConfig(path=path)).stop_token_ids == [config["eos_token_id"]]
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [5, 7]}))
+    assert sampling_config(None, ModelConfig(path=path)).stop_token_ids == [5, 7]
+    assert sampling_config({"stop_token_ids": []}, ModelConfig(path=path)).stop_token_ids == []
+    assert sampling_config({}, ModelConfig(seed=0)).stop_token_ids == ()  # a preset: none

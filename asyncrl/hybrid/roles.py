@@ -16,6 +16,7 @@ columns through (an "answer" the reward needs travels with its sample).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -51,6 +52,26 @@ from asyncrl.hybrid.weight_sync import (
     unpack,
     version_of,
 )
+
+
+def sampling_config(sampling: dict[str, Any] | None, model: ModelConfig) -> SamplingConfig:
+    """A role's sampling settings; a checkpoint's model stops at its end-of-sequence tokens
+    (its generation_config.json's, else its config's) unless stop_token_ids are given."""
+    given = dict(sampling or {})
+    if model.path is not None and "stop_token_ids" not in given:
+        given["stop_token_ids"] = eos_token_ids(model.path)
+    return SamplingConfig(**given)
+
+
+def eos_token_ids(path: str) -> list[int]:
+    """The end-of-sequence ids a checkpoint directory names (none: [])."""
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else [int(t) for t in eos]
+    return []
 
 
 def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
@@ -123,7 +144,7 @@ class Policy(Worker):
         # engine would differ by ~1e-3 (the first PPO ratio not 1), at twice its memory
         engine_cfg = replace(model_cfg, dtype="bfloat16") if use_bf16(train_cfg) and \
             model_cfg.dtype == "float32" else model_cfg
-        self.hybrid = HybridEngine(self.backend, engine_cfg, SamplingConfig(**(sampling or {})),
+        self.hybrid = HybridEngine(self.backend, engine_cfg, sampling_config(sampling, model_cfg),
                                    bucket_bytes, engine, engine_options) if hybrid else None
         turns = multi_turn_config(multi_turn)  # checked before a train-only Policy refuses it
         if turns is not None and not hybrid:
@@ -257,7 +278,7 @@ class Rollout(Worker):
                              f"supported yet (its weight syncs carry the adapters alone, "
                              f"which only the built-in engine applies); use engine='builtin', "
                              f"or a hybrid Policy, whose switch merges them for vLLM")
-        self.engine = make_engine(engine, self.model_cfg, SamplingConfig(**(sampling or {})),
+        self.engine = make_engine(engine, self.model_cfg, sampling_config(sampling, self.model_cfg),
                                   engine_options)
         turns = multi_turn_config(multi_turn)
         self.turns = Turns(turns) if turns is not None else None
