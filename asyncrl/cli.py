@@ -150,26 +150,28 @@ def launch(args: argparse.Namespace) -> int:
                          f"after the options, and no '--' (see `asyncrl launch --help`)")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
-    if args.checkpoint_every is not None:
-        flow.checkpoint_every = args.checkpoint_every
-    keep = KEEP if args.keep_checkpoints is None else args.keep_checkpoints or None  # 0: all
-    if args.resume:  # as the run checkpointed, unless told otherwise now
-        from asyncrl.controller.checkpoint import checkpoint_settings
+    given = {k: v for k, v in (("checkpoint_every", args.checkpoint_every),
+                               ("keep", args.keep_checkpoints)) if v is not None}
+    if args.resume:  # the options the run was launched with, unless given others now
+        from asyncrl.controller.checkpoint import launch_options
 
-        kept = checkpoint_settings(run_dir)
-        if args.checkpoint_every is None and "checkpoint_every" in kept:
-            flow.checkpoint_every = kept["checkpoint_every"]
-        if args.keep_checkpoints is None and "keep" in kept:
-            keep = kept["keep"]
-        if kept:
-            every = flow.checkpoint_every
-            print(f"asyncrl launch: checkpointing {f'every {every} steps and ' if every else ''}"
-                  f"after the last, keeping {keep or 'all'}: as the run did (--checkpoint-every"
-                  f" and --keep-checkpoints say otherwise)", file=sys.stderr)
+        taken = {k: v for k, v in launch_options(run_dir).items() if k not in given}
+        if taken:
+            print(f"asyncrl launch: resuming with the run's "
+                  f"{', '.join(f'--{OPTION_NAMES[k]} {v}' for k, v in taken.items())}",
+                  file=sys.stderr)
+        given = {**taken, **given}
+    flow.launch_options = given  # noted in its checkpoints
+    if "checkpoint_every" in given:
+        flow.checkpoint_every = given["checkpoint_every"]
+    keep = given.get("keep", KEEP) or None  # 0: all
     cluster, host = _cluster(args)
     return _run_flow("launch", run_dir, launch_flow(
         flow, args.steps, run_dir, args.save_inputs, resume=args.resume, keep=keep,
         cluster=cluster, host=host, controller=_settings(args), wandb=_wandb(args, run_dir)))
+
+
+OPTION_NAMES = {"checkpoint_every": "checkpoint-every", "keep": "keep-checkpoints"}
 
 
 def _wandb(args: argparse.Namespace, run_dir: Path) -> str | None:
@@ -198,9 +200,12 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
     try:
         run(running)
     except (KeyboardInterrupt, Terminated):
-        from asyncrl.controller.checkpoint import latest
+        from asyncrl.controller.checkpoint import latest, refuse_existing
 
-        if command == "launch" and run_dir.is_dir() and latest(run_dir) is None:
+        try:  # metrics of finished steps and no checkpoint: a dead end, unless said
+            if command == "launch" and latest(run_dir) is None:
+                refuse_existing(run_dir)
+        except CheckpointError:
             print(f"asyncrl: stopped before its first checkpoint, so {run_dir} cannot be "
                   f"resumed: launch again in another --run-dir, or remove it (--checkpoint-"
                   f"every N saves along the way)", file=sys.stderr)

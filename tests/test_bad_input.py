@@ -510,11 +510,12 @@ def test_wrong_checkpoint_is_refused_in_words(tmp_path):
            "'other.py' there, 'test_bad_input.py' here",
            "nodes: ['rollout'] there, ['gen', 'judge'] here",
            "resume it with the flow file that wrote it, or run this flow in another --run-dir")
-    copied = tmp_path / "copied"  # the same flow from a renamed copy of its file: taken
-    (copied / checkpoint.CHECKPOINTS / "step_000000").mkdir(parents=True)
+    copied = tmp_path / "copied"  # the same nodes and groups from another file: a renamed
+    (copied / checkpoint.CHECKPOINTS / "step_000000").mkdir(parents=True)  # copy, or another
     (copied / checkpoint.CHECKPOINTS / "step_000000" / "meta.json").write_text(json.dumps(
-        {"step": 0, "flow": {**checkpoint.identity(flow), "file": "flow_v1.py"}}))
-    assert checkpoint.resumable(copied, flow)[1]["step"] == 0
+        {"step": 0, "flow": {**checkpoint.identity(flow), "file": "flow_v1.py"}}))  # recipe
+    expect(asyncrl.CheckpointError, lambda: checkpoint.resumable(copied, flow),
+           "if 'test_bad_input.py' is a renamed copy of 'flow_v1.py', resume under that name")
     expect(asyncrl.CheckpointError, lambda: checkpoint.refuse_existing(tmp_path),
            f"{tmp_path} already holds checkpoints of an earlier run (newest: step_000002)",
            "pass --resume to continue that run, or choose another --run-dir")

@@ -208,6 +208,6 @@ def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(stra
     assert_same(rows(run_dir), rows(straight))
     # checkpointed as the run did (every step, all kept: it had none but the last, 3 kept);
     # the stray .tmp is gone
-    assert "checkpointing every 1 steps and after the last, keeping all" in out.stderr
+    assert "resuming with the run's --checkpoint-every 1, --keep-checkpoints 0" in out.stderr
     assert sorted(p.name for p in root.iterdir()) == [f"step_00000{t}" for t in range(6)]
 

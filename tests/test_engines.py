@@ -102,8 +102,13 @@ def test_temperature_zero_decodes_greedily_as_transformers_does():
     # a count given as a fraction (a command line's max_new_tokens=2.5), an id as text
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 2.5"):
         with_overrides(engine.config, {"max_new_tokens": 2.5})
-    with pytest.raises(ValueError, match=r"token ids \(ints >= 0\), got 0 and \['2'\]"):
+    with pytest.raises(ValueError, match=r"token ids \(an int >= 0, and a list of them\), "
+                                         r"got 0 and \['2'\]"):
         with_overrides(engine.config, {"stop_token_ids": ["2"]})
+    import numpy as np  # a tokenizer's ids may be numpy's: taken, as plain ints
+
+    taken = with_overrides(engine.config, {"stop_token_ids": [np.int64(2)]})
+    assert taken.stop_token_ids == [2] and type(taken.stop_token_ids[0]) is int
     vocab = engine.model.get_input_embeddings().num_embeddings  # not torch's IndexError
     with pytest.raises(ValueError, match=rf"prompt 1 has token ids outside the model's "
                                          rf"vocabulary of {vocab} \(\[{vocab}, -1\]\)"):

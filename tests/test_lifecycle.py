@@ -101,22 +101,25 @@ def test_a_killed_controllers_private_folder_is_removed_by_the_next_one(tmp_path
     import socket
 
     from asyncrl.actors.procs import birth, this_process
-    from asyncrl.controller.controller import OWNER_FILE, remove_orphans
+    from asyncrl.controller.controller import OWNER_FILE, _host_here, remove_orphans
 
     gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     dead = f"{gone.pid}:{birth(gone.pid)}"
     gone.kill()
     gone.wait()
-    here = socket.gethostname()
+    here = _host_here()  # the host name and the PID namespace: a container beside ours
+    assert here.startswith(f"{socket.gethostname()}/")  # sees other processes
     owners = {"dead": f"{here} {dead}", "live": f"{here} {this_process()}",
-              "far": f"node7 {dead}", "new": None}
+              "far": f"node7/pid:[1] {dead}", "new": None,
+              "boxed": f"{socket.gethostname()}/pid:[1] {dead}"}
     for name, owner in owners.items():
         (tmp_path / f"asyncrl-secret-{name}").mkdir()
         if owner is not None:
             (tmp_path / f"asyncrl-secret-{name}" / OWNER_FILE).write_text(owner)
     remove_orphans(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "asyncrl-secret-far", "asyncrl-secret-live", "asyncrl-secret-new"]
+        "asyncrl-secret-boxed", "asyncrl-secret-far", "asyncrl-secret-live",
+        "asyncrl-secret-new"]
 
     async def main():
         async with asyncrl.Controller() as ctl:
@@ -364,22 +367,22 @@ def test_ctrl_c_shuts_every_group_down():
 
 
 def test_a_flow_stopped_before_its_first_checkpoint_says_its_run_dir_cannot_resume(tmp_path):
-    """Its run directory, holding metrics but no checkpoint, refuses --resume and a fresh
-    launch alike: said when it stops, with what to do."""
+    """Its run directory, holding a finished step's metrics but no checkpoint, refuses
+    --resume and a fresh launch alike: said when it stops, with what to do."""
     flow = tmp_path / "waits.py"
-    started = tmp_path / "started"
     flow.write_text(
-        "import asyncio, pathlib\nimport asyncrl\n\n\n@asyncrl.node\nasync def wait(x):\n"
-        f"    pathlib.Path({str(started)!r}).touch()\n    await asyncio.Event().wait()\n\n\n"
-        "flow = asyncrl.DataFlow(nodes=[wait], inputs={'x': [1]})\n")
+        "import asyncio\nimport asyncrl\n\n\n@asyncrl.node\nasync def wait(x):\n"
+        "    if x == 2:\n        await asyncio.Event().wait()\n    return {'x': x}\n\n\n"
+        "flow = asyncrl.DataFlow(nodes=[wait], inputs={'x': [1, 2]})\n")
     reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
              "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-c", reset, *ASYNCRL[1:], "launch", str(flow),
                              "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    rows = run_dir / "metrics.jsonl"
     try:
-        wait_until(started.exists, 60, "the node to start")
+        wait_until(lambda: rows.is_file() and rows.stat().st_size > 0, 60, "step 0's metrics")
     finally:
         proc.send_signal(signal.SIGINT)
     err = _finished(proc, 30)

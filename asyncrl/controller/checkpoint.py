@@ -7,10 +7,10 @@
 
 meta.json: {"step": the last finished step index, "flow": identity(flow), "inputs":
 flow.positions(), "sizes": each group's ranks, "overrides": the run's key=value settings
-(a resume takes them again, under its own), "checkpoint_every" and "keep" (a resume goes on
-with them unless given others), "time": when}. A `.tmp` folder is a save that
-died half-way: never resumed from, removed by the next save. The newest `keep` checkpoints
-are kept (None: all).
+(a resume takes them again, under its own), "launch_options": --checkpoint-every and
+--keep-checkpoints as given (a resume goes on with them unless given others), "time": when}.
+A `.tmp` folder is a save that died half-way: never resumed from, removed by the next save.
+The newest `keep` checkpoints are kept (None: all).
 """
 
 from __future__ import annotations
@@ -98,11 +98,11 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
     theirs = meta.get("flow", {})
     differ = [f"{key}: {theirs.get(key)!r} there, {mine[key]!r} here"
               for key in mine if theirs.get(key) != mine[key]]
-    if differ == [f"file: {theirs.get('file')!r} there, {mine['file']!r} here"]:
-        # the same nodes and groups from a file renamed or copied: taken, and said
-        print(f"asyncrl: resuming {path}, written by {theirs.get('file')!r}, with "
-              f"{mine['file']!r}: the same nodes and groups", file=sys.stderr)
-    elif differ:
+    if differ:
+        if differ == [f"file: {theirs.get('file')!r} there, {mine['file']!r} here"]:
+            # the same nodes and groups: a renamed copy, or another recipe of the same shape
+            differ.append(f"if {mine['file']!r} is a renamed copy of {theirs.get('file')!r}, "
+                          f"resume under that name")
         raise CheckpointError(
             f"checkpoint {path} was written by another flow ({'; '.join(differ)}); resume "
             f"it with the flow file that wrote it, or run this flow in another --run-dir")
@@ -122,12 +122,12 @@ def sizes(flow: DataFlow) -> dict[str, int]:
     return {g.name: g.nprocs for g in flow.groups}
 
 
-def checkpoint_settings(run_dir: Path) -> dict[str, Any]:
-    """How the run whose newest checkpoint is in `run_dir` checkpointed: its
-    checkpoint_every and keep ({}: no checkpoint, or one of before session 25)."""
+def launch_options(run_dir: Path) -> dict[str, Any]:
+    """The checkpointing options (checkpoint_every, keep) the command line gave the run
+    whose newest checkpoint is in `run_dir` ({}: none, or a checkpoint of before session
+    25); what the flow file sets is the flow file's."""
     path = latest(run_dir)
-    meta = read_meta(path) if path is not None else {}
-    return {k: meta[k] for k in ("checkpoint_every", "keep") if k in meta}
+    return dict(read_meta(path).get("launch_options", {})) if path is not None else {}
 
 
 def checkpoint_overrides(run_dir: Path) -> dict[str, Any]:
@@ -151,8 +151,8 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     await asyncio.to_thread(sync_tree, tmp)
     meta = {"step": step, "flow": identity(flow), "inputs": flow.positions(),
             "sizes": sizes(flow), "overrides": json.loads(os.environ.get(OVERRIDES_ENV, "{}")),
-            # how the run checkpoints, which a resume goes on with unless told otherwise
-            "checkpoint_every": flow.checkpoint_every, "keep": keep,
+            # how the command line said to checkpoint, which a resume goes on with
+            "launch_options": flow.launch_options,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write_synced(tmp / "meta.json", json.dumps(meta, indent=1))  # last: marks it complete
     if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;

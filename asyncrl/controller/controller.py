@@ -199,7 +199,9 @@ class Controller:
         self.logs = LogSink(self.run_dir / "logs", echo=self.echo_logs)
         remove_orphans(Path(tempfile.gettempdir()))  # of controllers killed before closing
         self._private = Path(tempfile.mkdtemp(prefix="asyncrl-secret-"))  # 0700, removed at close
-        (self._private / OWNER_FILE).write_text(f"{socket.gethostname()} {this_process()}")
+        owner = self._private / f".{OWNER_FILE}"  # whole or not there: never half read
+        owner.write_text(f"{_host_here()} {this_process()}")
+        owner.replace(self._private / OWNER_FILE)
         self.secret_file = self._private / "secret"
         secret = new_secret()
         keys, curve_secret = new_curve_keys() if self.encrypt else (None, None)
@@ -500,14 +502,24 @@ class Controller:
                 cleanup_segments(pool_prefix(self.run_id, group.name, rank, info.pid) + "-")
 
 
-OWNER_FILE = "owner"  # in a controller's private folder: "HOST PID:BIRTH"
+OWNER_FILE = "owner"  # in a controller's private folder: "HOST/PID-NAMESPACE PID:BIRTH"
+
+
+def _host_here() -> str:
+    """This host, and its PID namespace: containers that share a host name and a TMPDIR
+    but not their processes see none of each other's."""
+    try:
+        space = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        space = "?"
+    return f"{socket.gethostname()}/{space}"
 
 
 def remove_orphans(tmp: Path) -> None:
     """Remove the private folders (the run's secret, torchrun's files) of controllers that
     died without closing (SIGKILL): this host's only, since a shared TMPDIR holds other
     hosts' too; a folder without an owner (being made, or another user's) stays."""
-    here = socket.gethostname()
+    here = _host_here()
     for folder in tmp.glob("asyncrl-secret-*"):
         try:
             host, process = (folder / OWNER_FILE).read_text().split()

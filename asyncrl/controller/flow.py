@@ -83,6 +83,9 @@ class DataFlow:
             raise FlowError(f"checkpoint_every must be an int >= 1 (or None: only after the "
                             f"last step), got {checkpoint_every!r}")
         self.checkpoint_every = checkpoint_every
+        # --checkpoint-every and --keep-checkpoints as `asyncrl launch` was given them (noted
+        # in checkpoints: a resume goes on with them)
+        self.launch_options: dict[str, Any] = {}
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise FlowError(f"steps must be an int >= 1 (or None: until an input runs out), "
                             f"got {steps!r}")

@@ -67,10 +67,14 @@ def eos_token_ids(path: str) -> list[int]:
     """The end-of-sequence ids a checkpoint directory names (none: [])."""
     for name in ("generation_config.json", "config.json"):
         file = Path(path) / name
-        if file.is_file():
+        try:
             eos = json.loads(file.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else [int(t) for t in eos]
+        except (OSError, ValueError, AttributeError):
+            continue  # not there, or not a config: the model's loading says what is wrong
+        ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+        ids = [int(t) for t in ids if isinstance(t, int) and not isinstance(t, bool)]
+        if ids:
+            return ids
     return []
 
 

@@ -19,6 +19,7 @@ and the tokens produced so far are kept, each token tagged with its version).
 from __future__ import annotations
 
 import inspect
+import numbers
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -48,15 +49,22 @@ class SamplingConfig:
                              f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:  # (2.5 failed deep in torch)
-            raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got "
-                             f"{self.max_new_tokens!r}")
-        ids = [self.pad_token_id, *self.stop_token_ids]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:  # (2.5 failed deep
+            raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got "  # in
+                             f"{self.max_new_tokens!r}")  # torch)
+        stops = self.stop_token_ids
+        ids = [self.pad_token_id, *stops] if isinstance(stops, list | tuple) else None
+        if ids is None or not all(_whole(i) and i >= 0 for i in ids):
             raise ValueError(f"SamplingConfig: pad_token_id and stop_token_ids are token ids "
-                             f"(ints >= 0), got {self.pad_token_id!r} and "
-                             f"{self.stop_token_ids!r}")
+                             f"(an int >= 0, and a list of them), got {self.pad_token_id!r} "
+                             f"and {stops!r}")
+        # plain ints (a tokenizer's may be numpy's)
+        self.max_new_tokens, self.pad_token_id = int(self.max_new_tokens), int(self.pad_token_id)
+        self.stop_token_ids = type(stops)(int(i) for i in stops)
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def with_overrides(cfg: SamplingConfig, overrides: dict[str, Any] | None) -> SamplingConfig:

@@ -11,7 +11,9 @@
 Every update advances the policy version by one, whatever its mini-batches and epochs (as
 verl and AReaL count: a version is what a weight sync carries, so `max_staleness` and a
 flow's staleness bound count the same steps); it is saved in checkpoints with the weights
-and the optimizer state.
+and the optimizer state. An update whose every sample was dropped as too stale takes no
+optimizer step (AdamW's momentum would move the weights all the same) and leaves the
+version as it was (`actor/skipped_steps` counts the mini-batches without a step).
 """
 
 from __future__ import annotations
@@ -141,10 +143,11 @@ class Actor(Policy):
         if runs:  # else no update: the policy is the one that generated (its version too)
             self.version += 1
         elif self.rank == 0:
-            log.warning("asyncrl: actor update skipped: every sample was older than "
-                        "RLConfig.max_staleness=%s policy versions (dropped); give the actor "
-                        "rl={'max_staleness': k} with k >= the flow's max_staleness",
-                        self.rl.max_staleness)
+            log.warning("asyncrl: actor update skipped: no token to train on%s", (
+                f" (every sample was older than RLConfig.max_staleness="
+                f"{self.rl.max_staleness} policy versions; give the actor rl={{"
+                f"'max_staleness': k}} with k >= the flow's max_staleness)")
+                if stale.get("staleness/dropped") else "")
         stats = mean_stats(runs) if runs else {}
         return {**{f"actor/{k}": v for k, v in stats.items()}, **off_policy, **stale,
                 "time/sync_wait_s": waited, "actor/skipped_steps": float(skipped),
