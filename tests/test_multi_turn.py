@@ -278,6 +278,13 @@ def test_environment_errors_name_the_row_turn_and_fix():
         go(broken)
     with pytest.raises(TypeError, match=r"environment 'needs_a_column' takes \['label'\]"):
         go(needs_a_column)
+    vocab = sampler.vocab_size  # (torch's IndexError, deep in the decode loop)
+
+    def beyond(prompt, response):
+        return [1, vocab]
+    with pytest.raises(ValueError, match=rf"'beyond' returned token ids outside the model's "
+                                         rf"vocabulary of {vocab} \(\[{vocab}\]\) for row 0"):
+        go(beyond)
     with pytest.raises(TypeError, match="multi_turn= is a dict with 'env'"):
         multi_turn_config({"max_turns": 2})
     with pytest.raises(TypeError, match=r"multi_turn: \['turns'\] are not settings; they are"):

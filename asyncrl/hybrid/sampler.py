@@ -181,6 +181,12 @@ class Sampler:
 
     continues_turns = True  # generate(..., respond=) runs a multi-turn rollout in one loop
 
+    @property
+    def vocab_size(self) -> int:
+        """The token ids its model embeds: 0 .. vocab_size - 1."""
+        embeddings: Any = self.model.get_input_embeddings()  # type: ignore[operator]
+        return int(embeddings.num_embeddings)
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  config: SamplingConfig | None = None, respond: Any = None,
@@ -203,8 +209,7 @@ class Sampler:
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give "
                              f"one seed per sample")
-        embeddings: Any = self.model.get_input_embeddings()  # type: ignore[operator]
-        vocab = embeddings.num_embeddings
+        vocab = self.vocab_size
         for i, p in enumerate(prompts):  # else an IndexError deep in torch's embedding
             outside = [t for t in p if not 0 <= t < vocab]
             if outside:

@@ -118,6 +118,7 @@ class Turns:
     def __init__(self, cfg: MultiTurn):
         self.cfg = cfg
         self.name = getattr(cfg.env, "__name__", repr(cfg.env))
+        self._vocab: int | None = None  # the engine's, where it says (set per generation)
         self.tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
         self.pool = pool_for(cfg.env, cfg.processes, cfg.timeout_s, "environment")
 
@@ -130,6 +131,7 @@ class Turns:
         """A multi-turn generation on `engine`: inside its decode loop when it can continue
         turns there (the built-in Sampler), else one `generate` call per turn."""
         n = len(prompts)
+        self._vocab = getattr(engine, "vocab_size", None)  # (the built-in engine's: checked)
         meta_keys = taken_by(self.cfg.env, [k for k in batch.keys() if k not in NOT_META and
                                             isinstance(batch[k], list)] + list(TURN_KEYS),
                              what="environment")
@@ -236,6 +238,12 @@ class Turns:
             return self._encode(value)
         if isinstance(value, list | tuple) and all(isinstance(t, numbers.Integral) and not
                                                    isinstance(t, bool) for t in value):
+            outside = [int(t) for t in value if self._vocab is not None and
+                       not 0 <= t < self._vocab]
+            if outside:  # else torch's IndexError, deep in the decode loop
+                raise ValueError(f"environment {self.name!r} returned token ids outside the "
+                                 f"model's vocabulary of {self._vocab} ({outside[:5]}) for row "
+                                 f"{i}, turn {turn}")
             return [int(t) for t in value]
         hint = "text, chat messages or token ids" if self.tok is not None else \
             "token ids (text needs multi_turn={'tokenizer': DIR})"
