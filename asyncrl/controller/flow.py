@@ -25,6 +25,7 @@ from typing import Any
 
 from asyncrl.actors.worker import rng_state
 from asyncrl.comm import codec
+from asyncrl.controller.blame import blame, upstream
 from asyncrl.controller.declare import GroupSpec, declared_in
 from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
 from asyncrl.controller.timeline import current_node
@@ -532,42 +533,8 @@ class DataFlow:
         return values
 
     def _blame(self, step: _Step, name: str, e: Exception) -> NodeError:
-        """The error for node `name`'s failure `e`, or for a node upstream of it whose own
-        work has already failed: a failed result fails the nodes it feeds too, and which of
-        them is heard of first is chance; the error names where the failure began."""
-        if isinstance(e, NodeError):
-            return e
-        node = name
-        cause: BaseException = e
-        for up in self._upstream(name):
-            task = step.returned.get(up)
-            if task is None or not task.done() or task.cancelled():
-                continue
-            failed = task.exception()
-            if isinstance(failed, NodeError):
-                return failed
-            for fut in futures_in(task.result()) if failed is None else ():
-                done = fut._fut
-                failed = done.exception() if done.done() and not done.cancelled() else None
-                if failed is not None:
-                    break
-            if failed is not None:
-                node, cause = up, failed
-                break
-        err = NodeError(node, step.index, cause)
-        err.__cause__ = cause  # raised from it: a rewind looks through it for a group's death
-        return err
-
-    def _upstream(self, name: str) -> list[str]:
-        """The nodes of the same step whose results reach `name`, in topological order."""
-        seen: set[str] = set()
-        todo = [name]
-        while todo:
-            for src in self.deps[todo.pop()].values():
-                if src is not None and src[0] == "node" and src[1] not in seen:
-                    seen.add(src[1])
-                    todo.append(src[1])
-        return [n for n in self.order if n in seen]
+        """Node `name`'s failure `e`, named by the node it began in (blame.py)."""
+        return blame(step.returned, upstream(self.deps, self.order, name), name, step.index, e)
 
     def node_inputs(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         """Node `name`'s arguments among saved `inputs`: FlowError for a node that does not
