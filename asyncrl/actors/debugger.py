@@ -11,8 +11,8 @@
 The call stays in the debugger until the user continues (`c`, `q`, or the attach client
 goes away: its connection closes either way; `q` is `c` here: failing the call would leave
 its group's other ranks waiting in their collectives); a breakpoint set with `b` then waits
-for a new `asyncrl attach` when reached. The group's later calls
-wait behind it, other groups go on, heartbeats keep flowing (they run on another thread).
+for a new `asyncrl attach` when reached. The group's later calls wait behind it, other
+groups go on, heartbeats keep flowing (they run on another thread).
 """
 
 from __future__ import annotations

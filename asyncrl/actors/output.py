@@ -149,7 +149,7 @@ class OutputCapture:
 def _tee(source: int, log: int) -> tuple[subprocess.Popen[bytes], int] | None:
     """A `tee` copying pipe `source` to `log` and to a new pipe, and that pipe's read end;
     None where there is no tee that keeps going once that pipe's reader is gone (`-p`)."""
-    path = _tee_path()
+    path = tee_path()
     if path is None:
         return None
     read_fd, write_fd = os.pipe()
@@ -167,7 +167,7 @@ def _tee(source: int, log: int) -> tuple[subprocess.Popen[bytes], int] | None:
 
 
 @functools.cache
-def _tee_path() -> str | None:
+def tee_path() -> str | None:
     """coreutils' tee, where it copies to a /dev/fd pipe as `_tee` asks (busybox's has no
     -p; a system may lack /dev/fd)."""
     path = shutil.which("tee")

@@ -100,6 +100,9 @@ def preload() -> None:
             importlib.import_module(name)
         except ImportError:
             pass  # (an optional one): the rank imports it if it needs it
+    from asyncrl.actors.output import tee_path
+
+    tee_path()  # probed once here: every forked rank has the answer
     # the imports' objects out of the collector's sight: a forked rank's collections would
     # walk them all (tens of thousands of modules' objects) and, writing their headers, copy
     # the pages it shares with the server

@@ -54,8 +54,13 @@ def is_relay(identity: bytes) -> bool:
 
 
 def rank_of(identity: bytes) -> int:
-    """The rank in a rank socket's identity, ``group/rank/role/pid``."""
+    """The rank in a rank socket's identity, ``group/rank/role/pid.nonce``."""
     return int(identity.split(b"/")[1])
+
+
+def pid_of(tag: bytes) -> bytes:
+    """The pid in a rank socket identity's last part, ``pid.nonce`` (`RankMain.tag`)."""
+    return tag.split(b".")[0]
 
 
 class HostRelay:

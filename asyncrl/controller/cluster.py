@@ -82,8 +82,8 @@ class Cluster:
             for key in ("gpus", "cpus"):
                 n = getattr(h, key)
                 if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                    raise ValueError(f"host {h.name!r}: {key} is a whole number >= 0, got "
-                                     f"{n!r}")
+                    raise ValueError(f"host {h.name!r}: \"{key}\" is a whole number >= 0, "
+                                     f"got {n!r}")
             if h.slots < 1:
                 raise ValueError(f"host {h.name!r} has no GPU and no CPU to run ranks on")
         if any(h.gpus for h in hosts) and not all(h.gpus for h in hosts):
@@ -116,14 +116,12 @@ class Cluster:
                 raise ValueError(f"hosts file {p}: host {entry['name']!r} has unknown keys "
                                  f"{unknown}")
             name = str(entry["name"])
-            for key in ("gpus", "cpus"):
-                n = entry.get(key, 0)
-                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                    raise ValueError(f"hosts file {p}: host {name!r}: \"{key}\" is a whole "
-                                     f"number >= 0, got {n!r}")
             hosts.append(HostSpec(name, str(entry.get("address", name)), entry.get("gpus", 0),
                                   entry.get("cpus", 1), str(entry.get("via", "ssh"))))
-        return Cluster(hosts)
+        try:  # (its checks, named with the file)
+            return Cluster(hosts)
+        except ValueError as e:
+            raise ValueError(f"hosts file {p}: {e}") from None
 
     @staticmethod
     def from_slurm(env: Mapping[str, str] = os.environ) -> Cluster | None:

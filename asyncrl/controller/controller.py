@@ -42,6 +42,7 @@ from asyncrl.comm.channel import ControllerChannel
 from asyncrl.comm.dataplane import pool_prefix, run_prefix
 from asyncrl.comm.messages import SPAWN_ENV, Construct, Shutdown
 from asyncrl.comm.refs import make_ref
+from asyncrl.comm.relay import pid_of
 from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_server
 from asyncrl.controller.cluster import Cluster
@@ -533,8 +534,7 @@ def _rank_route(route: bytes, group: bytes, ranks: set[tuple[bytes, bytes]]) -> 
     """Whether `route` is a socket of one of `ranks` ((rank, pid)) of `group`: their
     identities are group/rank/role/pid.nonce."""
     parts = route.split(b"/")
-    return len(parts) == 4 and parts[0] == group and \
-        (parts[1], parts[3].split(b".")[0]) in ranks
+    return len(parts) == 4 and parts[0] == group and (parts[1], pid_of(parts[3])) in ranks
 
 
 def _retrieved(task: asyncio.Future) -> None:

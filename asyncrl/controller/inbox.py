@@ -24,7 +24,7 @@ from asyncrl.comm.messages import (
     Result,
     Results,
 )
-from asyncrl.comm.relay import is_relay
+from asyncrl.comm.relay import is_relay, pid_of
 from asyncrl.controller.group import GroupHandle, RankInfo
 from asyncrl.errors import RemoteError
 
@@ -56,7 +56,7 @@ class Inbox:
             return
         rank = int(parts[1])
         info = group.ranks.get(rank)
-        if info is not None and parts[3].split(b".")[0] != str(info.pid).encode() and \
+        if info is not None and pid_of(parts[3]) != str(info.pid).encode() and \
                 isinstance(msg, Heartbeat | Log):  # a rank of an earlier group of the name
             self._ctl.channel.drop("stale")  # (its hello was dropped): its beats must not
             return  # keep a hung one alive

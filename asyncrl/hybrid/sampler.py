@@ -49,12 +49,12 @@ class SamplingConfig:
                              f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-        if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:  # (2.5 failed deep
+        if not whole_number(self.max_new_tokens) or self.max_new_tokens < 1:  # (2.5 failed deep
             raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got "  # in
                              f"{self.max_new_tokens!r}")  # torch)
         stops = self.stop_token_ids
         ids = [self.pad_token_id, *stops] if isinstance(stops, list | tuple) else None
-        if ids is None or not all(_whole(i) and i >= 0 for i in ids):
+        if ids is None or not all(whole_number(i) and i >= 0 for i in ids):
             raise ValueError(f"SamplingConfig: pad_token_id and stop_token_ids are token ids "
                              f"(an int >= 0, and a list of them), got {self.pad_token_id!r} "
                              f"and {stops!r}")
@@ -63,7 +63,8 @@ class SamplingConfig:
         self.stop_token_ids = type(stops)(int(i) for i in stops)
 
 
-def _whole(x: Any) -> bool:
+def whole_number(x: Any) -> bool:
+    """An int of Python's or numpy's (a tokenizer's ids may be numpy's), not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 

@@ -44,7 +44,6 @@ it started, is killed and replaced), and the rollout's `env_timeouts` counts the
 from __future__ import annotations
 
 import logging
-import numbers
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -54,7 +53,7 @@ import torch
 
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.fn_pool import pool_for, pool_settings_ok
-from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad
+from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad, whole_number
 from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
 
 # a row's turn the environment is asked about: (row, turn, its tokens, the response so far)
@@ -236,8 +235,7 @@ class Turns:
             return self._chat(value, said, f"row {i}, turn {turn}")
         if isinstance(value, str) and self.tok is not None:
             return self._encode(value)
-        if isinstance(value, list | tuple) and all(isinstance(t, numbers.Integral) and not
-                                                   isinstance(t, bool) for t in value):
+        if isinstance(value, list | tuple) and all(map(whole_number, value)):
             outside = [int(t) for t in value if self._vocab is not None and
                        not 0 <= t < self._vocab]
             if outside:  # else torch's IndexError, deep in the decode loop
