@@ -1,10 +1,14 @@
 """Hybrid-engine benchmark: time of a train -> generate -> train switch on a 2-rank FSDP2
 (or DeepSpeed ZeRO-3) group, beside in the same run a gloo all_gather of the same weights
 across the same ranks (the floor of moving sharded weights into a full copy). Target on CPU:
-switch <= 1.5x.
+switch <= 1.5x. On a GPU (one rank where there is one GPU), target <= 3x a device copy of
+the weights: with the optimizer's state offloaded (the default) the floor adds a plain round
+trip of that state to pinned host memory, and with it kept (offload_optimizer=False) it is
+the device copy alone.
 
-One JSON line per model: {"bench": "hybrid_switch", "params": ..., "switch_s": ...,
-"baseline": "all_gather", "baseline_s": ...}. Run: `.venv/bin/python benchmarks/hybrid_switch.py
+One JSON line per model (on a GPU two: "optimizer": "offloaded" | "kept"): {"bench":
+"hybrid_switch", "params": ..., "switch_s": ..., "baseline": "all_gather" | "memcpy" |
+"memcpy+host_round_trip", "baseline_s": ...}. Run: `.venv/bin/python benchmarks/hybrid_switch.py
 [--presets tiny-llama llama-100m] [--backend fsdp2|zero3] [--repeat 5]`. Driver code stays
 behind __main__ (the ranks import this file to find SwitchBench).
 """
@@ -32,15 +36,19 @@ class SwitchBench(asyncrl.Worker):
         cfg = ModelConfig(preset=preset)
         self.backend = make_backend(self, backend, cfg, TrainConfig())
         self.hybrid = HybridEngine(self.backend, cfg)
-        self.params = sum(p.numel() for p in self.hybrid.engine.model.parameters())
+        # counted on the trainer: the engine's weights are freed while training (GPU); a
+        # DTensor's numel is the whole parameter's, ZeRO-3's partitions carry ds_numel
+        self.params = sum(getattr(p, "ds_numel", p.numel())
+                          for p in self.backend.model.parameters())
 
     @asyncrl.register
-    def switch(self, repeat: int) -> dict:
-        # one step first: the optimizer state the switch moves off the GPU exists
-        self.hybrid.to_generate()
-        rollout = self.hybrid.generate([[1, 5, 6], [1, 7, 8]], [0, 1])
-        self.hybrid.to_train()
-        self.backend.train_step(rollout)
+    def switch(self, repeat: int, offload_optimizer: bool = True) -> dict:
+        if not self.backend.opt.state:  # one step first: the optimizer state the switch
+            self.hybrid.to_generate()  # moves off the GPU exists
+            rollout = self.hybrid.generate([[1, 5, 6], [1, 7, 8]], [0, 1])
+            self.hybrid.to_train()
+            self.backend.train_step(rollout)
+        self.hybrid.offload_optimizer = offload_optimizer
         times = []
         for _ in range(repeat + 1):  # the first also warms the allocator
             dist.barrier()
@@ -70,6 +78,26 @@ class SwitchBench(asyncrl.Worker):
         return statistics.median(times[1:])
 
     @asyncrl.register
+    def host_round_trip(self, repeat: int) -> float:
+        """The floor of offloading the optimizer: its state's bytes (and ZeRO's fp32 masters)
+        to pinned host memory and back, as plain copies."""
+        state = [v for st in self.backend.opt.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dim()]
+        if hasattr(self.backend, "_masters"):  # ZeRO: its offloading switch moves them too
+            state += [t for t in self.backend._masters() if t.is_cuda]
+        times = []
+        for _ in range(repeat + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            host = [v.to("cpu", non_blocking=True) for v in state]
+            torch.cuda.synchronize()
+            back = [h.to("cuda", non_blocking=True) for h in host]
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            del host, back
+        return statistics.median(times[1:])
+
+    @asyncrl.register
     def all_gather(self, repeat: int) -> float:
         local = torch.cat([_local(p) for p in self.backend.model.parameters()]).detach()
         out = torch.empty(local.numel() * self.world_size, dtype=local.dtype)
@@ -96,20 +124,26 @@ async def bench(presets: list[str], repeat: int, backend: str) -> None:
             ranks = 1 if torch.cuda.device_count() == 1 else 2  # one GPU: one rank
             group = await ctl.spawn(SwitchBench, preset, backend, nprocs=ranks,
                                     name=f"switch-{preset}")
-            switch = (await group.switch(repeat))[0]
             gpu = torch.cuda.is_available()
-            baseline = (await (group.device_copy(repeat) if gpu else
-                               group.all_gather(repeat)))[0]
-            limit = 3.0 if gpu else 1.5
-            print(json.dumps({"bench": "hybrid_switch", "preset": preset, "backend": backend,
-                              "params": switch["params"], "ranks": ranks,
-                              "switch_s": round(switch["switch_s"], 4),
-                              "baseline": "memcpy" if gpu else "all_gather",
-                              "baseline_s": round(baseline, 4),
-                              "ratio": round(switch["switch_s"] / baseline, 2),
-                              "target_met": switch["switch_s"] <= limit * baseline,
-                              "machine": {"arch": platform.machine()},
-                              "torch": torch.__version__}), flush=True)
+            copy = (await (group.device_copy(repeat) if gpu else group.all_gather(repeat)))[0]
+            # on a GPU, also with the optimizer's state kept there (Policy(offload_optimizer=
+            # False)); the default offload's floor adds that state's bytes to the host and back
+            for offload in (True, False) if gpu else (True,):
+                switch = (await group.switch(repeat, offload))[0]
+                baseline = copy + ((await group.host_round_trip(repeat))[0] if gpu and offload
+                                   else 0.0)
+                limit = 3.0 if gpu else 1.5
+                print(json.dumps({
+                    "bench": "hybrid_switch", "preset": preset, "backend": backend,
+                    "params": switch["params"], "ranks": ranks,
+                    "optimizer": "offloaded" if offload else "kept",
+                    "switch_s": round(switch["switch_s"], 4),
+                    "baseline": ("memcpy+host_round_trip" if offload else "memcpy") if gpu
+                    else "all_gather", "baseline_s": round(baseline, 4),
+                    "ratio": round(switch["switch_s"] / baseline, 2),
+                    "target_met": switch["switch_s"] <= limit * baseline,
+                    "machine": {"arch": platform.machine()}, "torch": torch.__version__}),
+                    flush=True)
             await ctl.close_group(group)
 
 

@@ -25,7 +25,8 @@ task, model, batch and generation length. Everything in one run, on this machine
 
 Run: `.venv/bin/python benchmarks/pipeline.py [--steps 30] [--sync-preset llama-100m]`
 (`--skip-trl` without trl; `--kl-coef 0`: no KL term, so neither asyncrl nor TRL runs a
-reference model). Stdout holds only JSON lines. Driver code stays behind __main__:
+reference model; `--sync-only`: the weight sync alone, as scripts/gpu_check.sh runs it on
+one GPU, both groups sharing it). Stdout holds only JSON lines. Driver code stays behind __main__:
 the ranks import this file to find the sync workers.
 """
 
@@ -108,7 +109,9 @@ class SyncTrainer(Policy):
     def blob(self, nbytes: int) -> TensorBatch:
         """The same bytes as the weights, as one TensorBatch (the transport's reference)."""
         rows = -(-nbytes // (1 << 20))
-        return TensorBatch({"flat": torch.ones((rows, 1 << 20), dtype=torch.uint8)})
+        device = next(self.backend.model.parameters()).device  # where the weights are
+        return TensorBatch({"flat": torch.ones((rows, 1 << 20), dtype=torch.uint8,
+                                               device=device)})
 
 
 class SyncRollout(Rollout):
@@ -122,8 +125,12 @@ async def weight_sync(preset: str, repeat: int) -> dict:
     # building two ~100M-parameter models keeps a rank busy for seconds: a patient heartbeat
     async with asyncrl.Controller(heartbeat_timeout=60) as ctl:
         trainer = await ctl.spawn(SyncTrainer, model, nprocs=1, hybrid=False, name="trainer")
+        # one GPU: both groups on it, the weights going by CUDA IPC; else apart (NCCL between
+        # GPUs, shared memory between a CPU host's cores)
+        one_gpu = torch.cuda.device_count() == 1
         rollout = await ctl.spawn(SyncRollout, model, nprocs=1, name="rollout",
-                                  place=asyncrl.separate_from(trainer))
+                                  place=asyncrl.colocate_with(trainer) if one_gpu
+                                  else asyncrl.separate_from(trainer))
         syncs, wires, blob = [], [], None
         for _ in range(repeat + 1):  # the first warms the pools
             t0 = time.perf_counter()
@@ -147,6 +154,7 @@ async def weight_sync(preset: str, repeat: int) -> dict:
     nbytes = syncs[0][1]["sync/bytes"]
     wire_s = statistics.median(wires[1:])
     return {"bench": "weight_sync", "preset": preset, "bytes": int(nbytes),
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
             "sync_s": round(sync_s, 4), "gib_per_s": round(nbytes / sync_s / 2**30, 3),
             "transport_gib_per_s": round(nbytes / wire_s / 2**30, 3),
             "share_of_transport": round(wire_s / sync_s, 3),
@@ -182,6 +190,8 @@ def main() -> None:
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of each max_staleness, interleaved; the fastest is reported")
+    p.add_argument("--sync-only", action="store_true",
+                   help="only the weight sync (the GPU check: one GPU shared by both groups)")
     p.add_argument("--kl-coef", type=float, default=1e-3,
                    help="0: no KL term, so no reference group (TRL's default beta)")
     args = p.parse_args()
@@ -190,6 +200,9 @@ def main() -> None:
     def emit(row: dict) -> None:  # as produced: a later part failing loses no figure
         print(json.dumps({**row, **env}), flush=True)
 
+    if args.sync_only:
+        emit(asyncio.run(weight_sync(args.sync_preset, args.repeat)))
+        return
     with_trl = not args.skip_trl
     if with_trl:  # found missing now, not after the asyncrl runs
         try:

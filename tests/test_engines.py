@@ -13,6 +13,7 @@ from helpers import assert_gone, group_pids, run
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.hybrid.engine import HybridEngine
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.roles import Policy, Rollout
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig, sample, streams, top_p_filter, uniforms
@@ -277,8 +278,6 @@ def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfille
     its parameters filled; a complete fill generates as the built-in engine does."""
     import fake_vllm
 
-    from asyncrl.hybrid.engine import HybridEngine
-
     build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
     model = build_model(ModelConfig(path=str(tmp_path / "ckpt")))
     skipped = "model.layers.0.mlp.up_proj.weight"
@@ -440,3 +439,45 @@ def test_a_checkpoints_model_stops_at_its_end_of_sequence_unless_told(tmp_path):
     assert sampling_config(None, ModelConfig(path=path)).stop_token_ids == [5, 7]
     assert sampling_config({"stop_token_ids": []}, ModelConfig(path=path)).stop_token_ids == []
     assert sampling_config({}, ModelConfig(seed=0)).stop_token_ids == ()  # a preset: none
+
+
+def test_the_hybrid_engine_offloads_the_optimizer_unless_told_to_keep_it():
+    """offload_optimizer=False (a Policy's argument too): a switch moves neither the
+    optimizer's state nor a backend's masters; True (the default) moves both off for
+    generation and back for training."""
+    class Counting:
+        def __init__(self) -> None:
+            self.model = build_model(ModelConfig())
+            self.opt = torch.optim.AdamW(self.model.parameters())
+            self.moves: list[str] = []
+
+        def offload_masters(self) -> int:
+            self.moves.append("masters off")
+            return 123
+
+        def reload_masters(self) -> None:
+            self.moves.append("masters back")
+
+    with pytest.raises(TypeError, match=r"offload_optimizer is True .* got 'yes'"):
+        HybridEngine(Counting(), ModelConfig(), offload_optimizer="yes")
+    for offload, moves, moved in (
+            (True, ["state to cpu", "masters off", "masters back", "state to cpu"], 123),
+            (False, [], 0)):
+        backend = Counting()
+        hybrid = HybridEngine(backend, ModelConfig(), offload_optimizer=offload)
+        hybrid._move_optimizer = lambda device, b=backend: b.moves.append(f"state to {device}")
+        hybrid.to_generate()
+        assert hybrid.offloaded_bytes == moved
+        hybrid.to_train()
+        assert backend.moves == moves, offload
+    # the flag turned off while generating: the way back still undoes the offload, and the
+    # next switch moves nothing (nor reports the bytes of the one before)
+    backend = Counting()
+    hybrid = HybridEngine(backend, ModelConfig())
+    hybrid._move_optimizer = lambda device, b=backend: b.moves.append(f"state to {device}")
+    hybrid.to_generate()
+    hybrid.offload_optimizer = False
+    hybrid.to_train()
+    hybrid.to_generate()
+    assert backend.moves == ["state to cpu", "masters off", "masters back", "state to cpu"]
+    assert hybrid.offloaded_bytes == 0

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,63 @@ from helpers import ROOT, assert_gone, group_pids, launch_example, run
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.hybrid import weight_sync
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.roles import Policy, Rollout
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 from asyncrl.hybrid.weight_sync import ALL_RANKS, SyncSource, unpack
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 9, 9], [1, 4]]
+
+
+def test_a_flat_pack_copies_the_weights_into_buckets_of_one_dtype(monkeypatch):
+    """GPU packs (flat by default there; forced here): every parameter back unchanged, of
+    its dtype and shape, from buckets of one dtype and at most FLAT_BYTES (a larger
+    parameter alone), each at a 16-byte aligned offset; a copy, not a view: the weights may
+    change once it is packed."""
+    monkeypatch.setattr(weight_sync, "FLAT_BYTES", 1000)
+    named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
+             ("b", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
+             ("d", torch.ones(250)),  # 1,000 bytes: a's bucket is full
+             ("big", torch.arange(400, dtype=torch.float64)),  # 3,200 bytes: alone
+             ("c", torch.tensor([True, False, True])), ("empty", torch.zeros(0, 4))]
+    pack = SyncSource().pack(named, version=2, flat=True)
+    assert [pack.meta["flat"][n] for n, _ in named] == \
+        [["flat.0", 0], ["flat.1", 0], ["flat.2", 0], ["flat.3", 0], ["flat.4", 0],
+         ["flat.2", 252]]  # 16-byte aligned
+    assert [pack[k].dtype for k in sorted(pack.keys())] == \
+        [torch.float32, torch.bfloat16, torch.float32, torch.float64, torch.bool]
+    assert pack.meta["nbytes"] == sum(t.numel() * t.element_size() for _, t in named)
+    out = list(unpack(pack))
+    assert [n for n, _ in out] == [n for n, _ in named]
+    for (_, got), (_, want) in zip(out, named, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    named[0][1].add_(100)
+    assert dict(out)["a"][0, 0] == 0  # packed bytes: not the live tensor
+    pack.meta["flat"]["d"][1] = 10  # a damaged offset: past its bucket's end
+    with pytest.raises(ValueError, match="'d' .250 values from 10. lies outside its bucket"):
+        list(unpack(pack))
+
+
+def test_a_flat_pack_lets_each_parameter_go_once_its_bucket_is_made(monkeypatch):
+    """Gathered parameters arrive one by one (a generator): a full bucket is concatenated
+    and its parameters freed before the next arrives, so packing holds at most a bucket
+    beyond the pack itself."""
+    monkeypatch.setattr(weight_sync, "FLAT_BYTES", 64)
+    made: list[weakref.ref] = []
+
+    def gathered():
+        for i in range(6):  # 16 floats, 64 bytes: a bucket each
+            if i >= 2:  # bucket i - 2 closed when parameter i - 1 arrived
+                assert made[i - 2]() is None, f"parameter {i - 2} still held"
+            t = torch.full((16,), float(i))
+            made.append(weakref.ref(t))
+            yield f"p{i}", t
+            del t
+
+    pack = SyncSource().pack(gathered(), version=0, flat=True)
+    assert len(pack.keys()) == 6 and all(r() is None for r in made)
+    assert [float(t[0]) for _, t in unpack(pack)] == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_pack_is_views_of_the_weights_and_the_trainer_waits_until_it_is_released():

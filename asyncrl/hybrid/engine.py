@@ -64,8 +64,14 @@ def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | No
 class HybridEngine:
     def __init__(self, backend: Any, model_cfg: ModelConfig,
                  sampling: SamplingConfig | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 engine: str = "builtin", engine_options: dict[str, Any] | None = None):
+                 engine: str = "builtin", engine_options: dict[str, Any] | None = None,
+                 offload_optimizer: bool = True):
+        if not isinstance(offload_optimizer, bool):
+            raise TypeError(f"offload_optimizer is True (the optimizer's state leaves the GPU "
+                            f"while generating) or False (it stays: faster switches, more "
+                            f"memory), got {offload_optimizer!r}")
         self.backend = backend
+        self.offload_optimizer = offload_optimizer
         self._zero = hasattr(backend, "gathered")  # DeepSpeed ZeRO: parameters gathered in place
         self.bucket_bytes = bucket_bytes
         if engine == "vllm":  # the trainer fills vLLM before every generation: vLLM need not
@@ -77,6 +83,8 @@ class HybridEngine:
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch
         self.offloaded_bytes = 0  # fp32 masters (ZeRO) sent to the host, last switch
+        self._offloaded = False  # whether the last switch to generation moved them (the
+        # flag may change between switches: the way back undoes what was done)
         self._filled_once = False  # an engine filled by name: checked complete the first time
         # the trainer's load count (TrainBackend.loads) when the engine last took its frozen
         # parameters (LoRA): while it stands, they are not gathered again
@@ -95,9 +103,11 @@ class HybridEngine:
         if self._frozen_plan is None and not self.engine.owns_weights:
             self._make_plans()
         try:
-            # first: their memory makes room for the engine's weights
-            self._move_optimizer("cpu")
-            self.offloaded_bytes = self.backend.offload_masters()
+            self.offloaded_bytes = 0
+            if self.offload_optimizer:  # first: their memory makes room for the engine's
+                self._offloaded = True
+                self._move_optimizer("cpu")
+                self.offloaded_bytes = self.backend.offload_masters()
             if self.engine.owns_weights and torch.cuda.is_available():
                 torch.cuda.empty_cache()  # vLLM allocates from its own pool, not torch's cache
             self._fill_engine()
@@ -201,6 +211,9 @@ class HybridEngine:
         self.mode = "train"
 
     def _restore_training(self) -> None:
+        if not self._offloaded:
+            return
+        self._offloaded = False
         self.backend.reload_masters()
         self._move_optimizer(next(self.backend.model.parameters()).device)
 

@@ -139,7 +139,7 @@ class Policy(Worker):
                  sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES,
                  backend: str = "fsdp2", hybrid: bool = True, engine: str = "builtin",
                  engine_options: dict[str, Any] | None = None,
-                 multi_turn: dict[str, Any] | None = None):
+                 multi_turn: dict[str, Any] | None = None, offload_optimizer: bool = True):
         model_cfg = ModelConfig(**model)
         train_cfg = TrainConfig(**(train or {}))
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
@@ -149,7 +149,8 @@ class Policy(Worker):
         engine_cfg = replace(model_cfg, dtype="bfloat16") if use_bf16(train_cfg) and \
             model_cfg.dtype == "float32" else model_cfg
         self.hybrid = HybridEngine(self.backend, engine_cfg, sampling_config(sampling, model_cfg),
-                                   bucket_bytes, engine, engine_options) if hybrid else None
+                                   bucket_bytes, engine, engine_options,
+                                   offload_optimizer) if hybrid else None
         turns = multi_turn_config(multi_turn)  # checked before a train-only Policy refuses it
         if turns is not None and not hybrid:
             raise ValueError("multi_turn= is for a Policy that generates: a hybrid=False one "
@@ -168,8 +169,8 @@ class Policy(Worker):
             self.turns.close()
 
     def before_weights_change(self, timeout: float = 300.0) -> float:
-        """Wait until rollouts pulled the last sync_pack (it may be views of the live
-        weights); the seconds waited."""
+        """Wait until rollouts pulled the last sync_pack (on CPUs views of the live weights;
+        on a GPU a copy, and the wait keeps one at a time); the seconds waited."""
         return self.sync_source.wait_released(timeout)
 
     @register(dispatch=Dispatch.DP)
@@ -228,8 +229,10 @@ class Policy(Worker):
                 everywhere=False, trained=True).items() if n in params]
         else:  # FSDP2: the small ones in buckets, the large ones one by one
             named = gathered([(n, p) for n, p in self.backend.model.named_parameters()
-                              if p.requires_grad], self.bucket_bytes, keep=self.rank == 0)
-        if self.rank != 0:  # it took part in the gathers (collectives): nothing to send
+                              if p.requires_grad], self.bucket_bytes)
+        if self.rank != 0:  # its part in the gathers (collectives), each whole let go at
+            for _ in named:  # once: nothing to send
+                pass
             return None
         pack = self.sync_source.pack(named, self.version)
         pack.meta["pack_s"] = time.perf_counter() - start  # gathering and packing

@@ -108,10 +108,10 @@ class Actor(Policy):
                  train: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
                  bucket_bytes: int = BUCKET_BYTES, backend: str = "fsdp2", hybrid: bool = True,
                  engine: str = "builtin", engine_options: dict[str, Any] | None = None,
-                 multi_turn: dict[str, Any] | None = None):
+                 multi_turn: dict[str, Any] | None = None, offload_optimizer: bool = True):
         self.rl = RLConfig(**(rl or {}))
         super().__init__(model, train, sampling, bucket_bytes, backend, hybrid, engine,
-                         engine_options, multi_turn)
+                         engine_options, multi_turn, offload_optimizer)
 
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
