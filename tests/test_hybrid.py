@@ -93,6 +93,29 @@ def prompts_batch(n: int) -> TensorBatch:
     return TensorBatch({"prompt": [[1, 4 + i, 9] for i in range(n)], "seed": list(range(n))})
 
 
+def test_a_one_rank_policy_fills_its_engine_straight_from_its_shards():
+    """One rank: each FSDP2 shard is its whole parameter, copied straight into the engine's
+    weights, with no collective and no gather buffer; both layouts identical before and
+    after a step."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(Policy, {"preset": "tiny-llama", "seed": 0}, {"lr": 3e-3},
+                                     {"max_new_tokens": 4}, nprocs=1, name="policy1")
+            pids = group_pids(policy)
+            rollout = policy.generate(prompts_batch(2))
+            before = [(await policy.weights(layout))[0] for layout in ("engine", "train")]
+            await policy.train_step(rollout)
+            await policy.generate(prompts_batch(2))
+            after = [(await policy.weights(layout))[0] for layout in ("engine", "train")]
+            return before, after, (await policy.switch_report())[0], pids
+    before, after, report, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    for engine, train in (before, after):
+        assert all(torch.equal(engine[k], train[k]) for k in train)
+    assert any(not torch.equal(after[1][k], before[1][k]) for k in before[1])  # it trained
+    assert report["peak_gather_bytes"] == 0
+
+
 def test_hybrid_policy_round_trip_keeps_weights_identical_and_gathers_in_buckets():
     from asyncrl.hybrid.roles import Reference
 

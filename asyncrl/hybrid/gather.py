@@ -119,6 +119,11 @@ class Gatherer:
         """One all_gather for the bucket's parameters, then each rank's real rows copied
         straight into the targets."""
         world, width = bucket.world, bucket.width
+        if world == 1:  # each shard is its whole parameter: straight into its target (a
+            # DTensor's detach and a collective of one cost more than the copy at this size)
+            for param, target, _ in bucket.items:
+                target.view(-1).copy_(param.to_local().reshape(-1))
+            return
         if self._local is None or self._local.numel() < width or \
                 self._local.dtype != bucket.dtype or self._local.device != bucket.device:
             self.free()  # before the new ones: never both alive
@@ -128,8 +133,8 @@ class Gatherer:
             self._out = torch.empty(widest * world, dtype=bucket.dtype, device=bucket.device)
         assert self._out is not None
         local, out = self._local[:width], self._out[:width * world]
-        for param, _, at in bucket.items:
-            shard = param.detach().to_local().reshape(-1)
+        for param, _, at in bucket.items:  # (no_grad: to_local's tensor tracks nothing)
+            shard = param.to_local().reshape(-1)
             local[at:at + shard.numel()] = shard
         _all_gather(out, local, group=bucket.group)
         self.peak_bytes = max(self.peak_bytes, out.numel() * out.element_size())
