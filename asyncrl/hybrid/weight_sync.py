@@ -90,13 +90,13 @@ class SyncSource:
         (by default where the first is on a GPU), flat buckets of their copies; `named` is
         read once, in order (a generator lets each gathered parameter go once copied)."""
         shapes: dict[str, list[int]] = {}
-        flattener = None
+        flattener: _Flattener | None = None
         columns: dict[str, torch.Tensor] = {}
         nbytes = 0
         for name, t in named:
             w = whole(t)
-            if flattener is None and not columns:
-                flattener = _Flattener() if (w.is_cuda if flat is None else flat) else None
+            if not shapes and (w.is_cuda if flat is None else flat):  # decided by the first
+                flattener = _Flattener()
             shapes[name] = list(w.shape)
             nbytes += w.numel() * w.element_size()
             if flattener is not None:
