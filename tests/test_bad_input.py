@@ -308,6 +308,7 @@ def test_unregistered_method_names_the_decorator(solo, call, method):
                      f"group 'solo' (Solo) has no registered method '{method}'",
                      "mark methods with @asyncrl.register")
     assert "registered: [" in message and "'record'" in message
+    assert "_nccl" not in message  # the runtime's own methods are not the user's
 
 
 def test_unencodable_argument_named_not_sent(bg, solo, tmp_path):

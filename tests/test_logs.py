@@ -81,6 +81,13 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
     sink.close()
     assert read_log(other, "actor", 0) == "a\nc"
     assert read_log(tmp_path, "actor", 1, 5) == "first\nsecond\nthird"
+    with pytest.raises(FileNotFoundError, match=r"no log for group 'critic' rank 1 .*logs "
+                                                r"there: \['actor:0', 'critic:0'\]"):
+        read_log(other, "critic", 1)
+    (other / "logs" / "critic.log").write_text("torchrun's\n")  # the group ran, its rank 1
+    with pytest.raises(FileNotFoundError, match=r"rank 1 of group 'critic' printed nothing .*"
+                                                r"torchrun log is .*critic\.log"):
+        read_log(other, "critic", 1)  # printed nothing (its file is made at its first line)
     # read from the end, a block at a time: lines across blocks come whole
     from asyncrl.controller.logs import _last_lines
 

@@ -14,6 +14,7 @@ import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.comm.batch import PAD_KEY
 from asyncrl.controller.launcher import pid_alive
+from asyncrl.hybrid.engine import HybridEngine
 from asyncrl.hybrid.fsdp import sequence_mean_nll
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
@@ -285,9 +286,27 @@ def test_environment_errors_name_the_row_turn_and_fix():
     with pytest.raises(ValueError, match=rf"'beyond' returned token ids outside the model's "
                                          rf"vocabulary of {vocab} \(\[{vocab}\]\) for row 0"):
         go(beyond)
+
+    class WholeBackend:  # a Policy's hybrid engine around the same sampler's settings
+        def __init__(self):
+            self.model = build_model(ModelConfig(preset="tiny-llama", seed=3))
+            self.opt = torch.optim.AdamW(self.model.parameters())
+
+        def offload_masters(self):
+            return 0
+
+        def reload_masters(self):
+            pass
+
+    hybrid = HybridEngine(WholeBackend(), ModelConfig(preset="tiny-llama"), sampler.config)
+    hybrid.to_generate()  # (a Policy's engine: it said no vocabulary before session 26)
+    with pytest.raises(ValueError, match=rf"'beyond' returned token ids outside the model's "
+                                         rf"vocabulary of {vocab}"):
+        turns(beyond).generate(hybrid, prompt_batch(), PROMPTS, SEEDS, sampler.config)
     with pytest.raises(TypeError, match="multi_turn= is a dict with 'env'"):
         multi_turn_config({"max_turns": 2})
-    with pytest.raises(TypeError, match=r"multi_turn: \['turns'\] are not settings; they are"):
+    with pytest.raises(TypeError,
+                       match=r"multi_turn=: 'turns' .*is not a setting; the settings are"):
         multi_turn_config({"env": echo, "turns": 2})
     with pytest.raises(ValueError, match="max_turns and max_observation_tokens must be >= 1"):
         multi_turn_config({"env": echo, "max_turns": 0})

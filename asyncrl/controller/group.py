@@ -196,8 +196,8 @@ class GroupHandle:
     def _no_method(self, name: str) -> AttributeError:
         return AttributeError(
             f"group {self.name!r} ({self.worker_class.__name__}) has no registered method "
-            f"{name!r}; registered: {sorted(self.methods)} (mark methods with "
-            f"@asyncrl.register)")
+            f"{name!r}; registered: {sorted(m for m in self.methods if not m.startswith('_'))} "
+            f"(mark methods with @asyncrl.register)")
 
     def __repr__(self) -> str:
         return f"<GroupHandle {self.name!r} {self.worker_class.__name__} x{self.nprocs}>"

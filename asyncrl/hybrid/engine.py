@@ -254,6 +254,12 @@ class HybridEngine:
             torch.cuda.current_stream().synchronize()  # host copies are only valid after it
 
     @property
+    def vocab_size(self) -> int | None:
+        """The engine's vocabulary (the built-in one's; None where an engine does not say):
+        multi-turn observations are checked against it."""
+        return getattr(self.engine, "vocab_size", None)
+
+    @property
     def continues_turns(self) -> bool:
         """Whether the engine runs multi-turn rollouts in its own loop (asyncrl.hybrid.turns)."""
         return bool(getattr(self.engine, "continues_turns", False))

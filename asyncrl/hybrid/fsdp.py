@@ -74,6 +74,13 @@ class TrainConfig:
                              f"{self.max_tokens_per_micro_batch}")
         if self.lr < 0:  # 0 is allowed: a run that must not learn (a baseline)
             raise ValueError(f"TrainConfig.lr must be >= 0, got {self.lr}")
+        if self.grad_clip is not None and self.grad_clip < 0:  # a negative norm would
+            # scale every gradient by a negative factor: gradient ascent, without a word
+            raise ValueError(f"TrainConfig.grad_clip is the largest gradient norm kept (> 0), "
+                             f"or 0 for no clipping; got {self.grad_clip}")
+        if self.weight_decay < 0:
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0 (AdamW's decoupled "
+                             f"decay; 0: none), got {self.weight_decay}")
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ValueError(f"TrainConfig.schedule is 'constant', 'cosine' or 'linear', got "
                              f"{self.schedule!r}")

@@ -43,6 +43,7 @@ from asyncrl.hybrid.models import (
     sequence_logprobs,
 )
 from asyncrl.hybrid.sampler import PROMPT_WIDTH, SamplingConfig, with_overrides
+from asyncrl.hybrid.settings import from_dict
 from asyncrl.hybrid.turns import Turns, multi_turn_config
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
@@ -60,7 +61,7 @@ def sampling_config(sampling: dict[str, Any] | None, model: ModelConfig) -> Samp
     given = dict(sampling or {})
     if model.path is not None and "stop_token_ids" not in given:
         given["stop_token_ids"] = eos_token_ids(model.path)
-    return SamplingConfig(**given)
+    return from_dict(SamplingConfig, given, "sampling=")
 
 
 def eos_token_ids(path: str) -> list[int]:
@@ -140,8 +141,8 @@ class Policy(Worker):
                  backend: str = "fsdp2", hybrid: bool = True, engine: str = "builtin",
                  engine_options: dict[str, Any] | None = None,
                  multi_turn: dict[str, Any] | None = None, offload_optimizer: bool = True):
-        model_cfg = ModelConfig(**model)
-        train_cfg = TrainConfig(**(train or {}))
+        model_cfg = from_dict(ModelConfig, model, f"{type(self).__name__} model=")
+        train_cfg = from_dict(TrainConfig, train, f"{type(self).__name__} train=")
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.model_cfg = model_cfg  # noted in checkpoints, for `asyncrl export`
         # the engine computes as the trainer does: a bf16 trainer's log-probs from an fp32
@@ -279,7 +280,7 @@ class Rollout(Worker):
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None,
                  engine: str = "builtin", engine_options: dict[str, Any] | None = None,
                  multi_turn: dict[str, Any] | None = None):
-        self.model_cfg = ModelConfig(**model)
+        self.model_cfg = from_dict(ModelConfig, model, "Rollout model=")
         if self.model_cfg.lora is not None and engine != "builtin":
             raise ValueError(f"a Rollout group with engine={engine!r} and a LoRA model is not "
                              f"supported yet (its weight syncs carry the adapters alone, "
@@ -359,7 +360,8 @@ class Reference(Worker):
     def __init__(self, model: dict[str, Any], micro_batch_size: int | None = None,
                  max_tokens_per_micro_batch: int | None = None):
         # a LoRA model's reference is its frozen model: the adapters start as no change
-        self.model = build_model(ModelConfig(**{**model, "lora": None})).to(default_device())
+        cfg = from_dict(ModelConfig, {**model, "lora": None}, "Reference model=")
+        self.model = build_model(cfg).to(default_device())
         # a TrainConfig checks the sizes as it does for training
         self.sizes = TrainConfig(micro_batch_size=1 if micro_batch_size is None
                                  else micro_batch_size,

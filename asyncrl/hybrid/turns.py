@@ -54,6 +54,7 @@ import torch
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.fn_pool import pool_for, pool_settings_ok
 from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad, whole_number
+from asyncrl.hybrid.settings import from_dict
 from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
 
 # a row's turn the environment is asked about: (row, turn, its tokens, the response so far)
@@ -98,10 +99,7 @@ def multi_turn_config(settings: dict[str, Any] | None) -> MultiTurn | None:
     if not isinstance(settings, dict) or "env" not in settings:
         raise TypeError(f"multi_turn= is a dict with 'env' (a function) and optionally "
                         f"{sorted(known - {'env'})}; got {settings!r}")
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise TypeError(f"multi_turn: {unknown} are not settings; they are {sorted(known)}")
-    return MultiTurn(**settings)
+    return from_dict(MultiTurn, settings, "multi_turn=")
 
 
 def sampled_mask(batch: TensorBatch) -> torch.Tensor:

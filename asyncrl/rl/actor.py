@@ -27,6 +27,7 @@ from asyncrl.actors.register import register
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES
 from asyncrl.hybrid.roles import Policy
+from asyncrl.hybrid.settings import from_dict
 from asyncrl.rl.algorithms import aggregate, kl_penalty, masked_mean, ppo_policy_loss
 from asyncrl.rl.batch import (
     REPORTED,
@@ -109,7 +110,7 @@ class Actor(Policy):
                  bucket_bytes: int = BUCKET_BYTES, backend: str = "fsdp2", hybrid: bool = True,
                  engine: str = "builtin", engine_options: dict[str, Any] | None = None,
                  multi_turn: dict[str, Any] | None = None, offload_optimizer: bool = True):
-        self.rl = RLConfig(**(rl or {}))
+        self.rl = from_dict(RLConfig, rl, "Actor rl=")
         super().__init__(model, train, sampling, bucket_bytes, backend, hybrid, engine,
                          engine_options, multi_turn, offload_optimizer)
 

@@ -32,6 +32,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fsdp import TrainConfig
 from asyncrl.hybrid.models import ModelConfig
 from asyncrl.hybrid.roles import make_backend
+from asyncrl.hybrid.settings import from_dict
 from asyncrl.rl.actor import mean_stats
 from asyncrl.rl.algorithms import masked_mean
 from asyncrl.rl.batch import (
@@ -70,12 +71,13 @@ def value_loss(cfg: RLConfig) -> Any:
 class Critic(Worker):
     def __init__(self, model: dict[str, Any], rl: dict[str, Any] | None = None,
                  train: dict[str, Any] | None = None, backend: str = "fsdp2"):
-        self.rl = RLConfig(**{"algo": "ppo", **(rl or {})})
+        self.rl = from_dict(RLConfig, {"algo": "ppo", **(rl or {})}, "Critic rl=")
         if self.rl.algo != "ppo":
             raise ValueError(f"a Critic learns PPO's returns: its rl= takes algo 'ppo' (the "
                              f"default), got {self.rl.algo!r}; GRPO needs no critic")
-        self.backend = make_backend(self, backend, ModelConfig(**model),
-                                    TrainConfig(**(train or {})), head="value")
+        self.backend = make_backend(self, backend, from_dict(ModelConfig, model, "Critic model="),
+                                    from_dict(TrainConfig, train, "Critic train="),
+                                    head="value")
         self.version = 0  # updates applied: the actor's policy version at the same step
 
     @register(dispatch=Dispatch.DP)

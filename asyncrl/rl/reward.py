@@ -40,8 +40,9 @@ class RewardModel(Worker):
 
     def __init__(self, model: dict[str, Any]):
         from asyncrl.hybrid.models import ModelConfig, build_value_model, default_device
+        from asyncrl.hybrid.settings import from_dict
 
-        cfg = ModelConfig(**model)
+        cfg = from_dict(ModelConfig, model, "RewardModel model=")
         self.model = build_value_model(cfg, require_head=True)
         if cfg.path is None:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
