@@ -211,3 +211,37 @@ def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(stra
     assert "resuming with the run's --checkpoint-every 1, --keep-checkpoints 0" in out.stderr
     assert sorted(p.name for p in root.iterdir()) == [f"step_00000{t}" for t in range(6)]
 
+
+
+def test_an_input_position_that_is_not_json_is_refused_naming_the_input():
+    """A data source whose state_dict() holds a tensor (torchdata's loaders keep generator
+    state so) failed the run's first checkpoint after every group had saved: json.dumps of
+    meta.json, with no word of which input. Now checked first (and when a launch opens)."""
+    from types import SimpleNamespace
+
+    from asyncrl.errors import CheckpointError
+
+    fine = SimpleNamespace(positions=lambda: {"prompts": {"consumed": 3}})
+    assert checkpoint.positions(fine) == {"prompts": {"consumed": 3}}
+    odd = SimpleNamespace(positions=lambda: {"prompts": {"consumed": 3},
+                                             "loader": {"generator": torch.zeros(2)}})
+    with pytest.raises(CheckpointError, match=r"input 'loader': its state_dict\(\) cannot go "
+                                              r"into a checkpoint's meta.json .*\.tolist\(\)"):
+        checkpoint.positions(odd)
+
+
+def test_a_run_dir_is_one_launchs_while_it_runs(tmp_path):
+    """Two launches in one run directory (a double submission, a requeue while the old
+    controller still shuts down) removed each other's half-written checkpoints."""
+    import os
+
+    from asyncrl.controller.launch import hold_run_dir
+    from asyncrl.errors import CheckpointError
+
+    run_dir = tmp_path / "run"
+    held = hold_run_dir(run_dir)
+    with pytest.raises(CheckpointError, match=rf"{run_dir} is in use by another launch \(pid "
+                                              rf"{os.getpid()} on .*choose another --run-dir"):
+        hold_run_dir(run_dir)
+    held.close()  # the launch ended: the next one takes it
+    hold_run_dir(run_dir).close()

@@ -107,3 +107,30 @@ def test_a_failure_is_named_by_the_node_it_began_in_not_one_it_fed():
             return info.value
     err = asyncio.run(main())
     assert err.node == "gen" and "no rollout for 1" in str(err), str(err)
+
+
+restartable = asyncrl.group(Faulty, name="restartable", max_restarts=1)
+
+
+def test_a_one_shot_input_with_restarts_is_refused_when_the_flow_opens():
+    """A rewind reads the inputs again from the start: a generator cannot be. It was found
+    out at the first rewind, maybe hours in; now when the flow opens, before any step."""
+    @asyncrl.node
+    def gen(x):
+        return restartable.make(x)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[gen], inputs={"x": (i for i in range(3))},
+                                    groups=[restartable])
+            try:
+                with pytest.raises(asyncrl.FlowError, match="input 'x' is a one-shot iterator"):
+                    await flow.open(ctl)
+            finally:
+                await flow.close()
+            # without restarts (no rewind) a generator is fine
+            flow = asyncrl.DataFlow(nodes=[gen], inputs={"x": (i for i in range(3))},
+                                    groups=[faulty])
+            await flow.open(ctl)
+            await flow.close()
+    asyncio.run(main())

@@ -157,6 +157,17 @@ def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
     assert "rewound to step 4" in err
 
 
+def test_a_respawn_that_fails_to_build_counts_as_a_restart_and_tries_again(tmp_path):
+    """Its __init__ raising (a RemoteError, not a SpawnError) failed the node, and the flow
+    rewound to its checkpoint, before session 26; now the respawn is tried again, counted,
+    and only the node re-runs."""
+    _, out = kill_held(tmp_path, "scorer:1", "steps=4", "fail_build=1")
+    steps_once(tmp_path / "run", 4)
+    assert (tmp_path / "marks" / "build_failed").exists()  # the first respawn did fail
+    assert "restarting group 'scorer' (2/2) in" in out and "failed to build (once)" in out
+    assert [(e["kind"], e["node"]) for e in recoveries(tmp_path / "run")] == [("rerun", "score")]
+
+
 def test_restart_budget_spent_fails_the_run_with_the_cause(tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()

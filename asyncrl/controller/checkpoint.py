@@ -142,27 +142,54 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step:06d}"
     tmp = root / f"{final.name}.tmp"
-    for stale in [*root.glob("*.tmp"), *root.glob(".*.discarded")]:  # a save or a removal
-        shutil.rmtree(stale)  # that died half-way
+    inputs = positions(flow)  # first: an input whose position cannot be saved fails the
+    # save before any group wrote
+    # deletes and fsyncs (maybe gigabytes, on NFS) off the loop: heartbeats go on meanwhile
+    await asyncio.to_thread(_remove_stale, root)
     tmp.mkdir(parents=True)
     await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
     # (the ranks synced what they wrote: here, the folders and the rest; off the loop)
     await asyncio.to_thread(sync_tree, tmp)
-    meta = {"step": step, "flow": identity(flow), "inputs": flow.positions(),
+    meta = {"step": step, "flow": identity(flow), "inputs": inputs,
             "sizes": sizes(flow), "overrides": json.loads(os.environ.get(OVERRIDES_ENV, "{}")),
             # how the command line said to checkpoint, which a resume goes on with
             "launch_options": flow.launch_options,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    _write_synced(tmp / "meta.json", json.dumps(meta, indent=1))  # last: marks it complete
+    # last: marks it complete
+    await asyncio.to_thread(_write_synced, tmp / "meta.json", json.dumps(meta, indent=1))
     if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;
-        _discard(final)  # renamed away first: a half-deleted one is never taken as complete
-    os.replace(tmp, final)
-    sync_dir(final.parent)
+        await asyncio.to_thread(_discard, final)  # renamed away first: a half-deleted one is
+    os.replace(tmp, final)  # never taken as complete
+    await asyncio.to_thread(sync_dir, final.parent)
     if keep is not None:
-        for old in complete(run_dir)[:-keep]:
-            _discard(old)
+        try:
+            for old in complete(run_dir)[:-keep]:
+                await asyncio.to_thread(_discard, old)
+        except OSError as e:  # the new checkpoint is complete: the run goes on, and the
+            # next save prunes again (a renamed-away one is removed as stale then)
+            print(f"asyncrl: could not remove an old checkpoint ({e}); the next checkpoint "
+                  f"tries again", file=sys.stderr, flush=True)
     return final
+
+
+def positions(flow: DataFlow) -> dict[str, Any]:
+    """The flow's inputs' positions, each checked to go into meta.json (JSON)."""
+    out = flow.positions()
+    for name, state in out.items():
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"input {name!r}: its state_dict() cannot go into a checkpoint's meta.json "
+                f"({e}); return plain numbers, strings, lists and dicts (a tensor as "
+                f".tolist())") from e
+    return out
+
+
+def _remove_stale(root: Path) -> None:
+    for stale in [*root.glob("*.tmp"), *root.glob(".*.discarded")]:  # a save or a removal
+        shutil.rmtree(stale)  # that died half-way
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -210,6 +210,8 @@ class DataFlow:
             raise failed[0]
         self._sources = {}
         self._reset_sources()
+        if self.recovery.enabled:  # a rewind reads the inputs again: refused now, not then
+            self._check_rereadable()
 
     async def _spawn(self, g: GroupSpec) -> Any:
         return await self._ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,

@@ -8,10 +8,12 @@ line, write metrics.jsonl, checkpoints and timeline.json into the run directory,
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import math
 import numbers
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -29,8 +31,10 @@ from asyncrl.controller.flow import NODE_INPUTS, DataFlow
 from asyncrl.controller.logs import append_line
 from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length, write_trace
 from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
+from asyncrl.errors import CheckpointError
 
 OVERRIDES_FILE = "overrides.json"  # in RUN_DIR/inputs: the run's key=value overrides
+LOCK_FILE = ".lock"  # in RUN_DIR: held by the launch that runs there
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)  # metrics
 
 
@@ -171,17 +175,48 @@ def _step_of(line: str) -> int | None:
 
 
 async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
-                      save_inputs: bool = False, *, resume: bool = False,
-                      keep: int | None = checkpoint.KEEP, cluster: Any = None,
-                      host: str = "127.0.0.1", controller: dict[str, Any] | None = None,
-                      wandb: str | None = None) -> Path:
+                      save_inputs: bool = False, **options: Any) -> Path:
     """Run `flow` up to step index `steps` (None: `flow.steps`) with its outputs in `run_dir`,
-    checkpointing after its last step (and every `flow.checkpoint_every` steps). `resume`:
-    continue from the newest complete checkpoint in `run_dir`; else none there. `controller`:
-    more Controller settings (heartbeat_interval=...). `wandb`: a Weights & Biases project
-    the metrics go to as well. Recoveries from dead groups are written to
-    run_dir/recoveries.jsonl."""
+    checkpointing after its last step (and every `flow.checkpoint_every` steps). Options:
+    `resume`: continue from the newest complete checkpoint in `run_dir`; else none there.
+    `keep`: checkpoints kept. `controller`: more Controller settings (heartbeat_interval=...).
+    `wandb`: a Weights & Biases project the metrics go to as well. `cluster`, `host`: where
+    groups run. Recoveries from dead groups are written to run_dir/recoveries.jsonl. The run
+    directory is this launch's alone while it runs (a lock file in it)."""
     run_dir = Path(run_dir)
+    lock = hold_run_dir(run_dir)
+    try:
+        return await _launch_flow(flow, steps, run_dir, save_inputs, **options)
+    finally:
+        lock.close()  # (the lock goes with the file)
+
+
+def hold_run_dir(run_dir: Path) -> Any:
+    """An exclusive lock on `run_dir` (its open file; released as it closes or the process
+    ends): two launches in one run directory remove each other's half-written checkpoints
+    and interleave their metrics."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process"
+        f.close()
+        raise CheckpointError(f"{run_dir} is in use by another launch ({holder}); wait for it "
+                              f"to end, or choose another --run-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_inputs: bool,
+                       *, resume: bool = False, keep: int | None = checkpoint.KEEP,
+                       cluster: Any = None, host: str = "127.0.0.1",
+                       controller: dict[str, Any] | None = None,
+                       wandb: str | None = None) -> Path:
     steps = flow.steps if steps is None else steps
     resume_from: Path | None = None
     meta: dict[str, Any] = {}
@@ -200,7 +235,6 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                   f"with only their random number generators restored", flush=True)
     else:
         checkpoint.refuse_existing(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     first_step = meta["step"] + 1 if resume_from is not None else 0
     trackers: list[Any] = [TensorBoard(run_dir, first_step)]
     if resume_from is None:  # an earlier run's wandb run is not this one's
@@ -249,6 +283,7 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
                 try:
                     if resume_from is not None:
                         await checkpoint.restore(flow, resume_from, meta)
+                    checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
                                    on_rewind=metrics.rewind, keep=False)
                     if flow.ended is not None and steps is not None and flow.next_step < steps:

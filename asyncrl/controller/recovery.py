@@ -116,8 +116,8 @@ class Recovery:
                 try:
                     await self._unstoppable(self._spawn_into(spec))
                     return True
-                except SpawnError as e:
-                    cause, count = e, True
+                except (SpawnError, RemoteError) as e:  # (RemoteError: its __init__ raised,
+                    cause, count = e, True  # an OOM beside a colocated group, a file hiccup)
 
     async def _spawn_into(self, spec: GroupSpec) -> None:
         spec.handle = await self.flow._spawn(spec)

@@ -12,8 +12,9 @@ to `<marks>/<group>.pid` and waits there until the test kills or stops it. `wait
 <step>`: that call writes `<marks>/<group>.waiting` and waits until the test writes
 `<marks>/go`. `staleness=k`: steps t-k-2 to t in flight (more to overlap). `draw=1`: a
 node draws a random number per step on the controller (seeded: a rewind draws the same ones
-again). The trainer's history is in every checkpoint (trainer/history.json): a run that
-recovered must hold each step exactly once.
+again). `fail_build=1`: the first scorer built after the held one died raises in __init__
+(a respawn that fails to build). The trainer's history is in every checkpoint
+(trainer/history.json): a run that recovered must hold each step exactly once.
 """
 
 import json
@@ -25,7 +26,7 @@ from pathlib import Path
 import asyncrl
 
 cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
-                     peek=0, collective=0, wait="", staleness=0, draw=0)
+                     peek=0, collective=0, wait="", staleness=0, draw=0, fail_build=0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 WAIT_GROUP, _, WAIT_STEP = cfg["wait"].partition(":")
 
@@ -58,6 +59,14 @@ def _hold(group: str, step: int) -> None:
 
 
 class Scorer(asyncrl.Worker):
+    def __init__(self):
+        # fail_build=1: the first scorer built after the held one was killed raises
+        marks = Path(cfg["marks"]) if cfg["marks"] else None
+        if cfg["fail_build"] and marks is not None and (marks / "scorer.pid").exists() and \
+                not (marks / "build_failed").exists():
+            (marks / "build_failed").write_text(str(os.getpid()))
+            raise RuntimeError("the respawned scorer failed to build (once)")
+
     @asyncrl.register(dispatch="rank_zero")
     def score(self, step):
         _hold("scorer", step)
