@@ -245,3 +245,15 @@ def test_a_run_dir_is_one_launchs_while_it_runs(tmp_path):
         hold_run_dir(run_dir)
     held.close()  # the launch ended: the next one takes it
     hold_run_dir(run_dir).close()
+
+
+def test_a_resume_goes_on_with_the_runs_restarts():
+    """The restart budget is the run's: a crash that recurs at each resume (under a requeue
+    wrapper) spent a fresh budget each time before session 26."""
+    from types import SimpleNamespace
+
+    flow = SimpleNamespace(recovery=SimpleNamespace(restarts={"actor": 0, "reward": 0}))
+    checkpoint.resume_restarts(flow, {"restarts": {"actor": 2, "gone": 1}})
+    assert flow.recovery.restarts == {"actor": 2, "reward": 0}  # a group no longer there: -
+    checkpoint.resume_restarts(flow, {})  # a checkpoint of before session 26: as it was
+    assert flow.recovery.restarts == {"actor": 2, "reward": 0}

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import poll_until
+from helpers import poll_until, wait_until
 
 import asyncrl
 from asyncrl import Dispatch, TensorBatch
@@ -272,6 +272,9 @@ def test_remote_error_carries_group_rank_method_and_traceback(pair):
     assert err.group == "pair" and err.method == "fail" and err.rank in (0, 1)
     assert "raise ValueError(message)" in err.remote_traceback
     assert "ValueError: boom" in str(err) and "remote traceback" in str(err)
+    # the other rank raised too: said beside the first one's error, once it answered
+    other = f"pair[rank {1 - err.rank}].fail raised too: ValueError: boom"
+    wait_until(lambda: other in getattr(err, "__notes__", []), 30, "the other rank's error")
     assert get(pair.scaled(1)) == [3, 4]  # the group goes on
 
 

@@ -155,6 +155,9 @@ def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
     # checkpoints after steps 1 and 3 (every 2): step 4 ran, then 5 died; back to 3
     assert (event["kind"], event["groups"], event["resumed_at"]) == ("rewind", ["trainer"], 4)
     assert "rewound to step 4" in err
+    last = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]  # a resume goes on
+    assert json.loads((last / "meta.json").read_text())["restarts"] == {"scorer": 0,
+                                                                        "trainer": 1}
 
 
 def test_a_respawn_that_fails_to_build_counts_as_a_restart_and_tries_again(tmp_path):

@@ -155,6 +155,7 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
             "sizes": sizes(flow), "overrides": json.loads(os.environ.get(OVERRIDES_ENV, "{}")),
             # how the command line said to checkpoint, which a resume goes on with
             "launch_options": flow.launch_options,
+            "restarts": dict(flow.recovery.restarts),  # the budget is the run's, resumes too
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     # last: marks it complete
     await asyncio.to_thread(_write_synced, tmp / "meta.json", json.dumps(meta, indent=1))
@@ -171,6 +172,14 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
             print(f"asyncrl: could not remove an old checkpoint ({e}); the next checkpoint "
                   f"tries again", file=sys.stderr, flush=True)
     return final
+
+
+def resume_restarts(flow: DataFlow, meta: dict[str, Any]) -> None:
+    """A resumed run's restarts so far (its checkpoint's count), so that a crash that
+    recurs at each resume spends the budget instead of looping under a requeue."""
+    for name, count in meta.get("restarts", {}).items():
+        if name in flow.recovery.restarts:
+            flow.recovery.restarts[name] = int(count)
 
 
 def positions(flow: DataFlow) -> dict[str, Any]:

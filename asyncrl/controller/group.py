@@ -426,7 +426,13 @@ class GroupHandle:
         p.waiting.discard(rank)
         p.busy = max(p.busy, msg.busy)
         if msg.error is not None:
-            p.future._set_exception(self._remote_error(rank, p.method, msg.error))
+            first = p.future._fut.exception() if p.future._fut.done() else None
+            if first is None:
+                p.future._set_exception(self._remote_error(rank, p.method, msg.error))
+            elif isinstance(first, RemoteError):  # shown with the first rank's error: a bug
+                # on every rank is not taken for one rank's trouble
+                first.add_note(f"{self.name}[rank {rank}].{p.method} raised too: "
+                               f"{msg.error.type}: {msg.error.message}")
             if p.links:  # its ranks may have aborted their ends of these
                 self._ctl.links.forget(p.links)
         elif rank in p.collect:

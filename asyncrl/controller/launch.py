@@ -283,6 +283,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                 try:
                     if resume_from is not None:
                         await checkpoint.restore(flow, resume_from, meta)
+                        checkpoint.resume_restarts(flow, meta)
                     checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
                                    on_rewind=metrics.rewind, keep=False)
