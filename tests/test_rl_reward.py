@@ -124,14 +124,17 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
 
     monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(tmp_path / "sandbox.pid"))
     pool = FunctionPool(verifier, processes=2, timeout_s=1.0)
-    seen = pool.pids()
+    spare = pool.spare_pid
+    seen = pool.pids() + [spare]
     try:
         values, late = pool.call(row_inputs(verifier, answers(1, 9, 2, 3, 4)))
         assert late == [False, True, False, False, False]
         assert values == [1.0, None, 3.0, 1.0, 2.0]  # each row's own answer, in order
-        replaced = [p for p in seen if p not in pool.pids()]
+        replaced = [p for p in seen if p not in pool.pids() and p != spare]
         assert len(replaced) == 1 and not pid_alive(replaced[0])  # the hung one: killed
-        seen += pool.pids()
+        # its place taken by the spare started ahead (imports done), and a new spare made
+        assert spare in pool.pids() and pool.spare_pid not in seen
+        seen += pool.pids() + [pool.spare_pid]
         # a sandbox the function started goes with its process
         assert pool.call(row_inputs(verifier, answers(8)))[1] == [True]
         sandbox = int((tmp_path / "sandbox.pid").read_text())
@@ -148,11 +151,12 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
         # frame that never came while its row ran: the row timed out)
         assert pool.call(row_inputs(verifier, answers(66))) == ([0.0], [False])
         untimed = FunctionPool(verifier, processes=1, timeout_s=None)
+        assert untimed.spare_pid is None  # nothing is ever replaced on a timeout there
         seen += untimed.pids()
         assert untimed.call(row_inputs(verifier, answers(5, 6))) == ([1.0, 2.0], [False] * 2)
         untimed.close()
     finally:
-        seen += pool.pids()
+        seen += pool.pids() + [pool.spare_pid]
         pool.close()
     assert_gone(seen)
 

@@ -3,7 +3,8 @@ timeout_s=T)`) or a multi-turn environment (`multi_turn={"env": fn, "processes":
 "timeout_s": T}`). Rows go N at a time, and a row whose function runs past `timeout_s` is
 marked timed out while its process is killed and replaced. A verifier or a tool that hangs
 on one row (sympy on a pathological expression, a sandbox that never returns) then costs
-that row, not the run.
+that row, not the run. With a timeout the pool keeps one spare process started ahead (its
+imports done, ~2 s with torch): a replacement takes it at once, and a new spare starts.
 
 Each child is `python -m asyncrl.hybrid.fn_pool`: it imports the function by reference (its
 module, qualname and file, as the ranks import it), says it is ready, then calls it on the
@@ -132,10 +133,16 @@ class FunctionPool:
         self.timeout_s = timeout_s
         self.where: list[str] = []
         self.children = [_Child(self.ref) for _ in range(processes)]
+        # a replacement waited for a fresh process's imports: ~2 s a timed-out row
+        self._spare = _Child(self.ref) if timeout_s is not None else None
         self._idle_deaths = 0  # in the call under way
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
+
+    @property
+    def spare_pid(self) -> int | None:
+        return None if self._spare is None else self._spare.proc.pid
 
     def call(self, jobs: list[tuple[Any, Any, dict[str, Any]]], where: list[str] | None = None
              ) -> tuple[list[Any], list[bool]]:
@@ -246,11 +253,23 @@ class FunctionPool:
         """Kill these children (and what they started) and start new ones in their place."""
         _stop([self.children[i] for i in indices])
         for i in indices:
-            self.children[i] = _Child(self.ref)
+            self.children[i] = self._fresh()
+
+    def _fresh(self) -> _Child:
+        """The warm spare where there is one (a new spare started in its place), else a new
+        process."""
+        spare = self._spare
+        if spare is None:
+            return _Child(self.ref)
+        if spare.proc.poll() is not None:  # it died waiting (killed: out of memory)
+            _stop([spare])
+            spare = _Child(self.ref)
+        self._spare = _Child(self.ref)
+        return spare
 
     def close(self) -> None:
-        _stop(self.children)
-        self.children = []
+        _stop(self.children + ([self._spare] if self._spare is not None else []))
+        self.children, self._spare = [], None
 
 
 def pool_settings_ok(processes: Any, timeout_s: Any) -> bool:
