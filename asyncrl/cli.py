@@ -75,10 +75,12 @@ def _load(path: str, overrides: dict[str, Any] | None = None,
         raise SystemExit(f"asyncrl: {broken} is not valid Python: {e.msg} at {where}{code}\n"
                          f"fix the file and launch again") from None
     except Exception as e:  # noqa: BLE001 - user code: say where it failed and what
+        given = " ".join(f"{k}={v}" for k, v in (overrides or {}).items())
         raise SystemExit(f"asyncrl: importing {path} failed at {_user_line(e, path)}: "
                          f"{type(e).__name__}: {e}\n"
                          + ("install the missing module or fix the import"
-                            if isinstance(e, ImportError) else "fix the flow file") +
+                            if isinstance(e, ImportError) else "fix the flow file" +
+                            (f" or its settings ({given})" if overrides else "")) +
                          " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
                          ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
     if overrides and module.__name__ not in loaded and declare.config_calls == calls:

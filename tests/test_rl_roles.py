@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.comm.batch import PAD_KEY
 from asyncrl.hybrid.models import (
@@ -268,3 +269,35 @@ def test_group_sampling_repeats_prompts_with_a_seed_per_sample():
     assert [b["seed"] for b in resumed] == [b["seed"] for b in batches[1:]]
     with pytest.raises(ValueError, match="'seed' key"):
         PromptSource([{"prompt": [1], "seed": 1}], batch_size=1)
+
+
+def test_a_roles_settings_are_checked_where_its_group_is_declared():
+    """Mistakes in model=, train=, rl=, sampling= or multi_turn= failed every rank's __init__
+    after 8-11 s of starting groups (a RemoteError from rank 0); now asyncrl.group raises."""
+    from asyncrl.hybrid.roles import Policy, Rollout
+    from asyncrl.rl.actor import Actor
+    from asyncrl.rl.critic import Critic
+
+    model = {"preset": "tiny-llama"}
+    with pytest.raises(ValueError, match=r"RLConfig.lam must be in \[0, 1\]"):
+        asyncrl.group(Actor, model, rl={"algo": "ppo", "lam": 1.5})
+    with pytest.raises(TypeError, match=r"Actor train=: 'micro_batchsize' \(did you mean "
+                                        r"'micro_batch_size'\?\)"):
+        asyncrl.group(Actor, model, rl={"algo": "ppo"}, train={"micro_batchsize": 2})
+    with pytest.raises(ValueError, match="TrainConfig.lr must be >= 0"):
+        asyncrl.group(Critic, model, train={"lr": -1.0})
+    with pytest.raises(ValueError, match="GRPO needs no critic"):
+        asyncrl.group(Critic, model, rl={"algo": "grpo", "group_size": 4})
+    with pytest.raises(TypeError, match=r"Rollout model=: 'presets' \(did you mean 'preset'"):
+        asyncrl.group(Rollout, {"presets": "tiny-llama"})
+    with pytest.raises(TypeError, match=r"multi_turn=: 'turns'"):
+        asyncrl.group(Policy, model, multi_turn={"env": len, "turns": 2})
+    with pytest.raises(TypeError, match="missing a required argument: 'model'"):
+        asyncrl.group(Policy)
+    asyncrl.group(Actor, model, rl={"algo": "ppo"}, train={"lr": 1e-3})  # fine ones pass
+
+    class Mine(Policy):  # an __init__ of its own: its arguments are its own
+        def __init__(self, depth):
+            super().__init__({"preset": "tiny-llama"})
+
+    asyncrl.group(Mine, 3)

@@ -43,7 +43,7 @@ from asyncrl.hybrid.models import (
     sequence_logprobs,
 )
 from asyncrl.hybrid.sampler import PROMPT_WIDTH, SamplingConfig, with_overrides
-from asyncrl.hybrid.settings import from_dict
+from asyncrl.hybrid.settings import from_dict, own_arguments
 from asyncrl.hybrid.turns import Turns, multi_turn_config
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
@@ -123,6 +123,14 @@ def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatc
     return out.union(prompts.select(extra)) if extra else out
 
 
+def check_policy_settings(role: str, given: dict[str, Any]) -> None:
+    """A Policy's (an Actor's) model, train, sampling and multi_turn settings, checked."""
+    model = from_dict(ModelConfig, given["model"], f"{role} model=")
+    from_dict(TrainConfig, given.get("train"), f"{role} train=")
+    sampling_config(given.get("sampling"), model)
+    multi_turn_config(given.get("multi_turn"))
+
+
 def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg: TrainConfig,
                  head: str = "lm") -> Any:
     """The training backend named in a role's config: "fsdp2", "zero2" or "zero3"."""
@@ -160,6 +168,14 @@ class Policy(Worker):
         self.version = 0  # the policy version: updates applied (train_step, Actor.update)
         self.sync_source = SyncSource()
         self.bucket_bytes = bucket_bytes
+
+    @classmethod
+    def check_settings(cls, *args: Any, **kwargs: Any) -> None:
+        """The settings dicts read as __init__ reads them, where the group is declared:
+        a mistake there failed every rank's __init__ after the groups had started."""
+        given = own_arguments(cls, Policy.__init__, args, kwargs)
+        if given is not None:
+            check_policy_settings(cls.__name__, given)
 
     def to_train(self) -> None:
         if self.hybrid is not None:
@@ -291,6 +307,15 @@ class Rollout(Worker):
         turns = multi_turn_config(multi_turn)
         self.turns = Turns(turns) if turns is not None else None
         self._loading = threading.Lock()
+
+    @classmethod
+    def check_settings(cls, *args: Any, **kwargs: Any) -> None:
+        """As Policy.check_settings: where the group is declared."""
+        given = own_arguments(cls, Rollout.__init__, args, kwargs)
+        if given is not None:
+            model = from_dict(ModelConfig, given["model"], f"{cls.__name__} model=")
+            sampling_config(given.get("sampling"), model)
+            multi_turn_config(given.get("multi_turn"))
 
     def on_close(self) -> None:
         if self.turns is not None:  # its environment's processes, if any

@@ -4,6 +4,7 @@ list, where Python's own TypeError names the key alone."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import fields
 from difflib import get_close_matches
 from typing import Any, TypeVar
@@ -21,3 +22,12 @@ def from_dict(cls: type[T], given: dict[str, Any] | None, what: str) -> T:
         verb = "is not a setting" if len(near) == 1 else "are not settings"
         raise TypeError(f"{what}: {', '.join(near)} {verb}; the settings are {known}")
     return cls(**given)
+
+
+def own_arguments(cls: type, init: Any, args: tuple, kwargs: dict[str, Any]
+                  ) -> dict[str, Any] | None:
+    """A role's constructor arguments by name, as `init` (the role's own __init__) takes
+    them; None for a subclass with an __init__ of its own (its arguments are its own)."""
+    if cls.__init__ is not init:  # type: ignore[misc]
+        return None
+    return dict(inspect.signature(init).bind(None, *args, **kwargs).arguments)

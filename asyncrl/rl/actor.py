@@ -26,8 +26,8 @@ import torch
 from asyncrl.actors.register import register
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES
-from asyncrl.hybrid.roles import Policy
-from asyncrl.hybrid.settings import from_dict
+from asyncrl.hybrid.roles import Policy, check_policy_settings
+from asyncrl.hybrid.settings import from_dict, own_arguments
 from asyncrl.rl.algorithms import aggregate, kl_penalty, masked_mean, ppo_policy_loss
 from asyncrl.rl.batch import (
     REPORTED,
@@ -113,6 +113,14 @@ class Actor(Policy):
         self.rl = from_dict(RLConfig, rl, "Actor rl=")
         super().__init__(model, train, sampling, bucket_bytes, backend, hybrid, engine,
                          engine_options, multi_turn, offload_optimizer)
+
+    @classmethod
+    def check_settings(cls, *args: Any, **kwargs: Any) -> None:
+        """As Policy.check_settings, rl= too."""
+        given = own_arguments(cls, Actor.__init__, args, kwargs)
+        if given is not None:
+            check_policy_settings(cls.__name__, given)
+            from_dict(RLConfig, given.get("rl"), f"{cls.__name__} rl=")
 
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,

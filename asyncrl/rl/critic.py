@@ -32,7 +32,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fsdp import TrainConfig
 from asyncrl.hybrid.models import ModelConfig
 from asyncrl.hybrid.roles import make_backend
-from asyncrl.hybrid.settings import from_dict
+from asyncrl.hybrid.settings import from_dict, own_arguments
 from asyncrl.rl.actor import mean_stats
 from asyncrl.rl.algorithms import masked_mean
 from asyncrl.rl.batch import (
@@ -68,17 +68,29 @@ def value_loss(cfg: RLConfig) -> Any:
     return loss_fn
 
 
+def _settings(model: dict[str, Any], rl: dict[str, Any] | None,
+              train: dict[str, Any] | None) -> tuple[RLConfig, ModelConfig, TrainConfig]:
+    cfg = from_dict(RLConfig, {"algo": "ppo", **(rl or {})}, "Critic rl=")
+    if cfg.algo != "ppo":
+        raise ValueError(f"a Critic learns PPO's returns: its rl= takes algo 'ppo' (the "
+                         f"default), got {cfg.algo!r}; GRPO needs no critic")
+    return (cfg, from_dict(ModelConfig, model, "Critic model="),
+            from_dict(TrainConfig, train, "Critic train="))
+
+
 class Critic(Worker):
     def __init__(self, model: dict[str, Any], rl: dict[str, Any] | None = None,
                  train: dict[str, Any] | None = None, backend: str = "fsdp2"):
-        self.rl = from_dict(RLConfig, {"algo": "ppo", **(rl or {})}, "Critic rl=")
-        if self.rl.algo != "ppo":
-            raise ValueError(f"a Critic learns PPO's returns: its rl= takes algo 'ppo' (the "
-                             f"default), got {self.rl.algo!r}; GRPO needs no critic")
-        self.backend = make_backend(self, backend, from_dict(ModelConfig, model, "Critic model="),
-                                    from_dict(TrainConfig, train, "Critic train="),
-                                    head="value")
+        self.rl, model_cfg, train_cfg = _settings(model, rl, train)
+        self.backend = make_backend(self, backend, model_cfg, train_cfg, head="value")
         self.version = 0  # updates applied: the actor's policy version at the same step
+
+    @classmethod
+    def check_settings(cls, *args: Any, **kwargs: Any) -> None:
+        """Its settings, where the group is declared (as Policy.check_settings)."""
+        given = own_arguments(cls, Critic.__init__, args, kwargs)
+        if given is not None:
+            _settings(given["model"], given.get("rl"), given.get("train"))
 
     @register(dispatch=Dispatch.DP)
     def values(self, rollout: TensorBatch) -> TensorBatch:
