@@ -240,20 +240,24 @@ def test_a_run_dir_is_one_launchs_while_it_runs(tmp_path):
 
     run_dir = tmp_path / "run"
     held = hold_run_dir(run_dir)
-    with pytest.raises(CheckpointError, match=rf"{run_dir} is in use by another launch \(pid "
-                                              rf"{os.getpid()} on .*choose another --run-dir"):
+    with pytest.raises(CheckpointError, match=rf"{run_dir} is in use by another launch .*"
+                                              rf"choose another --run-dir"):
         hold_run_dir(run_dir)
-    held.close()  # the launch ended: the next one takes it
-    hold_run_dir(run_dir).close()
+    os.close(held)  # the launch ended: the next one takes it
+    os.close(hold_run_dir(run_dir))
+    assert os.listdir(run_dir) == []  # the folder itself is locked: nothing written in it
 
 
-def test_a_resume_goes_on_with_the_runs_restarts():
+def test_a_resume_goes_on_with_the_runs_restarts(tmp_path):
     """The restart budget is the run's: a crash that recurs at each resume (under a requeue
-    wrapper) spent a fresh budget each time before session 26."""
+    wrapper) spent a fresh budget each time before session 26. Counted as they happen
+    (restarts.json), and from the checkpoint where that file is older."""
     from types import SimpleNamespace
 
     flow = SimpleNamespace(recovery=SimpleNamespace(restarts={"actor": 0, "reward": 0}))
-    checkpoint.resume_restarts(flow, {"restarts": {"actor": 2, "gone": 1}})
+    checkpoint.resume_restarts(flow, {"restarts": {"actor": 2, "gone": 1}}, tmp_path)
     assert flow.recovery.restarts == {"actor": 2, "reward": 0}  # a group no longer there: -
-    checkpoint.resume_restarts(flow, {})  # a checkpoint of before session 26: as it was
-    assert flow.recovery.restarts == {"actor": 2, "reward": 0}
+    # restarts after the checkpoint: the run failed, its budget spent, after it
+    (tmp_path / "restarts.json").write_text(json.dumps({"actor": 3, "reward": 1}))
+    checkpoint.resume_restarts(flow, {"restarts": {"actor": 2}}, tmp_path)
+    assert flow.recovery.restarts == {"actor": 3, "reward": 1}

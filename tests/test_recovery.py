@@ -158,6 +158,8 @@ def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
     last = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]  # a resume goes on
     assert json.loads((last / "meta.json").read_text())["restarts"] == {"scorer": 0,
                                                                         "trainer": 1}
+    assert json.loads((tmp_path / "run" / "restarts.json").read_text()) == {"scorer": 0,
+                                                                           "trainer": 1}
 
 
 def test_a_respawn_that_fails_to_build_counts_as_a_restart_and_tries_again(tmp_path):

@@ -126,6 +126,8 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
     pool = FunctionPool(verifier, processes=2, timeout_s=1.0)
     spare = pool.spare_pid
     seen = pool.pids() + [spare]
+    pool._spare.started -= 1_000  # a spare made long ago (a pool 17 min into a run): taken
+    # in, it is not "late starting" (its start timeout counted from its creation)
     try:
         values, late = pool.call(row_inputs(verifier, answers(1, 9, 2, 3, 4)))
         assert late == [False, True, False, False, False]

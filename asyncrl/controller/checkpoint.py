@@ -30,6 +30,7 @@ import torch
 from asyncrl.actors.worker import rng_state, set_rng_state, sync_dir, sync_tree
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
+from asyncrl.controller.recovery import RESTARTS_FILE
 from asyncrl.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
@@ -159,10 +160,9 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     # last: marks it complete
     await asyncio.to_thread(_write_synced, tmp / "meta.json", json.dumps(meta, indent=1))
-    if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;
-        await asyncio.to_thread(_discard, final)  # renamed away first: a half-deleted one is
-    os.replace(tmp, final)  # never taken as complete
-    await asyncio.to_thread(sync_dir, final.parent)
+    # one thread call: a cancel (Ctrl-C) between them would lose the superseded checkpoint
+    # and never install the new one
+    await asyncio.to_thread(_install, tmp, final)
     if keep is not None:
         try:
             for old in complete(run_dir)[:-keep]:
@@ -174,12 +174,22 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     return final
 
 
-def resume_restarts(flow: DataFlow, meta: dict[str, Any]) -> None:
-    """A resumed run's restarts so far (its checkpoint's count), so that a crash that
-    recurs at each resume spends the budget instead of looping under a requeue."""
-    for name, count in meta.get("restarts", {}).items():
+def resume_restarts(flow: DataFlow, meta: dict[str, Any], run_dir: Path) -> None:
+    """A resumed run's restarts so far (RUN_DIR/restarts.json, written at each restart, or
+    its checkpoint's count), so that a crash that recurs at each resume spends the budget
+    instead of looping under a requeue."""
+    counts = dict(meta.get("restarts", {}))
+    path = Path(run_dir) / RESTARTS_FILE
+    if path.is_file():
+        for name, n in json.loads(path.read_text()).items():
+            counts[name] = max(int(n), int(counts.get(name, 0)))
+    for name, count in counts.items():
         if name in flow.recovery.restarts:
             flow.recovery.restarts[name] = int(count)
+    spent = {n: c for n, c in flow.recovery.restarts.items() if c}
+    if spent:
+        print(f"asyncrl: restarts so far in this run (the budget is the run's): {spent}",
+              file=sys.stderr, flush=True)
 
 
 def positions(flow: DataFlow) -> dict[str, Any]:
@@ -194,6 +204,13 @@ def positions(flow: DataFlow) -> dict[str, Any]:
                 f"({e}); return plain numbers, strings, lists and dicts (a tensor as "
                 f".tolist())") from e
     return out
+
+
+def _install(tmp: Path, final: Path) -> None:
+    if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;
+        _discard(final)  # renamed away first: a half-deleted one is never taken as complete
+    os.replace(tmp, final)
+    sync_dir(final.parent)
 
 
 def _remove_stale(root: Path) -> None:

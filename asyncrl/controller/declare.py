@@ -76,9 +76,10 @@ def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | 
     module = frame.f_back.f_globals.get("__name__", "") if frame and frame.f_back else ""
     spec = GroupSpec(worker_cls, args, kwargs, nprocs, mesh, place, name, env, module,
                      max_restarts, restart_backoff, nice)
-    check = getattr(worker_cls, "check_settings", None)
-    if check is not None:  # its settings' mistakes now, before any group starts (a role's
-        check(*args, **kwargs)  # own check: asyncrl.hybrid.roles)
+    # a role's settings checked now, before any group starts (asyncrl.hybrid.roles); only a
+    # classmethod of that name: a worker's own method called so is not this hook
+    if isinstance(inspect.getattr_static(worker_cls, "check_settings", None), classmethod):
+        getattr(worker_cls, "check_settings")(*args, **kwargs)  # noqa: B009
     _declared.append(spec)
     return spec
 

@@ -198,6 +198,8 @@ class DataFlow:
         # every group placed on paper first: an impossible one fails before any starts (the
         # others would otherwise load their models before the failure is reported)
         ctl.check_placements([(g.name, g.nprocs, g.place) for g in self.groups])
+        if self.recovery.enabled:  # a rewind reads the inputs again: refused before the
+            self._check_rereadable()  # groups load their models, not at the first rewind
         # started together: one group's start-up waits overlap the others' work. Placement
         # still sees the groups before each one: spawn places a group before its first await.
         spawned = await asyncio.gather(*(self._spawn(g) for g in self.groups),
@@ -210,8 +212,6 @@ class DataFlow:
             raise failed[0]
         self._sources = {}
         self._reset_sources()
-        if self.recovery.enabled:  # a rewind reads the inputs again: refused now, not then
-            self._check_rereadable()
 
     async def _spawn(self, g: GroupSpec) -> Any:
         return await self._ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,
@@ -220,15 +220,15 @@ class DataFlow:
 
     def _reset_sources(self) -> None:
         """Every input from its beginning again, and no step run (a rewind starts here)."""
-        self._check_rereadable()
+        if self._sources:  # (a rewind: read before)
+            self._check_rereadable()
         self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
         self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
         self._steps, self._next, self._failed = {}, 0, None
 
     def _check_rereadable(self) -> None:
         for name, source in self.inputs.items():
-            it = self._sources.get(name)
-            if it is not None and it is source:
+            if isinstance(source, Iterator):  # its own iterator: read once
                 raise FlowError(
                     f"input {name!r} is a one-shot iterator (a generator?): it cannot be read "
                     f"again from a checkpoint's position; pass a list, a PromptSource or "

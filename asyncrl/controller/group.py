@@ -429,8 +429,9 @@ class GroupHandle:
             first = p.future._fut.exception() if p.future._fut.done() else None
             if first is None:
                 p.future._set_exception(self._remote_error(rank, p.method, msg.error))
-            elif isinstance(first, RemoteError):  # shown with the first rank's error: a bug
-                # on every rank is not taken for one rank's trouble
+            elif isinstance(first, RemoteError) and len(getattr(first, "__notes__", [])) < 16:
+                # shown with the first rank's error (16 at most): a bug on every rank is not
+                # taken for one rank's trouble
                 first.add_note(f"{self.name}[rank {rank}].{p.method} raised too: "
                                f"{msg.error.type}: {msg.error.message}")
             if p.links:  # its ranks may have aborted their ends of these

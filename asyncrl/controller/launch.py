@@ -13,7 +13,6 @@ import json
 import math
 import numbers
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,6 @@ from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
 from asyncrl.errors import CheckpointError
 
 OVERRIDES_FILE = "overrides.json"  # in RUN_DIR/inputs: the run's key=value overrides
-LOCK_FILE = ".lock"  # in RUN_DIR: held by the launch that runs there
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)  # metrics
 
 
@@ -184,32 +182,32 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     groups run. Recoveries from dead groups are written to run_dir/recoveries.jsonl. The run
     directory is this launch's alone while it runs (a lock file in it)."""
     run_dir = Path(run_dir)
+    if options.get("resume") and not run_dir.is_dir():  # its own error, and no folder made
+        checkpoint.resumable(run_dir, flow)
     lock = hold_run_dir(run_dir)
     try:
         return await _launch_flow(flow, steps, run_dir, save_inputs, **options)
     finally:
-        lock.close()  # (the lock goes with the file)
+        os.close(lock)  # (the lock goes with the descriptor)
 
 
-def hold_run_dir(run_dir: Path) -> Any:
-    """An exclusive lock on `run_dir` (its open file; released as it closes or the process
-    ends): two launches in one run directory remove each other's half-written checkpoints
-    and interleave their metrics."""
+def hold_run_dir(run_dir: Path) -> int:
+    """An exclusive lock on the folder `run_dir` itself (no file left in it; released as its
+    descriptor closes or the process ends): two launches in one run directory remove each
+    other's half-written checkpoints and interleave their metrics."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / LOCK_FILE, "a+")
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "a process"
-        f.close()
-        raise CheckpointError(f"{run_dir} is in use by another launch ({holder}); wait for it "
-                              f"to end, or choose another --run-dir") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f
+        os.close(fd)
+        raise CheckpointError(f"{run_dir} is in use by another launch (it holds a lock on the "
+                              f"folder); wait for it to end, or choose another --run-dir"
+                              ) from None
+    except OSError as e:  # a file system without locks (Lustre's noflock, NFS without
+        print(f"asyncrl: cannot lock {run_dir} ({e}); going on unlocked: make sure no other "
+              f"launch uses it", file=sys.stderr, flush=True)  # lockd): not this run's fault
+    return fd
 
 
 async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_inputs: bool,
@@ -283,7 +281,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                 try:
                     if resume_from is not None:
                         await checkpoint.restore(flow, resume_from, meta)
-                        checkpoint.resume_restarts(flow, meta)
+                        checkpoint.resume_restarts(flow, meta, run_dir)
                     checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
                                    on_rewind=metrics.rewind, keep=False)

@@ -81,13 +81,13 @@ def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> s
     path = Path(run_dir) / "logs" / group / f"rank{rank}.log"
     if not path.is_file():
         folder = Path(run_dir) / "logs"
-        if (folder / f"{group}.log").is_file():  # the group ran: its rank printed nothing
-            raise FileNotFoundError(
-                f"rank {rank} of group {group!r} printed nothing in {run_dir} (a rank's log "
-                f"is made at its first line); the group's torchrun log is "
-                f"{folder / (group + '.log')}")
         known = sorted(f"{p.parent.name}:{p.stem.removeprefix('rank')}"
                        for p in folder.glob("*/rank*.log")) if folder.is_dir() else []
+        if (folder / f"{group}.log").is_file():  # the group ran: its rank printed nothing
+            raise FileNotFoundError(  # (or has no such rank)
+                f"rank {rank} of group {group!r} printed nothing in {run_dir} (a rank's log "
+                f"is made at its first line); the group's torchrun log is "
+                f"{folder / (group + '.log')}; logs there: {known or 'none'}")
         raise FileNotFoundError(f"no log for group {group!r} rank {rank} in {folder}; "
                                 f"logs there: {known or 'none'}")
     if tail is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -55,6 +56,9 @@ class RecoveryEvent:
     resumed_at: int | None  # the first step run again ("rewind" only)
     cause: str
     seconds: float  # from noticing the failure until the flow could go on
+
+
+RESTARTS_FILE = "restarts.json"  # beside recoveries.jsonl: each group's restarts so far
 
 
 class Recovery:
@@ -150,6 +154,12 @@ class Recovery:
             raise cause
         self.restarts[spec.name] += 1
         n = self.restarts[spec.name]
+        if self.log_path is not None:  # as they happen: a resume goes on from them (a
+            # checkpoint's count misses those after it, which a crash loop repeats)
+            counts = self.log_path.with_name(RESTARTS_FILE)
+            tmp = counts.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.restarts))
+            os.replace(tmp, counts)
         delay = min(spec.restart_backoff * 2 ** (n - 1), MAX_BACKOFF)
         print(f"[asyncrl] restarting group {spec.name!r} ({n}/{spec.max_restarts}) in "
               f"{delay:g} s: {_first_line(cause)}", file=sys.stderr, flush=True)

@@ -265,7 +265,8 @@ class FunctionPool:
             _stop([spare])
             spare = _Child(self.ref)
         self._spare = _Child(self.ref)
-        return spare
+        spare.started = time.monotonic()  # its "ready" is read from now; an old spare is not
+        return spare  # late starting (the start timeout counts from its creation)
 
     def close(self) -> None:
         _stop(self.children + ([self._spare] if self._spare is not None else []))
