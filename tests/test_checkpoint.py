@@ -254,10 +254,14 @@ def test_a_resume_goes_on_with_the_runs_restarts(tmp_path):
     (restarts.json), and from the checkpoint where that file is older."""
     from types import SimpleNamespace
 
-    flow = SimpleNamespace(recovery=SimpleNamespace(restarts={"actor": 0, "reward": 0}))
-    checkpoint.resume_restarts(flow, {"restarts": {"actor": 2, "gone": 1}}, tmp_path)
-    assert flow.recovery.restarts == {"actor": 2, "reward": 0}  # a group no longer there: -
+    from asyncrl.controller.recovery import Recovery
+
+    recovery = Recovery(SimpleNamespace(groups=[SimpleNamespace(name="actor"),
+                                                SimpleNamespace(name="reward")]))
+    recovery.log_path = tmp_path / "recoveries.jsonl"
+    recovery.resume_counts({"actor": 2, "gone": 1})
+    assert recovery.restarts == {"actor": 2, "reward": 0}  # a group no longer there: -
     # restarts after the checkpoint: the run failed, its budget spent, after it
     (tmp_path / "restarts.json").write_text(json.dumps({"actor": 3, "reward": 1}))
-    checkpoint.resume_restarts(flow, {"restarts": {"actor": 2}}, tmp_path)
-    assert flow.recovery.restarts == {"actor": 3, "reward": 1}
+    recovery.resume_counts({"actor": 2})
+    assert recovery.restarts == {"actor": 3, "reward": 1}

@@ -30,7 +30,6 @@ import torch
 from asyncrl.actors.worker import rng_state, set_rng_state, sync_dir, sync_tree
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
-from asyncrl.controller.recovery import RESTARTS_FILE
 from asyncrl.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
@@ -172,24 +171,6 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
             print(f"asyncrl: could not remove an old checkpoint ({e}); the next checkpoint "
                   f"tries again", file=sys.stderr, flush=True)
     return final
-
-
-def resume_restarts(flow: DataFlow, meta: dict[str, Any], run_dir: Path) -> None:
-    """A resumed run's restarts so far (RUN_DIR/restarts.json, written at each restart, or
-    its checkpoint's count), so that a crash that recurs at each resume spends the budget
-    instead of looping under a requeue."""
-    counts = dict(meta.get("restarts", {}))
-    path = Path(run_dir) / RESTARTS_FILE
-    if path.is_file():
-        for name, n in json.loads(path.read_text()).items():
-            counts[name] = max(int(n), int(counts.get(name, 0)))
-    for name, count in counts.items():
-        if name in flow.recovery.restarts:
-            flow.recovery.restarts[name] = int(count)
-    spent = {n: c for n, c in flow.recovery.restarts.items() if c}
-    if spent:
-        print(f"asyncrl: restarts so far in this run (the budget is the run's): {spent}",
-              file=sys.stderr, flush=True)
 
 
 def positions(flow: DataFlow) -> dict[str, Any]:

@@ -27,8 +27,8 @@ from asyncrl.controller import checkpoint, declare
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import NODE_INPUTS, DataFlow
-from asyncrl.controller.logs import append_line
-from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length, write_trace
+from asyncrl.controller.logs import append_line, replace_json
+from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length
 from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
 from asyncrl.errors import CheckpointError
 
@@ -180,7 +180,7 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     `keep`: checkpoints kept. `controller`: more Controller settings (heartbeat_interval=...).
     `wandb`: a Weights & Biases project the metrics go to as well. `cluster`, `host`: where
     groups run. Recoveries from dead groups are written to run_dir/recoveries.jsonl. The run
-    directory is this launch's alone while it runs (a lock file in it)."""
+    directory is this launch's alone while it runs (a lock on the folder)."""
     run_dir = Path(run_dir)
     if options.get("resume") and not run_dir.is_dir():  # its own error, and no folder made
         checkpoint.resumable(run_dir, flow)
@@ -250,7 +250,8 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         # what a resume from this checkpoint keeps of the steps before it, on disk first
         # (a killed controller writes nothing at its end); the trace, which grows with the
         # run, encoded and written off the loop
-        await asyncio.to_thread(write_trace, run_dir / "timeline.json", timeline.chrome_trace())
+        await asyncio.to_thread(replace_json, run_dir / "timeline.json",
+                                timeline.chrome_trace())
         metrics.flush()
         if (run_dir / "metrics.jsonl").exists():  # its rows up to the checkpoint, on disk
             await asyncio.to_thread(sync_file, run_dir / "metrics.jsonl")
@@ -281,7 +282,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                 try:
                     if resume_from is not None:
                         await checkpoint.restore(flow, resume_from, meta)
-                        checkpoint.resume_restarts(flow, meta, run_dir)
+                        flow.recovery.resume_counts(meta.get("restarts", {}))
                     checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
                                    on_rewind=metrics.rewind, keep=False)

@@ -4,11 +4,12 @@ rank (the rest is counted and said to be in the file)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 
 class LogSink:
@@ -110,6 +111,14 @@ def _last_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
             newlines += blocks[-1].count(b"\n")
     lines = b"".join(reversed(blocks)).decode(errors="replace").splitlines()
     return lines[max(len(lines) - n, 0):]
+
+
+def replace_json(path: Path, value: Any) -> None:
+    """Write `value` as JSON to `path`, replacing it whole: a kill mid-write leaves the
+    previous file (timeline.json, a tracker's state, restarts.json)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def append_line(path: Path, line: str) -> None:

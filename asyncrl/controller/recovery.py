@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.worker import set_rng_state
-from asyncrl.controller.logs import append_line
+from asyncrl.controller.logs import append_line, replace_json
 from asyncrl.controller.timeline import called_groups
 from asyncrl.errors import ClosedError, GroupDeadError, InputLostError, RemoteError, SpawnError
 from asyncrl.futures.future import DistFuture, Rows, futures_in, rebuild
@@ -71,6 +70,23 @@ class Recovery:
         self.log_path: Path | None = None  # set: each recovery is appended there as JSON
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()  # closes and spawns a cancel cannot stop
+
+    def resume_counts(self, saved: dict[str, int]) -> None:
+        """A resumed run's restarts so far: those written as they happened (beside
+        `log_path`) or its checkpoint's, `saved`, the larger; so that a crash that recurs at
+        each resume spends the budget instead of looping under a requeue."""
+        counts = dict(saved)
+        written = self.log_path.with_name(RESTARTS_FILE) if self.log_path else None
+        if written is not None and written.is_file():
+            for name, n in json.loads(written.read_text()).items():
+                counts[name] = max(int(n), int(counts.get(name, 0)))
+        for name, count in counts.items():
+            if name in self.restarts:
+                self.restarts[name] = int(count)
+        spent = {n: c for n, c in self.restarts.items() if c}
+        if spent:
+            print(f"asyncrl: restarts so far in this run (the budget is the run's): {spent}",
+                  file=sys.stderr, flush=True)
 
     @property
     def enabled(self) -> bool:
@@ -156,10 +172,7 @@ class Recovery:
         n = self.restarts[spec.name]
         if self.log_path is not None:  # as they happen: a resume goes on from them (a
             # checkpoint's count misses those after it, which a crash loop repeats)
-            counts = self.log_path.with_name(RESTARTS_FILE)
-            tmp = counts.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.restarts))
-            os.replace(tmp, counts)
+            replace_json(self.log_path.with_name(RESTARTS_FILE), self.restarts)
         delay = min(spec.restart_backoff * 2 ** (n - 1), MAX_BACKOFF)
         print(f"[asyncrl] restarting group {spec.name!r} ({n}/{spec.max_restarts}) in "
               f"{delay:g} s: {_first_line(cause)}", file=sys.stderr, flush=True)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import contextvars
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from asyncrl.controller.logs import replace_json
 
 CONTROLLER_ROW = "controller"
 # (node, step) of the node running in this task: group calls are attributed to it
@@ -96,7 +97,7 @@ class Timeline:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: Path) -> None:
-        write_trace(path, self.chrome_trace())
+        replace_json(path, self.chrome_trace())  # a kill mid-write leaves the previous one
 
     def resume(self, path: Path, upto: int) -> int:
         """Take the events of steps <= `upto` from a resumed run's trace, placed a second
@@ -117,11 +118,6 @@ class Timeline:
         return len(spans)
 
 
-def write_trace(path: Path, trace: dict[str, Any]) -> None:
-    """A Chrome trace, replaced whole: a kill mid-write leaves the previous one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(trace))
-    os.replace(tmp, path)
 
 
 def draw(trace_path: Path, png_path: Path) -> Path:

@@ -11,6 +11,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from asyncrl.controller.logs import replace_json
+
 WANDB_STATE = "wandb.json"  # in the run directory: the wandb run's id, for --resume
 
 
@@ -94,9 +96,7 @@ class Wandb:
                 f"WANDB_INIT_TIMEOUT bounds the wait for its server") from e
         self.logged = -1 if resumed_after is None else resumed_after  # the last step given
         self._said_through = -1  # the steps skipped were said up to here
-        tmp = state.with_name(state.name + ".tmp")  # what a resume reads
-        tmp.write_text(json.dumps({"id": self.run.id, "project": project}))
-        os.replace(tmp, state)
+        replace_json(state, {"id": self.run.id, "project": project})  # a resume reads it
 
     def log(self, step: int, row: dict[str, float]) -> None:
         if self.run is None:

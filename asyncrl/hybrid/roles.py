@@ -45,7 +45,7 @@ from asyncrl.hybrid.models import (
 )
 from asyncrl.hybrid.sampler import PROMPT_WIDTH, SamplingConfig, with_overrides
 from asyncrl.hybrid.settings import from_dict, own_arguments
-from asyncrl.hybrid.turns import Turns, multi_turn_config
+from asyncrl.hybrid.turns import MultiTurn, Turns, multi_turn_config
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
     GATHER_TO_ZERO,
@@ -124,12 +124,14 @@ def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatc
     return out.union(prompts.select(extra)) if extra else out
 
 
-def check_policy_settings(role: str, given: dict[str, Any]) -> None:
-    """A Policy's (an Actor's) model, train, sampling and multi_turn settings, checked."""
-    model = from_dict(ModelConfig, given["model"], f"{role} model=")
-    from_dict(TrainConfig, given.get("train"), f"{role} train=")
-    sampling_config(given.get("sampling"), model)
-    multi_turn_config(given.get("multi_turn"))
+def read_settings(role: str, model: dict[str, Any], sampling: dict[str, Any] | None,
+                  multi_turn: dict[str, Any] | None, train: dict[str, Any] | None = None
+                  ) -> tuple[ModelConfig, TrainConfig, SamplingConfig, MultiTurn | None]:
+    """A role's settings dicts as it reads them (in __init__, and where its group is
+    declared: check_settings), each checked; a Rollout's train= is unused."""
+    model_cfg = from_dict(ModelConfig, model, f"{role} model=")
+    return (model_cfg, from_dict(TrainConfig, train, f"{role} train="),
+            sampling_config(sampling, model_cfg), multi_turn_config(multi_turn))
 
 
 def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg: TrainConfig,
@@ -150,18 +152,16 @@ class Policy(Worker):
                  backend: str = "fsdp2", hybrid: bool = True, engine: str = "builtin",
                  engine_options: dict[str, Any] | None = None,
                  multi_turn: dict[str, Any] | None = None, offload_optimizer: bool = True):
-        model_cfg = from_dict(ModelConfig, model, f"{type(self).__name__} model=")
-        train_cfg = from_dict(TrainConfig, train, f"{type(self).__name__} train=")
+        model_cfg, train_cfg, sampling_cfg, turns = read_settings(
+            type(self).__name__, model, sampling, multi_turn, train)
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.model_cfg = model_cfg  # noted in checkpoints, for `asyncrl export`
         # the engine computes as the trainer does: a bf16 trainer's log-probs from an fp32
         # engine would differ by ~1e-3 (the first PPO ratio not 1), at twice its memory
         engine_cfg = replace(model_cfg, dtype="bfloat16") if use_bf16(train_cfg) and \
             model_cfg.dtype == "float32" else model_cfg
-        self.hybrid = HybridEngine(self.backend, engine_cfg, sampling_config(sampling, model_cfg),
-                                   bucket_bytes, engine, engine_options,
-                                   offload_optimizer) if hybrid else None
-        turns = multi_turn_config(multi_turn)  # checked before a train-only Policy refuses it
+        self.hybrid = HybridEngine(self.backend, engine_cfg, sampling_cfg, bucket_bytes, engine,
+                                   engine_options, offload_optimizer) if hybrid else None
         if turns is not None and not hybrid:
             raise ValueError("multi_turn= is for a Policy that generates: a hybrid=False one "
                              "only trains; give multi_turn= to its Rollout group")
@@ -176,7 +176,8 @@ class Policy(Worker):
         a mistake there failed every rank's __init__ after the groups had started."""
         given = own_arguments(cls, Policy.__init__, args, kwargs)
         if given is not None:
-            check_policy_settings(cls.__name__, given)
+            read_settings(cls.__name__, given["model"], given.get("sampling"),
+                          given.get("multi_turn"), given.get("train"))
 
     def to_train(self) -> None:
         if self.hybrid is not None:
@@ -303,15 +304,14 @@ class Rollout(Worker):
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None,
                  engine: str = "builtin", engine_options: dict[str, Any] | None = None,
                  multi_turn: dict[str, Any] | None = None):
-        self.model_cfg = from_dict(ModelConfig, model, "Rollout model=")
+        self.model_cfg, _, sampling_cfg, turns = read_settings(type(self).__name__, model,
+                                                               sampling, multi_turn)
         if self.model_cfg.lora is not None and engine != "builtin":
             raise ValueError(f"a Rollout group with engine={engine!r} and a LoRA model is not "
                              f"supported yet (its weight syncs carry the adapters alone, "
                              f"which only the built-in engine applies); use engine='builtin', "
                              f"or a hybrid Policy, whose switch merges them for vLLM")
-        self.engine = make_engine(engine, self.model_cfg, sampling_config(sampling, self.model_cfg),
-                                  engine_options)
-        turns = multi_turn_config(multi_turn)
+        self.engine = make_engine(engine, self.model_cfg, sampling_cfg, engine_options)
         self.turns = Turns(turns) if turns is not None else None
         self._loading = threading.Lock()
 
@@ -320,9 +320,8 @@ class Rollout(Worker):
         """As Policy.check_settings: where the group is declared."""
         given = own_arguments(cls, Rollout.__init__, args, kwargs)
         if given is not None:
-            model = from_dict(ModelConfig, given["model"], f"{cls.__name__} model=")
-            sampling_config(given.get("sampling"), model)
-            multi_turn_config(given.get("multi_turn"))
+            read_settings(cls.__name__, given["model"], given.get("sampling"),
+                          given.get("multi_turn"))
 
     def on_close(self) -> None:
         if self.turns is not None:  # its environment's processes, if any
