@@ -93,23 +93,43 @@ def prompts_batch(n: int) -> TensorBatch:
     return TensorBatch({"prompt": [[1, 4 + i, 9] for i in range(n)], "seed": list(range(n))})
 
 
+class ReleasingPolicy(Policy):
+    """A hybrid Policy that frees its engine's weights while training, as on a GPU."""
+
+    def __init__(self, *args, **kwargs):
+        from asyncrl.hybrid.engine import HybridEngine
+
+        HybridEngine._frees_memory = lambda self: True  # (this rank's process only)
+        super().__init__(*args, **kwargs)
+
+    @asyncrl.register
+    def engine_bytes(self) -> int:
+        """What the engine's weights hold now (their views' storage, each counted once)."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for p in self.hybrid.engine.model.parameters()}
+        return sum(storages.values())
+
+
 def test_a_one_rank_policy_fills_its_engine_straight_from_its_shards():
     """One rank: each FSDP2 shard is its whole parameter, copied straight into the engine's
-    weights, with no collective and no gather buffer; both layouts identical before and
-    after a step."""
+    weights (freed while training, as on a GPU), with no collective and no gather buffer;
+    both layouts identical before and after a step."""
     async def main():
         async with asyncrl.Controller() as ctl:
-            policy = await ctl.spawn(Policy, {"preset": "tiny-llama", "seed": 0}, {"lr": 3e-3},
-                                     {"max_new_tokens": 4}, nprocs=1, name="policy1")
+            policy = await ctl.spawn(ReleasingPolicy, {"preset": "tiny-llama", "seed": 0},
+                                     {"lr": 3e-3}, {"max_new_tokens": 4}, nprocs=1,
+                                     name="policy1")
             pids = group_pids(policy)
             rollout = policy.generate(prompts_batch(2))
             before = [(await policy.weights(layout))[0] for layout in ("engine", "train")]
             await policy.train_step(rollout)
+            freed = (await policy.engine_bytes())[0]
             await policy.generate(prompts_batch(2))
             after = [(await policy.weights(layout))[0] for layout in ("engine", "train")]
-            return before, after, (await policy.switch_report())[0], pids
-    before, after, report, pids = run(main(), timeout=300)
+            return before, after, (await policy.switch_report())[0], freed, pids
+    before, after, report, freed, pids = run(main(), timeout=300)
     assert_gone(pids)
+    assert freed == 0  # training: the engine's weights freed
     for engine, train in (before, after):
         assert all(torch.equal(engine[k], train[k]) for k in train)
     assert any(not torch.equal(after[1][k], before[1][k]) for k in before[1])  # it trained
@@ -234,36 +254,23 @@ def test_a_policy_checkpoint_brings_back_its_weights_and_the_engine_follows(tmp_
     assert all(torch.equal(engine[k], saved[k]) for k in saved)
 
 
-class ReleasingPolicy(Policy):
-    """A hybrid Policy that frees its engine's weights while training, as on a GPU."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.hybrid._frees_memory = lambda: True
-        self.hybrid._release()  # as its constructor does on a GPU
-
-    @asyncrl.register
-    def engine_numel(self) -> int:
-        return sum(p.numel() for p in self.hybrid.engine.model.parameters())
-
-
 def test_an_engine_freed_while_training_comes_back_with_the_trained_weights():
     async def main():
         async with asyncrl.Controller() as ctl:
             policy = await small_policy(ctl, ReleasingPolicy, seed=2)
             pids = group_pids(policy)
-            held = [await policy.engine_numel()]  # built in train mode: nothing held
+            held = [await policy.engine_bytes()]  # built in train mode: nothing held
             rollout = policy.generate(prompts_batch(4))
-            held.append(await policy.engine_numel())
+            held.append(await policy.engine_bytes())
             await policy.train_step(rollout)
-            held.append(await policy.engine_numel())  # training: freed again
+            held.append(await policy.engine_bytes())  # training: freed again
             engine_w = (await policy.weights("engine"))[0]  # gathered again for this
             train_w = (await policy.weights("train"))[0]
             again = await policy.generate(prompts_batch(4))
             return held, engine_w, train_w, again, pids
     held, engine_w, train_w, again, pids = run(main(), timeout=300)
     assert_gone(pids)
-    total = sum(v.numel() for v in train_w.values())
+    total = sum(v.numel() * v.element_size() for v in train_w.values())
     assert held[0][0] == 0 and held[1][0] >= total and held[2][0] == 0, held
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
     assert len(again) == 4 and again["response_mask"].sum() > 0

@@ -90,7 +90,9 @@ class HybridEngine:
         # parameters (LoRA): while it stands, they are not gathered again
         self._frozen_at: int | None = None
         self.released = False  # the engine's weights are freed (GPU, train mode)
-        self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []  # theirs, meanwhile
+        # where they are freed: their data in one block per dtype, whose memory goes and
+        # comes back at once (the parameters stay views of it)
+        self._blocks = _into_blocks(self.engine.model) if self._frees_memory() else []
         self._frozen_plan: list[Any] | None = None  # gather plans, made once
         self._trained_plan: list[Any] = []
         self._gatherer = Gatherer(self._wholes)  # its buffers reused: warm memory
@@ -131,8 +133,8 @@ class HybridEngine:
             return
         assert self._frozen_plan is not None
         if self.released:
-            for p, shape in self._shapes:
-                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            for block in self._blocks:
+                block.untyped_storage().resize_(block.numel() * block.element_size())
             self.released = False
         # the trained parameters, and the frozen ones unless the engine holds them already
         loads = getattr(self.backend, "loads", 0)  # (a backend that never reloads: 0)
@@ -225,12 +227,10 @@ class HybridEngine:
     def _release(self) -> None:
         """On a GPU, free what the idle engine holds (its weights, the gather buffers) for
         training; the next switch to generation allocates them again."""
-        if not self._frees_memory():
+        if not self._blocks:
             return
-        if not self.released:
-            self._shapes = [(p, p.shape) for p in self.engine.model.parameters()]
-        for p, _ in self._shapes:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for block in self._blocks:  # (as FSDP2 frees its unsharded parameters)
+            block.untyped_storage().resize_(0)
         self.released = True
         self._frozen_at = None
         self._gatherer.free()
@@ -269,3 +269,36 @@ class HybridEngine:
         if self.mode != "generate":
             raise RuntimeError("the hybrid engine is in train mode: call to_generate() first")
         return self.engine.generate(prompts, seeds, config, **turns)
+
+
+
+ALIGN = 16  # bytes: each weight's offset in its block (vectorised kernels read it)
+BLOCK_BYTES = 256 << 20  # an engine's weights freed and allocated in blocks up to this size
+# (one call each, not one per parameter; not one block for all: a fragmented allocator cache
+# finds room for such blocks where it might not for a model-sized one)
+
+
+def _into_blocks(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's parameters made views of blocks of one dtype and device each. Their
+    values are not kept: the first switch to generation fills them all."""
+    layout: list[tuple[Any, torch.Size, int, int]] = []  # param, shape, block, offset
+    kinds: list[tuple[torch.dtype, torch.device]] = []  # each block's
+    sizes: list[int] = []  # each block's elements
+    filling: dict[tuple[torch.dtype, torch.device], int] = {}  # the open block of a kind
+    for p in model.parameters():
+        kind, b, at = (p.dtype, p.device), filling.get((p.dtype, p.device)), 0
+        if b is not None:
+            at = sizes[b] + -sizes[b] % max(1, ALIGN // p.element_size())
+        if b is None or (at + p.numel()) * p.element_size() > BLOCK_BYTES:
+            b, at = len(sizes), 0
+            filling[kind] = b
+            kinds.append(kind)
+            sizes.append(0)
+        layout.append((p, p.shape, b, at))
+        sizes[b] = at + p.numel()
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # before the blocks: not both
+    blocks = [torch.empty(n, dtype=dtype, device=device)
+              for n, (dtype, device) in zip(sizes, kinds, strict=True)]
+    for p, shape, b, at in layout:
+        p.data = blocks[b][at:at + shape.numel()].view(shape)
+    return blocks

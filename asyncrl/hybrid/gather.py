@@ -1,7 +1,8 @@
 """Sharded parameters gathered whole into given tensors, bucket by bucket: one all_gather per
 ~`bucket_bytes` of row-sharded parameters (FSDP2 alone) through reused buffers (warm memory);
 DeepSpeed ZeRO-3's in groups of ~`bucket_bytes` (one coalesced all_gather each, in place);
-the rest (TP's DTensors, unsharded ones) one by one. The hybrid engine gathers into its
+those of a one-rank mesh (whole on their rank) by one multi-tensor copy; the rest (TP's
+DTensors, unsharded ones) one by one. The hybrid engine gathers into its
 engine's weights; a weight sync into the pack it sends.
 
     plan = plan_gather([(param, target), ...], bucket_bytes)   # once: the shards stay put
@@ -22,16 +23,28 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def full(param: Any) -> torch.Tensor:
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
+    """A parameter as one tensor, detached: a DTensor gathered (a collective), or its local
+    tensor on a one-rank mesh (a view of the live parameter)."""
+    if not hasattr(param, "full_tensor"):
+        return param.detach()
+    if whole_here(param):  # (a DTensor's own detach costs ~10x a tensor's)
+        return param.to_local().detach()
+    return param.detach().full_tensor()
+
+
+def whole_here(p: Any) -> bool:
+    """A DTensor on a one-rank mesh: its local tensor is the whole parameter."""
+    return hasattr(p, "device_mesh") and p.device_mesh.size() == 1
 
 
 def row_sharded(p: Any) -> bool:
-    """A DTensor sharded by rows over a 1-D mesh (FSDP without TP) on the CPU or a GPU."""
+    """A DTensor sharded by rows over a 1-D mesh of several ranks (FSDP without TP) on the
+    CPU or a GPU."""
     from torch.distributed.tensor import Shard
 
     placements = getattr(p, "placements", None)
     return placements is not None and len(placements) == 1 and placements[0] == Shard(0) \
-        and p.dim() >= 1
+        and p.dim() >= 1 and not whole_here(p)
 
 
 class Bucket:
@@ -55,16 +68,33 @@ class Bucket:
         self.nbytes += param.numel() * param.element_size()
 
 
+class Local:
+    """Parameters whole on their rank (a one-rank mesh): copied by one multi-tensor copy,
+    no collective (where a GPU launches one kernel per few dozen tensors, not one each)."""
+
+    def __init__(self) -> None:
+        self.params: list[Any] = []
+        self.targets: list[torch.Tensor] = []
+
+
 def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int,
                 together: bool = False) -> list[Any]:
-    """Buckets of the row-sharded parameters in order, and groups of [(param, target)] for
-    the rest: one each, or (`together`: the Gatherer's `whole` gathers many at once, as
-    DeepSpeed does) up to `bucket_bytes` each."""
+    """Buckets of the row-sharded parameters in order, one Local of those whole on this
+    rank, and groups of [(param, target)] for the rest: one each, or (`together`: the
+    Gatherer's `whole` gathers many at once, as DeepSpeed does) up to `bucket_bytes` each."""
     plan: list[Any] = []
     bucket: Bucket | None = None
+    local: Local | None = None
     group: list[tuple[Any, torch.Tensor]] | None = None
     group_bytes = 0
     for param, target in pairs:
+        if whole_here(param):  # no collective: its place in the order does not matter
+            if local is None:
+                local = Local()
+                plan.append(local)
+            local.params.append(param)
+            local.targets.append(target)
+            continue
         if not row_sharded(param):
             # the parameter's whole size, not the target's: a GPU engine's weights are freed
             # (0 elements) while training, and a ZeRO-3 partition's numel() is 0 as well
@@ -87,7 +117,7 @@ def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int,
 @contextmanager
 def whole_each(params: list[Any]) -> Iterator[list[torch.Tensor]]:
     """Each parameter whole, in a new tensor (a DTensor's full_tensor())."""
-    yield [full(p.detach()) for p in params]
+    yield [full(p) for p in params]
 
 
 class Gatherer:
@@ -109,6 +139,9 @@ class Gatherer:
             if isinstance(item, Bucket):
                 self._bucket(item, plan)
                 continue
+            if isinstance(item, Local):  # (no_grad: to_local's tensors track nothing)
+                torch._foreach_copy_(item.targets, [p.to_local() for p in item.params])
+                continue
             with self._whole([param for param, _ in item]) as wholes:  # one group at a time
                 for (_, target), whole in zip(item, wholes, strict=True):
                     target.copy_(whole)
@@ -119,11 +152,6 @@ class Gatherer:
         """One all_gather for the bucket's parameters, then each rank's real rows copied
         straight into the targets."""
         world, width = bucket.world, bucket.width
-        if world == 1:  # each shard is its whole parameter: straight into its target (a
-            # DTensor's detach and a collective of one cost more than the copy at this size)
-            for param, target, _ in bucket.items:
-                target.view(-1).copy_(param.to_local().reshape(-1))
-            return
         if self._local is None or self._local.numel() < width or \
                 self._local.dtype != bucket.dtype or self._local.device != bucket.device:
             self.free()  # before the new ones: never both alive

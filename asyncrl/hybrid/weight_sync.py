@@ -43,7 +43,7 @@ from asyncrl.actors.protocols import (
     register_protocol,
 )
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.gather import Gatherer, plan_gather, row_sharded
+from asyncrl.hybrid.gather import Gatherer, full, plan_gather, row_sharded
 
 
 def _every_rank_zero_answers(layout: Layout, args: tuple, kwargs: dict) -> Split:
@@ -60,16 +60,6 @@ GATHER_TO_ZERO = register_protocol("gather_to_zero", split=_every_rank_zero_answ
 # rank 0's answer is the value.
 ALL_RANKS = register_protocol("all_ranks_rank_zero_value", split=_one_to_all_split,
                               collect=_rank_zero_collect)
-
-
-def whole(t: Any) -> torch.Tensor:
-    """A parameter as one tensor: a DTensor gathered (its local shard when not split: a
-    view of the live parameter)."""
-    if not hasattr(t, "full_tensor"):
-        return t.detach()
-    if t.device_mesh.size() == 1:  # (a DTensor's own detach costs ~10x a tensor's)
-        return t.to_local().detach()
-    return t.detach().full_tensor()
 
 
 class SyncSource:
@@ -94,7 +84,7 @@ class SyncSource:
         columns: dict[str, torch.Tensor] = {}
         nbytes = 0
         for name, t in named:
-            w = whole(t)
+            w = full(t)
             if not shapes and (w.is_cuda if flat is None else flat):  # decided by the first
                 flattener = _Flattener()
             shapes[name] = list(w.shape)
@@ -142,8 +132,7 @@ def gathered(named: list[tuple[str, Any]], bucket_bytes: int
     the live parameter where it is whole on this rank."""
     small: dict[torch.dtype, list[Any]] = {}
     for _, p in named:
-        if row_sharded(p) and p.device_mesh.size() > 1 and \
-                p.numel() * p.element_size() <= SMALL_BYTES:
+        if row_sharded(p) and p.numel() * p.element_size() <= SMALL_BYTES:
             small.setdefault(p.dtype, []).append(p)
     views: dict[int, torch.Tensor] = {}
     for dtype, params in small.items():
@@ -154,7 +143,7 @@ def gathered(named: list[tuple[str, Any]], bucket_bytes: int
             at += p.numel()
         Gatherer().run(plan_gather(((p, views[id(p)]) for p in params), bucket_bytes))
     for n, p in named:
-        yield n, views[id(p)] if id(p) in views else whole(p)
+        yield n, views[id(p)] if id(p) in views else full(p)
 
 
 FLAT_BYTES = 256 << 20  # a flat pack's buckets: parameters together up to about this size
