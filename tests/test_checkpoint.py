@@ -230,6 +230,45 @@ def test_an_input_position_that_is_not_json_is_refused_naming_the_input():
         checkpoint.positions(odd)
 
 
+class Rotated:
+    """Prompts in an order that differs between two instances (as a set of strings does
+    between two processes, or a shuffle without a fixed seed between two runs)."""
+
+    def __init__(self, turn: int):
+        self.turn = turn
+
+    def __iter__(self):
+        items = ["a", "b", "c", "d", "e"]
+        return iter(items[self.turn:] + items[:self.turn])
+
+
+def test_a_resumed_input_that_gives_other_items_is_refused_naming_it():
+    """An input without state_dict() is resumed by skipping the items it gave: where its
+    order changed, the resumed run repeated some prompts and never saw others, silently.
+    The checkpoint now keeps a digest of the last item taken, checked on resume."""
+    from asyncrl.controller.inputs import Inputs
+    from asyncrl.errors import CheckpointError
+
+    def opened(turn: int) -> Inputs:
+        feed = Inputs({"prompts": Rotated(turn), "batch": asyncrl.TensorBatch({"x": [1]})})
+        feed.reset()
+        return feed
+    first = opened(0)
+    assert [first.next()["prompts"] for _ in range(2)] == ["a", "b"]
+    saved = json.loads(json.dumps(first.positions()))  # as meta.json keeps it
+    assert saved["prompts"]["consumed"] == 2 and "batch" not in saved  # (a constant)
+    same = opened(0)
+    same.resume_at(2, saved)
+    assert same.next()["prompts"] == "c"
+    with pytest.raises(CheckpointError, match=r"input 'prompts' gave another item at position "
+                                              r"2 .*\(a PromptSource\)"):
+        opened(1).resume_at(2, saved)
+    no_digest = {"prompts": {"consumed": 2}}  # a checkpoint of before session 27: skipped
+    older = opened(1)
+    older.resume_at(2, no_digest)
+    assert older.next()["prompts"] == "d"
+
+
 def test_a_run_dir_is_one_launchs_while_it_runs(tmp_path):
     """Two launches in one run directory (a double submission, a requeue while the old
     controller still shuts down) removed each other's half-written checkpoints."""

@@ -18,7 +18,7 @@ import asyncio
 import functools
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,9 @@ from asyncrl.actors.worker import rng_state
 from asyncrl.comm import codec
 from asyncrl.controller.blame import blame, upstream
 from asyncrl.controller.declare import GroupSpec, declared_in
+from asyncrl.controller.inputs import Inputs
 from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
 from asyncrl.controller.timeline import current_node
-from asyncrl.errors import CheckpointError
 from asyncrl.futures.future import futures_in, held_at, resolved
 
 STEP = "step"  # a parameter nothing else provides: the step index (validate every N steps)
@@ -95,9 +95,7 @@ class DataFlow:
         self.order = self._topological()
         modules = {n.fn.__module__ for n in self.nodes.values()}
         self.groups = list(groups) if groups is not None else declared_in(modules)
-        self._sources: dict[str, Iterator[Any] | None] = {}
-        self._consumed: dict[str, int] = {}  # items taken from each iterable, over the whole run
-        self.ended: str | None = None  # the input whose end ended the run, if one did
+        self.feed = Inputs(self.inputs)  # one item a step from each, and their positions
         self._last_end = 0.0  # when the last step given to on_step finished
         # by index: the steps in flight and the last finished ones a later step waits on
         # (older ones are let go, and with them the futures their nodes returned)
@@ -199,7 +197,7 @@ class DataFlow:
         # others would otherwise load their models before the failure is reported)
         ctl.check_placements([(g.name, g.nprocs, g.place) for g in self.groups])
         if self.recovery.enabled:  # a rewind reads the inputs again: refused before the
-            self._check_rereadable()  # groups load their models, not at the first rewind
+            self.feed.check_rereadable()  # groups load their models, not at the first rewind
         # started together: one group's start-up waits overlap the others' work. Placement
         # still sees the groups before each one: spawn places a group before its first await.
         spawned = await asyncio.gather(*(self._spawn(g) for g in self.groups),
@@ -210,7 +208,7 @@ class DataFlow:
         failed = [e for e in spawned if isinstance(e, BaseException)]
         if failed:
             raise failed[0]
-        self._sources = {}
+        self.feed = Inputs(self.inputs)
         self._reset_sources()
 
     async def _spawn(self, g: GroupSpec) -> Any:
@@ -220,19 +218,13 @@ class DataFlow:
 
     def _reset_sources(self) -> None:
         """Every input from its beginning again, and no step run (a rewind starts here)."""
-        if self._sources:  # (a rewind: read before)
-            self._check_rereadable()
-        self._sources = {k: _iterate(v) for k, v in self.inputs.items()}
-        self._consumed = {k: 0 for k, it in self._sources.items() if it is not None}
+        self.feed.reset()
         self._steps, self._next, self._failed = {}, 0, None
 
-    def _check_rereadable(self) -> None:
-        for name, source in self.inputs.items():
-            if isinstance(source, Iterator):  # its own iterator: read once
-                raise FlowError(
-                    f"input {name!r} is a one-shot iterator (a generator?): it cannot be read "
-                    f"again from a checkpoint's position; pass a list, a PromptSource or "
-                    f"another re-iterable source")
+    @property
+    def ended(self) -> str | None:
+        """The input whose end ended the run, if one did."""
+        return self.feed.ended
 
     async def _abandon(self) -> None:
         """Cancel the steps in flight and what follows their outputs (a rewind)."""
@@ -266,79 +258,18 @@ class DataFlow:
 
     # -- positions, for checkpoints ----------------------------------------------------------
     def positions(self) -> dict[str, Any]:
-        """Where each iterable input is: its ``state_dict()``, else ``{"consumed": n}``."""
-        out: dict[str, Any] = {}
-        for name in self._consumed:
-            source = self.inputs[name]
-            out[name] = (source.state_dict() if hasattr(source, "state_dict")
-                         else {"consumed": self._consumed[name]})
-        return out
+        """Where each iterable input is (`Inputs.positions`)."""
+        return self.feed.positions()
 
     def resume_at(self, start: int, positions: dict[str, Any]) -> None:
         """Continue at step index `start` with the inputs where `positions()` said they were
         (the flow is open and has run no step yet)."""
         if self._ctl is None or self._steps:
             raise RuntimeError("resume_at() goes after open() and before the first step")
-        for name in self._consumed:
-            if name not in positions:
-                raise CheckpointError(
-                    f"the checkpoint saved no position for input {name!r} (it has "
-                    f"{sorted(positions)}); resume with the flow that wrote it")
-            source, state = self.inputs[name], positions[name]
-            if hasattr(source, "load_state_dict"):
-                try:
-                    source.load_state_dict(state)
-                except ValueError as e:  # another source than the run's (its data, seed)
-                    raise CheckpointError(f"input {name!r}: {e}") from e
-                self._sources[name] = iter(source)  # a fresh iterator, from that position
-                self._consumed[name] = start
-                continue
-            it = self._sources[name]
-            assert it is not None
-            if "consumed" not in state:
-                raise CheckpointError(
-                    f"input {name!r} was saved as {state}, a position for a source with "
-                    f"load_state_dict(); this one has none: resume with the same input source")
-            for taken in range(state["consumed"]):
-                try:
-                    next(it)
-                except StopIteration:
-                    raise CheckpointError(
-                        f"input {name!r} ended after {taken} items, but the checkpoint had "
-                        f"consumed {state['consumed']}; resume with the same input data"
-                    ) from None
-            self._consumed[name] = state["consumed"]
+        self.feed.resume_at(start, positions)
         self._next = start
 
     # -- steps --------------------------------------------------------------------------------
-    def _next_inputs(self) -> dict[str, Any] | None:
-        values = {}
-        # with several iterable inputs, one may end after the ones before it gave this step's
-        # item: those are put back where they were, or the run's last checkpoint would save
-        # them one item past what its steps used (a resumed run would skip it)
-        several = len(self._consumed) > 1
-        taken: list[tuple[str, Any, Any]] = []
-        for name, it in self._sources.items():
-            if it is None:
-                values[name] = self.inputs[name]
-                continue
-            source = self.inputs[name]
-            before = source.state_dict() if several and hasattr(source, "load_state_dict") \
-                else None
-            try:
-                values[name] = next(it)
-            except StopIteration:
-                for key, source, state in taken:  # (a fresh iterator: from that position)
-                    source.load_state_dict(state)
-                    self._sources[key] = iter(source)
-                self.ended = name
-                return None
-            if before is not None:
-                taken.append((name, source, before))
-        for name in self._consumed:  # only for a step that runs (checkpoints save these)
-            self._consumed[name] += 1
-        return values
-
     @property
     def next_step(self) -> int:
         """The index of the step `step()` dispatches next."""
@@ -360,7 +291,7 @@ class DataFlow:
         bound = t - self.max_staleness - 2
         if bound in self._steps:
             await asyncio.gather(*self._steps[bound].finished.values())
-        values = self._next_inputs()
+        values = self.feed.next()
         if values is None:
             return None
         step = _Step(t, started=time.perf_counter())
@@ -573,17 +504,6 @@ def _quiet(task: asyncio.Task) -> asyncio.Task:
     """A task whose failure is reported where it is awaited, not again when it is collected."""
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return task
-
-
-def _iterate(source: Any) -> Iterator[Any] | None:
-    """An iterator over a source, or None for a constant (strings, dicts... are constants)."""
-    if isinstance(source, (str, bytes, dict)) or not isinstance(source, Iterable):
-        return None
-    from asyncrl.comm.batch import TensorBatch
-
-    if isinstance(source, TensorBatch):
-        return None
-    return iter(source)
 
 
 async def _finished(returned: asyncio.Task, blame: Callable[[Exception], NodeError]) -> None:

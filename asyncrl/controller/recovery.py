@@ -283,7 +283,7 @@ class Recovery:
         fresh = restore is None
         if fresh and (flow._origin[0] != 0):
             return False  # no checkpoint to go back to, and the groups are not at step 0
-        flow._check_rereadable()  # before any group is touched
+        flow.feed.check_rereadable()  # before any group is touched
         await flow._abandon()
         # a call pulling from a dead rank ends when its rank hears of the death (at worst
         # at its transfer timeout); one that outlasts that is hung: its group goes too (not

@@ -1,0 +1,153 @@
+"""A DataFlow's inputs: one item per step from each iterable, a constant as it is, and where
+each iterable is, for checkpoints.
+
+    positions()  ──▶ meta.json   a source with state_dict() (a PromptSource): its own state;
+                                 any other: {"consumed": n, "item": digest of item n}
+    resume_at()  ◀── meta.json   load_state_dict(), or n items skipped and the n-th checked
+                                 against its digest: a source whose order changes from run
+                                 to run (a set of strings, a shuffle without a seed) would
+                                 otherwise repeat some items and never give others
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from asyncrl.controller.nodes import FlowError
+from asyncrl.errors import CheckpointError
+
+
+class Inputs:
+    def __init__(self, sources: dict[str, Any]):
+        self.sources = sources
+        self._iters: dict[str, Iterator[Any] | None] = {}
+        self.consumed: dict[str, int] = {}  # items taken from each iterable, the whole run
+        self._last: dict[str, Any] = {}  # the last item taken (skip-count sources)
+        self.ended: str | None = None  # the input whose end ended the run, if one did
+
+    def reset(self) -> None:
+        """Every input from its beginning again (a rewind after a first read)."""
+        if self._iters:
+            self.check_rereadable()
+        self._iters = {k: _iterate(v) for k, v in self.sources.items()}
+        self.consumed = {k: 0 for k, it in self._iters.items() if it is not None}
+        self._last = {}
+
+    def check_rereadable(self) -> None:
+        for name, source in self.sources.items():
+            if isinstance(source, Iterator):  # its own iterator: read once
+                raise FlowError(
+                    f"input {name!r} is a one-shot iterator (a generator?): it cannot be read "
+                    f"again from a checkpoint's position; pass a list, a PromptSource or "
+                    f"another re-iterable source")
+
+    def positions(self) -> dict[str, Any]:
+        """Where each iterable input is: its ``state_dict()``, else ``{"consumed": n}`` and
+        the digest of its n-th item (where the item is JSON: a prompt, a list of them)."""
+        out: dict[str, Any] = {}
+        for name, n in self.consumed.items():
+            source = self.sources[name]
+            if hasattr(source, "state_dict"):
+                out[name] = source.state_dict()
+                continue
+            out[name] = {"consumed": n}
+            digest = _digest(self._last[name]) if name in self._last else None
+            if digest is not None:
+                out[name]["item"] = digest
+        return out
+
+    def resume_at(self, start: int, positions: dict[str, Any]) -> None:
+        """The inputs where `positions()` said they were, at step index `start`."""
+        for name in self.consumed:
+            if name not in positions:
+                raise CheckpointError(
+                    f"the checkpoint saved no position for input {name!r} (it has "
+                    f"{sorted(positions)}); resume with the flow that wrote it")
+            source, state = self.sources[name], positions[name]
+            if hasattr(source, "load_state_dict"):
+                try:
+                    source.load_state_dict(state)
+                except ValueError as e:  # another source than the run's (its data, seed)
+                    raise CheckpointError(f"input {name!r}: {e}") from e
+                self._iters[name] = iter(source)  # a fresh iterator, from that position
+                self.consumed[name] = start
+                continue
+            if "consumed" not in state:
+                raise CheckpointError(
+                    f"input {name!r} was saved as {state}, a position for a source with "
+                    f"load_state_dict(); this one has none: resume with the same input source")
+            self._skip(name, state)
+
+    def _skip(self, name: str, state: dict[str, Any]) -> None:
+        it, wanted = self._iters[name], state["consumed"]
+        assert it is not None
+        for taken in range(wanted):
+            try:
+                self._last[name] = next(it)
+            except StopIteration:
+                raise CheckpointError(
+                    f"input {name!r} ended after {taken} items, but the checkpoint had "
+                    f"consumed {wanted}; resume with the same input data") from None
+        self.consumed[name] = wanted
+        if "item" in state and _digest(self._last.get(name)) != state["item"]:
+            raise CheckpointError(
+                f"input {name!r} gave another item at position {wanted} than the run that "
+                f"saved the checkpoint: its order changes from run to run (a set, a shuffle "
+                f"without a fixed seed), or its data changed, and skipping {wanted} items "
+                f"would repeat some and never give others; pass a list (or shuffle with a "
+                f"fixed seed), or a source with state_dict()/load_state_dict() (a "
+                f"PromptSource)")
+
+    def next(self) -> dict[str, Any] | None:
+        """One step's values, or None when an input has run out (`ended` names it)."""
+        values = {}
+        # with several iterable inputs, one may end after the ones before it gave this step's
+        # item: those are put back where they were, or the run's last checkpoint would save
+        # them one item past what its steps used (a resumed run would skip it)
+        several = len(self.consumed) > 1
+        taken: list[tuple[str, Any, Any]] = []
+        for name, it in self._iters.items():
+            if it is None:
+                values[name] = self.sources[name]
+                continue
+            source = self.sources[name]
+            before = source.state_dict() if several and hasattr(source, "load_state_dict") \
+                else None
+            try:
+                values[name] = next(it)
+            except StopIteration:
+                for key, source, state in taken:  # (a fresh iterator: from that position)
+                    source.load_state_dict(state)
+                    self._iters[key] = iter(source)
+                self.ended = name
+                return None
+            if before is not None:
+                taken.append((name, source, before))
+        for name in self.consumed:  # only for a step that runs (checkpoints save these)
+            self.consumed[name] += 1
+            if not hasattr(self.sources[name], "state_dict"):
+                self._last[name] = values[name]
+        return values
+
+
+def _iterate(source: Any) -> Iterator[Any] | None:
+    """An iterator over a source, or None for a constant (strings, dicts... are constants)."""
+    if isinstance(source, (str, bytes, dict)) or not isinstance(source, Iterable):
+        return None
+    from asyncrl.comm.batch import TensorBatch
+
+    if isinstance(source, TensorBatch):
+        return None
+    return iter(source)
+
+
+def _digest(item: Any) -> str | None:
+    """A short digest of a JSON item (None for one that is not JSON: not checked)."""
+    try:
+        text = json.dumps(item, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
