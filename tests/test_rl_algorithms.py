@@ -109,7 +109,15 @@ def test_rl_config_refuses_settings_that_would_train_wrong_silently():
                       ({"lam": 1.5}, "lam must be in [0, 1]"),
                       ({"tis_cap": 0.0}, "tis_cap must be > 0"),
                       ({"value_clip": -0.2}, "value_clip must be > 0"),
-                      ({"kl_coef": -0.1}, "kl_coef must be >= 0")]:
+                      ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+                      # a NaN coefficient made every loss NaN (each step skipped); "no" was
+                      # true; 1.5 epochs failed inside each rank
+                      ({"kl_coef": float("nan")}, "kl_coef must be a finite number"),
+                      ({"entropy_coef": float("inf")}, "entropy_coef must be a finite"),
+                      ({"dual_clip": float("nan")}, "dual_clip must be a finite number (or "
+                                                    "None)"),
+                      ({"kl_in_reward": "no"}, "kl_in_reward must be True or False"),
+                      ({"epochs": 1.5}, "epochs must be a whole number")]:
         with pytest.raises(ValueError, match=re.escape(said)):
             RLConfig(group_size=2, **bad)
     assert RLConfig(group_size=2, max_staleness=0, gamma=0.0, lam=1.0).max_staleness == 0
@@ -184,6 +192,10 @@ def test_pass_at_k_by_hand():
     for bad in ({"n": 5, "k": 1}, {"n": 4, "k": 5}, {"n": 4, "k": 0}):
         with pytest.raises(ValueError, match="pass_at_k: 12 samples in groups of"):
             pass_at_k(correct, **bad)
+    # raw rewards (-1 when wrong) counted as correct wherever they were not 0
+    with pytest.raises(ValueError, match=r"bools or 0/1\), got values \[-1.0, 1.0\]"):
+        pass_at_k(correct.float() * 2 - 1, n=4, k=1)
+    assert pass_at_k(correct.bool(), n=4, k=4) == pytest.approx(2 / 3)
 
 
 def test_an_actor_refuses_values_from_a_critic_that_computes_returns_differently():
@@ -206,3 +218,9 @@ def test_an_actor_refuses_values_from_a_critic_that_computes_returns_differently
     with pytest.raises(ValueError, match="kl_in_reward: actor False, critic True"):
         check_critic_agrees(critic_values(algo="ppo", kl_in_reward=True, kl_coef=0.1),
                             RLConfig(algo="ppo", kl_coef=0.1))
+    # the KL as a loss term leaves the returns alone: a critic without it agrees (it was
+    # refused); in the reward, its coefficient counts
+    check_critic_agrees(critic_values(algo="ppo"), RLConfig(algo="ppo", kl_coef=0.01))
+    with pytest.raises(ValueError, match="kl_coef: actor 0.01, critic 0.02"):
+        check_critic_agrees(critic_values(algo="ppo", kl_in_reward=True, kl_coef=0.02),
+                            RLConfig(algo="ppo", kl_in_reward=True, kl_coef=0.01))

@@ -133,5 +133,10 @@ def pass_at_k(correct: torch.Tensor, n: int, k: int) -> float:
     if not 1 <= k <= n or correct.dim() != 1 or correct.numel() % n or not correct.numel():
         raise ValueError(f"pass_at_k: {correct.numel()} samples in groups of n={n} with "
                          f"1 <= k={k} <= n; give each prompt's n samples contiguous")
+    if not bool(((correct == 0) | (correct == 1)).all()):  # a raw reward (-1 wrong, 0.1
+        # for format) would count as correct wherever it is not 0
+        raise ValueError(f"pass_at_k: give whether each sample is correct (bools or 0/1), "
+                         f"got values {sorted(set(correct.unique().tolist()))[:5]}: compare "
+                         f"rewards first, e.g. rewards > 0")
     counts = correct.bool().view(-1, n).sum(1).tolist()
     return sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in counts) / len(counts)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Any
 
 from asyncrl.rl.algorithms import AGGS
 
-# what PPO's returns depend on (see RLConfig.returns_fields)
-RETURNS_FIELDS = ("gamma", "lam", "kl_in_reward", "kl_coef", "kl_kind")
+# what PPO's returns depend on (see RLConfig.returns_fields); the KL's settings only where
+# the KL is in the reward
+RETURNS_FIELDS = ("gamma", "lam", "kl_in_reward")
+KL_FIELDS = ("kl_coef", "kl_kind")
 
 
 @dataclass(kw_only=True)
@@ -46,6 +49,8 @@ class RLConfig:
     tis_cap: float = 2.0  # the truncation of "tis" importance weights
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, f.type, getattr(self, f.name))
         if self.algo not in ("grpo", "ppo"):
             raise ValueError(f"RLConfig.algo is 'grpo' or 'ppo', got {self.algo!r}")
         if self.group_size < 1:
@@ -89,4 +94,23 @@ class RLConfig:
     def returns_fields(self) -> dict[str, Any]:
         """What PPO's returns depend on: the actor's advantages and the critic's targets
         must be computed alike, or the critic learns values the actor does not use."""
-        return {k: getattr(self, k) for k in RETURNS_FIELDS}
+        fields = RETURNS_FIELDS + (KL_FIELDS if self.kl_in_reward else ())
+        return {k: getattr(self, k) for k in fields}
+
+
+def _check_type(name: str, kind: Any, value: Any) -> None:
+    """A field's value is of its declared kind: a float finite (a NaN coefficient makes
+    every loss NaN, each step then skipped), a bool a bool ("no" is true)."""
+    kind = str(kind)
+    if value is None and kind.endswith("| None"):
+        return
+    base = kind.split(" |")[0]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {"bool": isinstance(value, bool), "str": isinstance(value, str),
+          "int": number and isinstance(value, int),
+          "float": number and math.isfinite(value)}[base]
+    if not ok:
+        what = {"bool": "True or False", "str": "a string", "int": "a whole number",
+                "float": "a finite number"}[base]
+        raise ValueError(f"RLConfig.{name} must be {what}"
+                         f"{' (or None)' if kind.endswith('| None') else ''}, got {value!r}")
