@@ -9,7 +9,7 @@ import math
 import os
 import time
 import warnings
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -139,9 +139,9 @@ if torch.cuda.is_available():  # module level (ranks import it by path); GPU mac
         """A ZeRO-2 hybrid Policy on the GPU: device memory and where the fp32 masters are,
         in training and while generating."""
 
-        def __init__(self):
+        def __init__(self, backend: str = "zero2"):
             super().__init__({"preset": "llama-100m"}, {"lr": 1e-4}, {"max_new_tokens": 4},
-                             backend="zero2")
+                             backend=backend)
 
         @asyncrl.register
         def switch(self) -> dict:
@@ -167,11 +167,11 @@ if torch.cuda.is_available():  # module level (ranks import it by path); GPU mac
                     "loss": self.backend.train_step(rollout)["loss"]}
 
 
-def switch_report(policy: type, name: str) -> dict:
+def switch_report(policy: type, name: str, *args: Any) -> dict:
     """What one switch of a 1-rank `policy` group measured (its processes gone after)."""
     async def main():
         async with asyncrl.Controller(construct_timeout=600) as ctl:
-            group = await ctl.spawn(policy, nprocs=1, name=name)
+            group = await ctl.spawn(policy, *args, nprocs=1, name=name)
             pids = group_pids(group)
             return (await group.switch())[0], pids
     report, pids = run(main(), timeout=600)
@@ -189,13 +189,15 @@ def test_hybrid_switch_on_gpu_frees_optimizer_state_and_bounds_peak_memory():
     assert report["kept"] == ["cuda"], report  # offload_optimizer=False: no move
 
 
-def test_zero_hybrid_switch_on_gpu_sends_masters_and_optimizer_state_to_the_host():
-    """ZeRO-2 (the deepspeed wheel carried to the GPU machine, see scripts/gpu_wheels.sh):
-    while generating, the fp32 masters (4 bytes a parameter) and Adam's moments (8) are on
-    the host; the engine's fp32 weights (4) are on the GPU; back in training all returns."""
+@pytest.mark.parametrize("backend", ["zero2", "zero3"])
+def test_zero_hybrid_switch_on_gpu_sends_masters_and_optimizer_state_to_the_host(backend):
+    """ZeRO-2 and 3 (the deepspeed wheel carried to the GPU machine, see
+    scripts/gpu_wheels.sh): while generating, the fp32 masters (4 bytes a parameter) and
+    Adam's moments (8) are on the host; the engine's weights are on the GPU; back in training
+    all returns (ZeRO-3's masters through pinned host copies made once, since session 27)."""
     if importlib.util.find_spec("deepspeed") is None:
         lacking("deepspeed (carry its source: bash scripts/gpu_wheels.sh)")
-    report = switch_report(MeasuredZeroPolicy, "zpolicy")
+    report = switch_report(MeasuredZeroPolicy, f"zpolicy-{backend}", backend)
     assert report["masters_while"] == ["cpu"] and report["masters_after"] == ["cuda"], report
     assert abs(report["offloaded"] - 4 * report["params"]) <= 4 << 20, report
     # before session 15 only Adam's moments left: 8 - 4 = 4 bytes a parameter freed

@@ -90,6 +90,8 @@ class ZeroBackend(TrainBackend):
         self.opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         self._ds = ds
         self._failed_midway = ""  # a step whose backward ran for some micro-batches, not all
+        self._host_masters: list[torch.Tensor] = []  # ZeRO-3's, while generating: pinned
+        # and made once (a fresh pageable copy each switch is slow to fill, and synchronous)
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
                    entropy: bool = False) -> dict[str, float]:
@@ -158,18 +160,31 @@ class ZeroBackend(TrainBackend):
             include = [State.hp_params, State.lp_grads]
         else:  # DeepSpeed moves ZeRO-3's masters only for its own FusedAdam (it asserts the
             # class); the move is the same for a torch AdamW. First: the cache is emptied after
-            for t in masters:
-                t.data = t.data.to("cpu")
+            self._offload_zero3(masters)
             include = [State.lp_grads, State.contiguous_grad_buffer]  # scratch: made again
         self.engine.offload_states(include=include, pin_memory=torch.cuda.is_available())
         return sum(t.numel() * t.element_size() for t in masters)
+
+    def _offload_zero3(self, masters: list[torch.Tensor]) -> None:
+        if not masters or not masters[0].is_cuda:  # (a CPU-only host: they stay)
+            return
+        if [h.shape for h in self._host_masters] != [t.shape for t in masters]:
+            self._host_masters = [torch.empty_like(t, device="cpu").pin_memory()
+                                  for t in masters]
+        for t, host in zip(masters, self._host_masters, strict=True):
+            host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the host copies are whole only after it
+        for t, host in zip(masters, self._host_masters, strict=True):
+            t.data = host  # the device memory goes
 
     def reload_masters(self) -> None:
         self.engine.reload_states()
         if self.stage == 3:
             device = next(self.model.parameters()).device
             for t in self._masters():
-                t.data = t.data.to(device)
+                if t.device != device:  # from the pinned copies, in stream order: the next
+                    # offload writes them only after these copies ran
+                    t.data = t.data.to(device, non_blocking=True)
 
     def _masters(self) -> list[torch.Tensor]:
         """The fp32 partitions the optimizer steps (this rank's share of the weights), those
