@@ -486,6 +486,44 @@ def test_placement_forget_frees_exactly_what_place_counted():
     assert p.place("last", 4, None).devices == [4, 5, 6, 7]
 
 
+def test_placement_names_the_gpus_the_controller_was_given():
+    """Under SLURM (CUDA_VISIBLE_DEVICES=4,5,6,7) the first group went to physical GPUs 0
+    and 1, outside the job's allocation: the ranks' list now names the controller's GPUs."""
+    from asyncrl.controller.placement import Host, Placer
+
+    slurm = Placer(Host(4, (0, 1), ("4", "5", "6", "7")))
+    assert slurm.place("actor", 2, None).env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert slurm.place("ref", 1, None).env == {"CUDA_VISIBLE_DEVICES": "6"}
+    uuids = Placer(Host(2, (0, 1), ("GPU-aa", "GPU-bb")))
+    assert uuids.place("a", 1, asyncrl.share_gpus(2)).env == {"CUDA_VISIBLE_DEVICES": "GPU-aa"}
+    assert Placer(Host(2, (0, 1))).place("b", 2, None).env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_placement_of_a_respawned_group_goes_back_where_it_was():
+    """A dead group respawned after a rewind was placed on the least-used GPUs again: the
+    groups colocated with it stayed on its old ones (the hybrid engine's CUDA IPC apart),
+    and one kept separate_from it could end up sharing its new ones."""
+    from asyncrl.controller.placement import Host, Placer
+
+    p = Placer(Host(4, (0, 1)))
+    assert p.place("actor", 2, None).devices == [0, 1]
+    assert p.place("rollout", 2, asyncrl.colocate_with("actor")).devices == [0, 1]
+    assert p.place("critic", 1, None).devices == [2]
+    p.forget("actor")  # died: closed, then spawned again with its own place=
+    assert p.place("actor", 2, None).devices == [0, 1]  # least used: [3, 0]
+    apart = Placer(Host(3, (0, 1)))
+    apart.place("actor", 1, None)
+    assert apart.place("reward", 2, asyncrl.separate_from("actor")).devices == [1, 2]
+    apart.place("ref", 1, asyncrl.colocate_with("actor"))
+    apart.forget("actor")
+    assert apart.place("actor", 1, None).devices == [0]  # not reward's GPU 1
+    # where it was no longer meets what it asks now: placed afresh
+    apart.forget("reward")
+    assert apart.place("reward", 2, asyncrl.separate_from("ref")).devices == [1, 2]
+    apart.forget("ref")
+    assert apart.place("ref", 1, asyncrl.separate_from("actor")).devices == [1]
+
+
 def test_placement_nvlink_group_stays_within_one_aligned_domain():
     from asyncrl.controller.placement import Host, Placer
 

@@ -69,7 +69,8 @@ def same_host_as(group: Any) -> Constraint:
 def nvlink_group(n: int) -> Constraint:
     """All of the group's GPUs within one NVLink domain of `n` GPUs. Domains are taken to be
     aligned blocks of `n` GPU ids (GPU d is in domain d // n: 0..n-1, n..2n-1, ...), or the
-    whole host where it has n GPUs or fewer."""
+    whole host where it has n GPUs or fewer; ids as the controller counts its GPUs (the d-th
+    of its CUDA_VISIBLE_DEVICES, where that is set)."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"nvlink_group(n) needs n >= 1, got {n!r}")
     return Constraint("nvlink_group", None, n)
@@ -89,6 +90,9 @@ def share_gpus(ranks_per_gpu: int) -> Constraint:
 class Host:
     gpus: int
     cores: tuple[int, ...]
+    # what CUDA_VISIBLE_DEVICES named for the controller (SLURM's "4,5,6,7", UUIDs):
+    # GPU d of this host is gpu_ids[d]; none given, GPU d is d
+    gpu_ids: tuple[str, ...] = ()
 
     @staticmethod
     def detect() -> Host:
@@ -100,7 +104,14 @@ class Host:
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         except Exception:  # noqa: BLE001 - a broken CUDA install means no GPU here
             gpus = 0
-        return Host(gpus, tuple(cores))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = tuple(v.strip() for v in visible.split(","))[:gpus] if visible else ()
+        return Host(gpus, tuple(cores), ids)
+
+    def gpu_id(self, d: int) -> str:
+        """GPU d as the ranks' CUDA_VISIBLE_DEVICES names it (the controller's own list
+        applies to them too: its d-th entry)."""
+        return self.gpu_ids[d] if d < len(self.gpu_ids) else str(d)
 
     @property
     def kind(self) -> str:
@@ -119,6 +130,9 @@ class Placer:
         self.placed: dict[str, list[int]] = {}
         self._use: Counter[int] = Counter()
         self._added: dict[str, list[int]] = {}  # what each group added to _use, one per rank
+        # where a forgotten group was: placed again (a respawn), it goes back there, where
+        # the groups colocated with it (or kept apart from it) still are
+        self._was: dict[str, list[int]] = {}
 
     def place(self, group: str, nprocs: int, place: Any, warn: bool = True) -> Placement:
         constraints = constraints_of(place)
@@ -176,6 +190,7 @@ class Placer:
         else:
             away = {d for t in apart for d in on[t]}
             free = [d for d in pool if d not in away]
+            was = self._was.get(group, [])
             if len(free) < needed and apart:
                 problem = (f"group {group!r} needs {needed} {host.kind}(s) "
                            f"{' and '.join(f'separate_from({t})' for t in apart)}, but only "
@@ -191,6 +206,9 @@ class Placer:
             for d in free:
                 domains.setdefault(_domain(d, nvlink), []).append(d)
             fits = [ds[:needed] for ds in domains.values() if len(ds) >= needed]
+            if len(was) == needed and set(was) <= set(free) and \
+                    len({_domain(d, nvlink) for d in was}) == 1:
+                fits = [was]  # where it was, which still meets its constraints
             devices = min(fits, key=lambda ds: (sum(self._use[d] for d in ds), min(ds))) \
                 if fits else free[:needed]
             if not fits and not problem:  # enough GPUs, but not within one domain
@@ -211,13 +229,17 @@ class Placer:
             log.warning("asyncrl placement: %s; on this CPU-only host it runs anyway: ranks "
                         "will share cores", problem)
         self.placed[group] = devices
+        self._was.pop(group, None)
         self._added[group] = [devices[i % len(devices)] for i in range(nprocs)]
         self._use.update(self._added[group])
-        key = "CUDA_VISIBLE_DEVICES" if host.gpus else "ASYNCRL_CPUS"
-        return Placement(devices, {key: ",".join(map(str, devices))})
+        if host.gpus:
+            return Placement(devices, {"CUDA_VISIBLE_DEVICES": ",".join(
+                host.gpu_id(d) for d in devices)})
+        return Placement(devices, {"ASYNCRL_CPUS": ",".join(map(str, devices))})
 
     def forget(self, group: str) -> None:
-        self.placed.pop(group, None)
+        if group in self.placed:
+            self._was[group] = self.placed.pop(group)
         self._use.subtract(self._added.pop(group, []))
 
 
