@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 from helpers import ROOT, assert_gone, group_pids, poll_until, run
@@ -118,3 +119,34 @@ def test_fuzzer_for_a_bounded_number_of_frames_crashes_nothing():
     dropped = result["dropped"]
     assert sum(dropped["controller"].values()) > 0 and dropped["rank"] > 0  # they got there
     assert dropped["relay"] > 0
+
+
+def test_a_message_whose_frame_cannot_be_sent_leaves_the_next_one_whole():
+    """A frame that is not a buffer failed after the identity, body and MAC had gone with
+    "more to come": the ROUTER's next message, to any rank, was appended to that open one,
+    and both were lost. Frames are checked before the first part goes."""
+    from asyncrl.comm.channel import ControllerChannel
+
+    channel = ControllerChannel(b"s" * 32)
+    ctx = zmq.Context()
+    ranks = {}
+    try:
+        for name in (b"A", b"B"):
+            sock = ranks[name] = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, name)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(channel.address)
+            sock.send(b"hello")  # the ROUTER knows the route once this is in
+            assert channel._sock.recv_multipart() == [name, b"hello"]
+        with pytest.raises(TypeError):
+            channel.send_encoded(b"A", b"for-a", [object()])
+        channel.send_encoded(b"B", b"for-b")
+        assert ranks[b"B"].poll(10_000)
+        body, mac = ranks[b"B"].recv_multipart()  # whole, and nothing appended to it
+        assert body.endswith(b"for-b") and not ranks[b"B"].poll(0)
+        assert not ranks[b"A"].poll(100)  # nothing of the refused message went
+    finally:
+        for sock in ranks.values():
+            sock.close(0)
+        ctx.term()
+        channel.close()

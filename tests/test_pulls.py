@@ -114,29 +114,47 @@ def test_gpu_rows_in_a_reply_after_a_transfer_timeout_are_released(monkeypatch, 
 def test_gpu_rows_in_a_reply_to_a_pull_given_up_are_released(monkeypatch, scripted):
     """A reply that arrives after its pull was given up (another pull of the same fetch
     failed) may hold CUDA IPC handles: the consumer still releases them, or the producer
-    keeps their GPU block until it exits."""
+    keeps their GPU block until it exits. The failed fetch gives the other pulls' socket up
+    (it stayed in use, a late reply waiting in it for whichever pull came next); a socket
+    that owes no GPU rows is closed at once."""
     released: list = []
     monkeypatch.setattr(dataplane.cuda_ipc, "release", released.append)
     _, producer, _ = scripted
+    stop = threading.Event()
 
     def script():
-        (who, first), (_, second) = producer.pull(), producer.pull()  # one fetch, two pieces
-        # an error that came with rows exported before it: released at once
-        producer.answer(who, messages.Pulled(first.xfer_id, error="LookupError: gone",
-                                             ipc={"x": GPU_ROWS}))
-        producer.answer(who, messages.Pulled(second.xfer_id, ipc={"x": GPU_ROWS}))  # after
-        who, third = producer.pull()
-        producer.answer(who, messages.Pulled(third.xfer_id, value=msgspec.Raw(codec.encode(7))))
+        for ipc in (["x"], []):
+            (who, first), (_, second) = producer.pull(), producer.pull()  # one fetch, two
+            # an error that came with rows exported before it: released at once
+            producer.answer(who, messages.Pulled(first.xfer_id, error="LookupError: gone",
+                                                 ipc={"x": GPU_ROWS} if ipc else {}))
+            producer.answer(who, messages.Pulled(second.xfer_id,  # after it
+                                                 ipc={"x": GPU_ROWS} if ipc else {}))
+        while not stop.is_set():  # later fetches, answered at once
+            if producer.sock.poll(100):
+                who, req = producer.pull()
+                producer.answer(who, messages.Pulled(req.xfer_id,
+                                                     value=msgspec.Raw(codec.encode(7))))
 
     producer.play(script)
     client = client_of(scripted, timeout=10)
-    two = RemoteBatch([Piece(producer.shard, 0, 1), Piece(producer.shard, 2, 3)],
-                      [messages.Column("x", "list")])
-    with pytest.raises(RuntimeError, match="gone"):
-        client.fetch_batch(two)
-    assert released == [GPU_ROWS]
-    assert client.fetch_value(RemoteValue(producer.shard)) == 7  # the late reply came first
-    assert released == [GPU_ROWS, GPU_ROWS]
+    try:
+        for n, ipc in enumerate((["x"], [])):
+            two = [(Piece(producer.shard, 0, 1), messages.Pull(10 + 2 * n, 1, 0, 1, ipc=ipc)),
+                   (Piece(producer.shard, 1, 2), messages.Pull(11 + 2 * n, 1, 1, 2, ipc=ipc))]
+            with pytest.raises(RuntimeError, match="gone"):
+                client._exchange(two, lambda *_: None)
+            assert producer.addr not in client._socks  # given up, not reused
+            if n == 0:  # the error's rows released; the socket kept for the late reply's
+                assert released == [GPU_ROWS] and [r.owed for r in client._late] == [{11}]
+            else:  # one that owes no GPU rows: closed (the first may be drained by now)
+                assert all(r.owed <= {11} for r in client._late)
+        deadline = time.monotonic() + 10
+        while len(released) < 2 and time.monotonic() < deadline:  # each pull drains it
+            assert client.fetch_value(RemoteValue(producer.shard)) == 7  # a socket of its own
+        assert released == [GPU_ROWS, GPU_ROWS] and client._late == []
+    finally:
+        stop.set()
 
 
 def test_pulled_frames_must_fill_their_rows_and_no_pool_means_process_memory(scripted):

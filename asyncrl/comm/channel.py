@@ -114,6 +114,9 @@ class ControllerChannel:
         `frames` (raw buffers its Call or Fanout announces) follow it, unsigned and uncopied:
         zmq holds them until they have left."""
         body, mac = self._signer.sign(b">" + identity, message)
+        for frame in frames:  # each a buffer, checked before the first part goes: a part
+            memoryview(frame)  # that fails after it would leave the message open, and the
+            # next one, to any rank, appended to it
         send = self._sock.send
         send(identity, _MORE)
         send(body, _MORE)

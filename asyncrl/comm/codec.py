@@ -190,13 +190,20 @@ def _enc_hook(obj: Any) -> Any:
         if obj.dtype.names is not None:
             raise TypeError(f"a numpy array of structured dtype {obj.dtype} cannot be sent (its "
                             f"field names would be lost); send one array per field")
+        if obj.dtype.kind in "Mm":  # no buffer to hand over (a large one failed mid-send)
+            raise TypeError(f"a numpy array of {obj.dtype} cannot be sent; send "
+                            f".astype('int64') (counts of its unit) and view it back")
         # not np.ascontiguousarray: it makes a 0-d array 1-d
         a = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
         if _left_out(a):
             return _out_of_band(_KIND_NDARRAY, a.dtype.str, obj.shape, a)
         return msgspec.msgpack.Ext(EXT_NDARRAY, _pack_buffer([a.dtype.str, list(obj.shape)], a))
     if isinstance(obj, np.generic):
-        return obj.item()
+        value = obj.item()
+        if isinstance(value, np.generic):  # (np.longdouble's item is itself: no Python type)
+            raise TypeError(f"a numpy {obj.dtype} scalar cannot be sent; convert it first "
+                            f"(float(x))")
+        return value
     if isinstance(obj, TensorBatch):
         # its columns dict as is (not a copy): the codec is the batch's wire format
         return msgspec.msgpack.Ext(EXT_BATCH, _encoder.encode([obj._data, obj.meta]))

@@ -219,8 +219,13 @@ class DataClient:
                                                f"{len(reply.buffers)} columns")
                     except RuntimeError:
                         _release(reply.ipc.values())
+                        self._give_up(pending)  # the others' replies: not for the next pull
                         raise
-                    take(req, reply, frames[2:])
+                    try:
+                        take(req, reply, frames[2:])
+                    except BaseException:
+                        self._give_up(pending)
+                        raise
                     if queued[piece.shard.addr]:  # the window moves on
                         send_next(piece.shard.addr)
                 elif isinstance(reply, Pulled):  # for a pull given up when another failed

@@ -58,7 +58,8 @@ class DataServer:
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
-        # pulls are small: a peer sending more is cut off before the frame is buffered whole
+        # pulls are small: a peer sending a larger frame is cut off (a frame: a message of
+        # many is still taken in before its MAC is checked; untrusted networks need CURVE)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_PULL_BYTES)
         if curve is not None:  # encrypted: every rank serves with the run's data key pair
             curve_server(self._sock, curve.data_secret)
