@@ -195,7 +195,7 @@ def test_impossible_gpu_placement_says_the_fix():
            "spawn 'critic' first")
     expect(asyncrl.PlacementError, lambda: p.place("wide", 3, asyncrl.nvlink_group(2)),
            "group 'wide': nvlink_group(2) needs its 3 ranks", "use nprocs <= 2",
-           "or nvlink_group(3)")
+           "or nvlink_group(3) if this host's NVLink domains are of 3 GPUs or more")
     # conflicting constraints
     expect(asyncrl.PlacementError, lambda: p.place("x", 1, [asyncrl.colocate_with("actor"),
                                                             asyncrl.separate_from("actor")]),

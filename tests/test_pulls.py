@@ -219,6 +219,28 @@ def test_a_pull_from_a_producer_declared_dead_fails_at_once_naming_it(scripted):
     assert client.fetch_value(RemoteValue(Shard("other", 0, 2, producer.addr, "h"))) == 8
 
 
+def test_a_dead_groups_sockets_are_closed_at_the_next_pull(scripted):
+    """A rank kept a socket to every producer it ever pulled from: a dead group's went on
+    reconnecting, and a long run's restarts piled them up towards zmq's socket limit."""
+    _, producer, _ = scripted
+    gone = GonePeers()
+
+    def script():
+        for value in (7, 9):
+            who, req = producer.pull()
+            producer.answer(who, messages.Pulled(req.xfer_id,
+                                                 value=msgspec.Raw(codec.encode(value))))
+
+    producer.play(script)
+    client = client_of(scripted, timeout=60, gone=gone)
+    assert client.fetch_value(RemoteValue(producer.shard)) == 7
+    old = client._socks[producer.addr][0]
+    gone.add(messages.PeersGone("prod", [producer.addr], 5, "is dead: its process is gone"))
+    # a respawned group's object on the same port: pulled through a socket of its own
+    assert client.fetch_value(RemoteValue(Shard("prod", 0, 6, producer.addr, "h"))) == 9
+    assert old.closed and client._socks[producer.addr][0] is not old
+
+
 def test_the_data_server_drops_a_peer_that_sends_an_oversized_frame():
     """Pulls are small: a frame over the limit closes its connection before it is buffered
     whole (no MAC is checked before the whole message is in), and the server goes on."""

@@ -115,6 +115,7 @@ class DataClient:
         self._group = identity.split("/")[0]
         self._socks: dict[str, tuple[zmq.Socket, Signer, Verifier, bytes]] = {}
         self._late: list[_Retired] = []  # sockets of timed-out CUDA IPC pulls, drained
+        self._gone_seen = 0  # the dead groups whose sockets are closed already
         self._xfer = itertools.count(1)
         self._names = itertools.count()
 
@@ -153,6 +154,7 @@ class DataClient:
         `sent()`, then hand each reply to `take` as it arrives (so the copy of one bucket
         overlaps the transfer of the next), all within the timeout."""
         self._drain_late()
+        self._close_gone()
         self._check_alive(piece for piece, _ in requests)  # before anything is sent
         pending: dict[int, tuple[Piece, Pull]] = {}
         poller = zmq.Poller()
@@ -412,6 +414,18 @@ class DataClient:
                 src = bytes_of(value.tensor(key)[start:stop])
                 at += row * row_bytes[key]
                 buf[at:at + src.nbytes] = src
+
+    def _close_gone(self) -> None:
+        """Close the sockets to dead groups' data servers (each would go on reconnecting; a
+        long run's restarts would pile them up towards zmq's socket limit). A respawned
+        rank's server, at the same address by chance, gets a socket of its own again."""
+        gone = self._gone.since(self._gone_seen)
+        self._gone_seen += len(gone)
+        for msg in gone:
+            for addr in msg.addrs:
+                entry = self._socks.pop(addr, None)
+                if entry is not None:
+                    entry[0].close(0)
 
     def _check_alive(self, pieces: Iterable[Piece]) -> None:
         """InputLostError if the producer of one of these pieces is known to be gone."""

@@ -24,6 +24,10 @@ class GonePeers:
     def add(self, msg: PeersGone) -> None:
         self._gone = (*self._gone, msg)
 
+    def since(self, seen: int) -> tuple[PeersGone, ...]:
+        """The announcements after the first `seen`."""
+        return self._gone[seen:]
+
     def lost(self, piece: Piece) -> InputLostError | None:
         """Why `piece` can never arrive, if its producer is gone."""
         shard = piece.shard

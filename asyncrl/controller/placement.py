@@ -153,7 +153,9 @@ class Placer:
             if c.kind == "nvlink_group" and (not host.gpus or needed > min(c.n, host.gpus)):
                 fix = "drop nvlink_group on a host without GPUs" if not host.gpus else \
                     f"use nprocs <= {min(c.n, host.gpus) * per}" + (
-                        f", or nvlink_group({needed})" if c.n < needed <= host.gpus else "")
+                        f", or nvlink_group({needed}) if this host's NVLink domains are of "
+                        f"{needed} GPUs or more (n is the hardware's)"
+                        if c.n < needed <= host.gpus else "")
                 raise PlacementError(
                     f"group {group!r}: nvlink_group({c.n}) needs its {nprocs} ranks on GPUs of "
                     f"one NVLink domain of {c.n}, but this host has {host.gpus} GPU(s); {fix}")
