@@ -66,8 +66,17 @@ def test_seeds_stop_tokens_temperature_and_top_p():
     assert kept == [True, True, False, False]  # 0.64 < 0.7: the second token is kept too
     with pytest.raises(ValueError, match="one seed per sample"):
         engine.generate(PROMPTS, seeds=[1])
-    with pytest.raises(ValueError, match="temperature must be >= 0 \\(0: greedy decoding\\)"):
-        SamplingConfig(temperature=-1)
+    for bad in (-1, float("nan")):  # NaN failed each step later, blamed on the weights
+        with pytest.raises(ValueError, match="temperature must be >= 0 \\(0: greedy "):
+            SamplingConfig(temperature=bad)
+    # left padding is embedded too; past GPT-2's learned positions an IndexError (a device
+    # assert on a GPU, which ends the CUDA context)
+    with pytest.raises(ValueError, match="pad_token_id=500 is outside the model's vocabulary"):
+        engine.generate(PROMPTS, seeds=[1, 2, 3, 4], config=SamplingConfig(pad_token_id=500))
+    gpt2 = Sampler(build_model(ModelConfig(preset="tiny-gpt2")))
+    with pytest.raises(ValueError, match=r"longest prompt plus max_new_tokens=254 is 257 "
+                                         r"positions, beyond the model's 256"):
+        gpt2.generate([[1, 2, 3]], seeds=[0], config=SamplingConfig(max_new_tokens=254))
 
 
 def test_temperature_zero_decodes_greedily_as_transformers_does():
@@ -214,7 +223,7 @@ def test_engine_takes_state_dicts_of_tied_models_bf16_packs_and_refuses_bad_ones
 
 
 
-def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
+def test_vllm_adapter_against_a_fake_that_follows_vllm_api(tmp_path):
     import subprocess
     import sys
 
@@ -227,6 +236,7 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
                         llm_cls=fake_vllm.LLM, sampling_params_cls=fake_vllm.SamplingParams)
     init = fake_vllm.LLM.calls[0][1]
     assert init["distributed_executor_backend"] == "external_launcher"
+    assert init["dtype"] == "bfloat16"  # VLLMEngine's own default
     assert init["enable_sleep_mode"] is True
     assert init["logprobs_mode"] == "processed_logprobs" and init["skip_tokenizer_init"]
     out = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
@@ -264,6 +274,24 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api():
     # vLLM's log-probs after top-p are renormalised over the nucleus: not the trainer's
     with pytest.raises(ValueError, match="top_p=0.9 < 1 is not supported"):
         engine.generate([[1, 4]], seeds=[0], config=SamplingConfig(top_p=0.9))
+    # below 1e-5 vLLM decodes greedily, its log-probs at temperature 1
+    with pytest.raises(ValueError, match="temperature=1e-06 is below vLLM's greedy"):
+        engine.generate([[1, 4]], seeds=[0], config=SamplingConfig(temperature=1e-6))
+    # the engine a role makes computes in the model's dtype, as the trainer (it was bf16
+    # whatever the trainer ran in: every PPO ratio started ~1e-2 off 1)
+    from asyncrl.hybrid.engine import make_engine
+
+    fake_vllm.LLM.calls.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ASYNCRL_VLLM_MODULE", "fake_vllm")
+        mp.setattr("asyncrl.hybrid.vllm_engine.require_own_gpu", lambda why: None)
+        made = tmp_path / "m"
+        build_model(ModelConfig()).save_pretrained(made)
+        make_engine("vllm", ModelConfig(path=str(made)), None)
+        make_engine("vllm", ModelConfig(path=str(made), dtype="bfloat16"), None,
+                    {"dtype": "float16"})
+    assert [c[1]["dtype"] for c in fake_vllm.LLM.calls if c[0] == "init"] == [
+        "float32", "float16"]
     # vLLM stays out of every CPU import path
     probe = subprocess.run([sys.executable, "-c", "import sys, asyncrl, asyncrl.hybrid.roles, "
                             "asyncrl.hybrid.vllm_engine; print('vllm' in sys.modules)"],

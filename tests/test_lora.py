@@ -107,6 +107,20 @@ def test_merged_weights_and_adapters_off_are_the_plain_models():
     assert (logits(plain) - out).abs().max().item() < 1e-5
 
 
+def test_a_bf16_layers_merge_is_rounded_once_into_the_dtype_asked_for():
+    """`asyncrl export --dtype float32` of a bf16 LoRA model rounded W + s B A through bf16
+    first: most of a small update was lost although fp32 was asked for."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8).to(torch.bfloat16)
+    a, b = torch.randn(2, 8), 1e-3 * torch.randn(8, 2)  # fp32 adapters, as trained
+    weights = {"q.weight": w, "q.lora_A.weight": a, "q.lora_B.weight": b}
+    cfg = LoraConfig(rank=2, alpha=4)
+    exact = w.float() + cfg.scaling * b @ a
+    wide = dict(merged(weights, cfg, torch.float32))["q.weight"]
+    assert wide.dtype == torch.float32 and (wide - exact).abs().max().item() < 1e-6
+    assert dict(merged(weights, cfg))["q.weight"].dtype == torch.bfloat16  # W's, by default
+
+
 def test_modules_to_save_train_whole_beside_the_adapters():
     model = build_model(ModelConfig(**{**MODEL, "lora": {**LORA, "modules_to_save": ["lm_head"]}}))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}

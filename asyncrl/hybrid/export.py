@@ -153,7 +153,7 @@ def export(path: Path, out: Path, group: str | None = None,
     adapters: dict[str, torch.Tensor] = {}
     if lora is not None:  # what trained, for peft's file; merged in place, a layer at a time
         adapters = {k: v for k, v in weights.items() if is_adapter(k) or lora.trains_whole(k)}
-        for name, value in merged(weights, lora):
+        for name, value in merged(weights, lora, target):
             weights[name] = value  # (the unmerged one dropped: never two copies)
         for name in [k for k in weights if is_adapter(k)]:
             del weights[name]

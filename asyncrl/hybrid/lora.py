@@ -270,14 +270,16 @@ class adapters_off:
             m.adapters_on = on
 
 
-def merged(weights: dict[str, torch.Tensor], cfg: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def merged(weights: dict[str, torch.Tensor], cfg: LoraConfig,
+           dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA model's full weights (by name) as the plain model's: W + scaling * B A under
-    W's name, the adapters dropped. One layer's merge at a time."""
+    W's name, the adapters dropped. One layer's merge at a time, in fp32, then in `dtype`
+    (default: W's; an fp32 export of a bf16 model rounded the update through bf16 first)."""
     for name, value in weights.items():
         if is_adapter(name):
             continue
         prefix = name.removesuffix(".weight")
         a, b = weights.get(f"{prefix}.lora_A.weight"), weights.get(f"{prefix}.lora_B.weight")
         if name.endswith(".weight") and a is not None and b is not None:
-            value = (value.float() + delta(a, b, cfg.scaling)).to(value.dtype)
+            value = (value.float() + delta(a, b, cfg.scaling)).to(dtype or value.dtype)
         yield name, value

@@ -19,6 +19,7 @@ and the tokens produced so far are kept, each token tagged with its version).
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import threading
 from collections.abc import Iterable, Sequence
@@ -44,7 +45,8 @@ class SamplingConfig:
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:  # (NaN failed
+            # every step, blamed on the weights)
             raise ValueError(f"SamplingConfig.temperature must be >= 0 (0: greedy decoding), "
                              f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -217,6 +219,17 @@ class Sampler:
                 raise ValueError(f"generate: prompt {i} has token ids outside the model's "
                                  f"vocabulary of {vocab} ({outside[:5]}): tokenize with the "
                                  f"model's own tokenizer")
+        if not 0 <= cfg.pad_token_id < vocab:  # left padding is embedded too
+            raise ValueError(f"generate: pad_token_id={cfg.pad_token_id} is outside the "
+                             f"model's vocabulary of {vocab}; use one of its ids (0, or its "
+                             f"tokenizer's pad_token_id)")
+        limit = getattr(self.model.config, "n_positions", None)  # learned positions (GPT-2):
+        longest = max((len(p) for p in prompts), default=0) + cfg.max_new_tokens  # past
+        if limit is not None and longest > limit:  # them an IndexError (a GPU: an assert
+            raise ValueError(  # that ends the CUDA context)
+                f"generate: the longest prompt plus max_new_tokens={cfg.max_new_tokens} is "
+                f"{longest} positions, beyond the model's {limit}: shorten the prompts or "
+                f"lower max_new_tokens")
         device = next(self.model.parameters()).device
         prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, cfg.pad_token_id))
         stream = streams(seeds)

@@ -82,6 +82,9 @@ class WeightLoader:
         return len(params)
 
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy decoding
+
+
 class VLLMEngine:
     owns_weights = True  # new weights go in by name (load_weights): vLLM fuses projections
 
@@ -229,7 +232,13 @@ class VLLMEngine:
 def _check_top_p(cfg: SamplingConfig) -> None:
     """vLLM's processed log-probs are renormalised over the top-p nucleus, the trainer's (and
     the built-in Sampler's) are not: with top_p < 1 every ratio would start near top_p, not 1,
-    and PPO's clip would silence the negative advantages."""
+    and PPO's clip would silence the negative advantages. Below a temperature of 1e-5 vLLM
+    decodes greedily with log-probs at temperature 1, while the trainer would divide by it."""
+    if 0 < cfg.temperature < GREEDY_BELOW:
+        raise ValueError(f"VLLMEngine: temperature={cfg.temperature} is below vLLM's greedy "
+                         f"threshold ({GREEDY_BELOW}): its log-probs would be at temperature 1 "
+                         f"and the trainer's at this one; use temperature=0 for greedy "
+                         f"decoding")
     if cfg.top_p < 1:
         raise ValueError(f"VLLMEngine: top_p={cfg.top_p} < 1 is not supported: vLLM's "
                          f"log-probs would be renormalised over the nucleus and differ from "
