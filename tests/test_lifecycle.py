@@ -477,6 +477,45 @@ def test_on_close_runs_on_every_rank_as_its_group_closes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["closed0", "closed1"]
 
 
+class ClosesAfterItsCalls(asyncrl.Worker):
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    @asyncrl.register
+    def slow(self) -> None:
+        import time
+
+        open(os.path.join(self.folder, "started"), "w").close()
+        time.sleep(1.5)  # the call's own work (a reward's scoring, say)
+        open(os.path.join(self.folder, "done"), "w").close()
+
+    def on_close(self) -> None:  # as a RewardFn closes the pool a running score() uses
+        with open(os.path.join(self.folder, "closed"), "w") as f:
+            f.write(str(os.path.exists(os.path.join(self.folder, "done"))))
+
+
+def test_on_close_runs_after_the_call_under_way_ends(tmp_path):
+    """The rank ran on_close as soon as its group closed, beside a call still running (a
+    flow closed with steps in flight, Ctrl-C); now calls under way end first (within a
+    bound) and no other starts."""
+    folder = str(tmp_path)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(ClosesAfterItsCalls, folder)
+            running = group.slow()
+            await poll_until(lambda: os.path.exists(os.path.join(folder, "started")), 60,
+                             "the call to start")
+            pids = group_pids(group)
+            await ctl.close_group(group)
+            with pytest.raises(asyncrl.AsyncRLError):
+                await running  # the group closed under it
+            return pids
+    assert_gone(run(main()))
+    with open(os.path.join(folder, "closed")) as f:
+        assert f.read() == "True"
+
+
 class HungClose(asyncrl.Worker):
     @asyncrl.register
     def ping(self):

@@ -490,3 +490,31 @@ def test_a_user_protocols_split_is_checked_before_anything_is_sent():
         check_split("mine", Split({0: ((), {})}, [0, 1]), 2)
     with pytest.raises(TypeError, match="split returned dict, not an asyncrl.Split"):
         check_split("mine", {0: ((), {})}, 2)
+
+
+def test_a_future_failed_by_a_timeout_of_its_own_says_so_not_that_it_is_pending():
+    """`fut.result(t)` took a call's TransferTimeout (a TimeoutError, as concurrent.futures'
+    is since 3.11) for its own wait running out: "not done", the cause dropped, and a retry
+    loop spun forever on a future that had failed."""
+    import asyncio
+    import threading
+
+    from asyncrl.futures.future import DistFuture
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        pending = DistFuture._new(loop, "rollout.generate")
+        with pytest.raises(TimeoutError, match="rollout.generate not done after 0.05 s"):
+            pending.result(0.05)
+        failed = DistFuture._new(loop, "rollout.generate")
+        cause = asyncrl.TransferTimeout("no answer from g:0 within 60 s")
+        loop.call_soon_threadsafe(failed._set_exception, cause)
+        for timeout in (None, 5.0):
+            with pytest.raises(asyncrl.TransferTimeout, match="no answer from g:0"):
+                failed.result(timeout)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -41,7 +41,7 @@ from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
 from asyncrl.actors.rank_client import STAND_IN
 from asyncrl.actors.rank_fork import set_title
 from asyncrl.actors.register import registered_methods
-from asyncrl.actors.worker import construct
+from asyncrl.actors.worker import Worker, construct
 from asyncrl.comm import codec, nccl
 from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
@@ -73,6 +73,8 @@ from asyncrl.futures.store import ObjectStore, schema_of, storable
 
 EXIT_CONTROLLER_LOST = 75
 INLINE_LIMIT = 64 * 1024  # results up to this size also travel with their Result
+CALLS_SETTLE_S = 5.0  # at close, how long on_close waits for calls under way (half the
+# controller's default shutdown grace: on_close gets the other half)
 
 
 def _failure(e: BaseException) -> Failure:
@@ -106,6 +108,15 @@ class _Executor:
         self.data = rank_main.data_client(sock.identity.decode())
 
     def run_call(self, call: Call) -> None:
+        main = self.main
+        if not main.call_starts():  # the group closes: no call starts now (the controller
+            return  # failed every pending one)
+        try:
+            self._run(call)
+        finally:
+            main.call_ended()
+
+    def _run(self, call: Call) -> None:
         main = self.main
         start = time.perf_counter()
         try:
@@ -171,6 +182,9 @@ class RankMain:
                                on_start=bind_gpu, timeout=self.transfer_timeout,
                                curve=self.curve)
         self.worker: Any = None
+        self._running = 0  # calls under way (in order, and concurrent ones)
+        self._settled = threading.Condition()
+        self.closing = False  # set: no call starts any more
         self.dp_rank, self.dp_size = 0, 1  # this rank's place on the mesh's "dp" axis
         self.methods: dict[str, MethodSpec] = {}
         self.pool: ThreadPoolExecutor | None = None
@@ -304,6 +318,24 @@ class RankMain:
             ex = self.local.executor = _Executor(self, self.socket(f"c{threading.get_ident()}"))
         ex.run_call(call)
 
+    def call_starts(self) -> bool:
+        with self._settled:
+            if self.closing:
+                return False
+            self._running += 1
+            return True
+
+    def call_ended(self) -> None:
+        with self._settled:
+            self._running -= 1
+            self._settled.notify_all()
+
+    def settle(self, timeout: float) -> bool:
+        """Let no call start, and wait up to `timeout` for those under way to end."""
+        with self._settled:
+            self.closing = True
+            return self._settled.wait_for(lambda: self._running == 0, timeout)
+
     # -- I/O thread -----------------------------------------------------------------------
     def run_beside(self, call: Call) -> None:
         """A concurrent=True call: run it on the pool, beside the in-order calls."""
@@ -426,6 +458,13 @@ def main() -> None:
     faulthandler.enable(all_threads=False)  # a crash's traceback: through the tee to the log
     debugger.install()  # breakpoint() waits for `asyncrl attach` instead of hanging silently
     code = rank.serve()
+    # on_close comes after the last call (a reward's pool closed under a running score);
+    # a call that runs on (a collective whose peers are gone) gets a bounded wait
+    if rank.worker is not None and type(rank.worker).on_close is not Worker.on_close and \
+            not rank.settle(CALLS_SETTLE_S):
+        print(f"[asyncrl] {rank.group}:{rank.rank}: a call still ran {CALLS_SETTLE_S:g} s "
+              f"after the group closed; on_close() runs beside it", file=sys.stderr,
+              flush=True)
     if rank.worker is not None:
         # on_close may wait in a collective whose peers are gone (and with the controller
         # gone nobody kills this rank): past the collective timeout, it exits all the same

@@ -87,7 +87,9 @@ class DistFuture:
         value = asyncio.run_coroutine_threadsafe(self._get(), self._loop)
         try:
             return value.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError:  # (the built-in TimeoutError since 3.11)
+            if value.done():  # the call's own failure, a TransferTimeout say: not this wait's
+                return value.result()
             value.cancel()  # this wait (the call, and a fetch other awaiters share, go on)
             raise TimeoutError(f"{self._label} not done after {timeout} s") from None
 
