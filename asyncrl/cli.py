@@ -152,9 +152,10 @@ def launch(args: argparse.Namespace) -> int:
                          f"after the options, and no '--' (see `asyncrl launch --help`)")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
-    given = {k: v for k, v in (("checkpoint_every", args.checkpoint_every),
+    given = {k: v for k, v in (("steps", args.steps), ("checkpoint_every", args.checkpoint_every),
                                ("keep", args.keep_checkpoints)) if v is not None}
-    if args.resume:  # the options the run was launched with, unless given others now
+    if args.resume:  # the options the run was launched with (where it was to stop too: a
+        # resume without --steps ran on until an input ran out), unless given others now
         from asyncrl.controller.checkpoint import launch_options
 
         taken = {k: v for k, v in launch_options(run_dir).items() if k not in given}
@@ -169,11 +170,12 @@ def launch(args: argparse.Namespace) -> int:
     keep = given.get("keep", KEEP) or None  # 0: all
     cluster, host = _cluster(args)
     return _run_flow("launch", run_dir, launch_flow(
-        flow, args.steps, run_dir, args.save_inputs, resume=args.resume, keep=keep,
+        flow, given.get("steps"), run_dir, args.save_inputs, resume=args.resume, keep=keep,
         cluster=cluster, host=host, controller=_settings(args), wandb=_wandb(args, run_dir)))
 
 
-OPTION_NAMES = {"checkpoint_every": "checkpoint-every", "keep": "keep-checkpoints"}
+OPTION_NAMES = {"steps": "steps", "checkpoint_every": "checkpoint-every",
+                "keep": "keep-checkpoints"}
 
 
 def _wandb(args: argparse.Namespace, run_dir: Path) -> str | None:

@@ -183,8 +183,10 @@ def test_stopped_after_three_steps_and_resumed_matches_a_straight_run(straight, 
     assert f"resuming from {run_dir / 'checkpoints' / 'step_000002'}" in out.stdout
     assert "groups sampler define no save_state: they resume as built" in out.stdout
     assert_same(rows(run_dir), want)
-    # resumed again with nothing left: said, and the run left as it is
-    out = launch(THIS, "--steps", "6", "--run-dir", str(run_dir), "--resume")
+    # resumed again with nothing left: said, and the run left as it is (to the run's own
+    # --steps: without one, it went on until an input ran out)
+    out = launch(THIS, "--run-dir", str(run_dir), "--resume")
+    assert "resuming with the run's --steps 6" in out.stderr
     assert "nothing to run: steps 0..5 are done" in out.stdout
     assert "pass --steps N above 6 to go on" in out.stdout
     assert_same(rows(run_dir), want)

@@ -7,8 +7,8 @@
 
 meta.json: {"step": the last finished step index, "flow": identity(flow), "inputs":
 flow.positions(), "sizes": each group's ranks, "overrides": the run's key=value settings
-(a resume takes them again, under its own), "launch_options": --checkpoint-every and
---keep-checkpoints as given (a resume goes on with them unless given others), "time": when}.
+(a resume takes them again, under its own), "launch_options": --steps, --checkpoint-every
+and --keep-checkpoints as given (a resume goes on with them unless given others), "time": when}.
 A `.tmp` folder is a save that died half-way: never resumed from, removed by the next save.
 The newest `keep` checkpoints are kept (None: all).
 """
@@ -123,7 +123,7 @@ def sizes(flow: DataFlow) -> dict[str, int]:
 
 
 def launch_options(run_dir: Path) -> dict[str, Any]:
-    """The checkpointing options (checkpoint_every, keep) the command line gave the run
+    """The options (steps, checkpoint_every, keep) the command line gave the run
     whose newest checkpoint is in `run_dir` ({}: none, or a checkpoint of before session
     25); what the flow file sets is the flow file's."""
     path = latest(run_dir)
