@@ -341,7 +341,7 @@ class RankMain:
         """A concurrent=True call: run it on the pool, beside the in-order calls."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(4, thread_name_prefix="asyncrl-concurrent")
-        self.pool.submit(self.run_concurrent, call)
+        self.pool.submit(self.run_concurrent, call).add_done_callback(_said_if_failed)
 
     def serve(self) -> int:
         self.io.send(self.hello("io"))
@@ -477,6 +477,13 @@ def main() -> None:
             traceback.print_exc()
         watchdog.cancel()
     _exit(rank, code, output)
+
+
+def _said_if_failed(done: Any) -> None:
+    """A concurrent call that failed outside the call itself (its thread's GPU or socket):
+    no Result could go, so its traceback goes to the rank's log (the pool dropped it)."""
+    if done.exception() is not None:
+        traceback.print_exception(done.exception())
 
 
 def _on_close_hung(rank: RankMain, code: int, output: OutputCapture) -> None:

@@ -82,8 +82,10 @@ class Timeline:
 
         future._fut.add_done_callback(done)
 
-    def chrome_trace(self) -> dict[str, Any]:
-        spans = self.events
+    def chrome_trace(self, spans: list[Event] | None = None) -> dict[str, Any]:
+        """The trace of `spans` (default: every event; events are frozen, so a list taken
+        on the loop can be made into a trace on another thread)."""
+        spans = self.events if spans is None else spans
         rows = [CONTROLLER_ROW] + sorted({e.row for e in spans} - {CONTROLLER_ROW})
         tid = {row: i for i, row in enumerate(rows)}
         origin = min((e.start for e in spans), default=self.origin)  # the first event
