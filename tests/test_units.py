@@ -518,3 +518,17 @@ def test_a_future_failed_by_a_timeout_of_its_own_says_so_not_that_it_is_pending(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_only_asyncrls_own_data_plane_errors_are_raised_as_themselves():
+    """Matched by class name alone, a user's exception named InputLostError became asyncrl's
+    (its traceback lost, and recovery took it for a dead group and rewound)."""
+    from asyncrl.actors.rank_main import _failure
+    from asyncrl.controller.group import _DATA_PLANE_ERRORS
+
+    for own in (asyncrl.TransferTimeout, asyncrl.InputLostError):
+        assert _DATA_PLANE_ERRORS[_failure(own("x")).type] is own
+
+    theirs = type("InputLostError", (Exception,), {})  # a user's, by chance of the name
+    assert _failure(theirs("y")).type == "InputLostError"
+    assert _failure(theirs("y")).type not in _DATA_PLANE_ERRORS

@@ -69,6 +69,7 @@ from asyncrl.comm.messages import (
 )
 from asyncrl.comm.relay import RELAY_ROLES, HostRelay, relay_address, relay_identity
 from asyncrl.comm.shm import SegmentPool
+from asyncrl.errors import InputLostError, TransferTimeout
 from asyncrl.futures.store import ObjectStore, schema_of, storable
 
 EXIT_CONTROLLER_LOST = 75
@@ -78,8 +79,12 @@ CALLS_SETTLE_S = 5.0  # at close, how long on_close waits for calls under way (h
 
 
 def _failure(e: BaseException) -> Failure:
-    """The failure to send back; never raises, or the call would get no Result at all."""
+    """The failure to send back; never raises, or the call would get no Result at all.
+    asyncrl's own data-plane errors go under their full names: the controller raises them
+    as themselves (a user's exception of the same name stays a RemoteError)."""
     name = type(e).__qualname__
+    if type(e) in (TransferTimeout, InputLostError):
+        name = f"asyncrl.{name}"
     try:
         message = str(e)
     except BaseException as broken:  # noqa: BLE001 - a user exception's own __str__ failed

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 _call_ids = itertools.count(1)
 # errors of the data plane a rank reports by name: raised here as themselves
-_DATA_PLANE_ERRORS = {cls.__name__: cls for cls in (TransferTimeout, InputLostError)}
+_DATA_PLANE_ERRORS = {f"asyncrl.{cls.__name__}": cls for cls in (TransferTimeout, InputLostError)}
 _Host = tuple[bytes | None, list[int], list[bytes]]  # a relay (None: direct), ranks, sockets
 # a relay or _ALL, the sockets, an encoded message and the raw frames it announces
 _Send = tuple[Any, list[bytes], bytes, list[Any]]
