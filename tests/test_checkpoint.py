@@ -244,7 +244,7 @@ class Rotated:
         return iter(items[self.turn:] + items[:self.turn])
 
 
-def test_a_resumed_input_that_gives_other_items_is_refused_naming_it():
+def test_a_resumed_input_that_gives_other_items_is_refused_naming_it(caplog):
     """An input without state_dict() is resumed by skipping the items it gave: where its
     order changed, the resumed run repeated some prompts and never saw others, silently.
     The checkpoint now keeps a digest of the last item taken, checked on resume."""
@@ -265,6 +265,11 @@ def test_a_resumed_input_that_gives_other_items_is_refused_naming_it():
     with pytest.raises(CheckpointError, match=r"input 'prompts' gave another item at position "
                                               r"2 .*\(a PromptSource\)"):
         opened(1).resume_at(2, saved)
+    # a rewind within the run (its groups respawned already): said, and the run goes on
+    rewound = opened(1)
+    rewound.resume_at(2, saved, rewind=True)
+    assert "input 'prompts' gives another item at position 2 than before the rewind" in \
+        caplog.text and rewound.next()["prompts"] == "d"
     no_digest = {"prompts": {"consumed": 2}}  # a checkpoint of before session 27: skipped
     older = opened(1)
     older.resume_at(2, no_digest)

@@ -49,6 +49,14 @@ def test_placement_of_a_respawned_group_goes_back_where_it_was():
     assert p.place("critic", 1, None).devices == [2]
     p.forget("actor")  # died: closed, then spawned again with its own place=
     assert p.place("actor", 2, None).devices == [0, 1]  # least used: [3, 0]
+    # a group nobody placed itself with respect to: closed, its name taken again by a new
+    # group, placed afresh (not onto the GPUs another took meanwhile)
+    eight = Placer(Host(8, (0, 1)))
+    eight.place("eval", 2, None)
+    eight.place("train", 2, None)
+    eight.forget("eval")
+    assert eight.place("gen", 2, None).devices == [0, 1]
+    assert eight.place("eval", 2, None).devices == [4, 5]
     apart = Placer(Host(3, (0, 1)))
     apart.place("actor", 1, None)
     assert apart.place("reward", 2, asyncrl.separate_from("actor")).devices == [1, 2]

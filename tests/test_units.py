@@ -463,7 +463,8 @@ def test_a_call_whose_exception_cannot_be_shown_still_gets_a_result():
 
     sent: list = []
     ex = object.__new__(_Executor)  # no sockets: the Results land in `sent`, encoded as sent
-    ex.main = SimpleNamespace(worker=Fails(), rank=3)
+    ex.main = SimpleNamespace(worker=Fails(), rank=3, call_starts=lambda: True,
+                              call_ended=lambda: None)
     ex.sock = SimpleNamespace(send=lambda m: sent.append(messages.decode(messages.encode(m))))
     ex.data = SimpleNamespace(materialize=lambda x: x)
     payload = msgspec.Raw(codec.encode_call((), {}, []))
@@ -532,3 +533,18 @@ def test_only_asyncrls_own_data_plane_errors_are_raised_as_themselves():
     theirs = type("InputLostError", (Exception,), {})  # a user's, by chance of the name
     assert _failure(theirs("y")).type == "InputLostError"
     assert _failure(theirs("y")).type not in _DATA_PLANE_ERRORS
+
+
+def test_gather_groups_are_sized_by_the_parameters_not_their_freed_targets():
+    """A GPU engine's weights are freed while training (0 elements) and a ZeRO-3 partition's
+    numel() is 0 too: grouped by those, the first switch gathered the whole model at once."""
+    from asyncrl.hybrid.gather import plan_gather
+
+    plain = [torch.nn.Parameter(torch.zeros(4096)) for _ in range(4)]  # 16 KiB each
+    zero3 = [torch.nn.Parameter(torch.empty(0)) for _ in range(6)]
+    for p in zero3:
+        p.ds_numel = 4096  # what DeepSpeed gives a partitioned parameter
+    freed = [(p, torch.empty(0)) for p in plain + zero3]
+    plan = plan_gather(freed, 32 << 10, together=True)
+    assert [len(group) for group in plan] == [2, 2, 2, 2, 2]
+    assert [len(group) for group in plan_gather(freed, 32 << 10)] == [1] * 10

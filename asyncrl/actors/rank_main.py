@@ -74,8 +74,7 @@ from asyncrl.futures.store import ObjectStore, schema_of, storable
 
 EXIT_CONTROLLER_LOST = 75
 INLINE_LIMIT = 64 * 1024  # results up to this size also travel with their Result
-CALLS_SETTLE_S = 5.0  # at close, how long on_close waits for calls under way (half the
-# controller's default shutdown grace: on_close gets the other half)
+CALLS_SETTLE_S = 5.0  # at close, the longest on_close waits for calls under way
 
 
 def _failure(e: BaseException) -> Failure:
@@ -463,13 +462,14 @@ def main() -> None:
     faulthandler.enable(all_threads=False)  # a crash's traceback: through the tee to the log
     debugger.install()  # breakpoint() waits for `asyncrl attach` instead of hanging silently
     code = rank.serve()
-    # on_close comes after the last call (a reward's pool closed under a running score);
-    # a call that runs on (a collective whose peers are gone) gets a bounded wait
-    if rank.worker is not None and type(rank.worker).on_close is not Worker.on_close and \
-            not rank.settle(CALLS_SETTLE_S):
-        print(f"[asyncrl] {rank.group}:{rank.rank}: a call still ran {CALLS_SETTLE_S:g} s "
-              f"after the group closed; on_close() runs beside it", file=sys.stderr,
-              flush=True)
+    # no call starts now; on_close comes after the last one (a reward's pool closed under a
+    # running score), a call that runs on (a collective whose peers are gone) waited for
+    # within half the controller's shutdown grace (on_close gets the other half)
+    closes = rank.worker is not None and type(rank.worker).on_close is not Worker.on_close
+    wait = min(CALLS_SETTLE_S, float(os.environ.get("ASYNCRL_SHUTDOWN_GRACE", "10")) / 2)
+    if not rank.settle(wait if closes else 0.0) and closes:
+        print(f"[asyncrl] {rank.group}:{rank.rank}: a call still ran {wait:g} s after the "
+              f"group closed; on_close() runs beside it", file=sys.stderr, flush=True)
     if rank.worker is not None:
         # on_close may wait in a collective whose peers are gone (and with the controller
         # gone nobody kills this rank): past the collective timeout, it exits all the same

@@ -215,12 +215,14 @@ def _discard(path: Path) -> None:
     shutil.rmtree(gone)
 
 
-async def restore(flow: DataFlow, path: Path, meta: dict[str, Any]) -> int:
-    """Load checkpoint `path` into the open `flow` (no step run yet); the step to run next."""
+async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
+                  rewind: bool = False) -> int:
+    """Load checkpoint `path` into the open `flow` (no step run yet; `rewind`: a recovery
+    within the run); the step to run next."""
     await asyncio.gather(*(_handle(g).load_checkpoint(str(path)) for g in flow.groups))
     set_rng_state(torch.load(path / "controller_rng.pt", weights_only=True))
     start = int(meta["step"]) + 1
-    flow.resume_at(start, meta.get("inputs", {}))
+    flow.resume_at(start, meta.get("inputs", {}), rewind)
     return start
 
 

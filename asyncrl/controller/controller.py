@@ -311,6 +311,7 @@ class Controller:
                  "ASYNCRL_SECRET_FILE": str(self.secret_file),
                  "ASYNCRL_HB_INTERVAL": str(self.heartbeat_interval),
                  "ASYNCRL_HB_TIMEOUT": str(self.heartbeat_timeout),
+                 "ASYNCRL_SHUTDOWN_GRACE": str(self.shutdown_grace),
                  "ASYNCRL_TRANSFER_TIMEOUT": str(self.transfer_timeout),
                  "ASYNCRL_COLLECTIVE_TIMEOUT": str(self.collective_timeout),
                  "ASYNCRL_TRANSPORT": self.transport, "ASYNCRL_RUN_ID": self.run_id,

@@ -261,12 +261,12 @@ class DataFlow:
         """Where each iterable input is (`Inputs.positions`)."""
         return self.feed.positions()
 
-    def resume_at(self, start: int, positions: dict[str, Any]) -> None:
+    def resume_at(self, start: int, positions: dict[str, Any], rewind: bool = False) -> None:
         """Continue at step index `start` with the inputs where `positions()` said they were
-        (the flow is open and has run no step yet)."""
+        (the flow is open and has run no step yet; `rewind`: a recovery within the run)."""
         if self._ctl is None or self._steps:
             raise RuntimeError("resume_at() goes after open() and before the first step")
-        self.feed.resume_at(start, positions)
+        self.feed.resume_at(start, positions, rewind)
         self._next = start
 
     # -- steps --------------------------------------------------------------------------------

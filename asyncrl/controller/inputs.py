@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from asyncrl.controller.nodes import FlowError
 from asyncrl.errors import CheckpointError
+
+log = logging.getLogger("asyncrl")
 
 
 class Inputs:
@@ -59,8 +62,10 @@ class Inputs:
                 out[name]["item"] = digest
         return out
 
-    def resume_at(self, start: int, positions: dict[str, Any]) -> None:
-        """The inputs where `positions()` said they were, at step index `start`."""
+    def resume_at(self, start: int, positions: dict[str, Any], rewind: bool = False) -> None:
+        """The inputs where `positions()` said they were, at step index `start`. `rewind`
+        (a recovery in this run, its groups already respawned): an input that gives other
+        items there is a warning, not the end of the run."""
         for name in self.consumed:
             if name not in positions:
                 raise CheckpointError(
@@ -79,9 +84,9 @@ class Inputs:
                 raise CheckpointError(
                     f"input {name!r} was saved as {state}, a position for a source with "
                     f"load_state_dict(); this one has none: resume with the same input source")
-            self._skip(name, state)
+            self._skip(name, state, rewind)
 
-    def _skip(self, name: str, state: dict[str, Any]) -> None:
+    def _skip(self, name: str, state: dict[str, Any], rewind: bool) -> None:
         it, wanted = self._iters[name], state["consumed"]
         assert it is not None
         for taken in range(wanted):
@@ -92,14 +97,21 @@ class Inputs:
                     f"input {name!r} ended after {taken} items, but the checkpoint had "
                     f"consumed {wanted}; resume with the same input data") from None
         self.consumed[name] = wanted
-        if "item" in state and _digest(self._last.get(name)) != state["item"]:
-            raise CheckpointError(
-                f"input {name!r} gave another item at position {wanted} than the run that "
-                f"saved the checkpoint: its order changes from run to run (a set, a shuffle "
-                f"without a fixed seed), or its data changed, and skipping {wanted} items "
-                f"would repeat some and never give others; pass a list (or shuffle with a "
-                f"fixed seed), or a source with state_dict()/load_state_dict() (a "
-                f"PromptSource)")
+        if "item" not in state or _digest(self._last.get(name)) == state["item"]:
+            return
+        if rewind:
+            log.warning("asyncrl: input %r gives another item at position %d than before the "
+                        "rewind (its order changes each time it is read): the steps run again "
+                        "see other data; use a list, a seeded shuffle or a PromptSource",
+                        name, wanted)
+            return
+        raise CheckpointError(
+            f"input {name!r} gave another item at position {wanted} than the run that "
+            f"saved the checkpoint: its order changes from run to run (a set, a shuffle "
+            f"without a fixed seed), or its data changed, and skipping {wanted} items "
+            f"would repeat some and never give others; pass a list (or shuffle with a "
+            f"fixed seed), or a source with state_dict()/load_state_dict() (a "
+            f"PromptSource)")
 
     def next(self) -> dict[str, Any] | None:
         """One step's values, or None when an input has run out (`ended` names it)."""

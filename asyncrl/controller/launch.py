@@ -263,7 +263,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         found = checkpoint.latest(run_dir)
         if found is None:
             return False
-        await checkpoint.restore(flow, found, checkpoint.read_meta(found))
+        await checkpoint.restore(flow, found, checkpoint.read_meta(found), rewind=True)
         return True
 
     failed = True

@@ -130,9 +130,10 @@ class Placer:
         self.placed: dict[str, list[int]] = {}
         self._use: Counter[int] = Counter()
         self._added: dict[str, list[int]] = {}  # what each group added to _use, one per rank
-        # where a forgotten group was: placed again (a respawn), it goes back there, where
-        # the groups colocated with it (or kept apart from it) still are
+        # where a forgotten group was: placed again while groups placed with respect to it
+        # remain (a respawn: those colocated with it are still there), it goes back there
         self._was: dict[str, list[int]] = {}
+        self._asked: dict[str, list[Constraint]] = {}  # each placed group's constraints
 
     def place(self, group: str, nprocs: int, place: Any, warn: bool = True) -> Placement:
         constraints = constraints_of(place)
@@ -192,7 +193,9 @@ class Placer:
         else:
             away = {d for t in apart for d in on[t]}
             free = [d for d in pool if d not in away]
-            was = self._was.get(group, [])
+            was = self._was.get(group, []) if any(
+                c.target == group for g, cs in self._asked.items() if g in self.placed
+                for c in cs) else []
             if len(free) < needed and apart:
                 problem = (f"group {group!r} needs {needed} {host.kind}(s) "
                            f"{' and '.join(f'separate_from({t})' for t in apart)}, but only "
@@ -231,6 +234,7 @@ class Placer:
             log.warning("asyncrl placement: %s; on this CPU-only host it runs anyway: ranks "
                         "will share cores", problem)
         self.placed[group] = devices
+        self._asked[group] = constraints
         self._was.pop(group, None)
         self._added[group] = [devices[i % len(devices)] for i in range(nprocs)]
         self._use.update(self._added[group])
@@ -242,6 +246,7 @@ class Placer:
     def forget(self, group: str) -> None:
         if group in self.placed:
             self._was[group] = self.placed.pop(group)
+        self._asked.pop(group, None)
         self._use.subtract(self._added.pop(group, []))
 
 

@@ -308,7 +308,7 @@ class Recovery:
                     await ctl.close_group(spec.handle)
                     spec.handle = await flow._spawn(spec)
             set_rng_state(flow._origin_rng)  # nodes that draw random numbers draw them again
-            flow.resume_at(*flow._origin)
+            flow.resume_at(*flow._origin, rewind=True)
         resumed = flow.next_step
         self._record("rewind", [g.name for g in dead], step, None, resumed, exc, started)
         print(f"[asyncrl] rewound to step {resumed} after: {_first_line(exc)}",

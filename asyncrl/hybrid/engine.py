@@ -229,7 +229,9 @@ class HybridEngine:
 
     def _release(self) -> None:
         """On a GPU, free what the idle engine holds (its weights, the gather buffers) for
-        training; the next switch to generation allocates them again."""
+        training; the next switch to generation allocates them again. Meanwhile its
+        parameters keep their shapes over no memory: nothing may read them (the engine
+        sleeps, and refuses to generate)."""
         if not self._blocks:
             return
         for block in self._blocks:  # (as FSDP2 frees its unsharded parameters)

@@ -96,8 +96,7 @@ def plan_gather(pairs: Iterable[tuple[Any, torch.Tensor]], bucket_bytes: int,
             local.targets.append(target)
             continue
         if not row_sharded(param):
-            # the parameter's whole size, not the target's: a GPU engine's weights are freed
-            # (0 elements) while training, and a ZeRO-3 partition's numel() is 0 as well
+            # the parameter's whole size, not its own numel(): a ZeRO-3 partition's is 0
             size = (getattr(param, "ds_numel", 0) or param.numel()) * param.element_size()
             if group is None or not together or group_bytes + size > bucket_bytes:
                 group, group_bytes = [], 0

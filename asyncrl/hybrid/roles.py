@@ -311,7 +311,11 @@ class Rollout(Worker):
                              f"supported yet (its weight syncs carry the adapters alone, "
                              f"which only the built-in engine applies); use engine='builtin', "
                              f"or a hybrid Policy, whose switch merges them for vLLM")
-        self.engine = make_engine(engine, self.model_cfg, sampling_cfg, engine_options)
+        # vLLM as the trainer computes by default (bf16 where the GPU has it, as a Policy's
+        # engine follows its trainer): an fp32 model config would double its memory
+        engine_cfg = replace(self.model_cfg, dtype="bfloat16") if engine == "vllm" and \
+            self.model_cfg.dtype == "float32" and use_bf16(TrainConfig()) else self.model_cfg
+        self.engine = make_engine(engine, engine_cfg, sampling_cfg, engine_options)
         self.turns = Turns(turns) if turns is not None else None
         self._loading = threading.Lock()
 

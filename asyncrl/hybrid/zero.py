@@ -169,8 +169,9 @@ class ZeroBackend(TrainBackend):
         if not masters or not masters[0].is_cuda:  # (a CPU-only host: they stay)
             return
         if [h.shape for h in self._host_masters] != [t.shape for t in masters]:
-            self._host_masters = [torch.empty_like(t, device="cpu").pin_memory()
-                                  for t in masters]
+            self._host_masters = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                  for t in masters]  # (held for the run: 4 bytes a
+            # parameter of this rank's share, page-locked)
         for t, host in zip(masters, self._host_masters, strict=True):
             host.copy_(t, non_blocking=True)
         torch.cuda.current_stream().synchronize()  # the host copies are whole only after it

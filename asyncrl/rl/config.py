@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -105,9 +106,9 @@ def _check_type(name: str, kind: Any, value: Any) -> None:
     if value is None and kind.endswith("| None"):
         return
     base = kind.split(" |")[0]
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # (numpy's too)
     ok = {"bool": isinstance(value, bool), "str": isinstance(value, str),
-          "int": number and isinstance(value, int),
+          "int": number and isinstance(value, numbers.Integral),
           "float": number and math.isfinite(value)}[base]
     if not ok:
         what = {"bool": "True or False", "str": "a string", "int": "a whole number",

@@ -1,0 +1,103 @@
+"""A group's close, rank side: `Worker.on_close` on every rank, after the calls under way
+(within a bound), and a hung one ended at the collective timeout."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from helpers import assert_gone, group_pids, poll_until, run
+
+import asyncrl
+
+
+class Closing(asyncrl.Worker):
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    @asyncrl.register
+    def ping(self) -> int:
+        return self.rank
+
+    def on_close(self) -> None:  # what a worker holds outside its process is released here
+        with open(os.path.join(self.folder, f"closed{self.rank}"), "w") as f:
+            f.write("bye")
+
+
+def test_on_close_runs_on_every_rank_as_its_group_closes(tmp_path):
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Closing, str(tmp_path), nprocs=2)
+            assert await group.ping() == [0, 1]
+            assert not list(tmp_path.iterdir())  # not before the group closes
+            pids = group_pids(group)
+            await ctl.close_group(group)
+            return pids
+    assert_gone(run(main()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["closed0", "closed1"]
+
+
+class ClosesAfterItsCalls(asyncrl.Worker):
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    @asyncrl.register
+    def slow(self) -> None:
+        import time
+
+        open(os.path.join(self.folder, "started"), "w").close()
+        time.sleep(1.5)  # the call's own work (a reward's scoring, say)
+        open(os.path.join(self.folder, "done"), "w").close()
+
+    def on_close(self) -> None:  # as a RewardFn closes the pool a running score() uses
+        with open(os.path.join(self.folder, "closed"), "w") as f:
+            f.write(str(os.path.exists(os.path.join(self.folder, "done"))))
+
+
+def test_on_close_runs_after_the_call_under_way_ends(tmp_path):
+    """The rank ran on_close as soon as its group closed, beside a call still running (a
+    flow closed with steps in flight, Ctrl-C); now calls under way end first (within a
+    bound) and no other starts."""
+    folder = str(tmp_path)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(ClosesAfterItsCalls, folder)
+            running = group.slow()
+            await poll_until(lambda: os.path.exists(os.path.join(folder, "started")), 60,
+                             "the call to start")
+            pids = group_pids(group)
+            await ctl.close_group(group)
+            with pytest.raises(asyncrl.AsyncRLError):
+                await running  # the group closed under it
+            return pids
+    assert_gone(run(main()))
+    with open(os.path.join(folder, "closed")) as f:
+        assert f.read() == "True"
+
+
+class HungClose(asyncrl.Worker):
+    @asyncrl.register
+    def ping(self):
+        return self.rank
+
+    def on_close(self):
+        threading.Event().wait()  # a collective whose peers are gone
+
+
+def test_a_hung_on_close_ends_at_the_collective_timeout():
+    """With the controller gone nobody kills a rank whose on_close never returns: it held
+    its process (and its GPU) forever. Here the controller waits longer than the timeout
+    before it would kill: the rank ends itself and says why."""
+    async def main():
+        async with asyncrl.Controller(collective_timeout=1.0, shutdown_grace=120) as ctl:
+            group = await ctl.spawn(HungClose)
+            assert await group.ping() == [0]
+            pids = group_pids(group)
+            await ctl.close_group(group)
+            said = "on_close() did not return within 1 s; exiting"  # its last line, streamed
+            await poll_until(lambda: said in ctl.logs.path("hungclose", 0).read_text(), 20,
+                             "the rank's last line")
+            return pids
+    assert_gone(run(main(), timeout=100))
