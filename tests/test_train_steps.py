@@ -15,6 +15,16 @@ from asyncrl import TensorBatch
 from asyncrl.hybrid.fsdp import nll_loss
 
 
+class _FailsBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the backward failed at micro-batch 2")
+
+
 class StepTrainer(AnyTrainer):
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
     def failing_step(self, batch: TensorBatch) -> dict:
@@ -26,6 +36,24 @@ class StepTrainer(AnyTrainer):
             if len(seen) == 2:
                 raise RuntimeError("the loss failed at micro-batch 2")
             return nll_loss(out, micro)
+        return self.backend.train_step(batch, loss_fn)
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def failing_backward_step(self, batch: TensorBatch) -> dict:
+        """A step whose last micro-batch's backward fails (an OOM there, say)."""
+        seen = []
+
+        def loss_fn(out, micro):
+            seen.append(len(micro))
+            loss, stats = nll_loss(out, micro)
+            return (_FailsBackward.apply(loss) if len(seen) == 2 else loss), stats
+        return self.backend.train_step(batch, loss_fn)
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def poisoned_step(self, batch: TensorBatch) -> dict:
+        def loss_fn(out, micro):
+            loss, stats = nll_loss(out, micro)
+            return loss * float("nan"), stats
         return self.backend.train_step(batch, loss_fn)
 
     @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
@@ -69,6 +97,35 @@ def test_a_save_before_the_first_step_and_a_failed_step_change_no_later_step(kin
                                                                 after_failure or after_save)):
         assert all(torch.equal(got[k], v) for k, v in want.items()), (when, [
             k for k, v in want.items() if not torch.equal(got[k], v)][:3])
+
+
+def test_a_skipped_step_advances_both_backends_schedules_and_a_failed_backward_is_kept():
+    """A non-finite gradient skips the step in both backends; FSDP2 stepped the schedule and
+    DeepSpeed did not, so their warmups drifted apart. And a ZeRO step whose last
+    micro-batch's backward failed left what it had reduced in DeepSpeed's buffers, for the
+    next step to add (only a failure before the last was caught)."""
+    pytest.importorskip("deepspeed")
+    batch = fixed_batch()
+    train_cfg = {"lr": 1e-2, "micro_batch_size": 4, "warmup_steps": 4, "grad_clip": None}
+
+    async def main():
+        async with asyncrl.Controller(construct_timeout=500) as ctl:
+            groups = await asyncio.gather(*(
+                ctl.spawn(StepTrainer, kind, {"preset": "tiny-llama", "seed": 0}, train_cfg,
+                          name=kind) for kind in ("fsdp2", "zero2")))
+            pids = [p for g in groups for p in group_pids(g)]
+            skipped = [(await g.poisoned_step(batch))[0] for g in groups]
+            after = [(await g.step(batch))[0] for g in groups]
+            with pytest.raises(asyncrl.RemoteError, match="the backward failed"):
+                await groups[1].failing_backward_step(batch)
+            with pytest.raises(asyncrl.RemoteError, match="ZeRO train_step refused"):
+                await groups[1].step(batch)
+            return skipped, after, pids
+    skipped, after, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    assert [s["grad_nonfinite"] for s in skipped] == [1.0, 1.0]
+    assert [s["lr"] for s in skipped] == [0.0, 0.0]  # warmup's first step
+    assert after[0]["lr"] == after[1]["lr"] == pytest.approx(1e-2 / 4)  # its second, in both
 
 
 @pytest.mark.parametrize("kind", ["zero2", "zero3"])

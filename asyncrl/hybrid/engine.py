@@ -93,8 +93,8 @@ class HybridEngine:
         # parameters (LoRA): while it stands, they are not gathered again
         self._frozen_at: int | None = None
         self.released = False  # the engine's weights are freed (GPU, train mode)
-        # where they are freed: their data in one block per dtype, whose memory goes and
-        # comes back at once (the parameters stay views of it)
+        # where they are freed: their data in a few blocks (one dtype each), whose memory
+        # goes and comes back by one call each (the parameters stay views of them)
         self._blocks = _into_blocks(self.engine.model) if self._frees_memory() else []
         self._frozen_plan: list[Any] | None = None  # gather plans, made once
         self._trained_plan: list[Any] = []
@@ -274,7 +274,6 @@ class HybridEngine:
         if self.mode != "generate":
             raise RuntimeError("the hybrid engine is in train mode: call to_generate() first")
         return self.engine.generate(prompts, seeds, config, **turns)
-
 
 
 ALIGN = 16  # bytes: each weight's offset in its block (vectorised kernels read it)

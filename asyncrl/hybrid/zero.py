@@ -73,7 +73,8 @@ class ZeroBackend(TrainBackend):
         model = trainable(model_cfg, train_cfg, head)
         opt = adamw(trained_parameters(model), train_cfg)
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
-                  "gradient_accumulation_steps": 1, "gradient_clipping": train_cfg.grad_clip,
+                  "gradient_accumulation_steps": 1,  # None: no clipping (DeepSpeed's 0)
+                  "gradient_clipping": train_cfg.grad_clip or 0.0,
                   "zero_optimization": {"stage": stage},
                   "bf16": {"enabled": use_bf16(train_cfg)},
                   # gradients averaged in fp32, as FSDP2 reduces them (bf16 would by default)
@@ -108,26 +109,31 @@ class ZeroBackend(TrainBackend):
             self.engine.set_train_batch_size(
                 self.cfg.micro_batch_size * gas * dist.get_world_size())
 
-        done = 0
+        began = done = 0  # micro-batches whose backward began, and those whose step returned
 
         def backward(loss: torch.Tensor) -> None:
-            nonlocal done
-            done += 1
+            nonlocal began, done
+            began += 1
             # the boundary said outright: DeepSpeed's own micro-step counter runs on across
             # steps, and steps at the wrong micro-batch once their count changes
-            self.engine.set_gradient_accumulation_boundary(done == gas)
+            self.engine.set_gradient_accumulation_boundary(began == gas)
             self.engine.backward(loss * gas)  # DeepSpeed divides by the accumulation steps
             self.engine.step()  # steps the optimizer and the schedule at the boundary only
+            done += 1
 
         lr = self.opt.param_groups[0]["lr"]
+        skipped = self.engine.skipped_steps
         try:
             stats = self._accumulate(batch, loss_fn, entropy, backward, micros)
         except BaseException as e:
-            if 0 < done < gas:
+            # gradients reduced into DeepSpeed's buffers and not stepped: a backward that
+            # raised (the last micro-batch's too, or the only one's), or one not reached
+            if began > done or 0 < done < gas:
                 self._failed_midway = f"{type(e).__name__}: {e}"
             raise
         norm = float(self.engine.get_global_grad_norm() or 0.0)
-        # reported, not skipped: DeepSpeed steps anyway outside fp16 loss scaling
+        if self.engine.skipped_steps > skipped:  # a non-finite gradient: DeepSpeed skipped
+            self.sched.step()  # the step and its schedule; FSDP2 skips the step alone
         return {**stats, "grad_norm": norm, "lr": lr,
                 "grad_nonfinite": 0.0 if math.isfinite(norm) else 1.0}
 
