@@ -98,6 +98,12 @@ def test_importance_weights_stay_finite_far_off_policy():
     assert (weight * torch.tensor([[0.0, 1.0]])).isfinite().all()
     tis = importance_weights(prox, rollout, mask, RLConfig(group_size=2, correction="tis"))
     assert tis.tolist() == [[2.0, 1.0]]
+    # with a cap (AReaL's behav_imp_weight_cap) that token leaves the loss instead
+    capped = importance_weights(prox, rollout, mask, RLConfig(
+        group_size=2, correction="decoupled", decoupled_cap=5.0))
+    assert capped.tolist() == [[0.0, 1.0]]
+    with pytest.raises(ValueError, match="decoupled_cap must be > 1"):
+        RLConfig(group_size=2, correction="decoupled", decoupled_cap=0.5)
 
 
 def test_rl_config_refuses_settings_that_would_train_wrong_silently():

@@ -56,9 +56,14 @@ TRAIN_COLUMNS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "
 def importance_weights(prox: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
                        cfg: RLConfig) -> torch.Tensor:
     """Per token, the proximal policy's probability over the rollout's (1 outside the mask),
-    truncated at `tis_cap` for "tis"."""
+    truncated at `tis_cap` for "tis"; for "decoupled" with a `decoupled_cap`, 0 (the token
+    left out) above it."""
     weight = torch.exp(((prox - rollout) * mask).clamp(-20.0, 20.0))  # as the ratio: never inf
-    return weight.clamp(max=cfg.tis_cap) if cfg.correction == "tis" else weight
+    if cfg.correction == "tis":
+        return weight.clamp(max=cfg.tis_cap)
+    if cfg.correction == "decoupled" and cfg.decoupled_cap is not None:
+        return torch.where(weight > cfg.decoupled_cap, torch.zeros_like(weight), weight)
+    return weight
 
 
 def policy_loss(cfg: RLConfig, correct_in_pass: bool = False) -> Any:

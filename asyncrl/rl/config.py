@@ -48,6 +48,10 @@ class RLConfig:
     # decoupled PPO objective (ratio against the trainer's current policy, importance weight
     # against the rollout's); "none": the rollout's log-probs are the old policy
     tis_cap: float = 2.0  # the truncation of "tis" importance weights
+    # "decoupled": tokens whose importance weight exceeds this are left out of the loss (as
+    # AReaL's behav_imp_weight_cap: one token far off policy would else dominate the
+    # gradient, by up to e^20); None: every token counts, its weight as it is
+    decoupled_cap: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -81,6 +85,9 @@ class RLConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"RLConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.decoupled_cap is not None and self.decoupled_cap <= 1:
+            raise ValueError(f"RLConfig.decoupled_cap must be > 1 (a weight of 1 is on "
+                             f"policy; AReaL uses e.g. 5) or None, got {self.decoupled_cap}")
         for name in ("value_clip", "tis_cap"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RLConfig.{name} must be > 0, got {getattr(self, name)}")
