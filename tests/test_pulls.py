@@ -235,10 +235,15 @@ def test_a_dead_groups_sockets_are_closed_at_the_next_pull(scripted):
     client = client_of(scripted, timeout=60, gone=gone)
     assert client.fetch_value(RemoteValue(producer.shard)) == 7
     old = client._socks[producer.addr][0]
+    ctx, _, _ = scripted  # and one kept for a timed-out CUDA IPC pull's late reply
+    retired = dataplane._Retired(ctx.socket(zmq.DEALER), Verifier(SECRET), b"x", {3},
+                                 producer.addr)
+    client._late.append(retired)
     gone.add(messages.PeersGone("prod", [producer.addr], 5, "is dead: its process is gone"))
     # a respawned group's object on the same port: pulled through a socket of its own
     assert client.fetch_value(RemoteValue(Shard("prod", 0, 6, producer.addr, "h"))) == 9
     assert old.closed and client._socks[producer.addr][0] is not old
+    assert retired.sock.closed and client._late == []
 
 
 def test_the_data_server_drops_a_peer_that_sends_an_oversized_frame():

@@ -94,6 +94,7 @@ class _Retired:
     verifier: Verifier
     identity: bytes
     owed: set[int]  # the transfer ids still unanswered
+    addr: str = ""  # the producer's data server
 
 
 class DataClient:
@@ -426,6 +427,8 @@ class DataClient:
                 entry = self._socks.pop(addr, None)
                 if entry is not None:
                     entry[0].close(0)
+            for retired in [r for r in self._late if r.addr in msg.addrs]:
+                self._close_retired(retired)  # (its GPU blocks went with the producer)
 
     def _check_alive(self, pieces: Iterable[Piece]) -> None:
         """InputLostError if the producer of one of these pieces is known to be gone."""
@@ -451,7 +454,8 @@ class DataClient:
         if not any(req.ipc for req in unanswered):
             sock.close(0)
             return
-        self._late.append(_Retired(sock, verifier, identity, {r.xfer_id for r in unanswered}))
+        self._late.append(_Retired(sock, verifier, identity, {r.xfer_id for r in unanswered},
+                                   addr))
         while len(self._late) > MAX_LATE_SOCKETS:  # peers that never answer again
             oldest = self._late[0]
             self._drain(oldest)
