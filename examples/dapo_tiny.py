@@ -12,8 +12,9 @@ DAPO (Yu et al., 2025) as verl's recipe sets it: dynamic sampling (a group whose
 scored alike has advantage 0 and is left out, and the batch is refilled from new prompts),
 clip-higher (the ratio clipped to [1 - 0.2, 1 + 0.28]), token-mean loss, no KL term and so no
 reference. Micro-batches by token budget. metrics.jsonl has dapo/rounds (prompt batches
-generated for the step), dapo/uniform_groups (the share of groups whose samples all scored
-alike), dapo/sampled_mean (the reward before the filter) and what grpo_tiny.py reports.
+generated for the step), dapo/kept_groups, dapo/uniform_groups (the share of groups whose
+samples all scored alike), dapo/sampled_mean (the reward before the filter) and the actor's
+update metrics (reward/*, actor/*; no KL and no validation here).
 `max_rounds` bounds the batches a step may draw: past it the run stops with the counts
 (verl's max_num_gen_batches); the ten prompts of this task are learned for good within a
 few dozen steps, after which every group scores alike.

@@ -14,7 +14,8 @@ should repeat it: "?" "=v" "v". The reward is 1 for a looked-up answer that repe
 policy has to find the call by sampling it (about one token in 16 at first). The observation's
 tokens are in the response the trainer reads but out of every loss (policy_mask).
 metrics.jsonl adds multi_turn/turns (turns per sample) and
-multi_turn/env_tokens (observation tokens per sample) to grpo_tiny.py's.
+multi_turn/env_tokens (observation tokens per sample) to the actor's update metrics
+(reward/*, actor/*; no reference, so no KL, and no validation node).
 """
 
 import math

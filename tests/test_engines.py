@@ -271,6 +271,16 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         VLLMEngine("tiny-llama", tensor_parallel_size=2, llm_cls=fake_vllm.LLM,
                    sampling_params_cls=fake_vllm.SamplingParams)
+    # vLLM's other keywords pass on (the error for a model override advises hf_overrides;
+    # it was a TypeError); those the adapter sets are refused
+    fake_vllm.LLM.calls.clear()
+    VLLMEngine("tiny-llama", llm_cls=fake_vllm.LLM, sampling_params_cls=fake_vllm.SamplingParams,
+               max_model_len=128, hf_overrides={"rope_theta": 1e4})
+    assert fake_vllm.LLM.calls[0][1]["max_model_len"] == 128
+    assert fake_vllm.LLM.calls[0][1]["hf_overrides"] == {"rope_theta": 1e4}
+    with pytest.raises(ValueError, match=r"engine_options \['enable_sleep_mode'\] are set by"):
+        VLLMEngine("tiny-llama", llm_cls=fake_vllm.LLM,
+                   sampling_params_cls=fake_vllm.SamplingParams, enable_sleep_mode=False)
     # vLLM's log-probs after top-p are renormalised over the nucleus: not the trainer's
     with pytest.raises(ValueError, match="top_p=0.9 < 1 is not supported"):
         engine.generate([[1, 4]], seeds=[0], config=SamplingConfig(top_p=0.9))

@@ -82,6 +82,9 @@ class WeightLoader:
         return len(params)
 
 
+# LLM keywords the adapter sets itself (engine_options may give any other)
+ADAPTER_SETS = {"model", "distributed_executor_backend", "enable_sleep_mode",
+                "skip_tokenizer_init", "logprobs_mode", "worker_extension_cls"}
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy decoding
 
 
@@ -91,7 +94,14 @@ class VLLMEngine:
     def __init__(self, model_path: str, sampling: SamplingConfig | None = None, *,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", seed: int = 0, load_format: str = "auto",
-                 llm_cls: Any = None, sampling_params_cls: Any = None):
+                 llm_cls: Any = None, sampling_params_cls: Any = None, **llm_options: Any):
+        """`llm_options`: other keywords of vLLM's LLM (max_model_len, hf_overrides,
+        enforce_eager, ...), passed on as they are; those this adapter sets are refused."""
+        taken = sorted(set(llm_options) & ADAPTER_SETS)
+        if taken:
+            raise ValueError(f"engine_options {taken} are set by asyncrl's vLLM adapter (it "
+                             f"runs vLLM inside the rank's torchrun group, with sleep mode "
+                             f"and its own weight loading); leave them out")
         if llm_cls is None or sampling_params_cls is None:
             name = os.environ.get(MODULE_ENV, "vllm")
             try:
@@ -117,7 +127,8 @@ class VLLMEngine:
                            dtype=dtype, seed=seed, load_format=load_format,
                            skip_tokenizer_init=True,
                            logprobs_mode="processed_logprobs",
-                           worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}")
+                           worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}",
+                           **llm_options)
         self.asleep = False
         self._asleep_parts: set[str] = set()  # "weights", "kv_cache": what vLLM has released
         self.paused = False
