@@ -9,8 +9,11 @@ the device copy alone.
 One JSON line per model (on a GPU two: "optimizer": "offloaded" | "kept"): {"bench":
 "hybrid_switch", "params": ..., "switch_s": ..., "baseline": "all_gather" | "memcpy" |
 "memcpy+host_round_trip", "baseline_s": ...}. Run: `.venv/bin/python benchmarks/hybrid_switch.py
-[--presets tiny-llama llama-100m] [--backend fsdp2|zero3] [--repeat 5]`. Driver code stays
-behind __main__ (the ranks import this file to find SwitchBench).
+[--presets tiny-llama llama-100m] [--backend fsdp2|zero3] [--repeat 5] [--ranks N]
+[--free-engine]`. `--ranks 1 --free-engine` on a CPU host times the GPU's path there: one
+rank, its engine's weights freed while training, against a copy of them (the per-tensor
+work a GPU switch does; on CPU a model-sized free costs page faults, so tiny models only).
+Driver code stays behind __main__ (the ranks import this file to find SwitchBench).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from asyncrl.hybrid.roles import make_backend
 
 
 class SwitchBench(asyncrl.Worker):
-    def __init__(self, preset: str, backend: str = "fsdp2"):
+    def __init__(self, preset: str, backend: str = "fsdp2", free_engine: bool = False):
+        if free_engine:  # as on a GPU (this rank's process only)
+            HybridEngine._frees_memory = lambda self: True  # type: ignore[method-assign]
         cfg = ModelConfig(preset=preset)
         self.backend = make_backend(self, backend, cfg, TrainConfig())
         self.hybrid = HybridEngine(self.backend, cfg)
@@ -50,14 +55,16 @@ class SwitchBench(asyncrl.Worker):
             self.backend.train_step(rollout)
         self.hybrid.offload_optimizer = offload_optimizer
         times = []
+        # one rank: no barrier (a gloo barrier of one costs about what a tiny switch does)
+        barrier = dist.barrier if self.world_size > 1 else (lambda: None)
         for _ in range(repeat + 1):  # the first also warms the allocator
-            dist.barrier()
+            barrier()
             t0 = time.perf_counter()
             self.hybrid.to_generate()
             self.hybrid.to_train()
             if torch.cuda.is_available():  # the barrier goes over gloo: it waits for no kernel
                 torch.cuda.synchronize()
-            dist.barrier()
+            barrier()
             times.append(time.perf_counter() - t0)
         return {"params": self.params, "switch_s": statistics.median(times[1:])}
 
@@ -67,14 +74,16 @@ class SwitchBench(asyncrl.Worker):
         self.hybrid.to_generate()  # the engine's weights exist (freed while training)
         src = [p.detach() for p in self.hybrid.engine.model.parameters()]
         dst = [torch.empty_like(p) for p in src]
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         times = []
         for _ in range(repeat + 1):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             for d, s in zip(dst, src, strict=True):
                 d.copy_(s)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
+        self.hybrid.to_train()
         return statistics.median(times[1:])
 
     @asyncrl.register
@@ -118,28 +127,35 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return getattr(p, "ds_tensor", p).reshape(-1)
 
 
-async def bench(presets: list[str], repeat: int, backend: str) -> None:
+async def bench(presets: list[str], repeat: int, backend: str, ranks: int | None,
+                free_engine: bool) -> None:
     async with asyncrl.Controller(construct_timeout=900) as ctl:
         for preset in presets:
-            ranks = 1 if torch.cuda.device_count() == 1 else 2  # one GPU: one rank
-            group = await ctl.spawn(SwitchBench, preset, backend, nprocs=ranks,
+            if ranks is None:
+                ranks = 1 if torch.cuda.device_count() == 1 else 2  # one GPU: one rank
+            group = await ctl.spawn(SwitchBench, preset, backend, free_engine, nprocs=ranks,
                                     name=f"switch-{preset}")
             gpu = torch.cuda.is_available()
-            copy = (await (group.device_copy(repeat) if gpu else group.all_gather(repeat)))[0]
+            copied = gpu or ranks == 1  # nothing to gather: the floor is a copy
+            copy = (await (group.device_copy(repeat) if copied else
+                           group.all_gather(repeat)))[0]
             # on a GPU, also with the optimizer's state kept there (Policy(offload_optimizer=
             # False)); the default offload's floor adds that state's bytes to the host and back
-            for offload in (True, False) if gpu else (True,):
+            # (on CPU the optimizer's state never moves: "kept" is what a freed engine times)
+            modes = (True, False) if gpu else (False,) if free_engine else (True,)
+            for offload in modes:
                 switch = (await group.switch(repeat, offload))[0]
                 baseline = copy + ((await group.host_round_trip(repeat))[0] if gpu and offload
                                    else 0.0)
-                limit = 3.0 if gpu else 1.5
+                limit = 3.0 if copied else 1.5
                 print(json.dumps({
                     "bench": "hybrid_switch", "preset": preset, "backend": backend,
                     "params": switch["params"], "ranks": ranks,
                     "optimizer": "offloaded" if offload else "kept",
-                    "switch_s": round(switch["switch_s"], 4),
-                    "baseline": ("memcpy+host_round_trip" if offload else "memcpy") if gpu
-                    else "all_gather", "baseline_s": round(baseline, 4),
+                    "switch_s": round(switch["switch_s"], 6),
+                    "baseline": ("memcpy+host_round_trip" if offload and gpu else "memcpy")
+                    if copied else "all_gather", "baseline_s": round(baseline, 6),
+                    "free_engine": free_engine or gpu,
                     "ratio": round(switch["switch_s"] / baseline, 2),
                     "target_met": switch["switch_s"] <= limit * baseline,
                     "machine": {"arch": platform.machine()}, "torch": torch.__version__}),
@@ -152,8 +168,11 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["tiny-llama", "llama-100m"])
     p.add_argument("--backend", choices=("fsdp2", "zero3"), default="fsdp2")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--ranks", type=int, default=None, help="default: 1 on one GPU, else 2")
+    p.add_argument("--free-engine", action="store_true",
+                   help="free the engine's weights while training, as on a GPU")
     args = p.parse_args()
-    asyncrl.run(bench(args.presets, args.repeat, args.backend))
+    asyncrl.run(bench(args.presets, args.repeat, args.backend, args.ranks, args.free_engine))
 
 
 if __name__ == "__main__":
