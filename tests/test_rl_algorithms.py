@@ -104,6 +104,8 @@ def test_importance_weights_stay_finite_far_off_policy():
     assert capped.tolist() == [[0.0, 1.0]]
     with pytest.raises(ValueError, match="decoupled_cap must be > 1"):
         RLConfig(group_size=2, correction="decoupled", decoupled_cap=0.5)
+    with pytest.raises(ValueError, match="decoupled_cap is for correction='decoupled'"):
+        RLConfig(group_size=2, correction="tis", decoupled_cap=5.0)
 
 
 def test_rl_config_refuses_settings_that_would_train_wrong_silently():

@@ -120,6 +120,9 @@ class ZeroBackend(TrainBackend):
             self.engine.backward(loss * gas)  # DeepSpeed divides by the accumulation steps
             self.engine.step()  # steps the optimizer and the schedule at the boundary only
             done += 1
+            if began == gas and self.engine.skipped_steps > skipped:  # a non-finite gradient:
+                self.sched.step()  # DeepSpeed skipped the step and its schedule; FSDP2 skips
+                # the step alone
 
         lr = self.opt.param_groups[0]["lr"]
         skipped = self.engine.skipped_steps
@@ -132,8 +135,6 @@ class ZeroBackend(TrainBackend):
                 self._failed_midway = f"{type(e).__name__}: {e}"
             raise
         norm = float(self.engine.get_global_grad_norm() or 0.0)
-        if self.engine.skipped_steps > skipped:  # a non-finite gradient: DeepSpeed skipped
-            self.sched.step()  # the step and its schedule; FSDP2 skips the step alone
         return {**stats, "grad_norm": norm, "lr": lr,
                 "grad_nonfinite": 0.0 if math.isfinite(norm) else 1.0}
 

@@ -85,6 +85,10 @@ class RLConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"RLConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.decoupled_cap is not None and self.correction != "decoupled":
+            raise ValueError(f"RLConfig.decoupled_cap is for correction='decoupled' (got "
+                             f"{self.correction!r}: it would be ignored); \"tis\" truncates "
+                             f"at tis_cap")
         if self.decoupled_cap is not None and self.decoupled_cap <= 1:
             raise ValueError(f"RLConfig.decoupled_cap must be > 1 (a weight of 1 is on "
                              f"policy; AReaL uses e.g. 5) or None, got {self.decoupled_cap}")
