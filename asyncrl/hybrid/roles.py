@@ -146,6 +146,15 @@ def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg
     raise ValueError(f"backend is 'fsdp2', 'zero2' or 'zero3', got {backend!r}")
 
 
+def engine_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
+    """The model an engine builds, computing as the trainer does: a bf16 trainer's log-probs
+    from an fp32 engine would differ by ~1e-3 (the first PPO ratio not 1), at twice its
+    memory."""
+    if use_bf16(train_cfg) and model_cfg.dtype == "float32":
+        return replace(model_cfg, dtype="bfloat16")
+    return model_cfg
+
+
 class Policy(Worker):
     def __init__(self, model: dict[str, Any], train: dict[str, Any] | None = None,
                  sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES,
@@ -156,12 +165,9 @@ class Policy(Worker):
             type(self).__name__, model, sampling, multi_turn, train)
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.model_cfg = model_cfg  # noted in checkpoints, for `asyncrl export`
-        # the engine computes as the trainer does: a bf16 trainer's log-probs from an fp32
-        # engine would differ by ~1e-3 (the first PPO ratio not 1), at twice its memory
-        engine_cfg = replace(model_cfg, dtype="bfloat16") if use_bf16(train_cfg) and \
-            model_cfg.dtype == "float32" else model_cfg
-        self.hybrid = HybridEngine(self.backend, engine_cfg, sampling_cfg, bucket_bytes, engine,
-                                   engine_options, offload_optimizer) if hybrid else None
+        self.hybrid = HybridEngine(self.backend, engine_config(model_cfg, train_cfg),
+                                   sampling_cfg, bucket_bytes, engine, engine_options,
+                                   offload_optimizer) if hybrid else None
         if turns is not None and not hybrid:
             raise ValueError("multi_turn= is for a Policy that generates: a hybrid=False one "
                              "only trains; give multi_turn= to its Rollout group")
@@ -311,10 +317,9 @@ class Rollout(Worker):
                              f"supported yet (its weight syncs carry the adapters alone, "
                              f"which only the built-in engine applies); use engine='builtin', "
                              f"or a hybrid Policy, whose switch merges them for vLLM")
-        # vLLM as the trainer computes by default (bf16 where the GPU has it, as a Policy's
-        # engine follows its trainer): an fp32 model config would double its memory
-        engine_cfg = replace(self.model_cfg, dtype="bfloat16") if engine == "vllm" and \
-            self.model_cfg.dtype == "float32" and use_bf16(TrainConfig()) else self.model_cfg
+        # vLLM as the default trainer computes (a Policy's engine follows its own trainer)
+        engine_cfg = engine_config(self.model_cfg, TrainConfig()) if engine == "vllm" else \
+            self.model_cfg
         self.engine = make_engine(engine, engine_cfg, sampling_cfg, engine_options)
         self.turns = Turns(turns) if turns is not None else None
         self._loading = threading.Lock()

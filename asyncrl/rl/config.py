@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
+from asyncrl.hybrid.sampler import whole_number
 from asyncrl.rl.algorithms import AGGS
 
 # what PPO's returns depend on (see RLConfig.returns_fields); the KL's settings only where
@@ -106,8 +107,8 @@ class RLConfig:
     def returns_fields(self) -> dict[str, Any]:
         """What PPO's returns depend on: the actor's advantages and the critic's targets
         must be computed alike, or the critic learns values the actor does not use."""
-        fields = RETURNS_FIELDS + (KL_FIELDS if self.kl_in_reward else ())
-        return {k: getattr(self, k) for k in fields}
+        names = RETURNS_FIELDS + (KL_FIELDS if self.kl_in_reward else ())
+        return {k: getattr(self, k) for k in names}
 
 
 def _check_type(name: str, kind: Any, value: Any) -> None:
@@ -117,10 +118,10 @@ def _check_type(name: str, kind: Any, value: Any) -> None:
     if value is None and kind.endswith("| None"):
         return
     base = kind.split(" |")[0]
-    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # (numpy's too)
     ok = {"bool": isinstance(value, bool), "str": isinstance(value, str),
-          "int": number and isinstance(value, numbers.Integral),
-          "float": number and math.isfinite(value)}[base]
+          "int": whole_number(value),
+          "float": isinstance(value, numbers.Real) and not isinstance(value, bool)  # (numpy's
+          and math.isfinite(value)}[base]  # too)
     if not ok:
         what = {"bool": "True or False", "str": "a string", "int": "a whole number",
                 "float": "a finite number"}[base]
