@@ -17,7 +17,9 @@ from helpers import ROOT, NoLogFolder, assert_gone, group_pids, run, wait_until
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.actors.gpu_slots import select_gpus
 from asyncrl.controller.cluster import Cluster, HostSpec, expand_nodelist, torchrun_command
+from asyncrl.controller.launcher import host_env
 
 
 def test_slurm_node_lists_expand():
@@ -53,6 +55,36 @@ def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
         cluster.spread("critic", 2)  # the nodes are full
     cluster.forget("actor")
     assert len(cluster.spread("critic", 2)) == 1
+
+
+def test_a_hosts_gpus_are_picked_there_from_its_own_visible_list():
+    """Each host's agent got raw slot numbers as its CUDA_VISIBLE_DEVICES: under SLURM's
+    "4,5,6,7" (or a node's own list) its ranks went to GPUs 0.. outside the allocation, and
+    the controller's list was sent to other machines by ssh."""
+    controller = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "PATH": "/bin"}
+    for via in ("srun", "ssh"):  # another machine: the controller's list is not its own
+        env = host_env(HostSpec("n2", "n2", gpus=4, via=via), [2, 3], controller, {})
+        assert env["ASYNCRL_GPU_SLOTS"] == "2,3" and "CUDA_VISIBLE_DEVICES" not in env
+    here = host_env(HostSpec("a", "127.0.0.1", gpus=4, via="local"), [2, 3], controller, {})
+    assert here["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and here["ASYNCRL_GPU_SLOTS"] == "2,3"
+    mine = host_env(HostSpec("n2", "n2", gpus=2, via="ssh"), [0], controller,
+                    {"CUDA_VISIBLE_DEVICES": "1,3"})  # the group's env= holds everywhere
+    assert mine["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert "ASYNCRL_GPU_SLOTS" not in host_env(HostSpec("c", "c", cpus=4), [0, 1], {}, {})
+    # the rank, on its host: its slots out of the list it finds there, before CUDA starts
+    for found, want in (({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "6,7"), ({}, "2,3"),
+                        ({"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b,GPU-c,GPU-d"}, "GPU-c,GPU-d")):
+        rank = {**found, "ASYNCRL_GPU_SLOTS": "2,3"}
+        select_gpus(rank)
+        assert rank == {"CUDA_VISIBLE_DEVICES": want}
+    untouched = {"CUDA_VISIBLE_DEVICES": "4,5"}
+    select_gpus(untouched)  # a group of one host: the Placer wrote the list itself
+    assert untouched == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    short = {"CUDA_VISIBLE_DEVICES": "0,1", "ASYNCRL_GPU_SLOTS": "2,3",
+             "ASYNCRL_HOST_NAME": "n2"}
+    with pytest.raises(RuntimeError, match=r"host n2: .*its GPU 2, but CUDA_VISIBLE_DEVICES=0,1 "
+                                           r"here shows 2: give the host its real number"):
+        select_gpus(short)
 
 
 def test_ssh_hosts_and_bad_hosts_files(tmp_path):

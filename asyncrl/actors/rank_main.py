@@ -35,6 +35,7 @@ import torch.distributed as dist
 import zmq
 
 from asyncrl.actors import debugger
+from asyncrl.actors.gpu_slots import select_gpus
 from asyncrl.actors.output import OutputCapture
 from asyncrl.actors.procs import PROCESS_ENV, runs
 from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
@@ -450,6 +451,7 @@ def main() -> None:
     set_title(f"{sys.executable} -m asyncrl.actors.rank_main [{os.environ.get('ASYNCRL_GROUP')}"
               f" rank {os.environ.get('RANK')}]")
     os.nice(int(os.environ.get("ASYNCRL_NICE", "0")))  # the group's `nice`: 0 by default
+    select_gpus()  # a cluster group's GPUs on this host, before CUDA reads the list
     cores = pin_cpus()
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
     _init_distributed()

@@ -15,18 +15,19 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import asyncrl
 from asyncrl.actors import rank_client
+from asyncrl.actors.gpu_slots import GPU_SLOTS
 from asyncrl.actors.procs import birth
 from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
 from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users import it here)
-from asyncrl.controller.cluster import Cluster, free_port, torchrun_command
+from asyncrl.controller.cluster import Cluster, HostSpec, free_port, torchrun_command
 
 _AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
 log = logging.getLogger("asyncrl")
@@ -317,6 +318,20 @@ def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def host_env(h: HostSpec, slots: list[int], base: Mapping[str, str],
+             extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a group's agent on host `h`, given `slots` there. A GPU slot d is
+    the host's GPU d, as the ranks find their CUDA_VISIBLE_DEVICES there (gpu_slots.py); the
+    controller's own list names its machine's GPUs, so it goes only to hosts on this machine
+    (local, netns), unless the group's env= sets one for every host."""
+    base = dict(base)
+    if h.via not in ("local", "netns") and "CUDA_VISIBLE_DEVICES" not in extra:
+        base.pop("CUDA_VISIBLE_DEVICES", None)
+    where = {GPU_SLOTS: ",".join(map(str, slots))} if h.gpus else {}
+    return rank_env(base, {**extra, **where, "ASYNCRL_HOST_NAME": h.name,
+                           "ASYNCRL_DATA_HOST": h.address})
+
+
 def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, str],
                    log_dir: Path, run_id: str, die_with_parent: bool,
                    scratch: Path | None = None) -> HostAgents:
@@ -329,9 +344,7 @@ def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, st
     endpoint = f"{first.address}:{port}"
     agents = []
     for i, (h, slots) in enumerate(hosts):
-        where = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if h.gpus else {}
-        env = rank_env(dict(os.environ), {**extra, **where, "ASYNCRL_HOST_NAME": h.name,
-                                          "ASYNCRL_DATA_HOST": h.address})
+        env = host_env(h, slots, os.environ, extra)
         if h.via == "netns":  # gloo would pick the machine's address, not the namespace's
             env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         command = torchrun_command(h, env, len(hosts), i, per, endpoint, f"{name}-{run_id}",

@@ -1,0 +1,38 @@
+"""Which GPUs a rank of a cluster group uses, decided on its own host.
+
+The controller gives each host's agent slots, GPUs 0..n-1 of that host (ASYNCRL_GPU_SLOTS).
+What "GPU 0" is there, the controller cannot tell: SLURM hands a step "4,5,6,7", a user may
+set CUDA_VISIBLE_DEVICES on a node. The rank picks its slots out of the CUDA_VISIBLE_DEVICES
+it finds at start-up (GPU d is the d-th entry; without one, GPU d), before CUDA reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+GPU_SLOTS = "ASYNCRL_GPU_SLOTS"
+
+
+def select_gpus(env: MutableMapping[str, str] = os.environ) -> None:
+    """Turn the agent's slots into this rank's CUDA_VISIBLE_DEVICES (consumed: a process the
+    rank starts inherits the result, not the slots to map again)."""
+    slots = env.pop(GPU_SLOTS, None)
+    if not slots:
+        return
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else None
+    chosen = []
+    for slot in slots.split(","):
+        d = int(slot)
+        if ids is None:
+            chosen.append(slot)
+        elif d < len(ids):
+            chosen.append(ids[d])
+        else:
+            raise RuntimeError(
+                f"host {env.get('ASYNCRL_HOST_NAME', '?')}: the group was given its GPU {d}, "
+                f"but CUDA_VISIBLE_DEVICES={visible} here shows "
+                f"{len(ids)}: give the host its real number of GPUs in the hosts file "
+                f"(\"gpus\"), or its allocation more")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
