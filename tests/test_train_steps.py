@@ -151,3 +151,18 @@ def test_a_tp_mesh_without_a_dp_axis_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"needs a 'dp' axis too \(mesh axes: \['tp'\]\); "
                                          r"spawn with mesh=\{'dp': 1, 'tp': ...\}"):
         FSDPBackend(ModelConfig(), TrainConfig(), SimpleNamespace(mesh_dim_names=("tp",)))
+
+
+def test_a_bf16_model_trained_by_fsdp2_without_fp32_masters_is_said():
+    """FSDP2 steps a bf16 model's weights and AdamW's state in bf16 (DeepSpeed keeps fp32
+    masters for the same config), losing small updates, and nothing said so."""
+    from asyncrl.hybrid.fsdp import TrainConfig, masters_warning, trainable
+    from asyncrl.hybrid.models import ModelConfig
+
+    bf16 = trainable(ModelConfig(dtype="bfloat16"), TrainConfig(), "lm")
+    assert masters_warning(bf16) is not None
+    assert "bfloat16 parameters as they are" in masters_warning(bf16)
+    assert "dtype='float32' and TrainConfig(bf16=True)" in masters_warning(bf16)
+    assert masters_warning(trainable(ModelConfig(), TrainConfig(), "lm")) is None
+    lora = ModelConfig(dtype="bfloat16", lora={"rank": 4, "target_modules": ["q_proj"]})
+    assert masters_warning(trainable(lora, TrainConfig(), "lm")) is None  # fp32 adapters

@@ -16,6 +16,7 @@ response_mask (a prefix of each row), as the generation engines produce.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from asyncrl.hybrid.turns import sampled_mask
 
 # (forward outputs of a micro-batch, the micro-batch) -> (loss, scalar stats to report)
 LossFn = Callable[[dict[str, torch.Tensor], TensorBatch], tuple[torch.Tensor, dict[str, float]]]
+
+log = logging.getLogger("asyncrl")
 
 
 @dataclass(kw_only=True)
@@ -288,6 +291,21 @@ def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def masters_warning(model: torch.nn.Module) -> str | None:
+    """What FSDP2 would train without an fp32 copy (it steps the parameters in their own
+    dtype, where DeepSpeed keeps fp32 masters): a bf16 or fp16 model's, not LoRA's
+    adapters (fp32 already)."""
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in trained_parameters(model)
+                  if p.dtype in (torch.bfloat16, torch.float16)})
+    if not low:
+        return None
+    return (f"asyncrl: FSDP2 trains this model's {'/'.join(low)} parameters as they are, "
+            f"with AdamW's state in {'/'.join(low)} and no fp32 master copy: updates below "
+            f"the weights' precision are lost. For mixed precision (bf16 compute, fp32 "
+            f"weights, as verl trains), give the trainer's ModelConfig dtype='float32' and "
+            f"TrainConfig(bf16=True)")
+
+
 def check_head(head: str) -> str:
     if head not in HEADS:
         raise ValueError(f"head is 'lm' (a causal LM) or 'value' (a scalar head: critics, "
@@ -399,6 +417,9 @@ class FSDPBackend(TrainBackend):
                              f"{list(names)}); spawn with mesh={{'dp': 1, 'tp': ...}}")
         self.mesh = mesh
         self.model = trainable(model_cfg, train_cfg, head)
+        why = masters_warning(self.model)
+        if why and dist.get_rank() == 0:
+            log.warning(why)
         dp_mesh = mesh["dp"] if "dp" in names else mesh
         if "tp" in names and mesh["tp"].size() > 1:
             if model_cfg.lora is not None:  # ColwiseParallel would split A by its rows too
