@@ -579,20 +579,3 @@ def test_hybrid_policy_on_zero3_round_trip():
     params = list(build_model(ModelConfig()).parameters())
     half = 4 * sum(p.numel() for p in params) / 2
     assert report["mode"] == "generate" and abs(report["offloaded_bytes"] - half) <= 4 * len(params)
-
-
-def test_train_settings_refuse_backwards_training_and_name_misspelt_keys():
-    """A negative grad_clip scaled every gradient by a negative factor (gradient ascent,
-    without a word); a misspelt key was Python's bare TypeError."""
-    from asyncrl.hybrid.settings import from_dict
-    from asyncrl.rl.config import RLConfig
-
-    with pytest.raises(ValueError, match="grad_clip is the largest gradient norm kept"):
-        TrainConfig(grad_clip=-1.0)
-    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
-        TrainConfig(weight_decay=-0.1)
-    assert TrainConfig(grad_clip=0).grad_clip == 0  # no clipping
-    with pytest.raises(TypeError, match=r"Actor rl=: 'value_clp' \(did you mean 'value_clip'\?\) "
-                                        r"is not a setting; the settings are \[.*'value_clip'"):
-        from_dict(RLConfig, {"value_clp": 0.3}, "Actor rl=")
-    assert from_dict(TrainConfig, {"lr": 0.5}, "train=").lr == 0.5

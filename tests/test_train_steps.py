@@ -166,3 +166,35 @@ def test_a_bf16_model_trained_by_fsdp2_without_fp32_masters_is_said():
     assert masters_warning(trainable(ModelConfig(), TrainConfig(), "lm")) is None
     lora = ModelConfig(dtype="bfloat16", lora={"rank": 4, "target_modules": ["q_proj"]})
     assert masters_warning(trainable(lora, TrainConfig(), "lm")) is None  # fp32 adapters
+
+
+def test_train_settings_refuse_backwards_training_and_name_misspelt_keys():
+    """A negative grad_clip scaled every gradient by a negative factor (gradient ascent,
+    without a word); a misspelt key was Python's bare TypeError."""
+    import re
+
+    import numpy as np
+
+    from asyncrl.hybrid.fsdp import TrainConfig
+    from asyncrl.hybrid.settings import from_dict
+    from asyncrl.rl.config import RLConfig
+
+    with pytest.raises(ValueError, match="grad_clip is the largest gradient norm kept"):
+        TrainConfig(grad_clip=-1.0)
+    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+        TrainConfig(weight_decay=-0.1)
+    assert TrainConfig(grad_clip=0).grad_clip == 0  # no clipping
+    assert TrainConfig(grad_clip=None, lr=np.float32(1e-3), micro_batch_size=np.int64(2))
+    # a NaN learning rate or clip made every weight NaN at the first step; "no" turned
+    # mixed precision on; 2.5 micro-batches failed deep in torch
+    for bad, said in (({"lr": float("nan")}, "lr must be a finite number, got nan"),
+                      ({"grad_clip": float("inf")}, "grad_clip must be a finite number (or "
+                                                    "None), got inf"),
+                      ({"bf16": "no"}, "bf16 must be True or False (or None), got 'no'"),
+                      ({"micro_batch_size": 2.5}, "micro_batch_size must be a whole number")):
+        with pytest.raises(ValueError, match=re.escape(f"TrainConfig.{said}")):
+            TrainConfig(**bad)
+    with pytest.raises(TypeError, match=r"Actor rl=: 'value_clp' \(did you mean 'value_clip'\?\) "
+                                        r"is not a setting; the settings are \[.*'value_clip'"):
+        from_dict(RLConfig, {"value_clp": 0.3}, "Actor rl=")
+    assert from_dict(TrainConfig, {"lr": 0.5}, "train=").lr == 0.5

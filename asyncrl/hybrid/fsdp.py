@@ -37,6 +37,7 @@ from asyncrl.hybrid.models import (
     sequence_logprobs,
     sequence_values,
 )
+from asyncrl.hybrid.settings import check_kinds
 from asyncrl.hybrid.turns import sampled_mask
 
 # (forward outputs of a micro-batch, the micro-batch) -> (loss, scalar stats to report)
@@ -54,7 +55,7 @@ class TrainConfig:
     # rows sorted by length and cut so that rows x used columns stays within this many tokens
     # (a longer sequence alone); micro_batch_size is then unused
     max_tokens_per_micro_batch: int | None = None
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0  # None or 0: no clipping
     bf16: bool | None = None  # compute in bf16 (weights and reductions in fp32); None: on
     # the GPUs that support it, off on CPU (where bf16 matmuls are slow)
     # the learning rate over optimizer steps: `warmup_steps` of linear warmup, then constant,
@@ -69,6 +70,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        check_kinds(self, "TrainConfig")
         if self.micro_batch_size < 1:
             raise ValueError(f"TrainConfig.micro_batch_size must be >= 1, got "
                              f"{self.micro_batch_size}")
@@ -207,7 +209,7 @@ def _shard_adapters_apart(module: torch.nn.Module, dp_mesh: Any, bf16: bool) -> 
             reduce_dtype=torch.float32 if bf16 else None))
 
 
-def clip_grad_norm(params: Any, max_norm: float) -> float:
+def clip_grad_norm(params: Any, max_norm: float | None) -> float:
     """Clip the global gradient norm of parameters that may live on different meshes (FSDP
     on dp, FSDP+TP on (dp, tp)): a norm per mesh, combined, then one scale for all."""
     grads = [p.grad for p in params if p.grad is not None]

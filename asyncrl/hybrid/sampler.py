@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.models import positions
+from asyncrl.hybrid.settings import whole_number
 
 
 @dataclass(kw_only=True)
@@ -63,11 +63,6 @@ class SamplingConfig:
         # plain ints (a tokenizer's may be numpy's)
         self.max_new_tokens, self.pad_token_id = int(self.max_new_tokens), int(self.pad_token_id)
         self.stop_token_ids = type(stops)(int(i) for i in stops)
-
-
-def whole_number(x: Any) -> bool:
-    """An int of Python's or numpy's (a tokenizer's ids may be numpy's), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def with_overrides(cfg: SamplingConfig, overrides: dict[str, Any] | None) -> SamplingConfig:

@@ -5,6 +5,8 @@ list, where Python's own TypeError names the key alone."""
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 from dataclasses import fields
 from difflib import get_close_matches
 from typing import Any, TypeVar
@@ -31,3 +33,33 @@ def own_arguments(cls: type, init: Any, args: tuple, kwargs: dict[str, Any]
     if cls.__init__ is not init:  # type: ignore[misc]
         return None
     return dict(inspect.signature(init).bind(None, *args, **kwargs).arguments)
+
+
+def whole_number(x: Any) -> bool:
+    """An int of Python's or numpy's (a tokenizer's ids may be numpy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# a declared kind: what a value must be (said), and the test (numpy's numbers pass too)
+KINDS = {"bool": ("True or False", lambda v: isinstance(v, bool)),
+         "str": ("a string", lambda v: isinstance(v, str)),
+         "int": ("a whole number", whole_number),
+         "float": ("a finite number", _finite)}
+
+
+def check_kinds(settings: Any, what: str) -> None:
+    """Each field of a settings dataclass declared bool, str, int or float (or `X | None`)
+    holds one: a NaN coefficient or learning rate would spoil every step, "no" is a true
+    flag, 2.5 micro-batches fail deep in torch. Other kinds are the class's own to check."""
+    for f in fields(settings):
+        kind, value = str(f.type), getattr(settings, f.name)
+        optional = kind.endswith("| None")
+        said, ok = KINDS.get(kind.split(" |")[0], ("", None))
+        if ok is None or (value is None and optional) or ok(value):
+            continue
+        raise ValueError(f"{what}.{f.name} must be {said}{' (or None)' if optional else ''}, "
+                         f"got {value!r}")

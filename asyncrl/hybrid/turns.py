@@ -53,8 +53,8 @@ import torch
 
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.fn_pool import pool_for, pool_settings_ok
-from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad, whole_number
-from asyncrl.hybrid.settings import from_dict
+from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad
+from asyncrl.hybrid.settings import from_dict, whole_number
 from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
 
 # a row's turn the environment is asked about: (row, turn, its tokens, the response so far)

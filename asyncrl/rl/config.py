@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.hybrid.sampler import whole_number
+from asyncrl.hybrid.settings import check_kinds
 from asyncrl.rl.algorithms import AGGS
 
 # what PPO's returns depend on (see RLConfig.returns_fields); the KL's settings only where
@@ -55,8 +53,7 @@ class RLConfig:
     decoupled_cap: float | None = None
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            _check_type(f.name, f.type, getattr(self, f.name))
+        check_kinds(self, "RLConfig")
         if self.algo not in ("grpo", "ppo"):
             raise ValueError(f"RLConfig.algo is 'grpo' or 'ppo', got {self.algo!r}")
         if self.group_size < 1:
@@ -110,20 +107,3 @@ class RLConfig:
         names = RETURNS_FIELDS + (KL_FIELDS if self.kl_in_reward else ())
         return {k: getattr(self, k) for k in names}
 
-
-def _check_type(name: str, kind: Any, value: Any) -> None:
-    """A field's value is of its declared kind: a float finite (a NaN coefficient makes
-    every loss NaN, each step then skipped), a bool a bool ("no" is true)."""
-    kind = str(kind)
-    if value is None and kind.endswith("| None"):
-        return
-    base = kind.split(" |")[0]
-    ok = {"bool": isinstance(value, bool), "str": isinstance(value, str),
-          "int": whole_number(value),
-          "float": isinstance(value, numbers.Real) and not isinstance(value, bool)  # (numpy's
-          and math.isfinite(value)}[base]  # too)
-    if not ok:
-        what = {"bool": "True or False", "str": "a string", "int": "a whole number",
-                "float": "a finite number"}[base]
-        raise ValueError(f"RLConfig.{name} must be {what}"
-                         f"{' (or None)' if kind.endswith('| None') else ''}, got {value!r}")
