@@ -311,3 +311,35 @@ def test_a_resume_goes_on_with_the_runs_restarts(tmp_path):
     (tmp_path / "restarts.json").write_text(json.dumps({"actor": 3, "reward": 1}))
     recovery.resume_counts({"actor": 2})
     assert recovery.restarts == {"actor": 3, "reward": 1}
+
+
+def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(tmp_path,
+                                                                            monkeypatch,
+                                                                            capsys):
+    """A pruned checkpoint a reader still held (NFS's busy .nfs* files, an export reading
+    it) was a warning at its save, but the next save's removal of the leftover raised: the
+    run, and every resume after it, failed at its next checkpoint."""
+    import asyncio
+    import shutil
+    from types import SimpleNamespace
+
+    flow = SimpleNamespace(positions=dict, nodes={}, groups=[], launch_options={},
+                           recovery=SimpleNamespace(restarts={}))
+    real_rmtree = shutil.rmtree
+
+    def busy(path, *a, **k):
+        if str(path).endswith(".discarded"):
+            raise OSError(16, "Device or resource busy", str(path))
+        real_rmtree(path, *a, **k)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", busy)
+    root = tmp_path / "checkpoints"
+    for step in range(3):
+        asyncio.run(checkpoint.save(flow, tmp_path, step, keep=1))
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step_000002"]
+    assert "could not remove" in capsys.readouterr().err
+    (root / "step_000003.tmp").mkdir()  # a save of step 3 that died, its folder held too
+    asyncio.run(checkpoint.save(flow, tmp_path, 3, keep=1))
+    assert checkpoint.latest(tmp_path) == root / "step_000003"
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)  # the readers are gone
+    asyncio.run(checkpoint.save(flow, tmp_path, 4, keep=1))
+    assert sorted(p.name for p in root.iterdir()) == ["step_000004"]

@@ -169,3 +169,18 @@ def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
     assert out.returncode == 1 and "exists and is not an empty folder" in out.stderr
     assert kept.read_text() == "keep me" and not (tmp_path / "out" / "config.json").exists()
     assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []
+
+
+def test_a_zero_checkpoint_without_deepspeed_here_says_what_to_install(tmp_path, monkeypatch):
+    """`asyncrl export` of a ZeRO run on a machine without DeepSpeed was an ImportError's
+    traceback (the CLI says ValueErrors in a line)."""
+    import sys
+
+    from asyncrl.hybrid.export import trained_weights
+    from asyncrl.hybrid.zero import TAG
+
+    (tmp_path / "actor" / "train" / TAG).mkdir(parents=True)
+    monkeypatch.setitem(sys.modules, "deepspeed.utils.zero_to_fp32", None)  # not installed
+    with pytest.raises(ValueError, match=r"written by DeepSpeed ZeRO, whose files only "
+                                         r"DeepSpeed reads: pip install 'asyncrl\[deepspeed\]'"):
+        trained_weights(tmp_path / "actor")

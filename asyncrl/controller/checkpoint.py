@@ -145,8 +145,9 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     inputs = positions(flow)  # first: an input whose position cannot be saved fails the
     # save before any group wrote
     # deletes and fsyncs (maybe gigabytes, on NFS) off the loop: heartbeats go on meanwhile
-    await asyncio.to_thread(_remove_stale, root)
-    tmp.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(_remove_stale, root, tmp)
+    tmp.mkdir()
     await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
     # (the ranks synced what they wrote: here, the folders and the rest; off the loop)
@@ -194,9 +195,18 @@ def _install(tmp: Path, final: Path) -> None:
     sync_dir(final.parent)
 
 
-def _remove_stale(root: Path) -> None:
-    for stale in [*root.glob("*.tmp"), *root.glob(".*.discarded")]:  # a save or a removal
-        shutil.rmtree(stale)  # that died half-way
+def _remove_stale(root: Path, tmp: Path) -> None:
+    """Remove what saves or removals that died half-way left; what cannot go yet (a reader
+    holds files open: NFS's "busy" .nfs* files) stays for the next save, the run goes on.
+    A leftover named as this save's own folder is renamed away first."""
+    for stale in [*root.glob("*.tmp"), *root.glob(".*.discarded")]:
+        try:
+            shutil.rmtree(stale)
+        except OSError as e:
+            print(f"asyncrl: could not remove {stale} ({e}); the next checkpoint tries again",
+                  file=sys.stderr, flush=True)
+    if tmp.exists():
+        os.replace(tmp, root / f".{tmp.name}.{time.time_ns()}.discarded")
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -110,8 +110,11 @@ def trained_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The full weights in a Policy group's checkpoint folder, by the model's names."""
     train = folder / "train"
     if (train / TAG).is_dir():  # DeepSpeed: <tag>/ with each rank's partitions
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+        try:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        except ImportError as e:
+            raise ValueError(f"{folder} was written by DeepSpeed ZeRO, whose files only "
+                             f"DeepSpeed reads: pip install 'asyncrl[deepspeed]' ({e})") from e
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(train), tag=TAG))
     import torch.distributed.checkpoint as dcp
 
