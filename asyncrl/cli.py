@@ -48,7 +48,24 @@ def _load(path: str, overrides: dict[str, Any] | None = None,
           saved: dict[str, Any] | None = None) -> Any:
     """Import the flow or driver file with `overrides` ({key: text}; parsed values of runs
     before session 13 too) for its asyncrl.config(...); `saved`: those of them a resumed
-    run's checkpoint gave."""
+    run's checkpoint alone gave. Of those, what the file no longer declares (a setting
+    renamed or removed since) is dropped, said; what was given now must be declared."""
+    try:
+        return _import_with(path, overrides, saved)
+    except SettingError as e:
+        stale = sorted(k for k in e.unknown if k in (saved or {}))
+        if not stale or len(stale) < len(e.unknown):
+            raise SystemExit(f"asyncrl: {e}; fix the key=value arguments" + (
+                f" (on --resume, the run's own, kept in its checkpoint, count too: "
+                f"{json.dumps(saved)})" if saved else "")) from None
+    print(f"asyncrl: the run's setting(s) {stale}, kept in its checkpoint, are not settings "
+          f"of {path} any more: dropped", file=sys.stderr)
+    return _load(path, {k: v for k, v in (overrides or {}).items() if k not in stale},
+                 {k: v for k, v in (saved or {}).items() if k not in stale})
+
+
+def _import_with(path: str, overrides: dict[str, Any] | None,
+                 saved: dict[str, Any] | None) -> Any:
     from asyncrl.comm.refs import _load_file
     from asyncrl.controller import declare
     from asyncrl.controller.declare import OVERRIDES_ENV
@@ -62,11 +79,8 @@ def _load(path: str, overrides: dict[str, Any] | None = None,
     calls, loaded = declare.config_calls, set(sys.modules)
     try:
         module = _load_file(os.path.abspath(path))
-    except SettingError as e:  # the command line's mistake, not the file's
-        raise SystemExit(f"asyncrl: {e}; fix the key=value arguments" + (
-            f" (on --resume, the run's own, kept in its checkpoint, count too: "
-            f"{json.dumps(saved)}; override them, or resume with the flow file that took "
-            f"them)" if saved else "")) from None
+    except SettingError:  # the command line's mistake, not the file's: _load says so
+        raise
     except SyntaxError as e:
         where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
         code = f"\n    {e.text.rstrip()}" if e.text else ""
@@ -84,7 +98,10 @@ def _load(path: str, overrides: dict[str, Any] | None = None,
                          " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
                          ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
     if overrides and module.__name__ not in loaded and declare.config_calls == calls:
-        given = " ".join(f"{k}={v}" for k, v in overrides.items())
+        now = [k for k in overrides if k not in (saved or {})]
+        if not now:  # the run's own settings alone: the file stopped declaring any
+            raise SettingError("no settings declared", list(overrides))
+        given = " ".join(f"{k}={overrides[k]}" for k in now)
         raise SystemExit(f"asyncrl: {path} takes no settings (it never calls "
                          f"asyncrl.config(...)), so {given} would be ignored; "
                          f"declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop them")
@@ -125,7 +142,7 @@ def launch(args: argparse.Namespace) -> int:
         raise SystemExit(f"asyncrl launch: --keep-checkpoints must be >= 0 (0 keeps all), "
                          f"got {args.keep_checkpoints}")
     sys.argv = [args.script, *args.args, *args.passed]
-    overrides = _overrides("launch", args.args)
+    overrides = now = _overrides("launch", args.args)
     if args.resume:  # the run's own settings, under those given now (steps=... to go on)
         from asyncrl.controller.checkpoint import checkpoint_overrides
 
@@ -134,7 +151,8 @@ def launch(args: argparse.Namespace) -> int:
             print(f"asyncrl launch: resuming with the run's settings "
                   f"{json.dumps(saved)}, under those given now", file=sys.stderr)
         overrides = {**saved, **overrides}
-    module = _load(args.script, overrides, saved if args.resume else None)
+    module = _load(args.script, overrides, {k: v for k, v in saved.items() if k not in now}
+                   if args.resume else None)
     flow = _flow_of(module, args.script)
     if flow is None:
         main = getattr(module, "main", None)
@@ -158,13 +176,21 @@ def launch(args: argparse.Namespace) -> int:
         # resume without --steps ran on until an input ran out), unless given others now
         from asyncrl.controller.checkpoint import launch_options
 
-        taken = {k: v for k, v in launch_options(run_dir).items() if k not in given}
+        saved_options = launch_options(run_dir)
+        began = saved_options.pop("flow_steps", flow.steps)  # the flow's own steps then
+        # the flow's steps changed since (steps=... given now, or the file): asked for now,
+        # over the run's --steps
+        if "steps" in saved_options and "steps" not in given and flow.steps != began:
+            print(f"asyncrl launch: the flow's steps are {flow.steps} now ({began} when the "
+                  f"run began): they replace the run's --steps {saved_options.pop('steps')}",
+                  file=sys.stderr)
+        taken = {k: v for k, v in saved_options.items() if k not in given}
         if taken:
             print(f"asyncrl launch: resuming with the run's "
                   f"{', '.join(f'--{OPTION_NAMES[k]} {v}' for k, v in taken.items())}",
                   file=sys.stderr)
         given = {**taken, **given}
-    flow.launch_options = given  # noted in its checkpoints
+    flow.launch_options = {**given, "flow_steps": flow.steps}  # noted in its checkpoints
     if "checkpoint_every" in given:
         flow.checkpoint_every = given["checkpoint_every"]
     keep = given.get("keep", KEEP) or None  # 0: all

@@ -59,7 +59,11 @@ class EncodeError(AsyncRLError, TypeError):
 
 class SettingError(AsyncRLError, ValueError):
     """A key=value setting on the command line that the flow does not declare, or whose
-    value is not of its default's type."""
+    value is not of its default's type. `unknown`: the undeclared keys."""
+
+    def __init__(self, message: str, unknown: list[str] | None = None):
+        super().__init__(message)
+        self.unknown = unknown or []
 
 
 class CheckpointError(AsyncRLError, ValueError):

@@ -195,6 +195,8 @@ def test_stopped_after_three_steps_and_resumed_matches_a_straight_run(straight, 
 def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(straight,
                                                                             tmp_path):
     run_dir = tmp_path / "run"
+    run_dir.mkdir()  # an earlier run's restart counts (its other files removed to start
+    (run_dir / "restarts.json").write_text('{"learner": 3}')  # afresh) are not this run's
     launch(THIS, "--steps", "5", "--checkpoint-every", "1", "--keep-checkpoints", "0",
            "--run-dir", str(run_dir))
     root = run_dir / "checkpoints"
@@ -207,6 +209,7 @@ def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(stra
     out = launch(THIS, "--steps", "6", "--run-dir", str(run_dir), "--resume")
     assert "resuming from" in out.stdout and "step_000003" in out.stdout
     assert "dropped 1 metrics rows" in out.stdout
+    assert "restarts so far" not in out.stdout + out.stderr
     assert_same(rows(run_dir), rows(straight))
     # checkpointed as the run did (every step, all kept: it had none but the last, 3 kept);
     # the stray .tmp is gone

@@ -241,3 +241,56 @@ def test_a_run_whose_input_ends_before_its_steps_says_so(tmp_path):
     assert "asyncrl: input 'x' ran out after 2 steps, before the 5 asked for" in out.stderr
     out = cli("launch", str(short), "--run-dir", str(tmp_path / "all"))  # no steps asked
     assert out.returncode == 0 and "ran out" not in out.stderr
+    # resumed, it has nothing left to give: said (it ended without a word)
+    out = cli("launch", str(short), "--run-dir", str(tmp_path / "all"), "--resume")
+    assert out.returncode == 0, out.stderr
+    assert "nothing to run: input 'x' has no items left after steps 0..1" in out.stderr
+
+
+def test_a_resume_takes_the_flows_changed_steps_over_the_runs_steps(tmp_path):
+    """A run launched with --steps 2 and resumed with `steps=4` (the README's way for a
+    flow whose config declares steps) ran the saved --steps 2 again: nothing to run."""
+    counted = tmp_path / "counted_flow.py"
+    counted.write_text("import asyncrl\n\ncfg = asyncrl.config(steps=1)\n\n\n@asyncrl.node\n"
+                       "def n(x):\n    return {'v': x}\n\n\nflow = asyncrl.DataFlow(nodes=[n], "
+                       "inputs={'x': range(100)}, steps=cfg['steps'])\n")
+    run_dir = str(tmp_path / "run")
+    out = cli("launch", str(counted), "--steps", "2", "--run-dir", run_dir)
+    assert out.returncode == 0, out.stderr
+    out = cli("launch", str(counted), "--run-dir", run_dir, "--resume", "steps=4")
+    assert out.returncode == 0, out.stderr
+    assert "the flow's steps are 4 now (1 when the run began): they replace the run's " \
+           "--steps 2" in out.stderr
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in rows]
+    assert steps == [0, 1, 2, 3]
+    out = cli("launch", str(counted), "--run-dir", run_dir, "--resume")  # as saved: 4
+    assert "resuming with the run's settings {\"steps\": \"4\"}" in out.stderr
+    assert "nothing to run: steps 0..3 are done" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_resume_drops_the_runs_settings_the_flow_no_longer_declares(tmp_path):
+    """A setting renamed in the flow file after the run began made every --resume fail
+    (the checkpoint's lr=0.7 was refused as unknown, and no command line could unset it)."""
+    flow = tmp_path / "renamed_flow.py"
+    body = ("import asyncrl\n\n{config}\n\n\n@asyncrl.node\ndef n(x):\n    return {{'v': x}}\n"
+            "\n\nflow = asyncrl.DataFlow(nodes=[n], inputs={{'x': range(100)}})\n")
+    flow.write_text(body.format(config="cfg = asyncrl.config(lr=0.5)"))
+    run_dir = str(tmp_path / "run")
+    assert cli("launch", str(flow), "--steps", "1", "--run-dir", run_dir, "lr=0.7"
+               ).returncode == 0
+    flow.write_text(body.format(config="cfg = asyncrl.config(actor_lr=0.5)"))
+    out = cli("launch", str(flow), "--steps", "2", "--run-dir", run_dir, "--resume",
+              "actor_lr=0.9")
+    assert out.returncode == 0, out.stderr
+    assert "the run's setting(s) ['lr'], kept in its checkpoint, are not settings of" in \
+        out.stderr
+    # what is given now must still be declared
+    out = cli("launch", str(flow), "--steps", "3", "--run-dir", run_dir, "--resume", "lr=1")
+    assert out.returncode == 1 and "unknown setting(s) ['lr']" in out.stderr
+    flow.write_text(body.format(config=""))  # no settings at all any more
+    out = cli("launch", str(flow), "--steps", "3", "--run-dir", run_dir, "--resume")
+    assert out.returncode == 0, out.stderr
+    assert "the run's setting(s) ['actor_lr'], kept in its checkpoint" in out.stderr
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in rows] == [0, 1, 2]

@@ -104,7 +104,7 @@ def config(**defaults: Any) -> dict[str, Any]:
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
         raise SettingError(f"unknown setting(s) {unknown} on the command line; this flow's "
-                           f"settings are {sorted(defaults)}")
+                           f"settings are {sorted(defaults)}", unknown)
     given = {**defaults, **{k: _as_default(k, v, defaults[k]) for k, v in overrides.items()}}
     settings.update(given)
     return given

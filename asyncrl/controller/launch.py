@@ -28,6 +28,7 @@ from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import NODE_INPUTS, DataFlow
 from asyncrl.controller.logs import append_line, replace_json
+from asyncrl.controller.recovery import RESTARTS_FILE
 from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length
 from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
 from asyncrl.errors import CheckpointError
@@ -235,8 +236,9 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         checkpoint.refuse_existing(run_dir)
     first_step = meta["step"] + 1 if resume_from is not None else 0
     trackers: list[Any] = [TensorBoard(run_dir, first_step)]
-    if resume_from is None:  # an earlier run's wandb run is not this one's
-        (run_dir / WANDB_STATE).unlink(missing_ok=True)
+    if resume_from is None:  # an earlier run's wandb run and restart counts are not this one's
+        for earlier in (WANDB_STATE, RESTARTS_FILE):
+            (run_dir / earlier).unlink(missing_ok=True)
     if wandb is not None:  # started before any group: a refusal costs nothing
         config = {"asyncrl": {"steps": steps, "max_staleness": flow.max_staleness,
                               "groups": {g.name: g.nprocs for g in flow.groups}},
@@ -288,7 +290,13 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                     checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
                                    on_rewind=metrics.rewind, keep=False)
-                    if flow.ended is not None and steps is not None and flow.next_step < steps:
+                    if flow.ended is not None and resume_from is not None and \
+                            flow.next_step == first_step:  # a resume of a run that ran out
+                        print(f"nothing to run: input {flow.ended!r} has no items left after "
+                              f"steps 0..{meta['step']} ({resume_from}); give it more (a "
+                              f"PromptSource's epochs=) to go on", file=sys.stderr, flush=True)
+                    elif flow.ended is not None and steps is not None and \
+                            flow.next_step < steps:
                         print(f"asyncrl: input {flow.ended!r} ran out after "
                               f"{flow.next_step} steps, before the {steps} asked for (a "
                               f"PromptSource ends after its epochs: epochs=None goes on)",
