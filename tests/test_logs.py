@@ -88,6 +88,12 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"rank 1 of group 'critic' printed nothing .*"
                                                 r"torchrun log is .*critic\.log"):
         read_log(other, "critic", 1)  # printed nothing (its file is made at its first line)
+    (other / "logs" / "critic.log").unlink()  # on a cluster: one torchrun log per host
+    for host in ("n1", "n2"):
+        (other / "logs" / f"critic.{host}.log").write_text("torchrun's\n")
+    with pytest.raises(FileNotFoundError, match=r"printed nothing .*torchrun logs are "
+                                                r".*critic\.n1\.log, .*critic\.n2\.log"):
+        read_log(other, "critic", 1)
     # read from the end, a block at a time: lines across blocks come whole
     from asyncrl.controller.logs import _last_lines
 
@@ -240,3 +246,23 @@ def test_what_a_rank_wrote_as_it_crashed_is_in_its_log_and_the_error(how, last_w
     pids, err = run(main())
     assert_gone(pids)
     assert "a line before" in err and last_words in err, err
+
+
+def test_two_writes_of_one_json_file_at_once_do_not_mix(tmp_path, monkeypatch):
+    """A checkpoint's timeline.json write (in a thread) still running when the run's last
+    one began (a SIGTERM meanwhile) shared one temporary file: the later replace found it
+    gone (FileNotFoundError, hiding the interrupt) or the file mixed both."""
+    from asyncrl.controller import logs
+
+    path = tmp_path / "timeline.json"
+    real_replace, inner = os.replace, []
+
+    def meanwhile(src, dst):  # the other write runs whole between this one's write and rename
+        if not inner:
+            inner.append(1)
+            logs.replace_json(path, {"events": "the run's last"})
+        real_replace(src, dst)
+    monkeypatch.setattr(logs.os, "replace", meanwhile)
+    logs.replace_json(path, {"events": "a checkpoint's"})
+    assert json.loads(path.read_text()) == {"events": "a checkpoint's"}
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]

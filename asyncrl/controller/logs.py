@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -84,11 +85,16 @@ def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> s
         folder = Path(run_dir) / "logs"
         known = sorted(f"{p.parent.name}:{p.stem.removeprefix('rank')}"
                        for p in folder.glob("*/rank*.log")) if folder.is_dir() else []
-        if (folder / f"{group}.log").is_file():  # the group ran: its rank printed nothing
-            raise FileNotFoundError(  # (or has no such rank)
+        # the group ran (torchrun's log: <group>.log, or <group>.<host>.log on each host of
+        # a cluster): its rank printed nothing, or it has no such rank
+        agents = sorted(str(p) for p in [*folder.glob(f"{group}.log"),
+                                         *folder.glob(f"{group}.*.log")])
+        if agents:
+            raise FileNotFoundError(
                 f"rank {rank} of group {group!r} printed nothing in {run_dir} (a rank's log "
-                f"is made at its first line); the group's torchrun log is "
-                f"{folder / (group + '.log')}; logs there: {known or 'none'}")
+                f"is made at its first line); the group's torchrun log"
+                f"{'s are' if len(agents) > 1 else ' is'} {', '.join(agents)}; logs there: "
+                f"{known or 'none'}")
         raise FileNotFoundError(f"no log for group {group!r} rank {rank} in {folder}; "
                                 f"logs there: {known or 'none'}")
     if tail is None:
@@ -115,10 +121,18 @@ def _last_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
 
 def replace_json(path: Path, value: Any) -> None:
     """Write `value` as JSON to `path`, replacing it whole: a kill mid-write leaves the
-    previous file (timeline.json, a tracker's state, restarts.json)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
+    previous file (timeline.json, a tracker's state, restarts.json). Each write has its own
+    temporary file: a checkpoint's write in a thread may still run when the run's last one
+    starts (a Ctrl-C or SIGTERM while the trace was written); one file would mix them."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(value))
+        os.chmod(tmp, 0o644)  # (mkstemp's 0600: the file others read, as before)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def append_line(path: Path, line: str) -> None:
