@@ -134,3 +134,89 @@ def test_a_one_shot_input_with_restarts_is_refused_when_the_flow_opens():
             await flow.open(ctl)
             await flow.close()
     asyncio.run(main())
+
+
+def test_a_driver_timing_out_a_step_waiting_on_its_bound_can_step_again():
+    """A driver's `wait_for(flow.step(), T)` that timed out while the step waited for step
+    t-k-2 cancelled that step's finish tracking: every later step raised CancelledError."""
+    from asyncrl.futures.future import DistFuture, Held
+
+    late: list = []  # step 0's eval: a DistFuture set only when the test says so
+
+    def done_now(label):
+        f = DistFuture._new(asyncio.get_running_loop(), label)
+        f._set_result(Held(label))
+        return f
+
+    @asyncrl.node(follows="train")
+    def rollout(x):
+        return done_now("rollout")
+
+    @asyncrl.node
+    def train(rollout):
+        return done_now("train")
+
+    @asyncrl.node
+    def evaluate(train, step):
+        if step:
+            return done_now("eval")
+        late.append(DistFuture._new(asyncio.get_running_loop(), "eval"))
+        return late[0]
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[rollout, train, evaluate], inputs={"x": range(4)},
+                                    groups=[])
+            await flow.open(ctl)
+            try:
+                await flow.step()
+                await flow.step()
+                with pytest.raises(TimeoutError):  # step 2 waits for all of step 0
+                    await asyncio.wait_for(flow.step(), 0.2)
+                late[0]._set_result(Held("eval"))
+                third = await asyncio.wait_for(flow.step(), 30)
+            finally:
+                await flow.close()
+            return flow.next_step, sorted(third)
+    assert asyncio.run(main()) == (3, ["evaluate", "rollout", "train"])
+
+
+def test_the_steps_finished_before_a_failure_reach_on_step():
+    """Train's work failing at step 3 surfaced as step 4 was dispatched, after step 2 had
+    finished (its bound); the steps still pending were dropped: metrics.jsonl lacked step
+    2, which trained."""
+    from asyncrl.futures.future import DistFuture, Held
+
+    def soon(label, fail=False, after=0.01):
+        loop = asyncio.get_running_loop()
+        f = DistFuture._new(loop, label)
+        # (work that takes a while: steps stay unfinished for a while, as on real ranks)
+        loop.call_later(after, lambda: f._set_exception(RuntimeError(f"{label} failed"))
+                        if fail else f._set_result(Held(label)))
+        return f
+
+    @asyncrl.node(follows="train")
+    def rollout(x):
+        return soon("rollout")
+
+    @asyncrl.node
+    def train(rollout, step):
+        return soon(f"train {step}", fail=step == 3)
+
+    @asyncrl.node
+    def evaluate(train):  # a side node, slower: its step finishes after the next begins
+        return soon("eval", after=0.03)
+
+    async def main():
+        seen = []
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[rollout, train, evaluate], inputs={"x": range(8)},
+                                    groups=[])
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError, match="train 3 failed"):
+                    await flow.run(on_step=lambda t, values, s: seen.append(t))
+            finally:
+                await flow.close()
+        return seen
+    assert asyncio.run(main()) == [0, 1, 2]

@@ -9,7 +9,9 @@
 
 A node is a small controller-side function; its parameters name its inputs (flow inputs,
 other nodes, or `<node>_out`, and `step`: the step index, unless a node or an input has that
-name). What it receives is exactly what the upstream node returned.
+name). What it receives is exactly what the upstream node returned. Step t+1 is
+dispatched once every node of step t has returned: an async node that awaits its group's
+work holds it until that work is done (a plain node returning the DistFuture does not).
 """
 
 from __future__ import annotations
@@ -289,8 +291,9 @@ class DataFlow:
         # are bounded one further: every node of step t-k-2 has finished before step t starts
         # (a side node, an eval or a critic's update, may lag one step behind, not more)
         bound = t - self.max_staleness - 2
-        if bound in self._steps:
-            await asyncio.gather(*self._steps[bound].finished.values())
+        if bound in self._steps:  # (shielded: a driver's timeout on this wait must not
+            # cancel step t-k-2's work, which the steps after it still wait on)
+            await asyncio.shield(asyncio.gather(*self._steps[bound].finished.values()))
         values = self.feed.next()
         if values is None:
             return None
@@ -428,7 +431,11 @@ class DataFlow:
                 done[step.index] = values
 
         while steps is None or self.next_step < steps:
-            results = await self.step()
+            try:
+                results = await self.step()
+            except Exception:  # the steps before it that finished well are the run's:
+                await self._complete_finished(pending, complete)  # their rows are not lost
+                raise
             if results is None:
                 break
             t = self.next_step - 1
@@ -448,10 +455,24 @@ class DataFlow:
         if checkpoint is not None and self._steps and saved != last:
             await checkpoint(last)
 
+    @staticmethod
+    async def _complete_finished(pending: list[tuple[_Step, dict[str, Any]]],
+                                 complete: Callable[[_Step, dict[str, Any]], Awaitable[None]]
+                                 ) -> None:
+        """Complete the pending steps that finished without a failure, in order, up to one
+        that did not; a failure while completing them is left to the one being raised."""
+        def ok(task: asyncio.Task) -> bool:
+            return task.done() and not task.cancelled() and task.exception() is None
+        while pending and all(map(ok, pending[0][0].finished.values())):
+            try:
+                await complete(*pending.pop(0))
+            except Exception:  # noqa: BLE001 - (its values could not be fetched)
+                return
+
     async def _complete(self, step: _Step, results: dict[str, Any],
                         on_step: Callable[[int, dict[str, Any], float], None] | None,
                         keep: bool) -> dict[str, Any]:
-        await asyncio.gather(*step.finished.values())
+        await asyncio.shield(asyncio.gather(*step.finished.values()))
         values = {}
         for name, r in results.items():
             try:
