@@ -45,8 +45,19 @@ def test_seeded_order_and_exact_resume():
     assert [b["answer"] for b in again] == rest
     assert seen[:4] == a
     other = PromptSource(records(11), batch_size=3, seed=7)
-    with pytest.raises(ValueError, match="saved for 12 records with seed 7"):
+    with pytest.raises(ValueError, match="saved for other prompts \\(records 12 there, 11 "
+                                         "here; digest '[0-9a-f]+' there"):
         other.load_state_dict(state)
+    # the same count in another order, or other records of the same count, went on at an
+    # index into another order: prompts repeated and skipped without a word
+    for unlike, said in ((PromptSource(records(12), batch_size=3, seed=7, shuffle=False),
+                          "shuffle True there, False here"),
+                         (PromptSource(records(12)[::-1], batch_size=3, seed=7), "digest")):
+        with pytest.raises(ValueError, match=f"saved for other prompts \\(.*{said}.*resume "
+                                             f"with the prompt data, seed and shuffle"):
+            unlike.load_state_dict(state)
+    old = {k: state[k] for k in ("epoch", "index", "seed", "records")}  # before session 28
+    PromptSource(records(12), batch_size=3, seed=7).load_state_dict(old)
 
 
 

@@ -16,6 +16,7 @@ chats through the chat template, the assistant's turn opened) and "raw_prompt" (
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -207,6 +208,7 @@ class PromptSource:
         self.batch_size, self.seed, self.shuffle, self.epochs = batch_size, seed, shuffle, epochs
         self.repeat, self.max_prompt_length = repeat, max_prompt_length
         self.epoch, self.index = 0, 0  # the position: the next batch starts here
+        self._digest: str | None = None  # (made at the first checkpoint)
 
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -239,14 +241,29 @@ class PromptSource:
         meta = {} if self.max_prompt_length is None else {PROMPT_WIDTH: self.max_prompt_length}
         return TensorBatch(columns, meta)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
-                "records": len(self.records)}
+                "records": len(self.records), "shuffle": self.shuffle,
+                "digest": self.digest()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("records") != len(self.records) or state.get("seed") != self.seed:
-            raise ValueError(f"this position was saved for {state.get('records')} records with "
-                             f"seed {state.get('seed')}, but this source has "
-                             f"{len(self.records)} records with seed {self.seed}; resume "
-                             f"with the prompt data and seed the run started with")
+    def digest(self) -> str:
+        """A fingerprint of the records (64 of them, evenly spaced: cheap for a large set),
+        which another file of the same length would not match."""
+        if self._digest is None:
+            n = len(self.records)
+            picks = sorted({i * n // 64 for i in range(64)}) if n else []
+            text = "\n".join(repr(self.records[i]) for i in picks)
+            self._digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+        return self._digest
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # (a position of before session 28 has no shuffle or digest: not checked)
+        now = {"records": len(self.records), "seed": self.seed, "shuffle": self.shuffle,
+               "digest": self.digest()}
+        differ = [f"{k} {state.get(k)!r} there, {v!r} here" for k, v in now.items()
+                  if (k in state or k in ("records", "seed")) and state.get(k) != v]
+        if differ:  # the saved index would point into another order or other records
+            raise ValueError(f"this position was saved for other prompts ({'; '.join(differ)}"
+                             f"; digest: of the records); resume with the prompt data, seed "
+                             f"and shuffle the run started with")
         self.epoch, self.index = state["epoch"], state["index"]
