@@ -33,9 +33,10 @@ def rollout_batch(model_cfg: dict):
                    ).generate([[1, 4 + i, 5 + i] for i in range(8)], seeds=list(range(8)))
 
 
-def trained_checkpoint(run_dir, model_cfg: dict, **spawn) -> dict:
+def trained_checkpoint(run_dir, model_cfg: dict, before_save=None, **spawn) -> dict:
     """A 2-rank Policy "actor" after one step, checkpointed as run_dir's step 0 (meta.json
-    marks it complete, as a run's save does); its full weights then."""
+    marks it complete, as a run's save does); its full weights then. `before_save()` runs
+    between the step and the save."""
     batch = rollout_batch(model_cfg)
     step = run_dir / "checkpoints" / "step_000000"
 
@@ -45,6 +46,8 @@ def trained_checkpoint(run_dir, model_cfg: dict, **spawn) -> dict:
                                      nprocs=2, name="actor", hybrid=False, **spawn)
             pids = group_pids(policy)
             await policy.train_step(batch)
+            if before_save is not None:
+                before_save()
             await policy.save_checkpoint(str(step))
             return (await policy.weights("train"))[0], pids
     weights, pids = run(main(), timeout=580)
@@ -56,13 +59,14 @@ def trained_checkpoint(run_dir, model_cfg: dict, **spawn) -> dict:
 def test_a_trained_fsdp2_policy_exports_as_the_model_it_started_from(tmp_path):
     """A bf16 checkpoint trained in fp32 comes back in bf16, its config as given (training
     turns dropout off), embeddings tied, with its tokenizer: from the run's checkpoint
-    alone, the source directory gone."""
+    alone, the source directory gone (already gone when the checkpoint was written: each
+    save read the source's config and tokenizer again, and failed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = local_model(tmp_path / "source")
     before = AutoModelForCausalLM.from_pretrained(source, local_files_only=True).state_dict()
-    trained = trained_checkpoint(tmp_path / "run", {"path": str(source)})
-    shutil.rmtree(source)
+    trained = trained_checkpoint(tmp_path / "run", {"path": str(source)},
+                                 before_save=lambda: shutil.rmtree(source))
     out = cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
     assert "group 'actor'" in out.stdout and "in bfloat16" in out.stdout

@@ -44,20 +44,39 @@ TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json",
                    "generation_config.json")
 
 
-def save_model_files(folder: Path, cfg: ModelConfig) -> None:
-    """What an export needs besides the weights, into a Policy's checkpoint folder: the
+@dataclasses.dataclass
+class ModelFiles:
+    """What an export needs besides the weights, for a Policy's checkpoint folder: the
     ModelConfig (MODEL_FILE) and, in HF_FOLDER, the model's config as given and its source's
-    tokenizer files (so the export needs neither the source directory nor the flow file)."""
-    given = dataclasses.asdict(cfg)
-    if cfg.path is not None:
-        given["path"] = os.path.abspath(cfg.path)
-    (folder / MODEL_FILE).write_text(json.dumps(given, indent=1))
-    hf = folder / HF_FOLDER
-    hf_config(cfg, dropout_off=False).save_pretrained(hf)  # dropout and all
-    if cfg.path is not None:  # its tokenizer, chat template and generation settings
-        for pattern in TOKENIZER_FILES:
-            for file in Path(cfg.path).glob(pattern):
-                shutil.copy2(file, hf / file.name)
+    tokenizer files (so the export needs neither the source directory nor the flow file).
+    Read once, as the Policy starts: its checkpoints need the source no longer either (a
+    scratch folder cleaned, a "latest" link moved to another model mid-run)."""
+
+    given: dict[str, Any]
+    config: Any  # transformers' PretrainedConfig, dropout and all
+    extra: dict[str, bytes]  # its tokenizer, chat template and generation settings
+
+    @staticmethod
+    def read(cfg: ModelConfig) -> ModelFiles:
+        given = dataclasses.asdict(cfg)
+        if cfg.path is not None:
+            given["path"] = os.path.abspath(cfg.path)
+        extra = {} if cfg.path is None else {
+            file.name: file.read_bytes() for pattern in TOKENIZER_FILES
+            for file in Path(cfg.path).glob(pattern) if file.is_file()}
+        return ModelFiles(given, hf_config(cfg, dropout_off=False), extra)
+
+    def save(self, folder: Path) -> None:
+        (folder / MODEL_FILE).write_text(json.dumps(self.given, indent=1))
+        hf = folder / HF_FOLDER
+        self.config.save_pretrained(hf)
+        for name, data in self.extra.items():
+            (hf / name).write_bytes(data)
+
+
+def save_model_files(folder: Path, cfg: ModelConfig) -> None:
+    """ModelFiles of `cfg`, read now, into `folder`."""
+    ModelFiles.read(cfg).save(folder)
 
 
 def checkpoint_folder(path: Path) -> Path:

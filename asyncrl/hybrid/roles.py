@@ -32,7 +32,7 @@ from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
-from asyncrl.hybrid.export import POLICY_FILE, save_model_files
+from asyncrl.hybrid.export import POLICY_FILE, ModelFiles
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, use_bf16
 from asyncrl.hybrid.lora import adapters_off
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
@@ -164,7 +164,9 @@ class Policy(Worker):
         model_cfg, train_cfg, sampling_cfg, turns = read_settings(
             type(self).__name__, model, sampling, multi_turn, train)
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
-        self.model_cfg = model_cfg  # noted in checkpoints, for `asyncrl export`
+        self.model_cfg = model_cfg
+        # noted in checkpoints, for `asyncrl export`: read now, while the source is there
+        self._model_files = ModelFiles.read(model_cfg) if self.rank == 0 else None
         self.hybrid = HybridEngine(self.backend, engine_config(model_cfg, train_cfg),
                                    sampling_cfg, bucket_bytes, engine, engine_options,
                                    offload_optimizer) if hybrid else None
@@ -289,7 +291,8 @@ class Policy(Worker):
         self.backend.save(folder / "train")
         if self.rank == 0:
             torch.save({"version": self.version}, folder / POLICY_FILE)
-            save_model_files(folder, self.model_cfg)
+            assert self._model_files is not None
+            self._model_files.save(folder)
 
     def load_state(self, folder: Path) -> None:
         self.to_train()
