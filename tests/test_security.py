@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -336,3 +337,71 @@ def test_a_stopped_groups_sockets_leave_the_replay_table():
     # none of the 4 sockets a group had stays (bar a last log frame after its stop); they
     # were 4, 8, 12
     assert max(sizes) < 4, sizes
+
+
+def test_a_stopped_sockets_frames_replayed_are_dropped():
+    """Forgetting a stopped group's routes dropped their sequence numbers: a frame captured
+    from one of them verified again, replayed (a dead group's Ready or Log, taken by the
+    group started afresh under its name)."""
+    from asyncrl.comm.auth import Verifier
+
+    secret = os.urandom(32)
+    route = b"g/0/exec/123.00ff00ff00ff00ff"
+    frame = Signer(secret).sign(route, messages.encode(messages.Heartbeat(0, 1, 1)))
+    verifier = Verifier(secret)
+    assert verifier.verify(route, frame) is not None
+    verifier.forget(lambda r: r.startswith(b"g/"))
+    assert verifier.verify(route, frame) is None and verifier.dropped["replay"] == 1
+    assert verifier._last_seq == {}  # (what runs is what the sequence table holds)
+    # a MAC of the wrong size is dropped before the body is hashed (a multi-GB one held
+    # the controller's loop)
+    assert verifier.verify(b"h/0/io/1.00", [frame[0], b"short"]) is None
+    assert verifier.dropped["malformed"] == 1
+
+
+class Gated(asyncrl.Worker):
+    """Constructed once a file exists (the test says when)."""
+
+    def __init__(self, gate: str):
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+
+    @asyncrl.register
+    def add(self, a, b):
+        return a + b
+
+
+def test_a_ready_from_another_socket_than_the_ranks_exec_is_dropped(tmp_path):
+    """A group's Ready was taken from any socket naming the group (a captured one of an
+    earlier group of the name, replayed): its error failed the spawn, its success marked a
+    rank constructed that was not."""
+    from helpers import poll_until
+
+    gate = tmp_path / "gate"
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            spawn = asyncio.ensure_future(ctl.spawn(Gated, str(gate), name="gated"))
+            await poll_until(lambda: "gated" in ctl.groups and ctl.groups["gated"].started
+                             .done(), 120, "the group's ranks to say hello")
+            pid = ctl.groups["gated"].ranks[0].pid
+            route = b"gated/0/exec/%d.0000000000000000" % pid  # not its socket's nonce
+            ctx = zmq.asyncio.Context()
+            forged = ctx.socket(zmq.DEALER)
+            forged.setsockopt(zmq.LINGER, 0)
+            forged.setsockopt(zmq.IDENTITY, route)
+            forged.connect(ctl.channel.address)
+            failure = messages.Failure("ValueError", "an earlier group's failure", "")
+            ready = messages.Ready(0, error=failure)
+            await forged.send_multipart(Signer(read_secret(str(ctl.secret_file))).sign(
+                route, messages.encode(ready)))
+            await poll_until(lambda: ctl.dropped_frames.get("stale") == 1, 20,
+                             "the forged Ready to be dropped")
+            forged.close()
+            ctx.term()
+            gate.touch()
+            group = await spawn
+            return await group.add(1, 2), group_pids(group)
+    added, pids = run(main())
+    assert_gone(pids)
+    assert added == [3]

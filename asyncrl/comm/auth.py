@@ -46,6 +46,7 @@ import zmq
 SECRET_BYTES = 32
 _SEQ = struct.Struct(">Q")
 _ROUTE_LEN = struct.Struct(">I")
+_MAC_SIZE = hashlib.sha256().digest_size  # 32
 
 
 def new_secret() -> bytes:
@@ -160,6 +161,7 @@ class Verifier:
     def __init__(self, secret: bytes):
         self._mac = _Mac(secret)
         self._last_seq: dict[bytes, int] = {}
+        self._retired: set[bytes] = set()  # routes of stopped sockets: what comes is replayed
         self.dropped: Counter[str] = Counter()
         self.total_dropped = 0  # an int, safe to read from another thread
 
@@ -168,11 +170,14 @@ class Verifier:
         self.total_dropped += 1
 
     def forget(self, gone: Callable[[bytes], bool]) -> None:
-        """Let go of the routes that will not speak again (a stopped group's sockets): the
-        table stays the size of what runs, and a rank given a pid again (its identity
-        again) starts its sequence anew."""
+        """Retire the routes that will not speak again (a stopped group's sockets; each
+        socket's identity carries a nonce of its own, never used again): their sequence
+        counters go, the routes stay named, so that their frames, replayed by whoever
+        captured them, are dropped as before (a dead group's Ready or Log would reach a
+        group of its name started afresh)."""
         for route in [r for r in self._last_seq if gone(r)]:
             del self._last_seq[route]
+            self._retired.add(route)
 
     def verify(self, route: bytes, frames: list[bytes] | list[memoryview]) -> memoryview | None:
         """Return the message bytes of a valid frame from ``route``, or None (dropped)."""
@@ -180,6 +185,12 @@ class Verifier:
             self.drop("malformed")
             return None
         body, mac = frames
+        if len(mac) != _MAC_SIZE:  # (before hashing a body of any size)
+            self.drop("malformed")
+            return None
+        if route in self._retired:
+            self.drop("replay")
+            return None
         if not hmac.compare_digest(self._mac(route, body), mac):
             self.drop("bad_mac")
             return None

@@ -70,7 +70,7 @@ class Inbox:
         elif isinstance(msg, Hello):
             self._on_hello(group, identity, msg, relay)
         elif isinstance(msg, Ready):
-            self._on_ready(group, msg)
+            self._on_ready(group, identity, msg)
         elif isinstance(msg, Log) and ctl.logs is not None:
             ctl.logs.write(group.name, rank, msg.lines, msg.dropped)
 
@@ -138,10 +138,14 @@ class Inbox:
         box.flush()
         group.started.set_result(None)
 
-    def _on_ready(self, group: GroupHandle, msg: Ready) -> None:
+    def _on_ready(self, group: GroupHandle, identity: bytes, msg: Ready) -> None:
         info = group.ranks.get(msg.rank)
         if info is None or info.ready or group.ready.done():
             return
+        if identity != info.exec_identity:  # sent by the rank's exec socket alone (its
+            self._ctl.channel.drop("stale")  # Construct went there): another's, say an
+            return  # earlier group's of the name
+
         if msg.error is not None:
             group.ready.set_exception(RemoteError(group.name, msg.rank, "__init__",
                                                   msg.error.type, msg.error.message,

@@ -78,7 +78,8 @@ async def main(marker: str) -> dict:
         intruder = ctx.socket(zmq.DEALER)
         intruder.setsockopt(zmq.IDENTITY, b"prod/0/io/1")
         intruder.connect(ctl.channel.address)
-        for frames in ([bomb], [bomb, bomb], Signer(secret).sign(b"prod/0/io/1", bomb)):
+        for frames in ([bomb], [bomb, bomb], [bomb, bytes(32)],  # (a MAC's size, wrong)
+                       Signer(secret).sign(b"prod/0/io/1", bomb)):
             await intruder.send_multipart(frames)
 
         # a rank's DEALER, through the live ROUTER: raw, signed, and as a Call's arguments
