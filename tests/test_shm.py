@@ -239,14 +239,51 @@ def test_cleanup_removes_a_dead_ranks_segments_only(prefix):
         cleanup("")
 
 
-def test_a_pool_refuses_a_prefix_with_leftovers(prefix):
-    fd = os.open(os.path.join(SHM_DIR, prefix + "-0"), os.O_CREAT | os.O_WRONLY, 0o600)
-    os.close(fd)
+def test_a_pool_skips_names_another_took_and_leaves_them(prefix):
+    """/dev/shm is world-listable: another user who saw the first segment's name made the
+    next ones. The pool's counter stayed on the taken name: every later segment failed
+    for the rank's life; and unlinking another's file (EPERM) failed the group's close."""
+    for n in (0, 1):
+        os.close(os.open(os.path.join(SHM_DIR, f"{prefix}-{n}"), os.O_CREAT | os.O_WRONLY,
+                         0o600))
     pool = SegmentPool(prefix)
-    with pytest.raises(FileExistsError, match=rf"cleanup\('{prefix}'\)"):
-        pool.acquire(1)
+    lease = pool.acquire(1)
+    assert files(prefix) == [prefix + "-0", prefix + "-1", prefix + "-2"]
+    del lease
     pool.close()
-    assert files(prefix) == [prefix + "-0"]  # not ours: left for cleanup()
+    assert files(prefix) == [prefix + "-0", prefix + "-1"]  # not ours: left for cleanup()
+    os.chown(os.path.join(SHM_DIR, prefix + "-1"), 12345, 12345)
+    real_unlink = os.unlink
+
+    def sticky(path):  # the sticky /dev/shm: another user's file is not ours to remove
+        if path.endswith("-1"):
+            raise PermissionError(1, "Operation not permitted", path)
+        real_unlink(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "unlink", sticky)
+        assert cleanup(prefix) == [prefix + "-0"]
+    cleanup(prefix)
+
+
+def test_a_mapper_refuses_a_segment_name_another_user_took_over(pool, tmp_path):
+    """A puller that gave a segment up unlinks it; another user who makes a file (or a link)
+    under its name before the producer maps it got the rows written into it."""
+    mapper = SegmentMapper()
+    theirs = os.path.join(SHM_DIR, f"{pool.prefix}-x")
+    with open(theirs, "wb") as f:
+        f.write(bytes(64))
+    os.chown(theirs, 12345, 12345)
+    link = os.path.join(SHM_DIR, f"{pool.prefix}-y")
+    os.symlink(tmp_path / "elsewhere", link)
+    try:
+        with pytest.raises(PermissionError, match="not a file of this user .*refused"):
+            mapper.view(f"{pool.prefix}-x", 0, 8)
+        with pytest.raises(PermissionError, match="is not a plain file"):
+            mapper.view(f"{pool.prefix}-y", 0, 8)
+        assert not (tmp_path / "elsewhere").exists()
+    finally:
+        os.unlink(theirs)
+        os.unlink(link)
 
 
 def test_errors_name_the_segment_and_the_numbers(pool):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import queue
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -44,6 +45,9 @@ from asyncrl.errors import ClosedError
 SHM_DIR = "/dev/shm"
 MIN_SEGMENT = 64 * 1024
 MAX_OVERSIZE = 4  # a free segment serves a request only if it is at most 4x larger
+
+_NAMES_TRIED = 1024  # names a pool skips, taken, before it gives up
+
 
 def _path(name: str) -> str:
     if not name or "/" in name or name in (".", ".."):
@@ -230,17 +234,23 @@ class SegmentPool:
             _unlink_all([path])
 
     def _create(self, size: int) -> _Segment:
-        name = f"{self.prefix}-{self._next}"
-        path = _path(name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
+        # a name taken is not ours (another user's file in the world-listable /dev/shm, a
+        # leftover): skipped and left alone; the next one is tried
+        for _ in range(_NAMES_TRIED):
+            name = f"{self.prefix}-{self._next}"
+            path = _path(name)
+            self._next += 1
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:
+                continue
+        else:
             raise FileExistsError(
-                f"shared-memory segment {path} already exists: a prefix must be unique per "
-                f"pool and run; remove leftovers with asyncrl.comm.shm.cleanup({self.prefix!r})"
-            ) from None
+                f"shared-memory segments {self.prefix}-* up to {path} all exist: a prefix "
+                f"must be unique per pool and run; remove leftovers with "
+                f"asyncrl.comm.shm.cleanup({self.prefix!r})")
         self._paths.append(path)
-        self._next += 1
         try:
             os.ftruncate(fd, size)  # sparse: acquire() reserves what each lease needs
             mm = mmap.mmap(fd, size)
@@ -272,8 +282,8 @@ class SegmentPool:
 
 
 def _unlink_all(paths: list[str]) -> None:
-    for path in paths:
-        with suppress(FileNotFoundError):
+    for path in paths:  # (another user's file of the name: not ours to remove)
+        with suppress(FileNotFoundError, PermissionError):
             os.unlink(path)
 
 
@@ -312,14 +322,24 @@ class SegmentMapper:
     @staticmethod
     def _open(name: str) -> mmap.mmap:
         path = _path(name)
-        try:
-            fd = os.open(path, os.O_RDWR)
+        try:  # (not through a link: the name may have been replaced since it was given)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"shared-memory segment {name!r} ({path}) does not exist: its owner closed "
                 f"its pool or exited") from None
+        except OSError as e:  # ELOOP: a symbolic link
+            raise PermissionError(f"shared-memory segment {name!r} ({path}) is not a plain "
+                                  f"file ({e.strerror}): refused") from None
         try:
-            return mmap.mmap(fd, os.fstat(fd).st_size)
+            st = os.fstat(fd)
+            # a segment our puller unlinked (it gave up) and another user made again under
+            # its name: writing rows into it would hand them over
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise PermissionError(
+                    f"shared-memory segment {name!r} ({path}) is not a file of this user "
+                    f"(owner uid {st.st_uid}): refused")
+            return mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
 
@@ -340,6 +360,9 @@ def cleanup(prefix: str) -> list[str]:
     """Unlink every file in /dev/shm whose name starts with ``prefix`` (a run's leftovers,
     e.g. of a killed rank); return the names removed."""
     _path(prefix)
-    removed = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
-    _unlink_all([os.path.join(SHM_DIR, name) for name in removed])
+    removed = []
+    for name in [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]:
+        with suppress(FileNotFoundError, PermissionError):  # (another user's: left)
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
     return removed
