@@ -310,3 +310,29 @@ def echo_reward(prompt, response, answer, raw_prompt):
     """The number of words in the response text, once the prompt's text checks out."""
     assert prompt.startswith(f"user {raw_prompt[0]['content']}"), (prompt, raw_prompt)
     return float(len(response.split()))
+
+
+def test_what_a_scorer_started_goes_when_its_rank_is_killed(tmp_path):
+    """A rank SIGKILLed (a group's teardown, the OOM killer) took its scorer processes with
+    it, but not what they had started (a sandbox, a tool's server), which left the rank's
+    session with them: it ran on after every restart."""
+    sandbox = tmp_path / "sandbox.pid"
+    rank = ("import os, signal, sys, threading, time\n"
+            "sys.path.insert(0, 'tests')\n"
+            "from test_rl_reward import answers, verifier\n"
+            "from asyncrl.hybrid.fn_pool import FunctionPool\n"
+            "from asyncrl.rl.reward import row_inputs\n"
+            "pool = FunctionPool(verifier, processes=1, timeout_s=None)\n"
+            "print(pool.pids()[0], flush=True)\n"
+            "threading.Thread(target=pool.call, args=(row_inputs(verifier, answers(8)),),\n"
+            "                 daemon=True).start()\n"
+            "while not os.path.exists(os.environ['ASYNCRL_TEST_SANDBOX']):\n"
+            "    time.sleep(0.01)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    with open(tmp_path / "stderr", "w") as err:  # (a file: what it started holds no pipe)
+        out = subprocess.run([sys.executable, "-c", rank], stdout=subprocess.PIPE, stderr=err,
+                             text=True, timeout=120, cwd=Path(__file__).parent.parent,
+                             env={**os.environ, "ASYNCRL_TEST_SANDBOX": str(sandbox)})
+    assert out.returncode == -9, (tmp_path / "stderr").read_text()
+    scorer = int(out.stdout.split()[0])
+    assert_gone([scorer, int(sandbox.read_text())])

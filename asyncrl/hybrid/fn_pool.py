@@ -76,6 +76,7 @@ def _child(parent: int) -> None:
         pass
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
+    _start_reaper(parent)
     src = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints: to the log, not the frames
@@ -95,6 +96,43 @@ def _child(parent: int) -> None:
             answer = frame([index, None, traceback.format_exc()])
         out.write(answer)
         out.flush()
+
+
+_RANK_GONE_S = 1.0  # how long a reaper whose child ended waits to see whether its rank did
+
+
+def _start_reaper(rank: int) -> None:
+    """Fork a process that ends this child's whole session (what the function started: a
+    sandbox, a tool's server) once the rank that started the child dies: the death signal
+    above ends the child alone, and a SIGKILLed rank runs no cleanup. It waits on both
+    processes (pidfds: no polling), and ends with the child."""
+    try:
+        rank_fd, child_fd = os.pidfd_open(rank), os.pidfd_open(os.getpid())
+    except (OSError, AttributeError):  # (a kernel before 5.3: the child alone goes)
+        return
+    if os.fork() != 0:
+        os.close(rank_fd)
+        os.close(child_fd)
+        return
+    try:  # the reaper: no pipe of the child's held open (the rank would see no EOF)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1):
+            os.dup2(null, fd)
+        os.closerange(3, min(rank_fd, child_fd))
+        os.closerange(max(rank_fd, child_fd) + 1, 1 << 16)
+        with selectors.DefaultSelector() as sel:
+            sel.register(rank_fd, selectors.EVENT_READ)
+            sel.register(child_fd, selectors.EVENT_READ)
+            sel.select()
+        # the child may be seen to go first: its death signal comes as the rank's thread
+        # ends, before the rank's other threads do. Gone on its own (its pool closed), the
+        # rank lives on: this waits for a second, then ends alone
+        with selectors.DefaultSelector() as sel:
+            sel.register(rank_fd, selectors.EVENT_READ)
+            if sel.select(_RANK_GONE_S):
+                os.killpg(0, signal.SIGKILL)  # the child's session: this process too
+    finally:
+        os._exit(0)
 
 
 class _Child:
