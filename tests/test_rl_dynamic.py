@@ -3,11 +3,14 @@ groups whose rewards differ are kept across prompt batches and trained on as one
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from helpers import assert_gone, group_pids, run
 
 import asyncrl
+from asyncrl import TensorBatch
 from asyncrl.rl import Actor, DynamicSamplingError, PromptSource, RewardFn, dynamic_sampling
 from asyncrl.rl.dynamic import informative_groups
 
@@ -88,3 +91,30 @@ def test_dynamic_sampling_trains_on_groups_whose_rewards_differ():
     assert moved == 0  # the kept rows went from the actor's ranks to the actor's ranks
     assert "after 2 prompt batches" in str(errors[0]) and "raise max_rounds" in str(errors[0])
     assert isinstance(errors[1], ValueError) and "max_prompt_length" in str(errors[1])
+
+
+def test_dynamic_sampling_without_a_limit_says_it_goes_on(caplog):
+    """No max_rounds (the default) and a reward that scores every sample alike: the node
+    drew batch after batch with nothing said, the step looking hung."""
+    from asyncrl.hybrid.sampler import PROMPT_WIDTH
+
+    def batch():
+        return TensorBatch({"prompt": [[1]] * 4}, {PROMPT_WIDTH: 1})
+
+    drawn = []
+
+    def more():
+        drawn.append(1)
+        return batch() if len(drawn) < 24 else None  # (runs out: the test ends)
+
+    async def alike(rollout):
+        return {"reward": torch.zeros(4)}
+
+    with caplog.at_level("WARNING", logger="asyncrl"), \
+            pytest.raises(DynamicSamplingError, match="no group whose rewards differ in 48"):
+        asyncio.run(dynamic_sampling(batch(), more=more, generate=lambda b: b, score=alike,
+                                     groups=2, group_size=2))
+    said = [r.getMessage() for r in caplog.records if "dynamic sampling has drawn" in
+            r.getMessage()]
+    assert len(said) == 2 and "drawn 10 prompt batches and kept 0 of the 2 groups needed " \
+                              "(20 of 20 groups scored alike)" in said[0]

@@ -19,6 +19,7 @@ generated them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,9 @@ import torch
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.futures.future import DistFuture, concat
 from asyncrl.hybrid.sampler import PROMPT_WIDTH
+
+log = logging.getLogger("asyncrl")
+WARN_EVERY = 10  # prompt batches between warnings of a step with no max_rounds
 
 
 class DynamicSamplingError(RuntimeError):
@@ -96,6 +100,13 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
                 f"{rounds} prompt batches ({seen} groups, {uniform} of them scored alike): "
                 f"the prompts are too easy or too hard for the policy now; raise max_rounds "
                 f"(verl's max_num_gen_batches) or change the data")
+        if kept < groups and max_rounds is None and rounds % WARN_EVERY == 0:
+            # no limit: a reward that scores everything alike (a format it never parses)
+            # would make this node run on, with nothing said while the step looked hung
+            log.warning("asyncrl: dynamic sampling has drawn %d prompt batches and kept %d "
+                        "of the %d groups needed (%d of %d groups scored alike); it goes on "
+                        "(no max_rounds: set one to stop with an error)", rounds, kept,
+                        groups, uniform, seen)
         if kept < groups:
             batch = more()
     if not kept:
