@@ -110,6 +110,13 @@ def verifier(prompt, response, answer):
     return np.float64(len(response))
 
 
+def logged_length(prompt, response, answer):
+    """The response length, each call noted in the file the test names (a paid judge)."""
+    with open(os.environ["ASYNCRL_TEST_CALLS"], "a") as f:
+        f.write(f"{answer}\n")
+    return float(len(response))
+
+
 def answers(*values: int) -> TensorBatch:
     n = len(values)
     return TensorBatch({"response_ids": torch.ones(n, 3, dtype=torch.long),
@@ -336,3 +343,20 @@ def test_what_a_scorer_started_goes_when_its_rank_is_killed(tmp_path):
     assert out.returncode == -9, (tmp_path / "stderr").read_text()
     scorer = int(out.stdout.split()[0])
     assert_gone([scorer, int(sandbox.read_text())])
+
+
+def test_a_reward_function_is_not_called_on_a_chunks_padding_rows(tmp_path, monkeypatch):
+    """3 rows on 2 reward ranks: rank 1 got its row and a padding copy of it, and the
+    function (a paid judge, a tool with side effects) ran on both."""
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("ASYNCRL_TEST_CALLS", str(calls))
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            reward = await ctl.spawn(RewardFn, logged_length, nprocs=2, name="judge")
+            scores = await reward.score(answers(1, 2, 3))
+            return scores, group_pids(reward)
+    scores, pids = run(main())
+    assert_gone(pids)
+    assert scores["reward"].tolist() == [1.0, 2.0, 3.0]
+    assert sorted(calls.read_text().split()) == ["1", "2", "3"]

@@ -134,8 +134,10 @@ class RowOps:
         return self._pieces([size] * full + ([rest] if rest else []))
 
     def repeat(self, k: int, interleave: bool = True) -> Self:
-        """Each row `k` times: row0,row0,row1,row1 when interleaved (e.g. k samples per
-        prompt), else the whole batch `k` times: row0,row1,row0,row1."""
+        """Each row `k` times: row0,row0,row1,row1 when interleaved, else the whole batch
+        `k` times: row0,row1,row0,row1. Every column is copied, a `seed` column too: for k
+        different samples per prompt give each copy its own seed (PromptSource(repeat=k)
+        does), or the k samples are the same and a GRPO group's advantages all 0."""
         k = _count("repeat", "k", k)
         pad = self.meta.get(PAD_KEY, 0)
         if interleave:

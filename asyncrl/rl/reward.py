@@ -23,7 +23,7 @@ import torch
 from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
-from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.user_fn import taken_by
 
 log = logging.getLogger("asyncrl")
@@ -104,6 +104,14 @@ def checked(fn: Callable[..., Any], value: Any, row: int) -> float:
     return float(value)
 
 
+def _padded(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """`values` of a chunk's real rows, its padding rows given the last one's (0: none)."""
+    if len(values) == rows:
+        return values
+    last = values[-1:] if len(values) else torch.zeros(1, dtype=values.dtype)
+    return torch.cat([values, last.expand(rows - len(values))])
+
+
 def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) -> torch.Tensor:
     """`fn` on each row, in this process; with a tokenizer `tok`, on text."""
     return torch.tensor([checked(fn, fn(p, r, **m), i)
@@ -174,18 +182,23 @@ class RewardFn(Worker):
 
     @register(dispatch=Dispatch.DP)
     def score(self, batch: TensorBatch) -> TensorBatch:
+        # a DP chunk's padding rows (copies of its last row, dropped from the result) are
+        # not scored: a paid judge, or a function with side effects, ran twice on one row
+        real = len(batch) - int(batch.meta.get(PAD_KEY, 0))
+        rows = batch.slice(0, real) if real < len(batch) else batch
         if self.pool is None:
-            scores, out = score_rows(self.fn, batch, self.tok), {}
+            scores, out = score_rows(self.fn, rows, self.tok), {}
         else:
-            values, late = self.pool.call(row_inputs(self.fn, batch, self.tok))
+            values, late = self.pool.call(row_inputs(self.fn, rows, self.tok))
             scores = torch.tensor([self.timeout_score if t else checked(self.fn, v, i)
                                    for i, (v, t) in enumerate(zip(values, late, strict=True))],
                                   dtype=torch.float32)
-            out = {"timed_out": torch.tensor(late, dtype=torch.float32)}
+            out = {"timed_out": _padded(torch.tensor(late, dtype=torch.float32), len(batch))}
             if any(late):
                 log.warning("asyncrl: %s ran past %s s on %d of %d rows; they score %s",
                             self.pool.name, self.pool.timeout_s, sum(late),
                             len(late), self.timeout_score)
+        scores = _padded(scores, len(batch))
         if self.overlong is None:
             return TensorBatch({"reward": scores, **out})
         penalty = self.overlong.penalty(batch.tensor("response_mask").sum(1))
