@@ -1,9 +1,10 @@
 """Chaos: the GRPO demo flow (examples/grpo_tiny.py) run twice in the same session, once
 undisturbed and once while random ranks of random groups are SIGKILLed at random times
-(seeded). The disturbed run must lose no step, repeat none, and end with the same metrics.
+(seeded). The disturbed run must lose no step, record none twice, and end with the same
+metrics.
 
     {"bench": "chaos", "kills": N, "recoveries": ..., "steps_completed": ..., "steps_lost": 0,
-     "steps_repeated": 0, "recovery_s": ..., "extra_s": ..., "max_reward_diff": ...}
+     "duplicate_rows": 0, "recovery_s": ..., "extra_s": ..., "max_reward_diff": ...}
 
 recovery_s: the time the recoveries took, from noticing the death until the flow could go on
 (summed); extra_s: the disturbed run's wall time minus the undisturbed one's (recoveries plus
@@ -172,7 +173,8 @@ def main() -> None:
             "bench": "chaos", "kills": len(kills), "recoveries": len(events),
             "steps_completed": len(set(seen)),
             "steps_lost": len(set(range(args.steps)) - set(seen)),
-            "steps_repeated": len(seen) - len(set(seen)),
+            # (a rewind drops the rows after its checkpoint: steps run again show in recoveries)
+            "duplicate_rows": len(seen) - len(set(seen)),
             "recovery_s": round(sum(e["seconds"] for e in events), 2),
             "extra_s": round(chaos_s - clean_s, 2),
             "max_reward_diff": max(abs(r["reward/mean"] - by_step[r["step"]]) for r in chaos),

@@ -122,9 +122,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.system is None:  # each system in a process of its own
         for system, env in SYSTEMS.items():
-            run = subprocess.run([sys.executable, __file__, "--system", system, "--repeats",
-                                  str(args.repeats)], env={**os.environ, **env},
-                                 capture_output=True, text=True)
+            try:
+                run = subprocess.run([sys.executable, __file__, "--system", system,
+                                      "--repeats", str(args.repeats)],
+                                     env={**os.environ, **env}, capture_output=True,
+                                     text=True, timeout=1800)
+            except subprocess.TimeoutExpired as e:  # (its ranks die with their controller)
+                print(json.dumps({"bench": "group_start", "system": system,
+                                  "skipped": f"timed out after {e.timeout} s"}), flush=True)
+                continue
             lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
             if run.returncode != 0 or not lines:
                 lines = [json.dumps({"bench": "group_start", "system": system,
