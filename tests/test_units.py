@@ -548,3 +548,20 @@ def test_gather_groups_are_sized_by_the_parameters_not_their_freed_targets():
     plan = plan_gather(freed, 32 << 10, together=True)
     assert [len(group) for group in plan] == [2, 2, 2, 2, 2]
     assert [len(group) for group in plan_gather(freed, 32 << 10)] == [1] * 10
+
+
+def test_a_file_that_fails_to_load_leaves_the_import_path_as_it_was(tmp_path):
+    """Loading a flow file (or a function's, named in a message) put its folder first on
+    sys.path for good, even when the file was missing or raised."""
+    import sys
+
+    from asyncrl.comm.refs import _load_file
+
+    broken = tmp_path / "broken_flow.py"
+    broken.write_text("raise RuntimeError('a flow that fails')\n")
+    before = list(sys.path)
+    with pytest.raises(RuntimeError, match="a flow that fails"):
+        _load_file(str(broken))
+    with pytest.raises(FileNotFoundError):
+        _load_file(str(tmp_path / "missing.py"))
+    assert sys.path == before

@@ -10,6 +10,11 @@ call's large arguments).
 
 Everything else must be msgspec-encodable (None, bool, int, float, str, bytes, lists,
 dicts, msgspec Structs, dataclasses, enums...). Tuples arrive as lists.
+
+Decoding bytes from the wire raises on malformed input: mostly ValueError (msgspec's
+DecodeError is one), but a hostile message can also raise struct.error, TypeError,
+OverflowError, RuntimeError or RecursionError: callers catch Exception (each socket loop
+does), not ValueError alone.
 """
 
 from __future__ import annotations
@@ -75,8 +80,8 @@ def _dtype_info(dtype: torch.dtype) -> _Carried:
 
 
 def _wire_dtype(name: Any) -> tuple[torch.dtype, np.dtype | None, torch.dtype | None]:
-    """The dtype named on the wire and its carriers (checked once per name: hostile input
-    gets ValueError)."""
+    """The dtype named on the wire and its carriers (checked once per name: an unknown
+    name gets ValueError)."""
     got = _DTYPES.get(name) if isinstance(name, str) else None
     if got is None:
         dtype = getattr(torch, name, None) if isinstance(name, str) else None

@@ -74,16 +74,22 @@ def _load_file(file: str) -> types.ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     folder = os.path.dirname(path)
-    if folder not in sys.path:  # as when the file runs as a script: its siblings import
+    added = folder not in sys.path
+    if added:  # as when the file runs as a script: its siblings import
         sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {file} as a Python module")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
     try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, file)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {file} as a Python module")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    except BaseException:  # (a file that did not load leaves the path as it was)
+        if added and folder in sys.path:
+            sys.path.remove(folder)
         raise
     return mod
