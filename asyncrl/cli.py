@@ -76,10 +76,11 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
     # none left from an earlier load in this process
     os.environ[OVERRIDES_ENV] = json.dumps(overrides or {})
     declare.settings.clear()  # this file's, for the run's trackers
-    calls, loaded = declare.config_calls, set(sys.modules)
+    calls, loaded, declared = declare.config_calls, set(sys.modules), declare.declared_count()
     try:
         module = _load_file(os.path.abspath(path))
-    except SettingError:  # the command line's mistake, not the file's: _load says so
+    except SettingError:  # the command line's mistake, not the file's: _load says so (and
+        declare.forget_declared_after(declared)  # may import it again: its groups anew)
         raise
     except SyntaxError as e:
         where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")

@@ -85,6 +85,9 @@ def test_a_hosts_gpus_are_picked_there_from_its_own_visible_list():
     with pytest.raises(RuntimeError, match=r"host n2: .*its GPU 2, but CUDA_VISIBLE_DEVICES=0,1 "
                                            r"here shows 2: give the host its real number"):
         select_gpus(short)
+    hidden = {"CUDA_VISIBLE_DEVICES": "", "ASYNCRL_GPU_SLOTS": "0"}  # set, empty: none here
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES= here shows 0"):
+        select_gpus(hidden)
 
 
 def test_ssh_hosts_and_bad_hosts_files(tmp_path):

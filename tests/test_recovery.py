@@ -224,7 +224,7 @@ def test_killed_actor_rank_of_the_grpo_demo_resumes_from_its_checkpoint():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert (result["kills"], result["killed"], result["kinds"]) == (1, ["actor"], ["rewind"]), \
         result
-    assert (result["steps_completed"], result["steps_lost"], result["steps_repeated"]) == \
+    assert (result["steps_completed"], result["steps_lost"], result["duplicate_rows"]) == \
         (14, 0, 0), result
     assert result["max_reward_diff"] < 1e-6, result
 

@@ -162,3 +162,20 @@ def test_prompts_a_tokenizer_cannot_take_are_refused_naming_the_record(tmp_path)
     with pytest.raises(TypeError, match="give a local tokenizer directory or a Hugging Face "
                                         "tokenizer, got int"):
         PromptSource([{"prompt": "w1"}], batch_size=1, tokenizer=7)
+
+
+def test_a_prompt_sources_digest_is_the_same_in_another_process():
+    """The digest was of the records' repr: a set's order changes with each process's hash
+    seed (every resume of such records was refused), numpy's scalars print otherwise in
+    numpy 2."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\nfrom asyncrl.rl import PromptSource\n"
+            "rows = [{'prompt': f'p{i}', 'answer': np.int64(i), 'tags': {'a', 'b', 'c', 'd'}}"
+            " for i in range(9)]\nprint(PromptSource(rows, batch_size=3).digest())\n")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONHASHSEED": seed},
+                              check=True).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(digests) == 1 and len(next(iter(digests))) == 16, digests

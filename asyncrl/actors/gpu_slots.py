@@ -21,7 +21,8 @@ def select_gpus(env: MutableMapping[str, str] = os.environ) -> None:
     if not slots:
         return
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",")] if visible else None
+    # (set but empty: this host hides its GPUs from the rank, none to pick)
+    ids = None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
     chosen = []
     for slot in slots.split(","):
         d = int(slot)

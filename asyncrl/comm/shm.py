@@ -26,6 +26,7 @@ other processes still use.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import queue
@@ -328,7 +329,9 @@ class SegmentMapper:
             raise FileNotFoundError(
                 f"shared-memory segment {name!r} ({path}) does not exist: its owner closed "
                 f"its pool or exited") from None
-        except OSError as e:  # ELOOP: a symbolic link
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # (ELOOP: a symbolic link)
+                raise
             raise PermissionError(f"shared-memory segment {name!r} ({path}) is not a plain "
                                   f"file ({e.strerror}): refused") from None
         try:

@@ -220,9 +220,8 @@ def _write_synced(path: Path, text: str) -> None:
 
 def _discard(path: Path) -> None:
     """Remove a checkpoint folder: renamed out of the step_* names at once, then deleted."""
-    gone = path.with_name(f".{path.name}.discarded")
-    if gone.exists():
-        shutil.rmtree(gone)
+    # a name of its own: a leftover of an earlier removal (held busy) is not in the way
+    gone = path.with_name(f".{path.name}.{time.time_ns()}.discarded")
     os.replace(path, gone)
     shutil.rmtree(gone)
 

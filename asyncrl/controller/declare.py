@@ -88,6 +88,17 @@ def declared_in(modules: set[str]) -> list[GroupSpec]:
     return [g for g in _declared if g.module in modules]
 
 
+def declared_count() -> int:
+    """How many groups were declared so far (`forget_declared_after` goes back to it)."""
+    return len(_declared)
+
+
+def forget_declared_after(count: int) -> None:
+    """Forget the groups declared after the first `count`: a flow file whose import failed,
+    imported again, declares its groups again."""
+    del _declared[count:]
+
+
 config_calls = 0  # how often a flow file asked for its settings (overrides need one)
 settings: dict[str, Any] = {}  # what config() gave this process, for the run's trackers
 

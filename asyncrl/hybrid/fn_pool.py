@@ -76,7 +76,6 @@ def _child(parent: int) -> None:
         pass
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
-    _start_reaper(parent)
     src = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints: to the log, not the frames
@@ -98,41 +97,31 @@ def _child(parent: int) -> None:
         out.flush()
 
 
-_RANK_GONE_S = 1.0  # how long a reaper whose child ended waits to see whether its rank did
-
-
-def _start_reaper(rank: int) -> None:
-    """Fork a process that ends this child's whole session (what the function started: a
-    sandbox, a tool's server) once the rank that started the child dies: the death signal
-    above ends the child alone, and a SIGKILLed rank runs no cleanup. It waits on both
-    processes (pidfds: no polling), and ends with the child."""
+# A child's watcher: ends the child's process group (the child, and what its function
+# started: a sandbox, a tool's server) when the rank dies. The child's own death signal ends
+# the child alone, and a SIGKILLed rank runs no cleanup. It is the rank's child (the rank
+# reaps it), in a session of its own (a kill of the rank's session leaves it to act), told
+# of the rank's death by its own death signal; a plain interpreter without site or asyncrl
+# (a few ms to start, a few MB).
+_WATCHER = """
+import ctypes, os, signal, sys
+rank, group = int(sys.argv[1]), int(sys.argv[2])
+def end(*_):
     try:
-        rank_fd, child_fd = os.pidfd_open(rank), os.pidfd_open(os.getpid())
-    except (OSError, AttributeError):  # (a kernel before 5.3: the child alone goes)
-        return
-    if os.fork() != 0:
-        os.close(rank_fd)
-        os.close(child_fd)
-        return
-    try:  # the reaper: no pipe of the child's held open (the rank would see no EOF)
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1):
-            os.dup2(null, fd)
-        os.closerange(3, min(rank_fd, child_fd))
-        os.closerange(max(rank_fd, child_fd) + 1, 1 << 16)
-        with selectors.DefaultSelector() as sel:
-            sel.register(rank_fd, selectors.EVENT_READ)
-            sel.register(child_fd, selectors.EVENT_READ)
-            sel.select()
-        # the child may be seen to go first: its death signal comes as the rank's thread
-        # ends, before the rank's other threads do. Gone on its own (its pool closed), the
-        # rank lives on: this waits for a second, then ends alone
-        with selectors.DefaultSelector() as sel:
-            sel.register(rank_fd, selectors.EVENT_READ)
-            if sel.select(_RANK_GONE_S):
-                os.killpg(0, signal.SIGKILL)  # the child's session: this process too
-    finally:
-        os._exit(0)
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+    os._exit(0)
+signal.signal(signal.SIGTERM, end)
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != rank:
+    end()
+while True:
+    signal.pause()
+"""
 
 
 class _Child:
@@ -143,6 +132,9 @@ class _Child:
                                      stdout=subprocess.PIPE, start_new_session=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self.watcher = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHER, str(os.getpid()), str(self.proc.pid)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         self.ref = ref
         self.ready = False
         self.row: int | None = None  # the row it works on
@@ -152,9 +144,12 @@ class _Child:
     def signal(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            self.watcher.kill()
 
     def reap(self) -> None:
         self.proc.wait()
+        self.watcher.wait()
         for pipe in (self.stdin, self.stdout):
             with contextlib.suppress(OSError):
                 pipe.close()

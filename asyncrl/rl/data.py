@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from asyncrl.comm.batch import TensorBatch
@@ -158,6 +159,11 @@ def _short_enough(records: list[dict[str, Any]], limit: int, where: str,
     return kept
 
 
+# records as values: what they hold, never how this process prints it
+_CANONICAL = msgspec.msgpack.Encoder(
+    order="deterministic", enc_hook=lambda x: x.tolist() if hasattr(x, "tolist") else str(x))
+
+
 class PromptSource:
     def __init__(self, data: str | os.PathLike | Sequence[dict[str, Any]], *, batch_size: int,
                  seed: int = 0, shuffle: bool = True, epochs: int | None = 1, repeat: int = 1,
@@ -248,12 +254,14 @@ class PromptSource:
 
     def digest(self) -> str:
         """A fingerprint of the records (64 of them, evenly spaced: cheap for a large set),
-        which another file of the same length would not match."""
+        which another file of the same length would not match; of their values, encoded
+        alike in every process and version (dict keys and sets sorted, arrays and numpy
+        numbers as lists and numbers), not of their repr."""
         if self._digest is None:
             n = len(self.records)
             picks = sorted({i * n // 64 for i in range(64)}) if n else []
-            text = "\n".join(repr(self.records[i]) for i in picks)
-            self._digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+            encoded = _CANONICAL.encode([self.records[i] for i in picks])
+            self._digest = hashlib.sha1(encoded).hexdigest()[:16]
         return self._digest
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
