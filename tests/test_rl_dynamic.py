@@ -118,3 +118,20 @@ def test_dynamic_sampling_without_a_limit_says_it_goes_on(caplog):
             r.getMessage()]
     assert len(said) == 2 and "drawn 10 prompt batches and kept 0 of the 2 groups needed " \
                               "(20 of 20 groups scored alike)" in said[0]
+
+
+def test_dynamic_sampling_refuses_groups_that_mix_prompts():
+    """group_size=4 over prompts repeated twice: a block held two prompts and was kept when
+    either's samples differed (a uniform group's advantages, all 0, trained on)."""
+    from asyncrl.hybrid.sampler import PROMPT_WIDTH
+
+    mixed = TensorBatch({"prompt": [[1], [1], [2], [2]]}, {PROMPT_WIDTH: 1})
+
+    async def never(rollout):
+        raise AssertionError("nothing is generated or scored")
+
+    with pytest.raises(ValueError, match=r"rows 0..3 are to be one prompt's group_size=4 "
+                                         r"samples, but hold different prompts; give the "
+                                         r"PromptSource repeat=4"):
+        asyncio.run(dynamic_sampling(mixed, more=lambda: None, generate=lambda b: b,
+                                     score=never, groups=1, group_size=4))

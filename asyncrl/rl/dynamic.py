@@ -48,6 +48,22 @@ def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g.max(1).values > g.min(1).values).nonzero().flatten()
 
 
+def _check_groups(batch: TensorBatch, group_size: int) -> None:
+    """Each run of `group_size` rows is one prompt's samples: with PromptSource(repeat=4)
+    and group_size=8 a block held two prompts, kept when either's samples differed."""
+    if "prompt" not in batch or len(batch) % group_size:
+        return  # (informative_groups names a count that does not divide)
+    column = batch["prompt"]
+    prompts = column.tolist() if hasattr(column, "tolist") else list(column)
+    for start in range(0, len(prompts), group_size):
+        block = prompts[start:start + group_size]
+        if any(p != block[0] for p in block):
+            raise ValueError(f"dynamic sampling: rows {start}..{start + group_size - 1} are "
+                             f"to be one prompt's group_size={group_size} samples, but hold "
+                             f"different prompts; give the PromptSource repeat={group_size} "
+                             f"(and RLConfig group_size={group_size})")
+
+
 async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBatch | None],
                            generate: Callable[[TensorBatch], DistFuture],
                            score: Callable[[DistFuture], DistFuture], groups: int,
@@ -76,6 +92,7 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
                              "groups whose rewards differ, and their responses join the "
                              "first batch's: give the PromptSource max_prompt_length= so "
                              "that every batch's prompts are padded to one width")
+        _check_groups(batch, group_size)
         rounds += 1
         rollout = generate(batch)
         scores = score(rollout)
