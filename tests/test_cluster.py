@@ -45,7 +45,9 @@ def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
     h = spread[1][0]
     cmd = torchrun_command(h, {"ASYNCRL_GROUP": "actor", "CUDA_VISIBLE_DEVICES": "0,1"}, 2,
                            1, 8, "gpu1:29400", "actor-run")
-    assert cmd[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu2", "--export=ALL"]
+    # --overlap: a second group's step on a node waited for the first's to end (SLURM 20.11+)
+    assert cmd[:6] == ["srun", "--nodes=1", "--ntasks=1", "--overlap", "--nodelist=gpu2",
+                       "--export=ALL"]
     # the environment goes with srun's own (a list would split "0,1" at the comma)
     assert not any("CUDA_VISIBLE_DEVICES" in c or "ASYNCRL_GROUP" in c for c in cmd)
     i = cmd.index("--nnodes")
@@ -96,10 +98,16 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
     (h,) = Cluster.from_file(f).hosts
     cmd = torchrun_command(h, {"ASYNCRL_ADDR": "tcp://10.0.0.9:5000", "HOME": "/root",
                                "THP_MEM_ALLOC_ENABLE": "1"}, 1, 0, 4, "10.0.0.1:1", "g-run")
-    assert cmd[:3] == ["ssh", "-o", "BatchMode=yes"] and cmd[3] == "10.0.0.1"
-    # ours, and the ranks' defaults (huge pages), which ssh would not pass on
-    assert cmd[4].startswith("env ASYNCRL_ADDR=tcp://10.0.0.9:5000 THP_MEM_ALLOC_ENABLE=1 ")
-    assert " -m asyncrl.actors.agent_main " in cmd[4]  # its torchrun folder goes with it
+    assert cmd[:3] == ["ssh", "-o", "BatchMode=yes"] and cmd[5] == "10.0.0.1"
+    # ours, and the ranks' defaults (huge pages), which ssh would not pass on; started where
+    # the controller runs (ssh starts in $HOME: a relative run dir's checkpoints went there)
+    assert cmd[6].startswith(f"cd {os.getcwd()} && env ASYNCRL_ADDR=tcp://10.0.0.9:5000 "
+                             f"THP_MEM_ALLOC_ENABLE=1 ")
+    assert " -m asyncrl.actors.agent_main " in cmd[6]  # its torchrun folder goes with it
+    # the group's own env= goes too, whatever its names (it was dropped)
+    mine = torchrun_command(h, {"MY_FLAG": "a b", "HOME": "/root"}, 1, 0, 4, "10.0.0.1:1",
+                            "g-run", given=frozenset({"MY_FLAG"}))
+    assert "'MY_FLAG=a b'" in mine[6] and "HOME" not in mine[6]
     f.write_text(json.dumps({"hosts": [{"name": "n1", "gpu": 4}]}))
     with pytest.raises(ValueError, match="unknown keys \\['gpu'\\]"):
         Cluster.from_file(f)
@@ -333,3 +341,30 @@ def test_a_flow_is_placed_on_a_cluster_on_paper_first():
     with pytest.raises(asyncrl.PlacementError, match="names a group that is not placed yet"):
         ctl.check_placements([("b", 2, asyncrl.separate_from("a")), ("a", 2, None)])
     assert ctl.cluster._groups == {} and not any(ctl.cluster._taken.values())
+
+
+def test_a_cluster_controller_needs_an_address_remote_ranks_reach_and_an_absolute_run_dir(
+        tmp_path, monkeypatch):
+    """0.0.0.0 or localhost passed for the controller's address made remote ranks connect
+    to themselves; a relative run directory was relative to $HOME for ranks started by ssh;
+    the rendezvous port was drawn from the flow's seeded `random` (every run of a sweep the
+    same port; the checkpointed RNG state shifted by each spawn)."""
+    import random
+
+    from asyncrl.controller.launcher import cluster_agents
+
+    remote = Cluster([HostSpec("n1", "10.0.0.1", cpus=4, via="ssh")])
+    for host in ("0.0.0.0", "localhost", "::1", "127.0.1.1"):
+        with pytest.raises(ValueError, match=f"got '{host}'.*--controller-address"):
+            asyncrl.Controller(cluster=remote, host=host)
+    monkeypatch.chdir(tmp_path)
+    assert asyncrl.Controller(run_dir="runs/a").run_dir == tmp_path / "runs" / "a"
+    random.seed(0)
+    state = random.getstate()
+    ports = set()
+    for i in range(4):
+        agents = cluster_agents(Cluster([HostSpec("n1", "10.0.0.1", cpus=4, via="ssh")]),
+                                f"g{i}", 2, {}, tmp_path, "run", die_with_parent=False)
+        command = agents.agents[0].command()[-1]
+        ports.add(int(command.split("--rdzv-endpoint ")[1].split()[0].rsplit(":", 1)[1]))
+    assert random.getstate() == state and all(p < 32768 for p in ports)

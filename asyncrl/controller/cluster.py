@@ -181,10 +181,12 @@ class Cluster:
 
 def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_rank: int,
                      per_node: int, endpoint: str, rdzv_id: str,
-                     scratch: str | None = None) -> list[str]:
+                     scratch: str | None = None, given: frozenset[str] = frozenset()
+                     ) -> list[str]:
     """The command that starts one host's agent of a group, run `via` the host's way.
     `scratch`: a folder of this machine for torchrun's own, on hosts that share its files
-    (elsewhere, and without one, `asyncrl.actors.agent_main` makes and removes its own)."""
+    (elsewhere, and without one, `asyncrl.actors.agent_main` makes and removes its own).
+    `given`: the names of the group's own `env=`, which ssh carries whatever they are."""
     shared = host.via in ("local", "netns") and scratch is not None
     agent = "torch.distributed.run" if shared else "asyncrl.actors.agent_main"
     run = [sys.executable, "-m", agent, "--nnodes", str(nnodes),
@@ -201,15 +203,20 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
     if host.via == "netns":  # the environment passes through `ip netns exec`
         return ["ip", "netns", "exec", host.name, *run]
     if host.via == "srun":  # srun runs in the ranks' environment and exports all of it (a
-        # list after ALL would split values at commas: CUDA_VISIBLE_DEVICES=0,1)
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host.name}", "--export=ALL",
-                *run]
-    # ssh passes no environment: ours, and the network and library settings users tune
+        # list after ALL would split values at commas: CUDA_VISIBLE_DEVICES=0,1);
+        # --overlap: since SLURM 20.11 a step takes its node's resources for itself, and a
+        # second group's agent there would wait for the first group's to end
+        return ["srun", "--nodes=1", "--ntasks=1", "--overlap", f"--nodelist={host.name}",
+                "--export=ALL", *run]
+    # ssh passes no environment: ours, the group's env=, and the network and library
+    # settings users tune; and starts in $HOME: the ranks go where the controller runs
+    # (relative paths: PYTHONPATH entries, data files), on the shared file system
     exports = [f"{k}={v}" for k, v in env.items() if k.startswith(
         ("ASYNCRL_", "PYTHONPATH", "OMP_", "CUDA_", "NCCL_", "GLOO_", "TORCH_"))
-        or k in RANK_ENV_DEFAULTS]
-    return ["ssh", "-o", "BatchMode=yes", host.address,
-            "env " + " ".join(shlex.quote(e) for e in exports) + " " + shlex.join(run)]
+        or k in RANK_ENV_DEFAULTS or k in given]
+    return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", host.address,
+            f"cd {shlex.quote(os.getcwd())} && env "
+            + " ".join(shlex.quote(e) for e in exports) + " " + shlex.join(run)]
 
 
 def free_port(address: str = "127.0.0.1") -> int:

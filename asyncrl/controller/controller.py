@@ -139,14 +139,19 @@ class Controller:
         self.placer = Placer()
         self.timeline: Timeline | None = None  # set by a DataFlow: records node executions
         self._own_run_dir = run_dir is None
-        self.run_dir = Path(run_dir) if run_dir else None
+        # absolute: ranks on other hosts (ssh starts them in $HOME) save checkpoints there
+        self.run_dir = Path(run_dir).absolute() if run_dir else None
         self._die_with_controller = die_with_controller
         self.echo_logs = echo_logs
         self.cluster = cluster  # groups spread over its hosts; None: this machine only
-        if cluster is not None and any(h.via != "local" for h in cluster.hosts) and \
-                host.startswith("127."):
-            raise ValueError("a cluster with remote hosts needs Controller(host=<an address "
-                             "they reach>): ranks connect back to the controller")
+        if cluster is not None and any(h.via != "local" for h in cluster.hosts) and (
+                host.startswith("127.") or host in ("localhost", "::1", "0.0.0.0", "::", "")):
+            # (a wildcard is where it listens, not where others reach it: ranks elsewhere
+            # would connect to themselves)
+            raise ValueError(f"a cluster with remote hosts needs the controller's address as "
+                             f"they reach it, got {host!r} (Controller(host=...), or asyncrl "
+                             f"launch --controller-address; Debian-style hosts name "
+                             f"themselves 127.0.1.1): ranks connect back to the controller")
         if encrypt and not curve_available():
             raise RuntimeError("Controller(encrypt=True) needs a libzmq with CURVE, and this "
                                "pyzmq's has none; install pyzmq from its wheels (they bundle "

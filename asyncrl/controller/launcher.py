@@ -318,6 +318,9 @@ def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+_PORTS = random.SystemRandom()
+
+
 def host_env(h: HostSpec, slots: list[int], base: Mapping[str, str],
              extra: dict[str, str]) -> dict[str, str]:
     """The environment of a group's agent on host `h`, given `slots` there. A GPU slot d is
@@ -340,7 +343,10 @@ def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, st
     per = nprocs // len(hosts)
     first = hosts[0][0]
     # a port probed here is free here; in another host or namespace, pick one at random
-    port = free_port() if first.via == "local" else random.randint(30000, 45000)
+    # (a generator of its own: the flow's seeded `random` would give every run of a sweep
+    # the same port, and the draw would shift the state checkpoints keep; below the
+    # ephemeral ports, which connections take)
+    port = free_port() if first.via == "local" else _PORTS.randint(20000, 32000)
     endpoint = f"{first.address}:{port}"
     agents = []
     for i, (h, slots) in enumerate(hosts):
@@ -348,7 +354,7 @@ def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, st
         if h.via == "netns":  # gloo would pick the machine's address, not the namespace's
             env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         command = torchrun_command(h, env, len(hosts), i, per, endpoint, f"{name}-{run_id}",
-                                   None if scratch is None else str(scratch))
+                                   None if scratch is None else str(scratch), frozenset(extra))
         agents.append(Agent(name, per, env, log_dir / f"{name}.{h.name}.log", die_with_parent,
                             command, h.name, h.via in ("local", "netns")))
     return HostAgents(agents)
