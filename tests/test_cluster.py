@@ -368,3 +368,33 @@ def test_a_cluster_controller_needs_an_address_remote_ranks_reach_and_an_absolut
         command = agents.agents[0].command()[-1]
         ports.add(int(command.split("--rdzv-endpoint ")[1].split()[0].rsplit(":", 1)[1]))
     assert random.getstate() == state and all(p < 32768 for p in ports)
+
+
+def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_path):
+    """Killing the local ssh (or srun) of a group spread over hosts stopped nothing there:
+    the ranks ran on, holding their GPUs, until a collective timed out. The agent's stdin is
+    now its lifeline: at its end, torchrun stops the ranks."""
+    from asyncrl.controller.cluster import free_port
+
+    worker = tmp_path / "worker.py"
+    pid_file = tmp_path / "rank.pid"
+    worker.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                      "time.sleep(3600)\n")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.actors.agent_main", "--nnodes", "1",
+         "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+         f"127.0.0.1:{free_port()}", "--max-restarts", "0", str(worker), str(pid_file)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "ASYNCRL_AGENT_LIFELINE": "1", "PYTHONPATH": ROOT},
+        start_new_session=True)
+    try:
+        wait_until(lambda: pid_file.exists() and pid_file.read_text(), 120,
+                   "the rank to start")
+        rank = int(pid_file.read_text())
+        agent.stdin.close()  # the local ssh is gone
+        assert agent.wait(60) != 0
+        assert_gone([rank])
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()

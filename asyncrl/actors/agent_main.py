@@ -6,17 +6,38 @@ torchrun keeps its own folders (per-rank error files) in a new ``torchelastic_*`
 the controller passes a folder of its own, removed at close; elsewhere it cannot, so this runs
 torchrun in-process inside a temporary folder that goes when torchrun exits (normally, on an
 error, or on the SIGTERM/SIGINT/SIGHUP torchrun turns into an exception; a SIGKILL leaves it).
+
+Its lifeline (ASYNCRL_AGENT_LIFELINE=1): stdin, a pipe the controller's end of ssh or srun
+keeps open. Killing that local process stops nothing on the host by itself; its end of the
+pipe closing does: on EOF the agent sends itself SIGTERM, and torchrun stops its ranks (a
+respawn would otherwise find the old ranks on its GPUs until their collective timeout).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import tempfile
+import threading
+
+LIFELINE = "ASYNCRL_AGENT_LIFELINE"
+
+
+def watch_lifeline() -> None:
+    """SIGTERM to this process once stdin reaches its end (its sender is gone)."""
+    def wait() -> None:
+        while os.read(0, 1 << 16):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=wait, daemon=True, name="asyncrl-lifeline").start()
 
 
 def main(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
+    if os.environ.get(LIFELINE) == "1":
+        watch_lifeline()
     with tempfile.TemporaryDirectory(prefix="asyncrl-torchrun-") as scratch:
         torchrun(["--log-dir", scratch, *argv])
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import asyncrl
 from asyncrl.actors import rank_client
+from asyncrl.actors.agent_main import LIFELINE
 from asyncrl.actors.gpu_slots import GPU_SLOTS
 from asyncrl.actors.procs import birth
 from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
@@ -147,8 +148,11 @@ class Agent:
         with open(self.log_path, "ab") as log:
             self.proc = forked
             if self.proc is None:
+                # a remote agent's lifeline (agent_main.py): a pipe kept open, never written
+                lifeline = self._env.get(LIFELINE) == "1"
                 self.proc = subprocess.Popen(
-                    self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                    self.command(), stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL,
+                    stdout=log,
                     stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
                     preexec_fn=_die_with_parent if self._die_with_parent else None)
         proc = self.proc
@@ -328,9 +332,12 @@ def host_env(h: HostSpec, slots: list[int], base: Mapping[str, str],
     controller's own list names its machine's GPUs, so it goes only to hosts on this machine
     (local, netns), unless the group's env= sets one for every host."""
     base = dict(base)
-    if h.via not in ("local", "netns") and "CUDA_VISIBLE_DEVICES" not in extra:
+    remote = h.via not in ("local", "netns")
+    if remote and "CUDA_VISIBLE_DEVICES" not in extra:
         base.pop("CUDA_VISIBLE_DEVICES", None)
     where = {GPU_SLOTS: ",".join(map(str, slots))} if h.gpus else {}
+    if remote:  # its agent stops its ranks once ssh or srun here is gone
+        where[LIFELINE] = "1"
     return rank_env(base, {**extra, **where, "ASYNCRL_HOST_NAME": h.name,
                            "ASYNCRL_DATA_HOST": h.address})
 
