@@ -445,8 +445,8 @@ def test_bad_prompt_data_names_place_and_fix(tmp_path, monkeypatch):
     ok = PromptSource([{"prompt": "a"}] * 3, batch_size=2, seed=1)
     before = ok.state_dict()
     expect(ValueError, lambda: ok.load_state_dict(other.state_dict()),
-           "saved for 4 records with seed 1, but this source has 3 records with seed 1",
-           "resume with the prompt data and seed the run started with")
+           "saved for other prompts (records 4 there, 3 here; digest",
+           "resume with the prompt data, seed and shuffle the run started with")
     assert ok.state_dict() == before  # the refused position was not taken
     # text prompts reach generation only as token ids (they failed deep inside torch)
     from asyncrl.hybrid.roles import _prompts

@@ -333,7 +333,9 @@ def test_a_lora_policy_resumes_and_exports_merged_and_as_a_peft_adapter(tmp_path
     from transformers import AutoModelForCausalLM
 
     step = tmp_path / "run" / "checkpoints" / "step_000000"
-    model = {**MODEL, "lora": {**LORA, "modules_to_save": ["lm_head"]}}
+    # "norm": the final norm, as asyncrl matches names; peft matches by a name's end, and
+    # took every layer's input_layernorm too (a KeyError loading the adapter)
+    model = {**MODEL, "lora": {**LORA, "modules_to_save": ["lm_head", "norm"]}}
 
     async def main():
         async with asyncrl.Controller() as ctl:
@@ -368,7 +370,13 @@ def test_a_lora_policy_resumes_and_exports_merged_and_as_a_peft_adapter(tmp_path
     assert done["parameters"] == sum(p.numel() for p in exported.parameters())
     assert (logits(exported) - want).abs().max().item() < 1e-5
     config = json.loads((tmp_path / "out" / ADAPTER_FOLDER / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["modules_to_save"]) == (3, 6, ["lm_head"])
+    assert (config["r"], config["lora_alpha"], config["modules_to_save"]) == (
+        3, 6, ["lm_head", "model.norm"])
+    from safetensors import safe_open  # a bf16 export: its adapters as they trained (fp32),
+    export(tmp_path / "run", tmp_path / "bf16", dtype="bfloat16")  # not rounded to bf16
+    with safe_open(str(tmp_path / "bf16" / ADAPTER_FOLDER / "adapter_model.safetensors"),
+                   "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
     frozen = build_model(ModelConfig(seed=0))
     with_adapter = PeftModel.from_pretrained(frozen, tmp_path / "out" / ADAPTER_FOLDER).eval()
     assert (logits(with_adapter) - want).abs().max().item() < 1e-5

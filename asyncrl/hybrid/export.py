@@ -201,7 +201,7 @@ def export(path: Path, out: Path, group: str | None = None,
             if file.name != "config.json":
                 shutil.copy2(file, tmp / file.name)
         if lora is not None:
-            _save_adapter(tmp / ADAPTER_FOLDER, adapters, cfg, target)
+            _save_adapter(tmp / ADAPTER_FOLDER, adapters, cfg)
         # safetensors writes its file owner-only: every file as config.json (the umask's)
         mode = (tmp / "config.json").stat().st_mode & 0o777
         for file in tmp.rglob("*"):
@@ -216,8 +216,7 @@ def export(path: Path, out: Path, group: str | None = None,
             "dtype": str(target).removeprefix("torch.")}
 
 
-def _save_adapter(out: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig,
-                  dtype: torch.dtype) -> None:
+def _save_adapter(out: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """A LoRA policy's adapters as peft saves them: `base_model.model.<layer>.lora_A.weight`
     and adapter_config.json (base_model_name_or_path: the checkpoint it started from)."""
     from safetensors.torch import save_file
@@ -225,14 +224,19 @@ def _save_adapter(out: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig
     lora = cfg.lora
     assert lora is not None
     out.mkdir()
-    save_file({f"base_model.model.{k}": v.to(dtype).contiguous() for k, v in adapters.items()},
+    # in the dtype they trained in (fp32 adapters: peft saves them so on a bf16 base; the
+    # merged model beside them is rounded once, to the export's dtype)
+    save_file({f"base_model.model.{k}": v.contiguous() for k, v in adapters.items()},
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     layers = sorted({k.rsplit(".", 3)[-3] for k in adapters if is_adapter(k)})
+    # the saved modules by their whole paths: peft matches a name by its end ("norm" would
+    # take every layer's input_layernorm too, and find no weights for them)
+    saved = sorted({k.rsplit(".", 1)[0] for k in adapters if not is_adapter(k)})
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
         "lora_alpha": lora.alpha, "target_modules": layers, "lora_dropout": 0.0,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "modules_to_save": lora.modules_to_save,
+        "modules_to_save": saved or None,
         "base_model_name_or_path": os.path.abspath(cfg.path) if cfg.path else None}, indent=1))
 
 

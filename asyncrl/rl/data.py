@@ -272,6 +272,6 @@ class PromptSource:
                   if (k in state or k in ("records", "seed")) and state.get(k) != v]
         if differ:  # the saved index would point into another order or other records
             raise ValueError(f"this position was saved for other prompts ({'; '.join(differ)}"
-                             f"; digest: of the records); resume with the prompt data, seed "
-                             f"and shuffle the run started with")
+                             f"); resume with the prompt data, seed and shuffle the run "
+                             f"started with (the digest is of the records' values)")
         self.epoch, self.index = state["epoch"], state["index"]
