@@ -9,7 +9,8 @@ refuses otherwise, which is the point); sleep level 1 backs the weights up and w
 restores that backup; level 2 drops them; sleep while any part still sleeps (the weights
 woken alone) does nothing, as vLLM's executor is "already sleeping"; weights loaded while
 the weights sleep are an illegal memory access; generating needs everything awake;
-`load_format="dummy"` starts from random weights, not the checkpoint's. With
+`load_format="dummy"` starts from random weights, not the checkpoint's; a temperature in
+(0, 0.01) is raised to 0.01, as vLLM's SamplingParams does. With
 FAKE_VLLM_CALLS=DIR each process also writes what it was asked, one JSON line per call, to
 DIR/<pid>.jsonl (for tests of torchrun groups)."""
 
@@ -24,6 +25,9 @@ from typing import Any
 from asyncrl.hybrid.models import ModelConfig, build_model
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
+__version__ = "0.11.0"  # a release the adapter takes (it checks the version it imports)
+_MAX_TEMP = 1e-2  # vLLM's: a lower temperature above 0 is raised to it
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +39,10 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < _MAX_TEMP:
+            self.temperature = _MAX_TEMP
 
 
 @dataclass

@@ -284,9 +284,20 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api(tmp_path):
     # vLLM's log-probs after top-p are renormalised over the nucleus: not the trainer's
     with pytest.raises(ValueError, match="top_p=0.9 < 1 is not supported"):
         engine.generate([[1, 4]], seeds=[0], config=SamplingConfig(top_p=0.9))
-    # below 1e-5 vLLM decodes greedily, its log-probs at temperature 1
-    with pytest.raises(ValueError, match="temperature=1e-06 is below vLLM's greedy"):
-        engine.generate([[1, 4]], seeds=[0], config=SamplingConfig(temperature=1e-6))
+    # vLLM raises a temperature in (0, 0.01) to 0.01: its samples and log-probs there, the
+    # trainer's at the one asked for (below 1e-5 it was taken for greedy decoding: it is not)
+    for low in (1e-6, 5e-3):
+        with pytest.raises(ValueError, match=f"temperature={low} is below vLLM's lowest "
+                                             f"\\(0.01\\), to which vLLM raises it"):
+            engine.generate([[1, 4]], seeds=[0], config=SamplingConfig(temperature=low))
+    assert fake_vllm.SamplingParams(temperature=5e-3).temperature == 0.01  # (as vLLM's)
+    # a vLLM before 0.10.2: no log-probs after temperature (its "processed" ones were before
+    # it in 0.10.0-0.10.1): every ratio off 1, unsaid
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ASYNCRL_VLLM_MODULE", "fake_vllm")
+        mp.setattr(fake_vllm, "__version__", "0.10.1")
+        with pytest.raises(ImportError, match=r"needs vLLM >= 0.10.2 .*found 0.10.1"):
+            VLLMEngine("tiny-llama")
     # the engine a role makes computes in the model's dtype, as the trainer (it was bf16
     # whatever the trainer ran in: every PPO ratio started ~1e-2 off 1)
     from asyncrl.hybrid.engine import make_engine

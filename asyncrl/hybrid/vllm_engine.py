@@ -29,6 +29,7 @@ been available); its logic is tested against a fake that follows vLLM's document
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -85,7 +86,10 @@ class WeightLoader:
 # LLM keywords the adapter sets itself (engine_options may give any other)
 ADAPTER_SETS = {"model", "distributed_executor_backend", "enable_sleep_mode",
                 "skip_tokenizer_init", "logprobs_mode", "worker_extension_cls"}
-GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy decoding
+# vLLM's _MAX_TEMP: SamplingParams raises a temperature in (0, 0.01) to 0.01 (before its
+# greedy check), and samples there, while the trainer would divide by the one asked for
+LOWEST_TEMPERATURE = 1e-2
+MIN_VERSION = (0, 10, 2)  # logprobs_mode="processed_logprobs" with temperature applied
 
 
 class VLLMEngine:
@@ -110,6 +114,12 @@ class VLLMEngine:
                 raise ImportError("the vLLM engine needs vLLM on a GPU machine: pip install "
                                   "'asyncrl[vllm]'; on CPU use the built-in engine "
                                   "(engine='builtin')") from e
+            found = _version(getattr(vllm, "__version__", "0"))
+            if found < MIN_VERSION:  # older: no logprobs_mode (a TypeError), or its
+                # "processed" log-probs before temperature (every ratio off 1, unsaid)
+                raise ImportError(f"the vLLM engine needs vLLM >= "
+                                  f"{'.'.join(map(str, MIN_VERSION))} (log-probs after "
+                                  f"temperature), found {vllm.__version__}")
             llm_cls, sampling_params_cls = vllm.LLM, vllm.SamplingParams
         if tensor_parallel_size != 1:
             raise ValueError(f"VLLMEngine(tensor_parallel_size={tensor_parallel_size}): only 1 "
@@ -119,8 +129,9 @@ class VLLMEngine:
         self.config = sampling or SamplingConfig()
         _check_top_p(self.config)
         self._params_cls = sampling_params_cls
-        # vLLM refuses to start if less than gpu_memory_utilization of the GPU is free: build
-        # it before the trainer on a shared GPU, or lower it
+        # vLLM refuses to start if less than gpu_memory_utilization of the GPU is free (a
+        # hybrid Policy builds its trainer first: lower it there), and by default sizes for
+        # the model's whole context (engine_options max_model_len= for less)
         self.llm = llm_cls(model=model_path, tensor_parallel_size=1,
                            distributed_executor_backend="external_launcher",
                            enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
@@ -240,16 +251,26 @@ class VLLMEngine:
         self.paused = False
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """"0.10.2rc1.dev5+g1a2b" -> (0, 10, 2): the release's numbers."""
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
 def _check_top_p(cfg: SamplingConfig) -> None:
     """vLLM's processed log-probs are renormalised over the top-p nucleus, the trainer's (and
     the built-in Sampler's) are not: with top_p < 1 every ratio would start near top_p, not 1,
-    and PPO's clip would silence the negative advantages. Below a temperature of 1e-5 vLLM
-    decodes greedily with log-probs at temperature 1, while the trainer would divide by it."""
-    if 0 < cfg.temperature < GREEDY_BELOW:
-        raise ValueError(f"VLLMEngine: temperature={cfg.temperature} is below vLLM's greedy "
-                         f"threshold ({GREEDY_BELOW}): its log-probs would be at temperature 1 "
-                         f"and the trainer's at this one; use temperature=0 for greedy "
-                         f"decoding")
+    and PPO's clip would silence the negative advantages. vLLM raises a temperature below
+    0.01 (but above 0) to 0.01, while the trainer would divide by the one asked for."""
+    if 0 < cfg.temperature < LOWEST_TEMPERATURE:
+        raise ValueError(f"VLLMEngine: temperature={cfg.temperature} is below vLLM's lowest "
+                         f"({LOWEST_TEMPERATURE}), to which vLLM raises it: its samples and "
+                         f"log-probs would be at {LOWEST_TEMPERATURE} and the trainer's at "
+                         f"this one; use temperature=0 for greedy decoding, or >= "
+                         f"{LOWEST_TEMPERATURE}")
     if cfg.top_p < 1:
         raise ValueError(f"VLLMEngine: top_p={cfg.top_p} < 1 is not supported: vLLM's "
                          f"log-probs would be renormalised over the nucleus and differ from "
