@@ -83,6 +83,11 @@ class RowOps:
         @classmethod
         def concat(cls, batches: Sequence[Self]) -> Self: ...
 
+    @property
+    def real_rows(self) -> int:
+        """The rows before a DP chunk's trailing padding (`meta[PAD_KEY]`): all, unpadded."""
+        return len(self) - int(self.meta.get(PAD_KEY, 0))
+
     def chunk(self, n: int, pad: bool = False) -> list[Self]:
         """Exactly `n` near-equal chunks in row order; the first len % n get one row more.
 

@@ -81,14 +81,10 @@ def _load_file(file: str) -> types.ModuleType:
         spec = importlib.util.spec_from_file_location(name, file)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot load {file} as a Python module")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    except BaseException:  # (a file that did not load leaves the path as it was)
+        mod = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except BaseException:  # (a file that did not load leaves no module and the path as it was)
+        sys.modules.pop(name, None)
         if added and folder in sys.path:
             sys.path.remove(folder)
         raise

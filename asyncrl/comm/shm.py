@@ -282,10 +282,14 @@ class SegmentPool:
             self._unlink_at_exit()
 
 
-def _unlink_all(paths: list[str]) -> None:
-    for path in paths:  # (another user's file of the name: not ours to remove)
+def _unlink_all(paths: list[str]) -> list[str]:
+    """Unlink `paths`; those it did (another user's file of the name is not ours)."""
+    done = []
+    for path in paths:
         with suppress(FileNotFoundError, PermissionError):
             os.unlink(path)
+            done.append(path)
+    return done
 
 
 class SegmentMapper:
@@ -363,9 +367,5 @@ def cleanup(prefix: str) -> list[str]:
     """Unlink every file in /dev/shm whose name starts with ``prefix`` (a run's leftovers,
     e.g. of a killed rank); return the names removed."""
     _path(prefix)
-    removed = []
-    for name in [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]:
-        with suppress(FileNotFoundError, PermissionError):  # (another user's: left)
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-    return removed
+    found = [os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    return [os.path.basename(path) for path in _unlink_all(found)]

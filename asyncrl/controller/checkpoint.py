@@ -208,7 +208,7 @@ def _remove_stale(root: Path, tmp: Path) -> None:
             print(f"asyncrl: could not remove {stale} ({e}); the next checkpoint tries again",
                   file=sys.stderr, flush=True)
     if tmp.exists():
-        os.replace(tmp, root / f".{tmp.name}.{time.time_ns()}.discarded")
+        _set_aside(tmp)
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -218,12 +218,18 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _discard(path: Path) -> None:
-    """Remove a checkpoint folder: renamed out of the step_* names at once, then deleted."""
-    # a name of its own: a leftover of an earlier removal (held busy) is not in the way
+def _set_aside(path: Path) -> Path:
+    """Rename `path` to a hidden name of its own (a leftover of an earlier removal, held
+    busy, is not in the way), which the next save's `_remove_stale` removes if this does
+    not."""
     gone = path.with_name(f".{path.name}.{time.time_ns()}.discarded")
     os.replace(path, gone)
-    shutil.rmtree(gone)
+    return gone
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint folder: renamed out of the step_* names at once, then deleted."""
+    shutil.rmtree(_set_aside(path))
 
 
 async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],

@@ -194,8 +194,7 @@ class Placer:
             away = {d for t in apart for d in on[t]}
             free = [d for d in pool if d not in away]
             was = self._was.get(group, []) if any(
-                c.target == group for g, cs in self._asked.items() if g in self.placed
-                for c in cs) else []
+                c.target == group for cs in self._asked.values() for c in cs) else []
             if len(free) < needed and apart:
                 problem = (f"group {group!r} needs {needed} {host.kind}(s) "
                            f"{' and '.join(f'separate_from({t})' for t in apart)}, but only "

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.comm.batch import PAD_KEY, TensorBatch
+from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.lora import adapter_modules, is_adapter, legacy_adapter_names
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
@@ -235,7 +235,7 @@ ALL_ROWS = "all_rows"  # meta: (real rows of every dp rank, this rank's rows, dp
 def count_rows(batch: TensorBatch, group: Any) -> TensorBatch:
     """Mark a rank's batch with the real rows of every data-parallel rank (one all-reduce),
     so that `sequence_mean_nll` is the mean over all of them however they are split."""
-    t = torch.tensor([float(len(batch) - batch.meta.get(PAD_KEY, 0))], dtype=torch.float64)
+    t = torch.tensor([float(batch.real_rows)], dtype=torch.float64)
     dist.all_reduce(t, group=group)
     batch.meta[ALL_ROWS] = (float(t[0]), len(batch), dist.get_world_size(group))
     return batch
@@ -250,7 +250,7 @@ def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tenso
     rollout's observations are not the model's to learn: only sampled tokens count."""
     mask = sampled_mask(batch).to(logprobs.dtype)
     per_row = -(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)
-    real = len(batch) - batch.meta.get(PAD_KEY, 0)
+    real = batch.real_rows
     mean = per_row[:real].sum() / max(real, 1)
     if ALL_ROWS not in batch.meta:
         return mean

@@ -101,7 +101,7 @@ def micro_batches(batch: TensorBatch, micro_batch_size: int, max_tokens: int | N
         runs = token_runs(prompts, responses, max_tokens, agreed(len(runs), group))
     # a DP chunk's trailing padding rows (copies, left out of every loss) stay trailing in
     # each micro-batch, marked as `split` marks them
-    real = len(batch) - batch.meta.get(PAD_KEY, 0)
+    real = batch.real_rows
     runs = [[r for r in run if r < real] + [r for r in run if r >= real] for run in runs]
     micros = []
     for run in runs:

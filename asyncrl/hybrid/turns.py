@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.comm.batch import PAD_KEY, TensorBatch
+from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fn_pool import pool_for, pool_settings_ok
 from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad
 from asyncrl.hybrid.settings import from_dict, whole_number
@@ -132,7 +132,7 @@ class Turns:
         meta_keys = taken_by(self.cfg.env, [k for k in batch.keys() if k not in NOT_META and
                                             isinstance(batch[k], list)] + list(TURN_KEYS),
                              what="environment")
-        real = n - int(batch.meta.get(PAD_KEY, 0))  # a DP chunk's padding rows: one turn, no
+        real = batch.real_rows  # a DP chunk's padding rows: one turn, no
         # env call (a tool with side effects would run twice for one row)
         timeouts = [0] * n
 

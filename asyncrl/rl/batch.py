@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.actors.protocols import _dp_split, _rank_zero_collect, register_protocol
-from asyncrl.comm.batch import PAD_KEY, TensorBatch
+from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.turns import sampled_mask
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty
 from asyncrl.rl.config import RLConfig
@@ -33,7 +33,7 @@ STATS = register_protocol("dp_stats", split=_dp_split, collect=_rank_zero_collec
 def valid_rows(batch: TensorBatch) -> torch.Tensor:
     """1.0 for real rows, 0.0 for the trailing padding rows a DP chunk may carry."""
     n = len(batch)
-    return (torch.arange(n) < n - batch.meta.get(PAD_KEY, 0)).float()
+    return (torch.arange(n) < batch.real_rows).float()
 
 
 def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,

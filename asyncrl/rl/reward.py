@@ -23,7 +23,7 @@ import torch
 from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
-from asyncrl.comm.batch import PAD_KEY, TensorBatch
+from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.user_fn import taken_by
 
 log = logging.getLogger("asyncrl")
@@ -184,7 +184,7 @@ class RewardFn(Worker):
     def score(self, batch: TensorBatch) -> TensorBatch:
         # a DP chunk's padding rows (copies of its last row, dropped from the result) are
         # not scored: a paid judge, or a function with side effects, ran twice on one row
-        real = len(batch) - int(batch.meta.get(PAD_KEY, 0))
+        real = batch.real_rows
         rows = batch.slice(0, real) if real < len(batch) else batch
         if self.pool is None:
             scores, out = score_rows(self.fn, rows, self.tok), {}
