@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -30,103 +29,8 @@ from asyncrl.controller.nodes import FlowError, NodeError
 from asyncrl.controller.recovery import RecoveryError
 from asyncrl.controller.runner import Terminated, run
 from asyncrl.controller.trackers import TrackerError
-from asyncrl.errors import AsyncRLError, CheckpointError, SettingError
-
-
-def _overrides(command: str, args: list[str]) -> dict[str, str]:
-    """The key=value arguments among `args`, as {key: text}."""
-    from asyncrl.controller.declare import parse_overrides
-
-    try:
-        return parse_overrides([a for a in args if "=" in a])
-    except ValueError as e:
-        raise SystemExit(f"asyncrl {command}: {e}; write overrides as key=value, with no "
-                         f"space around '='") from None
-
-
-def _load(path: str, overrides: dict[str, Any] | None = None,
-          saved: dict[str, Any] | None = None) -> Any:
-    """Import the flow or driver file with `overrides` ({key: text}; parsed values of runs
-    before session 13 too) for its asyncrl.config(...); `saved`: those of them a resumed
-    run's checkpoint alone gave. Of those, what the file no longer declares (a setting
-    renamed or removed since) is dropped, said; what was given now must be declared."""
-    try:
-        return _import_with(path, overrides, saved)
-    except SettingError as e:
-        stale = sorted(k for k in e.unknown if k in (saved or {}))
-        if not stale or len(stale) < len(e.unknown):
-            raise SystemExit(f"asyncrl: {e}; fix the key=value arguments" + (
-                f" (on --resume, the run's own, kept in its checkpoint, count too: "
-                f"{json.dumps(saved)})" if saved else "")) from None
-    print(f"asyncrl: the run's setting(s) {stale}, kept in its checkpoint, are not settings "
-          f"of {path} any more: dropped", file=sys.stderr)
-    return _load(path, {k: v for k, v in (overrides or {}).items() if k not in stale},
-                 {k: v for k, v in (saved or {}).items() if k not in stale})
-
-
-def _import_with(path: str, overrides: dict[str, Any] | None,
-                 saved: dict[str, Any] | None) -> Any:
-    from asyncrl.comm.refs import _load_file
-    from asyncrl.controller import declare
-    from asyncrl.controller.declare import OVERRIDES_ENV
-
-    if not os.path.isfile(path):
-        raise SystemExit(f"asyncrl: no such file: {path}")
-    # before the import: the flow file reads them with asyncrl.config(...); none given,
-    # none left from an earlier load in this process
-    os.environ[OVERRIDES_ENV] = json.dumps(overrides or {})
-    declare.settings.clear()  # this file's, for the run's trackers
-    calls, loaded, declared = declare.config_calls, set(sys.modules), declare.declared_count()
-    try:
-        module = _load_file(os.path.abspath(path))
-    except SettingError:  # the command line's mistake, not the file's: _load says so (and
-        declare.forget_declared_after(declared)  # may import it again: its groups anew)
-        raise
-    except SyntaxError as e:
-        where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
-        code = f"\n    {e.text.rstrip()}" if e.text else ""
-        broken = path if e.filename is None or os.path.abspath(e.filename) == \
-            os.path.abspath(path) else f"{e.filename} (imported by {path})"
-        raise SystemExit(f"asyncrl: {broken} is not valid Python: {e.msg} at {where}{code}\n"
-                         f"fix the file and launch again") from None
-    except Exception as e:  # noqa: BLE001 - user code: say where it failed and what
-        given = " ".join(f"{k}={v}" for k, v in (overrides or {}).items())
-        raise SystemExit(f"asyncrl: importing {path} failed at {_user_line(e, path)}: "
-                         f"{type(e).__name__}: {e}\n"
-                         + ("install the missing module or fix the import"
-                            if isinstance(e, ImportError) else "fix the flow file" +
-                            (f" or its settings ({given})" if overrides else "")) +
-                         " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
-                         ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
-    if overrides and module.__name__ not in loaded and declare.config_calls == calls:
-        now = [k for k in overrides if k not in (saved or {})]
-        if not now:  # the run's own settings alone: the file stopped declaring any
-            raise SettingError("no settings declared", list(overrides))
-        given = " ".join(f"{k}={overrides[k]}" for k in now)
-        raise SystemExit(f"asyncrl: {path} takes no settings (it never calls "
-                         f"asyncrl.config(...)), so {given} would be ignored; "
-                         f"declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop them")
-    return module
-
-
-def _user_line(error: BaseException, path: str) -> str:
-    """file:line of the deepest frame of the flow file (or of any file) in a traceback."""
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)
-    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
-    chosen = mine or frames
-    return f"{chosen[-1].filename}:{chosen[-1].lineno}" if chosen else path
-
-
-def _flow_of(module: Any, path: str) -> Any:
-    from asyncrl.controller.flow import DataFlow
-
-    flow = getattr(module, "flow", None)
-    if flow is not None and not isinstance(flow, DataFlow):
-        raise SystemExit(f"asyncrl: {path} defines `flow`, but it is a "
-                         f"{type(flow).__name__}, not an asyncrl.DataFlow")
-    return flow
+from asyncrl.errors import AsyncRLError, CheckpointError
+from asyncrl.flow_file import flow_of, key_values, load_flow
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -143,7 +47,7 @@ def launch(args: argparse.Namespace) -> int:
         raise SystemExit(f"asyncrl launch: --keep-checkpoints must be >= 0 (0 keeps all), "
                          f"got {args.keep_checkpoints}")
     sys.argv = [args.script, *args.args, *args.passed]
-    overrides = now = _overrides("launch", args.args)
+    overrides = now = key_values("launch", args.args)
     if args.resume:  # the run's own settings, under those given now (steps=... to go on)
         from asyncrl.controller.checkpoint import checkpoint_overrides
 
@@ -152,9 +56,9 @@ def launch(args: argparse.Namespace) -> int:
             print(f"asyncrl launch: resuming with the run's settings "
                   f"{json.dumps(saved)}, under those given now", file=sys.stderr)
         overrides = {**saved, **overrides}
-    module = _load(args.script, overrides, {k: v for k, v in saved.items() if k not in now}
+    module = load_flow(args.script, overrides, {k: v for k, v in saved.items() if k not in now}
                    if args.resume else None)
-    flow = _flow_of(module, args.script)
+    flow = flow_of(module, args.script)
     if flow is None:
         main = getattr(module, "main", None)
         if main is None:
@@ -339,11 +243,11 @@ def run_node(args: argparse.Namespace) -> int:
                          f"`asyncrl launch FLOW --save-inputs` wrote: "
                          f"RUN_DIR/inputs/step<t>/{args.node}.msgpack")
     # the groups are built as in the run that saved the inputs, unless told otherwise
-    overrides = {**saved_overrides(inputs), **_overrides("run", args.args)}
+    overrides = {**saved_overrides(inputs), **key_values("run", args.args)}
     if overrides:
         print(f"asyncrl run: overrides {json.dumps(overrides)}", file=sys.stderr)
-    module = _load(args.script, overrides)
-    flow = _flow_of(module, args.script)
+    module = load_flow(args.script, overrides)
+    flow = flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl run: {args.script} defines no `flow`")
     saved, futures = load_inputs(inputs)
@@ -432,8 +336,8 @@ def bench(args: argparse.Namespace) -> int:
     if stray:
         raise SystemExit(f"asyncrl bench: unrecognized arguments: {' '.join(stray)}; a flow "
                          f"takes key=value overrides after the options (`asyncrl bench --help`)")
-    module = _load(args.script, _overrides("bench", args.args))
-    flow = _flow_of(module, args.script)
+    module = load_flow(args.script, key_values("bench", args.args))
+    flow = flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl bench: {args.script} defines no `flow` (a DataFlow)")
     if args.steps is None and flow.steps is not None and args.warmup >= flow.steps:

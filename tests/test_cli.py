@@ -301,7 +301,7 @@ def test_a_flow_imported_again_without_a_stale_setting_declares_its_groups_once(
     """The first import (refused: a setting the checkpoint kept that the file no longer
     declares) had declared the groups above its config() call; the second declared them
     again: the flow got each twice."""
-    from asyncrl import cli as asyncrl_cli
+    from asyncrl.flow_file import load_flow
 
     flow = tmp_path / "groups_first.py"
     flow.write_text("import asyncrl\n\n\nclass W(asyncrl.Worker):\n    @asyncrl.register\n"
@@ -309,6 +309,6 @@ def test_a_flow_imported_again_without_a_stale_setting_declares_its_groups_once(
                     "cfg = asyncrl.config(other=1)\n\n\n@asyncrl.node\ndef n(x):\n"
                     "    return w.f(x)\n\n\nflow = asyncrl.DataFlow(nodes=[n], "
                     "inputs={'x': [1]})\n")
-    module = asyncrl_cli._load(str(flow), {"lr": "0.5"}, {"lr": "0.5"})
+    module = load_flow(str(flow), {"lr": "0.5"}, {"lr": "0.5"})
     assert "the run's setting(s) ['lr'], kept in its checkpoint" in capsys.readouterr().err
     assert [g.name for g in module.flow.groups] == ["w"]

@@ -1,0 +1,108 @@
+"""A user's flow or driver file, loaded for the `asyncrl` command: its key=value
+overrides, a resumed run's own settings (those the file no longer declares dropped, said),
+and what goes wrong on import said in a line, with where it happened in the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from asyncrl.errors import SettingError
+
+
+def key_values(command: str, args: list[str]) -> dict[str, str]:
+    """The key=value arguments among `args`, as {key: text}."""
+    from asyncrl.controller.declare import parse_overrides
+
+    try:
+        return parse_overrides([a for a in args if "=" in a])
+    except ValueError as e:
+        raise SystemExit(f"asyncrl {command}: {e}; write overrides as key=value, with no "
+                         f"space around '='") from None
+
+
+def load_flow(path: str, overrides: dict[str, Any] | None = None,
+              saved: dict[str, Any] | None = None) -> Any:
+    """Import the flow or driver file with `overrides` ({key: text}; parsed values of runs
+    before session 13 too) for its asyncrl.config(...); `saved`: those of them a resumed
+    run's checkpoint alone gave. Of those, what the file no longer declares (a setting
+    renamed or removed since) is dropped, said; what was given now must be declared."""
+    try:
+        return _import_with(path, overrides, saved)
+    except SettingError as e:
+        stale = sorted(k for k in e.unknown if k in (saved or {}))
+        if not stale or len(stale) < len(e.unknown):
+            raise SystemExit(f"asyncrl: {e}; fix the key=value arguments" + (
+                f" (on --resume, the run's own, kept in its checkpoint, count too: "
+                f"{json.dumps(saved)})" if saved else "")) from None
+    print(f"asyncrl: the run's setting(s) {stale}, kept in its checkpoint, are not settings "
+          f"of {path} any more: dropped", file=sys.stderr)
+    return load_flow(path, {k: v for k, v in (overrides or {}).items() if k not in stale},
+                 {k: v for k, v in (saved or {}).items() if k not in stale})
+
+
+def _import_with(path: str, overrides: dict[str, Any] | None,
+                 saved: dict[str, Any] | None) -> Any:
+    from asyncrl.comm.refs import _load_file
+    from asyncrl.controller import declare
+    from asyncrl.controller.declare import OVERRIDES_ENV
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"asyncrl: no such file: {path}")
+    # before the import: the flow file reads them with asyncrl.config(...); none given,
+    # none left from an earlier load in this process
+    os.environ[OVERRIDES_ENV] = json.dumps(overrides or {})
+    declare.settings.clear()  # this file's, for the run's trackers
+    calls, loaded, declared = declare.config_calls, set(sys.modules), declare.declared_count()
+    try:
+        module = _load_file(os.path.abspath(path))
+    except SettingError:  # the command line's mistake, not the file's: _load says so (and
+        declare.forget_declared_after(declared)  # may import it again: its groups anew)
+        raise
+    except SyntaxError as e:
+        where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
+        code = f"\n    {e.text.rstrip()}" if e.text else ""
+        broken = path if e.filename is None or os.path.abspath(e.filename) == \
+            os.path.abspath(path) else f"{e.filename} (imported by {path})"
+        raise SystemExit(f"asyncrl: {broken} is not valid Python: {e.msg} at {where}{code}\n"
+                         f"fix the file and launch again") from None
+    except Exception as e:  # noqa: BLE001 - user code: say where it failed and what
+        given = " ".join(f"{k}={v}" for k, v in (overrides or {}).items())
+        raise SystemExit(f"asyncrl: importing {path} failed at {_user_line(e, path)}: "
+                         f"{type(e).__name__}: {e}\n"
+                         + ("install the missing module or fix the import"
+                            if isinstance(e, ImportError) else "fix the flow file" +
+                            (f" or its settings ({given})" if overrides else "")) +
+                         " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
+                         ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
+    if overrides and module.__name__ not in loaded and declare.config_calls == calls:
+        now = [k for k in overrides if k not in (saved or {})]
+        if not now:  # the run's own settings alone: the file stopped declaring any
+            raise SettingError("no settings declared", list(overrides))
+        given = " ".join(f"{k}={overrides[k]}" for k in now)
+        raise SystemExit(f"asyncrl: {path} takes no settings (it never calls "
+                         f"asyncrl.config(...)), so {given} would be ignored; "
+                         f"declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop them")
+    return module
+
+
+def _user_line(error: BaseException, path: str) -> str:
+    """file:line of the deepest frame of the flow file (or of any file) in a traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
+    chosen = mine or frames
+    return f"{chosen[-1].filename}:{chosen[-1].lineno}" if chosen else path
+
+
+def flow_of(module: Any, path: str) -> Any:
+    from asyncrl.controller.flow import DataFlow
+
+    flow = getattr(module, "flow", None)
+    if flow is not None and not isinstance(flow, DataFlow):
+        raise SystemExit(f"asyncrl: {path} defines `flow`, but it is a "
+                         f"{type(flow).__name__}, not an asyncrl.DataFlow")
+    return flow
