@@ -73,6 +73,13 @@ def test_a_hosts_gpus_are_picked_there_from_its_own_visible_list():
                     {"CUDA_VISIBLE_DEVICES": "1,3"})  # the group's env= holds everywhere
     assert mine["CUDA_VISIBLE_DEVICES"] == "1,3"
     assert "ASYNCRL_GPU_SLOTS" not in host_env(HostSpec("c", "c", cpus=4), [0, 1], {}, {})
+    # the controller's process, which ranks on its machine check: not sent elsewhere (a
+    # remote agent stands in for it there)
+    ctl = {"ASYNCRL_CONTROLLER_PROCESS": "123:456"}
+    srun = HostSpec("n2", "n2", cpus=2, via="srun")
+    assert "ASYNCRL_CONTROLLER_PROCESS" not in host_env(srun, [0], {}, ctl)
+    assert host_env(HostSpec("a", "a", cpus=2, via="local"), [0], {}, ctl)[
+        "ASYNCRL_CONTROLLER_PROCESS"] == "123:456"
     # the rank, on its host: its slots out of the list it finds there, before CUDA starts
     for found, want in (({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "6,7"), ({}, "2,3"),
                         ({"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b,GPU-c,GPU-d"}, "GPU-c,GPU-d")):
@@ -373,13 +380,17 @@ def test_a_cluster_controller_needs_an_address_remote_ranks_reach_and_an_absolut
 def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_path):
     """Killing the local ssh (or srun) of a group spread over hosts stopped nothing there:
     the ranks ran on, holding their GPUs, until a collective timed out. The agent's stdin is
-    now its lifeline: at its end, torchrun stops the ranks."""
+    now its lifeline: at its end, torchrun stops the ranks. While it holds, the agent is the
+    process the ranks check before taking a silent controller for gone: remote ranks exited
+    after heartbeat_timeout of a controller loop busy with a node's own work."""
+    from asyncrl.actors.procs import PROCESS_ENV, runs
     from asyncrl.controller.cluster import free_port
 
     worker = tmp_path / "worker.py"
     pid_file = tmp_path / "rank.pid"
-    worker.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"
-                      "time.sleep(3600)\n")
+    worker.write_text(f"import os, sys, time\nopen(sys.argv[1] + '.env', 'w').write("
+                      f"os.environ.get({PROCESS_ENV!r}, ''))\n"
+                      f"open(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(3600)\n")
     agent = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.actors.agent_main", "--nnodes", "1",
          "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
@@ -391,6 +402,8 @@ def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_pat
         wait_until(lambda: pid_file.exists() and pid_file.read_text(), 120,
                    "the rank to start")
         rank = int(pid_file.read_text())
+        watched = (tmp_path / "rank.pid.env").read_text()
+        assert watched.split(":")[0] == str(agent.pid) and runs(watched)
         agent.stdin.close()  # the local ssh is gone
         assert agent.wait(60) != 0
         assert_gone([rank])

@@ -11,6 +11,8 @@ Its lifeline (ASYNCRL_AGENT_LIFELINE=1): stdin, a pipe the controller's end of s
 keeps open. Killing that local process stops nothing on the host by itself; its end of the
 pipe closing does: on EOF the agent sends itself SIGTERM, and torchrun stops its ranks (a
 respawn would otherwise find the old ranks on its GPUs until their collective timeout).
+While it holds, the agent stands in for the controller's process, which the ranks check
+before taking a silent controller for gone (rank_main.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import signal
 import sys
 import tempfile
 import threading
+
+from asyncrl.actors.procs import PROCESS_ENV, this_process
 
 LIFELINE = "ASYNCRL_AGENT_LIFELINE"
 
@@ -38,6 +42,10 @@ def main(argv: list[str]) -> None:
 
     if os.environ.get(LIFELINE) == "1":
         watch_lifeline()
+        # the ranks' stand-in for the controller's process, which they cannot see from this
+        # host: this agent runs while the lifeline holds. A silent controller that runs is
+        # busy (a node's own work on its loop), and its ranks wait for it
+        os.environ[PROCESS_ENV] = this_process()
     with tempfile.TemporaryDirectory(prefix="asyncrl-torchrun-") as scratch:
         torchrun(["--log-dir", scratch, *argv])
 

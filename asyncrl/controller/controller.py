@@ -325,8 +325,9 @@ class Controller:
         # every spawn its own token: a rank of an earlier group of this name, late, is
         # not taken for one of this group's
         self.spawn_tokens[name] = extra[SPAWN_ENV] = secrets.token_hex(8)
-        if self.cluster is None:  # ranks on this host: a silent controller that runs is
-            extra[PROCESS_ENV] = this_process()  # busy, not gone (they wait for it)
+        # a silent controller that runs is busy, not gone: its ranks wait for it (on a
+        # remote host its agent stands in for it: launcher.host_env)
+        extra[PROCESS_ENV] = this_process()
         if relayed:  # in the private folder: only this user reaches the relays' ipc sockets
             extra["ASYNCRL_RELAY"] = f"ipc://{self._private}/relay{next(self._relays)}"
         agent = self._make_agent(name, nprocs, extra)

@@ -23,7 +23,7 @@ import asyncrl
 from asyncrl.actors import rank_client
 from asyncrl.actors.agent_main import LIFELINE
 from asyncrl.actors.gpu_slots import GPU_SLOTS
-from asyncrl.actors.procs import birth
+from asyncrl.actors.procs import PROCESS_ENV, birth
 from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
@@ -336,8 +336,10 @@ def host_env(h: HostSpec, slots: list[int], base: Mapping[str, str],
     if remote and "CUDA_VISIBLE_DEVICES" not in extra:
         base.pop("CUDA_VISIBLE_DEVICES", None)
     where = {GPU_SLOTS: ",".join(map(str, slots))} if h.gpus else {}
-    if remote:  # its agent stops its ranks once ssh or srun here is gone
-        where[LIFELINE] = "1"
+    extra = dict(extra)
+    if remote:  # its agent stops its ranks once ssh or srun here is gone, and stands in for
+        where[LIFELINE] = "1"  # this process there, which its ranks cannot see (agent_main)
+        extra.pop(PROCESS_ENV, None)
     return rank_env(base, {**extra, **where, "ASYNCRL_HOST_NAME": h.name,
                            "ASYNCRL_DATA_HOST": h.address})
 
