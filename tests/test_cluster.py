@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ROOT, NoLogFolder, assert_gone, group_pids, run, wait_until
+from helpers import ROOT, NoLogFolder, assert_gone, group_pids, poll_until, run, wait_until
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -209,6 +209,28 @@ def test_a_group_spread_over_two_hosts_meets_at_the_rendezvous_and_moves_data():
     assert y["y"].tolist() == [0, 2, 4, 6, 8, 10] and set(y["at"]) == {"hostC"}
 
 
+def test_a_group_respawned_after_a_rank_died_goes_to_another_host_first():
+    """A respawn took the least used host, the one its rank had just died on when the group
+    was alone there (a dead node, a failing GPU took it again)."""
+    async def main():
+        async with asyncrl.Controller(cluster=loopback_hosts(), echo_logs=False,
+                                      heartbeat_interval=0.2) as ctl:
+            first = await ctl.spawn(Spread, nprocs=1, name="g")
+            pids = group_pids(first)
+            os.kill(first.pids[0], signal.SIGKILL)
+            await poll_until(lambda: first.dead is not None, 20, "the group to be dead")
+            assert first.dead.rank == 0
+            await ctl.close_group(first)
+            again = await ctl.spawn(Spread, nprocs=1, name="g")
+            other = await ctl.spawn(Spread, nprocs=2, name="h")  # needs two: hostA is used
+            pids += group_pids(again) + group_pids(other)
+            return (await again.where()), (await other.where()), pids
+    again, other, pids = run(main(), timeout=120)
+    assert_gone(pids)
+    assert [w["host"] for w in again] == ["hostB"]
+    assert sorted(w["host"] for w in other) == ["hostA", "hostC"]
+
+
 def test_asyncrl_launch_with_a_hosts_file_runs_a_flow(tmp_path):
     hosts = tmp_path / "hosts.json"
     # one slot a host: the 2-rank policy group spreads over two hosts (two agents meeting
@@ -308,6 +330,12 @@ def test_cluster_never_hands_out_the_slots_of_a_running_group():
     two.spread("z", 2)  # a: 2, 3
     two.forget("x")
     assert [(h.name, s) for h, s in two.spread("w", 4)] == [("a", [0, 1]), ("b", [2, 3])]
+    # a host a rank died on comes last, but is used when the others are full
+    three = Cluster([HostSpec(n, n, gpus=2) for n in "abc"])
+    three.suspect("a")
+    three.suspect("nowhere")  # (a name not in the cluster: nothing)
+    assert [h.name for h, _ in three.spread("x", 2)] == ["b"]
+    assert [h.name for h, _ in three.spread("y", 4)] == ["c", "a"]
 
 
 def test_a_cluster_refuses_constraints_it_cannot_honour_and_frees_failed_starts(tmp_path):

@@ -95,6 +95,7 @@ class Cluster:
         self.hosts = hosts
         self._taken: dict[str, set[int]] = {h.name: set() for h in hosts}  # slots in use
         self._groups: dict[str, dict[str, list[int]]] = {}  # group -> host -> its slots
+        self._deaths: dict[str, int] = {}  # host -> ranks that died there (see `suspect`)
 
     @staticmethod
     def from_file(path: str | os.PathLike) -> Cluster:
@@ -136,11 +137,13 @@ class Cluster:
     def spread(self, group: str, nprocs: int) -> list[tuple[HostSpec, list[int]]]:
         """The fewest hosts that hold `nprocs` ranks evenly (torchrun runs the same number of
         ranks on each), the least used first, with the free slots (GPUs or cores) each gets.
-        A slot serves one group at a time: groups on a cluster never share slots."""
+        A slot serves one group at a time: groups on a cluster never share slots. Hosts a
+        rank died on come last: a respawned group lands elsewhere when it fits there."""
         def free(h: HostSpec) -> list[int]:
             return [s for s in range(h.slots) if s not in self._taken[h.name]]
 
-        order = sorted(self.hosts, key=lambda h: (len(self._taken[h.name]),
+        order = sorted(self.hosts, key=lambda h: (self._deaths.get(h.name, 0),
+                                                  len(self._taken[h.name]),
                                                   self.hosts.index(h)))
         for k in range(1, len(order) + 1):
             if nprocs % k:
@@ -173,6 +176,13 @@ class Cluster:
                 f"group {group!r}: place={c!r} is not supported on a cluster (--hosts or "
                 f"SLURM) yet: there every group gets slots of its own, spread over the "
                 f"fewest hosts; drop {c.kind}, or run on one host without --hosts")
+
+    def suspect(self, host: str) -> None:
+        """A rank died on `host` (its process gone, silent, or crashed): groups placed from
+        now on go to other hosts first (a dead node, a failing GPU would take the respawn too).
+        A preference, not a ban: a host is used again when the others lack the slots."""
+        if host in self._taken:
+            self._deaths[host] = self._deaths.get(host, 0) + 1
 
     def forget(self, group: str) -> None:
         for name, slots in self._groups.pop(group, {}).items():

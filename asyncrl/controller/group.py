@@ -558,6 +558,9 @@ class GroupHandle:
         if self.dead is not None or self.closing:
             return
         self.dead = GroupDeadError(self.name, rank, exit_code, reason, self.agent.tail())
+        info = self.ranks.get(rank) if rank is not None else None
+        if info is not None and self._ctl.cluster is not None:
+            self._ctl.cluster.suspect(info.host)  # a respawn goes elsewhere first
         self._fail_all(self.dead)
         self.announce_gone(f"is dead: {reason}")
 
