@@ -39,6 +39,13 @@ def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
     assert [(h.name, h.gpus, h.cpus, h.via) for h in cluster.hosts] == [
         ("gpu1", 8, 64, "srun"), ("gpu2", 8, 64, "srun")]
     assert Cluster.from_slurm({}) is None
+    # one node, this one: placed as one host (colocated groups share its GPUs; as a cluster
+    # each group took GPUs of its own and colocate_with was refused); from a login node
+    # (salloc's shell) the node is another machine
+    one = {"SLURM_JOB_NODELIST": "gpu7", "SLURM_GPUS_ON_NODE": "8"}
+    assert Cluster.from_slurm(one, here="gpu7.cluster.example") is None
+    assert [h.name for h in Cluster.from_slurm(one, here="login1").hosts] == ["gpu7"]
+    assert len(Cluster.from_slurm(env, here="gpu1").hosts) == 2
     spread = cluster.spread("actor", 16)  # 16 ranks: 8 on each node
     assert [(h.name, slots) for h, slots in spread] == [("gpu1", list(range(8))),
                                                         ("gpu2", list(range(8)))]

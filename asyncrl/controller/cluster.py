@@ -125,14 +125,21 @@ class Cluster:
             raise ValueError(f"hosts file {p}: {e}") from None
 
     @staticmethod
-    def from_slurm(env: Mapping[str, str] = os.environ) -> Cluster | None:
-        """The allocation this process runs in, or None outside SLURM."""
+    def from_slurm(env: Mapping[str, str] = os.environ,
+                   here: str | None = None) -> Cluster | None:
+        """The allocation this process runs in; None outside SLURM, and in an allocation of
+        this one node, placed as one host (GPUs shared by colocated groups, as without
+        SLURM). `here`: this machine's name (by default its host name)."""
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodelist:
             return None
+        nodes = expand_nodelist(nodelist)
+        here = (here or socket.gethostname()).split(".")[0]
+        if len(nodes) == 1 and nodes[0].split(".")[0] == here:
+            return None  # (salloc's shell on a login node: the node is another machine)
         gpus = int(re.sub(r"\D.*", "", env.get("SLURM_GPUS_ON_NODE", "0")) or 0)
         cpus = int(re.sub(r"\D.*", "", env.get("SLURM_CPUS_ON_NODE", "1")) or 1)
-        return Cluster([HostSpec(h, h, gpus, cpus, "srun") for h in expand_nodelist(nodelist)])
+        return Cluster([HostSpec(h, h, gpus, cpus, "srun") for h in nodes])
 
     def spread(self, group: str, nprocs: int) -> list[tuple[HostSpec, list[int]]]:
         """The fewest hosts that hold `nprocs` ranks evenly (torchrun runs the same number of
@@ -159,7 +166,8 @@ class Cluster:
         left = [(h.name, len(free(h))) for h in self.hosts]
         raise PlacementError(f"group {group!r}: {nprocs} ranks do not fit evenly on the free "
                              f"slots (GPUs, else cores) of the hosts {left}; add hosts or slots "
-                             f"to the hosts file, or give the group a size they can hold")
+                             f"(to the hosts file, or the SLURM allocation), or give the "
+                             f"group a size they can hold")
 
     def check_place(self, group: str, place: Any) -> None:
         """Refuse the constraints a cluster cannot honour yet. separate_from holds by itself
@@ -175,7 +183,8 @@ class Cluster:
             raise PlacementError(
                 f"group {group!r}: place={c!r} is not supported on a cluster (--hosts or "
                 f"SLURM) yet: there every group gets slots of its own, spread over the "
-                f"fewest hosts; drop {c.kind}, or run on one host without --hosts")
+                f"fewest hosts; drop {c.kind}, or run on one host (no --hosts; under "
+                f"SLURM: an allocation of one node, the controller on it)")
 
     def suspect(self, host: str) -> None:
         """A rank died on `host` (its process gone, silent, or crashed): groups placed from
