@@ -85,4 +85,5 @@ def sync(train):  # after train: the trainer's calls run in order
 
 
 flow = asyncrl.DataFlow(nodes=[rollout, score, train, sync] + ([reference] if ref else []),
-                        inputs={"prompts": prompts}, max_staleness=cfg["max_staleness"])
+                        inputs={"prompts": prompts}, max_staleness=cfg["max_staleness"],
+                        steps=cfg["steps"])

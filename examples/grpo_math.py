@@ -18,9 +18,9 @@ a tiny Llama and a word tokenizer, and export its result.
 """
 
 import math
-import re
 
 import torch
+from gsm8k import ground_truth, reward  # a module of its own: the reward ranks import it alone
 
 import asyncrl
 from asyncrl.hybrid.user_fn import load_tokenizer
@@ -54,11 +54,6 @@ def end_of_turn_ids() -> list[int]:
     return sorted({eos} if isinstance(eos, int) else set(eos))
 
 
-def ground_truth(answer: str) -> str:
-    """The final answer of a GSM8K solution ("... #### 1,234" -> "1234"), or the answer."""
-    return str(answer).split("####")[-1].strip().replace(",", "")
-
-
 def as_chat(record: dict) -> dict:
     """A record as a chat prompt and its ground truth."""
     if "question" in record and "answer" in record:  # GSM8K's own files
@@ -70,12 +65,6 @@ def as_chat(record: dict) -> dict:
     raise SystemExit(f"grpo_math.py: a record has the keys {sorted(record)}; give "
                      f"{{\"question\", \"answer\"}} records (GSM8K) or verl's {{\"prompt\", "
                      f"\"reward_model\": {{\"ground_truth\"}}}}")
-
-
-def reward(prompt, response, answer):
-    """1 when the last "#### <number>" of the response is the answer (commas ignored)."""
-    found = re.findall(r"#### (-?[0-9.,]+)", response)
-    return float(bool(found) and found[-1].replace(",", "") == answer)
 
 
 stops = end_of_turn_ids()
@@ -158,4 +147,4 @@ async def validate(step, train):
 
 
 nodes = [rollout, score, train, validate] + ([reference] if ref is not None else [])
-flow = asyncrl.DataFlow(nodes=nodes, inputs={"prompts": prompts})
+flow = asyncrl.DataFlow(nodes=nodes, inputs={"prompts": prompts}, steps=cfg["steps"])

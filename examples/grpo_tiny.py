@@ -3,7 +3,8 @@
     asyncrl launch examples/grpo_tiny.py            (make demo)
     asyncrl launch examples/grpo_tiny.py lr=0       (a baseline that must not learn)
     asyncrl launch examples/grpo_tiny.py model_path=/models/Qwen2.5-0.5B  (a GPU machine)
-    asyncrl launch examples/grpo_tiny.py lora_rank=8 lr=5e-3   (LoRA: adapters and the head)
+    asyncrl launch examples/grpo_tiny.py lora_rank=8 lr=5e-3   (LoRA: adapters and the head;
+        lora_head=False: adapters alone, as a pretrained model with a tied head needs)
 
     prompts (16 x 8 samples) ──▶ rollout (actor: generate) ──▶ score (reward fn) ──▶ train
                                         └──────────▶ reference (ref) ──────────────────┘
@@ -26,14 +27,15 @@ from asyncrl.rl import Actor, PromptSource, Reference, RewardFn
 
 cfg = asyncrl.config(steps=60, lr=3e-3, prompts=16, group_size=8, kl_coef=1e-3, seed=0,
                      actor_procs=2, backend="fsdp2", model_path=None, max_new_tokens=2,
-                     restarts=3, val_every=20, lora_rank=0)
+                     restarts=3, val_every=20, lora_rank=0, lora_head=True)
 tok = next_digit.tokenizer(cfg["model_path"])
 model = next_digit.model(tok, cfg["model_path"], cfg["seed"])
 if cfg["lora_rank"]:
     # the head trains whole: this random model's frozen one cannot give a confident answer
-    # (a pretrained model's can: drop modules_to_save there)
+    # (a pretrained model's can, and one whose head is tied to its embeddings, such as
+    # Qwen2.5-0.5B's, must not: lora_head=False)
     model["lora"] = {"rank": cfg["lora_rank"], "alpha": 2 * cfg["lora_rank"],
-                     "modules_to_save": ["lm_head"]}
+                     "modules_to_save": ["lm_head"] if cfg["lora_head"] else []}
 
 
 def reward(prompt, response, answer, **meta):
@@ -95,4 +97,4 @@ async def validate(step, train):
 
 
 flow = asyncrl.DataFlow(nodes=[rollout, score, reference, train, validate],
-                        inputs={"prompts": prompts})
+                        inputs={"prompts": prompts}, steps=cfg["steps"])

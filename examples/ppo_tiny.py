@@ -79,4 +79,4 @@ def train_critic(rollout, score, reference, values):
 
 
 flow = asyncrl.DataFlow(nodes=[rollout, score, reference, values, train_actor, train_critic],
-                        inputs={"prompts": prompts})
+                        inputs={"prompts": prompts}, steps=cfg["steps"])

@@ -233,8 +233,12 @@ def test_the_math_recipes_reward_and_stops(tmp_path, monkeypatch):
 
     task = math_task(tmp_path)
     monkeypatch.setenv(OVERRIDES_ENV, json.dumps({k: str(v) for k, v in task.items()}))
+    monkeypatch.syspath_prepend(str(Path(ROOT) / "examples"))  # (as `asyncrl launch` does)
     recipe = runpy.run_path(str(Path(ROOT) / "examples" / "grpo_math.py"))
     reward = recipe["reward"]
+    # from a module of its own: the reward ranks import it, not the recipe, whose top level
+    # loads a tokenizer and reads the datasets
+    assert reward.__module__ == "gsm8k"
     assert reward(None, "3 + 4 = 7 #### 7", "7") == 1.0
     assert reward(None, "#### 5 then #### 1,234", "1234") == 1.0  # the last, commas ignored
     assert reward(None, "the answer is 7", "7") == 0.0  # no mark: no reward
