@@ -53,7 +53,8 @@ actor = asyncrl.group(
               "pad_token_id": tok.pad})
 # (given a LoRA model, the reference builds it without adapters: the model LoRA started from;
 # a LoRA actor whose adapters alone train is its own reference: actor.ref_logprobs)
-ref = asyncrl.group(Reference, model=model, name="ref", max_restarts=cfg["restarts"])
+ref = asyncrl.group(Reference, model=model, name="ref", micro_batch_size=128,
+                    max_restarts=cfg["restarts"])
 rewards = asyncrl.group(RewardFn, reward, name="reward", max_restarts=cfg["restarts"])
 
 data = next_digit.records(tok, copies=cfg["prompts"])

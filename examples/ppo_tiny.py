@@ -40,7 +40,7 @@ actor = asyncrl.group(
               "pad_token_id": tok.pad})
 critic = asyncrl.group(Critic, model=model, name="critic", rl=algo, backend=cfg["backend"],
                        train={"lr": cfg["critic_lr"], "micro_batch_size": 128})
-ref = asyncrl.group(Reference, model=model, name="ref")
+ref = asyncrl.group(Reference, model=model, name="ref", micro_batch_size=128)
 rewards = asyncrl.group(RewardFn, reward, name="reward")
 
 data = next_digit.records(tok, copies=cfg["prompts"])

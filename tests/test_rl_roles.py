@@ -294,7 +294,41 @@ def test_a_roles_settings_are_checked_where_its_group_is_declared():
         asyncrl.group(Policy, model, multi_turn={"env": len, "turns": 2})
     with pytest.raises(TypeError, match="missing a required argument: 'model'"):
         asyncrl.group(Policy)
+    # backend=, engine= and engine_options= too, and Reference's and RewardModel's settings
+    # (these had been read only by each rank's __init__)
+    from asyncrl.rl import Reference, RewardModel
+
+    with pytest.raises(ValueError, match=r"backend is one of \('fsdp2', 'zero2', 'zero3'\), "
+                                         r"got 'zero4'"):
+        asyncrl.group(Actor, model, rl={"algo": "ppo"}, backend="zero4")
+    with pytest.raises(ValueError, match="backend is one of"):
+        asyncrl.group(Critic, model, rl={"algo": "ppo"}, backend="fsdp")
+    with pytest.raises(ValueError, match=r"engine is one of \('builtin', 'vllm'\), got 'vLLM'"):
+        asyncrl.group(Policy, model, engine="vLLM")
+    with pytest.raises(ValueError, match=r"engine_options \['gpu_memory_utilization'\] are "
+                                         r"for engine='vllm'"):
+        asyncrl.group(Rollout, model, engine_options={"gpu_memory_utilization": 0.5})
+    asyncrl.group(Policy, model, hybrid=False, engine="unused")  # (a train-only Policy)
+    with pytest.raises(TypeError, match=r"Reference model=: 'presets'"):
+        asyncrl.group(Reference, {"presets": "tiny-llama"})
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        asyncrl.group(Reference, model, micro_batch_size=0)
+    with pytest.raises(TypeError, match=r"RewardModel model=: 'seeds'"):
+        asyncrl.group(RewardModel, {**model, "seeds": 1})
     asyncrl.group(Actor, model, rl={"algo": "ppo"}, train={"lr": 1e-3})  # fine ones pass
+    asyncrl.group(Reference, model, micro_batch_size=None)
+    # ZeRO shards over data-parallel ranks only: a tp axis was ignored (each tp rank repeated
+    # the others' work)
+    from types import SimpleNamespace
+
+    from asyncrl.hybrid.fsdp import TrainConfig
+    from asyncrl.hybrid.models import ModelConfig
+    from asyncrl.hybrid.roles import make_backend
+
+    rank = SimpleNamespace(mesh={"dp": 1, "tp": 2}, world_size=2)
+    with pytest.raises(ValueError, match=r"backend='zero3' \(DeepSpeed ZeRO\) shards over "
+                                         r"data-parallel ranks only; .* has \{'tp': 2\}"):
+        make_backend(rank, "zero3", ModelConfig(preset="tiny-llama"), TrainConfig())
 
     class Mine(Policy):  # an __init__ of its own: its arguments are its own
         def __init__(self, depth):

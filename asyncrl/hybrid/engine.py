@@ -37,14 +37,25 @@ BUCKET_BYTES = 32 << 20  # parameters gathered together, up to about this many b
 ENGINES = ("builtin", "vllm")
 
 
+def check_engine(name: Any, options: Any) -> None:
+    """An engine's name and options as make_engine takes them (also where a group is
+    declared: a mistake failed every rank after the groups had started)."""
+    if name not in ENGINES:
+        raise ValueError(f"engine is one of {ENGINES}, got {name!r}")
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"engine_options is a dict of the engine's keywords, got "
+                        f"{type(options).__name__}")
+    if name == "builtin" and options:
+        raise ValueError(f"engine_options {sorted(options)} are for engine='vllm'; the "
+                         f"built-in engine takes its settings from sampling=")
+
+
 def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | None,
                 options: dict[str, Any] | None = None) -> Any:
     """A generation engine: the built-in Sampler, or vLLM (GPU machines, a local checkpoint;
     `options`: VLLMEngine's keywords, e.g. gpu_memory_utilization)."""
+    check_engine(name, options)
     if name == "builtin":
-        if options:
-            raise ValueError(f"engine_options {sorted(options)} are for engine='vllm'; the "
-                             f"built-in engine takes its settings from sampling=")
         return Sampler(build_model(model_cfg).to(default_device()), sampling)
     if name == "vllm":
         if model_cfg.path is None:
@@ -61,7 +72,7 @@ def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | No
         # a bf16 vLLM beside an fp32 trainer starts every PPO ratio ~1e-2 off 1
         options = {"dtype": model_cfg.dtype, "seed": model_cfg.seed, **(options or {})}
         return VLLMEngine(model_cfg.path, sampling, **options)
-    raise ValueError(f"engine is one of {ENGINES}, got {name!r}")
+    raise AssertionError(name)  # (check_engine knows every name)
 
 
 class HybridEngine:

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.actors.protocols import Dispatch
+from asyncrl.actors.protocols import DP_AXIS, Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, make_engine
+from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, check_engine, make_engine
 from asyncrl.hybrid.export import POLICY_FILE, ModelFiles
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, use_bf16
 from asyncrl.hybrid.lora import adapters_off
@@ -134,16 +134,39 @@ def read_settings(role: str, model: dict[str, Any], sampling: dict[str, Any] | N
             sampling_config(sampling, model_cfg), multi_turn_config(multi_turn))
 
 
+BACKENDS = ("fsdp2", "zero2", "zero3")
+
+
+def check_backend(backend: Any) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend is one of {BACKENDS}, got {backend!r}")
+
+
 def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg: TrainConfig,
                  head: str = "lm") -> Any:
     """The training backend named in a role's config: "fsdp2", "zero2" or "zero3"."""
+    check_backend(backend)
     if backend == "fsdp2":
         return FSDPBackend(model_cfg, train_cfg, worker.device_mesh, head)
-    if backend in ("zero2", "zero3"):
-        from asyncrl.hybrid.zero import ZeroBackend
+    wide = {axis: n for axis, n in worker.mesh.items() if axis != DP_AXIS and n > 1}
+    if wide:  # else each tp rank would repeat the others' work, unsaid
+        raise ValueError(f"backend={backend!r} (DeepSpeed ZeRO) shards over data-parallel "
+                         f"ranks only; the group's mesh {worker.mesh} has {wide}: use "
+                         f"backend='fsdp2' for tensor parallelism, or mesh={{'dp': "
+                         f"{worker.world_size}}}")
+    from asyncrl.hybrid.zero import ZeroBackend
 
-        return ZeroBackend(model_cfg, train_cfg, stage=int(backend[-1]), head=head)
-    raise ValueError(f"backend is 'fsdp2', 'zero2' or 'zero3', got {backend!r}")
+    return ZeroBackend(model_cfg, train_cfg, stage=int(backend[-1]), head=head)
+
+
+def check_policy_arguments(role: str, given: dict[str, Any]) -> None:
+    """A Policy's (or Actor's) arguments as its __init__ reads them, where the group is
+    declared: a mistake there failed every rank's __init__ after the groups had started."""
+    read_settings(role, given["model"], given.get("sampling"), given.get("multi_turn"),
+                  given.get("train"))
+    check_backend(given.get("backend", "fsdp2"))
+    if given.get("hybrid", True):
+        check_engine(given.get("engine", "builtin"), given.get("engine_options"))
 
 
 def engine_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
@@ -180,12 +203,10 @@ class Policy(Worker):
 
     @classmethod
     def check_settings(cls, *args: Any, **kwargs: Any) -> None:
-        """The settings dicts read as __init__ reads them, where the group is declared:
-        a mistake there failed every rank's __init__ after the groups had started."""
+        """The arguments read as __init__ reads them, where the group is declared."""
         given = own_arguments(cls, Policy.__init__, args, kwargs)
         if given is not None:
-            read_settings(cls.__name__, given["model"], given.get("sampling"),
-                          given.get("multi_turn"), given.get("train"))
+            check_policy_arguments(cls.__name__, given)
 
     def to_train(self) -> None:
         if self.hybrid is not None:
@@ -334,6 +355,7 @@ class Rollout(Worker):
         if given is not None:
             read_settings(cls.__name__, given["model"], given.get("sampling"),
                           given.get("multi_turn"))
+            check_engine(given.get("engine", "builtin"), given.get("engine_options"))
 
     def on_close(self) -> None:
         if self.turns is not None:  # its environment's processes, if any
@@ -395,21 +417,39 @@ class Rollout(Worker):
         self.engine.load_state_dict(state["weights"], int(state["version"]))
 
 
+def _reference_settings(model: dict[str, Any], micro_batch_size: int | None,
+                        max_tokens_per_micro_batch: int | None
+                        ) -> tuple[ModelConfig, TrainConfig]:
+    # a LoRA model's reference is its frozen model: the adapters start as no change
+    if not isinstance(model, dict):
+        raise TypeError(f"Reference model= is a dict (preset or path, ...), got "
+                        f"{type(model).__name__}")
+    cfg = from_dict(ModelConfig, {**model, "lora": None}, "Reference model=")
+    # a TrainConfig checks the sizes as it does for training
+    return cfg, TrainConfig(micro_batch_size=1 if micro_batch_size is None else micro_batch_size,
+                            max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+
+
 class Reference(Worker):
     """A frozen copy of a model; each rank scores its rows in micro-batches of
-    `micro_batch_size` rows (None: all at once) or of `max_tokens_per_micro_batch` tokens
-    (as TrainConfig's)."""
+    `micro_batch_size` rows (4 by default, as training's; None: all at once, whose
+    full-vocabulary log-probs a real model's batch may not fit in memory) or of
+    `max_tokens_per_micro_batch` tokens (as TrainConfig's)."""
 
-    def __init__(self, model: dict[str, Any], micro_batch_size: int | None = None,
+    def __init__(self, model: dict[str, Any], micro_batch_size: int | None = 4,
                  max_tokens_per_micro_batch: int | None = None):
-        # a LoRA model's reference is its frozen model: the adapters start as no change
-        cfg = from_dict(ModelConfig, {**model, "lora": None}, "Reference model=")
+        cfg, self.sizes = _reference_settings(model, micro_batch_size,
+                                              max_tokens_per_micro_batch)
         self.model = build_model(cfg).to(default_device())
-        # a TrainConfig checks the sizes as it does for training
-        self.sizes = TrainConfig(micro_batch_size=1 if micro_batch_size is None
-                                 else micro_batch_size,
-                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.whole = micro_batch_size is None
+
+    @classmethod
+    def check_settings(cls, *args: Any, **kwargs: Any) -> None:
+        """As Policy.check_settings: where the group is declared."""
+        given = own_arguments(cls, Reference.__init__, args, kwargs)
+        if given is not None:
+            _reference_settings(given["model"], given.get("micro_batch_size", 4),
+                                given.get("max_tokens_per_micro_batch"))
 
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()

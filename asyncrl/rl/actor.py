@@ -26,7 +26,7 @@ import torch
 from asyncrl.actors.register import register
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES
-from asyncrl.hybrid.roles import Policy, read_settings
+from asyncrl.hybrid.roles import Policy, check_policy_arguments
 from asyncrl.hybrid.settings import from_dict, own_arguments
 from asyncrl.rl.algorithms import aggregate, kl_penalty, masked_mean, ppo_policy_loss
 from asyncrl.rl.batch import (
@@ -124,8 +124,7 @@ class Actor(Policy):
         """As Policy.check_settings, rl= too."""
         given = own_arguments(cls, Actor.__init__, args, kwargs)
         if given is not None:
-            read_settings(cls.__name__, given["model"], given.get("sampling"),
-                          given.get("multi_turn"), given.get("train"))
+            check_policy_arguments(cls.__name__, given)
             from_dict(RLConfig, given.get("rl"), f"{cls.__name__} rl=")
 
     @register(dispatch=STATS)

@@ -31,7 +31,7 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fsdp import TrainConfig
 from asyncrl.hybrid.models import ModelConfig
-from asyncrl.hybrid.roles import make_backend
+from asyncrl.hybrid.roles import check_backend, make_backend
 from asyncrl.hybrid.settings import from_dict, own_arguments
 from asyncrl.rl.actor import mean_stats
 from asyncrl.rl.algorithms import masked_mean
@@ -91,6 +91,7 @@ class Critic(Worker):
         given = own_arguments(cls, Critic.__init__, args, kwargs)
         if given is not None:
             _settings(given["model"], given.get("rl"), given.get("train"))
+            check_backend(given.get("backend", "fsdp2"))
 
     @register(dispatch=Dispatch.DP)
     def values(self, rollout: TensorBatch) -> TensorBatch:

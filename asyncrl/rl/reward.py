@@ -32,6 +32,13 @@ RESERVED = {"prompt", "prompt_ids", "prompt_mask", "response_ids", "response_mas
             "seed"}
 
 
+def _model_settings(model: dict[str, Any]) -> Any:
+    from asyncrl.hybrid.models import ModelConfig
+    from asyncrl.hybrid.settings import from_dict
+
+    return from_dict(ModelConfig, model, "RewardModel model=")
+
+
 class RewardModel(Worker):
     """A value model (backbone + scalar head) whose value at each sequence's last real token
     is its reward. From a local checkpoint, its head is the checkpoint's (transformers'
@@ -39,10 +46,9 @@ class RewardModel(Worker):
     preset, a random one drawn from the seed (a stand-in for tests and benchmarks)."""
 
     def __init__(self, model: dict[str, Any]):
-        from asyncrl.hybrid.models import ModelConfig, build_value_model, default_device
-        from asyncrl.hybrid.settings import from_dict
+        from asyncrl.hybrid.models import build_value_model, default_device
 
-        cfg = from_dict(ModelConfig, model, "RewardModel model=")
+        cfg = _model_settings(model)
         self.model = build_value_model(cfg, require_head=True)
         if cfg.path is None:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -50,6 +56,15 @@ class RewardModel(Worker):
                 torch.nn.init.normal_(self.model.value_head.weight,
                                       std=self.model.value_head.in_features ** -0.5)
         self.model.to(default_device())
+
+    @classmethod
+    def check_settings(cls, *args: Any, **kwargs: Any) -> None:
+        """Its model=, where the group is declared (as Policy.check_settings)."""
+        from asyncrl.hybrid.settings import own_arguments
+
+        given = own_arguments(cls, RewardModel.__init__, args, kwargs)
+        if given is not None:
+            _model_settings(given["model"])
 
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()
