@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ROOT, assert_gone, tensorboard_scalars, wait_until
+from helpers import ROOT, assert_gone, poll_until, tensorboard_scalars, wait_until
 
 FLOW = os.path.join(os.path.dirname(__file__), "drivers", "recovery_flow.py")
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2.5", "--transfer-timeout", "10"]
@@ -270,3 +270,83 @@ def test_a_respawn_cancelled_mid_spawn_keeps_the_group_until_its_spawn_ends():
     assert rewound is False and spawns == ["reward"] and restarts == {"reward": 1}
     assert handle_dead is None  # the group the cancelled re-run started
 
+
+
+def _stub_flow(spec, spawns):
+    """A flow as Recovery sees it: its groups, a controller that closes, a spawn."""
+    import types
+
+    class Ctl:
+        async def close_group(self, handle):
+            handle.closing = True
+
+    async def spawn(spec):
+        spawns.append(spec.name)
+        return types.SimpleNamespace(dead=None, closing=False)
+
+    return types.SimpleNamespace(groups=[spec], _ctl=Ctl(), _spawn=spawn, _watchers=set())
+
+
+def test_a_death_counts_one_restart_when_its_respawn_is_cancelled_in_the_backoff():
+    """A re-run counted the restart, then slept its backoff; a rewind cancelled it there
+    and, finding the group still dead, counted it again: one crash spent two restarts (with
+    max_restarts=1 it ended the run)."""
+    import asyncio
+    import types
+
+    from asyncrl.controller.recovery import Recovery
+    from asyncrl.errors import GroupDeadError
+
+    async def main():
+        spawns: list[str] = []
+        dead = GroupDeadError("reward", 0, -9, "killed")
+        spec = types.SimpleNamespace(name="reward", stateful=False, max_restarts=1,
+                                     restart_backoff=60.0,
+                                     handle=types.SimpleNamespace(dead=dead, closing=False))
+        recovery = Recovery(_stub_flow(spec, spawns))
+        rerun = asyncio.ensure_future(recovery.respawn(spec, dead))
+        await poll_until(lambda: recovery.restarts["reward"] == 1, 10,
+                         "the restart to be counted (then its 60 s backoff)")
+        rerun.cancel()
+        respawned = await asyncio.wait_for(recovery.respawn(spec, dead), 10)
+        return respawned, spawns, recovery.restarts, spec.handle.dead
+    respawned, spawns, restarts, handle_dead = asyncio.run(main())
+    assert respawned and spawns == ["reward"] and restarts == {"reward": 1}
+    assert handle_dead is None
+
+
+def test_a_rerun_that_returns_the_same_failed_future_stops_rerunning():
+    """A node returning an upstream future that failed with a stateless group's death (the
+    upstream node, which called a stateful group too, was not re-run) was re-run without
+    end: its group respawned once, then each re-run met the same failure, respawn found
+    the group alive, and the node ran again, thousands of times a second."""
+    import asyncio
+    import types
+
+    from asyncrl.controller.recovery import Recovery
+    from asyncrl.controller.timeline import called_groups
+    from asyncrl.errors import GroupDeadError
+    from asyncrl.futures.future import DistFuture
+
+    async def main():
+        spawns: list[str] = []
+        dead = GroupDeadError("reward", 0, -9, "killed")
+        spec = types.SimpleNamespace(name="reward", stateful=False, max_restarts=3,
+                                     restart_backoff=0.0,
+                                     handle=types.SimpleNamespace(dead=dead, closing=False))
+        recovery = Recovery(_stub_flow(spec, spawns))
+        upstream = DistFuture._new(asyncio.get_running_loop(), "reward.score")
+        upstream._set_exception(dead)
+        runs = []
+
+        def node():
+            runs.append(1)
+            called_groups.get().add("reward")  # it calls the group, and returns upstream's
+            return upstream
+
+        out = await recovery.call("score", 0, node)
+        with pytest.raises(GroupDeadError):
+            await asyncio.wait_for(out, 10)
+        return len(runs), spawns
+    runs, spawns = asyncio.run(main())
+    assert runs == 2 and spawns == ["reward"]

@@ -57,6 +57,7 @@ class RecoveryEvent:
     seconds: float  # from noticing the failure until the flow could go on
 
 
+_UNSEEN = object()
 RESTARTS_FILE = "restarts.json"  # beside recoveries.jsonl: each group's restarts so far
 
 
@@ -70,6 +71,7 @@ class Recovery:
         self.log_path: Path | None = None  # set: each recovery is appended there as JSON
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()  # closes and spawns a cancel cannot stop
+        self._counted: dict[str, Any] = {}  # group -> the dead handle its last restart counted
 
     def resume_counts(self, saved: dict[str, int]) -> None:
         """A resumed run's restarts so far: those written as they happened (beside
@@ -130,9 +132,14 @@ class Recovery:
                 return False
             if old is not None:
                 await self._unstoppable(self.flow._ctl.close_group(old))
+            # a death counts once: a caller cancelled in the backoff (a rewind's) had counted
+            # it, and the next caller, finding the same handle dead, spawns without counting
+            first = count and self._counted.get(spec.name, _UNSEEN) is old
             while True:
-                if count:
+                if count and not first:
+                    self._counted[spec.name] = old
                     await self._count(spec, cause)
+                first = False
                 try:
                     await self._unstoppable(self._spawn_into(spec))
                     return True
@@ -223,6 +230,7 @@ class Recovery:
         """Pass each inner future's result on to its stand-in; on a death a re-run repairs,
         re-run and follow the new futures. Stand-ins left unresolved fail with the cause."""
         failure: BaseException = ClosedError(f"node {node!r} of step {step} was abandoned")
+        seen: list[BaseException] = []
         try:
             while True:
                 for p, f in zip(proxies, inner, strict=True):
@@ -235,8 +243,9 @@ class Recovery:
                 failure = failed[0]._fut.exception()  # type: ignore[assignment]
                 spec = self.rerunnable(failure, called) or await self._died(failed[0]._label,
                                                                             called)
-                if spec is None:
-                    return
+                if spec is None or any(failure is s for s in seen):  # the same failure
+                    return  # again (an upstream future it returns): a re-run cannot repair it
+                seen.append(failure)
                 started = time.monotonic()
                 respawned = await self.respawn(spec, failure)
                 called = set()
