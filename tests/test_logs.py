@@ -266,3 +266,25 @@ def test_two_writes_of_one_json_file_at_once_do_not_mix(tmp_path, monkeypatch):
     logs.replace_json(path, {"events": "a checkpoint's"})
     assert json.loads(path.read_text()) == {"events": "a checkpoint's"}
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]
+
+
+def test_a_group_on_two_hosts_is_named_by_the_host_whose_agent_exited_first(tmp_path):
+    """A rank killed on host B (OOM, -9) makes host A's ranks fail in their collectives, and
+    A's torchrun names one of them: the group's error read host A's report first, whichever
+    agent had exited first, and named a follower (rank 0, exit 1)."""
+    from asyncrl.controller.launcher import Agent, HostAgents
+
+    agents, exits = [], {}
+    for host, rank, code in (("A", 0, 1), ("B", 2, -9)):
+        log = tmp_path / f"g.{host}.log"
+        log.write_text(f"{host}: Traceback\nRoot Cause (first observed failure):\n"
+                       f"  rank      : {rank} (local_rank: 0)\n  exitcode  : {code} (pid: 9)")
+        agent = Agent("g", 2, {}, log, die_with_parent=False, command=["true"], host=host)
+        agent.start = lambda on_exit, host=host: exits.__setitem__(host, on_exit)
+        agents.append(agent)
+    group, reported = HostAgents(agents), []
+    group.start(reported.append)
+    exits["B"](1)
+    exits["A"](1)  # (reported once: the first)
+    assert reported == [1] and group.root_cause() == (2, -9)
+    assert group.tail().startswith("B: Traceback")

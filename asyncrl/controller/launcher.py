@@ -7,6 +7,7 @@ by pid: the agent, the ranks that said hello, and any child the agent still has.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -246,6 +247,7 @@ class HostAgents:
         self.group = agents[0].group
         self.log_path = agents[0].log_path
         self._exited = threading.Lock()
+        self._first: Agent | None = None  # the agent that exited first: its host's the cause
 
     @property
     def rank_pids(self) -> dict[int, int]:
@@ -271,27 +273,32 @@ class HostAgents:
         return next((c for c in codes if c is not None), None)
 
     def start(self, on_exit: Callable[[int], None]) -> None:
-        fired: list[int] = []
-
-        def first(code: int) -> None:  # on the watcher threads: report the first exit only
+        def first(agent: Agent, code: int) -> None:  # on the watcher threads: the first only
             with self._exited:
-                if fired:
+                if self._first is not None:
                     return
-                fired.append(code)
+                self._first = agent
             on_exit(code)
 
         for a in self.agents:
-            a.start(first)
+            a.start(functools.partial(first, a))
+
+    def _cause_first(self) -> list[Agent]:
+        """The agents, the one that exited first leading: a rank killed on host B makes host
+        A's ranks fail in their collectives, and A's torchrun names one of them."""
+        first = self._first
+        return self.agents if first is None else [first, *(a for a in self.agents
+                                                            if a is not first)]
 
     def wait(self, timeout: float | None = None) -> None:
         for a in self.agents:
             a.wait(timeout)
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(t for a in self.agents if (t := a.tail(lines)))
+        return "\n".join(t for a in self._cause_first() if (t := a.tail(lines)))
 
     def root_cause(self) -> tuple[int, int] | None:
-        return next((c for a in self.agents if (c := a.root_cause()) is not None), None)
+        return next((c for a in self._cause_first() if (c := a.root_cause()) is not None), None)
 
     def exit_seen(self, rank: int) -> int | None:
         return next((c for a in self.agents if (c := a.exit_seen(rank)) is not None), None)
