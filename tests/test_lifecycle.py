@@ -516,3 +516,32 @@ def test_a_slow_agent_server_does_not_stall_the_other_groups_heartbeats(monkeypa
     first, late, pids = run(main())
     assert (first, late) == ([7], [8])
     assert_gone(pids)
+
+
+class HalfBroken(asyncrl.Worker):
+    @asyncrl.register
+    def collective(self):  # rank 0 fails first, as on a peer's death in a gloo collective
+        if self.rank == 0:
+            raise RuntimeError("Connection closed by peer")
+        threading.Event().wait(120)
+
+
+def test_a_call_failed_by_a_peers_broken_collective_says_the_death_behind_it():
+    """In a driver (no DataFlow to wait for the death), a rank whose peer died failed the
+    call first ("Connection closed by peer"); the death, declared after, could not fail it
+    again, and its rank, exit code and output never reached the user."""
+    async def main():
+        async with asyncrl.Controller(heartbeat_interval=0.2) as ctl:
+            group = await ctl.spawn(HalfBroken, nprocs=2)
+            pids = group_pids(group)
+            call = group.collective()
+            with pytest.raises(asyncrl.RemoteError) as first:
+                await call
+            os.kill(group.pids[1], signal.SIGKILL)
+            await poll_until(lambda: group.dead is not None, 20, "the death to be declared")
+            return pids, first.value
+    pids, err = run(main())
+    assert_gone(pids)
+    assert "Connection closed by peer" in str(err)
+    notes = "\n".join(getattr(err, "__notes__", []))
+    assert "then group 'halfbroken': rank 1 is dead (killed by signal 9)" in notes, notes
