@@ -373,6 +373,25 @@ def test_a_cluster_refuses_constraints_it_cannot_honour_and_frees_failed_starts(
     assert cluster.spread("b", 2)[0][1] == [2, 3]
 
 
+def test_a_spawn_whose_host_commands_fail_frees_its_slots(monkeypatch):
+    """The slots a cluster gave a group stayed taken when making its hosts' commands
+    failed (the controller's working directory gone, say): the next group did not fit."""
+    import asyncrl.controller.launcher as launcher
+
+    def no_cwd(*args, **kwargs):
+        raise FileNotFoundError("the working directory is gone")
+
+    async def main():
+        async with asyncrl.Controller(cluster=loopback_hosts(), echo_logs=False) as ctl:
+            with monkeypatch.context() as m:
+                m.setattr(launcher, "torchrun_command", no_cwd)
+                with pytest.raises(FileNotFoundError):
+                    await ctl.spawn(Spread, nprocs=3, name="g")
+            return dict(ctl.cluster._taken), ctl.groups
+    taken, groups = run(main(), timeout=60)
+    assert groups == {} and not any(taken.values()), taken
+
+
 def test_a_flow_is_placed_on_a_cluster_on_paper_first():
     """Controller.check_placements (DataFlow.open): slots and constraints are tried on a copy
     of the cluster, in spawn order, and nothing is taken."""

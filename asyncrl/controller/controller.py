@@ -330,7 +330,11 @@ class Controller:
         extra[PROCESS_ENV] = this_process()
         if relayed:  # in the private folder: only this user reaches the relays' ipc sockets
             extra["ASYNCRL_RELAY"] = f"ipc://{self._private}/relay{next(self._relays)}"
-        agent = self._make_agent(name, nprocs, extra)
+        try:
+            agent = self._make_agent(name, nprocs, extra)
+        except BaseException:  # (a cluster's host commands) what was placed is free again
+            self._forget(name)
+            raise
         group = GroupHandle(self, name, worker_cls, layout, agent)
         group.construct_msg = Construct(payload=msgspec.Raw(payload), mesh=list(layout.mesh),
                                         buffers=[a.nbytes for a in frames])
