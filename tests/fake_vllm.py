@@ -116,6 +116,9 @@ class LLM:
         self._worker.model_runner = _ModelRunner(self._model)
         self.asleep: set[str] = set()  # "weights", "kv_cache"
         self._backup: dict[str, Any] | None = None
+        c = self._model.config  # vLLM's default: the model's own limit
+        self._max_len = kwargs.get("max_model_len") or getattr(
+            c, "max_position_embeddings", None) or c.n_positions
 
     def generate(self, prompts: list[dict], sampling_params: list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -130,8 +133,16 @@ class LLM:
             if self._skip_tokenizer and (sp.detokenize or not sp.ignore_eos):
                 raise ValueError("fake LLM: skip_tokenizer_init needs detokenize=False, and "
                                  "EOS is unknown without a tokenizer (ignore_eos=True)")
+            if sp.seed is not None and not -2**63 <= sp.seed < 2**63:  # (its int64 arrays)
+                raise OverflowError("Python int too large to convert to C long")
+            room = self._max_len - len(prompt["prompt_token_ids"])
+            if room < 1:  # as vLLM refuses it, failing the whole call
+                raise ValueError(f"fake LLM: the decoder prompt (length "
+                                 f"{len(prompt['prompt_token_ids'])}) is longer than the "
+                                 f"maximum model length of {self._max_len}")
+            # past max_model_len a request ends (FINISHED_LENGTH_CAPPED), at any token
             cfg = SamplingConfig(temperature=sp.temperature, top_p=sp.top_p,
-                                 max_new_tokens=sp.max_tokens,
+                                 max_new_tokens=min(sp.max_tokens, room),
                                  stop_token_ids=tuple(sp.stop_token_ids))
             res = Sampler(self._model, cfg).generate([prompt["prompt_token_ids"]], [sp.seed or 0])
             n = int(res["response_mask"][0].sum())

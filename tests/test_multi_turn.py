@@ -4,6 +4,7 @@ response and out of every loss, in process and on real groups."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -456,3 +457,35 @@ def test_an_actor_and_a_rollout_run_the_same_turns_and_the_update_reports_them()
     assert stats["multi_turn/turns"] == pytest.approx(mine["turns"].float().mean().item())
     assert stats["multi_turn/env_tokens"] == pytest.approx(env.sum(1).float().mean().item())
     assert "hybrid=False one only trains" in str(refused)
+
+
+def test_a_vllm_turn_cut_at_max_model_len_is_not_answered():
+    """vLLM ends a request at max_model_len, at any token: the adapter's turn loop took a
+    row shorter than its budget for a finished turn, asked the environment, and the next
+    turn's prompt, past the limit, failed the whole batch. Later turns' seeds (shifted by
+    turn) passed 2**63, past the int64 arrays vLLM keeps them in."""
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    asked = []
+
+    def env(prompt, response, turn, transcript):
+        asked.append(turn)
+        return [OBSERVED[turn]] if turn < 2 else None
+
+    cfg = SamplingConfig(max_new_tokens=20, stop_token_ids=(127,))  # a stop rarely drawn
+    capped = VLLMEngine("tiny-llama", cfg, llm_cls=fake_vllm.LLM, max_model_len=12,
+                        sampling_params_cls=fake_vllm.SamplingParams)
+    out = turns(env=env, max_turns=3).generate(capped, prompt_batch(), PROMPTS, SEEDS, cfg)
+    lengths = out["response_mask"].sum(1)
+    assert asked == [] and out["turns"].tolist() == [1] * 4
+    assert lengths.tolist() == [12 - len(p) for p in PROMPTS]  # cut at the limit
+    # short turns (a third of the vocabulary stops one): three turns, the third's seeds
+    # shifted past 2**63
+    vllm = VLLMEngine("tiny-llama", cfg, llm_cls=fake_vllm.LLM,
+                      sampling_params_cls=fake_vllm.SamplingParams)
+    seeds = [2**62 + s for s in SEEDS]
+    out = turns(env=env, max_turns=3).generate(vllm, prompt_batch(), PROMPTS, seeds,
+                                               replace(cfg, stop_token_ids=STOPS))
+    assert int(out["turns"].max()) == 3

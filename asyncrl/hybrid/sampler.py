@@ -109,6 +109,11 @@ _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
 TURN_SEED = 0x632BE59BD9B4E019  # turn t of a sample draws from seed + t * TURN_SEED
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of a sample's turn `turn`: below 2**63, as vLLM keeps seeds (int64 arrays)."""
+    return (int(seed) + turn * TURN_SEED) % 2**63
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: uint64 -> uint64, every output bit depends on every input bit
     (numpy's uint64 arithmetic wraps modulo 2**64)."""
@@ -218,10 +223,14 @@ class Sampler:
             raise ValueError(f"generate: pad_token_id={cfg.pad_token_id} is outside the "
                              f"model's vocabulary of {vocab}; use one of its ids (0, or its "
                              f"tokenizer's pad_token_id)")
-        limit = getattr(self.model.config, "n_positions", None)  # learned positions (GPT-2):
-        longest = max((len(p) for p in prompts), default=0) + cfg.max_new_tokens  # past
-        if limit is not None and longest > limit:  # them an IndexError (a GPU: an assert
-            raise ValueError(  # that ends the CUDA context)
+        # learned positions (GPT-2): past them an IndexError (a GPU: an assert that ends the
+        # CUDA context); rotary ones (Llama): positions never trained on, said by nothing
+        # (vLLM refuses or cuts such rows at max_model_len)
+        c = self.model.config
+        limit = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+        longest = max((len(p) for p in prompts), default=0) + cfg.max_new_tokens
+        if limit is not None and longest > limit:
+            raise ValueError(
                 f"generate: the longest prompt plus max_new_tokens={cfg.max_new_tokens} is "
                 f"{longest} positions, beyond the model's {limit}: shorten the prompts or "
                 f"lower max_new_tokens")
@@ -319,7 +328,7 @@ class Sampler:
                 forced[i] = seen
                 turn[i] += 1
                 began[i] = step + 1 + len(seen)
-                stream[i] = streams([(int(seeds[i]) + turn[i] * TURN_SEED) % 2**64])[0]
+                stream[i] = streams([turn_seed(seeds[i], turn[i])])[0]
             elif seen:  # the budget ends inside the observation: it is the row's last
                 forced[i] = seen
         return stream

@@ -53,7 +53,7 @@ import torch
 
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fn_pool import pool_for, pool_settings_ok
-from asyncrl.hybrid.sampler import TURN_SEED, SamplingConfig, left_pad
+from asyncrl.hybrid.sampler import SamplingConfig, left_pad, turn_seed
 from asyncrl.hybrid.settings import from_dict, whole_number
 from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
 
@@ -169,7 +169,7 @@ class Turns:
                 break
             room = max(budget - len(rows[i].ids) for i in active)
             out = generate([prompts[i] + rows[i].ids for i in active],
-                           [(seeds[i] + turn * TURN_SEED) % 2**64 for i in active],
+                           [turn_seed(seeds[i], turn) for i in active],
                            replace(cfg, max_new_tokens=room))
             temperature = float(out.meta.get("temperature", 1.0))
             ids, mask, logp, vers = (out.tensor(k).tolist() for k in
@@ -179,7 +179,11 @@ class Turns:
                 k = min(sum(mask[j]), budget - len(rows[i].ids))  # the mask is a prefix
                 rows[i].add(ids[j][:k], 1, logp[j][:k], vers[j][:k])
                 rows[i].turns += 1
-                if len(rows[i].ids) < budget and turn < self.cfg.max_turns - 1:
+                # a turn that ended at a stop token, as the built-in engine continues: one
+                # cut short (vLLM's max_model_len) is not a turn to answer, and its next
+                # prompt would be past the limit (vLLM fails the whole batch)
+                stopped = k > 0 and ids[j][k - 1] in cfg.stop_token_ids
+                if stopped and len(rows[i].ids) < budget and turn < self.cfg.max_turns - 1:
                     asked.append((i, turn, ids[j][:k], list(rows[i].ids)))
             active = []
             for (i, *_), seen in zip(asked, respond(asked), strict=True):

@@ -161,7 +161,8 @@ class VLLMEngine:
         _check_top_p(cfg)
         params = [self._params_cls(temperature=cfg.temperature, top_p=cfg.top_p,
                                    max_tokens=cfg.max_new_tokens,
-                                   stop_token_ids=list(cfg.stop_token_ids), seed=int(s),
+                                   stop_token_ids=list(cfg.stop_token_ids),
+                                   seed=int(s) % 2**63,  # (vLLM's are int64)
                                    logprobs=0, ignore_eos=True, detokenize=False)
                   for s in seeds]
         with self._busy:
@@ -178,7 +179,12 @@ class VLLMEngine:
             tokens = list(sample.token_ids)[:n]
             ids[i, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
             mask[i, :len(tokens)] = 1
-            for j, (token, entry) in enumerate(zip(tokens, sample.logprobs or [], strict=False)):
+            # missing ones were read as 0: PPO ratios against log p = 0, unsaid
+            if sample.logprobs is None or len(sample.logprobs) < len(tokens):
+                raise RuntimeError(f"vLLM returned {len(sample.logprobs or [])} log-probs "
+                                   f"for {len(tokens)} tokens of prompt {i}; the adapter "
+                                   f"asks for logprobs=0 (the sampled token's)")
+            for j, (token, entry) in enumerate(zip(tokens, sample.logprobs, strict=False)):
                 logp[i, j] = float(entry[token].logprob)  # the sampled token's entry
         versions = torch.where(mask.bool(), version, -1)
         return TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
