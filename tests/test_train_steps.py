@@ -47,6 +47,22 @@ class StepTrainer(AnyTrainer):
         return self.backend.train_step(batch, loss_fn)
 
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def failing_layer_backward_step(self, batch: TensorBatch) -> dict:
+        """A step whose backward fails inside the last decoder layer (an OOM there): the
+        root's parameters (head, final norm) have their gradients, the layers not yet."""
+        from asyncrl.hybrid.fsdp import decoder_layers
+
+        def fail_backward(module, args, out):
+            if isinstance(out, tuple):
+                return (_FailsBackward.apply(out[0]), *out[1:])
+            return _FailsBackward.apply(out)
+        hook = decoder_layers(self.backend.model)[-1].register_forward_hook(fail_backward)
+        try:
+            return self.backend.train_step(batch)
+        finally:
+            hook.remove()
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
     def poisoned_step(self, batch: TensorBatch) -> dict:
         def loss_fn(out, micro):
             loss, stats = nll_loss(out, micro)
@@ -85,6 +101,11 @@ def test_a_save_before_the_first_step_and_a_failed_step_change_no_later_step(kin
                                    "step before failed after some of its micro-batches'"):
                     await saved.step(batch)
                 return after_save, None, group_pids(plain) + group_pids(saved)
+            # a backward failed inside a layer: FSDP2's post-backward never ran, its state
+            # was left mid-iteration (the next backward reduced no gradient) and the root's
+            # unsharded parameters kept gradients the optimizer's zero_grad missed
+            with pytest.raises(asyncrl.RemoteError, match="the backward failed"):
+                await saved.failing_layer_backward_step(batch)
             await asyncio.gather(plain.step(batch), saved.step(batch))
             after_failure = [(await g.weights())[0] for g in (plain, saved)]
             return after_save, after_failure, group_pids(plain) + group_pids(saved)

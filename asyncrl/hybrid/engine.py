@@ -229,9 +229,11 @@ class HybridEngine:
     def _restore_training(self) -> None:
         if not self._offloaded:
             return
-        self._offloaded = False
+        # cleared once both are back: after a failure here (an OOM in a fragmented GPU) the
+        # next to_train does them again (each skips what is back already)
         self.backend.reload_masters()
         self._move_optimizer(next(self.backend.model.parameters()).device)
+        self._offloaded = False
 
     def _frees_memory(self) -> bool:
         """Whether the engine's weights are freed here (vLLM frees its own as it sleeps)."""

@@ -375,13 +375,20 @@ class TrainBackend:
 
     def _inference(self, batch: TensorBatch, key: str) -> torch.Tensor:
         micros, order = self.micro_batches(batch)
-        out = in_batch_order([self._forward(m)[key] for m in micros], order, batch)
+        try:
+            out = in_batch_order([self._forward(m)[key] for m in micros], order, batch)
+        except BaseException:
+            self._after_failure()
+            raise
         self._inference_done()
         return out
 
     def _inference_done(self) -> None:
         """After forward passes with no backward (the sharding hooks may leave parameters
         gathered until a backward)."""
+
+    def _after_failure(self) -> None:
+        """After a forward or backward that raised midway."""
 
     def _accumulate(self, batch: TensorBatch, loss_fn: LossFn, entropy: bool,
                     backward: Callable[[torch.Tensor], None],
@@ -409,6 +416,23 @@ class FSDPBackend(TrainBackend):
         # that follows; with none coming they would stay whole (memory), and the hybrid
         # engine's plan and sync_pack would take those temporaries for the parameters
         self.model.reshard()  # type: ignore[operator]  # an FSDPModule after fully_shard
+
+    def _after_failure(self) -> None:
+        # FSDP2's post-backward never ran: its per-iteration state was left mid-flight (the
+        # next backward reduced no gradient at all), and parameters unsharded, plain tensors
+        # the optimizer does not know, holding gradients its zero_grad cannot reach (taken
+        # by the hybrid engine's plan for the parameters, too). The gradients are dropped
+        # while those tensors are registered, then FSDP's state reset (resharding them).
+        from torch.distributed.fsdp import FSDPModule
+
+        self.model.zero_grad(set_to_none=True)
+        reset = getattr(self.model, "reset_iter_state", None)  # (torch 2.13 has it)
+        if reset is not None:
+            reset()
+            return
+        for m in self.model.modules():  # older torch: resharded at least
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Any,
                  head: str = "lm"):
@@ -439,7 +463,11 @@ class FSDPBackend(TrainBackend):
         """One optimizer step over this rank's rows, in micro-batches with gradient
         accumulation; FSDP averages the gradients over the data-parallel ranks."""
         self.opt.zero_grad(set_to_none=True)  # a step that failed midway left some behind
-        stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward())
+        try:
+            stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward())
+        except BaseException:
+            self._after_failure()
+            raise
         norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
         lr = self.opt.param_groups[0]["lr"]
         finite = math.isfinite(norm)
