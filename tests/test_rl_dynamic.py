@@ -135,3 +135,30 @@ def test_dynamic_sampling_refuses_groups_that_mix_prompts():
                                          r"PromptSource repeat=4"):
         asyncio.run(dynamic_sampling(mixed, more=lambda: None, generate=lambda b: b,
                                      score=never, groups=1, group_size=4))
+
+
+def test_dynamic_sampling_filters_on_the_functions_own_score_by_default():
+    """With an overlong penalty the reward is score + penalty: a group all wrong (score 0)
+    whose answers differ in length passed for one whose rewards differ, and trained on
+    advantages from length alone (verl's DAPO filters on "acc")."""
+    from asyncrl.futures.future import DistFuture
+    from asyncrl.hybrid.sampler import PROMPT_WIDTH
+
+    prompts = TensorBatch({"prompt": [[1], [1], [2], [2]]}, {PROMPT_WIDTH: 1})
+    # prompt 1: both wrong, one long (penalised); prompt 2: one right
+    scores = TensorBatch({"reward": torch.tensor([0.0, -0.6, 1.0, 0.0]),
+                          "score": torch.tensor([0.0, 0.0, 1.0, 0.0]),
+                          "overlong_penalty": torch.tensor([0.0, -0.6, 0.0, 0.0])})
+
+    def done(value):  # a group call's future, answered
+        return DistFuture.held(value, "g.m")
+
+    async def kept(**kw):
+        out = await dynamic_sampling(prompts, more=lambda: None, generate=done,
+                                     score=lambda rollout: done(scores), groups=2,
+                                     group_size=2, **kw)
+        return out["dapo/kept_groups"]
+    assert asyncio.run(kept()) == 1
+    assert asyncio.run(kept(metric="reward")) == 2
+    with pytest.raises(KeyError, match="no 'acc' column"):
+        asyncio.run(kept(metric="acc"))

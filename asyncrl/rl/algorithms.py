@@ -78,7 +78,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-# verl's loss_agg_mode values
+# verl's loss_agg_mode names (seq-mean-token-sum-norm as the Dr. GRPO paper: see aggregate)
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -88,7 +88,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     entropy terms alike: over the masked tokens ("token-mean"), or over the rows with a
     token of each row's mean ("seq-mean-token-mean"), sum ("seq-mean-token-sum") or sum
     divided by the response width, a constant ("seq-mean-token-sum-norm": Dr. GRPO, no
-    length bias)."""
+    length bias). The last averages over the rows as the Dr. GRPO paper does; verl's
+    agg_loss sums them, a loss (and gradient) larger by a micro-batch's rows: a learning
+    rate or grad_clip ported from verl with it needs that factor."""
     m = mask.to(per_token.dtype)
     if agg == "token-mean":
         return masked_mean(per_token, m)
@@ -117,11 +119,12 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked positions (the trainer's whitening step)."""
+    """(x - mean) / std over the masked positions (the trainer's whitening step), the
+    variance unbiased as verl's masked_whiten takes it."""
     m = mask.to(values.dtype)
     n = m.sum().clamp(min=1)
     mean = (values * m).sum() / n
-    var = ((values - mean).pow(2) * m).sum() / n
+    var = ((values - mean).pow(2) * m).sum() / (n - 1).clamp(min=1)
     return (values - mean) * torch.rsqrt(var + eps) * m
 
 

@@ -199,11 +199,12 @@ def _grpo(batch: TensorBatch, cfg: RLConfig, group: Any) -> torch.Tensor:
 
 def whiten_across(x: torch.Tensor, mask: torch.Tensor, group: Any, eps: float = 1e-8
                   ) -> torch.Tensor:
-    """(x - mean) / std over the masked positions of every data-parallel rank."""
+    """(x - mean) / std over the masked positions of every data-parallel rank (the variance
+    unbiased, as verl's masked_whiten)."""
     total, count = global_sums([float((x * mask).sum()), float(mask.sum())], group)
     mean = total / max(count, 1.0)
     (sq,) = global_sums([float(((x - mean).pow(2) * mask).sum())], group)
-    return (x - mean) * (sq / max(count, 1.0) + eps) ** -0.5 * mask
+    return (x - mean) * (sq / max(count - 1, 1.0) + eps) ** -0.5 * mask
 
 
 CRITIC_RL = "critic_rl"  # the meta key of the critic's values: its RLConfig.returns_fields()

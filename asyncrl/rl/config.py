@@ -29,7 +29,9 @@ class RLConfig:
     std_normalize: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
     clip: float = 0.2  # the ratio's clip range: [1 - clip, 1 + clip_high]
     clip_high: float | None = None  # None: clip (DAPO's clip-higher sets it above clip)
-    dual_clip: float | None = None  # c > 1: negative advantages' loss at most -A*c (verl 3.0)
+    # c > 1: a negative advantage's loss at most -A*c (dual-clip PPO; verl applies its
+    # clip_ratio_c=3.0 always): a stale token's ratio of 10 pushed 10x; None: off
+    dual_clip: float | None = 3.0
     agg: str = "token-mean"  # or a seq-mean mode (see algorithms.aggregate; Dr. GRPO:
     # "seq-mean-token-sum-norm" with std_normalize=False)
     kl_coef: float = 0.0

@@ -68,7 +68,7 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
                            generate: Callable[[TensorBatch], DistFuture],
                            score: Callable[[DistFuture], DistFuture], groups: int,
                            group_size: int, max_rounds: int | None = None,
-                           metric: str = "reward") -> dict[str, Any]:
+                           metric: str | None = None) -> dict[str, Any]:
     """Generate and score `prompts`, then batches from `more()` (a PromptSource's
     next_batch), until `groups` groups whose `metric` column differs are kept (the first
     ones found, in order; a surplus is left out, as verl trims to train_batch_size).
@@ -78,7 +78,10 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
     seen whose samples all scored alike), dapo/sampled_mean (the metric's mean over every sample
     generated: the policy's score before the filter)}. More than `max_rounds` batches
     needed (None: no limit) is a DynamicSamplingError, as verl's max_num_gen_batches. If
-    `more()` runs out first, the step trains on the groups kept so far (none: an error)."""
+    `more()` runs out first, the step trains on the groups kept so far (none: an error).
+    `metric` None: "score" where the scores have it (a RewardFn with an overlong penalty:
+    its function's own score, as verl's DAPO filters on "acc"; wrong answers of different
+    lengths would else pass for a group whose rewards differ), else "reward"."""
     if groups < 1 or group_size < 1 or (max_rounds is not None and max_rounds < 1):
         raise ValueError(f"dynamic_sampling: groups, group_size and max_rounds must be >= 1, "
                          f"got {groups}, {group_size} and {max_rounds}")
@@ -97,10 +100,11 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
         rollout = generate(batch)
         scores = score(rollout)
         got = await scores  # one number per sample: all that comes here
-        if metric not in got:
-            raise KeyError(f"dynamic_sampling(metric={metric!r}): the scores have columns "
-                           f"{got.keys()}")
-        values = torch.as_tensor(got[metric])
+        column = metric or ("score" if "score" in got else "reward")
+        if column not in got:
+            raise KeyError(f"dynamic_sampling(metric={metric!r}): the scores have no "
+                           f"{column!r} column; they have {got.keys()}")
+        values = torch.as_tensor(got[column])
         differ = informative_groups(values, group_size)
         seen += len(values) // group_size
         total, samples = total + float(values.double().sum()), samples + len(values)
