@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.controller.nodes import FlowError, NodeError
-from asyncrl.controller.recovery import RecoveryError
 from asyncrl.controller.runner import Terminated, run
 from asyncrl.controller.trackers import TrackerError
 from asyncrl.errors import AsyncRLError, CheckpointError
@@ -158,7 +157,7 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
         print(f"asyncrl: {e}\n{where}".rstrip(), file=sys.stderr)
         print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
         return 1
-    except (AsyncRLError, RecoveryError) as e:  # a group that could not start or be placed,
+    except AsyncRLError as e:  # a group that could not start or be placed,
         # one that died outside a node, a flow that cannot run, recoveries used up
         print(f"asyncrl {command}: {type(e).__name__}: {e}", file=sys.stderr)
         print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)

@@ -57,6 +57,11 @@ class EncodeError(AsyncRLError, TypeError):
     """An argument or result cannot cross the wire (nothing is ever pickled)."""
 
 
+class RecoveryError(AsyncRLError, RuntimeError):
+    """A flow cannot recover from a group's death (a one-shot input iterator, no state to go
+    back to, a re-run that changed its futures)."""
+
+
 class SettingError(AsyncRLError, ValueError):
     """A key=value setting on the command line that the flow does not declare, or whose
     value is not of its default's type. `unknown`: the undeclared keys."""

@@ -82,9 +82,13 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
         if not now:  # the run's own settings alone: the file stopped declaring any
             raise SettingError("no settings declared", list(overrides))
         given = " ".join(f"{k}={overrides[k]}" for k in now)
+        driver = callable(getattr(module, "main", None))  # its own arguments: after --
         raise SystemExit(f"asyncrl: {path} takes no settings (it never calls "
-                         f"asyncrl.config(...)), so {given} would be ignored; "
-                         f"declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop them")
+                         f"asyncrl.config(...)), so {given} would be ignored; " +
+                         (f"arguments for its main() go after --: asyncrl launch {path} -- "
+                          f"{given}" if driver else
+                          "declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop "
+                          "them"))
     return module
 
 

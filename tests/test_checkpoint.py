@@ -346,3 +346,23 @@ def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(tmp_p
     monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)  # the readers are gone
     asyncio.run(checkpoint.save(flow, tmp_path, 4, keep=1))
     assert sorted(p.name for p in root.iterdir()) == ["step_000004"]
+
+
+def test_a_checkpoint_of_the_other_backend_is_named_as_such(tmp_path):
+    """An FSDP2 checkpoint given to a ZeRO group (or the reverse) failed with "no DeepSpeed
+    checkpoint" or a missing .metadata file: now the backend that wrote it is named."""
+    from asyncrl.hybrid.fsdp import ZERO_TAG, check_written_by
+
+    fsdp, zero, empty = (tmp_path / n for n in ("fsdp", "zero", "empty"))
+    for folder in (fsdp, zero, empty):
+        folder.mkdir()
+    (fsdp / ".metadata").write_bytes(b"")
+    (zero / ZERO_TAG).mkdir()
+    with pytest.raises(ValueError, match=r"fsdp was written with backend='fsdp2'; this group "
+                                         r"trains with backend='zero2' or 'zero3': resume"):
+        check_written_by(fsdp, "zero")
+    with pytest.raises(ValueError, match="written with backend='zero2' or 'zero3'; this group "
+                                         "trains with backend='fsdp2'"):
+        check_written_by(zero, "fsdp2")
+    for folder, backend in ((fsdp, "fsdp2"), (zero, "zero"), (empty, "fsdp2"), (empty, "zero")):
+        check_written_by(folder, backend)  # (a missing one is the load's own error)

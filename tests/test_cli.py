@@ -182,6 +182,12 @@ def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp
     with pytest.raises(SystemExit, match=r"no_settings.py takes no settings \(it never calls "
                                          r"asyncrl.config\(...\)\), so lr=0.1 would be ignored"):
         asyncrl.cli.main(["launch", str(flow), "lr=0.1"])
+    # a driver (its own main()): its arguments go after --, not into asyncrl.config
+    driver = tmp_path / "driver_file.py"
+    driver.write_text("import asyncrl\n\n\nasync def main():\n    pass\n")
+    with pytest.raises(SystemExit, match=r"arguments for its main\(\) go after --: asyncrl "
+                                         r"launch .*driver_file.py -- out=r.json"):
+        asyncrl.cli.main(["launch", str(driver), "out=r.json"])
 
 
 def test_a_resume_logs_to_the_runs_wandb_project_unless_told_not_to(tmp_path, capsys):

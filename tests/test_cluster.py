@@ -19,7 +19,7 @@ import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.actors.gpu_slots import select_gpus
 from asyncrl.controller.cluster import Cluster, HostSpec, expand_nodelist, torchrun_command
-from asyncrl.controller.launcher import host_env
+from asyncrl.controller.launcher import host_env, kill_pids
 
 
 def test_slurm_node_lists_expand():
@@ -452,6 +452,7 @@ def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_pat
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "ASYNCRL_AGENT_LIFELINE": "1", "PYTHONPATH": ROOT},
         start_new_session=True)
+    rank = None
     try:
         wait_until(lambda: pid_file.exists() and pid_file.read_text(), 120,
                    "the rank to start")
@@ -463,5 +464,7 @@ def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_pat
         assert_gone([rank])
     finally:
         if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
+            os.killpg(agent.pid, signal.SIGKILL)  # (torchrun's ranks: a session of their
+            agent.wait()                          # own, stopped by pid too)
+            if rank is not None:
+                kill_pids([rank])

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.actors.worker import set_rng_state
 from asyncrl.controller.logs import append_line, replace_json
 from asyncrl.controller.timeline import called_groups
-from asyncrl.errors import ClosedError, GroupDeadError, InputLostError, RemoteError, SpawnError
+from asyncrl.errors import (
+    ClosedError,
+    GroupDeadError,
+    InputLostError,
+    RecoveryError,
+    RemoteError,
+    SpawnError,
+)
 from asyncrl.futures.future import DistFuture, Rows, futures_in, rebuild
 
 if TYPE_CHECKING:
@@ -38,10 +45,6 @@ if TYPE_CHECKING:
     from asyncrl.controller.flow import DataFlow
 
 MAX_BACKOFF = 60.0
-
-
-class RecoveryError(RuntimeError):
-    """The flow cannot be rewound (a one-shot input iterator, no state to go back to)."""
 
 
 @dataclass

@@ -272,6 +272,23 @@ def _columns(b: TensorBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 HEADS = {"lm": build_model, "value": build_value_model}
 
 
+ZERO_TAG = "state"  # the one checkpoint folder DeepSpeed writes into a group's train/ (its tag)
+
+
+def check_written_by(folder: Any, backend: str) -> None:
+    """A checkpoint's train/ folder as `backend` ("fsdp2", or "zero" for ZeRO-2/3) writes
+    it: the other's, loaded, failed with a message about a missing file."""
+    from pathlib import Path
+
+    theirs = "fsdp2" if (Path(folder) / ".metadata").is_file() else "zero" if (
+        Path(folder) / ZERO_TAG).is_dir() else None  # (torch.distributed.checkpoint's,
+    if theirs is not None and theirs != backend:  # DeepSpeed's)
+        names = {"fsdp2": "backend='fsdp2'", "zero": "backend='zero2' or 'zero3'"}
+        raise ValueError(f"{folder} was written with {names[theirs]}; this group trains with "
+                         f"{names[backend]}: resume with the backend that wrote it, or start a "
+                         f"new run from its model (`asyncrl export`, then model={{'path': ...}})")
+
+
 def trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, head: str) -> torch.nn.Module:
     """The model a backend trains, in train mode, its layers checkpointed if asked: the
     non-reentrant kind, whose recomputation runs the layer's hooks again (FSDP2 and ZeRO-3
@@ -497,6 +514,7 @@ class FSDPBackend(TrainBackend):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        check_written_by(folder, "fsdp2")
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata

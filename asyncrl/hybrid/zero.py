@@ -20,11 +20,13 @@ import torch.distributed as dist
 from asyncrl.actors.rank_main import require_own_gpu
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fsdp import (
+    ZERO_TAG,
     LossFn,
     TrainBackend,
     TrainConfig,
     adamw,
     check_head,
+    check_written_by,
     lr_scheduler,
     nll_loss,
     resume_schedule,
@@ -59,7 +61,7 @@ def _no_shared_memory_all_reduce(deepspeed: Any) -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
-TAG = "state"  # the one checkpoint folder DeepSpeed writes into a group's train/ (its tag)
+TAG = ZERO_TAG
 
 
 class ZeroBackend(TrainBackend):
@@ -145,6 +147,7 @@ class ZeroBackend(TrainBackend):
     def load(self, folder: Any) -> None:
         # the schedule's state comes back among the "client" states: checkpoints from before
         # schedules hold None there, which DeepSpeed would hand to load_state_dict
+        check_written_by(folder, "zero")
         self.loads += 1
         path, client = self.engine.load_checkpoint(str(folder), tag=TAG,
                                                    load_lr_scheduler_states=False)
