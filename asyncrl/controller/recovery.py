@@ -315,10 +315,9 @@ class Recovery:
                                 f"this run started at step {flow._origin[0]}, not 0: its "
                                 f"groups' state before that step is gone")
         if not loaded:  # before the first checkpoint: back to the run's start, every group
-            for spec in flow.groups:  # as built (random number generators too)
-                if spec not in dead + stuck:
-                    await ctl.close_group(spec.handle)
-                    spec.handle = await flow._spawn(spec)
+            for spec in flow.groups:  # as built (random number generators too); as the dead
+                if spec not in dead + stuck:  # ones (a cancel leaves none half closed)
+                    await self.respawn(spec, exc, count=False)
             set_rng_state(flow._origin_rng)  # nodes that draw random numbers draw them again
             flow.resume_at(*flow._origin, rewind=True)
         resumed = flow.next_step
