@@ -151,9 +151,11 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
         cause = e.__cause__
         where = "" if cause is None or isinstance(cause, AsyncRLError) else "".join(
             traceback.format_exception(cause))  # a bug in the node's own code: its line
-        notes = list(getattr(cause, "__notes__", []))  # other ranks that raised too
-        where += "".join(f"\n{n}" for n in notes[:4]) + (
-            f"\n... and {len(notes) - 4} more ranks" if len(notes) > 4 else "")
+        notes = list(getattr(cause, "__notes__", []))  # other ranks that raised too, and
+        deaths = [n for n in notes if n.startswith("then group ")]  # the group's death
+        ranks = [n for n in notes if n not in deaths]
+        where += "".join(f"\n{n}" for n in ranks[:4] + deaths) + (
+            f"\n... and {len(ranks) - 4} more ranks" if len(ranks) > 4 else "")
         print(f"asyncrl: {e}\n{where}".rstrip(), file=sys.stderr)
         print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
         return 1

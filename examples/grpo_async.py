@@ -49,8 +49,8 @@ rollouts = asyncrl.group(Rollout, model=model, sampling=sampling, name="rollout"
                          nprocs=cfg["rollout_procs"], place=asyncrl.separate_from(trainer),
                          nice=5)
 # kl_coef=0 (TRL's default beta, DAPO's recipe): no KL term, so no reference model at all
-ref = (asyncrl.group(Reference, model=model, name="ref", place=asyncrl.colocate_with(rollouts))
-       if cfg["kl_coef"] else None)
+ref = (asyncrl.group(Reference, model=model, name="ref", micro_batch_size=128,
+                     place=asyncrl.colocate_with(rollouts)) if cfg["kl_coef"] else None)
 rewards = asyncrl.group(RewardFn, reward, name="reward", place=asyncrl.colocate_with(trainer))
 
 data = next_digit.records(tok, copies=cfg["prompts"])

@@ -46,6 +46,7 @@ def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
     assert Cluster.from_slurm(one, here="gpu7.cluster.example") is None
     assert [h.name for h in Cluster.from_slurm(one, here="login1").hosts] == ["gpu7"]
     assert len(Cluster.from_slurm(env, here="gpu1").hosts) == 2
+    assert Cluster.from_slurm({**one, "SLURMD_NODENAME": "gpu7"}) is None  # (SLURM's own name)
     spread = cluster.spread("actor", 16)  # 16 ranks: 8 on each node
     assert [(h.name, slots) for h, slots in spread] == [("gpu1", list(range(8))),
                                                         ("gpu2", list(range(8)))]

@@ -77,6 +77,16 @@ def test_seeds_stop_tokens_temperature_and_top_p():
     with pytest.raises(ValueError, match=r"longest prompt plus max_new_tokens=254 is 257 "
                                          r"positions, beyond the model's 256"):
         gpt2.generate([[1, 2, 3]], seeds=[0], config=SamplingConfig(max_new_tokens=254))
+    # a rotary model (Llama) past max_position_embeddings: positions never trained on, which
+    # it generated unsaid; with rope_scaling (YaRN keeps the original limit) it may go on
+    llama = build_model(ModelConfig())
+    with pytest.raises(ValueError, match=r"is 257 positions, beyond the model's 256"):
+        Sampler(llama).generate([[1, 2, 3]], seeds=[0],
+                                config=SamplingConfig(max_new_tokens=254))
+    setattr(llama.config, "rope_parameters" if hasattr(llama.config, "rope_parameters") else
+            "rope_scaling", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert Sampler(llama).generate([[1, 2, 3]], seeds=[0], config=SamplingConfig(
+        max_new_tokens=254))["response_ids"].shape == (1, 254)
 
 
 def test_temperature_zero_decodes_greedily_as_transformers_does():
@@ -319,6 +329,25 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "False", probe.stderr
 
+
+
+def test_vllm_log_probs_missing_are_an_error_not_zeros():
+    """The adapter read missing or short log-probs as 0: PPO ratios against log p = 0."""
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    class Short(fake_vllm.LLM):
+        def generate(self, *args, **kwargs):
+            outs = super().generate(*args, **kwargs)
+            for out in outs:
+                out.outputs[0].logprobs = out.outputs[0].logprobs[:-1]
+            return outs
+    vllm = VLLMEngine("tiny-llama", SamplingConfig(max_new_tokens=4), llm_cls=Short,
+                      sampling_params_cls=fake_vllm.SamplingParams)
+    with pytest.raises(RuntimeError, match=r"vLLM returned 3 log-probs for 4 tokens of "
+                                           r"prompt 0"):
+        vllm.generate([[1, 2, 3]], [0])
 
 
 def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfilled(tmp_path):

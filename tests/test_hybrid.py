@@ -580,28 +580,3 @@ def test_hybrid_policy_on_zero3_round_trip():
     half = 4 * sum(p.numel() for p in params) / 2
     assert report["mode"] == "generate" and abs(report["offloaded_bytes"] - half) <= 4 * len(params)
 
-
-def test_a_switch_back_to_training_that_failed_is_finished_by_the_next():
-    """The flag saying the optimizer's state and masters were offloaded was cleared before
-    they came back: a failure there (an OOM in a fragmented GPU) left the next to_train to
-    return at once, training with its AdamW state on the host."""
-    from types import SimpleNamespace
-
-    from asyncrl.hybrid.engine import HybridEngine
-
-    model = build_model(ModelConfig())
-    opt = torch.optim.AdamW(model.parameters())
-    reloads = []
-
-    def reload_masters():
-        reloads.append(1)
-        if len(reloads) == 1:
-            raise RuntimeError("CUDA out of memory")
-    backend = SimpleNamespace(model=model, opt=opt, offload_masters=lambda: 0,
-                              reload_masters=reload_masters)
-    hybrid = HybridEngine(backend, ModelConfig())
-    hybrid.to_generate()
-    with pytest.raises(RuntimeError, match="out of memory"):
-        hybrid.to_train()
-    hybrid.to_train()
-    assert len(reloads) == 2 and hybrid.mode == "train"

@@ -485,6 +485,7 @@ def test_a_vllm_turn_cut_at_max_model_len_is_not_answered():
     # shifted past 2**63
     vllm = VLLMEngine("tiny-llama", cfg, llm_cls=fake_vllm.LLM,
                       sampling_params_cls=fake_vllm.SamplingParams)
+    vllm.generate([[1, 2]], [2**64 - 1], cfg)  # a seed of the user's past int64: reduced
     seeds = [2**62 + s for s in SEEDS]
     out = turns(env=env, max_turns=3).generate(vllm, prompt_batch(), PROMPTS, seeds,
                                                replace(cfg, stop_token_ids=STOPS))

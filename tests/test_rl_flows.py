@@ -195,7 +195,7 @@ def math_task(folder: Path) -> dict:
 def test_the_math_recipe_trains_a_local_model_on_text_and_exports_it(tmp_path):
     """examples/grpo_math.py as a user runs it on a GPU, with CPU-sized parts: chats
     through the tokenizer's template, rewards on text with the overlong penalty (scored in
-    child processes that import the flow file), micro-batches by token budget, validation
+    child processes that import examples/gsm8k.py), micro-batches by token budget, validation
     sampled twice per question (pass@k), then export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

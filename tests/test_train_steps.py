@@ -1,5 +1,6 @@
 """What a training step leaves behind for the next: a checkpoint saved before the first
-step, a step that failed midway, and bf16 gradients summed over micro-batches by ZeRO."""
+step, a step that failed midway, bf16 gradients summed over micro-batches by ZeRO, and a
+hybrid engine's switch back to training that failed."""
 
 from __future__ import annotations
 
@@ -219,3 +220,30 @@ def test_train_settings_refuse_backwards_training_and_name_misspelt_keys():
                                         r"is not a setting; the settings are \[.*'value_clip'"):
         from_dict(RLConfig, {"value_clp": 0.3}, "Actor rl=")
     assert from_dict(TrainConfig, {"lr": 0.5}, "train=").lr == 0.5
+
+
+def test_a_switch_back_to_training_that_failed_is_finished_by_the_next():
+    """The flag saying the optimizer's state and masters were offloaded was cleared before
+    they came back: a failure there (an OOM in a fragmented GPU) left the next to_train to
+    return at once, training with its AdamW state on the host."""
+    from types import SimpleNamespace
+
+    from asyncrl.hybrid.engine import HybridEngine
+    from asyncrl.hybrid.models import ModelConfig, build_model
+
+    model = build_model(ModelConfig())
+    opt = torch.optim.AdamW(model.parameters())
+    reloads = []
+
+    def reload_masters():
+        reloads.append(1)
+        if len(reloads) == 1:
+            raise RuntimeError("CUDA out of memory")
+    backend = SimpleNamespace(model=model, opt=opt, offload_masters=lambda: 0,
+                              reload_masters=reload_masters)
+    hybrid = HybridEngine(backend, ModelConfig())
+    hybrid.to_generate()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        hybrid.to_train()
+    hybrid.to_train()
+    assert len(reloads) == 2 and hybrid.mode == "train"

@@ -41,9 +41,14 @@ def test_public_api_is_the_facade():
         "breakpoint"])
     for name in asyncrl.__all__:
         assert getattr(asyncrl, name) is not None
-    # every error a run may raise is one of ours: `except asyncrl.AsyncRLError` catches it
-    # (RecoveryError, which flow.run raises when it cannot go back, was a bare RuntimeError)
-    errors = [getattr(asyncrl, n) for n in asyncrl.__all__ if n.endswith("Error")]
+    # every exported error is one of ours: `except asyncrl.AsyncRLError` catches it
+    # (RecoveryError, which flow.run raises when it cannot go back, was a bare RuntimeError,
+    # as were DynamicSamplingError and a tracker's)
+    from asyncrl import rl
+    from asyncrl.controller.trackers import TrackerError
+
+    errors = [getattr(m, n) for m in (asyncrl, rl) for n in m.__all__
+              if n.endswith("Error")] + [TrackerError]
     assert all(issubclass(e, asyncrl.AsyncRLError) for e in errors), errors
 
 

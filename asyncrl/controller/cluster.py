@@ -134,7 +134,9 @@ class Cluster:
         if not nodelist:
             return None
         nodes = expand_nodelist(nodelist)
-        here = (here or socket.gethostname()).split(".")[0]
+        # SLURM's name for this node, in a batch script or a step (not in salloc's shell on
+        # a login node); else the host name, which may differ from SLURM's
+        here = (here or env.get("SLURMD_NODENAME") or socket.gethostname()).split(".")[0]
         if len(nodes) == 1 and nodes[0].split(".")[0] == here:
             return None  # (salloc's shell on a login node: the node is another machine)
         gpus = int(re.sub(r"\D.*", "", env.get("SLURM_GPUS_ON_NODE", "0")) or 0)

@@ -541,8 +541,8 @@ class GroupHandle:
     def _fail_all(self, exc: BaseException) -> None:
         for p in self._pending.values():
             first = p.future._fut.exception() if p.future._fut.done() else None
-            if isinstance(first, RemoteError):  # a rank whose peer died failed it first (a
-                first.add_note(f"then {exc}")  # broken collective): the death said with it
+            if isinstance(first, RemoteError) and isinstance(exc, GroupDeadError):
+                first.add_note(f"then {exc}")  # a rank whose peer died failed it first
             p.future._set_exception(exc)
             self._ctl.calls.pop(p.call_id, None)
         self._pending.clear()

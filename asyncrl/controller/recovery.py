@@ -60,7 +60,6 @@ class RecoveryEvent:
     seconds: float  # from noticing the failure until the flow could go on
 
 
-_UNSEEN = object()
 RESTARTS_FILE = "restarts.json"  # beside recoveries.jsonl: each group's restarts so far
 
 
@@ -137,12 +136,12 @@ class Recovery:
                 await self._unstoppable(self.flow._ctl.close_group(old))
             # a death counts once: a caller cancelled in the backoff (a rewind's) had counted
             # it, and the next caller, finding the same handle dead, spawns without counting
-            first = count and self._counted.get(spec.name, _UNSEEN) is old
+            # (the rest of the backoff is skipped: the rewind waited for its calls to end)
+            counted = count and old is not None and self._counted.get(spec.name) is old
             while True:
-                if count and not first:
-                    self._counted[spec.name] = old
-                    await self._count(spec, cause)
-                first = False
+                if count and not counted:
+                    await self._count(spec, cause, old)
+                counted = False
                 try:
                     await self._unstoppable(self._spawn_into(spec))
                     return True
@@ -174,11 +173,13 @@ class Recovery:
         """Wait for closes and spawns that went on after a cancel (before the flow closes)."""
         await asyncio.gather(*self._background, return_exceptions=True)
 
-    async def _count(self, spec: GroupSpec, cause: BaseException) -> None:
-        """One restart of `spec` against its budget, after its backoff."""
+    async def _count(self, spec: GroupSpec, cause: BaseException, dead: Any = None) -> None:
+        """One restart of `spec` against its budget (for its `dead` handle), after its
+        backoff."""
         if not self._left(spec):
             raise cause
         self.restarts[spec.name] += 1
+        self._counted[spec.name] = dead
         n = self.restarts[spec.name]
         if self.log_path is not None:  # as they happen: a resume goes on from them (a
             # checkpoint's count misses those after it, which a crash loop repeats)

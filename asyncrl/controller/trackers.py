@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.controller.logs import replace_json
+from asyncrl.errors import AsyncRLError
 
 WANDB_STATE = "wandb.json"  # in the run directory: the wandb run's id, for --resume
 
 
-class TrackerError(RuntimeError):
+class TrackerError(AsyncRLError, RuntimeError):
     """A tracker asked for cannot start (said before any group starts)."""
 
 

@@ -395,7 +395,7 @@ class TrainBackend:
         try:
             out = in_batch_order([self._forward(m)[key] for m in micros], order, batch)
         except BaseException:
-            self._after_failure()
+            self._recover()
             raise
         self._inference_done()
         return out
@@ -406,6 +406,13 @@ class TrainBackend:
 
     def _after_failure(self) -> None:
         """After a forward or backward that raised midway."""
+
+    def _recover(self) -> None:
+        """`_after_failure`, whose own failure (a CUDA error) must not hide the step's."""
+        try:
+            self._after_failure()
+        except Exception:  # noqa: BLE001 - the step's error is the one raised
+            log.exception("asyncrl: resetting the trainer after a failed step failed too")
 
     def _accumulate(self, batch: TensorBatch, loss_fn: LossFn, entropy: bool,
                     backward: Callable[[torch.Tensor], None],
@@ -483,7 +490,7 @@ class FSDPBackend(TrainBackend):
         try:
             stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward())
         except BaseException:
-            self._after_failure()
+            self._recover()
             raise
         norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
         lr = self.opt.param_groups[0]["lr"]

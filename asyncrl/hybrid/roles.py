@@ -162,11 +162,11 @@ def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg
 def check_policy_arguments(role: str, given: dict[str, Any]) -> None:
     """A Policy's (or Actor's) arguments as its __init__ reads them, where the group is
     declared: a mistake there failed every rank's __init__ after the groups had started."""
-    read_settings(role, given["model"], given.get("sampling"), given.get("multi_turn"),
-                  given.get("train"))
-    check_backend(given.get("backend", "fsdp2"))
-    if given.get("hybrid", True):
-        check_engine(given.get("engine", "builtin"), given.get("engine_options"))
+    read_settings(role, given["model"], given["sampling"], given["multi_turn"],
+                  given["train"])
+    check_backend(given["backend"])
+    if given["hybrid"]:
+        check_engine(given["engine"], given["engine_options"])
 
 
 def engine_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
@@ -353,9 +353,9 @@ class Rollout(Worker):
         """As Policy.check_settings: where the group is declared."""
         given = own_arguments(cls, Rollout.__init__, args, kwargs)
         if given is not None:
-            read_settings(cls.__name__, given["model"], given.get("sampling"),
-                          given.get("multi_turn"))
-            check_engine(given.get("engine", "builtin"), given.get("engine_options"))
+            read_settings(cls.__name__, given["model"], given["sampling"],
+                          given["multi_turn"])
+            check_engine(given["engine"], given["engine_options"])
 
     def on_close(self) -> None:
         if self.turns is not None:  # its environment's processes, if any
@@ -448,8 +448,8 @@ class Reference(Worker):
         """As Policy.check_settings: where the group is declared."""
         given = own_arguments(cls, Reference.__init__, args, kwargs)
         if given is not None:
-            _reference_settings(given["model"], given.get("micro_batch_size", 4),
-                                given.get("max_tokens_per_micro_batch"))
+            _reference_settings(given["model"], given["micro_batch_size"],
+                                given["max_tokens_per_micro_batch"])
 
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()

@@ -225,9 +225,14 @@ class Sampler:
                              f"tokenizer's pad_token_id)")
         # learned positions (GPT-2): past them an IndexError (a GPU: an assert that ends the
         # CUDA context); rotary ones (Llama): positions never trained on, said by nothing
-        # (vLLM refuses or cuts such rows at max_model_len)
+        # (vLLM refuses or cuts such rows at max_model_len), unless rope_scaling extends
+        # them (YaRN keeps the original max_position_embeddings)
         c = self.model.config
-        limit = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+        rope = getattr(c, "rope_parameters" if hasattr(c, "rope_parameters") else  # (5.x:
+                       "rope_scaling", None) or {}  # rope_scaling deprecated; "default" there)
+        extended = rope.get("rope_type", rope.get("type", "default")) != "default"
+        limit = getattr(c, "n_positions", None) or (
+            None if extended else getattr(c, "max_position_embeddings", None))
         longest = max((len(p) for p in prompts), default=0) + cfg.max_new_tokens
         if limit is not None and longest > limit:
             raise ValueError(

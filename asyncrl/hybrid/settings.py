@@ -29,10 +29,13 @@ def from_dict(cls: type[T], given: dict[str, Any] | None, what: str) -> T:
 def own_arguments(cls: type, init: Any, args: tuple, kwargs: dict[str, Any]
                   ) -> dict[str, Any] | None:
     """A role's constructor arguments by name, as `init` (the role's own __init__) takes
-    them; None for a subclass with an __init__ of its own (its arguments are its own)."""
+    them, its defaults filled in; None for a subclass with an __init__ of its own (its
+    arguments are its own)."""
     if cls.__init__ is not init:  # type: ignore[misc]
         return None
-    return dict(inspect.signature(init).bind(None, *args, **kwargs).arguments)
+    bound = inspect.signature(init).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def whole_number(x: Any) -> bool:

@@ -125,7 +125,7 @@ class Actor(Policy):
         given = own_arguments(cls, Actor.__init__, args, kwargs)
         if given is not None:
             check_policy_arguments(cls.__name__, given)
-            from_dict(RLConfig, given.get("rl"), f"{cls.__name__} rl=")
+            from_dict(RLConfig, given["rl"], f"{cls.__name__} rl=")
 
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,

@@ -90,8 +90,8 @@ class Critic(Worker):
         """Its settings, where the group is declared (as Policy.check_settings)."""
         given = own_arguments(cls, Critic.__init__, args, kwargs)
         if given is not None:
-            _settings(given["model"], given.get("rl"), given.get("train"))
-            check_backend(given.get("backend", "fsdp2"))
+            _settings(given["model"], given["rl"], given["train"])
+            check_backend(given["backend"])
 
     @register(dispatch=Dispatch.DP)
     def values(self, rollout: TensorBatch) -> TensorBatch:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.errors import AsyncRLError
 from asyncrl.futures.future import DistFuture, concat
 from asyncrl.hybrid.sampler import PROMPT_WIDTH
 
@@ -33,7 +34,7 @@ log = logging.getLogger("asyncrl")
 WARN_EVERY = 10  # prompt batches between warnings of a step with no max_rounds
 
 
-class DynamicSamplingError(RuntimeError):
+class DynamicSamplingError(AsyncRLError, RuntimeError):
     """Too few groups whose rewards differ within `max_rounds` prompt batches."""
 
 
