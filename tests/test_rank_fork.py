@@ -49,6 +49,21 @@ class Probe(asyncrl.Worker):
         return "hg" in flags
 
     @asyncrl.register
+    def blas_threads(self) -> int | None:
+        """The threads numpy's OpenBLAS uses (None: a numpy without its own OpenBLAS)."""
+        import ctypes
+        import glob
+
+        import numpy as np
+        libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs",
+                                      "libscipy_openblas*"))
+        lib = ctypes.CDLL(libs[0]) if libs else None  # (numpy's own, already loaded)
+        for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_"):
+            if lib is not None and hasattr(lib, name):
+                return int(getattr(lib, name)())
+        return None
+
+    @asyncrl.register
     def start_child(self):
         """A process of the rank's own (as a compile worker or a sandbox would be)."""
         self.child = subprocess.Popen(["sleep", "600"])
@@ -206,3 +221,24 @@ def test_the_rank_server_refuses_what_no_stand_in_sends():
             group = await ctl.spawn(Probe, name="after")
             return (await group.seen())[0]
     assert run(main())["ppid"] == server
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: one BLAS thread anyway")
+def test_a_forked_ranks_numpy_uses_the_ranks_threads(monkeypatch):
+    """numpy's OpenBLAS reads OMP_NUM_THREADS as numpy is imported: in the server, started
+    with the controller's environment (none set), so forked ranks ran a BLAS thread per core
+    beside their one torch thread; a rank started anew had one. A group that asks for more
+    gets ranks started anew with them."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    server = _server_pid()
+
+    async def main(env):
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Probe, name="blas", env=env)
+            return (await group.seen())[0]["ppid"], (await group.blas_threads())[0]
+    parent, threads = run(main({}))
+    if threads is None:
+        pytest.skip("this numpy has no OpenBLAS of its own to ask")
+    assert parent == server and threads == 1
+    parent, threads = run(main({"OMP_NUM_THREADS": "2"}))
+    assert parent != server and threads == 2

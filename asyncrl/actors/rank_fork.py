@@ -42,9 +42,11 @@ PRELOAD = ("asyncrl.actors.rank_main", "asyncrl.hybrid.roles", "asyncrl.rl",
            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
 PACKAGES = ("asyncrl", "torch", "transformers", "numpy", "zmq", "msgspec")  # of PRELOAD's
 # read when Python, torch, transformers or the C runtime start, or when torch is imported: the
-# same as the server's or the rank starts anew. Not these: read when used (after the fork),
-# and OMP_NUM_THREADS (every rank calls torch.set_num_threads)
-START_KEYS = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LANG", "LOGLEVEL", "THP_MEM_ALLOC_ENABLE")
+# same as the server's or the rank starts anew. Not these: read when used (after the fork).
+# OMP_NUM_THREADS: numpy's OpenBLAS reads it as the server imports numpy (its threads are
+# not torch.set_num_threads's)
+START_KEYS = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LANG", "LOGLEVEL", "THP_MEM_ALLOC_ENABLE",
+              "OMP_NUM_THREADS")
 START_PREFIXES = ("PYTHON", "LC_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
                   "KMP_", "MKL_", "GOMP_", "OPENBLAS_", "MALLOC_", "TRANSFORMERS_", "HF_")
 READ_WHEN_USED = ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCH_NCCL_", "TORCH_DISTRIBUTED_",
@@ -56,6 +58,11 @@ READ_WHEN_USED = ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCH_NCCL_", "TORCH_DISTRI
 # request only (THP "madvise", as on the CI VMs) a fresh 256 MiB tensor is written at ~8
 # GiB/s instead of ~1.5 (numpy asks for them always). Read at torch's first allocation.
 RANK_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def rank_threads(env: Mapping[str, str]) -> str:
+    """A rank's OMP_NUM_THREADS (its torch and numpy threads), unless `env` sets one."""
+    return env.get("OMP_NUM_THREADS") or env.get("ASYNCRL_THREADS", "1")
 REQUEST_LIMIT = 1 << 22  # a rank's environment and directory
 FDS = 4  # stdin, stdout, stderr, lifeline
 

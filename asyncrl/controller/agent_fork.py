@@ -41,6 +41,7 @@ from asyncrl.actors.rank_fork import (
     RANK_ENV_DEFAULTS,
     StartUp,
     preload,
+    rank_threads,
     run_forked,
     serve_ranks,
     set_title,
@@ -223,8 +224,9 @@ class AgentServer:
     def __init__(self) -> None:
         root = str(Path(__file__).resolve().parents[2])  # asyncrl importable, as the ranks
         # the ranks' defaults too: read at start-up, they must be the server's to fork ranks
-        env = {**RANK_ENV_DEFAULTS, **os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+        env = {**RANK_ENV_DEFAULTS, **os.environ, "OMP_NUM_THREADS": rank_threads(os.environ),
+               "PYTHONPATH": os.pathsep.join(
+                   p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from asyncrl.controller.agent_fork import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True,

@@ -25,7 +25,7 @@ from asyncrl.actors import rank_client
 from asyncrl.actors.agent_main import LIFELINE
 from asyncrl.actors.gpu_slots import GPU_SLOTS
 from asyncrl.actors.procs import PROCESS_ENV, birth
-from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
+from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS, rank_threads
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
 from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users import it here)
@@ -320,7 +320,7 @@ def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     env = dict(base)
     env.pop("WANDB_SERVICE", None)  # the controller's wandb service: a rank's wandb its own
     env.update(extra)
-    env.setdefault("OMP_NUM_THREADS", env.get("ASYNCRL_THREADS", "1"))
+    env["OMP_NUM_THREADS"] = rank_threads(env)
     for key, value in RANK_ENV_DEFAULTS.items():
         env.setdefault(key, value)
     env["PYTHONUNBUFFERED"] = "1"
