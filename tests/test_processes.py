@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
+
+from helpers import ROOT
 
 import asyncrl
 
@@ -121,3 +124,36 @@ def test_an_answer_nobody_waits_for_stops_its_agent_and_a_broken_server_is_not_c
     finally:
         Running.proc.kill()
         Running.proc.wait()
+
+
+def test_a_child_whose_parent_exited_before_its_death_signal_was_set_ends(tmp_path):
+    """The death signal a child sets takes effect at its parent's exit from then on: a
+    parent gone already (the agent server ending as a spawn began) left the child, a
+    torchrun agent, running on. die_with_parent(parent) ends it then."""
+    script = tmp_path / "orphan.py"
+    script.write_text(
+        "import os, sys\n"
+        "from asyncrl.controller.agent_fork import die_with_parent\n"
+        "parent = os.getpid()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    while os.getppid() == parent:  # until the parent has exited\n"
+        "        os.sched_yield()\n"
+        "    try:\n"
+        "        die_with_parent(parent)\n"
+        "    except BaseException as e:\n"
+        "        print('failed:', repr(e), flush=True)\n"
+        "    print('alive', os.getpid(), flush=True)\n"
+        "    os.read(0, 1)  # (held until the test's end)\n"
+        "    os._exit(0)\n"
+        "os._exit(0)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    try:  # a line from the child, or the end: the child (holding the pipe) gone
+        said = proc.stdout.readline()
+    finally:
+        proc.stdin.close()  # (a child that lived ends now)
+        proc.stdout.close()
+        proc.wait()
+    assert said == "", said  # ended by its SIGTERM, before a word

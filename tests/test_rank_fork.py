@@ -242,3 +242,41 @@ def test_a_forked_ranks_numpy_uses_the_ranks_threads(monkeypatch):
     assert parent == server and threads == 1
     parent, threads = run(main({"OMP_NUM_THREADS": "2"}))
     assert parent != server and threads == 2
+
+
+def test_asking_the_rank_server_reads_the_umask_without_setting_it(monkeypatch):
+    """The umask was read by setting it to 0 and back, on threads beside others writing
+    files: a checkpoint written in that moment was group- and world-writable."""
+    from asyncrl.actors import rank_client
+
+    def no_setting(mask):
+        raise AssertionError("os.umask set the process's mask")
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", no_setting)
+        assert rank_client.current_umask() == 0o027
+        assert rank_client.ask("asyncrl-no-such-server") is None  # (unreachable: refused)
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+
+
+def test_a_ranks_fork_hook_closes_its_lifeline_only_where_it_still_is_the_lifeline():
+    """A forked rank closes its lifeline in its children (else a child would keep the rank's
+    stand-in from seeing it end); the hook, inherited, closed the same number in their
+    children too, where it had become a file the child opened since."""
+    from asyncrl.actors.rank_fork import _close_if_same, _identity
+
+    fd, other_end = os.pipe()
+    other = os.open(os.devnull, os.O_RDONLY)
+    identity = _identity(fd)
+    _close_if_same(fd, identity)  # a child: its copy of the lifeline goes
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    try:
+        os.dup2(other, fd)  # a grandchild: the number is a file of the child's now
+        _close_if_same(fd, identity)
+        os.fstat(fd)  # still open
+    finally:
+        for f in (fd, other, other_end):
+            os.close(f)

@@ -26,6 +26,30 @@ SERVER = "ASYNCRL_RANK_SERVER"  # the server's abstract unix socket, in the rank
 STAND_IN = "ASYNCRL_STAND_IN"  # in a forked rank's: its stand-in's pid (torchrun's name for it)
 
 
+def _read_umask() -> int:
+    """The umask, set and set back (the only way before Linux 4.7): at import only, while
+    no other thread creates files."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK_AT_IMPORT = _read_umask()
+
+
+def current_umask() -> int:
+    """This process's umask, read from /proc: setting it to read it would, for a moment,
+    give files other threads create then (a checkpoint's, on its writer thread) another mode."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return _UMASK_AT_IMPORT  # (an older kernel: the mask as it was at import)
+
+
 def exec_rank() -> None:
     env = {k: v for k, v in os.environ.items() if k != SERVER}
     os.execve(sys.executable, [sys.executable, "-u", "-m", "asyncrl.actors.rank_main"], env)
@@ -34,10 +58,8 @@ def exec_rank() -> None:
 def ask(address: str):
     """(the server's connection, its reader, the lifeline, the forked rank's pid), or None:
     refused or unreachable."""
-    umask = os.umask(0)
-    os.umask(umask)
     request = json.dumps({"env": {k: v for k, v in os.environ.items() if k != SERVER},
-                          "cwd": os.getcwd(), "umask": umask}).encode()
+                          "cwd": os.getcwd(), "umask": current_umask()}).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lifeline, theirs = socket.socketpair()
     try:

@@ -269,7 +269,8 @@ class RankForker:
             os.dup2(fd, target)
             os.close(fd)
         os.set_inheritable(lifeline, False)  # the rank's alone: not its children's
-        os.register_at_fork(after_in_child=functools.partial(_close_quietly, lifeline))
+        os.register_at_fork(after_in_child=functools.partial(_close_if_same, lifeline,
+                                                             _identity(lifeline)))
         threading.Thread(target=_hold_lifeline, args=(lifeline,), daemon=True,
                          name="asyncrl-lifeline").start()
         take_place(ask)
@@ -314,9 +315,17 @@ def serve_ranks(started_with: Mapping[str, str], start_up: StartUp) -> RankForke
     return forker
 
 
-def _close_quietly(fd: int) -> None:
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _close_if_same(fd: int, identity: tuple[int, int]) -> None:
+    """Close `fd` in a child if it is still the file it was: the hook stays registered in
+    the child's own children, where that number may be a file the child opened since."""
     try:
-        os.close(fd)
+        if _identity(fd) == identity:
+            os.close(fd)
     except OSError:
         pass
 

@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.rank_client import current_umask
 from asyncrl.actors.rank_fork import (
     RANK_ENV_DEFAULTS,
     StartUp,
@@ -55,12 +56,21 @@ ANSWER_TIMEOUT = 60.0
 RANK_EXITS_KEPT = 4096  # forked ranks' exit codes kept for the supervisor
 
 
-def die_with_parent() -> None:
-    """SIGTERM to this process when its parent (the thread that started it) exits."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+_PRCTL: Any = None
+try:  # resolved once, here: a child forked from a process with threads must not dlopen
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # (another thread may have held the
+except (OSError, AttributeError):  # loader's lock at the fork: the child would hang)
+    pass
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGTERM to this process when its parent (the thread that started it) exits. With
+    `parent`, the pid it was forked from: gone already (it exited before the death signal
+    was set, which a later exit alone would send), SIGTERM now."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def pid_alive(pid: int) -> bool:
@@ -86,14 +96,15 @@ def forking_enabled(what: str = "AGENTS") -> bool:
 
 
 # -- the server ------------------------------------------------------------------------------
-def _agent(torchrun: Any, ask: dict[str, Any], proto: int, ranks: Any) -> None:
-    """In the forked child: become the group's torchrun (run by run_forked)."""
+def _agent(torchrun: Any, ask: dict[str, Any], proto: int, ranks: Any, server: int) -> None:
+    """In the forked child of the server (`server`, its pid): become the group's torchrun
+    (run by run_forked)."""
     os.close(proto)
     if ranks is not None:
         ranks.forget()
     os.setsid()
     if ask["die_with_parent"]:
-        die_with_parent()
+        die_with_parent(server)
     out = os.open(ask["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -107,6 +118,7 @@ def _agent(torchrun: Any, ask: dict[str, Any], proto: int, ranks: Any) -> None:
 
 def serve() -> None:
     started_with = dict(os.environ)  # before imports set some
+    server = os.getpid()
     proto = os.dup(1)  # the protocol's own fd: fd 1 becomes stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -160,7 +172,8 @@ def serve() -> None:
                     send({"error": f"fork: {e}"})
                     continue
                 if pid == 0:
-                    run_forked(functools.partial(_agent, torchrun, ask, proto, ranks))
+                    run_forked(functools.partial(_agent, torchrun, ask, proto, ranks,
+                                                 server))
                 children.add(pid)
                 send({"pid": pid})
         while True:
@@ -230,7 +243,7 @@ class AgentServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from asyncrl.controller.agent_fork import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True,
-            preexec_fn=die_with_parent)
+            preexec_fn=functools.partial(die_with_parent, os.getpid()))
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
         self._lock = threading.Lock()  # one request at a time: answers come in order
@@ -314,10 +327,8 @@ class AgentServer:
         if not self._ready.wait(READY_TIMEOUT) or self._eof:
             self.broken = True
             raise RuntimeError("the torchrun agent server did not start")
-        umask = os.umask(0)
-        os.umask(umask)
-        ask = {"argv": argv, "env": env, "cwd": os.getcwd(), "umask": umask, "log": log,
-               "die_with_parent": die_with_parent}
+        ask = {"argv": argv, "env": env, "cwd": os.getcwd(), "umask": current_umask(),
+               "log": log, "die_with_parent": die_with_parent}
         with self._lock:
             try:
                 self._stdin.write((json.dumps(ask) + "\n").encode())

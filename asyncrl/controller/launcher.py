@@ -155,7 +155,8 @@ class Agent:
                     self.command(), stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
-                    preexec_fn=_die_with_parent if self._die_with_parent else None)
+                    preexec_fn=functools.partial(_die_with_parent, os.getpid())
+                    if self._die_with_parent else None)
         proc = self.proc
         threading.Thread(target=lambda: on_exit(proc.wait()), daemon=True,
                          name=f"asyncrl-agent-{self.group}").start()
