@@ -150,3 +150,32 @@ def test_a_message_whose_frame_cannot_be_sent_leaves_the_next_one_whole():
             sock.close(0)
         ctx.term()
         channel.close()
+
+
+def test_a_message_the_ranks_io_thread_fails_on_does_not_end_it(monkeypatch, capsys):
+    """A message whose handling raised (no thread to be had for a fetch, a link that would
+    not close) ended the rank's io thread: its heartbeats stopped, the controller reported
+    a silence instead of the traceback, and Shutdown was never read."""
+    import functools
+    from types import SimpleNamespace
+
+    from asyncrl.actors.rank_main import RankMain
+    from asyncrl.comm import nccl
+    from asyncrl.comm.messages import PeersGone, Shutdown
+
+    def broken(group):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(nccl, "forget_group", broken)
+    inbox = [PeersGone("other", [], 0, "closed"), Shutdown()]
+    sent = []
+
+    class Store(list):
+        nbytes = 0
+    rank = SimpleNamespace(io=SimpleNamespace(recv=lambda ms: inbox.pop(0) if inbox else None,
+                                              send=sent.append),
+                           hello=lambda role: "hello", exec_loop=lambda: None,
+                           hb_interval=0.05, hb_timeout=60.0, taken=False, controller="",
+                           dropped=0, store=Store(), gone=SimpleNamespace(add=lambda m: None))
+    rank.on_io = functools.partial(RankMain.on_io, rank)
+    assert RankMain.serve(rank) == 0  # Shutdown read after the failure
+    assert "can't start new thread" in capsys.readouterr().err

@@ -255,3 +255,51 @@ def test_a_malformed_message_in_a_relays_bundle_loses_neither_the_others_nor_the
             marker.touch()
             return await asyncio.wait_for(pending, 30)
     assert run(main()) == [True, True]
+
+
+def test_a_relayed_small_result_does_not_keep_the_relays_whole_bundle():
+    """A relay's Fanin holds whatever it read in one pass (other calls' answers, log lines):
+    a call's small inline value, decoded from it, kept the whole body alive for as long as
+    its ref lived."""
+    from types import SimpleNamespace
+
+    from asyncrl.comm.messages import Log
+    from asyncrl.controller.inbox import Inbox
+
+    kept = []
+    group = SimpleNamespace(_on_results=kept.append)
+    ctl = SimpleNamespace(calls={7: group}, channel=SimpleNamespace(drop=lambda why: None))
+    answers = Results(7, [0], [msgspec.Raw(messages.encode(Log(["ok"])))], [True], [0], [],
+                      0.0)
+    noise = Log(["x" * 1000] * 1000)  # a megabyte of another rank's lines
+    body = bytearray(messages.encode(Fanin([b"g/0/io/1.a", b"g/1/io/2.b"],
+                                           [msgspec.Raw(messages.encode(answers)),
+                                            msgspec.Raw(messages.encode(noise))])))
+    fanin = messages.decode(body)
+    inbox = Inbox(ctl)
+    inbox._on_relayed = lambda sender, inner, relay: (  # (the log lines: not for here)
+        group._on_results(inner) if type(inner) is Results else None)
+    inbox.on_fanin(b"g/0/relay-io/1.r", fanin)
+    del fanin
+    assert len(kept) == 1 and bytes(kept[0].values[0]) == messages.encode(Log(["ok"]))
+    body.extend(b"!")  # BufferError while anything still points into it
+
+
+def test_a_silent_rank_running_its_hosts_relays_is_not_said_to_silence_the_others_alone():
+    """The rank running a host's relays, silent alone, was named with "it runs its host's
+    relays, so the host's other ranks go silent with it" while they spoke on: said only
+    when another silent rank reaches the controller through it."""
+    from types import SimpleNamespace
+
+    from asyncrl.controller.supervisor import Supervisor
+
+    relay = b"g/0/relay-io/1.r"
+    ranks = {r: SimpleNamespace(identity=f"g/{r}/io/{r}.x".encode(), last_seen=100.0)
+             for r in range(3)}
+    ctl = SimpleNamespace(relay_of={info.identity: relay for info in ranks.values()},
+                          heartbeat_timeout=3.0)
+    supervisor = Supervisor(ctl)
+    group = SimpleNamespace(ranks=ranks)
+    assert supervisor.culprit(group, [0], 101.0) == (0, "")  # the others spoke at 100
+    rank, why = supervisor.culprit(group, [2], 105.0)  # the runner silent too, by then
+    assert rank == 0 and "runs its host's relays" in why

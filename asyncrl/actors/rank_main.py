@@ -348,6 +348,20 @@ class RankMain:
             self.pool = ThreadPoolExecutor(4, thread_name_prefix="asyncrl-concurrent")
         self.pool.submit(self.run_concurrent, call).add_done_callback(_said_if_failed)
 
+    def on_io(self, msg: Any) -> None:
+        """A message on the io socket (not Shutdown)."""
+        if isinstance(msg, Call):
+            self.run_beside(msg)
+        elif isinstance(msg, Release):
+            self.store.free(msg.obj_ids)
+        elif isinstance(msg, Fetch):
+            self.fetcher.submit(self.send_fetched, msg.obj_id)
+        elif isinstance(msg, PeersGone):
+            self.gone.add(msg)
+            # links with it too (links made later, with a respawned group of that name,
+            # are joined by calls that come after this on the same socket)
+            nccl.forget_group(msg.group)
+
     def serve(self) -> int:
         self.io.send(self.hello("io"))
         threading.Thread(target=self.exec_loop, name="asyncrl-exec", daemon=True).start()
@@ -359,19 +373,12 @@ class RankMain:
             now = time.monotonic()
             if msg is not None:
                 last_heard, self.taken = now, True
-                if isinstance(msg, Call):
-                    self.run_beside(msg)
-                elif isinstance(msg, Release):
-                    self.store.free(msg.obj_ids)
-                elif isinstance(msg, Fetch):
-                    self.fetcher.submit(self.send_fetched, msg.obj_id)
-                elif isinstance(msg, PeersGone):
-                    self.gone.add(msg)
-                    # links with it too (links made later, with a respawned group of that
-                    # name, are joined by calls that come after this on the same socket)
-                    nccl.forget_group(msg.group)
-                elif isinstance(msg, Shutdown):
+                if isinstance(msg, Shutdown):
                     return 0
+                try:
+                    self.on_io(msg)
+                except Exception:  # noqa: BLE001 - one message's failure (no thread to be
+                    traceback.print_exc()  # had) must not end the heartbeats and Shutdown
             if now >= next_beat:
                 self.io.send(Heartbeat(self.dropped, len(self.store), self.store.nbytes))
                 next_beat = now + interval_ms / 1000

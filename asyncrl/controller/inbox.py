@@ -83,8 +83,9 @@ class Inbox:
             return
         prefix = relay.split(b"/", 1)[0] + b"/"
         for sender, frame in zip(msg.senders, msg.frames, strict=True):
-            try:
-                inner = messages.decode(frame)
+            try:  # from a copy of its own: a small value kept (a call's inline result, held
+                # as long as its ref) would else keep the relay's whole bundle in memory
+                inner = messages.decode(bytes(frame))
             except Exception:  # noqa: BLE001 - as open_frame: whatever does not decode
                 inner = None
             if inner is None or type(inner) is Fanin:

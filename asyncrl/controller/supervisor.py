@@ -81,7 +81,7 @@ class Supervisor:
                 continue
             runner = int(relay.split(b"/")[1])
             info = group.ranks.get(runner)
-            if info is not None and (runner in silent or
+            if runner != rank and info is not None and (runner in silent or
                                      now - info.last_seen > ctl.heartbeat_timeout / 2):
                 return runner, ("; it runs its host's relays, so the host's other ranks go "
                                 "silent with it")
