@@ -335,3 +335,29 @@ def test_a_roles_settings_are_checked_where_its_group_is_declared():
             super().__init__({"preset": "tiny-llama"})
 
     asyncrl.group(Mine, 3)
+
+
+def test_the_readmes_settings_at_a_glance_are_the_settings_and_their_defaults():
+    """The README's list of each settings dict (keys and defaults) is what the code takes:
+    a default changed (dual_clip 3.0, say) or a key added shows here."""
+    import re
+    from dataclasses import MISSING, fields
+    from pathlib import Path
+
+    from asyncrl.hybrid.fsdp import TrainConfig
+    from asyncrl.hybrid.models import ModelConfig
+    from asyncrl.hybrid.sampler import SamplingConfig
+    from asyncrl.hybrid.turns import MultiTurn
+    from asyncrl.rl.config import RLConfig
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    glance = readme[readme.index("**Settings at a glance**"):]
+    glance = " ".join(glance[:glance.index("- Beside them")].split())
+    for cls in (ModelConfig, TrainConfig, SamplingConfig, RLConfig, MultiTurn):
+        entry = re.search(rf"\(`{cls.__name__}`[^)]*\): (.*?)(?= - `|$)", glance)
+        assert entry, cls.__name__
+        listed = re.findall(r"`(\w+)(?:=([^`]*))?`", entry.group(1))
+        want = [(f.name, repr(f.default) if f.default is not MISSING else
+                 repr(f.default_factory()) if f.default_factory is not MISSING else "")
+                for f in fields(cls) if f.init]
+        assert listed == want, (cls.__name__, listed, want)
