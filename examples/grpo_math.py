@@ -23,9 +23,15 @@ import torch
 from gsm8k import ground_truth, reward  # a module of its own: the reward ranks import it alone
 
 import asyncrl
-from asyncrl.hybrid.user_fn import load_tokenizer
-from asyncrl.rl import Actor, PromptSource, Reference, RewardFn, pass_at_k
-from asyncrl.rl.data import read_records
+from asyncrl.rl import (
+    Actor,
+    PromptSource,
+    Reference,
+    RewardFn,
+    load_tokenizer,
+    pass_at_k,
+    read_records,
+)
 
 cfg = asyncrl.config(model_path=None, data=None, val_data=None, steps=100, prompts=32,
                      group_size=8, lr=1e-6, kl_coef=1e-3, max_prompt_length=512,

@@ -32,6 +32,15 @@ def test_an_agent_never_signals_a_pid_that_is_no_longer_its_own(tmp_path):
         assert stranger.poll() is None
         agent._rank_birth[0] = birth(stranger.pid)  # were it the rank itself
         assert agent.all_pids() == [stranger.pid]
+        # a forked torchrun, reaped by its server before the controller heard of its exit:
+        # its pid another process's by then (the server says when the agent started)
+        from asyncrl.controller.agent_fork import ForkedAgent
+
+        agent.rank_pids.clear()
+        agent.proc = ForkedAgent(stranger.pid, born="1")
+        assert agent.all_pids() == [] and not agent.proc.is_itself()
+        agent.proc = ForkedAgent(stranger.pid, born=birth(stranger.pid))
+        assert agent.all_pids() == [stranger.pid]
     finally:
         stranger.kill()
         stranger.wait()

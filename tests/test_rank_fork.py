@@ -280,3 +280,59 @@ def test_a_ranks_fork_hook_closes_its_lifeline_only_where_it_still_is_the_lifeli
     finally:
         for f in (fd, other, other_end):
             os.close(f)
+
+
+def test_a_rank_server_out_of_fds_refuses_a_stand_in_instead_of_spinning(tmp_path):
+    """Out of fds, the server's accept failed and left the connection queued: the listener
+    stayed readable (the server spun at 100 % CPU) and the stand-in waited for an answer for
+    ever instead of starting its rank anew."""
+    import resource
+    import threading
+
+    from helpers import ROOT
+
+    from asyncrl.actors import rank_client
+
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import os, select, sys\n"
+        "from asyncrl.actors.rank_fork import RankForker, StartUp\n"
+        "forker = RankForker(dict(os.environ), StartUp(dict(os.environ)))\n"
+        "poller = select.poll()\n"
+        "poller.register(forker.listener.fileno(), select.POLLIN)\n"
+        "poller.register(0, select.POLLIN)\n"
+        "held = []\n"
+        "try:\n"
+        "    while True:\n"
+        "        held.append(os.open(os.devnull, os.O_RDONLY))\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print(forker.address, flush=True)\n"
+        "served = 0\n"
+        "while True:\n"
+        "    for fd, _ in poller.poll():\n"
+        "        if fd == 0:\n"
+        "            print(served, flush=True)\n"
+        "            sys.exit(0)\n"
+        "        served += 1\n"
+        "        forker.readable(fd, [])\n")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    server = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": ROOT},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)))
+    answers = []
+    try:
+        address = server.stdout.readline().strip()
+        asking = threading.Thread(target=lambda: answers.append(rank_client.ask(address)),
+                                  daemon=True)
+        asking.start()
+        asking.join(30)
+        refused = not asking.is_alive()
+    finally:
+        server.stdin.close()  # (its end: the stand-in's connection goes too)
+        served = server.stdout.readline().strip()
+        server.stdout.close()
+        server.wait(30)
+    assert refused and answers == [None]  # answered nothing: its rank starts anew
+    assert served.isdigit() and int(served) < 10, served  # not a spin

@@ -17,6 +17,7 @@ initialised here.
 
 from __future__ import annotations
 
+import errno
 import functools
 import gc
 import importlib
@@ -142,6 +143,7 @@ class RankForker:
         self.listener.listen(256)
         self.stand_ins: dict[int, socket.socket] = {}  # rank pid -> its stand-in's connection
         self.by_fd: dict[int, int] = {}  # a connection's fd -> its rank's pid
+        self._spare = os.open(os.devnull, os.O_RDONLY)  # room to refuse one when out of fds
 
     def watched(self) -> list[int]:
         return [self.listener.fileno(), *self.by_fd]
@@ -172,6 +174,19 @@ class RankForker:
         self._drop(pid)
         return True
 
+    def _refuse_one(self) -> None:
+        """Out of fds: the connection stayed queued (the listener readable for ever: the
+        server spun) and its stand-in waited for an answer for ever. The spare fd makes room
+        to take it and close it: the stand-in, answered nothing, starts its rank anew."""
+        os.close(self._spare)
+        try:
+            conn, _ = self.listener.accept()
+            conn.close()
+        except OSError:
+            pass
+        finally:
+            self._spare = os.open(os.devnull, os.O_RDONLY)
+
     def _drop(self, pid: int) -> None:
         conn = self.stand_ins.pop(pid)
         self.by_fd.pop(conn.fileno(), None)
@@ -182,6 +197,7 @@ class RankForker:
         see EOF when the server goes)."""
         for sock in (self.listener, *self.stand_ins.values()):
             os.close(sock.detach())
+        os.close(self._spare)
         self.stand_ins, self.by_fd = {}, {}
 
     def _accept(self, close_in_child: list[int]) -> int | None:
@@ -189,7 +205,9 @@ class RankForker:
         may end the server: it serves every group of the process."""
         try:
             conn, _ = self.listener.accept()
-        except OSError:  # (out of fds: the stand-in, refused, starts its rank anew)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                self._refuse_one()
             return None
         fds: list[int] = []
         try:

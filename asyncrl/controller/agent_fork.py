@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.procs import birth
 from asyncrl.actors.rank_client import current_umask
 from asyncrl.actors.rank_fork import (
     RANK_ENV_DEFAULTS,
@@ -175,7 +176,9 @@ def serve() -> None:
                     run_forked(functools.partial(_agent, torchrun, ask, proto, ranks,
                                                  server))
                 children.add(pid)
-                send({"pid": pid})
+                # its start time: read before this loop can reap it, so that the controller
+                # tells it from a later process given the pid again
+                send({"pid": pid, "born": birth(pid)})
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -195,10 +198,15 @@ def serve() -> None:
 class ForkedAgent:
     """A Popen-like handle on an agent the server forked (pid, poll, wait)."""
 
-    def __init__(self, pid: int):
-        self.pid = pid
+    def __init__(self, pid: int, born: str | None = None):
+        self.pid, self.born = pid, born  # (born: its start time, as the server read it)
         self.returncode: int | None = None
         self._done = threading.Event()
+
+    def is_itself(self) -> bool:
+        """Whether its pid still names it: the server reaps it as it exits, and the pid may
+        be another process's before the controller hears of the exit."""
+        return pid_alive(self.pid) and (self.born is None or birth(self.pid) == self.born)
 
     def _exited(self, code: int) -> None:
         self.returncode = code
@@ -225,7 +233,7 @@ def _stop_orphan(pid: int) -> None:
 
 def _watch(agent: ForkedAgent) -> None:
     """An agent the server can no longer report on: ended when its pid is gone."""
-    while pid_alive(agent.pid):
+    while agent.is_itself():
         threading.Event().wait(0.1)
     agent._exited(-signal.SIGKILL)
 
@@ -352,7 +360,7 @@ class AgentServer:
                 answer = self._answers.popleft()
                 if "error" in answer:
                     raise RuntimeError(f"the torchrun agent server: {answer['error']}")
-                agent = ForkedAgent(answer["pid"])
+                agent = ForkedAgent(answer["pid"], answer.get("born"))
                 if agent.pid in self._ended:
                     agent._exited(self._ended.pop(agent.pid))
                 elif self._eof:  # it ended after answering: watched by pid

@@ -218,8 +218,9 @@ class Agent:
         still the process that did: a pid reaped may be someone else's by now."""
         if self.proc is None:
             return []
-        pids = set() if self.proc.poll() is not None else \
-            {self.proc.pid, *child_pids(self.proc.pid)}
+        running = self.proc.poll() is None and (  # (a forked one: reaped by its server)
+            not isinstance(self.proc, ForkedAgent) or self.proc.is_itself())
+        pids = {self.proc.pid, *child_pids(self.proc.pid)} if running else set()
         pids |= {pid for rank, pid in self.rank_pids.items()
                  if (born := birth(pid)) is not None and born == self._rank_birth.get(rank)}
         return sorted(pids)
