@@ -64,6 +64,9 @@ def test_a_trained_fsdp2_policy_exports_as_the_model_it_started_from(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = local_model(tmp_path / "source")
+    # a named template (tool use) in transformers' folder of them: it was left behind
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
     before = AutoModelForCausalLM.from_pretrained(source, local_files_only=True).state_dict()
     trained = trained_checkpoint(tmp_path / "run", {"path": str(source)},
                                  before_save=lambda: shutil.rmtree(source))
@@ -82,6 +85,8 @@ def test_a_trained_fsdp2_policy_exports_as_the_model_it_started_from(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert tok("w3 w7").input_ids == [WORDS.index("w3"), WORDS.index("w7")]
     assert tok.eos_token == "</s>" and tok.chat_template
+    assert (tmp_path / "hf" / "additional_chat_templates" / "tool_use.jinja").read_text() == \
+        "{{ tools }}"
     assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []
     assert oct((tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777) == \
         oct((tmp_path / "hf" / "config.json").stat().st_mode & 0o777)

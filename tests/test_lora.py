@@ -141,6 +141,29 @@ def test_modules_to_save_train_whole_beside_the_adapters():
                                 lora={**LORA, "modules_to_save": ["lm_head"]}))
 
 
+def test_a_tied_checkpoint_untied_by_an_override_starts_its_head_as_the_embeddings(tmp_path):
+    """The fix the tied-head error names (overrides={"tie_word_embeddings": False}) loaded a
+    tied checkpoint (Qwen2.5-0.5B, Llama-3.2-1B: no head in its files) with a random head:
+    the policy generated noise from its first step."""
+    tied = build_model(ModelConfig(overrides={"tie_word_embeddings": True}))
+    tied.save_pretrained(tmp_path)
+    untied = build_model(ModelConfig(path=str(tmp_path),
+                                     overrides={"tie_word_embeddings": False},
+                                     lora={**LORA, "modules_to_save": ["lm_head"]}))
+    head = untied.get_output_embeddings().weight
+    embeddings = untied.get_input_embeddings().weight
+    assert torch.equal(head, embeddings) and head is not embeddings
+    assert torch.equal(head, tied.lm_head.weight)
+
+
+def test_a_model_dtype_is_a_floating_point_one():
+    """dtype="int8" passed the check and failed every rank's build (nn.Module.to refuses it)."""
+    for bad in ("int8", "bool", "tensor", 32):
+        with pytest.raises(ValueError, match="is not a torch floating point dtype"):
+            ModelConfig(dtype=bad)
+    assert ModelConfig(dtype="float16").dtype == "float16"
+
+
 def test_lora_configs_compare_however_given_and_adapters_off_nests():
     a = LoraConfig(rank=4, alpha=8, target_modules=("v_proj", "q_proj"))
     b = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])

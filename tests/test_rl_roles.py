@@ -94,6 +94,15 @@ def test_a_reward_model_checkpoint_keeps_its_head(tmp_path, safe):
         with torch.no_grad():
             want = hf(input_ids=torch.tensor([ids])).logits[0, 0]
         assert scores[row].item() == pytest.approx(want.item(), abs=1e-5)
+    # OpenRLHF's --normalize_reward: it scores (r - mean) / std, the two in config.json
+    # (read without them, the reward was on another scale against the KL and the clip)
+    config.normalize_reward, config.mean, config.std = True, 2.0, 4.0
+    hf.config = config
+    hf.save_pretrained(tmp_path / "normalized", safe_serialization=safe)
+    normalized = RewardModel.__new__(RewardModel)
+    normalized.__init__({"path": str(tmp_path / "normalized")})
+    torch.testing.assert_close(normalized.score(padded_pair())["reward"], (scores - 2) / 4)
+    del config.normalize_reward, config.mean, config.std
 
     build_model(ModelConfig(seed=3)).save_pretrained(tmp_path / "lm", safe_serialization=safe)
     with pytest.raises(ValueError, match="has no scalar head .*num_labels=1"):

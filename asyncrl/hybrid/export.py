@@ -41,7 +41,9 @@ POLICY_FILE = "actor.pt"  # what a Policy's checkpoint holds besides its trainer
 # a source checkpoint's files that travel with the weights (tokenizers, chat templates)
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                    "merges.txt", "chat_template.*", "preprocessor_config.json",
-                   "generation_config.json")
+                   "generation_config.json", "tekken.json", "*.tiktoken", "*.model",
+                   # named templates (tool use), a folder of transformers' own
+                   "additional_chat_templates/*")
 
 
 @dataclasses.dataclass
@@ -62,8 +64,9 @@ class ModelFiles:
         if cfg.path is not None:
             given["path"] = os.path.abspath(cfg.path)
         extra = {} if cfg.path is None else {
-            file.name: file.read_bytes() for pattern in TOKENIZER_FILES
-            for file in Path(cfg.path).glob(pattern) if file.is_file()}
+            file.relative_to(cfg.path).as_posix(): file.read_bytes()
+            for pattern in TOKENIZER_FILES for file in Path(cfg.path).glob(pattern)
+            if file.is_file()}
         return ModelFiles(given, hf_config(cfg, dropout_off=False), extra)
 
     def save(self, folder: Path) -> None:
@@ -71,6 +74,7 @@ class ModelFiles:
         hf = folder / HF_FOLDER
         self.config.save_pretrained(hf)
         for name, data in self.extra.items():
+            (hf / name).parent.mkdir(exist_ok=True)
             (hf / name).write_bytes(data)
 
 
@@ -196,9 +200,11 @@ def export(path: Path, out: Path, group: str | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, max_shard_size="5GB")  # (verl's, the Hub's size)
         for file in (folder / HF_FOLDER).iterdir():  # the tokenizer's files, if any
-            if file.name != "config.json":
+            if file.is_dir():
+                shutil.copytree(file, tmp / file.name)
+            elif file.name != "config.json":
                 shutil.copy2(file, tmp / file.name)
         if lora is not None:
             _save_adapter(tmp / ADAPTER_FOLDER, adapters, cfg)

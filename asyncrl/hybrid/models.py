@@ -74,8 +74,10 @@ class ModelConfig:
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"ModelConfig.preset: unknown preset {self.preset!r}; known: "
                              f"{sorted(PRESETS)}")
-        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"ModelConfig.dtype: {self.dtype!r} is not a torch dtype")
+        dtype = getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"ModelConfig.dtype: {self.dtype!r} is not a torch floating "
+                             f"point dtype (float32, bfloat16, float16)")
         self.lora = lora_config(self.lora)  # a bad entry fails before any group starts
 
     def frozen_model(self) -> dict[str, Any]:
@@ -126,11 +128,26 @@ def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
         if cfg.path is not None:
             model = auto.from_pretrained(cfg.path, config=config, local_files_only=True,
                                          dtype=dtype)
+            if cfg.overrides.get("tie_word_embeddings") is False:
+                _untied(model, cfg.path)
         else:
             model = auto.from_config(config).to(dtype)
         if cfg.lora is not None:
             apply_lora(model, cfg.lora)
         return model
+
+
+def _untied(model: torch.nn.Module, path: str) -> None:
+    """A tied checkpoint untied by an override (to train its head apart: LoRA's
+    modules_to_save): its files hold no head, the embeddings being it, and from_pretrained
+    left the head random. It starts as a copy of the embeddings."""
+    from transformers import AutoConfig
+
+    if getattr(AutoConfig.from_pretrained(path, local_files_only=True),
+                "tie_word_embeddings", False):
+        lm: Any = model
+        head, embeddings = lm.get_output_embeddings(), lm.get_input_embeddings()
+        head.weight = torch.nn.Parameter(embeddings.weight.detach().clone())
 
 
 def build_model(cfg: ModelConfig) -> torch.nn.Module:
@@ -230,6 +247,13 @@ def build_value_model(cfg: ModelConfig, require_head: bool = False) -> ValueMode
             model.value_head.weight.copy_(head["weight"])
             if "bias" in head:
                 model.value_head.bias.copy_(head["bias"])
+            if require_head and getattr(config, "normalize_reward", False):
+                # OpenRLHF's --normalize_reward: its reward model returns (r - mean) / std,
+                # the two kept in config.json; folded into the head (a reward on another
+                # scale would shift its weight against the KL penalty and the clip)
+                mean, std = float(config.mean), float(config.std)
+                model.value_head.weight.div_(std)
+                model.value_head.bias.sub_(mean).div_(std)
     elif require_head and cfg.path is not None:
         raise ValueError(f"checkpoint {cfg.path} has no scalar head (looked for "
                          f"{[n + '.weight' for n in HEAD_NAMES]}): a reward model needs one; "
