@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,6 +244,22 @@ def test_errors_name_the_argument_and_the_fix(call, exc, message):
 def test_take_refuses_a_boolean_mask(mask):
     with pytest.raises(TypeError, match=r"boolean mask; pass mask.nonzero\(\).flatten\(\)"):
         mixed(3).take(mask)
+
+
+def test_take_refuses_fractional_and_out_of_range_rows_as_a_remote_batch_does():
+    """Floats were truncated (a 0/1 mask as floats took rows 0 and 0), and a list column
+    took -1 as its last row where a tensor column, and a pulled batch, refuse it."""
+    b = mixed(3)
+    for rows in ([1.7], torch.tensor([0.9]), np.array([0.0, 1.0])):
+        with pytest.raises(TypeError, match="needs whole row indices"):
+            b.take(rows)
+    with pytest.raises(TypeError, match="boolean mask"):
+        b.take(np.array([True, False, True]))
+    for rows in ([-1], [3], [0, 5]):
+        with pytest.raises(IndexError, match=r"row indices run from 0 to 2"):
+            TensorBatch({"s": ["a", "b", "c"]}).take(rows)
+    words = TensorBatch({"s": ["a", "b", "c"]})
+    assert words.take(np.array([2, 0])).to_dict() == {"s": ["c", "a"]}  # numpy's ints
 
 
 def test_take_accepts_any_iterable_of_indices_once():

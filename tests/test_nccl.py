@@ -303,3 +303,39 @@ def test_a_transfer_on_a_communicator_replaced_meanwhile_fails_and_spares_the_ne
         assert "maker->taker" not in nccl._links and Comm.aborts == 2
     finally:
         nccl._links.pop("maker->taker", None)
+
+
+def test_a_pull_mixing_this_ranks_own_rows_with_rows_by_nccl_needs_no_key_for_its_own(
+        monkeypatch):
+    """asyncrl.concat(a_future, b_future) passed to group B, linked to A by NCCL: B's own
+    rows are copied, never sent by NCCL, yet each bucket looked up an NCCL key for its
+    group (there is none for B itself): KeyError, the call failed."""
+    import threading
+    from types import SimpleNamespace
+
+    import zmq
+
+    from asyncrl.comm import dataplane, nccl
+    from asyncrl.comm.messages import Column
+    from asyncrl.comm.remote import Piece, RemoteBatch, Shard
+
+    monkeypatch.setattr(nccl, "has", lambda key: True)  # the controller linked A -> B
+    monkeypatch.setattr(nccl, "link", lambda key: SimpleNamespace(lock=threading.Lock()))
+    monkeypatch.setattr(nccl, "finish", lambda key, end, timeout: None)
+    asked = []
+    monkeypatch.setattr(dataplane.DataClient, "_exchange",
+                        lambda self, requests, take, sent=None, window=0: asked.extend(
+                            req for _, req in requests))
+    own = TensorBatch({"x": torch.arange(4.0)})
+    ctx = zmq.Context()
+    client = dataplane.DataClient(ctx, b"s" * 32, "B/0", "h", None, 5.0, transport="nccl",
+                                  own=("tcp://h:2", {7: own}.__getitem__))
+    try:
+        out = client.fetch_batch(RemoteBatch([
+            Piece(Shard("A", 0, 3, "tcp://h:1", "h"), 0, 2),
+            Piece(Shard("B", 0, 7, "tcp://h:2", "h"), 0, 2)], (Column("x", "float32"),)))
+    finally:
+        client.close()
+        ctx.term()
+    assert out["x"][2:].tolist() == [0.0, 1.0]  # its own rows, copied
+    assert [(r.obj_id, r.nccl_key) for r in asked] == [(3, "A->B")]  # A's, by NCCL

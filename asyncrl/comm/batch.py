@@ -16,6 +16,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -288,14 +289,22 @@ class TensorBatch(RowOps):
                 for a, b, *parts in zip(starts, stops, *cols, strict=True)]
 
     def take(self, rows: Sequence[int]) -> TensorBatch:
-        """The given rows, in the given order (copies)."""
+        """The given rows, in the given order: tensor columns copied, a list column's items
+        the same objects (a row taken twice shares a mutable item)."""
         # once: a generator would be empty the second time
         rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
-        index = torch.as_tensor(rows)
-        if index.dtype == torch.bool:  # else True, False would be rows 1, 0
+        if any(isinstance(r, bool | np.bool_) for r in rows):  # else True, False: rows 1, 0
             raise TypeError("take(rows) needs row indices, got a boolean mask; pass "
                             "mask.nonzero().flatten() (the indices where it is True)")
-        index = index.long()
+        try:  # a float (a 0/1 mask as floats) was truncated to a row: the wrong rows
+            rows = [operator.index(r) for r in rows]
+        except TypeError:
+            raise TypeError(f"take(rows) needs whole row indices, got "
+                            f"{[r for r in rows if not isinstance(r, int)][:3]}") from None
+        if rows and not 0 <= min(rows) <= max(rows) < self._len:  # (a list column wrapped -1)
+            raise IndexError(f"take: row indices run from 0 to {self._len - 1}, got "
+                             f"{min(rows)}..{max(rows)}")
+        index = torch.tensor(rows, dtype=torch.long)
         return TensorBatch(  # the index on each column's device (a no-op on the CPU's)
             {k: v.index_select(0, index.to(v.device)) if isinstance(v, torch.Tensor) else
              [v[i] for i in rows] for k, v in self._data.items()}, unpadded_meta(self.meta))

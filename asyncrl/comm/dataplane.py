@@ -300,9 +300,10 @@ class DataClient:
             if direct and lease is not None:
                 req.dest, req.dest_row, req.columns = lease.name, row, dests
             req.ipc = list(ipc)
-            if by_nccl:
+            own = piece.shard.addr == self._own_addr  # (copied here: never by NCCL, no key)
+            if by_nccl and not own:
                 req.nccl, req.nccl_key = list(by_nccl), keys[piece.shard.group]
-            (mine if piece.shard.addr == self._own_addr else requests).append((piece, req))
+            (mine if own else requests).append((piece, req))
             rows_at[req.xfer_id] = row
             row += piece.stop - piece.start
         buf = heap if heap is not None else lease.buf if lease is not None and not direct \
