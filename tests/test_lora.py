@@ -156,6 +156,20 @@ def test_a_tied_checkpoint_untied_by_an_override_starts_its_head_as_the_embeddin
     assert torch.equal(head, tied.lm_head.weight)
 
 
+def test_a_checkpoint_with_code_of_its_own_is_refused_unless_trusted(tmp_path):
+    """A config.json with an auto_map runs the checkpoint's own code: transformers asked on
+    the terminal (a rank with one could wait there) and failed; now it fails at once, naming
+    model={"trust_remote_code": True}, as verl's setting."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "my_custom_lm", "hidden_size": 8,
+        "auto_map": {"AutoConfig": "configuration_my.MyConfig",
+                     "AutoModelForCausalLM": "modeling_my.MyModel"}}))
+    with pytest.raises(ValueError, match=r"code of its own .*'trust_remote_code': True"):
+        build_model(ModelConfig(path=str(tmp_path)))
+    with pytest.raises(TypeError, match="trust_remote_code is True or False"):
+        ModelConfig(trust_remote_code="yes")
+
+
 def test_a_model_dtype_is_a_floating_point_one():
     """dtype="int8" passed the check and failed every rank's build (nn.Module.to refuses it)."""
     for bad in ("int8", "bool", "tensor", 32):

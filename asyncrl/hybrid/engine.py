@@ -70,7 +70,9 @@ def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | No
 
         # vLLM computes as the trainer does (the built-in engine's dtype is the model's too):
         # a bf16 vLLM beside an fp32 trainer starts every PPO ratio ~1e-2 off 1
-        options = {"dtype": model_cfg.dtype, "seed": model_cfg.seed, **(options or {})}
+        options = {"dtype": model_cfg.dtype, "seed": model_cfg.seed,
+                   **({"trust_remote_code": True} if model_cfg.trust_remote_code else {}),
+                   **(options or {})}
         return VLLMEngine(model_cfg.path, sampling, **options)
     raise AssertionError(name)  # (check_engine knows every name)
 

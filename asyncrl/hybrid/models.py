@@ -63,8 +63,14 @@ class ModelConfig:
     # LoRA adapters, the model frozen: {"rank", "alpha", "target_modules", "modules_to_save"}
     # given as a dict or a LoraConfig (asyncrl.hybrid.lora), held as a LoraConfig
     lora: LoraConfig | None = None
+    # a checkpoint whose config.json maps to its own code (auto_map): run that code. Off,
+    # such a checkpoint fails at once, naming this (transformers would ask on the terminal)
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.trust_remote_code, bool):
+            raise TypeError(f"ModelConfig.trust_remote_code is True or False, got "
+                            f"{self.trust_remote_code!r}")
         if self.preset is not None and self.path is not None:
             raise ValueError(f"ModelConfig: give preset= (a name from {sorted(PRESETS)}) or "
                              f"path= (a local checkpoint directory), not both: got preset="
@@ -103,7 +109,16 @@ def hf_config(cfg: ModelConfig, dropout_off: bool = True) -> Any:
     if cfg.path is not None:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(cfg.path, local_files_only=True,
+                                                trust_remote_code=cfg.trust_remote_code)
+        except ValueError as e:
+            if cfg.trust_remote_code or "trust_remote_code" not in str(e):
+                raise
+            raise ValueError(f"{cfg.path} holds a model with code of its own (its "
+                             f"config.json's auto_map): give model={{..., "
+                             f"'trust_remote_code': True}} to run that code (as verl's "
+                             f"trust_remote_code)") from None
     else:
         assert cfg.preset is not None
         config = PRESETS[cfg.preset]()
@@ -127,9 +142,9 @@ def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
         torch.manual_seed(cfg.seed)
         if cfg.path is not None:
             model = auto.from_pretrained(cfg.path, config=config, local_files_only=True,
-                                         dtype=dtype)
+                                         dtype=dtype, trust_remote_code=cfg.trust_remote_code)
             if cfg.overrides.get("tie_word_embeddings") is False:
-                _untied(model, cfg.path)
+                _untied(model, cfg)
         else:
             model = auto.from_config(config).to(dtype)
         if cfg.lora is not None:
@@ -137,13 +152,15 @@ def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
         return model
 
 
-def _untied(model: torch.nn.Module, path: str) -> None:
+def _untied(model: torch.nn.Module, cfg: ModelConfig) -> None:
     """A tied checkpoint untied by an override (to train its head apart: LoRA's
     modules_to_save): its files hold no head, the embeddings being it, and from_pretrained
     left the head random. It starts as a copy of the embeddings."""
     from transformers import AutoConfig
 
-    if getattr(AutoConfig.from_pretrained(path, local_files_only=True),
+    assert cfg.path is not None
+    if getattr(AutoConfig.from_pretrained(cfg.path, local_files_only=True,
+                                          trust_remote_code=cfg.trust_remote_code),
                 "tie_word_embeddings", False):
         lm: Any = model
         head, embeddings = lm.get_output_embeddings(), lm.get_input_embeddings()
