@@ -236,7 +236,6 @@ def test_a_respawn_cancelled_mid_spawn_keeps_the_group_until_its_spawn_ends():
     import types
 
     from asyncrl.controller.recovery import Recovery
-    from asyncrl.errors import GroupDeadError
 
     async def main():
         spawns, spawning, release = [], asyncio.Event(), asyncio.Event()
@@ -251,10 +250,7 @@ def test_a_respawn_cancelled_mid_spawn_keeps_the_group_until_its_spawn_ends():
             await release.wait()  # ranks saying hello, workers being built
             return types.SimpleNamespace(dead=None, closing=False)
 
-        dead = GroupDeadError("reward", 0, -9, "killed")
-        spec = types.SimpleNamespace(name="reward", stateful=False, max_restarts=3,
-                                     restart_backoff=0.0,
-                                     handle=types.SimpleNamespace(dead=dead, closing=False))
+        spec, dead = _dead_reward(max_restarts=3, restart_backoff=0.0)
         flow = types.SimpleNamespace(groups=[spec], _ctl=Ctl(), _spawn=spawn)
         recovery = Recovery(flow)
         rerun = asyncio.ensure_future(recovery.respawn(spec, dead))
@@ -270,6 +266,18 @@ def test_a_respawn_cancelled_mid_spawn_keeps_the_group_until_its_spawn_ends():
     assert rewound is False and spawns == ["reward"] and restarts == {"reward": 1}
     assert handle_dead is None  # the group the cancelled re-run started
 
+
+
+def _dead_reward(max_restarts, restart_backoff):
+    """A stateless group "reward" as Recovery sees it, its handle dead; and the death."""
+    import types
+
+    from asyncrl.errors import GroupDeadError
+
+    dead = GroupDeadError("reward", 0, -9, "killed")
+    return types.SimpleNamespace(name="reward", stateful=False, max_restarts=max_restarts,
+                                 restart_backoff=restart_backoff,
+                                 handle=types.SimpleNamespace(dead=dead, closing=False)), dead
 
 
 def _stub_flow(spec, spawns):
@@ -292,17 +300,12 @@ def test_a_death_counts_one_restart_when_its_respawn_is_cancelled_in_the_backoff
     and, finding the group still dead, counted it again: one crash spent two restarts (with
     max_restarts=1 it ended the run)."""
     import asyncio
-    import types
 
     from asyncrl.controller.recovery import Recovery
-    from asyncrl.errors import GroupDeadError
 
     async def main():
         spawns: list[str] = []
-        dead = GroupDeadError("reward", 0, -9, "killed")
-        spec = types.SimpleNamespace(name="reward", stateful=False, max_restarts=1,
-                                     restart_backoff=60.0,
-                                     handle=types.SimpleNamespace(dead=dead, closing=False))
+        spec, dead = _dead_reward(max_restarts=1, restart_backoff=60.0)
         recovery = Recovery(_stub_flow(spec, spawns))
         rerun = asyncio.ensure_future(recovery.respawn(spec, dead))
         await poll_until(lambda: recovery.restarts["reward"] == 1, 10,
@@ -321,7 +324,6 @@ def test_a_rerun_that_returns_the_same_failed_future_stops_rerunning():
     end: its group respawned once, then each re-run met the same failure, respawn found
     the group alive, and the node ran again, thousands of times a second."""
     import asyncio
-    import types
 
     from asyncrl.controller.recovery import Recovery
     from asyncrl.controller.timeline import called_groups
@@ -330,10 +332,7 @@ def test_a_rerun_that_returns_the_same_failed_future_stops_rerunning():
 
     async def main():
         spawns: list[str] = []
-        dead = GroupDeadError("reward", 0, -9, "killed")
-        spec = types.SimpleNamespace(name="reward", stateful=False, max_restarts=3,
-                                     restart_backoff=0.0,
-                                     handle=types.SimpleNamespace(dead=dead, closing=False))
+        spec, dead = _dead_reward(max_restarts=3, restart_backoff=0.0)
         recovery = Recovery(_stub_flow(spec, spawns))
         upstream = DistFuture._new(asyncio.get_running_loop(), "reward.score")
         upstream._set_exception(dead)

@@ -37,7 +37,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.procs import birth
+from asyncrl.actors.procs import birth, runs
 from asyncrl.actors.rank_client import current_umask
 from asyncrl.actors.rank_fork import (
     RANK_ENV_DEFAULTS,
@@ -206,7 +206,7 @@ class ForkedAgent:
     def is_itself(self) -> bool:
         """Whether its pid still names it: the server reaps it as it exits, and the pid may
         be another process's before the controller hears of the exit."""
-        return pid_alive(self.pid) and (self.born is None or birth(self.pid) == self.born)
+        return pid_alive(self.pid) if self.born is None else runs(f"{self.pid}:{self.born}")
 
     def _exited(self, code: int) -> None:
         self.returncode = code

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from asyncrl.actors.rank_client import current_umask
+
 
 class LogSink:
     def __init__(self, folder: Path, echo: bool = True, lines_per_s: float = 20,
@@ -119,10 +121,6 @@ def _last_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
     return lines[max(len(lines) - n, 0):]
 
 
-_UMASK = os.umask(0o022)  # (read once, as the only way to read it is to set it)
-os.umask(_UMASK)
-
-
 def replace_json(path: Path, value: Any) -> None:
     """Write `value` as JSON to `path`, replacing it whole: a kill mid-write leaves the
     previous file (timeline.json, a tracker's state, restarts.json). Each write has its own
@@ -132,7 +130,7 @@ def replace_json(path: Path, value: Any) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(value))
-        os.chmod(tmp, 0o666 & ~_UMASK)  # (mkstemp's 0600: as a plain open would make it)
+        os.chmod(tmp, 0o666 & ~current_umask())  # (mkstemp's 0600: as open would make it)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
