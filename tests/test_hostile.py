@@ -172,10 +172,13 @@ def test_a_message_the_ranks_io_thread_fails_on_does_not_end_it(monkeypatch, cap
     class Store(list):
         nbytes = 0
     rank = SimpleNamespace(io=SimpleNamespace(recv=lambda ms: inbox.pop(0) if inbox else None,
-                                              send=sent.append),
+                                              send=sent.append, heard=0, received=0),
                            hello=lambda role: "hello", exec_loop=lambda: None,
                            hb_interval=0.05, hb_timeout=60.0, taken=False, controller="",
-                           dropped=0, store=Store(), gone=SimpleNamespace(add=lambda m: None))
+                           dropped=0, store=Store(), gone=SimpleNamespace(add=lambda m: None),
+                           exec_seen=(0.0, 0, 0), exec=SimpleNamespace(sent=0), stamp_heard=0.0,
+                           relays=[])
     rank.on_io = functools.partial(RankMain.on_io, rank)
+    rank.heartbeat = functools.partial(RankMain.heartbeat, rank)
     assert RankMain.serve(rank) == 0  # Shutdown read after the failure
     assert "can't start new thread" in capsys.readouterr().err

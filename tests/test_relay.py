@@ -250,7 +250,7 @@ def test_a_malformed_message_in_a_relays_bundle_loses_neither_the_others_nor_the
                 [group.ranks[0].exec_identity, io],
                 [msgspec.Raw(messages.encode(bad)),
                  msgspec.Raw(messages.encode(messages.Heartbeat(dropped=7)))]))
-            assert group.ranks[1].dropped == 7  # the message after the bad one counted (now)
+            assert group.ranks[1].beat.dropped == 7  # the message after the bad one counted (now)
             assert ctl.dropped_frames.get("malformed") == 1
             marker.touch()
             return await asyncio.wait_for(pending, 30)

@@ -176,7 +176,10 @@ class RankMain:
         if env.get("ASYNCRL_RELAY"):  # the group's control messages go through a host relay
             self.start_relay(env["ASYNCRL_RELAY"], int(env.get("GROUP_RANK", "0")))
         self.io = self.socket("io")
-        self.exec = self.socket("exec")  # handed to the exec thread, never used here again
+        self.exec = self.socket("exec")  # handed to the exec thread (heartbeats read counts)
+        # (since when its thread waits for a message, 0: it runs one; its heard, received)
+        self.exec_seen: tuple[float, int, int] = (0.0, 0, 0)
+        self.stamp_heard = 0.0  # the controller's last heartbeat's stamp
         self.store = ObjectStore()
         self.gone = GonePeers()  # groups the controller declared dead: pulls from them fail
         run_id = env.get("ASYNCRL_RUN_ID", str(os.getpid()))
@@ -287,8 +290,12 @@ class RankMain:
         bind_gpu()
         ex = _Executor(self, self.exec)
         ex.sock.send(self.hello("exec"))
+        sock = ex.sock
         while True:
-            msg = ex.sock.recv(-1)
+            # one tuple, so the io thread's heartbeat reads a consistent picture
+            self.exec_seen = (time.monotonic(), sock.heard, sock.received)
+            msg = sock.recv(-1)
+            self.exec_seen = (0.0, sock.heard, sock.received)
             try:
                 if isinstance(msg, Call):
                     ex.run_call(msg)
@@ -356,11 +363,21 @@ class RankMain:
             self.store.free(msg.obj_ids)
         elif isinstance(msg, Fetch):
             self.fetcher.submit(self.send_fetched, msg.obj_id)
+        elif isinstance(msg, Heartbeat):
+            self.stamp_heard = msg.stamp
         elif isinstance(msg, PeersGone):
             self.gone.add(msg)
             # links with it too (links made later, with a respawned group of that name,
             # are joined by calls that come after this on the same socket)
             nccl.forget_group(msg.group)
+
+    def heartbeat(self, now: float) -> Heartbeat:
+        waiting_since, heard, received = self.exec_seen
+        return Heartbeat(self.dropped, len(self.store), self.store.nbytes, heard, received,
+                         now - waiting_since if waiting_since else 0.0, self.exec.sent,
+                         stamp_heard=self.stamp_heard, io_heard=self.io.heard,
+                         io_received=self.io.received,
+                         relays=[relay.counts for relay in self.relays])
 
     def serve(self) -> int:
         self.io.send(self.hello("io"))
@@ -380,7 +397,7 @@ class RankMain:
                 except Exception:  # noqa: BLE001 - one message's failure (no thread to be
                     traceback.print_exc()  # had) must not end the heartbeats and Shutdown
             if now >= next_beat:
-                self.io.send(Heartbeat(self.dropped, len(self.store), self.store.nbytes))
+                self.io.send(self.heartbeat(now))
                 next_beat = now + interval_ms / 1000
             if now - last_heard > self.hb_timeout:
                 # a controller here that runs, and that took this rank (it has heard from

@@ -149,6 +149,11 @@ class Signer:
         self._mac = _Mac(secret)
         self._seq = 0
 
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last frame signed (0: none yet)."""
+        return self._seq
+
     def sign(self, route: bytes, message: bytes | memoryview) -> list[bytes]:
         self._seq += 1
         body = _SEQ.pack(self._seq) + message
@@ -163,11 +168,18 @@ class Verifier:
         self._last_seq: dict[bytes, int] = {}
         self._retired: set[bytes] = set()  # routes of stopped sockets: what comes is replayed
         self.dropped: Counter[str] = Counter()
+        # per route, sequence numbers passed over: messages lost on the way (a broken
+        # connection) where the sender numbers that route's messages 1, 2, 3... (a rank socket)
+        self.skipped: Counter[bytes] = Counter()
         self.total_dropped = 0  # an int, safe to read from another thread
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] += 1
         self.total_dropped += 1
+
+    def last(self, route: bytes) -> int:
+        """The sequence number of the last frame accepted from `route` (0: none yet)."""
+        return self._last_seq.get(route, 0)
 
     def forget(self, gone: Callable[[bytes], bool]) -> None:
         """Retire the routes that will not speak again (a stopped group's sockets; each
@@ -177,6 +189,7 @@ class Verifier:
         group of its name started afresh)."""
         for route in [r for r in self._last_seq if gone(r)]:
             del self._last_seq[route]
+            self.skipped.pop(route, None)
             self._retired.add(route)
 
     def verify(self, route: bytes, frames: list[bytes] | list[memoryview]) -> memoryview | None:
@@ -195,8 +208,11 @@ class Verifier:
             self.drop("bad_mac")
             return None
         (seq,) = _SEQ.unpack_from(body)
-        if seq <= self._last_seq.get(route, 0):
+        last = self._last_seq.get(route, 0)
+        if seq <= last:
             self.drop("replay")
             return None
+        if seq != last + 1:  # frames that never came (from a sender that counts per route)
+            self.skipped[route] += seq - last - 1
         self._last_seq[route] = seq
         return memoryview(body)[_SEQ.size:]

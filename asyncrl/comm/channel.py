@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,6 +86,7 @@ class ControllerChannel:
         self._handle: Callable[[bytes, Message], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
+        self._watched: dict[bytes, Unheard] = {}
 
     @property
     def dropped(self) -> dict[str, int]:
@@ -96,6 +99,22 @@ class ControllerChannel:
     def forget(self, gone: Callable[[bytes], bool]) -> None:
         """Routes (socket identities) that will not speak again: see Verifier.forget."""
         self._verifier.forget(gone)
+
+    def watch(self, identity: bytes) -> Unheard:
+        """Keep account of what goes to this socket until its rank says it came."""
+        return self._watched.setdefault(identity, Unheard())
+
+    def watched(self, identity: bytes) -> Unheard | None:
+        return self._watched.get(identity)
+
+    def unwatch(self, identity: bytes) -> None:
+        self._watched.pop(identity, None)
+
+    def heard(self, identity: bytes) -> tuple[int, int]:
+        """The sequence number of the last message from this socket, and how many numbers
+        were passed over (messages lost on the way)."""
+        verifier = self._verifier
+        return verifier.last(identity), verifier.skipped.get(identity, 0)
 
     def start(self, handle: Callable[[bytes, Message], None]) -> None:
         """Call ``handle(identity, message)`` on the running loop for every valid frame."""
@@ -114,9 +133,13 @@ class ControllerChannel:
         `frames` (raw buffers its Call or Fanout announces) follow it, unsigned and uncopied:
         zmq holds them until they have left."""
         body, mac = self._signer.sign(b">" + identity, message)
+        size = len(body)
         for frame in frames:  # each a buffer, checked before the first part goes: a part
-            memoryview(frame)  # that fails after it would leave the message open, and the
-            # next one, to any rank, appended to it
+            size += memoryview(frame).nbytes  # that fails after it would leave the message
+            # open, and the next one, to any rank, appended to it
+        unheard = self._watched.get(identity)
+        if unheard is not None:
+            unheard.sent(self._signer.seq, size)
         send = self._sock.send
         send(identity, _MORE)
         send(body, _MORE)
@@ -177,6 +200,30 @@ class ControllerChannel:
         self._ctx.term()
 
 
+class Unheard:
+    """What went to one rank socket that its rank has not said it received: (sequence
+    number, when it went, its bytes), oldest first; and what it sent that has not come."""
+
+    __slots__ = ("count", "messages", "behind")
+
+    def __init__(self) -> None:
+        self.count = 0  # messages sent to it
+        self.messages: deque[tuple[int, float, int]] = deque()
+        # from it: how many it had sent when fewer had come here, and when that was seen
+        self.behind: tuple[int, float] | None = None
+
+    def sent(self, seq: int, size: int) -> None:
+        self.count += 1
+        self.messages.append((seq, time.monotonic(), size))
+
+    def heard(self, seq: int) -> int:
+        """The rank received up to `seq`: forget those; how many were sent up to it."""
+        messages = self.messages
+        while messages and messages[0][0] <= seq:
+            messages.popleft()
+        return self.count - len(messages)
+
+
 class RankSocket:
     """A rank's DEALER to the controller. Blocking; each thread that sends owns one."""
 
@@ -193,10 +240,21 @@ class RankSocket:
         self._verifier = verifier or Verifier(secret)
         self._route = b">" + identity
         self._timeout = -1
+        self.received = 0  # frames that came signed by the controller
 
     @property
     def dropped(self) -> int:
         return self._verifier.total_dropped
+
+    @property
+    def sent(self) -> int:
+        """The sequence number of the last message this socket sent (they count up from 1)."""
+        return self._signer.seq
+
+    @property
+    def heard(self) -> int:
+        """The sequence number of the last message it accepted (the controller's numbering)."""
+        return self._verifier.last(self._route)
 
     def send(self, msg: Message, frames: Sequence[Any] = (), block: bool = True) -> None:
         """Send a message; `frames` (raw buffers a Fetched announces) follow it, unsigned and
@@ -219,8 +277,12 @@ class RankSocket:
             frames.append(sock.recv())
         while sock.rcvmore:  # raw ones: large, used where zmq received them
             frames.append(sock.recv(copy=False).buffer)
-        return open_with_frames(self._verifier, self._route, frames,
-                                (messages.Call, messages.Construct))
+        heard = self.heard
+        msg = open_with_frames(self._verifier, self._route, frames,
+                               (messages.Call, messages.Construct))
+        if self.heard != heard:  # signed by the controller (even if it failed to decode)
+            self.received += 1
+        return msg
 
     def close(self) -> None:
         self._sock.close()

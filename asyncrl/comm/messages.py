@@ -135,12 +135,22 @@ class Results(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """Both ways, every heartbeat interval. A rank reports how many frames it dropped and
-    what its object store holds."""
+    """Both ways, every heartbeat interval. A rank reports how many frames it dropped, what
+    its object store holds, and how far its "exec" socket has got both ways (the controller
+    finds messages lost on that link with them: see controller/lost.py)."""
 
     dropped: int = 0
     objects: int = 0
     object_bytes: int = 0
+    exec_heard: int = 0  # the sequence number of the last message the exec socket received
+    exec_received: int = 0  # how many it received
+    exec_idle_s: float = 0.0  # how long its thread has waited for one (0: it runs one)
+    exec_sent: int = 0  # how many it sent
+    stamp: float = 0.0  # controller -> rank: the controller's clock when it sent this one
+    stamp_heard: float = 0.0  # rank -> controller: the last stamp it received
+    io_heard: int = 0  # as exec_heard and exec_received, of its io socket
+    io_received: int = 0
+    relays: list[tuple[int, int, int]] = []  # the host relays it runs: HostRelay.counts
 
 
 class Log(msgspec.Struct, tag=True, array_like=True, gc=False):

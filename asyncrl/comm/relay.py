@@ -85,6 +85,11 @@ class HostRelay:
         self._down.bind(address)
         self._up_signer, self._up_verifier = Signer(secret), Verifier(secret)
         self._signer, self._verifier = Signer(secret), Verifier(secret)
+        self._received = 0  # frames from the controller, signed by it
+        # how far its link to the controller has got, as a rank's heartbeat reports it (one
+        # tuple, for a consistent read from another thread): the sequence number of the last
+        # frame from the controller, how many came, how many went up
+        self.counts = (0, 0, 0)
         # call id -> (ranks that have not answered, the answers held back)
         self._held: dict[int, tuple[set[int], list[tuple[bytes, Result]]]] = {}
         # this rank's own sockets are served last: the rank may exit on what it gets
@@ -136,8 +141,12 @@ class HostRelay:
             try:
                 frames = self._up.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
+                self._count()
                 return
+            heard = self._up_verifier.last(self._route)
             msg = open_frame(self._up_verifier, self._route, [f.buffer for f in frames[:2]])
+            if self._up_verifier.last(self._route) != heard:
+                self._received += 1
             extra = frames[2:]  # the raw frames of the Calls' large arguments
             if isinstance(msg, Fanout) and _well_formed(msg, len(extra)):
                 self._deliver(msg, extra)
@@ -186,6 +195,11 @@ class HostRelay:
         if senders:
             message = messages.encode(Fanin(senders, bodies))
             self._up.send_multipart(self._up_signer.sign(self.identity, message))
+            self._count()
+
+    def _count(self) -> None:
+        self.counts = (self._up_verifier.last(self._route), self._received,
+                       self._up_signer.seq)
 
     def _release(self, sender: bytes, body: memoryview) -> list[tuple[bytes, Any]]:
         """What can go up now: a call's Results wait for the rest of the call's ranks, and

@@ -483,8 +483,8 @@ class Controller:
             if group.dead is None and not self._closed:  # a death was announced already;
                 group.announce_gone("was shut down")     # at close every group goes
             for info in group.ranks.values():  # nothing else goes to its sockets
-                self.relay_of.pop(info.identity, None)
-                self.relay_of.pop(info.exec_identity, None)
+                for identity in (info.identity, info.exec_identity):
+                    self.channel.unwatch(self.relay_of.pop(identity, identity))
             group.stopping = asyncio.ensure_future(self._reap(group, grace))
             group.stopping.add_done_callback(_retrieved)
         await asyncio.shield(group.stopping)

@@ -36,6 +36,7 @@ from asyncrl.comm.messages import (
     Call,
     Construct,
     Failure,
+    Heartbeat,
     MethodSpec,
     PeersGone,
     Result,
@@ -78,9 +79,7 @@ class RankInfo:
     exec_identity: bytes = b""  # its "exec" socket: construction and in-order calls
     data_addr: str = ""  # its data-plane server
     gpu: str = ""  # the UUID of its GPU ("" without one)
-    dropped: int = 0
-    objects: int = 0  # what its object store holds, from its last heartbeat
-    object_bytes: int = 0
+    beat: Heartbeat = field(default_factory=Heartbeat)  # its last (what its store holds...)
     ready: bool = False
     gone: bool = False  # its process was found dead
 
@@ -180,11 +179,11 @@ class GroupHandle:
     @property
     def store_stats(self) -> dict[int, tuple[int, int]]:
         """rank -> (objects, bytes) in its object store, as of its last heartbeat."""
-        return {r: (info.objects, info.object_bytes) for r, info in self.ranks.items()}
+        return {r: (info.beat.objects, info.beat.object_bytes) for r, info in self.ranks.items()}
 
     @property
     def dropped_frames(self) -> dict[int, int]:  # frames dropped: bad signature, replay...
-        return {r: info.dropped for r, info in self.ranks.items()}
+        return {r: info.beat.dropped for r, info in self.ranks.items()}
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("_"):

@@ -63,8 +63,7 @@ class Inbox:
         if isinstance(msg, Heartbeat):
             if info is not None:
                 info.last_seen = time.monotonic()
-                info.dropped, info.objects, info.object_bytes = (msg.dropped, msg.objects,
-                                                                 msg.object_bytes)
+                info.beat = msg
         elif isinstance(msg, Fetched):
             group.fetches.answered(msg)
         elif isinstance(msg, Hello):
@@ -127,6 +126,7 @@ class Inbox:
             info.identity, info.data_addr, info.gpu = identity, msg.data_addr, msg.gpu
         elif msg.role == "exec":
             info.exec_identity = identity
+        self._ctl.channel.watch(identity if relay is None else relay)  # (see lost.py)
         if group.started.done() or len(group.ranks) < group.nprocs or \
                 not all(i.identity and i.exec_identity for i in group.ranks.values()):
             return

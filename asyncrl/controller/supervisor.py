@@ -3,6 +3,7 @@ dead with the rank named and why, and whatever is left of it is killed.
 
     every heartbeat_interval: one Heartbeat to every rank (one frame per relayed host);
     a local rank whose pid is gone, or any rank silent for heartbeat_timeout, ends its group
+    so do messages lost on a rank's links (see lost.py)
     the torchrun agent's exit (watcher thread -> loop): the root cause torchrun reported
 """
 
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from asyncrl.comm import messages
 from asyncrl.comm.messages import Heartbeat
 from asyncrl.controller.launcher import pid_alive
+from asyncrl.controller.lost import lost_messages
 
 if TYPE_CHECKING:
     from asyncrl.controller.controller import Controller
@@ -48,19 +50,26 @@ class Supervisor:
         """Send one round of heartbeats; declare ranks whose process is gone or (`judge`)
         silent."""
         ctl = self._ctl
-        beat, now, here = messages.encode(Heartbeat()), time.monotonic(), socket.gethostname()
+        now, here = time.monotonic(), socket.gethostname()
+        beat = messages.encode(Heartbeat(stamp=now))
         box = ctl.outbox()
         for group in list(ctl.groups.values()):
             if group.closing or group.dead is not None:
                 continue
             group.post_all(box, "io", beat)
-            silent = []
+            silent, lost = [], None
             for rank, info in list(group.ranks.items()):
                 if info.host == here and not info.gone and not pid_alive(info.pid):
                     info.gone = True
                     ctl.loop.create_task(self.rank_gone(group, rank))
                 elif judge and not info.gone and now - info.last_seen > ctl.heartbeat_timeout:
                     silent.append(rank)
+                elif judge and lost is None:
+                    why = lost_messages(ctl.channel, ctl.relay_of, info, ctl.heartbeat_timeout, now)
+                    lost = None if why is None else (rank, why)
+            if lost is not None and not silent:
+                group._mark_dead(lost[0], None, lost[1])
+                group.agent.signal_all(signal.SIGKILL)
             if silent:
                 rank, why = self.culprit(group, silent, now)
                 group._mark_dead(rank, None, f"no heartbeat for "

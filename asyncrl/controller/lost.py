@@ -1,0 +1,110 @@
+"""Messages lost on a rank's links, found before a call waits on them for ever.
+
+A rank's heartbeats run on its "io" socket; its in-order calls and their results on its
+"exec" socket, a TCP connection of its own that may sit idle for minutes. When a connection
+breaks (a middlebox drops an idle link, a reset), ZeroMQ connects again without a word and
+what was on the wire is gone: a Call the rank never runs, or a Result the controller never
+gets. So every heartbeat says how far the rank's sockets have got (`Heartbeat.exec_*`,
+`io_*`), and the supervisor compares it with what the controller sent and got:
+
+    to the rank     fewer received than were sent up to the last one it received (one was
+      (exec, io)    passed over: on io, where heartbeats flow, that finds any loss)
+      (exec)        or one not received while its thread has waited for `grace`, sent
+                    `grace` before a controller heartbeat the rank had then (more for big
+                    ones: the controller's clock on both ends)
+    from the rank   a sequence number passed over; or one it sent that has not come
+      (exec)        `grace` after the controller first found it missing
+
+`grace` is the heartbeat timeout: a message slower than that on a link whose heartbeats
+keep time is not coming. A loss ends the group as a death does (recovery restarts it).
+Not checked: what concurrent calls' threads send back (a result lost with no later one from
+that thread waits), and groups behind host relays (a relay holds a host's results back
+until all of its ranks answered).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from asyncrl.comm.channel import ControllerChannel
+from asyncrl.comm.messages import Heartbeat
+from asyncrl.comm.relay import RELAY_ROLES
+
+if TYPE_CHECKING:
+    from asyncrl.controller.group import RankInfo
+
+LINK_MIN_RATE = 10e6  # bytes/s: a big message may take this long on the wire, and no longer
+
+
+def lost_messages(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInfo,
+                  grace: float, now: float) -> str | None:
+    """The rank's death, said, if messages on its links are lost; else None. `relay_of`:
+    rank socket -> the host relay it reaches the controller through."""
+    why = _why(channel, relay_of, info, grace, now)
+    return None if why is None else (
+        f"its connection to the controller lost messages: {why} (the TCP connection broke "
+        f"and ZeroMQ connected again; a call on it would wait for ever)")
+
+
+def _why(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInfo,
+         grace: float, now: float) -> str | None:
+    beat = info.beat
+    if not beat.stamp_heard:  # (no heartbeat yet)
+        return None
+    if channel.watched(info.identity) is not None:  # reached directly
+        return (_to(channel, info.identity, beat.io_heard, beat.io_received, 0.0, beat,
+                    grace, "its io socket")
+                or _to(channel, info.exec_identity, beat.exec_heard, beat.exec_received,
+                       beat.exec_idle_s, beat, grace, "its exec socket")
+                or _from(channel, info.exec_identity, beat.exec_sent, grace, now,
+                         "its exec socket"))
+    for role, (heard, received, sent) in zip(RELAY_ROLES, beat.relays, strict=False):
+        # the host's relays it runs, always waiting for what the controller sends
+        relay = relay_of.get(info.socket(role))
+        name = f"the host's {role} relay it runs"
+        why = relay and (_to(channel, relay, heard, received, float("inf"), beat, grace, name)
+                         or _from(channel, relay, sent, grace, now, name))
+        if why:
+            return why
+    return None
+
+
+def _to(channel: ControllerChannel, identity: bytes, heard: int, received: int,
+        idle_s: float, beat: Heartbeat, grace: float, name: str) -> str | None:
+    """Lost on the way to a socket that had received up to `heard`, `received` in all, and
+    waited `idle_s` for more (a rank's heartbeat `beat` says)."""
+    unheard = channel.watched(identity)
+    if unheard is None:
+        return None
+    sent = unheard.heard(heard)  # (what it received is forgotten here)
+    if received < sent:
+        return f"{sent - received} message(s) to {name} never came (a later one did)"
+    if unheard.messages and idle_s >= grace:
+        # the rank had the controller's heartbeat stamped `stamp_heard` (on its io link)
+        # when it found the socket waiting: a message sent well before that is lost
+        _, sent_at, size = unheard.messages[0]
+        late = beat.stamp_heard - sent_at
+        if late >= grace + size / LINK_MIN_RATE:
+            waited = "" if idle_s == float("inf") else \
+                f", while the rank waited for one for {idle_s:.1f} s"
+            return f"a message to {name} had not come {late:.1f} s after it was sent{waited}"
+    return None
+
+
+def _from(channel: ControllerChannel, identity: bytes, sent: int, grace: float, now: float,
+          name: str) -> str | None:
+    """Lost on the way from a socket that had sent `sent` (its rank's heartbeat says)."""
+    unheard = channel.watched(identity)
+    if unheard is None:
+        return None
+    last, skipped = channel.heard(identity)
+    if skipped:
+        return f"{skipped} message(s) from {name} never came (a later one did)"
+    if sent <= last:
+        unheard.behind = None
+    elif unheard.behind is None or unheard.behind[0] <= last:
+        unheard.behind = (sent, now)  # (or still behind, on later messages)
+    elif now - unheard.behind[1] >= grace:
+        return (f"{unheard.behind[0] - last} message(s) from {name} had not come "
+                f"{now - unheard.behind[1]:.1f} s after its heartbeat said they were sent")
+    return None

@@ -1,0 +1,166 @@
+"""Messages lost between the controller and a rank (a TCP connection broke and ZeroMQ
+connected again): the call that waits on one fails, naming the loss, instead of waiting for
+ever. See asyncrl/controller/lost.py.
+
+The controller's ROUTER loses them here: a message signed and counted as sent that never
+leaves (to the rank), or frames dropped before they are read (from the rank) — as the wire
+loses what was in flight when a connection breaks. The ranks are real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import zmq
+from helpers import assert_gone, group_pids, run
+
+import asyncrl
+
+HB = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0)
+
+
+class Echo(asyncrl.Worker):
+    @asyncrl.register
+    def echo(self, value):
+        return value
+
+    @asyncrl.register(concurrent=True)
+    def peek(self):
+        return self.rank
+
+    @asyncrl.register
+    def compute(self, seconds):  # a step that takes a while
+        time.sleep(seconds)
+        return self.rank
+
+
+class _LosesToOne:
+    """The ROUTER, losing the next `count` messages to one rank socket (those whose signed
+    part holds `marker`)."""
+
+    def __init__(self, sock: zmq.Socket, victim: bytes, count: int = 1, marker: bytes = b""):
+        self.sock, self.victim, self.left, self.marker = sock, victim, count, marker
+        self.parts: list = []
+
+    def send(self, data, flags=0, copy=True):
+        self.parts.append((data, flags, copy))
+        if flags & zmq.SNDMORE:
+            return
+        parts, self.parts = self.parts, []
+        if self.left and parts[0][0] == self.victim and self.marker in bytes(parts[1][0]):
+            self.left -= 1
+            return
+        for data, flags, copy in parts:
+            self.sock.send(data, flags, copy=copy)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def _lose_from(channel, victim: bytes, count: int = 1) -> None:
+    """Drop the next `count` messages from one rank socket before the channel reads them."""
+    dispatch, left = channel._dispatch, [count]
+
+    def losing(frames, handle):
+        if left[0] and frames[0].bytes == victim:
+            left[0] -= 1
+            return
+        dispatch(frames, handle)
+    channel._dispatch = losing
+
+
+def _relay(ctl, group, role: str = "exec") -> bytes:
+    """The identity of the host relay rank 0 runs for `role` (one host: the only one)."""
+    return ctl.relay_of[group.ranks[0].socket(role)]
+
+
+def _dies_of_a_loss(lose, calls: int = 1, call=lambda group, i: group.echo(i),
+                    relay: bool = False, rank: int = 1):
+    """Spawn two ranks, let `lose(ctl, group)` break one of their links, make `calls` calls:
+    the first must fail with the group's death, naming `rank`, well before the test gives
+    up (a later one may have been answered before it)."""
+    async def main():
+        async with asyncrl.Controller(**HB) as ctl:
+            group = await ctl.spawn(Echo, nprocs=2, relay=relay)
+            pids = group_pids(group)
+            assert await group.echo(7) == [7, 7]
+            lose(ctl, group)
+            first, *later = [call(group, i) for i in range(calls)]
+            with pytest.raises(asyncrl.GroupDeadError) as info:
+                await asyncio.wait_for(first, 30)
+            for fut in later:
+                with contextlib.suppress(asyncrl.GroupDeadError):
+                    await fut
+            return pids, info.value
+    pids, error = run(main())
+    assert_gone(pids)
+    assert error.rank == rank and "connection to the controller lost messages" in str(error), \
+        error
+    return str(error)
+
+
+def test_a_call_lost_on_its_way_to_a_rank_fails_the_group():
+    said = _dies_of_a_loss(lambda ctl, group: setattr(
+        ctl.channel, "_sock", _LosesToOne(ctl.channel._sock, group.ranks[1].exec_identity)))
+    assert "to its exec socket had not come" in said  # found while the rank waited
+
+
+def test_a_lost_call_with_a_later_one_received_is_found_at_once():
+    said = _dies_of_a_loss(lambda ctl, group: setattr(
+        ctl.channel, "_sock", _LosesToOne(ctl.channel._sock, group.ranks[1].exec_identity)),
+        calls=2)
+    assert "1 message(s) to its exec socket never came (a later one did)" in said
+
+
+def test_a_concurrent_call_lost_on_its_way_to_a_rank_fails_the_group():
+    """Its io socket's heartbeats come after it: the loss is found by the next one."""
+    said = _dies_of_a_loss(lambda ctl, group: setattr(ctl.channel, "_sock", _LosesToOne(
+        ctl.channel._sock, group.ranks[1].identity, marker=b"peek")),
+        call=lambda group, i: group.peek())
+    assert "message(s) to its io socket never came (a later one did)" in said
+
+
+def test_a_result_lost_on_its_way_back_fails_the_group():
+    said = _dies_of_a_loss(lambda ctl, group: _lose_from(ctl.channel,
+                                                         group.ranks[1].exec_identity))
+    assert "from its exec socket had not come" in said
+
+
+def test_a_lost_result_with_a_later_one_received_is_found_at_once():
+    said = _dies_of_a_loss(lambda ctl, group: _lose_from(ctl.channel,
+                                                         group.ranks[1].exec_identity), calls=2)
+    assert "1 message(s) from its exec socket never came (a later one did)" in said
+
+
+@pytest.mark.parametrize("relay", [False, True])
+def test_calls_queued_behind_a_long_one_are_not_taken_for_lost(relay):
+    """Calls wait in the rank's socket while one runs for longer than the heartbeat timeout,
+    and results come long after their calls went: none of that is a loss."""
+    async def main():
+        async with asyncrl.Controller(**HB) as ctl:
+            group = await ctl.spawn(Echo, nprocs=2, relay=relay)
+            long = group.compute(3.0)  # 3x the heartbeat timeout
+            queued = [group.echo(i) for i in range(3)]
+            assert await long == [0, 1]
+            assert [await q for q in queued] == [[0, 0], [1, 1], [2, 2]]
+            await asyncio.sleep(2.5)  # the ranks idle for longer than the timeout...
+            after = await group.echo("after")  # ...then a call: their last beats said idle
+            identity = _relay(ctl, group) if relay else group.ranks[1].exec_identity
+            assert ctl.channel.watched(identity) is not None
+        return group.dead, after, ctl.channel.watched(identity)
+    dead, after, unheard = run(main())
+    assert dead is None and after == ["after", "after"]
+    assert unheard is None  # forgotten with the group
+
+
+@pytest.mark.parametrize("lose", [
+    lambda ctl, group: setattr(ctl.channel, "_sock", _LosesToOne(ctl.channel._sock,
+                                                                 _relay(ctl, group))),
+    lambda ctl, group: _lose_from(ctl.channel, _relay(ctl, group))], ids=["to", "from"])
+def test_a_message_lost_between_the_controller_and_a_host_relay_fails_the_group(lose):
+    """Behind relays, the host's relays are the ends of the TCP links: rank 0 runs them,
+    and its heartbeats say how far they have got."""
+    said = _dies_of_a_loss(lose, relay=True, rank=0)
+    assert "the host's exec relay it runs had not come" in said
