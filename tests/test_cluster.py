@@ -140,15 +140,38 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
 
 def test_an_agent_off_this_machine_removes_its_torchrun_folder(tmp_path):
     """ssh and srun hosts run torchrun through agent_main: torchrun's folder (its ranks'
-    error files) lives in a temporary one, gone after a normal exit and after a SIGTERM."""
+    error files) lives in a temporary one, gone after a normal exit and after a SIGTERM.
+    So are the shared-memory pools its ranks left (a killed rank's stay otherwise: the
+    controller sweeps its own machine's /dev/shm only), and nothing else."""
+    run_id = f"agent{os.getpid()}"
+    pool = f"/dev/shm/asyncrl-{run_id}-grp+0-"  # + the rank's pid: what pool_prefix names
     rank = tmp_path / "rank.py"
     rank.write_text("import os, sys, time\n"
+                    f"open({pool!r} + str(os.getpid()) + '-0', 'w').close()\n"
                     "open(sys.argv[1], 'w').write(os.environ['TORCHELASTIC_ERROR_FILE'])\n"
                     "time.sleep(float(sys.argv[2]))\n")
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    env = {**os.environ, "TMPDIR": str(scratch)}
+    env = {**os.environ, "TMPDIR": str(scratch), "ASYNCRL_RUN_ID": run_id,
+           "ASYNCRL_GROUP": "grp"}
+    kept = [f"/dev/shm/asyncrl-{run_id}-grp+1-{os.getpid()}-0",  # a rank that runs
+            f"/dev/shm/asyncrl-{run_id}-other+0-999999999-0"]  # another group's
+    for path in kept:
+        open(path, "w").close()
 
+    def pools() -> list[str]:
+        return sorted(f"/dev/shm/{n}" for n in os.listdir("/dev/shm")
+                      if n.startswith(f"asyncrl-{run_id}-"))
+    try:
+        _agent_cleans_up(tmp_path, rank, scratch, env)
+        assert pools() == sorted(kept)
+    finally:
+        for path in pools():
+            os.unlink(path)
+
+
+def _agent_cleans_up(tmp_path: Path, rank: Path, scratch: Path, env: dict) -> None:
+    """An agent whose rank exits, then one stopped by SIGTERM: torchrun's folder goes."""
     def agent(seen: Path, sleep: float) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "asyncrl.actors.agent_main", "--standalone",

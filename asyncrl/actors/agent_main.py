@@ -6,6 +6,7 @@ torchrun keeps its own folders (per-rank error files) in a new ``torchelastic_*`
 the controller passes a folder of its own, removed at close; elsewhere it cannot, so this runs
 torchrun in-process inside a temporary folder that goes when torchrun exits (normally, on an
 error, or on the SIGTERM/SIGINT/SIGHUP torchrun turns into an exception; a SIGKILL leaves it).
+Then it unlinks what its killed ranks left in this host's /dev/shm.
 
 Its lifeline (ASYNCRL_AGENT_LIFELINE=1): stdin, a pipe the controller's end of ssh or srun
 keeps open. Killing that local process stops nothing on the host by itself; its end of the
@@ -22,8 +23,11 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Mapping
 
-from asyncrl.actors.procs import PROCESS_ENV, this_process
+from asyncrl.actors.procs import PROCESS_ENV, alive, this_process
+from asyncrl.comm.dataplane import run_prefix
+from asyncrl.comm.shm import cleanup
 
 LIFELINE = "ASYNCRL_AGENT_LIFELINE"
 
@@ -46,8 +50,26 @@ def main(argv: list[str]) -> None:
         # host: this agent runs while the lifeline holds. A silent controller that runs is
         # busy (a node's own work on its loop), and its ranks wait for it
         os.environ[PROCESS_ENV] = this_process()
-    with tempfile.TemporaryDirectory(prefix="asyncrl-torchrun-") as scratch:
-        torchrun(["--log-dir", scratch, *argv])
+    try:
+        with tempfile.TemporaryDirectory(prefix="asyncrl-torchrun-") as scratch:
+            torchrun(["--log-dir", scratch, *argv])
+    finally:
+        sweep_segments(os.environ)
+
+
+def sweep_segments(env: Mapping[str, str]) -> list[str]:
+    """Unlink the shared-memory pools this host's ranks of the group left behind, those of
+    ranks whose process is gone (a killed rank leaves its pool; the controller sweeps its
+    own machine's /dev/shm, not this host's). Returns the names removed."""
+    run_id, group = env.get("ASYNCRL_RUN_ID"), env.get("ASYNCRL_GROUP")
+    if not run_id or not group:
+        return []
+    prefix = f"{run_prefix(run_id)}{group}+"  # then "<rank>-<pid>-<n>" (pool_prefix)
+
+    def gone(name: str) -> bool:
+        fields = name[len(prefix):].split("-")
+        return len(fields) > 1 and fields[1].isdigit() and not alive(int(fields[1]))
+    return cleanup(prefix, gone)
 
 
 if __name__ == "__main__":

@@ -33,3 +33,9 @@ def runs(process: str) -> bool:
     pid, _, born = process.partition(":")
     fields = _stat(int(pid)) if pid.isdigit() else []
     return len(fields) > 19 and fields[19] == born and fields[0] not in ("Z", "X")
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not), whichever process it is now."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")

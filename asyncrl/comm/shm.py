@@ -363,9 +363,10 @@ class SegmentMapper:
             self.forget(name)
 
 
-def cleanup(prefix: str) -> list[str]:
+def cleanup(prefix: str, which: Callable[[str], bool] = lambda name: True) -> list[str]:
     """Unlink every file in /dev/shm whose name starts with ``prefix`` (a run's leftovers,
-    e.g. of a killed rank); return the names removed."""
+    e.g. of a killed rank) and that `which` picks; return the names removed."""
     _path(prefix)
-    found = [os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    found = [os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR)
+             if n.startswith(prefix) and which(n)]
     return [os.path.basename(path) for path in _unlink_all(found)]
