@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 
 import pytest
 
@@ -220,3 +221,39 @@ def test_the_steps_finished_before_a_failure_reach_on_step():
                 await flow.close()
         return seen
     assert asyncio.run(main()) == [0, 1, 2]
+
+
+def test_groups_declared_in_another_module_run_when_the_nodes_name_them(tmp_path, monkeypatch):
+    """A flow file that moved its groups into a module of its own (`from roles import
+    actor`, `import roles; roles.critic`, a closure): the DataFlow found only groups
+    declared beside its nodes, and a node's call said the group was not running."""
+    from asyncrl.controller.declare import declared_count, forget_declared_after
+
+    (tmp_path / "roles_mod.py").write_text(
+        "import asyncrl\n"
+        "class Echo(asyncrl.Worker):\n    pass\n"
+        "actor = asyncrl.group(Echo, name='actor')\n"
+        "critic = asyncrl.group(Echo, name='critic')\n"
+        "unused = asyncrl.group(Echo, name='unused')\n")
+    (tmp_path / "flow_mod.py").write_text(
+        "import asyncrl\nimport roles_mod\nfrom roles_mod import actor\n"
+        "local = asyncrl.group(roles_mod.Echo, name='local')\n"
+        "def make(spec):\n"
+        "    @asyncrl.node\n"
+        "    def reward(prompts):\n        return spec\n"
+        "    return reward\n"
+        "@asyncrl.node\ndef rollout(prompts):\n    return actor\n"
+        "@asyncrl.node\ndef train(rollout):\n    return [roles_mod.critic for _ in rollout]\n"
+        "flow = asyncrl.DataFlow(nodes=[rollout, train, make(roles_mod.unused)],\n"
+        "                        inputs={'prompts': [1]})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    count = declared_count()
+    try:
+        import flow_mod
+
+        names = [g.name for g in flow_mod.flow.groups]
+    finally:
+        forget_declared_after(count)
+        for module in ("flow_mod", "roles_mod"):
+            sys.modules.pop(module, None)
+    assert names == ["actor", "critic", "unused", "local"]  # in the order declared

@@ -3,8 +3,12 @@ a flow file is imported on every rank too (to find its worker classes)."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import os
+import types
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from asyncrl.controller.group import GroupHandle
@@ -50,7 +54,9 @@ class GroupSpec:
         handle = self.__dict__.get("handle")
         if handle is None:
             raise RuntimeError(f"group {self.name!r} is not running: call its methods inside a "
-                               f"node while its DataFlow runs (asyncrl launch, or flow.run())")
+                               f"node while its DataFlow runs (asyncrl launch, or flow.run()); "
+                               f"a DataFlow runs the groups declared in its nodes' modules or "
+                               f"named by its nodes (others: DataFlow(groups=[...]))")
         return getattr(handle, method)
 
     def __repr__(self) -> str:
@@ -70,8 +76,6 @@ def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | 
     `max_restarts`: how often the group may be respawned after a rank dies or hangs over the
     run (see asyncrl/controller/recovery.py), waiting `restart_backoff` s, doubled each time.
     `nice` (0-19): a lower CPU priority for its ranks (see placement.check_nice)."""
-    import inspect
-
     frame = inspect.currentframe()
     module = frame.f_back.f_globals.get("__name__", "") if frame and frame.f_back else ""
     spec = GroupSpec(worker_cls, args, kwargs, nprocs, mesh, place, name, env, module,
@@ -84,8 +88,40 @@ def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | 
     return spec
 
 
-def declared_in(modules: set[str]) -> list[GroupSpec]:
-    return [g for g in _declared if g.module in modules]
+def declared_for(fns: Iterable[Callable[..., Any]]) -> list[GroupSpec]:
+    """The groups a flow of nodes `fns` runs: those declared in the nodes' modules, and
+    those the nodes name from elsewhere (`from roles import actor`, `roles.actor`, a
+    closure's), in the order they were declared."""
+    modules: set[str] = set()
+    named: set[int] = set()
+    for fn in fns:
+        fn = inspect.unwrap(fn)
+        modules.add(fn.__module__)
+        named.update(id(v) for v in _named_by(fn))
+    return [g for g in _declared if g.module in modules or id(g) in named]
+
+
+def _named_by(fn: Callable[..., Any]) -> Iterator[Any]:
+    """The objects a function's code names: its globals and their attributes (a module's),
+    and its closure's cells; with the code of functions defined inside it."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    names: set[str] = set()
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        names.update(c.co_names)
+        codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    scope = getattr(fn, "__globals__", {})
+    for name in names:
+        value = scope.get(name)
+        yield value
+        if isinstance(value, types.ModuleType):
+            yield from (getattr(value, attr, None) for attr in names)
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # (an empty cell)
+            yield cell.cell_contents
 
 
 def declared_count() -> int:

@@ -28,7 +28,7 @@ from typing import Any
 from asyncrl.actors.worker import rng_state
 from asyncrl.comm import codec
 from asyncrl.controller.blame import blame, upstream
-from asyncrl.controller.declare import GroupSpec, declared_in
+from asyncrl.controller.declare import GroupSpec, declared_for
 from asyncrl.controller.inputs import Inputs
 from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
 from asyncrl.controller.timeline import current_node
@@ -95,8 +95,8 @@ class DataFlow:
         self.steps = steps  # what run() and `asyncrl launch` run when not told
         self.deps = {name: self._resolve(n) for name, n in self.nodes.items()}
         self.order = self._topological()
-        modules = {n.fn.__module__ for n in self.nodes.values()}
-        self.groups = list(groups) if groups is not None else declared_in(modules)
+        self.groups = list(groups) if groups is not None else \
+            declared_for(n.fn for n in self.nodes.values())
         self.feed = Inputs(self.inputs)  # one item a step from each, and their positions
         self._last_end = 0.0  # when the last step given to on_step finished
         # by index: the steps in flight and the last finished ones a later step waits on
