@@ -314,3 +314,56 @@ def test_attach_shows_a_character_split_between_two_reads_whole():
     while not shown.empty():
         rest.append(shown.get())
     assert "".join(rest) == "é\n"
+
+
+def test_the_attach_clients_end_of_input_continues_the_rank_as_pdb_does(rank):
+    """Ctrl-D (or a file of commands with no `c` at its end): the client stopped reading
+    its input and waited, and the rank's pdb waited for a command: both hung."""
+    from asyncrl.controller.attach import attach
+
+    rank.start("call", _stops_then_calls_helper)
+    rank.next_stop()
+    keys, typed = os.pipe()
+    os.write(typed, b"p x\n")
+    os.close(typed)
+    out = io.StringIO()
+    done = threading.Event()
+
+    def client() -> None:
+        with open(keys, "rb") as stdin:
+            attach(rank.session(), stdin, out)
+        done.set()
+    threading.Thread(target=client, daemon=True).start()
+    assert done.wait(30), "the attach client still waits after its input ended"
+    rank.join()
+    assert rank.results == {"call": 42}
+    assert "g:0) 20\n" in out.getvalue() and "continuing" in out.getvalue()
+
+
+def test_restart_and_interact_are_refused_on_a_rank_and_the_call_goes_on(rank):
+    """pdb's `restart` raised pdb.Restart into the worker's method (the call failed, the
+    connection stayed open); `interact` read the rank's own stdin."""
+    rank.start("call", _stops_then_calls_helper)
+    rank.next_stop()
+    with _connect(rank.session()) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        for command in (b"restart\n", b"run\n", b"interact\n"):
+            sock.sendall(command)
+            assert "is not available on a rank" in _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"c\n")
+        _until(sock, b"\n")
+    rank.join()
+    assert rank.results == {"call": 42}
+
+
+def test_pythonbreakpoint_0_turns_breakpoints_off_on_ranks(monkeypatch):
+    from asyncrl.actors import debugger
+
+    monkeypatch.setenv(debugger.DEBUG_DIR_ENV, "/nonexistent/never-used")
+    monkeypatch.setenv("PYTHONBREAKPOINT", "0")
+    called = []
+    monkeypatch.setattr(debugger, "_break", called.append)
+    assert debugger.breakpointhook() is None and called == []
+    monkeypatch.setenv("PYTHONBREAKPOINT", "")
+    debugger.breakpointhook()
+    assert len(called) == 1  # unset: asyncrl's wait for `asyncrl attach`

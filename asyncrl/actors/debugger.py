@@ -134,9 +134,17 @@ def _remove_stale(folder: Path, group: str, rank: int) -> None:
             continue  # another rank's, removed right now, or unreadable
 
 
-def breakpointhook(*args: Any, **kwargs: Any) -> None:
-    """sys.breakpointhook on a rank: wait for `asyncrl attach`, then pdb at the caller."""
+def breakpointhook(*args: Any, **kwargs: Any) -> Any:
+    """sys.breakpointhook on a rank: wait for `asyncrl attach`, then pdb at the caller.
+    PYTHONBREAKPOINT as Python reads it: "0" turns breakpoint() off, another hook is
+    called instead."""
+    chosen = os.environ.get("PYTHONBREAKPOINT", "")
+    if chosen == "0":
+        return None
+    if chosen:
+        return sys.__breakpointhook__(*args, **kwargs)
     _break(sys._getframe(1))
+    return None
 
 
 def breakpoint() -> None:
@@ -196,6 +204,19 @@ class _RemotePdb(pdb.Pdb):
         """The attach client went away: let the method go on, as `c` would."""
         self.do_continue(arg)
         return True
+
+    def do_run(self, arg: str) -> bool:
+        """run/restart: not on a rank (it would fail the call, and the group's other ranks
+        would wait in their collectives)."""
+        self.message("[asyncrl] restart is not available on a rank: `c` lets the call go on")
+        return False
+
+    do_restart = do_run
+
+    def do_interact(self, arg: str) -> bool:
+        """interact: not on a rank (it reads the rank's own stdin, not the attach client)."""
+        self.message("[asyncrl] interact is not available on a rank: `p`/`!` run a statement")
+        return False
 
 
 def install() -> None:

@@ -87,8 +87,9 @@ def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.st
                 stdout.flush()
             if keys in ready:
                 typed = os.read(keys, 65536)
-                if not typed:  # end of input: leave the rank where it is
-                    inputs.remove(keys)
+                if not typed:  # end of input (Ctrl-D): the rank's pdb reads its end and
+                    inputs.remove(keys)  # continues, as pdb does; what it says still comes
+                    sock.shutdown(socket.SHUT_WR)
                     continue
                 sock.sendall(typed)
     except KeyboardInterrupt:  # the rank reads the closed connection as `c`
