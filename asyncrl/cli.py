@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -294,11 +295,16 @@ def attach(args: argparse.Namespace) -> int:
     from asyncrl.controller.attach import attach as bridge
     from asyncrl.controller.attach import choose, waiting
 
+    if not Path(args.run_dir).is_dir():
+        raise SystemExit(f"asyncrl attach: no run directory {args.run_dir} (the folder "
+                         f"`asyncrl launch` printed as run_dir:)")
     sessions = waiting(Path(args.run_dir))
     if args.list:
         for s in sessions:
             print(f"{s['group']}:{s['rank']}  host {s['host']}  pid {s['pid']}  thread "
                   f"{s.get('thread')}  at {s['where']}")
+        if not sessions:
+            print(f"no rank waits for a debugger in {args.run_dir}")
         return 0
     try:
         session = choose(sessions, args.group, args.rank, args.thread)
@@ -319,9 +325,16 @@ def logs(args: argparse.Namespace) -> int:
     if args.tail is not None and args.tail < 0:
         raise SystemExit(f"asyncrl logs: --tail takes a number of lines >= 0, got {args.tail}")
     try:
-        print(read_log(Path(args.run_dir), args.group, args.rank, args.tail))
+        lines = read_log(Path(args.run_dir), args.group, args.rank, args.tail)
     except FileNotFoundError as e:
         raise SystemExit(f"asyncrl logs: {e}") from None
+    try:
+        for line in lines:
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # its reader had enough (`| head`): not an error; and the
+        # interpreter's own flush at exit must not meet the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -76,6 +76,10 @@ def test_attach_says_who_waits_when_the_choice_is_wrong(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match="no rank waits for a debugger .* waiting: none"):
         main(["attach", str(tmp_path)])
+    assert main(["attach", str(tmp_path), "--list"]) == 0  # an empty list says so
+    assert capsys.readouterr().out == f"no rank waits for a debugger in {tmp_path}\n"
+    with pytest.raises(SystemExit, match="no run directory .*/typo"):  # (it said none waits)
+        main(["attach", str(tmp_path / "typo"), "--list"])
     # a rank that died at its breakpoint leaves its file (it exits with os._exit): not
     # listed, and removed; one still running that no longer answers is named
     import subprocess

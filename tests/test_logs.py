@@ -69,7 +69,7 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
     assert out.returncode == 0 and out.stdout.splitlines() == ["second", "third"]
     from asyncrl.controller.logs import read_log
 
-    assert read_log(tmp_path, "actor", 1, 0) == ""  # not the whole log
+    assert list(read_log(tmp_path, "actor", 1, 0)) == []  # not the whole log
     other = tmp_path / "other"
     sink = LogSink(other / "logs", echo=False)  # a group closed: its files closed too
     sink.write("actor", 0, ["a"])
@@ -79,8 +79,8 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
     assert len(opened - set(os.listdir("/proc/self/fd"))) == 1
     sink.write("actor", 0, ["c"])  # a respawned group's rank: opened again, appended to
     sink.close()
-    assert read_log(other, "actor", 0) == "a\nc"
-    assert read_log(tmp_path, "actor", 1, 5) == "first\nsecond\nthird"
+    assert list(read_log(other, "actor", 0)) == ["a", "c"]
+    assert list(read_log(tmp_path, "actor", 1, 5)) == ["first", "second", "third"]
     with pytest.raises(FileNotFoundError, match=r"no log for group 'critic' rank 1 .*logs "
                                                 r"there: \['actor:0', 'critic:0'\]"):
         read_log(other, "critic", 1)
@@ -106,6 +106,28 @@ def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
                           "critic", "--rank", "0"], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)
     assert bad.returncode != 0 and "actor:1" in bad.stderr
+
+
+def test_asyncrl_logs_keeps_a_ranks_lines_whole_and_stops_quietly_for_head(tmp_path):
+    """Lines split at newlines only (str.splitlines also split at U+2028, \\x0c...: a
+    fragment came out as a line of its own); a reader that stops early (`| head -1`) ended
+    in a BrokenPipeError traceback and exit code 1."""
+    from asyncrl.controller.logs import read_log
+
+    sink = LogSink(tmp_path / "logs", echo=False)
+    sink.write("actor", 0, ["sep\u2028arated", "form\x0cfeed"] + [f"line {i}" for i in range(
+        20000)])
+    sink.close()
+    assert list(read_log(tmp_path, "actor", 0))[:2] == ["sep\u2028arated", "form\x0cfeed"]
+    assert list(read_log(tmp_path, "actor", 0, 20001))[0] == "form\x0cfeed"
+    logs = subprocess.Popen([sys.executable, "-m", "asyncrl", "logs", str(tmp_path),
+                             "--group", "actor", "--rank", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT)
+    assert logs.stdout.readline() == "sep\u2028arated\n".encode()
+    logs.stdout.close()  # as `head -1` does
+    assert logs.wait(60) == 0
+    with logs.stderr:
+        assert logs.stderr.read() == b""
 
 
 def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):

@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -81,7 +82,10 @@ class LogSink:
         self._files.clear()
 
 
-def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> str:
+def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None
+             ) -> Iterable[str]:
+    """A rank's log, line by line (the last `tail` lines); FileNotFoundError at once, naming
+    the logs there are, when it has none."""
     path = Path(run_dir) / "logs" / group / f"rank{rank}.log"
     if not path.is_file():
         folder = Path(run_dir) / "logs"
@@ -100,8 +104,16 @@ def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None) -> s
         raise FileNotFoundError(f"no log for group {group!r} rank {rank} in {folder}; "
                                 f"logs there: {known or 'none'}")
     if tail is None:
-        return "\n".join(path.read_text(errors="replace").splitlines())
-    return "\n".join(_last_lines(path, tail))
+        return _lines(path)
+    return _last_lines(path, tail)
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """Its lines, as read (a rank's log may be gigabytes): split at newlines only, as the
+    rank wrote them (not at the other line breaks of str.splitlines, U+2028, \\x0c...)."""
+    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
+        for line in f:
+            yield line.removesuffix("\n")
 
 
 def _last_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
@@ -117,7 +129,8 @@ def _last_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
             f.seek(at)
             blocks.append(f.read(step))
             newlines += blocks[-1].count(b"\n")
-    lines = b"".join(reversed(blocks)).decode(errors="replace").splitlines()
+    text = b"".join(reversed(blocks)).decode(errors="replace")
+    lines = text.removesuffix("\n").split("\n") if text else []
     return lines[max(len(lines) - n, 0):]
 
 
