@@ -22,6 +22,7 @@ from asyncrl.comm.messages import Message
 log = logging.getLogger("asyncrl")
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+LINK_MIN_RATE = 10e6  # bytes/s: the slowest the controller's messages are taken to leave
 
 
 def open_frame(verifier: Verifier, route: bytes, frames: list) -> Message | None:
@@ -87,6 +88,7 @@ class ControllerChannel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
         self._watched: dict[bytes, Unheard] = {}
+        self._backlog, self._backlog_at = 0.0, 0.0  # bytes (see send_encoded), and when
 
     @property
     def dropped(self) -> dict[str, int]:
@@ -137,9 +139,14 @@ class ControllerChannel:
         for frame in frames:  # each a buffer, checked before the first part goes: a part
             size += memoryview(frame).nbytes  # that fails after it would leave the message
             # open, and the next one, to any rank, appended to it
+        # what waits to leave, as if everything went out one after the other at the slowest
+        # rate a link is taken to have: a message waits behind those sent before it
+        now = time.monotonic()
+        self._backlog = max(0.0, self._backlog - (now - self._backlog_at) * LINK_MIN_RATE) + size
+        self._backlog_at = now
         unheard = self._watched.get(identity)
         if unheard is not None:
-            unheard.sent(self._signer.seq, size)
+            unheard.sent(self._signer.seq, now, self._backlog / LINK_MIN_RATE)
         send = self._sock.send
         send(identity, _MORE)
         send(body, _MORE)
@@ -202,19 +209,21 @@ class ControllerChannel:
 
 class Unheard:
     """What went to one rank socket that its rank has not said it received: (sequence
-    number, when it went, its bytes), oldest first; and what it sent that has not come."""
+    number, when it went, how long it may take to leave: the seconds at LINK_MIN_RATE of it
+    and of all that went to any socket before it and may not have left yet), oldest first;
+    and what the socket sent that has not come."""
 
     __slots__ = ("count", "messages", "behind")
 
     def __init__(self) -> None:
         self.count = 0  # messages sent to it
-        self.messages: deque[tuple[int, float, int]] = deque()
+        self.messages: deque[tuple[int, float, float]] = deque()
         # from it: how many it had sent when fewer had come here, and when that was seen
         self.behind: tuple[int, float] | None = None
 
-    def sent(self, seq: int, size: int) -> None:
+    def sent(self, seq: int, at: float, leaves_in: float) -> None:
         self.count += 1
-        self.messages.append((seq, time.monotonic(), size))
+        self.messages.append((seq, at, leaves_in))
 
     def heard(self, seq: int) -> int:
         """The rank received up to `seq`: forget those; how many were sent up to it."""

@@ -141,12 +141,12 @@ class HostRelay:
             try:
                 frames = self._up.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
-                self._count()
                 return
             heard = self._up_verifier.last(self._route)
             msg = open_frame(self._up_verifier, self._route, [f.buffer for f in frames[:2]])
             if self._up_verifier.last(self._route) != heard:
                 self._received += 1
+                self._count()  # (a drain may go on for long)
             extra = frames[2:]  # the raw frames of the Calls' large arguments
             if isinstance(msg, Fanout) and _well_formed(msg, len(extra)):
                 self._deliver(msg, extra)

@@ -5,21 +5,21 @@ A rank's heartbeats run on its "io" socket; its in-order calls and their results
 breaks (a middlebox drops an idle link, a reset), ZeroMQ connects again without a word and
 what was on the wire is gone: a Call the rank never runs, or a Result the controller never
 gets. So every heartbeat says how far the rank's sockets have got (`Heartbeat.exec_*`,
-`io_*`), and the supervisor compares it with what the controller sent and got:
+`io_*`; behind host relays, the relays the rank runs: `relays`, the TCP links being theirs),
+and the supervisor compares it with what the controller sent and got:
 
     to the rank     fewer received than were sent up to the last one it received (one was
       (exec, io)    passed over: on io, where heartbeats flow, that finds any loss)
       (exec)        or one not received while its thread has waited for `grace`, sent
-                    `grace` before a controller heartbeat the rank had then (more for big
-                    ones: the controller's clock on both ends)
+                    `grace` before a controller heartbeat the rank had then, and more if
+                    it waited to leave behind big ones (Unheard): the controller's clock
     from the rank   a sequence number passed over; or one it sent that has not come
       (exec)        `grace` after the controller first found it missing
 
-`grace` is the heartbeat timeout: a message slower than that on a link whose heartbeats
-keep time is not coming. A loss ends the group as a death does (recovery restarts it).
-Not checked: what concurrent calls' threads send back (a result lost with no later one from
-that thread waits), and groups behind host relays (a relay holds a host's results back
-until all of its ranks answered).
+`grace` is LOST_AFTER heartbeat timeouts: a message that much slower than the heartbeats
+beside it is not coming. Any loss ends the group as a death does (recovery restarts it):
+what else was lost with it cannot be known. Not checked: the results of concurrent calls of
+a rank reached directly (their threads' sockets; one lost with no later one waits).
 """
 
 from __future__ import annotations
@@ -33,17 +33,18 @@ from asyncrl.comm.relay import RELAY_ROLES
 if TYPE_CHECKING:
     from asyncrl.controller.group import RankInfo
 
-LINK_MIN_RATE = 10e6  # bytes/s: a big message may take this long on the wire, and no longer
+LOST_AFTER = 3  # heartbeat timeouts
 
 
 def lost_messages(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInfo,
-                  grace: float, now: float) -> str | None:
+                  heartbeat_timeout: float, now: float) -> str | None:
     """The rank's death, said, if messages on its links are lost; else None. `relay_of`:
     rank socket -> the host relay it reaches the controller through."""
-    why = _why(channel, relay_of, info, grace, now)
+    why = _why(channel, relay_of, info, LOST_AFTER * heartbeat_timeout, now)
     return None if why is None else (
-        f"its connection to the controller lost messages: {why} (the TCP connection broke "
-        f"and ZeroMQ connected again; a call on it would wait for ever)")
+        f"its connection to the controller lost messages: {why}. A TCP connection that broke "
+        f"and was made again loses what was on the wire, and a call would wait for it for "
+        f"ever (found with heartbeat_timeout={heartbeat_timeout:g} s)")
 
 
 def _why(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInfo,
@@ -82,9 +83,9 @@ def _to(channel: ControllerChannel, identity: bytes, heard: int, received: int,
     if unheard.messages and idle_s >= grace:
         # the rank had the controller's heartbeat stamped `stamp_heard` (on its io link)
         # when it found the socket waiting: a message sent well before that is lost
-        _, sent_at, size = unheard.messages[0]
+        _, sent_at, leaves_in = unheard.messages[0]
         late = beat.stamp_heard - sent_at
-        if late >= grace + size / LINK_MIN_RATE:
+        if late >= grace + leaves_in:
             waited = "" if idle_s == float("inf") else \
                 f", while the rank waited for one for {idle_s:.1f} s"
             return f"a message to {name} had not come {late:.1f} s after it was sent{waited}"

@@ -64,10 +64,11 @@ class Supervisor:
                     ctl.loop.create_task(self.rank_gone(group, rank))
                 elif judge and not info.gone and now - info.last_seen > ctl.heartbeat_timeout:
                     silent.append(rank)
-                elif judge and lost is None:
+                elif judge and not info.gone and lost is None:
                     why = lost_messages(ctl.channel, ctl.relay_of, info, ctl.heartbeat_timeout, now)
                     lost = None if why is None else (rank, why)
-            if lost is not None and not silent:
+            if lost is not None and not silent and not any(  # (a death named as such)
+                    i.gone for i in group.ranks.values()):
                 group._mark_dead(lost[0], None, lost[1])
                 group.agent.signal_all(signal.SIGKILL)
             if silent:
