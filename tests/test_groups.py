@@ -324,3 +324,52 @@ def test_a_group_runs_at_the_cpu_priority_it_was_given(bg):
     with pytest.raises(ValueError, match="group 'niceness': nice must be an int"):
         asyncrl.group(Niceness, nice=20)
     assert "rude" not in bg.ctl.groups
+
+
+def test_a_refused_or_failed_call_lets_its_inputs_go_at_once():
+    """A call that failed on one input (or was refused by a dead group) kept its other
+    inputs' objects alive on their producer: the error's traceback named the call, which
+    named its inputs, until a gc pass (or for good: a dead group raised one error object
+    again and again, its traceback growing with every raiser's frame)."""
+    import gc
+    import types
+
+    from asyncrl.comm.messages import Schema
+    from asyncrl.controller.group import GroupHandle, RankInfo, _Queued
+    from asyncrl.controller.objects import ObjectRef
+    from asyncrl.errors import GroupDeadError
+    from asyncrl.futures.future import DistFuture
+
+    released: list[int] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ctl = types.SimpleNamespace(
+            releases=types.SimpleNamespace(later=lambda g, ranks, obj: released.append(obj)),
+            transport="tcp", loop=loop, links=types.SimpleNamespace(needed=lambda *a: False))
+        producer, consumer = object.__new__(GroupHandle), object.__new__(GroupHandle)
+        producer.__dict__.update(_ctl=ctl, name="prod", dead=None, closing=False,
+                                 ranks={0: RankInfo(1, "h", 0.0)})
+        consumer.__dict__.update(_ctl=ctl, name="cons", dead=None, closing=False)
+
+        async def call(obj: int, *more: DistFuture) -> BaseException:
+            good = DistFuture._new(loop, "prod.gen")
+            good._set_result(ObjectRef(producer, obj, lambda p: p, {0: Schema(-1, nbytes=1)},
+                                       {}))
+            item = _Queued("m", (good, *more), {}, DistFuture._new(loop, "cons.m"))
+            await GroupHandle._send_when_ready(consumer, item)
+            return item.future._fut.exception()
+        bad = DistFuture._new(loop, "prod.score")
+        bad._set_exception(ValueError("boom"))
+        failed = await call(7, bad)  # kept by the caller, as a driver keeps its error
+        assert "input 1 (prod.score) failed: boom" in str(failed) and released == [7]
+        consumer.dead = GroupDeadError("cons", 0, 1, "killed", "")
+        refused = [await call(obj) for obj in (8, 9)]
+        assert released == [7, 8, 9]
+        assert all(isinstance(e, GroupDeadError) and e is not consumer.dead for e in refused)
+        assert consumer.dead.__traceback__ is None
+    gc.disable()
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()

@@ -12,10 +12,10 @@ the calls behind it, so every rank sees the group's calls in submission order.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import itertools
 import threading
-import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -212,10 +212,8 @@ class GroupHandle:
         called = called_groups.get()
         if called is not None:  # first: a node whose call meets the death is re-run
             called.add(self.name)
-        if self.dead is not None:  # a dead group being replaced is still dead (a node
-            raise self.dead  # that called it can then be re-run), not "closed"
-        if self.closing:
-            raise ClosedError(f"group {self.name!r} is closed")
+        if self.dead is not None or self.closing:  # a dead group being replaced is still
+            raise self._refusal()  # dead (a node that called it can be re-run), not "closed"
         if method not in self.methods:
             raise self._no_method(method)
         loop = self._ctl.loop
@@ -230,9 +228,16 @@ class GroupHandle:
             loop.call_soon_threadsafe(self._submit_or_fail, item)
         return future
 
+    def _refusal(self, closed: str = "") -> Exception:
+        """Its death, a copy for each raise (raising one object again and again grows its
+        traceback, and every frame of it keeps what it names alive), or ClosedError."""
+        if self.dead is not None:
+            return copy.copy(self.dead)
+        return ClosedError(f"group {self.name!r} is closed{closed}")
+
     def _submit(self, item: _Queued) -> None:
         if self.closing or self.dead is not None:
-            raise self.dead or ClosedError(f"group {self.name!r} is closed")
+            raise self._refusal()
         concurrent = self.methods[item.method].concurrent
         if any(isinstance(a, DistFuture) for a in (*item.args, *item.kwargs.values())) or (
                 self._backlog and not concurrent):
@@ -281,10 +286,11 @@ class GroupHandle:
             item.args = tuple([await self._view(a, i, item) for i, a in enumerate(item.args)])
             item.kwargs = {k: await self._view(v, k, item) for k, v in item.kwargs.items()}
             if self.closing or self.dead is not None:
-                raise self.dead or ClosedError(f"group {self.name!r} is closed")
+                raise self._refusal()
             self._send(item)
-        except Exception as e:  # noqa: BLE001 - the caller sees it at await
-            item.future._set_exception(e)
+        except Exception as e:  # noqa: BLE001 - the caller sees it at await; the inputs go
+            item.args, item.kwargs, item.inputs = (), {}, []  # now: the frames of this
+            item.future._set_exception(e.with_traceback(None))  # error's path name them
 
     def _send(self, item: _Queued) -> None:
         protocol = get_protocol(self.methods[item.method].dispatch)
@@ -500,10 +506,8 @@ class GroupHandle:
 
     async def _fetch(self, rank: int, obj_id: int) -> Any:
         """A stored part that was too big to come with its Result (a driver awaits it)."""
-        if self.dead is not None:
-            raise self.dead
-        if self.closing:
-            raise ClosedError(f"group {self.name!r} is closed; its results are gone")
+        if self.dead is not None or self.closing:
+            raise self._refusal("; its results are gone")
         return await self.fetches.get(rank, obj_id)
 
     async def _view(self, arg: Any, name: int | str, item: _Queued) -> Any:
@@ -550,6 +554,8 @@ class GroupHandle:
         for task, item in list(self._waiting.items()):  # fail now, not when inputs arrive
             task.cancel()
             item.future._set_exception(exc)
+        if self._drainer is not None:  # (the backlog's head waits on its inputs: let go)
+            self._drainer.cancel()
         self.fetches.fail(exc)
         for waiter in (self.started, self.ready):
             if not waiter.done():
@@ -579,11 +585,6 @@ class GroupHandle:
             if other is not self and other.dead is None and not other.closing:
                 other.post_all(box, "io", message)
         box.flush()
-
-    def _touch(self, rank: int) -> None:
-        info = self.ranks.get(rank)
-        if info is not None:
-            info.last_seen = time.monotonic()
 
 
 def _keep(ranks: Iterable[int], collect: set[int]) -> list[int] | None:

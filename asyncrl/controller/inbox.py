@@ -47,7 +47,9 @@ class Inbox:
         if isinstance(msg, Result):
             group = ctl.calls.get(msg.call_id)
             if group is not None:
-                group._touch(msg.rank)
+                info = group.ranks.get(msg.rank)
+                if info is not None:  # (it answers: alive, whatever its heartbeats)
+                    info.last_seen = time.monotonic()
                 group._on_result(msg)
             return
         parts = identity.split(b"/")
