@@ -96,6 +96,17 @@ def test_a_peer_death_an_async_node_meets_as_a_broken_collective_reruns_it(tmp_p
     assert all((e["kind"], e["groups"]) == ("rerun", []) for e in others)
 
 
+def test_a_node_whose_outputs_are_partly_passed_on_is_rewound_not_rerun(tmp_path):
+    """score returns the scorer's pid (done, passed on to train) and a call the scorer dies
+    in: a re-run gave a second attempt's score beside the first attempt's pid (on a real
+    flow, new samples' scores beside the old samples), so the flow goes back instead."""
+    kill_held(tmp_path, "scorer:2", "steps=5", "pair=1")
+    steps_once(tmp_path / "run", 5)
+    [event] = recoveries(tmp_path / "run")
+    assert (event["kind"], event["groups"], event["step"], event["resumed_at"]) == \
+        ("rewind", ["scorer"], 2, 2)
+
+
 def test_a_node_that_called_a_stateful_group_is_not_rerun_but_rewound(tmp_path):
     """The train node updates the trainer, then calls the scorer, which dies: re-running the
     node would train on step 3 twice, so the flow goes back to its checkpoint instead."""

@@ -232,18 +232,24 @@ class Recovery:
                       proxies: list[DistFuture], fn: Callable[[], Any], called: set[str]
                       ) -> None:
         """Pass each inner future's result on to its stand-in; on a death a re-run repairs,
-        re-run and follow the new futures. Stand-ins left unresolved fail with the cause."""
+        re-run and follow the new futures. Stand-ins left unresolved fail with the cause.
+        Not re-run once some stand-in has a result: the re-run's would not match it (new
+        samples scored beside the old ones); a rewind is left to repair it."""
         failure: BaseException = ClosedError(f"node {node!r} of step {step} was abandoned")
         seen: list[BaseException] = []
         try:
             while True:
-                for p, f in zip(proxies, inner, strict=True):
-                    f._fut.add_done_callback(functools.partial(_forward, proxy=p, inner=f))
+                forwards = [(f._fut, functools.partial(_forward, proxy=p, inner=f))
+                            for p, f in zip(proxies, inner, strict=True)]
+                for fut, forward in forwards:
+                    fut.add_done_callback(forward)
                 await asyncio.wait([f._fut for f in inner], return_when=asyncio.FIRST_EXCEPTION)
                 failed = [f for f in inner
                           if f._fut.done() and not f._fut.cancelled() and f._fut.exception()]
-                if not failed or all(p.done() for p in proxies):
+                if not failed or any(p.done() for p in proxies):
                     return
+                for fut, forward in forwards:  # what this attempt still returns is not the
+                    fut.remove_done_callback(forward)  # re-run's
                 failure = failed[0]._fut.exception()  # type: ignore[assignment]
                 spec = self.rerunnable(failure, called) or await self._died(failed[0]._label,
                                                                             called)

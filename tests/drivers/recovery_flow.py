@@ -13,8 +13,10 @@ to `<marks>/<group>.pid` and waits there until the test kills or stops it. `wait
 `<marks>/go`. `staleness=k`: steps t-k-2 to t in flight (more to overlap). `draw=1`: a
 node draws a random number per step on the controller (seeded: a rewind draws the same ones
 again). `fail_build=1`: the first scorer built after the held one died raises in __init__
-(a respawn that fails to build). The trainer's history is in every checkpoint
-(trainer/history.json): a run that recovered must hold each step exactly once.
+(a respawn that fails to build). `pair=1`: score returns two futures, the scorer's pid
+(done first) and [its pid, the score]; train checks they are of one attempt. The trainer's
+history is in every checkpoint (trainer/history.json): a run that recovered must hold each
+step exactly once.
 """
 
 import json
@@ -26,7 +28,7 @@ from pathlib import Path
 import asyncrl
 
 cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
-                     peek=0, collective=0, wait="", staleness=0, draw=0, fail_build=0)
+                     peek=0, collective=0, wait="", staleness=0, draw=0, fail_build=0, pair=0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 WAIT_GROUP, _, WAIT_STEP = cfg["wait"].partition(":")
 
@@ -84,6 +86,15 @@ class Scorer(asyncrl.Worker):
         return t.item() / self.world_size
 
     @asyncrl.register(dispatch="rank_zero")
+    def tag(self, step):
+        return os.getpid()
+
+    @asyncrl.register(dispatch="rank_zero")
+    def scored(self, step):
+        _hold("scorer", step)
+        return [os.getpid(), step * 10]
+
+    @asyncrl.register(dispatch="rank_zero")
     def echo(self, step):
         _hold("echo", step)
         return step
@@ -123,6 +134,10 @@ async def score(step):
         return (await scorer.score_all(step))[0]
     if cfg["peek"]:
         trainer.trained()
+    if cfg["pair"]:
+        tag = scorer.tag(step)
+        await tag  # done before the other is called
+        return [tag, scorer.scored(step)]
     return scorer.score(step)
 
 
@@ -130,6 +145,10 @@ async def score(step):
 async def train(step, score):
     if cfg["peek"]:
         score = await score
+    if cfg["pair"]:
+        tag, (pid, score) = await score[0], await score[1]
+        if tag != pid:
+            raise RuntimeError(f"step {step}: the node's outputs come from two attempts")
     out = trainer.train(step, score)
     if cfg["mixed"]:  # a stateless group called after a stateful one: never re-run
         assert await scorer.echo(step) == step
