@@ -318,3 +318,24 @@ def test_a_flow_imported_again_without_a_stale_setting_declares_its_groups_once(
     module = load_flow(str(flow), {"lr": "0.5"}, {"lr": "0.5"})
     assert "the run's setting(s) ['lr'], kept in its checkpoint" in capsys.readouterr().err
     assert [g.name for g in module.flow.groups] == ["w"]
+
+
+def test_a_bad_setting_on_the_command_line_says_what_went_wrong(monkeypatch):
+    """The shell's quotes taken off a list, a space after '=', a mistyped option, a setting
+    given twice (the last won), steps=nan (taken as a float for an int setting)."""
+    import asyncrl
+    from asyncrl.controller.declare import parse_overrides
+    from asyncrl.errors import SettingError
+
+    for given, default, said in (("[a,b]", ["x"], "quote it for the shell"),
+                                 ("", 1.0, "nothing after '='"),
+                                 ("nan", 3, "expected a int"), ("inf", 3, "expected a int")):
+        monkeypatch.setenv("ASYNCRL_OVERRIDES", json.dumps({"k": given}))
+        with pytest.raises(SettingError, match=said):
+            asyncrl.config(k=default)
+    monkeypatch.setenv("ASYNCRL_OVERRIDES", json.dumps({"k": "inf"}))
+    assert asyncrl.config(k=1.0) == {"k": float("inf")}  # a float's may be
+    with pytest.raises(ValueError, match="'--stesp=3' is not an option"):
+        parse_overrides(["--stesp=3"])
+    with pytest.raises(ValueError, match="lr is given twice"):
+        parse_overrides(["lr=1", "lr=2"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import math
 import os
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -187,7 +188,8 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
                     break
                 except ValueError:
                     pass
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if isinstance(value, int | float) and not isinstance(value, bool) and (
+                isinstance(default, float) or math.isfinite(value)):
             if isinstance(default, float):
                 return float(value)
             # an int's: 1e3 is 1000, not 1000.0 (a range() refuses that deep in a rank)
@@ -197,9 +199,15 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
             return type(default)(value)
     else:
         return value
+    hint = " (true/false)" if isinstance(default, bool) else ""
+    if value == "":
+        hint = " (nothing after '=': write key=value with no space around '=')"
+    elif isinstance(default, list | tuple | dict) and isinstance(value, str) and \
+            value[:1] in "[{":  # the shell took the JSON's quotes
+        hint = (f" (a list or dict is JSON: quote it for the shell, e.g. "
+                f"'{key}=[\"a\", \"b\"]')")
     raise SettingError(f"setting {key}={value!r} on the command line: expected a "
-                       f"{type(default).__name__}, as its default {default!r} is"
-                       + (" (true/false)" if isinstance(default, bool) else ""))
+                       f"{type(default).__name__}, as its default {default!r} is{hint}")
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, str]:
@@ -209,5 +217,10 @@ def parse_overrides(pairs: list[str]) -> dict[str, str]:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"override {pair!r} is not key=value")
+        if key.startswith("-"):
+            raise ValueError(f"{pair!r} is not an option of the command (see --help), nor a "
+                             f"setting")
+        if key in out:
+            raise ValueError(f"setting {key} is given twice ({key}={out[key]} and {pair})")
         out[key] = raw
     return out
