@@ -366,3 +366,26 @@ def test_a_checkpoint_of_the_other_backend_is_named_as_such(tmp_path):
         check_written_by(zero, "fsdp2")
     for folder, backend in ((fsdp, "fsdp2"), (zero, "zero"), (empty, "fsdp2"), (empty, "zero")):
         check_written_by(folder, backend)  # (a missing one is the load's own error)
+
+
+class OnlySaves(Rotated):
+    """A source with state_dict() and no load_state_dict()."""
+
+    def state_dict(self):
+        return {"somewhere": 1}
+
+
+def test_a_source_that_cannot_go_back_is_counted_not_saved_by_its_state_dict():
+    """Its state_dict() was saved, and every --resume refused it (it has no
+    load_state_dict): found only at the resume. It is counted as other sources are."""
+    from asyncrl.controller.inputs import Inputs
+
+    feed = Inputs({"prompts": OnlySaves(0)})
+    feed.reset()
+    assert [feed.next()["prompts"] for _ in range(2)] == ["a", "b"]
+    saved = json.loads(json.dumps(feed.positions()))
+    assert saved["prompts"]["consumed"] == 2
+    again = Inputs({"prompts": OnlySaves(0)})
+    again.reset()
+    again.resume_at(2, saved)
+    assert again.next()["prompts"] == "c"

@@ -257,3 +257,23 @@ def test_groups_declared_in_another_module_run_when_the_nodes_name_them(tmp_path
         for module in ("flow_mod", "roles_mod"):
             sys.modules.pop(module, None)
     assert names == ["actor", "critic", "unused", "local"]  # in the order declared
+
+
+def test_opening_an_open_flow_is_refused_and_leaves_it_open():
+    """A second open() failed (a group name taken) and its clean-up closed the first
+    open's groups and controller under the running flow."""
+    @asyncrl.node
+    def echo(x):
+        return x
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[echo], inputs={"x": [1, 2]}, groups=[])
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.FlowError, match="open already"):
+                    await flow.open(ctl)
+                return await flow.step()  # still open
+            finally:
+                await flow.close()
+    assert asyncio.run(main()) == {"echo": 1}

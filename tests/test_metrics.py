@@ -66,3 +66,28 @@ def test_runs_started_in_the_same_second_get_run_directories_of_their_own(tmp_pa
     first, second = default_run_dir(), default_run_dir()
     assert first != second and first.is_dir() and second.is_dir()
     assert second.name == "20261204-120000-1"
+
+
+def test_tensorboard_that_fails_is_said_and_turned_off_not_the_run(tmp_path, capsys):
+    """A writer that could not start was turned off without a word; a failure while logging
+    ended the run (wandb's is said, and only wandb stops)."""
+    from asyncrl.controller.trackers import TensorBoard
+
+    pytest.importorskip("tensorboard")
+    (tmp_path / "tensorboard").write_text("a file where its folder goes")
+    board = TensorBoard(tmp_path)
+    board.log(0, {"loss": 1.0})
+    board.log(1, {"loss": 2.0})
+    said = capsys.readouterr().err
+    assert said.count("tensorboard: could not start its writer") == 1
+    assert "metrics.jsonl has them all" in said
+
+    class Broken:
+        def add_scalar(self, *args):
+            raise OSError(28, "No space left on device")
+    board = TensorBoard(tmp_path / "other")
+    board.writer = Broken()
+    board.log(2, {"loss": 3.0})  # said, not raised
+    board.log(3, {"loss": 4.0})
+    assert capsys.readouterr().err.count("logging step 2 failed (OSError") == 1
+    assert board.writer is None

@@ -173,6 +173,9 @@ class DataFlow:
         """Spawn the flow's groups on `ctl` (the running Controller; one is opened if none)."""
         from asyncrl.controller.controller import Controller
 
+        if self._ctl is not None:  # (a second open's failure would close the first's groups)
+            raise FlowError("this DataFlow is open already: close it first (or use "
+                            "`async with flow:` once)")
         if ctl is None:
             ctl = Controller.current()
         if ctl is None:
@@ -242,14 +245,19 @@ class DataFlow:
         after cancelling what still runs for it (steps, recoveries)."""
         await self._abandon()
         await self.recovery.finish()
-        if self._ctl is not None:
+        failed: list[BaseException] = []
+        if self._ctl is not None:  # every group closed, and the controller, if one fails
             handles = [g.handle for g in self.groups if g.handle is not None]
-            await asyncio.gather(*(self._ctl.close_group(h) for h in handles))
+            closed = await asyncio.gather(*(self._ctl.close_group(h) for h in handles),
+                                          return_exceptions=True)
+            failed = [e for e in closed if isinstance(e, BaseException)]
         for g in self.groups:
             g.handle = None
         if self._own_ctl and self._ctl is not None:
             await self._ctl.close()
         self._ctl, self._own_ctl = None, False
+        if failed:
+            raise failed[0]
 
     async def __aenter__(self) -> DataFlow:
         await self.open()

@@ -53,7 +53,7 @@ class Inputs:
         out: dict[str, Any] = {}
         for name, n in self.consumed.items():
             source = self.sources[name]
-            if hasattr(source, "state_dict"):
+            if _restorable(source):
                 out[name] = source.state_dict()
                 continue
             out[name] = {"consumed": n}
@@ -72,7 +72,7 @@ class Inputs:
                     f"the checkpoint saved no position for input {name!r} (it has "
                     f"{sorted(positions)}); resume with the flow that wrote it")
             source, state = self.sources[name], positions[name]
-            if hasattr(source, "load_state_dict"):
+            if _restorable(source):
                 try:
                     source.load_state_dict(state)
                 except ValueError as e:  # another source than the run's (its data, seed)
@@ -126,8 +126,7 @@ class Inputs:
                 values[name] = self.sources[name]
                 continue
             source = self.sources[name]
-            before = source.state_dict() if several and hasattr(source, "load_state_dict") \
-                else None
+            before = source.state_dict() if several and _restorable(source) else None
             try:
                 values[name] = next(it)
             except StopIteration:
@@ -140,9 +139,15 @@ class Inputs:
                 taken.append((name, source, before))
         for name in self.consumed:  # only for a step that runs (checkpoints save these)
             self.consumed[name] += 1
-            if not hasattr(self.sources[name], "state_dict"):
+            if not _restorable(self.sources[name]):
                 self._last[name] = values[name]
         return values
+
+
+def _restorable(source: Any) -> bool:
+    """A source that says where it is (`state_dict`) and goes back there (`load_state_dict`);
+    others are counted (a position only one of them, saved, could not be resumed from)."""
+    return hasattr(source, "state_dict") and hasattr(source, "load_state_dict")
 
 
 def _iterate(source: Any) -> Iterator[Any] | None:

@@ -39,11 +39,20 @@ class TensorBoard:
 
                 self.writer = SummaryWriter(str(self.dir), purge_step=self._purge)
                 self._purge = None
-            except Exception:  # noqa: BLE001 - TensorBoard is optional
-                self._missing = True
+            except Exception as e:  # noqa: BLE001 - TensorBoard is optional: said, and off
+                self._off(f"could not start its writer in {self.dir}", e)
         if self.writer is not None:
-            for k, v in row.items():
-                self.writer.add_scalar(k, v, step)
+            try:
+                for k, v in row.items():
+                    self.writer.add_scalar(k, v, step)
+            except Exception as e:  # noqa: BLE001 - the training goes on without it
+                self._off(f"logging step {step} failed", e)
+
+    def _off(self, what: str, e: Exception) -> None:
+        print(f"tensorboard: {what} ({type(e).__name__}: {e}); no more rows go to "
+              f"TensorBoard in this run (metrics.jsonl has them all)", file=sys.stderr,
+              flush=True)
+        self._missing, self.writer = True, None
 
     def rewind(self, step: int) -> None:
         if self.writer is not None:  # the next writer purges from the first step run again
