@@ -46,6 +46,7 @@ def launch(args: argparse.Namespace) -> int:
     if args.keep_checkpoints is not None and args.keep_checkpoints < 0:
         raise SystemExit(f"asyncrl launch: --keep-checkpoints must be >= 0 (0 keeps all), "
                          f"got {args.keep_checkpoints}")
+    settings = _settings(args)  # (checked before the flow's file is imported)
     sys.argv = [args.script, *args.args, *args.passed]
     overrides = now = key_values("launch", args.args)
     if args.resume:  # the run's own settings, under those given now (steps=... to go on)
@@ -102,7 +103,7 @@ def launch(args: argparse.Namespace) -> int:
     cluster, host = _cluster(args)
     return _run_flow("launch", run_dir, launch_flow(
         flow, given.get("steps"), run_dir, args.save_inputs, resume=args.resume, keep=keep,
-        cluster=cluster, host=host, controller=_settings(args), wandb=_wandb(args, run_dir)))
+        cluster=cluster, host=host, controller=settings, wandb=_wandb(args, run_dir)))
 
 
 OPTION_NAMES = {"steps": "steps", "checkpoint_every": "checkpoint-every",
@@ -212,7 +213,26 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                                 if getattr(args, n) is not None}
     if args.encrypt:
         settings["encrypt"] = True
+    from asyncrl.controller.controller import Controller
+
+    given = {**{n: p.default for n, p in inspect.signature(Controller).parameters.items()},
+             **settings}
+    if given["heartbeat_timeout"] <= given["heartbeat_interval"]:
+        raise SystemExit(f"asyncrl: --heartbeat-timeout ({given['heartbeat_timeout']:g} s) must "
+                         f"be longer than --heartbeat-interval ({given['heartbeat_interval']:g} "
+                         f"s)")
     return settings
+
+
+def _seconds(text: str) -> float:
+    """A command line's number of seconds: > 0 and finite."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise ValueError(text)
+    return value
+
+
+_seconds.__name__ = "number of seconds > 0"  # (argparse says "invalid <name> value")
 
 
 def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
@@ -382,18 +402,18 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
     """The Controller settings a command line may give (read back by `_settings`)."""
     from asyncrl.controller.controller import RELAY_MIN_RANKS
 
-    p.add_argument("--heartbeat-interval", type=float, default=None, metavar="S",
+    p.add_argument("--heartbeat-interval", type=_seconds, default=None, metavar="S",
                    help="seconds between heartbeats, both ways (default 0.5)")
-    p.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--heartbeat-timeout", type=_seconds, default=None, metavar="S",
                    help="a rank silent this long is hung, and ranks exit when the "
                    "controller is silent this long (default 3)")
-    p.add_argument("--transfer-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--transfer-timeout", type=_seconds, default=None, metavar="S",
                    help="how long a rank waits for a peer's data (default 60)")
-    p.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--collective-timeout", type=_seconds, default=None, metavar="S",
                    help="how long a collective inside a group waits for a peer (default 600)")
-    p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--startup-timeout", type=_seconds, default=None, metavar="S",
                    help="from torchrun's start until every rank said hello (default 120)")
-    p.add_argument("--construct-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--construct-timeout", type=_seconds, default=None, metavar="S",
                    help="until every worker's __init__ returned (default 600)")
     p.add_argument("--transport", choices=("auto", "tcp", "nccl"), default=None,
                    help="how ranks move data: auto (shared memory on one host, TCP between "

@@ -339,3 +339,21 @@ def test_a_bad_setting_on_the_command_line_says_what_went_wrong(monkeypatch):
         parse_overrides(["--stesp=3"])
     with pytest.raises(ValueError, match="lr is given twice"):
         parse_overrides(["lr=1", "lr=2"])
+
+
+def test_bad_controller_timings_are_refused_before_anything_starts(tmp_path):
+    """--heartbeat-timeout below the interval ended in a ValueError traceback from inside
+    run(), after the run directory was made; zero and negative seconds were taken."""
+    from asyncrl.cli import main
+
+    flow = tmp_path / "flow.py"
+    flow.write_text("raise SystemExit('the flow file was imported')\n")
+    with pytest.raises(SystemExit, match=r"--heartbeat-timeout \(0.2 s\) must be longer than "
+                                         r"--heartbeat-interval \(0.5 s\)"):
+        main(["launch", str(flow), "--heartbeat-timeout", "0.2",
+              "--run-dir", str(tmp_path / "run")])
+    for flag in ("--heartbeat-interval", "--transfer-timeout", "--collective-timeout"):
+        for bad in ("0", "-1", "inf", "nan"):
+            with pytest.raises(SystemExit):  # argparse's usage error
+                main(["launch", str(flow), flag, bad])
+    assert not (tmp_path / "run").exists()
