@@ -54,9 +54,28 @@ def test_console_rate_limit_counts_what_it_hides(tmp_path, capsys):
     sink.write("g", 0, [f"l{i}" for i in range(10)])
     sink.close()
     err = capsys.readouterr().err.splitlines()
-    assert err[:3] == ["g:0 | l0", "g:0 | l1", "g:0 | l2"] and len(err) == 4
+    assert err[:3] == ["g:0 | l0", "g:0 | l1", "g:0 | l2"] and len(err) == 5
     assert "lines not shown" in err[3] and str(tmp_path / "g" / "rank0.log") in err[3]
+    # how many, said when the output ends in the burst (a traceback, often): it was not
+    assert err[4] == f"g:0 | [asyncrl] 7 lines were not shown; all are in {tmp_path}/g/rank0.log"
     assert (tmp_path / "g" / "rank0.log").read_text().splitlines() == [f"l{i}" for i in range(10)]
+    sink = LogSink(tmp_path, lines_per_s=0.001, burst=1)
+    sink.write("h", 0, ["a", "b"])
+    sink.close_group("h")  # a group's close says it too
+    assert capsys.readouterr().err.splitlines()[-1].startswith("h:0 | [asyncrl] 1 lines were")
+
+
+def test_a_log_file_that_cannot_be_written_hides_nothing_on_the_console(tmp_path, capsys):
+    """The file was written before the echo: a full disk raised there, the lines never
+    showed, and the channel logged a traceback for every message."""
+    (tmp_path / "g").write_text("a file where the group's folder goes")
+    sink = LogSink(tmp_path)
+    sink.write("g", 0, ["one"])
+    sink.write("g", 1, ["two"])
+    sink.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "g:0 | one" and err[-1] == "g:1 | two"
+    assert len([line for line in err if "failed" in line]) == 1  # said once
 
 
 def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):

@@ -24,24 +24,32 @@ class LogSink:
         self._tokens: dict[tuple[str, int], tuple[float, float]] = {}  # tokens, time
         self._hidden: dict[tuple[str, int], int] = {}
         self._files: dict[tuple[str, int], TextIO] = {}
+        self._unwritten: set[str] = set()  # groups whose files could not be written (said)
 
     def path(self, group: str, rank: int) -> Path:
         return self.folder / group / f"rank{rank}.log"
 
     def write(self, group: str, rank: int, lines: list[str], dropped: int = 0) -> None:
         key = (group, rank)
-        f = self._files.get(key)
-        if f is None:
-            self.path(group, rank).parent.mkdir(parents=True, exist_ok=True)
-            f = self._files[key] = open(self.path(group, rank), "a", encoding="utf-8")
-        for line in lines:
-            f.write(line + "\n")
-        if dropped:
-            f.write(f"[asyncrl] {dropped} lines over the streaming limit are only in the "
-                    f"group's torchrun log\n")
-        f.flush()
-        if self.echo:
+        if self.echo:  # first: a file that cannot be written must not hide them
             self._show(key, lines)
+        try:
+            f = self._files.get(key)
+            if f is None:
+                self.path(group, rank).parent.mkdir(parents=True, exist_ok=True)
+                f = self._files[key] = open(self.path(group, rank), "a", encoding="utf-8")
+            for line in lines:
+                f.write(line + "\n")
+            if dropped:
+                f.write(f"[asyncrl] {dropped} lines over the streaming limit are only in the "
+                        f"group's torchrun log\n")
+            f.flush()
+        except OSError as e:  # a full disk: said once a group, the run goes on
+            if group not in self._unwritten:
+                self._unwritten.add(group)
+                print(f"[asyncrl] writing {self.path(group, rank)} failed ({e}); group "
+                      f"{group!r}'s lines are in its torchrun log {self.folder / group}.log",
+                      file=sys.stderr, flush=True)
 
     def _show(self, key: tuple[str, int], lines: list[str]) -> None:
         now = time.monotonic()
@@ -71,12 +79,22 @@ class LogSink:
     def close_group(self, group: str) -> None:
         """A group stopped: its ranks' files closed (a respawn opens them again), so that a
         long run of many groups and restarts holds no descriptor per rank it ever had."""
+        for key in [k for k in self._hidden if k[0] == group and self._hidden[k]]:
+            self._say_hidden(key)  # (a burst that ended its output: a traceback, often)
         for key in [k for k in self._files if k[0] == group]:
             self._files.pop(key).close()
-            self._tokens.pop(key, None)
-            self._hidden.pop(key, None)
+        for table in (self._tokens, self._hidden):
+            for key in [k for k in table if k[0] == group]:
+                del table[key]
+
+    def _say_hidden(self, key: tuple[str, int]) -> None:
+        sys.stderr.write(f"{key[0]}:{key[1]} | [asyncrl] {self._hidden.pop(key)} lines were "
+                         f"not shown; all are in {self.path(*key)}\n")
+        sys.stderr.flush()
 
     def close(self) -> None:
+        for key in [k for k in self._hidden if self._hidden[k]]:
+            self._say_hidden(key)
         for f in self._files.values():
             f.close()
         self._files.clear()
