@@ -373,3 +373,26 @@ def test_a_refused_or_failed_call_lets_its_inputs_go_at_once():
         asyncio.run(main())
     finally:
         gc.enable()
+
+
+def test_rows_given_as_an_argument_wait_for_their_futures_as_a_future_does():
+    """A top-level Rows went straight to the protocol's split (a user protocol reading its
+    batch failed at the call); it is held until its futures are done, as a future is."""
+    import types
+
+    from asyncrl.comm.messages import MethodSpec
+    from asyncrl.controller.group import GroupHandle, _Queued
+    from asyncrl.futures.future import DistFuture, Rows
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        group = object.__new__(GroupHandle)
+        held, sent = [], []
+        group.__dict__.update(name="g", dead=None, closing=False, _backlog=[],
+                              methods={"m": MethodSpec("one_to_all", False)},
+                              _hold=held.append, _send=sent.append)
+        rows = Rows([(DistFuture._new(loop, "p.gen"), [0, 1])])
+        item = _Queued("m", (rows,), {}, DistFuture._new(loop, "g.m"))
+        GroupHandle._submit(group, item)
+        return held == [item] and sent == []
+    assert asyncio.run(main())

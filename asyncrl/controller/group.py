@@ -239,7 +239,7 @@ class GroupHandle:
         if self.closing or self.dead is not None:
             raise self._refusal()
         concurrent = self.methods[item.method].concurrent
-        if any(isinstance(a, DistFuture) for a in (*item.args, *item.kwargs.values())) or (
+        if any(isinstance(a, DistFuture | Rows) for a in (*item.args, *item.kwargs.values())) or (
                 self._backlog and not concurrent):
             self._hold(item)
             return
