@@ -402,7 +402,8 @@ class DataClient:
             value = self._lookup(req.obj_id)
         except KeyError:
             raise LookupError(f"object {req.obj_id} is not held by this rank (released, or "
-                              f"never stored)") from None
+                              f"never stored: with no group dead, a bug in asyncrl, please "
+                              f"report it)") from None
         start, stop, count = req.start, req.stop, req.stop - req.start
         if not isinstance(value, TensorBatch) or not 0 <= start <= stop <= len(value):
             raise ValueError(f"object {req.obj_id} of this rank has no rows {start}:{stop}")

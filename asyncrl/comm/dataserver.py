@@ -170,8 +170,9 @@ class DataServer:
         try:
             value = self._lookup(req.obj_id)
         except KeyError:
-            raise LookupError(f"object {req.obj_id} is not held by {self._peer} (released, "
-                              f"or never stored)") from None
+            raise LookupError(f"object {req.obj_id} is not held by {self._peer} (released, or "
+                              f"never stored: with no group dead, a bug in asyncrl, please "
+                              f"report it)") from None
         if req.start == -1 and req.stop == -1:  # large arrays as raw frames: never copied
             body, arrays = codec.encode_oob(value)
             return Pulled(req.xfer_id, value=msgspec.Raw(body),

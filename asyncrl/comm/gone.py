@@ -36,5 +36,6 @@ class GonePeers:
                     shard.obj_id < gone.below:
                 what = "a whole value" if piece.start < 0 else f"rows {piece.start}:{piece.stop}"
                 return InputLostError(f"cannot pull {what} of object {shard.obj_id} from "
-                                      f"{shard.peer}: group {gone.group!r} {gone.reason}")
+                                      f"{shard.peer}: group {gone.group!r} {gone.reason}; "
+                                      f"its results are gone with it: make them again")
         return None

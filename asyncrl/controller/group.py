@@ -532,7 +532,9 @@ class GroupHandle:
         if dead is not None or ref.group.closing:  # this group may have heard nothing of it
             why = f"is dead: {dead.reason}" if dead is not None else "was shut down"
             raise InputLostError(f"input {name!r} ({arg._label}) is lost: it was held by "
-                                 f"group {ref.group.name!r}, which {why}")
+                                 f"group {ref.group.name!r}, which {why}; call its method "
+                                 f"again on the group brought back (a DataFlow with "
+                                 f"max_restarts does that)")
         item.inputs.append(ref)
         transport = self._ctl.transport
         if self._ctl.links.needed(ref, self, transport):
