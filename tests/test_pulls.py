@@ -210,7 +210,8 @@ def test_a_pull_from_a_producer_declared_dead_fails_at_once_naming_it(scripted):
         client.fetch_value(RemoteValue(producer.shard))  # object 1, below 5
     announcer.join()
     assert str(info.value) == ("cannot pull a whole value of object 1 from prod:0: group 'prod' "
-                               "is dead: its process is gone")
+                               "is dead: its process is gone; its results are gone with it: "
+                               "make them again")
     # a later pull of that group's objects is not even sent (the script would answer it)
     with pytest.raises(asyncrl.InputLostError, match="rows 0:2 of object 3 from prod:0"):
         client.fetch_batch(RemoteBatch([Piece(Shard("prod", 0, 3, producer.addr, "h"), 0, 2)],
