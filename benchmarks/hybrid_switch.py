@@ -151,7 +151,8 @@ async def bench(presets: list[str], repeat: int, backend: str, ranks: int | None
                 print(json.dumps({
                     "bench": "hybrid_switch", "preset": preset, "backend": backend,
                     "params": switch["params"], "ranks": ranks,
-                    "optimizer": "offloaded" if offload else "kept",
+                    # (on CPU the state is on the host either way: nothing moves)
+                    "optimizer": ("offloaded" if offload else "kept") if gpu else "on host",
                     "switch_s": round(switch["switch_s"], 6),
                     "baseline": ("memcpy+host_round_trip" if offload and gpu else "memcpy")
                     if copied else "all_gather", "baseline_s": round(baseline, 6),
