@@ -378,7 +378,6 @@ def test_a_refused_or_failed_call_lets_its_inputs_go_at_once():
 def test_rows_given_as_an_argument_wait_for_their_futures_as_a_future_does():
     """A top-level Rows went straight to the protocol's split (a user protocol reading its
     batch failed at the call); it is held until its futures are done, as a future is."""
-    import types
 
     from asyncrl.comm.messages import MethodSpec
     from asyncrl.controller.group import GroupHandle, _Queued

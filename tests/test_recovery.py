@@ -107,6 +107,19 @@ def test_a_node_whose_outputs_are_partly_passed_on_is_rewound_not_rerun(tmp_path
         ("rewind", ["scorer"], 2, 2)
 
 
+def test_a_stateless_group_dead_in_a_save_is_respawned_and_the_save_made_again(tmp_path):
+    """The scorer's rank exits while step 3's checkpoint is written: the flow went back to
+    step 1's (without --checkpoint-every the final save is the only one: back to step 0)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    finish(launch(tmp_path / "run", "steps=5", "die_saving=3", f"marks={marks}"))
+    assert (marks / "scorer.died_saving").exists()
+    steps_once(tmp_path / "run", 5)
+    [event] = recoveries(tmp_path / "run")
+    assert (event["kind"], event["groups"], event["step"]) == ("resave", ["scorer"], 3)
+    assert (tmp_path / "run" / "checkpoints" / "step_000003" / "scorer").is_dir()
+
+
 def test_a_node_that_called_a_stateful_group_is_not_rerun_but_rewound(tmp_path):
     """The train node updates the trainer, then calls the scorer, which dies: re-running the
     node would train on step 3 twice, so the flow goes back to its checkpoint instead."""

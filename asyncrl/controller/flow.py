@@ -455,13 +455,23 @@ class DataFlow:
                 await complete(*pending.pop(0))
             if due:
                 assert checkpoint is not None
-                await checkpoint(t)
+                await self._save(checkpoint, t)
                 saved = t
         for step, results in pending:
             await complete(step, results)
         last = self.next_step - 1
         if checkpoint is not None and self._steps and saved != last:
-            await checkpoint(last)
+            await self._save(checkpoint, last)
+
+    async def _save(self, checkpoint: Callable[[int], Awaitable[None]], t: int) -> None:
+        """Checkpoint step `t`; a save that stateless groups died in is made again once they
+        are back (a rewind would run finished steps again: from step 0 with no checkpoint)."""
+        while True:
+            try:
+                return await checkpoint(t)
+            except Exception as e:
+                if not self.recovery.enabled or not await self.recovery.resave(e, t):
+                    raise
 
     @staticmethod
     async def _complete_finished(pending: list[tuple[_Step, dict[str, Any]]],

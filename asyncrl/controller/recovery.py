@@ -7,6 +7,8 @@
     (actor, critic, rollout), or a call       calls end, respawn the dead groups, load the last
     lost an input a dead group held           checkpoint into every group, run again from the
                                               step after it (its metrics rows are rewritten)
+    stateless groups died in a checkpoint's   respawn them, make the save again
+    save (their random state is saved too)
 
 A group is stateful when its worker class overrides `save_state`. Each group restarts at
 most `max_restarts` times over a run (`asyncrl.group(..., max_restarts=3)`), after waiting
@@ -52,6 +54,7 @@ class RecoveryEvent:
     """One recovery, as written to RUN_DIR/recoveries.jsonl."""
 
     kind: str  # "rerun": one node ran again | "rewind": the flow went back to a checkpoint
+    # | "resave": a checkpoint's save was made again
     groups: list[str]  # the groups respawned
     step: int  # the step that failed
     node: str | None  # the node re-run ("rerun" only)
@@ -331,6 +334,22 @@ class Recovery:
         self._record("rewind", [g.name for g in dead], step, None, resumed, exc, started)
         print(f"[asyncrl] rewound to step {resumed} after: {_first_line(exc)}",
               file=sys.stderr, flush=True)
+        return True
+
+    async def resave(self, exc: BaseException, step: int) -> bool:
+        """A checkpoint's save that stateless groups died in (a reward function's or a
+        reference's rank: they save their random state too): respawn them, counted, for the
+        save to be made again once the live groups' saves have ended; False when that does
+        not explain `exc` (a stateful group died, the budget is spent: a rewind's turn)."""
+        ctl, started = self.flow._ctl, time.monotonic()
+        dead = await self._dead_groups() if _death_behind(exc) else []
+        if not dead or any(g.stateful or not self._left(g) for g in dead):
+            return False
+        if await self._settle(ctl.transfer_timeout + ctl.heartbeat_timeout):
+            return False  # a live group's save still runs into the folder a save removes
+        for spec in dead:
+            await self.respawn(spec, exc)
+        self._record("resave", [g.name for g in dead], step, None, None, exc, started)
         return True
 
     def _respawned_since_rewind(self) -> bool:

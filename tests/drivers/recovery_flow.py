@@ -14,7 +14,8 @@ to `<marks>/<group>.pid` and waits there until the test kills or stops it. `wait
 node draws a random number per step on the controller (seeded: a rewind draws the same ones
 again). `fail_build=1`: the first scorer built after the held one died raises in __init__
 (a respawn that fails to build). `pair=1`: score returns two futures, the scorer's pid
-(done first) and [its pid, the score]; train checks they are of one attempt. The trainer's
+(done first) and [its pid, the score]; train checks they are of one attempt. `die_saving=
+<step>`: the scorer's rank exits while that step's checkpoint is saved (once). The trainer's
 history is in every checkpoint (trainer/history.json): a run that recovered must hold each
 step exactly once.
 """
@@ -28,7 +29,8 @@ from pathlib import Path
 import asyncrl
 
 cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
-                     peek=0, collective=0, wait="", staleness=0, draw=0, fail_build=0, pair=0)
+                     peek=0, collective=0, wait="", staleness=0, draw=0, fail_build=0, pair=0,
+                     die_saving=0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 WAIT_GROUP, _, WAIT_STEP = cfg["wait"].partition(":")
 
@@ -84,6 +86,15 @@ class Scorer(asyncrl.Worker):
         t = torch.tensor([float(step * 10)])
         dist.all_reduce(t)
         return t.item() / self.world_size
+
+    @asyncrl.register
+    def save_checkpoint(self, path):
+        if cfg["die_saving"] and f"step_{cfg['die_saving']:06d}" in path:
+            mark = Path(cfg["marks"]) / "scorer.died_saving"
+            if not mark.exists():
+                mark.write_text(str(os.getpid()))
+                os._exit(9)
+        return super().save_checkpoint(path)
 
     @asyncrl.register(dispatch="rank_zero")
     def tag(self, step):
