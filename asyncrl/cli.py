@@ -52,7 +52,10 @@ def launch(args: argparse.Namespace) -> int:
     if args.resume:  # the run's own settings, under those given now (steps=... to go on)
         from asyncrl.controller.checkpoint import checkpoint_overrides
 
-        saved = checkpoint_overrides(Path(args.run_dir))
+        try:
+            saved = checkpoint_overrides(Path(args.run_dir))
+        except CheckpointError as e:
+            raise SystemExit(f"asyncrl launch: {e}") from None
         if saved:
             print(f"asyncrl launch: resuming with the run's settings "
                   f"{json.dumps(saved)}, under those given now", file=sys.stderr)

@@ -139,14 +139,17 @@ def sync_file(path: Path) -> None:
 
 def sync_dir(path: Path) -> None:
     """fsync a folder (what was created or renamed in it)."""
-    try:  # some shared and FUSE filesystems refuse a folder's fsync: the rename stands
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some shared and FUSE filesystems refuse a folder's fsync: the
+        if e.errno not in _NO_DIR_FSYNC:  # rename stands; an I/O error does not pass
+            raise
+    finally:
+        os.close(fd)
+
+
+_NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM}
 
 
 def rng_state() -> dict[str, Any]:

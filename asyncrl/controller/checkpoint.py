@@ -32,7 +32,7 @@ import torch
 from asyncrl.actors.worker import rng_state, set_rng_state, sync_dir, sync_tree
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
-from asyncrl.errors import CheckpointError
+from asyncrl.errors import CheckpointError, RemoteError
 
 CHECKPOINTS = "checkpoints"
 KEEP = 3  # the default number of checkpoints kept: enough to step back past a bad one
@@ -63,7 +63,21 @@ def latest(run_dir: Path) -> Path | None:
 
 def read_meta(path: Path) -> dict[str, Any]:
     """The meta.json of checkpoint `path`."""
-    return json.loads((Path(path) / "meta.json").read_text())
+    file = Path(path) / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # (a disk's fault, a hand's edit)
+        raise CheckpointError(f"{file} cannot be read ({e}); {_aside(path)}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"{file} is not a checkpoint's meta.json (no step in it); "
+                              f"{_aside(path)}")
+    return meta
+
+
+def _aside(path: Path) -> str:
+    """What to do with a damaged checkpoint."""
+    return (f"move {Path(path).name} out of {Path(path).parent} to resume from the "
+            f"checkpoint before it")
 
 
 def refuse_existing(run_dir: Path) -> None:
@@ -236,8 +250,11 @@ async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
                   rewind: bool = False) -> int:
     """Load checkpoint `path` into the open `flow` (no step run yet; `rewind`: a recovery
     within the run); the step to run next."""
-    await asyncio.gather(*(_handle(g).load_checkpoint(str(path)) for g in flow.groups))
-    set_rng_state(torch.load(path / "controller_rng.pt", weights_only=True))
+    try:
+        await asyncio.gather(*(_handle(g).load_checkpoint(str(path)) for g in flow.groups))
+        set_rng_state(torch.load(path / "controller_rng.pt", weights_only=True))
+    except (RemoteError, OSError, RuntimeError) as e:  # a file damaged or missing
+        raise CheckpointError(f"loading {path} failed: {e}\n{_aside(path)}") from e
     start = int(meta["step"]) + 1
     flow.resume_at(start, meta.get("inputs", {}), rewind)
     return start

@@ -160,7 +160,10 @@ def drop_rows_after(path: Path, step: int) -> int:
     kept = [line for line in lines if line.strip() and (_step_of(line) or 0) <= step
             and _step_of(line) is not None]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    with open(tmp, "w") as f:  # on disk before it replaces the rows (a power cut between)
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return len(lines) - len(kept)
 

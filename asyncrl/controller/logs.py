@@ -159,8 +159,10 @@ def replace_json(path: Path, value: Any) -> None:
     starts (a Ctrl-C or SIGTERM while the trace was written); one file would mix them."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(value))
+        with os.fdopen(fd, "w") as f:  # on disk before the rename (a power cut between
+            f.write(json.dumps(value))  # would leave an empty file under the name)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())  # (mkstemp's 0600: as open would make it)
         os.replace(tmp, path)
     except BaseException:
