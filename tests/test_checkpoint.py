@@ -414,3 +414,30 @@ def test_a_source_that_cannot_go_back_is_counted_not_saved_by_its_state_dict():
     again.reset()
     again.resume_at(2, saved)
     assert again.next()["prompts"] == "c"
+
+
+def test_a_resume_with_other_prompts_is_refused_before_any_group_starts(tmp_path):
+    """A PromptSource of other data, seed or shuffle than the checkpoint's was refused only
+    by restore, after every group had started and loaded its weights (minutes, for a real
+    model)."""
+    from asyncrl.errors import CheckpointError
+
+    @asyncrl.node
+    def take(prompts):
+        return prompts
+
+    def flow_of(seed: int) -> asyncrl.DataFlow:
+        return asyncrl.DataFlow(nodes=[take], groups=[], inputs={"prompts": PromptSource(
+            [{"x": i} for i in range(7)], batch_size=3, seed=seed)})
+    saved = flow_of(5)
+    saved.feed.reset()
+    saved.feed.next()
+    folder = tmp_path / "checkpoints" / "step_000000"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({
+        "step": 0, "flow": checkpoint.identity(saved), "sizes": {},
+        "inputs": saved.positions()}))
+    assert checkpoint.resumable(tmp_path, flow_of(5))[0] == folder
+    with pytest.raises(CheckpointError, match="input 'prompts': this position was saved for "
+                                              "other prompts .*seed 5 there, 6 here"):
+        checkpoint.resumable(tmp_path, flow_of(6))

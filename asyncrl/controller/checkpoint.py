@@ -131,6 +131,7 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
             f"{'; '.join(resized)}); resume with the settings that sized them (the "
             f"checkpoint's key=value overrides are taken again unless the command line "
             f"gives others: {meta.get('overrides', {})})")
+    flow.feed.check(meta.get("inputs", {}))  # (not after every group loaded its weights)
     return path, meta
 
 

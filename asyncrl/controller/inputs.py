@@ -86,6 +86,16 @@ class Inputs:
                     f"load_state_dict(); this one has none: resume with the same input source")
             self._skip(name, state, rewind)
 
+    def check(self, positions: dict[str, Any]) -> None:
+        """Refuse, before any group starts, positions that sources which go back to one
+        (a PromptSource: its records, seed and shuffle) say were saved for other data."""
+        for name, source in self.sources.items():
+            if name in positions and _restorable(source):
+                try:
+                    source.load_state_dict(positions[name])  # (resume_at loads it again)
+                except ValueError as e:
+                    raise CheckpointError(f"input {name!r}: {e}") from e
+
     def _skip(self, name: str, state: dict[str, Any], rewind: bool) -> None:
         it, wanted = self._iters[name], state["consumed"]
         assert it is not None
