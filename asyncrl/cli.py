@@ -368,7 +368,8 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.warmup < 0 or (args.steps is not None and args.warmup >= args.steps):
         raise SystemExit(f"asyncrl bench: --warmup {args.warmup} leaves no step to measure; "
-                         f"give 0 <= N < --steps ({args.steps})")
+                         f"give 0 <= N" + ("" if args.steps is None else
+                                           f" < --steps ({args.steps})"))
     stray = [a for a in args.args if "=" not in a] + args.passed
     if stray:
         raise SystemExit(f"asyncrl bench: unrecognized arguments: {' '.join(stray)}; a flow "

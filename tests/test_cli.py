@@ -357,3 +357,14 @@ def test_bad_controller_timings_are_refused_before_anything_starts(tmp_path):
             with pytest.raises(SystemExit):  # argparse's usage error
                 main(["launch", str(flow), flag, bad])
     assert not (tmp_path / "run").exists()
+
+
+def test_asyncrl_timeline_on_another_tools_trace_says_so(tmp_path):
+    """Valid JSON of another shape (a trace without asyncrl's fields) ended in a KeyError
+    traceback."""
+    (tmp_path / "timeline.json").write_text(json.dumps({"traceEvents": [
+        {"ph": "M", "pid": 1, "tid": 1, "name": "thread_name"},
+        {"ph": "X", "name": "step", "ts": 0, "dur": 5}]}))
+    out = cli("timeline", str(tmp_path))
+    assert out.returncode == 1 and "is not a trace asyncrl wrote" in out.stderr and \
+        "Traceback" not in out.stderr, out.stderr

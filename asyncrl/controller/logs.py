@@ -116,7 +116,8 @@ def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None
         if agents:
             raise FileNotFoundError(
                 f"rank {rank} of group {group!r} printed nothing in {run_dir} (a rank's log "
-                f"is made at its first line); the group's torchrun log"
+                f"is made at its first line), or the group has no rank {rank}; the group's "
+                f"torchrun log"
                 f"{'s are' if len(agents) > 1 else ' is'} {', '.join(agents)}; logs there: "
                 f"{known or 'none'}")
         raise FileNotFoundError(f"no log for group {group!r} rank {rank} in {folder}; "

@@ -135,20 +135,22 @@ def draw(trace_path: Path, png_path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    try:
+    try:  # (its events' fields read here too: a trace of another tool fails as one)
         trace = json.loads(trace_path.read_text())["traceEvents"]
-    except (ValueError, KeyError, TypeError) as err:
+        rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+        spans = [e for e in trace if e["ph"] == "X"]
+        spans = [{**e, "name": str(e["name"]), "ms": (float(e["ts"]) / 1e3,
+                                                     float(e["dur"]) / 1e3)} for e in spans]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{trace_path} is not a trace asyncrl wrote (cut short when the "
                          f"run was killed?): {type(err).__name__}: {err}") from None
-    rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
-    spans = [e for e in trace if e["ph"] == "X"]
     if not spans:
         raise ValueError(f"{trace_path} holds no node executions: nothing to draw")
     names = sorted({e["name"] for e in spans})
     colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
     fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * len(rows)))
     for e in spans:
-        ax.barh(e["tid"], e["dur"] / 1e3, left=e["ts"] / 1e3, height=0.6,
+        ax.barh(e["tid"], e["ms"][1], left=e["ms"][0], height=0.6,
                 color=colors[e["name"]], edgecolor="black", linewidth=0.3)
     ax.set_yticks(list(rows), [rows[t] for t in rows])
     ax.invert_yaxis()
