@@ -300,3 +300,25 @@ def test_buckets_that_come_as_frames_are_asked_for_a_window_at_a_time(monkeypatc
     batch = RemoteBatch([Piece(producer.shard, 0, 6)], [messages.Column("x", "float32", (2,))])
     assert torch.equal(client.fetch_batch(batch)["x"], x)
     assert most == [2, 2, 2, 2, 2, 1]  # never more than two asked and unanswered
+
+
+def test_a_big_result_fetched_over_a_slow_link_is_given_time_for_its_bytes():
+    """The driver's fetch timed out at transfer_timeout however many bytes were still on
+    their way; the answer came, was decoded and thrown away, and the next await asked for
+    it all again."""
+    import asyncio
+
+    from asyncrl.comm import codec
+    from asyncrl.comm.channel import LINK_MIN_RATE
+    from asyncrl.controller.fetches import Fetches
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        fetches = Fetches("g", loop, lambda rank, msg: None, timeout=0.05)
+        with pytest.raises(asyncrl.TransferTimeout, match="no answer within 0.05 s"):
+            await fetches.get(0, 1)  # small: the transfer timeout alone
+        body, frames = codec.encode_oob([1, 2])
+        loop.call_later(0.3, fetches.answered, messages.Fetched(
+            2, 0, value=msgspec.Raw(body), buffers=[f.nbytes for f in frames]))
+        return await fetches.get(0, 2, nbytes=int(LINK_MIN_RATE))  # a second's worth
+    assert asyncio.run(main()) == [1, 2]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.comm import codec
+from asyncrl.comm.channel import LINK_MIN_RATE
 from asyncrl.comm.messages import Fetch, Fetched
 from asyncrl.errors import TransferTimeout
 
@@ -20,9 +21,10 @@ class Fetches:
         self._waiters: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._stale: set[tuple[int, int]] = set()  # timed out once: asked again when awaited
 
-    async def get(self, rank: int, obj_id: int) -> Any:
+    async def get(self, rank: int, obj_id: int, nbytes: int = 0) -> Any:
         """Rank `rank`'s part of call `obj_id`'s result, decoded: its large arrays are views
-        of the frames they came in."""
+        of the frames they came in. `nbytes`, its size, lengthens the wait: the timeout is
+        for an answer, not for gigabytes to come over a slow link."""
         key = (rank, obj_id)
         waiter = self._waiters.get(key)
         if waiter is None or key in self._stale:  # (a stale one stays: others await it too)
@@ -30,14 +32,15 @@ class Fetches:
                 waiter = self._waiters[key] = self._loop.create_future()
             self._stale.discard(key)
             self._post(rank, Fetch(obj_id))
+        timeout = self._timeout + nbytes / LINK_MIN_RATE
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self._timeout)
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except asyncio.TimeoutError:
             if self._waiters.get(key) is waiter:  # awaiting it again asks again
                 self._stale.add(key)
             raise TransferTimeout(
                 f"fetching the result of call {obj_id} from {self._group}:{rank}: no answer "
-                f"within {self._timeout:g} s (raise Controller(transfer_timeout=...))") from None
+                f"within {timeout:g} s (raise Controller(transfer_timeout=...))") from None
 
     def answered(self, msg: Fetched) -> None:
         self._stale.discard((msg.rank, msg.obj_id))

@@ -229,11 +229,10 @@ class GroupHandle:
         return future
 
     def _refusal(self, closed: str = "") -> Exception:
-        """Its death, a copy for each raise (raising one object again and again grows its
-        traceback, and every frame of it keeps what it names alive), or ClosedError."""
-        if self.dead is not None:
-            return copy.copy(self.dead)
-        return ClosedError(f"group {self.name!r} is closed{closed}")
+        """Its death, a copy for each raise (one object raised again and again grows its
+        traceback, whose frames keep what they name alive), or ClosedError."""
+        return copy.copy(self.dead) if self.dead is not None else \
+            ClosedError(f"group {self.name!r} is closed{closed}")
 
     def _submit(self, item: _Queued) -> None:
         if self.closing or self.dead is not None:
@@ -504,11 +503,11 @@ class GroupHandle:
             return own(f"{self.name}[rank {rank}].{method}: {error.message}")
         return RemoteError(self.name, rank, method, error.type, error.message, error.traceback)
 
-    async def _fetch(self, rank: int, obj_id: int) -> Any:
+    async def _fetch(self, rank: int, obj_id: int, nbytes: int = 0) -> Any:
         """A stored part that was too big to come with its Result (a driver awaits it)."""
         if self.dead is not None or self.closing:
             raise self._refusal("; its results are gone")
-        return await self.fetches.get(rank, obj_id)
+        return await self.fetches.get(rank, obj_id, nbytes)
 
     async def _view(self, arg: Any, name: int | str, item: _Queued) -> Any:
         """A DistFuture argument (or one in a list, tuple, dict or Rows) becomes references to

@@ -87,7 +87,9 @@ class ObjectRef:
 
     async def _fetch_and_build(self, ranks: list[int], missing: list[int]) -> Any:
         fetched = dict(zip(missing, await asyncio.gather(  # from every rank at once
-            *(self.group._fetch(rank, self.obj_id) for rank in missing)), strict=True))
+            *(self.group._fetch(rank, self.obj_id, self.schemas[rank].nbytes
+                                if rank in self.schemas else 0) for rank in missing)),
+            strict=True))
         return self._build(ranks, fetched)
 
     def _build(self, ranks: list[int], fetched: dict[int, Any]) -> Any:
