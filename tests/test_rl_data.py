@@ -179,3 +179,39 @@ def test_a_prompt_sources_digest_is_the_same_in_another_process():
                               timeout=120, env={**os.environ, "PYTHONHASHSEED": seed},
                               check=True).stdout.strip() for seed in ("1", "2", "3")}
     assert len(digests) == 1 and len(next(iter(digests))) == 16, digests
+
+
+def test_text_the_chat_template_made_gets_no_second_bos(tmp_path):
+    """Prompts stored as text the chat template rendered (OpenRLHF's data, verl's after
+    rendering) start with the BOS: a tokenizer that adds one gave two."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(word_tokenizer(tmp_path / "tok"), local_files_only=True)
+    bos = tok.convert_tokens_to_ids("<s>")
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", bos)])
+    src = PromptSource([{"prompt": "<s> user w5 </s> <s> assistant"}, {"prompt": "w3 w7"}],
+                       batch_size=2, shuffle=False, tokenizer=tok)
+    rendered, plain = next(iter(src))["prompt"]
+    assert rendered == ids("<s> user w5 </s> <s> assistant")  # one BOS
+    assert plain == [bos, *ids("w3 w7")]  # added where it is not there
+
+
+def test_records_as_pandas_gives_them_and_keys_generation_writes(tmp_path, caplog):
+    """Token ids as numpy arrays or tuples (pandas' read_parquet records) were refused; a
+    list of files failed as 'a str, not a dict'; a record key generation writes ('versions')
+    was replaced by generation's column without a word; a seed from time.time_ns() failed
+    the first batch; a source read again after its epochs gave nothing without a word."""
+    import numpy as np
+
+    src = PromptSource([{"prompt": np.array([3, 4]), "a": 1}, {"prompt": (5,), "a": 2}],
+                       batch_size=2, shuffle=True, seed=2**62, max_prompt_length=4)
+    assert sorted(map(tuple, next(iter(src))["prompt"])) == [(3, 4), (5,)]
+    with pytest.raises(ValueError, match=r"is a path \('a.parquet'\), not a record"):
+        PromptSource(["a.parquet", "b.parquet"], batch_size=1)
+    with pytest.raises(ValueError, match=r"the key\(s\) \['versions'\], which generation "
+                                         r"writes"):
+        PromptSource([{"prompt": [1], "versions": "v2"}], batch_size=1)
+    assert list(src) == []  # its one epoch given: said
+    assert "was read again and gives nothing" in caplog.text

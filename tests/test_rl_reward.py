@@ -44,6 +44,15 @@ def test_score_rows_by_hand():
     with pytest.raises(ValueError, match="returned 'high' for row 0; it must return a finite"):
         score_rows(broken, rollout_like(1))
 
+    def picky(prompt, response, answer):  # a reward function's own failure says its row
+        if prompt == "q2":
+            raise KeyError("no answer key")
+        return 1.0
+    with pytest.raises(KeyError, match="no answer key") as info:
+        score_rows(picky, rollout_like(4))
+    assert info.value.__notes__ == ["in reward function 'picky' on row 2 of this rank's rows "
+                                    "(prompt 'q2')"]
+
 
 def test_numpy_and_torch_scalars_score_in_process_as_in_a_pool(caplog):
     """As a pool's child sends them: a reward computed with numpy scores by default too. A

@@ -33,6 +33,9 @@ from asyncrl.hybrid.user_fn import load_tokenizer
 from asyncrl.rl.tokens import prompt_ids
 
 log = logging.getLogger("asyncrl")
+# the columns a rollout writes beside the prompts' (the engines, multi-turn's Turns)
+GENERATED = frozenset({"prompt_ids", "prompt_mask", "response_ids", "response_mask",
+                       "logprobs", "versions", "policy_mask", "turns", "env_timeouts"})
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -107,6 +110,10 @@ def _read_records(data: Sequence[dict[str, Any]]
 
     records = list(data)
     for i, r in enumerate(records):
+        if isinstance(r, str | os.PathLike):
+            raise ValueError(f"{locate(i)} is a path ({str(r)!r}), not a record: give one file "
+                             f"as data=, or several files' records as one list (read_records "
+                             f"of each, concatenated)")
         if not isinstance(r, dict):
             raise ValueError(f"{locate(i)} is a {type(r).__name__}, not a dict; pass records "
                              f'as dicts such as {{"prompt": [token ids], "answer": "7"}}')
@@ -133,6 +140,12 @@ def _tokenized(records: list[dict[str, Any]], keys: list[str], tokenizer: Any, p
         r["prompt"], r["raw_prompt"] = prompt_ids(tok, raw, locate(i)), raw
         out.append(r)
     return out
+
+
+def _as_list(ids: Any) -> Any:
+    if isinstance(ids, tuple):
+        return list(ids)
+    return ids.tolist() if hasattr(ids, "tolist") and getattr(ids, "ndim", 0) == 1 else ids
 
 
 def _short_enough(records: list[dict[str, Any]], limit: int, where: str,
@@ -202,12 +215,19 @@ class PromptSource:
         if "seed" in keys:
             raise ValueError(f"records of {where} have a 'seed' key; PromptSource adds the "
                              f"sampling seeds itself: rename that key")
+        taken = sorted(set(keys) & GENERATED)
+        if taken:  # generation's columns replace them: a reward function asking for one
+            raise ValueError(f"records of {where} have the key(s) {taken}, which generation "
+                             f"writes (its columns {sorted(GENERATED)}): rename them")
         if tokenizer is not None:
             records = _tokenized(records, keys, tokenizer, prompt_key, where, locate)
             keys = sorted(records[0])
         elif prompt_key != "prompt":
             raise ValueError(f"prompt_key={prompt_key!r} names the key to tokenize: give "
                              f"tokenizer= too (the engines read token ids from 'prompt')")
+        else:  # token ids as a tuple or an array (pandas' read_parquet records): a list
+            records = [{**r, "prompt": _as_list(r["prompt"])} if "prompt" in r else r
+                       for r in records]
         if max_prompt_length is not None:
             records = _short_enough(records, max_prompt_length, where, locate)
         self.records, self.keys = records, keys
@@ -215,16 +235,25 @@ class PromptSource:
         self.repeat, self.max_prompt_length = repeat, max_prompt_length
         self.epoch, self.index = 0, 0  # the position: the next batch starts here
         self._digest: str | None = None  # (made at the first checkpoint)
+        self._said_done = False
 
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.records)))
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (1 << 63))
         return torch.randperm(len(self.records), generator=gen).tolist()
 
     def __iter__(self) -> Iterator[TensorBatch]:
-        while (batch := self.next_batch()) is not None:
+        batch = self.next_batch()
+        if batch is None and self.epochs is not None and not self._said_done:
+            self._said_done = True  # (a validation set read at every evaluation, say)
+            log.warning("asyncrl: a PromptSource that has given its %d epoch(s) was read "
+                        "again and gives nothing: its position moves as it is read (and "
+                        "checkpoints save it); list() it once to read it many times",
+                        self.epochs)
+        while batch is not None:
             yield batch
+            batch = self.next_batch()
 
     def next_batch(self) -> TensorBatch | None:
         """The batch at the source's position (None once its epochs are done), moving it on:

@@ -129,9 +129,16 @@ def _padded(values: torch.Tensor, rows: int) -> torch.Tensor:
 
 def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) -> torch.Tensor:
     """`fn` on each row, in this process; with a tokenizer `tok`, on text."""
-    return torch.tensor([checked(fn, fn(p, r, **m), i)
-                         for i, (p, r, m) in enumerate(row_inputs(fn, batch, tok))],
-                        dtype=torch.float32)
+    scores = []
+    for i, (p, r, m) in enumerate(row_inputs(fn, batch, tok)):
+        try:
+            value = fn(p, r, **m)
+        except Exception as e:  # its own type and traceback, and where: as the pool says
+            e.add_note(f"in reward function {getattr(fn, '__name__', fn)!r} on row {i} of "
+                       f"this rank's rows (prompt {str(p)[:80]!r})")
+            raise
+        scores.append(checked(fn, value, i))
+    return torch.tensor(scores, dtype=torch.float32)
 
 
 @dataclass(frozen=True, kw_only=True)

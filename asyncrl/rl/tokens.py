@@ -30,8 +30,14 @@ def prompt_ids(tok: Any, value: Any, where: str) -> list[int]:
 
 
 def _ids(tok: Any, value: Any, where: str) -> list[int]:
-    if isinstance(value, str):
-        return list(tok(value)["input_ids"])
+    if isinstance(value, str):  # (text the chat template made already starts with its BOS:
+        bos = getattr(tok, "bos_token", None)  # not a second one)
+        again = not (isinstance(bos, str) and bos and value.startswith(bos))
+        return list(tok(value, add_special_tokens=again)["input_ids"])
+    if hasattr(value, "tolist") and not isinstance(value, str):  # a numpy array (records of
+        value = value.tolist()  # pandas' read_parquet), a tensor
+    if isinstance(value, tuple):
+        value = list(value)
     if is_chat(value):
         for m in value:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
