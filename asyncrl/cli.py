@@ -216,14 +216,15 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                                 if getattr(args, n) is not None}
     if args.encrypt:
         settings["encrypt"] = True
-    from asyncrl.controller.controller import Controller
+    from asyncrl.controller.controller import Controller, check_heartbeats
 
     given = {**{n: p.default for n, p in inspect.signature(Controller).parameters.items()},
              **settings}
-    if given["heartbeat_timeout"] <= given["heartbeat_interval"]:
-        raise SystemExit(f"asyncrl: --heartbeat-timeout ({given['heartbeat_timeout']:g} s) must "
-                         f"be longer than --heartbeat-interval ({given['heartbeat_interval']:g} "
-                         f"s)")
+    try:  # (before anything starts)
+        check_heartbeats(given["heartbeat_interval"], given["heartbeat_timeout"])
+    except ValueError as e:
+        raise SystemExit(f"asyncrl: {e}; see --heartbeat-timeout, --heartbeat-interval") \
+            from None
     return settings
 
 

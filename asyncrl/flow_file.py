@@ -19,8 +19,7 @@ def key_values(command: str, args: list[str]) -> dict[str, str]:
     try:
         return parse_overrides([a for a in args if "=" in a])
     except ValueError as e:
-        raise SystemExit(f"asyncrl {command}: {e}; write overrides as key=value, with no "
-                         f"space around '='") from None
+        raise SystemExit(f"asyncrl {command}: {e}") from None
 
 
 def load_flow(path: str, overrides: dict[str, Any] | None = None,

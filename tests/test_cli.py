@@ -348,8 +348,8 @@ def test_bad_controller_timings_are_refused_before_anything_starts(tmp_path):
 
     flow = tmp_path / "flow.py"
     flow.write_text("raise SystemExit('the flow file was imported')\n")
-    with pytest.raises(SystemExit, match=r"--heartbeat-timeout \(0.2 s\) must be longer than "
-                                         r"--heartbeat-interval \(0.5 s\)"):
+    with pytest.raises(SystemExit, match=r"heartbeat_timeout \(0.2 s\) must be longer than "
+                                         r"heartbeat_interval \(0.5 s\); see --heartbeat"):
         main(["launch", str(flow), "--heartbeat-timeout", "0.2",
               "--run-dir", str(tmp_path / "run")])
     for flag in ("--heartbeat-interval", "--transfer-timeout", "--collective-timeout"):

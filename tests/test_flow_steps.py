@@ -234,7 +234,8 @@ def test_groups_declared_in_another_module_run_when_the_nodes_name_them(tmp_path
         "class Echo(asyncrl.Worker):\n    pass\n"
         "actor = asyncrl.group(Echo, name='actor')\n"
         "critic = asyncrl.group(Echo, name='critic')\n"
-        "unused = asyncrl.group(Echo, name='unused')\n")
+        "unused = asyncrl.group(Echo, name='unused')\n"
+        "other = asyncrl.group(Echo, name='other')\n")
     (tmp_path / "flow_mod.py").write_text(
         "import asyncrl\nimport roles_mod\nfrom roles_mod import actor\n"
         "local = asyncrl.group(roles_mod.Echo, name='local')\n"
@@ -244,7 +245,9 @@ def test_groups_declared_in_another_module_run_when_the_nodes_name_them(tmp_path
         "    return reward\n"
         "@asyncrl.node\ndef rollout(prompts):\n    return actor\n"
         "@asyncrl.node\ndef train(rollout):\n    return [roles_mod.critic for _ in rollout]\n"
-        "flow = asyncrl.DataFlow(nodes=[rollout, train, make(roles_mod.unused)],\n"
+        "import types\nheld = types.SimpleNamespace(other=1)\n"
+        "@asyncrl.node\ndef read(train):\n    return held.other  # not roles_mod's other\n"
+        "flow = asyncrl.DataFlow(nodes=[rollout, train, read, make(roles_mod.unused)],\n"
         "                        inputs={'prompts': [1]})\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     count = declared_count()

@@ -105,6 +105,7 @@ def test_a_node_whose_outputs_are_partly_passed_on_is_rewound_not_rerun(tmp_path
     [event] = recoveries(tmp_path / "run")
     assert (event["kind"], event["groups"], event["step"], event["resumed_at"]) == \
         ("rewind", ["scorer"], 2, 2)
+    assert "group 'scorer'" in event["cause"] and "abandoned" not in event["cause"]
 
 
 def test_a_stateless_group_dead_in_a_save_is_respawned_and_the_save_made_again(tmp_path):

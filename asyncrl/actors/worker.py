@@ -116,6 +116,11 @@ def sync_tree(path: Path) -> None:
         sync_dir(Path(root))
 
 
+# what a file system that cannot fsync a file (or a folder) says; anything else is an error
+NO_FSYNC = frozenset({errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.ENOSYS, errno.EPERM,
+                      errno.EACCES})
+
+
 def sync_file(path: Path) -> None:
     """fsync a regular file (opened for writing where allowed: some filesystems refuse a
     read-only descriptor's fsync); one gone meanwhile (a peer's temporary) is skipped."""
@@ -131,25 +136,25 @@ def sync_file(path: Path) -> None:
     try:
         os.fsync(fd)
     except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):  # cannot be synced:
-            raise  # (a pipe, some FUSE mounts) as sync_dir; a failed write-back is an error
+        if e.errno not in NO_FSYNC:  # cannot be synced (a pipe, some FUSE mounts), as
+            raise  # sync_dir; a failed write-back is an error
     finally:
         os.close(fd)
 
 
 def sync_dir(path: Path) -> None:
     """fsync a folder (what was created or renamed in it)."""
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # gone meanwhile (another rank's sync_tree of the folder)
+        return
     try:
         os.fsync(fd)
     except OSError as e:  # some shared and FUSE filesystems refuse a folder's fsync: the
-        if e.errno not in _NO_DIR_FSYNC:  # rename stands; an I/O error does not pass
+        if e.errno not in NO_FSYNC:  # rename stands; an I/O error does not pass
             raise
     finally:
         os.close(fd)
-
-
-_NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM}
 
 
 def rng_state() -> dict[str, Any]:

@@ -251,11 +251,15 @@ async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
                   rewind: bool = False) -> int:
     """Load checkpoint `path` into the open `flow` (no step run yet; `rewind`: a recovery
     within the run); the step to run next."""
+    handles = [_handle(g) for g in flow.groups]
     try:
-        await asyncio.gather(*(_handle(g).load_checkpoint(str(path)) for g in flow.groups))
+        await asyncio.gather(*(h.load_checkpoint(str(path)) for h in handles))
         set_rng_state(torch.load(path / "controller_rng.pt", weights_only=True))
-    except (RemoteError, OSError, RuntimeError) as e:  # a file damaged or missing
-        raise CheckpointError(f"loading {path} failed: {e}\n{_aside(path)}") from e
+    except (RemoteError, OSError, RuntimeError) as e:  # a file damaged or missing, maybe
+        if any(h.dead is not None for h in handles):
+            raise  # a death, not the checkpoint's fault (a rewind's to recover from)
+        raise CheckpointError(f"loading {path} failed: {e}\nif its files are damaged, "
+                              f"{_aside(path)}") from e
     start = int(meta["step"]) + 1
     flow.resume_at(start, meta.get("inputs", {}), rewind)
     return start

@@ -120,9 +120,7 @@ class Controller:
                  encrypt: bool = False, relay: bool | None = None):
         if transport not in ("auto", "tcp", "nccl"):
             raise ValueError(f"transport must be 'auto', 'tcp' or 'nccl', got {transport!r}")
-        if heartbeat_timeout <= heartbeat_interval:
-            raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must be larger than "
-                             f"heartbeat_interval ({heartbeat_interval})")
+        check_heartbeats(heartbeat_interval, heartbeat_timeout)
         self.host = host
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -515,6 +513,12 @@ class Controller:
 
 
 OWNER_FILE = "owner"  # in a controller's private folder: "HOST/PID-NAMESPACE PID:BIRTH"
+
+
+def check_heartbeats(interval: float, timeout: float) -> None:
+    if timeout <= interval:
+        raise ValueError(f"heartbeat_timeout ({timeout:g} s) must be longer than "
+                         f"heartbeat_interval ({interval:g} s)")
 
 
 def _host_here() -> str:

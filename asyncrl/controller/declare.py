@@ -4,6 +4,7 @@ a flow file is imported on every rank too (to find its worker classes)."""
 from __future__ import annotations
 
 import contextlib
+import dis
 import inspect
 import json
 import math
@@ -103,23 +104,28 @@ def declared_for(fns: Iterable[Callable[..., Any]]) -> list[GroupSpec]:
 
 
 def _named_by(fn: Callable[..., Any]) -> Iterator[Any]:
-    """The objects a function's code names: its globals and their attributes (a module's),
-    and its closure's cells; with the code of functions defined inside it."""
+    """The objects a function's code names: its globals, a global module's attributes it
+    reads (`roles.actor`: a LOAD_ATTR right after loading the module, read from the
+    module's dict: no lazy import), and its closure's cells; with the code of functions
+    defined inside it."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return
-    names: set[str] = set()
+    scope = getattr(fn, "__globals__", {})
     codes = [code]
     while codes:
         c = codes.pop()
-        names.update(c.co_names)
         codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-    scope = getattr(fn, "__globals__", {})
-    for name in names:
-        value = scope.get(name)
-        yield value
-        if isinstance(value, types.ModuleType):
-            yield from (getattr(value, attr, None) for attr in names)
+        module = None
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                value = scope.get(ins.argval)
+                yield value
+                module = value if isinstance(value, types.ModuleType) else None
+                continue
+            if module is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                yield vars(module).get(ins.argval)
+            module = None
     for cell in getattr(fn, "__closure__", None) or ():
         with contextlib.suppress(ValueError):  # (an empty cell)
             yield cell.cell_contents
@@ -216,7 +222,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"override {pair!r} is not key=value")
+            raise ValueError(f"override {pair!r} is not key=value; write overrides as "
+                             f"key=value, with no space around '='")
         if key.startswith("-"):
             raise ValueError(f"{pair!r} is not an option of the command (see --help), nor a "
                              f"setting")

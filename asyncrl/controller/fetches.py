@@ -32,15 +32,17 @@ class Fetches:
                 waiter = self._waiters[key] = self._loop.create_future()
             self._stale.discard(key)
             self._post(rank, Fetch(obj_id))
-        timeout = self._timeout + nbytes / LINK_MIN_RATE
+        more = nbytes / LINK_MIN_RATE
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            return await asyncio.wait_for(asyncio.shield(waiter), self._timeout + more)
         except asyncio.TimeoutError:
             if self._waiters.get(key) is waiter:  # awaiting it again asks again
                 self._stale.add(key)
             raise TransferTimeout(
                 f"fetching the result of call {obj_id} from {self._group}:{rank}: no answer "
-                f"within {timeout:g} s (raise Controller(transfer_timeout=...))") from None
+                f"within {self._timeout:g} s" + (f", and {more:.2g} s more for its {nbytes:,} "
+                                                  f"bytes" if nbytes else "") +
+                " (raise Controller(transfer_timeout=...))") from None
 
     def answered(self, msg: Fetched) -> None:
         self._stale.discard((msg.rank, msg.obj_id))

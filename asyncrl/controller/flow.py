@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from asyncrl.controller.inputs import Inputs
 from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
 from asyncrl.controller.timeline import current_node
 from asyncrl.futures.future import futures_in, held_at, resolved
+
+log = logging.getLogger("asyncrl")
 
 STEP = "step"  # a parameter nothing else provides: the step index (validate every N steps)
 
@@ -186,7 +189,10 @@ class DataFlow:
         try:
             await self._open(ctl)
         except BaseException:  # nothing left running, and the flow not half open
-            await self.close()
+            try:
+                await self.close()
+            except Exception:  # the open's failure is the one to say
+                log.exception("asyncrl: closing a flow that failed to open failed too")
             raise
 
     async def _open(self, ctl: Any) -> None:
@@ -246,16 +252,18 @@ class DataFlow:
         await self._abandon()
         await self.recovery.finish()
         failed: list[BaseException] = []
-        if self._ctl is not None:  # every group closed, and the controller, if one fails
-            handles = [g.handle for g in self.groups if g.handle is not None]
-            closed = await asyncio.gather(*(self._ctl.close_group(h) for h in handles),
-                                          return_exceptions=True)
-            failed = [e for e in closed if isinstance(e, BaseException)]
-        for g in self.groups:
-            g.handle = None
-        if self._own_ctl and self._ctl is not None:
-            await self._ctl.close()
-        self._ctl, self._own_ctl = None, False
+        try:
+            if self._ctl is not None:  # every group closed, and the controller, if one fails
+                handles = [g.handle for g in self.groups if g.handle is not None]
+                closed = await asyncio.gather(*(self._ctl.close_group(h) for h in handles),
+                                              return_exceptions=True)
+                failed = [e for e in closed if isinstance(e, BaseException)]
+            for g in self.groups:
+                g.handle = None
+            if self._own_ctl and self._ctl is not None:
+                await self._ctl.close()
+        finally:  # (closed, if not cleanly: it can be opened again)
+            self._ctl, self._own_ctl = None, False
         if failed:
             raise failed[0]
 

@@ -87,12 +87,13 @@ class Inputs:
             self._skip(name, state, rewind)
 
     def check(self, positions: dict[str, Any]) -> None:
-        """Refuse, before any group starts, positions that sources which go back to one
-        (a PromptSource: its records, seed and shuffle) say were saved for other data."""
+        """Refuse, before any group starts, positions that sources which can check one
+        (`check_state`: a PromptSource, its records, seed and shuffle) say were saved for
+        other data."""
         for name, source in self.sources.items():
-            if name in positions and _restorable(source):
+            if name in positions and hasattr(source, "check_state"):
                 try:
-                    source.load_state_dict(positions[name])  # (resume_at loads it again)
+                    source.check_state(positions[name])
                 except ValueError as e:
                     raise CheckpointError(f"input {name!r}: {e}") from e
 

@@ -32,7 +32,10 @@ class LogSink:
     def write(self, group: str, rank: int, lines: list[str], dropped: int = 0) -> None:
         key = (group, rank)
         if self.echo:  # first: a file that cannot be written must not hide them
-            self._show(key, lines)
+            try:
+                self._show(key, lines)
+            except OSError:  # the console gone (a closed pipe, a hung-up terminal): the
+                self.echo = False  # files go on
         try:
             f = self._files.get(key)
             if f is None:
@@ -48,7 +51,8 @@ class LogSink:
             if group not in self._unwritten:
                 self._unwritten.add(group)
                 print(f"[asyncrl] writing {self.path(group, rank)} failed ({e}); group "
-                      f"{group!r}'s lines are in its torchrun log {self.folder / group}.log",
+                      f"{group!r}'s lines are in its torchrun log in {self.folder} "
+                      f"({group}.log; on a cluster {group}.<host>.log, on each host)",
                       file=sys.stderr, flush=True)
 
     def _show(self, key: tuple[str, int], lines: list[str]) -> None:

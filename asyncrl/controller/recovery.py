@@ -249,11 +249,12 @@ class Recovery:
                 await asyncio.wait([f._fut for f in inner], return_when=asyncio.FIRST_EXCEPTION)
                 failed = [f for f in inner
                           if f._fut.done() and not f._fut.cancelled() and f._fut.exception()]
+                if failed:  # (what the stand-ins left fail with, whatever comes next)
+                    failure = failed[0]._fut.exception()  # type: ignore[assignment]
                 if not failed or any(p.done() for p in proxies):
                     return
                 for fut, forward in forwards:  # what this attempt still returns is not the
                     fut.remove_done_callback(forward)  # re-run's
-                failure = failed[0]._fut.exception()  # type: ignore[assignment]
                 spec = self.rerunnable(failure, called) or await self._died(failed[0]._label,
                                                                             called)
                 if spec is None or any(failure is s for s in seen):  # the same failure

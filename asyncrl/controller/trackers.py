@@ -4,6 +4,7 @@ went back to a checkpoint: the steps after it run again), a flush and a close.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -52,7 +53,10 @@ class TensorBoard:
         print(f"tensorboard: {what} ({type(e).__name__}: {e}); no more rows go to "
               f"TensorBoard in this run (metrics.jsonl has them all)", file=sys.stderr,
               flush=True)
-        self._missing, self.writer = True, None
+        writer, self._missing, self.writer = self.writer, True, None
+        if writer is not None:
+            with contextlib.suppress(Exception):  # (its thread and file: what it can)
+                writer.close()
 
     def rewind(self, step: int) -> None:
         if self.writer is not None:  # the next writer purges from the first step run again
@@ -62,11 +66,18 @@ class TensorBoard:
 
     def flush(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
+            try:
+                self.writer.flush()
+            except Exception as e:  # noqa: BLE001 - as in log
+                self._off("flushing failed", e)
 
     def close(self, failed: bool = False) -> None:
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except Exception as e:  # noqa: BLE001 - as in log
+                self.writer = None
+                self._off("closing failed", e)
 
 
 class Wandb:

@@ -28,14 +28,11 @@ import msgspec
 import torch
 
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.sampler import PROMPT_WIDTH
+from asyncrl.hybrid.sampler import GENERATED, PROMPT_WIDTH
 from asyncrl.hybrid.user_fn import load_tokenizer
-from asyncrl.rl.tokens import prompt_ids
+from asyncrl.rl.tokens import as_list, prompt_ids
 
 log = logging.getLogger("asyncrl")
-# the columns a rollout writes beside the prompts' (the engines, multi-turn's Turns)
-GENERATED = frozenset({"prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                       "logprobs", "versions", "policy_mask", "turns", "env_timeouts"})
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -142,12 +139,6 @@ def _tokenized(records: list[dict[str, Any]], keys: list[str], tokenizer: Any, p
     return out
 
 
-def _as_list(ids: Any) -> Any:
-    if isinstance(ids, tuple):
-        return list(ids)
-    return ids.tolist() if hasattr(ids, "tolist") and getattr(ids, "ndim", 0) == 1 else ids
-
-
 def _short_enough(records: list[dict[str, Any]], limit: int, where: str,
                   locate: Callable[[int], str]) -> list[dict[str, Any]]:
     """The records whose prompt has at most `limit` tokens (verl's filter_overlong_prompts)."""
@@ -226,7 +217,7 @@ class PromptSource:
             raise ValueError(f"prompt_key={prompt_key!r} names the key to tokenize: give "
                              f"tokenizer= too (the engines read token ids from 'prompt')")
         else:  # token ids as a tuple or an array (pandas' read_parquet records): a list
-            records = [{**r, "prompt": _as_list(r["prompt"])} if "prompt" in r else r
+            records = [{**r, "prompt": as_list(r["prompt"])} if "prompt" in r else r
                        for r in records]
         if max_prompt_length is not None:
             records = _short_enough(records, max_prompt_length, where, locate)
@@ -294,6 +285,12 @@ class PromptSource:
         return self._digest
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self.epoch, self.index = state["epoch"], state["index"]
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """ValueError when `state` is a position in other prompts (a resume checks it before
+        any group starts)."""
         # (a position of before session 28 has no shuffle or digest: not checked)
         now = {"records": len(self.records), "seed": self.seed, "shuffle": self.shuffle,
                "digest": self.digest()}
@@ -303,4 +300,3 @@ class PromptSource:
             raise ValueError(f"this position was saved for other prompts ({'; '.join(differ)}"
                              f"); resume with the prompt data, seed and shuffle the run "
                              f"started with (the digest is of the records' values)")
-        self.epoch, self.index = state["epoch"], state["index"]

@@ -20,8 +20,9 @@ def is_chat(value: Any) -> bool:
 
 def prompt_ids(tok: Any, value: Any, where: str) -> list[int]:
     """The token ids of a prompt: text (tokenized as the model's tokenizer does, its special
-    tokens added), chat messages [{"role", "content"}] (through the chat template, the
-    assistant's turn opened: add_generation_prompt), or token ids already; never none."""
+    tokens added unless it starts with the BOS: the chat template's text), chat messages
+    [{"role", "content"}] (through the chat template, the assistant's turn opened:
+    add_generation_prompt), or token ids already; never none."""
     ids = _ids(tok, value, where)
     if not ids:
         raise ValueError(f"{where}: the prompt {value!r} has no tokens; generation needs at "
@@ -29,15 +30,20 @@ def prompt_ids(tok: Any, value: Any, where: str) -> list[int]:
     return ids
 
 
+def as_list(value: Any) -> Any:
+    """A tuple, or a 1-D array (records of pandas' read_parquet), as a list; else `value`."""
+    if isinstance(value, tuple):
+        return list(value)
+    return value.tolist() if hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1 \
+        else value
+
+
 def _ids(tok: Any, value: Any, where: str) -> list[int]:
     if isinstance(value, str):  # (text the chat template made already starts with its BOS:
         bos = getattr(tok, "bos_token", None)  # not a second one)
         again = not (isinstance(bos, str) and bos and value.startswith(bos))
         return list(tok(value, add_special_tokens=again)["input_ids"])
-    if hasattr(value, "tolist") and not isinstance(value, str):  # a numpy array (records of
-        value = value.tolist()  # pandas' read_parquet), a tensor
-    if isinstance(value, tuple):
-        value = list(value)
+    value = as_list(value)
     if is_chat(value):
         for m in value:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
