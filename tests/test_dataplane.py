@@ -524,8 +524,7 @@ def test_stalled_producer_gives_transfer_timeout_naming_it():
     pids, message, fetch = run(main())
     assert "stalled:0" in message and "within 2 s" in message and "cons[rank 0].ids" in message
     assert fetch.startswith("fetching the result of call ") and "from stalled:0: no answer " \
-        "within 2 s, and 0.032 s more for its 320,"in fetch and \
-        "(raise Controller(transfer_timeout=...))" in fetch
+        "within 2 s, and 0.032 s more for its 320," in fetch and "transfer_timeout=" in fetch
     assert_gone(pids)
 
 
