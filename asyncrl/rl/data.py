@@ -107,7 +107,8 @@ def _read_records(data: Sequence[dict[str, Any]]
 
     records = list(data)
     for i, r in enumerate(records):
-        if isinstance(r, str | os.PathLike):
+        if isinstance(r, os.PathLike) or (isinstance(r, str) and r.endswith(
+                (".jsonl", ".json", ".parquet"))):
             raise ValueError(f"{locate(i)} is a path ({str(r)!r}), not a record: give one file "
                              f"as data=, or several files' records as one list (read_records "
                              f"of each, concatenated)")
