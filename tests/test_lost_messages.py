@@ -169,8 +169,6 @@ def test_a_message_lost_between_the_controller_and_a_host_relay_fails_the_group(
 def test_a_message_behind_big_ones_to_other_ranks_is_given_their_time():
     """A small Call queued behind gigabytes the controller sent other ranks leaves after
     them: its own size gave it no time (16 ranks' copies of a 1 GB argument: all killed)."""
-    from types import SimpleNamespace
-
     from asyncrl.comm.channel import LINK_MIN_RATE, ControllerChannel
     from asyncrl.controller.lost import _to
 
@@ -185,8 +183,7 @@ def test_a_message_behind_big_ones_to_other_ranks_is_given_their_time():
         assert leaves_in > 0.9 * 200e6 / LINK_MIN_RATE
 
         def lost(late: float) -> str | None:
-            beat = SimpleNamespace(stamp_heard=sent_at + late)
-            return _to(channel, b"g/0/exec/1", 0, 0, float("inf"), beat, 3.0, "it")
+            return _to(channel, b"g/0/exec/1", 0, 0, float("inf"), sent_at + late, 3.0, "it")
         assert lost(3.0 + 1) is None  # (its own bytes alone: lost after 3 s)
         assert "had not come" in lost(3.0 + leaves_in + 1)
     finally:

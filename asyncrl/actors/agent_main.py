@@ -25,7 +25,7 @@ import tempfile
 import threading
 from collections.abc import Mapping
 
-from asyncrl.actors.procs import PROCESS_ENV, alive, this_process
+from asyncrl.actors.procs import PROCESS_ENV, pid_alive, this_process
 from asyncrl.comm.dataplane import run_prefix
 from asyncrl.comm.shm import cleanup
 
@@ -68,7 +68,7 @@ def sweep_segments(env: Mapping[str, str]) -> list[str]:
 
     def gone(name: str) -> bool:
         fields = name[len(prefix):].split("-")
-        return len(fields) > 1 and fields[1].isdigit() and not alive(int(fields[1]))
+        return len(fields) > 1 and fields[1].isdigit() and not pid_alive(int(fields[1]))
     return cleanup(prefix, gone)
 
 

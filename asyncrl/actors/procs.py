@@ -35,7 +35,17 @@ def runs(process: str) -> bool:
     return len(fields) > 19 and fields[19] == born and fields[0] not in ("Z", "X")
 
 
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not), whichever process it is now."""
-    fields = _stat(pid)
-    return bool(fields) and fields[0] not in ("Z", "X")
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as dead), whichever process it is now."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False

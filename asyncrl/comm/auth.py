@@ -171,6 +171,7 @@ class Verifier:
         # per route, sequence numbers passed over: messages lost on the way (a broken
         # connection) where the sender numbers that route's messages 1, 2, 3... (a rank socket)
         self.skipped: Counter[bytes] = Counter()
+        self.accepted: Counter[bytes] = Counter()  # per route, frames that passed
         self.total_dropped = 0  # an int, safe to read from another thread
 
     def drop(self, reason: str) -> None:
@@ -190,6 +191,7 @@ class Verifier:
         for route in [r for r in self._last_seq if gone(r)]:
             del self._last_seq[route]
             self.skipped.pop(route, None)
+            self.accepted.pop(route, None)
             self._retired.add(route)
 
     def verify(self, route: bytes, frames: list[bytes] | list[memoryview]) -> memoryview | None:
@@ -215,4 +217,5 @@ class Verifier:
         if seq != last + 1:  # frames that never came (from a sender that counts per route)
             self.skipped[route] += seq - last - 1
         self._last_seq[route] = seq
+        self.accepted[route] += 1
         return memoryview(body)[_SEQ.size:]

@@ -136,8 +136,9 @@ class Results(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """Both ways, every heartbeat interval. A rank reports how many frames it dropped, what
-    its object store holds, and how far its "exec" socket has got both ways (the controller
-    finds messages lost on that link with them: see controller/lost.py)."""
+    its object store holds, and how far its sockets (and the host relays it runs) have got
+    both ways (the controller finds messages lost on their links with them: see
+    controller/lost.py)."""
 
     dropped: int = 0
     objects: int = 0

@@ -37,7 +37,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.procs import birth, runs
+from asyncrl.actors.procs import birth, pid_alive, runs
 from asyncrl.actors.rank_client import current_umask
 from asyncrl.actors.rank_fork import (
     RANK_ENV_DEFAULTS,
@@ -72,22 +72,6 @@ def die_with_parent(parent: int | None = None) -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
 
 
 def forking_enabled(what: str = "AGENTS") -> bool:

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncrl.comm.channel import ControllerChannel
-from asyncrl.comm.messages import Heartbeat
 from asyncrl.comm.relay import RELAY_ROLES
 
 if TYPE_CHECKING:
@@ -53,27 +52,28 @@ def _why(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInf
     if not beat.stamp_heard:  # (no heartbeat yet)
         return None
     if channel.watched(info.identity) is not None:  # reached directly
-        return (_to(channel, info.identity, beat.io_heard, beat.io_received, 0.0, beat,
-                    grace, "its io socket")
+        return (_to(channel, info.identity, beat.io_heard, beat.io_received, 0.0,
+                    beat.stamp_heard, grace, "its io socket")
                 or _to(channel, info.exec_identity, beat.exec_heard, beat.exec_received,
-                       beat.exec_idle_s, beat, grace, "its exec socket")
+                       beat.exec_idle_s, beat.stamp_heard, grace, "its exec socket")
                 or _from(channel, info.exec_identity, beat.exec_sent, grace, now,
                          "its exec socket"))
     for role, (heard, received, sent) in zip(RELAY_ROLES, beat.relays, strict=False):
         # the host's relays it runs, always waiting for what the controller sends
         relay = relay_of.get(info.socket(role))
         name = f"the host's {role} relay it runs"
-        why = relay and (_to(channel, relay, heard, received, float("inf"), beat, grace, name)
-                         or _from(channel, relay, sent, grace, now, name))
+        why = relay and (_to(channel, relay, heard, received, float("inf"), beat.stamp_heard,
+                             grace, name) or _from(channel, relay, sent, grace, now, name))
         if why:
             return why
     return None
 
 
 def _to(channel: ControllerChannel, identity: bytes, heard: int, received: int,
-        idle_s: float, beat: Heartbeat, grace: float, name: str) -> str | None:
+        idle_s: float, stamp_heard: float, grace: float, name: str) -> str | None:
     """Lost on the way to a socket that had received up to `heard`, `received` in all, and
-    waited `idle_s` for more (a rank's heartbeat `beat` says)."""
+    waited `idle_s` for more, when its rank had the controller's heartbeat `stamp_heard`
+    (its heartbeat says)."""
     unheard = channel.watched(identity)
     if unheard is None:
         return None
@@ -84,7 +84,7 @@ def _to(channel: ControllerChannel, identity: bytes, heard: int, received: int,
         # the rank had the controller's heartbeat stamped `stamp_heard` (on its io link)
         # when it found the socket waiting: a message sent well before that is lost
         _, sent_at, leaves_in = unheard.messages[0]
-        late = beat.stamp_heard - sent_at
+        late = stamp_heard - sent_at
         if late >= grace + leaves_in:
             waited = "" if idle_s == float("inf") else \
                 f", while the rank waited for one for {idle_s:.1f} s"

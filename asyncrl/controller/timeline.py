@@ -138,9 +138,9 @@ def draw(trace_path: Path, png_path: Path) -> Path:
     try:  # (its events' fields read here too: a trace of another tool fails as one)
         trace = json.loads(trace_path.read_text())["traceEvents"]
         rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
-        spans = [e for e in trace if e["ph"] == "X"]
         spans = [{**e, "name": str(e["name"]), "ms": (float(e["ts"]) / 1e3,
-                                                     float(e["dur"]) / 1e3)} for e in spans]
+                                                     float(e["dur"]) / 1e3)}
+                 for e in trace if e["ph"] == "X"]
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{trace_path} is not a trace asyncrl wrote (cut short when the "
                          f"run was killed?): {type(err).__name__}: {err}") from None
