@@ -83,25 +83,19 @@ class Supervisor:
         """Which of the silent ranks to name: the rank whose process runs the relays a
         silent rank reaches the controller through, if that rank is falling silent too (its
         silence silences its host: all go quiet together, and it may not have crossed the
-        timeout yet when another has); else the first (said to run its host's relays when it
-        does: silent alone, before the ranks behind them)."""
+        timeout yet when another has); else the first."""
         ctl = self._ctl
-        said = "; it runs its host's relays, so the host's other ranks go silent with it"
         for rank in silent:
-            runner = self._relays_runner(group, rank)
-            if runner is None or runner == rank or runner not in group.ranks:
+            relay = ctl.relay_of.get(group.ranks[rank].identity)
+            if relay is None:
                 continue
-            if runner in silent or \
-                    now - group.ranks[runner].last_seen > ctl.heartbeat_timeout / 2:
-                return runner, said
-        first = silent[0]  # (silent alone so far: the ranks behind its relays follow)
-        behind = [r for r in group.ranks if r != first and self._relays_runner(group, r) == first]
-        return first, said if behind else ""
-
-    def _relays_runner(self, group: GroupHandle, rank: int) -> int | None:
-        """The rank whose process runs the relay `rank` reaches the controller through."""
-        relay = self._ctl.relay_of.get(group.ranks[rank].identity)
-        return None if relay is None else int(relay.split(b"/")[1])
+            runner = int(relay.split(b"/")[1])
+            info = group.ranks.get(runner)
+            if runner != rank and info is not None and (runner in silent or
+                                     now - info.last_seen > ctl.heartbeat_timeout / 2):
+                return runner, ("; it runs its host's relays, so the host's other ranks go "
+                                "silent with it")
+        return silent[0], ""
 
     async def rank_gone(self, group: GroupHandle, rank: int) -> None:
         """A rank's process is gone: give torchrun a moment to report why, then declare."""
