@@ -294,12 +294,38 @@ def test_a_silent_rank_running_its_hosts_relays_is_not_said_to_silence_the_other
     from asyncrl.controller.supervisor import Supervisor
 
     relay = b"g/0/relay-io/1.r"
-    ranks = {r: SimpleNamespace(identity=f"g/{r}/io/{r}.x".encode(), last_seen=100.0)
-             for r in range(3)}
+    ranks = {r: SimpleNamespace(identity=f"g/{r}/io/{r}.x".encode(), last_seen=100.0,
+                                gone=False) for r in range(3)}
     ctl = SimpleNamespace(relay_of={info.identity: relay for info in ranks.values()},
                           heartbeat_timeout=3.0)
     supervisor = Supervisor(ctl)
     group = SimpleNamespace(ranks=ranks)
     assert supervisor.culprit(group, [0], 101.0) == (0, "")  # the others spoke at 100
+    assert not supervisor.falling_silent_behind(group, [0], 101.0)  # so it is named now
+
+
+def test_a_silent_relay_runner_is_named_a_round_later_when_the_ranks_behind_it_fall_silent():
+    """Stopping the rank that runs a host's relays silences the ranks behind it a moment
+    after its own last heartbeat: it crossed the timeout alone and was named without its
+    reason (test_a_dead_or_silent_rank_behind_a_relay_is_named[stop-0], 1 run in 4).
+    While they are past half the timeout it waits a round, then names it with them."""
+    from types import SimpleNamespace
+
+    from asyncrl.controller.supervisor import Supervisor
+
+    relay = b"g/0/relay-io/1.r"
+    ranks = {r: SimpleNamespace(identity=f"g/{r}/io/{r}.x".encode(), last_seen=100.0 + r / 10,
+                                gone=False) for r in range(3)}
+    ctl = SimpleNamespace(relay_of={info.identity: relay for info in ranks.values()},
+                          heartbeat_timeout=3.0)
+    supervisor, group = Supervisor(ctl), SimpleNamespace(ranks=ranks)
+    assert supervisor.falling_silent_behind(group, [0], 103.1)  # 1 and 2: 2.9 and 2.8 s
+    assert not supervisor.falling_silent_behind(group, [2], 103.3)  # 2 runs no relay
+    assert not supervisor.falling_silent_behind(group, [0, 1, 2], 103.4)  # all silent: name
+    rank, why = supervisor.culprit(group, [0, 1, 2], 103.4)
+    assert rank == 0 and "runs its host's relays" in why
+    ranks[2].gone = True  # a rank gone is named as such, not waited for
+    ranks[1].last_seen = 103.0  # one heard lately: the runner's relay works
+    assert not supervisor.falling_silent_behind(group, [0], 103.1)
     rank, why = supervisor.culprit(group, [2], 105.0)  # the runner silent too, by then
     assert rank == 0 and "runs its host's relays" in why

@@ -71,13 +71,26 @@ class Supervisor:
                     i.gone for i in group.ranks.values()):
                 group._mark_dead(lost[0], None, lost[1])
                 group.agent.signal_all(signal.SIGKILL)
-            if silent:
+            if silent and not self.falling_silent_behind(group, silent, now):
                 rank, why = self.culprit(group, silent, now)
                 group._mark_dead(rank, None, f"no heartbeat for "
                                  f"{now - group.ranks[rank].last_seen:.1f} s (heartbeat_timeout="
                                  f"{ctl.heartbeat_timeout} s){why}")
                 group.agent.signal_all(signal.SIGKILL)
         box.flush()
+
+    def falling_silent_behind(self, group: GroupHandle, silent: list[int], now: float) -> bool:
+        """Whether a silent rank runs relays that ranks not yet past the timeout, but past
+        half of it, reach the controller through: they are going silent with it (their last
+        heartbeats came through it a moment later), and naming it a round later, when they
+        are silent too, names it with its reason."""
+        ctl, half = self._ctl, self._ctl.heartbeat_timeout / 2
+        for rank, info in group.ranks.items():
+            relay = ctl.relay_of.get(info.identity)
+            if (relay is not None and rank not in silent and not info.gone
+                    and int(relay.split(b"/")[1]) in silent and now - info.last_seen > half):
+                return True
+        return False
 
     def culprit(self, group: GroupHandle, silent: list[int], now: float) -> tuple[int, str]:
         """Which of the silent ranks to name: the rank whose process runs the relays a
