@@ -47,7 +47,12 @@ def kill_held(tmp_path: Path, hold: str, *args: str, sig: int = signal.SIGKILL
     marks = tmp_path / "marks"
     marks.mkdir()
     proc = launch(tmp_path / "run", f"hold={hold}", f"marks={marks}", *args)
-    pid = held_pid(marks, hold.partition(":")[0], proc)
+    group, _, step = hold.partition(":")
+    pid = held_pid(marks, group, proc)
+    if group != "trainer" and int(step) > 0:  # the scorer holds the score train of the step
+        trained = marks / f"trained.{int(step) - 1}"  # before may still pull: a rewind
+        wait_until(lambda: trained.exists() or proc.poll() is not None, 60,
+                   f"step {int(step) - 1} to be trained")
     os.kill(pid, sig)
     return pid, finish(proc)
 
