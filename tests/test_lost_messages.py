@@ -14,9 +14,10 @@ import time
 
 import pytest
 import zmq
-from helpers import assert_gone, group_pids, run
+from helpers import assert_gone, group_pids, poll_until, run
 
 import asyncrl
+from asyncrl.controller.lost import concurrent_sockets
 
 HB = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0)
 
@@ -59,12 +60,14 @@ class _LosesToOne:
         return getattr(self.sock, name)
 
 
-def _lose_from(channel, victim: bytes, count: int = 1) -> None:
-    """Drop the next `count` messages from one rank socket before the channel reads them."""
+def _lose_from(channel, victim: bytes, count: int = 1, prefix: bool = False) -> None:
+    """Drop the next `count` messages from one rank socket (prefix: from those whose
+    identity starts with `victim`) before the channel reads them."""
     dispatch, left = channel._dispatch, [count]
 
     def losing(frames, handle):
-        if left[0] and frames[0].bytes == victim:
+        if left[0] and (frames[0].bytes.startswith(victim) if prefix else
+                        frames[0].bytes == victim):
             left[0] -= 1
             return
         dispatch(frames, handle)
@@ -134,6 +137,17 @@ def test_a_lost_result_with_a_later_one_received_is_found_at_once():
     assert "1 message(s) from its exec socket never came (a later one did)" in said
 
 
+@pytest.mark.parametrize("calls", [1, 2], ids=["last", "passed-over"])
+def test_a_concurrent_calls_result_lost_on_its_way_back_fails_the_group(calls):
+    """A concurrent call's result comes from its pool thread's own socket (its own TCP
+    link): lost, the call waited for ever; the rank's heartbeats now count what it sent."""
+    said = _dies_of_a_loss(lambda ctl, group: _lose_from(ctl.channel, b"%s/1/c" % (
+        group.name.encode()), prefix=True), calls=calls, call=lambda group, i: group.peek())
+    assert "from a socket of its concurrent calls" in said
+    assert ("never came (a later one did)" in said) == (calls == 2)  # (the pool may run
+    # both calls on one thread, or each on its own: the second then leaves from another)
+
+
 @pytest.mark.parametrize("relay", [False, True])
 def test_calls_queued_behind_a_long_one_are_not_taken_for_lost(relay):
     """Calls wait in the rank's socket while one runs for longer than the heartbeat timeout,
@@ -149,10 +163,17 @@ def test_calls_queued_behind_a_long_one_are_not_taken_for_lost(relay):
             after = await group.echo("after")  # ...then a call: their last beats said idle
             identity = _relay(ctl, group) if relay else group.ranks[1].exec_identity
             assert ctl.channel.watched(identity) is not None
-        return group.dead, after, ctl.channel.watched(identity)
+            assert await group.peek() == [0, 1]  # a concurrent call's socket, reached
+            # directly, is watched once a heartbeat names it (behind relays: none named)
+            await poll_until(lambda: relay or concurrent_sockets(group.ranks[1]), 10,
+                             "a heartbeat to name the concurrent call's socket")
+            sockets = [s for s, _ in concurrent_sockets(group.ranks[1])]
+            await poll_until(lambda: all(map(ctl.channel.watched, sockets)), 10,
+                             "the supervisor to watch it")
+        return group.dead, after, [ctl.channel.watched(s) for s in [identity, *sockets]]
     dead, after, unheard = run(main())
     assert dead is None and after == ["after", "after"]
-    assert unheard is None  # forgotten with the group
+    assert unheard == [None] * len(unheard) and len(unheard) == 1 + (not relay)  # forgotten
 
 
 @pytest.mark.parametrize("lose", [

@@ -199,6 +199,7 @@ class RankMain:
         self.fetch_sock: RankSocket | None = None  # owned by the fetcher's one thread
         self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-fetch")
         self.local = threading.local()
+        self.concurrent_socks: list[RankSocket] = []  # one per pool thread (at most 4)
 
     def socket(self, role: str) -> RankSocket:
         identity = f"{self.group}/{self.rank}/{role}/{self.tag}".encode()
@@ -327,7 +328,10 @@ class RankMain:
         ex = getattr(self.local, "executor", None)
         if ex is None:
             bind_gpu()
-            ex = self.local.executor = _Executor(self, self.socket(f"c{threading.get_ident()}"))
+            sock = self.socket(f"c{threading.get_ident()}")
+            if not self.relay_addresses:  # (its heartbeats say how many it sent: lost.py)
+                self.concurrent_socks.append(sock)
+            ex = self.local.executor = _Executor(self, sock)
         ex.run_call(call)
 
     def call_starts(self) -> bool:
@@ -377,7 +381,9 @@ class RankMain:
                          now - waiting_since if waiting_since else 0.0, self.exec.sent,
                          stamp_heard=self.stamp_heard, io_heard=self.io.heard,
                          io_received=self.io.received,
-                         relays=[relay.counts for relay in self.relays])
+                         relays=[relay.counts for relay in self.relays],
+                         concurrent=[(s.identity.split(b"/")[2].decode(), s.sent)
+                                     for s in list(self.concurrent_socks)])
 
     def serve(self) -> int:
         self.io.send(self.hello("io"))

@@ -152,6 +152,9 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, g
     io_heard: int = 0  # as exec_heard and exec_received, of its io socket
     io_received: int = 0
     relays: list[tuple[int, int, int]] = []  # the host relays it runs: HostRelay.counts
+    # reached directly: its concurrent calls' threads' sockets (their roles, "c<thread>")
+    # and how many each sent (behind relays their link is the io relay's)
+    concurrent: list[tuple[str, int]] = []
 
 
 class Log(msgspec.Struct, tag=True, array_like=True, gc=False):

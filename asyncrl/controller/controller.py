@@ -51,6 +51,7 @@ from asyncrl.controller.inbox import Inbox
 from asyncrl.controller.launcher import Agent, cluster_agents, rank_env
 from asyncrl.controller.links import Links
 from asyncrl.controller.logs import LogSink
+from asyncrl.controller.lost import concurrent_sockets
 from asyncrl.controller.outbox import Outbox
 from asyncrl.controller.placement import Placer, check_nice
 from asyncrl.controller.releases import Releases
@@ -483,6 +484,8 @@ class Controller:
             for info in group.ranks.values():  # nothing else goes to its sockets
                 for identity in (info.identity, info.exec_identity):
                     self.channel.unwatch(self.relay_of.pop(identity, identity))
+                for identity, _ in concurrent_sockets(info) if info.identity else ():
+                    self.channel.unwatch(identity)
             group.stopping = asyncio.ensure_future(self._reap(group, grace))
             group.stopping.add_done_callback(_retrieved)
         await asyncio.shield(group.stopping)

@@ -14,12 +14,14 @@ and the supervisor compares it with what the controller sent and got:
                     `grace` before a controller heartbeat the rank had then, and more if
                     it waited to leave behind big ones (Unheard): the controller's clock
     from the rank   a sequence number passed over; or one it sent that has not come
-      (exec)        `grace` after the controller first found it missing
+      (exec,        `grace` after the controller first found it missing
+       concurrent)
 
 `grace` is LOST_AFTER heartbeat timeouts: a message that much slower than the heartbeats
 beside it is not coming. Any loss ends the group as a death does (recovery restarts it):
-what else was lost with it cannot be known. Not checked: the results of concurrent calls of
-a rank reached directly (their threads' sockets; one lost with no later one waits).
+what else was lost with it cannot be known. The results of a directly reached rank's
+concurrent calls come from its pool threads' sockets, each its own link: checked as exec's,
+from the counts its heartbeats give (`Heartbeat.concurrent`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from asyncrl.controller.group import RankInfo
 
 LOST_AFTER = 3  # heartbeat timeouts
+MAX_CONCURRENT = 4  # the pool threads of a rank's concurrent calls (rank_main.run_beside)
 
 
 def lost_messages(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInfo,
@@ -57,13 +60,33 @@ def _why(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInf
                 or _to(channel, info.exec_identity, beat.exec_heard, beat.exec_received,
                        beat.exec_idle_s, beat.stamp_heard, grace, "its exec socket")
                 or _from(channel, info.exec_identity, beat.exec_sent, grace, now,
-                         "its exec socket"))
+                         "its exec socket")
+                or _from_concurrent(channel, info, grace, now))
     for role, (heard, received, sent) in zip(RELAY_ROLES, beat.relays, strict=False):
         # the host's relays it runs, always waiting for what the controller sends
         relay = relay_of.get(info.socket(role))
         name = f"the host's {role} relay it runs"
         why = relay and (_to(channel, relay, heard, received, float("inf"), beat.stamp_heard,
                              grace, name) or _from(channel, relay, sent, grace, now, name))
+        if why:
+            return why
+    return None
+
+
+def concurrent_sockets(info: RankInfo) -> list[tuple[bytes, int]]:
+    """The sockets of the rank's concurrent calls its last heartbeat named (reached
+    directly), each with how many it sent; names not of that form are ignored."""
+    group, rank, _, tag = info.identity.split(b"/")
+    return [(b"/".join((group, rank, role.encode(), tag)), sent)
+            for role, sent in info.beat.concurrent[:MAX_CONCURRENT]
+            if role[:1] == "c" and role[1:].isdigit()]
+
+
+def _from_concurrent(channel: ControllerChannel, info: RankInfo, grace: float, now: float
+                     ) -> str | None:
+    for identity, sent in concurrent_sockets(info):
+        channel.watch(identity)  # (unwatched with the rank's other sockets when it stops)
+        why = _from(channel, identity, sent, grace, now, "a socket of its concurrent calls")
         if why:
             return why
     return None
