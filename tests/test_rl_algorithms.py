@@ -189,6 +189,13 @@ def test_kl_penalty_by_hand():
         kl_penalty(logp, ref, "k4")
     far = kl_penalty(torch.tensor([[-31.0, -1.0]]), torch.tensor([[-1.0, -31.0]]))
     assert far.tolist() == [[10.0, 10.0]]  # e^30 - 31 and 29, clamped as verl does
+    # a token ~89 nats below the reference: e^89 is inf in fp32, and its gradient through
+    # the clamp was NaN, which made the whole step's gradient NaN (the step skipped)
+    logp = torch.tensor([[-0.1, -95.0, -0.2]], requires_grad=True)
+    kl = kl_penalty(logp, torch.tensor([[-0.2, -0.5, -0.1]]))
+    kl.sum().backward()
+    assert kl[0, 1].item() == 10.0 and torch.isfinite(logp.grad).all(), logp.grad
+    assert logp.grad[0, 1].item() == 0.0
 
 
 def test_whiten_uses_masked_positions_only_and_the_unbiased_variance(monkeypatch):

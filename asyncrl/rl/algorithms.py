@@ -107,13 +107,15 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token KL estimates against the reference policy: k1 logp - ref, k2 (logp - ref)^2
     / 2, k3 exp(ref - logp) - (ref - logp) - 1 clamped to [-10, 10] as verl's low_var_kl
-    (one token far below the reference would give e^30 and outweigh everything else)."""
+    (one token far below the reference would give e^30 and outweigh everything else), its
+    exponent clamped first (e^89 is inf in fp32, and inf's gradient through the clamp NaN)."""
     diff = logp - ref_logp
     if kind == "k1":
         return diff
     if kind == "k2":
         return diff.pow(2) / 2
     if kind == "k3":  # expm1: exp(-d) - 1 + d without cancelling away small d
+        diff = diff.clamp(-20.0, 20.0)  # (past it, clamped to 10 below either way)
         return torch.clamp(torch.expm1(-diff) + diff, -10.0, 10.0)
     raise ValueError(f"kl_penalty: kind is 'k1', 'k2' or 'k3', got {kind!r}")
 
