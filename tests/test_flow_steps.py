@@ -280,3 +280,46 @@ def test_opening_an_open_flow_is_refused_and_leaves_it_open():
             finally:
                 await flow.close()
     assert asyncio.run(main()) == {"echo": 1}
+
+
+def test_the_steps_still_running_when_a_later_one_fails_finish_and_reach_on_step(capsys):
+    """Step 2 fails while step 1 (dispatched before it: steps overlap) still runs: the run
+    ended at once and step 1, which would have finished, lost its row; now it finishes."""
+    from asyncrl.futures.future import DistFuture, Held
+
+    flows, tasks = [], []
+
+    async def work(f, x):  # (a group's call: its node returned, its work goes on; step
+        # 1's runs on until step 2 has failed)
+        while x == 1 and flows[0]._failed != 2:  # noqa: ASYNC110 - (no event says it)
+            await asyncio.sleep(0.01)
+        f._set_result(Held(x))
+
+    @asyncrl.node
+    def slow(x):
+        f = DistFuture._new(asyncio.get_running_loop(), f"slow {x}")
+        tasks.append(asyncio.get_running_loop().create_task(work(f, x)))
+        return f
+
+    @asyncrl.node
+    def broken(x):
+        if x == 2:
+            raise ValueError("no sample for 2")
+        return x
+
+    async def main():
+        seen = []
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": range(5)}, groups=[])
+            flows.append(flow)
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
+                    await asyncio.wait_for(flow.run(
+                        on_step=lambda t, values, s: seen.append((t, values))), 30)
+            finally:
+                await flow.close()
+        return seen
+    assert asyncio.run(main()) == [(0, {"slow": 0, "broken": 0}), (1, {"slow": 1, "broken": 1})]
+    assert "node 'broken' failed at step 2: letting step(s) 1, dispatched before it, finish " \
+        "first" in capsys.readouterr().err

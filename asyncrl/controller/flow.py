@@ -20,6 +20,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ class DataFlow:
         # (older ones are let go, and with them the futures their nodes returned)
         self._steps: dict[int, _Step] = {}
         self._failed: int | None = None  # a step that failed: no step after it can run
+        self._earlier: Callable[[Exception], Awaitable[None]] | None = None  # _finish_earlier
         self._next = 0  # the index of the step dispatched next (> 0 once resumed)
         self._ctl: Any = None
         self._own_ctl = False
@@ -423,6 +425,7 @@ class DataFlow:
                     failed = getattr(e, "step", self.next_step - 1)  # a NodeError says
                     if not self.recovery.enabled or \
                             not await self.recovery.rewind(e, failed, restore):
+                        await self._finish_earlier(e)
                         raise
                     kept = self.next_step - 1
                     for t in [t for t in done if t > kept]:
@@ -439,7 +442,7 @@ class DataFlow:
                          checkpoint: Callable[[int], Awaitable[None]] | None,
                          done: dict[int, dict[str, Any]], keep: bool) -> None:
         pending: list[tuple[_Step, dict[str, Any]]] = []
-        saved = None
+        saved, self._earlier = None, None
 
         async def complete(step: _Step, results: dict[str, Any]) -> None:
             values = await self._complete(step, results, on_step, keep)
@@ -451,6 +454,7 @@ class DataFlow:
                 results = await self.step()
             except Exception:  # the steps before it that finished well are the run's:
                 await self._complete_finished(pending, complete)  # their rows are not lost
+                self._earlier = functools.partial(self._complete_running, pending, complete)
                 raise
             if results is None:
                 break
@@ -480,6 +484,29 @@ class DataFlow:
             except Exception as e:
                 if not self.recovery.enabled or not await self.recovery.resave(e, t):
                     raise
+
+    async def _finish_earlier(self, e: Exception) -> None:
+        """A step failed and the run ends (no rewind): let the steps dispatched before it
+        that still run finish, and complete those that finish well (their rows, as a run
+        without overlap has them). Bounded: a dead or hung group fails their calls."""
+        earlier, self._earlier = self._earlier, None
+        if earlier is not None:
+            await earlier(e)
+
+    @classmethod
+    async def _complete_running(cls, pending: list[tuple[_Step, dict[str, Any]]],
+                                complete: Callable[[_Step, dict[str, Any]], Awaitable[None]],
+                                e: Exception) -> None:
+        running = [t for step, _ in pending for t in step.finished.values() if not t.done()]
+        if running:
+            steps = f"{pending[0][0].index}" + (f"-{pending[-1][0].index}" if len(pending) > 1
+                                                else "")
+            what = (f"node {e.node!r} failed at step {e.step}" if isinstance(e, NodeError)
+                    else "a step failed")
+            print(f"[asyncrl] {what}: letting step(s) {steps}, dispatched before it, finish "
+                  f"first (their rows; the error follows)", file=sys.stderr, flush=True)
+            await asyncio.wait(running)
+        await cls._complete_finished(pending, complete)
 
     @staticmethod
     async def _complete_finished(pending: list[tuple[_Step, dict[str, Any]]],
