@@ -322,3 +322,39 @@ def test_a_big_result_fetched_over_a_slow_link_is_given_time_for_its_bytes():
             2, 0, value=msgspec.Raw(body), buffers=[f.nbytes for f in frames]))
         return await fetches.get(0, 2, nbytes=int(LINK_MIN_RATE))  # a second's worth
     assert asyncio.run(main()) == [1, 2]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_one_row_of_a_column_sliced_out_of_a_matrix_is_pulled(transport):
+    """scores[:, 0][1:2] is contiguous to torch (a size-1 dimension's stride does not
+    count) but keeps stride 4, which view(uint8) refused: a one-row piece of such a column
+    (a DP chunk of one row, take() of rows apart) failed to pull on every raw transport."""
+    import os
+
+    from asyncrl.comm.shm import SegmentPool, cleanup
+
+    scores = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    half = scores.to(torch.bfloat16)  # (no numpy dtype: its raw bytes, in the codec too)
+    store = {1: asyncrl.TensorBatch({"r": scores[:, 0], "h": half[:, 1]})}
+    prefix = dataplane.run_prefix(f"strided{os.getpid()}")
+    ctx = zmq.Context()
+    server = dataserver.DataServer(ctx, "127.0.0.1", SECRET, store.__getitem__, "p:0", prefix)
+    pool = SegmentPool(dataplane.pool_prefix(f"strided{os.getpid()}", "c", 0, os.getpid())) \
+        if transport == "shm" else None
+    client = dataplane.DataClient(ctx, SECRET, "c/0/exec/1", "h", pool, timeout=10.0,
+                                  transport="tcp" if pool is None else "auto")
+    try:
+        shard = Shard("p", 0, 1, server.address, "h")
+        cols = [messages.Column("r", "float32", ()), messages.Column("h", "bfloat16", ())]
+        for start, stop in [(1, 2), (0, 3), (2, 3)]:
+            got = client.fetch_batch(RemoteBatch([Piece(shard, start, stop)], cols))
+            assert got["r"].tolist() == scores[start:stop, 0].tolist()
+            assert got["h"].tolist() == half[start:stop, 1].tolist()
+        assert codec.decode(codec.encode(half[:, 1][1:2])).tolist() == [5.0]
+    finally:
+        client.close()
+        server.close()
+        if pool is not None:
+            pool.close()
+        ctx.term()
+        assert cleanup(prefix) == []  # nothing left in /dev/shm

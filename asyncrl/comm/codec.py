@@ -46,7 +46,6 @@ OOB_MIN_BYTES = 64 << 10  # smaller arrays stay in the message: a frame costs mo
 _KIND_TENSOR, _KIND_NDARRAY = 0, 1
 _oob = threading.local()  # .out: buffers left out while encoding; .frames, .used: decoding
 _HLEN = struct.Struct(">I")
-_NO_BYTES = np.empty(0, np.uint8)
 # A dtype's wire name and how its bytes cross numpy (far cheaper than torch's byte views):
 # the numpy dtype that carries them and its torch dtype, which a tensor is viewed as where it
 # differs (bfloat16 is carried as uint16); (None, None) where no numpy dtype fits.
@@ -151,6 +150,17 @@ def _forget_produced(key: int) -> None:
         _produced[key] = left
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor on its device: a view when it is contiguous.
+    (Contiguous is not stride 1: a dimension of size 1 may have any stride, and torch keeps
+    it through contiguous() and reshape(), where view(uint8) refuses it: one row of a column
+    sliced out of a matrix, x[:, 0][1:2].)"""
+    t = t.contiguous()
+    if not t.numel():
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
 def array_bytes(value: Any) -> int:
     """The bytes of the tensors and arrays in a value, however deep in lists and dicts (a
     state dict is a dict of tensors): what a store holds, and what cannot come inline."""
@@ -185,7 +195,7 @@ def _enc_hook(obj: Any) -> Any:
         if as_torch is not None:
             raw = (t if as_torch == t.dtype else t.view(as_torch)).numpy()
         else:  # no numpy dtype carries it: send its bytes
-            raw = t.reshape(-1).view(torch.uint8).numpy() if numel else _NO_BYTES
+            raw = byte_view(t).numpy()
         if _left_out(raw):
             return _out_of_band(_KIND_TENSOR, _dtype_info(t.dtype)[0], t.shape, raw)
         return msgspec.msgpack.Ext(EXT_TENSOR, b"".join((head, raw.data)))

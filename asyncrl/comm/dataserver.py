@@ -41,8 +41,7 @@ def _puller(identity: bytes) -> tuple[str, str]:
 def bytes_of(t: torch.Tensor) -> np.ndarray:
     """The raw bytes of a tensor as a flat uint8 array (no copy when it is a contiguous CPU
     tensor; GPU tensors are staged through host memory until the GPU transports exist)."""
-    t = t.detach().cpu().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    return codec.byte_view(t.detach().cpu()).numpy()
 
 
 class DataServer:
@@ -102,6 +101,10 @@ class DataServer:
                     self._send(identity.bytes, body.bytes, [b.buffer for b in buffers])
                 if self._sock in ready:
                     self._serve_one()
+            except zmq.ContextTerminated:  # its context ends: let it (it logged this for
+                replies.close(0)           # ever, and the context's term() hung)
+                self._sock.close(0)
+                return
             except Exception:  # noqa: BLE001 - this thread must outlive any one request
                 log.exception("asyncrl data server %s: a request failed", self._peer)
 
@@ -230,7 +233,7 @@ class DataServer:
             dst = np.frombuffer(self._mapper.view(
                 req.dest, col.offset + req.dest_row * col.row_bytes, nbytes), np.uint8)
             if rows.is_cuda and nbytes:  # device to shared memory in one copy
-                torch.from_numpy(dst).copy_(rows.contiguous().view(torch.uint8).reshape(-1))
+                torch.from_numpy(dst).copy_(codec.byte_view(rows))
             else:
                 np.copyto(dst, bytes_of(rows))
         return reply, []

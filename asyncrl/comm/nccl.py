@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.comm.codec import byte_view
 from asyncrl.errors import TransferTimeout
 
 MODULE_ENV = "ASYNCRL_NCCL_MODULE"
@@ -173,11 +174,6 @@ def _on_stream(end: Link, tensors: list[torch.Tensor]) -> Iterator[int]:
         yield end.stream.cuda_stream
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else \
-        torch.empty(0, dtype=torch.uint8, device=t.device)
-
-
 def _wait(key: str, end: Link, what: str, timeout: float) -> None:
     """Wait for the link's stream with a bound; abort the communicator past it. One aborted
     meanwhile (set up again for another call) fails the transfer: its bytes did not move."""
@@ -214,7 +210,7 @@ def send(key: str, tensors: list[torch.Tensor], to: tuple[str, int], timeout: fl
         end, nccl = link(key), backend()
         peer = end.offsets[to[0]] + to[1]
         with _on_stream(end, tensors) as stream:
-            flats = [_flat(t) for t in tensors]  # alive until the stream is done with them
+            flats = [byte_view(t) for t in tensors]  # alive until the stream is done with them
             nccl.groupStart()
             for flat in flats:
                 if flat.numel():
