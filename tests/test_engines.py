@@ -41,6 +41,20 @@ def test_a_model_config_takes_a_preset_or_a_path_and_defaults_to_tiny_llama():
         ModelConfig(preset="huge")
 
 
+def test_a_bf16_preset_keeps_its_rope_frequencies_in_fp32():
+    """Module.to(bf16) cast the rotary inv_freq buffer too: a bf16 engine beside an fp32
+    trainer (mixed precision casts parameters only) rotated positions differently (0.45 rad
+    apart at position 1024), as a checkpoint loaded in bf16 does not."""
+    fp32 = build_model(ModelConfig(preset="tiny-llama"))
+    bf16 = build_model(ModelConfig(preset="tiny-llama", dtype="bfloat16"))
+    rope = bf16.model.rotary_emb
+    assert rope.inv_freq.dtype == torch.float32 and torch.equal(
+        rope.inv_freq, fp32.model.rotary_emb.inv_freq)
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    for (name, a), (_, b) in zip(fp32.named_parameters(), bf16.named_parameters(), strict=True):
+        assert torch.equal(a.to(torch.bfloat16), b), name  # the same seed, the same weights
+
+
 def test_seeds_stop_tokens_temperature_and_top_p():
     model = build_model(ModelConfig())
     engine = Sampler(model)

@@ -145,8 +145,11 @@ def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
                                          dtype=dtype, trust_remote_code=cfg.trust_remote_code)
             if cfg.overrides.get("tie_word_embeddings") is False:
                 _untied(model, cfg)
-        else:
-            model = auto.from_config(config).to(dtype)
+        else:  # its parameters cast, not its buffers (as from_pretrained): a bf16 engine's
+            # RoPE frequencies rounded to bf16 placed tokens apart from its fp32 trainer's
+            model = auto.from_config(config)
+            for param in model.parameters():
+                param.data = param.data.to(dtype)
         if cfg.lora is not None:
             apply_lora(model, cfg.lora)
         return model
