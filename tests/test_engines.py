@@ -83,6 +83,9 @@ def test_seeds_stop_tokens_temperature_and_top_p():
     for bad in (-1, float("nan")):  # NaN failed each step later, blamed on the weights
         with pytest.raises(ValueError, match="temperature must be >= 0 \\(0: greedy "):
             SamplingConfig(temperature=bad)
+    for name, bad in (("temperature", "0.7"), ("top_p", "0.9"), ("temperature", True)):
+        with pytest.raises(ValueError, match=f"SamplingConfig.{name} must be a number, got"):
+            SamplingConfig(**{name: bad})
     # left padding is embedded too; past GPT-2's learned positions an IndexError (a device
     # assert on a GPU, which ends the CUDA context)
     with pytest.raises(ValueError, match="pad_token_id=500 is outside the model's vocabulary"):

@@ -309,8 +309,11 @@ def test_environment_errors_name_the_row_turn_and_fix():
     with pytest.raises(TypeError,
                        match=r"multi_turn=: 'turns' .*is not a setting; the settings are"):
         multi_turn_config({"env": echo, "turns": 2})
-    with pytest.raises(ValueError, match="max_turns and max_observation_tokens must be >= 1"):
-        multi_turn_config({"env": echo, "max_turns": 0})
+    for bad in ({"max_turns": 0}, {"max_turns": 2.5}, {"max_observation_tokens": 8.0},
+                {"max_turns": True}):  # (8.0 failed at the env's first answer, 2.5 on vLLM)
+        with pytest.raises(ValueError, match="max_turns and max_observation_tokens must be "
+                                             ">= 1 \\(whole numbers\\), got"):
+            multi_turn_config({"env": echo, **bad})
     for bad in ({"timeout_s": float("nan")}, {"timeout_s": 0}, {"processes": True}):
         with pytest.raises(ValueError, match="processes must be an int >= 0 and timeout_s"):
             multi_turn_config({"env": echo, **bad})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -45,6 +46,10 @@ class SamplingConfig:
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # ("0.7" failed with Python's TypeError)
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"SamplingConfig.{name} must be a number, got {value!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:  # (NaN failed
             # every step, blamed on the weights)
             raise ValueError(f"SamplingConfig.temperature must be >= 0 (0: greedy decoding), "

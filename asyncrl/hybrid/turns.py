@@ -80,9 +80,13 @@ class MultiTurn:
         if not callable(self.env):
             raise TypeError(f"multi_turn={{'env': ...}} is a module-level function "
                             f"env(prompt, response, **meta), got {self.env!r}")
-        if self.max_turns < 1 or self.max_observation_tokens < 1:
-            raise ValueError(f"multi_turn: max_turns and max_observation_tokens must be >= 1, "
-                             f"got {self.max_turns} and {self.max_observation_tokens}")
+        counts = (self.max_turns, self.max_observation_tokens)  # (8.0 failed at the first
+        if not all(whole_number(n) and n >= 1 for n in counts):  # answer, 2.5 on vLLM only)
+            raise ValueError(f"multi_turn: max_turns and max_observation_tokens must be >= 1 "
+                             f"(whole numbers), got {self.max_turns!r} and "
+                             f"{self.max_observation_tokens!r}")
+        self.max_turns, self.max_observation_tokens = int(self.max_turns), int(
+            self.max_observation_tokens)
         if not pool_settings_ok(self.processes, self.timeout_s):
             raise ValueError(f"multi_turn: processes must be an int >= 0 and timeout_s a "
                              f"finite number > 0 (or None), got {self.processes!r} and "
