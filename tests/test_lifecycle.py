@@ -545,3 +545,43 @@ def test_a_call_failed_by_a_peers_broken_collective_says_the_death_behind_it():
     assert "Connection closed by peer" in str(err)
     notes = "\n".join(getattr(err, "__notes__", []))
     assert "then group 'halfbroken': rank 1 is dead (killed by signal 9)" in notes, notes
+
+
+def test_a_controller_that_fails_to_start_leaves_nothing_behind_and_is_not_current(
+        tmp_path, monkeypatch):
+    """Its bind failing (a host not of this machine's) left its run and secret folders, was
+    still Controller.current() (a DataFlow opened next took it), and close() raised
+    AttributeError."""
+    import tempfile
+
+    import zmq
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its folders are made here
+
+    async def main():
+        ctl = asyncrl.Controller(host="192.0.2.1")  # TEST-NET-1: no machine's address
+        with pytest.raises(zmq.ZMQError):
+            async with ctl:
+                pass
+        assert asyncrl.Controller.current() is None
+        await ctl.close()  # nothing to do
+    run(main())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_class_given_as_an_instance_or_a_name_is_refused_clearly():
+    class W(asyncrl.Worker):
+        pass
+
+    for bad in (W(), "W"):
+        with pytest.raises(TypeError, match="asyncrl.group\\(\\) needs a subclass of "
+                                            "asyncrl.Worker \\(the class, not an instance"):
+            asyncrl.group(bad)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            for bad in (W(), "W"):  # (AttributeError: no __name__)
+                with pytest.raises(TypeError, match="spawn\\(\\) needs a subclass of "
+                                                    "asyncrl.Worker, got"):
+                    await ctl.spawn(bad)
+    run(main())

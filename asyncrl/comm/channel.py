@@ -77,9 +77,14 @@ class ControllerChannel:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a control message silently
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        if curve_secret is not None:  # encrypted: only CURVE clients with our key get in
-            curve_server(self._sock, curve_secret)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if curve_secret is not None:  # encrypted: only CURVE clients with our key get in
+                curve_server(self._sock, curve_secret)
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except BaseException:  # (a host not of this machine's)
+            self._sock.close(0)
+            self._ctx.term()
+            raise
         self.address = f"tcp://{host}:{port}"
         self._fd = int(self._sock.getsockopt(zmq.FD))
         self._signer = Signer(secret)

@@ -198,6 +198,25 @@ class Controller:
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._token = _current.set(self)
+        try:
+            self._start()
+        except BaseException:  # (a host not of this machine's, a run_dir it cannot make):
+            # nothing left behind, and no half-started controller for the next to find
+            self._closed = True
+            _current.reset(self._token)
+            for task in self._tasks:
+                task.cancel()
+            if getattr(self, "channel", None) is not None:
+                self.channel.close()
+            if self.logs is not None:
+                self.logs.close()
+            if getattr(self, "_private", None) is not None:
+                shutil.rmtree(self._private, ignore_errors=True)
+            if self._own_run_dir and self.run_dir is not None:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def _start(self) -> None:
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -291,7 +310,7 @@ class Controller:
         """
         if self._closed or not self._started:
             raise ClosedError("the controller is not running; use `async with Controller()`")
-        name = name or worker_cls.__name__.lower()
+        name = name or getattr(worker_cls, "__name__", "").lower()  # (checked next)
         layout = self._check_spawn(worker_cls, name, nprocs, mesh, place)
         nice = check_nice(name, nice)
         relayed = self._relays_for(name, nprocs, self.relay if relay is None else relay)

@@ -13,6 +13,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from asyncrl.actors.worker import Worker
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.placement import check_nice
 from asyncrl.errors import SettingError
@@ -28,6 +29,9 @@ class GroupSpec:
                  mesh: dict[str, int] | None, place: Any, name: str | None,
                  env: dict[str, str] | None, module: str, max_restarts: int = 0,
                  restart_backoff: float = 1.0, nice: int = 0):
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"asyncrl.group() needs a subclass of asyncrl.Worker (the class, "
+                            f"not an instance), got {worker_cls!r}")
         self.worker_cls, self.args, self.kwargs = worker_cls, args, kwargs
         self.nprocs, self.mesh, self.place, self.env = nprocs, mesh, place, env
         self.name = name or worker_cls.__name__.lower()
