@@ -101,3 +101,31 @@ def test_a_hung_on_close_ends_at_the_collective_timeout():
                              "the rank's last line")
             return pids
     assert_gone(run(main(), timeout=100))
+
+
+class SaysGoodbye(asyncrl.Worker):
+    @asyncrl.register
+    def ping(self):
+        return self.rank
+
+    def on_close(self):
+        for i in range(80):  # (within the output's burst limit of 100 lines)
+            print(f"closing {i} " + "x" * 8000, flush=True)
+        print("goodbye", flush=True)
+
+
+def test_a_ranks_last_lines_reach_the_controller_before_it_exits():
+    """The output thread queued them on a socket whose context os._exit never ended: zmq's
+    I/O thread died with what it still held (the last lines lost, often in bursts)."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(SaysGoodbye, nprocs=2)
+            assert await group.ping() == [0, 1]
+            pids = group_pids(group)
+            await ctl.close_group(group)
+            logs = [ctl.logs.path("saysgoodbye", r).read_text() for r in (0, 1)]
+            return pids, logs
+    pids, logs = run(main())
+    assert_gone(pids)
+    for log in logs:
+        assert log.count("closing ") == 80 and "goodbye" in log, log[-300:]

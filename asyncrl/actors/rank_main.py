@@ -200,11 +200,14 @@ class RankMain:
         self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-fetch")
         self.local = threading.local()
         self.concurrent_socks: list[RankSocket] = []  # one per pool thread (at most 4)
+        self.log_ctx = zmq.Context()
+        self.log_socket: RankSocket | None = None  # the output thread's (main sets it)
 
-    def socket(self, role: str) -> RankSocket:
+    def socket(self, role: str, ctx: zmq.Context | None = None) -> RankSocket:
         identity = f"{self.group}/{self.rank}/{role}/{self.tag}".encode()
         address = self.relay_addresses.get("exec" if role == "exec" else "io", self.address)
-        return RankSocket(self.ctx, address, identity, self.secret, curve=self.control_curve)
+        return RankSocket(ctx or self.ctx, address, identity, self.secret,
+                          curve=self.control_curve)
 
     def start_relay(self, prefix: str, node: int) -> None:
         """Local rank 0 runs the host's relays; every local rank's control sockets connect
@@ -416,8 +419,10 @@ class RankMain:
                               f"waiting for it", file=sys.stderr, flush=True)
                     waiting = True
                     continue
+                limit = max(self.hb_timeout, collective_timeout()) if waiting else \
+                    self.hb_timeout  # (its process ran: it waited up to the longer)
                 print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the controller for "
-                      f"{now - last_heard:.1f}s (limit {self.hb_timeout}s); exiting",
+                      f"{now - last_heard:.1f}s (limit {limit:g}s); exiting",
                       file=sys.stderr, flush=True)
                 return EXIT_CONTROLLER_LOST
             waiting = False
@@ -486,14 +491,31 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
     _init_distributed()
     rank = RankMain()
-    log_socket = rank.socket("log")  # used by the output thread alone
+    # used by the output thread alone; a context of its own, ended at exit: its last lines
+    # leave before os._exit (which ends zmq's I/O thread with what it still holds)
+    log_socket = rank.log_socket = rank.socket("log", rank.log_ctx)
     # never blocking: with the controller gone, a full queue must not stop the prints
     output = OutputCapture(lambda lines, dropped: log_socket.send(Log(lines, dropped),
                                                                   block=False))
     output.start()
     faulthandler.enable(all_threads=False)  # a crash's traceback: through the tee to the log
     debugger.install()  # breakpoint() waits for `asyncrl attach` instead of hanging silently
-    code = rank.serve()
+    code = 1
+    try:  # every way out goes through _exit (a SIGINT torchrun passes on, sys.exit in
+        code = rank.serve()  # on_close): this rank's shared memory unlinked, its last lines
+        _close(rank, code, output)  # sent, and no pool thread waited for
+    except KeyboardInterrupt:
+        code = 130
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - said in its log, then out
+        traceback.print_exc()
+    finally:
+        _exit(rank, code, output)
+
+
+def _close(rank: RankMain, code: int, output: OutputCapture) -> None:
+    """Let the calls under way settle, then the worker's on_close."""
     # no call starts now; on_close comes after the last one (a reward's pool closed under a
     # running score), a call that runs on (a collective whose peers are gone) waited for
     # within half the controller's shutdown grace (on_close gets the other half)
@@ -513,7 +535,6 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - the rank exits anyway: say why in its log
             traceback.print_exc()
         watchdog.cancel()
-    _exit(rank, code, output)
 
 
 def _said_if_failed(done: Any) -> None:
@@ -534,7 +555,10 @@ def _exit(rank: RankMain, code: int, output: OutputCapture | None = None) -> Non
     sys.stdout.flush()
     sys.stderr.flush()
     if output is not None:
-        output.close()  # the last lines reach the controller
+        output.close()  # the last lines are sent...
+    if rank.log_socket is not None:  # ...and leave (within the socket's linger, 2 s)
+        rank.log_socket.close()
+        rank.log_ctx.term()
     for relay in rank.relays:
         relay.close()
     os._exit(code)  # user threads may be blocked in collectives: do not wait for them
