@@ -99,8 +99,9 @@ def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"bench: unrecognized arguments: stray; a flow takes "
                                          r"key=value"):
         asyncrl.cli.main(["bench", str(flow), "--steps", "2", "stray", "lr=0.1"])
-    with pytest.raises(SystemExit):  # argparse's error: exit code 2, the message on stderr
+    with pytest.raises(SystemExit) as e:  # argparse's error: the message on stderr
         asyncrl.cli.main(["launch", str(flow), "--steps", "-3"])
+    assert e.value.code == 2
     # the command line's mistakes are blamed on it, not on the flow file, and before it runs
     with pytest.raises(SystemExit, match=r"launch: override '=0.1' is not key=value; write "
                                          r"overrides as key=value, with no space around"):
@@ -354,8 +355,9 @@ def test_bad_controller_timings_are_refused_before_anything_starts(tmp_path):
               "--run-dir", str(tmp_path / "run")])
     for flag in ("--heartbeat-interval", "--transfer-timeout", "--collective-timeout"):
         for bad in ("0", "-1", "inf", "nan"):
-            with pytest.raises(SystemExit):  # argparse's usage error
-                main(["launch", str(flow), flag, bad])
+            with pytest.raises(SystemExit) as e:  # argparse's usage error (the flow file
+                main(["launch", str(flow), flag, bad])  # imported: its message, not 2)
+            assert e.value.code == 2, (flag, bad, e.value.code)
     assert not (tmp_path / "run").exists()
 
 

@@ -323,3 +323,40 @@ def test_the_steps_still_running_when_a_later_one_fails_finish_and_reach_on_step
     assert asyncio.run(main()) == [(0, {"slow": 0, "broken": 0}), (1, {"slow": 1, "broken": 1})]
     assert "node 'broken' failed at step 2: letting step(s) 1, dispatched before it, finish " \
         "first" in capsys.readouterr().err
+
+
+def test_a_step_still_running_when_a_later_one_fails_is_waited_for_within_a_bound(capsys):
+    """A call that runs on (a hung loop in a live rank: its heartbeats still come) held the
+    run's error back for ever; it is waited for up to the collective timeout."""
+    from asyncrl.futures.future import DistFuture, Held
+
+    held = []
+
+    @asyncrl.node
+    def slow(x):
+        held.append(DistFuture._new(asyncio.get_running_loop(), f"slow {x}"))
+        if x != 1:  # step 1's never resolves
+            held[-1]._set_result(Held(x))
+        return held[-1]
+
+    @asyncrl.node
+    def broken(x):
+        if x == 2:
+            raise ValueError("no sample for 2")
+        return x
+
+    async def main():
+        seen = []
+        async with asyncrl.Controller(collective_timeout=0.5) as ctl:
+            flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": range(5)}, groups=[])
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
+                    await asyncio.wait_for(flow.run(on_step=lambda t, v, s: seen.append(t)), 30)
+            finally:
+                await flow.close()
+        return seen
+    assert asyncio.run(main()) == [0]
+    err = capsys.readouterr().err
+    assert "letting step(s) 1, dispatched before it, finish first (their rows; within 0.5 s" \
+        in err and "step(s) 1 still ran 0.5 s later (the collective timeout): left" in err

@@ -133,17 +133,19 @@ class OutputCapture:
         with contextlib.suppress(OSError):
             os.write(self._original, note.encode() + b"\n")
 
-    def close(self, timeout: float = 2.0) -> None:
+    def close(self, timeout: float = 2.0) -> bool:
         """Send what is left: point fds 1 and 2 back at the original stdout (the pipe's last
-        writers), let the reader drain it."""
+        writers), let the reader drain it. False if it still runs after `timeout` (a child
+        process holds the pipe): its socket is still its own."""
         if self._thread is None:
-            return
+            return True
         self._closing = True
         os.dup2(self._original, 1)
         os.dup2(self._original, 2)
         self._thread.join(timeout)  # (tee's end: the pipe's last writers closed)
         if self._tee is not None:
             self._tee.poll()  # reaped if done (a child of the rank's may still write)
+        return not self._thread.is_alive()
 
 
 def _tee(source: int, log: int) -> tuple[subprocess.Popen[bytes], int] | None:

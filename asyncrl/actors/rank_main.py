@@ -51,6 +51,7 @@ from asyncrl.comm.dataplane import DataClient, pool_prefix, run_prefix
 from asyncrl.comm.dataserver import DataServer
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import (
+    CONCURRENT_THREADS,
     NONE,
     SPAWN_ENV,
     Call,
@@ -199,7 +200,7 @@ class RankMain:
         self.fetch_sock: RankSocket | None = None  # owned by the fetcher's one thread
         self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-fetch")
         self.local = threading.local()
-        self.concurrent_socks: list[RankSocket] = []  # one per pool thread (at most 4)
+        self.concurrent_socks: list[RankSocket] = []  # one per pool thread
         self.log_ctx = zmq.Context()
         self.log_socket: RankSocket | None = None  # the output thread's (main sets it)
 
@@ -359,7 +360,8 @@ class RankMain:
     def run_beside(self, call: Call) -> None:
         """A concurrent=True call: run it on the pool, beside the in-order calls."""
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(4, thread_name_prefix="asyncrl-concurrent")
+            self.pool = ThreadPoolExecutor(CONCURRENT_THREADS,
+                                           thread_name_prefix="asyncrl-concurrent")
         self.pool.submit(self.run_concurrent, call).add_done_callback(_said_if_failed)
 
     def on_io(self, msg: Any) -> None:
@@ -421,8 +423,9 @@ class RankMain:
                     continue
                 limit = max(self.hb_timeout, collective_timeout()) if waiting else \
                     self.hb_timeout  # (its process ran: it waited up to the longer)
+                gone = "" if now - last_heard >= limit else ", and its process is gone"
                 print(f"[asyncrl] {self.group}:{self.rank}: no heartbeat from the controller for "
-                      f"{now - last_heard:.1f}s (limit {limit:g}s); exiting",
+                      f"{now - last_heard:.1f}s (limit {limit:g}s){gone}; exiting",
                       file=sys.stderr, flush=True)
                 return EXIT_CONTROLLER_LOST
             waiting = False
@@ -506,8 +509,11 @@ def main() -> None:
         _close(rank, code, output)  # sent, and no pool thread waited for
     except KeyboardInterrupt:
         code = 130
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as Python: sys.exit() is 0, sys.exit("why") says it, 1
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr, flush=True)
     except BaseException:  # noqa: BLE001 - said in its log, then out
         traceback.print_exc()
     finally:
@@ -551,17 +557,19 @@ def _on_close_hung(rank: RankMain, code: int, output: OutputCapture) -> None:
 
 
 def _exit(rank: RankMain, code: int, output: OutputCapture | None = None) -> None:
-    rank.segments.close()  # unlink this rank's shared memory: os._exit runs no finalizer
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if output is not None:
-        output.close()  # the last lines are sent...
-    if rank.log_socket is not None:  # ...and leave (within the socket's linger, 2 s)
-        rank.log_socket.close()
-        rank.log_ctx.term()
-    for relay in rank.relays:
-        relay.close()
-    os._exit(code)  # user threads may be blocked in collectives: do not wait for them
+    try:
+        rank.segments.close()  # unlink this rank's shared memory: os._exit runs no finalizer
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # the last lines are sent, and leave (within the socket's linger, 2 s) once the
+        # output thread, the socket's only user, has ended
+        if (output is None or output.close()) and rank.log_socket is not None:
+            rank.log_socket.close()
+            rank.log_ctx.term()
+        for relay in rank.relays:
+            relay.close()
+    finally:  # (a second SIGINT, a failure above: still no wait for user threads)
+        os._exit(code)  # user threads may be blocked in collectives: do not wait for them
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ class DataServer:
                 if self._sock in ready:
                     self._serve_one()
             except zmq.ContextTerminated:  # its context ends: let it (it logged this for
-                replies.close(0)           # ever, and the context's term() hung)
+                replies.close(0)           # ever; term() also waits for NCCL senders' own)
                 self._sock.close(0)
                 return
             except Exception:  # noqa: BLE001 - this thread must outlive any one request

@@ -134,6 +134,9 @@ class Results(msgspec.Struct, tag=True, array_like=True, gc=False):
     busy: float  # the longest a rank spent on it
 
 
+CONCURRENT_THREADS = 4  # a rank's pool for its concurrent calls, each thread with a socket
+
+
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """Both ways, every heartbeat interval. A rank reports how many frames it dropped, what
     its object store holds, and how far its sockets (and the host relays it runs) have got

@@ -488,25 +488,34 @@ class DataFlow:
     async def _finish_earlier(self, e: Exception) -> None:
         """A step failed and the run ends (no rewind): let the steps dispatched before it
         that still run finish, and complete those that finish well (their rows, as a run
-        without overlap has them). Bounded: a dead or hung group fails their calls."""
+        without overlap has them). A dead or silent group fails their calls; a call that
+        runs on is waited for up to the collective timeout (then the run ends as before)."""
         earlier, self._earlier = self._earlier, None
         if earlier is not None:
             await earlier(e)
 
-    @classmethod
-    async def _complete_running(cls, pending: list[tuple[_Step, dict[str, Any]]],
+    async def _complete_running(self, pending: list[tuple[_Step, dict[str, Any]]],
                                 complete: Callable[[_Step, dict[str, Any]], Awaitable[None]],
                                 e: Exception) -> None:
-        running = [t for step, _ in pending for t in step.finished.values() if not t.done()]
+        ahead = []  # up to the first that failed already: no step after it completes
+        for step, _ in pending:
+            if any(t.done() and (t.cancelled() or t.exception()) for t in step.finished.values()):
+                break
+            ahead.append(step)
+        running = [t for step in ahead for t in step.finished.values() if not t.done()]
         if running:
-            steps = f"{pending[0][0].index}" + (f"-{pending[-1][0].index}" if len(pending) > 1
-                                                else "")
+            bound = self._ctl.collective_timeout if self._ctl is not None else 0.0
+            steps = f"{ahead[0].index}" + (f"-{ahead[-1].index}" if len(ahead) > 1 else "")
             what = (f"node {e.node!r} failed at step {e.step}" if isinstance(e, NodeError)
                     else "a step failed")
             print(f"[asyncrl] {what}: letting step(s) {steps}, dispatched before it, finish "
-                  f"first (their rows; the error follows)", file=sys.stderr, flush=True)
-            await asyncio.wait(running)
-        await cls._complete_finished(pending, complete)
+                  f"first (their rows; within {bound:g} s; the error follows)",
+                  file=sys.stderr, flush=True)
+            _, left = await asyncio.wait(running, timeout=bound)
+            if left:
+                print(f"[asyncrl] step(s) {steps} still ran {bound:g} s later (the collective "
+                      f"timeout): left unfinished", file=sys.stderr, flush=True)
+        await self._complete_finished(pending, complete)
 
     @staticmethod
     async def _complete_finished(pending: list[tuple[_Step, dict[str, Any]]],

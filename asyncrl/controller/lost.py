@@ -29,13 +29,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncrl.comm.channel import ControllerChannel
+from asyncrl.comm.messages import CONCURRENT_THREADS
 from asyncrl.comm.relay import RELAY_ROLES
 
 if TYPE_CHECKING:
     from asyncrl.controller.group import RankInfo
 
 LOST_AFTER = 3  # heartbeat timeouts
-MAX_CONCURRENT = 4  # the pool threads of a rank's concurrent calls (rank_main.run_beside)
 
 
 def lost_messages(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInfo,
@@ -78,7 +78,7 @@ def concurrent_sockets(info: RankInfo) -> list[tuple[bytes, int]]:
     directly), each with how many it sent; names not of that form are ignored."""
     group, rank, _, tag = info.identity.split(b"/")
     return [(b"/".join((group, rank, role.encode(), tag)), sent)
-            for role, sent in info.beat.concurrent[:MAX_CONCURRENT]
+            for role, sent in info.beat.concurrent[:CONCURRENT_THREADS]
             if role[:1] == "c" and role[1:].isdigit()]
 
 
