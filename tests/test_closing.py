@@ -69,7 +69,8 @@ def test_on_close_runs_after_the_call_under_way_ends(tmp_path):
                              "the call to start")
             pids = group_pids(group)
             await ctl.close_group(group)
-            with pytest.raises(asyncrl.AsyncRLError):
+            with pytest.raises(asyncrl.ClosedError, match="group 'closesafteritscalls' was "
+                                                          "shut down"):
                 await running  # the group closed under it
             return pids
     assert_gone(run(main()))

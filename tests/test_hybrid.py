@@ -216,6 +216,7 @@ def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
                     pids)
     engine_w, train_w, pids = run(main(), timeout=300)
     assert_gone(pids)
+    assert train_w and set(engine_w) >= set(train_w)  # (all() of none: true)
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
 
 
@@ -265,6 +266,7 @@ def test_an_engine_freed_while_training_comes_back_with_the_trained_weights():
     assert_gone(pids)
     total = sum(v.numel() * v.element_size() for v in train_w.values())
     assert held[0][0] == 0 and held[1][0] >= total and held[2][0] == 0, held
+    assert train_w and set(engine_w) >= set(train_w)  # (all() of none: true)
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
     assert len(again) == 4 and again["response_mask"].sum() > 0
 
@@ -284,6 +286,7 @@ def test_a_bf16_trainers_engine_generates_in_bf16():
     engine_w, train_w, rollout, trained, pids = run(main(), timeout=300)
     assert_gone(pids)
     assert {v.dtype for v in engine_w.values()} == {torch.bfloat16}
+    assert train_w and set(engine_w) >= set(train_w)  # (all() of none: true)
     assert all(torch.equal(engine_w[k], train_w[k].bfloat16()) for k in train_w)
     mask = rollout["response_mask"].bool()
     assert torch.allclose(rollout["logprobs"][mask], trained["logprobs"][mask], atol=5e-3)
@@ -569,6 +572,7 @@ def test_hybrid_policy_on_zero3_round_trip():
     engine_w, train_w, engine_after, train_after, fsdp_after, report, pids = \
         run(main(), timeout=580)
     assert_gone(pids)
+    assert train_w and set(engine_w) >= set(train_w)  # (all() of none: true)
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
     assert all(torch.equal(engine_after[k], train_after[k]) for k in train_after)
     assert any(not torch.equal(train_after[k], train_w[k]) for k in train_w)

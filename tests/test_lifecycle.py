@@ -560,9 +560,10 @@ def test_a_controller_that_fails_to_start_leaves_nothing_behind_and_is_not_curre
 
     async def main():
         ctl = asyncrl.Controller(host="192.0.2.1")  # TEST-NET-1: no machine's address
-        with pytest.raises(zmq.ZMQError):
+        with pytest.raises(zmq.ZMQError) as e:
             async with ctl:
                 pass
+        assert e.value.errno == zmq.EADDRNOTAVAIL
         assert asyncrl.Controller.current() is None
         await ctl.close()  # nothing to do
     run(main())

@@ -163,7 +163,7 @@ def test_a_dead_or_silent_rank_behind_a_relay_is_named(how, victim):
     pids, err = run(main())
     assert err.rank == victim, str(err)
     if how == "kill":  # torchrun's report (exit code) or the supervisor's (process gone)
-        assert "signal 9" in str(err) or "gone" in str(err), str(err)
+        assert "signal 9" in str(err) or "its process is gone" in str(err), str(err)
     elif victim == 2:  # its heartbeats stopped although its host's others came through
         assert "no heartbeat" in str(err) and "relay" not in str(err), str(err)
     else:
