@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 
-from helpers import ROOT
+from helpers import ROOT, assert_gone
 
 import asyncrl
 
@@ -139,12 +139,13 @@ def test_a_child_whose_parent_exited_before_its_death_signal_was_set_ends(tmp_pa
     """The death signal a child sets takes effect at its parent's exit from then on: a
     parent gone already (the agent server ending as a spawn began) left the child, a
     torchrun agent, running on. die_with_parent(parent) ends it then."""
-    script = tmp_path / "orphan.py"
+    script, mark = tmp_path / "orphan.py", tmp_path / "child.pid"
     script.write_text(
         "import os, sys\n"
         "from asyncrl.controller.agent_fork import die_with_parent\n"
         "parent = os.getpid()\n"
         "if os.fork() == 0:\n"
+        f"    open({str(mark)!r}, 'w').write(str(os.getpid()))\n"
         "    os.setsid()\n"
         "    while os.getppid() == parent:  # until the parent has exited\n"
         "        os.sched_yield()\n"
@@ -165,4 +166,6 @@ def test_a_child_whose_parent_exited_before_its_death_signal_was_set_ends(tmp_pa
         proc.stdin.close()  # (a child that lived ends now)
         proc.stdout.close()
         proc.wait()
+    assert proc.returncode == 0 and mark.exists()  # (a script failing early says nothing)
     assert said == "", said  # ended by its SIGTERM, before a word
+    assert_gone([int(mark.read_text())])
