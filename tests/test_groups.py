@@ -254,8 +254,13 @@ def test_awaiters_of_one_fetched_result_get_one_value_built_once(bg, pair):
     async def three():
         fut = pair.big()
         await poll_until(fut.done, 30, "the reference to the big result")
-        tasks = [asyncio.ensure_future(awaited(fut)) for _ in range(3)]
-        await asyncio.sleep(0)  # each has asked for the value: the fetch is under way
+        posted, post = asyncio.Event(), pair.fetches._post  # (a Fetch sent to a rank)
+        pair.fetches._post = lambda rank, msg: (post(rank, msg), posted.set())
+        try:
+            tasks = [asyncio.ensure_future(awaited(fut)) for _ in range(3)]
+            await posted.wait()  # the fetch is under way
+        finally:
+            pair.fetches._post = post  # (the group serves the module's other tests)
         tasks[2].cancel()
         first, second = await asyncio.gather(*tasks[:2])
         return first, second, tasks[2].cancelled(), await fut
