@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, assert_gone, group_pids, poll_until, run, wait_until
@@ -435,6 +437,11 @@ def test_killed_controller_ranks_exit_on_lost_heartbeat(killed_driver_env):
     # torchrun does not die with the controller here: the ranks' watchdog must end them
     assert_gone(pids["ranks"], timeout=2.0 + 15)
     assert_gone([pids["agent"]])
+    logs = "".join(p.read_text(errors="replace") for p in Path(
+        killed_driver_env["TMPDIR"]).glob("asyncrl-*/logs/*.log"))  # the group's, torchrun's
+    said = re.findall(r"no heartbeat from the controller for [\d.]+s \(limit [\d.]+s\)"
+                      r"(?:, and its process is gone)?; exiting", logs)
+    assert len(said) == len(pids["ranks"]), logs[-2000:]  # each rank ended itself, said why
 
 
 def asyncio_wait_for(fut, timeout):
