@@ -569,7 +569,10 @@ def test_launch_run_node_and_timeline_end_to_end(tmp_path):
     saved = run_dir / "inputs" / "step1" / "score.msgpack"
     out = cli("run", "examples/flow.py", "--node", "score", "--inputs", str(saved))
     scores = eval(out.stdout.strip().splitlines()[-1])  # a list of floats, printed by repr
-    assert len(scores) == 4 and all(0 <= s <= 1 for s in scores)  # batch=4 reached the ranks
+    assert len(scores) == 4  # batch=4 reached the ranks
+    rollout = load_inputs(saved)[0]["rollout"]  # the step's own samples, scored again
+    assert scores == pytest.approx((rollout["tokens"] == 4).float().mean(1).tolist())  # GOOD
+    assert sum(scores) / 4 == pytest.approx(rows[1]["train/reward"])
     # an async node that awaits its inputs (DistFutures in the run: done ones again here),
     # on groups built with the run's overrides (lr=0.25), unless the command line says else
     saved = run_dir / "inputs" / "step2" / "train.msgpack"
