@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -23,7 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 import asyncrl
 from asyncrl import TensorBatch
-from asyncrl.comm import messages
+from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import (
     Signer,
     curve_available,
@@ -405,3 +406,45 @@ def test_a_ready_from_another_socket_than_the_ranks_exec_is_dropped(tmp_path):
     added, pids = run(main())
     assert_gone(pids)
     assert added == [3]
+
+
+class Slow(asyncrl.Worker):
+    @asyncrl.register
+    def wait_for(self, gate: str):
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+        return "real"
+
+
+def test_an_answer_to_a_call_from_another_groups_socket_is_dropped(tmp_path):
+    """Results were taken by call id and rank alone: any holder of the secret (another
+    group's rank) could answer a group's call with its own value."""
+    from helpers import poll_until
+
+    gate = tmp_path / "gate"
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Slow, name="slow")
+            pending = group.wait_for(str(gate))
+            await poll_until(lambda: group._pending, 20, "the call to be sent")
+            call_id = next(iter(group._pending))
+            route = b"other/0/exec/1.0000000000000000"  # a socket of another group
+            ctx = zmq.asyncio.Context()
+            forged = ctx.socket(zmq.DEALER)
+            forged.setsockopt(zmq.LINGER, 0)
+            forged.setsockopt(zmq.IDENTITY, route)
+            forged.connect(ctl.channel.address)
+            answer = messages.Result(call_id, 0, msgspec.Raw(codec.encode("forged")))
+            await forged.send_multipart(Signer(read_secret(str(ctl.secret_file))).sign(
+                route, messages.encode(answer)))
+            await poll_until(lambda: ctl.dropped_frames.get("foreign") == 1, 20,
+                             "the forged Result to be dropped")
+            forged.close()
+            ctx.term()
+            assert not pending.done()
+            gate.touch()
+            return await pending, group_pids(group)
+    value, pids = run(main())
+    assert_gone(pids)
+    assert value == ["real"]

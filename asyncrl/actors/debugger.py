@@ -92,13 +92,14 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     token = secrets.token_hex(16)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # (its files: tokens and ports)
     _remove_stale(folder, group, int(rank))
     thread = threading.current_thread()
     session = folder / f"{group}-{rank}-{thread.ident}.json"
     # written aside and renamed: `asyncrl attach` (or a test) never reads half a file
     partial = session.with_suffix(".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    partial.unlink(missing_ok=True)  # (never followed: a link planted there is replaced)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"group": group, "rank": int(rank), "pid": os.getpid(),
                    "thread": thread.name, "host": socket.gethostname(),

@@ -30,6 +30,7 @@ import errno
 import mmap
 import os
 import queue
+import secrets
 import stat
 import threading
 import weakref
@@ -168,7 +169,6 @@ class SegmentPool:
         self._segments: dict[str, _Segment] = {}
         self._free: list[_Segment] = []
         self._returned = _Returns()
-        self._next = 0
         self._closed = False
         self._paths: list[str] = []
         self._unlink_at_exit = weakref.finalize(self, _unlink_all, self._paths)
@@ -235,12 +235,12 @@ class SegmentPool:
             _unlink_all([path])
 
     def _create(self, size: int) -> _Segment:
-        # a name taken is not ours (another user's file in the world-listable /dev/shm, a
-        # leftover): skipped and left alone; the next one is tried
+        # named at random: /dev/shm is world-listable, and another user who took the next
+        # names of a counter blocked the pool; a name taken all the same (not ours) is
+        # skipped and left alone
         for _ in range(_NAMES_TRIED):
-            name = f"{self.prefix}-{self._next}"
+            name = f"{self.prefix}-{secrets.token_hex(6)}"
             path = _path(name)
-            self._next += 1
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 break

@@ -47,6 +47,9 @@ class Inbox:
         if isinstance(msg, Result):
             group = ctl.calls.get(msg.call_id)
             if group is not None:
+                if not identity.startswith(b"%s/%d/" % (group.name.encode(), msg.rank)):
+                    ctl.channel.drop("foreign")  # an answer from a socket not the rank's
+                    return  # (another group's rank, signed with the run's secret)
                 info = group.ranks.get(msg.rank)
                 if info is not None:  # (it answers: alive, whatever its heartbeats)
                     info.last_seen = time.monotonic()
@@ -105,8 +108,10 @@ class Inbox:
     def _on_relayed(self, sender: bytes, inner: Message, relay: bytes) -> None:
         if type(inner) is Results:  # most of what relays bring: the shortest way
             group = self._ctl.calls.get(inner.call_id)
-            if group is not None:
+            if group is not None and relay.startswith(group.name.encode() + b"/"):
                 group._on_results(inner)
+            elif group is not None:  # another group's relay answering this one's call
+                self._ctl.channel.drop("foreign")
         else:
             self.on_message(sender, inner, relay)
 

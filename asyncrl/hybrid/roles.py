@@ -319,7 +319,7 @@ class Policy(Worker):
         self.to_train()
         self.before_weights_change()  # a rollout may still be pulling a pack of the weights
         self.backend.load(folder / "train")
-        self.version = int(torch.load(folder / POLICY_FILE)["version"])
+        self.version = int(torch.load(folder / POLICY_FILE, weights_only=True)["version"])
 
     @register
     def switch_report(self) -> dict:

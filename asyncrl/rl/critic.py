@@ -134,7 +134,7 @@ class Critic(Worker):
         self.backend.load(folder / "train")
         saved = folder / "critic.pt"  # absent from checkpoints of before critics dropped rows
         if saved.exists():
-            self.version = int(torch.load(saved)["version"])
+            self.version = int(torch.load(saved, weights_only=True)["version"])
         elif self.rl.max_staleness is not None:
             log.warning("asyncrl: %s holds no critic.pt (a checkpoint from before session 15): "
                         "the critic counts policy versions from 0 and drops too few stale "
