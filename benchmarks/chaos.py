@@ -102,13 +102,17 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def disturb(proc: subprocess.Popen, chaos_dir: Path, args: argparse.Namespace,
-            rng: random.Random) -> list[dict]:
-    """Kill random ranks while the run goes on, one failure at a time; the kills made."""
+            rng: random.Random, seen: list) -> list[dict]:
+    """Kill random ranks while the run goes on, one failure at a time; the kills made.
+    `seen` gets each count of metrics rows it saw, and "none live" when it found no rank
+    to kill (why kills fell short, if they did)."""
     started = time.perf_counter()
     log = chaos_dir / "recoveries.jsonl"
     kills: list[dict] = []
     while len(kills) < args.kills and proc.poll() is None:
         done = count_lines(chaos_dir / "metrics.jsonl")
+        if not seen or seen[-1] != done:
+            seen.append(done)
         if done >= args.steps - 5:
             break  # a kill after a group's last call would need no recovery
         if done < args.after or count_lines(log) < len(kills):
@@ -118,6 +122,7 @@ def disturb(proc: subprocess.Popen, chaos_dir: Path, args: argparse.Namespace,
         live = {g: p for g, p in ranks(proc).items()
                 if args.groups is None or g in args.groups}
         if not live or count_lines(chaos_dir / "metrics.jsonl") >= args.steps - 5:
+            seen.append("none live" if not live else "late")
             continue
         group = rng.choice(sorted(live))
         pid = rng.choice(sorted(live[group]))
@@ -157,7 +162,8 @@ def main() -> None:
         started = time.perf_counter()
         proc = launch(chaos_dir, args.steps, args.checkpoint_every)
         try:
-            kills = disturb(proc, chaos_dir, args, rng)
+            rows_seen: list = []
+            kills = disturb(proc, chaos_dir, args, rng, rows_seen)
             finish(proc, chaos_dir, "disturbed")
         finally:
             stop(proc)
@@ -181,6 +187,8 @@ def main() -> None:
             "killed": [k["group"] for k in kills],
             "kinds": [e["kind"] for e in events], "seed": args.seed,
             "clean_run_s": round(clean_s, 2), "chaos_run_s": round(chaos_s, 2)}
+        if len(kills) < args.kills:  # (what it saw as it tried)
+            result["rows_seen"] = rows_seen
         print(json.dumps(result), flush=True)
 
 

@@ -253,7 +253,7 @@ def test_killed_actor_rank_of_the_grpo_demo_resumes_from_its_checkpoint():
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert (result["kills"], result["killed"], result["kinds"]) == (1, ["actor"], ["rewind"]), \
-        result
+        json.dumps(result)  # (whole: with rows_seen when no kill was made)
     assert (result["steps_completed"], result["steps_lost"], result["duplicate_rows"]) == \
         (14, 0, 0), result
     assert result["max_reward_diff"] < 1e-6, result

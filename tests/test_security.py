@@ -448,3 +448,27 @@ def test_an_answer_to_a_call_from_another_groups_socket_is_dropped(tmp_path):
     value, pids = run(main())
     assert_gone(pids)
     assert value == ["real"]
+
+
+def test_a_value_from_a_peer_never_runs_the_file_a_reference_in_it_names(tmp_path):
+    """A class or function travels as (module, qualname, file), and a module not found
+    by name was loaded from the file: a holder of the secret (a rank's result, a pulled
+    batch, a shared inputs file) could have any .py on the receiver's disk run. Only the
+    controller's commands (decode_call) may now; a value finds the modules loaded here."""
+    from asyncrl.comm.codec import EXT_REF
+
+    evil = tmp_path / "evil_module_xyz.py"
+    ran = tmp_path / "ran"
+    evil.write_text(f"open({str(ran)!r}, 'w').close()\nclass Thing:\n    pass\n")
+    ref = msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(
+        ["evil_module_xyz", "Thing", str(evil)]))
+    value = msgspec.msgpack.encode({"x": ref})
+    with pytest.raises(ImportError, match="values from peers never run a file"):
+        codec.decode(value)
+    with pytest.raises(ImportError, match="values from peers never run a file"):
+        codec.decode_oob(value, [])
+    assert not ran.exists()
+    args, _ = codec.decode_call(msgspec.msgpack.encode([[ref], {}]))  # a command's: loads
+    assert ran.exists() and args[0].__name__ == "Thing"
+    assert codec.decode(value)["x"] is args[0]  # loaded here now: found, not run again
+    assert codec.decode(codec.encode([asyncrl.Worker]))[0] is asyncrl.Worker  # by name

@@ -331,9 +331,9 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_BATCH:
         columns, meta = _decoder.decode(data)
         return TensorBatch(columns, meta)
-    if code == EXT_REF:
+    if code == EXT_REF:  # (a file run for the controller's commands only: refs.py)
         module, qualname, file = msgspec.msgpack.decode(data)
-        return resolve_ref(module, qualname, file)
+        return resolve_ref(module, qualname, file, load=getattr(_oob, "commands", False))
     if code == EXT_REMOTE_BATCH:
         pieces, columns, meta = _remote_batch_decoder.decode(data)
         return RemoteBatch(pieces, columns, meta)
@@ -540,6 +540,11 @@ class ArgEncodeError(Exception):
 
 def decode_call(buf: Any, frames: Sequence[Any] = ()) -> tuple[list, dict[str, Any]]:
     """[args, kwargs] from `encode_call` or `encode_call_oob` (with the frames it gave,
-    received as writable buffers: its arrays are views of them)."""
-    args, kwargs = decode_oob(buf, frames)
+    received as writable buffers: its arrays are views of them). A command's: the classes
+    and functions it names may have their files run (those the flow file defined)."""
+    _oob.commands = True
+    try:
+        args, kwargs = decode_oob(buf, frames)
+    finally:
+        _oob.commands = False
     return args, kwargs

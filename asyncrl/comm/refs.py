@@ -1,7 +1,10 @@
 """Classes and functions travel as references: ``module:qualname`` plus the defining file.
 
 The file lets a class defined in a driver script or a test file import on the ranks, where
-that module is not on ``sys.path`` (or where ``__main__`` is a different program).
+that module is not on ``sys.path`` (or where ``__main__`` is a different program). Only the
+controller's commands may have a file run (`load=True`); a value from a peer (a rank's
+result, a pulled batch, a saved inputs file) finds its file among the modules loaded here:
+one holder of the run's secret could else have any .py on the receiver's disk run.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ def make_ref(obj: Any) -> tuple[str, str, str]:
     return module, qualname, os.path.abspath(file) if file else ""
 
 
-def resolve_ref(module: str, qualname: str, file: str) -> Any:
+def resolve_ref(module: str, qualname: str, file: str, load: bool = True) -> Any:
     """Import what `make_ref` described, loading it from `file` if the module name alone
-    does not lead to that file here."""
-    mod = _module_for(module, file)
+    does not lead to that file here (load=False: only a module loaded from it already)."""
+    mod = _module_for(module, file, load)
     obj: Any = mod
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -50,10 +53,13 @@ def _same_file(mod: types.ModuleType, file: str) -> bool:
     return not file or (mine is not None and os.path.realpath(mine) == os.path.realpath(file))
 
 
-def _module_for(module: str, file: str) -> types.ModuleType:
+def _module_for(module: str, file: str, load: bool = True) -> types.ModuleType:
     mod = sys.modules.get(module)
     if mod is not None and _same_file(mod, file):
         return mod
+    loaded = _loaded(file) if file and not load else None
+    if loaded is not None:  # (before an import by name: its folder may be on sys.path now)
+        return loaded
     if module != "__main__" and mod is None:
         try:
             mod = importlib.import_module(module)
@@ -64,7 +70,21 @@ def _module_for(module: str, file: str) -> types.ModuleType:
             return mod
     if not file:
         raise ImportError(f"cannot import module {module!r} and no file was given for it")
+    if not load:
+        raise ImportError(f"a value from a peer names {module!r} of {file}, which is not "
+                          f"loaded here, and values from peers never run a file: import "
+                          f"that module before the value comes")
     return _load_file(file)
+
+
+def _loaded(file: str) -> types.ModuleType | None:
+    """The module loaded from `file` here, if one is."""
+    path = os.path.realpath(file)
+    mod = sys.modules.get(_SCRIPT_PREFIX + hashlib.sha1(path.encode()).hexdigest()[:12])
+    if mod is None:  # (under another name: a flow file the launcher ran, a test module)
+        mod = next((m for m in list(sys.modules.values())
+                    if os.path.realpath(getattr(m, "__file__", None) or "/") == path), None)
+    return mod
 
 
 def _load_file(file: str) -> types.ModuleType:
