@@ -17,7 +17,9 @@ engine's log-probs are the trainer's. An engine that takes whole weights by name
 The adapters are fp32 on a bf16 (or fp16) model, as peft makes them: an update of the size
 AdamW makes at a LoRA learning rate (1e-5 of a weight ~0.03) is below a bf16 weight's
 resolution and would round away. Each factor is a module of its own, so FSDP2 can shard them
-apart from the layer's bf16 weight (one dtype per FSDP unit).
+apart from the layer's bf16 weight (one dtype per FSDP unit). Under DeepSpeed ZeRO with bf16
+they compute in bf16 (DeepSpeed casts every parameter; its fp32 master copies keep the
+updates), and what it syncs or saves of them is bf16-rounded: a little log-prob noise.
 """
 
 from __future__ import annotations
