@@ -30,7 +30,11 @@ from collections import deque
 import zmq
 
 NCCL_UINT8 = 1
-_ROOT = os.path.join(tempfile.gettempdir(), "asyncrl-fake-nccl")
+def _root() -> str:
+    """Where communicators meet: a test's own folder (its fixture sets it), removed with it
+    (read when a communicator is made: a process forked from one that imported this)."""
+    return os.environ.get("ASYNCRL_FAKE_NCCL_ROOT") or os.path.join(tempfile.gettempdir(),
+                                                                    "asyncrl-fake-nccl")
 _group = threading.local()
 
 
@@ -65,7 +69,7 @@ class NcclCommunicator:
             raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
                             f"{type(uid).__name__})")
         self.world, self.rank = world, rank
-        folder = os.path.join(_ROOT, uid[:16].hex())
+        folder = os.path.join(_root(), uid[:16].hex())
         os.makedirs(folder, exist_ok=True)
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)

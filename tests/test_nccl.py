@@ -41,8 +41,9 @@ class Taker(asyncrl.Worker):
 
 
 @pytest.fixture
-def fake_nccl(monkeypatch):
+def fake_nccl(monkeypatch, tmp_path):
     monkeypatch.setenv("ASYNCRL_NCCL_MODULE", "fake_nccl")
+    monkeypatch.setenv("ASYNCRL_FAKE_NCCL_ROOT", str(tmp_path / "nccl"))  # (not in /tmp)
 
 
 def spawn_env() -> dict[str, str]:

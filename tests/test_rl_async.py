@@ -150,12 +150,14 @@ def prompts(n: int) -> TensorBatch:
 
 
 @pytest.mark.parametrize("transport", ["auto", "nccl"])
-def test_sync_moves_weights_between_groups_into_a_generation_in_flight(transport, monkeypatch):
+def test_sync_moves_weights_between_groups_into_a_generation_in_flight(transport, monkeypatch,
+                                                                        tmp_path):
     """transport="nccl": through the NCCL path, with tests/fake_nccl.py for CuPy's NCCL."""
     sampling = {"max_new_tokens": 8}
     env = {}
     if transport == "nccl":
         monkeypatch.setenv("ASYNCRL_NCCL_MODULE", "fake_nccl")
+        monkeypatch.setenv("ASYNCRL_FAKE_NCCL_ROOT", str(tmp_path / "nccl"))
         env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
 
     async def main():
