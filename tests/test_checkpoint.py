@@ -441,3 +441,27 @@ def test_a_resume_with_other_prompts_is_refused_before_any_group_starts(tmp_path
     with pytest.raises(CheckpointError, match="input 'prompts': this position was saved for "
                                               "other prompts .*seed 5 there, 6 here"):
         checkpoint.resumable(tmp_path, flow_of(6))
+
+
+def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path):
+    """A checkpoint is read with pickle (torch's distributed checkpoints, DeepSpeed's): one
+    in a folder every user can write was resumed, running whatever was planted there."""
+    from asyncrl.errors import CheckpointError
+
+    @asyncrl.node
+    def take(x):
+        return x
+
+    flow = asyncrl.DataFlow(nodes=[take], groups=[], inputs={"x": [1, 2]})
+    folder = tmp_path / "run" / "checkpoints" / "step_000000"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({
+        "step": 0, "flow": checkpoint.identity(flow), "sizes": {}, "inputs": {}}))
+    assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
+    for where in (tmp_path / "run", folder.parent, folder):
+        where.chmod(0o777)
+        with pytest.raises(CheckpointError, match=f"--resume: {where} is writable by every "
+                                                  f"user; a checkpoint is loaded with pickle"):
+            checkpoint.resumable(tmp_path / "run", flow)
+        where.chmod(0o775)  # (a group's shared project folder: resumed)
+    assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder

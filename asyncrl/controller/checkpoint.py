@@ -101,6 +101,21 @@ def refuse_existing(run_dir: Path) -> None:
             f"mixed with this run's)")
 
 
+def _own(path: Path) -> None:
+    """A checkpoint is code as well as data (torch's distributed checkpoints and DeepSpeed's
+    are read with pickle): refuse one that another user wrote, or could have."""
+    for where in (path.parent.parent, path.parent, path):  # run dir, checkpoints, step_*
+        st = where.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o002:
+            whose = f"owned by user {st.st_uid}" if st.st_uid != os.getuid() else \
+                "writable by every user"
+            raise CheckpointError(
+                f"--resume: {where} is {whose}; "
+                f"a checkpoint is loaded with pickle (torch's distributed checkpoints, "
+                f"DeepSpeed's), so only one that you wrote, in folders only you (or your "
+                f"group) can write, is resumed: copy it into a run directory of yours")
+
+
 def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
     """The newest complete checkpoint in `run_dir` and its meta, checked against `flow`."""
     path = latest(run_dir)
@@ -109,6 +124,7 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
             f"--resume: no complete checkpoint was found in {Path(run_dir) / CHECKPOINTS}; "
             f"run without --resume to start afresh, or point --run-dir at a run that wrote "
             f"checkpoints (every run writes one at its end, and more with --checkpoint-every)")
+    _own(path)
     meta = read_meta(path)
     mine = identity(flow)
     theirs = meta.get("flow", {})
