@@ -8,6 +8,7 @@ import io
 import json
 import os
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -371,3 +372,37 @@ def test_pythonbreakpoint_0_turns_breakpoints_off_on_ranks(monkeypatch):
     monkeypatch.setenv("PYTHONBREAKPOINT", "")
     debugger.breakpointhook()
     assert len(called) == 1  # unset: asyncrl's wait for `asyncrl attach`
+
+
+def test_a_link_planted_where_the_session_file_goes_is_replaced_not_followed(rank, tmp_path):
+    """The session file was written through `<session>.partial` opened with O_TRUNC: a link
+    planted there (a run dir others can write) truncated and overwrote the file it named."""
+    import stat
+
+    go = threading.Event()
+
+    def call() -> int:
+        go.wait(30)  # (until the link is planted: the file's name holds this thread's id)
+        return _stops_then_calls_helper()
+    rank.start("call", call)
+    folder, victim = tmp_path / "debug", tmp_path / "victim"
+    folder.mkdir()
+    victim.write_text("mine")
+    (folder / f"g-0-{rank.threads[-1].ident}.partial").symlink_to(victim)
+    go.set()
+    rank.next_stop()
+    assert victim.read_text() == "mine"
+    with _connect(rank.session()) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"c\n")
+    rank.join()
+    assert rank.results == {"call": 42}
+    shutil.rmtree(folder)
+    rank.start("again", _stops_then_calls_helper)
+    rank.next_stop()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700  # made for its owner alone
+    with _connect(rank.session()) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"c\n")
+    rank.join()
+    assert rank.results["again"] == 42
