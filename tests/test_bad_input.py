@@ -505,6 +505,10 @@ def test_wrong_checkpoint_is_refused_in_words(tmp_path):
            f"--resume: no complete checkpoint was found in {tmp_path / 'checkpoints'}",
            "run without --resume to start afresh, or point --run-dir at a run that wrote "
            "checkpoints")
+    (tmp_path / "metrics.jsonl").write_text("")  # a run stopped before its first checkpoint
+    expect(asyncrl.CheckpointError, lambda: checkpoint.resumable(tmp_path, flow),
+           "start afresh in another --run-dir (or remove this one), or point --run-dir")
+    (tmp_path / "metrics.jsonl").unlink()
     fake_run(tmp_path, "other.py")
     expect(asyncrl.CheckpointError, lambda: checkpoint.resumable(tmp_path, flow),
            f"checkpoint {tmp_path / 'checkpoints' / 'step_000002'} was written by another flow",

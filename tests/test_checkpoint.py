@@ -207,6 +207,18 @@ def test_stopped_after_three_steps_and_resumed_matches_a_straight_run(straight, 
     assert_same(rows(run_dir), want)
 
 
+def test_the_hints_to_go_on_name_a_flows_steps_setting(monkeypatch):
+    """The examples size their prompts' epochs by their steps= setting: told to pass
+    --steps N above the last step, a user of `make demo` met an input run out instead."""
+    from asyncrl.controller import declare, launch
+
+    monkeypatch.setattr(declare, "settings", {"lr": 0.1})
+    assert launch._steps_setting() == ""
+    monkeypatch.setattr(declare, "settings", {"steps": 60})
+    assert launch._steps_setting() == "; this flow has a steps setting (60), which may size " \
+        "its inputs (the examples' epochs): give steps=N with --steps N"
+
+
 def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(straight,
                                                                             tmp_path):
     run_dir = tmp_path / "run"

@@ -119,11 +119,15 @@ def _own(path: Path) -> None:
 def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
     """The newest complete checkpoint in `run_dir` and its meta, checked against `flow`."""
     path = latest(run_dir)
-    if path is None:
+    if path is None:  # (a run stopped before its first checkpoint left files: a fresh run
+        # there is refused, so another folder)
+        afresh = "start afresh in another --run-dir (or remove this one)" if \
+            Path(run_dir).is_dir() and any(Path(run_dir).iterdir()) else \
+            "run without --resume to start afresh"
         raise CheckpointError(
             f"--resume: no complete checkpoint was found in {Path(run_dir) / CHECKPOINTS}; "
-            f"run without --resume to start afresh, or point --run-dir at a run that wrote "
-            f"checkpoints (every run writes one at its end, and more with --checkpoint-every)")
+            f"{afresh}, or point --run-dir at a run that wrote checkpoints (every run "
+            f"writes one at its end, and more with --checkpoint-every)")
     _own(path)
     meta = read_meta(path)
     mine = identity(flow)

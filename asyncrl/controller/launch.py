@@ -151,6 +151,17 @@ class Metrics:
             raise errors[0][1]
 
 
+def _steps_setting() -> str:
+    """A hint when the flow has a `steps` setting: the examples size their prompts' epochs
+    by it, so --steps alone cannot take them further."""
+    from asyncrl.controller import declare
+
+    if "steps" not in declare.settings:
+        return ""
+    return (f"; this flow has a steps setting ({declare.settings['steps']}), which may size "
+            f"its inputs (the examples' epochs): give steps=N with --steps N")
+
+
 def drop_rows_after(path: Path, step: int) -> int:
     """Drop the rows of steps after `step` from metrics.jsonl (a resumed run writes them
     again), rewriting it atomically; the number dropped."""
@@ -226,7 +237,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         resume_from, meta = checkpoint.resumable(run_dir, flow)
         if steps is not None and meta["step"] + 1 >= steps:  # a finished run: left as it is
             print(f"nothing to run: steps 0..{meta['step']} are done ({resume_from}); pass "
-                  f"--steps N above {meta['step'] + 1} to go on", flush=True)
+                  f"--steps N above {meta['step'] + 1} to go on{_steps_setting()}", flush=True)
             return run_dir
         dropped = drop_rows_after(run_dir / "metrics.jsonl", meta["step"])
         print(f"resuming from {resume_from} (steps 0..{meta['step']} done; dropped "
@@ -297,13 +308,14 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                             flow.next_step == first_step:  # a resume of a run that ran out
                         print(f"nothing to run: input {flow.ended!r} has no items left after "
                               f"steps 0..{meta['step']} ({resume_from}); give it more (a "
-                              f"PromptSource's epochs=) to go on", file=sys.stderr, flush=True)
+                              f"PromptSource's epochs=) to go on{_steps_setting()}",
+                              file=sys.stderr, flush=True)
                     elif flow.ended is not None and steps is not None and \
                             flow.next_step < steps:
                         print(f"asyncrl: input {flow.ended!r} ran out after "
                               f"{flow.next_step} steps, before the {steps} asked for (a "
-                              f"PromptSource ends after its epochs: epochs=None goes on)",
-                              file=sys.stderr, flush=True)
+                              f"PromptSource ends after its epochs: epochs=None goes on)"
+                              f"{_steps_setting()}", file=sys.stderr, flush=True)
                 finally:
                     await flow.close()
             finally:
