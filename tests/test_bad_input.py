@@ -451,7 +451,8 @@ def test_bad_prompt_data_names_place_and_fix(tmp_path, monkeypatch):
     # text prompts reach generation only as token ids (they failed deep inside torch)
     from asyncrl.hybrid.roles import _prompts
     expect(TypeError, lambda: _prompts(TensorBatch({"prompt": ["What is 2+2?"], "seed": [1]})),
-           "generate: prompt 0 is 'What is 2+2?', not a list of token ids",
+           "generate: prompt 0 of this rank's rows (a DP call's chunk) is 'What is 2+2?', not a "
+           "list of token ids",
            "PromptSource(..., tokenizer=DIR)")
 
 

@@ -320,8 +320,8 @@ def test_a_roles_settings_are_checked_where_its_group_is_declared():
     asyncrl.group(Policy, model, hybrid=False, engine="unused")  # (a train-only Policy)
     with pytest.raises(TypeError, match=r"Reference model=: 'presets'"):
         asyncrl.group(Reference, {"presets": "tiny-llama"})
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        asyncrl.group(Reference, model, micro_batch_size=0)
+    with pytest.raises(ValueError, match="^Reference micro_batch_size must be >= 1, got 0"):
+        asyncrl.group(Reference, model, micro_batch_size=0)  # (not TrainConfig's: not given)
     with pytest.raises(TypeError, match=r"RewardModel model=: 'seeds'"):
         asyncrl.group(RewardModel, {**model, "seeds": 1})
     asyncrl.group(Actor, model, rl={"algo": "ppo"}, train={"lr": 1e-3})  # fine ones pass

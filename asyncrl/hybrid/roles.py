@@ -87,7 +87,8 @@ def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
                            f"and 'seed' (one per sample); it has {batch.keys()}")
     for i, p in enumerate(batch["prompt"]):
         if isinstance(p, str | bytes) or not all(isinstance(t, int) for t in p):
-            raise TypeError(f"generate: prompt {i} is {str(p)[:40]!r}, not a list of token "
+            raise TypeError(f"generate: prompt {i} of this rank's rows (a DP call's chunk) is "
+                            f"{str(p)[:40]!r}, not a list of token "
                             f"ids; the engines take token ids: give the prompt source a "
                             f"tokenizer (PromptSource(..., tokenizer=DIR)) or tokenize the "
                             f"records first")
@@ -425,9 +426,13 @@ def _reference_settings(model: dict[str, Any], micro_batch_size: int | None,
         raise TypeError(f"Reference model= is a dict (preset or path, ...), got "
                         f"{type(model).__name__}")
     cfg = from_dict(ModelConfig, {**model, "lora": None}, "Reference model=")
-    # a TrainConfig checks the sizes as it does for training
-    return cfg, TrainConfig(micro_batch_size=1 if micro_batch_size is None else micro_batch_size,
-                            max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    # a TrainConfig checks the sizes as it does for training (named as given: Reference's)
+    try:
+        return cfg, TrainConfig(
+            micro_batch_size=1 if micro_batch_size is None else micro_batch_size,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    except ValueError as e:
+        raise ValueError(str(e).replace("TrainConfig.", "Reference ")) from None
 
 
 class Reference(Worker):
