@@ -46,17 +46,24 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
                  saved: dict[str, Any] | None) -> Any:
     from asyncrl.comm.refs import _load_file
     from asyncrl.controller import declare
-    from asyncrl.controller.declare import OVERRIDES_ENV
+    from asyncrl.controller.declare import OVERRIDES_CHECKED_ENV, OVERRIDES_ENV
 
     if not os.path.isfile(path):
         raise SystemExit(f"asyncrl: no such file: {path}")
     # before the import: the flow file reads them with asyncrl.config(...); none given,
     # none left from an earlier load in this process
     os.environ[OVERRIDES_ENV] = json.dumps(overrides or {})
+    os.environ.pop(OVERRIDES_CHECKED_ENV, None)
     declare.settings.clear()  # this file's, for the run's trackers
     calls, loaded, declared = declare.config_calls, set(sys.modules), declare.declared_count()
+    declare.pending = set()  # (its config() calls may be several: each declares some)
     try:
         module = _load_file(os.path.abspath(path))
+        unknown = sorted(declare.pending - set(declare.settings))
+        if unknown:  # loaded again when given other settings: not kept
+            sys.modules.pop(module.__name__, None)
+            raise SettingError(f"unknown setting(s) {unknown} on the command line; this "
+                               f"flow's settings are {sorted(declare.settings)}", unknown)
     except SettingError:  # the command line's mistake, not the file's: _load says so (and
         declare.forget_declared_after(declared)  # may import it again: its groups anew)
         raise
@@ -76,6 +83,9 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
                             (f" or its settings ({given})" if overrides else "")) +
                          " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
                          ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
+    finally:
+        declare.pending = None
+    os.environ[OVERRIDES_CHECKED_ENV] = "1"  # (the ranks' imports take them as checked)
     if overrides and module.__name__ not in loaded and declare.config_calls == calls:
         now = [k for k in overrides if k not in (saved or {})]
         if not now:  # the run's own settings alone: the file stopped declaring any

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -370,3 +371,30 @@ def test_asyncrl_timeline_on_another_tools_trace_says_so(tmp_path):
     out = cli("timeline", str(tmp_path))
     assert out.returncode == 1 and "is not a trace asyncrl wrote" in out.stderr and \
         "Traceback" not in out.stderr, out.stderr
+
+
+def test_settings_declared_by_two_config_calls_both_take_overrides(tmp_path, monkeypatch):
+    """Each config() call took every key on the command line as its own: with settings
+    split over two calls (or one in a module the flow imports), any override was refused as
+    unknown, naming the other call's settings only."""
+    from asyncrl.controller import declare
+    from asyncrl.controller.declare import OVERRIDES_CHECKED_ENV
+    from asyncrl.flow_file import load_flow
+
+    monkeypatch.setenv(OVERRIDES_CHECKED_ENV, "")  # (set by the launcher once checked)
+    for n, (given, want) in enumerate((({"lr": "1", "steps": "3"}, (1.0, 3)),
+                                       ({}, (0.5, 2)))):
+        flow = tmp_path / f"two_configs{n}.py"
+        flow.write_text("import asyncrl\n"
+                        "model_cfg = asyncrl.config(lr=0.5)\n"
+                        "run_cfg = asyncrl.config(steps=2)\n")
+        module = load_flow(str(flow), given)
+        assert (module.model_cfg["lr"], module.run_cfg["steps"]) == want
+        assert declare.settings == {"lr": want[0], "steps": want[1]}
+        assert os.environ[OVERRIDES_CHECKED_ENV] == "1"  # what the ranks' imports take
+    typo = tmp_path / "two_configs_typo.py"
+    typo.write_text(flow.read_text())
+    with pytest.raises(SystemExit, match=r"unknown setting\(s\) \['stesp'\] on the command "
+                                         r"line; this flow's settings are \['lr', 'steps'\]"):
+        load_flow(str(typo), {"lr": "1", "stesp": "3"})
+    assert load_flow(str(typo), {"steps": "4"}).run_cfg["steps"] == 4  # imported anew

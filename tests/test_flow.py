@@ -139,6 +139,8 @@ def test_out_suffix_and_input_mapping():
 
 def test_config_overrides(monkeypatch):
     monkeypatch.setenv("ASYNCRL_OVERRIDES", json.dumps({"lr": 0.1}))
+    monkeypatch.delenv("ASYNCRL_OVERRIDES_CHECKED", raising=False)  # (a launcher's, once
+    # it found every key declared by a call: then a call takes those it declares)
     assert asyncrl.config(lr=1.0, steps=3) == {"lr": 0.1, "steps": 3}
     with pytest.raises(SettingError, match="unknown setting\\(s\\) \\['lr'\\]"):
         asyncrl.config(steps=3)

@@ -19,6 +19,9 @@ from asyncrl.controller.placement import check_nice
 from asyncrl.errors import SettingError
 
 OVERRIDES_ENV = "ASYNCRL_OVERRIDES"  # key=value pairs from `asyncrl launch`, as JSON
+# "1": the launcher found each of them declared by one of the flow's config() calls (a rank
+# importing the file takes, in each call, those it declares)
+OVERRIDES_CHECKED_ENV = "ASYNCRL_OVERRIDES_CHECKED"
 
 
 class GroupSpec:
@@ -148,6 +151,9 @@ def forget_declared_after(count: int) -> None:
 
 config_calls = 0  # how often a flow file asked for its settings (overrides need one)
 settings: dict[str, Any] = {}  # what config() gave this process, for the run's trackers
+# while the launcher imports a flow file: keys a config() call did not declare (another
+# call of the file may; checked once the file is imported: flow_file.py)
+pending: set[str] | None = None
 
 
 def config(**defaults: Any) -> dict[str, Any]:
@@ -160,10 +166,13 @@ def config(**defaults: Any) -> dict[str, Any]:
     config_calls += 1
     overrides = json.loads(os.environ.get(OVERRIDES_ENV, "{}"))
     unknown = sorted(set(overrides) - set(defaults))
-    if unknown:
+    if unknown and pending is not None:
+        pending.update(unknown)
+    elif unknown and os.environ.get(OVERRIDES_CHECKED_ENV) != "1":
         raise SettingError(f"unknown setting(s) {unknown} on the command line; this flow's "
                            f"settings are {sorted(defaults)}", unknown)
-    given = {**defaults, **{k: _as_default(k, v, defaults[k]) for k, v in overrides.items()}}
+    given = {**defaults, **{k: _as_default(k, v, defaults[k]) for k, v in overrides.items()
+                            if k in defaults}}
     settings.update(given)
     return given
 
