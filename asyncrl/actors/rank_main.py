@@ -563,7 +563,7 @@ def _exit(rank: RankMain, code: int, output: OutputCapture | None = None) -> Non
         sys.stderr.flush()
         # the last lines are sent, and leave (within the socket's linger, 2 s) once the
         # output thread, the socket's only user, has ended
-        if (output is None or output.close()) and rank.log_socket is not None:
+        if output is not None and output.close() and rank.log_socket is not None:
             rank.log_socket.close()
             rank.log_ctx.term()
         for relay in rank.relays:
