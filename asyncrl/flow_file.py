@@ -62,8 +62,7 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
         unknown = sorted(declare.pending - set(declare.settings))
         if unknown:  # loaded again when given other settings: not kept
             sys.modules.pop(module.__name__, None)
-            raise SettingError(f"unknown setting(s) {unknown} on the command line; this "
-                               f"flow's settings are {sorted(declare.settings)}", unknown)
+            raise declare.unknown_settings(unknown, declare.settings)
     except SettingError:  # the command line's mistake, not the file's: _load says so (and
         declare.forget_declared_after(declared)  # may import it again: its groups anew)
         raise

@@ -37,15 +37,13 @@ def runs(process: str) -> bool:
 
 def pid_alive(pid: int) -> bool:
     """True while `pid` runs (a zombie counts as dead), whichever process it is now."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
+    if pid <= 0:  # (kill(0, 0) would ask about this process's group)
         return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+    fields = _stat(pid)
+    if fields:
+        return fields[0] not in ("Z", "X")
+    try:  # no /proc entry to read: gone, or one this process may not read (hidepid)
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -80,17 +80,22 @@ def _module_for(module: str, file: str, load: bool = True) -> types.ModuleType:
 def _loaded(file: str) -> types.ModuleType | None:
     """The module loaded from `file` here, if one is."""
     path = os.path.realpath(file)
-    mod = sys.modules.get(_SCRIPT_PREFIX + hashlib.sha1(path.encode()).hexdigest()[:12])
+    mod = sys.modules.get(_script_name(path))
     if mod is None:  # (under another name: a flow file the launcher ran, a test module)
         mod = next((m for m in list(sys.modules.values())
                     if os.path.realpath(getattr(m, "__file__", None) or "/") == path), None)
     return mod
 
 
+def _script_name(path: str) -> str:
+    """The private module name a script loaded by path gets (one per real path)."""
+    return _SCRIPT_PREFIX + hashlib.sha1(path.encode()).hexdigest()[:12]
+
+
 def _load_file(file: str) -> types.ModuleType:
     """Load a script by path once, under a private name (so its `__main__` guard stays off)."""
     path = os.path.realpath(file)
-    name = _SCRIPT_PREFIX + hashlib.sha1(path.encode()).hexdigest()[:12]
+    name = _script_name(path)
     if name in sys.modules:
         return sys.modules[name]
     folder = os.path.dirname(path)

@@ -206,14 +206,7 @@ class Controller:
             _current.reset(self._token)
             for task in self._tasks:
                 task.cancel()
-            if getattr(self, "channel", None) is not None:
-                self.channel.close()
-            if self.logs is not None:
-                self.logs.close()
-            if getattr(self, "_private", None) is not None:
-                shutil.rmtree(self._private, ignore_errors=True)
-            if self._own_run_dir and self.run_dir is not None:
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._release()
             raise
 
     def _start(self) -> None:
@@ -249,13 +242,19 @@ class Controller:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            self.channel.close()
-            if self.logs is not None:
-                self.logs.close()
             cleanup_segments(run_prefix(self.run_id))  # what killed ranks left behind
+            self._release()
+
+    def _release(self) -> None:
+        """Close and remove what start() made, as far as it got."""
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        if self.logs is not None:
+            self.logs.close()
+        if getattr(self, "_private", None) is not None:
             shutil.rmtree(self._private, ignore_errors=True)
-            if self._own_run_dir and self.run_dir is not None:
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._own_run_dir and self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     @staticmethod
     def current() -> Controller | None:

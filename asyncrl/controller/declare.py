@@ -156,6 +156,11 @@ settings: dict[str, Any] = {}  # what config() gave this process, for the run's 
 pending: set[str] | None = None
 
 
+def unknown_settings(unknown: list[str], declared: Iterable[str]) -> SettingError:
+    return SettingError(f"unknown setting(s) {unknown} on the command line; this flow's "
+                        f"settings are {sorted(declared)}", unknown)
+
+
 def config(**defaults: Any) -> dict[str, Any]:
     """The flow's settings: `defaults`, with `key=value` overrides from `asyncrl launch`
     applied (the same on the controller and on every rank, which inherit the environment).
@@ -169,8 +174,7 @@ def config(**defaults: Any) -> dict[str, Any]:
     if unknown and pending is not None:
         pending.update(unknown)
     elif unknown and os.environ.get(OVERRIDES_CHECKED_ENV) != "1":
-        raise SettingError(f"unknown setting(s) {unknown} on the command line; this flow's "
-                           f"settings are {sorted(defaults)}", unknown)
+        raise unknown_settings(unknown, defaults)
     given = {**defaults, **{k: _as_default(k, v, defaults[k]) for k, v in overrides.items()
                             if k in defaults}}
     settings.update(given)
