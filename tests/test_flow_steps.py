@@ -282,6 +282,32 @@ def test_opening_an_open_flow_is_refused_and_leaves_it_open():
     assert asyncio.run(main()) == {"echo": 1}
 
 
+@asyncrl.node
+def broken(x):
+    if x == 2:
+        raise ValueError("no sample for 2")
+    return x
+
+
+def _run_until_step_2_fails(slow, flows: list, **controller) -> list:
+    """Run nodes `slow` and `broken` over x = 0..4 until broken fails at step 2 (the flow
+    goes into `flows`); what on_step got, (step, values)."""
+    async def main():
+        seen = []
+        async with asyncrl.Controller(**controller) as ctl:
+            flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": range(5)}, groups=[])
+            flows.append(flow)
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
+                    await asyncio.wait_for(flow.run(
+                        on_step=lambda t, values, s: seen.append((t, values))), 30)
+            finally:
+                await flow.close()
+        return seen
+    return asyncio.run(main())
+
+
 def test_the_steps_still_running_when_a_later_one_fails_finish_and_reach_on_step(capsys):
     """Step 2 fails while step 1 (dispatched before it: steps overlap) still runs: the run
     ended at once and step 1, which would have finished, lost its row; now it finishes."""
@@ -301,26 +327,8 @@ def test_the_steps_still_running_when_a_later_one_fails_finish_and_reach_on_step
         tasks.append(asyncio.get_running_loop().create_task(work(f, x)))
         return f
 
-    @asyncrl.node
-    def broken(x):
-        if x == 2:
-            raise ValueError("no sample for 2")
-        return x
-
-    async def main():
-        seen = []
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": range(5)}, groups=[])
-            flows.append(flow)
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
-                    await asyncio.wait_for(flow.run(
-                        on_step=lambda t, values, s: seen.append((t, values))), 30)
-            finally:
-                await flow.close()
-        return seen
-    assert asyncio.run(main()) == [(0, {"slow": 0, "broken": 0}), (1, {"slow": 1, "broken": 1})]
+    assert _run_until_step_2_fails(slow, flows) == [(0, {"slow": 0, "broken": 0}),
+                                                     (1, {"slow": 1, "broken": 1})]
     assert "node 'broken' failed at step 2: letting step(s) 1, dispatched before it, finish " \
         "first" in capsys.readouterr().err
 
@@ -339,24 +347,8 @@ def test_a_step_still_running_when_a_later_one_fails_is_waited_for_within_a_boun
             held[-1]._set_result(Held(x))
         return held[-1]
 
-    @asyncrl.node
-    def broken(x):
-        if x == 2:
-            raise ValueError("no sample for 2")
-        return x
-
-    async def main():
-        seen = []
-        async with asyncrl.Controller(collective_timeout=0.5) as ctl:
-            flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": range(5)}, groups=[])
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
-                    await asyncio.wait_for(flow.run(on_step=lambda t, v, s: seen.append(t)), 30)
-            finally:
-                await flow.close()
-        return seen
-    assert asyncio.run(main()) == [0]
+    seen = _run_until_step_2_fails(slow, [], collective_timeout=0.5)
+    assert [t for t, _ in seen] == [0]
     err = capsys.readouterr().err
     assert "letting step(s) 1, dispatched before it, finish first (their rows; within 0.5 s" \
         in err and "step(s) 1 still ran 0.5 s later (the collective timeout): left" in err

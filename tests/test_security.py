@@ -360,6 +360,26 @@ def test_a_stopped_sockets_frames_replayed_are_dropped():
     assert verifier.dropped["malformed"] == 1
 
 
+async def _forge(ctl, route: bytes, msg, dropped_as: str) -> None:
+    """Send `msg`, signed with the run's secret, from a socket named `route`, and wait for
+    the controller to drop it as `dropped_as` (once)."""
+    from helpers import poll_until
+
+    ctx = zmq.asyncio.Context()
+    forged = ctx.socket(zmq.DEALER)
+    try:
+        forged.setsockopt(zmq.LINGER, 0)
+        forged.setsockopt(zmq.IDENTITY, route)
+        forged.connect(ctl.channel.address)
+        await forged.send_multipart(Signer(read_secret(str(ctl.secret_file))).sign(
+            route, messages.encode(msg)))
+        await poll_until(lambda: ctl.dropped_frames.get(dropped_as) == 1, 20,
+                         f"the forged {type(msg).__name__} to be dropped")
+    finally:
+        forged.close()
+        ctx.term()
+
+
 class Gated(asyncrl.Worker):
     """Constructed once a file exists (the test says when)."""
 
@@ -387,19 +407,8 @@ def test_a_ready_from_another_socket_than_the_ranks_exec_is_dropped(tmp_path):
                              .done(), 120, "the group's ranks to say hello")
             pid = ctl.groups["gated"].ranks[0].pid
             route = b"gated/0/exec/%d.0000000000000000" % pid  # not its socket's nonce
-            ctx = zmq.asyncio.Context()
-            forged = ctx.socket(zmq.DEALER)
-            forged.setsockopt(zmq.LINGER, 0)
-            forged.setsockopt(zmq.IDENTITY, route)
-            forged.connect(ctl.channel.address)
             failure = messages.Failure("ValueError", "an earlier group's failure", "")
-            ready = messages.Ready(0, error=failure)
-            await forged.send_multipart(Signer(read_secret(str(ctl.secret_file))).sign(
-                route, messages.encode(ready)))
-            await poll_until(lambda: ctl.dropped_frames.get("stale") == 1, 20,
-                             "the forged Ready to be dropped")
-            forged.close()
-            ctx.term()
+            await _forge(ctl, route, messages.Ready(0, error=failure), "stale")
             gate.touch()
             group = await spawn
             return await group.add(1, 2), group_pids(group)
@@ -430,18 +439,8 @@ def test_an_answer_to_a_call_from_another_groups_socket_is_dropped(tmp_path):
             await poll_until(lambda: group._pending, 20, "the call to be sent")
             call_id = next(iter(group._pending))
             route = b"other/0/exec/1.0000000000000000"  # a socket of another group
-            ctx = zmq.asyncio.Context()
-            forged = ctx.socket(zmq.DEALER)
-            forged.setsockopt(zmq.LINGER, 0)
-            forged.setsockopt(zmq.IDENTITY, route)
-            forged.connect(ctl.channel.address)
             answer = messages.Result(call_id, 0, msgspec.Raw(codec.encode("forged")))
-            await forged.send_multipart(Signer(read_secret(str(ctl.secret_file))).sign(
-                route, messages.encode(answer)))
-            await poll_until(lambda: ctl.dropped_frames.get("foreign") == 1, 20,
-                             "the forged Result to be dropped")
-            forged.close()
-            ctx.term()
+            await _forge(ctl, route, answer, "foreign")
             assert not pending.done()
             gate.touch()
             return await pending, group_pids(group)
