@@ -471,3 +471,34 @@ def test_a_value_from_a_peer_never_runs_the_file_a_reference_in_it_names(tmp_pat
     assert ran.exists() and args[0].__name__ == "Thing"
     assert codec.decode(value)["x"] is args[0]  # loaded here now: found, not run again
     assert codec.decode(codec.encode([asyncrl.Worker]))[0] is asyncrl.Worker  # by name
+
+
+def test_a_run_dir_another_user_could_change_is_refused_before_anything_is_written(tmp_path):
+    """Only --resume checked who could write a run's folder: a run in a folder every user
+    can write (or another user's) wrote its logs and checkpoints there, where a planted link
+    redirects a log and a replaced checkpoint is unpickled on --resume (refused only then)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    others = tmp_path / "others"
+    others.mkdir()
+    if os.getuid() == 0:  # root can hand a folder to another user
+        os.chown(others, 54321, -1)
+
+    async def refused(folder, whose):
+        with pytest.raises(PermissionError, match=f"run_dir {folder} is {whose}: another "
+                                                  f"user could redirect its logs"):
+            async with asyncrl.Controller(run_dir=folder):
+                pass
+        assert asyncrl.Controller.current() is None
+
+    async def main():
+        await refused(shared, "writable by every user")
+        assert list(shared.iterdir()) == []
+        if os.getuid() == 0:
+            await refused(others, "owned by user 54321")
+        shared.chmod(0o775)  # (a group's shared project folder: used)
+        async with asyncrl.Controller(run_dir=shared) as ctl:
+            assert ctl.run_dir == shared
+    run(main())
+    assert list(others.iterdir()) == []

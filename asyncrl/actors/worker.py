@@ -157,6 +157,17 @@ def sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def not_yours(path: Path) -> str | None:
+    """Why another user could change what is in the folder `path` (it is theirs, or every
+    user can write it), or None."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"owned by user {st.st_uid}"
+    if st.st_mode & 0o002:
+        return "writable by every user"
+    return None
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG this process draws from, in a form torch.load(weights_only=True) reads back
     (numpy's key as a list: no pickled arrays)."""

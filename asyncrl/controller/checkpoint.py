@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.actors.worker import rng_state, set_rng_state, sync_dir, sync_tree
+from asyncrl.actors.worker import not_yours, rng_state, set_rng_state, sync_dir, sync_tree
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
 from asyncrl.errors import CheckpointError, RemoteError
@@ -105,10 +105,8 @@ def _own(path: Path) -> None:
     """A checkpoint is code as well as data (torch's distributed checkpoints and DeepSpeed's
     are read with pickle): refuse one that another user wrote, or could have."""
     for where in (path.parent.parent, path.parent, path):  # run dir, checkpoints, step_*
-        st = where.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o002:
-            whose = f"owned by user {st.st_uid}" if st.st_uid != os.getuid() else \
-                "writable by every user"
+        whose = not_yours(where)
+        if whose is not None:
             raise CheckpointError(
                 f"--resume: {where} is {whose}; "
                 f"a checkpoint is loaded with pickle (torch's distributed checkpoints, "

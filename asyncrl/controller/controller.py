@@ -35,7 +35,7 @@ import msgspec
 
 from asyncrl.actors.procs import PROCESS_ENV, runs, this_process
 from asyncrl.actors.protocols import Layout
-from asyncrl.actors.worker import Worker
+from asyncrl.actors.worker import Worker, not_yours
 from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import curve_available, new_curve_keys, new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
@@ -104,7 +104,8 @@ class Controller:
     transport: "auto" (CPU rows: shared memory on one host, else TCP; GPU rows: CUDA IPC
     where the consumer sees the producer's GPU, else NCCL through CuPy, else host memory),
     "tcp" to force sockets, "nccl" to send every tensor by NCCL.
-    run_dir: logs (one file per group) and the secret; a temporary folder by default.
+    run_dir: logs (one file per group), checkpoints, breakpoint sessions; a temporary folder
+    by default. A folder another user owns, or every user can write, is refused.
     encrypt: CurveZMQ on every control and data-plane socket, for untrusted networks (the
     keys go to the ranks in the 0600 secret file; frames stay HMAC-signed).
     relay: a group's control messages go through one relay per host (a thread of its local
@@ -213,6 +214,12 @@ class Controller:
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        whose = not_yours(self.run_dir)
+        if whose is not None:  # its checkpoints would be refused on --resume, late
+            raise PermissionError(
+                f"run_dir {self.run_dir} is {whose}: another user could redirect its logs "
+                f"or replace its checkpoints (loaded with pickle on --resume); choose a "
+                f"folder of yours that only you (or your group) can write")
         self.logs = LogSink(self.run_dir / "logs", echo=self.echo_logs)
         remove_orphans(Path(tempfile.gettempdir()))  # of controllers killed before closing
         self._private = Path(tempfile.mkdtemp(prefix="asyncrl-secret-"))  # 0700, removed at close
