@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
 
 import pytest
@@ -130,3 +132,54 @@ def test_a_ranks_last_lines_reach_the_controller_before_it_exits():
     assert_gone(pids)
     for log in logs:
         assert log.count("closing ") == 80 and "goodbye" in log, log[-300:]
+
+
+class LeavesAThread(asyncrl.Worker):
+    """Holds a thread that never ends and is no daemon (a user's loader, say): Python's own
+    exit waits for it for ever; a rank's exit must not."""
+
+    def __init__(self, exit_in_close: bool = False):
+        self.exit_in_close = exit_in_close
+        threading.Thread(target=threading.Event().wait, name="user-loader").start()
+
+    @asyncrl.register
+    def ping(self):
+        return self.rank
+
+    def on_close(self):
+        if self.exit_in_close:
+            print("leaving with code 3", flush=True)
+            sys.exit(3)
+
+
+def test_a_rank_interrupted_exits_with_130_past_a_thread_that_never_ends():
+    """A SIGINT (torchrun passes one on at Ctrl-C) raised KeyboardInterrupt out of the
+    rank's main: Python's exit then waited for the user's thread, and the rank hung on,
+    silent, until the supervisor gave up on its heartbeats."""
+    async def main():
+        async with asyncrl.Controller(heartbeat_timeout=30.0) as ctl:
+            group = await ctl.spawn(LeavesAThread)
+            assert await group.ping() == [0]
+            pids = group_pids(group)
+            os.kill(group.pids[0], signal.SIGINT)
+            await poll_until(lambda: group.dead is not None, 25, "the group's death")
+            return pids, str(group.dead)
+    pids, dead = run(main(), timeout=60)
+    assert_gone(pids)
+    assert "rank 0 is dead (exit code 130" in dead, dead
+
+
+def test_sys_exit_in_on_close_ends_the_rank_with_its_code_past_a_thread_that_never_ends():
+    """sys.exit() in on_close left the rank's main through Python's own exit, which waited
+    for the user's thread: the group's close hung until the controller killed the rank
+    (here after 120 s)."""
+    async def main():
+        async with asyncrl.Controller(shutdown_grace=120) as ctl:
+            group = await ctl.spawn(LeavesAThread, True)
+            assert await group.ping() == [0]
+            pids = group_pids(group)
+            await ctl.close_group(group)
+            return pids, ctl.logs.path("leavesathread", 0).read_text()
+    pids, log = run(main(), timeout=60)
+    assert_gone(pids)
+    assert "leaving with code 3" in log, log[-500:]
