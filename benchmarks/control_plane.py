@@ -1,6 +1,7 @@
 """Control-plane benchmark: a no-op call's round trip and throughput, in one run, side by side.
 
     zmq      raw pyzmq floor: asyncio DEALER here <-> asyncio ROUTER echo in a spawned process
+             (ranks 2: a DEALER to each of two echo processes, a call waits for both)
     ray      actors with a no-op method, called like verl's RayWorkerGroup (ray.get of a list)
     asyncrl  `await group.noop()` on a Controller-spawned group of 1 and 2 ranks
 
@@ -92,16 +93,24 @@ async def _echo(conn: Any) -> None:
     ctx.term()
 
 
-async def _zmq_client(port: int, args: argparse.Namespace) -> tuple[list[int], int, int]:
+async def _zmq_client(ports: list[int], args: argparse.Namespace
+                      ) -> tuple[list[int], int, int]:
+    """A call goes to every echo server (one DEALER each) and waits for all their answers,
+    as a call to a group of len(ports) ranks does."""
     ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    socks = []
+    for port in ports:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        socks.append(sock)
     enc, dec = msgspec.msgpack.encode, msgspec.msgpack.decode
 
     async def call(i: int) -> None:
-        await sock.send_multipart([enc((i, "noop"))])
-        dec((await sock.recv_multipart())[0])
+        for sock in socks:
+            await sock.send_multipart([enc((i, "noop"))])
+        for sock in socks:
+            dec((await sock.recv_multipart())[0])
 
     try:
         for i in range(args.warmup):
@@ -114,34 +123,45 @@ async def _zmq_client(port: int, args: argparse.Namespace) -> tuple[list[int], i
         t0 = time.perf_counter_ns()
         for n in chunks(args.pipelined, args.inflight):
             for i in range(n):
-                await sock.send_multipart([enc((i, "noop"))])
+                for sock in socks:
+                    await sock.send_multipart([enc((i, "noop"))])
             for _ in range(n):
-                dec((await sock.recv_multipart())[0])
+                for sock in socks:
+                    dec((await sock.recv_multipart())[0])
         elapsed = time.perf_counter_ns() - t0
-        await sock.send_multipart([enc((0, "stop"))])
+        for sock in socks:
+            await sock.send_multipart([enc((0, "stop"))])
         return rtts, args.pipelined, elapsed
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
         ctx.term()
 
 
-def bench_zmq(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+def bench_zmq(args: argparse.Namespace, ctx: dict[str, Any], peers: int = 1
+              ) -> dict[str, Any]:
+    """The floor: a raw asyncio round trip to `peers` echo processes (1: the issue's floor;
+    2: the like for like of a 2-rank call, which goes out to two and waits for both)."""
     spawn = mp.get_context("spawn")
-    parent, child = spawn.Pipe(duplex=False)
-    proc = spawn.Process(target=echo_server, args=(child,), daemon=True)
-    proc.start()
-    child.close()
+    procs, ports = [], []
     try:
-        if not parent.poll(60):
-            raise RuntimeError("the zmq echo server did not start within 60 s")
-        port = parent.recv()
-        rtts, calls, elapsed = asyncrl.run(_zmq_client(port, args))
-        return result("zmq", 1, rtts, calls, elapsed, ctx)
+        for _ in range(peers):
+            parent, child = spawn.Pipe(duplex=False)
+            proc = spawn.Process(target=echo_server, args=(child,), daemon=True)
+            proc.start()
+            procs.append(proc)
+            child.close()
+            if not parent.poll(60):
+                raise RuntimeError("the zmq echo server did not start within 60 s")
+            ports.append(parent.recv())
+        rtts, calls, elapsed = asyncrl.run(_zmq_client(ports, args))
+        return result("zmq", peers, rtts, calls, elapsed, ctx)
     finally:
-        proc.join(5)
-        if proc.is_alive():
-            os.kill(proc.pid, 9)
-            proc.join()
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                os.kill(proc.pid, 9)
+                proc.join()
 
 
 # -- ray -----------------------------------------------------------------------------------
@@ -219,13 +239,16 @@ def target(value: float | None, op: str, bound: float, text: str) -> dict[str, A
     return {"ratio": round(value, 3), "target": f"{op} {text}", "met": met}
 
 
-def summary(zmq_rec: dict, ray_recs: dict, ours: dict) -> dict[str, Any]:
+def summary(zmq_rec: dict, zmq2_rec: dict, ray_recs: dict, ours: dict) -> dict[str, Any]:
     a2, r2 = ours[2], ray_recs.get(2)
     return {"bench": "control_plane", "summary": True,
             "asyncrl2_over_ray2_rtt_median": target(
                 a2["rtt_us_median"] / r2["rtt_us_median"] if r2 else None, "<=", 1 / 3, "1/3"),
             "asyncrl2_over_zmq_rtt_median": target(
                 a2["rtt_us_median"] / zmq_rec["rtt_us_median"], "<=", 1.5, "1.5"),
+            # no target: the like for like of the one above (a floor of two peers)
+            "asyncrl2_over_zmq2_rtt_median": round(
+                a2["rtt_us_median"] / zmq2_rec["rtt_us_median"], 3),
             "asyncrl2_over_ray2_calls_per_s": target(
                 a2["calls_per_s"] / r2["calls_per_s"] if r2 else None, ">=", 3, "3")}
 
@@ -241,10 +264,10 @@ def main() -> None:
     if args.quick:
         args.calls, args.pipelined, args.inflight, args.warmup = 200, 500, 100, 20
     ctx = context(args)
-    zmq_rec = bench_zmq(args, ctx)
+    zmq_rec, zmq2_rec = bench_zmq(args, ctx), bench_zmq(args, ctx, peers=2)
     ray_recs = bench_ray(args, ctx)  # shuts ray down before asyncrl starts
     ours = bench_asyncrl(args, ctx)
-    emit(summary(zmq_rec, ray_recs, ours))
+    emit(summary(zmq_rec, zmq2_rec, ray_recs, ours))
 
 
 if __name__ == "__main__":
