@@ -518,9 +518,11 @@ def test_engine_choices_are_checked_before_anything_is_built():
         make_engine("vllm", ModelConfig(path="/ckpt", overrides={"vocab_size": 64}), None)
 
 
-def test_a_checkpoints_model_stops_at_its_end_of_sequence_unless_told(tmp_path):
+def test_a_checkpoints_model_stops_at_its_end_of_sequence_beside_the_stops_given(tmp_path):
     """verl stops at the model's EOS: a checkpoint given by path generated on past it unless
-    stop_token_ids were given. Its generation_config's ids, else its config's; [] for none."""
+    stop_token_ids were given, and stop_token_ids given (a chat model's end-of-turn token)
+    replaced its EOS: a response went on past it. Its generation_config's ids, else its
+    config's, beside those given; [] for none at all."""
     import json
 
     from asyncrl.hybrid.roles import sampling_config
@@ -532,6 +534,8 @@ def test_a_checkpoints_model_stops_at_its_end_of_sequence_unless_told(tmp_path):
     (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [5, 7]}))
     assert sampling_config(None, ModelConfig(path=path)).stop_token_ids == [5, 7]
+    assert sampling_config({"stop_token_ids": [9, 7]}, ModelConfig(path=path)
+                           ).stop_token_ids == [9, 7, 5]
     assert sampling_config({"stop_token_ids": []}, ModelConfig(path=path)).stop_token_ids == []
     assert sampling_config({}, ModelConfig(seed=0)).stop_token_ids == ()  # a preset: none
 

@@ -178,6 +178,10 @@ def test_observations_are_cut_to_their_limit_and_the_budget(drive):
                if not w]
         assert env == list(range(40, 45)) * (len(env) // 5) + list(range(40, 40 + len(env) % 5))
     assert int(out["response_mask"].sum(1).max()) == 12
+    # each observation (20 tokens, every one over the limit) is counted as cut
+    runs = [len([g for g in "".join(str(w) for w in out["policy_mask"][i, :int(
+        out["response_mask"][i].sum())].tolist()).split("1") if g]) for i in range(4)]
+    assert out["env_truncated"].tolist() == runs and sum(runs) > 0
 
 
 def test_a_text_environment_reads_and_writes_text_and_gets_the_columns_it_names(tmp_path):
@@ -224,9 +228,10 @@ def test_chat_messages_are_written_as_the_template_writes_the_conversation(tmp_p
             question + [{"role": "assistant", "content": "w7 w8"}] + reply,
             add_generation_prompt=True, tokenize=False)
         assert ids(prompt) + said + ids(observed) == ids(whole)
-    t = Turns(MultiTurn(env=echo, tokenizer=str(tmp_path / "tok")))
-    assert t._ids({"role": "user", "content": "4"}, 0, 0, said) == ids(
+    t, counted = Turns(MultiTurn(env=echo, tokenizer=str(tmp_path / "tok"))), [0]
+    assert t._ids({"role": "user", "content": "4"}, 0, 0, said, counted) == ids(
         "</s> <s> user 4 </s> <s> assistant")
+    assert counted == [0]  # whole
     # ChatML (Qwen's): the turn stopped at <|im_end|>; the newline after it is the template's
     tok.chat_template = CHATML
     tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
@@ -242,11 +247,12 @@ def test_chat_messages_are_written_as_the_template_writes_the_conversation(tmp_p
     tok.chat_template = CHAT_TEMPLATE
     t = Turns(MultiTurn(env=echo, tokenizer=str(tmp_path / "tok"), max_observation_tokens=9))
     long = {"role": "user", "content": " ".join(f"w{k}" for k in range(30))}
-    cut = t._ids(long, 0, 0, ids("w7 </s>"))
+    cut = t._ids(long, 0, 0, ids("w7 </s>"), counted)
     assert cut == ids("<s> user w0 w1 w2 w3 </s> <s> assistant")  # 9 tokens
+    assert counted == [1]  # and counted as cut
     parts = {"role": "tool", "content": [{"type": "text", "text": long["content"]}]}
     with pytest.raises(ValueError, match="a content that is not text .* cannot be cut"):
-        t._ids(parts, 0, 0, ids("w7 </s>"))  # (it was cut as its repr, written as text)
+        t._ids(parts, 0, 0, ids("w7 </s>"), counted)  # (it was cut as its repr, as text)
     bare = AutoTokenizer.from_pretrained(word_tokenizer(tmp_path / "bare", chat=False))
     with pytest.raises(ValueError, match="row 2, turn 1: the environment returned chat "
                                          "messages, but the tokenizer has no chat template"):
@@ -441,7 +447,7 @@ def test_an_actor_and_a_rollout_run_the_same_turns_and_the_update_reports_them()
             stats = await actor.update(mine, scores)
             with pytest.raises(asyncrl.RemoteError, match="hybrid=False one only trains"):
                 await ctl.spawn(Policy, {"seed": 4}, hybrid=False, multi_turn=multi,
-                                name="trainer")  # (its __init__ refuses it)
+                                sampling=sampling, name="trainer")  # (its __init__ refuses it)
         return mine, theirs, stats, pids
 
     from asyncrl.rl import Actor, Policy, Rollout
@@ -457,6 +463,7 @@ def test_an_actor_and_a_rollout_run_the_same_turns_and_the_update_reports_them()
         assert said == ([9, [50, 60][i // 4]] * 4)[:len(said)]
     assert stats["multi_turn/turns"] == pytest.approx(mine["turns"].float().mean().item())
     assert stats["multi_turn/env_tokens"] == pytest.approx(env.sum(1).float().mean().item())
+    assert stats["multi_turn/env_truncated"] == 0.0 and mine["env_truncated"].sum() == 0
 
 
 def test_a_vllm_turn_cut_at_max_model_len_is_not_answered():
@@ -490,3 +497,51 @@ def test_a_vllm_turn_cut_at_max_model_len_is_not_answered():
     out = turns(env=env, max_turns=3).generate(vllm, prompt_batch(), PROMPTS, seeds,
                                                replace(cfg, stop_token_ids=STOPS))
     assert int(out["turns"].max()) == 3
+
+
+def test_multi_turn_without_stop_tokens_is_refused():
+    """A turn ends at a stop token: a preset model has none, and its rollouts were single
+    turns whose environment was never asked, silently."""
+    from asyncrl.rl import Policy
+
+    with pytest.raises(ValueError, match="multi_turn= needs stop tokens"):
+        asyncrl.group(Policy, {"preset": "tiny-llama"}, multi_turn={"env": echo})
+    _, sampler = engine()
+    with pytest.raises(ValueError, match="multi_turn= needs stop tokens"):
+        turns(echo).generate(sampler, prompt_batch(), PROMPTS, SEEDS,
+                             replace(sampler.config, stop_token_ids=()))
+
+
+def fails_on_answer_60(prompt, response, answer):
+    """As lookup, but raises on the rows whose answer is 60 (rank 1's chunk below)."""
+    if answer == 60:
+        raise RuntimeError("the tool is down")
+    return lookup(prompt, response, answer)
+
+
+def test_a_generation_failing_on_one_rank_fails_its_peers_and_the_group_goes_on():
+    """An environment raising on one rank's rows failed that rank's generate, while its peer
+    waited in the prompt width's collective until the collective timeout (the group's next
+    calls stuck behind it, and its next collective meeting this one's)."""
+    from asyncrl.rl import Rollout
+
+    sampling = {"max_new_tokens": 8, "stop_token_ids": list(range(3, 128, 4))}
+
+    async def main():
+        async with asyncrl.Controller(collective_timeout=300.0) as ctl:
+            rollout = await ctl.spawn(Rollout, {"seed": 4}, sampling=sampling, nprocs=2,
+                                      multi_turn={"env": fails_on_answer_60, "max_turns": 3})
+            pids = group_pids(rollout)
+            prompts = TensorBatch({"prompt": [[1, 2]] * 4 + [[1, 2, 3]] * 4,
+                                   "seed": list(range(8)), "answer": [50] * 4 + [60] * 4})
+            with pytest.raises(asyncrl.RemoteError) as e:
+                await rollout.generate(prompts)
+            said = "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
+            assert "the tool is down" in said and "generate failed on another rank of this " \
+                   "group" in said, said  # (either rank's error may come first)
+            # the group goes on: the same rows without the failing ones
+            fine = await rollout.generate(prompts.take(list(range(4)) * 2))
+            return pids, fine
+    pids, fine = run(main(), timeout=120)
+    assert_gone(pids)
+    assert len(fine) == 8 and fine["turns"].max() >= 1

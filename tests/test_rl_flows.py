@@ -122,6 +122,7 @@ def test_the_tool_example_runs_turns_and_rewards_only_looked_up_answers(tmp_path
     rows = launch_example("tool_tiny.py", tmp_path / "tool", 3)
     for r in rows:
         assert 1.0 < r["multi_turn/turns"] < 2.0 and r["multi_turn/env_tokens"] > 0
+        assert r["multi_turn/env_truncated"] == 0.0  # the tool's two tokens fit its limit
         assert r["reward/mean"] <= r["multi_turn/turns"] - 1.0 + 1e-9
         assert r["response_length/mean"] <= 5.0
 

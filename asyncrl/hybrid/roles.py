@@ -45,7 +45,7 @@ from asyncrl.hybrid.models import (
 )
 from asyncrl.hybrid.sampler import PROMPT_WIDTH, SamplingConfig, with_overrides
 from asyncrl.hybrid.settings import from_dict, own_arguments
-from asyncrl.hybrid.turns import MultiTurn, Turns, multi_turn_config
+from asyncrl.hybrid.turns import MultiTurn, Turns, check_stops, multi_turn_config
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
     GATHER_TO_ZERO,
@@ -58,10 +58,15 @@ from asyncrl.hybrid.weight_sync import (
 
 def sampling_config(sampling: dict[str, Any] | None, model: ModelConfig) -> SamplingConfig:
     """A role's sampling settings; a checkpoint's model stops at its end-of-sequence tokens
-    (its generation_config.json's, else its config's) unless stop_token_ids are given."""
+    (its generation_config.json's, else its config's) beside the stop_token_ids given, as
+    vLLM does (an end-of-turn token given alone let a response run on past the EOS, scored
+    and trained on); stop_token_ids=[]: no stop at all."""
     given = dict(sampling or {})
-    if model.path is not None and "stop_token_ids" not in given:
-        given["stop_token_ids"] = eos_token_ids(model.path)
+    stops = given.get("stop_token_ids")
+    if model.path is not None and (stops is None or isinstance(stops, list | tuple) and stops):
+        eos = eos_token_ids(model.path)
+        given["stop_token_ids"] = eos if stops is None else \
+            [*stops, *(t for t in eos if t not in stops)]
     return from_dict(SamplingConfig, given, "sampling=")
 
 
@@ -101,10 +106,27 @@ def generate_with(engine: Any, turns: Turns | None, prompts: TensorBatch,
                   cfg: SamplingConfig) -> TensorBatch:
     """One generation of `prompts` by `engine` (a single turn, or `turns` of them), with the
     prompt batch's columns (`with_prompts`)."""
-    ids, seeds = _prompts(prompts)
-    out = engine.generate(ids, seeds, cfg) if turns is None else \
-        turns.generate(engine, prompts, ids, seeds, cfg)
+    try:
+        ids, seeds = _prompts(prompts)
+        out = engine.generate(ids, seeds, cfg) if turns is None else \
+            turns.generate(engine, prompts, ids, seeds, cfg)
+    except Exception:  # (an environment that raised on one of this rank's rows, a bad
+        _widest(None)  # prompt in its chunk): the peers wait in with_prompts' collective
+        raise
     return with_prompts(out, prompts, cfg.pad_token_id)
+
+
+def _widest(width: int | None) -> int:
+    """The widest of the group's ranks' prompt columns (a collective); a rank whose
+    generation failed gives None and every rank raises: its peers waited in this collective
+    until the collective timeout, and the group's next collectives met this one's."""
+    said = torch.tensor([0 if width is None else width, width is None])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(said, op=dist.ReduceOp.MAX)
+    if width is not None and said[1]:
+        raise RuntimeError("generate failed on another rank of this group (its error is the "
+                           "call's); this rank's rows are dropped with it")
+    return int(said[0])
 
 
 def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatch:
@@ -113,10 +135,7 @@ def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatc
     concatenate (a collective: every rank of the group generates), and at least to the
     batch's PROMPT_WIDTH (so that separate calls' results concatenate too)."""
     ids, mask = out.tensor("prompt_ids"), out.tensor("prompt_mask")
-    width = torch.tensor([max(ids.shape[1], int(prompts.meta.get(PROMPT_WIDTH, 0)))])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(width, op=dist.ReduceOp.MAX)
-    more = int(width) - ids.shape[1]
+    more = _widest(max(ids.shape[1], int(prompts.meta.get(PROMPT_WIDTH, 0)))) - ids.shape[1]
     if more:  # the same columns in the same order: only these two grow
         wider = {"prompt_ids": torch.cat([ids.new_full((len(ids), more), pad), ids], 1),
                  "prompt_mask": torch.cat([mask.new_zeros((len(ids), more)), mask], 1)}
@@ -131,8 +150,10 @@ def read_settings(role: str, model: dict[str, Any], sampling: dict[str, Any] | N
     """A role's settings dicts as it reads them (in __init__, and where its group is
     declared: check_settings), each checked; a Rollout's train= is unused."""
     model_cfg = from_dict(ModelConfig, model, f"{role} model=")
-    return (model_cfg, from_dict(TrainConfig, train, f"{role} train="),
-            sampling_config(sampling, model_cfg), multi_turn_config(multi_turn))
+    sampling_cfg, turns = sampling_config(sampling, model_cfg), multi_turn_config(multi_turn)
+    if turns is not None:
+        check_stops(sampling_cfg)
+    return model_cfg, from_dict(TrainConfig, train, f"{role} train="), sampling_cfg, turns
 
 
 BACKENDS = ("fsdp2", "zero2", "zero3")

@@ -86,9 +86,10 @@ def with_overrides(cfg: SamplingConfig, overrides: dict[str, Any] | None) -> Sam
 # PromptSource's max_prompt_length), so that rollouts of separate calls concatenate
 PROMPT_WIDTH = "prompt_width"
 # the columns generation writes beside the prompts' (here; multi-turn's Turns adds
-# env_timeouts): a prompt record must not have one (PromptSource refuses it)
+# env_truncated and env_timeouts): a prompt record must not have one (PromptSource refuses it)
 GENERATED = frozenset({"prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                       "logprobs", "versions", "policy_mask", "turns", "env_timeouts"})
+                       "logprobs", "versions", "policy_mask", "turns", "env_truncated",
+                       "env_timeouts"})
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,6 +96,16 @@ class MultiTurn:
                             f"(each rank loads it), got {type(self.tokenizer).__name__}")
 
 
+def check_stops(cfg: SamplingConfig) -> None:
+    """A turn ends at a stop token: with none, every rollout had one turn and the
+    environment was never asked, silently."""
+    if not cfg.stop_token_ids:
+        raise ValueError("multi_turn= needs stop tokens (a turn ends at one, then the "
+                         "environment answers): give sampling={'stop_token_ids': [...]} "
+                         "(a preset model has none; a checkpoint's are its "
+                         "end-of-sequence ids)")
+
+
 def multi_turn_config(settings: dict[str, Any] | None) -> MultiTurn | None:
     if settings is None:
         return None
@@ -131,6 +141,7 @@ class Turns:
                  seeds: list[int], cfg: SamplingConfig) -> TensorBatch:
         """A multi-turn generation on `engine`: inside its decode loop when it can continue
         turns there (the built-in Sampler), else one `generate` call per turn."""
+        check_stops(cfg)
         n = len(prompts)
         self._vocab = getattr(engine, "vocab_size", None)  # (the built-in engine's: checked)
         meta_keys = taken_by(self.cfg.env, [k for k in batch.keys() if k not in NOT_META and
@@ -138,20 +149,28 @@ class Turns:
                              what="environment")
         real = batch.real_rows  # a DP chunk's padding rows: one turn, no
         # env call (a tool with side effects would run twice for one row)
-        timeouts = [0] * n
+        timeouts, cut = [0] * n, [0] * n
 
         def respond(asked: list[Asked]) -> list[list[int]]:
             mine = [a for a in asked if a[0] < real]
             seen = dict(zip([a[0] for a in mine], self._observe(batch, prompts, mine,
-                                                                meta_keys, timeouts),
+                                                                meta_keys, timeouts, cut),
                             strict=True))
-            return [seen.get(a[0], [])[:self.cfg.max_observation_tokens] for a in asked]
+            return [seen.get(a[0], []) for a in asked]
 
         if getattr(engine, "continues_turns", False):
             out = engine.generate(prompts, seeds, cfg, respond=respond,
                                   max_turns=self.cfg.max_turns)
         else:
             out = self._turn_by_turn(engine.generate, prompts, seeds, cfg, respond)
+        # the observations cut to max_observation_tokens, per row: a text one may lose the
+        # template's markers that open the next turn, so it is said, not only done
+        out = out.union(TensorBatch({"env_truncated": torch.tensor(cut)}))
+        if any(cut):
+            log.warning("asyncrl: environment %r's observations were cut to "
+                        "max_observation_tokens=%d on %d of %d rows (their first tokens "
+                        "kept); raise max_observation_tokens to keep them whole", self.name,
+                        self.cfg.max_observation_tokens, sum(map(bool, cut)), n)
         if self.cfg.timeout_s is not None:  # the env calls that ran past it, per row
             out = out.union(TensorBatch({"env_timeouts": torch.tensor(timeouts)}))
             if any(timeouts):
@@ -199,10 +218,12 @@ class Turns:
         return self._batch(rows, prompts, cfg, temperature)
 
     def _observe(self, batch: TensorBatch, prompts: list[list[int]], asked: list[Asked],
-                 meta_keys: list[str], timeouts: list[int]) -> list[list[int]]:
-        """The env's observation after each asked row's turn, as token ids ([]: the row is
-        done); in this process row by row, or in the pool's (a row past its timeout is
-        done, and counted in `timeouts`)."""
+                 meta_keys: list[str], timeouts: list[int], cut: list[int]
+                 ) -> list[list[int]]:
+        """The env's observation after each asked row's turn, as token ids within
+        max_observation_tokens ([]: the row is done; one cut is counted in `cut`); in this
+        process row by row, or in the pool's (a row past its timeout is done, and counted in
+        `timeouts`)."""
         text = self.tok is not None
         jobs = []
         for i, turn, said, response in asked:
@@ -215,7 +236,7 @@ class Turns:
             values, late = self.pool.call(jobs, [f"row {i}, turn {t}" for i, t, *_ in asked])
             for (i, *_), timed_out in zip(asked, late, strict=True):
                 timeouts[i] += timed_out
-            return [[] if t else self._ids(v, i, turn, said)
+            return [[] if t else self._ids(v, i, turn, said, cut)
                     for (i, turn, said, _), v, t in zip(asked, values, late, strict=True)]
         out = []
         for (i, turn, said, _), (prompt, reply, meta) in zip(asked, jobs, strict=True):
@@ -224,21 +245,31 @@ class Turns:
             except Exception as e:  # as the pool reports it
                 raise ValueError(f"environment {self.name!r} failed on row {i}, turn {turn}:"
                                  f"\n{traceback.format_exc()}") from e
-            out.append(self._ids(value, i, turn, said))
+            out.append(self._ids(value, i, turn, said, cut))
         return out
 
     def _text(self, ids: Sequence[int]) -> str:
         assert self.tok is not None
         return str(self.tok.decode(list(ids), skip_special_tokens=True))
 
-    def _ids(self, value: Any, i: int, turn: int, said: list[int]) -> list[int]:
+    def _ids(self, value: Any, i: int, turn: int, said: list[int], cut: list[int]
+             ) -> list[int]:
+        """An observation as token ids, cut to max_observation_tokens (counted in `cut`)."""
         if value is None:
             return []
         if isinstance(value, dict) and self.tok is not None:
             value = [value]
         if isinstance(value, list) and value and all(isinstance(m, dict) for m in value) \
                 and self.tok is not None:
-            return self._chat(value, said, f"row {i}, turn {turn}")
+            ids, shortened = self._chat(value, said, f"row {i}, turn {turn}")
+            cut[i] += shortened
+            return ids
+        ids = self._token_ids(value, i, turn)
+        limit = self.cfg.max_observation_tokens
+        cut[i] += len(ids) > limit
+        return ids[:limit]
+
+    def _token_ids(self, value: Any, i: int, turn: int) -> list[int]:
         if isinstance(value, str) and self.tok is not None:
             return self._encode(value)
         if isinstance(value, list | tuple) and all(map(whole_number, value)):
@@ -259,17 +290,18 @@ class Turns:
         assert self.tok is not None
         return [int(t) for t in self.tok(text, add_special_tokens=False)["input_ids"]]
 
-    def _chat(self, messages: list[dict[str, Any]], said: list[int], where: str) -> list[int]:
-        """Rendered chat messages within max_observation_tokens: the messages' contents are
-        cut (their last tokens first), never the template's markers, which the next turn
-        needs whole."""
+    def _chat(self, messages: list[dict[str, Any]], said: list[int], where: str
+              ) -> tuple[list[int], bool]:
+        """Rendered chat messages within max_observation_tokens, and whether they were cut:
+        the messages' contents are (their last tokens first), never the template's markers,
+        which the next turn needs whole."""
         limit = self.cfg.max_observation_tokens
         ids = self._encode(chat_turns(self.tok, messages, said, where))
         untouched = False
-        for _ in range(3):  # re-tokenizing a cut content may shift a token or two
+        for attempt in range(3):  # re-tokenizing a cut content may shift a token or two
             over = len(ids) - limit
             if over <= 0:
-                return ids
+                return ids, attempt > 0
             messages = [dict(m) for m in messages]
             for m in reversed(messages):
                 if not isinstance(m.get("content"), str):  # none, or parts (text, images):
@@ -291,7 +323,7 @@ class Turns:
             raise ValueError(f"{where}: the chat template's markers around the environment's "
                              f"messages take {len(ids)} tokens, more than max_observation_tokens"
                              f"={limit}; raise it")
-        return ids
+        return ids, True
 
     @staticmethod
     def _batch(rows: list[_Row], prompts: list[list[int]], cfg: SamplingConfig,

@@ -206,6 +206,8 @@ class Actor(Policy):
             reported["multi_turn/turns"] = batch.tensor("turns").float()
             reported["multi_turn/env_tokens"] = (batch.tensor("response_mask") * (
                 1 - batch.tensor("policy_mask"))).sum(1).float()
+        if "env_truncated" in batch:  # observations cut to max_observation_tokens
+            reported["multi_turn/env_truncated"] = batch.tensor("env_truncated").float()
         if "env_timeouts" in batch:
             reported["multi_turn/env_timeouts"] = batch.tensor("env_timeouts").float()
         n, r_sum, r_sq, len_sum, tokens, *sums = global_sums(
