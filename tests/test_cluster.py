@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -493,3 +494,35 @@ def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_pat
             agent.wait()                          # own, stopped by pid too)
             if rank is not None:
                 kill_pids([rank])
+
+
+class ClosesSlowlyOnB(asyncrl.Worker):
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    @asyncrl.register
+    def host(self) -> str:
+        return os.environ["ASYNCRL_HOST_NAME"]
+
+    def on_close(self) -> None:
+        host = os.environ["ASYNCRL_HOST_NAME"]
+        if host == "hostB":  # (saving, flushing: what on_close is for) while hostA is done
+            time.sleep(2.0)
+        with open(os.path.join(self.folder, host), "w") as f:
+            f.write("closed")
+
+
+def test_closing_a_group_over_two_hosts_lets_the_slower_host_finish_on_close(tmp_path):
+    """The group counts as exited with its first host's agent, then kills every host's
+    ranks: torchrun's exit barrier holds a host's agent until every host's ranks have ended,
+    so a slower host's on_close is not cut short (a review suspected it was)."""
+    async def main():
+        async with asyncrl.Controller(cluster=loopback_hosts(), echo_logs=False,
+                                      shutdown_grace=60) as ctl:
+            group = await ctl.spawn(ClosesSlowlyOnB, str(tmp_path), nprocs=2)
+            assert sorted(await group.host()) == ["hostA", "hostB"]
+            pids = [p for a in group.agent.agents for p in a.all_pids()]
+            await ctl.close_group(group)
+            return pids
+    assert_gone(run(main(), timeout=120))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostA", "hostB"]
