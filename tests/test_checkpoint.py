@@ -11,6 +11,7 @@ This file is also the flow those runs launch (`asyncrl launch tests/test_checkpo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
@@ -477,3 +478,58 @@ def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path):
             checkpoint.resumable(tmp_path / "run", flow)
         where.chmod(0o775)  # (a group's shared project folder: resumed)
     assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
+
+
+def test_an_empty_or_garbled_controller_rng_file_is_a_checkpoint_error_naming_it(tmp_path):
+    """A damaged controller_rng.pt (an empty file where fsync is not honoured, garbage)
+    raised EOFError or UnpicklingError as a bare traceback, not the checkpoint's error with
+    the way out."""
+    from asyncrl.errors import CheckpointError
+
+    @asyncrl.node
+    def take(x):
+        return x
+
+    flow = asyncrl.DataFlow(nodes=[take], groups=[], inputs={"x": [1, 2]})
+    folder = tmp_path / "checkpoints" / "step_000000"
+    folder.mkdir(parents=True)
+    for damaged in (b"", b"not a torch file at all"):
+        (folder / "controller_rng.pt").write_bytes(damaged)
+        with pytest.raises(CheckpointError, match=f"(?s)loading {folder} failed: "
+                                                  f"(EOFError|UnpicklingError).*move"):
+            asyncio.run(checkpoint.restore(flow, folder, {"step": 0}))
+
+
+def test_a_peers_death_while_a_checkpoint_loads_is_not_taken_for_a_damaged_checkpoint(
+        tmp_path):
+    """A rank whose peer died in load_state reports its broken collective (a RemoteError)
+    before the supervisor declares the death: the load was taken for a damaged checkpoint,
+    and the way out said to move a good checkpoint aside. It waits for the death now."""
+    import types
+
+    from asyncrl.controller.recovery import Recovery
+    from asyncrl.errors import CheckpointError, RemoteError
+
+    broken = RemoteError("learner", 1, "load_checkpoint", "RuntimeError",
+                         "Connection closed by peer", "")
+
+    async def main(dies: bool):
+        handle = types.SimpleNamespace(dead=None)
+
+        async def load_checkpoint(path):
+            if dies:  # declared a moment after the peer's error came
+                asyncio.get_running_loop().call_later(0.3, setattr, handle, "dead", "died")
+            raise broken
+
+        handle.load_checkpoint = load_checkpoint
+        spec = types.SimpleNamespace(name="learner", handle=handle)
+        flow = types.SimpleNamespace(groups=[spec], _ctl=types.SimpleNamespace(
+            heartbeat_timeout=1.0, heartbeat_interval=0.2))
+        flow.recovery = Recovery(flow)
+        await checkpoint.restore(flow, tmp_path, {"step": 0})
+
+    with pytest.raises(RemoteError, match="Connection closed by peer"):
+        asyncio.run(main(dies=True))  # the death's: a rewind's to recover from
+    with pytest.raises(CheckpointError, match=f"(?s)loading {tmp_path} failed: RemoteError.*"
+                                              f"move"):
+        asyncio.run(main(dies=False))  # no death behind it: the checkpoint's

@@ -192,6 +192,35 @@ def test_dead_stateful_rank_rewinds_to_its_checkpoint(tmp_path):
                                                                            "trainer": 1}
 
 
+def test_a_group_dying_as_a_rewind_loads_its_checkpoint_is_respawned_and_loads_again(
+        tmp_path):
+    """A rank dying in load_state (out of memory again, say) failed the rewind inside the
+    run's error handling: the run ended with restarts left. Now the dead group is respawned,
+    counted, and the checkpoint loaded again."""
+    _, err = kill_held(tmp_path, "trainer:5", "steps=7", "die_loading=1")
+    assert (tmp_path / "marks" / "trainer.died_loading").exists()  # it did die loading
+    steps_once(tmp_path / "run", 7)
+    [event] = recoveries(tmp_path / "run")
+    assert (event["kind"], event["groups"], event["resumed_at"]) == ("rewind", ["trainer"], 4)
+    assert json.loads((tmp_path / "run" / "restarts.json").read_text()) == {"scorer": 0,
+                                                                           "trainer": 2}
+    assert "restarting group 'trainer' (2/2)" in err, err[-3000:]
+
+
+def test_a_group_dying_as_a_resume_loads_its_checkpoint_is_respawned_and_loads_again(
+        tmp_path):
+    """--resume loaded the checkpoint before the run's recovery was in place: a rank dying
+    in load_state ended the resume."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    finish(launch(run_dir, "steps=3", f"marks={marks}"))
+    out = finish(launch(run_dir, "--resume", "steps=5", f"marks={marks}", "die_loading=1"))
+    assert (marks / "trainer.died_loading").exists()  # it did die loading
+    assert "restarting group 'trainer' (1/2)" in out, out[-3000:]
+    steps_once(run_dir, 5)
+    assert json.loads((run_dir / "restarts.json").read_text()) == {"scorer": 0, "trainer": 1}
+
+
 def test_a_respawn_that_fails_to_build_counts_as_a_restart_and_tries_again(tmp_path):
     """Its __init__ raising (a RemoteError, not a SpawnError) failed the node, and the flow
     rewound to its checkpoint, before session 26; now the respawn is tried again, counted,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -273,11 +274,14 @@ async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
     try:
         await asyncio.gather(*(h.load_checkpoint(str(path)) for h in handles))
         set_rng_state(torch.load(path / "controller_rng.pt", weights_only=True))
-    except (RemoteError, OSError, RuntimeError) as e:  # a file damaged or missing, maybe
-        if any(h.dead is not None for h in handles):
-            raise  # a death, not the checkpoint's fault (a rewind's to recover from)
-        raise CheckpointError(f"loading {path} failed: {e}\nif its files are damaged, "
-                              f"{_aside(path)}") from e
+    except (RemoteError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        # a file damaged or missing, maybe; or a death (a rewind's to recover from), which
+        # a rank whose peer died reports before the supervisor declares it
+        if any(h.dead is not None for h in handles) or (
+                isinstance(e, RemoteError) and await flow.recovery.dead_groups(wait=True)):
+            raise
+        raise CheckpointError(f"loading {path} failed: {type(e).__name__}: {e}\nif its "
+                              f"files are damaged, {_aside(path)}") from e
     start = int(meta["step"]) + 1
     flow.resume_at(start, meta.get("inputs", {}), rewind)
     return start

@@ -298,9 +298,10 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
             try:
                 await flow.open(ctl)
                 try:
-                    if resume_from is not None:
-                        await checkpoint.restore(flow, resume_from, meta)
+                    if resume_from is not None:  # (a group dying as it loads: respawned)
                         flow.recovery.resume_counts(meta.get("restarts", {}))
+                        await flow.recovery.restored(
+                            lambda: checkpoint.restore(flow, resume_from, meta))
                     checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
                                    on_rewind=metrics.rewind, keep=False)

@@ -285,7 +285,7 @@ class Recovery:
         if spec is None or spec.name not in called or spec.stateful or not self._left(spec) \
                 or self._stateful(called):
             return None
-        dead = await self._dead_groups()
+        dead = await self.dead_groups()
         return spec if spec in dead else None
 
     # -- rewinding to a checkpoint -----------------------------------------------------------
@@ -300,7 +300,7 @@ class Recovery:
         # re-run has respawned that group meanwhile (nothing is dead now); only then: the
         # same loss again after this rewind would not be repaired by another
         repaired = _death_behind(exc) and self._respawned_since_rewind()
-        dead = await self._dead_groups(wait=not repaired)
+        dead = await self.dead_groups(wait=not repaired)
         if not (dead or repaired) or not all(self._left(g) for g in dead):
             return False
         fresh = restore is None
@@ -320,7 +320,7 @@ class Recovery:
         for spec in stuck:
             await self.respawn(spec, exc, count=False)
         flow._reset_sources()
-        loaded = await restore() if restore is not None else False
+        loaded = await self.restored(restore, dead) if restore is not None else False
         if not loaded and flow._origin[0] != 0:
             raise RecoveryError(f"no checkpoint to go back to after {type(exc).__name__}, and "
                                 f"this run started at step {flow._origin[0]}, not 0: its "
@@ -337,13 +337,30 @@ class Recovery:
               file=sys.stderr, flush=True)
         return True
 
+    async def restored(self, restore: Callable[[], Awaitable[Any]],
+                       dead: list[GroupSpec] | None = None) -> Any:
+        """`restore()` (a checkpoint's load), done again after the groups that died in it
+        (out of memory again, say) are respawned, counted, while their restarts last; those
+        are added to `dead`."""
+        while True:
+            try:
+                return await restore()
+            except Exception as again:  # noqa: BLE001 - a death: respawned; else it stands
+                died = await self.dead_groups(wait=False)  # (restore waited for it to show)
+                if not died or not all(self._left(g) for g in died):
+                    raise
+                for spec in died:
+                    await self.respawn(spec, again)
+                if dead is not None:
+                    dead += [g for g in died if g not in dead]
+
     async def resave(self, exc: BaseException, step: int) -> bool:
         """A checkpoint's save that stateless groups died in (a reward function's or a
         reference's rank: they save their random state too): respawn them, counted, for the
         save to be made again once the live groups' saves have ended; False when that does
         not explain `exc` (a stateful group died, the budget is spent: a rewind's turn)."""
         ctl, started = self.flow._ctl, time.monotonic()
-        dead = await self._dead_groups() if _death_behind(exc) else []
+        dead = await self.dead_groups() if _death_behind(exc) else []
         if not dead or any(g.stateful or not self._left(g) for g in dead):
             return False
         if await self._settle(ctl.transfer_timeout + ctl.heartbeat_timeout):
@@ -362,7 +379,7 @@ class Recovery:
                 return True
         return False
 
-    async def _dead_groups(self, wait: bool = True) -> list[GroupSpec]:
+    async def dead_groups(self, wait: bool = True) -> list[GroupSpec]:
         """The flow's dead groups. A failure can reach us before the supervisor declares the
         death behind it (a peer's collective broke): wait as long as declaring takes for one
         to show. A failure with no death behind it (a bug in user code) is reported that

@@ -15,7 +15,8 @@ node draws a random number per step on the controller (seeded: a rewind draws th
 again). `fail_build=1`: the first scorer built after the held one died raises in __init__
 (a respawn that fails to build). `pair=1`: score returns two futures, the scorer's pid
 (done first) and [its pid, the score]; train checks they are of one attempt. `die_saving=
-<step>`: the scorer's rank exits while that step's checkpoint is saved (once). The trainer's
+<step>`: the scorer's rank exits while that step's checkpoint is saved (once). `die_loading=
+1`: the trainer's rank exits the first time it loads a checkpoint (a rewind's). The trainer's
 history is in every checkpoint (trainer/history.json): a run that recovered must hold each
 step exactly once.
 """
@@ -30,7 +31,7 @@ import asyncrl
 
 cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
                      peek=0, collective=0, wait="", staleness=0, draw=0, fail_build=0, pair=0,
-                     die_saving=0)
+                     die_saving=0, die_loading=0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 WAIT_GROUP, _, WAIT_STEP = cfg["wait"].partition(":")
 
@@ -133,6 +134,11 @@ class Trainer(asyncrl.Worker):
         (folder / "history.json").write_text(json.dumps(self.history))
 
     def load_state(self, folder):
+        if cfg["die_loading"]:
+            mark = Path(cfg["marks"]) / "trainer.died_loading"
+            if not mark.exists():
+                mark.write_text(str(os.getpid()))
+                os._exit(9)
         self.history = json.loads((folder / "history.json").read_text())
 
 
