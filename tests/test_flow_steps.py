@@ -352,3 +352,118 @@ def test_a_step_still_running_when_a_later_one_fails_is_waited_for_within_a_boun
     err = capsys.readouterr().err
     assert "letting step(s) 1, dispatched before it, finish first (their rows; within 0.5 s" \
         in err and "step(s) 1 still ran 0.5 s later (the collective timeout): left" in err
+
+
+def _failing_future(label):
+    from asyncrl.futures.future import DistFuture
+
+    f = DistFuture._new(asyncio.get_running_loop(), label)
+    f._set_exception(RuntimeError(f"{label} failed"))
+    return f
+
+
+def test_an_upstream_failure_is_named_by_its_node_when_inputs_are_saved(tmp_path):
+    """With --save-inputs the downstream node's inputs were awaited outside the blame: a
+    bare RuntimeError, naming no node and no step, where a run without it names the node."""
+    @asyncrl.node
+    def rollout(x):
+        return _failing_future(f"rollout {x}") if x == 1 else x
+
+    @asyncrl.node
+    def score(rollout):
+        return rollout
+
+    async def main(save):
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[rollout, score], inputs={"x": range(3)}, groups=[])
+            flow.save_inputs = tmp_path / "inputs" if save else None
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError) as e:
+                    await flow.run()
+            finally:
+                await flow.close()
+        return e.value
+    for save in (False, True):
+        err = asyncio.run(main(save))
+        assert (err.node, err.step) == ("rollout", 1) and "rollout 1 failed" in str(err), save
+
+
+def test_a_node_raising_cancelled_error_fails_its_step_not_the_driver():
+    """A node whose awaited task was cancelled raised CancelledError, which the run took for
+    the driver's own cancel: no NodeError, and the steps finished before it lost their rows
+    (on_step got none)."""
+    @asyncrl.node
+    async def fetch(x):
+        if x == 2:
+            task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
+            task.cancel()
+            await task
+        return x
+
+    async def main():
+        seen = []
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[fetch], inputs={"x": range(4)}, groups=[])
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError, match="node 'fetch' raised "
+                                                            "CancelledError") as e:
+                    await flow.run(on_step=lambda t, values, s: seen.append(t))
+            finally:
+                await flow.close()
+        return e.value, seen
+    err, seen = asyncio.run(main())
+    assert (err.node, err.step, seen) == ("fetch", 2, [0, 1])
+
+
+def test_on_step_failing_while_a_run_fails_is_said_and_no_later_step_completes(capsys):
+    """Steps 0 and 1 finish while step 2 fails; step 0's on_step raising was swallowed and
+    step 1's row written past the gap (metrics.jsonl with step 1 and no step 0)."""
+    from asyncrl.futures.future import DistFuture, Held
+
+    flows = []
+
+    def finished(t):
+        step = flows[0]._steps.get(t)
+        return step is not None and all(f.done() for f in step.finished.values())
+
+    async def work(f, x):
+        while flows[0]._next < 3:  # noqa: ASYNC110 - (no event says it): until step 2 runs
+            await asyncio.sleep(0.01)
+        f._set_result(Held(x))
+
+    @asyncrl.node
+    def slow(x):
+        f = DistFuture._new(asyncio.get_running_loop(), f"slow {x}")
+        asyncio.get_running_loop().create_task(work(f, x))
+        return f
+
+    @asyncrl.node
+    async def fails_later(x):  # step 2 fails once steps 0 and 1 have finished
+        while x == 2 and not (finished(0) and finished(1)):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if x == 2:
+            raise ValueError("no sample for 2")
+        return x
+
+    def on_step(t, values, s):
+        if t == 0:
+            raise OSError("the disk is full")
+        seen.append(t)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[slow, fails_later], inputs={"x": range(5)},
+                                    groups=[], max_staleness=2)
+            flows.append(flow)
+            await flow.open(ctl)
+            try:
+                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
+                    await asyncio.wait_for(flow.run(on_step=on_step), 30)
+            finally:
+                await flow.close()
+    seen: list[int] = []
+    asyncio.run(main())
+    assert seen == []
+    assert "completing step 0 failed too: OSError: the disk is full" in capsys.readouterr().err

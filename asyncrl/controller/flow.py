@@ -28,21 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.worker import rng_state
-from asyncrl.comm import codec
 from asyncrl.controller.blame import blame, upstream
 from asyncrl.controller.declare import GroupSpec, declared_for
 from asyncrl.controller.inputs import Inputs
 from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
+from asyncrl.controller.saved_inputs import save_node_inputs
 from asyncrl.controller.timeline import current_node
 from asyncrl.futures.future import futures_in, held_at, resolved
 
 log = logging.getLogger("asyncrl")
 
 STEP = "step"  # a parameter nothing else provides: the step index (validate every N steps)
-
-# what `--save-inputs` writes per node and step: {"format", "values", "futures": where the
-# node was given DistFutures (input -> paths into it), for `asyncrl run --node`}
-NODE_INPUTS = "asyncrl-node-inputs/1"
 
 
 @dataclass
@@ -359,21 +355,20 @@ class DataFlow:
                 kwargs[p.name] = step.index
             else:
                 kwargs[p.name] = await step.returned[src[1]]
-        if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited)
-            folder = self.save_inputs / f"step{step.index}"
-            folder.mkdir(parents=True, exist_ok=True)
-            futures: dict[str, list[list[Any]]] = {}
-            saved = {k: await resolved(v, found=futures.setdefault(k, []))
-                     for k, v in kwargs.items()}
-            (folder / f"{n.name}.msgpack").write_bytes(codec.encode(
-                {"format": NODE_INPUTS, "values": saved,
-                 "futures": {k: paths for k, paths in futures.items() if paths}}))
         current_node.set((n.name, step.index))
         start = time.perf_counter()
-        try:  # an async node's DistFutures are passed on as they are
+        try:
+            if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited;
+                # an upstream future that failed is named as in a run without it)
+                await save_node_inputs(self.save_inputs / f"step{step.index}", n.name, kwargs)
+            # an async node's DistFutures are passed on as they are
             out = await self.recovery.call(n.name, step.index, lambda: n.fn(**kwargs))
-        except Exception as e:
-            err = self._blame(step, n.name, e)
+        except (Exception, asyncio.CancelledError) as e:
+            task = asyncio.current_task()  # the node's own cancel (a task it awaited): its
+            if not isinstance(e, Exception) and (task is None or task.cancelling()):  # failure
+                raise  # this step's cancel (the driver's Ctrl-C, a failure beside it)
+            err = self._blame(step, n.name, e if isinstance(e, Exception) else RuntimeError(
+                f"node {n.name!r} raised CancelledError (a task it awaited was cancelled)"))
             raise err from err.__cause__
         finally:
             timeline = self._ctl.timeline if self._ctl is not None else None
@@ -522,13 +517,18 @@ class DataFlow:
                                  complete: Callable[[_Step, dict[str, Any]], Awaitable[None]]
                                  ) -> None:
         """Complete the pending steps that finished without a failure, in order, up to one
-        that did not; a failure while completing them is left to the one being raised."""
+        that did not; a failure while completing one (its values could not be fetched, its
+        on_step raised) is said and ends them: no later step completes past it."""
         def ok(task: asyncio.Task) -> bool:
             return task.done() and not task.cancelled() and task.exception() is None
         while pending and all(map(ok, pending[0][0].finished.values())):
+            step, results = pending.pop(0)
             try:
-                await complete(*pending.pop(0))
-            except Exception:  # noqa: BLE001 - (its values could not be fetched)
+                await complete(step, results)
+            except Exception as e:  # noqa: BLE001 - the run's own failure is raised
+                print(f"[asyncrl] completing step {step.index} failed too: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                pending.clear()
                 return
 
     async def _complete(self, step: _Step, results: dict[str, Any],

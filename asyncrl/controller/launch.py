@@ -26,9 +26,10 @@ from asyncrl.comm import codec
 from asyncrl.controller import checkpoint, declare
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import OVERRIDES_ENV
-from asyncrl.controller.flow import NODE_INPUTS, DataFlow
+from asyncrl.controller.flow import DataFlow
 from asyncrl.controller.logs import append_line, replace_json
 from asyncrl.controller.recovery import RESTARTS_FILE
+from asyncrl.controller.saved_inputs import NODE_INPUTS
 from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length
 from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
 from asyncrl.errors import CheckpointError
