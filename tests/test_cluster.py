@@ -19,7 +19,13 @@ from helpers import ROOT, NoLogFolder, assert_gone, group_pids, poll_until, run,
 import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.actors.gpu_slots import select_gpus
-from asyncrl.controller.cluster import Cluster, HostSpec, expand_nodelist, torchrun_command
+from asyncrl.controller.cluster import (
+    Cluster,
+    HostSpec,
+    expand_nodelist,
+    lifeline_env,
+    torchrun_command,
+)
 from asyncrl.controller.launcher import host_env, kill_pids
 
 
@@ -120,10 +126,17 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
     assert cmd[6].startswith(f"cd {os.getcwd()} && env ASYNCRL_ADDR=tcp://10.0.0.9:5000 "
                              f"THP_MEM_ALLOC_ENABLE=1 ")
     assert " -m asyncrl.actors.agent_main " in cmd[6]  # its torchrun folder goes with it
-    # the group's own env= goes too, whatever its names (it was dropped)
-    mine = torchrun_command(h, {"MY_FLAG": "a b", "HOME": "/root"}, 1, 0, 4, "10.0.0.1:1",
-                            "g-run", given=frozenset({"MY_FLAG"}))
-    assert "'MY_FLAG=a b'" in mine[6] and "HOME" not in mine[6]
+    # the group's own env= goes too, whatever its names (it was dropped), in the lifeline
+    # and never on the command line: `ps` showed a WANDB_API_KEY or HF_TOKEN to every user
+    env = {"MY_FLAG": "a b", "HF_TOKEN": "s3cr3t", "NCCL_DEBUG": "INFO", "HOME": "/root"}
+    given = frozenset({"MY_FLAG", "HF_TOKEN", "NCCL_DEBUG"})
+    mine = torchrun_command(h, env, 1, 0, 4, "10.0.0.1:1", "g-run", given=given)
+    assert not any(v in part for part in mine for v in ("s3cr3t", "a b", "NCCL_DEBUG"))
+    assert "HOME" not in mine[6]
+    assert json.loads(lifeline_env(h, env, given)) == {
+        "MY_FLAG": "a b", "HF_TOKEN": "s3cr3t", "NCCL_DEBUG": "INFO"}
+    assert lifeline_env(HostSpec("n2", "n2", via="srun"), env, given) == b"{}\n"  # (srun
+    # passes the environment itself)
     f.write_text(json.dumps({"hosts": [{"name": "n1", "gpu": 4}]}))
     with pytest.raises(ValueError, match="unknown keys \\['gpu'\\]"):
         Cluster.from_file(f)
@@ -469,7 +482,8 @@ def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_pat
     worker = tmp_path / "worker.py"
     pid_file = tmp_path / "rank.pid"
     worker.write_text(f"import os, sys, time\nopen(sys.argv[1] + '.env', 'w').write("
-                      f"os.environ.get({PROCESS_ENV!r}, ''))\n"
+                      f"os.environ.get({PROCESS_ENV!r}, '') + '\\n' + "
+                      f"os.environ.get('MY_TOKEN', ''))\n"
                       f"open(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(3600)\n")
     agent = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.actors.agent_main", "--nnodes", "1",
@@ -478,13 +492,17 @@ def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_pat
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "ASYNCRL_AGENT_LIFELINE": "1", "PYTHONPATH": ROOT},
         start_new_session=True)
+    assert agent.stdin is not None
+    agent.stdin.write(json.dumps({"MY_TOKEN": "s3cr3t"}).encode() + b"\n")  # the group's
+    agent.stdin.flush()  # env= (over ssh: on no command line)
     rank = None
     try:
         wait_until(lambda: pid_file.exists() and pid_file.read_text(), 120,
                    "the rank to start")
         rank = int(pid_file.read_text())
-        watched = (tmp_path / "rank.pid.env").read_text()
+        watched, token = (tmp_path / "rank.pid.env").read_text().split("\n")
         assert watched.split(":")[0] == str(agent.pid) and runs(watched)
+        assert token == "s3cr3t"  # the lifeline's environment reached the rank
         agent.stdin.close()  # the local ssh is gone
         assert agent.wait(60) != 0
         assert_gone([rank])

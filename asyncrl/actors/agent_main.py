@@ -9,7 +9,9 @@ error, or on the SIGTERM/SIGINT/SIGHUP torchrun turns into an exception; a SIGKI
 Then it unlinks what its killed ranks left in this host's /dev/shm.
 
 Its lifeline (ASYNCRL_AGENT_LIFELINE=1): stdin, a pipe the controller's end of ssh or srun
-keeps open. Killing that local process stops nothing on the host by itself; its end of the
+keeps open. Its first line is a JSON object of environment variables for the ranks (the
+group's `env=` over ssh: on ssh's command line any user of the controller's machine could
+read them with `ps`). Killing that local process stops nothing on the host by itself; its end of the
 pipe closing does: on EOF the agent sends itself SIGTERM, and torchrun stops its ranks (a
 respawn would otherwise find the old ranks on its GPUs until their collective timeout).
 While it holds, the agent stands in for the controller's process, which the ranks check
@@ -18,6 +20,7 @@ before taking a silent controller for gone (rank_main.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -30,6 +33,23 @@ from asyncrl.comm.dataplane import run_prefix
 from asyncrl.comm.shm import cleanup
 
 LIFELINE = "ASYNCRL_AGENT_LIFELINE"
+
+
+def read_env_line(fd: int = 0) -> dict[str, str]:
+    """The environment sent as the lifeline's first line (a JSON object of strings)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(fd, 1 << 16)  # (nothing follows the line: no read goes past it)
+        if not chunk:
+            sys.exit("asyncrl agent: the controller's end of the lifeline closed before it "
+                     "sent the ranks' environment")
+        line += chunk
+    env = json.loads(line)
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                            for k, v in env.items()):
+        sys.exit(f"asyncrl agent: the lifeline's first line is not an environment: "
+                 f"{line[:80]!r}")
+    return env
 
 
 def watch_lifeline() -> None:
@@ -45,6 +65,7 @@ def main(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
     if os.environ.get(LIFELINE) == "1":
+        os.environ.update(read_env_line())
         watch_lifeline()
         # the ranks' stand-in for the controller's process, which they cannot see from this
         # host: this agent runs while the lifeline holds. A silent controller that runs is

@@ -207,7 +207,8 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
     """The command that starts one host's agent of a group, run `via` the host's way.
     `scratch`: a folder of this machine for torchrun's own, on hosts that share its files
     (elsewhere, and without one, `asyncrl.actors.agent_main` makes and removes its own).
-    `given`: the names of the group's own `env=`, which ssh carries whatever they are."""
+    `given`: the names of the group's own `env=`, which ssh carries whatever they are: in
+    the agent's lifeline (`lifeline_env`), not on its command line, which `ps` shows."""
     shared = host.via in ("local", "netns") and scratch is not None
     agent = "torch.distributed.run" if shared else "asyncrl.actors.agent_main"
     run = [sys.executable, "-m", agent, "--nnodes", str(nnodes),
@@ -232,12 +233,19 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
     # ssh passes no environment: ours, the group's env=, and the network and library
     # settings users tune; and starts in $HOME: the ranks go where the controller runs
     # (relative paths: PYTHONPATH entries, data files), on the shared file system
-    exports = [f"{k}={v}" for k, v in env.items() if k.startswith(
+    exports = [f"{k}={v}" for k, v in env.items() if k not in given and (k.startswith(
         ("ASYNCRL_", "PYTHONPATH", "OMP_", "CUDA_", "NCCL_", "GLOO_", "TORCH_"))
-        or k in RANK_ENV_DEFAULTS or k in given]
+        or k in RANK_ENV_DEFAULTS)]
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", host.address,
             f"cd {shlex.quote(os.getcwd())} && env "
             + " ".join(shlex.quote(e) for e in exports) + " " + shlex.join(run)]
+
+
+def lifeline_env(host: HostSpec, env: Mapping[str, str], given: frozenset[str]) -> bytes:
+    """The first line of a remote agent's lifeline (agent_main.read_env_line): over ssh, the
+    group's own `env=` (srun passes the whole environment itself)."""
+    sent = {k: env[k] for k in given if k in env} if host.via == "ssh" else {}
+    return json.dumps(sent).encode() + b"\n"
 
 
 def free_port(address: str = "127.0.0.1") -> int:

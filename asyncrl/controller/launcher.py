@@ -29,7 +29,13 @@ from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS, rank_threads
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
 from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users import it here)
-from asyncrl.controller.cluster import Cluster, HostSpec, free_port, torchrun_command
+from asyncrl.controller.cluster import (
+    Cluster,
+    HostSpec,
+    free_port,
+    lifeline_env,
+    torchrun_command,
+)
 
 _AGENT_REPORT = re.compile(r"^.*\] failed \(exitcode: ", re.MULTILINE)
 log = logging.getLogger("asyncrl")
@@ -85,6 +91,7 @@ class Agent:
         self._env = env
         self._die_with_parent = die_with_parent
         self._command = command  # one host's agent of a group spread over hosts
+        self.lifeline_env = b"{}\n"  # a remote agent's: its lifeline's first line
         self._server = server  # forks torchrun from a warm process (this host's groups)
         self.proc: subprocess.Popen | ForkedAgent | None = None
         self.rank_pids: dict[int, int] = {}
@@ -149,7 +156,8 @@ class Agent:
         with open(self.log_path, "ab") as log:
             self.proc = forked
             if self.proc is None:
-                # a remote agent's lifeline (agent_main.py): a pipe kept open, never written
+                # a remote agent's lifeline (agent_main.py): a pipe kept open, its first
+                # line the ranks' environment ssh would show, then never written
                 lifeline = self._env.get(LIFELINE) == "1"
                 self.proc = subprocess.Popen(
                     self.command(), stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL,
@@ -157,6 +165,10 @@ class Agent:
                     stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
                     preexec_fn=functools.partial(_die_with_parent, os.getpid())
                     if self._die_with_parent else None)
+                if lifeline:
+                    assert self.proc.stdin is not None
+                    self.proc.stdin.write(self.lifeline_env)
+                    self.proc.stdin.flush()
         proc = self.proc
         threading.Thread(target=lambda: on_exit(proc.wait()), daemon=True,
                          name=f"asyncrl-agent-{self.group}").start()
@@ -373,6 +385,8 @@ def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, st
             env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         command = torchrun_command(h, env, len(hosts), i, per, endpoint, f"{name}-{run_id}",
                                    None if scratch is None else str(scratch), frozenset(extra))
-        agents.append(Agent(name, per, env, log_dir / f"{name}.{h.name}.log", die_with_parent,
-                            command, h.name, h.via in ("local", "netns")))
+        agent = Agent(name, per, env, log_dir / f"{name}.{h.name}.log", die_with_parent,
+                      command, h.name, h.via in ("local", "netns"))
+        agent.lifeline_env = lifeline_env(h, env, frozenset(extra))
+        agents.append(agent)
     return HostAgents(agents)
