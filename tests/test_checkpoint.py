@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 
@@ -533,3 +534,30 @@ def test_a_peers_death_while_a_checkpoint_loads_is_not_taken_for_a_damaged_check
     with pytest.raises(CheckpointError, match=f"(?s)loading {tmp_path} failed: RemoteError.*"
                                               f"move"):
         asyncio.run(main(dies=False))  # no death behind it: the checkpoint's
+
+
+def test_a_run_under_umask_0_resumes_from_its_own_checkpoints(tmp_path, monkeypatch):
+    """Under umask 0 (some containers) the run's folders were made writable by every user,
+    and --resume refused the run's own checkpoints as another user's could be; the first
+    checkpoint's folder was not fsynced in the run directory."""
+    from asyncrl.actors import worker
+
+    @asyncrl.node
+    def take(x):
+        return x
+
+    synced = []
+    monkeypatch.setattr(checkpoint, "sync_dir", lambda p: (synced.append(p), worker.sync_dir(p)))
+    flow = asyncrl.DataFlow(nodes=[take], groups=[], inputs={"x": [1, 2]})
+    flow.feed.reset()
+    old = os.umask(0)
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir(checkpoint.PRIVATE_DIR)  # (as asyncrl launch makes it)
+        saved = asyncio.run(checkpoint.save(flow, run_dir, 0))
+    finally:
+        os.umask(old)
+    assert run_dir in synced  # the checkpoints folder's entry, at the first save
+    assert checkpoint.resumable(run_dir, flow)[0] == saved
+    for where in (run_dir / "checkpoints", saved):
+        assert where.stat().st_mode & 0o777 == 0o755

@@ -467,3 +467,31 @@ def test_on_step_failing_while_a_run_fails_is_said_and_no_later_step_completes(c
     asyncio.run(main())
     assert seen == []
     assert "completing step 0 failed too: OSError: the disk is full" in capsys.readouterr().err
+
+
+def test_an_iterator_that_saves_its_position_is_rereadable():
+    """Any iterator was refused with restarts on ("a one-shot iterator... cannot be read
+    again"), also one whose state_dict()/load_state_dict() take it back to a checkpoint's
+    position, as resume_at does."""
+    from asyncrl.controller.inputs import Inputs
+
+    class Stateful:
+        def __init__(self):
+            self.at = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.at += 1
+            return self.at
+
+        def state_dict(self):
+            return {"at": self.at}
+
+        def load_state_dict(self, state):
+            self.at = state["at"]
+
+    Inputs({"p": Stateful()}).check_rereadable()
+    with pytest.raises(asyncrl.FlowError, match="input 'g' is a one-shot iterator"):
+        Inputs({"g": (i for i in range(3))}).check_rereadable()

@@ -102,6 +102,10 @@ def refuse_existing(run_dir: Path) -> None:
             f"mixed with this run's)")
 
 
+PRIVATE_DIR = 0o755  # the mode of the folders a run makes (no write for others, whatever
+# the umask: a folder every user can write is refused, see not_yours)
+
+
 def _own(path: Path) -> None:
     """A checkpoint is code as well as data (torch's distributed checkpoints and DeepSpeed's
     are read with pickle): refuse one that another user wrote, or could have."""
@@ -181,9 +185,12 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     inputs = positions(flow)  # first: an input whose position cannot be saved fails the
     # save before any group wrote
     # deletes and fsyncs (maybe gigabytes, on NFS) off the loop: heartbeats go on meanwhile
-    root.mkdir(parents=True, exist_ok=True)
+    if not root.is_dir():  # (0o755: under umask 0, one every user could write, which
+        root.mkdir(PRIVATE_DIR, parents=True)  # --resume would refuse)
+        await asyncio.to_thread(sync_dir, root.parent)  # the first checkpoint's folder
+        # survives a power cut
     await asyncio.to_thread(_remove_stale, root, tmp)
-    tmp.mkdir()
+    tmp.mkdir(PRIVATE_DIR)
     await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
     # (the ranks synced what they wrote: here, the folders and the rest; off the loop)

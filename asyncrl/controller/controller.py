@@ -213,8 +213,8 @@ class Controller:
     def _start(self) -> None:
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        whose = not_yours(self.run_dir)
+        self.run_dir.mkdir(0o755, parents=True, exist_ok=True)  # (no write for others under
+        whose = not_yours(self.run_dir)  # umask 0: refused below)
         if whose is not None:  # its checkpoints would be refused on --resume, late
             raise PermissionError(
                 f"run_dir {self.run_dir} is {whose}: another user could redirect its logs "

@@ -41,7 +41,8 @@ class Inputs:
 
     def check_rereadable(self) -> None:
         for name, source in self.sources.items():
-            if isinstance(source, Iterator):  # its own iterator: read once
+            if isinstance(source, Iterator) and not _restorable(source):  # read once (one
+                # with state_dict and load_state_dict goes back to a checkpoint's position)
                 raise FlowError(
                     f"input {name!r} is a one-shot iterator (a generator?): it cannot be read "
                     f"again from a checkpoint's position; pass a list, a PromptSource or "

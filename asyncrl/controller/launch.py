@@ -46,7 +46,7 @@ def default_run_dir() -> Path:
     path, n = base, 1
     while True:
         try:
-            path.mkdir()
+            path.mkdir(checkpoint.PRIVATE_DIR)
             return path
         except FileExistsError:
             path, n = base.with_name(f"{base.name}-{n}"), n + 1
@@ -211,7 +211,7 @@ def hold_run_dir(run_dir: Path) -> int:
     """An exclusive lock on the folder `run_dir` itself (no file left in it; released as its
     descriptor closes or the process ends): two launches in one run directory remove each
     other's half-written checkpoints and interleave their metrics."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(checkpoint.PRIVATE_DIR, parents=True, exist_ok=True)
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
