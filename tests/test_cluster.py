@@ -23,6 +23,7 @@ from asyncrl.controller.cluster import (
     Cluster,
     HostSpec,
     expand_nodelist,
+    free_port,
     lifeline_env,
     torchrun_command,
 )
@@ -207,6 +208,22 @@ def _agent_cleans_up(tmp_path: Path, rank: Path, scratch: Path, env: dict) -> No
         stopped.kill()
         stopped.wait()
     assert list(scratch.iterdir()) == []
+    # stopped before its ranks start (waiting at the rendezvous for a host that failed):
+    # torchrun's handler was not in place yet, and SIGTERM killed it with its folder left
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.actors.agent_main", "--nnodes", "2", "--node-rank",
+         "0", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+         f"127.0.0.1:{free_port()}", "--rdzv-conf", "is_host=true", str(rank),
+         str(tmp_path / "never"), "0"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: any(scratch.iterdir()), 60, "the agent's folder")
+        waiting.send_signal(signal.SIGTERM)
+        assert waiting.wait(30) == 128 + signal.SIGTERM
+    finally:
+        waiting.kill()
+        waiting.wait()
+    assert list(scratch.iterdir()) == [] and not (tmp_path / "never").exists()
 
 
 class Spread(asyncrl.Worker):
@@ -477,7 +494,6 @@ def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_pat
     process the ranks check before taking a silent controller for gone: remote ranks exited
     after heartbeat_timeout of a controller loop busy with a node's own work."""
     from asyncrl.actors.procs import PROCESS_ENV, runs
-    from asyncrl.controller.cluster import free_port
 
     worker = tmp_path / "worker.py"
     pid_file = tmp_path / "rank.pid"

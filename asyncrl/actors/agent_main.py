@@ -71,11 +71,19 @@ def main(argv: list[str]) -> None:
         # host: this agent runs while the lifeline holds. A silent controller that runs is
         # busy (a node's own work on its loop), and its ranks wait for it
         os.environ[PROCESS_ENV] = this_process()
+    # torchrun turns these into an exception once its ranks start; before (waiting at the
+    # rendezvous for another host that failed) they killed it with its folder left
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_by_signal)
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-torchrun-") as scratch:
             torchrun(["--log-dir", scratch, *argv])
     finally:
         sweep_segments(os.environ)
+
+
+def _exit_by_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def sweep_segments(env: Mapping[str, str]) -> list[str]:
