@@ -151,6 +151,11 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
     # GPU hosts beside CPU-only ones: a group would land on either kind, or on both
     with pytest.raises(ValueError, match=r"hosts \['g'\] have GPUs and \['c'\] none"):
         Cluster([HostSpec("g", "g", gpus=8), HostSpec("c", "c", cpus=64)])
+    # one machine listed twice: each entry handed out its GPUs 0..n-1, two groups on a GPU
+    with pytest.raises(ValueError, match=r"GPU hosts \['a', 'b'\] share an address "
+                                         r"\(10.0.0.1\): list each machine once"):
+        Cluster([HostSpec("a", "10.0.0.1", gpus=4), HostSpec("b", "10.0.0.1", gpus=4)])
+    Cluster([HostSpec(n, "127.0.0.1", cpus=1, via="local") for n in "ab"])  # CPUs: as tests do
 
 
 def test_an_agent_off_this_machine_removes_its_torchrun_folder(tmp_path):

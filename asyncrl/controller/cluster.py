@@ -92,6 +92,12 @@ class Cluster:
                              f"{[h.name for h in hosts if not h.gpus]} none: a cluster of "
                              f"both kinds is not supported (a group cannot say which it "
                              f"needs); list one kind")
+        machines = [h.address for h in hosts if h.gpus and h.via != "netns"]
+        twice = sorted({a for a in machines if machines.count(a) > 1})
+        if twice:  # each would hand out GPUs 0..n-1 of the one machine: two groups on a GPU
+            named = [h.name for h in hosts if h.address in twice]
+            raise ValueError(f"GPU hosts {named} share an address ({', '.join(twice)}): list "
+                             f"each machine once, with all its GPUs")
         self.hosts = hosts
         self._taken: dict[str, set[int]] = {h.name: set() for h in hosts}  # slots in use
         self._groups: dict[str, dict[str, list[int]]] = {}  # group -> host -> its slots
