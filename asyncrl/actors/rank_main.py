@@ -379,6 +379,7 @@ class RankMain:
             # links with it too (links made later, with a respawned group of that name,
             # are joined by calls that come after this on the same socket)
             nccl.forget_group(msg.group)
+            self.data.group_gone(msg.group)
 
     def heartbeat(self, now: float) -> Heartbeat:
         waiting_since, heard, received = self.exec_seen

@@ -238,5 +238,11 @@ class DataServer:
                 np.copyto(dst, bytes_of(rows))
         return reply, []
 
+    def group_gone(self, group: str) -> None:
+        """Unmap the segments of `group`'s ranks that rows were written into (a closed
+        consumer's pools are unlinked, and a mapping kept would pin their memory until
+        this rank mapped some new segment)."""
+        self._mapper.forget_prefix(f"{self._run_prefix}{group}+")
+
     def close(self) -> None:
         self._mapper.close()

@@ -358,6 +358,14 @@ class SegmentMapper:
             with suppress(BufferError):  # views still alive; unmapped when they die
                 mm.close()
 
+    def forget_prefix(self, prefix: str) -> None:
+        """Drop the mappings of the segments named `prefix`... (a group gone: its pools go,
+        and a mapping of an unlinked segment would pin its memory)."""
+        with self._lock:
+            names = [n for n in self._maps if n.startswith(prefix)]
+        for name in names:
+            self.forget(name)
+
     def close(self) -> None:
         for name in list(self._maps):
             self.forget(name)
