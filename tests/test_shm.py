@@ -369,3 +369,15 @@ def test_mapper_unmaps_segments_their_owner_unlinked(pool):
     mapper.view(new.name, 0, 1)
     assert list(mapper._maps) == [new.name]
     mapper.close()
+
+
+def test_a_segment_that_cannot_be_mapped_leaves_no_file(pool, prefix, monkeypatch):
+    """Its file stayed in /dev/shm (named in the pool's list) until the pool closed."""
+    import mmap as mmap_module
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+    monkeypatch.setattr(mmap_module, "mmap", refused)
+    with pytest.raises(OSError, match=os.strerror(errno.ENOMEM)):
+        pool.acquire(100)
+    assert files(prefix) == [] and pool.stats().segments == 0

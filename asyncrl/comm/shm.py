@@ -251,13 +251,14 @@ class SegmentPool:
                 f"shared-memory segments {self.prefix}-* up to {path} all exist: a prefix "
                 f"must be unique per pool and run; remove leftovers with "
                 f"asyncrl.comm.shm.cleanup({self.prefix!r})")
-        self._paths.append(path)
         try:
             os.ftruncate(fd, size)  # sparse: acquire() reserves what each lease needs
             mm = mmap.mmap(fd, size)
-        except BaseException:
+        except BaseException:  # (address space, a size refused): no file left behind
             os.close(fd)
+            _unlink_all([path])
             raise
+        self._paths.append(path)
         seg = self._segments[name] = _Segment(name, size, mm, fd)
         return seg
 
