@@ -324,6 +324,33 @@ def test_a_big_result_fetched_over_a_slow_link_is_given_time_for_its_bytes():
     assert asyncio.run(main()) == [1, 2]
 
 
+def test_a_fetch_timed_out_by_its_last_awaiter_is_let_go_and_asked_again_when_awaited():
+    """A timed-out fetch kept its waiter until the group's end (one per timeout); one
+    awaiter's timeout beside another still waiting keeps it, and the next await asks again."""
+    import asyncio
+
+    from asyncrl.comm import codec
+    from asyncrl.controller.fetches import Fetches
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        asked = []
+        fetches = Fetches("g", loop, lambda rank, msg: asked.append(msg.obj_id), timeout=0.05)
+        with pytest.raises(asyncrl.TransferTimeout):
+            await fetches.get(0, 1)
+        assert fetches._waiters == {} and fetches._awaiting == {}  # let go
+        patient = loop.create_task(asyncio.wait_for(fetches.get(0, 2, nbytes=10**9), 30))
+        with pytest.raises(asyncrl.TransferTimeout):  # (the patient one awaits meanwhile)
+            await fetches.get(0, 2)  # one awaiter gives up, the other still waits
+        assert list(fetches._waiters) == [(0, 2)]
+        body, frames = codec.encode_oob("late")
+        fetches.answered(messages.Fetched(2, 0, value=msgspec.Raw(body),
+                                          buffers=[f.nbytes for f in frames]))
+        assert await patient == "late" and fetches._waiters == {}
+        return asked
+    assert asyncio.run(main()) == [1, 2]
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_one_row_of_a_column_sliced_out_of_a_matrix_is_pulled(transport):
     """scores[:, 0][1:2] is contiguous to torch (a size-1 dimension's stride does not

@@ -20,6 +20,7 @@ class Fetches:
         self._group, self._loop, self._post, self._timeout = group, loop, post, timeout
         self._waiters: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._stale: set[tuple[int, int]] = set()  # timed out once: asked again when awaited
+        self._awaiting: dict[tuple[int, int], int] = {}  # awaiters of each waiter
 
     async def get(self, rank: int, obj_id: int, nbytes: int = 0) -> Any:
         """Rank `rank`'s part of call `obj_id`'s result, decoded: its large arrays are views
@@ -33,16 +34,25 @@ class Fetches:
             self._stale.discard(key)
             self._post(rank, Fetch(obj_id))
         more = nbytes / LINK_MIN_RATE
+        self._awaiting[key] = self._awaiting.get(key, 0) + 1
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self._timeout + more)
         except asyncio.TimeoutError:
-            if self._waiters.get(key) is waiter:  # awaiting it again asks again
-                self._stale.add(key)
+            if self._waiters.get(key) is waiter:  # awaiting it again asks again; the last
+                if self._awaiting[key] > 1:  # awaiter gone, it goes (kept, it stayed until
+                    self._stale.add(key)  # the group's end)
+                else:
+                    del self._waiters[key]
+                    self._stale.discard(key)
             raise TransferTimeout(
                 f"fetching the result of call {obj_id} from {self._group}:{rank}: no answer "
                 f"within {self._timeout:g} s" + (f", and {more:.2g} s more for its {nbytes:,} "
                                                   f"bytes" if nbytes else "") +
                 " (raise Controller(transfer_timeout=...))") from None
+        finally:
+            self._awaiting[key] -= 1
+            if not self._awaiting[key]:
+                del self._awaiting[key]
 
     def answered(self, msg: Fetched) -> None:
         self._stale.discard((msg.rank, msg.obj_id))
