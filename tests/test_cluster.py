@@ -55,6 +55,17 @@ def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
     assert [h.name for h in Cluster.from_slurm(one, here="login1").hosts] == ["gpu7"]
     assert len(Cluster.from_slurm(env, here="gpu1").hosts) == 2
     assert Cluster.from_slurm({**one, "SLURMD_NODENAME": "gpu7"}) is None  # (SLURM's own name)
+    # each node's own CPUs (SLURM_CPUS_ON_NODE is this node's only), and GPUs asked per
+    # node; GPUs asked for the job whose split over the nodes is not known here: refused
+    mixed = {"SLURM_JOB_NODELIST": "gpu[1-3]", "SLURM_JOB_CPUS_PER_NODE": "64(x2),32",
+             "SLURM_CPUS_ON_NODE": "64", "SLURM_GPUS_PER_NODE": "a100:4"}
+    assert [(h.gpus, h.cpus) for h in Cluster.from_slurm(mixed, here="gpu1").hosts] == [
+        (4, 64), (4, 64), (4, 32)]
+    uneven = {"SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_GPUS": "12", "SLURM_GPUS_ON_NODE": "8"}
+    with pytest.raises(ValueError, match="12 GPUs over 2 nodes .* ask for them per node"):
+        Cluster.from_slurm(uneven, here="gpu1")
+    even = {**uneven, "SLURM_GPUS": "16"}
+    assert [h.gpus for h in Cluster.from_slurm(even, here="gpu1").hosts] == [8, 8]
     spread = cluster.spread("actor", 16)  # 16 ranks: 8 on each node
     assert [(h.name, slots) for h, slots in spread] == [("gpu1", list(range(8))),
                                                         ("gpu2", list(range(8)))]

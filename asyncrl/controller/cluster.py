@@ -145,9 +145,20 @@ class Cluster:
         here = (here or env.get("SLURMD_NODENAME") or socket.gethostname()).split(".")[0]
         if len(nodes) == 1 and nodes[0].split(".")[0] == here:
             return None  # (salloc's shell on a login node: the node is another machine)
-        gpus = int(re.sub(r"\D.*", "", env.get("SLURM_GPUS_ON_NODE", "0")) or 0)
-        cpus = int(re.sub(r"\D.*", "", env.get("SLURM_CPUS_ON_NODE", "1")) or 1)
-        return Cluster([HostSpec(h, h, gpus, cpus, "srun") for h in nodes])
+        # per node as SLURM lists them ("64(x2),32"): SLURM_CPUS_ON_NODE is this node's only
+        cpus = _per_node(env.get("SLURM_JOB_CPUS_PER_NODE", ""), len(nodes)) or \
+            [_leading_int(env.get("SLURM_CPUS_ON_NODE", "1")) or 1] * len(nodes)
+        per_node = env.get("SLURM_GPUS_PER_NODE")  # "8", "a100:8": asked for every node
+        gpus = int(re.findall(r"\d+", per_node)[-1]) if per_node and re.search(r"\d", per_node) \
+            else _leading_int(env.get("SLURM_GPUS_ON_NODE", "0"))
+        total = _leading_int(env.get("SLURM_GPUS", "0"))  # --gpus=N: over the job's nodes
+        if per_node is None and total and total != gpus * len(nodes):
+            raise ValueError(
+                f"SLURM allocation of {total} GPUs over {len(nodes)} nodes ({nodelist}), "
+                f"{gpus} on this one: their split is not known here; ask for them per node "
+                f"(--gpus-per-node), or list the hosts with --hosts")
+        return Cluster([HostSpec(h, h, gpus, c, "srun") for h, c in zip(nodes, cpus,
+                                                                          strict=True)])
 
     def spread(self, group: str, nprocs: int) -> list[tuple[HostSpec, list[int]]]:
         """The fewest hosts that hold `nprocs` ranks evenly (torchrun runs the same number of
@@ -204,6 +215,23 @@ class Cluster:
     def forget(self, group: str) -> None:
         for name, slots in self._groups.pop(group, {}).items():
             self._taken[name].difference_update(slots)
+
+
+def _leading_int(text: str) -> int:
+    """SLURM's "8" or "8(x2)": 8 (0 for none)."""
+    return int(re.sub(r"\D.*", "", text) or 0)
+
+
+def _per_node(text: str, n: int) -> list[int] | None:
+    """SLURM_JOB_CPUS_PER_NODE ("64(x2),32") for `n` nodes, in their order; None when it
+    does not name them all."""
+    counts: list[int] = []
+    for part in filter(None, text.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            return None
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts if len(counts) == n else None
 
 
 def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_rank: int,
