@@ -21,6 +21,7 @@ import argparse
 import inspect
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -46,6 +47,11 @@ def launch(args: argparse.Namespace) -> int:
     if args.keep_checkpoints is not None and args.keep_checkpoints < 0:
         raise SystemExit(f"asyncrl launch: --keep-checkpoints must be >= 0 (0 keeps all), "
                          f"got {args.keep_checkpoints}")
+    for option, value in (("--wandb", args.wandb), ("--run-dir", args.run_dir)):
+        if value and re.match(r"[A-Za-z_][\w.]*=", value):  # (the shell's next word)
+            raise SystemExit(f"asyncrl launch: {option} {value}: that is a key=value "
+                             f"override, taken as {option}'s value; give {option} its own "
+                             f"value first (or ./{value} for a folder of that name)")
     settings = _settings(args)  # (checked before the flow's file is imported)
     sys.argv = [args.script, *args.args, *args.passed]
     overrides = now = key_values("launch", args.args)
@@ -71,7 +77,7 @@ def launch(args: argparse.Namespace) -> int:
                              f"main():` that opens `async with asyncrl.Controller()`")
         _refuse_flow_options(args)
         result = run(main()) if inspect.iscoroutinefunction(main) else main()
-        return int(result) if isinstance(result, int) else 0
+        return int(result) if isinstance(result, int) and not isinstance(result, bool) else 0
     stray = [a for a in args.args if "=" not in a] + args.passed  # a flow takes key=value
     if stray:                                                     # overrides only
         raise SystemExit(f"asyncrl launch: unrecognized arguments: {' '.join(stray)}; "
@@ -269,10 +275,12 @@ def run_node(args: argparse.Namespace) -> int:
                          f"`asyncrl launch FLOW --save-inputs` wrote: "
                          f"RUN_DIR/inputs/step<t>/{args.node}.msgpack")
     # the groups are built as in the run that saved the inputs, unless told otherwise
-    overrides = {**saved_overrides(inputs), **key_values("run", args.args)}
+    given = key_values("run", args.args)
+    overrides = {**saved_overrides(inputs), **given}
     if overrides:
         print(f"asyncrl run: overrides {json.dumps(overrides)}", file=sys.stderr)
-    module = load_flow(args.script, overrides)
+    module = load_flow(args.script, overrides,  # (those saved alone: dropped if not declared)
+                       {k: v for k, v in overrides.items() if k not in given})
     flow = flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl run: {args.script} defines no `flow`")

@@ -524,7 +524,8 @@ def test_wrong_checkpoint_is_refused_in_words(tmp_path):
            "if 'test_bad_input.py' is a renamed copy of 'flow_v1.py', resume under that name")
     expect(asyncrl.CheckpointError, lambda: checkpoint.refuse_existing(tmp_path),
            f"{tmp_path} already holds checkpoints of an earlier run (newest: step_000002)",
-           "pass --resume to continue that run, or choose another --run-dir")
+           "choose another --run-dir, or continue that run with `asyncrl launch ... "
+           "--resume`")  # (asyncrl bench has no --resume)
     resized = tmp_path / "resized"  # this flow's, but its group had 2 ranks (actor_procs=2)
     solo = asyncrl.group(Solo, name="solo")
     sized = asyncrl.DataFlow(nodes=[gen, judge], inputs={"prompts": [1]}, groups=[solo])

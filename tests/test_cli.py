@@ -131,8 +131,9 @@ def test_run_node_builds_the_groups_with_the_saved_overrides_as_given(tmp_path, 
                     f"flow = asyncrl.DataFlow(nodes=[x], inputs={{'p': [1]}})\n")
     inputs = tmp_path / "run" / "inputs"
     (inputs / "step0").mkdir(parents=True)
-    (inputs / "overrides.json").write_text(json.dumps(
-        {"backend": "zero2", "dims": "[3,4]", "lr": 0.5}))  # lr: as runs before session 13
+    (inputs / "overrides.json").write_text(json.dumps(  # lr: as runs before session 13;
+        {"backend": "zero2", "dims": "[3,4]", "lr": 0.5, "gone": "1"}))  # gone: a setting
+    # the flow no longer declares (dropped, said; it was blamed on the command line)
     saved = inputs / "step0" / "x.msgpack"
     saved.write_bytes(b"")
     monkeypatch.setattr(asyncrl.controller.launch, "load_inputs",
@@ -176,6 +177,16 @@ def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp
     given("steps=many")
     with pytest.raises(ValueError, match="expected a int, as its default 5 is"):
         config(steps=5)
+    # a None default takes True/False as Python writes them (it was the truthy "False"); a
+    # Path's is made from the text (it was a str, or the int 5); an old overrides.json's null
+    # for a str default is None (it was the string "null")
+    from pathlib import Path
+
+    given("check=False", "more=True", "out=runs/x", "n=5")
+    assert config(check=None, more=None, out=Path("a"), n=Path("b")) == {
+        "check": False, "more": True, "out": Path("runs/x"), "n": Path("5")}
+    monkeypatch.setenv(OVERRIDES_ENV, json.dumps({"name": None}))
+    assert config(name="a") == {"name": None}
 
     flow = tmp_path / "no_settings.py"  # never calls asyncrl.config: lr=0.1 would be lost
     flow.write_text("import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
@@ -398,3 +409,21 @@ def test_settings_declared_by_two_config_calls_both_take_overrides(tmp_path, mon
                                          r"line; this flow's settings are \['lr', 'steps'\]"):
         load_flow(str(typo), {"lr": "1", "stesp": "3"})
     assert load_flow(str(typo), {"steps": "4"}).run_cfg["steps"] == 4  # imported anew
+
+
+def test_a_key_value_after_wandb_or_run_dir_is_refused_not_taken_as_its_value(tmp_path):
+    """`--wandb lr=3e-4 kl=0.1` logged to a project named "lr=3e-4" and left lr at its
+    default, without a word."""
+    for option in ("--wandb", "--run-dir"):
+        out = cli("launch", "examples/grpo_tiny.py", option, "lr=3e-4", "kl=0.1")
+        assert out.returncode != 0 and f"{option} lr=3e-4: that is a key=value override, " \
+            f"taken as {option}'s value" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_driver_returning_true_exits_0(tmp_path):
+    """bool is an int: a main() returning True (success) exited with status 1."""
+    script = tmp_path / "ok.py"
+    script.write_text("def main():\n    return True\n")
+    assert cli("launch", str(script)).returncode == 0
+    script.write_text("def main():\n    return 3\n")
+    assert cli("launch", str(script)).returncode == 3

@@ -91,3 +91,40 @@ def test_tensorboard_that_fails_is_said_and_turned_off_not_the_run(tmp_path, cap
     board.log(3, {"loss": 4.0})
     assert capsys.readouterr().err.count("logging step 2 failed (OSError") == 1
     assert board.writer is None
+
+
+def test_a_console_gone_or_a_node_named_step_neither_ends_nor_renumbers_the_run(
+        tmp_path, monkeypatch):
+    """The progress line to a closed pipe (`asyncrl launch ... | head`) raised out of
+    on_step and ended the run; a node named "step" returning a number overwrote the row's
+    step, and a rewind then kept rows it should have dropped."""
+    import io
+    import json
+    import sys
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", ClosedPipe())
+    metrics = Metrics(tmp_path, 4, Timeline(), trackers=[])
+    metrics(0, {"step": 0.25, "train": {"loss": 1.0}}, 1.0)
+    metrics(1, {"step": 0.5, "train": {"loss": 0.5}}, 1.0)
+    assert not metrics.console  # given up on after the first failure
+    metrics.rewind(0)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 0, "time/step_s": 1.0, "train/loss": 1.0}]
+
+
+def test_tensorboard_failing_to_close_for_a_rewind_is_turned_off_not_the_run(tmp_path,
+                                                                             capsys):
+    from asyncrl.controller.trackers import TensorBoard
+
+    class Full:
+        def close(self):
+            raise OSError(28, "No space left on device")
+    board = TensorBoard(tmp_path)
+    board.writer = Full()
+    board.rewind(3)  # (it raised out of on_rewind, ending a run that had just recovered)
+    assert board.writer is None
+    assert "closing its writer for a rewind failed (OSError" in capsys.readouterr().err

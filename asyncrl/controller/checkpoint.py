@@ -87,7 +87,8 @@ def refuse_existing(run_dir: Path) -> None:
     if found is not None:
         raise CheckpointError(
             f"{run_dir} already holds checkpoints of an earlier run (newest: {found.name}); "
-            f"pass --resume to continue that run, or choose another --run-dir")
+            f"choose another --run-dir, or continue that run with `asyncrl launch ... "
+            f"--resume`")
     run_dir = Path(run_dir)
     rows, board, recoveries = (run_dir / "metrics.jsonl", run_dir / "tensorboard",
                                run_dir / "recoveries.jsonl")

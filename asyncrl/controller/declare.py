@@ -187,10 +187,13 @@ _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 def _as_default(key: str, value: Any, default: Any) -> Any:
     """Override `value` of setting `key` (its text from the command line; a parsed value in
     the overrides.json of runs before session 13) as the type of its default."""
-    if value in ("None", "null"):
+    if value in ("None", "null", None):  # (None: a parsed null of an old overrides.json)
         return None
     if isinstance(default, str):  # the text as given: 1.10 stays "1.10"
         return value if isinstance(value, str) else json.dumps(value)
+    if default is None and value in ("True", "False"):  # as Python writes them
+        return value == "True"
+    text = value
     if isinstance(value, str):
         try:
             value = json.loads(value)  # numbers, true/false, lists
@@ -220,8 +223,11 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
     elif isinstance(default, list | tuple | dict):
         if isinstance(value, list | dict) and isinstance(default, dict) == isinstance(value, dict):
             return type(default)(value)
-    else:
-        return value
+    elif isinstance(text, str):  # another type's default (a Path): made from the text
+        try:
+            return type(default)(text)
+        except (TypeError, ValueError):
+            pass
     hint = " (true/false)" if isinstance(default, bool) else ""
     if value == "":
         hint = " (nothing after '=': write key=value with no space around '=')"

@@ -71,6 +71,9 @@ def scalars(prefix: str, value: Any) -> dict[str, float]:
     return {}
 
 
+OWN_KEYS = ("step", "time/step_s")  # a row's keys no node's value may overwrite
+
+
 class Metrics:
     """metrics.jsonl (one object per step), the trackers (TensorBoard when installed, wandb
     when asked for: asyncrl/controller/trackers.py), a progress line.
@@ -86,11 +89,12 @@ class Metrics:
         self.path = run_dir / "metrics.jsonl"
         self.steps, self.timeline = steps, timeline
         self.trackers = [TensorBoard(run_dir, first_step)] if trackers is None else trackers
+        self.console = True  # the progress line goes to stderr while it can
 
     def __call__(self, step: int, values: dict[str, Any], seconds: float) -> None:
         row: dict[str, Any] = {"step": step, "time/step_s": round(seconds, 4)}
-        for node, value in values.items():
-            row.update(scalars(node, value))
+        for node, value in values.items():  # (a node named "step" does not renumber rows)
+            row.update({k: v for k, v in scalars(node, value).items() if k not in OWN_KEYS})
         if "perf/tokens" in row and seconds > 0:
             row["perf/tokens_per_s"] = row["perf/tokens"] / seconds
         spans: dict[str, list[float]] = {}
@@ -119,8 +123,12 @@ class Metrics:
         keys = [k for k in row if k != "step" and not k.startswith("time/")]
         keys.sort(key=lambda k: not k.startswith("reward/"))  # what a user watches first
         shown = "  ".join(f"{k}={row[k]:.4g}" for k in keys)[:120]
-        print(f"{bar}step {step + 1}{total}  {seconds:.2f}s  {shown}", file=sys.stderr,
-              flush=True)
+        if self.console:  # gone (a closed pipe, a hung-up terminal): the run goes on
+            try:
+                print(f"{bar}step {step + 1}{total}  {seconds:.2f}s  {shown}",
+                      file=sys.stderr, flush=True)
+            except OSError:
+                self.console = False
 
     def rewind(self, step: int) -> None:
         """Steps after `step` run again (a recovery went back to a checkpoint): their rows,

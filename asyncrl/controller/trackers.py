@@ -60,8 +60,11 @@ class TensorBoard:
 
     def rewind(self, step: int) -> None:
         if self.writer is not None:  # the next writer purges from the first step run again
-            self.writer.close()
-            self.writer = None
+            writer, self.writer = self.writer, None
+            try:
+                writer.close()
+            except Exception as e:  # noqa: BLE001 - optional: never ends a run that recovered
+                self._off("closing its writer for a rewind failed", e)
         self._purge = step + 1 if self._purge is None else min(self._purge, step + 1)
 
     def flush(self) -> None:
