@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import ROOT, assert_gone, group_pids, poll_until, run
@@ -62,6 +64,7 @@ def test_console_rate_limit_counts_what_it_hides(tmp_path, capsys):
     sink = LogSink(tmp_path, lines_per_s=0.001, burst=1)
     sink.write("h", 0, ["a", "b"])
     sink.close_group("h")  # a group's close says it too
+    sink.console.close()  # (written by the console's thread)
     assert capsys.readouterr().err.splitlines()[-1].startswith("h:0 | [asyncrl] 1 lines were")
 
 
@@ -329,3 +332,99 @@ def test_a_group_on_two_hosts_is_named_by_the_host_whose_agent_exited_first(tmp_
     exits["A"](1)  # (reported once: the first)
     assert reported == [1] and group.root_cause() == (2, -9)
     assert group.tail().startswith("B: Traceback")
+
+
+def test_a_rank_whose_output_pipe_has_a_descriptor_past_1024_still_streams():
+    """select() refuses a descriptor >= 1024 (a group of ~1000 ranks: gloo's sockets take
+    the low ones): the reader died at once, the pipe filled, and every print blocked."""
+    script = """if True:
+        import json, os, resource, threading
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        from asyncrl.actors.output import OutputCapture
+        sent, through = [], threading.Event()
+
+        def send(lines, dropped):
+            sent.extend(lines)
+            if "last" in lines:
+                through.set()
+
+        capture = OutputCapture(send)
+        capture.start()
+        assert capture._read_fd >= 1024, capture._read_fd
+        for i in range(2000):  # ~200 KB: more than a pipe holds
+            print(f"line {i:04d} " + "x" * 90)
+        print("last", flush=True)
+        assert through.wait(30)
+        capture.close()
+        os.write(capture._original, ("sent %d\\n" % len(sent)).encode())
+    """
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "sent 2001"
+
+
+def test_a_console_that_does_not_read_never_stops_the_controller(tmp_path, monkeypatch):
+    """The echo wrote stderr on the controller's loop: a paused `| less` or Ctrl-S stopped
+    every call and heartbeat (the ranks gave up on the controller after their timeout). It
+    is queued now; what the console could not take is counted and said when it reads."""
+    import threading
+
+    reading = threading.Event()
+    shown: list[str] = []
+
+    class Paused:
+        def write(self, text):
+            reading.wait(60)
+            shown.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Paused())
+    sink = LogSink(tmp_path, lines_per_s=1e9, burst=10**9)
+    for i in range(3000):  # returns at once, whatever the console does
+        sink.write("g", 0, [f"line {i}"])
+    assert not reading.is_set() and not shown
+    reading.set()  # it reads again
+    while sink.console._queue.qsize():  # (what it took, written)
+        time.sleep(0.01)
+    sink.write("g", 0, ["after"])
+    sink.close()
+    text = "".join(shown)
+    assert "g:0 | line 0\n" in text and text.endswith("g:0 | after\n")
+    lost = int(re.search(r"\[asyncrl\] (\d+) lines were not shown \(the console did not "
+                         r"keep up\)", text)[1])
+    assert lost + text.count("g:0 | line ") == 3000  # each line shown or counted
+    assert (tmp_path / "g" / "rank0.log").read_text().count("line ") == 3000
+
+
+def test_a_console_gone_at_close_and_a_ranks_notices_and_drops(tmp_path, capsys, monkeypatch):
+    """Closing a group or the run wrote the hidden-lines count to a console gone (a closed
+    pipe): BrokenPipeError out of the close, its files left open. A rank's own [asyncrl]
+    notice (a breakpoint waiting for `asyncrl attach`) was hidden by the rate limit; lines
+    the rank could not stream were said in its file only."""
+    sink = LogSink(tmp_path, lines_per_s=0.001, burst=3)
+    sink.write("g", 0, [f"l{i}" for i in range(10)] + ["[asyncrl] g:0 waits for a debugger"],
+               dropped=4)
+    sink.console.close()
+    err = capsys.readouterr().err
+    assert "g:0 | [asyncrl] g:0 waits for a debugger" in err
+    assert "g:0 | [asyncrl] 4 lines were not streamed (over the rank's limit, or its queue " \
+           "full): they are only in the group's torchrun log" in err
+
+    class Gone:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Gone())
+    sink.write("g", 1, [f"m{i}" for i in range(10)])
+    sink.close_group("g")
+    sink.close()
+    assert sink._files == {} and not sink.echo
+    assert (tmp_path / "g" / "rank1.log").read_text().count("m") == 10

@@ -81,11 +81,26 @@ class OutputCapture:
         self._thread.start()
 
     def _pump(self) -> None:
+        try:
+            self._read_lines()
+        except BaseException as e:  # noqa: BLE001 - nobody would drain the pipe: every
+            # print would block once it filled; the log alone from now on
+            os.dup2(self._original, 1)
+            os.dup2(self._original, 2)
+            note = f"[asyncrl] this rank's output reader failed ({type(e).__name__}: {e}):" \
+                   f" its output goes to this log only"
+            self._forward([note], 0)
+            with contextlib.suppress(OSError):
+                os.write(self._original, note.encode() + b"\n")
+
+    def _read_lines(self) -> None:
         partial, lines, dropped = b"", [], 0
         window, sent = time.monotonic(), 0
         last_flush = time.monotonic()
+        poller = select.poll()  # (select() refuses a descriptor >= 1024: a group of a
+        poller.register(self._read_fd, select.POLLIN)  # thousand ranks' gloo sockets)
         while True:
-            ready, _, _ = select.select([self._read_fd], [], [], FLUSH_S)
+            ready = poller.poll(FLUSH_S * 1000)
             chunk = os.read(self._read_fd, 65536) if ready else b""
             if ready and not chunk:  # every writer closed: the rank is exiting
                 if partial.rstrip(b"\r"):

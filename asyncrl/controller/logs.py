@@ -1,13 +1,19 @@
 """Ranks' output on the controller: every line kept per rank in RUN_DIR/logs/<group>/rank<r>.log,
 and echoed on the console prefixed with `group:rank`, at most `lines_per_s` a second per
-rank (the rest is counted and said to be in the file)."""
+rank (the rest is counted and said to be in the file; a rank's own `[asyncrl]` notices, a
+breakpoint's waiting for `asyncrl attach`, always shown). The console is written by a thread
+of its own: a console that does not read (a paused `| less`, Ctrl-S) must not stop the
+controller's loop, and what it cannot take is counted and said when it reads again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -15,11 +21,55 @@ from typing import Any, TextIO
 
 from asyncrl.actors.rank_client import current_umask
 
+CONSOLE_QUEUE = 1000  # writes waiting for the console; past it, lines are counted, not kept
+
+
+class Console:
+    """stderr, written by a thread of its own from a bounded queue."""
+
+    def __init__(self) -> None:
+        self.alive = True  # False once a write failed (a closed pipe): nothing more goes
+        self._queue: queue.Queue[str | None] = queue.Queue(CONSOLE_QUEUE)
+        self._lost = 0  # lines the full queue did not take
+        self._thread: threading.Thread | None = None
+
+    def write(self, text: str) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="asyncrl-console")
+            self._thread.start()
+        if self._lost and self._queue.qsize() < CONSOLE_QUEUE // 2:
+            lost, self._lost = self._lost, 0  # it reads again: say what it missed
+            self.write(f"[asyncrl] {lost} lines were not shown (the console did not keep "
+                       f"up); all are in the logs\n")
+        try:
+            self._queue.put_nowait(text)
+        except queue.Full:
+            self._lost += text.count("\n")
+
+    def _run(self) -> None:
+        while (text := self._queue.get()) is not None:
+            try:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # the console gone: the files go on
+                self.alive = False
+                return
+
+    def close(self, timeout: float = 5.0) -> None:
+        """What is queued written (within `timeout`: a console that does not read)."""
+        if self._thread is not None:
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=timeout)
+            self._thread.join(timeout)
+            self._thread = None
+
 
 class LogSink:
     def __init__(self, folder: Path, echo: bool = True, lines_per_s: float = 20,
                  burst: int = 100):
-        self.folder, self.echo = folder, echo
+        self.folder, self._echo = folder, echo
+        self.console = Console()
         self.rate, self.burst = lines_per_s, burst
         self._tokens: dict[tuple[str, int], tuple[float, float]] = {}  # tokens, time
         self._hidden: dict[tuple[str, int], int] = {}
@@ -29,13 +79,17 @@ class LogSink:
     def path(self, group: str, rank: int) -> Path:
         return self.folder / group / f"rank{rank}.log"
 
+    @property
+    def echo(self) -> bool:  # (off once the console is gone: a closed pipe, a hung-up tty)
+        return self._echo and self.console.alive
+
     def write(self, group: str, rank: int, lines: list[str], dropped: int = 0) -> None:
         key = (group, rank)
         if self.echo:  # first: a file that cannot be written must not hide them
-            try:
-                self._show(key, lines)
-            except OSError:  # the console gone (a closed pipe, a hung-up terminal): the
-                self.echo = False  # files go on
+            self._show(key, lines + ([f"[asyncrl] {dropped} lines were not streamed (over "
+                                      f"the rank's limit, or its queue full): they are only "
+                                      f"in the group's torchrun log in {self.folder}"]
+                                     if dropped else []))
         try:
             f = self._files.get(key)
             if f is None:
@@ -44,16 +98,16 @@ class LogSink:
             for line in lines:
                 f.write(line + "\n")
             if dropped:
-                f.write(f"[asyncrl] {dropped} lines over the streaming limit are only in the "
-                        f"group's torchrun log\n")
+                f.write(f"[asyncrl] {dropped} lines were not streamed (over the rank's limit, "
+                        f"or its queue full): they are only in the group's torchrun log\n")
             f.flush()
         except OSError as e:  # a full disk: said once a group, the run goes on
             if group not in self._unwritten:
                 self._unwritten.add(group)
-                print(f"[asyncrl] writing {self.path(group, rank)} failed ({e}); group "
-                      f"{group!r}'s lines are in its torchrun log in {self.folder} "
-                      f"({group}.log; on a cluster {group}.<host>.log, on each host)",
-                      file=sys.stderr, flush=True)
+                self.console.write(
+                    f"[asyncrl] writing {self.path(group, rank)} failed ({e}); group "
+                    f"{group!r}'s lines are in its torchrun log in {self.folder} "
+                    f"({group}.log; on a cluster {group}.<host>.log, on each host)\n")
 
     def _show(self, key: tuple[str, int], lines: list[str]) -> None:
         now = time.monotonic()
@@ -63,6 +117,9 @@ class LogSink:
         out = []
         for line in lines:
             hidden = self._hidden.get(key, 0)
+            if line.startswith("[asyncrl] "):  # the rank's own notice: always shown
+                out.append(f"{prefix} | {line}")
+                continue
             if tokens >= 1:
                 if hidden:  # the rate dropped again: say how many were held back
                     out.append(f"{prefix} | [asyncrl] {hidden} lines were not shown; all are "
@@ -77,8 +134,7 @@ class LogSink:
             self._hidden[key] = hidden + 1
         self._tokens[key] = (tokens, now)
         if out:
-            sys.stderr.write("\n".join(out) + "\n")
-            sys.stderr.flush()
+            self.console.write("\n".join(out) + "\n")
 
     def close_group(self, group: str) -> None:
         """A group stopped: its ranks' files closed (a respawn opens them again), so that a
@@ -92,9 +148,10 @@ class LogSink:
                 del table[key]
 
     def _say_hidden(self, key: tuple[str, int]) -> None:
-        sys.stderr.write(f"{key[0]}:{key[1]} | [asyncrl] {self._hidden.pop(key)} lines were "
-                         f"not shown; all are in {self.path(*key)}\n")
-        sys.stderr.flush()
+        hidden = self._hidden.pop(key)
+        if self.echo:
+            self.console.write(f"{key[0]}:{key[1]} | [asyncrl] {hidden} lines were not "
+                               f"shown; all are in {self.path(*key)}\n")
 
     def close(self) -> None:
         for key in [k for k in self._hidden if self._hidden[k]]:
@@ -102,6 +159,7 @@ class LogSink:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self.console.close()
 
 
 def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None
