@@ -386,7 +386,7 @@ def test_a_link_planted_where_the_session_file_goes_is_replaced_not_followed(ran
         return _stops_then_calls_helper()
     rank.start("call", call)
     folder, victim = tmp_path / "debug", tmp_path / "victim"
-    folder.mkdir()
+    folder.mkdir(0o700)
     victim.write_text("mine")
     (folder / f"g-0-{rank.threads[-1].ident}.partial").symlink_to(victim)
     go.set()
@@ -406,3 +406,28 @@ def test_a_link_planted_where_the_session_file_goes_is_replaced_not_followed(ran
         sock.sendall(b"c\n")
     rank.join()
     assert rank.results["again"] == 42
+
+
+def test_a_debug_folder_others_can_use_is_refused_and_a_planted_fifo_blocks_nothing(
+        rank, tmp_path):
+    """A debug folder another user of a shared run directory made first was used as it
+    was: a session swapped there sends `asyncrl attach`, and what is typed into pdb, to
+    their listener; a FIFO named *.json there blocked breakpoint() and `asyncrl attach`."""
+    from asyncrl.cli import main
+
+    folder = tmp_path / "debug"
+    folder.mkdir(0o700)
+    os.mkfifo(folder / "planted.json")  # read by both sides: never opened for a read that
+    assert main(["attach", str(tmp_path), "--list"]) == 0  # blocks
+    rank.start("call", _stops_then_calls_helper)
+    rank.next_stop()
+    with _connect(rank.session()) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"c\n")
+    rank.join()
+    assert rank.results["call"] == 42
+    folder.chmod(0o770)  # a group's: others could swap a session in it
+    rank.start("refused", _stops_then_calls_helper)
+    rank.join()
+    assert isinstance(rank.results["refused"], PermissionError)
+    assert "is not this user's alone" in str(rank.results["refused"])

@@ -22,6 +22,7 @@ import os
 import pdb
 import secrets
 import socket
+import stat
 import sys
 import threading
 import time
@@ -93,6 +94,14 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     server.listen(1)
     token = secrets.token_hex(16)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # (its files: tokens and ports)
+    st = folder.stat()
+    # made before us by another user of a shared run directory, a session swapped there
+    # would send our `asyncrl attach`, and what we type into pdb, to their listener
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"{folder} is not this user's alone (owner uid {st.st_uid}, mode "
+            f"{st.st_mode & 0o777:o}): a breakpoint's session there could be read or "
+            f"replaced by another user; remove it (or chmod 700 it)")
     _remove_stale(folder, group, int(rank))
     thread = threading.current_thread()
     session = folder / f"{group}-{rank}-{thread.ident}.json"
@@ -127,12 +136,32 @@ def _remove_stale(folder: Path, group: str, rank: int) -> None:
     """Remove sessions this group and rank left from an earlier process (one killed while it
     waited): nobody would answer there."""
     for path in folder.glob("*.json"):
+        old = read_session(path)
         try:
-            old = json.loads(path.read_text())
-            if old["group"] == group and old["rank"] == rank and old["pid"] != os.getpid():
+            if old is not None and old["group"] == group and old["rank"] == rank and \
+                    old["pid"] != os.getpid():
                 path.unlink()
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # another rank's, removed right now, or unreadable
+        except (OSError, KeyError, TypeError):
+            continue  # another rank's, removed right now
+
+
+def read_session(path: Path) -> dict[str, Any] | None:
+    """A session file's contents; None for one gone, unreadable, or not a plain file of
+    this user (never through a link; a FIFO planted there would block a plain read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        session = json.loads(os.read(fd, 1 << 16))
+        return session if isinstance(session, dict) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def breakpointhook(*args: Any, **kwargs: Any) -> Any:

@@ -7,7 +7,6 @@ and joins the terminal to its pdb until it continues. Leaving (Ctrl-C) lets the 
 from __future__ import annotations
 
 import codecs
-import json
 import os
 import select
 import socket
@@ -15,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.debugger import read_session
 from asyncrl.controller.launcher import pid_alive
 
 
@@ -25,10 +25,9 @@ def waiting(run_dir: Path) -> list[dict[str, Any]]:
     folder = Path(run_dir) / "debug"
     sessions = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            session = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # removed right now, or unreadable
+        session = read_session(path)
+        if session is None:
+            continue  # removed right now, unreadable, or not this user's
         session["here"] = session.get("host") in ("127.0.0.1", socket.gethostname())
         if session["here"] and not pid_alive(int(session.get("pid", 0))):
             path.unlink(missing_ok=True)
