@@ -592,4 +592,8 @@ def test_a_worker_class_given_as_an_instance_or_a_name_is_refused_clearly():
                 with pytest.raises(TypeError, match="spawn\\(\\) needs a subclass of "
                                                     "asyncrl.Worker, got"):
                     await ctl.spawn(bad)
+            for name in ("..", ".", "a/b"):  # ".." wrote its ranks' logs above RUN_DIR/logs
+                with pytest.raises(ValueError, match=f"group name {re.escape(repr(name))}: "
+                                                     f"use letters"):
+                    await ctl.spawn(Sleeper, name=name)
     run(main())

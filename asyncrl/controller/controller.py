@@ -462,8 +462,9 @@ class Controller:
             make_ref(cls)
         except TypeError as e:
             raise EncodeError(f"worker class {cls.__qualname__}: {e}") from None
-        if not _NAME.match(name):
-            raise ValueError(f"group name {name!r}: use letters, digits, '_', '.' or '-'")
+        if not _NAME.match(name) or name in (".", ".."):  # (its logs' folder: RUN_DIR/logs/..)
+            raise ValueError(f"group name {name!r}: use letters, digits, '_', '.' or '-' "
+                             f"(not '.' or '..' alone)")
         if name in self.groups:
             raise ValueError(f"a group named {name!r} already exists; pass name=... to spawn()")
         if not isinstance(nprocs, int) or nprocs < 1:
