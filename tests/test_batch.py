@@ -44,8 +44,15 @@ def test_slice_take_concat_keep_rows_and_copy_meta():
     assert rows(b.slice(1, 4)) == [row(1), row(2), row(3)]
     assert rows(b.take([4, 0, 4])) == [row(4), row(0), row(4)]
     assert rows(TensorBatch.concat([b.slice(3, 5), b.slice(0, 1)])) == [row(3), row(4), row(0)]
-    for out in (b.slice(0, 2), b.take([1]), TensorBatch.concat([b, b])):
-        assert out.meta == {"step": 3} and out.meta is not b.meta
+    for out in (b.slice(0, 2), b.take([1]), TensorBatch.concat([b, b]), b.pad_to(5)):
+        assert out.meta == {"step": 3} and out.meta is not b.meta  # (pad_to: was b itself)
+
+
+def test_meta_keys_are_names():
+    """A batch with meta {0: "step"} came back to the driver, but failed to decode on the
+    ranks of any group it was passed to, naming neither the argument nor meta."""
+    with pytest.raises(TypeError, match=r"TensorBatch meta keys must be str, got \[0\]"):
+        TensorBatch({"x": [1]}, {0: "step"})
 
 
 def test_chunk_without_pad_is_unchanged():

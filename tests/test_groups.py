@@ -95,8 +95,8 @@ class Echo(asyncrl.Worker):
         raise ValueError(message)
 
     @asyncrl.register
-    def unsendable(self):
-        return threading.Lock()
+    def unsendable(self, huge: bool = False):
+        return {"n": 2**70} if huge else threading.Lock()
 
     @asyncrl.register
     def block(self):
@@ -286,6 +286,10 @@ def test_remote_error_carries_group_rank_method_and_traceback(pair):
 def test_unsendable_return_value(pair):
     with pytest.raises(asyncrl.RemoteError, match="cannot be sent"):
         get(pair.unsendable())
+    # an int past 64 bits: the same words (it was a bare OverflowError)
+    with pytest.raises(asyncrl.RemoteError, match=r"unsendable returned a value that cannot "
+                                                  r"be sent: can't serialize ints"):
+        get(pair.unsendable(True))
 
 
 def test_sync_bridge(bg, pair):

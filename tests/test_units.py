@@ -432,6 +432,16 @@ def test_numpy_arrays_keep_their_shape_and_structured_ones_are_refused():
             codec.encode_call_oob((big,), {}, ["when"])
     with pytest.raises(codec.ArgEncodeError, match=r"numpy float\d+ scalar cannot be sent"):
         codec.encode_call_oob((np.longdouble(1.5),), {}, ["x"])
+    # a masked array lost its mask; a DTensor failed in numpy(), naming no argument
+    with pytest.raises(codec.ArgEncodeError, match="masked array cannot be sent"):
+        codec.encode_call((np.ma.masked_array([1, 2], mask=[0, 1]),), {}, ["a"])
+
+    class Sub(torch.Tensor):  # (as a DTensor is)
+        pass
+    with pytest.raises(codec.ArgEncodeError, match=r"Sub cannot be sent; send a plain tensor "
+                                                   r"\(a DTensor's .full_tensor\(\)") as e:
+        codec.encode_call((1, torch.ones(2).as_subclass(Sub)), {}, ["a", "w"])
+    assert e.value.name == "w"
 
 
 def test_conjugated_negated_and_sparse_tensors():
@@ -492,9 +502,16 @@ def test_a_user_protocols_split_is_checked_before_anything_is_sent():
     check_split("mine", Split({0: ((), {}), 1: ((), {})}, [1]), 2)  # fine
     with pytest.raises(ValueError, match="protocol 'mine': split called no rank .* never"):
         check_split("mine", Split({}, []), 2)
-    with pytest.raises(ValueError, match=r"split calls ranks \['2'\], but the group's ranks "
-                                         r"are 0..1"):
+    with pytest.raises(ValueError, match=r"split calls ranks \['2 \(int\)'\], but the "
+                                         r"group's ranks are the ints 0..1"):
         check_split("mine", Split({0: ((), {}), 2: ((), {})}, [0]), 2)
+    import numpy as np  # said with its type (it read "ranks ['0', '1'] ... are 0..1")
+
+    with pytest.raises(ValueError, match=r"\['0 \(int64\)', '1 \(int64\)'\], but the "
+                                         r"group's ranks are the ints"):
+        check_split("mine", Split({np.int64(0): ((), {}), np.int64(1): ((), {})}, []), 2)
+    with pytest.raises(ValueError, match=r"\['True \(bool\)'\]"):
+        check_split("mine", Split({True: ((), {})}, []), 2)
     with pytest.raises(ValueError, match=r"collect names ranks \['1'\] that split does not "
                                          r"call \(calls \[0\]\)"):
         check_split("mine", Split({0: ((), {})}, [0, 1]), 2)

@@ -122,10 +122,11 @@ def check_split(protocol: str, split: Any, world: int) -> None:
     if not split.calls:
         raise ValueError(f"protocol {protocol!r}: split called no rank (calls is empty): the "
                          f"call would never finish")
-    bad = sorted(str(r) for r in split.calls if not (isinstance(r, int) and 0 <= r < world))
+    bad = sorted(f"{r} ({type(r).__name__})" for r in split.calls if not (
+        type(r) is int and 0 <= r < world))  # (numpy's ints: int() them; True is no rank)
     if bad:
         raise ValueError(f"protocol {protocol!r}: split calls ranks {bad}, but the group's "
-                         f"ranks are 0..{world - 1}")
+                         f"ranks are the ints 0..{world - 1}")
     idle = sorted(str(r) for r in set(split.collect) - set(split.calls))
     if idle:
         raise ValueError(f"protocol {protocol!r}: collect names ranks {idle} that split does "

@@ -249,7 +249,7 @@ class RankMain:
         if inline:
             try:
                 raw = msgspec.Raw(codec.encode(value))
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:  # (an int past 64 bits)
                 raise TypeError(f"{call.method} returned a value that cannot be sent: {e}") \
                     from e
             if len(raw) > INLINE_LIMIT:  # long lists, strings...: measured encoded

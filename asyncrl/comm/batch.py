@@ -116,8 +116,8 @@ class RowOps:
     def pad_to(self, rows: int) -> Self:
         """At least `rows` rows: the last row repeated, the padding rows marked in
         `meta[PAD_KEY]` (as `chunk(pad=True)` pads a short chunk). Needs a row to repeat."""
-        if len(self) >= rows:
-            return self
+        if len(self) >= rows:  # (a batch of its own meta, as every other returned)
+            return self.slice(0, len(self))
         if not len(self):
             raise ValueError("pad_to: an empty batch has no row to repeat")
         return self._pad(self, rows, self)
@@ -191,6 +191,9 @@ class TensorBatch(RowOps):
         self._data = cols
         self._len = length or 0
         self.meta: dict[str, Any] = dict(meta or {})
+        named = [k for k in self.meta if not isinstance(k, str)]
+        if named:  # (it came back to the driver, but no other group's ranks could read it)
+            raise TypeError(f"TensorBatch meta keys must be str, got {named[:3]!r}")
 
     @classmethod
     def _of(cls, data: dict[str, Column], length: int, meta: dict[str, Any]) -> TensorBatch:

@@ -178,6 +178,9 @@ def array_bytes(value: Any) -> int:
 def _enc_hook(obj: Any) -> Any:
     global produced_bytes_encoded
     if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor: shards
+            raise TypeError(f"a {type(obj).__name__} cannot be sent; send a plain tensor "
+                            f"(a DTensor's .full_tensor(), or its .to_local() shard)")
         if obj.layout != torch.strided:  # sparse, mkldnn...: not one buffer of raw bytes
             raise TypeError(f"a {obj.layout} tensor cannot be sent; densify it first with "
                             f".to_dense()")
@@ -200,6 +203,9 @@ def _enc_hook(obj: Any) -> Any:
             return _out_of_band(_KIND_TENSOR, _dtype_info(t.dtype)[0], t.shape, raw)
         return msgspec.msgpack.Ext(EXT_TENSOR, b"".join((head, raw.data)))
     if isinstance(obj, np.ndarray):
+        if isinstance(obj, np.ma.MaskedArray):  # its mask would be dropped
+            raise TypeError("a numpy masked array cannot be sent (its mask would be lost); "
+                            "send .filled(...) and the mask as two arrays")
         if obj.dtype.hasobject:
             raise TypeError("a numpy array of Python objects cannot be sent; use a list")
         if obj.dtype.names is not None:
