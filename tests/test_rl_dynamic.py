@@ -137,6 +137,30 @@ def test_dynamic_sampling_refuses_groups_that_mix_prompts():
                                      score=never, groups=1, group_size=4))
 
 
+def test_dynamic_sampling_needs_the_sources_whole_groups_of_two_or_more():
+    """group_size=2 over a PromptSource(repeat=4): a prompt whose pairs each scored alike
+    was dropped although its four samples differed, and another kept as half a group (the
+    actor's GRPO then failed, naming repeat=, which was right). group_size=1 never keeps a
+    group: it drew every round, then blamed the data."""
+    from asyncrl.rl import PromptSource
+
+    source = PromptSource([{"prompt": [1, 2]}, {"prompt": [3]}], batch_size=2, repeat=4,
+                          max_prompt_length=4)
+
+    async def never(rollout):
+        raise AssertionError("nothing is generated or scored")
+
+    with pytest.raises(ValueError, match=r"group_size=2, but the PromptSource repeats each "
+                                         r"prompt 4 times \(repeat=4\)"):
+        asyncio.run(dynamic_sampling(source.next_batch(), more=lambda: None,
+                                     generate=lambda b: b, score=never, groups=1,
+                                     group_size=2))
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        asyncio.run(dynamic_sampling(source.next_batch(), more=lambda: None,
+                                     generate=lambda b: b, score=never, groups=1,
+                                     group_size=1))
+
+
 def test_dynamic_sampling_filters_on_the_functions_own_score_by_default():
     """With an overlong penalty the reward is score + penalty: a group all wrong (score 0)
     whose answers differ in length passed for one whose rewards differ, and trained on

@@ -32,6 +32,8 @@ from asyncrl.hybrid.sampler import GENERATED, PROMPT_WIDTH
 from asyncrl.hybrid.user_fn import load_tokenizer
 from asyncrl.rl.tokens import as_list, prompt_ids
 
+SAMPLES_PER_PROMPT = "samples_per_prompt"  # a prompt batch's meta: its source's repeat=
+
 log = logging.getLogger("asyncrl")
 
 
@@ -266,6 +268,7 @@ class PromptSource:
                            for i in range(len(picked)) for j in range(self.repeat)]
         # responses to prompts padded to one width concatenate across generate calls
         meta = {} if self.max_prompt_length is None else {PROMPT_WIDTH: self.max_prompt_length}
+        meta[SAMPLES_PER_PROMPT] = self.repeat  # (a group's size is checked against it)
         return TensorBatch(columns, meta)
 
     def state_dict(self) -> dict[str, Any]:

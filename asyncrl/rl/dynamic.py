@@ -29,6 +29,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.errors import AsyncRLError
 from asyncrl.futures.future import DistFuture, concat
 from asyncrl.hybrid.sampler import PROMPT_WIDTH
+from asyncrl.rl.data import SAMPLES_PER_PROMPT
 
 log = logging.getLogger("asyncrl")
 WARN_EVERY = 10  # prompt batches between warnings of a step with no max_rounds
@@ -52,6 +53,12 @@ def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
 def _check_groups(batch: TensorBatch, group_size: int) -> None:
     """Each run of `group_size` rows is one prompt's samples: with PromptSource(repeat=4)
     and group_size=8 a block held two prompts, kept when either's samples differed."""
+    repeat = batch.meta.get(SAMPLES_PER_PROMPT)
+    if repeat is not None and repeat != group_size:  # a block was part of a prompt's
+        raise ValueError(  # samples (dropped when its part scored alike, kept halved)
+            f"dynamic sampling: group_size={group_size}, but the PromptSource repeats each "
+            f"prompt {repeat} times (repeat={repeat}): a group is all of one prompt's "
+            f"samples; give both (and RLConfig group_size) the same value")
     if "prompt" not in batch or len(batch) % group_size:
         return  # (informative_groups names a count that does not divide)
     column = batch["prompt"]
@@ -83,8 +90,9 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
     `metric` None: "score" where the scores have it (a RewardFn with an overlong penalty:
     its function's own score, as verl's DAPO filters on "acc"; wrong answers of different
     lengths would else pass for a group whose rewards differ), else "reward"."""
-    if groups < 1 or group_size < 1 or (max_rounds is not None and max_rounds < 1):
-        raise ValueError(f"dynamic_sampling: groups, group_size and max_rounds must be >= 1, "
+    if groups < 1 or group_size < 2 or (max_rounds is not None and max_rounds < 1):
+        raise ValueError(f"dynamic_sampling: groups and max_rounds must be >= 1 and "
+                         f"group_size >= 2 (a group's rewards differ between its samples), "
                          f"got {groups}, {group_size} and {max_rounds}")
     kept_rollouts, kept_scores = [], []
     kept = seen = uniform = rounds = 0
