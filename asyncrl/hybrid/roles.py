@@ -405,9 +405,11 @@ class Rollout(Worker):
             if version < self.engine.version:
                 return {"sync/version": float(self.engine.version), "sync/stale": 1.0}
             if isinstance(weights, TensorBatch):  # the pulled buffer becomes the weights
-                self._check_frozen_model(weights.meta.get("frozen_model"))
+                frozen = weights.meta.get("frozen_model")  # (a LoRA trainer's: adapters)
+                self._check_frozen_model(frozen)
                 nbytes = int(weights.meta["nbytes"])
-                count = self.engine.adopt_weights(unpack(weights), version)
+                count = self.engine.adopt_weights(unpack(weights), version,
+                                                  whole=frozen is None)
             else:
                 nbytes = sum(t.numel() * t.element_size() for t in weights.values())
                 count = self.engine.load_weights(weights.items(), version)

@@ -348,12 +348,16 @@ class Sampler:
                 forced[i] = seen
         return stream
 
-    def _match(self, named: Iterable[tuple[str, torch.Tensor]],
-               what: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    def _match(self, named: Iterable[tuple[str, torch.Tensor]], what: str,
+               whole: bool = False) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(parameter, new value) for each entry, all checked before any is used: a bad
-        entry changes nothing. Tied weights answer to each of their names."""
+        entry changes nothing. Tied weights answer to each of their names, with one value;
+        `whole`: every weight of the model is given (a trainer's full pack)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         pairs = []
+        given: dict[int, tuple[str, torch.Tensor]] = {}  # id(parameter): its name, value
+        tie = ("(the trainer's model and this engine's tie lm_head to the embeddings "
+               "differently: give both the same tie_word_embeddings)")
         for name, value in named:
             param = params.get(name)
             if param is None:
@@ -361,7 +365,16 @@ class Sampler:
             if value.shape != param.shape:
                 raise ValueError(f"{what}: {name} is {tuple(value.shape)}, the model's is "
                                  f"{tuple(param.shape)}")
+            first = given.setdefault(id(param), (name, value))
+            if first[1] is not value and first[1].data_ptr() != value.data_ptr() and \
+                    not torch.equal(first[1], value):  # (a copy of a tied model's: one)
+                raise ValueError(f"{what}: {first[0]} and {name} are one tied weight in the "
+                                 f"engine's model, but two weights were given {tie}")
             pairs.append((param, value))
+        left = [n for n, p in self.model.named_parameters() if id(p) not in given]
+        if whole and left:
+            raise ValueError(f"{what}: the weights given leave out {left[:4]} of the "
+                             f"engine's model {tie}")
         return pairs
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]],
@@ -377,11 +390,12 @@ class Sampler:
         return len(pairs)
 
     def adopt_weights(self, named: Iterable[tuple[str, torch.Tensor]],
-                      version: int | None = None) -> int:
+                      version: int | None = None, whole: bool = False) -> int:
         """Make the given tensors the model's weights (no copy: e.g. views into a buffer just
         pulled from a trainer; a copy where the device or dtype differs: a bf16 trainer's
-        pack for an fp32 engine), between two token steps; how many."""
-        pairs = self._match(named, "adopt_weights")
+        pack for an fp32 engine), between two token steps; how many. `whole`: they are
+        every weight of the model."""
+        pairs = self._match(named, "adopt_weights", whole)
         with self._step:
             for param, value in pairs:
                 param.data = value.to(param.device, param.dtype)

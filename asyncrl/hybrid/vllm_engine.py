@@ -197,8 +197,11 @@ class VLLMEngine:
         sampled from now on. Asleep, vLLM's weight memory is woken first (not its KV cache)."""
         return self._rpc("asyncrl_load_weights", list(named), version)
 
-    # vLLM owns its weights' memory: "adopting" tensors is a copy into it
-    adopt_weights = load_weights
+    def adopt_weights(self, named: Iterable[tuple[str, torch.Tensor]],
+                      version: int | None = None, whole: bool = False) -> int:
+        """vLLM owns its weights' memory: "adopting" tensors is a copy into it (`whole`:
+        vLLM's own loader maps a tied model's names)."""
+        return self.load_weights(named, version)
 
     def not_loaded(self) -> list[str]:
         """vLLM's parameters that no `load_weights` filled since the last call: a hybrid's
