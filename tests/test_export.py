@@ -193,3 +193,45 @@ def test_a_zero_checkpoint_without_deepspeed_here_says_what_to_install(tmp_path,
     with pytest.raises(ValueError, match=r"written by DeepSpeed ZeRO, whose files only "
                                          r"DeepSpeed reads: pip install 'asyncrl\[deepspeed\]'"):
         trained_weights(tmp_path / "actor")
+
+
+CUSTOM_CONFIG = """from transformers import GPT2Config
+
+
+class MyConfig(GPT2Config):
+    model_type = "my_gpt2"
+"""
+CUSTOM_MODEL = """from transformers import GPT2LMHeadModel
+
+from .configuration_my import MyConfig
+
+
+class MyModel(GPT2LMHeadModel):
+    config_class = MyConfig
+"""
+
+
+def test_a_policy_with_code_of_its_own_exports_with_its_code(tmp_path):
+    """A trust_remote_code model's run could not be exported: its modeling code was not
+    kept with the checkpoint, and export read the config without trusting it."""
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "source"
+    local_model(source)
+    (source / "configuration_my.py").write_text(CUSTOM_CONFIG)
+    (source / "modeling_my.py").write_text(CUSTOM_MODEL)
+    config = json.loads((source / "config.json").read_text())
+    config.update(model_type="my_gpt2", auto_map={
+        "AutoConfig": "configuration_my.MyConfig",
+        "AutoModelForCausalLM": "modeling_my.MyModel"})
+    (source / "config.json").write_text(json.dumps(config))
+    trained = trained_checkpoint(tmp_path / "run", {"path": str(source),
+                                                    "trust_remote_code": True})
+    out = cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "hf" / "modeling_my.py").read_text() == CUSTOM_MODEL
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True,
+                                                 trust_remote_code=True, dtype="auto")
+    assert type(model).__name__ == "MyModel"
+    exported = model.state_dict()
+    assert all(torch.equal(exported[k], trained[k].to(exported[k].dtype)) for k in trained)

@@ -43,7 +43,8 @@ TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json",
                    "merges.txt", "chat_template.*", "preprocessor_config.json",
                    "generation_config.json", "tekken.json", "*.tiktoken", "*.model",
                    # named templates (tool use), a folder of transformers' own
-                   "additional_chat_templates/*")
+                   "additional_chat_templates/*",
+                   "*.py")  # a model with code of its own (trust_remote_code): its code
 
 
 @dataclasses.dataclass
@@ -172,7 +173,8 @@ def export(path: Path, out: Path, group: str | None = None,
     checkpoint = checkpoint_folder(path)
     folder = pick_group(checkpoint, group)
     cfg = ModelConfig(**json.loads((folder / MODEL_FILE).read_text()))
-    config = AutoConfig.from_pretrained(folder / HF_FOLDER, local_files_only=True)
+    config = AutoConfig.from_pretrained(folder / HF_FOLDER, local_files_only=True,
+                                        trust_remote_code=cfg.trust_remote_code)
     target = _dtype(dtype, config, cfg)
     weights = trained_weights(folder)
     lora = cfg.lora
@@ -184,7 +186,8 @@ def export(path: Path, out: Path, group: str | None = None,
         for name in [k for k in weights if is_adapter(k)]:
             del weights[name]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=target)
+        model = AutoModelForCausalLM.from_config(config, dtype=target,
+                                                 trust_remote_code=cfg.trust_remote_code)
     missing = _needed(model) - set(weights)
     unexpected = set(weights) - set(model.state_dict())
     if missing or unexpected:
