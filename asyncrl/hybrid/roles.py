@@ -433,8 +433,9 @@ class Rollout(Worker):
     # -- checkpoints: the weights received and their version (rank 0 writes, all read) --------
     def save_state(self, folder: Path) -> None:
         if self.rank == 0:
-            torch.save({"weights": self.engine.state_dict(),
-                        "version": self.engine.version}, folder / "rollout.pt")
+            with self._loading:  # (a load beside it: weights and version of one pack)
+                torch.save({"weights": self.engine.state_dict(),
+                            "version": self.engine.version}, folder / "rollout.pt")
 
     def load_state(self, folder: Path) -> None:
         state = torch.load(folder / "rollout.pt", map_location="cpu", weights_only=True)
