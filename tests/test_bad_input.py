@@ -563,7 +563,7 @@ def test_wrong_resumes_fail_before_anything_starts(tmp_path):
     assert "resume it with the flow file that wrote it" in out.stderr
     out = cli("launch", "examples/flow.py", "--steps", "1", "--run-dir", str(run_dir))
     assert out.returncode == 2 and "already holds checkpoints" in out.stderr
-    assert "pass --resume" in out.stderr
+    assert "continue that run with `asyncrl launch ... --resume`" in out.stderr
     assert files_of(run_dir) == before  # nothing was touched
     empty = tmp_path / "empty"
     out = cli("launch", "examples/flow.py", "--resume", "--run-dir", str(empty))

@@ -89,10 +89,6 @@ def _token_line(conn: socket.socket) -> bytes:
 def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     group = os.environ.get("ASYNCRL_GROUP", "group")
     rank = os.environ.get("RANK", "0")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    token = secrets.token_hex(16)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # (its files: tokens and ports)
     st = folder.stat()
     # made before us by another user of a shared run directory, a session swapped there
@@ -102,6 +98,10 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
             f"{folder} is not this user's alone (owner uid {st.st_uid}, mode "
             f"{st.st_mode & 0o777:o}): a breakpoint's session there could be read or "
             f"replaced by another user; remove it (or chmod 700 it)")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    token = secrets.token_hex(16)
     _remove_stale(folder, group, int(rank))
     thread = threading.current_thread()
     session = folder / f"{group}-{rank}-{thread.ident}.json"
