@@ -40,14 +40,6 @@ class Taker(asyncrl.Worker):
                             "taker": [self.rank] * len(batch)})
 
 
-class PickyTaker(Taker):
-    @asyncrl.register(dispatch=Dispatch.DP)
-    def take_or_refuse(self, batch: TensorBatch) -> TensorBatch:
-        if len(batch) > 3:  # pulled, then refused: the user's error, not the link's
-            raise ValueError("too many rows for me")
-        return self.take(batch)
-
-
 @pytest.fixture
 def fake_nccl(monkeypatch, tmp_path):
     monkeypatch.setenv("ASYNCRL_NCCL_MODULE", "fake_nccl")
@@ -79,23 +71,6 @@ def test_rows_go_by_nccl_between_groups_in_order(fake_nccl):
         assert out["src"] == [0] * 6 + [1] * 5 and out["taker"] == [0] * 6 + [1] * 5
     assert (setups, setups_after) == (1, 1)  # one communicator for the pair, kept
     assert payload == 0
-
-
-def test_a_users_error_after_a_pull_keeps_the_link(fake_nccl):
-    """Any failed call's links were forgotten: the next call set the pair up again, and its
-    ranks aborted the old communicator, failing a transfer another call still made on it."""
-    async def main():
-        async with asyncrl.Controller(transport="nccl") as ctl:
-            maker = await ctl.spawn(Maker, nprocs=1, env=spawn_env())
-            taker = await ctl.spawn(PickyTaker, nprocs=1, env=spawn_env())
-            few = await taker.take_or_refuse(maker.make(TensorBatch({"i": torch.arange(3)})))
-            with pytest.raises(asyncrl.RemoteError, match="too many rows for me"):
-                await taker.take_or_refuse(maker.make(TensorBatch({"i": torch.arange(5)})))
-            again = await taker.take_or_refuse(maker.make(TensorBatch({"i": torch.arange(2)})))
-            return few, again, ctl.links.setups
-    few, again, setups = run(main())
-    assert few["x"].tolist() == [0.0, 10.0, 20.0] and again["x"].tolist() == [0.0, 10.0]
-    assert setups == 1  # the one communicator, kept
 
 
 def test_one_consumer_receives_from_two_producers(fake_nccl):

@@ -64,9 +64,6 @@ if TYPE_CHECKING:
 _call_ids = itertools.count(1)
 # errors of the data plane a rank reports by name: raised here as themselves
 _DATA_PLANE_ERRORS = {f"asyncrl.{cls.__name__}": cls for cls in (TransferTimeout, InputLostError)}
-# failures after which a call's NCCL links may be aborted on its ranks: set up again (after
-# any, a new one aborted the communicator another call still received on)
-LINK_FAILURES = {*_DATA_PLANE_ERRORS, "NcclError"}
 _Host = tuple[bytes | None, list[int], list[bytes]]  # a relay (None: direct), ranks, sockets
 # a relay or _ALL, the sockets, an encoded message and the raw frames it announces
 _Send = tuple[Any, list[bytes], bytes, list[Any]]
@@ -342,12 +339,12 @@ class GroupHandle:
             payload, raw = self._encode(method, args, kwargs)
             return [(_ALL, [], messages.encode(Call(
                 call_id, method, payload, _keep(range(self.nprocs), collect),
-                buffers=[a.nbytes for a in raw])), raw)]
+                buffers=_sizes(raw))), raw)]
         sends: list[_Send] = []
         for ranks in ranks_of.values():
             payload, raw = self._encode(method, *split.calls[ranks[0]])
             call = messages.encode(Call(call_id, method, payload, _keep(ranks, collect),
-                                        buffers=[a.nbytes for a in raw]))
+                                        buffers=_sizes(raw)))
             for rank in ranks:
                 identity = self.ranks[rank].socket(role)
                 sends.append((self._ctl.relay_of.get(identity), [identity], call, raw))
@@ -366,7 +363,7 @@ class GroupHandle:
             payload, raw = self._encode(method, *dp_block(args, kwargs, first, last))
             sends.append((relay, identities, messages.encode(Call(
                 call_id, method, payload, _keep(ranks, collect), (rows.rows, first),
-                [a.nbytes for a in raw])), raw))
+                _sizes(raw))), raw))
         return sends
 
     def _names(self, method: str) -> list[str]:
@@ -441,8 +438,8 @@ class GroupHandle:
                 # taken for one rank's trouble
                 first.add_note(f"{self.name}[rank {rank}].{p.method} raised too: "
                                f"{msg.error.type}: {msg.error.message}")
-            if p.links and msg.error.type in LINK_FAILURES:  # the rank may have aborted
-                self._ctl.links.forget(p.links)  # its ends (set up again next time)
+            if p.links:  # its ranks may have aborted their ends of these
+                self._ctl.links.forget(p.links)
         elif rank in p.collect:
             if msg.schema is not None:
                 p.schemas[rank] = msg.schema
@@ -596,3 +593,8 @@ def _keep(ranks: Iterable[int], collect: set[int]) -> list[int] | None:
     else those that do (so that ranks told apart only by it still share one Call)."""
     ranks = list(ranks)
     return None if collect.issuperset(ranks) else [r for r in ranks if r in collect]
+
+
+def _sizes(raw: list[Any]) -> list[int]:
+    """A Call's `buffers`: the byte sizes of its raw frames."""
+    return [a.nbytes for a in raw]
