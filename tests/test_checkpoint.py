@@ -479,6 +479,12 @@ def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path):
             checkpoint.resumable(tmp_path / "run", flow)
         where.chmod(0o775)  # (a group's shared project folder: resumed)
     assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
+    folder.chmod(0o777)  # a mode that says so falsely (a FUSE mount), told: resumed
+    os.environ["ASYNCRL_TRUST_RUN_DIR"] = "1"
+    try:
+        assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
+    finally:
+        del os.environ["ASYNCRL_TRUST_RUN_DIR"]
 
 
 def test_an_empty_or_garbled_controller_rng_file_is_a_checkpoint_error_naming_it(tmp_path):
@@ -560,4 +566,4 @@ def test_a_run_under_umask_0_resumes_from_its_own_checkpoints(tmp_path, monkeypa
     assert run_dir in synced  # the checkpoints folder's entry, at the first save
     assert checkpoint.resumable(run_dir, flow)[0] == saved
     for where in (run_dir / "checkpoints", saved):
-        assert where.stat().st_mode & 0o777 == 0o755
+        assert where.stat().st_mode & 0o777 == 0o775  # (a group's write kept, not others')

@@ -103,7 +103,8 @@ def refuse_existing(run_dir: Path) -> None:
             f"mixed with this run's)")
 
 
-PRIVATE_DIR = 0o755  # the mode of the folders a run makes (no write for others, whatever
+TRUST_RUN_DIR = "ASYNCRL_TRUST_RUN_DIR"  # "1": a run's folders are taken as its own
+PRIVATE_DIR = 0o775  # the mode of the folders a run makes (no write for others, whatever
 # the umask: a folder every user can write is refused, see not_yours)
 
 
@@ -112,12 +113,13 @@ def _own(path: Path) -> None:
     are read with pickle): refuse one that another user wrote, or could have."""
     for where in (path.parent.parent, path.parent, path):  # run dir, checkpoints, step_*
         whose = not_yours(where)
-        if whose is not None:
+        if whose is not None and os.environ.get(TRUST_RUN_DIR) != "1":
             raise CheckpointError(
                 f"--resume: {where} is {whose}; "
                 f"a checkpoint is loaded with pickle (torch's distributed checkpoints, "
                 f"DeepSpeed's), so only one that you wrote, in folders only you (or your "
-                f"group) can write, is resumed: copy it into a run directory of yours")
+                f"group) can write, is resumed: copy it into a run directory of yours (or "
+                f"set {TRUST_RUN_DIR}=1 where that is false: root on NFS, a FUSE mount)")
 
 
 def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
@@ -186,7 +188,7 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     inputs = positions(flow)  # first: an input whose position cannot be saved fails the
     # save before any group wrote
     # deletes and fsyncs (maybe gigabytes, on NFS) off the loop: heartbeats go on meanwhile
-    if not root.is_dir():  # (0o755: under umask 0, one every user could write, which
+    if not root.is_dir():  # (0o775: under umask 0, one every user could write, which
         root.mkdir(PRIVATE_DIR, parents=True)  # --resume would refuse)
         await asyncio.to_thread(sync_dir, root.parent)  # the first checkpoint's folder
         # survives a power cut

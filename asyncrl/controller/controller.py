@@ -35,7 +35,7 @@ import msgspec
 
 from asyncrl.actors.procs import PROCESS_ENV, runs, this_process
 from asyncrl.actors.protocols import Layout
-from asyncrl.actors.worker import Worker, not_yours
+from asyncrl.actors.worker import Worker
 from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import curve_available, new_curve_keys, new_secret, write_secret
 from asyncrl.comm.channel import ControllerChannel
@@ -45,6 +45,7 @@ from asyncrl.comm.refs import make_ref
 from asyncrl.comm.relay import pid_of
 from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_server
+from asyncrl.controller.checkpoint import TRUST_RUN_DIR
 from asyncrl.controller.cluster import Cluster
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
@@ -213,13 +214,15 @@ class Controller:
     def _start(self) -> None:
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
-        self.run_dir.mkdir(0o755, parents=True, exist_ok=True)  # (no write for others under
-        whose = not_yours(self.run_dir)  # umask 0: refused below)
-        if whose is not None:  # its checkpoints would be refused on --resume, late
+        self.run_dir.mkdir(0o775, parents=True, exist_ok=True)  # (no write for others
+        # under umask 0). Every user can write it (not another user's: root on NFS, a
+        # container's bind mount): refused, as --resume would refuse its checkpoints late
+        if self.run_dir.stat().st_mode & 0o002 and os.environ.get(TRUST_RUN_DIR) != "1":
             raise PermissionError(
-                f"run_dir {self.run_dir} is {whose}: another user could redirect its logs "
-                f"or replace its checkpoints (loaded with pickle on --resume); choose a "
-                f"folder of yours that only you (or your group) can write")
+                f"run_dir {self.run_dir} is writable by every user: another user could "
+                f"redirect its logs or replace its checkpoints (loaded with pickle on "
+                f"--resume); choose a folder only you (or your group) can write, or set "
+                f"{TRUST_RUN_DIR}=1 where its mode says so falsely (some FUSE mounts)")
         self.logs = LogSink(self.run_dir / "logs", echo=self.echo_logs)
         remove_orphans(Path(tempfile.gettempdir()))  # of controllers killed before closing
         self._private = Path(tempfile.mkdtemp(prefix="asyncrl-secret-"))  # 0700, removed at close
