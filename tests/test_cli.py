@@ -187,6 +187,10 @@ def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp
         "check": False, "more": True, "out": Path("runs/x"), "n": Path("5")}
     monkeypatch.setenv(OVERRIDES_ENV, json.dumps({"name": None}))
     assert config(name="a") == {"name": None}
+    import torch  # another type's default: the text as given (Hugging Face reads "float16")
+
+    given("dtype=float16")
+    assert config(dtype=torch.bfloat16) == {"dtype": "float16"}
 
     flow = tmp_path / "no_settings.py"  # never calls asyncrl.config: lr=0.1 would be lost
     flow.write_text("import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")

@@ -11,6 +11,7 @@ import math
 import os
 import types
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import PurePath
 from typing import Any
 
 from asyncrl.actors.worker import Worker
@@ -223,11 +224,10 @@ def _as_default(key: str, value: Any, default: Any) -> Any:
     elif isinstance(default, list | tuple | dict):
         if isinstance(value, list | dict) and isinstance(default, dict) == isinstance(value, dict):
             return type(default)(value)
-    elif isinstance(text, str):  # another type's default (a Path): made from the text
-        try:
-            return type(default)(text)
-        except (TypeError, ValueError):
-            pass
+    elif isinstance(default, PurePath) and isinstance(text, str):  # a Path's: a Path
+        return type(default)(text)
+    else:  # another type's (a set, a torch dtype, an Enum): the value as given, as before
+        return value
     hint = " (true/false)" if isinstance(default, bool) else ""
     if value == "":
         hint = " (nothing after '=': write key=value with no space around '=')"
