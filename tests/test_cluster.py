@@ -140,13 +140,15 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
     assert " -m asyncrl.actors.agent_main " in cmd[6]  # its torchrun folder goes with it
     # the group's own env= goes too, whatever its names (it was dropped), in the lifeline
     # and never on the command line: `ps` showed a WANDB_API_KEY or HF_TOKEN to every user
-    env = {"MY_FLAG": "a b", "HF_TOKEN": "s3cr3t", "NCCL_DEBUG": "INFO", "HOME": "/root"}
-    given = frozenset({"MY_FLAG", "HF_TOKEN", "NCCL_DEBUG"})
+    env = {"MY_FLAG": "a b", "HF_TOKEN": "s3cr3t", "NCCL_DEBUG": "INFO", "HOME": "/root",
+           "PYTHONPATH": "/pkg:/mine"}
+    given = frozenset({"MY_FLAG", "HF_TOKEN", "NCCL_DEBUG", "PYTHONPATH"})
     mine = torchrun_command(h, env, 1, 0, 4, "10.0.0.1:1", "g-run", given=given)
-    assert not any(v in part for part in mine for v in ("s3cr3t", "a b", "NCCL_DEBUG"))
+    assert not any(v in part for part in mine for v in ("s3cr3t", "a b"))
     assert "HOME" not in mine[6]
-    assert json.loads(lifeline_env(h, env, given)) == {
-        "MY_FLAG": "a b", "HF_TOKEN": "s3cr3t", "NCCL_DEBUG": "INFO"}
+    # what the agent needs to start (PYTHONPATH: the package) and what users tune stay there
+    assert "PYTHONPATH=/pkg:/mine" in mine[6] and "NCCL_DEBUG=INFO" in mine[6]
+    assert json.loads(lifeline_env(h, env, given)) == {"MY_FLAG": "a b", "HF_TOKEN": "s3cr3t"}
     assert lifeline_env(HostSpec("n2", "n2", via="srun"), env, given) == b"{}\n"  # (srun
     # passes the environment itself)
     f.write_text(json.dumps({"hosts": [{"name": "n1", "gpu": 4}]}))

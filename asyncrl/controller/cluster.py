@@ -267,18 +267,25 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
     # ssh passes no environment: ours, the group's env=, and the network and library
     # settings users tune; and starts in $HOME: the ranks go where the controller runs
     # (relative paths: PYTHONPATH entries, data files), on the shared file system
-    exports = [f"{k}={v}" for k, v in env.items() if k not in given and (k.startswith(
-        ("ASYNCRL_", "PYTHONPATH", "OMP_", "CUDA_", "NCCL_", "GLOO_", "TORCH_"))
-        or k in RANK_ENV_DEFAULTS)]
+    exports = [f"{k}={v}" for k, v in env.items() if _on_command_line(k)]
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", host.address,
             f"cd {shlex.quote(os.getcwd())} && env "
             + " ".join(shlex.quote(e) for e in exports) + " " + shlex.join(run)]
 
 
+def _on_command_line(key: str) -> bool:
+    """What ssh's command line carries: ours and the settings users tune (the agent needs
+    PYTHONPATH to start at all); the rest of a group's env= goes in its lifeline."""
+    return key.startswith(("ASYNCRL_", "PYTHONPATH", "OMP_", "CUDA_", "NCCL_", "GLOO_",
+                           "TORCH_")) or key in RANK_ENV_DEFAULTS
+
+
 def lifeline_env(host: HostSpec, env: Mapping[str, str], given: frozenset[str]) -> bytes:
     """The first line of a remote agent's lifeline (agent_main.read_env_line): over ssh, the
-    group's own `env=` (srun passes the whole environment itself)."""
-    sent = {k: env[k] for k in given if k in env} if host.via == "ssh" else {}
+    group's own `env=` that ssh's command line does not carry, which `ps` would show (srun
+    passes the whole environment itself)."""
+    sent = {k: env[k] for k in given if k in env and not _on_command_line(k)} \
+        if host.via == "ssh" else {}
     return json.dumps(sent).encode() + b"\n"
 
 
