@@ -399,6 +399,14 @@ def test_a_console_that_does_not_read_never_stops_the_controller(tmp_path, monke
                          r"keep up\)", text)[1])
     assert lost + text.count("g:0 | line ") == 3000  # each line shown or counted
     assert (tmp_path / "g" / "rank0.log").read_text().count("line ") == 3000
+    reading.clear()  # paused again, then the run closes once it reads: the count is said
+    shown.clear()
+    sink = LogSink(tmp_path, lines_per_s=1e9, burst=10**9)
+    for i in range(3000):
+        sink.write("h", 0, [f"line {i}"])
+    reading.set()
+    sink.close()
+    assert re.search(r"\[asyncrl\] \d+ lines were not shown", "".join(shown))
 
 
 def test_a_console_gone_at_close_and_a_ranks_notices_and_drops(tmp_path, capsys, monkeypatch):

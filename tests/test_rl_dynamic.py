@@ -155,6 +155,20 @@ def test_dynamic_sampling_needs_the_sources_whole_groups_of_two_or_more():
         asyncio.run(dynamic_sampling(source.next_batch(), more=lambda: None,
                                      generate=lambda b: b, score=never, groups=1,
                                      group_size=2))
+    # a source of one sample per prompt, repeated after: its meta says 1, and the rows
+    # are whole groups (as _check_groups sees): generated
+    once = PromptSource([{"prompt": [1, 2]}, {"prompt": [3]}], batch_size=2,
+                        max_prompt_length=4).next_batch().repeat(4)
+
+    class Generated(Exception):
+        pass
+
+    def generate(batch):
+        raise Generated
+
+    with pytest.raises(Generated):
+        asyncio.run(dynamic_sampling(once, more=lambda: None, generate=generate, score=never,
+                                     groups=1, group_size=4))
     with pytest.raises(ValueError, match="group_size >= 2"):
         asyncio.run(dynamic_sampling(source.next_batch(), more=lambda: None,
                                      generate=lambda b: b, score=never, groups=1,

@@ -358,10 +358,10 @@ class DataFlow:
         current_node.set((n.name, step.index))
         start = time.perf_counter()
         try:
-            if self.save_inputs is not None:  # for `asyncrl run --node` (values, awaited;
-                # an upstream future that failed is named as in a run without it)
+            if self.save_inputs is not None:  # for `asyncrl run --node` (values awaited; a
+                # failed upstream future named as without it); the node's time starts after
                 await save_node_inputs(self.save_inputs / f"step{step.index}", n.name, kwargs)
-            # an async node's DistFutures are passed on as they are
+                start = time.perf_counter()
             out = await self.recovery.call(n.name, step.index, lambda: n.fn(**kwargs))
         except (Exception, asyncio.CancelledError) as e:
             task = asyncio.current_task()  # the node's own cancel (a task it awaited): its

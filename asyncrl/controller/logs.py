@@ -57,12 +57,17 @@ class Console:
                 return
 
     def close(self, timeout: float = 5.0) -> None:
-        """What is queued written (within `timeout`: a console that does not read)."""
-        if self._thread is not None:
+        """What is queued written (within `timeout`: a console that does not read), what
+        it could not take said."""
+        if self._thread is not None and self._thread.is_alive():
             with contextlib.suppress(queue.Full):
+                if self._lost:
+                    self._queue.put(f"[asyncrl] {self._lost} lines were not shown (the "
+                                    f"console did not keep up); all are in the logs\n",
+                                    timeout=timeout)
                 self._queue.put(None, timeout=timeout)
             self._thread.join(timeout)
-            self._thread = None
+        self._thread = None
 
 
 class LogSink:

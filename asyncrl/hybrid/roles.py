@@ -314,6 +314,8 @@ class Policy(Worker):
         pack.meta["pack_s"] = time.perf_counter() - start  # gathering and packing
         if self.model_cfg.lora is not None:  # the receiver's must be this frozen model
             pack.meta["frozen_model"] = self.model_cfg.frozen_model()
+        else:  # every weight (none frozen by the user): the receiver's must all be filled
+            pack.meta["whole"] = all(p.requires_grad for p in self.backend.model.parameters())
         return pack
 
     @register
@@ -409,7 +411,7 @@ class Rollout(Worker):
                 self._check_frozen_model(frozen)
                 nbytes = int(weights.meta["nbytes"])
                 count = self.engine.adopt_weights(unpack(weights), version,
-                                                  whole=frozen is None)
+                                                  whole=bool(weights.meta.get("whole")))
             else:
                 nbytes = sum(t.numel() * t.element_size() for t in weights.values())
                 count = self.engine.load_weights(weights.items(), version)

@@ -53,9 +53,11 @@ def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
 def _check_groups(batch: TensorBatch, group_size: int) -> None:
     """Each run of `group_size` rows is one prompt's samples: with PromptSource(repeat=4)
     and group_size=8 a block held two prompts, kept when either's samples differed."""
+    # (1: maybe repeated later, with batch.repeat(k)); a block that was part of a prompt's
+    # samples was dropped when its part scored alike, or kept halved
     repeat = batch.meta.get(SAMPLES_PER_PROMPT)
-    if repeat is not None and repeat != group_size:  # a block was part of a prompt's
-        raise ValueError(  # samples (dropped when its part scored alike, kept halved)
+    if repeat is not None and repeat > 1 and repeat != group_size:
+        raise ValueError(
             f"dynamic sampling: group_size={group_size}, but the PromptSource repeats each "
             f"prompt {repeat} times (repeat={repeat}): a group is all of one prompt's "
             f"samples; give both (and RLConfig group_size) the same value")
