@@ -598,38 +598,3 @@ def test_rows_of_futures_are_one_batch_pulled_by_the_consumer(bg, groups):
 
 async def _awaited(picked):
     return await picked
-
-
-class Sink(asyncrl.Worker):
-    @asyncrl.register
-    def total(self, batch: TensorBatch) -> float:
-        return float(batch["x"].sum())
-
-
-def test_a_closed_consumers_segments_are_unmapped_by_its_producer():
-    """The producer writes pulled rows into the consumer's shared memory and keeps the
-    mapping; the consumer closed unlinks its pool, but the producer's mapping pinned the
-    memory in /dev/shm until it mapped some new segment (maybe never)."""
-    from asyncrl.comm.dataplane import run_prefix
-
-    def mapped(pid: int, prefix: str) -> list[str]:
-        with open(f"/proc/{pid}/maps") as f:
-            return [line.split(maxsplit=5)[-1] for line in f if prefix in line]
-
-    async def main():
-        async with asyncrl.Controller() as ctl:
-            producer = await ctl.spawn(Producer, name="producer")
-            sink = await ctl.spawn(Sink, name="sink")
-            pids = group_pids(producer) + group_pids(sink)
-            made = producer.make(TensorBatch({"i": torch.arange(1 << 20)}))
-            assert await sink.total(made) == [float(torch.arange(1 << 20).double().sum() * 10)]
-            [pid] = producer.pids.values()
-            prefix = f"{run_prefix(ctl.run_id)}sink+"
-            before = mapped(pid, prefix)
-            await ctl.close_group(sink)
-            await poll_until(lambda: not mapped(pid, prefix), 20,
-                             "the producer to unmap the closed consumer's segments")
-            return pids, before
-    pids, before = run(main())
-    assert_gone(pids)
-    assert before, "the producer should have mapped the consumer's segment"

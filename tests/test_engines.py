@@ -580,28 +580,3 @@ def test_the_hybrid_engine_offloads_the_optimizer_unless_told_to_keep_it():
     hybrid.to_generate()
     assert backend.moves == ["state to cpu", "masters off", "masters back", "state to cpu"]
     assert hybrid.offloaded_bytes == 0
-
-
-def test_a_full_pack_from_a_trainer_tied_otherwise_is_refused():
-    """Only LoRA packs said which model they fit: a tied trainer's pack (no lm_head) loaded
-    into an untied engine left its head random, and an untied trainer's two weights loaded
-    into a tied engine made its embeddings the trainer's head, both without a word."""
-    tied = build_model(ModelConfig(preset="tiny-gpt2", seed=1))
-    untied = build_model(ModelConfig(preset="tiny-gpt2", seed=1,
-                                     overrides={"tie_word_embeddings": False}))
-    assert untied.lm_head.weight is not untied.get_input_embeddings().weight
-
-    def pack(model):
-        return [(n, p.detach().clone()) for n, p in model.named_parameters()]
-
-    with pytest.raises(ValueError, match=r"leave out \['lm_head.weight'\] of the engine's "
-                                         r"model \(the trainer's model and this engine's "
-                                         r"tie lm_head"):
-        Sampler(untied).adopt_weights(pack(tied), 1, whole=True)
-    engine = Sampler(tied)
-    with pytest.raises(ValueError, match="are one tied weight in the engine's model, but two "
-                                         "weights were given"):
-        engine.adopt_weights(pack(untied), 1, whole=True)
-    assert engine.version != 1  # nothing changed
-    assert engine.adopt_weights(pack(tied), 2, whole=True) == len(pack(tied))
-    assert engine.load_weights(pack(tied)[:1], 3) == 1  # a part of them, by name: as before

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from helpers import wait_until
+from helpers import assert_gone, group_pids, poll_until, run, wait_until
 from zmq.utils.monitor import recv_monitor_message
 
 import asyncrl
@@ -384,3 +384,44 @@ def test_one_row_of_a_column_sliced_out_of_a_matrix_is_pulled(transport):
             pool.close()
         ctx.term()
         assert cleanup(prefix) == []  # nothing left in /dev/shm
+
+
+class Maker(asyncrl.Worker):
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def make(self, batch: asyncrl.TensorBatch) -> asyncrl.TensorBatch:
+        return asyncrl.TensorBatch({"x": batch["i"].double() * 10})
+
+
+class Sink(asyncrl.Worker):
+    @asyncrl.register
+    def total(self, batch: asyncrl.TensorBatch) -> float:
+        return float(batch["x"].sum())
+
+
+def test_a_closed_consumers_segments_are_unmapped_by_its_producer():
+    """The producer writes pulled rows into the consumer's shared memory and keeps the
+    mapping; the consumer closed unlinks its pool, but the producer's mapping pinned the
+    memory in /dev/shm until it mapped some new segment (maybe never)."""
+    from asyncrl.comm.dataplane import run_prefix
+
+    def mapped(pid: int, prefix: str) -> list[str]:
+        with open(f"/proc/{pid}/maps") as f:
+            return [line.split(maxsplit=5)[-1] for line in f if prefix in line]
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            producer = await ctl.spawn(Maker, name="producer")
+            sink = await ctl.spawn(Sink, name="sink")
+            pids = group_pids(producer) + group_pids(sink)
+            made = producer.make(asyncrl.TensorBatch({"i": torch.arange(1 << 20)}))
+            assert await sink.total(made) == [float(torch.arange(1 << 20).double().sum() * 10)]
+            [pid] = producer.pids.values()
+            prefix = f"{run_prefix(ctl.run_id)}sink+"
+            before = mapped(pid, prefix)
+            await ctl.close_group(sink)
+            await poll_until(lambda: not mapped(pid, prefix), 20,
+                             "the producer to unmap the closed consumer's segments")
+            return pids, before
+    pids, before = run(main())
+    assert_gone(pids)
+    assert before, "the producer should have mapped the consumer's segment"

@@ -423,3 +423,31 @@ def test_a_correction_in_the_training_pass_equals_one_from_a_separate_pass(corre
     weights = [math.exp(d) for d in (1.0, -0.5, -0.3, 0.0, -2.0)]
     weights = [min(w, 1.5) for w in weights] if correction == "tis" else weights
     assert stats["is_weight_mean"] == pytest.approx(sum(weights) / 5, rel=1e-5)
+
+
+def test_a_full_pack_from_a_trainer_tied_otherwise_is_refused():
+    """Only LoRA packs said which model they fit: a tied trainer's pack (no lm_head) loaded
+    into an untied engine left its head random, and an untied trainer's two weights loaded
+    into a tied engine made its embeddings the trainer's head, both without a word."""
+    from asyncrl.hybrid.models import ModelConfig, build_model
+    from asyncrl.hybrid.sampler import Sampler
+
+    tied = build_model(ModelConfig(preset="tiny-gpt2", seed=1))
+    untied = build_model(ModelConfig(preset="tiny-gpt2", seed=1,
+                                     overrides={"tie_word_embeddings": False}))
+    assert untied.lm_head.weight is not untied.get_input_embeddings().weight
+
+    def pack(model):
+        return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+    with pytest.raises(ValueError, match=r"leave out \['lm_head.weight'\] of the engine's "
+                                         r"model \(the trainer's model and this engine's "
+                                         r"tie lm_head"):
+        Sampler(untied).adopt_weights(pack(tied), 1, whole=True)
+    engine = Sampler(tied)
+    with pytest.raises(ValueError, match="are one tied weight in the engine's model, but two "
+                                         "weights were given"):
+        engine.adopt_weights(pack(untied), 1, whole=True)
+    assert engine.version != 1  # nothing changed
+    assert engine.adopt_weights(pack(tied), 2, whole=True) == len(pack(tied))
+    assert engine.load_weights(pack(tied)[:1], 3) == 1  # a part of them, by name: as before
