@@ -155,7 +155,8 @@ class LeavesAThread(asyncrl.Worker):
 def test_a_rank_interrupted_exits_with_130_past_a_thread_that_never_ends():
     """A SIGINT (torchrun passes one on at Ctrl-C) raised KeyboardInterrupt out of the
     rank's main: Python's exit then waited for the user's thread, and the rank hung on,
-    silent, until the supervisor gave up on its heartbeats."""
+    silent, until the supervisor gave up on its heartbeats. Started from a background job
+    of a shell (CI's), every process had SIGINT ignored, ranks too: it did nothing."""
     async def main():
         async with asyncrl.Controller(heartbeat_timeout=30.0) as ctl:
             group = await ctl.spawn(LeavesAThread)

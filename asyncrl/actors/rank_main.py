@@ -21,6 +21,7 @@ import inspect
 import math
 import os
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -486,6 +487,9 @@ def pin_cpus() -> int:
 
 
 def main() -> None:
+    # a SIGINT ends the rank (torchrun passes one on at Ctrl-C), also where the process was
+    # started with it ignored (a background job of a shell: Python then leaves it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # as `ps` shows every rank, forked (asyncrl/actors/rank_fork.py) or started anew
     set_title(f"{sys.executable} -m asyncrl.actors.rank_main [{os.environ.get('ASYNCRL_GROUP')}"
               f" rank {os.environ.get('RANK')}]")
