@@ -436,3 +436,36 @@ def test_a_console_gone_at_close_and_a_ranks_notices_and_drops(tmp_path, capsys,
     sink.close()
     assert sink._files == {} and not sink.echo
     assert (tmp_path / "g" / "rank1.log").read_text().count("m") == 10
+
+
+def test_the_progress_line_goes_through_the_console_thread(tmp_path, monkeypatch):
+    """The progress line, a line a step, was printed on the controller's loop: a console
+    that does not read stopped the loop there too."""
+    import threading
+
+    from asyncrl.controller.launch import Metrics
+    from asyncrl.controller.timeline import Timeline
+
+    reading = threading.Event()
+    shown: list[str] = []
+
+    class Paused:
+        def write(self, text):
+            reading.wait(60)
+            shown.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Paused())
+    sink = LogSink(tmp_path, lines_per_s=1e9, burst=10**9)
+    metrics = Metrics(tmp_path, 3, Timeline(), trackers=[])
+    metrics.say = sink.console.write  # as asyncrl launch sets it
+    sink.write("g", 0, ["a rank's line"])
+    for step in range(3):  # returns at once, whatever the console does
+        metrics(step, {"train": {"loss": 1.0}}, 0.5)
+    assert not shown
+    reading.set()
+    sink.close()
+    text = "".join(shown)
+    assert text.index("g:0 | a rank's line") < text.index("step 1/3") < text.index("step 3/3")

@@ -15,6 +15,7 @@ import numbers
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,9 @@ class Metrics:
         self.steps, self.timeline = steps, timeline
         self.trackers = [TensorBoard(run_dir, first_step)] if trackers is None else trackers
         self.console = True  # the progress line goes to stderr while it can
+        # or to the controller's console, once it runs: a thread of its own writes it (a
+        # paused console must not stop the controller's loop)
+        self.say: Callable[[str], None] | None = None
 
     def __call__(self, step: int, values: dict[str, Any], seconds: float) -> None:
         row: dict[str, Any] = {"step": step, "time/step_s": round(seconds, 4)}
@@ -123,10 +127,12 @@ class Metrics:
         keys = [k for k in row if k != "step" and not k.startswith("time/")]
         keys.sort(key=lambda k: not k.startswith("reward/"))  # what a user watches first
         shown = "  ".join(f"{k}={row[k]:.4g}" for k in keys)[:120]
-        if self.console:  # gone (a closed pipe, a hung-up terminal): the run goes on
+        line = f"{bar}step {step + 1}{total}  {seconds:.2f}s  {shown}"
+        if self.say is not None:
+            self.say(line + "\n")
+        elif self.console:  # gone (a closed pipe, a hung-up terminal): the run goes on
             try:
-                print(f"{bar}step {step + 1}{total}  {seconds:.2f}s  {shown}",
-                      file=sys.stderr, flush=True)
+                print(line, file=sys.stderr, flush=True)
             except OSError:
                 self.console = False
 
@@ -296,6 +302,8 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         async with Controller(run_dir=run_dir, cluster=cluster, host=host,
                               **(controller or {})) as ctl:
             ctl.timeline = timeline
+            assert ctl.logs is not None  # (made as the controller starts)
+            metrics.say = ctl.logs.console.write  # (in order with the ranks' lines)
             if resume_from is not None:  # the steps before the resume stay in timeline.json
                 timeline.resume(run_dir / "timeline.json", meta["step"])
             flow.save_inputs = run_dir / "inputs" if save_inputs else None
