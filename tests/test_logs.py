@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -153,8 +154,6 @@ def test_asyncrl_logs_keeps_a_ranks_lines_whole_and_stops_quietly_for_head(tmp_p
 
 
 def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):
-    import threading
-
     from asyncrl.actors.output import LINE_CAP, OutputCapture, split_lines
 
     assert split_lines(b"a\r\nb\n\nc\r d\r e") == ([b"a", b"b", b"", b"c", b" d"], b" e")
@@ -226,8 +225,6 @@ def test_a_rank_whose_output_tee_is_killed_prints_on_to_its_log():
 
 
 def test_a_respawned_agent_reports_only_its_own_part_of_the_shared_log(tmp_path):
-    import threading
-
     from asyncrl.controller.launcher import Agent
 
     def agent_printing(text: str) -> Agent:  # an agent whose "torchrun" prints `text`, exits
@@ -366,24 +363,29 @@ def test_a_rank_whose_output_pipe_has_a_descriptor_past_1024_still_streams():
     assert out.stdout.splitlines()[-1] == "sent 2001"
 
 
+class PausedConsole:
+    """stderr of a console that does not read until `reading` is set (a paused `| less`);
+    what it wrote, in `shown`."""
+
+    def __init__(self) -> None:
+        self.reading = threading.Event()
+        self.shown: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.reading.wait(60)
+        self.shown.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
 def test_a_console_that_does_not_read_never_stops_the_controller(tmp_path, monkeypatch):
     """The echo wrote stderr on the controller's loop: a paused `| less` or Ctrl-S stopped
     every call and heartbeat (the ranks gave up on the controller after their timeout). It
     is queued now; what the console could not take is counted and said when it reads."""
-    import threading
-
-    reading = threading.Event()
-    shown: list[str] = []
-
-    class Paused:
-        def write(self, text):
-            reading.wait(60)
-            shown.append(text)
-
-        def flush(self):
-            pass
-
-    monkeypatch.setattr(sys, "stderr", Paused())
+    paused = PausedConsole()
+    monkeypatch.setattr(sys, "stderr", paused)
+    reading, shown = paused.reading, paused.shown
     sink = LogSink(tmp_path, lines_per_s=1e9, burst=10**9)
     for i in range(3000):  # returns at once, whatever the console does
         sink.write("g", 0, [f"line {i}"])
@@ -441,23 +443,12 @@ def test_a_console_gone_at_close_and_a_ranks_notices_and_drops(tmp_path, capsys,
 def test_the_progress_line_goes_through_the_console_thread(tmp_path, monkeypatch):
     """The progress line, a line a step, was printed on the controller's loop: a console
     that does not read stopped the loop there too."""
-    import threading
-
     from asyncrl.controller.launch import Metrics
     from asyncrl.controller.timeline import Timeline
 
-    reading = threading.Event()
-    shown: list[str] = []
-
-    class Paused:
-        def write(self, text):
-            reading.wait(60)
-            shown.append(text)
-
-        def flush(self):
-            pass
-
-    monkeypatch.setattr(sys, "stderr", Paused())
+    paused = PausedConsole()
+    monkeypatch.setattr(sys, "stderr", paused)
+    reading, shown = paused.reading, paused.shown
     sink = LogSink(tmp_path, lines_per_s=1e9, burst=10**9)
     metrics = Metrics(tmp_path, 3, Timeline(), trackers=[])
     metrics.say = sink.console.write  # as asyncrl launch sets it

@@ -39,13 +39,16 @@ class Console:
                                             name="asyncrl-console")
             self._thread.start()
         if self._lost and self._queue.qsize() < CONSOLE_QUEUE // 2:
-            lost, self._lost = self._lost, 0  # it reads again: say what it missed
-            self.write(f"[asyncrl] {lost} lines were not shown (the console did not keep "
-                       f"up); all are in the logs\n")
+            self.write(self._said_lost())  # it reads again: say what it missed
         try:
             self._queue.put_nowait(text)
         except queue.Full:
             self._lost += text.count("\n")
+
+    def _said_lost(self) -> str:
+        lost, self._lost = self._lost, 0
+        return f"[asyncrl] {lost} lines were not shown (the console did not keep up); all " \
+               f"are in the logs\n"
 
     def _run(self) -> None:
         while (text := self._queue.get()) is not None:
@@ -62,9 +65,7 @@ class Console:
         if self._thread is not None and self._thread.is_alive():
             with contextlib.suppress(queue.Full):
                 if self._lost:
-                    self._queue.put(f"[asyncrl] {self._lost} lines were not shown (the "
-                                    f"console did not keep up); all are in the logs\n",
-                                    timeout=timeout)
+                    self._queue.put(self._said_lost(), timeout=timeout)
                 self._queue.put(None, timeout=timeout)
             self._thread.join(timeout)
         self._thread = None

@@ -371,8 +371,9 @@ class Sampler:
                 raise ValueError(f"{what}: {first[0]} and {name} are one tied weight in the "
                                  f"engine's model, but two weights were given {tie}")
             pairs.append((param, value))
-        left = [n for n, p in self.model.named_parameters() if id(p) not in given]
-        if whole and left:
+        left = [n for n, p in self.model.named_parameters() if id(p) not in given] \
+            if whole else []
+        if left:
             raise ValueError(f"{what}: the weights given leave out {left[:4]} of the "
                              f"engine's model {tie}")
         return pairs
