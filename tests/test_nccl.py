@@ -39,6 +39,10 @@ class Taker(asyncrl.Worker):
                             "name": batch["name"], "src": batch["src"],
                             "taker": [self.rank] * len(batch)})
 
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def take_and_refuse(self, batch: TensorBatch) -> None:
+        raise ValueError(f"refused {len(batch)} rows")  # after its rows came by NCCL
+
 
 @pytest.fixture
 def fake_nccl(monkeypatch, tmp_path):
@@ -102,6 +106,30 @@ def test_stopped_producer_gives_transfer_timeout_and_drops_the_link(fake_nccl):
     msg, made = run(main())
     assert "maker:0" in msg and "within 5 s" in msg
     assert made == {}  # set up again for the next call
+
+
+def test_a_call_failing_after_its_pull_keeps_the_link_and_an_aborted_one_is_made_again(
+        fake_nccl):
+    """A call's failure set up its links again: the new communicator aborted the old one
+    under other calls still receiving on it. Now only a link a rank aborted (its error reply
+    names it) is made again, and only the making of it that was aborted."""
+    async def main():
+        async with asyncrl.Controller(transport="nccl") as ctl:
+            maker = await ctl.spawn(Maker, nprocs=1, env=spawn_env())
+            taker = await ctl.spawn(Taker, nprocs=2, env=spawn_env())
+            made = maker.make(TensorBatch({"i": torch.arange(6)}))
+            with pytest.raises(asyncrl.RemoteError, match="refused 3 rows"):
+                await taker.take_and_refuse(made)
+            out = await taker.take(made)
+            assert out["x"].tolist() == [10.0 * k for k in range(6)]
+            assert ctl.links.setups == 1  # the link was kept
+            key, (_, _, uid) = next(iter(ctl.links._made.items()))
+            ctl.links.aborted({key: b"an earlier making"})  # a late report: kept
+            stale_kept = key in ctl.links._made
+            ctl.links.aborted({key: uid})
+            return stale_kept, key in ctl.links._made
+    stale_kept, still = run(main())
+    assert stale_kept and not still
 
 
 def test_a_send_to_a_consumer_that_died_ends_at_once_and_frees_the_producer(fake_nccl,

@@ -142,7 +142,8 @@ class _Executor:
             kept = call.collect is None or main.rank in call.collect
             result = main.keep(call, value) if kept else Result(call.call_id, main.rank)
         except BaseException as e:  # noqa: BLE001 - user code: every failure goes back
-            result = Result(call.call_id, main.rank, error=_failure(e))
+            result = Result(call.call_id, main.rank, error=_failure(e),
+                            aborted_links=nccl.aborted())
         result.busy = time.perf_counter() - start
         self.sock.send(result)
 

@@ -118,6 +118,8 @@ class Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=F
     schema: Union[Schema, None] = None
     inline: bool = True  # whether `value` is the value (False: fetch it from the store)
     busy: float = 0.0  # seconds the call ran on the rank, pulling its inputs included
+    # with `error`: the NCCL links this rank aborted (key -> the uid it was made from)
+    aborted_links: dict[str, bytes] = {}
 
 
 class Results(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -22,8 +22,10 @@ One communicator per direction: one thread of the producer's data server only se
 receiver that gave up holds up no pull by shared memory or sockets), the consumer's call
 threads only receive (under a lock), so no communicator is used by two threads at once. A
 send or receive that does not finish within the transfer timeout aborts the communicator
-(NCCL cannot be interrupted otherwise); the pair is set up again next time, and a transfer
-still waiting on the aborted one fails (its kernels end without moving the bytes). When the
+(NCCL cannot be interrupted otherwise), and a transfer still waiting on the aborted one fails
+(its kernels end without moving the bytes). A rank's error reply names the links it aborted
+(`aborted()`, each with the id it was made from): the controller sets up those again, and
+keeps the others, which calls may still be using. When the
 controller announces a group dead or closed (PeersGone), every link with it is aborted at
 once: a send to a receiver that died ends then, not at the timeout.
 
@@ -90,9 +92,11 @@ class Link:
     lock: threading.Lock
     stream: Any = None  # its torch.cuda.Stream on a GPU (None on CPUs: the stand-in's own)
     aborted: bool = False  # an aborted communicator's kernels end without moving the bytes
+    uid: bytes = b""  # the unique id it was made from: which making of the link it is
 
 
 _links: dict[str, Link] = {}  # key ("A->B") -> this rank's end
+_aborted: dict[str, bytes] = {}  # key -> uid: ends this rank gave up and has not made again
 _guard = threading.Lock()
 _sending = threading.Lock()
 
@@ -106,7 +110,8 @@ def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -
     comm = _communicator(nccl, world, uid, rank)
     with _guard:
         old = _links.pop(key, None)
-        _links[key] = Link(comm, dict(offsets), threading.Lock(), stream)
+        _links[key] = Link(comm, dict(offsets), threading.Lock(), stream, uid=uid)
+        _aborted.pop(key, None)
     if old is not None:
         _abort(old)
 
@@ -133,7 +138,14 @@ def forget(key: str, end: Link | None = None) -> None:
         if old is None or (end is not None and old is not end):
             return
         del _links[key]
+        _aborted[key] = old.uid
     _abort(old)
+
+
+def aborted() -> dict[str, bytes]:
+    """The links this rank aborted and has not joined again, by key, with their uids."""
+    with _guard:
+        return dict(_aborted)
 
 
 def forget_group(group: str) -> None:

@@ -98,7 +98,6 @@ class _Pending:
     waiting: set[int]  # ranks that have not reported yet
     collect: set[int]
     inputs: list[ObjectRef]  # keeps the objects this call pulls alive until it is done
-    links: list[str]  # the NCCL links its ranks pull through (dropped if the call fails)
     schemas: dict[int, Schema] = field(default_factory=dict)  # what collected ranks keep
     inline: dict[int, msgspec.Raw] = field(default_factory=dict)
     busy: float = 0.0  # the longest time a rank spent on it
@@ -111,7 +110,6 @@ class _Queued:
     kwargs: dict[str, Any]
     future: DistFuture
     inputs: list[ObjectRef] = field(default_factory=list)
-    links: list[str] = field(default_factory=list)
 
 
 class _Method:
@@ -307,7 +305,7 @@ class GroupHandle:
         codec.own_unless_large(list({id(raw): raw for *_, raw in sends if raw}.values()))
         self._pending[call_id] = _Pending(call_id, item.method, protocol, item.future,
                                           split.state, set(split.calls), set(split.collect),
-                                          item.inputs, item.links)
+                                          item.inputs)
         self._ctl.calls[call_id] = self
         box = self._ctl.outbox()
         for relay, identities, call, raw in sends:
@@ -438,8 +436,8 @@ class GroupHandle:
                 # taken for one rank's trouble
                 first.add_note(f"{self.name}[rank {rank}].{p.method} raised too: "
                                f"{msg.error.type}: {msg.error.message}")
-            if p.links:  # its ranks may have aborted their ends of these
-                self._ctl.links.forget(p.links)
+            if msg.aborted_links:
+                self._ctl.links.aborted(msg.aborted_links)
         elif rank in p.collect:
             if msg.schema is not None:
                 p.schemas[rank] = msg.schema
@@ -536,10 +534,8 @@ class GroupHandle:
                                  f"max_restarts does that)")
         item.inputs.append(ref)
         transport = self._ctl.transport
-        if self._ctl.links.needed(ref, self, transport):
-            key = await self._ctl.links.ensure(ref.group, self, required=transport == "nccl")
-            if key is not None:
-                item.links.append(key)
+        if self._ctl.links.needed(ref, self, transport):  # (set up before the call goes)
+            await self._ctl.links.ensure(ref.group, self, required=transport == "nccl")
         return ref.view()
 
     def _fail_all(self, exc: BaseException) -> None:

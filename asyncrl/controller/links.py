@@ -5,8 +5,11 @@ GPUs (or any tensor columns under `Controller(transport="nccl")`), needs a commu
 ranks send and B's ranks receive. A's rank 0 makes a unique id; the controller calls the built-in
 concurrent method `Worker._nccl_join` on every rank of both groups (they join together;
 A's ranks are 0..|A|-1, B's follow), within the transfer timeout. The link is kept for that
-pair of running groups; a call that failed while using it drops it (its ranks may have
-aborted their ends), and a group that is respawned gets new links.
+pair of running groups. A rank that aborted its end (a transfer past the timeout, a pull
+that failed) names it in its error reply, with the unique id it was made from: that making
+of the link is dropped and set up again for the next call; a failed call's other links are
+kept (a new communicator would abort the old one under calls still receiving on it). A group
+that is respawned gets new links.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ log = logging.getLogger("asyncrl")
 class Links:
     def __init__(self, timeout: float):
         self.timeout = timeout
-        self._made: dict[str, tuple[GroupHandle, GroupHandle]] = {}
+        self._made: dict[str, tuple[GroupHandle, GroupHandle, bytes]] = {}  # with the uid
         self._locks: dict[str, asyncio.Lock] = {}
         self.setups = 0  # communicators made
         self._without: set[str] = set()  # pairs where a group has no NCCL: host memory
@@ -93,13 +96,17 @@ class Links:
                     f"setting up NCCL between groups {producer.name!r} and {consumer.name!r}"
                     f" ({world} ranks) took longer than {self.timeout:g} s (transfer_timeout)"
                 ) from None
-            self._made[key] = (producer, consumer)
+            self._made[key] = (producer, consumer, uid)
             self.setups += 1
             return key
 
-    def forget(self, keys: list[str]) -> None:
-        for key in keys:
-            self._made.pop(key, None)
+    def aborted(self, ends: dict[str, bytes]) -> None:
+        """A rank aborted its ends of these links (key -> the uid they were made from):
+        drop them, unless they were set up again since."""
+        for key, uid in ends.items():
+            made = self._made.get(key)
+            if made is not None and made[2] == uid:
+                del self._made[key]
 
 
 def _check_gpus(producer: GroupHandle, consumer: GroupHandle) -> None:
