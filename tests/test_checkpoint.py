@@ -344,7 +344,7 @@ def test_a_resume_goes_on_with_the_runs_restarts(tmp_path):
 
     from asyncrl.controller.recovery import Recovery
 
-    recovery = Recovery(SimpleNamespace(groups=[SimpleNamespace(name="actor"),
+    recovery = Recovery(SimpleNamespace(_ctl=None, groups=[SimpleNamespace(name="actor"),
                                                 SimpleNamespace(name="reward")]))
     recovery.log_path = tmp_path / "recoveries.jsonl"
     recovery.resume_counts({"actor": 2, "gone": 1})
@@ -365,7 +365,7 @@ def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(tmp_p
     import shutil
     from types import SimpleNamespace
 
-    flow = SimpleNamespace(positions=dict, nodes={}, groups=[], launch_options={},
+    flow = SimpleNamespace(_ctl=None, positions=dict, nodes={}, groups=[], launch_options={},
                            recovery=SimpleNamespace(restarts={}))
     real_rmtree = shutil.rmtree
 

@@ -460,3 +460,27 @@ def test_the_progress_line_goes_through_the_console_thread(tmp_path, monkeypatch
     sink.close()
     text = "".join(shown)
     assert text.index("g:0 | a rank's line") < text.index("step 1/3") < text.index("step 3/3")
+
+
+def test_the_controllers_notices_go_through_the_console_thread(tmp_path, monkeypatch):
+    """A restart's, a rewind's or a checkpoint's notice was printed on the controller's loop:
+    a console that does not read stopped the loop there (the heartbeats with it). They go
+    through the console's thread now, in order with the ranks' lines; after the console
+    closed, or with no controller, they are written at once."""
+    from types import SimpleNamespace
+
+    from asyncrl.controller.logs import say
+
+    paused = PausedConsole()
+    monkeypatch.setattr(sys, "stderr", paused)
+    sink = LogSink(tmp_path, lines_per_s=1e9, burst=10**9)
+    sink.write("g", 0, ["a rank's line"])
+    say(SimpleNamespace(logs=sink), "[asyncrl] restarting group 'g' (1/2) in 1 s: gone")
+    assert not paused.shown  # returned at once, whatever the console does
+    paused.reading.set()
+    sink.close()
+    assert "".join(paused.shown) == \
+        "g:0 | a rank's line\n[asyncrl] restarting group 'g' (1/2) in 1 s: gone\n"
+    say(SimpleNamespace(logs=sink), "after the close")
+    say(None, "without a controller")
+    assert "".join(paused.shown).endswith("after the close\nwithout a controller\n")

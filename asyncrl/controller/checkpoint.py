@@ -33,6 +33,7 @@ import torch
 from asyncrl.actors.worker import not_yours, rng_state, set_rng_state, sync_dir, sync_tree
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
+from asyncrl.controller.logs import say
 from asyncrl.errors import CheckpointError, RemoteError
 
 CHECKPOINTS = "checkpoints"
@@ -192,7 +193,8 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
         root.mkdir(PRIVATE_DIR, parents=True)  # --resume would refuse)
         await asyncio.to_thread(sync_dir, root.parent)  # the first checkpoint's folder
         # survives a power cut
-    await asyncio.to_thread(_remove_stale, root, tmp)
+    for notice in await asyncio.to_thread(_remove_stale, root, tmp):
+        say(flow._ctl, notice)
     tmp.mkdir(PRIVATE_DIR)
     await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
@@ -215,8 +217,8 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
                 await asyncio.to_thread(_discard, old)
         except OSError as e:  # the new checkpoint is complete: the run goes on, and the
             # next save prunes again (a renamed-away one is removed as stale then)
-            print(f"asyncrl: could not remove an old checkpoint ({e}); the next checkpoint "
-                  f"tries again", file=sys.stderr, flush=True)
+            say(flow._ctl, f"asyncrl: could not remove an old checkpoint ({e}); the next "
+                           f"checkpoint tries again")
     return final
 
 
@@ -241,18 +243,21 @@ def _install(tmp: Path, final: Path) -> None:
     sync_dir(final.parent)
 
 
-def _remove_stale(root: Path, tmp: Path) -> None:
+def _remove_stale(root: Path, tmp: Path) -> list[str]:
     """Remove what saves or removals that died half-way left; what cannot go yet (a reader
-    holds files open: NFS's "busy" .nfs* files) stays for the next save, the run goes on.
-    A leftover named as this save's own folder is renamed away first."""
+    holds files open: NFS's "busy" .nfs* files) stays for the next save, the run goes on
+    (the notices to say, returned). A leftover named as this save's own folder is renamed
+    away first."""
+    notices = []
     for stale in [*root.glob("*.tmp"), *root.glob(".*.discarded")]:
         try:
             shutil.rmtree(stale)
         except OSError as e:
-            print(f"asyncrl: could not remove {stale} ({e}); the next checkpoint tries again",
-                  file=sys.stderr, flush=True)
+            notices.append(f"asyncrl: could not remove {stale} ({e}); the next checkpoint "
+                           f"tries again")
     if tmp.exists():
         _set_aside(tmp)
+    return notices
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -20,7 +20,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from asyncrl.actors.worker import rng_state
 from asyncrl.controller.blame import blame, upstream
 from asyncrl.controller.declare import GroupSpec, declared_for
 from asyncrl.controller.inputs import Inputs
+from asyncrl.controller.logs import say
 from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
 from asyncrl.controller.saved_inputs import save_node_inputs
 from asyncrl.controller.timeline import current_node
@@ -503,17 +503,15 @@ class DataFlow:
             steps = f"{ahead[0].index}" + (f"-{ahead[-1].index}" if len(ahead) > 1 else "")
             what = (f"node {e.node!r} failed at step {e.step}" if isinstance(e, NodeError)
                     else "a step failed")
-            print(f"[asyncrl] {what}: letting step(s) {steps}, dispatched before it, finish "
-                  f"first (their rows; within {bound:g} s; the error follows)",
-                  file=sys.stderr, flush=True)
+            say(self._ctl, f"[asyncrl] {what}: letting step(s) {steps}, dispatched before it, "
+                           f"finish first (their rows; within {bound:g} s; the error follows)")
             _, left = await asyncio.wait(running, timeout=bound)
             if left:
-                print(f"[asyncrl] step(s) {steps} still ran {bound:g} s later (the collective "
-                      f"timeout): left unfinished", file=sys.stderr, flush=True)
+                say(self._ctl, f"[asyncrl] step(s) {steps} still ran {bound:g} s later (the "
+                               f"collective timeout): left unfinished")
         await self._complete_finished(pending, complete)
 
-    @staticmethod
-    async def _complete_finished(pending: list[tuple[_Step, dict[str, Any]]],
+    async def _complete_finished(self, pending: list[tuple[_Step, dict[str, Any]]],
                                  complete: Callable[[_Step, dict[str, Any]], Awaitable[None]]
                                  ) -> None:
         """Complete the pending steps that finished without a failure, in order, up to one
@@ -526,8 +524,8 @@ class DataFlow:
             try:
                 await complete(step, results)
             except Exception as e:  # noqa: BLE001 - the run's own failure is raised
-                print(f"[asyncrl] completing step {step.index} failed too: "
-                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                say(self._ctl, f"[asyncrl] completing step {step.index} failed too: "
+                               f"{type(e).__name__}: {e}")
                 pending.clear()
                 return
 

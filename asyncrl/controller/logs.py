@@ -24,6 +24,17 @@ from asyncrl.actors.rank_client import current_umask
 CONSOLE_QUEUE = 1000  # writes waiting for the console; past it, lines are counted, not kept
 
 
+def say(ctl: Any, text: str) -> None:
+    """A notice of the controller's (a restart, a rewind, a checkpoint not pruned) on its
+    console, in order with the ranks' lines; stderr itself without one (none started yet)."""
+    sink = getattr(ctl, "logs", None)
+    if isinstance(sink, LogSink):
+        sink.console.write(text + "\n")
+        return
+    with contextlib.suppress(OSError, ValueError):  # a console gone: the run goes on
+        print(text, file=sys.stderr, flush=True)
+
+
 class Console:
     """stderr, written by a thread of its own from a bounded queue."""
 
@@ -32,8 +43,17 @@ class Console:
         self._queue: queue.Queue[str | None] = queue.Queue(CONSOLE_QUEUE)
         self._lost = 0  # lines the full queue did not take
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def write(self, text: str) -> None:
+        if self._closed:  # nothing left to keep in order with: written here
+            if self.alive:
+                try:
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
+                except (OSError, ValueError):  # the console gone
+                    self.alive = False
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name="asyncrl-console")
@@ -62,6 +82,7 @@ class Console:
     def close(self, timeout: float = 5.0) -> None:
         """What is queued written (within `timeout`: a console that does not read), what
         it could not take said."""
+        self._closed = True
         if self._thread is not None and self._thread.is_alive():
             with contextlib.suppress(queue.Full):
                 if self._lost:

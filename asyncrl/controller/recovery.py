@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.worker import set_rng_state
-from asyncrl.controller.logs import append_line, replace_json
+from asyncrl.controller.logs import append_line, replace_json, say
 from asyncrl.controller.timeline import called_groups
 from asyncrl.errors import (
     ClosedError,
@@ -92,8 +91,8 @@ class Recovery:
                 self.restarts[name] = int(count)
         spent = {n: c for n, c in self.restarts.items() if c}
         if spent:
-            print(f"asyncrl: restarts so far in this run (the budget is the run's): {spent}",
-                  file=sys.stderr, flush=True)
+            say(self.flow._ctl, f"asyncrl: restarts so far in this run (the budget is the "
+                                f"run's): {spent}")
 
     @property
     def enabled(self) -> bool:
@@ -188,8 +187,8 @@ class Recovery:
             # checkpoint's count misses those after it, which a crash loop repeats)
             replace_json(self.log_path.with_name(RESTARTS_FILE), self.restarts)
         delay = min(spec.restart_backoff * 2 ** (n - 1), MAX_BACKOFF)
-        print(f"[asyncrl] restarting group {spec.name!r} ({n}/{spec.max_restarts}) in "
-              f"{delay:g} s: {_first_line(cause)}", file=sys.stderr, flush=True)
+        say(self.flow._ctl, f"[asyncrl] restarting group {spec.name!r} ({n}/"
+                            f"{spec.max_restarts}) in {delay:g} s: {_first_line(cause)}")
         await asyncio.sleep(delay)
 
     # -- re-running a node -------------------------------------------------------------------
@@ -333,8 +332,7 @@ class Recovery:
             flow.resume_at(*flow._origin, rewind=True)
         resumed = flow.next_step
         self._record("rewind", [g.name for g in dead], step, None, resumed, exc, started)
-        print(f"[asyncrl] rewound to step {resumed} after: {_first_line(exc)}",
-              file=sys.stderr, flush=True)
+        say(flow._ctl, f"[asyncrl] rewound to step {resumed} after: {_first_line(exc)}")
         return True
 
     async def restored(self, restore: Callable[[], Awaitable[Any]],
