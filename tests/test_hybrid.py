@@ -89,6 +89,58 @@ def test_fsdp2_steps_match_one_process_on_the_whole_batch(mesh):
     assert max((weights[k] - ref_sd[k]).abs().max().item() for k in ref_sd) < 1e-4
 
 
+def test_tp_trains_per_head_norms_as_one_weight_and_refuses_weights_it_cannot_split(
+        tmp_path):
+    """Qwen3's q_norm/k_norm (over head_dim, after the heads are split) were left out of the
+    tp plan: each tp rank trained its own copy on its own heads, and the copies drifted
+    apart (0.05 after 3 steps). They are one weight now, its gradient summed over tp; a
+    weight tp does not know how to split (OLMo2's full-width norms) is refused."""
+    from transformers import AutoModelForCausalLM, Olmo2Config, Qwen3Config
+
+    from asyncrl.hybrid.fsdp import apply_tp
+
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    qwen = AutoModelForCausalLM.from_config(Qwen3Config(head_dim=16, **shape))
+    with torch.no_grad():  # norms that are not all ones
+        for layer in qwen.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    qwen.save_pretrained(tmp_path / "qwen3")
+    olmo = AutoModelForCausalLM.from_config(Olmo2Config(**shape))
+    with pytest.raises(ValueError, match=r"cannot split Olmo2ForCausalLM's 'self_attn\.q_norm"
+                                         r"\.weight'.*tp=1"):
+        apply_tp(olmo, type("Mesh", (), {"size": lambda self: 2})())
+
+    batch, model_cfg = fixed_batch(), {"path": str(tmp_path / "qwen3")}
+    ref = build_model(ModelConfig(**model_cfg)).train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(3):
+        sequence_mean_nll(sequence_logprobs(ref, batch["prompt_ids"], batch["prompt_mask"],
+                                            batch["response_ids"], batch["response_mask"]),
+                          batch).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Trainer, model_cfg, {"lr": 1e-2, "micro_batch_size": 8},
+                                    nprocs=2, mesh={"dp": 1, "tp": 2})
+            for _ in range(3):
+                await group.step(batch)
+            return await group.weights()
+    ranks = run(main(), timeout=300)
+    ref_sd = ref.state_dict()
+    for name in ("model.layers.0.self_attn.q_norm.weight",
+                 "model.layers.1.self_attn.k_norm.weight"):
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+    for weights in ranks:
+        assert max((weights[k] - ref_sd[k]).abs().max().item() for k in ref_sd) < 1e-3
+
+
 def prompts_batch(n: int) -> TensorBatch:
     return TensorBatch({"prompt": [[1, 4 + i, 9] for i in range(n)], "seed": list(range(n))})
 

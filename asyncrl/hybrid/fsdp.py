@@ -150,10 +150,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def apply_tp(model: torch.nn.Module, tp_mesh: Any) -> None:
     """Megatron-style tensor parallelism inside each decoder layer (Llama-style models):
     q/k/v and gate/up split by output columns, o and down by input rows. Embeddings and the
-    head stay replicated. Attention reshapes with -1 heads, so each rank runs its heads."""
+    head stay replicated. Attention reshapes with -1 heads, so each rank runs its heads.
+    Per-head norms (Qwen3's q_norm/k_norm) see each rank's heads: their weights replicated
+    over tp, gradients summed over it (as a norm over a sharded sequence dimension: the
+    heads' dimension). Any other weight inside attention or the MLP is refused: left out
+    of the plan, each tp rank would train its own copy of it on its own heads."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
@@ -168,11 +173,30 @@ def apply_tp(model: torch.nn.Module, tp_mesh: Any) -> None:
         if heads % tp_mesh.size() or kv % tp_mesh.size():
             raise ValueError(f"tp={tp_mesh.size()} must divide the attention heads ({heads}) "
                              f"and the key/value heads ({kv})")
-        parallelize_module(layer, tp_mesh, {
+        plan: dict[str, Any] = {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()})
+            "mlp.down_proj": RowwiseParallel()}
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        for norm in ("q_norm", "k_norm"):
+            weight = getattr(getattr(attn, norm, None), "weight", None)
+            if weight is not None and weight.numel() == head_dim:  # (heads, head_dim) in
+                plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2,
+                                                             use_local_output=True)
+        _check_planned(model, layer, plan)
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def _check_planned(model: torch.nn.Module, layer: torch.nn.Module, plan: dict[str, Any]
+                   ) -> None:
+    for name, _ in layer.named_parameters():
+        part, _, rest = name.partition(".")
+        if part in ("self_attn", "mlp") and f"{part}.{rest.split('.')[0]}" not in plan:
+            raise ValueError(
+                f"tensor parallelism cannot split {type(model).__name__}'s {name!r} (only "
+                f"q/k/v/o_proj, gate/up/down_proj and per-head q_norm/k_norm): each tp rank "
+                f"would train its own copy of it; train this model with tp=1")
 
 
 def use_bf16(cfg: TrainConfig) -> bool:
