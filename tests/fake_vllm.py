@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from asyncrl.hybrid.models import ModelConfig, build_model
@@ -119,13 +120,25 @@ class LLM:
         c = self._model.config  # vLLM's default: the model's own limit
         self._max_len = kwargs.get("max_model_len") or getattr(
             c, "max_position_embeddings", None) or c.n_positions
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(
+            max_model_len=self._max_len))
+        self._left: list[tuple[dict, SamplingParams]] = []  # requests a refused call left
 
     def generate(self, prompts: list[dict], sampling_params: list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if self.asleep:
             raise RuntimeError(f"fake LLM: generate() while {sorted(self.asleep)} sleep")
+        for k, prompt in enumerate(prompts):  # each added as it is checked: up to 0.11.0
+            room = self._max_len - len(prompt["prompt_token_ids"])  # a refused one left
+            if room < 1:  # those before it in the engine, answered by the next call
+                self._left += list(zip(prompts[:k], sampling_params[:k], strict=True))
+                raise ValueError(f"fake LLM: the decoder prompt (length "
+                                 f"{len(prompt['prompt_token_ids'])}) is longer than the "
+                                 f"maximum model length of {self._max_len}")
+        requests = self._left + list(zip(prompts, sampling_params, strict=True))
+        self._left = []
         out = []
-        for prompt, sp in zip(prompts, sampling_params, strict=True):
+        for prompt, sp in requests:
             if self._logprobs_mode == "raw_logprobs" and sp.logprobs is not None and \
                     sp.temperature != 1.0:
                 raise NotImplementedError("fake LLM: raw log-probs (before temperature) are "
@@ -136,10 +149,6 @@ class LLM:
             if sp.seed is not None and not -2**63 <= sp.seed < 2**63:  # (its int64 arrays)
                 raise OverflowError("Python int too large to convert to C long")
             room = self._max_len - len(prompt["prompt_token_ids"])
-            if room < 1:  # as vLLM refuses it, failing the whole call
-                raise ValueError(f"fake LLM: the decoder prompt (length "
-                                 f"{len(prompt['prompt_token_ids'])}) is longer than the "
-                                 f"maximum model length of {self._max_len}")
             # past max_model_len a request ends (FINISHED_LENGTH_CAPPED), at any token
             cfg = SamplingConfig(temperature=sp.temperature, top_p=sp.top_p,
                                  max_new_tokens=min(sp.max_tokens, room),

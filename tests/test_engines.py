@@ -367,6 +367,29 @@ def test_vllm_log_probs_missing_are_an_error_not_zeros():
         vllm.generate([[1, 2, 3]], [0])
 
 
+def test_a_prompt_too_long_for_vllm_is_refused_before_vllm_keeps_the_rows_before_it():
+    """vLLM up to 0.11.0 refuses a prompt longer than max_model_len after adding the rows
+    before it, and hands those to the next call: its rows went into the next call's rows.
+    The adapter refuses the prompt first, naming it, and checks each answer's prompt."""
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    vllm = VLLMEngine("tiny-llama", SamplingConfig(max_new_tokens=3), max_model_len=8,
+                      llm_cls=fake_vllm.LLM, sampling_params_cls=fake_vllm.SamplingParams)
+    with pytest.raises(ValueError, match=r"prompt 1 has 8 tokens, which leaves no room for a "
+                                         r"response within vLLM's max_model_len of 8"):
+        vllm.generate([[1, 5], [1] * 8], [0, 1])
+    out = vllm.generate([[1, 7, 7]], [2])
+    assert out["prompt_ids"].tolist() == [[1, 7, 7]] and out["response_mask"].sum() == 3
+    vllm.llm.llm_engine = None  # a vLLM that does not say its limit where it is looked for
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        vllm.generate([[1, 5], [1] * 8], [0, 1])
+    with pytest.raises(RuntimeError, match="vLLM answered 2 requests for 1 prompts"):
+        vllm.generate([[1, 7, 7]], [2])
+    assert vllm.generate([[1, 7, 7]], [2])["prompt_ids"].tolist() == [[1, 7, 7]]
+
+
 def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfilled(tmp_path):
     """A hybrid's vLLM starts from dummy weights: a parameter the trainer's names do not
     reach would stay random. The first fill checks that vLLM's model reported every one of
@@ -580,3 +603,73 @@ def test_the_hybrid_engine_offloads_the_optimizer_unless_told_to_keep_it():
     hybrid.to_generate()
     assert backend.moves == ["state to cpu", "masters off", "masters back", "state to cpu"]
     assert hybrid.offloaded_bytes == 0
+
+
+def test_a_switch_that_fails_is_undone_and_a_failed_restore_is_done_by_the_next_to_train(
+        tmp_path):
+    """vLLM's KV cache not fitting as it woke left the hybrid in train mode with the
+    optimizer offloaded and vLLM's weights awake; a restore that failed in to_train left it
+    in generate mode with the engine asleep. Each later switch returned at once, so
+    training ran with its optimizer away (or generation with its engine asleep)."""
+    import fake_vllm
+
+    build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
+    fail = {"wake": 1, "reload": 0}
+
+    class Flaky(fake_vllm.LLM):
+        def wake_up(self, tags=None):
+            if tags == ["kv_cache"] and fail["wake"]:
+                fail["wake"] -= 1
+                raise torch.OutOfMemoryError("CUDA out of memory (the KV cache)")
+            super().wake_up(tags)
+
+    class Backend:
+        def __init__(self) -> None:
+            self.model = build_model(ModelConfig(path=str(tmp_path / "ckpt")))
+            self.opt = torch.optim.AdamW(self.model.parameters())
+            self.moves: list[str] = []
+
+        def offload_masters(self) -> int:
+            self.moves.append("masters off")
+            return 1
+
+        def reload_masters(self) -> None:
+            if fail["reload"]:
+                fail["reload"] -= 1
+                raise torch.OutOfMemoryError("CUDA out of memory (the masters)")
+            self.moves.append("masters back")
+
+    backend = Backend()
+    hybrid = HybridEngine(backend, ModelConfig(path=str(tmp_path / "ckpt")),
+                          SamplingConfig(max_new_tokens=3), engine="vllm",
+                          engine_options={"llm_cls": Flaky,
+                                          "sampling_params_cls": fake_vllm.SamplingParams})
+    hybrid._move_optimizer = lambda device: backend.moves.append(f"state to {device}")
+    with pytest.raises(torch.OutOfMemoryError, match="KV cache"):
+        hybrid.to_generate()
+    assert hybrid.mode == "train" and hybrid.engine.llm.asleep == {"weights", "kv_cache"}
+    assert backend.moves[-2:] == ["masters back", "state to cpu"]  # (cpu: these weights')
+    hybrid.to_generate()  # goes now
+    assert hybrid.generate(PROMPTS, [1, 2, 3, 4])["response_ids"].shape[0] == 4
+    fail["reload"] = 1
+    with pytest.raises(torch.OutOfMemoryError, match="masters"):
+        hybrid.to_train()
+    assert hybrid.mode == "train" and hybrid.engine.asleep
+    backend.moves.clear()
+    hybrid.to_train()  # the restore done now
+    assert backend.moves == ["masters back", "state to cpu"] and not hybrid._offloaded
+
+
+def test_weights_adopted_are_all_taken_or_none():
+    """A copy failing half-way (out of memory converting a pack's dtype) left the weights
+    before it new and the rest old, under the old version: a torn model generated on."""
+    sampler = Sampler(build_model(ModelConfig()))
+    (a, first), (b, second) = list(sampler.model.named_parameters())[:2]
+    before = first.detach().clone()
+    with pytest.raises(NotImplementedError):  # a meta tensor cannot be copied to the CPU
+        sampler.adopt_weights([(a, torch.ones_like(first)),
+                               (b, torch.empty(second.shape, device="meta"))], version=5)
+    assert torch.equal(sampler.model.get_parameter(a), before) and sampler.version == 0
+    sampler.adopt_weights([(a, torch.ones_like(first, dtype=torch.bfloat16))], version=6)
+    assert sampler.model.get_parameter(a).dtype == torch.float32 and sampler.version == 6
+    assert torch.equal(sampler.model.get_parameter(a), torch.ones_like(first))

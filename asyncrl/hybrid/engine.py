@@ -122,24 +122,24 @@ class HybridEngine:
             self._make_plans()
         try:
             self.offloaded_bytes = 0
-            if self.offload_optimizer:  # first: their memory makes room for the engine's
-                self._offloaded = True
+            if self.offload_optimizer and not self._offloaded:  # first: their memory makes
+                self._offloaded = True  # room for the engine's (away still: a restore failed)
                 self._move_optimizer("cpu")
                 self.offloaded_bytes = self.backend.offload_masters()
             if self.engine.owns_weights and torch.cuda.is_available():
                 torch.cuda.empty_cache()  # vLLM allocates from its own pool, not torch's cache
             self._fill_engine()
+            if self.engine.owns_weights and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the fill's buffers: vLLM's KV cache is not torch's
+            self.engine.wake()  # (vLLM: allocates its KV cache, which may not fit)
         except BaseException:  # still training: the engine's memory freed again (GPU), the
-            self._release()  # optimizer back where it steps
-            try:
+            self._release()  # optimizer back where it steps (or at the next to_train, if
+            try:  # this fails too)
                 if self.engine.owns_weights:  # vLLM: the first load woke its weights
                     self.engine.sleep(self._sleep_level)
             finally:
                 self._restore_training()
             raise
-        if self.engine.owns_weights and torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the fill's buffers: vLLM's KV cache is not torch's
-        self.engine.wake()
         self.mode = "generate"
 
     def _fill_engine(self) -> None:
@@ -221,12 +221,11 @@ class HybridEngine:
                                           if p.requires_grad), self.bucket_bytes, self._zero)
 
     def to_train(self) -> None:
-        if self.mode == "train":
-            return
-        self.engine.sleep(self._sleep_level)
-        self._release()
-        self._restore_training()
-        self.mode = "train"
+        if self.mode == "generate":
+            self.engine.sleep(self._sleep_level)
+            self._release()
+            self.mode = "train"  # the engine asleep: a failure below is retried next time
+        self._restore_training()  # (nothing to do unless the optimizer is away)
 
     def _restore_training(self) -> None:
         if not self._offloaded:

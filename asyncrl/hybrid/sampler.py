@@ -397,9 +397,13 @@ class Sampler:
         pack for an fp32 engine), between two token steps; how many. `whole`: they are
         every weight of the model."""
         pairs = self._match(named, "adopt_weights", whole)
+        # every copy made before any is adopted: one failing (out of memory) leaves the old
+        # weights whole, never some new ones under the old version (and none made under
+        # the step lock: generation goes on meanwhile)
+        made = [value.to(param.device, param.dtype) for param, value in pairs]
         with self._step:
-            for param, value in pairs:
-                param.data = value.to(param.device, param.dtype)
+            for (param, _), value in zip(pairs, made, strict=True):
+                param.data = value
             if version is not None:
                 self.version = version
         return len(pairs)

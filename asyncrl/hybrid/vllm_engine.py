@@ -159,6 +159,13 @@ class VLLMEngine:
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give "
                              f"one seed per sample")
         _check_top_p(cfg)
+        limit = _max_model_len(self.llm)
+        for i, p in enumerate(prompts):  # before vLLM: up to 0.11.0 it kept the rows added
+            if limit is not None and len(p) >= limit:  # before a refused one, and handed
+                raise ValueError(  # them to the next call (issue 26081)
+                    f"generate: prompt {i} has {len(p)} tokens, which leaves no room for a "
+                    f"response within vLLM's max_model_len of {limit}; cut the prompt or "
+                    f"raise max_model_len (engine_options)")
         params = [self._params_cls(temperature=cfg.temperature, top_p=cfg.top_p,
                                    max_tokens=cfg.max_new_tokens,
                                    stop_token_ids=list(cfg.stop_token_ids),
@@ -169,6 +176,7 @@ class VLLMEngine:
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                                         params, use_tqdm=False)
             version = self.version
+        _check_answers(outputs, prompts)
         prompt_ids, prompt_mask = left_pad(prompts, cfg.pad_token_id)
         n = cfg.max_new_tokens
         ids = torch.full((len(prompts), n), cfg.pad_token_id, dtype=torch.long)
@@ -258,6 +266,29 @@ class VLLMEngine:
 
     def resume(self) -> None:
         self.paused = False
+
+
+def _max_model_len(llm: Any) -> int | None:
+    """vLLM's max_model_len (None where this vLLM does not say it where it is looked for)."""
+    engine = getattr(llm, "llm_engine", None)
+    config = getattr(engine, "model_config", None) or \
+        getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    limit = getattr(config, "max_model_len", None)
+    return limit if isinstance(limit, int) else None
+
+
+def _check_answers(outputs: Sequence[Any], prompts: Sequence[Sequence[int]]) -> None:
+    """One answer per prompt, in order: rows of another call (left in vLLM by a refused
+    one) must not go into this call's rows."""
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"vLLM answered {len(outputs)} requests for {len(prompts)} prompts "
+                           f"(requests of an earlier call that failed left in it?); this "
+                           f"call's rows are not trusted: call again")
+    for i, (out, prompt) in enumerate(zip(outputs, prompts, strict=True)):
+        given = getattr(out, "prompt_token_ids", None)
+        if given is not None and list(given) != list(prompt):
+            raise RuntimeError(f"vLLM's answer {i} is for another prompt (requests of an "
+                               f"earlier call that failed left in it?); call again")
 
 
 def _version(text: str) -> tuple[int, ...]:
