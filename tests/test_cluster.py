@@ -62,10 +62,12 @@ def test_a_slurm_allocation_becomes_a_cluster_launched_with_srun():
     assert [(h.gpus, h.cpus) for h in Cluster.from_slurm(mixed, here="gpu1").hosts] == [
         (4, 64), (4, 64), (4, 32)]
     uneven = {"SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_GPUS": "12", "SLURM_GPUS_ON_NODE": "8"}
-    with pytest.raises(ValueError, match="12 GPUs over 2 nodes .* ask for them per node"):
-        Cluster.from_slurm(uneven, here="gpu1")
-    even = {**uneven, "SLURM_GPUS": "16"}
-    assert [h.gpus for h in Cluster.from_slurm(even, here="gpu1").hosts] == [8, 8]
+    for total in ("12", "a100:12", "a100:8,v100:4"):  # --gpus=[TYPE:]N, of one type or more
+        with pytest.raises(ValueError, match="12 GPUs over 2 nodes .* ask for them per node"):
+            Cluster.from_slurm({**uneven, "SLURM_GPUS": total}, here="gpu1")
+    for total in ("16", "a100:16"):
+        even = {**uneven, "SLURM_GPUS": total}
+        assert [h.gpus for h in Cluster.from_slurm(even, here="gpu1").hosts] == [8, 8]
     spread = cluster.spread("actor", 16)  # 16 ranks: 8 on each node
     assert [(h.name, slots) for h, slots in spread] == [("gpu1", list(range(8))),
                                                         ("gpu2", list(range(8)))]
@@ -165,10 +167,28 @@ def test_ssh_hosts_and_bad_hosts_files(tmp_path):
     with pytest.raises(ValueError, match=r"hosts \['g'\] have GPUs and \['c'\] none"):
         Cluster([HostSpec("g", "g", gpus=8), HostSpec("c", "c", cpus=64)])
     # one machine listed twice: each entry handed out its GPUs 0..n-1, two groups on a GPU
-    with pytest.raises(ValueError, match=r"GPU hosts \['a', 'b'\] share an address "
+    with pytest.raises(ValueError, match=r"GPU hosts \['a', 'b'\] are one machine "
                                          r"\(10.0.0.1\): list each machine once"):
-        Cluster([HostSpec("a", "10.0.0.1", gpus=4), HostSpec("b", "10.0.0.1", gpus=4)])
+        Cluster([HostSpec(n, "10.0.0.1", gpus=4, via="ssh") for n in "ab"])
     Cluster([HostSpec(n, "127.0.0.1", cpus=1, via="local") for n in "ab"])  # CPUs: as tests do
+    for address in ("fd00::2", "::1", "[fd00::2]"):  # the data plane bound tcp://fd00::2
+        with pytest.raises(ValueError, match="'a'.*IPv6 .*not supported yet; give the host's IPv4"):
+            Cluster([HostSpec("a", address, cpus=2, via="ssh")])
+
+
+def test_gpu_hosts_that_are_one_machine_are_refused():
+    """local and netns hosts are all this machine, an ssh host's name and its IP one: each
+    handed out GPUs 0..n-1 (two groups got CUDA_VISIBLE_DEVICES=0,1 of the same GPUs)."""
+    for via in ("local", "netns"):
+        with pytest.raises(ValueError, match=r"'a', 'b'\] are all this machine .*one host with"):
+            Cluster([HostSpec("a", "127.0.0.1", gpus=2), HostSpec("b", "10.7.0.2", 2, via=via)])
+    ssh = [HostSpec("a", "localhost", gpus=2, via="ssh"), HostSpec("b", "127.0.0.1", 2, via="ssh")]
+    with pytest.raises(ValueError, match=r"\['a', 'b'\] are one machine \(127.0.0.1\): list"):
+        Cluster(ssh)
+    with pytest.raises(ValueError, match=r"\['b', 'a'\] are one machine \(this machine\)"):
+        Cluster([HostSpec("b", "127.0.0.2", gpus=2), ssh[0]])  # ssh to this machine
+    Cluster([HostSpec("a", "n1.invalid", gpus=2, via="ssh"),  # (unresolved: ssh may know it)
+             HostSpec("b", "127.0.0.1", 2)])
 
 
 def test_an_agent_off_this_machine_removes_its_torchrun_folder(tmp_path):
@@ -404,14 +424,14 @@ def test_cluster_never_hands_out_the_slots_of_a_running_group():
     assert cluster.spread("D", 2)[0][1] == [4, 5]
     with pytest.raises(asyncrl.PlacementError, match=r"of the hosts \[\('h', 2\)\]"):
         cluster.spread("E", 4)  # only 6, 7 are free
-    two = Cluster([HostSpec("a", "a", gpus=4), HostSpec("b", "b", gpus=4)])
+    two = Cluster([HostSpec(n, n, gpus=4, via="srun") for n in "ab"])
     two.spread("x", 2)  # a: 0, 1
     two.spread("y", 2)  # b: 0, 1
     two.spread("z", 2)  # a: 2, 3
     two.forget("x")
     assert [(h.name, s) for h, s in two.spread("w", 4)] == [("a", [0, 1]), ("b", [2, 3])]
     # a host a rank died on comes last, but is used when the others are full
-    three = Cluster([HostSpec(n, n, gpus=2) for n in "abc"])
+    three = Cluster([HostSpec(n, n, gpus=2, via="srun") for n in "abc"])
     three.suspect("a")
     three.suspect("nowhere")  # (a name not in the cluster: nothing)
     assert [h.name for h, _ in three.spread("x", 2)] == ["b"]

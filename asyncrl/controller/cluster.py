@@ -6,7 +6,9 @@
                           reached with srun
     "via": "local" runs the agent on this machine (several "hosts" on loopback: tests, and a
     laptop that imitates a cluster); "netns" in the network namespace named like the host
-    (separate network stacks on one machine: `ip netns exec NAME ...`, as root)
+    (separate network stacks on one machine: `ip netns exec NAME ...`, as root); of GPU
+    hosts, at most one is this machine (each hands out GPUs 0..n-1)
+    addresses are IPv4 addresses or names (IPv6 is not supported yet)
 
 A group spread over k hosts runs one torchrun agent per host, `--nnodes k --node-rank i
 --nproc-per-node n`, meeting at the first host's `--rdzv-endpoint`; its ranks connect back to
@@ -15,6 +17,7 @@ the controller's address, which is then not loopback.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -30,6 +33,7 @@ from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
 from asyncrl.controller.placement import PlacementError, constraints_of
 
 VIAS = ("local", "ssh", "srun", "netns")
+HERE = ("local", "netns")  # the vias that run on the controller's own machine
 
 
 @dataclass(frozen=True)
@@ -86,18 +90,17 @@ class Cluster:
                                      f"got {n!r}")
             if h.slots < 1:
                 raise ValueError(f"host {h.name!r} has no GPU and no CPU to run ranks on")
+            if _is_ipv6(h.address):  # data servers bind tcp://ADDRESS: no zmq.IPV6, no [ ]
+                raise ValueError(f"host {h.name!r}: address {h.address!r}: IPv6 addresses "
+                                 f"are not supported yet; give the host's IPv4 address or a "
+                                 f"name that resolves to one")
         if any(h.gpus for h in hosts) and not all(h.gpus for h in hosts):
             # a group would land on either kind (or be split over both: NCCL beside gloo)
             raise ValueError(f"hosts {[h.name for h in hosts if h.gpus]} have GPUs and "
                              f"{[h.name for h in hosts if not h.gpus]} none: a cluster of "
                              f"both kinds is not supported (a group cannot say which it "
                              f"needs); list one kind")
-        machines = [h.address for h in hosts if h.gpus and h.via != "netns"]
-        twice = sorted({a for a in machines if machines.count(a) > 1})
-        if twice:  # each would hand out GPUs 0..n-1 of the one machine: two groups on a GPU
-            named = [h.name for h in hosts if h.address in twice]
-            raise ValueError(f"GPU hosts {named} share an address ({', '.join(twice)}): list "
-                             f"each machine once, with all its GPUs")
+        _refuse_shared_gpus([h for h in hosts if h.gpus])
         self.hosts = hosts
         self._taken: dict[str, set[int]] = {h.name: set() for h in hosts}  # slots in use
         self._groups: dict[str, dict[str, list[int]]] = {}  # group -> host -> its slots
@@ -149,9 +152,9 @@ class Cluster:
         cpus = _per_node(env.get("SLURM_JOB_CPUS_PER_NODE", ""), len(nodes)) or \
             [_leading_int(env.get("SLURM_CPUS_ON_NODE", "1")) or 1] * len(nodes)
         per_node = env.get("SLURM_GPUS_PER_NODE")  # "8", "a100:8": asked for every node
-        gpus = int(re.findall(r"\d+", per_node)[-1]) if per_node and re.search(r"\d", per_node) \
+        gpus = _gpu_count(per_node) if per_node and re.search(r"\d", per_node) \
             else _leading_int(env.get("SLURM_GPUS_ON_NODE", "0"))
-        total = _leading_int(env.get("SLURM_GPUS", "0"))  # --gpus=N: over the job's nodes
+        total = _gpu_count(env.get("SLURM_GPUS", ""))  # --gpus=[TYPE:]N: over the job's nodes
         if per_node is None and total and total != gpus * len(nodes):
             raise ValueError(
                 f"SLURM allocation of {total} GPUs over {len(nodes)} nodes ({nodelist}), "
@@ -215,6 +218,51 @@ class Cluster:
     def forget(self, group: str) -> None:
         for name, slots in self._groups.pop(group, {}).items():
             self._taken[name].difference_update(slots)
+
+
+def _is_ipv6(address: str) -> bool:
+    try:  # (bracketed, and with a zone: "[fe80::1%eth0]")
+        return ipaddress.ip_address(address.strip("[]").partition("%")[0]).version == 6
+    except ValueError:
+        return False  # IPv4, or a name
+
+
+def _refuse_shared_gpus(gpu_hosts: list[HostSpec]) -> None:
+    """Each GPU host hands out its machine's GPUs 0..n-1: two hosts that are one machine
+    would put two groups on a GPU."""
+    here = [h.name for h in gpu_hosts if h.via in HERE]
+    if len(here) > 1:  # (netns too: a namespace has its own network, not its own GPUs)
+        raise ValueError(f"GPU hosts {here} are all this machine (via \"local\" or \"netns\"), "
+                         f"and each would hand out its GPUs 0..n-1 to other groups; list one "
+                         f"host with all of this machine's GPUs")
+    seen: dict[str, str] = {}  # an address of a machine -> the host listed with it
+    for h in gpu_hosts:
+        for a in sorted(_machine_of(h)):
+            first = seen.setdefault(a, h.name)
+            if first != h.name:
+                raise ValueError(f"GPU hosts {[first, h.name]} are one machine ({a}): "
+                                 f"list each machine once, with all its GPUs")
+
+
+def _machine_of(h: HostSpec) -> set[str]:
+    """What tells `h`'s machine apart: its address, and for ssh the IP addresses that
+    resolves to here (best effort: a name only ssh's own config knows need not resolve).
+    srun's nodes are SLURM's, each named once."""
+    resolved: set[str] = set()
+    if h.via == "ssh":
+        try:
+            resolved = {str(i[4][0]) for i in socket.getaddrinfo(h.address, None,
+                                                                  type=socket.SOCK_STREAM)}
+        except (OSError, UnicodeError):
+            pass
+    here = h.via in HERE or any(ipaddress.ip_address(a.partition("%")[0]).is_loopback
+                                for a in resolved)
+    return {h.address, *resolved, *(["this machine"] if here else [])}
+
+
+def _gpu_count(text: str) -> int:
+    """SLURM's "8", "a100:8", "a100:4,v100:2": the GPUs of each type summed (0 for none)."""
+    return sum(int((re.findall(r"\d+", part) or ["0"])[-1]) for part in text.split(","))
 
 
 def _leading_int(text: str) -> int:
