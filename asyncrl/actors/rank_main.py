@@ -49,7 +49,7 @@ from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.cuda_ipc import device_uuid
 from asyncrl.comm.dataplane import DataClient, pool_prefix, run_prefix
-from asyncrl.comm.dataserver import DataServer
+from asyncrl.comm.dataserver import DataServer, check_reachable
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import (
     CONCURRENT_THREADS,
@@ -187,6 +187,7 @@ class RankMain:
         self.gone = GonePeers()  # groups the controller declared dead: pulls from them fail
         run_id = env.get("ASYNCRL_RUN_ID", str(os.getpid()))
         self.segments = SegmentPool(pool_prefix(run_id, self.group, self.rank, os.getpid()))
+        check_reachable(env.get("ASYNCRL_DATA_HOST", "127.0.0.1"), self.address)
         self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
                                self.secret, self.store.get, f"{self.group}:{self.rank}",
                                run_prefix(run_id),

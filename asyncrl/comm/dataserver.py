@@ -9,7 +9,9 @@ that names it, never fatal to the server. The puller's side is `comm.dataplane.D
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,33 @@ def bytes_of(t: torch.Tensor) -> np.ndarray:
     """The raw bytes of a tensor as a flat uint8 array (no copy when it is a contiguous CPU
     tensor; GPU tensors are staged through host memory until the GPU transports exist)."""
     return codec.byte_view(t.detach().cpu()).numpy()
+
+
+def check_reachable(host: str, controller: str) -> None:
+    """A rank's data host given as a name must not resolve to loopback where the controller
+    is on another machine: zmq binds where the name resolves (Debian's /etc/hosts maps a
+    machine's own name to 127.0.1.1), and no other host could pull from this rank."""
+    if _loopback(controller.removeprefix("tcp://").rpartition(":")[0]) is not False:
+        return  # one machine (or unknown): loopback is fine
+    try:
+        ipaddress.ip_address(host)
+        return  # an address: bound as given
+    except ValueError:
+        pass
+    if _loopback(host):
+        raise RuntimeError(f"this host's address {host!r} resolves to a loopback address on "
+                           f"it, so ranks on other hosts could not pull from its ranks; give "
+                           f"the host's IP address as its address in the cluster's hosts")
+
+
+def _loopback(host: str) -> bool | None:
+    """Whether every address `host` resolves to is loopback (None: it does not resolve)."""
+    try:
+        found = {i[4][0] for i in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return None
+    return bool(found) and all(ipaddress.ip_address(str(a).partition("%")[0]).is_loopback
+                               for a in found)
 
 
 class DataServer:
