@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import assert_gone, group_pids, run
+from helpers import assert_gone, group_pids, poll_until, run
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -270,6 +270,46 @@ def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
     assert_gone(pids)
     assert train_w and set(engine_w) >= set(train_w)  # (all() of none: true)
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
+
+
+class FlakySwitchPolicy(Policy):
+    """Rank 1's first switch to generation fails before its gathers (its optimizer's memory
+    could not be moved: an out-of-memory on a GPU)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        offload, failures = self.backend.offload_masters, [1 if self.rank == 1 else 0]
+
+        def flaky() -> int:
+            if failures[0]:
+                failures[0] -= 1
+                raise torch.OutOfMemoryError("the masters found no room (rank 1)")
+            return offload()
+        self.backend.offload_masters = flaky
+
+
+def test_a_switch_failing_on_one_rank_fails_its_peers_at_once_and_the_next_one_goes():
+    """A switch that failed on one rank before its gathers left its peers in the first
+    all_gather until the collective timeout; then their modes differed (one generating,
+    one training), and the group's next collectives met the wrong ones."""
+    async def main():
+        async with asyncrl.Controller(collective_timeout=300.0) as ctl:
+            policy = await small_policy(ctl, FlakySwitchPolicy, seed=2)
+            pids = group_pids(policy)
+            with pytest.raises(asyncrl.RemoteError) as e:
+                await policy.generate(prompts_batch(4))
+
+            def said() -> str:  # either rank's error may come first, the other as a note
+                return "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
+            await poll_until(lambda: "the masters found no room" in said() and "preparing the "
+                             "switch to generation failed on another rank" in said(), 30,
+                             "both ranks' errors")
+            out = await policy.generate(prompts_batch(4))
+            return pids, out, (await policy.weights("engine"))[0], \
+                (await policy.weights("train"))[0]
+    pids, out, engine_w, train_w = run(main(), timeout=120)
+    assert_gone(pids)
+    assert len(out) == 4 and all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
 
 
 def test_a_policy_checkpoint_brings_back_its_weights_and_the_engine_follows(tmp_path):

@@ -4,7 +4,9 @@
                                   leaves the GPU; sharded parameters are all-gathered
                                   bucket by bucket (about 32 MiB: one collective each)
                                   and copied straight into the engine's own weights:
-                                  never a second full copy; the engine wakes
+                                  never a second full copy; the engine wakes (the ranks
+                                  agree before the gathers and after the wake: a failure
+                                  on one is undone on all, none left in a collective)
     generate   ──to_train()────▶ the engine sleeps (no KV cache is kept between calls); on
                                   a GPU its weights and the gather buffers are freed;
                                   optimizer state comes back
@@ -25,6 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.hybrid.gather import Gatherer, plan_gather, whole_each
 from asyncrl.hybrid.lora import delta, is_adapter, lora_layers
@@ -48,6 +51,28 @@ def check_engine(name: Any, options: Any) -> None:
     if name == "builtin" and options:
         raise ValueError(f"engine_options {sorted(options)} are for engine='vllm'; the "
                          f"built-in engine takes its settings from sampling=")
+
+
+def _attempt(step: Any) -> BaseException | None:
+    """What `step()` raised (None: it went through)."""
+    try:
+        step()
+    except BaseException as e:  # noqa: BLE001 - raised by agree() on every rank
+        return e
+    return None
+
+
+def agree(failed: BaseException | None, what: str) -> None:
+    """Every rank of the group learns whether `what` failed on any (a collective); each
+    raises then: its own error, or one that says another rank's is the call's."""
+    flag = torch.tensor([failed is not None], dtype=torch.int32)  # (gloo: a CPU tensor)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failed is not None:
+        raise failed
+    if flag.item():
+        raise RuntimeError(f"{what} failed on another rank of this group (its error is the "
+                           f"call's); this rank undid its part")
 
 
 def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | None,
@@ -121,17 +146,11 @@ class HybridEngine:
         if self._frozen_plan is None and not self.engine.owns_weights:
             self._make_plans()
         try:
-            self.offloaded_bytes = 0
-            if self.offload_optimizer and not self._offloaded:  # first: their memory makes
-                self._offloaded = True  # room for the engine's (away still: a restore failed)
-                self._move_optimizer("cpu")
-                self.offloaded_bytes = self.backend.offload_masters()
-            if self.engine.owns_weights and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # vLLM allocates from its own pool, not torch's cache
-            self._fill_engine()
-            if self.engine.owns_weights and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the fill's buffers: vLLM's KV cache is not torch's
-            self.engine.wake()  # (vLLM: allocates its KV cache, which may not fit)
+            # this rank's own part first, then the gathers (collectives), then the wake: every
+            # rank learns of a failure on any (agree) before the next collective, so none is
+            # left waiting in it (until the collective timeout) while the others go on
+            agree(_attempt(self._prepare), "preparing the switch to generation")
+            agree(_attempt(self._fill_and_wake), "filling the engine")
         except BaseException:  # still training: the engine's memory freed again (GPU), the
             self._release()  # optimizer back where it steps (or at the next to_train, if
             try:  # this fails too)
@@ -142,16 +161,33 @@ class HybridEngine:
             raise
         self.mode = "generate"
 
+    def _prepare(self) -> None:
+        """The optimizer's memory makes room for the engine's; the engine's weights get
+        their memory back (GPU)."""
+        self.offloaded_bytes = 0
+        if self.offload_optimizer and not self._offloaded:  # (away still: a restore failed)
+            self._offloaded = True
+            self._move_optimizer("cpu")
+            self.offloaded_bytes = self.backend.offload_masters()
+        if self.engine.owns_weights and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # vLLM allocates from its own pool, not torch's cache
+        if self.released:
+            for block in self._blocks:
+                block.untyped_storage().resize_(block.numel() * block.element_size())
+            self.released = False
+
+    def _fill_and_wake(self) -> None:
+        self._fill_engine()
+        if self.engine.owns_weights and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the fill's buffers: vLLM's KV cache is not torch's
+        self.engine.wake()  # (vLLM: allocates its KV cache, which may not fit)
+
     def _fill_engine(self) -> None:
         """The training shards gathered, bucket by bucket, into the engine's weights."""
         if self.engine.owns_weights:
             self._fill_by_name()
             return
         assert self._frozen_plan is not None
-        if self.released:
-            for block in self._blocks:
-                block.untyped_storage().resize_(block.numel() * block.element_size())
-            self.released = False
         # the trained parameters, and the frozen ones unless the engine holds them already
         loads = getattr(self.backend, "loads", 0)  # (a backend that never reloads: 0)
         plan = self._trained_plan if self._frozen_at == loads else \
@@ -167,6 +203,13 @@ class HybridEngine:
         bucket: list[tuple[str, torch.Tensor]] = []
         size = self.peak_gather_bytes = 0
         layers = lora_layers(self.backend.model)
+        failed: BaseException | None = None
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            nonlocal failed  # past a failed load the gathers go on (collectives: the peers
+            if failed is None:  # are in them), nothing more is loaded; raised after them
+                failed = _attempt(lambda: self.engine.load_weights(pairs))
+
         for name, param in self.backend.model.named_parameters():
             if is_adapter(name):
                 continue
@@ -180,10 +223,12 @@ class HybridEngine:
             size += value.numel() * value.element_size()
             self.peak_gather_bytes = max(self.peak_gather_bytes, size)
             if size >= self.bucket_bytes:
-                self.engine.load_weights(bucket)
+                load(bucket)
                 bucket, size = [], 0
         if bucket:
-            self.engine.load_weights(bucket)
+            load(bucket)
+        if failed is not None:
+            raise failed
         if not self._filled_once:  # from dummy weights: a name vLLM did not map stays random
             missing = self.engine.not_loaded()
             if missing:
