@@ -389,21 +389,37 @@ def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(tmp_p
 
 def test_a_checkpoint_of_the_other_backend_is_named_as_such(tmp_path):
     """An FSDP2 checkpoint given to a ZeRO group (or the reverse) failed with "no DeepSpeed
-    checkpoint" or a missing .metadata file: now the backend that wrote it is named."""
+    checkpoint" or a missing .metadata file, and one of the other ZeRO stage with an
+    assertion of DeepSpeed's: the error said to move a good checkpoint aside. Now the
+    backend that wrote it is named. (The files as DeepSpeed names them: ZeRO-3 keeps its
+    model states per rank.)"""
     from asyncrl.hybrid.fsdp import ZERO_TAG, check_written_by
 
-    fsdp, zero, empty = (tmp_path / n for n in ("fsdp", "zero", "empty"))
-    for folder in (fsdp, zero, empty):
+    fsdp, zero2, zero3, empty = (tmp_path / n for n in ("fsdp", "zero2", "zero3", "empty"))
+    for folder in (fsdp, zero2, zero3, empty):
         folder.mkdir()
     (fsdp / ".metadata").write_bytes(b"")
-    (zero / ZERO_TAG).mkdir()
+    for folder, files in ((zero2, ["mp_rank_00_model_states.pt",
+                                   "zero_pp_rank_0_mp_rank_00_optim_states.pt"]),
+                          (zero3, ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                   "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"])):
+        (folder / ZERO_TAG).mkdir()
+        for name in files:
+            (folder / ZERO_TAG / name).write_bytes(b"")
     with pytest.raises(ValueError, match=r"fsdp was written with backend='fsdp2'; this group "
-                                         r"trains with backend='zero2' or 'zero3': resume"):
-        check_written_by(fsdp, "zero")
-    with pytest.raises(ValueError, match="written with backend='zero2' or 'zero3'; this group "
-                                         "trains with backend='fsdp2'"):
-        check_written_by(zero, "fsdp2")
-    for folder, backend in ((fsdp, "fsdp2"), (zero, "zero"), (empty, "fsdp2"), (empty, "zero")):
+                                         r"trains with backend='zero3': resume"):
+        check_written_by(fsdp, "zero3")
+    with pytest.raises(ValueError, match="written with backend='zero2'; this group trains "
+                                         "with backend='fsdp2'"):
+        check_written_by(zero2, "fsdp2")
+    with pytest.raises(ValueError, match="zero2 was written with backend='zero2'; this group "
+                                         "trains with backend='zero3'"):
+        check_written_by(zero2, "zero3")
+    with pytest.raises(ValueError, match="written with backend='zero3'; this group trains "
+                                         "with backend='zero2'"):
+        check_written_by(zero3, "zero2")
+    for folder, backend in ((fsdp, "fsdp2"), (zero2, "zero2"), (zero3, "zero3"),
+                            (empty, "fsdp2"), (empty, "zero2")):
         check_written_by(folder, backend)  # (a missing one is the load's own error)
 
 

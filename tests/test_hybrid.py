@@ -439,6 +439,10 @@ class AnyTrainer(asyncrl.Worker):
         self.backend.load_state_dict(weights)
         return True
 
+    @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
+    def weight_decay(self) -> list[float]:
+        return [group["weight_decay"] for group in self.backend.opt.param_groups]
+
     @asyncrl.register
     def save(self, folder: str) -> None:
         self.backend.save(folder)
@@ -592,22 +596,26 @@ def test_a_resumed_trainer_continues_its_lr_schedule(kind, tmp_path):
             first, again, other = await asyncio.gather(  # started together: quicker
                 ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="first"),
                 ctl.spawn(AnyTrainer, kind, model_cfg, train_cfg, name="again"),
-                # a resumed run with another lr: the config's lr wins, on both backends
-                ctl.spawn(AnyTrainer, kind, model_cfg, {**train_cfg, "lr": 2e-3}, name="other"))
+                # a resumed run with another lr (and weight decay): the config's win, on both
+                # backends (the optimizer's state dict brought the saved weight decay back)
+                ctl.spawn(AnyTrainer, kind, model_cfg, {**train_cfg, "lr": 2e-3,
+                                                        "weight_decay": 0.1}, name="other"))
             before = [(await first.step(batch))[0]["lr"] for _ in range(3)]
             await first.save(str(tmp_path / "ckpt"))
             await again.load(str(tmp_path / "ckpt"))
             after = [(await again.step(batch))[0]["lr"] for _ in range(2)]
             await other.load(str(tmp_path / "ckpt"))
             changed = (await other.step(batch))[0]["lr"]
+            decay = await other.weight_decay()
             pids = group_pids(first) + group_pids(again) + group_pids(other)
             # a checkpoint from before schedules: resumed at its optimizer step count
             await first.save_as_before_schedules(str(tmp_path / "old"))
             await other.load(str(tmp_path / "old"))
             old = (await other.step(batch))[0]["lr"]
-            return before, after, changed, old, pids
-    before, after, changed, old, pids = run(main(), timeout=280)
+            return before, after, changed, old, pids, decay
+    before, after, changed, old, pids, decay = run(main(), timeout=280)
     assert_gone(pids)
+    assert decay == [0.1]
     cfg = TrainConfig(**train_cfg)
     assert before + after == pytest.approx([1e-3 * lr_factor(cfg, i) for i in range(5)])
     assert after == pytest.approx([7.5e-4, 1e-3])  # the 4th and 5th steps, not a new warmup

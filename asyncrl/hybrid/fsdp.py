@@ -129,12 +129,14 @@ def lr_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> Any:
 
 
 def resume_schedule(sched: Any, opt: torch.optim.Optimizer, cfg: TrainConfig, steps: int) -> None:
-    """Put a loaded trainer's schedule at `steps` optimizer steps, with this config's lr (a
-    resumed run may change it; both backends then agree)."""
+    """Put a loaded trainer's schedule at `steps` optimizer steps, with this config's lr and
+    weight decay (a resumed run may change them: the optimizer's state dict brought back the
+    saved ones; both backends then agree)."""
     sched.last_epoch = steps
     sched.base_lrs = [cfg.lr] * len(opt.param_groups)
     for group in opt.param_groups:
         group["lr"] = cfg.lr * lr_factor(cfg, steps)
+        group["weight_decay"] = cfg.weight_decay
     sched._last_lr = [group["lr"] for group in opt.param_groups]
 
 
@@ -300,17 +302,25 @@ ZERO_TAG = "state"  # the one checkpoint folder DeepSpeed writes into a group's 
 
 
 def check_written_by(folder: Any, backend: str) -> None:
-    """A checkpoint's train/ folder as `backend` ("fsdp2", or "zero" for ZeRO-2/3) writes
-    it: the other's, loaded, failed with a message about a missing file."""
+    """A checkpoint's train/ folder as `backend` ("fsdp2", "zero2", "zero3") writes it: the
+    other's, loaded, failed with a message about a missing file (DeepSpeed's, of a file the
+    other ZeRO stage names otherwise: its model states per rank under ZeRO-3)."""
     from pathlib import Path
 
-    theirs = "fsdp2" if (Path(folder) / ".metadata").is_file() else "zero" if (
-        Path(folder) / ZERO_TAG).is_dir() else None  # (torch.distributed.checkpoint's,
-    if theirs is not None and theirs != backend:  # DeepSpeed's)
-        names = {"fsdp2": "backend='fsdp2'", "zero": "backend='zero2' or 'zero3'"}
-        raise ValueError(f"{folder} was written with {names[theirs]}; this group trains with "
-                         f"{names[backend]}: resume with the backend that wrote it, or start a "
-                         f"new run from its model (`asyncrl export`, then model={{'path': ...}})")
+    folder = Path(folder)
+    theirs = None
+    if (folder / ".metadata").is_file():  # torch.distributed.checkpoint's
+        theirs = "fsdp2"
+    elif (folder / ZERO_TAG).is_dir():  # DeepSpeed's
+        tag = folder / ZERO_TAG
+        theirs = "zero3" if any(tag.glob("zero_pp_rank_*_model_states.pt")) else \
+            "zero2" if any(tag.glob("mp_rank_*_model_states.pt")) else "zero"
+    if theirs is not None and not backend.startswith(theirs):
+        names = {"zero": "backend='zero2' or 'zero3'"}
+        raise ValueError(f"{folder} was written with {names.get(theirs, f'backend={theirs!r}')}"
+                         f"; this group trains with backend={backend!r}: resume with the "
+                         f"backend that wrote it, or start a new run from its model (`asyncrl "
+                         f"export`, then model={{'path': ...}})")
 
 
 def trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, head: str) -> torch.nn.Module:

@@ -147,7 +147,7 @@ class ZeroBackend(TrainBackend):
     def load(self, folder: Any) -> None:
         # the schedule's state comes back among the "client" states: checkpoints from before
         # schedules hold None there, which DeepSpeed would hand to load_state_dict
-        check_written_by(folder, "zero")
+        check_written_by(folder, f"zero{self.stage}")
         self.loads += 1
         path, client = self.engine.load_checkpoint(str(folder), tag=TAG,
                                                    load_lr_scheduler_states=False)
