@@ -26,6 +26,7 @@ from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.roles import Policy, Rollout
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 from asyncrl.hybrid.weight_sync import ALL_RANKS, SyncSource, unpack
+from asyncrl.rl import Actor
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 9, 9], [1, 4]]
 
@@ -262,8 +263,6 @@ def test_bench_reports_where_the_time_went(tmp_path):
 
 @pytest.mark.parametrize("mini_batches", [2, 1])  # 1: the weights come from the training pass
 def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(mini_batches):
-    from asyncrl.rl import Actor
-
     ids = torch.tensor([[1, 5], [1, 5], [1, 7], [1, 7]])  # two groups of one prompt each
     resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
     rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
@@ -305,8 +304,6 @@ def test_the_trainer_drops_samples_beyond_the_bound_and_weights_the_rest(mini_ba
 def test_an_update_whose_every_sample_is_too_stale_leaves_the_weights_as_they_were():
     """No token to train on: no optimizer step (AdamW's momentum from the step before moved
     the weights all the same), and the version stays that of the policy that generated."""
-    from asyncrl.rl import Actor
-
     ids = torch.tensor([[1, 5], [1, 5], [1, 7], [1, 7]])
     resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
     rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
@@ -335,6 +332,42 @@ def test_an_update_whose_every_sample_is_too_stale_leaves_the_weights_as_they_we
     assert stale["actor/version"] == 1 and "actor/pg_loss" not in stale
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert (again["actor/skipped_steps"], again["actor/version"]) == (0, 2)
+
+
+class FailsSecondStep(Actor):
+    """Its second optimizer step of an update fails (after the first moved the weights)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        step, calls = self.backend.train_step, [0]
+
+        def flaky(*a, **k):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("the second mini-batch's step failed")
+            return step(*a, **k)
+        self.backend.train_step = flaky
+
+
+def test_an_update_failing_after_an_optimizer_step_still_gives_a_new_version():
+    """The weights moved by the first mini-batch's step kept the old version when a later
+    one failed: the next generation and weight sync tagged other weights with it."""
+    ids = torch.tensor([[1, 5], [1, 5], [1, 7], [1, 7]])
+    resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
+    rollout = TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
+                           "response_ids": resp, "response_mask": (resp > 0).long(),
+                           "logprobs": torch.zeros(4, 3)})
+    scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 0.0])})
+    rl = {"algo": "grpo", "group_size": 2, "mini_batches": 2}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            trainer = await ctl.spawn(FailsSecondStep, {"seed": 0}, rl, {"lr": 1e-2},
+                                      nprocs=1, hybrid=False)
+            with pytest.raises(asyncrl.RemoteError, match="second mini-batch's step failed"):
+                await trainer.update(rollout, scores)
+            return await trainer.update(rollout, scores)
+    assert run(main())["actor/version"] == 2  # one for each update that moved the weights
 
 
 def test_the_critic_drops_the_samples_the_actor_drops(tmp_path):

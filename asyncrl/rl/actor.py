@@ -149,14 +149,20 @@ class Actor(Policy):
             ["ref_logprobs"] if "ref_logprobs" in batch else [])).union(
             TensorBatch({"advantages": adv}))
         waited = self.before_weights_change()  # the last sync may still be pulled
-        runs, skipped = trained_steps(
-            (count_globally(mini, group) for _ in range(self.rl.epochs)
-             for mini in mini_batches(train, self.rl)),
-            lambda mini: self.backend.train_step(mini, policy_loss(self.rl, in_pass),
-                                                 entropy=True))
-        if runs:  # else no update: the policy is the one that generated (its version too)
-            self.version += 1
-        elif self.rank == 0:
+        stepped = [0]
+
+        def step(mini: TensorBatch) -> dict[str, float]:
+            out = self.backend.train_step(mini, policy_loss(self.rl, in_pass), entropy=True)
+            stepped[0] += 1
+            return out
+        try:
+            runs, skipped = trained_steps(
+                (count_globally(mini, group) for _ in range(self.rl.epochs)
+                 for mini in mini_batches(train, self.rl)), step)
+        finally:  # the weights moved (a later mini-batch may have failed): a new version;
+            if stepped[0]:  # else the policy is the one that generated (its version too)
+                self.version += 1
+        if not runs and self.rank == 0:
             log.warning("asyncrl: actor update skipped: no token to train on%s", (
                 f" (every sample was older than RLConfig.max_staleness="
                 f"{self.rl.max_staleness} policy versions; give the actor rl={{"
