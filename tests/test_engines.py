@@ -390,6 +390,30 @@ def test_a_prompt_too_long_for_vllm_is_refused_before_vllm_keeps_the_rows_before
     assert vllm.generate([[1, 7, 7]], [2])["prompt_ids"].tolist() == [[1, 7, 7]]
 
 
+def test_vllm_refuses_checkpoints_whose_weights_it_derives_tensors_from(tmp_path):
+    """vLLM derives tensors from a quantized or MLA model's weights once, after loading;
+    new weights through load_weights left them as they were: generation from the first
+    weights' (or a dummy load's), silently. Refused until that processing runs again."""
+    import json
+
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    for key, value, said in (("quantization_config", {"quant_method": "fp8"}, "quantized"),
+                             ("kv_lora_rank", 512, "MLA")):
+        folder = tmp_path / key
+        build_model(ModelConfig(seed=4)).save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=f"cannot take new weights for .*{said}"):
+            VLLMEngine(str(folder), llm_cls=fake_vllm.LLM,
+                       sampling_params_cls=fake_vllm.SamplingParams)
+    build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "plain")
+    VLLMEngine(str(tmp_path / "plain"), llm_cls=fake_vllm.LLM,  # a dense one: taken
+               sampling_params_cls=fake_vllm.SamplingParams)
+
+
 def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfilled(tmp_path):
     """A hybrid's vLLM starts from dummy weights: a parameter the trainer's names do not
     reach would stay random. The first fill checks that vLLM's model reported every one of

@@ -17,7 +17,9 @@ loaded while asleep first wake vLLM's weight memory (loading into slept memory i
 access, and waking after it would restore the old weights over the new). Not supported:
 tensor parallelism (every rank of a TP group would need the same prompts, and the DP
 dispatch gives each its own), and swapping weights in the middle of a generation (the
-Sampler's interruptible rollouts): a load waits for the generation in flight to end.
+Sampler's interruptible rollouts): a load waits for the generation in flight to end; quantized
+and MLA checkpoints (vLLM derives tensors from their weights after a load, which new weights
+would not redo).
 Roles take it with `engine="vllm"` and `engine_options=` (this constructor's keywords);
 the model must be a local checkpoint (`model={"path": DIR}`).
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -125,6 +128,7 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine(tensor_parallel_size={tensor_parallel_size}): only 1 "
                              f"is supported (each rank generates its own DP rows); use more "
                              f"ranks instead")
+        _check_reloadable(model_path)
         require_own_gpu("vLLM needs a GPU per rank (it binds cuda:LOCAL_RANK)")
         self.config = sampling or SamplingConfig()
         _check_top_p(self.config)
@@ -266,6 +270,24 @@ class VLLMEngine:
 
     def resume(self) -> None:
         self.paused = False
+
+
+def _check_reloadable(model_path: str) -> None:
+    """New weights go in through the model's load_weights, and vLLM's processing after a
+    load (which builds tensors from the weights: quantized kernels' repacked weights, MLA's
+    absorbed projections) runs once, at startup: refuse the checkpoints that need it."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    needs = "it is quantized (quantization_config)" if config.get("quantization_config") \
+        else "its attention is MLA (kv_lora_rank)" if config.get("kv_lora_rank") else None
+    if needs:
+        raise ValueError(f"the vLLM engine cannot take new weights for {model_path}: {needs}, "
+                         f"and vLLM would keep generating from tensors it derived from the "
+                         f"first weights (its processing after loading is not run again yet); "
+                         f"use a dense, unquantized checkpoint with standard attention")
 
 
 def _max_model_len(llm: Any) -> int | None:
