@@ -13,6 +13,7 @@ from helpers import assert_gone, group_pids, run
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.hybrid import engine as engine_module
 from asyncrl.hybrid.engine import HybridEngine
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.roles import Policy, Rollout
@@ -414,19 +415,25 @@ def test_vllm_refuses_checkpoints_whose_weights_it_derives_tensors_from(tmp_path
                sampling_params_cls=fake_vllm.SamplingParams)
 
 
-def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfilled(tmp_path):
+def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfilled(tmp_path,
+                                                                                monkeypatch):
     """A hybrid's vLLM starts from dummy weights: a parameter the trainer's names do not
-    reach would stay random. The first fill checks that vLLM's model reported every one of
-    its parameters filled; a complete fill generates as the built-in engine does."""
+    reach would stay random. The trainer's weights must cover the checkpoint's tensors
+    (vLLM says a fused qkv_proj filled when any one part came); where the checkpoint does
+    not list them (not safetensors), the first fill checks that vLLM's model reported every
+    one of its parameters filled. A complete fill generates as the built-in engine does."""
     import fake_vllm
 
     build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
     model = build_model(ModelConfig(path=str(tmp_path / "ckpt")))
-    skipped = "model.layers.0.mlp.up_proj.weight"
 
     class Partial(torch.nn.Module):  # the trainer's model, one parameter short
+        def __init__(self, skipped: str):
+            super().__init__()
+            self.skipped = skipped
+
         def named_parameters(self, *args, **kwargs):
-            return ((n, p) for n, p in model.named_parameters() if n != skipped)
+            return ((n, p) for n, p in model.named_parameters() if n != self.skipped)
 
     class Backend:
         def __init__(self, module):
@@ -439,8 +446,15 @@ def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfille
             pass
 
     options = {"llm_cls": fake_vllm.LLM, "sampling_params_cls": fake_vllm.SamplingParams}
-    cfg, sampling = ModelConfig(path=str(tmp_path / "ckpt")), SamplingConfig(max_new_tokens=5)
-    short = HybridEngine(Backend(Partial()), cfg, sampling, engine="vllm",
+    sampling = SamplingConfig(max_new_tokens=5)
+    cfg = ModelConfig(path=str(tmp_path / "ckpt"))
+    skipped = "model.layers.0.self_attn.k_proj.weight"
+    with pytest.raises(ValueError, match=f"no weight for 1 of the checkpoint's tensors "
+                                         f"\\({skipped}\\)"):
+        HybridEngine(Backend(Partial(skipped)), cfg, sampling, engine="vllm",
+                     engine_options=options)
+    monkeypatch.setattr(engine_module, "checkpoint_tensors", lambda path: None)  # (.bin)
+    short = HybridEngine(Backend(Partial(skipped)), cfg, sampling, engine="vllm",
                          engine_options=options)
     with pytest.raises(RuntimeError, match=f"left 1 of vLLM's parameters unfilled "
                                            f"\\(vllm_internal.{skipped}\\)"):

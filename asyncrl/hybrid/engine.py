@@ -53,6 +53,40 @@ def check_engine(name: Any, options: Any) -> None:
                          f"built-in engine takes its settings from sampling=")
 
 
+def _check_covers(path: str | None, model: torch.nn.Module) -> None:
+    """The trainer's weights must cover the checkpoint a hybrid's vLLM runs: vLLM fills a
+    fused parameter (qkv_proj) from any one of its parts and says it filled it, so a part
+    the trainer lacks would stay random (its dummy load), unsaid."""
+    names = checkpoint_tensors(path) if path else None
+    if names is None:
+        return
+    mine = {n for n, _ in model.named_parameters() if not is_adapter(n)}
+    missing = sorted(n for n in names - mine if n.endswith((".weight", ".bias")))
+    if missing:
+        raise ValueError(f"the trainer's model has no weight for {len(missing)} of the "
+                         f"checkpoint's tensors ({', '.join(missing[:4])}): vLLM, filled "
+                         f"from the trainer, would keep random values there; the trainer's "
+                         f"model and the checkpoint vLLM runs must be the same architecture")
+
+
+def checkpoint_tensors(path: str) -> set[str] | None:
+    """The tensor names of a safetensors checkpoint (None: another format, or none)."""
+    import json
+    import os
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return set(f.keys())
+
+
 def _attempt(step: Any) -> BaseException | None:
     """What `step()` raised (None: it went through)."""
     try:
@@ -118,6 +152,7 @@ class HybridEngine:
         if engine == "vllm":  # the trainer fills vLLM before every generation: vLLM need not
             # read the checkpoint (random weights), nor keep a host copy of them asleep
             engine_options = {"load_format": "dummy", **(engine_options or {})}
+            _check_covers(model_cfg.path, backend.model)
         self.engine = make_engine(engine, model_cfg, sampling, engine_options)
         self._sleep_level = 2 if self.engine.owns_weights else 1
         self.engine.sleep(self._sleep_level)
