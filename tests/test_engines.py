@@ -391,7 +391,8 @@ def test_a_prompt_too_long_for_vllm_is_refused_before_vllm_keeps_the_rows_before
     assert vllm.generate([[1, 7, 7]], [2])["prompt_ids"].tolist() == [[1, 7, 7]]
 
 
-def test_vllm_refuses_checkpoints_whose_weights_it_derives_tensors_from(tmp_path):
+def test_vllm_refuses_checkpoints_whose_weights_it_derives_tensors_from(tmp_path,
+                                                                        monkeypatch):
     """vLLM derives tensors from a quantized or MLA model's weights once, after loading;
     new weights through load_weights left them as they were: generation from the first
     weights' (or a dummy load's), silently. Refused until that processing runs again."""
@@ -413,6 +414,11 @@ def test_vllm_refuses_checkpoints_whose_weights_it_derives_tensors_from(tmp_path
     build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "plain")
     VLLMEngine(str(tmp_path / "plain"), llm_cls=fake_vllm.LLM,  # a dense one: taken
                sampling_params_cls=fake_vllm.SamplingParams)
+    # nor an allocator setting its sleep mode refuses (vLLM's own assertion, deep inside)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(ValueError, match="expandable_segments:True, which vLLM's sleep mode"):
+        VLLMEngine(str(tmp_path / "plain"), llm_cls=fake_vllm.LLM,
+                   sampling_params_cls=fake_vllm.SamplingParams)
 
 
 def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfilled(tmp_path,
