@@ -3,6 +3,7 @@ response and out of every loss, in process and on real groups."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -323,6 +324,28 @@ def test_environment_errors_name_the_row_turn_and_fix():
     for bad in ({"timeout_s": float("nan")}, {"timeout_s": 0}, {"processes": True}):
         with pytest.raises(ValueError, match="processes must be an int >= 0 and timeout_s"):
             multi_turn_config({"env": echo, **bad})
+
+
+def quits(prompt, response, turn):
+    if len(prompt) == 2:
+        sys.exit("the tool quit")
+    return None
+
+
+def test_an_environment_exiting_or_answering_negative_ids_fails_its_row():
+    """In this process a sys.exit() in the env failed the rank's call, naming no row; with
+    the vocabulary unknown (vLLM's), negative ids passed to the engine."""
+    _, sampler = engine()
+    with pytest.raises(ValueError, match=r"(?s)'quits' failed on row 1, turn 0:.*"
+                                         r"SystemExit: the tool quit"):
+        turns(quits).generate(sampler, prompt_batch(), PROMPTS, SEEDS, sampler.config)
+
+    def negative(prompt, response):
+        return [5, -1]
+    with pytest.raises(ValueError, match=r"'negative' returned token ids outside the model's "
+                                         r"vocabulary \(\[-1\]\) for row 0, turn 0"):
+        turns(negative).generate(by_turn(sampler), prompt_batch(), PROMPTS, SEEDS,
+                                 sampler.config)
 
 
 def slow_tool(prompt, response, turn):

@@ -4,16 +4,19 @@ text with a tokenizer, from prompts a PromptSource tokenized."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import WORDS, assert_gone, group_pids, run, word_tokenizer
+from helpers import WORDS, assert_gone, group_pids, run, wait_until, word_tokenizer
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -52,6 +55,9 @@ def test_score_rows_by_hand():
         score_rows(picky, rollout_like(4))
     assert info.value.__notes__ == ["in reward function 'picky' on row 2 of this rank's rows "
                                     "(prompt 'q2')"]
+    # past a float's range: its row named (it was math.isfinite's bare OverflowError)
+    with pytest.raises(ValueError, match="returned an int of 1329 bits for row 0; it must"):
+        score_rows(lambda p, r: 10 ** 400, rollout_like(1))
 
 
 def test_numpy_and_torch_scalars_score_in_process_as_in_a_pool(caplog):
@@ -202,6 +208,142 @@ def test_a_scorer_process_killed_while_idle_costs_no_row():
         seen += pool.pids()
         pool.close()
     assert_gone(seen)
+
+
+def crashes_beside_a_helper(prompt, response, answer):
+    """Crashes on answer 2, after forking a helper (a multiprocessing pool's worker: it holds
+    the job pipes open), its pid written where the test says."""
+    if answer == 2:
+        helper = mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+        helper.start()
+        Path(os.environ["ASYNCRL_TEST_SANDBOX"]).write_text(str(helper.pid))
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return float(answer)
+
+
+@pytest.mark.timeout(90)  # (the helper's 60 s, before: for ever with a longer one)
+@pytest.mark.parametrize(("timeout_s", "pidfd"), [(None, True), (30.0, True), (None, False)])
+def test_a_scorer_crashing_beside_a_helper_it_forked_fails_at_once(tmp_path, monkeypatch,
+                                                                   timeout_s, pidfd):
+    """Its crash is seen in its process's exit: its pipe's EOF, which the helper withheld,
+    was waited for (as long as the helper lived; with a timeout the row scored as timed
+    out). The helper goes with it."""
+    from asyncrl.hybrid.fn_pool import FunctionPool
+    from asyncrl.rl.reward import row_inputs
+
+    monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(tmp_path / "helper.pid"))
+    if not pidfd:  # Linux < 5.3: its exit is polled for
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    pool = FunctionPool(crashes_beside_a_helper, processes=1, timeout_s=timeout_s)
+    seen = pool.pids()
+    start = time.monotonic()
+    try:
+        assert pidfd or getattr(pool.children[0], "pidfd", None) is None  # (polled)
+        with pytest.raises(RuntimeError, match=rf"'crashes_beside_a_helper': its process "
+                                               rf"{seen[0]} exited with -11 on row 1; see"):
+            pool.call(row_inputs(crashes_beside_a_helper, answers(1, 2, 3)))
+        assert time.monotonic() - start < 20  # its start (imports) included
+        seen.append(int((tmp_path / "helper.pid").read_text()))
+        assert_gone(seen)  # the helper too, before the pool is closed
+    finally:
+        seen += pool.pids() + ([pool.spare_pid] if pool.spare_pid is not None else [])
+        pool.close()
+    assert_gone(seen)
+
+
+def exits(prompt, response, answer):
+    """Ends as a script does on answer 2 (sys.exit), 3 and 4 (other BaseExceptions)."""
+    if answer == 2:
+        sys.exit(3)
+    if answer == 3:
+        raise KeyboardInterrupt
+    if answer == 4:
+        raise GeneratorExit
+    return float(answer)
+
+
+def test_a_reward_function_calling_sys_exit_fails_its_row_and_ends_no_process():
+    """In a pool it ended its process (an "exited with 3", the log empty, a process spent);
+    in the rank's own, the rank's call (naming no row)."""
+    from asyncrl.hybrid.fn_pool import FunctionPool
+    from asyncrl.rl.reward import row_inputs
+
+    for answer, raised in ((2, r"SystemExit\(3\)"), (3, r"KeyboardInterrupt\(\)"),
+                           (4, r"GeneratorExit\(\)")):
+        with pytest.raises(RuntimeError, match=rf"reward function 'exits' raised {raised} on "
+                                                rf"row 1 of this rank's rows \(prompt '\[1\]'\); "
+                                                rf"a reward function returns a number"):
+            score_rows(exits, answers(1, answer))
+    pool = FunctionPool(exits, processes=1, timeout_s=None)
+    seen = pool.pids()
+    try:
+        for answer, raised in ((2, "SystemExit: 3"), (3, "KeyboardInterrupt"),
+                               (4, "GeneratorExit")):
+            with pytest.raises(ValueError, match=rf"(?s)'exits' failed on row 1:.*{raised}"):
+                pool.call(row_inputs(exits, answers(1, answer)))
+        assert pool.pids() == seen  # it served on
+        assert pool.call(row_inputs(exits, answers(1, 5))) == ([1.0, 5.0], [False] * 2)
+    finally:
+        pool.close()
+    assert_gone(seen)
+
+
+def test_a_row_msgpack_cannot_carry_fails_naming_it_and_keeps_the_process():
+    """An int past 64 bits, a lone surrogate: msgpack's bare OverflowError or
+    UnicodeEncodeError came out, and the process never sent the row was replaced."""
+    from asyncrl.hybrid.fn_pool import FunctionPool
+
+    pool = FunctionPool(verifier, processes=1, timeout_s=None)
+    seen = pool.pids()
+    try:
+        for bad in (([1], [1, 2], {"answer": 2 ** 70}), ("\ud800", [1, 2], {"answer": 1})):
+            with pytest.raises(TypeError, match="reward function 'verifier': row 1: the "
+                                                "prompt, response or meta cannot go to its "
+                                                "process: "):
+                pool.call([([1], [1], {"answer": 1}), bad])
+        assert pool.pids() == seen
+        assert pool.call([([1], [1, 2], {"answer": 1})]) == ([2.0], [False])
+    finally:
+        pool.close()
+    assert_gone(seen)
+
+
+@pytest.mark.timeout(120)  # (a call on a closed pool waited for ever)
+def test_a_closed_scorer_pool_refuses_calls_and_fails_the_one_it_cut_short():
+    """close() from another thread (a rank closing under a score): the call under way fails
+    saying so, rather than blaming a row with its killed process's exit; later calls and
+    replacements are refused (one started a process nobody stopped)."""
+    from asyncrl.errors import ClosedError
+    from asyncrl.hybrid.fn_pool import FunctionPool
+    from asyncrl.rl.reward import row_inputs
+
+    pool = FunctionPool(verifier, processes=1, timeout_s=None)
+    seen, failed = pool.pids(), []
+
+    def score():
+        try:
+            pool.call(row_inputs(verifier, answers(1, 9)))  # row 1 hangs
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            failed.append(e)
+    caller = threading.Thread(target=score, daemon=True)
+    caller.start()
+    try:
+        wait_until(lambda: pool.children[0].row == 1, 60, "row 1 to be sent")
+    finally:
+        pool.close()
+    caller.join(30)
+    assert not caller.is_alive() and len(failed) == 1
+    assert isinstance(failed[0], ClosedError) and isinstance(failed[0], RuntimeError), \
+        repr(failed[0])  # (RuntimeError: as before, ClosedError: as the groups say it)
+    assert str(failed[0]) == ("reward function 'verifier': the pool was closed (its group "
+                              "closing) while a call ran; 1 of its 2 rows were not done")
+    assert_gone(seen)
+    assert pool.children == [] and pool.spare_pid is None
+    with pytest.raises(ClosedError, match=r"'verifier': call\(\) on a closed pool"):
+        pool.call(row_inputs(verifier, answers(1)))
+    with pytest.raises(ClosedError, match="the pool was closed; no process starts"):
+        pool._fresh()
+    pool.close()  # again: nothing to do
 
 
 def test_a_reward_group_scores_hung_rows_with_the_timeout_score_and_leaves_no_process():

@@ -10,7 +10,8 @@ Each child is `python -m asyncrl.hybrid.fn_pool`: it imports the function by ref
 module, qualname and file, as the ranks import it), says it is ready, then calls it on the
 rows it is sent. Frames are length-prefixed msgpack on a pipe of their own (the function's prints go
 to stderr, the group's log); nothing is pickled. A child dies with its rank (PDEATHSIG) and
-ends when its input closes.
+ends when its input closes. The parent watches each child's process as well as its pipe: a
+helper the function forked (a multiprocessing pool) holds the pipe open past the child's death.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -32,9 +34,17 @@ from typing import IO, Any
 import msgspec
 
 from asyncrl.comm.refs import make_ref, resolve_ref
+from asyncrl.errors import ClosedError
+
+
+class PoolClosedError(ClosedError, RuntimeError):
+    """The pool was closed (its group closing): a call on it, or one it cut short."""
+
 
 LENGTH = struct.Struct("<I")
 START_TIMEOUT_S = 300.0  # importing the function's module (torch, a flow file) may be slow
+POLL_S = 0.5  # without pidfds (Linux < 5.3): how often the children's exits are looked for
+CLOSE_WAIT_S = 30.0  # close() waits this long for a call under way to see it and end
 
 
 def _plain(obj: Any) -> Any:
@@ -91,7 +101,8 @@ def _child(parent: int) -> None:
         index, prompt, response, meta = job
         try:  # encoded here: a value msgpack refuses is the function's error too
             answer = frame([index, fn(prompt, response, **meta), None])
-        except Exception:  # noqa: BLE001 - the parent raises it, naming the row
+        except BaseException:  # noqa: BLE001 - the parent raises it, naming the row; a
+            # sys.exit() in the function ended this process, with nothing in the log
             answer = frame([index, None, traceback.format_exc()])
         out.write(answer)
         out.flush()
@@ -135,6 +146,7 @@ class _Child:
         self.watcher = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _WATCHER, str(os.getpid()), str(self.proc.pid)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        self.pidfd = _pidfd(self.proc.pid)
         self.ref = ref
         self.ready = False
         self.row: int | None = None  # the row it works on
@@ -153,6 +165,24 @@ class _Child:
         for pipe in (self.stdin, self.stdout):
             with contextlib.suppress(OSError):
                 pipe.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that turns readable when `pid` exits (Linux 5.3+), else None: the
+    parent then polls for exits every POLL_S."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _pending(pipe: IO[bytes]) -> bool:
+    with selectors.DefaultSelector() as sel:
+        sel.register(pipe, selectors.EVENT_READ)
+        return bool(sel.select(0))
 
 
 class FunctionPool:
@@ -165,6 +195,9 @@ class FunctionPool:
         self.name = f"{what} {getattr(fn, '__name__', repr(fn))!r}"
         self.timeout_s = timeout_s
         self.where: list[str] = []
+        # close() may come from another thread than a call's (a rank closing under a score)
+        self._lock = threading.Condition()
+        self._closed = self._calling = False
         self.children = [_Child(self.ref) for _ in range(processes)]
         # a replacement waited for a fresh process's imports: ~2 s a timed-out row
         self._spare = _Child(self.ref) if timeout_s is not None else None
@@ -181,6 +214,25 @@ class FunctionPool:
              ) -> tuple[list[Any], list[bool]]:
         """Each job's value (None where it timed out) and whether it timed out. On an error
         the children busy with this call's rows are replaced: the next call starts clean."""
+        with self._lock:
+            if self._closed:  # (it waited for ever: no child would answer)
+                raise PoolClosedError(f"{self.name}: call() on a closed pool (its group "
+                                      f"closed); make a new one")
+            if self._calling:
+                raise RuntimeError(f"{self.name}: call() while another call runs; a pool "
+                                   f"serves one call at a time")
+            self._calling = True
+        try:
+            return self._call(jobs, where)
+        finally:
+            with self._lock:
+                self._calling = False
+                if self._closed:  # close() left its children to this call, which read them
+                    self._stop_all()
+                self._lock.notify_all()
+
+    def _call(self, jobs: list[tuple[Any, Any, dict[str, Any]]], where: list[str] | None
+              ) -> tuple[list[Any], list[bool]]:
         self.where = where or [f"row {i}" for i in range(len(jobs))]  # each job, in errors
         values: list[Any] = [None] * len(jobs)
         timed_out = [False] * len(jobs)
@@ -190,14 +242,18 @@ class FunctionPool:
         self._replace([i for i, c in enumerate(self.children) if c.proc.poll() is not None])
         try:
             while left:
+                if self._closed:
+                    raise PoolClosedError(self._cut_short(left, len(jobs)))
                 for c in self.children:  # idle and ready: give it the next row
-                    if c.ready and c.row is None and todo:
+                    if c.ready and c.row is None and todo and c.proc.poll() is not None:
+                        self._died_idle(c)  # (its pipe may not say: a helper holds it open)
+                    elif c.ready and c.row is None and todo:
                         c.row, c.since = todo.pop(), time.monotonic()
                         if not self._send(c, jobs):  # it died just now: the row goes back
                             todo.append(c.row)
                             c.row = None
                             self._died_idle(c)
-                for c in self._readable():
+                for c in self._woken():
                     left -= self._answer(c, values)
                 left -= self._expire(timed_out)
                 late = [c.proc.pid for c in self.children if not c.ready and
@@ -205,29 +261,45 @@ class FunctionPool:
                 if late:
                     raise RuntimeError(f"{self.name}: processes {late} did not import it "
                                        f"within {START_TIMEOUT_S:.0f} s")
-        except BaseException:
+        except BaseException as e:
+            if self._closed and not isinstance(e, PoolClosedError):  # its children's deaths,
+                raise PoolClosedError(self._cut_short(left, len(jobs))) from e  # close()'s doing
+            if self._closed:
+                raise
             self._replace([i for i, c in enumerate(self.children)
                            if c.row is not None or c.proc.poll() is not None or not c.ready])
             raise
         return values, timed_out
+
+    def _cut_short(self, left: int, rows: int) -> str:
+        return (f"{self.name}: the pool was closed (its group closing) while a call ran; "
+                f"{left} of its {rows} rows were not done")
 
     def _send(self, c: _Child, jobs: list[tuple[Any, Any, dict[str, Any]]]) -> bool:
         """Send `c` its row; False where it is gone (its pipe broken)."""
         assert c.row is not None
         try:
             write_frame(c.stdin, [c.row, *jobs[c.row]])
-        except TypeError as e:
-            raise TypeError(f"{self.name}: {self.where[c.row]}: the prompt, response or meta "
+        except (TypeError, ValueError, OverflowError) as e:  # msgpack's: an int past 64 bits,
+            row, c.row = c.row, None  # a lone surrogate; nothing went, so `c` is kept
+            raise TypeError(f"{self.name}: {self.where[row]}: the prompt, response or meta "
                             f"cannot go to its process: {e}") from None
         except OSError:  # BrokenPipeError: it exited since it last answered
             return False
         return True
 
-    def _readable(self) -> list[_Child]:
+    def _woken(self) -> list[_Child]:
+        """The children with a frame to read or that exited, each once."""
+        polled = [c for c in self.children if c.pidfd is None]
         with selectors.DefaultSelector() as sel:
             for c in self.children:
                 sel.register(c.stdout, selectors.EVENT_READ, c)
-            return [key.data for key, _ in sel.select(self._wait())]
+                if c.pidfd is not None:
+                    sel.register(c.pidfd, selectors.EVENT_READ, c)
+            woken = [key.data for key, _ in
+                     sel.select(min(self._wait(), POLL_S) if polled else self._wait())]
+        woken += [c for c in polled if c.proc.poll() is not None]
+        return list(dict.fromkeys(woken))
 
     def _wait(self) -> float:
         """Until the first row could time out or a child be late starting."""
@@ -237,8 +309,12 @@ class FunctionPool:
         return max(0.0, min(ends) - time.monotonic()) + 0.01 if ends else START_TIMEOUT_S
 
     def _answer(self, c: _Child, values: list[Any]) -> int:
-        """Read `c`'s frame: ready, or its row's value (1: a row done)."""
-        frame = read_frame(c.stdout)
+        """Read `c`'s frame: ready, or its row's value (1: a row done). One that exited is
+        read to its end: what it sent before, then nothing."""
+        exited = c.proc.poll() is not None
+        if exited:  # its group goes: a helper it forked holds the pipe open, and lives on
+            c.signal()
+        frame = read_frame(c.stdout) if not exited or _pending(c.stdout) else None
         if frame is None and c.ready and c.row is None:  # died idle: no row lost
             self._died_idle(c)
             return 0
@@ -291,18 +367,38 @@ class FunctionPool:
     def _fresh(self) -> _Child:
         """The warm spare where there is one (a new spare started in its place), else a new
         process."""
-        spare = self._spare
-        if spare is None:
-            return _Child(self.ref)
-        if spare.proc.poll() is not None:  # it died waiting (killed: out of memory)
-            _stop([spare])
-            spare = _Child(self.ref)
-        self._spare = _Child(self.ref)
+        with self._lock:  # none starts after close(): nobody would stop it
+            if self._closed:
+                raise PoolClosedError(f"{self.name}: the pool was closed; no process starts")
+            spare = self._spare
+            if spare is None:
+                return _Child(self.ref)
+            if spare.proc.poll() is not None:  # it died waiting (killed: out of memory)
+                _stop([spare])
+                spare = _Child(self.ref)
+            self._spare = _Child(self.ref)
         spare.started = time.monotonic()  # its "ready" is read from now; an old spare is not
         return spare  # late starting (the start timeout counts from its creation)
 
     def close(self) -> None:
-        _stop(self.children + ([self._spare] if self._spare is not None else []))
+        """Kill the children. A call under way (another thread's) fails, saying the pool
+        was closed, and reaps them as it ends: they are its to read until then."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for c in self._everyone():
+                c.signal()
+            if self._calling:
+                self._lock.wait_for(lambda: not self._calling, CLOSE_WAIT_S)
+            if not self._calling:
+                self._stop_all()
+
+    def _everyone(self) -> list[_Child]:
+        return self.children + ([self._spare] if self._spare is not None else [])
+
+    def _stop_all(self) -> None:
+        _stop(self._everyone())
         self.children, self._spare = [], None
 
 

@@ -110,7 +110,7 @@ def generate_with(engine: Any, turns: Turns | None, prompts: TensorBatch,
         ids, seeds = _prompts(prompts)
         out = engine.generate(ids, seeds, cfg) if turns is None else \
             turns.generate(engine, prompts, ids, seeds, cfg)
-    except Exception:  # (an environment that raised on one of this rank's rows, a bad
+    except BaseException:  # (an environment that raised on one of this rank's rows, a bad
         _widest(None)  # prompt in its chunk): the peers wait in with_prompts' collective
         raise
     return with_prompts(out, prompts, cfg.pad_token_id)

@@ -242,7 +242,8 @@ class Turns:
         for (i, turn, said, _), (prompt, reply, meta) in zip(asked, jobs, strict=True):
             try:
                 value = self.cfg.env(prompt, reply, **meta)
-            except Exception as e:  # as the pool reports it
+            # as the pool reports it; a sys.exit() in it, too, fails its row, not the rank
+            except (Exception, SystemExit, KeyboardInterrupt, GeneratorExit) as e:
                 raise ValueError(f"environment {self.name!r} failed on row {i}, turn {turn}:"
                                  f"\n{traceback.format_exc()}") from e
             out.append(self._ids(value, i, turn, said, cut))
@@ -273,12 +274,14 @@ class Turns:
         if isinstance(value, str) and self.tok is not None:
             return self._encode(value)
         if isinstance(value, list | tuple) and all(map(whole_number, value)):
-            outside = [int(t) for t in value if self._vocab is not None and
-                       not 0 <= t < self._vocab]
+            # the vocabulary unknown (vLLM's), what a token tensor holds at least
+            limit = self._vocab if self._vocab is not None else 2 ** 63
+            outside = [int(t) for t in value if not 0 <= t < limit]
             if outside:  # else torch's IndexError, deep in the decode loop
+                of = f" of {self._vocab}" if self._vocab is not None else ""
                 raise ValueError(f"environment {self.name!r} returned token ids outside the "
-                                 f"model's vocabulary of {self._vocab} ({outside[:5]}) for row "
-                                 f"{i}, turn {turn}")
+                                 f"model's vocabulary{of} ({outside[:5]}) for row {i}, turn "
+                                 f"{turn}")
             return [int(t) for t in value]
         hint = "text, chat messages or token ids" if self.tok is not None else \
             "token ids (text needs multi_turn={'tokenizer': DIR})"

@@ -103,8 +103,13 @@ def row_inputs(fn: Callable[..., Any], batch: TensorBatch, tok: Any = None
 
 
 def is_number(x: Any) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite int or float (one a float holds), not a bool."""
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int past a float's range (10 ** 400)
+        return False
 
 
 def checked(fn: Callable[..., Any], value: Any, row: int) -> float:
@@ -112,9 +117,11 @@ def checked(fn: Callable[..., Any], value: Any, row: int) -> float:
         value = value.item()  # a numpy or torch scalar: as a process pool's child sends it
     if isinstance(value, bool):  # `return answer == truth`: 1 or 0, as verl takes it
         return float(value)
-    if not is_number(value):
+    if not is_number(value):  # (an int's repr may be thousands of digits: past its limit)
+        shown = f"an int of {value.bit_length()} bits" if isinstance(value, int) else \
+            repr(value)
         raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned "
-                         f"{value!r} for row {row}; it must return a finite number (or a "
+                         f"{shown} for row {row}; it must return a finite number (or a "
                          f"bool: 1 or 0)")
     return float(value)
 
@@ -137,6 +144,12 @@ def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) ->
             e.add_note(f"in reward function {getattr(fn, '__name__', fn)!r} on row {i} of "
                        f"this rank's rows (prompt {str(p)[:80]!r})")
             raise
+        except (SystemExit, KeyboardInterrupt, GeneratorExit) as e:  # else the rank's end,
+            raise RuntimeError(  # or a failure naming no row
+                f"reward function {getattr(fn, '__name__', fn)!r} raised "
+                f"{type(e).__name__}({e}) on row {i} of this rank's rows (prompt "
+                f"{str(p)[:80]!r}); a reward function returns a number or raises an "
+                f"Exception") from e
         scores.append(checked(fn, value, i))
     return torch.tensor(scores, dtype=torch.float32)
 
