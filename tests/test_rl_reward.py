@@ -109,8 +109,8 @@ def verifier(prompt, response, answer):
     """Scores the response length (a numpy float); hangs on answer 9 (a verifier stuck on
     one answer), on 8 in a sandbox process it started (its pid written where the test says),
     and fails on 7."""
-    if answer == 8:
-        sandbox = subprocess.Popen(["sleep", "3600"])
+    if answer in (8, 88):  # 88: in a session of its own (as sandboxes start theirs)
+        sandbox = subprocess.Popen(["sleep", "3600"], start_new_session=answer == 88)
         Path(os.environ["ASYNCRL_TEST_SANDBOX"]).write_text(str(sandbox.pid))
         sandbox.wait()
     if answer == 9:
@@ -159,10 +159,11 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
         # its place taken by the spare started ahead (imports done), and a new spare made
         assert spare in pool.pids() and pool.spare_pid not in seen
         seen += pool.pids() + [pool.spare_pid]
-        # a sandbox the function started goes with its process
-        assert pool.call(row_inputs(verifier, answers(8)))[1] == [True]
-        sandbox = int((tmp_path / "sandbox.pid").read_text())
-        assert_gone([sandbox])
+        # a sandbox the function started goes with its process, even from a session of
+        # its own (the group's kill missed it)
+        for answer in (8, 88):
+            assert pool.call(row_inputs(verifier, answers(answer)))[1] == [True]
+            assert_gone([int((tmp_path / "sandbox.pid").read_text())])
         seen += pool.pids()
         with pytest.raises(ValueError, match=r"(?s)failed on row 1:.*ArithmeticError: cannot "
                                              r"parse the answer"):

@@ -80,8 +80,10 @@ def read_frame(src: IO[bytes]) -> Any:
 
 
 def _child(parent: int) -> None:
-    try:  # SIGKILL when the rank that started it dies, even inside a hung function
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    try:  # SIGKILL when the rank that started it dies, even inside a hung function; and
+        libc = ctypes.CDLL(None, use_errno=True)  # what its function starts and leaves
+        libc.prctl(1, signal.SIGKILL)  # (a daemon's double fork) stays its descendant, to
+        libc.prctl(36, 1)  # be found and killed with it (PR_SET_CHILD_SUBREAPER)
     except (OSError, AttributeError):
         pass
     if os.getppid() != parent:  # it died before the line above
@@ -154,6 +156,11 @@ class _Child:
         write_frame(self.stdin, list(ref))
 
     def signal(self) -> None:
+        # its descendants first, wherever they went (a sandbox in a session of its own,
+        # out of reach of the group's kill), then its group
+        for pid in descendants(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
@@ -168,6 +175,27 @@ class _Child:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` now (from /proc; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    ppid = int(f.read().rpartition(b")")[2].split()[1])
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
 
 
 def _pidfd(pid: int) -> int | None:
