@@ -80,12 +80,10 @@ def read_frame(src: IO[bytes]) -> Any:
 
 
 def _child(parent: int) -> None:
-    try:  # SIGKILL when the rank that started it dies, even inside a hung function; and
-        libc = ctypes.CDLL(None, use_errno=True)  # what its function starts and leaves
-        libc.prctl(1, signal.SIGKILL)  # (a daemon's double fork) stays its descendant, to
-        libc.prctl(36, 1)  # be found and killed with it (PR_SET_CHILD_SUBREAPER)
-    except (OSError, AttributeError):
-        pass
+    try:  # SIGKILL when the rank that started it dies, even inside a hung function
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):  # (not a subreaper: the zombies of what its function
+        pass  # left would be its to reap, and reaping them steals its subprocesses' codes)
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
     src = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
