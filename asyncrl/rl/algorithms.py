@@ -19,11 +19,14 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
                          f"each group's rows contiguous")
     if group_size == 1:
         return torch.zeros_like(rewards, dtype=torch.float32)
-    r = rewards.float().view(-1, group_size)
+    # in float64: a float32 group mean of equal rewards (9.9 x 8) may be one rounding off
+    # them, and that difference over a std of 0 (+ eps) gave the whole group an advantage
+    # of -0.47 (float32 rewards sum exactly in float64: equal ones give exactly 0)
+    r = rewards.double().view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     if std_normalize:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
-    return adv.reshape(-1)
+    return adv.float().reshape(-1)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
