@@ -4,6 +4,9 @@
                         [--checkpoint-every N] [--keep-checkpoints K] [--resume] [--encrypt]
                         [--heartbeat-interval S] [--heartbeat-timeout S]
                         [--transfer-timeout S] [--collective-timeout S]
+                        [--startup-timeout S] [--construct-timeout S] [--transport T]
+                        [--relay | --no-relay] [--hosts FILE] [--controller-address A]
+                        [--wandb PROJECT | --no-wandb]
                                           run FILE's `flow` (a DataFlow), or its `main()`
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
     asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
@@ -450,13 +453,13 @@ def parser() -> argparse.ArgumentParser:
                                     "override the flow's asyncrl.config(...) settings.")
     lp.add_argument("script", help="a Python file defining `flow` or main()")
     lp.add_argument("--steps", type=int, default=None, help="run up to this step count, "
-                    "counted from the run's start also when resumed (default: until an input "
-                    "is exhausted)")
+                    "counted from the run's start also when resumed (default: the flow's "
+                    "steps=, else until an input is exhausted)")
     lp.add_argument("--run-dir", default=None, help="where logs, metrics.jsonl and "
                     "timeline.json go (default: runs/<time>)")
     lp.add_argument("--hosts", default=None, metavar="FILE",
                     help="spread groups over the hosts of FILE (JSON: {\"hosts\": [{\"name\", "
-                         "\"address\", \"gpus\", \"cpus\", \"via\": ssh|srun|local}]}); "
+                         "\"address\", \"gpus\", \"cpus\", \"via\": ssh|srun|local|netns}]}); "
                          "inside a SLURM allocation its nodes are used without it")
     lp.add_argument("--controller-address", default=None,
                     help="the address ranks on other hosts reach the controller at (default: "

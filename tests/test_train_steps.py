@@ -220,6 +220,11 @@ def test_train_settings_refuse_backwards_training_and_name_misspelt_keys():
                                         r"is not a setting; the settings are \[.*'value_clip'"):
         from_dict(RLConfig, {"value_clp": 0.3}, "Actor rl=")
     assert from_dict(TrainConfig, {"lr": 0.5}, "train=").lr == 0.5
+    # a config object where the dict goes failed with "'TrainConfig' object is not iterable"
+    with pytest.raises(TypeError, match=r"train= takes a dict of TrainConfig's settings .* "
+                                        r"got a TrainConfig; pass the dict, or "
+                                        r"dataclasses.asdict\(\) of it"):
+        from_dict(TrainConfig, TrainConfig(), "train=")
 
 
 def test_a_switch_back_to_training_that_failed_is_finished_by_the_next():

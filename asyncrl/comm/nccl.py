@@ -31,8 +31,9 @@ once: a send to a receiver that died ends then, not at the timeout.
 
 Imports CuPy only when a communicator is made. `ASYNCRL_NCCL_MODULE` names another module
 with the same API (cupy.cuda.nccl's get_unique_id, NcclCommunicator, groupStart/groupEnd,
-NCCL_UINT8): the CPU tests use one that moves bytes over sockets. Never run on GPUs yet: no
-machine with two GPUs was lent to the sessions that wrote it.
+NCCL_UINT8): the CPU tests use one that moves bytes over sockets. On a GPU only a 1-rank
+CuPy communicator has run (one H200, session 26); NCCL between two GPUs never has: no machine
+with two GPUs was lent.
 """
 
 from __future__ import annotations

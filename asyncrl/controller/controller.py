@@ -105,8 +105,9 @@ class Controller:
     transport: "auto" (CPU rows: shared memory on one host, else TCP; GPU rows: CUDA IPC
     where the consumer sees the producer's GPU, else NCCL through CuPy, else host memory),
     "tcp" to force sockets, "nccl" to send every tensor by NCCL.
-    run_dir: logs (one file per group), checkpoints, breakpoint sessions; a temporary folder
-    by default. A folder another user owns, or every user can write, is refused.
+    run_dir: logs (logs/<group>/rank<r>.log, torchrun's logs/<group>.log), checkpoints,
+    breakpoint sessions; a temporary folder by default. A folder every user can write is
+    refused.
     encrypt: CurveZMQ on every control and data-plane socket, for untrusted networks (the
     keys go to the ranks in the 0600 secret file; frames stay HMAC-signed).
     relay: a group's control messages go through one relay per host (a thread of its local

@@ -15,6 +15,10 @@ T = TypeVar("T")
 
 
 def from_dict(cls: type[T], given: dict[str, Any] | None, what: str) -> T:
+    if given is not None and not isinstance(given, dict):  # (a config object, say)
+        raise TypeError(f"{what} takes a dict of {cls.__name__}'s settings (they go to the "
+                        f"ranks as data), got a {type(given).__name__}; pass the dict, or "
+                        f"dataclasses.asdict() of it")
     given = dict(given or {})
     known = sorted(f.name for f in fields(cls) if f.init)  # type: ignore[arg-type]
     unknown = [k for k in given if k not in known]
