@@ -1,5 +1,6 @@
-"""GPU paths of the data plane: CUDA IPC between ranks on one host, and GPU tensors staged
-through host memory when IPC cannot be used. Skipped where there is no GPU; run them with
+"""GPU paths: CUDA IPC between ranks on one host, GPU tensors staged through host memory
+when IPC cannot be used, a 1-rank CuPy/NCCL communicator, the hybrid switch (FSDP2, ZeRO-2/3)
+and weight sync. Skipped where there is no GPU; run them with
 scripts/gpu_check.sh on a GPU machine."""
 
 from __future__ import annotations
