@@ -430,6 +430,24 @@ def test_a_controller_busy_past_the_heartbeat_timeout_loses_no_group():
     assert taken == [5, 5] and dead is None
 
 
+@pytest.mark.parametrize("forked", ["1", "0"], ids=["forked-ranks", "ranks-anew"])
+def test_a_killed_controllers_ranks_leave_no_shared_memory(killed_driver_env, forked):
+    """The ranks of a killed controller were stopped by torchrun's SIGTERM (started anew)
+    or by their stand-in's end (forked: a SIGKILL of their own): their pools stayed in
+    /dev/shm, RAM until a reboot. Each unlinks its own first now."""
+    env = {**killed_driver_env, "ASYNCRL_FORK_RANKS": forked}
+    proc, pids = _start_hold("--pull", env=env)
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"asyncrl-{pids['run']}-")]
+    assert mine, "the pulls made no segment"  # (else this test checks nothing)
+    proc.kill()
+    proc.communicate(timeout=10)
+    assert_gone([pids["agent"], *pids["ranks"]], timeout=30)
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"asyncrl-{pids['run']}-")]
+    for name in left:  # (not to leak them beyond this test)
+        os.unlink(f"/dev/shm/{name}")
+    assert left == []
+
+
 def test_killed_controller_ranks_exit_on_lost_heartbeat(killed_driver_env):
     proc, pids = _start_hold("--orphanable", env=killed_driver_env)
     proc.kill()

@@ -355,6 +355,9 @@ def _hold_lifeline(fd: int) -> None:
             pass
     except OSError:
         pass
+    from asyncrl.comm.dataplane import unlink_own_segments  # (imported: it runs the rank)
+
+    unlink_own_segments()  # a SIGKILL leaves them: RAM until a reboot
     _kill_group(os.getpid())
 
 

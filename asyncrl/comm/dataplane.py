@@ -17,9 +17,11 @@ the consumer's side; the producer's is `comm.dataserver`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -39,7 +41,7 @@ from asyncrl.comm.dataserver import bytes_of
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import ColumnDest, Pull, Pulled
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue
-from asyncrl.comm.shm import SegmentPool
+from asyncrl.comm.shm import SegmentPool, cleanup
 from asyncrl.errors import InputLostError, TransferTimeout
 
 log = logging.getLogger("asyncrl")
@@ -56,6 +58,16 @@ FRAMES_WINDOW = 4  # buckets asked of one producer at once when they come as fra
 def run_prefix(run_id: str) -> str:
     """The start of the name of every shared-memory segment of a run."""
     return f"{SHM_PREFIX}{run_id}-"
+
+
+def unlink_own_segments() -> None:
+    """This rank's shared memory unlinked by name: a way out by signal (no lock taken, and
+    the mappings stay valid until the process ends)."""
+    env = os.environ
+    prefix = pool_prefix(env.get("ASYNCRL_RUN_ID", str(os.getpid())), env.get(
+        "ASYNCRL_GROUP", ""), int(env.get("RANK", "0")), os.getpid())
+    with contextlib.suppress(OSError):
+        cleanup(f"{prefix}-")
 
 
 def pool_prefix(run_id: str, group: str, rank: int, pid: int) -> str:
