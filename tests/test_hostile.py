@@ -12,11 +12,13 @@ import sys
 
 import msgspec
 import pytest
+import torch
 import zmq
 import zmq.asyncio
 from helpers import ROOT, assert_gone, group_pids, poll_until, run
 
 import asyncrl
+from asyncrl import TensorBatch
 from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import Signer, read_secret
 
@@ -182,3 +184,54 @@ def test_a_message_the_ranks_io_thread_fails_on_does_not_end_it(monkeypatch, cap
     rank.heartbeat = functools.partial(RankMain.heartbeat, rank)
     assert RankMain.serve(rank) == 0  # Shutdown read after the failure
     assert "can't start new thread" in capsys.readouterr().err
+
+
+class Describes(asyncrl.Worker):
+    @asyncrl.register
+    def big(self, odd: bool) -> TensorBatch:  # past the inline limit: kept, described
+        return TensorBatch({"x\udcff" if odd else "x": torch.zeros(20_000, 4)})
+
+
+def test_a_result_its_rank_cannot_describe_fails_the_call_and_the_control_plane_holds():
+    """A column name msgpack refuses (a lone surrogate from os.fsdecode) made the Result
+    unsendable after the rank kept the value: nothing went, the call waited for ever while
+    heartbeats said the rank was fine. And a flood of frames kept the controller's loop in
+    its reader until the last one; a frame the controller sent, bounced back to it under its
+    own route, was taken."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Describes, nprocs=1)
+            pids = group_pids(group)
+            with pytest.raises(asyncrl.RemoteError, match="big's result cannot be described "
+                                                          "to the controller"):
+                await asyncio.wait_for(group.big(True), 60)
+            assert len((await group.big(False))[0]) == 20_000  # the rank goes on
+
+            ctx = zmq.Context()
+            flood = ctx.socket(zmq.DEALER)
+            flood.setsockopt(zmq.SNDHWM, 0)
+            flood.connect(ctl.channel.address)
+            for _ in range(100_000):
+                flood.send_multipart([b"x" * 40, b"y" * 32])
+            await poll_until(lambda: ctl.dropped_frames.get("bad_mac", 0) > 0, 30,
+                             "the flood to reach the controller")
+            turn = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(turn.set_result, None)
+            await turn  # the loop's turn, while the flood is still read
+            read = ctl.dropped_frames["bad_mac"]
+            bounced = ctl.channel._signer.sign(b">" + group.ranks[0].identity,
+                                               messages.encode(messages.Heartbeat()))
+            spoof = ctx.socket(zmq.DEALER)
+            spoof.setsockopt(zmq.IDENTITY, b">" + group.ranks[0].identity)
+            spoof.connect(ctl.channel.address)
+            malformed = ctl.dropped_frames.get("malformed", 0)
+            spoof.send_multipart(bounced)
+            await poll_until(lambda: ctl.dropped_frames.get("malformed", 0) > malformed, 30,
+                             "the bounced frame to be dropped")
+            for sock in (flood, spoof):
+                sock.close(0)
+            ctx.term()
+            return pids, read
+    pids, read = run(main(), timeout=120)
+    assert_gone(pids)
+    assert read < 100_000  # the loop had its turn before the last frame was read

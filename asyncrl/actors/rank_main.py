@@ -145,7 +145,16 @@ class _Executor:
             result = Result(call.call_id, main.rank, error=_failure(e),
                             aborted_links=nccl.aborted())
         result.busy = time.perf_counter() - start
-        self.sock.send(result)
+        try:
+            self.sock.send(result)
+        except (TypeError, ValueError, OverflowError) as e:  # its description (a column
+            main.store.free([call.call_id])  # name not UTF-8) msgpack refuses: nothing went,
+            try:  # and the call waited for ever
+                raise TypeError(f"{call.method}'s result cannot be described to the "
+                                f"controller: {e}") from e
+            except TypeError as said:
+                self.sock.send(Result(call.call_id, main.rank, error=_failure(said),
+                                      busy=result.busy))
 
 
 class RankMain:

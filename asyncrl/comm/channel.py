@@ -22,6 +22,7 @@ from asyncrl.comm.messages import Message
 log = logging.getLogger("asyncrl")
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+DRAIN_MAX = 1000  # messages read in one turn of the loop; the rest in the next
 LINK_MIN_RATE = 10e6  # bytes/s: the slowest the controller's messages are taken to leave
 
 
@@ -178,7 +179,7 @@ class ControllerChannel:
             return
         recv, handle = self._sock.recv, self._handle
         assert handle is not None
-        while True:
+        for _ in range(DRAIN_MAX):
             try:
                 frame = recv(_NOBLOCK, copy=False)
             except zmq.Again:
@@ -188,11 +189,13 @@ class ControllerChannel:
                 frame = recv(_NOBLOCK, copy=False)
                 frames.append(frame)
             self._dispatch(frames, handle)
+        self._wake()  # more: after the loop's other work (a flood of frames, signed or not,
+        # kept the loop here: no heartbeat, no call went meanwhile)
 
     def _dispatch(self, frames: list[zmq.Frame],
                   handle: Callable[[bytes, Message], None]) -> None:
-        if len(frames) < 2:
-            self._verifier.drop("malformed")
+        if len(frames) < 2 or frames[0].bytes[:1] == b">":  # (">": the controller's own
+            self._verifier.drop("malformed")  # routes: a frame it sent, bounced back)
             return
         identity = frames[0].bytes
         msg = open_with_frames(self._verifier, identity,
