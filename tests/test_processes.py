@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 
-from helpers import ROOT, assert_gone
+from helpers import ROOT, assert_gone, wait_until
 
 import asyncrl
 
@@ -99,14 +99,20 @@ def test_an_answer_nobody_waits_for_stops_its_agent_and_a_broken_server_is_not_c
     the agents it forked: closing it (the next spawn did) stopped every one of them."""
     import collections
 
+    from asyncrl.actors.procs import birth
     from asyncrl.controller import agent_fork
 
     server = object.__new__(agent_fork.AgentServer)
     server.broken, server._answers = True, collections.deque()
     server._answered = threading.Condition()
     orphan = subprocess.Popen(["sleep", "60"])
-    try:
-        server._take({"pid": orphan.pid})
+    try:  # a late answer whose pid names another process by now (its start time differs):
+        with monkeypatch.context() as m:  # left alone
+            kills: list = []
+            m.setattr(agent_fork.os, "kill", lambda *a: kills.append(a))
+            server._take({"pid": orphan.pid, "born": "1"})
+        assert kills == [] and not server._answers
+        server._take({"pid": orphan.pid, "born": birth(orphan.pid)})
         assert orphan.wait(10) == -signal.SIGTERM and not server._answers
     finally:
         orphan.kill()
@@ -169,3 +175,50 @@ def test_a_child_whose_parent_exited_before_its_death_signal_was_set_ends(tmp_pa
     assert proc.returncode == 0 and mark.exists()  # (a script failing early says nothing)
     assert said == "", said  # ended by its SIGTERM, before a word
     assert_gone([int(mark.read_text())])
+
+
+def test_a_process_another_user_runs_is_alive(monkeypatch):
+    """Where /proc hides other users' processes (hidepid), kill(pid, 0) says EPERM: that
+    raised out of pid_alive (a sweep of a host's leftovers stopped at the first such pid)."""
+    from asyncrl.actors import procs
+
+    def refused(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(procs, "_stat", lambda pid: [])
+    monkeypatch.setattr(procs.os, "kill", refused)
+    assert procs.pid_alive(123) is True
+
+
+BURST = """
+import subprocess, sys
+with open(sys.argv[1], "a") as out:
+    while True:  # a torchrun starting its ranks, each in a session of its own
+        child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        out.write(f"{child.pid}\\n")
+        out.flush()
+"""
+
+
+def test_an_agent_killed_while_it_starts_children_leaves_none(tmp_path):
+    """Its children were listed, then signalled: one it started meanwhile (torchrun
+    starting its ranks while a spawn was undone) was never signalled, and, in a session of
+    its own, outlived the agent. The agent is stopped before its children are listed."""
+    from asyncrl.actors.procs import pid_alive
+    from asyncrl.controller.launcher import Agent
+
+    listed = tmp_path / "children"
+    agent = Agent("g", 1, {}, tmp_path / "g.log")
+    agent.proc = subprocess.Popen([sys.executable, "-c", BURST, str(listed)])
+    started: list[int] = []
+    try:
+        wait_until(lambda: listed.exists() and len(listed.read_text().split()) >= 20, 30,
+                   "the agent to start children")
+        agent.signal_all(signal.SIGKILL)
+        agent.proc.wait(10)
+        agent.signal_all(signal.SIGKILL)
+        started = [int(p) for p in listed.read_text().split()]
+        assert_gone(started, timeout=10)
+    finally:
+        for pid in started or [int(p) for p in listed.read_text().split()]:
+            if pid_alive(pid):  # (ours: started by the test's agent)
+                os.kill(pid, signal.SIGKILL)

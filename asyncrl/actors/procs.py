@@ -16,6 +16,41 @@ def _stat(pid: int) -> list[str]:
         return []
 
 
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from one scan of /proc (none where /proc is missing)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return children
+    for entry in entries:
+        if entry.isdigit() and len(fields := _stat(int(entry))) > 1:  # (gone meanwhile: [])
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def state(pid: int) -> str | None:
+    """Its state letter in /proc (R, S, T stopped, Z zombie...), None when there is none."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` now."""
+    return _children().get(pid, [])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` now, wherever it went (a session of its own)."""
+    children = _children()
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
 def birth(pid: int) -> str | None:
     """When process `pid` started (clock ticks after boot, /proc), None when there is none."""
     fields = _stat(pid)
@@ -47,3 +82,5 @@ def pid_alive(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+    except PermissionError:  # another user's: it runs
+        return True

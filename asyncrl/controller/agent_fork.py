@@ -206,9 +206,12 @@ class ForkedAgent:
         return self.returncode
 
 
-def _stop_orphan(pid: int) -> None:
+def _stop_orphan(pid: int, born: str | None) -> None:
     """An agent forked for a request nobody waits for any more: torchrun stops its ranks on
-    SIGTERM (its stand-ins, and with them the ranks the server forked)."""
+    SIGTERM (its stand-ins, and with them the ranks the server forked). Only while its pid
+    still names it (the answer came late: it may have exited, and the pid been reused)."""
+    if not ForkedAgent(pid, born).is_itself():
+        return
     try:
         os.kill(pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
@@ -277,7 +280,8 @@ class AgentServer:
         elif "pid" in msg or "error" in msg:
             with self._answered:
                 if self.broken and "pid" in msg:  # its asker gave up and started torchrun
-                    _stop_orphan(msg["pid"])       # anew: two jobs would serve one group
+                    _stop_orphan(msg["pid"], msg.get("born"))  # anew: two jobs would serve
+                    # one group
                     return
                 self._answers.append(msg)
                 self._answered.notify_all()

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import asyncrl
 from asyncrl.actors import rank_client
 from asyncrl.actors.agent_main import LIFELINE
 from asyncrl.actors.gpu_slots import GPU_SLOTS
-from asyncrl.actors.procs import PROCESS_ENV, birth
+from asyncrl.actors.procs import PROCESS_ENV, birth, child_pids, state
 from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS, rank_threads
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
@@ -46,26 +47,6 @@ _ROOT_CAUSE = re.compile(
 _STOPPED = re.compile(r"\] Sending process (\d+) closing signal")
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid`, read from /proc (empty where /proc is missing)."""
-    out: list[int] = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid:
-            out.append(int(entry))
-    return out
-
-
 def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:
@@ -74,6 +55,7 @@ def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
             pass
 
 
+FREEZE_S = 1.0  # the longest signal_all waits for the agent to be stopped
 _ASK = object()  # Agent.start: ask the agent server for a forked torchrun
 
 
@@ -238,6 +220,8 @@ class Agent:
         return sorted(pids)
 
     def signal_all(self, sig: int) -> None:
+        if sig == signal.SIGKILL:  # stopped first: a child it started while its children
+            self._freeze()  # were listed (torchrun starting its ranks) was never signalled
         kill_pids(self.all_pids(), sig)
         for rank, pid in self.rank_pids.items():  # torchrun starts each rank in a session
             # of its own: what a rank started (a sandbox, a compile worker) goes with it. Its
@@ -250,6 +234,21 @@ class Agent:
                 os.killpg(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+    def _freeze(self) -> None:
+        """SIGSTOP to the agent, and a short wait for it to be stopped (or gone)."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None or (
+                isinstance(proc, ForkedAgent) and not proc.is_itself()):
+            return
+        try:
+            os.kill(proc.pid, signal.SIGSTOP)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + FREEZE_S
+        while state(proc.pid) not in (None, "T", "t", "Z", "X") and time.monotonic() < deadline:
+            time.sleep(0.001)  # (a stop takes effect at the process's next kernel exit)
 
 
 class HostAgents:

@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import msgspec
 
+from asyncrl.actors.procs import descendants
 from asyncrl.comm.refs import make_ref, resolve_ref
 from asyncrl.errors import ClosedError
 
@@ -173,27 +174,6 @@ class _Child:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes under `pid` now (from /proc; none where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    ppid = int(f.read().rpartition(b")")[2].split()[1])
-            except (OSError, ValueError, IndexError):  # gone meanwhile
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo += children.get(p, [])
-    return found
 
 
 def _pidfd(pid: int) -> int | None:
