@@ -425,3 +425,16 @@ def test_a_closed_consumers_segments_are_unmapped_by_its_producer():
     pids, before = run(main())
     assert_gone(pids)
     assert before, "the producer should have mapped the consumer's segment"
+
+
+def test_a_data_host_name_that_is_loopback_is_refused_where_the_controller_is_elsewhere():
+    """A host listed by a name its own /etc/hosts maps to 127.0.1.1 bound its ranks' data
+    servers there: pulls from other hosts timed out, unexplained."""
+    from asyncrl.comm.dataserver import check_reachable
+
+    with pytest.raises(RuntimeError, match=r"'localhost' resolves to a loopback address .* "
+                                           r"give the host's IP address"):
+        check_reachable("localhost", "tcp://10.1.2.3:5000")
+    check_reachable("localhost", "tcp://127.0.0.1:5000")  # one machine: fine
+    check_reachable("10.0.0.5", "tcp://10.1.2.3:5000")  # an address: as given
+    check_reachable("no-such-host.invalid", "tcp://10.1.2.3:5000")  # zmq's own error later

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 from helpers import assert_gone, group_pids, run
-from test_hybrid import AnyTrainer, fixed_batch
+from test_backends import AnyTrainer
+from test_hybrid import fixed_batch
 
 import asyncrl
 from asyncrl import TensorBatch
