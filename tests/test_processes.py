@@ -130,12 +130,21 @@ def test_an_answer_nobody_waits_for_stops_its_agent_and_a_broken_server_is_not_c
             return "a new server"
 
     running = Running()
+    running._agents = {1: "an agent it forked"}
     monkeypatch.setattr(agent_fork, "_server", running)
     monkeypatch.setattr(agent_fork, "_starter", Starter())
     monkeypatch.setattr(agent_fork, "_retired", [])
     try:
         assert agent_fork.shared_server() == "a new server"
         assert not running.closed and agent_fork._retired == [running]
+        # one that never forked an agent (never ready, on a loaded host) is not kept, with
+        # its torch import, for the life of the process: each spawn could add one more
+        never = Running()
+        never._agents = {}
+        monkeypatch.setattr(agent_fork, "_server", never)
+        monkeypatch.setattr(agent_fork, "_retired", [])
+        assert agent_fork.shared_server() == "a new server"
+        assert never.closed and agent_fork._retired == []
     finally:
         Running.proc.kill()
         Running.proc.wait()

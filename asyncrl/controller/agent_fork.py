@@ -313,7 +313,8 @@ class AgentServer:
 
     def ranks_address(self) -> str | None:
         """Where this server forks ranks (once it is ready), or None: it does not."""
-        self._ready.wait(READY_TIMEOUT)
+        if not self._ready.wait(READY_TIMEOUT):
+            self.broken = True  # (start() would wait as long again before giving up)
         return self._ranks
 
     def start(self, argv: list[str], env: dict[str, str], log: str,
@@ -420,8 +421,10 @@ def shared_server() -> AgentServer | None:
         if _server is not None and _server.alive:
             return _server
         old, _server = _server, None
-        if old is not None and old.proc.poll() is None:  # broken, yet its agents run: left
-            _retired.append(old)  # to serve them (closing it would stop them), closed at exit
+        if old is not None and old.proc.poll() is None and old._agents:  # broken, yet its
+            _retired.append(old)  # agents run: left to serve them (closing it would stop
+            # them), closed at exit; one that never forked an agent (never ready: a loaded
+            # host) is closed, not kept with its torch import for the life of the process
         elif old is not None:
             old.close()
         try:

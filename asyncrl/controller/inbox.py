@@ -57,8 +57,8 @@ class Inbox:
             return
         parts = identity.split(b"/")
         group = ctl.groups.get(parts[0].decode(errors="replace"))
-        if group is None or len(parts) != 4:
-            return
+        if group is None or len(parts) != 4 or not parts[1].isdigit():
+            return  # (not a rank socket's name: nothing of a group's)
         rank = int(parts[1])
         info = group.ranks.get(rank)
         if info is not None and pid_of(parts[3]) != str(info.pid).encode() and \
