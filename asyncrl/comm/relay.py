@@ -17,6 +17,7 @@ call costs the controller one message each way per host, however many ranks the 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import traceback
@@ -32,6 +33,7 @@ from asyncrl.comm.channel import open_frame
 from asyncrl.comm.messages import Fanin, Fanout, Result, Results, Schema
 
 _NOBLOCK = int(zmq.NOBLOCK)
+DRAIN_MAX = 1000  # messages taken from one side before the other side's turn
 
 
 RELAY_ROLES = ("exec", "io")  # a host's two relays: the "exec" sockets', everything else's
@@ -75,6 +77,8 @@ class HostRelay:
         self._up = ctx.socket(zmq.DEALER)
         self._up.setsockopt(zmq.IDENTITY, identity)
         self._up.setsockopt(zmq.LINGER, 2000)  # the last messages leave when the rank exits
+        self._up.setsockopt(zmq.SNDHWM, 0)  # a controller that reads late must not block
+        # this thread at its 1000th message (nothing would reach the ranks meanwhile)
         if curve is not None:
             curve_client(self._up, curve.controller)
         self._up.connect(controller)
@@ -119,7 +123,7 @@ class HostRelay:
             ready = dict(poller.poll(100))  # the timeout only bounds how long close() waits
             self._guarded(self._from_controller, self._up in ready)
             self._guarded(self._from_ranks, self._down in ready)
-        self._guarded(self._from_ranks, True)  # the last lines of the host's ranks
+        self._guarded(lambda: self._from_ranks(None), True)  # the host's ranks' last lines
         self._up.close()
         self._down.close()
         self._ctx.term()  # lingers (bounded) until what is queued has left
@@ -136,7 +140,7 @@ class HostRelay:
                   file=sys.stderr, flush=True)
 
     def _from_controller(self) -> None:
-        while True:
+        for _ in range(DRAIN_MAX):  # (then the ranks' side: the poll comes back here)
             try:
                 frames = self._up.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
@@ -171,10 +175,11 @@ class HostRelay:
         # parts under its copy_threshold, as the small signed ones are
         self._down.send_multipart((to, body, mac, *raw), _NOBLOCK, copy=False)
 
-    def _from_ranks(self) -> None:
+    def _from_ranks(self, limit: int | None = DRAIN_MAX) -> None:
         senders: list[bytes] = []
         bodies: list[msgspec.Raw] = []
-        while True:
+        for _ in itertools.count() if limit is None else range(limit):  # (then the
+            # controller's side, as above)
             try:
                 frames = self._down.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
