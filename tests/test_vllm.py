@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,9 +95,10 @@ def test_vllm_adapter_against_a_fake_that_follows_vllm_api(tmp_path):
     # it in 0.10.0-0.10.1): every ratio off 1, unsaid
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ASYNCRL_VLLM_MODULE", "fake_vllm")
-        mp.setattr(fake_vllm, "__version__", "0.10.1")
-        with pytest.raises(ImportError, match=r"needs vLLM >= 0.10.2 .*found 0.10.1"):
-            VLLMEngine("tiny-llama")
+        for old in ("0.10.1", "0.10.2rc1", "0.10.2.dev5+g1a2b"):  # (a nightly before it)
+            mp.setattr(fake_vllm, "__version__", old)
+            with pytest.raises(ImportError, match=f"needs vLLM >= 0.10.2 .*found {re.escape(old)}"):
+                VLLMEngine("tiny-llama")
     # the engine a role makes computes in the model's dtype, as the trainer (it was bf16
     # whatever the trainer ran in: every PPO ratio started ~1e-2 off 1)
     from asyncrl.hybrid.engine import make_engine

@@ -117,9 +117,9 @@ class VLLMEngine:
                 raise ImportError("the vLLM engine needs vLLM on a GPU machine: pip install "
                                   "'asyncrl[vllm]'; on CPU use the built-in engine "
                                   "(engine='builtin')") from e
-            found = _version(getattr(vllm, "__version__", "0"))
-            if found < MIN_VERSION:  # older: no logprobs_mode (a TypeError), or its
-                # "processed" log-probs before temperature (every ratio off 1, unsaid)
+            # older: no logprobs_mode (a TypeError), or its "processed" log-probs before
+            # temperature (every ratio off 1, unsaid)
+            if _too_old(getattr(vllm, "__version__", "0")):
                 raise ImportError(f"the vLLM engine needs vLLM >= "
                                   f"{'.'.join(map(str, MIN_VERSION))} (log-probs after "
                                   f"temperature), found {vllm.__version__}")
@@ -317,13 +317,18 @@ def _check_answers(outputs: Sequence[Any], prompts: Sequence[Sequence[int]]) -> 
                                f"earlier call that failed left in it?); call again")
 
 
-def _version(text: str) -> tuple[int, ...]:
-    """"0.10.2rc1.dev5+g1a2b" -> (0, 10, 2): the release's numbers."""
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        parts.append(int(digits or 0))
-    return tuple(parts)
+def _too_old(text: str) -> bool:
+    """Whether vLLM `text` comes before MIN_VERSION; a pre-release of it too ("0.10.2rc1",
+    a nightly "0.10.2.dev5+g1a2b": it may not have what the release has)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(text) < Version(".".join(map(str, MIN_VERSION)))
+    except InvalidVersion:  # (a local build's own naming): its leading numbers
+        parts = []
+        for piece in text.split(".")[:3]:
+            parts.append(int("".join(itertools.takewhile(str.isdigit, piece)) or 0))
+        return tuple(parts) < MIN_VERSION
 
 
 def _check_top_p(cfg: SamplingConfig) -> None:
