@@ -336,3 +336,15 @@ def test_weights_adopted_are_all_taken_or_none():
     sampler.adopt_weights([(a, torch.ones_like(first, dtype=torch.bfloat16))], version=6)
     assert sampler.model.get_parameter(a).dtype == torch.float32 and sampler.version == 6
     assert torch.equal(sampler.model.get_parameter(a), torch.ones_like(first))
+
+
+def test_greedy_decoding_refuses_nan_logits_as_sampling_does():
+    """argmax takes NaN for the largest: greedy validation went on on garbage (token 5 again
+    and again, log-probs NaN) where sampling raised."""
+    model = build_model(ModelConfig())
+    with torch.no_grad():
+        model.lm_head.weight[5].fill_(float("nan"))
+    for temperature in (0.0, 1.0):
+        engine = Sampler(model, SamplingConfig(max_new_tokens=3, temperature=temperature))
+        with pytest.raises(ValueError, match="contain NaN"):
+            engine.generate([[1, 2, 3]], seeds=[0])
