@@ -12,10 +12,17 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if ! ls .whl/*.whl > /dev/null 2>&1; then  # (every step would fail on `import zmq`)
+  echo "no wheels in .whl: run 'bash scripts/gpu_wheels.sh' here first, and the device" \
+    "tool with carry=[\".whl\"]" | tee "$OUT/gpu.txt"
+  exit 2
+fi
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  if ls .whl/deepspeed-*.tar.gz > /dev/null 2>&1; then  # its source, built without ops
+  if [ -d /tmp/site/deepspeed ]; then  # a warm machine's second run: built already
+    :
+  elif ls .whl/deepspeed-*.tar.gz > /dev/null 2>&1; then  # its source, built without ops
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
       --no-compile --no-cache-dir --target /tmp/site .whl/deepspeed-*.tar.gz \
       || echo "deepspeed did not install: the ZeRO GPU test will fail"
@@ -40,7 +47,8 @@ EOF
 # one step costs the later steps their time but never the call's output. Logs go straight
 # to $OUT: a step killed at its limit still returns what it printed. The CPU tests are not
 # rerun here: CI runs them.
-DEADLINE=${DEADLINE:-540}
+DEADLINE=${DEADLINE:-420}  # (with the machine's start, room for a targeted rerun at once:
+# `DEADLINE=150 ONLY="zero3 or weight_sync" bash scripts/gpu_check.sh`, the tests alone)
 FAILED=0  # the script's exit status: the device tool's rc then says whether a step failed
 step() {  # step SECONDS LOG COMMAND...: COMMAND for SECONDS at most, or what is left
   local cap=$1 log=$2 rc; shift 2
@@ -59,10 +67,15 @@ step() {  # step SECONDS LOG COMMAND...: COMMAND for SECONDS at most, or what is
 }
 export ASYNCRL_REQUIRE_GPU_DEPS=1  # a missing NCCL or DeepSpeed fails its test, not skips it
 export NCCL_DEBUG=WARN
+if [ -n "${ONLY:-}" ]; then  # a rerun of some GPU tests alone, on a warm machine
+  step "$DEADLINE" "$OUT/gpu-tests.log" python3 -m pytest -q -p no:cacheprovider -W default \
+    --durations=0 --timeout 100 -o faulthandler_timeout=90 -m gpu -k "$ONLY" tests/test_gpu.py
+  exit "$FAILED"
+fi
 # warnings are errors in the suite (pyproject); here the image's own library versions may
 # warn where CI's do not, and a figure matters more than a deprecation: shown, not raised
 step 200 "$OUT/gpu-tests.log" python3 -m pytest -q -p no:cacheprovider -W default \
-  --timeout 100 -o faulthandler_timeout=90 -m gpu tests/test_gpu.py
+  --durations=0 --timeout 100 -o faulthandler_timeout=90 -m gpu tests/test_gpu.py
 B="$OUT/gpu-bench.jsonl"
 bench() {  # bench SECONDS SCRIPT ARGS...: its JSON lines to $B, its stderr to bench.err
   local cap=$1; shift

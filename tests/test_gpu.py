@@ -160,7 +160,9 @@ if torch.cuda.is_available():  # module level (ranks import it by path); GPU mac
             engine = sum(p.numel() * p.element_size() for p in hybrid.engine.model.parameters())
             hybrid.to_train()
             torch.cuda.synchronize()
-            params = sum(p.numel() for p in self.backend.model.parameters())
+            # (ZeRO-3 empties its partitioned parameters: their real size is ds_numel)
+            params = sum(getattr(p, "ds_numel", p.numel())
+                         for p in self.backend.model.parameters())
             return {"params": params, "training": training, "generating": generating,
                     "engine": engine, "masters_while": masters_while,
                     "masters_after": sorted({t.device.type for t in self.backend._masters()}),
