@@ -357,8 +357,10 @@ def _hold_lifeline(fd: int) -> None:
         pass
     from asyncrl.comm.dataplane import unlink_own_segments  # (imported: it runs the rank)
 
-    unlink_own_segments()  # a SIGKILL leaves them: RAM until a reboot
-    _kill_group(os.getpid())
+    try:
+        unlink_own_segments()  # a SIGKILL leaves them: RAM until a reboot
+    finally:
+        _kill_group(os.getpid())
 
 
 def take_place(ask: dict[str, Any]) -> None:

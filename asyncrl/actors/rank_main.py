@@ -43,12 +43,13 @@ from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
 from asyncrl.actors.rank_client import STAND_IN
 from asyncrl.actors.rank_fork import set_title
 from asyncrl.actors.register import registered_methods
+from asyncrl.actors.sigterm import stop_on_sigterm
 from asyncrl.actors.worker import Worker, construct
 from asyncrl.comm import codec, nccl
 from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.cuda_ipc import device_uuid
-from asyncrl.comm.dataplane import DataClient, pool_prefix, run_prefix, unlink_own_segments
+from asyncrl.comm.dataplane import DataClient, pool_prefix, run_prefix
 from asyncrl.comm.dataserver import DataServer, check_reachable
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import (
@@ -501,9 +502,7 @@ def main() -> None:
     # a SIGINT ends the rank (torchrun passes one on at Ctrl-C), also where the process was
     # started with it ignored (a background job of a shell: Python then leaves it ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # torchrun stops its ranks with SIGTERM (its controller gone, a peer failed): the
-    # rank's shared memory goes first (RAM until a reboot), then the signal ends it as before
-    signal.signal(signal.SIGTERM, _terminated)
+    stop_on_sigterm()
     # as `ps` shows every rank, forked (asyncrl/actors/rank_fork.py) or started anew
     set_title(f"{sys.executable} -m asyncrl.actors.rank_main [{os.environ.get('ASYNCRL_GROUP')}"
               f" rank {os.environ.get('RANK')}]")
@@ -573,12 +572,6 @@ def _on_close_hung(rank: RankMain, code: int, output: OutputCapture) -> None:
     print(f"[asyncrl] {rank.group}:{rank.rank}: on_close() did not return within "
           f"{collective_timeout():g} s; exiting", file=sys.stderr, flush=True)
     _exit(rank, code, output)
-
-
-def _terminated(signum: int, _frame: Any) -> None:
-    unlink_own_segments()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
 
 
 def _exit(rank: RankMain, code: int, output: OutputCapture | None = None) -> None:
