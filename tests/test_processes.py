@@ -231,3 +231,30 @@ def test_an_agent_killed_while_it_starts_children_leaves_none(tmp_path):
         for pid in started or [int(p) for p in listed.read_text().split()]:
             if pid_alive(pid):  # (ours: started by the test's agent)
                 os.kill(pid, signal.SIGKILL)
+
+
+STUCK = """
+import datetime, sys
+import torch.distributed as dist
+from asyncrl.actors.sigterm import stop_on_sigterm
+stop_on_sigterm()
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=120))
+print("waiting", flush=True)
+store.wait(["never"])  # as a rank in a rendezvous, or in a collective of its on_close
+"""
+
+
+def test_a_rank_stuck_in_a_call_into_torch_ends_on_sigterm_at_once():
+    """The rank's SIGTERM handler ran only once the main thread came back from torch (a
+    rendezvous, a collective in on_close): torchrun's stop waited out its grace. A thread
+    woken by the signal now unlinks the rank's memory and ends it."""
+    proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM  # (the store's own wait: 120 s)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
