@@ -195,6 +195,45 @@ def test_a_switch_failing_on_one_rank_fails_its_peers_at_once_and_the_next_one_g
     assert len(out) == 4 and all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
 
 
+class FlakyRestorePolicy(Policy):
+    """Rank 1's first way back to training fails to bring its optimizer's memory back."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        reload, failures = self.backend.reload_masters, [1 if self.rank == 1 else 0]
+
+        def flaky() -> None:
+            if failures[0]:
+                failures[0] -= 1
+                raise torch.OutOfMemoryError("no room for the masters (rank 1)")
+            reload()
+        self.backend.reload_masters = flaky
+
+
+def test_a_way_back_to_training_failing_on_one_rank_fails_its_peers_at_once():
+    """Rank 1 raised on its way back to training while rank 0 went on into the step's
+    collectives and waited there until the collective timeout."""
+    batch = fixed_batch()
+
+    async def main():
+        async with asyncrl.Controller(collective_timeout=300.0) as ctl:
+            policy = await small_policy(ctl, FlakyRestorePolicy, seed=3)
+            pids = group_pids(policy)
+            await policy.generate(prompts_batch(4))
+            with pytest.raises(asyncrl.RemoteError) as e:
+                await policy.train_step(batch)
+
+            def said() -> str:
+                return "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
+            await poll_until(lambda: "no room for the masters" in said() and "switching "
+                             "back to training failed on another rank" in said(), 30,
+                             "both ranks' errors")
+            return pids, await policy.train_step(batch)  # the restore done now: it trains
+    pids, stats = run(main(), timeout=120)
+    assert_gone(pids)
+    assert len(stats) == 2 and all(s["loss"] > 0 for s in stats)
+
+
 def test_a_policy_checkpoint_brings_back_its_weights_and_the_engine_follows(tmp_path):
     """A Policy that trains (SFT, or a trainer feeding Rollouts) keeps state: its checkpoint
     restores weights and version (it resumed as freshly built), and the next generation runs

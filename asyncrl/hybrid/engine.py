@@ -301,10 +301,17 @@ class HybridEngine:
                                           if p.requires_grad), self.bucket_bytes, self._zero)
 
     def to_train(self) -> None:
-        if self.mode == "generate":
-            self.engine.sleep(self._sleep_level)
+        """Back to training; every rank agrees (one small all_reduce, at every call: a rank
+        left with something to undo cannot skip it while the others do) before the training
+        collectives that follow, which a rank failing here alone would leave its peers in."""
+        agree(_attempt(self._back_to_training), "switching back to training")
+
+    def _back_to_training(self) -> None:
+        was = self.mode
+        self.mode = "train"  # on every rank alike, whatever fails below (a failed restore is
+        if was == "generate":  # done again at the next call; the next switch fills and
+            self.engine.sleep(self._sleep_level)  # wakes the engine anew)
             self._release()
-            self.mode = "train"  # the engine asleep: a failure below is retried next time
         self._restore_training()  # (nothing to do unless the optimizer is away)
 
     def _restore_training(self) -> None:
