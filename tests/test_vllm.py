@@ -188,10 +188,12 @@ def test_vllm_refuses_checkpoints_whose_weights_it_derives_tensors_from(tmp_path
     VLLMEngine(str(tmp_path / "plain"), llm_cls=fake_vllm.LLM,  # a dense one: taken
                sampling_params_cls=fake_vllm.SamplingParams)
     # nor an allocator setting its sleep mode refuses (vLLM's own assertion, deep inside)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    with pytest.raises(ValueError, match="expandable_segments:True, which vLLM's sleep mode"):
-        VLLMEngine(str(tmp_path / "plain"), llm_cls=fake_vllm.LLM,
-                   sampling_params_cls=fake_vllm.SamplingParams)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        with monkeypatch.context() as m:
+            m.setenv(name, "expandable_segments:True")
+            with pytest.raises(ValueError, match=f"{name} has expandable_segments:True"):
+                VLLMEngine(str(tmp_path / "plain"), llm_cls=fake_vllm.LLM,
+                           sampling_params_cls=fake_vllm.SamplingParams)
 
 
 def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfilled(tmp_path,
@@ -232,6 +234,15 @@ def test_a_hybrid_vllm_refuses_weights_that_leave_some_of_its_parameters_unfille
                                          f"\\({skipped}\\)"):
         HybridEngine(Backend(Partial(skipped)), cfg, sampling, engine="vllm",
                      engine_options=options)
+    # a tied model covers a checkpoint that lists its head beside its embeddings (some
+    # exports do): named_parameters() leaves the tied head out
+    tied = build_model(ModelConfig(preset="tiny-gpt2"))
+    listed = {n for n, _ in tied.named_parameters(remove_duplicate=False)}
+    assert "lm_head.weight" in listed
+    (tmp_path / "tied").mkdir()
+    (tmp_path / "tied" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: "model.safetensors" for n in listed}}))
+    engine_module._check_covers(str(tmp_path / "tied"), tied)
     monkeypatch.setattr(engine_module, "checkpoint_tensors", lambda path: None)  # (.bin)
     short = HybridEngine(Backend(Partial(skipped)), cfg, sampling, engine="vllm",
                          engine_options=options)

@@ -417,6 +417,7 @@ def shared_server() -> AgentServer | None:
     (torchrun is then started anew). It ends with the process, or at `close_shared_server`;
     agents started to die with their controller die with it."""
     global _starter, _server
+    gone = None  # closed after the lock (it may take seconds): other callers go on
     with _lock:
         if _server is not None and _server.alive:
             return _server
@@ -426,14 +427,17 @@ def shared_server() -> AgentServer | None:
             # them), closed at exit; one that never forked an agent (never ready: a loaded
             # host) is closed, not kept with its torch import for the life of the process
         elif old is not None:
-            old.close()
+            gone = old
         try:
             if _starter is None:
                 _starter = _Starter()
             _server = _starter.start()
         except OSError as e:
             log.warning("asyncrl: torchrun agents start anew (%s)", e)
-        return _server
+        server = _server
+    if gone is not None:
+        gone.close()
+    return server
 
 
 def shared_server_pid() -> int | None:

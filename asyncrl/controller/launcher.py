@@ -235,7 +235,6 @@ class Agent:
             except (ProcessLookupError, PermissionError):
                 pass
 
-
     def _freeze(self) -> None:
         """SIGSTOP to the agent, and a short wait for it to be stopped (or gone)."""
         proc = self.proc

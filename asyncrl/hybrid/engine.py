@@ -22,6 +22,8 @@ optimizer state and the engine's weights stay where they are (warm memory, reuse
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -60,7 +62,8 @@ def _check_covers(path: str | None, model: torch.nn.Module) -> None:
     names = checkpoint_tensors(path) if path else None
     if names is None:
         return
-    mine = {n for n, _ in model.named_parameters() if not is_adapter(n)}
+    mine = {n for n, _ in model.named_parameters(remove_duplicate=False)  # (a tied head too)
+            if not is_adapter(n)}
     missing = sorted(n for n in names - mine if n.endswith((".weight", ".bias")))
     if missing:
         raise ValueError(f"the trainer's model has no weight for {len(missing)} of the "
@@ -71,9 +74,6 @@ def _check_covers(path: str | None, model: torch.nn.Module) -> None:
 
 def checkpoint_tensors(path: str) -> set[str] | None:
     """The tensor names of a safetensors checkpoint (None: another format, or none)."""
-    import json
-    import os
-
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:

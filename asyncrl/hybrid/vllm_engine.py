@@ -129,10 +129,11 @@ class VLLMEngine:
                              f"is supported (each rank generates its own DP rows); use more "
                              f"ranks instead")
         _check_reloadable(model_path)
-        if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
-            raise ValueError("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which "
-                             "vLLM's sleep mode refuses (its memory pool): leave it out of "
-                             "the environment of the groups that run vLLM")
+        for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # (newer torch: both)
+            if "expandable_segments:true" in os.environ.get(name, "").lower():
+                raise ValueError(f"{name} has expandable_segments:True, which vLLM's sleep "
+                                 f"mode refuses (its memory pool): leave it out of the "
+                                 f"environment of the groups that run vLLM")
         require_own_gpu("vLLM needs a GPU per rank (it binds cuda:LOCAL_RANK)")
         self.config = sampling or SamplingConfig()
         _check_top_p(self.config)
