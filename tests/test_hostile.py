@@ -235,3 +235,26 @@ def test_a_result_its_rank_cannot_describe_fails_the_call_and_the_control_plane_
     pids, read = run(main(), timeout=120)
     assert_gone(pids)
     assert read < 100_000  # the loop had its turn before the last frame was read
+
+
+def test_one_turn_of_the_controllers_reader_takes_a_bounded_number_of_messages():
+    """Its reader read until the socket ran dry: a flood, signed or not, kept the loop there
+    (no heartbeat, no call) until its last frame. A turn now takes DRAIN_MAX and leaves the
+    rest to the next turn of the loop (ZeroMQ's descriptor would not say they are there)."""
+    from asyncrl.comm import channel
+
+    class Endless:  # a socket that never runs dry: a frame of one part each time
+        closed = False
+
+        def recv(self, flags, copy):
+            return type("Frame", (), {"more": False})()
+
+    ch = object.__new__(channel.ControllerChannel)
+    ch._sock, ch._scheduled = Endless(), False
+    ch._handle = lambda identity, msg: None
+    seen: list = []
+    ch._dispatch = lambda frames, handle: seen.append(frames)
+    later: list = []
+    ch._loop = type("Loop", (), {"call_soon": lambda self, fn: later.append(fn)})()
+    ch._drain()
+    assert len(seen) == channel.DRAIN_MAX and later == [ch._drain] and ch._scheduled

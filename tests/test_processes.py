@@ -198,37 +198,49 @@ def test_a_process_another_user_runs_is_alive(monkeypatch):
     assert procs.pid_alive(123) is True
 
 
-BURST = """
-import subprocess, sys
-with open(sys.argv[1], "a") as out:
-    while True:  # a torchrun starting its ranks, each in a session of its own
-        child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+LATE = """
+import os, signal, subprocess, sys
+def start(*_):  # a torchrun starting a rank, in a session of its own, when told to
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    with open(sys.argv[1], "a") as out:
         out.write(f"{child.pid}\\n")
-        out.flush()
+signal.signal(signal.SIGUSR1, start)
+start()
+print("ready", flush=True)
+while True:
+    signal.pause()
 """
 
 
-def test_an_agent_killed_while_it_starts_children_leaves_none(tmp_path):
+def test_an_agent_killed_while_it_starts_children_leaves_none(tmp_path, monkeypatch):
     """Its children were listed, then signalled: one it started meanwhile (torchrun
     starting its ranks while a spawn was undone) was never signalled, and, in a session of
-    its own, outlived the agent. The agent is stopped before its children are listed."""
-    from asyncrl.actors.procs import pid_alive
-    from asyncrl.controller.launcher import Agent
+    its own, outlived the agent. The agent is stopped before its children are listed (here
+    a child is started right after the listing, unless the agent is stopped)."""
+    from asyncrl.actors.procs import pid_alive, state
+    from asyncrl.controller import launcher
 
     listed = tmp_path / "children"
-    agent = Agent("g", 1, {}, tmp_path / "g.log")
-    agent.proc = subprocess.Popen([sys.executable, "-c", BURST, str(listed)])
-    started: list[int] = []
+    agent = launcher.Agent("g", 1, {}, tmp_path / "g.log")
+    agent.proc = subprocess.Popen([sys.executable, "-c", LATE, str(listed)],
+                                  stdout=subprocess.PIPE, text=True)
+    real = launcher.child_pids
+
+    def then_one_more(pid: int) -> list[int]:
+        found = real(pid)
+        if pid == agent.proc.pid and state(pid) not in ("T", "t"):
+            os.kill(pid, signal.SIGUSR1)
+            wait_until(lambda: len(listed.read_text().split()) == 2, 30, "its next child")
+        return found
+    monkeypatch.setattr(launcher, "child_pids", then_one_more)
     try:
-        wait_until(lambda: listed.exists() and len(listed.read_text().split()) >= 20, 30,
-                   "the agent to start children")
+        assert agent.proc.stdout.readline() == "ready\n"
         agent.signal_all(signal.SIGKILL)
         agent.proc.wait(10)
-        agent.signal_all(signal.SIGKILL)
-        started = [int(p) for p in listed.read_text().split()]
-        assert_gone(started, timeout=10)
+        assert_gone([int(p) for p in listed.read_text().split()], timeout=10)
     finally:
-        for pid in started or [int(p) for p in listed.read_text().split()]:
+        agent.proc.stdout.close()
+        for pid in map(int, listed.read_text().split()):
             if pid_alive(pid):  # (ours: started by the test's agent)
                 os.kill(pid, signal.SIGKILL)
 
