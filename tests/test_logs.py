@@ -473,7 +473,7 @@ def test_the_controllers_notices_go_through_the_console_thread(tmp_path, monkeyp
 
     paused = PausedConsole()
     monkeypatch.setattr(sys, "stderr", paused)
-    sink = LogSink(tmp_path, lines_per_s=1e9, burst=10**9)
+    sink = LogSink(tmp_path / "logs", lines_per_s=1e9, burst=10**9)
     sink.write("g", 0, ["a rank's line"])
     say(SimpleNamespace(logs=sink), "[asyncrl] restarting group 'g' (1/2) in 1 s: gone")
     assert not paused.shown  # returned at once, whatever the console does
@@ -481,6 +481,9 @@ def test_the_controllers_notices_go_through_the_console_thread(tmp_path, monkeyp
     sink.close()
     assert "".join(paused.shown) == \
         "g:0 | a rank's line\n[asyncrl] restarting group 'g' (1/2) in 1 s: gone\n"
+    # in the logs too (a console that did not keep up may have missed it)
+    assert (tmp_path / "controller.log").read_text() == \
+        "[asyncrl] restarting group 'g' (1/2) in 1 s: gone\n"
     say(SimpleNamespace(logs=sink), "after the close")
     say(None, "without a controller")
     assert "".join(paused.shown).endswith("after the close\nwithout a controller\n")

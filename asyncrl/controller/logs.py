@@ -22,13 +22,18 @@ from typing import Any, TextIO
 from asyncrl.actors.rank_client import current_umask
 
 CONSOLE_QUEUE = 1000  # writes waiting for the console; past it, lines are counted, not kept
+CONTROLLER_LOG = "controller.log"  # the controller's notices, in RUN_DIR (logs/ has the
+# groups' logs, torchrun's logs/<group>.log among them: a group may be named controller)
 
 
 def say(ctl: Any, text: str) -> None:
-    """A notice of the controller's (a restart, a rewind, a checkpoint not pruned) on its
-    console, in order with the ranks' lines; stderr itself without one (none started yet)."""
+    """A notice of the controller's (a restart, a rewind, a checkpoint not pruned) in
+    RUN_DIR/controller.log and on its console, in order with the ranks' lines (a console that
+    does not keep up may miss it: the file has it); stderr itself without a controller."""
     sink = getattr(ctl, "logs", None)
     if isinstance(sink, LogSink):
+        with contextlib.suppress(OSError), open(sink.folder.parent / CONTROLLER_LOG, "a") as f:
+            f.write(text + "\n")
         sink.console.write(text + "\n")
         return
     with contextlib.suppress(OSError, ValueError):  # a console gone: the run goes on

@@ -406,7 +406,8 @@ class Sampler:
         pairs = self._match(named, "adopt_weights", whole)
         # every copy made before any is adopted: one failing (out of memory) leaves the old
         # weights whole, never some new ones under the old version (and none made under
-        # the step lock: generation goes on meanwhile)
+        # the step lock: generation goes on meanwhile). The price: a pack of another device
+        # or dtype holds a second copy of the weights it converts for that moment
         made = [value.to(param.device, param.dtype) for param, value in pairs]
         with self._step:
             for (param, _), value in zip(pairs, made, strict=True):
