@@ -223,6 +223,8 @@ async def _asyncrl(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[int, d
                 await asyncio.gather(*(group.noop() for _ in range(size)))
             elapsed = time.perf_counter_ns() - t0
             out[n] = result("asyncrl", n, rtts, args.pipelined, elapsed, ctx)
+            await ctl.close_group(group)  # (its heartbeats would share the 2 cores with the
+            # 2-rank group's calls: Ray's 2-actor round has no third process either)
     return out
 
 
