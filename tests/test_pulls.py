@@ -302,6 +302,29 @@ def test_buckets_that_come_as_frames_are_asked_for_a_window_at_a_time(monkeypatc
     assert most == [2, 2, 2, 2, 2, 1]  # never more than two asked and unanswered
 
 
+def test_rows_pulled_over_a_slow_link_are_given_time_for_their_bytes(scripted):
+    """A reply of many bytes (a wide row: a weight pack) is heard of only once all of it
+    came; the pull timed out at transfer_timeout of silence however many were on their
+    way (a 14 GB pack over 1 GbE needs ~2 minutes, the timeout is 60 s)."""
+    from asyncrl.comm.channel import LINK_MIN_RATE
+
+    _, producer, _ = scripted
+    rows = int(LINK_MIN_RATE) // 8  # a second's worth at the slowest rate counted on
+    x = torch.zeros(rows, 2, dtype=torch.float32)
+
+    def script():
+        who, req = producer.pull()
+        time.sleep(0.6)  # the slow link: its bytes still on their way past the timeout
+        producer.answer(who, messages.Pulled(req.xfer_id, buffers=["x"]),
+                        x[req.start:req.stop].numpy().tobytes())
+
+    producer.play(script)
+    client = client_of(scripted, timeout=0.2)
+    batch = RemoteBatch([Piece(producer.shard, 0, rows)],
+                        [messages.Column("x", "float32", (2,))])
+    assert client.fetch_batch(batch)["x"].shape == (rows, 2)
+
+
 def test_a_big_result_fetched_over_a_slow_link_is_given_time_for_its_bytes():
     """The driver's fetch timed out at transfer_timeout however many bytes were still on
     their way; the answer came, was decoded and thrown away, and the next await asked for

@@ -35,7 +35,7 @@ import zmq
 from asyncrl.comm import codec, cuda_ipc, messages, nccl
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.comm.channel import open_frame
+from asyncrl.comm.channel import LINK_MIN_RATE, open_frame
 from asyncrl.comm.cuda_ipc import copy_rows_into, visible_gpus
 from asyncrl.comm.dataserver import bytes_of
 from asyncrl.comm.gone import GonePeers
@@ -162,10 +162,14 @@ class DataClient:
 
     def _exchange(self, requests: list[tuple[Piece, Pull]],
                   take: Callable[[Pull, Pulled, list], None],
-                  sent: Callable[[], None] | None = None, window: int = 0) -> None:
+                  sent: Callable[[], None] | None = None, window: int = 0,
+                  nbytes: Callable[[Pull], int] | None = None) -> None:
         """Send the requests (at most `window` unanswered per producer, when > 0), call
         `sent()`, then hand each reply to `take` as it arrives (so the copy of one bucket
-        overlaps the transfer of the next), all within the timeout."""
+        overlaps the transfer of the next), all within the timeout: of silence, plus the
+        time the largest reply awaited takes at LINK_MIN_RATE (`nbytes`: a reply's bytes
+        over the socket; a wide row, a weight pack, comes as one message, heard of only
+        once all of it came)."""
         self._drain_late()
         self._close_gone()
         self._check_alive(piece for piece, _ in requests)  # before anything is sent
@@ -187,7 +191,11 @@ class DataClient:
                 send_next(addr)
         if sent is not None:
             sent()
-        deadline = time.monotonic() + self._timeout
+
+        def silence() -> float:  # how long the awaited replies may take
+            most = max((nbytes(r) for _, r in pending.values()), default=0) if nbytes else 0
+            return self._timeout + most / LINK_MIN_RATE
+        deadline = time.monotonic() + silence()
         late = {id(r.sock): r for r in self._late}
         for r in self._late:  # late replies that come meanwhile are released too
             poller.register(r.sock, zmq.POLLIN)
@@ -222,7 +230,7 @@ class DataClient:
                 frames = s.recv_multipart(copy=False)
                 reply = open_frame(verifier, b">" + identity, [f.bytes for f in frames[:2]])
                 if isinstance(reply, Pulled) and reply.xfer_id in pending:
-                    deadline = time.monotonic() + self._timeout  # the timeout is for silence
+                    deadline = time.monotonic() + silence()  # the timeout is for silence
                     piece, req = pending.pop(reply.xfer_id)
                     try:
                         if reply.error:
@@ -367,8 +375,10 @@ class DataClient:
         try:
             # frames over a socket come in a window of buckets (shared memory and NCCL
             # bring none: their pulls all go at once)
+            framed = sum(row_bytes.values()) if buf is not None and not direct else 0
             self._exchange(requests, take, post if links else None,
-                           window=FRAMES_WINDOW if buf is not None and not links else 0)
+                           window=FRAMES_WINDOW if buf is not None and not links else 0,
+                           nbytes=lambda req: (req.stop - req.start) * framed)
             for key, end in links.items():
                 nccl.finish(key, end, self._timeout)
         except BaseException:
