@@ -353,7 +353,7 @@ def test_a_pull_mixing_this_ranks_own_rows_with_rows_by_nccl_needs_no_key_for_it
     monkeypatch.setattr(nccl, "finish", lambda key, end, timeout: None)
     asked = []
     monkeypatch.setattr(dataplane.DataClient, "_exchange",
-                        lambda self, requests, take, sent=None, window=0: asked.extend(
+                        lambda self, requests, take, sent=None, window=0, nbytes=None: asked.extend(
                             req for _, req in requests))
     own = TensorBatch({"x": torch.arange(4.0)})
     ctx = zmq.Context()

@@ -186,11 +186,15 @@ class DataClient:
                                             messages.encode(req)))
             pending[req.xfer_id] = (piece, req)
             poller.register(sock, zmq.POLLIN)
-        for addr, todo in queued.items():
-            for _ in range(min(len(todo), window) if window > 0 else len(todo)):
-                send_next(addr)
-        if sent is not None:
-            sent()
+        try:
+            for addr, todo in queued.items():
+                for _ in range(min(len(todo), window) if window > 0 else len(todo)):
+                    send_next(addr)
+            if sent is not None:
+                sent()
+        except BaseException:  # (posting the NCCL receives failed): the pulls gone out are
+            self._give_up(pending)  # given up, their late replies not left for the next
+            raise
 
         def silence() -> float:  # how long the awaited replies may take
             most = max((nbytes(r) for _, r in pending.values()), default=0) if nbytes else 0
