@@ -404,3 +404,44 @@ def test_rows_given_as_an_argument_wait_for_their_futures_as_a_future_does():
         GroupHandle._submit(group, item)
         return held == [item] and sent == []
     assert asyncio.run(main())
+
+
+def test_a_future_awaited_on_another_loop_fetches_on_the_controllers(pair):
+    """Awaited on a loop of another thread (asyncio.run beside a background controller),
+    a future fetched its value from there: the controller's socket written from a foreign
+    thread (not thread-safe: interleaved frames, sequence numbers taken twice), then
+    'attached to a different loop'. The work goes to the controller's loop now."""
+    fut = pair.big()
+    wait_until(fut.done, 60, "the call")
+    posted: list[int] = []
+    post = pair.fetches._post
+
+    def recording(rank, msg):
+        posted.append(threading.get_ident())
+        post(rank, msg)
+    pair.fetches._post = recording
+    try:
+        async def other_loop():
+            return await fut
+        value = asyncio.run(other_loop())
+    finally:
+        pair.fetches._post = post
+    assert [v["x"].shape for v in value] == [(2, 40_000)] * 2
+    assert posted and set(posted) == {pair._ctl.loop._thread_id}
+
+
+def test_result_of_a_future_whose_loop_does_not_run_says_so():
+    """A sync driver that ran its loop with run_until_complete, then called result() on the
+    same thread: the work queued for the loop never ran, and result() waited for ever (with
+    a timeout: 'not done', for a future that was done)."""
+    from asyncrl.futures.future import DistFuture
+
+    async def make():
+        return DistFuture.held(1, "g.m")
+    loop = asyncio.new_event_loop()
+    try:
+        fut = loop.run_until_complete(make())
+        with pytest.raises(RuntimeError, match="event loop is not running"):
+            fut.result(timeout=5)
+    finally:
+        loop.close()

@@ -63,7 +63,22 @@ class DistFuture:
         return self._fut.done()
 
     def __await__(self):
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is not self._loop:  # another loop, another thread:
+            # the work runs on the controller's loop (its sockets are that thread's alone)
+            self._check_loop()
+            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                self._get(), self._loop)).__await__()
         return self._get().__await__()
+
+    def _check_loop(self) -> None:
+        if self._loop.is_closed() or not self._loop.is_running():
+            raise RuntimeError(f"{self._label}: the controller's event loop is not running "
+                               f"(closed, or this thread would run it): its value can only be "
+                               f"had while the controller runs, with `await` on its loop")
 
     async def _get(self) -> Any:
         # shielded: cancelling one awaiter (a wait_for timing out) must not cancel the call
@@ -84,6 +99,7 @@ class DistFuture:
         if running is not None:
             warnings.warn(f"{self._label}: result() blocks the event loop running in this "
                           f"thread; prefer `await`", RuntimeWarning, stacklevel=2)
+        self._check_loop()  # (else the work queued for it would never run: a wait for ever)
         value = asyncio.run_coroutine_threadsafe(self._get(), self._loop)
         try:
             return value.result(timeout)
@@ -143,6 +159,15 @@ class Rows:
         return pieces[0] if len(pieces) == 1 else type(pieces[0]).concat(pieces)
 
     def __await__(self) -> Any:
+        loop = self.parts[0][0]._loop if self.parts else None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is not None and running is not None and running is not loop:  # as DistFuture
+            self.parts[0][0]._check_loop()
+            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                self.batch(lambda f: f._get()), loop)).__await__()
         return self.batch(lambda f: f._get()).__await__()
 
     def __repr__(self) -> str:
