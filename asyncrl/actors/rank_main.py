@@ -20,6 +20,7 @@ import faulthandler
 import inspect
 import math
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -507,6 +508,11 @@ def main() -> None:
     set_title(f"{sys.executable} -m asyncrl.actors.rank_main [{os.environ.get('ASYNCRL_GROUP')}"
               f" rank {os.environ.get('RANK')}]")
     os.nice(int(os.environ.get("ASYNCRL_NICE", "0")))  # the group's `nice`: 0 by default
+    # descriptors up to the hard limit: each shared-memory segment kept costs two, each
+    # peer a socket or more (a 1024 soft limit ran out at ~450 batches kept)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     select_gpus()  # a cluster group's GPUs on this host, before CUDA reads the list
     cores = pin_cpus()
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
