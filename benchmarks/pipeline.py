@@ -234,7 +234,10 @@ def main() -> None:
               "asyncrl_over_best_trl": k1["tokens_per_s"] / best,
               "asyncrl_median_over_best_trl": k1["median_tokens_per_s"] / best,
               "target": "> 1", "met": k1["tokens_per_s"] > best,
-              "met_by_median": k1["median_tokens_per_s"] > best})
+              "met_by_median": k1["median_tokens_per_s"] > best,
+              # the like for like: on-policy, asyncrl's median round (TRL runs once a
+              # thread count, after asyncrl)
+              "met_on_policy_by_median": k0["median_tokens_per_s"] > best})
 
 
 if __name__ == "__main__":
