@@ -223,8 +223,9 @@ async def _asyncrl(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[int, d
                 await asyncio.gather(*(group.noop() for _ in range(size)))
             elapsed = time.perf_counter_ns() - t0
             out[n] = result("asyncrl", n, rtts, args.pipelined, elapsed, ctx)
-            await ctl.close_group(group)  # (its heartbeats would share the 2 cores with the
-            # 2-rank group's calls: Ray's 2-actor round has no third process either)
+            # (the 1-rank group stays while the 2-rank one is timed: closing it first was
+            # tried, session 33, and made the 2-rank figure 5-10 % slower, not faster: the
+            # cores the groups are placed on count for more than its idle heartbeats)
     return out
 
 
