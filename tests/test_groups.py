@@ -445,3 +445,41 @@ def test_result_of_a_future_whose_loop_does_not_run_says_so():
             fut.result(timeout=5)
     finally:
         loop.close()
+
+
+def test_a_call_whose_producer_died_while_another_input_was_awaited_is_not_sent():
+    """The producer of input 0 was checked when input 0 resolved; it died while input 1 was
+    still awaited, and the call went out to fail on the ranks."""
+    import types
+
+    from asyncrl.comm.messages import Schema
+    from asyncrl.controller.group import GroupHandle, RankInfo, _Queued
+    from asyncrl.controller.objects import ObjectRef
+    from asyncrl.errors import GroupDeadError
+    from asyncrl.futures.future import DistFuture
+
+    sent: list = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ctl = types.SimpleNamespace(
+            releases=types.SimpleNamespace(later=lambda g, ranks, obj: None),
+            transport="tcp", loop=loop, links=types.SimpleNamespace(needed=lambda *a: False))
+        producer, other, consumer = (object.__new__(GroupHandle) for _ in range(3))
+        for group, name in ((producer, "prod"), (other, "other")):
+            group.__dict__.update(_ctl=ctl, name=name, dead=None, closing=False,
+                                  ranks={0: RankInfo(1, "h", 0.0)})
+        consumer.__dict__.update(_ctl=ctl, name="cons", dead=None, closing=False,
+                                 _send=sent.append)
+        first, later = DistFuture._new(loop, "prod.a"), DistFuture._new(loop, "other.b")
+        first._set_result(ObjectRef(producer, 1, lambda p: p, {0: Schema(-1, nbytes=1)}, {}))
+        item = _Queued("m", (first, later), {}, DistFuture._new(loop, "cons.m"))
+        waiting = loop.create_task(GroupHandle._send_when_ready(consumer, item))
+        await asyncio.sleep(0)  # (input 0 taken: the call waits for input 1)
+        producer.dead = GroupDeadError("prod", 0, 1, "killed", "")
+        later._set_result(ObjectRef(other, 2, lambda p: p, {0: Schema(-1, nbytes=1)}, {}))
+        await waiting
+        return item.future._fut.exception()
+    error = asyncio.run(main())
+    assert isinstance(error, asyncrl.InputLostError) and sent == []
+    assert "an input is lost: it was held by group 'prod', which is dead: killed" in str(error)

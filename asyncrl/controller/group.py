@@ -112,6 +112,14 @@ class _Queued:
     inputs: list[ObjectRef] = field(default_factory=list)
 
 
+def _check_held(ref: ObjectRef, what: str) -> None:
+    if (dead := ref.group.dead) is not None or ref.group.closing:  # its data gone with it
+        why = f"is dead: {dead.reason}" if dead is not None else "was shut down"
+        raise InputLostError(f"{what} is lost: it was held by group {ref.group.name!r}, "
+                             f"which {why}; call its method again on the group brought "
+                             f"back (a DataFlow with max_restarts does that)")
+
+
 class _Method:
     __slots__ = ("_group", "_name")
 
@@ -282,6 +290,8 @@ class GroupHandle:
         try:
             item.args = tuple([await self._view(a, i, item) for i, a in enumerate(item.args)])
             item.kwargs = {k: await self._view(v, k, item) for k, v in item.kwargs.items()}
+            for ref in item.inputs:  # (one dead while a later input was awaited: not sent)
+                _check_held(ref, "an input")
             if self.closing or self.dead is not None:
                 raise self._refusal()
             self._send(item)
@@ -525,13 +535,7 @@ class GroupHandle:
             raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e
         if isinstance(ref, Held):  # a value on the controller: it goes with the call
             return ref.view()
-        dead = ref.group.dead
-        if dead is not None or ref.group.closing:  # this group may have heard nothing of it
-            why = f"is dead: {dead.reason}" if dead is not None else "was shut down"
-            raise InputLostError(f"input {name!r} ({arg._label}) is lost: it was held by "
-                                 f"group {ref.group.name!r}, which {why}; call its method "
-                                 f"again on the group brought back (a DataFlow with "
-                                 f"max_restarts does that)")
+        _check_held(ref, f"input {name!r} ({arg._label})")  # (heard of here, maybe not there)
         item.inputs.append(ref)
         transport = self._ctl.transport
         if self._ctl.links.needed(ref, self, transport):  # (set up before the call goes)
