@@ -11,8 +11,8 @@ kernels end when the peer's matching receive has the bytes): a send to a receive
 posts one waits until the communicator is aborted. asyncrl waits for a CPU stream with
 `wait_all(timeout)`, which only this module has (on GPUs it records a CUDA event instead).
 
-FAKE_NCCL_HOLD=PATH (tests): a receive waits until PATH exists, and writes PATH.waiting
-meanwhile: its sender stays in the middle of its send.
+FAKE_NCCL_HOLD=PATH (tests): a receive of more than a byte waits until PATH exists, and
+writes PATH.waiting meanwhile: its sender stays in the middle of its send.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections import deque
 import zmq
 
 NCCL_UINT8 = 1
+CALLS: list[tuple[str, int, int, int]] = []  # this process's sends and receives, posted
 def _root() -> str:
     """Where communicators meet: a test's own folder (its fixture sets it), removed with it
     (read when a communicator is made: a process forked from one that imported this)."""
@@ -122,6 +123,7 @@ class NcclCommunicator:
         return done
 
     def send(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        CALLS.append(("send", self.rank, peer, count))
         data = ctypes.string_at(ptr, count)  # copied now, as a stream would read it
 
         def put() -> None:
@@ -130,9 +132,11 @@ class NcclCommunicator:
         _run("send", lambda: self._issue(put))
 
     def recv(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        CALLS.append(("recv", self.rank, peer, count))
+
         def take() -> None:
             hold = os.environ.get("FAKE_NCCL_HOLD")
-            if hold:
+            if hold and count > 1:  # (rows: not the byte a link's set-up sends each pair)
                 _publish(hold + ".waiting", "1")
                 while not os.path.exists(hold):
                     if self._aborted.wait(0.05):

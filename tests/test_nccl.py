@@ -32,12 +32,28 @@ class Maker(asyncrl.Worker):
             "src": [self.rank] * len(i)})
 
 
+def posted() -> list:
+    import fake_nccl  # (the ranks' own: ASYNCRL_NCCL_MODULE)
+
+    return list(fake_nccl.CALLS)
+
+
+class PostingMaker(Maker):
+    @asyncrl.register
+    def posted(self) -> list:
+        return posted()
+
+
 class Taker(asyncrl.Worker):
     @asyncrl.register(dispatch=Dispatch.DP)
     def take(self, batch: TensorBatch) -> TensorBatch:
         return TensorBatch({"x": batch["x"] + 0, "v": batch["v"].float(),
                             "name": batch["name"], "src": batch["src"],
                             "taker": [self.rank] * len(batch)})
+
+    @asyncrl.register
+    def posted(self) -> list:
+        return posted()
 
     @asyncrl.register(dispatch=Dispatch.DP)
     def take_and_refuse(self, batch: TensorBatch) -> None:
@@ -130,6 +146,24 @@ def test_a_call_failing_after_its_pull_keeps_the_link_and_an_aborted_one_is_made
             return stale_kept, key in ctl.links._made
     stale_kept, still = run(main())
     assert stale_kept and not still
+
+
+def test_a_links_set_up_connects_every_producer_consumer_pair_first(fake_nccl):
+    """NCCL connects a pair at its first transfer, inside groupEnd, where the host waits
+    unbounded: a send's first groupEnd held every NCCL send of its process while a peer
+    that gave up never came. Each pair moves a byte as the link is set up, within the
+    transfer timeout."""
+    async def main():
+        async with asyncrl.Controller(transport="nccl") as ctl:
+            maker = await ctl.spawn(PostingMaker, nprocs=1, env=spawn_env(), name="maker")
+            taker = await ctl.spawn(Taker, nprocs=2, env=spawn_env())
+            await taker.take(maker.make(TensorBatch({"i": torch.arange(4)})))
+            return await maker.posted(), await taker.posted()
+    made, taken = run(main())
+    assert [tuple(c) for c in made[0][:2]] == [("send", 0, 1, 1), ("send", 0, 2, 1)]
+    for rank, calls in zip((1, 2), taken, strict=True):
+        assert tuple(calls[0]) == ("recv", rank, 0, 1)  # its byte first, then the rows
+        assert all(c[3] > 1 for c in calls[1:])
 
 
 def test_a_send_to_a_consumer_that_died_ends_at_once_and_frees_the_producer(fake_nccl,

@@ -4,7 +4,9 @@
       └─ uid from A's rank 0 (get_unique_id there: its NCCL bootstrap root runs where the
          ranks reach it, and the controller needs no CuPy); every rank of A and B joins one
          communicator
-         (A's ranks first, then B's), kept per ordered pair of groups: A sends, B receives
+         (A's ranks first, then B's), kept per ordered pair of groups: A sends, B receives;
+         each of A's ranks sends each of B's a byte there (NCCL connects a pair at its
+         first transfer, where the host waits unbounded: here, within the timeout)
     consumer (B rank c): Pull(nccl=[columns], nccl_key) to producer rank p, then posts the
       receives for every bucket it asked for, as one NCCL group (no order between producers
       can deadlock it)
@@ -109,12 +111,35 @@ def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -
     if torch.cuda.is_available():  # the communicator is on this thread's device (bind_gpu)
         stream = torch.cuda.Stream(torch.cuda.current_device())
     comm = _communicator(nccl, world, uid, rank)
+    end = Link(comm, dict(offsets), threading.Lock(), stream, uid=uid)
     with _guard:
         old = _links.pop(key, None)
-        _links[key] = Link(comm, dict(offsets), threading.Lock(), stream, uid=uid)
+        _links[key] = end
         _aborted.pop(key, None)
     if old is not None:
         _abort(old)
+    _connect(key, end, rank, world)
+
+
+def _connect(key: str, end: Link, me: int, world: int) -> None:
+    """A byte from each producer rank to each consumer rank: NCCL connects a pair at its
+    first transfer, inside groupEnd, where the host waits unbounded; done here, within the
+    transfer timeout, no later send waits there (holding every NCCL send of its process)."""
+    first = end.offsets[key.split("->")[1]]  # the consumer group's first communicator rank
+    peers = range(first, world) if me < first else range(0, min(first, world))
+    device = torch.device("cuda", torch.cuda.current_device()) if end.stream is not None \
+        else torch.device("cpu")
+    bytes_ = [torch.zeros(1, dtype=torch.uint8, device=device) for _ in peers]
+    nccl = backend()
+    with _on_stream(end, bytes_) as stream:
+        nccl.groupStart()
+        try:
+            for peer, byte in zip(peers, bytes_, strict=True):
+                move = end.comm.send if me < first else end.comm.recv
+                move(byte.data_ptr(), 1, nccl.NCCL_UINT8, peer, stream)
+        finally:
+            nccl.groupEnd()
+    _wait(key, end, "connecting", float(os.environ.get("ASYNCRL_TRANSFER_TIMEOUT", "60")))
 
 
 def has(key: str) -> bool:
