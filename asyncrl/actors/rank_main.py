@@ -15,6 +15,7 @@ io thread never runs user code, so heartbeats flow while a call computes for min
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import faulthandler
 import inspect
@@ -508,10 +509,9 @@ def main() -> None:
     set_title(f"{sys.executable} -m asyncrl.actors.rank_main [{os.environ.get('ASYNCRL_GROUP')}"
               f" rank {os.environ.get('RANK')}]")
     os.nice(int(os.environ.get("ASYNCRL_NICE", "0")))  # the group's `nice`: 0 by default
-    # descriptors up to the hard limit: each shared-memory segment kept costs two, each
-    # peer a socket or more (a 1024 soft limit ran out at ~450 batches kept)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
+    # descriptors up to the hard limit: a segment kept costs two (1024 ran out at ~450)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):  # (a container's odd limits: as they are)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     select_gpus()  # a cluster group's GPUs on this host, before CUDA reads the list
     cores = pin_cpus()

@@ -15,7 +15,9 @@ def stop_on_sigterm() -> None:
     """torchrun stops its ranks with SIGTERM (its controller gone, a peer failed): the rank's
     shared memory goes first (RAM until a reboot), then the rank, at once: from a thread
     Python's signal handler wakes whatever the main thread does (in a rendezvous, or in a
-    collective of on_close, a Python handler would run only once it returned)."""
+    collective of on_close, a Python handler would run only once it returned). Code that
+    later sets a wakeup fd of its own on the main thread (an asyncio loop's signal
+    handlers) takes this one over: SIGTERM then waits for the main thread, as before."""
     signal.signal(signal.SIGTERM, _terminated)  # (a process forked from the rank: no watcher)
     read, write = os.pipe()
     os.set_blocking(write, False)

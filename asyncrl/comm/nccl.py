@@ -40,6 +40,7 @@ with two GPUs was lent.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -123,23 +124,25 @@ def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -
 
 def _connect(key: str, end: Link, me: int, world: int) -> None:
     """A byte from each producer rank to each consumer rank: NCCL connects a pair at its
-    first transfer, inside groupEnd, where the host waits unbounded; done here, within the
-    transfer timeout, no later send waits there (holding every NCCL send of its process)."""
+    first transfer, inside groupEnd, where the host waits unbounded; done here (bounded by
+    the controller's wait for the joins), no later send waits there, holding every NCCL
+    send of its process."""
     first = end.offsets[key.split("->")[1]]  # the consumer group's first communicator rank
     peers = range(first, world) if me < first else range(0, min(first, world))
     device = torch.device("cuda", torch.cuda.current_device()) if end.stream is not None \
         else torch.device("cpu")
     bytes_ = [torch.zeros(1, dtype=torch.uint8, device=device) for _ in peers]
     nccl = backend()
-    with _on_stream(end, bytes_) as stream:
-        nccl.groupStart()
-        try:
-            for peer, byte in zip(peers, bytes_, strict=True):
-                move = end.comm.send if me < first else end.comm.recv
-                move(byte.data_ptr(), 1, nccl.NCCL_UINT8, peer, stream)
-        finally:
-            nccl.groupEnd()
-    _wait(key, end, "connecting", float(os.environ.get("ASYNCRL_TRANSFER_TIMEOUT", "60")))
+    with _sending if me < first else contextlib.nullcontext():  # (one send at a time in a
+        with _on_stream(end, bytes_) as stream:  # process, as send(): two communicators'
+            nccl.groupStart()  # kernels at once may deadlock each other)
+            try:
+                for peer, byte in zip(peers, bytes_, strict=True):
+                    move = end.comm.send if me < first else end.comm.recv
+                    move(byte.data_ptr(), 1, nccl.NCCL_UINT8, peer, stream)
+            finally:
+                nccl.groupEnd()
+        _wait(key, end, "connecting", float(os.environ.get("ASYNCRL_TRANSFER_TIMEOUT", "60")))
 
 
 def has(key: str) -> bool:

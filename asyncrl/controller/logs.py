@@ -32,7 +32,8 @@ def say(ctl: Any, text: str) -> None:
     does not keep up may miss it: the file has it); stderr itself without a controller."""
     sink = getattr(ctl, "logs", None)
     if isinstance(sink, LogSink):
-        with contextlib.suppress(OSError), open(sink.folder.parent / CONTROLLER_LOG, "a") as f:
+        with contextlib.suppress(OSError), open(sink.folder.parent / CONTROLLER_LOG, "a",
+                                                encoding="utf-8", errors="replace") as f:
             f.write(text + "\n")
         sink.console.write(text + "\n")
         return

@@ -303,7 +303,8 @@ class HybridEngine:
     def to_train(self) -> None:
         """Back to training; every rank agrees (one small all_reduce, at every call: a rank
         left with something to undo cannot skip it while the others do) before the training
-        collectives that follow, which a rank failing here alone would leave its peers in."""
+        collectives that follow, which a rank failing here alone would leave its peers in.
+        A collective: call it on every rank (never from a RANK_ZERO or concurrent method)."""
         agree(_attempt(self._back_to_training), "switching back to training")
 
     def _back_to_training(self) -> None:
