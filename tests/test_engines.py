@@ -281,29 +281,38 @@ def test_a_checkpoints_model_stops_at_its_end_of_sequence_beside_the_stops_given
     assert sampling_config({}, ModelConfig(seed=0)).stop_token_ids == ()  # a preset: none
 
 
+
+class CountingBackend:
+    """A trainer's stand-in for the hybrid engine: its model and optimizer, and the moves
+    of its masters in `moves` (`fail["reload"]`: how many reloads fail, out of memory)."""
+
+    def __init__(self, model: torch.nn.Module, fail: dict[str, int] | None = None):
+        self.model, self.opt = model, torch.optim.AdamW(model.parameters())
+        self.moves: list[str] = []
+        self.fail = {} if fail is None else fail
+
+    def offload_masters(self) -> int:
+        self.moves.append("masters off")
+        return 123
+
+    def reload_masters(self) -> None:
+        if self.fail.get("reload"):
+            self.fail["reload"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (the masters)")
+        self.moves.append("masters back")
+
+
 def test_the_hybrid_engine_offloads_the_optimizer_unless_told_to_keep_it():
     """offload_optimizer=False (a Policy's argument too): a switch moves neither the
     optimizer's state nor a backend's masters; True (the default) moves both off for
     generation and back for training."""
-    class Counting:
-        def __init__(self) -> None:
-            self.model = build_model(ModelConfig())
-            self.opt = torch.optim.AdamW(self.model.parameters())
-            self.moves: list[str] = []
-
-        def offload_masters(self) -> int:
-            self.moves.append("masters off")
-            return 123
-
-        def reload_masters(self) -> None:
-            self.moves.append("masters back")
-
     with pytest.raises(TypeError, match=r"offload_optimizer is True .* got 'yes'"):
-        HybridEngine(Counting(), ModelConfig(), offload_optimizer="yes")
+        HybridEngine(CountingBackend(build_model(ModelConfig())), ModelConfig(),
+                     offload_optimizer="yes")
     for offload, moves, moved in (
             (True, ["state to cpu", "masters off", "masters back", "state to cpu"], 123),
             (False, [], 0)):
-        backend = Counting()
+        backend = CountingBackend(build_model(ModelConfig()))
         hybrid = HybridEngine(backend, ModelConfig(), offload_optimizer=offload)
         hybrid._move_optimizer = lambda device, b=backend: b.moves.append(f"state to {device}")
         hybrid.to_generate()
@@ -312,7 +321,7 @@ def test_the_hybrid_engine_offloads_the_optimizer_unless_told_to_keep_it():
         assert backend.moves == moves, offload
     # the flag turned off while generating: the way back still undoes the offload, and the
     # next switch moves nothing (nor reports the bytes of the one before)
-    backend = Counting()
+    backend = CountingBackend(build_model(ModelConfig()))
     hybrid = HybridEngine(backend, ModelConfig())
     hybrid._move_optimizer = lambda device, b=backend: b.moves.append(f"state to {device}")
     hybrid.to_generate()

@@ -155,20 +155,25 @@ def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
 
 
+def fails_once_on_rank_1(policy: Policy, method: str, message: str) -> None:
+    """The policy's backend `method` raises an out-of-memory error once, on rank 1."""
+    real, failures = getattr(policy.backend, method), [1 if policy.rank == 1 else 0]
+
+    def flaky():
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError(message)
+        return real()
+    setattr(policy.backend, method, flaky)
+
+
 class FlakySwitchPolicy(Policy):
     """Rank 1's first switch to generation fails before its gathers (its optimizer's memory
     could not be moved: an out-of-memory on a GPU)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        offload, failures = self.backend.offload_masters, [1 if self.rank == 1 else 0]
-
-        def flaky() -> int:
-            if failures[0]:
-                failures[0] -= 1
-                raise torch.OutOfMemoryError("the masters found no room (rank 1)")
-            return offload()
-        self.backend.offload_masters = flaky
+        fails_once_on_rank_1(self, "offload_masters", "the masters found no room (rank 1)")
 
 
 def test_a_switch_failing_on_one_rank_fails_its_peers_at_once_and_the_next_one_goes():
@@ -200,14 +205,7 @@ class FlakyRestorePolicy(Policy):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        reload, failures = self.backend.reload_masters, [1 if self.rank == 1 else 0]
-
-        def flaky() -> None:
-            if failures[0]:
-                failures[0] -= 1
-                raise torch.OutOfMemoryError("no room for the masters (rank 1)")
-            reload()
-        self.backend.reload_masters = flaky
+        fails_once_on_rank_1(self, "reload_masters", "no room for the masters (rank 1)")
 
 
 def test_a_way_back_to_training_failing_on_one_rank_fails_its_peers_at_once():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_gone, group_pids, run
-from test_engines import PROMPTS
+from test_engines import PROMPTS, CountingBackend
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -371,23 +371,7 @@ def test_a_switch_that_fails_is_undone_and_a_failed_restore_is_done_by_the_next_
                 raise torch.OutOfMemoryError("CUDA out of memory (the KV cache)")
             super().wake_up(tags)
 
-    class Backend:
-        def __init__(self) -> None:
-            self.model = build_model(ModelConfig(path=str(tmp_path / "ckpt")))
-            self.opt = torch.optim.AdamW(self.model.parameters())
-            self.moves: list[str] = []
-
-        def offload_masters(self) -> int:
-            self.moves.append("masters off")
-            return 1
-
-        def reload_masters(self) -> None:
-            if fail["reload"]:
-                fail["reload"] -= 1
-                raise torch.OutOfMemoryError("CUDA out of memory (the masters)")
-            self.moves.append("masters back")
-
-    backend = Backend()
+    backend = CountingBackend(build_model(ModelConfig(path=str(tmp_path / "ckpt"))), fail)
     hybrid = HybridEngine(backend, ModelConfig(path=str(tmp_path / "ckpt")),
                           SamplingConfig(max_new_tokens=3), engine="vllm",
                           engine_options={"llm_cls": Flaky,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 PROCESS_ENV = "ASYNCRL_CONTROLLER_PROCESS"  # a local rank's: its controller, as "pid:birth"
 
@@ -49,6 +50,14 @@ def descendants(pid: int) -> list[int]:
         found.append(p)
         todo += children.get(p, [])
     return found
+
+
+def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def birth(pid: int) -> str | None:

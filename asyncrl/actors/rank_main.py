@@ -51,7 +51,7 @@ from asyncrl.comm import codec, nccl
 from asyncrl.comm.auth import read_curve, read_secret
 from asyncrl.comm.channel import RankSocket
 from asyncrl.comm.cuda_ipc import device_uuid
-from asyncrl.comm.dataplane import DataClient, pool_prefix, run_prefix
+from asyncrl.comm.dataplane import DataClient, own_pool_prefix, run_prefix
 from asyncrl.comm.dataserver import DataServer, check_reachable
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import (
@@ -198,7 +198,7 @@ class RankMain:
         self.store = ObjectStore()
         self.gone = GonePeers()  # groups the controller declared dead: pulls from them fail
         run_id = env.get("ASYNCRL_RUN_ID", str(os.getpid()))
-        self.segments = SegmentPool(pool_prefix(run_id, self.group, self.rank, os.getpid()))
+        self.segments = SegmentPool(own_pool_prefix())
         check_reachable(env.get("ASYNCRL_DATA_HOST", "127.0.0.1"), self.address)
         self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
                                self.secret, self.store.get, f"{self.group}:{self.rank}",

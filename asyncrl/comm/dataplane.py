@@ -60,14 +60,18 @@ def run_prefix(run_id: str) -> str:
     return f"{SHM_PREFIX}{run_id}-"
 
 
+def own_pool_prefix() -> str:
+    """This rank's pool_prefix, from its environment."""
+    env = os.environ
+    return pool_prefix(env.get("ASYNCRL_RUN_ID", str(os.getpid())), env.get(
+        "ASYNCRL_GROUP", ""), int(env.get("RANK", "0")), os.getpid())
+
+
 def unlink_own_segments() -> None:
     """This rank's shared memory unlinked by name: a way out by signal (no lock taken, and
     the mappings stay valid until the process ends)."""
-    env = os.environ
-    prefix = pool_prefix(env.get("ASYNCRL_RUN_ID", str(os.getpid())), env.get(
-        "ASYNCRL_GROUP", ""), int(env.get("RANK", "0")), os.getpid())
     with contextlib.suppress(OSError):
-        cleanup(f"{prefix}-")
+        cleanup(f"{own_pool_prefix()}-")
 
 
 def pool_prefix(run_id: str, group: str, rank: int, pid: int) -> str:

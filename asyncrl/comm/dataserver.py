@@ -65,12 +65,20 @@ def check_reachable(host: str, controller: str) -> None:
 
 def _loopback(host: str) -> bool | None:
     """Whether every address `host` resolves to is loopback (None: it does not resolve)."""
+    found = addresses(host)
+    return None if found is None else bool(found) and all(map(is_loopback, found))
+
+
+def addresses(host: str) -> set[str] | None:
+    """The IP addresses `host` resolves to here (None: it does not)."""
     try:
-        found = {i[4][0] for i in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        return {str(i[4][0]) for i in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except (OSError, UnicodeError):
         return None
-    return bool(found) and all(ipaddress.ip_address(str(a).partition("%")[0]).is_loopback
-                               for a in found)
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.partition("%")[0]).is_loopback  # (a zone: "%eth0")
 
 
 class DataServer:

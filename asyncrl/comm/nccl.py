@@ -6,7 +6,8 @@
          communicator
          (A's ranks first, then B's), kept per ordered pair of groups: A sends, B receives;
          each of A's ranks sends each of B's a byte there (NCCL connects a pair at its
-         first transfer, where the host waits unbounded: here, within the timeout)
+         first transfer, where the host waits unbounded: here, while the controller waits
+         for the joins within its timeout)
     consumer (B rank c): Pull(nccl=[columns], nccl_key) to producer rank p, then posts the
       receives for every bucket it asked for, as one NCCL group (no order between producers
       can deadlock it)
@@ -128,17 +129,18 @@ def _connect(key: str, end: Link, me: int, world: int) -> None:
     the controller's wait for the joins), no later send waits there, holding every NCCL
     send of its process."""
     first = end.offsets[key.split("->")[1]]  # the consumer group's first communicator rank
-    peers = range(first, world) if me < first else range(0, min(first, world))
+    sends = me < first
+    peers = range(first, world) if sends else range(0, min(first, world))
+    move = end.comm.send if sends else end.comm.recv
     device = torch.device("cuda", torch.cuda.current_device()) if end.stream is not None \
         else torch.device("cpu")
     bytes_ = [torch.zeros(1, dtype=torch.uint8, device=device) for _ in peers]
     nccl = backend()
-    with _sending if me < first else contextlib.nullcontext():  # (one send at a time in a
+    with _sending if sends else contextlib.nullcontext():  # (one send at a time in a
         with _on_stream(end, bytes_) as stream:  # process, as send(): two communicators'
             nccl.groupStart()  # kernels at once may deadlock each other)
             try:
                 for peer, byte in zip(peers, bytes_, strict=True):
-                    move = end.comm.send if me < first else end.comm.recv
                     move(byte.data_ptr(), 1, nccl.NCCL_UINT8, peer, stream)
             finally:
                 nccl.groupEnd()

@@ -29,11 +29,10 @@ import zmq
 
 from asyncrl.comm import messages
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client
-from asyncrl.comm.channel import open_frame
+from asyncrl.comm.channel import DRAIN_MAX, open_frame
 from asyncrl.comm.messages import Fanin, Fanout, Result, Results, Schema
 
 _NOBLOCK = int(zmq.NOBLOCK)
-DRAIN_MAX = 1000  # messages taken from one side before the other side's turn
 
 
 RELAY_ROLES = ("exec", "io")  # a host's two relays: the "exec" sockets', everything else's
@@ -140,7 +139,7 @@ class HostRelay:
                   file=sys.stderr, flush=True)
 
     def _from_controller(self) -> None:
-        for _ in range(DRAIN_MAX):  # (then the ranks' side: the poll comes back here)
+        for _ in range(DRAIN_MAX):  # (then the ranks' side's turn: the poll comes back here)
             try:
                 frames = self._up.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
+from asyncrl.comm.dataserver import addresses, is_loopback
 from asyncrl.controller.placement import PlacementError, constraints_of
 
 VIAS = ("local", "ssh", "srun", "netns")
@@ -248,15 +249,8 @@ def _machine_of(h: HostSpec) -> set[str]:
     """What tells `h`'s machine apart: its address, and for ssh the IP addresses that
     resolves to here (best effort: a name only ssh's own config knows need not resolve).
     srun's nodes are SLURM's, each named once."""
-    resolved: set[str] = set()
-    if h.via == "ssh":
-        try:
-            resolved = {str(i[4][0]) for i in socket.getaddrinfo(h.address, None,
-                                                                  type=socket.SOCK_STREAM)}
-        except (OSError, UnicodeError):
-            pass
-    here = h.via in HERE or any(ipaddress.ip_address(a.partition("%")[0]).is_loopback
-                                for a in resolved)
+    resolved = (addresses(h.address) or set()) if h.via == "ssh" else set()
+    here = h.via in HERE or any(map(is_loopback, resolved))
     return {h.address, *resolved, *(["this machine"] if here else [])}
 
 

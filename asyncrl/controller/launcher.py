@@ -25,7 +25,7 @@ import asyncrl
 from asyncrl.actors import rank_client
 from asyncrl.actors.agent_main import LIFELINE
 from asyncrl.actors.gpu_slots import GPU_SLOTS
-from asyncrl.actors.procs import PROCESS_ENV, birth, child_pids, state
+from asyncrl.actors.procs import PROCESS_ENV, birth, child_pids, kill_pids, state
 from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS, rank_threads
 from asyncrl.controller.agent_fork import AgentServer, ForkedAgent, forking_enabled
 from asyncrl.controller.agent_fork import die_with_parent as _die_with_parent
@@ -45,14 +45,6 @@ _ROOT_CAUSE = re.compile(
     r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 # torchrun's own log line (not a rank's print) as it stops the ranks left
 _STOPPED = re.compile(r"\] Sending process (\d+) closing signal")
-
-
-def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 FREEZE_S = 1.0  # the longest signal_all waits for the agent to be stopped

@@ -54,11 +54,7 @@ class Console:
     def write(self, text: str) -> None:
         if self._closed:  # nothing left to keep in order with: written here
             if self.alive:
-                try:
-                    sys.stderr.write(text)
-                    sys.stderr.flush()
-                except (OSError, ValueError):  # the console gone
-                    self.alive = False
+                self._emit(text)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True,
@@ -78,12 +74,17 @@ class Console:
 
     def _run(self) -> None:
         while (text := self._queue.get()) is not None:
-            try:
-                sys.stderr.write(text)
-                sys.stderr.flush()
-            except (OSError, ValueError):  # the console gone: the files go on
-                self.alive = False
+            if not self._emit(text):
                 return
+
+    def _emit(self, text: str) -> bool:
+        """`text` on stderr; False (and no more after) once the console is gone."""
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        except (OSError, ValueError):  # the console gone: the files go on
+            self.alive = False
+        return self.alive
 
     def close(self, timeout: float = 5.0) -> None:
         """What is queued written (within `timeout`: a console that does not read), what
@@ -118,11 +119,11 @@ class LogSink:
 
     def write(self, group: str, rank: int, lines: list[str], dropped: int = 0) -> None:
         key = (group, rank)
+        unstreamed = f"[asyncrl] {dropped} lines were not streamed (over the rank's limit, " \
+                     f"or its queue full): they are only in the group's torchrun log" \
+            if dropped else ""
         if self.echo:  # first: a file that cannot be written must not hide them
-            self._show(key, lines + ([f"[asyncrl] {dropped} lines were not streamed (over "
-                                      f"the rank's limit, or its queue full): they are only "
-                                      f"in the group's torchrun log in {self.folder}"]
-                                     if dropped else []))
+            self._show(key, lines + ([f"{unstreamed} in {self.folder}"] if dropped else []))
         try:
             f = self._files.get(key)
             if f is None:
@@ -131,8 +132,7 @@ class LogSink:
             for line in lines:
                 f.write(line + "\n")
             if dropped:
-                f.write(f"[asyncrl] {dropped} lines were not streamed (over the rank's limit, "
-                        f"or its queue full): they are only in the group's torchrun log\n")
+                f.write(unstreamed + "\n")
             f.flush()
         except OSError as e:  # a full disk: said once a group, the run goes on
             if group not in self._unwritten:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import operator
 import warnings
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 from asyncrl.comm.batch import RowOps
@@ -63,16 +64,7 @@ class DistFuture:
         return self._fut.done()
 
     def __await__(self):
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not None and running is not self._loop:  # another loop, another thread:
-            # the work runs on the controller's loop (its sockets are that thread's alone)
-            self._check_loop()
-            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                self._get(), self._loop)).__await__()
-        return self._get().__await__()
+        return _awaited(self, self._get)
 
     def _check_loop(self) -> None:
         if self._loop.is_closed() or not self._loop.is_running():
@@ -89,10 +81,7 @@ class DistFuture:
 
         Raises the built-in TimeoutError after `timeout` seconds, leaving the future usable;
         RuntimeError if called on the controller's own loop, where it would deadlock."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = _running_loop()
         if running is self._loop:
             raise RuntimeError(f"{self._label}: result() called on the controller's event loop "
                                f"would block it forever; use `await fut` there")
@@ -118,6 +107,23 @@ class DistFuture:
         state = "done" if self._fut.done() else "pending"
         return f"<DistFuture {self._label} {state}>"
 
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _awaited(fut: DistFuture, work: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """`work()` awaited here; from another loop (another thread), run on the controller's
+    loop instead: its sockets are that thread's alone."""
+    running = _running_loop()
+    if running is None or running is fut._loop:
+        return work().__await__()
+    fut._check_loop()
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work(), fut._loop)).__await__()
 
 class Rows:
     """Rows of one or more batch futures, concatenated in order (`fut.rows(indices)`,
@@ -159,16 +165,8 @@ class Rows:
         return pieces[0] if len(pieces) == 1 else type(pieces[0]).concat(pieces)
 
     def __await__(self) -> Any:
-        loop = self.parts[0][0]._loop if self.parts else None
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if loop is not None and running is not None and running is not loop:  # as DistFuture
-            self.parts[0][0]._check_loop()
-            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                self.batch(lambda f: f._get()), loop)).__await__()
-        return self.batch(lambda f: f._get()).__await__()
+        work = functools.partial(self.batch, lambda f: f._get())
+        return _awaited(self.parts[0][0], work) if self.parts else work().__await__()
 
     def __repr__(self) -> str:
         return "<Rows " + " + ".join(

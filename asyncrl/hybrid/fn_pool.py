@@ -33,7 +33,7 @@ from typing import IO, Any
 
 import msgspec
 
-from asyncrl.actors.procs import descendants
+from asyncrl.actors.procs import descendants, kill_pids
 from asyncrl.comm.refs import make_ref, resolve_ref
 from asyncrl.errors import ClosedError
 
@@ -157,9 +157,7 @@ class _Child:
     def signal(self) -> None:
         # its descendants first, wherever they went (a sandbox in a session of its own,
         # out of reach of the group's kill), then its group
-        for pid in descendants(self.proc.pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        kill_pids(descendants(self.proc.pid))
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
