@@ -381,3 +381,30 @@ def test_a_segment_that_cannot_be_mapped_leaves_no_file(pool, prefix, monkeypatc
     with pytest.raises(OSError, match=os.strerror(errno.ENOMEM)):
         pool.acquire(100)
     assert files(prefix) == [] and pool.stats().segments == 0
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_segment_holds_one_descriptor_its_mapping_and_still_grows(pool, prefix):
+    """Each held two (the pool's and the mapping's own): a pool of many segments ran into
+    the descriptor limit twice as soon."""
+    before = open_fds()
+    leases = [pool.acquire(100) for _ in range(8)]
+    assert open_fds() - before == 8
+    names = {lease.name for lease in leases}
+    del leases  # all back in the pool, 100 bytes reserved each
+    grown = pool.acquire(40_000)  # a reused segment reserves more (the file reopened)
+    assert grown.name in names
+    held = os.stat(os.path.join(SHM_DIR, grown.name)).st_blocks * 512
+    assert held >= 40_000 and open_fds() - before == 8
+    gone = next(iter(names - {grown.name}))
+    os.unlink(os.path.join(SHM_DIR, gone))  # another process cleaned /dev/shm under the job
+    with open(os.path.join(SHM_DIR, gone), "wb"):  # and the name was taken again
+        pass
+    with pytest.raises(OSError, match=rf"{gone} was removed by another process"):
+        [pool.acquire(60_000) for _ in range(7)]  # the other seven grow, one of them fails
+    assert pool.stats().segments == 7  # that one forgotten, the other file left alone
+    assert os.path.exists(os.path.join(SHM_DIR, gone))
+    os.unlink(os.path.join(SHM_DIR, gone))

@@ -84,16 +84,13 @@ class _Returns:
 
 
 class _Segment:
-    __slots__ = ("name", "size", "mm", "fd", "reserved", "retired")
+    # no descriptor kept: the mapping holds one of its own, and a pool of many segments
+    # would spend two each; growing the reservation reopens the file (checked by inode)
+    __slots__ = ("name", "size", "mm", "inode", "reserved", "retired")
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, fd: int):
+    def __init__(self, name: str, size: int, mm: mmap.mmap, inode: int):
         self.name, self.size, self.mm, self.retired = name, size, mm, False
-        self.fd, self.reserved = fd, 0  # bytes from 0 that /dev/shm holds for it
-
-    def close_fd(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.inode, self.reserved = inode, 0  # bytes from 0 that /dev/shm holds for it
 
 
 @dataclass(frozen=True)
@@ -200,8 +197,10 @@ class SegmentPool:
                 seg = self._create(max(MIN_SEGMENT, 1 << max(nbytes - 1, 0).bit_length()))
             try:
                 self._reserve(seg, nbytes)
-            except OSError:
-                if seg.reserved:  # it served smaller leases: keep it for them
+            except OSError as e:
+                if e.errno == errno.ENOENT:  # removed: no other process can map it now
+                    self._unlink(seg, remove_file=False)  # (the name may be another's now)
+                elif seg.reserved:  # it served smaller leases: keep it for them
                     self._free.append(seg)
                 else:
                     self._unlink(seg)
@@ -214,7 +213,17 @@ class SegmentPool:
         if nbytes <= seg.reserved:
             return
         try:
-            os.posix_fallocate(seg.fd, 0, nbytes)
+            fd = os.open(_path(seg.name), os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                if os.fstat(fd).st_ino != seg.inode:  # removed, and the name taken again
+                    raise FileNotFoundError(errno.ENOENT, "removed")
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+        except FileNotFoundError as e:  # (the other processes cannot map it either)
+            raise OSError(errno.ENOENT, (
+                f"shared-memory segment {_path(seg.name)} was removed by another process "
+                f"while this pool used it; do not clean {SHM_DIR} under a running job")) from e
         except OSError as e:
             raise OSError(e.errno, (
                 f"cannot reserve {nbytes} bytes of shared memory in {SHM_DIR} ({e.strerror}): "
@@ -226,13 +235,13 @@ class SegmentPool:
         with self._lock:
             self._unlink(seg)
 
-    def _unlink(self, seg: _Segment) -> None:
+    def _unlink(self, seg: _Segment, remove_file: bool = True) -> None:
         if self._segments.pop(seg.name, None) is seg:
             seg.retired = True
-            seg.close_fd()
             path = _path(seg.name)
             self._paths.remove(path)
-            _unlink_all([path])
+            if remove_file:
+                _unlink_all([path])
 
     def _create(self, size: int) -> _Segment:
         # named at random: /dev/shm is world-listable, and another user who took the next
@@ -254,12 +263,14 @@ class SegmentPool:
         try:
             os.ftruncate(fd, size)  # sparse: acquire() reserves what each lease needs
             mm = mmap.mmap(fd, size)
+            inode = os.fstat(fd).st_ino
         except BaseException:  # (address space, a size refused): no file left behind
-            os.close(fd)
             _unlink_all([path])
             raise
+        finally:
+            os.close(fd)
         self._paths.append(path)
-        seg = self._segments[name] = _Segment(name, size, mm, fd)
+        seg = self._segments[name] = _Segment(name, size, mm, inode)
         return seg
 
     def stats(self) -> PoolStats:
@@ -275,7 +286,6 @@ class SegmentPool:
             self._closed = self._returned.closed = True
             self._drain()
             for seg in self._segments.values():
-                seg.close_fd()
                 with suppress(BufferError):  # arrays still alive
                     seg.mm.close()
             self._segments.clear()
