@@ -96,17 +96,19 @@ def _attempt(step: Any) -> BaseException | None:
     return None
 
 
-def agree(failed: BaseException | None, what: str) -> None:
+def agree(failed: BaseException | None, what: str, value: int = 0) -> int:
     """Every rank of the group learns whether `what` failed on any (a collective); each
-    raises then: its own error, or one that says another rank's is the call's."""
-    flag = torch.tensor([failed is not None], dtype=torch.int32)  # (gloo: a CPU tensor)
+    raises then: its own error, or one that says another rank's is the call's. Else the
+    largest `value` any rank gave (a width the ranks must share, say)."""
+    said = torch.tensor([failed is not None, value], dtype=torch.int64)  # (gloo: on CPU)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(said, op=dist.ReduceOp.MAX)
     if failed is not None:
         raise failed
-    if flag.item():
+    if said[0]:
         raise RuntimeError(f"{what} failed on another rank of this group (its error is the "
-                           f"call's); this rank undid its part")
+                           f"call's); this rank dropped its part")
+    return int(said[1])
 
 
 def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | None,

@@ -25,13 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from asyncrl.actors.protocols import DP_AXIS, Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, check_engine, make_engine
+from asyncrl.hybrid.engine import (
+    BUCKET_BYTES,
+    HybridEngine,
+    agree,
+    check_engine,
+    make_engine,
+)
 from asyncrl.hybrid.export import POLICY_FILE, ModelFiles
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, use_bf16
 from asyncrl.hybrid.lora import adapters_off
@@ -110,23 +115,10 @@ def generate_with(engine: Any, turns: Turns | None, prompts: TensorBatch,
         ids, seeds = _prompts(prompts)
         out = engine.generate(ids, seeds, cfg) if turns is None else \
             turns.generate(engine, prompts, ids, seeds, cfg)
-    except BaseException:  # (an environment that raised on one of this rank's rows, a bad
-        _widest(None)  # prompt in its chunk): the peers wait in with_prompts' collective
-        raise
+    except BaseException as e:  # (an environment that raised on one of this rank's rows, a
+        agree(e, "generate")  # bad prompt in its chunk): the peers wait in with_prompts' one;
+        raise  # (agree raised it already)
     return with_prompts(out, prompts, cfg.pad_token_id)
-
-
-def _widest(width: int | None) -> int:
-    """The widest of the group's ranks' prompt columns (a collective); a rank whose
-    generation failed gives None and every rank raises: its peers waited in this collective
-    until the collective timeout, and the group's next collectives met this one's."""
-    said = torch.tensor([0 if width is None else width, width is None])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(said, op=dist.ReduceOp.MAX)
-    if width is not None and said[1]:
-        raise RuntimeError("generate failed on another rank of this group (its error is the "
-                           "call's); this rank's rows are dropped with it")
-    return int(said[0])
 
 
 def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatch:
@@ -135,7 +127,8 @@ def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatc
     concatenate (a collective: every rank of the group generates), and at least to the
     batch's PROMPT_WIDTH (so that separate calls' results concatenate too)."""
     ids, mask = out.tensor("prompt_ids"), out.tensor("prompt_mask")
-    more = _widest(max(ids.shape[1], int(prompts.meta.get(PROMPT_WIDTH, 0)))) - ids.shape[1]
+    widest = agree(None, "generate", max(ids.shape[1], int(prompts.meta.get(PROMPT_WIDTH, 0))))
+    more = widest - ids.shape[1]
     if more:  # the same columns in the same order: only these two grow
         wider = {"prompt_ids": torch.cat([ids.new_full((len(ids), more), pad), ids], 1),
                  "prompt_mask": torch.cat([mask.new_zeros((len(ids), more)), mask], 1)}
