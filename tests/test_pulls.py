@@ -461,3 +461,54 @@ def test_a_data_host_name_that_is_loopback_is_refused_where_the_controller_is_el
     check_reachable("localhost", "tcp://127.0.0.1:5000")  # one machine: fine
     check_reachable("10.0.0.5", "tcp://10.1.2.3:5000")  # an address: as given
     check_reachable("no-such-host.invalid", "tcp://10.1.2.3:5000")  # zmq's own error later
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_row_wider_than_a_bucket_comes_a_group_of_columns_at_a_time(monkeypatch, transport):
+    """A weight pack (one row, a column per parameter) came as one message over a socket:
+    held whole by ZeroMQ beside the batch it was copied into (twice its memory), heard of
+    only once all of it came. Its columns come in groups of at most a bucket now (into
+    shared memory, the producer writes them in place: one pull per bucket of rows)."""
+    import os
+
+    from asyncrl.comm.shm import SegmentPool, cleanup
+
+    monkeypatch.setattr(dataplane, "BUCKET_BYTES", 100)
+    cols = {k: torch.arange(2 * 10, dtype=torch.float32).reshape(2, 10) + i * 100
+            for i, k in enumerate("abcde")}  # 40 bytes a row each: 200 a row
+    store = {1: asyncrl.TensorBatch({**cols, "name": ["p", "q"]})}
+    sent: list[list[str]] = []
+    real_send = dataserver.DataServer._send
+
+    def send(self, identity, body, buffers):
+        reply = messages.decode(body)
+        sent.append(list(reply.buffers) if isinstance(reply, messages.Pulled) else [])
+        real_send(self, identity, body, buffers)
+    monkeypatch.setattr(dataserver.DataServer, "_send", send)
+    run_id = f"wide{os.getpid()}{transport}"
+    prefix = dataplane.run_prefix(run_id)
+    ctx = zmq.Context()
+    server = dataserver.DataServer(ctx, "127.0.0.1", SECRET, store.__getitem__, "p:0", prefix)
+    pool = SegmentPool(dataplane.pool_prefix(run_id, "c", 0, os.getpid())) \
+        if transport == "shm" else None
+    client = dataplane.DataClient(ctx, SECRET, "c/0/exec/1", "h", pool, timeout=10.0,
+                                  transport="tcp" if pool is None else "auto")
+    try:
+        shard = Shard("p", 0, 1, server.address, "h")
+        columns = [*(messages.Column(k, "float32", (10,)) for k in cols),
+                   messages.Column("name", "list", ())]
+        got = client.fetch_batch(RemoteBatch([Piece(shard, 0, 2)], columns))
+        for k, v in cols.items():
+            assert torch.equal(got[k], v)
+        assert got["name"] == ["p", "q"]  # once each: with the first group of its row only
+        if transport == "tcp":  # a row a bucket, two columns (80 bytes) a group
+            assert sent == [["a", "b"], ["c", "d"], ["e"]] * 2
+        else:
+            assert sent == [[], []]  # written into the segment: one pull a row
+    finally:
+        client.close()
+        server.close()
+        if pool is not None:
+            pool.close()
+        ctx.term()
+        assert cleanup(prefix) == []

@@ -102,6 +102,21 @@ def _buckets(pieces: list[Piece], row_bytes: int) -> list[Piece]:
             for s in range(p.start, p.stop, rows)]
 
 
+def _column_groups(row_bytes: dict[str, int], rows: int) -> list[list[str]]:
+    """The columns in groups of at most BUCKET_BYTES for `rows` rows (a wider column alone):
+    a row wider than a bucket (a weight pack: a column per parameter) comes a group at a
+    time, not as one message held whole beside the batch it is copied into."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key, nbytes in row_bytes.items():
+        if groups[-1] and size + nbytes * rows > BUCKET_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes * rows
+    return groups
+
+
 @dataclass
 class _Retired:
     """A socket whose CUDA IPC pulls timed out, kept only to release their late replies."""
@@ -172,8 +187,7 @@ class DataClient:
         `sent()`, then hand each reply to `take` as it arrives (so the copy of one bucket
         overlaps the transfer of the next), all within the timeout: of silence, plus the
         time the largest reply awaited takes at LINK_MIN_RATE (`nbytes`: a reply's bytes
-        over the socket; a wide row, a weight pack, comes as one message, heard of only
-        once all of it came)."""
+        over the socket; a reply is heard of only once all of it came)."""
         self._drain_late()
         self._close_gone()
         self._check_alive(piece for piece, _ in requests)  # before anything is sent
@@ -323,16 +337,25 @@ class DataClient:
         requests: list[tuple[Piece, Pull]] = []
         mine: list[tuple[Piece, Pull]] = []  # pieces of this rank's own store
         rows_at, row = {}, 0
+        framed = bool(total) and not direct  # tensor columns come as frames over a socket
         for piece in _buckets(rb.pieces, sum(row_bytes.values())):
-            req = Pull(next(self._xfer), piece.shard.obj_id, piece.start, piece.stop)
-            if direct and lease is not None:
-                req.dest, req.dest_row, req.columns = lease.name, row, dests
-            req.ipc = list(ipc)
             own = piece.shard.addr == self._own_addr  # (copied here: never by NCCL, no key)
-            if by_nccl and not own:
-                req.nccl, req.nccl_key = list(by_nccl), keys[piece.shard.group]
-            (mine if own else requests).append((piece, req))
-            rows_at[req.xfer_id] = row
+            groups = _column_groups({k: row_bytes[k] for k in offsets}, piece.stop - piece.start) \
+                if framed and not own else [[]]
+            for first, cols in zip(itertools.count(), groups):
+                req = Pull(next(self._xfer), piece.shard.obj_id, piece.start, piece.stop)
+                if direct and lease is not None:
+                    req.dest, req.dest_row, req.columns = lease.name, row, dests
+                elif len(groups) > 1:
+                    req.columns = [ColumnDest(k, offsets[k], row_bytes[k]) for k in cols]
+                if first == 0:  # the rest of the row comes with its first group
+                    req.ipc = list(ipc)
+                    if by_nccl and not own:
+                        req.nccl, req.nccl_key = list(by_nccl), keys[piece.shard.group]
+                else:
+                    req.no_lists = True
+                (mine if own else requests).append((piece, req))
+                rows_at[req.xfer_id] = row
             row += piece.stop - piece.start
         buf = heap if heap is not None else lease.buf if lease is not None and not direct \
             else None
@@ -343,8 +366,10 @@ class DataClient:
             left = dict(reply.ipc)
             try:
                 # a column left out would leave its rows as whatever the buffer held before
-                lacking = [k for k in ipc if k not in reply.ipc] + (
-                    [k for k in offsets if k not in reply.buffers] if buf is not None else [])
+                framed_keys = [c.key for c in req.columns] or list(offsets)
+                lacking = [k for k in req.ipc if k not in reply.ipc] + (
+                    [k for k in framed_keys if k not in reply.buffers] if buf is not None
+                    else [])
                 if lacking:
                     raise RuntimeError(f"pull of object {req.obj_id}: the reply lacks "
                                        f"column(s) {lacking}")
@@ -383,10 +408,14 @@ class DataClient:
         try:
             # frames over a socket come in a window of buckets (shared memory and NCCL
             # bring none: their pulls all go at once)
-            framed = sum(row_bytes.values()) if buf is not None and not direct else 0
+            def framed_bytes(req: Pull) -> int:
+                if buf is None or direct:
+                    return 0
+                return (req.stop - req.start) * sum(
+                    row_bytes[k] for k in ([c.key for c in req.columns] or offsets))
             self._exchange(requests, take, post if links else None,
                            window=FRAMES_WINDOW if buf is not None and not links else 0,
-                           nbytes=lambda req: (req.stop - req.start) * framed)
+                           nbytes=framed_bytes)
             for key, end in links.items():
                 nccl.finish(key, end, self._timeout)
         except BaseException:

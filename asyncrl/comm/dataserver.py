@@ -223,7 +223,8 @@ class DataServer:
         if not 0 <= req.start <= req.stop <= len(value):
             raise IndexError(f"rows {req.start}:{req.stop} are outside object {req.obj_id} "
                              f"({len(value)} rows) on {self._peer}")
-        lists = {k: c[req.start:req.stop] for k, c in value.items() if isinstance(c, list)}
+        lists = {} if req.no_lists else {
+            k: c[req.start:req.stop] for k, c in value.items() if isinstance(c, list)}
         reply = Pulled(req.xfer_id, lists=msgspec.Raw(codec.encode(lists)) if lists else NONE)
         tensors = {k: c for k, c in value.items() if isinstance(c, torch.Tensor)}
         by_ipc = {}  # GPU columns for a puller on this host: device to device
@@ -251,6 +252,12 @@ class DataServer:
             nccl.send(req.nccl_key, [tensors.pop(k)[req.start:req.stop] for k in req.nccl],
                       (group, int(rank)), self._timeout)
         if not req.dest:
+            if req.columns:  # one group of a wide row's columns
+                missing = [c.key for c in req.columns if c.key not in tensors]
+                if missing:
+                    raise KeyError(f"object {req.obj_id} on {self._peer} has no tensor "
+                                   f"columns {missing}")
+                tensors = {c.key: tensors[c.key] for c in req.columns}
             reply.buffers = list(tensors)
             return reply, [bytes_of(t[req.start:req.stop]) for t in tensors.values()]
         group, rank = _puller(identity)

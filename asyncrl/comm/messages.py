@@ -226,7 +226,8 @@ class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     """consumer rank -> producer rank's data server: rows [start, stop) of a stored object
     (start == stop == -1: the whole value). With `dest` set, the producer writes the tensor
     rows into that shared-memory segment at row `dest_row`; without, it replies with raw
-    buffers over the socket."""
+    buffers over the socket: of `columns` only, when given (a row wider than a bucket is
+    asked for a group of columns at a time)."""
 
     xfer_id: int
     obj_id: int
@@ -238,6 +239,7 @@ class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     ipc: list[str] = []  # GPU columns to share by CUDA IPC instead (puller on this host)
     nccl: list[str] = []  # columns to send by NCCL, in this order, on communicator nccl_key
     nccl_key: str = ""
+    no_lists: bool = False  # a row's later column group: its list columns came with the first
 
 
 class Pulled(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
