@@ -20,6 +20,7 @@ from helpers import WORDS, assert_gone, group_pids, run, wait_until, word_tokeni
 
 import asyncrl
 from asyncrl import TensorBatch
+from asyncrl.actors.procs import kill_pids
 from asyncrl.controller.launcher import pid_alive
 from asyncrl.rl import PromptSource, RewardFn
 from asyncrl.rl.reward import score_rows
@@ -471,10 +472,12 @@ def echo_reward(prompt, response, answer, raw_prompt):
     return float(len(response.split()))
 
 
-def test_what_a_scorer_started_goes_when_its_rank_is_killed(tmp_path):
+@pytest.mark.parametrize("answer", [8, 88])
+def test_what_a_scorer_started_goes_when_its_rank_is_killed(tmp_path, answer):
     """A rank SIGKILLed (a group's teardown, the OOM killer) took its scorer processes with
     it, but not what they had started (a sandbox, a tool's server), which left the rank's
-    session with them: it ran on after every restart."""
+    session with them: it ran on after every restart. 88: the sandbox in a session of its
+    own (out of the scorer's process group)."""
     sandbox = tmp_path / "sandbox.pid"
     rank = ("import os, signal, sys, threading, time\n"
             "sys.path.insert(0, 'tests')\n"
@@ -483,7 +486,7 @@ def test_what_a_scorer_started_goes_when_its_rank_is_killed(tmp_path):
             "from asyncrl.rl.reward import row_inputs\n"
             "pool = FunctionPool(verifier, processes=1, timeout_s=None)\n"
             "print(pool.pids()[0], flush=True)\n"
-            "threading.Thread(target=pool.call, args=(row_inputs(verifier, answers(8)),),\n"
+            f"threading.Thread(target=pool.call, args=(row_inputs(verifier, answers({answer})),),\n"
             "                 daemon=True).start()\n"
             "while not os.path.exists(os.environ['ASYNCRL_TEST_SANDBOX']):\n"
             "    time.sleep(0.01)\n"
@@ -492,9 +495,13 @@ def test_what_a_scorer_started_goes_when_its_rank_is_killed(tmp_path):
         out = subprocess.run([sys.executable, "-c", rank], stdout=subprocess.PIPE, stderr=err,
                              text=True, timeout=120, cwd=Path(__file__).parent.parent,
                              env={**os.environ, "ASYNCRL_TEST_SANDBOX": str(sandbox)})
-    assert out.returncode == -9, (tmp_path / "stderr").read_text()
-    scorer = int(out.stdout.split()[0])
-    assert_gone([scorer, int(sandbox.read_text())])
+    started = int(sandbox.read_text())
+    try:
+        assert out.returncode == -9, (tmp_path / "stderr").read_text()
+        assert_gone([int(out.stdout.split()[0]), started])
+    except BaseException:
+        kill_pids([started])  # (left by the failure: not for the next test)
+        raise
 
 
 def test_a_reward_function_is_not_called_on_a_chunks_padding_rows(tmp_path, monkeypatch):

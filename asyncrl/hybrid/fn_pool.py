@@ -8,10 +8,11 @@ imports done, ~2 s with torch): a replacement takes it at once, and a new spare 
 
 Each child is `python -m asyncrl.hybrid.fn_pool`: it imports the function by reference (its
 module, qualname and file, as the ranks import it), says it is ready, then calls it on the
-rows it is sent. Frames are length-prefixed msgpack on a pipe of their own (the function's prints go
-to stderr, the group's log); nothing is pickled. A child dies with its rank (PDEATHSIG) and
-ends when its input closes. The parent watches each child's process as well as its pipe: a
-helper the function forked (a multiprocessing pool) holds the pipe open past the child's death.
+rows it is sent. Frames are length-prefixed msgpack on a pipe of their own (the function's
+prints go to stderr, the group's log); nothing is pickled. A child, and what it started,
+dies with its rank (a watcher process) and ends when its input closes. The parent watches
+each child's process as well as its pipe: a helper the function forked (a multiprocessing
+pool) holds the pipe open past the child's death.
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def read_frame(src: IO[bytes]) -> Any:
 
 
 def _child(parent: int) -> None:
-    try:  # SIGKILL when the rank that started it dies, even inside a hung function
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    try:  # stopped when the rank that started it dies, even inside a hung function: its
+        # watcher then kills it with what it started (dead at once, its descendants would
+        # lose their tie to it: a sandbox in a session of its own ran on)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGSTOP)
     except (OSError, AttributeError):  # (not a subreaper: the zombies of what its function
         pass  # left would be its to reap, and reaping them steals its subprocesses' codes)
     if os.getppid() != parent:  # it died before the line above
@@ -109,20 +112,53 @@ def _child(parent: int) -> None:
         out.flush()
 
 
-# A child's watcher: ends the child's process group (the child, and what its function
-# started: a sandbox, a tool's server) when the rank dies. The child's own death signal ends
-# the child alone, and a SIGKILLed rank runs no cleanup. It is the rank's child (the rank
-# reaps it), in a session of its own (a kill of the rank's session leaves it to act), told
-# of the rank's death by its own death signal; a plain interpreter without site or asyncrl
-# (a few ms to start, a few MB).
+# A child's watcher: ends the child and what its function started (a sandbox, a tool's
+# server, in the child's process group or in a session of its own) when the rank dies: the
+# child, stopped by its own death signal, still holds its descendants; each is stopped as
+# found (none forks meanwhile), then all are killed. It is the rank's child (the rank reaps
+# it), in a session of its own (a kill of the rank's session leaves it to act), told of the
+# rank's death by its own death signal; a plain interpreter without site or asyncrl (a few
+# ms to start, a few MB), hence its own small /proc scan.
 _WATCHER = """
 import ctypes, os, signal, sys
-rank, group = int(sys.argv[1]), int(sys.argv[2])
-def end(*_):
+rank, child = int(sys.argv[1]), int(sys.argv[2])
+def stat(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+def born(pid):
     try:
-        os.killpg(group, signal.SIGKILL)
-    except OSError:
-        pass
+        return stat(pid)[19]
+    except (OSError, IndexError):
+        return None
+birth = born(child)
+def children():
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                out.setdefault(int(stat(name)[1]), []).append(int(name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+def kill(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+def end(*_):
+    if birth is not None and born(child) == birth:  # (not a pid taken again)
+        found, new = [], [child]
+        while new:
+            kill(new, signal.SIGSTOP)
+            found += new
+            below = children()
+            new = [c for p in found for c in below.get(p, ()) if c not in found]
+        kill(found, signal.SIGKILL)
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except OSError:
+            pass
     os._exit(0)
 signal.signal(signal.SIGTERM, end)
 try:
