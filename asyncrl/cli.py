@@ -86,6 +86,7 @@ def launch(args: argparse.Namespace) -> int:
         raise SystemExit(f"asyncrl launch: unrecognized arguments: {' '.join(stray)}; "
                          f"{args.script} defines a flow, which takes key=value overrides "
                          f"after the options, and no '--' (see `asyncrl launch --help`)")
+    cluster, host = _cluster(args)  # (refused before a run directory is made)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
     given = {k: v for k, v in (("steps", args.steps), ("checkpoint_every", args.checkpoint_every),
@@ -112,7 +113,6 @@ def launch(args: argparse.Namespace) -> int:
     if "checkpoint_every" in given:
         flow.checkpoint_every = given["checkpoint_every"]
     keep = given.get("keep", KEEP) or None  # 0: all
-    cluster, host = _cluster(args)
     return _run_flow("launch", run_dir, launch_flow(
         flow, given.get("steps"), run_dir, args.save_inputs, resume=args.resume, keep=keep,
         cluster=cluster, host=host, controller=settings, wandb=_wandb(args, run_dir)))
@@ -254,6 +254,7 @@ def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
     when ranks run on other machines)."""
     import socket
 
+    from asyncrl.comm.dataserver import is_loopback
     from asyncrl.controller.cluster import Cluster
 
     try:
@@ -262,7 +263,28 @@ def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
         raise SystemExit(f"asyncrl launch: {e}") from None
     if cluster is None or all(h.via == "local" for h in cluster.hosts):
         return cluster, "127.0.0.1"
-    return cluster, args.controller_address or socket.gethostbyname(socket.gethostname())
+    remote = [h.name for h in cluster.hosts if h.via != "local"]
+    fix = (f"pass --controller-address ADDRESS, this machine's address as host(s) {remote} "
+           f"reach it: their ranks connect back to the controller")
+    address = args.controller_address
+    said = f"--controller-address {address}"
+    if address is None:
+        name = socket.gethostname()
+        try:
+            address = socket.gethostbyname(name)
+        except OSError as e:  # (gaierror)
+            raise SystemExit(f"asyncrl launch: this machine's name {name!r} does not "
+                             f"resolve here ({e}); {fix}") from None
+        said = (f"this machine's name {name!r} resolves to {address} (Debian-style hosts "
+                f"name themselves 127.0.1.1)")
+    try:
+        loopback = is_loopback(address)
+    except ValueError:  # a name: the controller checks it as given
+        loopback = address == "localhost"
+    if loopback or address in ("0.0.0.0", "::", ""):  # (as Controller refuses them)
+        raise SystemExit(f"asyncrl launch: {said}, an address other machines cannot "
+                         f"reach; {fix}")
+    return cluster, address
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -328,7 +350,7 @@ def export(args: argparse.Namespace) -> int:
 
 def attach(args: argparse.Namespace) -> int:
     from asyncrl.controller.attach import attach as bridge
-    from asyncrl.controller.attach import choose, waiting
+    from asyncrl.controller.attach import choose, connect, waiting
 
     if not Path(args.run_dir).is_dir():
         raise SystemExit(f"asyncrl attach: no run directory {args.run_dir} (the folder "
@@ -345,12 +367,13 @@ def attach(args: argparse.Namespace) -> int:
         session = choose(sessions, args.group, args.rank, args.thread)
     except LookupError as e:
         raise SystemExit(f"asyncrl attach: {e}") from None
-    try:
-        bridge(session)
+    try:  # (once connected, a reset is the session's end: the rank continued)
+        sock = connect(session)
     except OSError as e:
         raise SystemExit(f"asyncrl attach: {session['group']}:{session['rank']} no longer "
                          f"waits at {session['where']} ({e}); `asyncrl attach {args.run_dir} "
                          f"--list` shows the ranks that do") from None
+    bridge(session, sock=sock)
     return 0
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import sysconfig
+import traceback
 from typing import Any
 
 from asyncrl.errors import SettingError
@@ -75,13 +77,17 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
                          f"fix the file and launch again") from None
     except Exception as e:  # noqa: BLE001 - user code: say where it failed and what
         given = " ".join(f"{k}={v}" for k, v in (overrides or {}).items())
-        raise SystemExit(f"asyncrl: importing {path} failed at {_user_line(e, path)}: "
+        # SystemExit prints its message alone, never its cause: the traceback goes in it
+        whole = "".join(traceback.format_exception(e)) if os.environ.get(
+            "ASYNCRL_TRACEBACK") else ""
+        raise SystemExit(f"{whole}asyncrl: importing {path} failed at {_user_line(e, path)}: "
                          f"{type(e).__name__}: {e}\n"
                          + ("install the missing module or fix the import"
                             if isinstance(e, ImportError) else "fix the flow file" +
                             (f" or its settings ({given})" if overrides else "")) +
-                         " and launch again (set ASYNCRL_TRACEBACK=1 for the whole traceback)"
-                         ) from (e if os.environ.get("ASYNCRL_TRACEBACK") else None)
+                         " and launch again" + ("" if whole else
+                                                " (set ASYNCRL_TRACEBACK=1 for the whole "
+                                                "traceback)")) from None
     finally:
         declare.pending = None
     os.environ[OVERRIDES_CHECKED_ENV] = "1"  # (the ranks' imports take them as checked)
@@ -101,13 +107,36 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
 
 
 def _user_line(error: BaseException, path: str) -> str:
-    """file:line of the deepest frame of the flow file (or of any file) in a traceback."""
-    import traceback
-
+    """file:line of the deepest frame of the user's code in a traceback: the flow file's, or
+    of a module of theirs it imported or called (with the flow file's line that did); not
+    asyncrl's, the stdlib's or site-packages'. None of theirs: the deepest of any file."""
     frames = traceback.extract_tb(error.__traceback__)
-    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
-    chosen = mine or frames
-    return f"{chosen[-1].filename}:{chosen[-1].lineno}" if chosen else path
+    flow = os.path.abspath(path)
+    mine = [i for i, f in enumerate(frames) if os.path.abspath(f.filename) == flow]
+    user = [i for i, f in enumerate(frames)
+            if os.path.abspath(f.filename) == flow or not _library(f.filename)]
+    if not frames:
+        return path
+    deepest = (user or [len(frames) - 1])[-1]
+    where = f"{frames[deepest].filename}:{frames[deepest].lineno}"
+    if mine and deepest > mine[-1]:  # in a module of theirs: the flow file's line too
+        by = frames[mine[-1]]
+        how = "imported by" if frames[mine[-1] + 1].name == "<module>" else "called from"
+        where += f" ({how} {by.filename}:{by.lineno})"
+    return where
+
+
+def _library(filename: str) -> bool:
+    """Whether a traceback's file is asyncrl's, the stdlib's or an installed package's
+    (frozen importlib's too): not where a user looks for their mistake."""
+    if filename.startswith("<"):
+        return True
+    file = os.path.abspath(filename)
+    paths = sysconfig.get_paths()
+    roots = {os.path.dirname(os.path.abspath(__file__))} | {  # (asyncrl's own folder)
+        os.path.abspath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return any(file.startswith(root + os.sep) for root in roots) or bool(
+        {"site-packages", "dist-packages"} & set(file.split(os.sep)))
 
 
 def flow_of(module: Any, path: str) -> Any:

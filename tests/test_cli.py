@@ -431,3 +431,79 @@ def test_a_driver_returning_true_exits_0(tmp_path):
     assert cli("launch", str(script)).returncode == 0
     script.write_text("def main():\n    return 3\n")
     assert cli("launch", str(script)).returncode == 3
+
+
+def test_a_flow_file_failing_in_a_module_of_its_own_names_that_module_and_its_traceback(
+        tmp_path, monkeypatch):
+    """A NameError at helper.py:4, imported by the flow file, was said to be at the flow
+    file's import line; and ASYNCRL_TRACEBACK=1 printed nothing more (SystemExit prints its
+    message alone, not its cause)."""
+    from asyncrl.flow_file import load_flow
+
+    (tmp_path / "sibling_broken_helper.py").write_text("import os\n\n\nx = undefined_name\n")
+    flow = tmp_path / "imports_broken_helper.py"
+    flow.write_text("import sibling_broken_helper\n")
+    with pytest.raises(SystemExit) as e:
+        load_flow(str(flow))
+    assert f"importing {flow} failed at {tmp_path}/sibling_broken_helper.py:4 (imported by " \
+        f"{flow}:1): NameError" in str(e.value)
+    assert "Traceback" not in str(e.value) and "ASYNCRL_TRACEBACK=1" in str(e.value)
+
+    (tmp_path / "sibling_raising_helper.py").write_text("def f():\n    return {}['k']\n")
+    flow.write_text("import json\nimport sibling_raising_helper\n\n"
+                    "sibling_raising_helper.f()\n")
+    with pytest.raises(SystemExit) as e:
+        load_flow(str(flow))
+    sys.modules.pop("sibling_raising_helper")  # (imported: not left to the other tests)
+    assert f"failed at {tmp_path}/sibling_raising_helper.py:2 (called from {flow}:4): " \
+        f"KeyError" in str(e.value)
+    flow.write_text("import json\n\njson.loads('{')\n")  # the stdlib's line is not theirs
+    with pytest.raises(SystemExit) as e:
+        load_flow(str(flow))
+    assert f"failed at {flow}:3: JSONDecodeError" in str(e.value)
+
+    monkeypatch.setenv("ASYNCRL_TRACEBACK", "1")
+    flow.write_text("import sibling_broken_helper\n")
+    with pytest.raises(SystemExit) as e:
+        load_flow(str(flow))
+    assert str(e.value).startswith("Traceback (most recent call last):")
+    assert 'sibling_broken_helper.py", line 4, in <module>' in str(e.value)
+    assert "(imported by" in str(e.value) and "ASYNCRL_TRACEBACK=1" not in str(e.value)
+
+
+def test_remote_hosts_and_a_loopback_or_unresolvable_name_ask_for_controller_address(
+        tmp_path, monkeypatch):
+    """--hosts with a host over ssh and no --controller-address took this machine's name's
+    address: 127.0.1.1 on Debian (the Controller's ValueError as a traceback) or a gaierror,
+    after the run directory was made."""
+    import argparse
+    import socket
+
+    from asyncrl import cli
+    from asyncrl.cli import main
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({"hosts": [{"name": "gpu1", "address": "10.0.0.1",
+                                            "cpus": 2}]}))
+    flow = tmp_path / "remote_flow.py"
+    flow.write_text("import asyncrl\n\n\n@asyncrl.node\ndef n(x):\n    return x\n\n\n"
+                    "flow = asyncrl.DataFlow(nodes=[n], inputs={'x': [1]})\n")
+    monkeypatch.setattr(sys, "argv", sys.argv)  # (launch sets the flow's)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    with pytest.raises(SystemExit, match=r"resolves to 127\.0\.1\.1 .*cannot reach; pass "
+                                         r"--controller-address ADDRESS, this machine's "
+                                         r"address as host\(s\) \['gpu1'\] reach it"):
+        main(["launch", str(flow), "--hosts", str(hosts), "--run-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+    def unresolvable(name):
+        raise socket.gaierror(-2, "Name or service not known")
+    monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    given = argparse.Namespace(hosts=str(hosts), controller_address=None)
+    with pytest.raises(SystemExit, match=r"does not resolve here .*--controller-address"):
+        cli._cluster(given)
+    given.controller_address = "127.0.0.1"
+    with pytest.raises(SystemExit, match=r"--controller-address 127\.0\.0\.1, an address"):
+        cli._cluster(given)
+    given.controller_address = "10.0.0.2"
+    assert cli._cluster(given)[1] == "10.0.0.2"

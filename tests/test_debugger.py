@@ -321,6 +321,47 @@ def test_attach_shows_a_character_split_between_two_reads_whole():
     assert "".join(rest) == "é\n"
 
 
+def test_a_rank_that_continues_with_input_unread_ends_the_session_not_an_error():
+    """The rank's close with typed input unread sends a reset: `asyncrl attach` said the rank
+    "no longer waits" and exited 1 after a session that went as it should."""
+    import struct
+
+    from asyncrl.controller.attach import attach
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    shown: queue.Queue[str] = queue.Queue()
+
+    class Screen(io.StringIO):
+        def write(self, text: str) -> int:
+            shown.put(text)
+            return super().write(text)
+
+    def rank() -> None:
+        conn, _ = server.accept()
+        conn.recv(100)  # the token
+        conn.sendall(b"(Pdb) ")
+        while "(Pdb)" not in shown.get(timeout=30):  # shown: what follows is the reset
+            pass
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset, as a close with input unread sends
+
+    thread = threading.Thread(target=rank, daemon=True)
+    thread.start()
+    keys = os.pipe()  # no keys typed
+    screen = Screen()
+    try:
+        with os.fdopen(keys[0]) as stdin:
+            attach({"port": server.getsockname()[1], "token": "t", "group": "g", "rank": 0,
+                    "where": "w"}, stdin=stdin, stdout=screen)
+    finally:
+        os.close(keys[1])
+        server.close()
+    thread.join(30)
+    assert screen.getvalue().endswith("(Pdb) ")
+
+
 def test_the_attach_clients_end_of_input_continues_the_rank_as_pdb_does(rank):
     """Ctrl-D (or a file of commands with no `c` at its end): the client stopped reading
     its input and waited, and the rank's pdb waited for a command: both hung."""

@@ -3,6 +3,7 @@ the numbers of its metrics rows, trackers that fail, and its run directory. No p
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.controller.launch import Metrics, default_run_dir, scalars
-from asyncrl.controller.timeline import Timeline
+from asyncrl.controller.timeline import Event, Timeline
 from asyncrl.controller.trackers import Wandb
 
 
@@ -128,3 +129,32 @@ def test_tensorboard_failing_to_close_for_a_rewind_is_turned_off_not_the_run(tmp
     board.rewind(3)  # (it raised out of on_rewind, ending a run that had just recovered)
     assert board.writer is None
     assert "closing its writer for a rewind failed (OSError" in capsys.readouterr().err
+
+
+def test_overlapping_spans_of_one_row_go_on_lanes_that_perfetto_keeps(tmp_path):
+    """Every span of a row shared one thread: pipelined nodes (step 1's rollout beside step
+    0's train) and concurrent calls on one group overlapped without nesting, which Perfetto
+    drops and chrome://tracing draws on top of each other. Each thread's spans now nest or
+    are disjoint, and every lane still carries its row's name (a resume reads it back)."""
+    tl = Timeline()
+    tl.node("rollout", 0, 1.0, 2.0)
+    tl.node("train", 0, 1.5, 3.0)  # overlaps rollout 0
+    tl.node("rollout", 1, 2.5, 3.5)  # overlaps train 0, after rollout 0: its lane again
+    for n, (a, b) in enumerate([(1.0, 1.8), (1.2, 1.4), (1.3, 2.0), (1.9, 2.2)]):
+        tl.add(Event("policy", f"call{n}", 0, a, b))  # concurrent calls on one group
+    tl.write(tmp_path / "timeline.json")
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    spans = [e for e in trace if e["ph"] == "X"]
+    for tid in names:
+        open_ends: list[float] = []  # the spans enclosing the one at hand
+        for e in sorted((e for e in spans if e["tid"] == tid), key=lambda e: e["ts"]):
+            open_ends = [end for end in open_ends if end > e["ts"]]
+            assert all(e["ts"] + e["dur"] <= end for end in open_ends), (tid, e)
+            open_ends.append(e["ts"] + e["dur"])
+    assert all(names[e["tid"]] == e["cat"] for e in spans)
+    assert sorted(names.values()) == ["controller"] * 2 + ["policy"] * 3
+    resumed = Timeline()
+    assert resumed.resume(tmp_path / "timeline.json", 0) == 6
+    assert sorted((e.row, e.name) for e in resumed.events) == sorted(
+        (e.row, e.name) for e in tl.events if e.step == 0)

@@ -59,11 +59,24 @@ def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
     return {**picked[0], "also": [s["where"] for s in picked[1:]]}
 
 
-def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.stdout) -> None:
-    """Bridge the terminal and the rank's pdb until the rank closes the connection."""
+def connect(session: dict[str, Any]) -> socket.socket:
+    """A connection to the rank's debugger, its token sent. OSError: the rank no longer
+    waits there (it continued, or died, since it was listed)."""
     sock = socket.create_connection(("127.0.0.1", session["port"]), timeout=10)
-    sock.settimeout(None)
-    sock.sendall((session["token"] + "\n").encode())
+    try:
+        sock.settimeout(None)
+        sock.sendall((session["token"] + "\n").encode())
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.stdout,
+           sock: socket.socket | None = None) -> None:
+    """Bridge the terminal and the rank's pdb until the rank closes the connection (`sock`:
+    made by `connect`, so that its errors are told apart; else made here)."""
+    sock = connect(session) if sock is None else sock
     thread = f" (thread {session['thread']})" if session.get("thread") else ""
     stdout.write(f"attached to {session['group']}:{session['rank']} at {session['where']}"
                  f"{thread}\n")
@@ -91,6 +104,8 @@ def attach(session: dict[str, Any], stdin: Any = sys.stdin, stdout: Any = sys.st
                     sock.shutdown(socket.SHUT_WR)
                     continue
                 sock.sendall(typed)
+    except (ConnectionResetError, BrokenPipeError):  # the rank continued with input unread
+        return  # (its close resets the connection): the session's end, as a plain close
     except KeyboardInterrupt:  # the rank reads the closed connection as `c`
         stdout.write("\n[asyncrl] detached: the rank continues\n")
         stdout.flush()

@@ -84,18 +84,34 @@ class Timeline:
 
     def chrome_trace(self, spans: list[Event] | None = None) -> dict[str, Any]:
         """The trace of `spans` (default: every event; events are frozen, so a list taken
-        on the loop can be made into a trace on another thread)."""
+        on the loop can be made into a trace on another thread). A row's spans that overlap
+        (pipelined nodes, concurrent calls) go on lanes of their own, each a thread named
+        after the row: one thread's spans must nest, or Perfetto drops them."""
         spans = self.events if spans is None else spans
-        rows = [CONTROLLER_ROW] + sorted({e.row for e in spans} - {CONTROLLER_ROW})
-        tid = {row: i for i, row in enumerate(rows)}
+        by_row: dict[str, list[Event]] = {CONTROLLER_ROW: []}
+        for e in sorted(spans, key=lambda e: e.start):
+            by_row.setdefault(e.row, []).append(e)
         origin = min((e.start for e in spans), default=self.origin)  # the first event
-        events: list[dict[str, Any]] = [
-            {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid[r], "args": {"name": r}}
-            for r in rows]
-        for e in spans:
-            events.append({"name": e.name, "cat": e.row, "ph": "X", "pid": 1, "tid": tid[e.row],
-                           "ts": round((e.start - origin) * 1e6, 1),
-                           "dur": round((e.end - e.start) * 1e6, 1), "args": {"step": e.step}})
+        events: list[dict[str, Any]] = []
+        first_tid = 0
+        for row in [CONTROLLER_ROW] + sorted(by_row.keys() - {CONTROLLER_ROW}):
+            lane_ends: list[float] = []  # where each lane's last span ends
+            for e in by_row[row]:
+                ts = round((e.start - origin) * 1e6, 1)
+                dur = round((e.end - e.start) * 1e6, 1)
+                # the first lane free by then (compared as written: Perfetto reads these)
+                lane = next((i for i, end in enumerate(lane_ends) if end <= ts),
+                            len(lane_ends))
+                if lane == len(lane_ends):
+                    lane_ends.append(ts + dur)
+                else:
+                    lane_ends[lane] = ts + dur
+                events.append({"name": e.name, "cat": e.row, "ph": "X", "pid": 1,
+                               "tid": first_tid + lane, "ts": ts, "dur": dur,
+                               "args": {"step": e.step}})
+            events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": first_tid + i,
+                        "args": {"name": row}} for i in range(max(1, len(lane_ends)))]
+            first_tid += max(1, len(lane_ends))
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: Path) -> None:
@@ -123,7 +139,8 @@ class Timeline:
 
 
 def draw(trace_path: Path, png_path: Path) -> Path:
-    """A Gantt chart of a Chrome trace written by `Timeline.write`: one row per group.
+    """A Gantt chart of a Chrome trace written by `Timeline.write`: one row per group
+    (more where its calls overlap).
     ValueError names what is wrong with the trace; ImportError, how to get matplotlib."""
     try:
         import matplotlib
