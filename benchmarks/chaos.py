@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import psutil
+from machine import describe, version
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_TITLE = re.compile(r"asyncrl\.actors\.rank_main \[(\S+) rank \d+\]")
@@ -186,7 +187,9 @@ def main() -> None:
             "max_reward_diff": max(abs(r["reward/mean"] - by_step[r["step"]]) for r in chaos),
             "killed": [k["group"] for k in kills],
             "kinds": [e["kind"] for e in events], "seed": args.seed,
-            "clean_run_s": round(clean_s, 2), "chaos_run_s": round(chaos_s, 2)}
+            "clean_run_s": round(clean_s, 2), "chaos_run_s": round(chaos_s, 2),
+            # (the runs are processes of their own: the versions installed, none imported)
+            **describe(**{d: version(d) for d in ("torch", "pyzmq", "msgspec", "asyncrl")})}
         if len(kills) < args.kills:  # (what it saw as it tried)
             result["rows_seen"] = rows_seen
         print(json.dumps(result), flush=True)

@@ -20,6 +20,7 @@ import time
 import torch
 import zmq
 import zmq.asyncio
+from machine import describe, version
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -121,7 +122,10 @@ async def fuzz(total: int, seed: int) -> dict:
                 "dropped": {"controller": ctl.dropped_frames,
                             "rank": target.dropped_frames[1],
                             "relay": relayed.dropped_frames[0]},
-                "seconds": round(seconds, 2)}
+                "seconds": round(seconds, 2),
+                **describe(torch=torch.__version__, pyzmq=zmq.__version__,
+                           libzmq=zmq.zmq_version(), msgspec=version("msgspec"),
+                           asyncrl=asyncrl.__version__)}
 
 
 def main() -> None:

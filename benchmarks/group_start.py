@@ -15,7 +15,10 @@ pays its own first start; `first_start_s` is that one, `start_s` the median of t
 
 One JSON line per result:
     {"bench": "group_start", "system": ..., "workload": ..., "ranks": n, "first_start_s": ...,
-     "start_s": ..., "close_s": ...}
+     "start_s": ..., "close_s": ..., "machine": ..., "python": ..., "versions": ...}
+A close lasts until the group's processes are gone (Ray's too: `ray.kill` returns before its
+actors' processes have exited, so the close waits for their pids), and the next start
+begins only then: no start runs beside the last group's exit.
 Run: `.venv/bin/python benchmarks/group_start.py [--repeats 4]`.
 """
 
@@ -30,6 +33,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from machine import describe, version
 
 import asyncrl
 
@@ -46,12 +51,16 @@ class Noop(asyncrl.Worker):
         return True
 
 
+def context() -> dict[str, Any]:
+    return describe(**{d: version(d) for d in ("torch", "pyzmq", "ray", "asyncrl")})
+
+
 def summary(system: str, workload: str, ranks: int, starts: list[float],
             closes: list[float]) -> dict[str, Any]:
     return {"bench": "group_start", "system": system, "workload": workload, "ranks": ranks,
             "first_start_s": round(starts[0], 3),
             "start_s": round(statistics.median(starts[1:] or starts), 3),
-            "close_s": round(statistics.median(closes), 3)}
+            "close_s": round(statistics.median(closes), 3), **context()}
 
 
 async def bench_asyncrl(system: str, repeats: int) -> list[dict[str, Any]]:
@@ -76,15 +85,20 @@ async def bench_asyncrl(system: str, repeats: int) -> list[dict[str, Any]]:
 
 
 def bench_ray(repeats: int) -> list[dict[str, Any]]:
+    import psutil
     import ray
 
+    class Pid:
+        def pid(self) -> int:  # (answered once the constructor is done: as __ray_ready__)
+            return os.getpid()
+
     @ray.remote
-    class RayNoop:
+    class RayNoop(Pid):
         def __init__(self) -> None:
             import torch  # what every rank of ours imports  # noqa: F401
 
     @ray.remote
-    class RayPolicy:
+    class RayPolicy(Pid):
         def __init__(self) -> None:
             from asyncrl.hybrid.engine import make_engine
             from asyncrl.hybrid.models import ModelConfig, build_model
@@ -103,12 +117,19 @@ def bench_ray(repeats: int) -> list[dict[str, Any]]:
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 actors = [cls.remote() for _ in range(ranks)]
-                ray.get([a.__ray_ready__.remote() for a in actors])
+                pids = ray.get([a.pid.remote() for a in actors])
                 starts.append(time.perf_counter() - t0)
+                procs = [psutil.Process(pid) for pid in pids]  # (while they are there)
                 t0 = time.perf_counter()
                 for a in actors:
                     ray.kill(a)
+                # ray.kill only asks: wait until the processes are gone (psutil waits on
+                # each pid; the raylet, their parent, reaps them)
+                _, alive = psutil.wait_procs(procs, timeout=60)
                 closes.append(time.perf_counter() - t0)
+                if alive:
+                    raise RuntimeError(f"Ray actor processes {[p.pid for p in alive]} were "
+                                       f"still there 60 s after ray.kill")
             out.append(summary("ray", workload, ranks, starts, closes))
     finally:
         ray.shutdown()
@@ -129,12 +150,13 @@ def main() -> None:
                                      text=True, timeout=1800)
             except subprocess.TimeoutExpired as e:  # (its ranks die with their controller)
                 print(json.dumps({"bench": "group_start", "system": system,
-                                  "skipped": f"timed out after {e.timeout} s"}), flush=True)
+                                  "skipped": f"timed out after {e.timeout} s", **context()}),
+                      flush=True)
                 continue
             lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
             if run.returncode != 0 or not lines:
                 lines = [json.dumps({"bench": "group_start", "system": system,
-                                     "skipped": run.stderr.strip()[-500:]})]
+                                     "skipped": run.stderr.strip()[-500:], **context()})]
             print("\n".join(lines), flush=True)
         return
     if args.system == "ray":

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from machine import describe, describe_gpu, version
 
 import asyncrl
 from asyncrl.hybrid.engine import HybridEngine
@@ -67,6 +67,12 @@ class SwitchBench(asyncrl.Worker):
             barrier()
             times.append(time.perf_counter() - t0)
         return {"params": self.params, "switch_s": statistics.median(times[1:])}
+
+    @asyncrl.register
+    def which_gpu(self) -> dict | None:
+        """The GPU this rank measures on (asked of a rank, whose CUDA is up: the driver's
+        would be a context of its own on the GPU measured)."""
+        return describe_gpu()
 
     @asyncrl.register
     def device_copy(self, repeat: int) -> float:
@@ -135,6 +141,7 @@ async def bench(presets: list[str], repeat: int, backend: str, ranks: int | None
             group = await ctl.spawn(SwitchBench, preset, backend, free_engine, nprocs=ranks,
                                     name=f"switch-{preset}")
             gpu = torch.cuda.is_available()
+            where = {"gpu": (await group.which_gpu())[0]} if gpu else {}
             copied = gpu or ranks == 1  # nothing to gather: the floor is a copy
             copy = (await (group.device_copy(repeat) if copied else
                            group.all_gather(repeat)))[0]
@@ -158,8 +165,10 @@ async def bench(presets: list[str], repeat: int, backend: str, ranks: int | None
                     "free_engine": free_engine or gpu,
                     "ratio": round(switch["switch_s"] / baseline, 2),
                     "target_met": switch["switch_s"] <= limit * baseline,
-                    "machine": {"arch": platform.machine()}, "torch": torch.__version__}),
-                    flush=True)
+                    "torch": torch.__version__,  # (beside versions: where older lines had it)
+                    **describe(torch=torch.__version__, deepspeed=version("deepspeed"),
+                               transformers=version("transformers"),
+                               asyncrl=asyncrl.__version__), **where}), flush=True)
             await ctl.close_group(group)
 
 

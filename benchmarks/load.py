@@ -21,6 +21,8 @@ import json
 import time
 
 import torch
+import zmq
+from machine import describe, version
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -77,7 +79,10 @@ async def load(futures: int, window: int) -> dict:
                 "rank_rss_growth_mib": round(
                     (sum(r.memory_info().rss for r in ranks) - start_ranks) / 2**20, 2),
                 "pass_and_drop_per_s": round(futures / elapsed, 1),
-                "controller_payload_bytes": ctl.payload_bytes}
+                "controller_payload_bytes": ctl.payload_bytes,
+                **describe(torch=torch.__version__, pyzmq=zmq.__version__,
+                           libzmq=zmq.zmq_version(), msgspec=version("msgspec"),
+                           asyncrl=asyncrl.__version__)}
 
 
 def main() -> None:

@@ -24,11 +24,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from machine import describe, version
 
 import asyncrl
 from asyncrl.hybrid.engine import HybridEngine
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
 from asyncrl.hybrid.models import ModelConfig, build_model
+
+
+def context() -> dict[str, Any]:
+    return describe(torch=torch.__version__, transformers=version("transformers"),
+                    peft=version("peft"), pyzmq=version("pyzmq"), asyncrl=asyncrl.__version__)
 
 
 def model_cfg(preset: str, lora: dict[str, Any] | None) -> dict[str, Any]:
@@ -79,10 +85,11 @@ def train_steps(preset: str, lora: dict[str, Any], batch: int, tokens: int, repe
             "rank": None if system == "full" else lora["rank"], "batch": batch,
             "tokens": tokens, "step_s": round(step, 4),
             "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "optimizer_bytes": state}), flush=True)
+            "optimizer_bytes": state, **context()}), flush=True)
     print(json.dumps({"bench": "lora", "what": "train_step_vs_peft",
                       "ratio": round(results["asyncrl"] / results["peft"], 3),
-                      "target_met": results["asyncrl"] <= 1.1 * results["peft"]}), flush=True)
+                      "target_met": results["asyncrl"] <= 1.1 * results["peft"],
+                      **context()}), flush=True)
     del full, ours, theirs
 
 
@@ -116,7 +123,7 @@ async def switches(ctl: Any, preset: str, lora: dict[str, Any], repeat: int) -> 
         out = (await group.switch(repeat))[0]
         print(json.dumps({"bench": "lora", "what": "switch", "system": system,
                           "preset": preset, "ranks": 2, "switch_s": round(out["switch_s"], 4),
-                          "peak_gather_bytes": out["gathered_bytes"]}), flush=True)
+                          "peak_gather_bytes": out["gathered_bytes"], **context()}), flush=True)
         await ctl.close_group(group)
 
 
@@ -143,7 +150,7 @@ async def weight_syncs(ctl: Any, preset: str, lora: dict[str, Any], repeat: int)
                           "pack_s": pack,  # gathering, on rank 0
                           "load_s": load,
                           "bytes": int(synced["sync/bytes"]),
-                          "tensors": int(synced["sync/tensors"])}), flush=True)
+                          "tensors": int(synced["sync/tensors"]), **context()}), flush=True)
         await ctl.close_group(trainer)
         await ctl.close_group(rollout)
 

@@ -1,11 +1,13 @@
-"""What every benchmark's JSON lines say about where they ran: the machine, Python, and the
-versions of what was measured (importable from each benchmark: they run from this folder)."""
+"""What every benchmark's JSON lines say about where they ran: the machine (its GPU, where
+one measured), Python, and the versions of what was measured (importable from each
+benchmark: they run from this folder)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
 import platform
+import subprocess
 from typing import Any
 
 
@@ -22,3 +24,27 @@ def describe(**versions: str | None) -> dict[str, Any]:
     nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"machine": {"arch": platform.machine(), "nproc": nproc},
             "python": platform.python_version(), "versions": versions}
+
+
+def describe_gpu() -> dict[str, Any] | None:
+    """{"name", "cuda", "driver"} of this process's first GPU, or None without one. Imports
+    torch and starts CUDA: ask it where the measuring does both anyway (a rank, not a driver
+    that would hold a CUDA context of its own beside the ranks)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return {"name": torch.cuda.get_device_name(0), "cuda": torch.version.cuda,
+            "driver": _driver()}
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi says it (the same for every GPU of a
+    machine); None where nvidia-smi is missing, fails or hangs."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next(iter(out.split()), None)

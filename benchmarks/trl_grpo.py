@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import next_digit  # noqa: E402
 import torch  # noqa: E402
+from machine import describe, version  # noqa: E402
 
 from asyncrl.hybrid.models import ModelConfig, build_model  # noqa: E402
 
@@ -147,7 +148,8 @@ def main() -> None:
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the JSON line
         result = run_trl(args.steps, max_new_tokens=args.max_new_tokens, lr=args.lr,
                          warmup=args.warmup, threads=args.threads, beta=args.beta)
-    print(json.dumps(result))
+    versions = {d: version(d) for d in ("torch", "trl", "transformers", "accelerate")}
+    print(json.dumps({**result, **describe(**versions)}))
 
 
 if __name__ == "__main__":
