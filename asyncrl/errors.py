@@ -80,6 +80,11 @@ class TransferTimeout(AsyncRLError, TimeoutError):
     """A data-plane peer did not answer in time; the message names the peer and operation."""
 
 
+class InputsExhausted(AsyncRLError):
+    """A node drew inputs of its own beside the flow's (DAPO's dynamic sampling: more prompt
+    batches) and they ran out: a DataFlow ends the run there, as when an input runs out."""
+
+
 class InputLostError(AsyncRLError):
     """A call's input was held by a group that died or was closed before the call's ranks
     pulled all of it: those rows are gone. The message names the group and why."""

@@ -495,3 +495,47 @@ def test_an_iterator_that_saves_its_position_is_rereadable():
     Inputs({"p": Stateful()}).check_rereadable()
     with pytest.raises(asyncrl.FlowError, match="input 'g' is a one-shot iterator"):
         Inputs({"g": (i for i in range(3))}).check_rereadable()
+
+
+def test_a_node_whose_own_inputs_run_out_ends_the_run_with_its_last_checkpoint(capsys):
+    """DAPO's last step of a finite run (epochs=1): its prompts ran out before a group whose
+    rewards differ, and the run failed there, before the checkpoint of its last step."""
+    from asyncrl import TensorBatch
+    from asyncrl.futures.future import DistFuture
+    from asyncrl.rl import PromptSource, dynamic_sampling
+
+    source = PromptSource([{"prompt": [i]} for i in range(1, 5)], batch_size=1, repeat=2,
+                          shuffle=False, max_prompt_length=1)
+    rewards = [[0.0, 1.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]  # prompts 3 and 4 alike
+
+    def done(value):
+        return DistFuture.held(value, "g.m")
+
+    @asyncrl.node(follows="train")
+    async def sample(prompts):
+        return await dynamic_sampling(
+            prompts, more=source.next_batch, generate=done, groups=1, group_size=2,
+            score=lambda rollout: done(TensorBatch({"reward": rewards.pop(0)})))
+
+    @asyncrl.node
+    def train(sample):
+        return sample["dapo/rounds"]
+
+    async def main():
+        saved = []
+
+        async def checkpoint(t):
+            saved.append((t, source.state_dict()["epoch"]))
+
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[sample, train], inputs={"prompts": source},
+                                    groups=[])
+            await flow.open(ctl)
+            try:
+                steps = await flow.run(checkpoint=checkpoint)
+            finally:
+                await flow.close()
+        return [s["train"] for s in steps], saved, flow.next_step, flow.ended
+    assert asyncio.run(main()) == ([1, 1], [(1, 1)], 2, "sample")
+    assert "node 'sample', step 2: dynamic sampling found no group whose rewards differ in 2 " \
+           "groups before the prompts ran out: the run ends" in capsys.readouterr().err

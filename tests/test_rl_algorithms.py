@@ -168,6 +168,30 @@ def test_grpo_groups_must_each_answer_one_prompt():
         group_size=2, mini_batches=2))] == [3, 2]
 
 
+def test_grpo_refuses_a_group_size_other_than_the_sources_repeat():
+    """PromptSource(repeat=16) read with group_size=8: every group answered one prompt (so
+    check_groups passed), and each prompt had two baselines of half its samples each."""
+    from asyncrl.comm.batch import TensorBatch
+    from asyncrl.rl import PromptSource
+    from asyncrl.rl.batch import SAMPLES_PER_PROMPT, advantages, check_repeat
+    from asyncrl.rl.config import RLConfig
+
+    prompts = PromptSource([{"prompt": [5, 6]}, {"prompt": [7]}], batch_size=2,
+                           repeat=16).next_batch()
+    # as a DP rank's rollout has it: its chunk of the prompts beside generation's columns
+    # (with_prompts' union), rows of it (dynamic sampling's kept groups), concatenated
+    chunk = prompts.chunk(3, pad=True)[2]
+    rollout = TensorBatch({"reward": torch.zeros(len(chunk))}).union(chunk.select(["prompt"]))
+    rollout = TensorBatch.concat([rollout.take([0, 1]), rollout.slice(2, 4)])
+    assert rollout.meta[SAMPLES_PER_PROMPT] == 16
+    with pytest.raises(ValueError, match=re.escape(
+            "GRPO: group_size=8, but the PromptSource repeats each prompt 16 times "
+            "(repeat=16): a group is all of one prompt's samples; give both")):
+        advantages(rollout, RLConfig(group_size=8), None)  # before any collective
+    check_repeat(rollout, RLConfig(group_size=16))
+    check_repeat(TensorBatch({"x": [1]}, {SAMPLES_PER_PROMPT: 1}), RLConfig(group_size=8))
+
+
 def test_clip_higher_and_dual_clip_by_hand():
     logp = torch.log(torch.tensor([[1.25, 5.0, 0.5]]))
     old, mask = torch.zeros(1, 3), torch.ones(1, 3)

@@ -215,3 +215,79 @@ def test_records_as_pandas_gives_them_and_keys_generation_writes(tmp_path, caplo
         PromptSource([{"prompt": [1], "versions": "v2"}], batch_size=1)
     assert list(src) == []  # its one epoch given: said
     assert "was read again and gives nothing" in caplog.text
+
+
+def test_token_id_prompts_are_checked_in_every_record_without_a_tokenizer(tmp_path):
+    """Without a tokenizer a prompt was checked only with max_prompt_length: an empty one,
+    one of floats, or text among token ids failed generation when its batch came, hours
+    in. Text alone, or records without 'prompt' (a source of other data), stay accepted:
+    the first generate refuses them (test_bad_input)."""
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": [1, 2]}, {"prompt": "hello"}])
+    cases = [
+        ([{"prompt": [1]}, {"prompt": []}],
+         "record 1 of the given sequence: the prompt [] has no tokens; generation needs at "
+         "least one"),
+        ([{"prompt": [1.5]}],
+         "record 0 of the given sequence: the prompt '[1.5]' is not a list of token ids "
+         "(ints); give every record token ids, or give text or chats with tokenizer="),
+        ([{"prompt": [True]}], "the prompt '[True]' is not a list of token ids"),
+        ([{"prompt": [{"role": "user", "content": "hi"}]}], "or give text or chats with "
+                                                            "tokenizer="),
+        (tmp_path / "p.jsonl", f"{tmp_path / 'p.jsonl'}:2: the prompt 'hello' is not a list "
+                               f"of token ids (ints), as {tmp_path / 'p.jsonl'}:1's is"),
+    ]
+    for data, message in cases:
+        with pytest.raises(ValueError) as info:
+            PromptSource(data, batch_size=1)
+        assert message in str(info.value)
+    assert PromptSource([{"prompt": "hello"}], batch_size=1).records == [{"prompt": "hello"}]
+    assert PromptSource([{"x": 1}], batch_size=1).records == [{"x": 1}]
+
+
+def test_record_keys_the_rl_step_writes_are_refused():
+    """A dataset with a 'reward' field failed at the first actor.update (its column beside
+    the scores' in one batch)."""
+    for key in ("reward", "ref_logprobs", "values", "loss_mask", "overlong_penalty",
+                "timed_out"):
+        with pytest.raises(ValueError, match=rf"the key\(s\) \['{key}'\], which the RL step "
+                                             rf"writes .*: rename them"):
+            PromptSource([{"prompt": [1], key: 1.0}], batch_size=1)
+
+
+def test_a_dict_or_a_dataframe_is_refused_naming_the_list_of_records():
+    """Read as a sequence, a dict or a DataFrame gives its keys: 'record 0 ... is a str'."""
+    class Frame:  # a DataFrame's shape: read, its column names; to_dict makes records
+        def __iter__(self):
+            return iter(["prompt", "answer"])
+
+        def to_dict(self, orient="dict"):
+            return [{"prompt": [1], "answer": 2}]
+
+    said = "which gives its keys or columns when read, not records: pass a list of records"
+    for data in ({"prompt": [[1]], "answer": [2]}, {}, Frame()):
+        with pytest.raises(ValueError, match=f"data= is a {type(data).__name__}, {said}"):
+            PromptSource(data, batch_size=1)
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.DataFrame({"prompt": [[1, 2]], "answer": [3]})
+    with pytest.raises(ValueError, match=r"df.to_dict\('records'\) for a DataFrame"):
+        PromptSource(frame, batch_size=1)
+    assert PromptSource(frame.to_dict("records"), batch_size=1).records[0]["prompt"] == [1, 2]
+
+
+def test_an_empty_parquet_file_gets_parquet_advice(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.list_(pa.int64()))}), path)
+    with pytest.raises(ValueError) as info:
+        PromptSource(path, batch_size=1)
+    assert f"no prompts in {path}: it is empty; write at least one row, with a \"prompt\" " \
+           f"column" in str(info.value) and "JSON" not in str(info.value)
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Saved by an editor that writes a UTF-8 BOM: line 1 was 'not valid JSON'."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": [1, 2]}\n{"prompt": [3]}\n')
+    assert PromptSource(path, batch_size=2).records == [{"prompt": [1, 2]}, {"prompt": [3]}]

@@ -200,3 +200,48 @@ def test_dynamic_sampling_filters_on_the_functions_own_score_by_default():
     assert asyncio.run(kept(metric="reward")) == 2
     with pytest.raises(KeyError, match="no 'acc' column"):
         asyncio.run(kept(metric="acc"))
+
+
+def test_dynamic_sampling_needs_one_prompt_width_before_it_generates():
+    """Prompts without PROMPT_WIDTH (a PromptSource without max_prompt_length=) were refused
+    only when a step first needed a second round: after a generate, maybe hours in."""
+    calls = []
+
+    def generate(batch):
+        calls.append(batch)
+        raise AssertionError("refused before generating")
+
+    prompts = TensorBatch({"prompt": [[1], [1]]})
+    with pytest.raises(ValueError, match="give the PromptSource max_prompt_length="):
+        asyncio.run(dynamic_sampling(prompts, more=lambda: None, generate=generate,
+                                     score=lambda r: r, groups=1, group_size=2))
+    assert calls == []
+    # one round only (max_rounds=1) never joins batches: no width needed
+    with pytest.raises(AssertionError, match="refused before generating"):
+        asyncio.run(dynamic_sampling(prompts, more=lambda: None, generate=generate,
+                                     score=lambda r: r, groups=1, group_size=2, max_rounds=1))
+    assert len(calls) == 1
+
+
+def test_prompts_running_out_with_no_group_kept_is_prompts_exhausted():
+    """The last step of a finite run (epochs=1) whose prompts all scored alike: an error a
+    DataFlow takes for the end of its input (test_flow_steps), not a failure."""
+    from asyncrl.errors import InputsExhausted
+    from asyncrl.futures.future import DistFuture
+    from asyncrl.hybrid.sampler import PROMPT_WIDTH
+    from asyncrl.rl.dynamic import PromptsExhausted
+
+    def done(value):
+        return DistFuture.held(value, "g.m")
+
+    def alike(rollout):
+        return done(TensorBatch({"reward": torch.ones(2)}))
+
+    batches = [TensorBatch({"prompt": [[2], [2]]}, {PROMPT_WIDTH: 1})]
+    with pytest.raises(PromptsExhausted, match="no group whose rewards differ in 2 groups "
+                                               "before the prompts ran out") as info:
+        asyncio.run(dynamic_sampling(TensorBatch({"prompt": [[1], [1]]}, {PROMPT_WIDTH: 1}),
+                                     more=lambda: batches.pop() if batches else None,
+                                     generate=done, score=alike, groups=1, group_size=2))
+    assert isinstance(info.value, DynamicSamplingError)
+    assert isinstance(info.value, InputsExhausted)

@@ -33,7 +33,7 @@ def test_public_api_is_the_facade():
     assert sorted(asyncrl.__all__) == sorted([
         "AsyncRLError", "CheckpointError", "ClosedError", "Controller", "Dispatch",
         "DistFuture", "EncodeError", "GroupDeadError", "GroupHandle", "InputLostError", "Layout",
-        "RecoveryError", "RemoteError", "Rows", "concat",
+        "InputsExhausted", "RecoveryError", "RemoteError", "Rows", "concat",
         "SpawnError", "SpawnTimeout",
         "Split", "TensorBatch", "TransferTimeout", "Worker", "register", "register_protocol",
         "run", "DataFlow", "FlowError", "NodeError", "PlacementError", "colocate_with",
@@ -48,7 +48,7 @@ def test_public_api_is_the_facade():
     from asyncrl.controller.trackers import TrackerError
 
     errors = [getattr(m, n) for m in (asyncrl, rl) for n in m.__all__
-              if n.endswith("Error")] + [TrackerError]
+              if n.endswith(("Error", "Exhausted"))] + [TrackerError]
     assert all(issubclass(e, asyncrl.AsyncRLError) for e in errors), errors
 
 

@@ -32,8 +32,10 @@ from asyncrl.controller.declare import GroupSpec, declared_for
 from asyncrl.controller.inputs import Inputs
 from asyncrl.controller.logs import say
 from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
+from asyncrl.controller.recovery import Recovery
 from asyncrl.controller.saved_inputs import save_node_inputs
 from asyncrl.controller.timeline import current_node
+from asyncrl.errors import InputsExhausted
 from asyncrl.futures.future import futures_in, held_at, resolved
 
 log = logging.getLogger("asyncrl")
@@ -111,8 +113,6 @@ class DataFlow:
         self._watchers: set[asyncio.Task] = set()  # recovery tasks following node outputs
         self._origin: tuple[int, dict[str, Any]] = (0, {})  # where this run started
         self._origin_rng: dict[str, Any] = {}  # and the controller's random state there
-        from asyncrl.controller.recovery import Recovery
-
         self.recovery = Recovery(self)
 
     # -- the graph ----------------------------------------------------------------------------
@@ -222,8 +222,7 @@ class DataFlow:
 
     async def _spawn(self, g: GroupSpec) -> Any:
         return await self._ctl.spawn(g.worker_cls, *g.args, nprocs=g.nprocs, name=g.name,
-                                     mesh=g.mesh, place=g.place, env=g.env, nice=g.nice,
-                                     **g.kwargs)
+                                     mesh=g.mesh, place=g.place, env=g.env, nice=g.nice, **g.kwargs)
 
     def _reset_sources(self) -> None:
         """Every input from its beginning again, and no step run (a rewind starts here)."""
@@ -232,7 +231,7 @@ class DataFlow:
 
     @property
     def ended(self) -> str | None:
-        """The input whose end ended the run, if one did."""
+        """The input whose end ended the run, if one did (or the node whose own inputs ran out)."""
         return self.feed.ended
 
     async def _abandon(self) -> None:
@@ -293,7 +292,7 @@ class DataFlow:
 
     async def step(self) -> dict[str, Any] | None:
         """Dispatch one step; return ``{node: what it returned}`` once every node returned
-        (None when an input source is exhausted). Earlier steps may still be finishing."""
+        (None once an input or a node's own inputs ran out). Earlier steps may still run."""
         if self._ctl is None:
             raise RuntimeError("the flow is not open: use `async with flow:` or flow.run()")
         if self._failed is not None:  # its nodes were cancelled: later steps wait on them
@@ -332,11 +331,16 @@ class DataFlow:
             for task in failed[:1]:
                 task.result()  # raises its NodeError
             return {name: await task for name, task in step.returned.items()}
-        except BaseException:
-            self._failed = t
+        except BaseException as e:
             for task in (*step.returned.values(), *step.finished.values()):
                 task.cancel()
-            raise
+            if not (isinstance(e, NodeError) and isinstance(e.__cause__, InputsExhausted)):
+                self._failed = t
+                raise
+            del self._steps[t]  # a node's own inputs ran out (DAPO's prompts): a normal end,
+            self._next, self.feed.ended = t, e.node  # its last checkpoint saved (_run_steps)
+            say(self._ctl, f"[asyncrl] node {e.node!r}, step {t}: {e.__cause__}: the run ends")
+            return None
 
     async def _run_node(self, step: _Step, n: Node, values: dict[str, Any]) -> Any:
         if n.follows is not None:  # the state edge: the followed node of step t-k-1 finished
@@ -383,10 +387,10 @@ class DataFlow:
                   on_rewind: Callable[[int], None] | None = None,
                   keep: bool = True) -> list[dict[str, Any]]:
         """Run until step index `steps` (default: the flow's `steps`, else until an input is
-        exhausted) inside the current
-        Controller (or one of its own), spawning and closing the groups; return this run's
-        node results by step, with DistFutures resolved to their values. Step indices count
-        from 0 across resumes: resumed at step 4, ``run(8)`` runs steps 4..7.
+        exhausted, or a node's own inputs: InputsExhausted) inside the current Controller (or
+        one of its own), spawning and closing the groups; return this run's node results by
+        step, with DistFutures resolved to their values. Step indices count from 0 across
+        resumes: resumed at step 4, ``run(8)`` runs steps 4..7.
 
         `checkpoint(t)` is awaited once steps <= t have finished and before step t+1 is
         dispatched (else t+1's calls could reach the ranks before the save): after every
@@ -457,11 +461,9 @@ class DataFlow:
             pending.append((self._steps[t], results))
             due = (checkpoint is not None and self.checkpoint_every is not None
                    and (t + 1) % self.checkpoint_every == 0)
-            while pending and (due or all(
-                    x.done() for x in pending[0][0].finished.values())):
+            while pending and (due or all(x.done() for x in pending[0][0].finished.values())):
                 await complete(*pending.pop(0))
-            if due:
-                assert checkpoint is not None
+            if due and checkpoint is not None:
                 await self._save(checkpoint, t)
                 saved = t
         for step, results in pending:

@@ -322,15 +322,17 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                     checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
                                    on_rewind=metrics.rewind, keep=False)
+                    what = f"input {flow.ended!r}" if flow.ended in flow.feed.sources \
+                        else f"the prompts node {flow.ended!r} draws"  # (DAPO's: its own)
                     if flow.ended is not None and resume_from is not None and \
                             flow.next_step == first_step:  # a resume of a run that ran out
-                        print(f"nothing to run: input {flow.ended!r} has no items left after "
+                        print(f"nothing to run: {what} has no items left after "
                               f"steps 0..{meta['step']} ({resume_from}); give it more (a "
                               f"PromptSource's epochs=) to go on{_steps_setting()}",
                               file=sys.stderr, flush=True)
                     elif flow.ended is not None and steps is not None and \
                             flow.next_step < steps:
-                        print(f"asyncrl: input {flow.ended!r} ran out after "
+                        print(f"asyncrl: {what} ran out after "
                               f"{flow.next_step} steps, before the {steps} asked for (a "
                               f"PromptSource ends after its epochs: epochs=None goes on)"
                               f"{_steps_setting()}", file=sys.stderr, flush=True)

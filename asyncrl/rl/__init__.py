@@ -15,10 +15,10 @@ from asyncrl.rl.algorithms import (
 from asyncrl.rl.config import RLConfig
 from asyncrl.rl.critic import Critic
 from asyncrl.rl.data import PromptSource, read_records
-from asyncrl.rl.dynamic import DynamicSamplingError, dynamic_sampling
+from asyncrl.rl.dynamic import DynamicSamplingError, PromptsExhausted, dynamic_sampling
 from asyncrl.rl.reward import RewardFn, RewardModel
 
-__all__ = ["Actor", "Critic", "DynamicSamplingError", "Policy", "PromptSource", "RLConfig",
-           "Reference", "RewardFn", "RewardModel", "Rollout", "dynamic_sampling", "gae",
-           "grpo_advantages", "kl_penalty", "load_tokenizer", "pass_at_k", "ppo_policy_loss",
-           "read_records", "whiten"]
+__all__ = ["Actor", "Critic", "DynamicSamplingError", "Policy", "PromptSource",
+           "PromptsExhausted", "RLConfig", "Reference", "RewardFn", "RewardModel", "Rollout",
+           "dynamic_sampling", "gae", "grpo_advantages", "kl_penalty", "load_tokenizer",
+           "pass_at_k", "ppo_policy_loss", "read_records", "whiten"]

@@ -24,6 +24,10 @@ log = logging.getLogger("asyncrl")
 
 # what a RewardFn's scores may hold beside "reward", reported as reward/<name> (batch means)
 REPORTED = ("overlong_penalty", "timed_out")
+# the columns assemble() puts beside a rollout's: a prompt record's key of one of these names
+# would clash with it at the first update (PromptSource refuses them)
+ASSEMBLED = frozenset({"reward", "ref_logprobs", "values", "loss_mask", *REPORTED})
+SAMPLES_PER_PROMPT = "samples_per_prompt"  # a prompt batch's meta: its source's repeat=
 
 # Batches split as DP splits them; the answer is rank 0's (it always answers a DP call), for
 # methods whose ranks all return the same all-reduced statistics (numbers for metrics.jsonl).
@@ -169,9 +173,23 @@ def check_groups(prompts: torch.Tensor, group_size: int) -> None:
                          f"that many per prompt (PromptSource(..., repeat=group_size))")
 
 
+def check_repeat(batch: TensorBatch, cfg: RLConfig) -> None:
+    """A GRPO group is all of one prompt's samples: with PromptSource(repeat=16) and
+    group_size=8 each prompt had two baselines of half its samples each (check_groups passes
+    them: each half is one prompt's). The same meta on every rank: raised on all alike."""
+    # (1: maybe repeated later, with batch.repeat(k); check_groups sees those rows)
+    repeat = batch.meta.get(SAMPLES_PER_PROMPT)
+    if repeat is not None and repeat > 1 and repeat != cfg.group_size:
+        raise ValueError(
+            f"GRPO: group_size={cfg.group_size}, but the PromptSource repeats each prompt "
+            f"{repeat} times (repeat={repeat}): a group is all of one prompt's samples; give "
+            f"both (RLConfig group_size and PromptSource repeat) the same value")
+
+
 def _grpo(batch: TensorBatch, cfg: RLConfig, group: Any) -> torch.Tensor:
     """Each row's group-relative advantage: the groups may straddle ranks, so every rank
     gathers all the (few) sequence rewards and keeps its own rows' advantages."""
+    check_repeat(batch, cfg)  # before the collectives
     mask, valid = batch.tensor("loss_mask"), valid_rows(batch)
     seq = token_rewards(batch, cfg).sum(1) if cfg.kl_in_reward else batch.tensor("reward")
     world = dist.get_world_size(group)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import numbers
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,8 @@ import torch
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.sampler import GENERATED, PROMPT_WIDTH
 from asyncrl.hybrid.user_fn import load_tokenizer
+from asyncrl.rl.batch import ASSEMBLED, SAMPLES_PER_PROMPT
 from asyncrl.rl.tokens import as_list, prompt_ids
-
-SAMPLES_PER_PROMPT = "samples_per_prompt"  # a prompt batch's meta: its source's repeat=
 
 log = logging.getLogger("asyncrl")
 
@@ -49,8 +49,8 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
             if Path(path).suffix == ".json" else "")
     with open(path, "rb") as f:  # decoded line by line, so a bad byte has its line
         for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
+            try:  # (a BOM, as some Windows editors write, starts line 1)
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte "
                                  f"{e.start + 1}); save the file as UTF-8") from None
@@ -108,6 +108,11 @@ def _read_records(data: Sequence[dict[str, Any]]
         return f"record {i} of the given sequence"
 
     records = list(data)
+    if isinstance(data, Mapping) or (hasattr(data, "to_dict") and records
+                                     and not isinstance(records[0], dict)):
+        raise ValueError(f"data= is a {type(data).__name__}, which gives its keys or columns "
+                         f"when read, not records: pass a list of records, one dict each "
+                         f"(df.to_dict('records') for a DataFrame)")
     for i, r in enumerate(records):
         if isinstance(r, os.PathLike) or (isinstance(r, str) and r.endswith(
                 (".jsonl", ".json", ".parquet"))):
@@ -139,6 +144,32 @@ def _tokenized(records: list[dict[str, Any]], keys: list[str], tokenizer: Any, p
         raw = r.pop(prompt_key)
         r["prompt"], r["raw_prompt"] = prompt_ids(tok, raw, locate(i)), raw
         out.append(r)
+    return out
+
+
+def _token_ids(records: list[dict[str, Any]], locate: Callable[[int], str]
+               ) -> list[dict[str, Any]]:
+    """Without a tokenizer: each "prompt" as a list (a tuple or an array: pandas' read_parquet
+    records) and, once any is token ids, every one a non-empty list of ints (a bad one failed
+    generation when its batch came, hours in). Text alone, or no "prompt" (a source of other
+    data), is kept: the first generate refuses it, naming the fix."""
+    out = [{**r, "prompt": as_list(r["prompt"])} if "prompt" in r else r for r in records]
+    ids = next((i for i, r in enumerate(out) if isinstance(r.get("prompt"), list)), None)
+    if ids is None:
+        return out
+    for i, r in enumerate(out):
+        p = r["prompt"]
+        if p == []:
+            raise ValueError(f"{locate(i)}: the prompt [] has no tokens; generation needs at "
+                             f"least one")
+        if not isinstance(p, list) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+            like = f", as {locate(ids)}'s is" if i != ids else ""
+            raise ValueError(f"{locate(i)}: the prompt {str(p)[:40]!r} is not a list of token "
+                             f"ids (ints){like}; give every record token ids, or give text or "
+                             f"chats with tokenizer=")
+        if not all(type(t) is int for t in p):  # (numpy's ints: as plain ints on the wire)
+            out[i] = {**r, "prompt": [int(t) for t in p]}
     return out
 
 
@@ -191,7 +222,9 @@ class PromptSource:
             raise ValueError(f"PromptSource: shuffle must be True or False, got {shuffle!r}")
         if isinstance(data, str | os.PathLike):
             records, where, locate = _read_file(Path(data))
-            fix = 'write one JSON object per line, such as {"prompt": [token ids], "answer": "7"}'
+            fix = ('write at least one row, with a "prompt" column (token ids)'
+                   if Path(data).suffix == ".parquet" else 'write one JSON object per line, '
+                   'such as {"prompt": [token ids], "answer": "7"}')
         else:
             records, where, locate = _read_records(data)
             fix = "pass at least one record (a dict)"
@@ -213,15 +246,18 @@ class PromptSource:
         if taken:  # generation's columns replace them: a reward function asking for one
             raise ValueError(f"records of {where} have the key(s) {taken}, which generation "
                              f"writes (its columns {sorted(GENERATED)}): rename them")
+        taken = sorted(set(keys) & ASSEMBLED)
+        if taken:  # an update puts them beside the rollout's columns: it failed there
+            raise ValueError(f"records of {where} have the key(s) {taken}, which the RL step "
+                             f"writes (its columns {sorted(ASSEMBLED)}): rename them")
         if tokenizer is not None:
             records = _tokenized(records, keys, tokenizer, prompt_key, where, locate)
             keys = sorted(records[0])
         elif prompt_key != "prompt":
             raise ValueError(f"prompt_key={prompt_key!r} names the key to tokenize: give "
                              f"tokenizer= too (the engines read token ids from 'prompt')")
-        else:  # token ids as a tuple or an array (pandas' read_parquet records): a list
-            records = [{**r, "prompt": as_list(r["prompt"])} if "prompt" in r else r
-                       for r in records]
+        else:
+            records = _token_ids(records, locate)
         if max_prompt_length is not None:
             records = _short_enough(records, max_prompt_length, where, locate)
         self.records, self.keys = records, keys

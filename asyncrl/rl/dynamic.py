@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.errors import AsyncRLError
+from asyncrl.errors import AsyncRLError, InputsExhausted
 from asyncrl.futures.future import DistFuture, concat
 from asyncrl.hybrid.sampler import PROMPT_WIDTH
-from asyncrl.rl.data import SAMPLES_PER_PROMPT
+from asyncrl.rl.batch import SAMPLES_PER_PROMPT
 
 log = logging.getLogger("asyncrl")
 WARN_EVERY = 10  # prompt batches between warnings of a step with no max_rounds
@@ -37,6 +37,11 @@ WARN_EVERY = 10  # prompt batches between warnings of a step with no max_rounds
 
 class DynamicSamplingError(AsyncRLError, RuntimeError):
     """Too few groups whose rewards differ within `max_rounds` prompt batches."""
+
+
+class PromptsExhausted(DynamicSamplingError, InputsExhausted):
+    """The prompts ran out before a group whose rewards differ was found: the last step of
+    a finite run (epochs=) has nothing to train on, and a DataFlow ends the run there."""
 
 
 def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -88,7 +93,8 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
     seen whose samples all scored alike), dapo/sampled_mean (the metric's mean over every sample
     generated: the policy's score before the filter)}. More than `max_rounds` batches
     needed (None: no limit) is a DynamicSamplingError, as verl's max_num_gen_batches. If
-    `more()` runs out first, the step trains on the groups kept so far (none: an error).
+    `more()` runs out first, the step trains on the groups kept so far (none: PromptsExhausted,
+    which ends a DataFlow's run as an input's end does).
     `metric` None: "score" where the scores have it (a RewardFn with an overlong penalty:
     its function's own score, as verl's DAPO filters on "acc"; wrong answers of different
     lengths would else pass for a group whose rewards differ), else "reward"."""
@@ -101,11 +107,14 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
     total, samples = 0.0, 0
     batch: TensorBatch | None = prompts
     while batch is not None and kept < groups:
-        if rounds and PROMPT_WIDTH not in batch.meta:
+        # before the first round too (else said at the first step that needs a second,
+        # hours in, after a wasted generate); max_rounds=1 never joins batches
+        if (rounds or max_rounds != 1) and PROMPT_WIDTH not in batch.meta:
             raise ValueError("dynamic_sampling draws more prompts when a batch has too few "
                              "groups whose rewards differ, and their responses join the "
                              "first batch's: give the PromptSource max_prompt_length= so "
-                             "that every batch's prompts are padded to one width")
+                             "that every batch's prompts are padded to one width (or "
+                             "max_rounds=1: one batch a step, none drawn)")
         _check_groups(batch, group_size)
         rounds += 1
         rollout = generate(batch)
@@ -142,8 +151,8 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
         if kept < groups:
             batch = more()
     if not kept:
-        raise DynamicSamplingError(f"dynamic sampling found no group whose rewards differ in "
-                                   f"{seen} groups before the prompts ran out")
+        raise PromptsExhausted(f"dynamic sampling found no group whose rewards differ in "
+                               f"{seen} groups before the prompts ran out")
     return {"rollout": concat(*kept_rollouts), "score": concat(*kept_scores),
             "dapo/rounds": rounds, "dapo/kept_groups": kept,
             "dapo/uniform_groups": uniform / seen, "dapo/sampled_mean": total / samples}
