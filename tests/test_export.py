@@ -160,6 +160,9 @@ def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
         export(tmp_path / "run", tmp_path / "out", group="student")
     with pytest.raises(ValueError, match="'int8' is not a floating torch dtype"):
         export(tmp_path / "run", tmp_path / "out", group="actor", dtype="int8")
+    # floating, but transformers failed deep inside on it
+    with pytest.raises(ValueError, match="'float8_e4m3fn' is not a floating torch dtype"):
+        export(tmp_path / "run", tmp_path / "out", group="actor", dtype="float8_e4m3fn")
 
     import torch.distributed.checkpoint as dcp  # GPT-2's weights under a Llama's model.json
 
@@ -193,6 +196,43 @@ def test_a_zero_checkpoint_without_deepspeed_here_says_what_to_install(tmp_path,
     with pytest.raises(ValueError, match=r"written by DeepSpeed ZeRO, whose files only "
                                          r"DeepSpeed reads: pip install 'asyncrl\[deepspeed\]'"):
         trained_weights(tmp_path / "actor")
+
+
+def test_a_zero_lora_checkpoint_with_the_old_adapter_names_exports_merged(tmp_path,
+                                                                          monkeypatch):
+    """A ZeRO checkpoint of before 2026-12-04, its adapters named `<layer>.lora_A`: only
+    FSDP2's were read by today's names ("unexpected [...lora_A]")."""
+    import sys
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.hybrid.lora import is_adapter, lora_layers, merged
+    from asyncrl.hybrid.zero import TAG
+
+    cfg = ModelConfig(preset="tiny-llama", seed=0, lora={"rank": 2, "alpha": 4})
+    model = build_model(cfg)
+    with torch.no_grad():  # as if trained: the adapters change the model
+        for layer in lora_layers(model).values():
+            layer.lora_B.weight.normal_(0, 0.05)
+    trained = model.state_dict()
+    step = tmp_path / "run" / "checkpoints" / "step_000000"
+    (step / "actor" / "train" / TAG).mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    torch.save({"version": 1}, step / "actor" / "actor.pt")
+    save_model_files(step / "actor", cfg)
+    # DeepSpeed's reader, as it reads such a checkpoint: the adapters under their old names
+    old = {k.removesuffix(".weight") if is_adapter(k) else k: v for k, v in trained.items()}
+    zero = types.ModuleType("deepspeed.utils.zero_to_fp32")
+    zero.get_fp32_state_dict_from_zero_checkpoint = lambda path, tag: dict(old)
+    monkeypatch.setitem(sys.modules, "deepspeed.utils.zero_to_fp32", zero)
+    export(tmp_path / "run", tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                    local_files_only=True).state_dict()
+    assert cfg.lora is not None
+    want = dict(merged(trained, cfg.lora))
+    assert set(exported) == set(want)
+    assert all(torch.equal(exported[k], want[k]) for k in want)
 
 
 CUSTOM_CONFIG = """from transformers import GPT2Config

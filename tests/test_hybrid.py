@@ -232,6 +232,51 @@ def test_a_way_back_to_training_failing_on_one_rank_fails_its_peers_at_once():
     assert len(stats) == 2 and all(s["loss"] > 0 for s in stats)
 
 
+class QuickPolicy(Policy):
+    """Waits 2 s, not 300, for rollouts to pull the last sync_pack."""
+
+    sync_release_timeout = 2.0
+
+
+def test_a_sync_pack_held_too_long_fails_every_rank_at_once_and_the_next_step_trains():
+    """Only rank 0 holds sync packs: it alone timed out waiting for the last one to be
+    released, while its peer went on into the step's first all_gather and waited there until
+    the collective timeout (then the group's collectives were out of step)."""
+    batch = fixed_batch()
+
+    async def main():
+        async with asyncrl.Controller(collective_timeout=300.0) as ctl:
+            policy = await ctl.spawn(QuickPolicy, {"preset": "tiny-llama", "seed": 5},
+                                     {"lr": 3e-3, "micro_batch_size": 2}, nprocs=2,
+                                     hybrid=False, name="trainer")
+            pids = group_pids(policy)
+            pack = policy.sync_pack()
+            await pack  # pulled, and its future kept: rank 0 still holds the weights' views
+            with pytest.raises(asyncrl.RemoteError) as e:  # (not a TimeoutError: a hang)
+                await asyncio.wait_for(policy.train_step(batch), 30)
+
+            def said() -> str:
+                return "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
+            await poll_until(lambda: "still held after 2 s" in said() and "waiting for the "
+                             "last sync_pack to be released failed on another rank" in said(),
+                             30, "both ranks' errors")
+            del pack  # released: the next step goes
+            return pids, await policy.train_step(batch)
+    pids, stats = run(main(), timeout=120)
+    assert_gone(pids)
+    assert len(stats) == 2 and all(s["loss"] > 0 for s in stats)
+
+
+def test_weights_of_a_policy_without_an_engine_say_to_ask_for_the_train_layout():
+    """weights("engine") of a hybrid=False Policy said "layout is 'train' or 'engine', got
+    'engine'"."""
+    policy = Policy.__new__(Policy)
+    policy.hybrid, policy.group_name = None, "trainer"
+    with pytest.raises(ValueError, match="'trainer' was built with hybrid=False: it has no "
+                                         "generation engine; use layout='train'"):
+        policy.weights("engine")
+
+
 def test_a_policy_checkpoint_brings_back_its_weights_and_the_engine_follows(tmp_path):
     """A Policy that trains (SFT, or a trainer feeding Rollouts) keeps state: its checkpoint
     restores weights and version (it resumed as freshly built), and the next generation runs

@@ -258,6 +258,23 @@ def test_a_rollout_refuses_adapters_for_another_frozen_model_and_vllm():
         Rollout.__new__(Rollout).__init__(MODEL, engine="vllm")
 
 
+def test_a_lora_rollout_refuses_the_weights_of_a_trainer_without_lora():
+    """A trainer without LoRA sends every weight and no frozen_model: its pack failed in
+    adopt_weights, with an error that blamed tie_word_embeddings."""
+    from asyncrl.hybrid.weight_sync import SyncSource
+
+    rollout = Rollout.__new__(Rollout)
+    rollout.__init__(MODEL)
+    plain = build_model(ModelConfig(preset="tiny-llama", seed=0))
+    pack = SyncSource().pack(plain.named_parameters(), version=1)
+    pack.meta["whole"] = True  # as a Policy without LoRA sends it
+    with pytest.raises(ValueError, match=r"the trainer sends the weights of a model without "
+                                         r"LoRA, but this Rollout holds .*'lora': .*give both "
+                                         r"groups the same model="):
+        rollout.load_weights(pack)
+    assert rollout.engine.version == 0
+
+
 def test_a_hybrid_lora_policy_trains_adapters_alone_and_switches_with_them():
     """FSDP2 on two ranks: the frozen weights never change; the first switch gathers them,
     the next ones the adapters alone, and the engine still scores as the trainer does; the

@@ -87,7 +87,7 @@ def checkpoint_tensors(path: str) -> set[str] | None:
         return set(f.keys())
 
 
-def _attempt(step: Any) -> BaseException | None:
+def attempt(step: Any) -> BaseException | None:
     """What `step()` raised (None: it went through)."""
     try:
         step()
@@ -186,8 +186,8 @@ class HybridEngine:
             # this rank's own part first, then the gathers (collectives), then the wake: every
             # rank learns of a failure on any (agree) before the next collective, so none is
             # left waiting in it (until the collective timeout) while the others go on
-            agree(_attempt(self._prepare), "preparing the switch to generation")
-            agree(_attempt(self._fill_and_wake), "filling the engine")
+            agree(attempt(self._prepare), "preparing the switch to generation")
+            agree(attempt(self._fill_and_wake), "filling the engine")
         except BaseException:  # still training: the engine's memory freed again (GPU), the
             self._release()  # optimizer back where it steps (or at the next to_train, if
             try:  # this fails too)
@@ -245,7 +245,7 @@ class HybridEngine:
         def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
             nonlocal failed  # past a failed load the gathers go on (collectives: the peers
             if failed is None:  # are in them), nothing more is loaded; raised after them
-                failed = _attempt(lambda: self.engine.load_weights(pairs))
+                failed = attempt(lambda: self.engine.load_weights(pairs))
 
         for name, param in self.backend.model.named_parameters():
             if is_adapter(name):
@@ -307,7 +307,7 @@ class HybridEngine:
         left with something to undo cannot skip it while the others do) before the training
         collectives that follow, which a rank failing here alone would leave its peers in.
         A collective: call it on every rank (never from a RANK_ZERO or concurrent method)."""
-        agree(_attempt(self._back_to_training), "switching back to training")
+        agree(attempt(self._back_to_training), "switching back to training")
 
     def _back_to_training(self) -> None:
         was = self.mode

@@ -37,6 +37,7 @@ from asyncrl.hybrid.zero import TAG
 MODEL_FILE = "model.json"  # the group's ModelConfig, in its checkpoint folder
 HF_FOLDER = "hf"  # beside it: the model's config.json and its tokenizer files
 ADAPTER_FOLDER = "lora_adapter"  # in an export of a LoRA policy: its adapters, peft's format
+EXPORT_DTYPES = ("float16", "bfloat16", "float32", "float64")  # what --dtype may name
 POLICY_FILE = "actor.pt"  # what a Policy's checkpoint holds besides its trainer's state
 # a source checkpoint's files that travel with the weights (tokenizers, chat templates)
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
@@ -139,7 +140,8 @@ def trained_weights(folder: Path) -> dict[str, torch.Tensor]:
         except ImportError as e:
             raise ValueError(f"{folder} was written by DeepSpeed ZeRO, whose files only "
                              f"DeepSpeed reads: pip install 'asyncrl[deepspeed]' ({e})") from e
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(train), tag=TAG))
+        return _current_names(dict(get_fp32_state_dict_from_zero_checkpoint(str(train),
+                                                                              tag=TAG)))
     import torch.distributed.checkpoint as dcp
 
     saved = dcp.FileSystemReader(str(train)).read_metadata().state_dict_metadata
@@ -152,9 +154,15 @@ def trained_weights(folder: Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # one process on purpose, which DCP warns of
         warnings.filterwarnings("ignore", message=".*in a single process")
         dcp.load({"model": model}, checkpoint_id=str(train), no_dist=True)  # read in place
-    for name in legacy_adapter_names(list(model)):  # an earlier LoRA run's: peft's names
-        model[f"{name}.weight"] = model.pop(name)
-    return model
+    return _current_names(model)
+
+
+def _current_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An earlier LoRA run's adapters (`<layer>.lora_A`, FSDP2's or ZeRO's checkpoint) by
+    today's names, peft's (`<layer>.lora_A.weight`)."""
+    for name in legacy_adapter_names(list(weights)):
+        weights[f"{name}.weight"] = weights.pop(name)
+    return weights
 
 
 def export(path: Path, out: Path, group: str | None = None,
@@ -255,10 +263,11 @@ def _dtype(asked: str | None, config: Any, cfg: ModelConfig) -> torch.dtype:
     # transformers 5 names it dtype (torch_dtype warns there), earlier releases torch_dtype
     source = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     name = asked or (str(source).removeprefix("torch.") if source else cfg.dtype)
-    target = getattr(torch, name, None)
-    if not isinstance(target, torch.dtype) or not target.is_floating_point:
-        raise ValueError(f"dtype {name!r} is not a floating torch dtype (float32, bfloat16, "
-                         f"float16)")
+    # float8 and the like are floating too, but transformers fails deep inside on them
+    target = getattr(torch, name, None) if name in EXPORT_DTYPES else None
+    if target is None:
+        raise ValueError(f"dtype {name!r} is not a floating torch dtype an export writes "
+                         f"(float32, bfloat16, float16, float64)")
     return target
 
 

@@ -34,6 +34,7 @@ from asyncrl.hybrid.engine import (
     BUCKET_BYTES,
     HybridEngine,
     agree,
+    attempt,
     check_engine,
     make_engine,
 )
@@ -194,6 +195,9 @@ def engine_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig
 
 
 class Policy(Worker):
+    # how long a step waits for rollouts to pull the last sync_pack (a subclass may change it)
+    sync_release_timeout = 300.0
+
     def __init__(self, model: dict[str, Any], train: dict[str, Any] | None = None,
                  sampling: dict[str, Any] | None = None, bucket_bytes: int = BUCKET_BYTES,
                  backend: str = "fsdp2", hybrid: bool = True, engine: str = "builtin",
@@ -231,10 +235,19 @@ class Policy(Worker):
         if self.turns is not None:  # its environment's processes, if any
             self.turns.close()
 
-    def before_weights_change(self, timeout: float = 300.0) -> float:
+    def before_weights_change(self, timeout: float | None = None) -> float:
         """Wait until rollouts pulled the last sync_pack (on CPUs views of the live weights;
-        on a GPU a copy, and the wait keeps one at a time); the seconds waited."""
-        return self.sync_source.wait_released(timeout)
+        on a GPU a copy, and the wait keeps one at a time); the seconds waited (default:
+        sync_release_timeout). A collective: rank 0 alone holds packs, and its timeout fails
+        its peers too (they waited in the step's first all_gather until the collective
+        timeout, and the group's collectives were out of step after it)."""
+        waited = [0.0]
+
+        def wait() -> None:
+            waited[0] = self.sync_source.wait_released(
+                self.sync_release_timeout if timeout is None else timeout)
+        agree(attempt(wait), "waiting for the last sync_pack to be released")
+        return waited[0]
 
     @register(dispatch=Dispatch.DP)
     def generate(self, prompts: TensorBatch, sampling: dict[str, Any] | None = None
@@ -314,7 +327,11 @@ class Policy(Worker):
     @register
     def weights(self, layout: str = "train") -> dict[str, torch.Tensor]:
         """Full weights as training holds them, or as the generation engine holds them."""
-        if layout == "engine" and self.hybrid is not None:
+        if layout == "engine":
+            if self.hybrid is None:
+                raise ValueError(f"group {self.group_name!r} was built with hybrid=False: it "
+                                 f"has no generation engine; use layout='train' (the weights "
+                                 f"a Rollout group receives by sync_pack)")
             if self.hybrid.mode == "train":  # what the next generation runs on: the trained
                 self.hybrid.to_generate()  # weights (the engine may hold an older switch's)
             return {k: v.detach().clone() for k, v in self.hybrid.engine.state_dict().items()}
@@ -415,15 +432,16 @@ class Rollout(Worker):
         return out
 
     def _check_frozen_model(self, theirs: dict[str, Any] | None) -> None:
-        """A LoRA trainer sends adapters alone: they mean something only on its frozen model."""
-        if theirs is None:
-            return
+        """A LoRA trainer sends adapters alone: they mean something only on its frozen model;
+        a trainer without LoRA (None) sends plain weights, which no LoRA model takes (its
+        adapters would be left out: an error that blamed tie_word_embeddings)."""
         ours = self.model_cfg.frozen_model() if self.model_cfg.lora is not None else None
         if ours != theirs:
-            raise ValueError(f"the trainer sends LoRA adapters for the frozen model {theirs}, "
-                             f"but this Rollout holds {ours or 'a model without LoRA'}: give "
-                             f"both groups the same model={{...}} (preset or path, seed, "
-                             f"overrides, lora)")
+            sent = f"LoRA adapters for the frozen model {theirs}" if theirs is not None else \
+                "the weights of a model without LoRA"
+            raise ValueError(f"the trainer sends {sent}, but this Rollout holds "
+                             f"{ours or 'a model without LoRA'}: give both groups the same "
+                             f"model={{...}} (preset or path, seed, overrides, lora)")
 
     # -- checkpoints: the weights received and their version (rank 0 writes, all read) --------
     def save_state(self, folder: Path) -> None:
