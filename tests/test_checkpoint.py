@@ -12,10 +12,13 @@ This file is also the flow those runs launch (`asyncrl launch tests/test_checkpo
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import random
+import re
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +26,9 @@ import torch
 from helpers import cli
 
 import asyncrl
-from asyncrl.controller import checkpoint
+from asyncrl.controller import checkpoint, saved_inputs
+from asyncrl.controller.recovery import Recovery
+from asyncrl.errors import CheckpointError, RemoteError
 from asyncrl.rl.data import PromptSource
 
 # -- the flow -------------------------------------------------------------------------------
@@ -131,6 +136,14 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
 THIS = "tests/test_checkpoint.py"
 
 
+def bare_flow() -> asyncrl.DataFlow:
+    """One node over a list, and no groups: nothing starts."""
+    @asyncrl.node
+    def take(x):
+        return x
+    return asyncrl.DataFlow(nodes=[take], groups=[], inputs={"x": [1, 2]})
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """Six steps without a stop: the metrics every resumed run must reproduce."""
@@ -155,9 +168,7 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
 def test_sync_tree_puts_every_file_and_folder_of_a_checkpoint_on_disk(tmp_path, monkeypatch):
     """What meta.json vouches for is fsynced before it is written: each file (torch.save and
     save_state write without syncing) and each folder (their names)."""
-    import os
-
-    from asyncrl.actors.worker import sync_tree
+    from asyncrl.actors.worker import sync_dir, sync_tree
 
     for rel in ("actor/rng_rank0.pt", "actor/train/model.pt", "reward/rng_rank0.pt"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -172,10 +183,6 @@ def test_sync_tree_puts_every_file_and_folder_of_a_checkpoint_on_disk(tmp_path, 
     assert set(synced) == every and len(synced) == len(every) == 7
     # a folder's fsync refused (some shared file systems): the rename stands; an I/O error
     # was taken for that too, and the checkpoint said complete
-    import errno
-
-    from asyncrl.actors.worker import sync_dir
-
     for code, passes in ((errno.EINVAL, True), (errno.EIO, False)):
         def refused(fd, code=code):
             raise OSError(code, os.strerror(code))
@@ -261,10 +268,6 @@ def test_an_input_position_that_is_not_json_is_refused_naming_the_input():
     """A data source whose state_dict() holds a tensor (torchdata's loaders keep generator
     state so) failed the run's first checkpoint after every group had saved: json.dumps of
     meta.json, with no word of which input. Now checked first (and when a launch opens)."""
-    from types import SimpleNamespace
-
-    from asyncrl.errors import CheckpointError
-
     fine = SimpleNamespace(positions=lambda: {"prompts": {"consumed": 3}})
     assert checkpoint.positions(fine) == {"prompts": {"consumed": 3}}
     odd = SimpleNamespace(positions=lambda: {"prompts": {"consumed": 3},
@@ -291,7 +294,6 @@ def test_a_resumed_input_that_gives_other_items_is_refused_naming_it(caplog):
     order changed, the resumed run repeated some prompts and never saw others, silently.
     The checkpoint now keeps a digest of the last item taken, checked on resume."""
     from asyncrl.controller.inputs import Inputs
-    from asyncrl.errors import CheckpointError
 
     def opened(turn: int) -> Inputs:
         feed = Inputs({"prompts": Rotated(turn), "batch": asyncrl.TensorBatch({"x": [1]})})
@@ -321,10 +323,7 @@ def test_a_resumed_input_that_gives_other_items_is_refused_naming_it(caplog):
 def test_a_run_dir_is_one_launchs_while_it_runs(tmp_path):
     """Two launches in one run directory (a double submission, a requeue while the old
     controller still shuts down) removed each other's half-written checkpoints."""
-    import os
-
     from asyncrl.controller.launch import hold_run_dir
-    from asyncrl.errors import CheckpointError
 
     run_dir = tmp_path / "run"
     held = hold_run_dir(run_dir)
@@ -340,10 +339,6 @@ def test_a_resume_goes_on_with_the_runs_restarts(tmp_path):
     """The restart budget is the run's: a crash that recurs at each resume (under a requeue
     wrapper) spent a fresh budget each time before session 26. Counted as they happen
     (restarts.json), and from the checkpoint where that file is older."""
-    from types import SimpleNamespace
-
-    from asyncrl.controller.recovery import Recovery
-
     recovery = Recovery(SimpleNamespace(_ctl=None, groups=[SimpleNamespace(name="actor"),
                                                 SimpleNamespace(name="reward")]))
     recovery.log_path = tmp_path / "recoveries.jsonl"
@@ -361,9 +356,7 @@ def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(tmp_p
     """A pruned checkpoint a reader still held (NFS's busy .nfs* files, an export reading
     it) was a warning at its save, but the next save's removal of the leftover raised: the
     run, and every resume after it, failed at its next checkpoint."""
-    import asyncio
     import shutil
-    from types import SimpleNamespace
 
     flow = SimpleNamespace(_ctl=None, positions=dict, nodes={}, groups=[], launch_options={},
                            recovery=SimpleNamespace(restarts={}))
@@ -447,42 +440,40 @@ def test_a_source_that_cannot_go_back_is_counted_not_saved_by_its_state_dict():
 
 
 def test_a_resume_with_other_prompts_is_refused_before_any_group_starts(tmp_path):
-    """A PromptSource of other data, seed or shuffle than the checkpoint's was refused only
-    by restore, after every group had started and loaded its weights (minutes, for a real
-    model)."""
-    from asyncrl.errors import CheckpointError
-
+    """A PromptSource of other data, seed or shuffle than the checkpoint's, or a list now
+    shorter or in another order, was refused only by restore, after every group had started
+    and loaded its weights (minutes, for a real model)."""
     @asyncrl.node
     def take(prompts):
         return prompts
 
-    def flow_of(seed: int) -> asyncrl.DataFlow:
-        return asyncrl.DataFlow(nodes=[take], groups=[], inputs={"prompts": PromptSource(
-            [{"x": i} for i in range(7)], batch_size=3, seed=seed)})
-    saved = flow_of(5)
-    saved.feed.reset()
-    saved.feed.next()
-    folder = tmp_path / "checkpoints" / "step_000000"
+    def flow_of(prompts) -> asyncrl.DataFlow:
+        return asyncrl.DataFlow(nodes=[take], groups=[], inputs={"prompts": prompts})
+
+    def source(seed: int) -> PromptSource:
+        return PromptSource([{"x": i} for i in range(7)], batch_size=3, seed=seed)
+    folder = tmp_path / "checkpoints" / "step_000001"
     folder.mkdir(parents=True)
-    (folder / "meta.json").write_text(json.dumps({
-        "step": 0, "flow": checkpoint.identity(saved), "sizes": {},
-        "inputs": saved.positions()}))
-    assert checkpoint.resumable(tmp_path, flow_of(5))[0] == folder
-    with pytest.raises(CheckpointError, match="input 'prompts': this position was saved for "
-                                              "other prompts .*seed 5 there, 6 here"):
-        checkpoint.resumable(tmp_path, flow_of(6))
+    for prompts, others in ((source(5), [(source(6), "': this position was saved for other "
+                                                     "prompts .*seed 5 there, 6 here")]),
+                            (["a", "b", "c"], [(["a"], "' ended after 1 items"),
+                                               (["b", "a", "c"], "' gave another item at")])):
+        saved = flow_of(prompts)  # two steps taken
+        saved.feed.reset()
+        saved.feed.next(), saved.feed.next()
+        (folder / "meta.json").write_text(json.dumps({
+            "step": 1, "flow": checkpoint.identity(saved), "sizes": {},
+            "inputs": saved.positions()}))
+        assert checkpoint.resumable(tmp_path, flow_of(prompts))[0] == folder
+        for other, why in others:
+            with pytest.raises(CheckpointError, match=f"input 'prompts{why}"):
+                checkpoint.resumable(tmp_path, flow_of(other))
 
 
 def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path):
     """A checkpoint is read with pickle (torch's distributed checkpoints, DeepSpeed's): one
     in a folder every user can write was resumed, running whatever was planted there."""
-    from asyncrl.errors import CheckpointError
-
-    @asyncrl.node
-    def take(x):
-        return x
-
-    flow = asyncrl.DataFlow(nodes=[take], groups=[], inputs={"x": [1, 2]})
+    flow = bare_flow()
     folder = tmp_path / "run" / "checkpoints" / "step_000000"
     folder.mkdir(parents=True)
     (folder / "meta.json").write_text(json.dumps({
@@ -507,13 +498,7 @@ def test_an_empty_or_garbled_controller_rng_file_is_a_checkpoint_error_naming_it
     """A damaged controller_rng.pt (an empty file where fsync is not honoured, garbage)
     raised EOFError or UnpicklingError as a bare traceback, not the checkpoint's error with
     the way out."""
-    from asyncrl.errors import CheckpointError
-
-    @asyncrl.node
-    def take(x):
-        return x
-
-    flow = asyncrl.DataFlow(nodes=[take], groups=[], inputs={"x": [1, 2]})
+    flow = bare_flow()
     folder = tmp_path / "checkpoints" / "step_000000"
     folder.mkdir(parents=True)
     for damaged in (b"", b"not a torch file at all"):
@@ -528,16 +513,11 @@ def test_a_peers_death_while_a_checkpoint_loads_is_not_taken_for_a_damaged_check
     """A rank whose peer died in load_state reports its broken collective (a RemoteError)
     before the supervisor declares the death: the load was taken for a damaged checkpoint,
     and the way out said to move a good checkpoint aside. It waits for the death now."""
-    import types
-
-    from asyncrl.controller.recovery import Recovery
-    from asyncrl.errors import CheckpointError, RemoteError
-
     broken = RemoteError("learner", 1, "load_checkpoint", "RuntimeError",
                          "Connection closed by peer", "")
 
     async def main(dies: bool):
-        handle = types.SimpleNamespace(dead=None)
+        handle = SimpleNamespace(dead=None)
 
         async def load_checkpoint(path):
             if dies:  # declared a moment after the peer's error came
@@ -545,8 +525,8 @@ def test_a_peers_death_while_a_checkpoint_loads_is_not_taken_for_a_damaged_check
             raise broken
 
         handle.load_checkpoint = load_checkpoint
-        spec = types.SimpleNamespace(name="learner", handle=handle)
-        flow = types.SimpleNamespace(groups=[spec], _ctl=types.SimpleNamespace(
+        spec = SimpleNamespace(name="learner", handle=handle)
+        flow = SimpleNamespace(groups=[spec], _ctl=SimpleNamespace(
             heartbeat_timeout=1.0, heartbeat_interval=0.2))
         flow.recovery = Recovery(flow)
         await checkpoint.restore(flow, tmp_path, {"step": 0})
@@ -561,16 +541,15 @@ def test_a_peers_death_while_a_checkpoint_loads_is_not_taken_for_a_damaged_check
 def test_a_run_under_umask_0_resumes_from_its_own_checkpoints(tmp_path, monkeypatch):
     """Under umask 0 (some containers) the run's folders were made writable by every user,
     and --resume refused the run's own checkpoints as another user's could be; the first
-    checkpoint's folder was not fsynced in the run directory."""
+    checkpoint's folder was not fsynced in the run directory (nor meta.json's name in it)."""
     from asyncrl.actors import worker
 
-    @asyncrl.node
-    def take(x):
-        return x
-
-    synced = []
-    monkeypatch.setattr(checkpoint, "sync_dir", lambda p: (synced.append(p), worker.sync_dir(p)))
-    flow = asyncrl.DataFlow(nodes=[take], groups=[], inputs={"x": [1, 2]})
+    done = []  # and what the folder's fsync vouches for (meta.json's name: it is written last)
+    monkeypatch.setattr(checkpoint, "sync_dir", lambda p: (
+        done.append(("sync", p, (p / "meta.json").exists())), worker.sync_dir(p)))
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b, replace=os.replace: (
+        done.append(("replace", a, b)), replace(a, b)))
+    flow = bare_flow()
     flow.feed.reset()
     old = os.umask(0)
     try:
@@ -579,7 +558,42 @@ def test_a_run_under_umask_0_resumes_from_its_own_checkpoints(tmp_path, monkeypa
         saved = asyncio.run(checkpoint.save(flow, run_dir, 0))
     finally:
         os.umask(old)
-    assert run_dir in synced  # the checkpoints folder's entry, at the first save
+    assert ("sync", run_dir, False) in done  # the checkpoints folder's entry, at the first save
+    tmp = saved.with_name("step_000000.tmp")  # all synced, meta.json's name too, then renamed
+    assert done.index(("sync", tmp, True)) < done.index(("replace", tmp, saved))
     assert checkpoint.resumable(run_dir, flow)[0] == saved
     for where in (run_dir / "checkpoints", saved):
         assert where.stat().st_mode & 0o777 == 0o775  # (a group's write kept, not others')
+
+
+def test_a_run_dir_given_as_its_checkpoints_folder_is_named_not_removed(tmp_path):
+    """--resume --run-dir RUN/checkpoints (or one of its checkpoints) found none in
+    RUN/checkpoints/checkpoints and said to remove the folder given: the checkpoints."""
+    run_dir, stray = tmp_path / "run", tmp_path / "step_000004"  # (one moved out of its run)
+    folder = run_dir / "checkpoints" / "step_000004"
+    for made in (folder, stray):
+        made.mkdir(parents=True)
+        (made / "meta.json").write_text('{"step": 4}')
+    back = f"resume with --run-dir {run_dir}"
+    for given, fix in ((folder.parent, back), (folder, back),
+                       (stray, "move it into RUN/checkpoints/ and resume with --run-dir RUN")):
+        with pytest.raises(CheckpointError, match=re.escape(f"--resume: {given} is ") + ".*; " +
+                           re.escape(f"--run-dir is the run's folder (the one holding "
+                                     f"checkpoints/): {fix}") + "$"):
+            checkpoint.resumable(given, flow)
+
+
+def test_saved_node_inputs_are_written_whole_and_a_cut_file_is_named(tmp_path, monkeypatch):
+    """--save-inputs wrote each file in place: a launch killed mid-write left it cut short,
+    and `asyncrl run --node` failed with msgspec's DecodeError, naming no file."""
+    path = tmp_path / "step3" / "score.msgpack"
+    asyncio.run(saved_inputs.save_node_inputs(path.parent, "score", {"x": [1, 2]}))
+    monkeypatch.setattr(saved_inputs.os, "fsync", lambda fd: 1 / 0)  # killed before it is whole
+    with pytest.raises(ZeroDivisionError):
+        asyncio.run(saved_inputs.save_node_inputs(path.parent, "score", {"x": [3]}))
+    assert saved_inputs.load_inputs(path) == ({"x": [1, 2]}, {})  # the one before, whole
+    assert os.listdir(path.parent) == ["score.msgpack"]
+    path.write_bytes(path.read_bytes()[:-3])  # cut short (written before this was fixed)
+    with pytest.raises(ValueError, match=re.escape(f"{path} cannot be read as a node's inputs")
+                       + r" \(.*\); save them again with `asyncrl launch FLOW --save-inputs`"):
+        saved_inputs.load_inputs(path)

@@ -114,12 +114,15 @@ def test_a_node_whose_outputs_are_partly_passed_on_is_rewound_not_rerun(tmp_path
 
 
 def test_a_stateless_group_dead_in_a_save_is_respawned_and_the_save_made_again(tmp_path):
-    """The scorer's rank exits while step 3's checkpoint is written: the flow went back to
-    step 1's (without --checkpoint-every the final save is the only one: back to step 0)."""
+    """The scorer's rank exits while step 3's checkpoint is written, and the trainer's save
+    of it takes longer than the transfer and heartbeat timeouts (a large model's): the save
+    failed at the death while the trainer still wrote, the resave gave up waiting for it,
+    and the flow went back to step 1's checkpoint (steps 2 and 3 ran twice)."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    finish(launch(tmp_path / "run", "steps=5", "die_saving=3", f"marks={marks}"))
-    assert (marks / "scorer.died_saving").exists()
+    finish(launch(tmp_path / "run", "steps=5", "die_saving=3", "slow_save=5",
+                  f"marks={marks}", "--transfer-timeout", "1"))  # 1 + 2.5 s < 5 s
+    assert (marks / "scorer.died_saving").exists() and (marks / "trainer.saved_slowly").exists()
     steps_once(tmp_path / "run", 5)
     [event] = recoveries(tmp_path / "run")
     assert (event["kind"], event["groups"], event["step"]) == ("resave", ["scorer"], 3)
@@ -408,3 +411,38 @@ def test_a_rerun_that_returns_the_same_failed_future_stops_rerunning():
         return len(runs), spawns
     runs, spawns = asyncio.run(main())
     assert runs == 2 and spawns == ["reward"]
+
+
+def test_a_user_error_in_a_stateless_group_is_reported_after_one_wait_for_a_death():
+    """A node's call raising in user code (no death behind it) waited once in the call for a
+    death to show, then again in the rewind: twice the heartbeat timeout before the error."""
+    import asyncio
+    import time
+    import types
+
+    from asyncrl.controller.nodes import NodeError
+    from asyncrl.controller.recovery import Recovery
+    from asyncrl.controller.timeline import called_groups
+    from asyncrl.errors import RemoteError
+
+    bug = RemoteError("reward", 0, "score", "KeyError", "'answer'", "")
+
+    def node():
+        called_groups.get().add("reward")
+        raise bug
+
+    async def main():
+        spec, _ = _dead_reward(max_restarts=3, restart_backoff=0.0)
+        spec.handle = types.SimpleNamespace(dead=None, closing=False)  # alive
+        flow = _stub_flow(spec, [])
+        flow._ctl.heartbeat_timeout, flow._ctl.heartbeat_interval = 1.0, 0.1
+        recovery = Recovery(flow)
+        with pytest.raises(RemoteError):
+            await recovery.call("score", 0, node)
+        failed = NodeError("score", 0, bug)
+        failed.__cause__ = bug  # (as the flow raises it)
+        return await recovery.rewind(failed, 0, None)
+    started = time.monotonic()
+    rewound = asyncio.run(main())
+    waited = time.monotonic() - started
+    assert rewound is False and 1.0 < waited < 1.5 * (1.0 + 2 * 0.1)

@@ -34,7 +34,7 @@ from asyncrl.actors.worker import not_yours, rng_state, set_rng_state, sync_dir,
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
 from asyncrl.controller.logs import say
-from asyncrl.errors import CheckpointError, RemoteError
+from asyncrl.errors import CheckpointError, GroupDeadError, RemoteError
 
 CHECKPOINTS = "checkpoints"
 KEEP = 3  # the default number of checkpoints kept: enough to step back past a bad one
@@ -126,6 +126,9 @@ def _own(path: Path) -> None:
 def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
     """The newest complete checkpoint in `run_dir` and its meta, checked against `flow`."""
     path = latest(run_dir)
+    inside = _inside_a_run(Path(run_dir)) if path is None else None
+    if inside is not None:  # (the advice below would have it removed: the checkpoints)
+        raise CheckpointError(f"--resume: {inside}")
     if path is None:  # (a run stopped before its first checkpoint left files: a fresh run
         # there is refused, so another folder)
         afresh = "start afresh in another --run-dir (or remove this one)" if \
@@ -162,6 +165,24 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
     return path, meta
 
 
+def _inside_a_run(folder: Path) -> str | None:
+    """Why `folder`, a run's checkpoints folder or a checkpoint, is no run folder, and what
+    to give --run-dir instead (None: it is neither)."""
+    run: Path | None
+    if (folder / "meta.json").is_file():
+        what, run = "a checkpoint", folder.parent.parent
+        if folder.parent.name != CHECKPOINTS:  # (moved out of its run)
+            what, run = f"a checkpoint outside a run's {CHECKPOINTS}/ folder", None
+    elif folder.name == CHECKPOINTS and any(folder.glob("step_*")):
+        what, run = "a run's checkpoints folder", folder.parent
+    else:
+        return None
+    fix = f"resume with --run-dir {run}" if run is not None else \
+        f"move it into RUN/{CHECKPOINTS}/ and resume with --run-dir RUN"
+    return f"{folder} is {what}; --run-dir is the run's folder (the one holding " \
+           f"{CHECKPOINTS}/): {fix}"
+
+
 def sizes(flow: DataFlow) -> dict[str, int]:
     return {g.name: g.nprocs for g in flow.groups}
 
@@ -196,7 +217,13 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     for notice in await asyncio.to_thread(_remove_stale, root, tmp):
         say(flow._ctl, notice)
     tmp.mkdir(PRIVATE_DIR)
-    await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups))
+    # every save ends before one's failure is raised: a live group's (a long FSDP save)
+    # must not still write when a resave respawns the dead ones and makes the save again
+    ended = await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups),
+                                 return_exceptions=True)
+    errors = [e for e in ended if isinstance(e, BaseException)]
+    if errors:  # a death first: it explains the others, and a resave recovers from it
+        raise next((e for e in errors if isinstance(e, GroupDeadError)), errors[0])
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
     # (the ranks synced what they wrote: here, the folders and the rest; off the loop)
     await asyncio.to_thread(sync_tree, tmp)
@@ -237,6 +264,7 @@ def positions(flow: DataFlow) -> dict[str, Any]:
 
 
 def _install(tmp: Path, final: Path) -> None:
+    sync_dir(tmp)  # meta.json's name, written after sync_tree: on disk before the rename
     if final.exists():  # superseded: a run resumed from an older checkpoint passed it again;
         _discard(final)  # renamed away first: a half-deleted one is never taken as complete
     os.replace(tmp, final)

@@ -90,40 +90,27 @@ class Inputs:
     def check(self, positions: dict[str, Any]) -> None:
         """Refuse, before any group starts, positions that sources which can check one
         (`check_state`: a PromptSource, its records, seed and shuffle) say were saved for
-        other data."""
+        other data, and those a re-iterable source (a list) no longer reaches or gives
+        another item at (skipped on an iterator of its own: resume_at skips again)."""
         for name, source in self.sources.items():
             if name in positions and hasattr(source, "check_state"):
                 try:
                     source.check_state(positions[name])
                 except ValueError as e:
                     raise CheckpointError(f"input {name!r}: {e}") from e
+            elif name in positions and "consumed" in positions[name] and \
+                    not isinstance(source, Iterator) and not _restorable(source):
+                it = _iterate(source)  # (not a one-shot iterator's: the run reads it once)
+                if it is not None:
+                    _skipped(name, it, positions[name], rewind=False)
 
     def _skip(self, name: str, state: dict[str, Any], rewind: bool) -> None:
-        it, wanted = self._iters[name], state["consumed"]
+        it = self._iters[name]
         assert it is not None
-        for taken in range(wanted):
-            try:
-                self._last[name] = next(it)
-            except StopIteration:
-                raise CheckpointError(
-                    f"input {name!r} ended after {taken} items, but the checkpoint had "
-                    f"consumed {wanted}; resume with the same input data") from None
-        self.consumed[name] = wanted
-        if "item" not in state or _digest(self._last.get(name)) == state["item"]:
-            return
-        if rewind:
-            log.warning("asyncrl: input %r gives another item at position %d than before the "
-                        "rewind (its order changes each time it is read): the steps run again "
-                        "see other data; use a list, a seeded shuffle or a PromptSource",
-                        name, wanted)
-            return
-        raise CheckpointError(
-            f"input {name!r} gave another item at position {wanted} than the run that "
-            f"saved the checkpoint: its order changes from run to run (a set, a shuffle "
-            f"without a fixed seed), or its data changed, and skipping {wanted} items "
-            f"would repeat some and never give others; pass a list (or shuffle with a "
-            f"fixed seed), or a source with state_dict()/load_state_dict() (a "
-            f"PromptSource)")
+        last = _skipped(name, it, state, rewind)
+        if state["consumed"]:  # (none taken: no item to digest at the next checkpoint)
+            self._last[name] = last
+        self.consumed[name] = state["consumed"]
 
     def next(self) -> dict[str, Any] | None:
         """One step's values, or None when an input has run out (`ended` names it)."""
@@ -154,6 +141,34 @@ class Inputs:
             if not _restorable(self.sources[name]):
                 self._last[name] = values[name]
         return values
+
+
+def _skipped(name: str, it: Iterator[Any], state: dict[str, Any], rewind: bool) -> Any:
+    """The last of the `state["consumed"]` items taken from `it` (None: none), checked
+    against the digest `state` saved of it."""
+    last, wanted = None, state["consumed"]
+    for taken in range(wanted):
+        try:
+            last = next(it)
+        except StopIteration:
+            raise CheckpointError(
+                f"input {name!r} ended after {taken} items, but the checkpoint had "
+                f"consumed {wanted}; resume with the same input data") from None
+    if "item" not in state or _digest(last) == state["item"]:
+        return last
+    if rewind:
+        log.warning("asyncrl: input %r gives another item at position %d than before the "
+                    "rewind (its order changes each time it is read): the steps run again "
+                    "see other data; use a list, a seeded shuffle or a PromptSource",
+                    name, wanted)
+        return last
+    raise CheckpointError(
+        f"input {name!r} gave another item at position {wanted} than the run that "
+        f"saved the checkpoint: its order changes from run to run (a set, a shuffle "
+        f"without a fixed seed), or its data changed, and skipping {wanted} items "
+        f"would repeat some and never give others; pass a list (or shuffle with a "
+        f"fixed seed), or a source with state_dict()/load_state_dict() (a "
+        f"PromptSource)")
 
 
 def _restorable(source: Any) -> bool:

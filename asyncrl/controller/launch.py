@@ -23,14 +23,13 @@ import numpy as np
 import torch
 
 from asyncrl.actors.worker import sync_file
-from asyncrl.comm import codec
 from asyncrl.controller import checkpoint, declare
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
 from asyncrl.controller.logs import append_line, replace_json
 from asyncrl.controller.recovery import RESTARTS_FILE
-from asyncrl.controller.saved_inputs import NODE_INPUTS
+from asyncrl.controller.saved_inputs import load_inputs  # noqa: F401 - (cli imports it here)
 from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length
 from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
 from asyncrl.errors import CheckpointError
@@ -344,17 +343,6 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
     finally:
         metrics.close(failed)  # (wandb's service process with it)
     return run_dir
-
-
-def load_inputs(path: Path) -> tuple[dict[str, Any], dict[str, list[list[Any]]]]:
-    """A node's saved inputs: their values, and where the node was given DistFutures."""
-    saved = codec.decode(path.read_bytes())
-    if isinstance(saved, dict) and saved.get("format") == NODE_INPUTS:
-        return saved["values"], saved["futures"]
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path} does not hold a node's inputs (a dict); write it with "
-                         f"`asyncrl launch FLOW --save-inputs`")
-    return saved, {}  # written before futures were noted: values only
 
 
 def saved_overrides(inputs: Path) -> dict[str, Any]:

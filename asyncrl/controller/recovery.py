@@ -23,7 +23,7 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from asyncrl.controller.flow import DataFlow
 
 MAX_BACKOFF = 60.0
+_NO_DEATH = "_asyncrl_no_death_behind"  # on a failure: waited for a death behind it, none
 
 
 @dataclass
@@ -206,7 +207,7 @@ class Recovery:
                 spec = self.rerunnable(e, called)
                 if spec is None and isinstance(e, RemoteError):  # a peer's death fails a
                     # collective before the death is declared: wait for it to show
-                    spec = await self._died(f"{e.group}.{e.method}", called)
+                    spec = await self._died(f"{e.group}.{e.method}", called, e)
                 if spec is None or any(e is s for s in seen):  # the same failure again: a
                     raise  # re-run does not reach what failed
                 seen.append(e)
@@ -255,7 +256,7 @@ class Recovery:
                 for fut, forward in forwards:  # what this attempt still returns is not the
                     fut.remove_done_callback(forward)  # re-run's
                 spec = self.rerunnable(failure, called) or await self._died(failed[0]._label,
-                                                                            called)
+                                                                            called, failure)
                 if spec is None or any(failure is s for s in seen):  # the same failure
                     return  # again (an upstream future it returns): a re-run cannot repair it
                 seen.append(failure)
@@ -277,14 +278,18 @@ class Recovery:
             for p in proxies:
                 p._set_exception(failure)  # no-op for those already resolved
 
-    async def _died(self, label: str, called: set[str]) -> GroupSpec | None:
+    async def _died(self, label: str, called: set[str], exc: BaseException
+                    ) -> GroupSpec | None:
         """The stateless group that ran `label` ("group.method"), if it turns out dead: a rank
-        whose peer died fails the call before the death is declared."""
+        whose peer died fails the call before the death is declared. `exc`, the failure, is
+        marked when no death showed: a rewind after it does not wait again."""
         spec = self._spec(label.rpartition(".")[0])  # group names may hold dots
         if spec is None or spec.name not in called or spec.stateful or not self._left(spec) \
                 or self._stateful(called):
             return None
         dead = await self.dead_groups()
+        if not dead:
+            setattr(exc, _NO_DEATH, True)
         return spec if spec in dead else None
 
     # -- rewinding to a checkpoint -----------------------------------------------------------
@@ -299,7 +304,9 @@ class Recovery:
         # re-run has respawned that group meanwhile (nothing is dead now); only then: the
         # same loss again after this rewind would not be repaired by another
         repaired = _death_behind(exc) and self._respawned_since_rewind()
-        dead = await self.dead_groups(wait=not repaired)
+        # a user code's error a node's call already waited for a death behind: reported now
+        waited = any(getattr(e, _NO_DEATH, False) for e in _chain(exc))
+        dead = await self.dead_groups(wait=not (repaired or waited))
         if not (dead or repaired) or not all(self._left(g) for g in dead):
             return False
         fresh = restore is None
@@ -421,12 +428,15 @@ async def _attempt(fn: Callable[[], Any], called: set[str]) -> Any:
 def _death_behind(exc: BaseException) -> bool:
     """Whether `exc` (or what caused it) is a group's death, or an input lost with one:
     declared deaths, which a rewind recovers from whether or not the group is back."""
+    return any(isinstance(e, GroupDeadError | InputLostError) for e in _chain(exc))
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and what caused it, in turn."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, GroupDeadError | InputLostError):
-            return True
+        yield seen
         seen = seen.__cause__
-    return False
 
 
 def _first_line(e: BaseException) -> str:

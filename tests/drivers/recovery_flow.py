@@ -16,7 +16,8 @@ again). `fail_build=1`: the first scorer built after the held one died raises in
 (a respawn that fails to build). `pair=1`: score returns two futures, the scorer's pid
 (done first) and [its pid, the score]; train checks they are of one attempt. `die_saving=
 <step>`: the scorer's rank exits while that step's checkpoint is saved (once). `die_loading=
-1`: the trainer's rank exits the first time it loads a checkpoint (a rewind's). The trainer's
+1`: the trainer's rank exits the first time it loads a checkpoint (a rewind's). `slow_save=S`:
+the trainer's first save of die_saving's step takes S seconds (a large model's). The trainer's
 history is in every checkpoint (trainer/history.json): a run that recovered must hold each
 step exactly once.
 """
@@ -31,7 +32,7 @@ import asyncrl
 
 cfg = asyncrl.config(steps=6, hold="", marks="", checkpoint_every=2, restarts=2, mixed=0,
                      peek=0, collective=0, wait="", staleness=0, draw=0, fail_build=0, pair=0,
-                     die_saving=0, die_loading=0)
+                     die_saving=0, die_loading=0, slow_save=0.0)
 HOLD_GROUP, _, HOLD_STEP = cfg["hold"].partition(":")
 WAIT_GROUP, _, WAIT_STEP = cfg["wait"].partition(":")
 
@@ -131,6 +132,11 @@ class Trainer(asyncrl.Worker):
         return len(self.history)
 
     def save_state(self, folder):
+        if cfg["slow_save"] and f"step_{cfg['die_saving']:06d}" in str(folder):
+            mark = Path(cfg["marks"]) / "trainer.saved_slowly"
+            if not mark.exists():  # the first try only: the save made again is quick
+                mark.write_text(str(os.getpid()))
+                time.sleep(cfg["slow_save"])
         (folder / "history.json").write_text(json.dumps(self.history))
 
     def load_state(self, folder):
