@@ -446,3 +446,49 @@ def test_a_user_error_in_a_stateless_group_is_reported_after_one_wait_for_a_deat
     rewound = asyncio.run(main())
     waited = time.monotonic() - started
     assert rewound is False and 1.0 < waited < 1.5 * (1.0 + 2 * 0.1)
+
+
+def test_a_groups_death_keeps_no_awaiters_frames_alive():
+    """Every call of a dead group failed with the one GroupDeadError (`group.dead`), and each
+    raise grew its traceback: the last awaiter's frames stayed alive with it (a flow's step,
+    its batches on groups still alive) until the group died again."""
+    import asyncio
+    import gc
+    import weakref
+    from collections import deque
+    from types import SimpleNamespace
+
+    from asyncrl.controller.group import GroupHandle, _Queued
+    from asyncrl.errors import GroupDeadError
+    from asyncrl.futures.future import DistFuture
+
+    class Batch:  # what an awaiting step holds
+        pass
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ctl = SimpleNamespace(loop=loop, transfer_timeout=1.0, calls={}, post=None)
+        group = GroupHandle(ctl, "trainer", object, None, None)
+        futures = [DistFuture._new(loop, f"trainer.step{i}") for i in range(3)]
+        group._backlog = deque(_Queued("step", (), {}, f) for f in futures)
+        held: list[weakref.ref] = []
+
+        async def step(fut):
+            batch = Batch()
+            held.append(weakref.ref(batch))
+            await fut
+
+        tasks = [asyncio.ensure_future(step(f)) for f in futures]
+        await asyncio.sleep(0)  # each awaits its future
+        dead = GroupDeadError("trainer", 0, -9, "killed")
+        group._fail_all(dead)
+        errors = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(e, GroupDeadError) for e in errors)
+        again = futures[0]._fut.exception()
+        assert again is futures[0]._fut.exception()  # one per future: "the same failure"
+        del tasks, errors, futures, again, group
+        return dead, held
+    dead, held = asyncio.run(main())
+    gc.collect()
+    assert dead.__traceback__ is None  # kept (as group.dead is), it holds no frame
+    assert len(held) == 3 and all(ref() is None for ref in held)

@@ -5,6 +5,7 @@ per part however many await it, answered, failed, or timed out after the transfe
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -73,5 +74,5 @@ class Fetches:
         self._stale.clear()
         for waiter in waiters:
             if not waiter.done():
-                waiter.set_exception(exc)
+                waiter.set_exception(copy.copy(exc))  # (each its own: see GroupHandle)
                 waiter.exception()  # retrieved: no "never retrieved" warning

@@ -23,14 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from asyncrl.actors.protocols import (
-    Layout,
-    Protocol,
-    Split,
-    check_split,
-    dp_block,
-    get_protocol,
-)
+from asyncrl.actors.protocols import Layout, Protocol, Split, check_split, dp_block, get_protocol
 from asyncrl.comm import codec, messages
 from asyncrl.comm.messages import (
     Call,
@@ -543,24 +536,25 @@ class GroupHandle:
         return ref.view()
 
     def _fail_all(self, exc: BaseException) -> None:
+        # a copy each: one object raised by many kept its last awaiter's frames (and batches)
         for p in self._pending.values():
             first = p.future._fut.exception() if p.future._fut.done() else None
             if isinstance(first, RemoteError) and isinstance(exc, GroupDeadError):
                 first.add_note(f"then {exc}")  # a rank whose peer died failed it first
-            p.future._set_exception(exc)
+            p.future._set_exception(copy.copy(exc))
             self._ctl.calls.pop(p.call_id, None)
         self._pending.clear()
         while self._backlog:
-            self._backlog.popleft().future._set_exception(exc)
+            self._backlog.popleft().future._set_exception(copy.copy(exc))
         for task, item in list(self._waiting.items()):  # fail now, not when inputs arrive
             task.cancel()
-            item.future._set_exception(exc)
+            item.future._set_exception(copy.copy(exc))
         if self._drainer is not None:  # (the backlog's head waits on its inputs: let go)
             self._drainer.cancel()
         self.fetches.fail(exc)
         for waiter in (self.started, self.ready):
             if not waiter.done():
-                waiter.set_exception(exc)
+                waiter.set_exception(copy.copy(exc))
                 waiter.exception()
 
     def _mark_dead(self, rank: int | None, exit_code: int | None, reason: str) -> None:
