@@ -512,3 +512,22 @@ def test_a_row_wider_than_a_bucket_comes_a_group_of_columns_at_a_time(monkeypatc
             pool.close()
         ctx.term()
         assert cleanup(prefix) == []
+
+
+def test_gone_peers_match_a_piece_by_address_group_and_object():
+    """Indexed by address (a pull polls for each piece it waits on, and a long run closing an
+    evaluation group every few steps hears of thousands): what matches is unchanged."""
+    gone = GonePeers()
+    for i in range(1000):  # groups closed long ago, elsewhere
+        gone.add(messages.PeersGone(f"eval{i}", [f"tcp://10.0.0.{i % 250}:1"], 5, "is closed"))
+    gone.add(messages.PeersGone("prod", ["tcp://a:1", "tcp://b:1"], 10, "is dead: killed"))
+
+    def piece(group: str, addr: str, obj: int) -> Piece:
+        return Piece(Shard(group, 0, obj, addr, "h"), 0, 1)
+    err = gone.lost(piece("prod", "tcp://b:1", 9))
+    assert isinstance(err, asyncrl.InputLostError) and "group 'prod' is dead: killed" in str(err)
+    assert gone.lost(piece("prod", "tcp://b:1", 10)) is None  # made after: a respawn's
+    assert gone.lost(piece("prod", "tcp://c:1", 9)) is None  # another rank's address
+    assert gone.lost(piece("other", "tcp://a:1", 9)) is None  # another group there now
+    assert gone.lost(piece("eval7", "tcp://10.0.0.7:1", 4)) is not None
+    assert len(gone.since(1000)) == 1
