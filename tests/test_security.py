@@ -471,6 +471,22 @@ def test_a_value_from_a_peer_never_runs_the_file_a_reference_in_it_names(tmp_pat
     assert ran.exists() and args[0].__name__ == "Thing"
     assert codec.decode(value)["x"] is args[0]  # loaded here now: found, not run again
     assert codec.decode(codec.encode([asyncrl.Worker]))[0] is asyncrl.Worker  # by name
+    # nor an import by name (a module's code runs: any .py on sys.path), nor a name that is
+    # not a class or function (os.environ: a module's live state)
+    side = tmp_path / "sidefx_module_xyz.py"
+    side.write_text(f"open({str(ran)!r} + '2', 'w').close()\nclass Thing:\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        named = msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(["sidefx_module_xyz",
+                                                                     "Thing", ""]))
+        with pytest.raises(ImportError, match="not imported here"):
+            codec.decode(msgspec.msgpack.encode(named))
+        assert not (tmp_path / "ran2").exists()
+    finally:
+        sys.path.remove(str(tmp_path))
+    environ = msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(["os", "environ", ""]))
+    with pytest.raises(TypeError, match="only classes and functions travel by name"):
+        codec.decode(msgspec.msgpack.encode(environ))
 
 
 def test_a_run_dir_every_user_can_write_is_refused_before_anything_is_written(

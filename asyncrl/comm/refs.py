@@ -40,11 +40,15 @@ def make_ref(obj: Any) -> tuple[str, str, str]:
 
 def resolve_ref(module: str, qualname: str, file: str, load: bool = True) -> Any:
     """Import what `make_ref` described, loading it from `file` if the module name alone
-    does not lead to that file here (load=False: only a module loaded from it already)."""
+    does not lead to that file here (load=False, a peer's value: only a module imported
+    here already, and only a class or function in it)."""
     mod = _module_for(module, file, load)
     obj: Any = mod
     for part in qualname.split("."):
         obj = getattr(obj, part)
+    if not load and not is_referable(obj):  # (os.environ, a module's live state)
+        raise TypeError(f"a value from a peer names {module}:{qualname}, a "
+                        f"{type(obj).__name__}: only classes and functions travel by name")
     return obj
 
 
@@ -60,6 +64,10 @@ def _module_for(module: str, file: str, load: bool = True) -> types.ModuleType:
     loaded = _loaded(file) if file and not load else None
     if loaded is not None:  # (before an import by name: its folder may be on sys.path now)
         return loaded
+    if module != "__main__" and mod is None and not load:  # (an import runs its code)
+        raise ImportError(f"a value from a peer names module {module!r}, which is not "
+                          f"imported here, and values from peers never run a file or an "
+                          f"import: import that module before the value comes")
     if module != "__main__" and mod is None:
         try:
             mod = importlib.import_module(module)
