@@ -247,10 +247,17 @@ def test_errors_name_the_argument_and_the_fix(call, exc, message):
 
 
 # -- take, concat and union edge cases -------------------------------------------------------
-@pytest.mark.parametrize("mask", [torch.tensor([True, False, True]), [True, False, True]])
+@pytest.mark.parametrize("mask", [
+    torch.tensor([True, False, True]), [True, False, True],
+    list(torch.tensor([True, False, True]).unbind())])  # 0-d tensors: took rows 1, 0, 1
 def test_take_refuses_a_boolean_mask(mask):
+    """A pulled batch (RemoteBatch, which a user's protocol splits) took any mask as rows
+    1 and 0, and a TensorBatch a list of 0-d bool tensors."""
     with pytest.raises(TypeError, match=r"boolean mask; pass mask.nonzero\(\).flatten\(\)"):
         mixed(3).take(mask)
+    remote = RemoteBatch([Piece(Shard("g", 0, 1, "tcp://a:1", "h"), 0, 3)], [], {})
+    with pytest.raises(TypeError, match="boolean mask"):
+        remote.take(mask)
 
 
 def test_take_refuses_fractional_and_out_of_range_rows_as_a_remote_batch_does():

@@ -158,6 +158,23 @@ class RowOps:
         return type(self).concat([self] * k)
 
 
+def row_indices(rows: Iterable[Any]) -> list[int]:
+    """`rows` as plain ints (numpy's or 0-d tensors' too), once (a generator is empty the
+    second time); a boolean mask or floats refused: True, False read as rows 1, 0, and a
+    float was truncated to a row: the wrong rows, silently."""
+    rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+    if any(isinstance(r, bool | np.bool_) or (isinstance(r, torch.Tensor | np.ndarray)
+                                                and r.dtype in (torch.bool, np.bool_))
+           for r in rows):
+        raise TypeError("take(rows) needs row indices, got a boolean mask; pass "
+                        "mask.nonzero().flatten() (the indices where it is True)")
+    try:
+        return [operator.index(r) for r in rows]
+    except TypeError:
+        raise TypeError(f"take(rows) needs whole row indices, got "
+                        f"{[r for r in rows if not isinstance(r, int)][:3]}") from None
+
+
 class TensorBatch(RowOps):
     __slots__ = ("_data", "_len", "meta")
 
@@ -294,16 +311,7 @@ class TensorBatch(RowOps):
     def take(self, rows: Sequence[int]) -> TensorBatch:
         """The given rows, in the given order: tensor columns copied, a list column's items
         the same objects (a row taken twice shares a mutable item)."""
-        # once: a generator would be empty the second time
-        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
-        if any(isinstance(r, bool | np.bool_) for r in rows):  # else True, False: rows 1, 0
-            raise TypeError("take(rows) needs row indices, got a boolean mask; pass "
-                            "mask.nonzero().flatten() (the indices where it is True)")
-        try:  # a float (a 0/1 mask as floats) was truncated to a row: the wrong rows
-            rows = [operator.index(r) for r in rows]
-        except TypeError:
-            raise TypeError(f"take(rows) needs whole row indices, got "
-                            f"{[r for r in rows if not isinstance(r, int)][:3]}") from None
+        rows = row_indices(rows)
         if rows and not 0 <= min(rows) <= max(rows) < self._len:  # (a list column wrapped -1)
             raise IndexError(f"take: row indices run from 0 to {self._len - 1}, got "
                              f"{min(rows)}..{max(rows)}")

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
-from asyncrl.comm.batch import RowOps, concat_meta, sliced_meta, unpadded_meta
+from asyncrl.comm.batch import RowOps, concat_meta, row_indices, sliced_meta, unpadded_meta
 from asyncrl.comm.messages import Column
 
 
@@ -111,7 +110,7 @@ class RemoteBatch(RowOps):
     def take(self, rows: Sequence[int]) -> RemoteBatch:
         out: list[Piece] = []
         ends = list(itertools.accumulate(p.stop - p.start for p in self.pieces))
-        for r in map(operator.index, rows):  # numpy or 0-d torch indices: plain ints
+        for r in row_indices(rows):  # numpy or 0-d torch indices: plain ints
             if not 0 <= r < self._len:
                 raise IndexError(f"take: row {r} is outside this batch of {self._len} rows")
             i = bisect.bisect_right(ends, r)  # the piece holding row r
