@@ -297,6 +297,23 @@ def test_union_of_a_column_holding_nan_with_itself_or_a_copy():
         TensorBatch({"x": t}).union(TensorBatch({"x": torch.tensor([float("nan"), 2.0])}))
 
 
+def test_union_of_list_columns_holding_tensors_arrays_or_nan_with_their_wire_copy():
+    """A list column's items were compared with ==: tensors raised (the truth of a tensor is
+    ambiguous), and NaN made a batch's own wire copy "different"."""
+    from asyncrl.comm import codec
+
+    b = TensorBatch({"seq": [torch.tensor(3), torch.tensor([1.0, float("nan")])],
+                     "f": [float("nan"), 1.0], "a": [np.array([1.0, np.nan]), np.array([2.0])],
+                     "d": [{"k": [float("nan")]}, {"k": []}]})
+    assert b.union(codec.decode(codec.encode(b))).keys() == ["seq", "f", "a", "d"]
+    for key, other in [("seq", [torch.tensor(3), torch.tensor([1.0, 2.0])]),
+                       ("seq", [torch.tensor(3.0), torch.tensor([1.0, float("nan")])]),
+                       ("f", [float("nan"), 2.0]), ("a", [np.array([1.0, 9.0]), np.array([2.0])]),
+                       ("d", [{"k": [1.0]}, {"k": []}])]:
+        with pytest.raises(ValueError, match=f"column '{key}' is in both batches"):
+            b.union(TensorBatch({key: other}))
+
+
 # -- rows pulled once (repeated or reordered rows of remote batches) ----------------------
 def held_rows(rb: RemoteBatch) -> list[tuple[int, int]]:
     return [(p.shard.rank, r) for p in rb.pieces for r in range(p.start, p.stop)]

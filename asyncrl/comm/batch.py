@@ -386,4 +386,22 @@ def _same_column(a: Column, b: Column) -> bool:
         return a is b or torch.equal(a, b) or (
             (a.is_floating_point() or a.is_complex()) and
             bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
-    return isinstance(a, list) and isinstance(b, list) and a == b
+    return isinstance(a, list) and isinstance(b, list) and _same_item(a, b)
+
+
+def _same_item(a: Any, b: Any) -> bool:
+    """A list column's items alike, as tensor columns are: tensors by value (== on them is
+    a tensor, whose truth raised), NaN the same as NaN (a wire copy was "different")."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+            _same_column(a.reshape(1, -1), b.reshape(1, -1)) and a.shape == b.shape)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and \
+            a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same_item(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_item(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return bool(a == b)
