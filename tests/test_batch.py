@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncrl.comm.batch import PAD_KEY, RowOps, TensorBatch
+from asyncrl.comm.messages import Column
 from asyncrl.comm.remote import Piece, RemoteBatch, Shard
 
 
@@ -348,3 +349,12 @@ def test_remote_take_accepts_numpy_and_tensor_indices_as_ints():
         picked = remote([3]).take(rows)
         assert [(p.start, p.stop) for p in picked.pieces] == [(4, 5), (2, 3)]
         assert all(type(p.start) is int for p in picked.pieces)
+
+
+def test_remote_batches_on_other_devices_name_the_device_when_concatenated():
+    """Columns alike but for their device: the message said they differed in "order"."""
+    shard = Shard("g", 0, 1, "tcp://a:1", "h")
+    cpu = RemoteBatch([Piece(shard, 0, 2)], [Column("x", "float32", (2,), "cpu")], {})
+    gpu = RemoteBatch([Piece(shard, 0, 2)], [Column("x", "float32", (2,), "cuda")], {})
+    with pytest.raises(ValueError, match=r"\('x', 'float32', \(2,\), 'cuda'\)"):
+        RemoteBatch.concat([cpu, gpu])

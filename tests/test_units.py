@@ -390,6 +390,13 @@ def test_decode_concat_decodes_tensors_nested_in_meta_and_list_columns():
     assert isinstance(got.meta["h"][0][0], torch.Tensor)
     assert codec.decode_concat([codec.encode(asyncrl.TensorBatch({"x": torch.arange(2)}))] * 2,
                                lambda i, rows: None) is not None  # the fast path still runs
+    # keys that are not str: the one-by-one decode refuses them, the fast path took them
+    for columns, meta in (({"x": [1, 2]}, {1: "x"}), ({3: [1, 2]}, {})):
+        raw = msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_BATCH,
+                                                         msgspec.msgpack.encode([columns, meta])))
+        with pytest.raises(TypeError):
+            codec.decode(raw)
+        assert codec.decode_concat([raw] * 2, lambda i, rows: None) is None
 
 
 def _ext(code: int, header: list, raw: bytes) -> msgspec.msgpack.Ext:
@@ -432,6 +439,12 @@ def test_numpy_arrays_keep_their_shape_and_structured_ones_are_refused():
             codec.encode_call_oob((big,), {}, ["when"])
     with pytest.raises(codec.ArgEncodeError, match=r"numpy float\d+ scalar cannot be sent"):
         codec.encode_call_oob((np.longdouble(1.5),), {}, ["x"])
+    # their scalars changed type on the way (an int of nanoseconds, a str by unit)
+    for scalar in (np.datetime64("2020-01-01T00:00:00.123456789"), np.datetime64("2020-01-01"),
+                   np.timedelta64(3, "D")):
+        with pytest.raises(codec.ArgEncodeError, match=r"numpy (datetime|timedelta)64\[\w+\] "
+                                                       r"scalar cannot be sent; send \.astype"):
+            codec.encode_call_oob((scalar,), {}, ["when"])
     # a masked array lost its mask; a DTensor failed in numpy(), naming no argument
     with pytest.raises(codec.ArgEncodeError, match="masked array cannot be sent"):
         codec.encode_call((np.ma.masked_array([1, 2], mask=[0, 1]),), {}, ["a"])

@@ -220,6 +220,9 @@ def _enc_hook(obj: Any) -> Any:
             return _out_of_band(_KIND_NDARRAY, a.dtype.str, obj.shape, a)
         return msgspec.msgpack.Ext(EXT_NDARRAY, _pack_buffer([a.dtype.str, list(obj.shape)], a))
     if isinstance(obj, np.generic):
+        if obj.dtype.kind in "mM":  # (its item is an int, a str or a date by unit)
+            raise TypeError(f"a numpy {obj.dtype} scalar cannot be sent; send "
+                            f".astype('int64') (counts of its unit) and view it back")
         value = obj.item()
         if isinstance(value, np.generic):  # (np.longdouble's item is itself: no Python type)
             raise TypeError(f"a numpy {obj.dtype} scalar cannot be sent; convert it first "
@@ -445,7 +448,8 @@ def decode_concat(parts: Sequence[Any], keep: Callable[[int, int], int | None]
         if type(top) is not tuple or top[0] != EXT_BATCH:
             return None
         columns, meta = _shallow.decode(top[1])
-        if type(meta) is not dict or _has_ext(meta):  # tensors in it: decode() makes them
+        if type(meta) is not dict or _has_ext(meta) or not all(  # (tensors in it, keys not
+                type(k) is str for k in (*meta, *columns)):  # str: decode() makes, refuses)
             return None
         kinds: list[Any] = []
         cut: list[Any] = []  # per column: a list's items, or (encoded tensor, start, row bytes)

@@ -160,13 +160,13 @@ class RemoteBatch(RowOps):
         columns = batches[0].columns
         for i, b in enumerate(batches[1:], 1):
             if b.columns != columns:
-                differ = sorted({(c.key, c.dtype, c.shape) for c in b.columns} ^
-                                {(c.key, c.dtype, c.shape) for c in columns})
+                differ = sorted({(c.key, c.dtype, c.shape, c.device) for c in b.columns} ^
+                                {(c.key, c.dtype, c.shape, c.device) for c in columns})
                 hint = " (responses to prompt batches of different widths: give the " \
                     "PromptSource max_prompt_length, which pads prompts to it)" if any(
-                        key.startswith("prompt") for key, _, _ in differ) else ""
+                        d[0].startswith("prompt") for d in differ) else ""
                 raise ValueError(f"concat: batch {i} and batch 0 differ in columns (key, dtype, "
-                                 f"row shape) {differ or 'order'}: batches concatenate when "
-                                 f"their columns match{hint}")
+                                 f"row shape, device) {differ or 'order'}: batches "
+                                 f"concatenate when their columns match{hint}")
         return RemoteBatch([p for b in batches for p in b.pieces], columns,
                            concat_meta([(b.meta, len(b)) for b in batches]))
