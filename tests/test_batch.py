@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+import asyncrl
+from asyncrl.comm import codec
 from asyncrl.comm.batch import PAD_KEY, RowOps, TensorBatch
 from asyncrl.comm.messages import Column
 from asyncrl.comm.remote import Piece, RemoteBatch, Shard
@@ -301,8 +304,6 @@ def test_union_of_a_column_holding_nan_with_itself_or_a_copy():
 def test_union_of_list_columns_holding_tensors_arrays_or_nan_with_their_wire_copy():
     """A list column's items were compared with ==: tensors raised (the truth of a tensor is
     ambiguous), and NaN made a batch's own wire copy "different"."""
-    from asyncrl.comm import codec
-
     b = TensorBatch({"seq": [torch.tensor(3), torch.tensor([1.0, float("nan")])],
                      "f": [float("nan"), 1.0], "a": [np.array([1.0, np.nan]), np.array([2.0])],
                      "d": [{"k": [float("nan")]}, {"k": []}]})
@@ -358,3 +359,23 @@ def test_remote_batches_on_other_devices_name_the_device_when_concatenated():
     gpu = RemoteBatch([Piece(shard, 0, 2)], [Column("x", "float32", (2,), "cuda")], {})
     with pytest.raises(ValueError, match=r"\('x', 'float32', \(2,\), 'cuda'\)"):
         RemoteBatch.concat([cpu, gpu])
+
+
+def test_decode_concat_decodes_tensors_nested_in_meta_and_list_columns():
+    part = asyncrl.TensorBatch({"x": torch.arange(2), "l": [torch.tensor([1]), torch.tensor([2])]},
+                               {"stats": {"loss": torch.tensor(1.0)}, "h": [[torch.ones(1)]]})
+    raws = [codec.encode(part)] * 2
+    got = codec.decode_concat(raws, lambda i, rows: None) or \
+        asyncrl.TensorBatch.concat([codec.decode(r) for r in raws])
+    assert all(isinstance(t, torch.Tensor) for t in got["l"])
+    assert isinstance(got.meta["stats"]["loss"], torch.Tensor)
+    assert isinstance(got.meta["h"][0][0], torch.Tensor)
+    assert codec.decode_concat([codec.encode(asyncrl.TensorBatch({"x": torch.arange(2)}))] * 2,
+                               lambda i, rows: None) is not None  # the fast path still runs
+    # keys that are not str: the one-by-one decode refuses them, the fast path took them
+    for columns, meta in (({"x": [1, 2]}, {1: "x"}), ({3: [1, 2]}, {})):
+        raw = msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_BATCH,
+                                                         msgspec.msgpack.encode([columns, meta])))
+        with pytest.raises(TypeError):
+            codec.decode(raw)
+        assert codec.decode_concat([raw] * 2, lambda i, rows: None) is None

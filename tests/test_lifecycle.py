@@ -12,6 +12,7 @@ import sys
 import threading
 
 import pytest
+import torch
 from helpers import assert_gone, group_pids, poll_until, run
 
 import asyncrl
@@ -499,3 +500,26 @@ def test_a_worker_class_given_as_an_instance_or_a_name_is_refused_clearly():
                                                      f"use letters"):
                     await ctl.spawn(Sleeper, name=name)
     run(main())
+
+
+class DrawsInItsState(asyncrl.Worker):
+    """A worker whose save_state and load_state draw random numbers (a data loader's seed,
+    a head made anew)."""
+
+    def save_state(self, folder) -> None:
+        torch.rand(3)
+
+    def load_state(self, folder) -> None:
+        torch.rand(5)
+
+
+def test_a_checkpoint_leaves_the_random_numbers_where_the_saved_run_had_them(tmp_path):
+    """The RNG was saved before save_state and restored before load_state: the draws either
+    made shifted every number of the resumed run (it did not resume exactly)."""
+    worker = DrawsInItsState.__new__(DrawsInItsState)
+    worker.group_name, worker.rank, worker.world_size = "g", 0, 1
+    torch.manual_seed(0)
+    worker.save_checkpoint(str(tmp_path))
+    went_on = torch.rand(4)  # the run that saved goes on
+    worker.load_checkpoint(str(tmp_path))
+    assert torch.equal(torch.rand(4), went_on)  # the resumed one draws the same

@@ -379,26 +379,6 @@ def test_dp_collect_from_encoded_results_equals_decoding_each(seed):
 
 
 # -- codec and store edge cases ----------------------------------------------------------------
-def test_decode_concat_decodes_tensors_nested_in_meta_and_list_columns():
-    part = asyncrl.TensorBatch({"x": torch.arange(2), "l": [torch.tensor([1]), torch.tensor([2])]},
-                               {"stats": {"loss": torch.tensor(1.0)}, "h": [[torch.ones(1)]]})
-    raws = [codec.encode(part)] * 2
-    got = codec.decode_concat(raws, lambda i, rows: None) or \
-        asyncrl.TensorBatch.concat([codec.decode(r) for r in raws])
-    assert all(isinstance(t, torch.Tensor) for t in got["l"])
-    assert isinstance(got.meta["stats"]["loss"], torch.Tensor)
-    assert isinstance(got.meta["h"][0][0], torch.Tensor)
-    assert codec.decode_concat([codec.encode(asyncrl.TensorBatch({"x": torch.arange(2)}))] * 2,
-                               lambda i, rows: None) is not None  # the fast path still runs
-    # keys that are not str: the one-by-one decode refuses them, the fast path took them
-    for columns, meta in (({"x": [1, 2]}, {1: "x"}), ({3: [1, 2]}, {})):
-        raw = msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_BATCH,
-                                                         msgspec.msgpack.encode([columns, meta])))
-        with pytest.raises(TypeError):
-            codec.decode(raw)
-        assert codec.decode_concat([raw] * 2, lambda i, rows: None) is None
-
-
 def _ext(code: int, header: list, raw: bytes) -> msgspec.msgpack.Ext:
     """An array as the codec puts it on the wire: header length, msgpack header, bytes."""
     head = msgspec.msgpack.encode(header)

@@ -87,8 +87,10 @@ class Worker:
 
         folder = Path(path) / self.group_name
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), folder / f"rng_rank{self.rank}.pt")
         self.save_state(folder)
+        # the RNG after save_state, restored after load_state: draws either makes (a data
+        # loader's seed, a head made anew) do not shift the resumed run's numbers
+        torch.save(rng_state(), folder / f"rng_rank{self.rank}.pt")
         sync_tree(folder)  # on disk before the controller marks the checkpoint complete
 
     @register
@@ -103,8 +105,9 @@ class Worker:
                 f"{rng} does not exist: the checkpoint at {path} has no state for rank "
                 f"{self.rank} of group {self.group_name!r} (was it written by a group with "
                 f"{self.world_size} ranks?); resume with the group sizes that wrote it")
-        set_rng_state(torch.load(rng, weights_only=True))
+        state = torch.load(rng, weights_only=True)  # (read first: a bad file fails here)
         self.load_state(folder)
+        set_rng_state(state)  # (after load_state: see save_checkpoint)
 
 
 def sync_tree(path: Path) -> None:
