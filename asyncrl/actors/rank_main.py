@@ -260,7 +260,7 @@ class RankMain:
             return Result(call.call_id, self.rank)
         value = storable(value)
         schema = schema_of(value)
-        raw, inline = NONE, schema.nbytes <= INLINE_LIMIT  # its arrays alone are too big
+        raw, inline = NONE, not codec.encodes_past(value, INLINE_LIMIT)  # (not by encoding)
         if inline:
             try:
                 raw = msgspec.Raw(codec.encode(value))

@@ -175,6 +175,30 @@ def array_bytes(value: Any) -> int:
     return sum(array_bytes(v) for v in items if type(v) not in _LEAVES)  # long lists: fast
 
 
+def encodes_past(value: Any, limit: int) -> bool:
+    """Whether `value` surely encodes to more than `limit` bytes, counted without encoding
+    it (an item takes a byte at least, a string its length, an array its bytes): a result of
+    millions of numbers held a rank's GIL for seconds to be measured, then dropped."""
+    size, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str | bytes | bytearray):
+            size += len(v)
+        elif isinstance(v, torch.Tensor | np.ndarray):
+            size += array_bytes(v)
+        elif isinstance(v, list | tuple | dict | TensorBatch):
+            if size + len(v) > limit:  # (before a long list's items are looked at)
+                return True
+            size += 1
+            todo.extend([*v.keys(), *v.values()] if isinstance(v, dict) else
+                        [col for _, col in v.items()] if isinstance(v, TensorBatch) else v)
+        else:
+            size += 1
+        if size > limit:
+            return True
+    return False
+
+
 def _enc_hook(obj: Any) -> Any:
     global produced_bytes_encoded
     if isinstance(obj, torch.Tensor):
