@@ -483,3 +483,35 @@ def test_a_call_whose_producer_died_while_another_input_was_awaited_is_not_sent(
     error = asyncio.run(main())
     assert isinstance(error, asyncrl.InputLostError) and sent == []
     assert "an input is lost: it was held by group 'prod', which is dead: killed" in str(error)
+
+
+class NoThreadForConcurrentCalls(asyncrl.Worker):
+    """Its concurrent calls' threads cannot be set up (a GPU in a sticky error state, no
+    descriptor left for the thread's socket)."""
+
+    def __init__(self):
+        import asyncrl.actors.rank_main as rank_main
+
+        def broken() -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        rank_main.bind_gpu = broken  # what a pool thread's set-up calls first
+
+    @asyncrl.register(concurrent=True)
+    def status(self) -> str:
+        return "fine"
+
+    @asyncrl.register
+    def ping(self) -> int:
+        return 1
+
+
+def test_a_concurrent_call_whose_thread_cannot_be_set_up_fails_and_does_not_hang(bg):
+    """Its traceback went to the rank's log and no Result went: the call waited for ever."""
+    group = bg.spawn(NoThreadForConcurrentCalls, nprocs=1, name="nothread")
+    try:
+        for _ in range(2):  # (the same thread, set up again at its next call)
+            with pytest.raises(asyncrl.RemoteError, match="illegal memory access"):
+                get(group.status(), timeout=20)
+        assert get(group.ping()) == [1]  # the rank serves on
+    finally:
+        bg.run(bg.ctl.close_group(group))

@@ -37,3 +37,32 @@ def select_gpus(env: MutableMapping[str, str] = os.environ) -> None:
                 f"{len(ids)}: give the host its real number of GPUs in the hosts file "
                 f"(\"gpus\"), or its allocation more")
     env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
+
+
+def bind_gpu() -> None:
+    """Make this thread use the rank's GPU: the current CUDA device is per thread, and user
+    code runs on the exec and pool threads, not on the one that initialised the rank."""
+    import torch  # (here: CUDA_VISIBLE_DEVICES is chosen before torch reads it)
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(gpu_index())
+
+
+def gpu_index() -> int:
+    """The rank's GPU among those it sees: ranks beyond their count share them (a group
+    placed with share_gpus)."""
+    import torch
+
+    return int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+
+
+def require_own_gpu(needs: str) -> None:
+    """Refuse a rank that would share a GPU (share_gpus) where an engine binds
+    cuda:LOCAL_RANK itself; `needs` says which, e.g. "vLLM needs a GPU per rank (...)"."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and local >= torch.cuda.device_count():
+        raise ValueError(f"{needs}, but local rank {local} sees {torch.cuda.device_count()} "
+                         f"GPU(s): do not place this group with share_gpus, or give it fewer "
+                         f"ranks")

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -38,7 +38,7 @@ import torch.distributed as dist
 import zmq
 
 from asyncrl.actors import debugger
-from asyncrl.actors.gpu_slots import select_gpus
+from asyncrl.actors.gpu_slots import bind_gpu, gpu_index, select_gpus
 from asyncrl.actors.output import OutputCapture
 from asyncrl.actors.procs import PROCESS_ENV, runs
 from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
@@ -212,6 +212,7 @@ class RankMain:
         self.dp_rank, self.dp_size = 0, 1  # this rank's place on the mesh's "dp" axis
         self.methods: dict[str, MethodSpec] = {}
         self.pool: ThreadPoolExecutor | None = None
+        self.beside: list[tuple[Call, Future[None]]] = []  # concurrent calls (io thread's)
         self.fetch_sock: RankSocket | None = None  # owned by the fetcher's one thread
         self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-fetch")
         self.local = threading.local()
@@ -377,7 +378,17 @@ class RankMain:
         if self.pool is None:
             self.pool = ThreadPoolExecutor(CONCURRENT_THREADS,
                                            thread_name_prefix="asyncrl-concurrent")
-        self.pool.submit(self.run_concurrent, call).add_done_callback(_said_if_failed)
+        ran = self.pool.submit(self.run_concurrent, call)
+        ran.add_done_callback(_said_if_failed)
+        self.beside.append((call, ran))
+
+    def answer_unstarted(self) -> None:
+        """Concurrent calls that failed before they ran (their thread's GPU or socket): no
+        Result went from their thread, and the call waited for ever; one goes from here."""
+        for call, ran in [(c, r) for c, r in self.beside if r.done()]:
+            self.beside.remove((call, ran))
+            if (e := ran.exception()) is not None:
+                self.io.send(Result(call.call_id, self.rank, error=_failure(e)))
 
     def on_io(self, msg: Any) -> None:
         """A message on the io socket (not Shutdown)."""
@@ -423,6 +434,8 @@ class RankMain:
                     self.on_io(msg)
                 except Exception:  # noqa: BLE001 - one message's failure (no thread to be
                     traceback.print_exc()  # had) must not end the heartbeats and Shutdown
+            if self.beside:
+                self.answer_unstarted()
             if now >= next_beat:
                 self.io.send(self.heartbeat(now))
                 next_beat = now + interval_ms / 1000
@@ -445,29 +458,6 @@ class RankMain:
                       file=sys.stderr, flush=True)
                 return EXIT_CONTROLLER_LOST
             waiting = False
-
-
-def bind_gpu() -> None:
-    """Make this thread use the rank's GPU: the current CUDA device is per thread, and user
-    code runs on the exec and pool threads, not on the one that initialised the rank."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(gpu_index())
-
-
-def gpu_index() -> int:
-    """The rank's GPU among those it sees: ranks beyond their count share them (a group
-    placed with share_gpus)."""
-    return int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-
-
-def require_own_gpu(needs: str) -> None:
-    """Refuse a rank that would share a GPU (share_gpus) where an engine binds
-    cuda:LOCAL_RANK itself; `needs` says which, e.g. "vLLM needs a GPU per rank (...)"."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available() and local >= torch.cuda.device_count():
-        raise ValueError(f"{needs}, but local rank {local} sees {torch.cuda.device_count()} "
-                         f"GPU(s): do not place this group with share_gpus, or give it fewer "
-                         f"ranks")
 
 
 def collective_timeout() -> float:

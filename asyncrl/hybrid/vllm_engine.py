@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.actors.rank_main import require_own_gpu
+from asyncrl.actors.gpu_slots import require_own_gpu
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.sampler import SamplingConfig, left_pad
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.actors.rank_main import require_own_gpu
+from asyncrl.actors.gpu_slots import require_own_gpu
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fsdp import (
     ZERO_TAG,
