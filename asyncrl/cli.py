@@ -320,9 +320,15 @@ def run_node(args: argparse.Namespace) -> int:
 
 
 def timeline(args: argparse.Namespace) -> int:
-    from asyncrl.controller.timeline import draw
+    from asyncrl.controller.timeline import SPANS_FILE, build_trace, draw
 
     trace = Path(args.run_dir) / "timeline.json"
+    if (Path(args.run_dir) / SPANS_FILE).is_file():  # rebuilt: a run killed as it wrote
+        try:  # a checkpoint's spans has them in timeline.jsonl, not yet in timeline.json
+            build_trace(Path(args.run_dir))
+        except OSError as e:  # (a run directory this user cannot write: its trace as it is)
+            print(f"asyncrl timeline: cannot rebuild {trace} ({e}); drawing it as it is",
+                  file=sys.stderr)
     if not trace.is_file():
         raise SystemExit(f"asyncrl timeline: {trace} does not exist; it is written by "
                          f"`asyncrl launch FLOW --run-dir {args.run_dir}`")

@@ -177,10 +177,10 @@ def test_metric_names_keep_full_names_and_add_tokens_per_second(tmp_path):
 
 
 def test_timeline_trace_and_png(tmp_path):
-    tl = Timeline()
+    tl = Timeline(tmp_path)
     tl.node("rollout", 0, 1.0, 1.2)
     tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
-    tl.write(tmp_path / "timeline.json")
+    tl.write(tl.take())
     trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
     assert [(e["cat"], e["ts"], e["dur"]) for e in spans] == [
@@ -190,14 +190,14 @@ def test_timeline_trace_and_png(tmp_path):
 
 
 def test_a_resumed_run_keeps_the_earlier_steps_in_its_timeline(tmp_path):
-    first = Timeline()
+    first = Timeline(tmp_path)
     for t in range(3):
         first.add(Event("policy", "rollout", t, 100.0 + t, 100.5 + t))
-    first.write(tmp_path / "timeline.json")
-    resumed = Timeline()  # resumed after step 1's checkpoint: step 2 runs again
-    assert resumed.resume(tmp_path / "timeline.json", 1) == 2
+    first.write(first.take())
+    resumed = Timeline(tmp_path)  # resumed after step 1's checkpoint: step 2 runs again
+    assert resumed.resume(1) == 2
     resumed.add(Event("policy", "rollout", 2, resumed.origin + 0.1, resumed.origin + 0.6))
-    resumed.write(tmp_path / "timeline.json")
+    resumed.write(resumed.take())
     trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     spans = sorted((e["args"]["step"], e["ts"], e["dur"]) for e in trace if e["ph"] == "X")
     assert [s for s, *_ in spans] == [0, 1, 2] and all(d == 500000.0 for *_, d in spans)

@@ -136,25 +136,147 @@ def test_overlapping_spans_of_one_row_go_on_lanes_that_perfetto_keeps(tmp_path):
     0's train) and concurrent calls on one group overlapped without nesting, which Perfetto
     drops and chrome://tracing draws on top of each other. Each thread's spans now nest or
     are disjoint, and every lane still carries its row's name (a resume reads it back)."""
-    tl = Timeline()
+    tl = Timeline(tmp_path)
     tl.node("rollout", 0, 1.0, 2.0)
     tl.node("train", 0, 1.5, 3.0)  # overlaps rollout 0
     tl.node("rollout", 1, 2.5, 3.5)  # overlaps train 0, after rollout 0: its lane again
     for n, (a, b) in enumerate([(1.0, 1.8), (1.2, 1.4), (1.3, 2.0), (1.9, 2.2)]):
         tl.add(Event("policy", f"call{n}", 0, a, b))  # concurrent calls on one group
-    tl.write(tmp_path / "timeline.json")
-    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    tl.write(tl.take())
+    names, spans = perfetto_lanes(tmp_path)
+    assert sorted(names.values()) == ["controller"] * 2 + ["policy"] * 3
+    assert len(spans) == 7 and Timeline(tmp_path).resume(0) == 6  # (step 1's cut)
+
+
+def perfetto_lanes(run_dir) -> tuple[dict[int, str], list[dict]]:
+    """timeline.json's thread names and spans, checked as Perfetto reads them: each thread's
+    spans nest or are disjoint, and each carries its row's name (a resume reads it back)."""
+    trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
     spans = [e for e in trace if e["ph"] == "X"]
-    for tid in names:
+    by_tid: dict[int, list[dict]] = {}
+    for e in spans:
+        by_tid.setdefault(e["tid"], []).append(e)
+    for tid, lane in by_tid.items():
         open_ends: list[float] = []  # the spans enclosing the one at hand
-        for e in sorted((e for e in spans if e["tid"] == tid), key=lambda e: e["ts"]):
+        for e in sorted(lane, key=lambda e: (e["ts"], -e["dur"])):
             open_ends = [end for end in open_ends if end > e["ts"]]
             assert all(e["ts"] + e["dur"] <= end for end in open_ends), (tid, e)
             open_ends.append(e["ts"] + e["dur"])
     assert all(names[e["tid"]] == e["cat"] for e in spans)
-    assert sorted(names.values()) == ["controller"] * 2 + ["policy"] * 3
-    resumed = Timeline()
-    assert resumed.resume(tmp_path / "timeline.json", 0) == 6
-    assert sorted((e.row, e.name) for e in resumed.events) == sorted(
-        (e.row, e.name) for e in tl.events if e.step == 0)
+    return names, spans
+
+
+def step_events(t: int, at: float) -> list[Event]:
+    """A pipelined step's 10 events from `at`: its train overlaps the next step's rollout,
+    its rollout calls overlap each other."""
+    return [Event("controller", "rollout", t, at, at + 1.0),
+            Event("controller", "train", t, at + 0.9, at + 2.5),
+            *(Event("rollout", "rollout", t, at + 0.1 * k, at + 0.6 + 0.1 * k) for k in range(4)),
+            Event("reward", "score", t, at + 0.7, at + 0.9),
+            Event("ref", "ref", t, at + 1.0, at + 1.4),
+            Event("trainer", "train", t, at + 1.0, at + 2.4),
+            Event("trainer", "sync", t, at + 2.4, at + 2.45)]
+
+
+def run_steps(tl: Timeline, metrics: Metrics, steps: range, every: int, at: float) -> None:
+    """Steps as `asyncrl launch` runs them: each reported, then at a checkpoint its spans
+    written (launch's save: take on the loop, write on a thread), memory holding only the
+    steps not written yet."""
+    written = steps.start - 1
+    for t in steps:
+        for e in step_events(t, at + 2.0 * (t - steps.start)):
+            tl.add(e)
+        metrics(t, {}, 2.0)
+        if (t + 1) % every == 0:
+            tl.write(tl.take(t))
+            written = t
+        assert len(tl.events) == 10 * (t - written)  # never the steps already written
+
+
+def test_a_long_run_holds_only_its_unwritten_steps_and_its_trace_keeps_every_span(tmp_path):
+    """Every event of a run stayed in memory (~200 B each; hundreds of MB over days) and the
+    whole trace was built from them again at each checkpoint, the work growing with the run.
+    Now a checkpoint appends its steps' spans to timeline.jsonl and drops them: timeline.json,
+    streamed from it, still holds every span, on lanes Perfetto keeps."""
+    tl = Timeline(tmp_path)
+    metrics = Metrics(tmp_path, 5000, tl, trackers=[])
+    metrics.console = False
+    run_steps(tl, metrics, range(5000), 500, 0.0)
+    tl.write(tl.take())  # (the run's end: nothing left)
+    names, spans = perfetto_lanes(tmp_path)
+    assert len(spans) == 50_000 and len({(e["name"], e["cat"], e["args"]["step"], e["ts"])
+                                         for e in spans}) == 50_000
+    assert sorted(names.values()).count("rollout") == 4  # lanes reused, not new per write
+    assert len(names) == 9 and sorted(e["ts"] for e in spans)[0] == 0.0
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[4999])
+    assert row["time/busy/trainer_s"] == pytest.approx(1.45)  # each step's own events
+
+
+def test_a_resume_cuts_the_steps_after_its_checkpoint_and_goes_on_after_them(tmp_path):
+    first = Timeline(tmp_path)
+    metrics = Metrics(tmp_path, 6, first, trackers=[])
+    metrics.console = False
+    run_steps(first, metrics, range(6), 3, 100.0)  # checkpoints after steps 2 and 5: the
+    with open(tmp_path / "timeline.jsonl", "ab") as f:  # second's save killed, mid-line
+        f.write(b'{"name": "train", "cat": "trainer", "ph": "X", "pid": 1, "tid": 7, "ts"')
+    before = perfetto_lanes(tmp_path)[1]
+    resumed = Timeline(tmp_path)
+    assert resumed.resume(2) == 30
+    lines = (tmp_path / "timeline.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"ph": "X"' in line]) == 30
+    assert all(json.loads(line).get("args", {}).get("step", 0) <= 2 for line in lines)
+    metrics = Metrics(tmp_path, 6, resumed, first_step=3, trackers=[])
+    metrics.console = False
+    run_steps(resumed, metrics, range(3, 6), 3, resumed.origin + 0.5)
+    names, spans = perfetto_lanes(tmp_path)
+    kept = [e for e in before if e["args"]["step"] <= 2]
+    assert [e for e in spans if e["args"]["step"] <= 2] == kept  # as they were written
+    last = max(e["ts"] + e["dur"] for e in kept)
+    new = [e for e in spans if e["args"]["step"] > 2]
+    assert len(new) == 30 and min(e["ts"] for e in new) == pytest.approx(last + 1.5e6)
+    assert len(names) == 9  # the resumed run's spans on the lanes of the run's rows
+
+
+def test_a_rewind_drops_the_later_steps_in_memory_and_in_timeline_jsonl(tmp_path):
+    tl = Timeline(tmp_path)
+    metrics = Metrics(tmp_path, 9, tl, trackers=[])
+    metrics.console = False
+    run_steps(tl, metrics, range(3), 3, 0.0)  # checkpoint after step 2
+    written = (tmp_path / "timeline.jsonl").read_bytes()
+    run_steps(tl, metrics, range(3, 8), 3, 6.0)  # step 5's save failed after its spans
+    metrics.rewind(2)  # back to step 2's checkpoint: steps 3.. run again
+    assert tl.events == [] and (tmp_path / "timeline.jsonl").read_bytes() == written
+    run_steps(tl, metrics, range(3, 9), 3, 20.0)
+    tl.write(tl.take())
+    spans = perfetto_lanes(tmp_path)[1]
+    assert sorted({e["args"]["step"] for e in spans}) == list(range(9)) and len(spans) == 90
+    assert min(e["ts"] for e in spans if e["args"]["step"] == 3) == 20e6  # the run again
+
+
+def test_asyncrl_timeline_rebuilds_the_trace_of_a_run_killed_as_it_wrote_it(tmp_path):
+    import argparse
+
+    from asyncrl.cli import timeline
+
+    tl = Timeline(tmp_path)
+    for e in step_events(0, 0.0):
+        tl.add(e)
+    tl.write(tl.take())
+    (tmp_path / "timeline.json").unlink()  # killed between timeline.jsonl and its trace
+    assert timeline(argparse.Namespace(run_dir=str(tmp_path))) == 0
+    assert len(perfetto_lanes(tmp_path)[1]) == 10
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_of_an_earlier_asyncrl_resumes_with_its_timeline_json(tmp_path):
+    """Before timeline.jsonl, a run wrote its whole trace at each checkpoint: a resume takes
+    its spans from there."""
+    tl = Timeline(tmp_path)
+    for t in range(2):
+        for e in step_events(t, 2.0 * t):
+            tl.add(e)
+    tl.write(tl.take())
+    (tmp_path / "timeline.jsonl").unlink()
+    assert Timeline(tmp_path).resume(0) == 10
+    assert len(perfetto_lanes(tmp_path)[1]) == 20  # (rebuilt at the next write)

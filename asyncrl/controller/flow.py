@@ -194,10 +194,8 @@ class DataFlow:
             raise
 
     async def _open(self, ctl: Any) -> None:
-        from asyncrl.controller.timeline import Timeline
-
-        if ctl.timeline is None:
-            ctl.timeline = Timeline()
+        # (no timeline of its own: `asyncrl launch` gives the controller one, which writes
+        # each checkpoint's steps out; one here kept every event of a run, read by nothing)
         names = [g.name for g in self.groups]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

@@ -1,8 +1,8 @@
 """Running a flow file as `asyncrl launch` does: place, spawn, (resume,) run with a progress
 line, write metrics.jsonl, checkpoints and timeline.json into the run directory, shut down.
 
-    run_dir/  logs/<group>.log   metrics.jsonl   timeline.json   inputs/step<t>/<node>.msgpack
-              checkpoints/step_<t>/   (see asyncrl/controller/checkpoint.py)
+    run_dir/  logs/<group>.log   metrics.jsonl   timeline.jsonl, timeline.json (timeline.py)
+              inputs/step<t>/<node>.msgpack   checkpoints/step_<t>/   (see checkpoint.py)
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from asyncrl.controller import checkpoint, declare
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
-from asyncrl.controller.logs import append_line, replace_json
+from asyncrl.controller.logs import append_line
 from asyncrl.controller.recovery import RESTARTS_FILE
 from asyncrl.controller.saved_inputs import load_inputs  # noqa: F401 - (cli imports it here)
-from asyncrl.controller.timeline import CONTROLLER_ROW, Timeline, union_length
+from asyncrl.controller.timeline import CONTROLLER_ROW, SPANS_FILE, Timeline, union_length
 from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
 from asyncrl.errors import CheckpointError
 
@@ -264,8 +264,8 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         checkpoint.refuse_existing(run_dir)
     first_step = meta["step"] + 1 if resume_from is not None else 0
     trackers: list[Any] = [TensorBoard(run_dir, first_step)]
-    if resume_from is None:  # an earlier run's wandb run and restart counts are not this one's
-        for earlier in (WANDB_STATE, RESTARTS_FILE):
+    if resume_from is None:  # an earlier run's wandb run, restart counts and spans are not
+        for earlier in (WANDB_STATE, RESTARTS_FILE, SPANS_FILE):  # this one's
             (run_dir / earlier).unlink(missing_ok=True)
     if wandb is not None:  # started before any group: a refusal costs nothing
         config = {"asyncrl": {"steps": steps, "max_staleness": flow.max_staleness,
@@ -273,17 +273,17 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                   **declare.settings}  # the flow's settings, as config() gave them
         trackers.append(Wandb(run_dir, wandb, config,
                               resumed_after=meta["step"] if resume_from is not None else None))
-    timeline = Timeline()
+    timeline = Timeline(run_dir)
     metrics = Metrics(run_dir, steps, timeline, first_step, trackers)
 
     async def save(step: int) -> None:
         # what a resume from this checkpoint keeps of the steps before it, on disk first
-        # (a killed controller writes nothing at its end); the trace, which grows with the
-        # run, built, encoded and written off the loop (its events listed on it: ~2.7 s for
-        # 400k events, near a heartbeat timeout, were built on the loop before)
-        events = timeline.events
-        await asyncio.to_thread(lambda: replace_json(run_dir / "timeline.json",
-                                                     timeline.chrome_trace(events)))
+        # (a killed controller writes nothing at its end): the finished steps' spans taken
+        # out of memory on the loop, appended to timeline.jsonl and timeline.json rebuilt
+        # from it off the loop (the whole trace was built from every event of the run at
+        # each checkpoint: ~2.7 s for 400k events, near a heartbeat timeout, on the loop)
+        events = timeline.take(step)
+        await asyncio.to_thread(timeline.write, events)
         metrics.flush()
         if (run_dir / "metrics.jsonl").exists():  # its rows up to the checkpoint, on disk
             await asyncio.to_thread(sync_file, run_dir / "metrics.jsonl")
@@ -303,8 +303,8 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
             ctl.timeline = timeline
             assert ctl.logs is not None  # (made as the controller starts)
             metrics.say = ctl.logs.console.write  # (in order with the ranks' lines)
-            if resume_from is not None:  # the steps before the resume stay in timeline.json
-                timeline.resume(run_dir / "timeline.json", meta["step"])
+            if resume_from is not None:  # the steps before the resume stay in the trace
+                await asyncio.to_thread(timeline.resume, meta["step"])
             flow.save_inputs = run_dir / "inputs" if save_inputs else None
             if flow.save_inputs is not None:  # `asyncrl run --node` builds the groups alike
                 flow.save_inputs.mkdir(parents=True, exist_ok=True)
@@ -338,7 +338,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                 finally:
                     await flow.close()
             finally:
-                timeline.write(run_dir / "timeline.json")
+                timeline.write(timeline.take())
         failed = False
     finally:
         metrics.close(failed)  # (wandb's service process with it)

@@ -15,9 +15,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from asyncrl.actors.rank_client import current_umask
 
@@ -249,14 +249,19 @@ def _last_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
 
 
 def replace_json(path: Path, value: Any) -> None:
-    """Write `value` as JSON to `path`, replacing it whole: a kill mid-write leaves the
-    previous file (timeline.json, a tracker's state, restarts.json). Each write has its own
-    temporary file: a checkpoint's write in a thread may still run when the run's last one
-    starts (a Ctrl-C or SIGTERM while the trace was written); one file would mix them."""
+    """Write `value` as JSON to `path`, replacing it whole (`replace_file`)."""
+    replace_file(path, lambda out: out.write(json.dumps(value).encode()))
+
+
+def replace_file(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Replace `path` whole by what `write` writes: a kill mid-write leaves the previous
+    file (timeline.json, a tracker's state, restarts.json). Each write has its own temporary
+    file: a checkpoint's write in a thread may still run when the run's last one starts (a
+    Ctrl-C or SIGTERM while the trace was written); one file would mix them."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:  # on disk before the rename (a power cut between
-            f.write(json.dumps(value))  # would leave an empty file under the name)
+        with os.fdopen(fd, "wb") as f:  # on disk before the rename (a power cut between
+            write(f)  # would leave an empty file under the name)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())  # (mkstemp's 0600: as open would make it)

@@ -1,20 +1,32 @@
 """Where time went: every node execution, and every group call it made, start to end.
 
-Written as a Chrome trace (`timeline.json`, opens in Perfetto or chrome://tracing) and drawn
-as a Gantt chart PNG by `asyncrl timeline RUN_DIR` (matplotlib)."""
+    events of step t (in memory) ──checkpoint after t──▶ timeline.jsonl (appended: one Chrome
+                                                         "X" span a line, on its lane)
+                                                  └────▶ timeline.json (rebuilt from it,
+                                                         streamed: the trace Perfetto opens)
+
+Memory holds only the steps not written yet; a resume or a rewind cuts the later steps' lines
+from timeline.jsonl. timeline.json opens in Perfetto or chrome://tracing; `asyncrl timeline
+RUN_DIR` draws it as a Gantt chart PNG (matplotlib)."""
 
 from __future__ import annotations
 
 import contextvars
 import json
+import os
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from asyncrl.controller.logs import replace_json
+from asyncrl.controller.logs import replace_file
 
 CONTROLLER_ROW = "controller"
+SPANS_FILE, TRACE_FILE = "timeline.jsonl", "timeline.json"  # in the run directory
+MARKS = 16  # write offsets remembered for a rewind (it goes back to a recent checkpoint)
+CHUNK = 1 << 20  # bytes read at a time when timeline.jsonl is streamed
 # (node, step) of the node running in this task: group calls are attributed to it
 current_node: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
     "asyncrl_current_node", default=None)
@@ -44,13 +56,26 @@ def union_length(spans: list[tuple[float, float]]) -> float:
 
 
 class Timeline:
-    def __init__(self) -> None:
+    """The events of the steps not written yet; with a `run_dir`, `write` appends finished
+    steps to its timeline.jsonl (taken from memory by `take`) and rebuilds timeline.json."""
+
+    def __init__(self, run_dir: Path | None = None) -> None:
         self._by_step: dict[int, list[Event]] = {}  # a step's events without a scan of all
         self.origin = time.perf_counter()
+        self.run_dir = run_dir
+        # a checkpoint's write on a thread may still run when the run's last one starts
+        self._lock = threading.Lock()
+        self._lanes: dict[str, list[int]] = {}  # a row's lanes: their tids, in order
+        self._ends: dict[int, float] = {}  # where each tid's last span ends (us, as written)
+        self._zero: float | None = None  # the perf_counter time written as ts `_base`
+        self._base = 0.0
+        # (offset, highest step of the lines before it) after each write: a rewind cuts the
+        # file from the last one at or before its step, not from its start
+        self._marks: list[tuple[int, int]] = [(0, -1)]
 
     @property
     def events(self) -> list[Event]:
-        """Every event, step by step."""
+        """Every event not written yet, step by step."""
         return [e for events in self._by_step.values() for e in events]
 
     def add(self, event: Event) -> None:
@@ -59,9 +84,22 @@ class Timeline:
     def of_step(self, step: int) -> list[Event]:
         return self._by_step.get(step, [])
 
+    def take(self, upto: int | None = None) -> list[Event]:
+        """Take the events of steps <= `upto` (None: all) out of memory, for `write` (on the
+        loop: events are added there; frozen, so a thread can write them)."""
+        steps = sorted(t for t in self._by_step if upto is None or t <= upto)
+        return [e for t in steps for e in self._by_step.pop(t)]
+
     def drop_after(self, step: int) -> None:
-        """Forget the events of the steps after `step` (they run again)."""
+        """Forget the events of the steps after `step` (they run again), in memory and in
+        timeline.jsonl (timeline.json follows at the next write)."""
         self._by_step = {t: es for t, es in self._by_step.items() if t <= step}
+        if self.run_dir is None:
+            return
+        with self._lock:
+            i = max((i for i, (_, top) in enumerate(self._marks) if top <= step), default=0)
+            size = _cut(self.run_dir / SPANS_FILE, self._marks[i][0], step)
+            self._marks = self._marks[:i + 1] + [(size, step)]
 
     def node(self, name: str, step: int, start: float, end: float) -> None:
         self.add(Event(CONTROLLER_ROW, name, step, start, end))
@@ -82,65 +120,180 @@ class Timeline:
 
         future._fut.add_done_callback(done)
 
-    def chrome_trace(self, spans: list[Event] | None = None) -> dict[str, Any]:
-        """The trace of `spans` (default: every event; events are frozen, so a list taken
-        on the loop can be made into a trace on another thread). A row's spans that overlap
-        (pipelined nodes, concurrent calls) go on lanes of their own, each a thread named
-        after the row: one thread's spans must nest, or Perfetto drops them."""
-        spans = self.events if spans is None else spans
-        by_row: dict[str, list[Event]] = {CONTROLLER_ROW: []}
-        for e in sorted(spans, key=lambda e: e.start):
-            by_row.setdefault(e.row, []).append(e)
-        origin = min((e.start for e in spans), default=self.origin)  # the first event
-        events: list[dict[str, Any]] = []
-        first_tid = 0
-        for row in [CONTROLLER_ROW] + sorted(by_row.keys() - {CONTROLLER_ROW}):
-            lane_ends: list[float] = []  # where each lane's last span ends
-            for e in by_row[row]:
-                ts = round((e.start - origin) * 1e6, 1)
-                dur = round((e.end - e.start) * 1e6, 1)
-                # the first lane free by then (compared as written: Perfetto reads these)
-                lane = next((i for i, end in enumerate(lane_ends) if end <= ts),
-                            len(lane_ends))
-                if lane == len(lane_ends):
-                    lane_ends.append(ts + dur)
-                else:
-                    lane_ends[lane] = ts + dur
-                events.append({"name": e.name, "cat": e.row, "ph": "X", "pid": 1,
-                               "tid": first_tid + lane, "ts": ts, "dur": dur,
-                               "args": {"step": e.step}})
-            events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": first_tid + i,
-                        "args": {"name": row}} for i in range(max(1, len(lane_ends)))]
-            first_tid += max(1, len(lane_ends))
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+    def write(self, events: list[Event]) -> None:
+        """Append `events` (from `take`) to timeline.jsonl, on disk before timeline.json is
+        rebuilt from it: the work grows with `events`, and the rebuild's reading and writing
+        with the file, in fixed memory."""
+        if self.run_dir is None:
+            raise ValueError("this Timeline has no run directory to write to: make it as "
+                             "Timeline(run_dir)")
+        with self._lock:
+            size = _append(self.run_dir / SPANS_FILE, self._lines(events))
+            top = max([self._marks[-1][1], *(e.step for e in events)])
+            self._marks = self._marks[:1] + [*self._marks[1:], (size, top)][-MARKS:]
+            build_trace(self.run_dir)
 
-    def write(self, path: Path) -> None:
-        replace_json(path, self.chrome_trace())  # a kill mid-write leaves the previous one
+    def _lines(self, events: list[Event]) -> bytes:
+        """`events` as Chrome trace lines on the run's clock, each on the first lane of its
+        row free by then (one thread's spans must nest, or Perfetto drops them), a new lane
+        named by a "thread_name" line as it appears."""
+        if self._zero is None and events:  # the first event written is at 0
+            self._zero = min(e.start for e in events)
+        lines: list[dict[str, Any]] = []
+        for e in sorted(events, key=lambda e: (e.row != CONTROLLER_ROW, e.row, e.start)):
+            ts = round((e.start - (self._zero or 0.0)) * 1e6 + self._base, 1)
+            dur = round((e.end - e.start) * 1e6, 1)
+            tid = self._lane(e.row, ts, lines)
+            self._ends[tid] = ts + dur
+            lines.append({"name": e.name, "cat": e.row, "ph": "X", "pid": 1, "tid": tid,
+                          "ts": ts, "dur": dur, "args": {"step": e.step}})
+        return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
-    def resume(self, path: Path, upto: int) -> int:
-        """Take the events of steps <= `upto` from a resumed run's trace, placed a second
-        before this timeline's own (each process has its own clock); how many."""
-        try:
-            trace = json.loads(path.read_text())["traceEvents"]
-            rows = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
-            spans = [e for e in trace if e["ph"] == "X" and e["args"]["step"] <= upto]
-        except (OSError, ValueError, KeyError, TypeError):  # none, or cut short: only the
-            return 0  # trace's earlier steps are lost
-        if not spans:
+    def _lane(self, row: str, ts: float, lines: list[dict[str, Any]]) -> int:
+        """The tid of the first lane of `row` free at `ts` (compared as written: Perfetto
+        reads these), or of a new one, named in `lines`."""
+        lanes = self._lanes.setdefault(row, [])
+        tid = next((t for t in lanes if self._ends[t] <= ts), None)
+        if tid is None:
+            tid = max(self._ends, default=-1) + 1
+            lanes.append(tid)
+            lines.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+                          "args": {"name": row}})
+        return tid
+
+    def resume(self, upto: int) -> int:
+        """Go on from a resumed run's timeline.jsonl: its lines of steps after `upto` cut
+        (they run again), this timeline's clock placed a second after its last span, new lanes
+        after its own; how many spans it keeps. Streamed: on a thread, for a long run's."""
+        if self.run_dir is None:
             return 0
-        shift = self.origin - 1.0 - max(e["ts"] + e["dur"] for e in spans) / 1e6
-        for e in spans:
-            start = e["ts"] / 1e6 + shift
-            self.add(Event(rows[e["tid"]], e["name"], e["args"]["step"], start,
-                           start + e["dur"] / 1e6))
-        return len(spans)
+        path = self.run_dir / SPANS_FILE
+        if not path.exists():
+            _from_trace(self.run_dir)  # a run of an earlier asyncrl wrote timeline.json only
+        if not path.exists():
+            return 0
+        cut, kept, last, at = None, 0, float("-inf"), 0
+        with open(path, "rb") as f:
+            for line in f:
+                e = _parse(line)
+                if e is None or e["ph"] == "X" and e["args"]["step"] > upto:
+                    cut = at if cut is None else cut  # (one cut short by a kill: cut too)
+                elif e["ph"] == "M":
+                    self._lanes.setdefault(e["args"]["name"], []).append(e["tid"])
+                    self._ends[e["tid"]] = float("-inf")
+                else:
+                    kept, last = kept + 1, max(last, e["ts"] + e["dur"])
+                at += len(line)
+        size = at if cut is None else _cut(path, cut, upto)
+        self._marks = [(0, -1), (size, upto)]
+        if kept:  # (each process has its own clock)
+            self._zero, self._base = self.origin, last + 1e6
+        return kept
 
 
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """A line of timeline.jsonl; None for one cut short by a kill (or not asyncrl's)."""
+    try:
+        e = dict(json.loads(line)) if line.endswith(b"\n") else {}
+        int(e["tid"])
+        if e["ph"] == "X":
+            int(e["args"]["step"]), float(e["ts"]) + float(e["dur"])
+        elif e["ph"] != "M" or not isinstance(e["args"]["name"], str):
+            return None
+        return e
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _append(path: Path, data: bytes) -> int:
+    """Append `data` to `path`, on disk when this returns; the file's new size. A write that
+    fails (a full disk) is undone: no line cut short among whole ones."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    before = os.fstat(fd).st_size
+    try:
+        view = memoryview(data)
+        while view:  # (a write may take only part)
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        return os.fstat(fd).st_size
+    except BaseException:
+        os.ftruncate(fd, before)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _keeps(line: bytes, upto: int) -> bool:
+    e = _parse(line)
+    return e is not None and (e["ph"] == "M" or e["args"]["step"] <= upto)
+
+
+def _cut(path: Path, offset: int, upto: int) -> int:
+    """Drop the lines of steps after `upto` from `path`, from byte `offset` on (the lines
+    before it are kept: a rewind's or a resume's cut rewrites only the latest writes'); its
+    new size. The kept lines go through a temporary file: memory stays flat."""
+    if not path.exists():
+        return 0
+    with open(path, "r+b") as f, tempfile.TemporaryFile() as rest:
+        f.seek(offset)
+        for line in f:
+            if _keeps(line, upto):
+                rest.write(line)
+        rest.seek(0)
+        f.seek(offset)
+        f.truncate()
+        while chunk := rest.read(CHUNK):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def _copy_lines(src: IO[bytes], out: IO[bytes]) -> None:
+    """`src`'s whole lines, separated by commas (a last one cut short by a kill left out),
+    a chunk at a time."""
+    sep, rest = b"", b""
+    while chunk := src.read(CHUNK):
+        chunk = rest + chunk
+        whole = chunk.rfind(b"\n") + 1
+        body, rest = chunk[:whole], chunk[whole:]
+        if body:
+            out.write(sep + body[:-1].replace(b"\n", b",\n") + b"\n")
+            sep = b","
+
+
+def build_trace(run_dir: Path) -> Path:
+    """RUN_DIR/timeline.json, the Chrome trace of timeline.jsonl's lines, streamed; replaced
+    whole (a temporary file of its own, on disk before the rename): a kill mid-write leaves
+    the previous one, and a checkpoint's build still running beside the run's last one
+    does not mix with it."""
+    path = run_dir / TRACE_FILE
+    replace_file(path, lambda out: _write_trace(run_dir / SPANS_FILE, out))
+    return path
+
+
+def _write_trace(spans: Path, out: IO[bytes]) -> None:
+    out.write(b'{"traceEvents": [\n')
+    if spans.exists():
+        with open(spans, "rb") as f:
+            _copy_lines(f, out)
+    out.write(b'], "displayTimeUnit": "ms"}\n')
+
+
+def _from_trace(run_dir: Path) -> None:
+    """timeline.jsonl from the timeline.json of a run that an earlier asyncrl wrote (its
+    whole trace at each checkpoint), read once; none, or one cut short: nothing."""
+    try:
+        trace = json.loads((run_dir / TRACE_FILE).read_text())["traceEvents"]
+        lines = "".join(json.dumps(e) + "\n" for e in trace if e["ph"] in ("M", "X"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    replace_file(run_dir / SPANS_FILE, lambda out: out.write(lines.encode()))
 
 
 def draw(trace_path: Path, png_path: Path) -> Path:
-    """A Gantt chart of a Chrome trace written by `Timeline.write`: one row per group
-    (more where its calls overlap).
+    """A Gantt chart of a Chrome trace written by `build_trace`: one row per group (more
+    where its calls overlap; a row's lanes together, in the order they were opened).
     ValueError names what is wrong with the trace; ImportError, how to get matplotlib."""
     try:
         import matplotlib
@@ -158,6 +311,9 @@ def draw(trace_path: Path, png_path: Path) -> Path:
         spans = [{**e, "name": str(e["name"]), "ms": (float(e["ts"]) / 1e3,
                                                      float(e["dur"]) / 1e3)}
                  for e in trace if e["ph"] == "X"]
+        order = sorted(rows, key=lambda t: (rows[t] != CONTROLLER_ROW, str(rows[t]), t))
+        y = {t: i for i, t in enumerate(order)}
+        lanes = [y[e["tid"]] for e in spans]  # (a span on a lane no line names: not ours)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{trace_path} is not a trace asyncrl wrote (cut short when the "
                          f"run was killed?): {type(err).__name__}: {err}") from None
@@ -166,10 +322,10 @@ def draw(trace_path: Path, png_path: Path) -> Path:
     names = sorted({e["name"] for e in spans})
     colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
     fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * len(rows)))
-    for e in spans:
-        ax.barh(e["tid"], e["ms"][1], left=e["ms"][0], height=0.6,
+    for e, lane in zip(spans, lanes, strict=True):
+        ax.barh(lane, e["ms"][1], left=e["ms"][0], height=0.6,
                 color=colors[e["name"]], edgecolor="black", linewidth=0.3)
-    ax.set_yticks(list(rows), [rows[t] for t in rows])
+    ax.set_yticks(range(len(order)), [rows[t] for t in order])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title("asyncrl timeline: node executions per group")
