@@ -255,7 +255,7 @@ def test_nccl_one_rank_communicator_through_cupy():
     ones = torch.ones(1 << 20, device="cuda")
     torch.cuda.synchronize()
     with torch.cuda.stream(end.stream):
-        torch.cuda._sleep(2_000_000_000)  # the link busy for about a second
+        torch.cuda._sleep(10_000_000_000)  # the link busy ~5 s: no host stall outlasts it
     t0 = time.perf_counter()
     post()
     posted = time.perf_counter() - t0

@@ -9,10 +9,9 @@ import re
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
-from helpers import ROOT, assert_gone, group_pids, poll_until, run
+from helpers import ROOT, assert_gone, group_pids, poll_until, run, wait_until
 
 import asyncrl
 from asyncrl.controller.logs import LogSink
@@ -143,14 +142,17 @@ def test_asyncrl_logs_keeps_a_ranks_lines_whole_and_stops_quietly_for_head(tmp_p
     sink.close()
     assert list(read_log(tmp_path, "actor", 0))[:2] == ["sep\u2028arated", "form\x0cfeed"]
     assert list(read_log(tmp_path, "actor", 0, 20001))[0] == "form\x0cfeed"
-    logs = subprocess.Popen([sys.executable, "-m", "asyncrl", "logs", str(tmp_path),
-                             "--group", "actor", "--rank", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=ROOT)
-    assert logs.stdout.readline() == "sep\u2028arated\n".encode()
-    logs.stdout.close()  # as `head -1` does
-    assert logs.wait(60) == 0
-    with logs.stderr:
-        assert logs.stderr.read() == b""
+    with subprocess.Popen([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
+                           "actor", "--rank", "0"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, cwd=ROOT) as logs:  # (pipes closed, reaped)
+        try:
+            assert logs.stdout.readline() == "sep\u2028arated\n".encode()
+            logs.stdout.close()  # as `head -1` does
+            assert logs.wait(60) == 0
+            assert logs.stderr.read() == b""
+        finally:
+            if logs.poll() is None:  # (failed midway)
+                logs.kill()
 
 
 def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):
@@ -391,8 +393,7 @@ def test_a_console_that_does_not_read_never_stops_the_controller(tmp_path, monke
         sink.write("g", 0, [f"line {i}"])
     assert not reading.is_set() and not shown
     reading.set()  # it reads again
-    while sink.console._queue.qsize():  # (what it took, written)
-        time.sleep(0.01)
+    wait_until(lambda: not sink.console._queue.qsize(), 30, "the console to catch up")
     sink.write("g", 0, ["after"])
     sink.close()
     text = "".join(shown)

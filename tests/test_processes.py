@@ -239,8 +239,11 @@ def test_an_agent_killed_while_it_starts_children_leaves_none(tmp_path, monkeypa
         agent.proc.wait(10)
         assert_gone([int(p) for p in listed.read_text().split()], timeout=10)
     finally:
+        if agent.proc.poll() is None:  # (failed before it was killed: it pauses for ever)
+            agent.proc.kill()
+            agent.proc.wait()
         agent.proc.stdout.close()
-        for pid in map(int, listed.read_text().split()):
+        for pid in map(int, listed.read_text().split() if listed.exists() else ()):
             if pid_alive(pid):  # (ours: started by the test's agent)
                 os.kill(pid, signal.SIGKILL)
 

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -214,22 +213,22 @@ def test_a_scorer_process_killed_while_idle_costs_no_row():
 
 def crashes_beside_a_helper(prompt, response, answer):
     """Crashes on answer 2, after forking a helper (a multiprocessing pool's worker: it holds
-    the job pipes open), its pid written where the test says."""
+    the job pipes open, and never ends on its own), its pid written where the test says."""
     if answer == 2:
-        helper = mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+        helper = mp.get_context("fork").Process(target=threading.Event().wait, daemon=True)
         helper.start()
         Path(os.environ["ASYNCRL_TEST_SANDBOX"]).write_text(str(helper.pid))
         os.kill(os.getpid(), signal.SIGSEGV)
     return float(answer)
 
 
-@pytest.mark.timeout(90)  # (the helper's 60 s, before: for ever with a longer one)
+@pytest.mark.timeout(90)  # (for ever before, with no timeout_s: the helper never ends)
 @pytest.mark.parametrize(("timeout_s", "pidfd"), [(None, True), (30.0, True), (None, False)])
 def test_a_scorer_crashing_beside_a_helper_it_forked_fails_at_once(tmp_path, monkeypatch,
                                                                    timeout_s, pidfd):
     """Its crash is seen in its process's exit: its pipe's EOF, which the helper withheld,
     was waited for (as long as the helper lived; with a timeout the row scored as timed
-    out). The helper goes with it."""
+    out: no RuntimeError). The helper goes with it."""
     from asyncrl.hybrid.fn_pool import FunctionPool
     from asyncrl.rl.reward import row_inputs
 
@@ -238,13 +237,11 @@ def test_a_scorer_crashing_beside_a_helper_it_forked_fails_at_once(tmp_path, mon
         monkeypatch.delattr(os, "pidfd_open", raising=False)
     pool = FunctionPool(crashes_beside_a_helper, processes=1, timeout_s=timeout_s)
     seen = pool.pids()
-    start = time.monotonic()
     try:
         assert pidfd or getattr(pool.children[0], "pidfd", None) is None  # (polled)
         with pytest.raises(RuntimeError, match=rf"'crashes_beside_a_helper': its process "
                                                rf"{seen[0]} exited with -11 on row 1; see"):
             pool.call(row_inputs(crashes_beside_a_helper, answers(1, 2, 3)))
-        assert time.monotonic() - start < 20  # its start (imports) included
         seen.append(int((tmp_path / "helper.pid").read_text()))
         assert_gone(seen)  # the helper too, before the pool is closed
     finally:

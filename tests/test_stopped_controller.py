@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
@@ -28,8 +29,12 @@ def _start_hold(*extra: str, env: dict | None = None) -> tuple[subprocess.Popen,
     proc = subprocess.Popen([sys.executable, "-c", reset, *ASYNCRL[1:], "launch", HOLD,
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT, env=env)
-    line = proc.stdout.readline()
+    with selectors.DefaultSelector() as sel:  # its pids: one line, written at once
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        line = proc.stdout.readline() if sel.select(120) else ""
     if not line:
+        if proc.poll() is None:  # (silent for 120 s: killed)
+            proc.kill()
         _, err = proc.communicate(timeout=30)
         raise AssertionError(f"driver failed: {err}")
     return proc, json.loads(line)
@@ -106,10 +111,12 @@ def test_a_killed_controllers_ranks_leave_no_shared_memory(killed_driver_env, fo
     /dev/shm, RAM until a reboot. Each unlinks its own first now."""
     env = {**killed_driver_env, "ASYNCRL_FORK_RANKS": forked}
     proc, pids = _start_hold("--pull", env=env)
-    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"asyncrl-{pids['run']}-")]
-    assert mine, "the pulls made no segment"  # (else this test checks nothing)
-    proc.kill()
-    proc.communicate(timeout=10)
+    try:
+        mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"asyncrl-{pids['run']}-")]
+        assert mine, "the pulls made no segment"  # (else this test checks nothing)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
     assert_gone([pids["agent"], *pids["ranks"]], timeout=30)
     left = [n for n in os.listdir("/dev/shm") if n.startswith(f"asyncrl-{pids['run']}-")]
     for name in left:  # (not to leak them beyond this test)
