@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.controller.launch import Metrics, default_run_dir, scalars
-from asyncrl.controller.timeline import Event, Timeline
+from asyncrl.controller.timeline import Event, Timeline, draw
 from asyncrl.controller.trackers import Wandb
 
 
@@ -280,3 +280,32 @@ def test_a_run_of_an_earlier_asyncrl_resumes_with_its_timeline_json(tmp_path):
     (tmp_path / "timeline.jsonl").unlink()
     assert Timeline(tmp_path).resume(0) == 10
     assert len(perfetto_lanes(tmp_path)[1]) == 20  # (rebuilt at the next write)
+
+
+def test_timeline_trace_and_png(tmp_path):
+    tl = Timeline(tmp_path)
+    tl.node("rollout", 0, 1.0, 1.2)
+    tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
+    tl.write(tl.take())
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert [(e["cat"], e["ts"], e["dur"]) for e in spans] == [
+        ("controller", 0.0, 200000.0), ("policy", 0.0, 500000.0)]
+    png = draw(tmp_path / "timeline.json", tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_a_resumed_run_keeps_the_earlier_steps_in_its_timeline(tmp_path):
+    first = Timeline(tmp_path)
+    for t in range(3):
+        first.add(Event("policy", "rollout", t, 100.0 + t, 100.5 + t))
+    first.write(first.take())
+    resumed = Timeline(tmp_path)  # resumed after step 1's checkpoint: step 2 runs again
+    assert resumed.resume(1) == 2
+    resumed.add(Event("policy", "rollout", 2, resumed.origin + 0.1, resumed.origin + 0.6))
+    resumed.write(resumed.take())
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    spans = sorted((e["args"]["step"], e["ts"], e["dur"]) for e in trace if e["ph"] == "X")
+    assert [s for s, *_ in spans] == [0, 1, 2] and all(d == 500000.0 for *_, d in spans)
+    assert spans[1][1] - spans[0][1] == 1e6  # their spacing kept, and before the new step
+    assert spans[2][1] > spans[1][1] + spans[1][2]
