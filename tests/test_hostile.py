@@ -179,7 +179,7 @@ def test_a_message_the_ranks_io_thread_fails_on_does_not_end_it(monkeypatch, cap
                            hb_interval=0.05, hb_timeout=60.0, taken=False, controller="",
                            dropped=0, store=Store(), gone=SimpleNamespace(add=lambda m: None),
                            exec_seen=(0.0, 0, 0), exec=SimpleNamespace(sent=0), stamp_heard=0.0,
-                           relays=[], concurrent_socks=[])
+                           relays=[], concurrent_socks=[], beside=[])
     rank.on_io = functools.partial(RankMain.on_io, rank)
     rank.heartbeat = functools.partial(RankMain.heartbeat, rank)
     assert RankMain.serve(rank) == 0  # Shutdown read after the failure
