@@ -162,10 +162,43 @@ def test_grpo_groups_must_each_answer_one_prompt():
     # the same prompt padded to another width (another rank's batch) is the same prompt
     assert prompt_fingerprints(batch([a], 6)).tolist() == prints[:1].tolist()
     # more mini-batches than rows (a short last batch): one step per row, none on nothing
-    assert [len(m) for m in mini_batches(batch([a] * 3, 3), RLConfig(
+    def masked(rows: int) -> TensorBatch:
+        return batch([a] * rows, 3).union(TensorBatch({"loss_mask": torch.ones(rows, 2)}))
+    assert [m.real_rows for m in mini_batches(masked(3), RLConfig(
         group_size=2, mini_batches=4))] == [1, 1, 1]
-    assert [len(m) for m in mini_batches(batch([a] * 5, 3), RLConfig(
-        group_size=2, mini_batches=2))] == [3, 2]
+    parts = mini_batches(masked(5), RLConfig(group_size=2, mini_batches=2))
+    assert [m.real_rows for m in parts] == [3, 2] and [len(m) for m in parts] == [3, 3]
+    assert parts[1].tensor("loss_mask")[2].sum() == 0  # the padding row trains on nothing
+
+
+@pytest.mark.parametrize(("rows", "dp", "n"), [(48, 8, 4), (5, 4, 2), (10, 4, 3), (7, 2, 3)])
+def test_mini_batches_are_near_equal_over_the_ranks_together(rows, dp, n):
+    """Every rank cut its rows alike: the first mini-batches took every rank's extra row and
+    the last every DP padding row (48 rows on 8 ranks in 4 steps: 16, 16, 8, 8; 5 on 4 in 2:
+    4 and 1), so some steps weighed each sample 2-4x the others'."""
+    from unittest import mock
+
+    from asyncrl.comm.batch import TensorBatch
+    from asyncrl.rl.batch import mini_batches, valid_rows
+    from asyncrl.rl.config import RLConfig
+
+    full = TensorBatch({"x": torch.arange(rows), "loss_mask": torch.ones(rows, 3)})
+    chunks = full.chunk(dp, pad=True)
+    per_rank = []
+    for rank, chunk in enumerate(chunks):  # the DP padding rows train on nothing (assemble)
+        chunk = TensorBatch({"x": chunk["x"], "loss_mask": chunk["loss_mask"] * valid_rows(
+            chunk)[:, None]}, chunk.meta)
+        with mock.patch("torch.distributed.is_initialized", return_value=True), \
+                mock.patch("torch.distributed.get_rank", return_value=rank):
+            per_rank.append(mini_batches(chunk, RLConfig(group_size=2, mini_batches=n)))
+    for i in range(n):  # the ranks' i-th parts: one length (their micro-batch counts agree)
+        assert len({len(parts[i]) for parts in per_rank}) == 1
+    trained = [sum(int((p[i].tensor("loss_mask").sum(1) > 0).sum()) for p in per_rank)
+               for i in range(n)]
+    assert max(trained) - min(trained) <= 1 and sum(trained) == rows, trained
+    taken = sorted(int(x) for parts in per_rank for p in parts
+                   for x, m in zip(p["x"], p.tensor("loss_mask").sum(1), strict=True) if m > 0)
+    assert taken == list(range(rows))  # every row trained once
 
 
 def test_grpo_refuses_a_group_size_other_than_the_sources_repeat():

@@ -158,7 +158,7 @@ class Actor(Policy):
         try:
             runs, skipped = trained_steps(
                 (count_globally(mini, group) for _ in range(self.rl.epochs)
-                 for mini in mini_batches(train, self.rl)), step)
+                 for mini in mini_batches(train, self.rl, group)), step)
         finally:  # the weights moved (a later mini-batch may have failed): a new version;
             if stepped[0]:  # else the policy is the one that generated (its version too)
                 self.version += 1

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.actors.protocols import _dp_split, _rank_zero_collect, register_protocol
-from asyncrl.comm.batch import TensorBatch
+from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.turns import sampled_mask
 from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty
 from asyncrl.rl.config import RLConfig
@@ -140,15 +140,44 @@ def token_rewards(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
     return rewards
 
 
-def mini_batches(train: TensorBatch, cfg: RLConfig) -> list[TensorBatch]:
-    """The batch in `cfg.mini_batches` near-equal parts, one optimizer step each; fewer when
-    this rank holds fewer rows (a short last batch of dynamic sampling): a part without rows
-    would step the optimizer on nothing."""
+def mini_batches(train: TensorBatch, cfg: RLConfig, group: Any = None) -> list[TensorBatch]:
+    """The batch in `cfg.mini_batches` parts, one optimizer step each, near-equal over the
+    group's ranks together: each rank's real rows cut near-equally, the parts that take a
+    row more rotated by its rank, and every part padded to one length with rows that train
+    on nothing (the ranks' micro-batch counts agree). Cut alike on every rank, the first
+    parts took every rank's extra row and the last every DP padding row: 48 rows on 8 ranks
+    in 4 steps of 16, 16, 8 and 8. Fewer parts when a rank holds fewer rows (a short last
+    batch of dynamic sampling): a part without rows would step the optimizer on nothing."""
     if len(train) < cfg.mini_batches:
         log.warning("asyncrl: RLConfig.mini_batches=%d, but this rank holds %d rows of the "
                     "batch: %d optimizer steps this time", cfg.mini_batches, len(train),
                     max(len(train), 1))
-    return train.chunk(max(1, min(cfg.mini_batches, len(train))))
+    n = max(1, min(cfg.mini_batches, len(train)))  # (the same on every rank: equal rows)
+    if n == 1:
+        return [train]
+    base, extra = divmod(train.real_rows, n)
+    shift = dist.get_rank(group) if dist.is_initialized() else 0
+    width = -(-len(train) // n)
+    parts, start = [], 0
+    for i in range(n):
+        size = base + ((i - shift) % n < extra)
+        parts.append(_padded(train.slice(start, start + size), width, train))
+        start += size
+    return parts
+
+
+def _padded(part: TensorBatch, width: int, like: TensorBatch) -> TensorBatch:
+    """`part` of `width` rows: copies of its last row (of `like`'s first, if it has none),
+    their loss_mask zeroed and marked as padding."""
+    missing = width - len(part)
+    if not missing:
+        return part
+    src = part if len(part) else like.slice(0, 1)
+    out = src.take([*range(len(part)), *[len(src) - 1] * missing])
+    mask = out.tensor("loss_mask").clone()
+    mask[len(part):] = 0
+    return TensorBatch({k: mask if k == "loss_mask" else v for k, v in out.items()},
+                       {**part.meta, PAD_KEY: missing})
 
 
 def prompt_fingerprints(batch: TensorBatch) -> torch.Tensor:

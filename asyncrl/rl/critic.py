@@ -118,7 +118,7 @@ class Critic(Worker):
                               "values", "loss_mask"]).union(TensorBatch({"returns": returns}))
         runs, skipped = trained_steps(
             (count_globally(mini, self.backend.stats_group) for _ in range(self.rl.epochs)
-             for mini in mini_batches(train, self.rl)),
+             for mini in mini_batches(train, self.rl, self.backend.stats_group)),
             lambda mini: self.backend.train_step(mini, value_loss(self.rl)))
         if runs:  # as the actor's: no update where every row was dropped
             self.version += 1
