@@ -163,6 +163,12 @@ def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
     # floating, but transformers failed deep inside on it
     with pytest.raises(ValueError, match="'float8_e4m3fn' is not a floating torch dtype"):
         export(tmp_path / "run", tmp_path / "out", group="actor", dtype="float8_e4m3fn")
+    # an alias a model's dtype takes ("half") exports as what it names
+    from types import SimpleNamespace
+
+    from asyncrl.hybrid.export import _dtype
+    assert _dtype(None, SimpleNamespace(dtype=None),
+                  ModelConfig(preset="tiny-llama", dtype="half")) is torch.float16
 
     import torch.distributed.checkpoint as dcp  # GPT-2's weights under a Llama's model.json
 

@@ -539,3 +539,37 @@ def test_a_node_whose_own_inputs_run_out_ends_the_run_with_its_last_checkpoint(c
     assert asyncio.run(main()) == ([1, 1], [(1, 1)], 2, "sample")
     assert "node 'sample', step 2: dynamic sampling found no group whose rewards differ in 2 " \
            "groups before the prompts ran out: the run ends" in capsys.readouterr().err
+
+
+class ShufflesEachPass:
+    """An input read again in another order on each pass (a DataLoader with shuffle=True
+    and a seeded generator): the resume's pass is the second since the process started."""
+
+    def __init__(self) -> None:
+        import random
+
+        self.rng = random.Random(0)
+
+    def __iter__(self):
+        order = list(range(20))
+        self.rng.shuffle(order)
+        return iter(order)
+
+
+def test_a_resume_reads_a_reshuffling_input_as_the_run_did():
+    """The check before the groups start read such an input once more: the resume then read
+    a third order, refused as "another item" (or, with items no digest covers, trained on
+    other rows, some twice)."""
+    from asyncrl.controller.inputs import Inputs
+
+    ran = Inputs({"x": ShufflesEachPass()})  # the run that saved the checkpoint
+    ran.reset()
+    taken = [ran.next()["x"] for _ in range(6)]
+    ran.consumed["x"] = 5
+    ran._last["x"] = taken[4]
+    saved = ran.positions()
+    resumed = Inputs({"x": ShufflesEachPass()})  # a new process: the same seed
+    resumed.check(saved)  # before any group starts
+    resumed.reset()
+    resumed.resume_at(5, saved)
+    assert resumed.next()["x"] == taken[5]

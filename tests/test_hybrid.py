@@ -238,15 +238,20 @@ class QuickPolicy(Policy):
     sync_release_timeout = 2.0
 
 
-def test_a_sync_pack_held_too_long_fails_every_rank_at_once_and_the_next_step_trains():
+@pytest.mark.parametrize(("cls", "collective", "held"), [
+    (QuickPolicy, 300.0, "2"),
+    (Policy, 10.0, "8")])  # (its wait cut to 0.8 of a collective timeout below its own 300 s)
+def test_a_sync_pack_held_too_long_fails_every_rank_at_once_and_the_next_step_trains(
+        cls, collective, held):
     """Only rank 0 holds sync packs: it alone timed out waiting for the last one to be
     released, while its peer went on into the step's first all_gather and waited there until
-    the collective timeout (then the group's collectives were out of step)."""
+    the collective timeout (then the group's collectives were out of step). Its peers wait in
+    a collective meanwhile: a wait past the collective timeout failed them alone."""
     batch = fixed_batch()
 
     async def main():
-        async with asyncrl.Controller(collective_timeout=300.0) as ctl:
-            policy = await ctl.spawn(QuickPolicy, {"preset": "tiny-llama", "seed": 5},
+        async with asyncrl.Controller(collective_timeout=collective) as ctl:
+            policy = await ctl.spawn(cls, {"preset": "tiny-llama", "seed": 5},
                                      {"lr": 3e-3, "micro_batch_size": 2}, nprocs=2,
                                      hybrid=False, name="trainer")
             pids = group_pids(policy)
@@ -257,7 +262,7 @@ def test_a_sync_pack_held_too_long_fails_every_rank_at_once_and_the_next_step_tr
 
             def said() -> str:
                 return "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
-            await poll_until(lambda: "still held after 2 s" in said() and "waiting for the "
+            await poll_until(lambda: f"still held after {held} s" in said() and "waiting for the "
                              "last sync_pack to be released failed on another rank" in said(),
                              30, "both ranks' errors")
             del pack  # released: the next step goes

@@ -309,3 +309,27 @@ def test_a_resumed_run_keeps_the_earlier_steps_in_its_timeline(tmp_path):
     assert [s for s, *_ in spans] == [0, 1, 2] and all(d == 500000.0 for *_, d in spans)
     assert spans[1][1] - spans[0][1] == 1e6  # their spacing kept, and before the new step
     assert spans[2][1] > spans[1][1] + spans[1][2]
+
+
+def test_spans_a_failed_write_took_are_written_by_the_next(tmp_path, monkeypatch):
+    """take() removed a checkpoint's spans from memory before the write, which a full disk
+    failed: they were gone for good (the save's retry found nothing to write)."""
+    import asyncrl.controller.timeline as timeline_module
+
+    tl = Timeline(tmp_path)
+    tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
+    real = timeline_module._append
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(timeline_module, "_append", full)
+    taken = tl.take(0)
+    with pytest.raises(OSError):
+        tl.write(taken)
+    tl.put_back(taken)  # as launch's save does when its write fails
+    tl.add(Event("policy", "train", 1, 1.6, 1.9))
+    monkeypatch.setattr(timeline_module, "_append", real)
+    tl.write(tl.take(1))
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X") == [
+        (0, "rollout"), (1, "train")]

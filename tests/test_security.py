@@ -487,6 +487,16 @@ def test_a_value_from_a_peer_never_runs_the_file_a_reference_in_it_names(tmp_pat
     environ = msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(["os", "environ", ""]))
     with pytest.raises(TypeError, match="only classes and functions travel by name"):
         codec.decode(msgspec.msgpack.encode(environ))
+    # nor a module's lazy __getattr__ (numpy imports numpy.fft on first use), checked in a
+    # process where nothing imported it yet
+    lazy = subprocess.run([sys.executable, "-c", (
+        "import sys, msgspec, numpy; from asyncrl.comm import codec\n"
+        "ref = msgspec.msgpack.encode(['numpy', 'fft.fft', ''])\n"
+        "try:\n    codec.decode(msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_REF, ref)))\n"
+        "except ImportError:\n    pass\n"
+        "print('numpy.fft' in sys.modules, codec.decode(codec.encode(numpy.zeros)) is "
+        "numpy.zeros)")], capture_output=True, text=True, timeout=120)
+    assert lazy.stdout.split() == ["False", "True"], lazy.stderr[-2000:]
 
 
 def test_a_run_dir_every_user_can_write_is_refused_before_anything_is_written(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import types
@@ -45,11 +46,23 @@ def resolve_ref(module: str, qualname: str, file: str, load: bool = True) -> Any
     mod = _module_for(module, file, load)
     obj: Any = mod
     for part in qualname.split("."):
-        obj = getattr(obj, part)
+        # a peer's value: what is there, read plainly (a module's __getattr__ imports a
+        # submodule, a descriptor runs code)
+        obj = getattr(obj, part) if load else _attribute(obj, part, module, qualname)
     if not load and not is_referable(obj):  # (os.environ, a module's live state)
         raise TypeError(f"a value from a peer names {module}:{qualname}, a "
                         f"{type(obj).__name__}: only classes and functions travel by name")
     return obj
+
+
+def _attribute(obj: Any, name: str, module: str, qualname: str) -> Any:
+    try:
+        found = inspect.getattr_static(obj, name)
+        return found.__func__ if isinstance(found, staticmethod) else found
+    except AttributeError:
+        raise ImportError(f"a value from a peer names {module}:{qualname}, which is not "
+                          f"there without importing more (values from peers never run a "
+                          f"file or an import): import it before the value comes") from None
 
 
 def _same_file(mod: types.ModuleType, file: str) -> bool:

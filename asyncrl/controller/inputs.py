@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from asyncrl.controller.nodes import FlowError
@@ -99,7 +99,9 @@ class Inputs:
                 except ValueError as e:
                     raise CheckpointError(f"input {name!r}: {e}") from e
             elif name in positions and "consumed" in positions[name] and \
-                    not isinstance(source, Iterator) and not _restorable(source):
+                    isinstance(source, Sequence) and not _restorable(source):  # (a list, a
+                # range: read again alike; a DataLoader that shuffles on each pass would
+                # give the resume another order than this check saw)
                 it = _iterate(source)  # (not a one-shot iterator's: the run reads it once)
                 if it is not None:
                     _skipped(name, it, positions[name], rewind=False)

@@ -283,7 +283,11 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         # from it off the loop (the whole trace was built from every event of the run at
         # each checkpoint: ~2.7 s for 400k events, near a heartbeat timeout, on the loop)
         events = timeline.take(step)
-        await asyncio.to_thread(timeline.write, events)
+        try:
+            await asyncio.to_thread(timeline.write, events)
+        except BaseException:  # (a full disk, a cancel): kept for the next write
+            timeline.put_back(events)
+            raise
         metrics.flush()
         if (run_dir / "metrics.jsonl").exists():  # its rows up to the checkpoint, on disk
             await asyncio.to_thread(sync_file, run_dir / "metrics.jsonl")

@@ -90,6 +90,12 @@ class Timeline:
         steps = sorted(t for t in self._by_step if upto is None or t <= upto)
         return [e for t in steps for e in self._by_step.pop(t)]
 
+    def put_back(self, events: list[Event]) -> None:
+        """Events `take` gave that could not be written (on the loop): the next write has
+        them, before the events added meanwhile."""
+        for e in reversed(events):
+            self._by_step.setdefault(e.step, []).insert(0, e)
+
     def drop_after(self, step: int) -> None:
         """Forget the events of the steps after `step` (they run again), in memory and in
         timeline.jsonl (timeline.json follows at the next write)."""

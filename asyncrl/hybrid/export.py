@@ -264,8 +264,9 @@ def _dtype(asked: str | None, config: Any, cfg: ModelConfig) -> torch.dtype:
     source = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     name = asked or (str(source).removeprefix("torch.") if source else cfg.dtype)
     # float8 and the like are floating too, but transformers fails deep inside on them
-    target = getattr(torch, name, None) if name in EXPORT_DTYPES else None
-    if target is None:
+    target = getattr(torch, name, None)  # (an alias, "half", as a model's dtype takes it)
+    if not isinstance(target, torch.dtype) or str(target).removeprefix("torch.") not in \
+            EXPORT_DTYPES:
         raise ValueError(f"dtype {name!r} is not a floating torch dtype an export writes "
                          f"(float32, bfloat16, float16, float64)")
     return target

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from asyncrl.actors.protocols import DP_AXIS, Dispatch
+from asyncrl.actors.rank_main import collective_timeout
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
@@ -242,10 +243,12 @@ class Policy(Worker):
         its peers too (they waited in the step's first all_gather until the collective
         timeout, and the group's collectives were out of step after it)."""
         waited = [0.0]
+        # within the collective timeout: the peers wait in agree's all_reduce meanwhile
+        limit = min(self.sync_release_timeout if timeout is None else timeout,
+                    0.8 * collective_timeout())
 
         def wait() -> None:
-            waited[0] = self.sync_source.wait_released(
-                self.sync_release_timeout if timeout is None else timeout)
+            waited[0] = self.sync_source.wait_released(limit)
         agree(attempt(wait), "waiting for the last sync_pack to be released")
         return waited[0]
 
