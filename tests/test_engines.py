@@ -357,3 +357,29 @@ def test_greedy_decoding_refuses_nan_logits_as_sampling_does():
         engine = Sampler(model, SamplingConfig(max_new_tokens=3, temperature=temperature))
         with pytest.raises(ValueError, match="contain NaN"):
             engine.generate([[1, 2, 3]], seeds=[0])
+
+
+def test_a_calls_stop_token_ids_keep_the_models_end_of_sequence(tmp_path):
+    """A role's stop_token_ids had the checkpoint's EOS ids added, one call's
+    (generate(p, sampling={"stop_token_ids": [3]})) replaced them: generation ran on past
+    the EOS. The same merge for both; [] still stops nowhere, which multi-turn refuses."""
+    from asyncrl.comm.batch import TensorBatch
+    from asyncrl.hybrid.roles import call_config, sampling_config
+    from asyncrl.hybrid.turns import Turns, multi_turn_config
+
+    build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [5, 7]}))
+    model = ModelConfig(path=str(tmp_path / "ckpt"))
+    role = sampling_config({"stop_token_ids": [9]}, model)
+    assert call_config(role, {"stop_token_ids": [3, 7]}, model).stop_token_ids == [3, 7, 5]
+    assert call_config(role, {"temperature": 0}, model).stop_token_ids == [9, 5, 7]
+    assert call_config(role, None, model) is role
+    none = call_config(role, {"stop_token_ids": []}, model)
+    assert none.stop_token_ids == []
+    preset = ModelConfig(seed=0)  # no EOS ids of its own
+    assert call_config(sampling_config({}, preset), {"stop_token_ids": [3]}, preset
+                       ).stop_token_ids == [3]
+    turns = Turns(multi_turn_config({"env": lambda prompt, response: None}))
+    with pytest.raises(ValueError, match="multi_turn= needs stop tokens"):
+        turns.generate(None, TensorBatch({"prompt": [[1]], "seed": [0]}), [[1]], [0], none)

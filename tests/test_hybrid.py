@@ -415,3 +415,46 @@ def test_hybrid_policy_on_zero3_round_trip():
     half = 4 * sum(p.numel() for p in params) / 2
     assert report["mode"] == "generate" and abs(report["offloaded_bytes"] - half) <= 4 * len(params)
 
+
+
+def test_a_trainers_model_has_no_dropout_whatever_its_config_calls_it(tmp_path):
+    """Only a fixed list of dropout fields was zeroed: StarCoder2's residual_dropout and
+    embedding_dropout stayed on, and a trainer's log-probs (train mode) carried dropout
+    noise, PPO's ratio noisy from step 0. Every float field named like a rate is zeroed,
+    in sub-configs and dicts too (DBRX's attn_config.attn_pdrop)."""
+    from transformers import AutoModelForCausalLM, DbrxConfig, Starcoder2Config
+
+    from asyncrl.hybrid.models import zero_dropout
+
+    config = Starcoder2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                              residual_dropout=0.1, embedding_dropout=0.1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    model = build_model(ModelConfig(path=str(tmp_path / "ckpt"))).train()
+    ids = torch.tensor([PROMPTS[2]])
+    assert torch.equal(model(ids).logits, model(ids).logits)
+    dbrx = DbrxConfig(emb_pdrop=0.1, attn_config={"attn_pdrop": 0.1})
+    nested = {"layerdrop": 0.1, "sub": {"mlp_dropout": 0.2, "use_dropout": True}}
+    zero_dropout(dbrx)
+    zero_dropout(nested)
+    assert (dbrx.emb_pdrop, dbrx.attn_config.attn_pdrop) == (0, 0)
+    assert nested == {"layerdrop": 0, "sub": {"mlp_dropout": 0, "use_dropout": True}}
+
+
+def test_model_overrides_name_the_setting_that_does_what_they_would(tmp_path):
+    """overrides={"dtype": ...} passed (the config has the field) and changed nothing: the
+    weights stayed float32; "attn_implementation" was refused as no field; a vocab_size
+    larger than the checkpoint's failed with transformers' ignore_mismatched_sizes advice,
+    no asyncrl option."""
+    for key, value in (("dtype", "bfloat16"), ("torch_dtype", torch.bfloat16)):
+        with pytest.raises(ValueError, match=rf"'{key}' does not set the weights' dtype; give "
+                                             rf"model={{..., 'dtype': 'bfloat16'}} "
+                                             rf"\(ModelConfig.dtype=\)"):
+            ModelConfig(overrides={key: value})
+    model = build_model(ModelConfig(overrides={"attn_implementation": "eager"}))
+    assert model.config._attn_implementation == "eager"
+    build_model(ModelConfig(seed=1)).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"overrides \{'vocab_size': 160\}: the weights of "
+                                         r"checkpoint .*resize_token_embeddings\(n\)"):
+        build_model(ModelConfig(path=str(tmp_path / "ckpt"), overrides={"vocab_size": 160}))

@@ -370,3 +370,43 @@ def test_the_readmes_settings_at_a_glance_are_the_settings_and_their_defaults():
                  repr(f.default_factory()) if f.default_factory is not MISSING else "")
                 for f in fields(cls) if f.init]
         assert listed == want, (cls.__name__, listed, want)
+
+
+def test_a_critic_from_a_tied_checkpoint_untied_by_an_override_builds(tmp_path):
+    """The override that unties a tied checkpoint's head (LoRA's modules_to_save) failed a
+    critic's build with an AttributeError: its backbone has no head to untie."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.hybrid.models import tiny_llama
+
+    config = tiny_llama()
+    config.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    critic = build_value_model(ModelConfig(path=str(tmp_path / "ckpt"),
+                                           overrides={"tie_word_embeddings": False}))
+    assert critic.model.get_output_embeddings() is None
+    assert critic.value_head.weight.abs().max() == 0
+
+
+def test_a_tokenizer_with_code_of_its_own_is_refused_at_once(tmp_path, monkeypatch):
+    """transformers asked "Do you wish to run the custom code? [y/N]" on a terminal (a rank
+    waited on it) before failing; asyncrl runs no tokenizer's code and says what to give."""
+    import json
+
+    from helpers import word_tokenizer
+
+    from asyncrl.hybrid.user_fn import load_tokenizer
+
+    folder = word_tokenizer(tmp_path / "tok")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings |= {"tokenizer_class": "MyTokenizer",
+                 "auto_map": {"AutoTokenizer": ["tokenization_mine.MyTokenizer", None]}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+
+    def asked(*args):
+        raise AssertionError("asked on the terminal")
+    monkeypatch.setattr("builtins.input", asked)
+    with pytest.raises(ValueError, match=r"auto_map in its tokenizer_config.json .*asyncrl "
+                                         r"does not run a tokenizer's code: give a folder with "
+                                         r"a plain tokenizer.json"):
+        load_tokenizer(str(folder))

@@ -9,6 +9,7 @@ reward models are the same backbone with a scalar head (`ValueModel`): `sequence
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,12 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype: {self.dtype!r} is not a torch floating "
                              f"point dtype (float32, bfloat16, float16)")
         self.lora = lora_config(self.lora)  # a bad entry fails before any group starts
+        for key in ("dtype", "torch_dtype"):  # (set on the config, it changed nothing)
+            if isinstance(self.overrides, dict) and key in self.overrides:
+                raise ValueError(f"ModelConfig.overrides: {key!r} does not set the weights' "
+                                 f"dtype; give model={{..., 'dtype': "
+                                 f"{str(self.overrides[key]).removeprefix('torch.')!r}}} "
+                                 f"(ModelConfig.dtype=) instead")
 
     def frozen_model(self) -> dict[str, Any]:
         """What fixes a LoRA model's frozen weights (a preset's seed; a checkpoint's path, as
@@ -96,10 +103,30 @@ class ModelConfig:
 
 
 # RL compares the log-probs of one sequence under the engine, the trainer and the reference:
-# dropout in the trainer's forward passes would make them differ (verl turns it off too)
-DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-            "summary_first_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
-            "activation_dropout", "classifier_dropout", "dropout")
+# dropout in the trainer's forward passes would make them differ (verl turns it off too).
+# Config fields name their rates many ways (StarCoder2's residual_dropout, MPT's emb_pdrop,
+# OPT's layerdrop, some in a sub-config: DBRX's attn_config.attn_pdrop): matched by name
+DROPOUT = re.compile("dropout|pdrop|layerdrop", re.IGNORECASE)
+
+
+def zero_dropout(node: Any, seen: set[int] | None = None) -> None:
+    """Every non-zero float field of `node` (a transformers config or a dict) named like a
+    dropout rate set to 0, in the sub-configs and dicts it holds too."""
+    from transformers import PretrainedConfig
+
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    items = node if isinstance(node, dict) else vars(node)
+    for key, value in list(items.items()):
+        if isinstance(value, float) and value and isinstance(key, str) and DROPOUT.search(key):
+            if isinstance(node, dict):
+                node[key] = 0.0
+            else:
+                setattr(node, key, 0.0)
+        elif isinstance(value, dict | PretrainedConfig):
+            zero_dropout(value, seen)
 
 
 def hf_config(cfg: ModelConfig, dropout_off: bool = True) -> Any:
@@ -122,10 +149,11 @@ def hf_config(cfg: ModelConfig, dropout_off: bool = True) -> Any:
     else:
         assert cfg.preset is not None
         config = PRESETS[cfg.preset]()
-    for key in DROPOUTS if dropout_off else ():
-        if isinstance(getattr(config, key, None), float) and getattr(config, key):
-            setattr(config, key, 0.0)
+    if dropout_off:
+        zero_dropout(config)
     for key, value in cfg.overrides.items():
+        if key == "attn_implementation":  # transformers' keyword; its config's field is
+            key = "_attn_implementation"  # private (set there, the model is built with it)
         if not hasattr(config, key):
             raise ValueError(f"ModelConfig.overrides: {type(config).__name__} has no field "
                              f"{key!r}")
@@ -138,11 +166,17 @@ def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
     (drawn from `cfg.seed`): the same on every rank."""
     dtype = getattr(torch, cfg.dtype)
     config = hf_config(cfg)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
+    # drawn on the CPU; started CUDA generators are seeded too, and restored (each rank's
+    # went on from cfg.seed after a build); unstarted ones are left alone (torch.manual_seed
+    # would queue cfg.seed for their start)
+    cuda = torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
+        if cuda:
+            torch.manual_seed(cfg.seed)
+        else:
+            torch.random.default_generator.manual_seed(cfg.seed)
         if cfg.path is not None:
-            model = auto.from_pretrained(cfg.path, config=config, local_files_only=True,
-                                         dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            model = _pretrained(cfg, auto, config, dtype)
             if cfg.overrides.get("tie_word_embeddings") is False:
                 _untied(model, cfg)
         else:  # its parameters cast, not its buffers (as from_pretrained): a bf16 engine's
@@ -153,6 +187,22 @@ def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
         if cfg.lora is not None:
             apply_lora(model, cfg.lora)
         return model
+
+
+def _pretrained(cfg: ModelConfig, auto: Any, config: Any, dtype: torch.dtype) -> Any:
+    assert cfg.path is not None
+    try:
+        return auto.from_pretrained(cfg.path, config=config, local_files_only=True,
+                                    dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    except RuntimeError as e:
+        if not cfg.overrides or "ignore_mismatched_sizes" not in str(e):  # (its advice
+            raise  # names no asyncrl option)
+        raise ValueError(f"ModelConfig.overrides {cfg.overrides}: the weights of checkpoint "
+                         f"{cfg.path} do not fit the shapes these give the model (transformers' "
+                         f"load report above lists them). To change the vocabulary, resize "
+                         f"the checkpoint once: load it with transformers, call "
+                         f"model.resize_token_embeddings(n), save_pretrained it, and give "
+                         f"that folder as path= without the override") from None
 
 
 def _untied(model: torch.nn.Module, cfg: ModelConfig) -> None:
@@ -167,6 +217,8 @@ def _untied(model: torch.nn.Module, cfg: ModelConfig) -> None:
                 "tie_word_embeddings", False):
         lm: Any = model
         head, embeddings = lm.get_output_embeddings(), lm.get_input_embeddings()
+        if head is None:  # a bare backbone (a critic's): no head to untie
+            return
         head.weight = torch.nn.Parameter(embeddings.weight.detach().clone())
 
 

@@ -69,12 +69,29 @@ def sampling_config(sampling: dict[str, Any] | None, model: ModelConfig) -> Samp
     vLLM does (an end-of-turn token given alone let a response run on past the EOS, scored
     and trained on); stop_token_ids=[]: no stop at all."""
     given = dict(sampling or {})
-    stops = given.get("stop_token_ids")
-    if model.path is not None and (stops is None or isinstance(stops, list | tuple) and stops):
-        eos = eos_token_ids(model.path)
-        given["stop_token_ids"] = eos if stops is None else \
-            [*stops, *(t for t in eos if t not in stops)]
+    if model.path is not None:
+        given["stop_token_ids"] = with_eos(given.get("stop_token_ids"), model.path)
     return from_dict(SamplingConfig, given, "sampling=")
+
+
+def call_config(cfg: SamplingConfig, sampling: dict[str, Any] | None, model: ModelConfig
+                ) -> SamplingConfig:
+    """A role's `cfg` with one call's `sampling` changes; stop_token_ids given there keep
+    the model's EOS ids beside them, as the role's do (they replaced them: a response ran on
+    past its EOS)."""
+    if isinstance(sampling, dict) and "stop_token_ids" in sampling and model.path is not None:
+        sampling = {**sampling, "stop_token_ids": with_eos(sampling["stop_token_ids"],
+                                                            model.path)}
+    return with_overrides(cfg, sampling)
+
+
+def with_eos(stops: Any, path: str) -> Any:
+    """The stop_token_ids given with the EOS ids of the checkpoint at `path` added (none
+    given: its EOS ids; [], or not a list: as given, refused later if not token ids)."""
+    if stops is not None and not (isinstance(stops, list | tuple) and stops):
+        return stops
+    eos = eos_token_ids(path)
+    return eos if stops is None else [*stops, *(t for t in eos if t not in stops)]
 
 
 def eos_token_ids(path: str) -> list[int]:
@@ -260,7 +277,7 @@ class Policy(Worker):
         if self.hybrid is None:
             raise RuntimeError(f"group {self.group_name!r} was built with hybrid=False: it only "
                                f"trains; generate on a Rollout group that receives its weights")
-        cfg = with_overrides(self.hybrid.engine.config, sampling)
+        cfg = call_config(self.hybrid.engine.config, sampling, self.model_cfg)
         self.hybrid.to_generate()
         self.hybrid.engine.version = self.version
         return generate_with(self.hybrid, self.turns, prompts, cfg)
@@ -403,7 +420,7 @@ class Rollout(Worker):
                  ) -> TensorBatch:
         """As Policy.generate."""
         return generate_with(self.engine, self.turns, prompts,
-                             with_overrides(self.engine.config, sampling))
+                             call_config(self.engine.config, sampling, self.model_cfg))
 
     @register(dispatch=ALL_RANKS, concurrent=True)
     def load_weights(self, weights: TensorBatch | dict[str, torch.Tensor],

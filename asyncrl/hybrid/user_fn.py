@@ -25,7 +25,18 @@ def load_tokenizer(tokenizer: Any) -> Any:
         raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} is not a directory; give "
                                 f"the local folder of a model or tokenizer (its "
                                 f"tokenizer.json or vocabulary files; nothing is downloaded)")
-    return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    try:  # (not given, transformers asks on a terminal whether to run the folder's code)
+        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True,
+                                             trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(f"tokenizer {os.fspath(tokenizer)!r} needs code of its own (an "
+                         f"auto_map in its tokenizer_config.json or config.json), and asyncrl "
+                         f"does not run a tokenizer's code: give a folder with a plain "
+                         f"tokenizer.json and a tokenizer_config.json without auto_map "
+                         f"(tokenizer_class 'PreTrainedTokenizerFast'), or, where a tokenizer "
+                         f"object is taken (PromptSource), one you loaded yourself") from None
 
 
 def taken_by(fn: Callable[..., Any], keys: list[str], what: str = "reward function"

@@ -51,8 +51,8 @@ class RewardModel(Worker):
         cfg = _model_settings(model)
         self.model = build_value_model(cfg, require_head=True)
         if cfg.path is None:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(cfg.seed + 1)
+            with torch.random.fork_rng(devices=[]), torch.no_grad():  # (drawn on the CPU:
+                torch.random.default_generator.manual_seed(cfg.seed + 1)  # CUDA's left alone)
                 torch.nn.init.normal_(self.model.value_head.weight,
                                       std=self.model.value_head.in_features ** -0.5)
         self.model.to(default_device())
