@@ -302,3 +302,16 @@ def test_weight_sync_on_one_gpu_goes_in_flat_buckets_and_lands_whole():
             assert ctl.payload_bytes == 0
             return pids
     assert_gone(run(main(), timeout=300))
+
+
+def test_a_model_build_leaves_the_cuda_generators_where_they_were():
+    """torch.manual_seed inside fork_rng(devices=[]) re-seeded every CUDA generator and did
+    not restore it: each build (trainer, engine, reference) reset a rank's CUDA randomness to
+    the model's seed, the same on every rank."""
+    from asyncrl.hybrid.models import ModelConfig, build_model
+
+    torch.cuda.manual_seed(123)
+    torch.rand(1, device="cuda")  # a draw: the generator has moved on from its seed
+    before = torch.cuda.get_rng_state()
+    build_model(ModelConfig(preset="tiny-llama", seed=7))
+    assert torch.equal(torch.cuda.get_rng_state(), before)
