@@ -280,44 +280,61 @@ def test_two_breakpoints_of_one_rank_are_each_reachable(rank, tmp_path):
     assert waiting(tmp_path) == []
 
 
-def test_attach_shows_a_character_split_between_two_reads_whole():
-    """pdb's output arrives in pieces: a UTF-8 character cut between two showed as two
-    replacement characters."""
-    from asyncrl.controller.attach import attach
+class Screen(io.StringIO):
+    """A terminal: what is written is kept (getvalue) and handed to a test waiting on it."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: queue.Queue[str] = queue.Queue()
+
+    def write(self, text: str) -> int:
+        self.shown.put(text)
+        return super().write(text)
+
+
+def pdb_listening() -> socket.socket:
+    """A socket standing in for a rank's debugger."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    shown: queue.Queue[str] = queue.Queue()
+    return server
 
-    class Screen(io.StringIO):
-        def write(self, text: str) -> int:
-            shown.put(text)
-            return len(text)
+
+def attach_typing_nothing(server: socket.socket, screen: Screen) -> None:
+    """`asyncrl attach` to `server`'s session, no keys typed, until the session ends."""
+    from asyncrl.controller.attach import attach
+
+    keys = os.pipe()
+    try:
+        with os.fdopen(keys[0]) as stdin:
+            attach({"port": server.getsockname()[1], "token": "t", "group": "g", "rank": 0,
+                    "where": "w"}, stdin=stdin, stdout=screen)
+    finally:
+        os.close(keys[1])
+        server.close()
+
+
+def test_attach_shows_a_character_split_between_two_reads_whole():
+    """pdb's output arrives in pieces: a UTF-8 character cut between two showed as two
+    replacement characters."""
+    server, screen = pdb_listening(), Screen()
 
     def rank() -> None:
         conn, _ = server.accept()
         with conn:
             conn.recv(100)  # the token
             conn.sendall("é".encode()[:1])
-            while "attached" in shown.get(timeout=30):  # the first byte was read and shown
-                pass
+            while "attached" in screen.shown.get(timeout=30):  # the first byte was read
+                pass  # and shown
             conn.sendall("é".encode()[1:] + b"\n")
 
     thread = threading.Thread(target=rank, daemon=True)
     thread.start()
-    keys = os.pipe()  # no keys typed
-    try:
-        with os.fdopen(keys[0]) as stdin:
-            attach({"port": server.getsockname()[1], "token": "t", "group": "g", "rank": 0,
-                    "where": "w"}, stdin=stdin, stdout=Screen())
-    finally:
-        os.close(keys[1])
-        server.close()
+    attach_typing_nothing(server, screen)
     thread.join(30)
     rest = []
-    while not shown.empty():
-        rest.append(shown.get())
+    while not screen.shown.empty():
+        rest.append(screen.shown.get())
     assert "".join(rest) == "é\n"
 
 
@@ -326,38 +343,20 @@ def test_a_rank_that_continues_with_input_unread_ends_the_session_not_an_error()
     "no longer waits" and exited 1 after a session that went as it should."""
     import struct
 
-    from asyncrl.controller.attach import attach
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    shown: queue.Queue[str] = queue.Queue()
-
-    class Screen(io.StringIO):
-        def write(self, text: str) -> int:
-            shown.put(text)
-            return super().write(text)
+    server, screen = pdb_listening(), Screen()
 
     def rank() -> None:
         conn, _ = server.accept()
         conn.recv(100)  # the token
         conn.sendall(b"(Pdb) ")
-        while "(Pdb)" not in shown.get(timeout=30):  # shown: what follows is the reset
-            pass
+        while "(Pdb)" not in screen.shown.get(timeout=30):  # shown: what follows is the
+            pass  # reset
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         conn.close()  # a reset, as a close with input unread sends
 
     thread = threading.Thread(target=rank, daemon=True)
     thread.start()
-    keys = os.pipe()  # no keys typed
-    screen = Screen()
-    try:
-        with os.fdopen(keys[0]) as stdin:
-            attach({"port": server.getsockname()[1], "token": "t", "group": "g", "rank": 0,
-                    "where": "w"}, stdin=stdin, stdout=screen)
-    finally:
-        os.close(keys[1])
-        server.close()
+    attach_typing_nothing(server, screen)
     thread.join(30)
     assert screen.getvalue().endswith("(Pdb) ")
 

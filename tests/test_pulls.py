@@ -3,9 +3,11 @@ to pulls given up, frames of the wrong size, a producer whose group died."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -379,27 +381,36 @@ def test_one_row_of_a_column_sliced_out_of_a_matrix_is_pulled(transport):
     """scores[:, 0][1:2] is contiguous to torch (a size-1 dimension's stride does not
     count) but keeps stride 4, which view(uint8) refused: a one-row piece of such a column
     (a DP chunk of one row, take() of rows apart) failed to pull on every raw transport."""
-    import os
-
-    from asyncrl.comm.shm import SegmentPool, cleanup
-
     scores = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     half = scores.to(torch.bfloat16)
     store = {1: asyncrl.TensorBatch({"r": scores[:, 0], "h": half[:, 1]})}
-    prefix = dataplane.run_prefix(f"strided{os.getpid()}")
-    ctx = zmq.Context()
-    server = dataserver.DataServer(ctx, "127.0.0.1", SECRET, store.__getitem__, "p:0", prefix)
-    pool = SegmentPool(dataplane.pool_prefix(f"strided{os.getpid()}", "c", 0, os.getpid())) \
-        if transport == "shm" else None
-    client = dataplane.DataClient(ctx, SECRET, "c/0/exec/1", "h", pool, timeout=10.0,
-                                  transport="tcp" if pool is None else "auto")
-    try:
-        shard = Shard("p", 0, 1, server.address, "h")
+    with served(store, "strided", transport) as (shard, client):
         cols = [messages.Column("r", "float32", ()), messages.Column("h", "bfloat16", ())]
         for start, stop in [(1, 2), (0, 3), (2, 3)]:
             got = client.fetch_batch(RemoteBatch([Piece(shard, start, stop)], cols))
             assert got["r"].tolist() == scores[start:stop, 0].tolist()
             assert got["h"].tolist() == half[start:stop, 1].tolist()
+
+
+@contextlib.contextmanager
+def served(store: dict[int, Any], run: str, transport: str
+           ) -> Iterator[tuple[Shard, dataplane.DataClient]]:
+    """A real data server holding `store`, and a client pulling from it over tcp, or on
+    "shm" into a pool of its own; closed after, nothing left in /dev/shm."""
+    import os
+
+    from asyncrl.comm.shm import SegmentPool, cleanup
+
+    run_id = f"{run}{os.getpid()}{transport}"
+    prefix = dataplane.run_prefix(run_id)
+    ctx = zmq.Context()
+    server = dataserver.DataServer(ctx, "127.0.0.1", SECRET, store.__getitem__, "p:0", prefix)
+    pool = SegmentPool(dataplane.pool_prefix(run_id, "c", 0, os.getpid())) \
+        if transport == "shm" else None
+    client = dataplane.DataClient(ctx, SECRET, "c/0/exec/1", "h", pool, timeout=10.0,
+                                  transport="tcp" if pool is None else "auto")
+    try:
+        yield Shard("p", 0, 1, server.address, "h"), client
     finally:
         client.close()
         server.close()
@@ -469,10 +480,6 @@ def test_a_row_wider_than_a_bucket_comes_a_group_of_columns_at_a_time(monkeypatc
     held whole by ZeroMQ beside the batch it was copied into (twice its memory), heard of
     only once all of it came. Its columns come in groups of at most a bucket now (into
     shared memory, the producer writes them in place: one pull per bucket of rows)."""
-    import os
-
-    from asyncrl.comm.shm import SegmentPool, cleanup
-
     monkeypatch.setattr(dataplane, "BUCKET_BYTES", 100)
     cols = {k: torch.arange(2 * 10, dtype=torch.float32).reshape(2, 10) + i * 100
             for i, k in enumerate("abcde")}  # 40 bytes a row each: 200 a row
@@ -485,16 +492,7 @@ def test_a_row_wider_than_a_bucket_comes_a_group_of_columns_at_a_time(monkeypatc
         sent.append(list(reply.buffers) if isinstance(reply, messages.Pulled) else [])
         real_send(self, identity, body, buffers)
     monkeypatch.setattr(dataserver.DataServer, "_send", send)
-    run_id = f"wide{os.getpid()}{transport}"
-    prefix = dataplane.run_prefix(run_id)
-    ctx = zmq.Context()
-    server = dataserver.DataServer(ctx, "127.0.0.1", SECRET, store.__getitem__, "p:0", prefix)
-    pool = SegmentPool(dataplane.pool_prefix(run_id, "c", 0, os.getpid())) \
-        if transport == "shm" else None
-    client = dataplane.DataClient(ctx, SECRET, "c/0/exec/1", "h", pool, timeout=10.0,
-                                  transport="tcp" if pool is None else "auto")
-    try:
-        shard = Shard("p", 0, 1, server.address, "h")
+    with served(store, "wide", transport) as (shard, client):
         columns = [*(messages.Column(k, "float32", (10,)) for k in cols),
                    messages.Column("name", "list", ())]
         got = client.fetch_batch(RemoteBatch([Piece(shard, 0, 2)], columns))
@@ -505,13 +503,6 @@ def test_a_row_wider_than_a_bucket_comes_a_group_of_columns_at_a_time(monkeypatc
             assert sent == [["a", "b"], ["c", "d"], ["e"]] * 2
         else:
             assert sent == [[], []]  # written into the segment: one pull a row
-    finally:
-        client.close()
-        server.close()
-        if pool is not None:
-            pool.close()
-        ctx.term()
-        assert cleanup(prefix) == []
 
 
 def test_gone_peers_match_a_piece_by_address_group_and_object():
