@@ -588,7 +588,7 @@ def test_saved_node_inputs_are_written_whole_and_a_cut_file_is_named(tmp_path, m
     and `asyncrl run --node` failed with msgspec's DecodeError, naming no file."""
     path = tmp_path / "step3" / "score.msgpack"
     asyncio.run(saved_inputs.save_node_inputs(path.parent, "score", {"x": [1, 2]}))
-    monkeypatch.setattr(saved_inputs.os, "fsync", lambda fd: 1 / 0)  # killed before it is whole
+    monkeypatch.setattr(os, "fsync", lambda fd: 1 / 0)  # killed before it is whole
     with pytest.raises(ZeroDivisionError):
         asyncio.run(saved_inputs.save_node_inputs(path.parent, "score", {"x": [3]}))
     assert saved_inputs.load_inputs(path) == ({"x": [1, 2]}, {})  # the one before, whole

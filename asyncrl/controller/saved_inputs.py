@@ -6,15 +6,13 @@ it; [] for the input itself)}."""
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from asyncrl.actors.rank_client import current_umask
 from asyncrl.comm import codec
+from asyncrl.controller.logs import replace_file
 from asyncrl.futures.future import resolved
 
 NODE_INPUTS = "asyncrl-node-inputs/1"
@@ -32,17 +30,7 @@ async def save_node_inputs(folder: Path, node: str, kwargs: dict[str, Any]) -> N
 def _write(path: Path, data: bytes) -> None:
     """`data` as `path`, whole: a kill mid-write leaves a temporary file, not a cut one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # (a power cut before the rename: the name's empty file)
-        os.chmod(tmp, 0o666 & ~current_umask())  # (mkstemp's 0600: as open would make it)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    replace_file(path, lambda out: out.write(data))
 
 
 def load_inputs(path: Path) -> tuple[dict[str, Any], dict[str, list[list[Any]]]]:
