@@ -361,14 +361,16 @@ class DataClient:
             else None
         lists: dict[int, Any] = {}
 
+        def framed_keys(req: Pull) -> list[str]:  # the columns its frames bring (not direct)
+            return [c.key for c in req.columns] or list(offsets)
+
         def take(req: Pull, reply: Pulled, frames: list) -> None:
             start, count = rows_at[req.xfer_id], req.stop - req.start
             left = dict(reply.ipc)
             try:
                 # a column left out would leave its rows as whatever the buffer held before
-                framed_keys = [c.key for c in req.columns] or list(offsets)
                 lacking = [k for k in req.ipc if k not in reply.ipc] + (
-                    [k for k in framed_keys if k not in reply.buffers] if buf is not None
+                    [k for k in framed_keys(req) if k not in reply.buffers] if buf is not None
                     else [])
                 if lacking:
                     raise RuntimeError(f"pull of object {req.obj_id}: the reply lacks "
@@ -411,8 +413,7 @@ class DataClient:
             def framed_bytes(req: Pull) -> int:
                 if buf is None or direct:
                     return 0
-                return (req.stop - req.start) * sum(
-                    row_bytes[k] for k in ([c.key for c in req.columns] or offsets))
+                return (req.stop - req.start) * sum(row_bytes[k] for k in framed_keys(req))
             self._exchange(requests, take, post if links else None,
                            window=FRAMES_WINDOW if buf is not None and not links else 0,
                            nbytes=framed_bytes)
