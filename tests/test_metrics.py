@@ -254,6 +254,57 @@ def test_a_rewind_drops_the_later_steps_in_memory_and_in_timeline_jsonl(tmp_path
     assert min(e["ts"] for e in spans if e["args"]["step"] == 3) == 20e6  # the run again
 
 
+def test_a_rewind_whose_cut_fails_midway_leaves_timeline_jsonl_as_it_was(tmp_path, monkeypatch):
+    """A rewind cut timeline.jsonl in place: truncated, then the kept lines written back; a
+    disk filling (or a kill) in between lost the lines it kept. Now the cut replaces the file
+    whole: one failing midway leaves it as it was."""
+    import errno
+    import os
+
+    from asyncrl.controller import timeline
+
+    tl = Timeline(tmp_path)
+    metrics = Metrics(tmp_path, 9, tl, trackers=[])
+    metrics.console = False
+    run_steps(tl, metrics, range(6), 3, 0.0)  # checkpoints after steps 2 and 5
+    written = (tmp_path / "timeline.jsonl").read_bytes()
+
+    class Filling:  # a file on a disk with room for 100 more bytes
+        def __init__(self, f):
+            self.f, self.room = f, 100
+
+        def write(self, data):
+            self.f.write(data[:self.room])
+            self.room -= min(self.room, len(data))
+            if not self.room:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __iter__(self):
+            return iter(self.f)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    monkeypatch.setattr(timeline, "open", lambda *a, **k: Filling(open(*a, **k)), raising=False)
+    fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: Filling(fdopen(*a, **k)))
+    with pytest.raises(OSError, match="No space"):
+        tl.drop_after(4)  # keeps steps 3 and 4 of the last write, drops step 5
+    monkeypatch.undo()
+    assert (tmp_path / "timeline.jsonl").read_bytes() == written
+    tl.drop_after(4)  # room again: the cut as it should be
+    steps = [json.loads(line).get("args", {}).get("step", 0)
+             for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert max(steps) == 4 and steps.count(3) == steps.count(4) == 10
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
 def test_asyncrl_timeline_rebuilds_the_trace_of_a_run_killed_as_it_wrote_it(tmp_path):
     import argparse
 

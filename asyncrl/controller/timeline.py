@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextvars
 import json
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -236,23 +235,24 @@ def _keeps(line: bytes, upto: int) -> bool:
 
 def _cut(path: Path, offset: int, upto: int) -> int:
     """Drop the lines of steps after `upto` from `path`, from byte `offset` on (the lines
-    before it are kept: a rewind's or a resume's cut rewrites only the latest writes'); its
-    new size. The kept lines go through a temporary file: memory stays flat."""
+    before it are copied as they are, unparsed: a rewind's or a resume's cut reads only the
+    latest writes'); its new size. The file is replaced whole: a kill mid-cut leaves it as
+    it was (cut in place, it lost the kept lines after `offset`). Memory stays flat."""
     if not path.exists():
         return 0
-    with open(path, "r+b") as f, tempfile.TemporaryFile() as rest:
-        f.seek(offset)
-        for line in f:
-            if _keeps(line, upto):
-                rest.write(line)
-        rest.seek(0)
-        f.seek(offset)
-        f.truncate()
-        while chunk := rest.read(CHUNK):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-        return f.tell()
+
+    def write(out: IO[bytes]) -> None:
+        with open(path, "rb") as f:
+            left = offset
+            while left and (chunk := f.read(min(CHUNK, left))):
+                out.write(chunk)
+                left -= len(chunk)
+            for line in f:
+                if _keeps(line, upto):
+                    out.write(line)
+
+    replace_file(path, write)
+    return path.stat().st_size
 
 
 def _copy_lines(src: IO[bytes], out: IO[bytes]) -> None:
