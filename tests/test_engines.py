@@ -332,6 +332,93 @@ def test_the_hybrid_engine_offloads_the_optimizer_unless_told_to_keep_it():
     assert hybrid.offloaded_bytes == 0
 
 
+def engine_bytes(hybrid: HybridEngine) -> int:
+    """What the engine's weights hold now (their blocks' storage, each counted once)."""
+    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in hybrid.engine.model.parameters()}.values())
+
+
+def test_a_switch_failing_on_another_rank_leaves_the_built_in_engine_asleep(monkeypatch):
+    """Rank 1's fill failing fails the switch on rank 0 too, whose engine had woken: only
+    vLLM was put back to sleep, so a built-in engine over freed weights (a GPU) said it was
+    awake, and to_train (in train mode still) never slept it."""
+    import asyncrl.hybrid.engine as engine_module
+
+    monkeypatch.setattr(HybridEngine, "_frees_memory", lambda self: True)  # as on a GPU
+    hybrid = HybridEngine(CountingBackend(build_model(ModelConfig())), ModelConfig())
+    agree = engine_module.agree
+
+    def peer_fails(failed, what, value=0):  # this rank's fill went through; rank 1's did not
+        agree(failed, what, value)
+        if what == "filling the engine":
+            raise RuntimeError(f"{what} failed on another rank of this group")
+        return 0
+
+    monkeypatch.setattr(engine_module, "agree", peer_fails)
+    with pytest.raises(RuntimeError, match="another rank"):
+        hybrid.to_generate()
+    monkeypatch.setattr(engine_module, "agree", agree)
+    assert hybrid.mode == "train" and hybrid.engine.asleep and engine_bytes(hybrid) == 0
+    assert not hybrid._offloaded
+    hybrid.to_train()
+    assert hybrid.engine.asleep and engine_bytes(hybrid) == 0
+    with pytest.raises(RuntimeError, match="asleep"):
+        hybrid.engine.generate([[1, 2]], seeds=[0])
+    hybrid.to_generate()  # the next switch goes
+    assert hybrid.generate([[1, 2]], seeds=[0])["response_mask"].sum() > 0
+
+
+def test_a_way_back_to_training_whose_engine_sleep_failed_is_finished_by_the_next(
+        monkeypatch):
+    """vLLM's sleep (collective_rpc) raising on the way back left the mode "train": the
+    next to_train skipped the sleep and the release, and the engine kept its weights and
+    KV cache on the GPU for the rest of training."""
+    monkeypatch.setattr(HybridEngine, "_frees_memory", lambda self: True)  # as on a GPU
+    backend = CountingBackend(build_model(ModelConfig()))
+    hybrid = HybridEngine(backend, ModelConfig())
+    sleep, calls = hybrid.engine.sleep, []
+
+    def flaky_sleep(level=1):
+        calls.append(level)
+        if len(calls) == 1:
+            raise RuntimeError("collective_rpc('sleep') failed")
+        sleep(level)
+
+    hybrid.engine.sleep = flaky_sleep
+    hybrid.to_generate()
+    with pytest.raises(RuntimeError, match="collective_rpc"):
+        hybrid.to_train()
+    assert hybrid.mode == "train" and not hybrid.engine.asleep
+    hybrid.to_train()
+    assert len(calls) == 2 and hybrid.engine.asleep and engine_bytes(hybrid) == 0
+    assert not hybrid._offloaded and backend.moves == ["masters off", "masters back"]
+    hybrid.to_train()  # nothing left to do
+    assert len(calls) == 2 and backend.moves == ["masters off", "masters back"]
+
+
+def test_a_model_that_returns_no_kv_cache_is_refused_saying_so():
+    """A model (trust_remote_code, or a wrapper) ignoring use_cache failed with a bare
+    KeyError('cache') after the prefill."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class NoCache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = build_model(ModelConfig())
+            self.config = self.inner.config
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+            out = self.inner(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids, use_cache=False)
+            return CausalLMOutputWithPast(logits=out.logits)
+
+    with pytest.raises(ValueError, match="KV cache .* engine='vllm'"):
+        Sampler(NoCache()).generate([[1, 2, 3]], seeds=[0])
+
+
 def test_weights_adopted_are_all_taken_or_none():
     """A copy failing half-way (out of memory converting a pack's dtype) left the weights
     before it new and the rest old, under the old version: a torn model generated on."""

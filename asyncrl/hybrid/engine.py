@@ -188,12 +188,14 @@ class HybridEngine:
             # left waiting in it (until the collective timeout) while the others go on
             agree(attempt(self._prepare), "preparing the switch to generation")
             agree(attempt(self._fill_and_wake), "filling the engine")
-        except BaseException:  # still training: the engine's memory freed again (GPU), the
-            self._release()  # optimizer back where it steps (or at the next to_train, if
-            try:  # this fails too)
-                if self.engine.owns_weights:  # vLLM: the first load woke its weights
-                    self.engine.sleep(self._sleep_level)
+        except BaseException:  # still training: the engine asleep again, whatever its kind
+            # (a rank whose own fill went through woke it; vLLM's first load woke its weights),
+            # its memory freed again (GPU), the optimizer back where it steps (or at the next
+            # to_train, which also sleeps an engine left awake, if this fails too)
+            try:
+                self.engine.sleep(self._sleep_level)
             finally:
+                self._release()
                 self._restore_training()
             raise
         self.mode = "generate"
@@ -310,12 +312,16 @@ class HybridEngine:
         agree(attempt(self._back_to_training), "switching back to training")
 
     def _back_to_training(self) -> None:
-        was = self.mode
-        self.mode = "train"  # on every rank alike, whatever fails below (a failed restore is
-        if was == "generate":  # done again at the next call; the next switch fills and
-            self.engine.sleep(self._sleep_level)  # wakes the engine anew)
-            self._release()
-        self._restore_training()  # (nothing to do unless the optimizer is away)
+        was, self.mode = self.mode, "train"  # on every rank alike, whatever fails below: what
+        # failed is done again at the next call (an engine still awake slept, its memory
+        # freed, the optimizer brought back); the next switch fills and wakes the engine anew
+        try:
+            if was == "generate" or not self.engine.asleep:
+                self.engine.sleep(self._sleep_level)
+        finally:
+            if not self.released:
+                self._release()
+            self._restore_training()  # (nothing to do unless the optimizer is away)
 
     def _restore_training(self) -> None:
         if not self._offloaded:

@@ -172,7 +172,14 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _cache_of(res: Any) -> Any:
-    return res["cache"] if "cache" in res else res["past_key_values"]
+    cache = next((res[k] for k in ("cache", "past_key_values") if k in res), None)
+    if cache is None:  # (a bare KeyError('cache') after the prefill said nothing of why)
+        raise ValueError(f"the model returned no KV cache (use_cache=True ignored); the "
+                         f"built-in engine needs one ({type(res).__name__} has no "
+                         f"past_key_values): have the model's forward (or a wrapper's) pass "
+                         f"use_cache and past_key_values through and return them, or use "
+                         f"engine='vllm'")
+    return cache
 
 
 class Sampler:
