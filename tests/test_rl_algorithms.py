@@ -125,7 +125,6 @@ def test_rl_config_refuses_settings_that_would_train_wrong_silently():
                       ({"clip": 1.5}, "clip must be in (0, 1)"),
                       ({"gamma": -1.0}, "gamma must be in [0, 1]"),
                       ({"lam": 1.5}, "lam must be in [0, 1]"),
-                      ({"tis_cap": 0.0}, "tis_cap must be > 0"),
                       ({"value_clip": -0.2}, "value_clip must be > 0"),
                       ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
                       # a NaN coefficient made every loss NaN (each step skipped); "no" was
@@ -139,6 +138,117 @@ def test_rl_config_refuses_settings_that_would_train_wrong_silently():
         with pytest.raises(ValueError, match=re.escape(said)):
             RLConfig(group_size=2, **bad)
     assert RLConfig(group_size=2, max_staleness=0, gamma=0.0, lam=1.0).max_staleness == 0
+
+
+def test_rl_config_refuses_a_negative_entropy_bonus_and_a_tis_cap_it_would_not_use():
+    """An entropy_coef < 0 was taken (a bonus that drives the policy to collapse), so was a
+    tis_cap < 1 (every token's weight shrunk, on-policy ones too) and a tis_cap beside
+    another correction (ignored), where decoupled_cap was refused in the same case."""
+    from asyncrl.rl.config import RLConfig
+
+    for bad, said in [({"entropy_coef": -0.01}, "entropy_coef must be >= 0, got -0.01; a "
+                                                 "negative entropy bonus"),
+                      ({"correction": "tis", "tis_cap": 0.5}, "tis_cap must be >= 1"),
+                      ({"correction": "tis", "tis_cap": 0.0}, "tis_cap must be >= 1"),
+                      ({"tis_cap": 3.0}, "tis_cap is for correction='tis' (got 'none'"),
+                      ({"correction": "decoupled", "tis_cap": 3.0},
+                       "tis_cap is for correction='tis' (got 'decoupled'")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            RLConfig(group_size=2, **bad)
+    assert RLConfig(group_size=2, correction="tis", tis_cap=1.0).tis_cap == 1.0
+    assert RLConfig(group_size=2, correction="decoupled", entropy_coef=0.0).tis_cap == 2.0
+
+
+def test_grpo_refuses_the_kl_in_the_reward_divided_by_the_groups_std():
+    """Four samples scoring 1.0, their KL sums 0.010..0.013 folded in at kl_coef 1e-3: over
+    the group's tiny std the KL noise alone made advantages of +-0.65."""
+    from asyncrl.rl.config import RLConfig
+
+    seq = 1.0 - 1e-3 * torch.tensor([0.010, 0.011, 0.012, 0.013])
+    assert grpo_advantages(seq, 4).abs().max() > 0.6  # what the combination trained on
+    assert grpo_advantages(seq, 4, std_normalize=False).abs().max() < 1e-5
+    with pytest.raises(ValueError) as info:
+        RLConfig(algo="grpo", group_size=4, kl_coef=1e-3, kl_in_reward=True)
+    for fix in ("kl_in_reward=False", "std_normalize=False"):
+        assert fix in str(info.value)
+    RLConfig(algo="grpo", group_size=4, kl_coef=1e-3, kl_in_reward=True, std_normalize=False)
+    RLConfig(algo="grpo", group_size=4, kl_coef=1e-3)  # the KL as a loss term: fine
+    RLConfig(algo="ppo", kl_coef=1e-3, kl_in_reward=True)  # (std_normalize is GRPO's)
+
+
+def test_the_public_functions_refuse_settings_out_of_range():
+    """RLConfig checks these, the public functions did not: eps=0 gave an equal-reward group
+    NaN advantages, gamma 1.5 returns that grow without bound, a clip < 0 or a dual_clip <= 1
+    a loss that pushes the wrong way."""
+    equal = grpo_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2, eps=0.0)
+    assert torch.equal(equal[:2], torch.zeros(2))
+    assert torch.allclose(equal[2:], torch.tensor([-0.5, 0.5]) / math.sqrt(0.5))
+    with pytest.raises(ValueError, match=r"eps must be >= 0 .* got -1e-06"):
+        grpo_advantages(torch.ones(4), 2, eps=-1e-6)
+    r, m = torch.ones(1, 3), torch.ones(1, 3)
+    for gamma, lam in [(1.5, 0.9), (-0.1, 0.9), (float("nan"), 0.9)]:
+        with pytest.raises(ValueError, match=r"gae: gamma must be in \[0, 1\]"):
+            gae(r, r, m, gamma, lam)
+    with pytest.raises(ValueError, match=r"gae: lam must be in \[0, 1\] \(a discount"):
+        gae(r, r, m, 0.9, 2.0)
+    logp = torch.zeros(1, 3)
+    for clips in [{"clip": -0.2}, {"clip": 0.0}, {"clip": 1.2}, {"clip_high": -0.1}]:
+        with pytest.raises(ValueError, match=r"clip must be in \(0, 1\)"):
+            ppo_policy_loss(logp, logp, r, m, **clips)
+    for c in (1.0, 0.5):
+        with pytest.raises(ValueError, match=rf"dual_clip must be > 1 .* got {c}"):
+            ppo_policy_loss(logp, logp, r, m, dual_clip=c)
+    assert ppo_policy_loss(logp, logp, r, m, clip=0.1, clip_high=0.3, dual_clip=1.5)[0] == -1
+
+
+def test_entropy_without_its_coefficient_is_a_metric_outside_autograd():
+    """With entropy_coef 0 the entropy (still reported) was taken in autograd all the same:
+    ~2 [B, T, vocab] fp32 tensors more at peak for nothing; the loss and gradients the
+    same either way."""
+    from asyncrl.comm.batch import TensorBatch
+    from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
+    from asyncrl.rl.actor import entropy_mode, policy_loss
+    from asyncrl.rl.config import RLConfig
+
+    model = build_model(ModelConfig(seed=0))
+    ids, resp = torch.tensor([[1, 5], [1, 6]]), torch.tensor([[9, 10], [11, 2]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    batch = TensorBatch({"prompt_ids": ids, "response_ids": resp, "loss_mask": mask,
+                         "logprobs": torch.zeros(2, 2), "ref_logprobs": torch.zeros(2, 2),
+                         "advantages": torch.tensor([[1.0, 1.0], [-1.0, -1.0]])},
+                        {"tokens": 3.0, "seqs": 2.0, "rows": 2, "dp": 1})
+    results = {}
+    for coef in (0.0, 0.1):
+        cfg = RLConfig(group_size=2, kl_coef=0.1, entropy_coef=coef)
+        for mode in (True, entropy_mode(cfg)):  # the reference: the entropy in autograd
+            model.zero_grad()
+            logp, ent = sequence_logprobs(model, ids, torch.ones_like(ids), resp,
+                                          mask.long(), entropy=mode)
+            assert ent.requires_grad == (mode is True)
+            loss, stats = policy_loss(cfg)({"logprobs": logp, "entropy": ent}, batch)
+            loss.backward()
+            results[coef, mode is True] = (loss.item(), stats["entropy"],
+                                           [p.grad.clone() for p in model.parameters()])
+    assert entropy_mode(RLConfig(group_size=2, entropy_coef=0.1)) is True
+    assert entropy_mode(RLConfig(group_size=2)) == "no_grad"
+    (loss_a, ent_a, grads_a), (loss_b, ent_b, grads_b) = results[0.0, True], results[0.0, False]
+    assert (loss_b, ent_b) == (loss_a, ent_a) and ent_a > 0
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert torch.equal(a, b)
+    assert results[0.1, True][0] != loss_a  # (with a coefficient, the bonus is in the loss)
+    with pytest.raises(ValueError, match="entropy is False, True or 'no_grad'"):
+        sequence_logprobs(model, ids, torch.ones_like(ids), resp, mask.long(), entropy="yes")
+    # the training backends' forward takes the mode the actor gives (it passed True)
+    from types import SimpleNamespace
+
+    from asyncrl.hybrid.fsdp import TrainBackend
+    backend = SimpleNamespace(head="logprobs", forward_module=model, _on_device=lambda b: b)
+    batch = TensorBatch({**batch, "prompt_mask": torch.ones_like(ids),
+                         "response_mask": mask.long()}, batch.meta)
+    for coef in (0.0, 0.1):
+        out = TrainBackend._forward(backend, batch, entropy_mode(RLConfig(group_size=2,
+                                                                          entropy_coef=coef)))
+        assert out["entropy"].requires_grad == (coef > 0) and out["logprobs"].requires_grad
 
 
 def test_grpo_groups_must_each_answer_one_prompt():

@@ -421,7 +421,8 @@ def test_a_correction_in_the_training_pass_equals_one_from_a_separate_pass(corre
     from asyncrl.rl.actor import importance_weights, policy_loss
     from asyncrl.rl.config import RLConfig
 
-    cfg = RLConfig(algo="grpo", group_size=2, correction=correction, tis_cap=1.5, kl_coef=0.1)
+    cfg = RLConfig(algo="grpo", group_size=2, correction=correction, kl_coef=0.1,
+                   **({"tis_cap": 1.5} if correction == "tis" else {}))
     ids, resp = torch.tensor([[1, 5], [1, 6], [1, 7]]), torch.tensor([[9, 10], [11, 2], [12, 3]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
     model = build_model(ModelConfig(seed=0))

@@ -244,6 +244,29 @@ def test_token_id_prompts_are_checked_in_every_record_without_a_tokenizer(tmp_pa
     assert PromptSource([{"x": 1}], batch_size=1).records == [{"x": 1}]
 
 
+def test_numpy_and_torch_token_ids_are_taken_and_negative_ones_refused(tmp_path):
+    """With a tokenizer, token ids given as numpy integers (records built from arrays) were
+    refused ("give a list of token ids"); with or without one, a negative id was taken and
+    failed in the embedding at the first forward pass, far from its record."""
+    import numpy as np
+    import torch
+
+    tok = str(word_tokenizer(tmp_path / "tok"))
+    given = [np.int64(9), np.int32(10), torch.tensor(11)]
+    for tokenizer in (tok, None):
+        src = PromptSource([{"prompt": list(given)}], batch_size=1, tokenizer=tokenizer)
+        (prompt,) = next(iter(src))["prompt"]
+        assert prompt == [9, 10, 11] and all(type(t) is int for t in prompt)
+        for bad in ([9, -1], [np.int64(-3)], [torch.tensor(-3)]):
+            with pytest.raises(ValueError) as info:
+                PromptSource([{"prompt": [1]}, {"prompt": bad}], batch_size=1,
+                             tokenizer=tokenizer)
+            assert f"record 1 of the given sequence: the prompt's token id {int(bad[-1])} " \
+                   f"(position {len(bad) - 1}) is negative; token ids are >= 0" in str(info.value)
+    with pytest.raises(ValueError, match="give text, chat messages"):  # (bools are no ids)
+        PromptSource([{"prompt": [np.bool_(True)]}], batch_size=1, tokenizer=tok)
+
+
 def test_record_keys_the_rl_step_writes_are_refused():
     """A dataset with a 'reward' field failed at the first actor.update (its column beside
     the scores' in one batch)."""

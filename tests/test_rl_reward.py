@@ -105,6 +105,45 @@ def test_overlong_responses_lose_reward_linearly_through_the_buffer():
         RewardFn(count_answer, overlong={"max_length": 2, "buffer": 3})
 
 
+def test_an_overlong_max_length_below_the_response_width_is_refused():
+    """max_length=100 with 256-token responses (max_new_tokens=256): a full response lost
+    8.8 x penalty_factor, past the -penalty_factor the buffer promises."""
+    from asyncrl.rl.reward import Overlong
+
+    reward = RewardFn(count_answer, overlong={"max_length": 100, "buffer": 20})
+    wide = TensorBatch({"response_ids": torch.full((2, 256), 5),
+                        "response_mask": (torch.arange(256) < torch.tensor([[120], [256]])).long(),
+                        "prompt": ["q0", "q1"], "answer": [5, 5]})
+    with pytest.raises(ValueError, match=r"responses are 256 tokens wide, past max_length=100.*"
+                                         r"give max_length = the generation's max_new_tokens"):
+        reward.score(wide)
+    fits = RewardFn(count_answer, overlong={"max_length": 256, "buffer": 20}).score(wide)
+    assert fits["overlong_penalty"].tolist() == [0.0, -1.0]
+    penalty = Overlong(max_length=100, buffer=20, penalty_factor=2.0).penalty(
+        torch.tensor([80, 90, 100]), 100)
+    assert penalty.tolist() == [0.0, -1.0, -2.0]
+
+
+def test_a_reward_models_nan_score_is_refused_naming_the_rows():
+    """A RewardFn's NaN was refused, a reward model's went on: whitened, one NaN score made
+    every advantage of a PPO batch NaN."""
+    from asyncrl.rl import RewardModel
+
+    rm = RewardModel.__new__(RewardModel)
+    rm.__init__({"seed": 5})
+    batch = TensorBatch({"prompt_ids": torch.tensor([[0, 5, 6], [9, 13, 14]]),
+                         "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                         "response_ids": torch.tensor([[7, 11], [15, 0]]),
+                         "response_mask": torch.tensor([[1, 1], [1, 0]])})
+    assert rm.score(batch)["reward"].isfinite().all()
+    with torch.no_grad():
+        rm.model.value_head.bias.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"RewardModel scored \[nan, nan\] for row\(s\) "
+                                         r"\[0, 1\] of this rank's 2 rows; a reward must be a "
+                                         r"finite number"):
+        rm.score(batch)
+
+
 def verifier(prompt, response, answer):
     """Scores the response length (a numpy float); hangs on answer 9 (a verifier stuck on
     one answer), on 8 in a sandbox process it started (its pid written where the test says),

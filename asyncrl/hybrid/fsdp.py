@@ -395,14 +395,14 @@ class TrainBackend:
         return TensorBatch({k: v.to(device) if isinstance(v, torch.Tensor) else v
                             for k, v in b.items()}, b.meta)
 
-    def _forward(self, b: TensorBatch, entropy: bool = False) -> dict[str, torch.Tensor]:
+    def _forward(self, b: TensorBatch, entropy: bool | str = False) -> dict[str, torch.Tensor]:
         b = self._on_device(b)
         if self.head == "value":
             return {"values": sequence_values(self.forward_module, *_columns(b))}
         temperature = sampled_at(b)
         if entropy:
             logp, ent = sequence_logprobs(self.forward_module, *_columns(b),
-                                          temperature=temperature, entropy=True)
+                                          temperature=temperature, entropy=entropy)
             return {"logprobs": logp, "entropy": ent}
         return {"logprobs": sequence_logprobs(self.forward_module, *_columns(b),
                                               temperature=temperature)}
@@ -448,7 +448,7 @@ class TrainBackend:
         except Exception:  # noqa: BLE001 - the step's error is the one raised
             log.exception("asyncrl: resetting the trainer after a failed step failed too")
 
-    def _accumulate(self, batch: TensorBatch, loss_fn: LossFn, entropy: bool,
+    def _accumulate(self, batch: TensorBatch, loss_fn: LossFn, entropy: bool | str,
                     backward: Callable[[torch.Tensor], None],
                     micros: list[TensorBatch] | None = None) -> dict[str, float]:
         """Forward and backward each micro-batch (weighted by its share of the rows); the
@@ -517,7 +517,7 @@ class FSDPBackend(TrainBackend):
         self.sched = lr_scheduler(self.opt, train_cfg)
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
-                   entropy: bool = False) -> dict[str, float]:
+                   entropy: bool | str = False) -> dict[str, float]:
         """One optimizer step over this rank's rows, in micro-batches with gradient
         accumulation; FSDP averages the gradients over the data-parallel ranks."""
         self.opt.zero_grad(set_to_none=True)  # a step that failed midway left some behind

@@ -379,12 +379,17 @@ def sampled_at(batch: Any) -> float:
 
 def sequence_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       response_ids: torch.Tensor, response_mask: torch.Tensor,
-                      temperature: float = 1.0, entropy: bool = False
+                      temperature: float = 1.0, entropy: bool | str = False
                       ) -> Any:
     """log p(response token | everything before it), [B, N]; 0 where response_mask is 0.
-    With `entropy=True`, also the entropy of each of those next-token distributions.
+    With `entropy=True`, also the entropy of each of those next-token distributions; with
+    `entropy="no_grad"`, the entropy as a metric only, outside autograd (a loss without an
+    entropy term keeps no [B, N, vocab] tensors of it for the backward).
 
     Prompts are left-padded, responses right-padded (their mask is a prefix of each row)."""
+    if entropy not in (False, True, "no_grad"):
+        raise ValueError(f"sequence_logprobs: entropy is False, True or 'no_grad', got "
+                         f"{entropy!r}")
     ids, mask, rmask = joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
     # no KV cache: one pass over whole sequences needs none (it would only take memory)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
@@ -395,7 +400,9 @@ def sequence_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     logp = torch.gather(logp_all, 2, ids[:, p:].unsqueeze(-1)).squeeze(-1) * rmask
     if not entropy:
         return _widened(logp, width)
-    return _widened(logp, width), _widened(-(logp_all.exp() * logp_all).sum(-1) * rmask, width)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy != "no_grad"):
+        ent = -(logp_all.exp() * logp_all).sum(-1) * rmask
+    return _widened(logp, width), _widened(ent, width)
 
 
 def _widened(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -97,7 +97,7 @@ class ZeroBackend(TrainBackend):
         # and made once (a fresh pageable copy each switch is slow to fill, and synchronous)
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
-                   entropy: bool = False) -> dict[str, float]:
+                   entropy: bool | str = False) -> dict[str, float]:
         if self._failed_midway:  # DeepSpeed keeps what it accumulated, in its own buffers:
             # stepping on would add it to this step's gradients
             raise RuntimeError(

@@ -105,6 +105,13 @@ def policy_loss(cfg: RLConfig, correct_in_pass: bool = False) -> Any:
     return loss_fn
 
 
+def entropy_mode(cfg: RLConfig) -> bool | str:
+    """How the training forward takes the entropy (models.sequence_logprobs): in autograd
+    where the loss has an entropy term, else as a metric only ("no_grad": the backward
+    keeps no [B, T, vocab] tensors of it)."""
+    return True if cfg.entropy_coef else "no_grad"
+
+
 def mean_stats(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
 
@@ -151,8 +158,10 @@ class Actor(Policy):
         waited = self.before_weights_change()  # the last sync may still be pulled
         stepped = [0]
 
+        entropy = entropy_mode(self.rl)
+
         def step(mini: TensorBatch) -> dict[str, float]:
-            out = self.backend.train_step(mini, policy_loss(self.rl, in_pass), entropy=True)
+            out = self.backend.train_step(mini, policy_loss(self.rl, in_pass), entropy=entropy)
             stepped[0] += 1
             return out
         try:

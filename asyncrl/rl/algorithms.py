@@ -12,7 +12,11 @@ import torch
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
                     std_normalize: bool = True) -> torch.Tensor:
     """(r - group mean) / (group std + eps) for contiguous groups of `group_size` rows; std
-    is torch.std (unbiased). With group_size=1 the advantages are 0."""
+    is torch.std (unbiased). With group_size=1, or a group of equal rewards, the advantages
+    are 0 (with eps=0 too)."""
+    if not eps >= 0:
+        raise ValueError(f"grpo_advantages: eps must be >= 0 (it keeps a small std from "
+                         f"blowing the advantages up; 1e-6 by default), got {eps}")
     if group_size < 1 or rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"grpo_advantages: {rewards.numel()} rewards do not split into "
                          f"groups of {group_size}; sample group_size responses per prompt, "
@@ -24,8 +28,9 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
     # of -0.47 (float32 rewards sum exactly in float64: equal ones give exactly 0)
     r = rewards.double().view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
-    if std_normalize:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    if std_normalize:  # (a group of equal rewards: 0 / 0 with eps=0, kept at 0)
+        std = r.std(dim=1, keepdim=True)
+        adv = torch.where(std > 0, adv / (std + eps), torch.zeros_like(adv))
     return adv.float().reshape(-1)
 
 
@@ -38,6 +43,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     if not rewards.shape == values.shape == mask.shape:
         raise ValueError(f"gae: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} "
                          f"and mask {tuple(mask.shape)} must have the same [B, T] shape")
+    for name, value in (("gamma", gamma), ("lam", lam)):
+        if not 0 <= value <= 1:  # (past 1 the returns grow without bound; NaN spoils all)
+            raise ValueError(f"gae: {name} must be in [0, 1] (a discount: 1 for none), got "
+                             f"{value}")
     m = mask.float()
     r, v = rewards.float() * m, values.float() * m
     adv = torch.zeros_like(r)
@@ -62,6 +71,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     clip_ratio_c). Aggregated as `agg` says (see aggregate: padding and dropped rows count
     in no mean). clipfrac: the share of masked tokens where the clipped term is the
     larger."""
+    check_clips(clip, clip_high, dual_clip)
     m = mask.to(logp.dtype)
     # clamped as verl does: e^89 is inf in fp32, and inf * a zero advantage is NaN
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
@@ -75,6 +85,18 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     loss = aggregate(per_token, m, agg)
     clipfrac = masked_mean((clipped > unclipped).to(logp.dtype), m)
     return loss, clipfrac.detach()
+
+
+def check_clips(clip: float, clip_high: float | None, dual_clip: float | None) -> None:
+    """ppo_policy_loss's ranges, as RLConfig checks them."""
+    if not 0 < clip < 1 or (clip_high is not None and not clip_high > 0):
+        raise ValueError(f"ppo_policy_loss: clip must be in (0, 1) (the ratio's lower bound "
+                         f"is 1 - clip; 0.2 is usual) and clip_high > 0 or None, got {clip} "
+                         f"and {clip_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"ppo_policy_loss: dual_clip must be > 1 (a negative advantage's "
+                         f"loss is at most -A * dual_clip; verl uses 3.0) or None, got "
+                         f"{dual_clip}")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

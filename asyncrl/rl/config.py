@@ -12,12 +12,14 @@ from asyncrl.rl.algorithms import AGGS
 # the KL is in the reward
 RETURNS_FIELDS = ("gamma", "lam", "kl_in_reward")
 KL_FIELDS = ("kl_coef", "kl_kind")
+TIS_CAP = 2.0  # RLConfig.tis_cap's default (verl's)
 
 
 @dataclass(kw_only=True)
 class RLConfig:
     """GRPO: advantages from each prompt's group of `group_size` samples (contiguous rows),
-    KL to the reference as a loss term (`kl_in_reward=False`, the GRPO paper) or in the reward.
+    KL to the reference as a loss term (`kl_in_reward=False`, the GRPO paper) or in the reward
+    (with `std_normalize=False` only: the group's std would scale the KL up).
     PPO: a critic, GAE(gamma, lam) on per-token rewards (the score on the last response token,
     minus `kl_coef` * KL when `kl_in_reward`), advantages whitened over the batch.
     Off-policy: with `correction` "tis" or "decoupled" the trainer recomputes the log-probs of
@@ -48,7 +50,7 @@ class RLConfig:
     correction: str = "none"  # "tis": truncated importance sampling; "decoupled": the
     # decoupled PPO objective (ratio against the trainer's current policy, importance weight
     # against the rollout's); "none": the rollout's log-probs are the old policy
-    tis_cap: float = 2.0  # the truncation of "tis" importance weights
+    tis_cap: float = TIS_CAP  # the truncation of "tis" importance weights (>= 1)
     # "decoupled": tokens whose importance weight exceeds this are left out of the loss (as
     # AReaL's behav_imp_weight_cap: one token far off policy would else dominate the
     # gradient, by up to e^20); None: every token counts, its weight as it is
@@ -92,11 +94,27 @@ class RLConfig:
         if self.decoupled_cap is not None and self.decoupled_cap <= 1:
             raise ValueError(f"RLConfig.decoupled_cap must be > 1 (a weight of 1 is on "
                              f"policy; AReaL uses e.g. 5) or None, got {self.decoupled_cap}")
-        for name in ("value_clip", "tis_cap"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RLConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.kl_coef < 0:
-            raise ValueError(f"RLConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.value_clip <= 0:
+            raise ValueError(f"RLConfig.value_clip must be > 0, got {self.value_clip}")
+        if self.tis_cap < 1:  # (a cap below 1 shrinks even the on-policy tokens' weight)
+            raise ValueError(f"RLConfig.tis_cap must be >= 1 (a weight of 1 is on policy; "
+                             f"verl uses 2.0), got {self.tis_cap}")
+        if self.tis_cap != TIS_CAP and self.correction != "tis":
+            raise ValueError(f"RLConfig.tis_cap is for correction='tis' (got "
+                             f"{self.correction!r}: it would be ignored); give "
+                             f"correction='tis', or leave tis_cap out (\"decoupled\" caps "
+                             f"at decoupled_cap)")
+        for name in ("kl_coef", "entropy_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RLConfig.{name} must be >= 0, got {getattr(self, name)}"
+                                 + ("; a negative entropy bonus drives the policy to collapse "
+                                    "(use 0 for none)" if name == "entropy_coef" else ""))
+        if self.algo == "grpo" and self.kl_in_reward and self.std_normalize:
+            raise ValueError("RLConfig: GRPO with kl_in_reward=True and std_normalize=True "
+                             "divides the KL folded into each reward by its group's std, so "
+                             "a group of equal scores gets full-size advantages from KL "
+                             "noise alone; put the KL in the loss (kl_in_reward=False, as "
+                             "the GRPO paper) or set std_normalize=False")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"RLConfig.max_staleness must be >= 0 (0: only the newest "
                              f"policy's samples) or None, got {self.max_staleness}")

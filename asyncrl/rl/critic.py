@@ -53,6 +53,11 @@ log = logging.getLogger("asyncrl")
 
 
 def value_loss(cfg: RLConfig) -> Any:
+    """The clipped value loss, 0.5 * max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2),
+    averaged over the mini-batch's masked tokens (every rank's): always the token mean,
+    whatever `cfg.agg` says (the actor's policy, KL and entropy terms follow `agg`; a
+    seq-mean mode weights the critic's tokens no differently)."""
+
     def loss_fn(out: dict[str, torch.Tensor], micro: TensorBatch
                 ) -> tuple[torch.Tensor, dict[str, float]]:
         v, mask = out["values"], micro.tensor("loss_mask")

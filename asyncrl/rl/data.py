@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.sampler import GENERATED, PROMPT_WIDTH
 from asyncrl.hybrid.user_fn import load_tokenizer
 from asyncrl.rl.batch import ASSEMBLED, SAMPLES_PER_PROMPT
-from asyncrl.rl.tokens import as_list, prompt_ids
+from asyncrl.rl.tokens import as_list, as_token_ids, no_negative_ids, prompt_ids
 
 log = logging.getLogger("asyncrl")
 
@@ -162,14 +161,15 @@ def _token_ids(records: list[dict[str, Any]], locate: Callable[[int], str]
         if p == []:
             raise ValueError(f"{locate(i)}: the prompt [] has no tokens; generation needs at "
                              f"least one")
-        if not isinstance(p, list) or not all(
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+        plain = as_token_ids(p)
+        if plain is None:
             like = f", as {locate(ids)}'s is" if i != ids else ""
             raise ValueError(f"{locate(i)}: the prompt {str(p)[:40]!r} is not a list of token "
                              f"ids (ints){like}; give every record token ids, or give text or "
                              f"chats with tokenizer=")
+        no_negative_ids(plain, locate(i))
         if not all(type(t) is int for t in p):  # (numpy's ints: as plain ints on the wire)
-            out[i] = {**r, "prompt": [int(t) for t in p]}
+            out[i] = {**r, "prompt": plain}
     return out
 
 

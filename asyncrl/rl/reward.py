@@ -76,7 +76,15 @@ class RewardModel(Worker):
                                   batch.tensor("response_mask"))
         values = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
         last = ids.shape[1] - rmask.shape[1] + rmask.sum(1) - 1  # each row's last real token
-        return TensorBatch({"reward": values[torch.arange(len(batch)), last].float().cpu()})
+        scores = values[torch.arange(len(batch)), last].float().cpu()
+        bad = (~scores.isfinite()).nonzero().flatten().tolist()
+        if bad:  # (one NaN made a whole PPO batch's advantages NaN after whitening)
+            raise ValueError(f"RewardModel scored {scores[bad[:5]].tolist()} for row(s) "
+                             f"{bad[:5]}{' ...' if len(bad) > 5 else ''} of this rank's "
+                             f"{len(batch)} rows; a reward must be a finite number: check "
+                             f"the checkpoint's head and weights for NaN or inf, and use "
+                             f"dtype 'bfloat16' or 'float32' where float16 overflows")
+        return TensorBatch({"reward": scores})
 
 
 def row_inputs(fn: Callable[..., Any], batch: TensorBatch, tok: Any = None
@@ -171,9 +179,16 @@ class Overlong:
                              f"buffer={self.buffer}, max_length={self.max_length}, "
                              f"penalty_factor={self.penalty_factor}")
 
-    def penalty(self, lengths: torch.Tensor) -> torch.Tensor:
+    def penalty(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """Each response's penalty; `width` is the batch's response width (at most the
+        generation's max_new_tokens), which must not pass max_length."""
+        if width > self.max_length:
+            raise ValueError(f"RewardFn(overlong=): responses are {width} tokens wide, past "
+                             f"max_length={self.max_length}: longer ones would lose more than "
+                             f"penalty_factor; give max_length = the generation's "
+                             f"max_new_tokens")
         over = lengths.float() - (self.max_length - self.buffer)
-        return (-over / self.buffer * self.penalty_factor).clamp(max=0.0)
+        return (-over / self.buffer * self.penalty_factor).clamp(-self.penalty_factor, 0.0)
 
 
 def overlong_config(overlong: dict[str, Any]) -> Overlong:
@@ -236,7 +251,8 @@ class RewardFn(Worker):
         scores = _padded(scores, len(batch))
         if self.overlong is None:
             return TensorBatch({"reward": scores, **out})
-        penalty = self.overlong.penalty(batch.tensor("response_mask").sum(1))
+        rmask = batch.tensor("response_mask")
+        penalty = self.overlong.penalty(rmask.sum(1), rmask.shape[1])
         return TensorBatch({"reward": scores + penalty, "score": scores,
                             "overlong_penalty": penalty, **out})
 

@@ -38,6 +38,31 @@ def as_list(value: Any) -> Any:
         else value
 
 
+def as_token_ids(value: Any) -> list[int] | None:
+    """A list of token ids as plain ints: ints, or numpy or torch integer scalars (records
+    a user built from arrays), not bools; None when `value` is something else."""
+    if not isinstance(value, list):
+        return None
+    out = []
+    for t in value:
+        if getattr(t, "ndim", None) == 0 and hasattr(t, "item"):
+            t = t.item()  # a numpy or torch scalar: a bool, an int or a float
+        if not isinstance(t, int) or isinstance(t, bool):
+            return None
+        out.append(t)
+    return out
+
+
+def no_negative_ids(ids: list[int], where: str) -> list[int]:
+    """`ids`, or an error naming `where` and the first negative id (the embedding would
+    fail on it at the first forward pass, far from the record)."""
+    for i, t in enumerate(ids):
+        if t < 0:
+            raise ValueError(f"{where}: the prompt's token id {t} (position {i}) is negative; "
+                             f"token ids are >= 0, as a tokenizer gives them: fix the record")
+    return ids
+
+
 def _ids(tok: Any, value: Any, where: str) -> list[int]:
     if isinstance(value, str):  # (text the chat template made already starts with its BOS:
         bos = getattr(tok, "bos_token", None)  # not a second one)
@@ -61,9 +86,9 @@ def _ids(tok: Any, value: Any, where: str) -> list[int]:
         if not isinstance(ids, list):  # a BatchEncoding in transformers >= 5
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                       for t in value):
-        return value
+    ids = as_token_ids(value)
+    if ids is not None:
+        return no_negative_ids(ids, where)
     raise ValueError(f"{where}: the prompt is {str(value)[:60]!r} ({type(value).__name__}); "
                      f"give text, chat messages [{{'role': 'user', 'content': '...'}}] or a "
                      f"list of token ids")
