@@ -375,6 +375,12 @@ class HybridEngine:
         return getattr(self.engine, "vocab_size", None)
 
     @property
+    def max_model_len(self) -> int | None:
+        """The engine's context limit (vLLM's; None where an engine has none): multi-turn
+        rows are kept within it."""
+        return getattr(self.engine, "max_model_len", None)
+
+    @property
     def continues_turns(self) -> bool:
         """Whether the engine runs multi-turn rollouts in its own loop (asyncrl.hybrid.turns)."""
         return bool(getattr(self.engine, "continues_turns", False))

@@ -23,14 +23,20 @@ does) called on the generating rank, for each row whose turn ended:
                                       is done
 
 `response` is the turn just generated; meta holds the prompt records' columns it names
-("answer", say), `turn` (0 for the first) and `transcript` (the whole response so far). With
+("answer", say), `turn` (0 for the first), `transcript` (the whole response so far) and
+`stop` (the id of the stop token that ended the turn: with a tokenizer the text leaves it
+out, and Llama 3.1's <|eom_id|>, a tool call, and <|eot_id|>, an answer, read alike; None
+had the budget ended it). A column named as one of these is refused. With
 `tokenizer=` (a local directory) the prompt, response and transcript are text (special
 tokens left out, as rewards read them) and an observation may be text (tokenized without
 special tokens added) or chat messages, {"role": "tool", "content": ...} or a list of them,
 written as the chat template writes them after the assistant's turn, with the next
-assistant turn opened (`chat_turns`, as verl's tool agent loop does). Without a tokenizer,
-they are token ids. An observation longer than `max_observation_tokens`, or than the budget
-left, keeps its first tokens (chat messages keep their markers: their contents are cut).
+assistant turn opened (`chat_turns`, as verl's tool agent loop does; a message the template
+leaves out, a role it does not know, is refused). Without a tokenizer, they are token ids.
+An observation longer than `max_observation_tokens`, or than the budget left, keeps its
+first tokens (chat messages keep their markers: their contents are cut; a text is cut to
+CHARS_PER_TOKEN characters a token before it is tokenized). A row's budget is the
+sampling's max_new_tokens, and with vLLM what its max_model_len leaves after the prompt.
 Every rank that generates a row calls the env for it: with tensor parallelism each replica
 of a DP chunk does (their calls agree, and one result is kept), so a tool whose side effects
 reach outside its row runs once per replica.
@@ -44,6 +50,7 @@ it started, is killed and replaced), and the rollout's `env_timeouts` counts the
 from __future__ import annotations
 
 import logging
+import reprlib
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -59,8 +66,11 @@ from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
 
 # a row's turn the environment is asked about: (row, turn, its tokens, the response so far)
 Asked = tuple[int, int, list[int], list[int]]
-TURN_KEYS = ("turn", "transcript")  # what the env may take beside the records' columns
+TURN_KEYS = ("turn", "transcript", "stop")  # what the env may take beside the columns
 NOT_META = {"prompt", "seed"}
+# an observation's text (a chat message's content) is cut to this many characters a token
+# before it is tokenized: a tool's 6 MB output took seconds to tokenize, then was cut
+CHARS_PER_TOKEN = 64
 
 log = logging.getLogger("asyncrl")
 
@@ -130,6 +140,7 @@ class Turns:
         self.cfg = cfg
         self.name = getattr(cfg.env, "__name__", repr(cfg.env))
         self._vocab: int | None = None  # the engine's, where it says (set per generation)
+        self._stops: tuple[int, ...] = ()  # the sampling's stop tokens (set per generation)
         self.tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
         self.pool = pool_for(cfg.env, cfg.processes, cfg.timeout_s, "environment")
 
@@ -144,9 +155,14 @@ class Turns:
         check_stops(cfg)
         n = len(prompts)
         self._vocab = getattr(engine, "vocab_size", None)  # (the built-in engine's: checked)
-        meta_keys = taken_by(self.cfg.env, [k for k in batch.keys() if k not in NOT_META and
-                                            isinstance(batch[k], list)] + list(TURN_KEYS),
-                             what="environment")
+        self._stops = tuple(cfg.stop_token_ids)
+        columns = [k for k in batch.keys() if k not in NOT_META and isinstance(batch[k], list)]
+        meta_keys = taken_by(self.cfg.env, columns + list(TURN_KEYS), what="environment")
+        clash = sorted(set(meta_keys) & set(columns) & set(TURN_KEYS))
+        if clash:  # else the turn's value silently replaced the column's
+            raise ValueError(f"the prompt records have the column(s) {clash}, and environment "
+                             f"{self.name!r} takes {clash} as the turn's own values (of "
+                             f"{list(TURN_KEYS)}): rename the column(s) in the records")
         real = batch.real_rows  # a DP chunk's padding rows: one turn, no
         # env call (a tool with side effects would run twice for one row)
         timeouts, cut = [0] * n, [0] * n
@@ -162,7 +178,8 @@ class Turns:
             out = engine.generate(prompts, seeds, cfg, respond=respond,
                                   max_turns=self.cfg.max_turns)
         else:
-            out = self._turn_by_turn(engine.generate, prompts, seeds, cfg, respond)
+            out = self._turn_by_turn(engine.generate, prompts, seeds, cfg, respond,
+                                     getattr(engine, "max_model_len", None))
         # the observations cut to max_observation_tokens, per row: a text one may lose the
         # template's markers that open the next turn, so it is said, not only done
         out = out.union(TensorBatch({"env_truncated": torch.tensor(cut)}))
@@ -181,16 +198,23 @@ class Turns:
 
     def _turn_by_turn(self, generate: Callable[..., TensorBatch], prompts: list[list[int]],
                       seeds: list[int], cfg: SamplingConfig,
-                      respond: Callable[[list[Asked]], list[list[int]]]) -> TensorBatch:
+                      respond: Callable[[list[Asked]], list[list[int]]],
+                      limit: int | None = None) -> TensorBatch:
         """One engine call per turn for the rows still going, each prompted with its row so
-        far (vLLM's prefix cache makes reading it again cheap)."""
-        budget, n = cfg.max_new_tokens, len(prompts)
+        far (vLLM's prefix cache makes reading it again cheap). A row's budget is
+        max_new_tokens, and what `limit` (vLLM's max_model_len) leaves after its prompt: a
+        single-turn generation stops there, and an observation past it would make the next
+        call refuse the whole batch."""
+        n = len(prompts)
+        budget = [cfg.max_new_tokens if limit is None else
+                  min(cfg.max_new_tokens, limit - len(p)) for p in prompts]
         rows = [_Row() for _ in range(n)]
         active, temperature = list(range(n)), 1.0
         for turn in range(self.cfg.max_turns):
             if not active:
                 break
-            room = max(budget - len(rows[i].ids) for i in active)
+            # (a prompt past the limit has none: the engine refuses it, naming it)
+            room = max(1, *(budget[i] - len(rows[i].ids) for i in active))
             out = generate([prompts[i] + rows[i].ids for i in active],
                            [turn_seed(seeds[i], turn) for i in active],
                            replace(cfg, max_new_tokens=room))
@@ -199,21 +223,21 @@ class Turns:
                                      ("response_ids", "response_mask", "logprobs", "versions"))
             asked: list[Asked] = []  # the rows the environment answers: budget, turns left
             for j, i in enumerate(active):
-                k = min(sum(mask[j]), budget - len(rows[i].ids))  # the mask is a prefix
+                k = min(sum(mask[j]), budget[i] - len(rows[i].ids))  # the mask is a prefix
                 rows[i].add(ids[j][:k], 1, logp[j][:k], vers[j][:k])
                 rows[i].turns += 1
                 # a turn that ended at a stop token, as the built-in engine continues: one
                 # cut short (vLLM's max_model_len) is not a turn to answer, and its next
                 # prompt would be past the limit (vLLM fails the whole batch)
                 stopped = k > 0 and ids[j][k - 1] in cfg.stop_token_ids
-                if stopped and len(rows[i].ids) < budget and turn < self.cfg.max_turns - 1:
+                if stopped and len(rows[i].ids) < budget[i] and turn < self.cfg.max_turns - 1:
                     asked.append((i, turn, ids[j][:k], list(rows[i].ids)))
             active = []
             for (i, *_), seen in zip(asked, respond(asked), strict=True):
-                seen = seen[:budget - len(rows[i].ids)]
+                seen = seen[:budget[i] - len(rows[i].ids)]
                 if seen:
                     rows[i].add(seen, 0, [0.0] * len(seen), [-1] * len(seen))
-                    if len(rows[i].ids) < budget:
+                    if len(rows[i].ids) < budget[i]:
                         active.append(i)
         return self._batch(rows, prompts, cfg, temperature)
 
@@ -227,8 +251,10 @@ class Turns:
         text = self.tok is not None
         jobs = []
         for i, turn, said, response in asked:
-            extra = {"turn": turn, "transcript": self._text(response) if text else
-                     list(response)}
+            # the stop token that ended the turn (None: the budget did; no engine asks then)
+            stop = said[-1] if said and said[-1] in self._stops else None
+            extra = {"turn": turn, "stop": stop,
+                     "transcript": self._text(response) if text else list(response)}
             jobs.append((self._text(prompts[i]) if text else list(prompts[i]),
                          self._text(said) if text else list(said),
                          {k: extra[k] if k in extra else batch[k][i] for k in meta_keys}))
@@ -265,14 +291,16 @@ class Turns:
             ids, shortened = self._chat(value, said, f"row {i}, turn {turn}")
             cut[i] += shortened
             return ids
-        ids = self._token_ids(value, i, turn)
         limit = self.cfg.max_observation_tokens
-        cut[i] += len(ids) > limit
+        if isinstance(value, str) and self.tok is not None:  # its first characters only
+            ids = self._encode(value[:limit * CHARS_PER_TOKEN])
+            cut[i] += len(value) > limit * CHARS_PER_TOKEN or len(ids) > limit
+        else:
+            ids = self._token_ids(value, i, turn)
+            cut[i] += len(ids) > limit
         return ids[:limit]
 
     def _token_ids(self, value: Any, i: int, turn: int) -> list[int]:
-        if isinstance(value, str) and self.tok is not None:
-            return self._encode(value)
         if isinstance(value, list | tuple) and all(map(whole_number, value)):
             # the vocabulary unknown (vLLM's), what a token tensor holds at least
             limit = self._vocab if self._vocab is not None else 2 ** 63
@@ -285,7 +313,7 @@ class Turns:
             return [int(t) for t in value]
         hint = "text, chat messages or token ids" if self.tok is not None else \
             "token ids (text needs multi_turn={'tokenizer': DIR})"
-        raise TypeError(f"environment {self.name!r} returned {str(value)[:60]!r} for row {i}, "
+        raise TypeError(f"environment {self.name!r} returned {reprlib.repr(value)} for row {i}, "
                         f"turn {turn}: it returns an observation as {hint}, or None when the "
                         f"row is done")
 
@@ -299,12 +327,17 @@ class Turns:
         the messages' contents are (their last tokens first), never the template's markers,
         which the next turn needs whole."""
         limit = self.cfg.max_observation_tokens
+        chars = limit * CHARS_PER_TOKEN  # a text content's first characters only
+        long = any(isinstance(m.get("content"), str) and len(m["content"]) > chars
+                   for m in messages)
+        messages = [{**m, "content": m["content"][:chars]} if isinstance(m.get("content"), str)
+                    else m for m in messages]
         ids = self._encode(chat_turns(self.tok, messages, said, where))
         untouched = False
         for attempt in range(3):  # re-tokenizing a cut content may shift a token or two
             over = len(ids) - limit
             if over <= 0:
-                return ids, attempt > 0
+                return ids, long or attempt > 0
             messages = [dict(m) for m in messages]
             for m in reversed(messages):
                 if not isinstance(m.get("content"), str):  # none, or parts (text, images):
@@ -361,25 +394,48 @@ def chat_turns(tok: Any, messages: list[dict[str, Any]], said: list[int], where:
     conversation ending with them after the assistant's content, less the end-of-turn token
     the generated turn stopped at (the newline the template puts after it stays). Only the
     text after the assistant's content is read: a template may write earlier turns
-    differently once later ones follow (Qwen3 drops an empty think block)."""
+    differently once later ones follow (Qwen3 drops an empty think block). A message whose
+    text content the template leaves out (Qwen's writes only the roles it knows) is refused:
+    the observation would have lost it, unsaid."""
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{where}: the environment returned chat messages, but the tokenizer "
                          f"has no chat template; return text or token ids")
+    for m in messages:
+        if not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"{where}: the environment's chat message {reprlib.repr(m)} needs "
+                             f"a str 'role' and a 'content' (a tool's output: "
+                             f"{{'role': 'tool', 'content': ...}}); or return it as text")
     base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": MARK}]
-    try:
-        text = tok.apply_chat_template(base + messages, tokenize=False,
-                                       add_generation_prompt=True)
-    except Exception as e:  # jinja's TemplateError: a role the template does not know
-        raise ValueError(f"{where}: the tokenizer's chat template refused the environment's "
-                         f"messages {messages!r}: {e}") from None
+    text = _render(tok, base + messages, messages, where)
     if MARK not in text:
         raise ValueError(f"{where}: this chat template does not write the assistant's content "
                          f"as given; return the observation as text")
     after = text[text.rindex(MARK) + len(MARK):]
+    unseen = [k for k, m in enumerate(messages)  # (stripped: some templates trim a content)
+              if isinstance(m["content"], str) and m["content"].strip() not in after]
+    if unseen:  # or written escaped (a template's tojson): a mark in its place must show
+        probe = _render(tok, base + [{**m, "content": f"asyncrl-message-{k}-end"}
+                                     for k, m in enumerate(messages)], messages, where)
+        for k in unseen:
+            if f"asyncrl-message-{k}-end" not in probe:
+                raise ValueError(f"{where}: the chat template leaves out the environment's "
+                                 f"message with role {messages[k]['role']!r} (a role it does "
+                                 f"not write); use a role the template writes (a tool's "
+                                 f"output: 'tool')")
     last = str(tok.decode(said[-1:], skip_special_tokens=False)) if said else ""
     last, space = last.strip(), len(after) - len(after.lstrip())
     held = space + len(last) if last and after[space:].startswith(last) else 0  # <|im_end|>
     return after[held:]
+
+
+def _render(tok: Any, conversation: list[dict[str, Any]], messages: list[dict[str, Any]],
+            where: str) -> str:
+    try:
+        return str(tok.apply_chat_template(conversation, tokenize=False,
+                                           add_generation_prompt=True))
+    except Exception as e:  # jinja's TemplateError: a role the template does not know
+        raise ValueError(f"{where}: the tokenizer's chat template refused the environment's "
+                         f"messages {reprlib.repr(messages)}: {e}") from None
 
 
 class _Row:

@@ -158,6 +158,11 @@ class VLLMEngine:
         # to end, and its tokens are tagged with the version they were sampled with
         self._busy = threading.Lock()
 
+    @property
+    def max_model_len(self) -> int | None:
+        """vLLM's max_model_len (None where it does not say): a prompt and its response fit."""
+        return _max_model_len(self.llm)
+
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  config: SamplingConfig | None = None) -> TensorBatch:
         cfg = config or self.config
