@@ -254,8 +254,7 @@ def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
     when ranks run on other machines)."""
     import socket
 
-    from asyncrl.comm.dataserver import is_loopback
-    from asyncrl.controller.cluster import Cluster
+    from asyncrl.controller.cluster import Cluster, unreachable
 
     try:
         cluster = Cluster.from_file(args.hosts) if args.hosts else Cluster.from_slurm()
@@ -277,13 +276,10 @@ def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
                              f"resolve here ({e}); {fix}") from None
         said = (f"this machine's name {name!r} resolves to {address} (Debian-style hosts "
                 f"name themselves 127.0.1.1)")
-    try:
-        loopback = is_loopback(address)
-    except ValueError:  # a name: the controller checks it as given
-        loopback = address == "localhost"
-    if loopback or address in ("0.0.0.0", "::", ""):  # (as Controller refuses them)
-        raise SystemExit(f"asyncrl launch: {said}, an address other machines cannot "
-                         f"reach; {fix}")
+    why = unreachable(address)  # (a loopback or wildcard IP, or a name resolving to one)
+    if why is not None:  # (as Controller refuses them)
+        raise SystemExit(f"asyncrl launch: {said}{why and f' ({why})'}, an address other "
+                         f"machines cannot reach; {fix}")
     return cluster, address
 
 

@@ -1,15 +1,23 @@
 """Placement on one described host: which GPUs or cores each group gets, constraints,
-what a closed or respawned group frees, and the GPU ids the ranks are given."""
+what a closed or respawned group frees, and the GPU ids the ranks are given; over a
+cluster's hosts: which hosts are suspected, one machine listed twice, GPUs a host lacks,
+rendezvous ports, and the controller's address (more in test_cluster.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import re
+import socket
 
+import psutil
 import pytest
 from helpers import NoLogFolder
 
 import asyncrl
+import asyncrl.controller.cluster as cluster_module
+from asyncrl.controller.cluster import Cluster, HostSpec
 from asyncrl.controller.placement import Host, Placer
 
 
@@ -123,3 +131,138 @@ def test_placement_of_a_group_whose_agent_failed_to_start_is_freed(tmp_path):
             assert ctl.groups == {} and ctl.placer.placed == {}
             assert not any(ctl.placer._use.values())
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+# -- over a cluster's hosts -------------------------------------------------------------------
+def _loopback_hosts() -> Cluster:
+    return Cluster([HostSpec(f"host{c}", "127.0.0.1", cpus=1, via="local") for c in "ABC"])
+
+
+def test_a_host_that_started_no_rank_is_suspected(monkeypatch):
+    """A host whose agent never started a rank (ssh exited 255; an agent hung at the
+    rendezvous until the startup timeout) was never suspected: spread picked it again (the
+    least used, first listed) and recovery spent its restarts there."""
+    import asyncrl.controller.launcher as launcher
+
+    real, broken = launcher.torchrun_command, {"hostA": ["sh", "-c", "exit 255"]}
+    monkeypatch.setattr(launcher, "torchrun_command",
+                        lambda host, *a, **k: broken.get(host.name) or real(host, *a, **k))
+
+    async def main():
+        async with asyncrl.Controller(cluster=_loopback_hosts(), echo_logs=False) as ctl:
+            with pytest.raises(asyncrl.SpawnError, match="exited with code 255"):
+                await ctl.spawn(_Idle, nprocs=1, name="g")
+            g = await ctl.spawn(_Idle, nprocs=1, name="g")
+            hosts = [a.host for a in g.agent.agents]  # hostB, not hostA again
+            broken.clear()
+            broken["hostC"] = ["sleep", "60"]  # (its agent says nothing: hangs)
+            ctl.startup_timeout = 2.0
+            with pytest.raises(asyncrl.SpawnTimeout):
+                await ctl.spawn(_Idle, nprocs=1, name="h")  # the least used: hostC
+            ctl.startup_timeout = 30.0
+            h = await ctl.spawn(_Idle, nprocs=1, name="h")  # hostA works now; hostC hung
+            return hosts + [a.host for a in h.agent.agents]
+    assert asyncio.run(asyncio.wait_for(main(), 120)) == ["hostB", "hostA"]
+
+
+def test_gpu_slots_a_host_does_not_have_are_refused(tmp_path, monkeypatch):
+    """A hosts file giving a host more GPUs than it has: slot 5 became
+    CUDA_VISIBLE_DEVICES=5, CUDA found no device, and the rank ran gloo on the CPU."""
+    import torch
+
+    from asyncrl.actors.gpu_slots import check_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    check_gpus([], {})  # no slots: not a cluster group's GPU rank
+    env = {"ASYNCRL_HOST_NAME": "n2", "CUDA_VISIBLE_DEVICES": "5"}
+    with pytest.raises(RuntimeError, match=r"host n2: .*GPU\(s\) \(5, .*\), but CUDA sees 0"
+                                           r".*real number of GPUs in the hosts file"):
+        check_gpus(["5"], env)
+    async def main():  # a rank given a GPU slot its host hides (any machine: GPU 99)
+        cluster = Cluster([HostSpec("g1", "127.0.0.1", gpus=1, via="local")])
+        async with asyncrl.Controller(cluster=cluster, echo_logs=False) as ctl:
+            with pytest.raises(asyncrl.SpawnError, match=r"host g1: the group was given 1 "
+                                                         r"of its GPU\(s\) \(0, CUDA_VISIBLE"
+                                                         r"_DEVICES=99 here\), but CUDA sees 0"):
+                await ctl.spawn(_Idle, nprocs=1, name="g", env={"CUDA_VISIBLE_DEVICES": "99"})
+    asyncio.run(asyncio.wait_for(main(), 60))
+    hosts = tmp_path / "hosts.json"  # a local host is this machine: its GPUs are known
+    hosts.write_text(json.dumps({"hosts": [{"name": "ctl", "address": "127.0.0.1", "gpus": 8,
+                                            "via": "local"}]}))
+    with pytest.raises(ValueError, match=r"hosts.json: host 'ctl' is this machine \(via "
+                                         r"'local'\), which has 0 GPU\(s\) visible, but "
+                                         r"\"gpus\" gives it 8: give it its real number"):
+        Cluster.from_file(hosts)
+
+
+def test_a_controller_name_that_resolves_to_loopback_is_refused_for_remote_hosts(
+        tmp_path, monkeypatch):
+    """Debian names its machine 127.0.1.1: a controller at that name was accepted, remote
+    ranks connected to their own machine, and each spawn waited out its startup timeout."""
+    import argparse
+
+    from asyncrl import cli
+
+    monkeypatch.setattr(cluster_module, "addresses", lambda name: {"127.0.1.1"})
+    remote = Cluster([HostSpec("n1", "10.0.0.1", cpus=4, via="ssh")])
+    with pytest.raises(ValueError, match=rf"got '{socket.gethostname()}' \(it resolves here "
+                                         r"to 127\.0\.1\.1\).*routable address.*"
+                                         r"--controller-address"):
+        asyncrl.Controller(host=socket.gethostname(), cluster=remote)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({"hosts": [{"name": "n1", "address": "10.0.0.1"}]}))
+    given = argparse.Namespace(hosts=str(hosts), controller_address="myhost")
+    with pytest.raises(SystemExit, match=r"--controller-address myhost \(it resolves here to "
+                                         r"127\.0\.1\.1\), an address other machines cannot"):
+        cli._cluster(given)
+    monkeypatch.setattr(cluster_module, "addresses", lambda name: None)
+    with pytest.raises(ValueError, match=r"got 'nowhere' \(it does not resolve here\)"):
+        asyncrl.Controller(host="nowhere", cluster=remote)
+
+
+def test_a_local_gpu_host_and_an_ssh_host_at_this_machines_address_are_refused():
+    """A local host named 'vm' and an ssh host at this machine's LAN address: neither
+    address was resolved nor recognised as this machine's, and both handed out GPUs 0-7."""
+    mine = sorted(a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family == socket.AF_INET and not a.address.startswith("127."))
+    if not mine:
+        pytest.skip("this machine has no IPv4 address beyond loopback")
+    with pytest.raises(ValueError, match=r"GPU hosts \['ctl', 'n1'\] are one machine \(this "
+                                         r"machine\): list each machine once"):
+        Cluster([HostSpec("ctl", "vm", gpus=8, via="local"),
+                 HostSpec("n1", mine[0], gpus=8, via="ssh")])
+
+
+def test_rendezvous_ports_held_by_placed_groups_are_not_drawn_again(tmp_path, monkeypatch):
+    """A remote first host's rendezvous port was drawn at random with no record of those
+    the groups placed there held: two groups could meet at one endpoint."""
+    from asyncrl.controller.launcher import cluster_agents
+
+    draws = iter([25000, 25000, 26000, 25000])
+    monkeypatch.setattr(random.SystemRandom, "randint", lambda self, lo, hi: next(draws))
+    cluster = Cluster([HostSpec("n1", "10.0.0.1", cpus=4, via="ssh")])
+
+    def endpoint(group: str) -> str:  # (commands only: nothing starts)
+        agents = cluster_agents(cluster, group, 1, {}, tmp_path, "run", die_with_parent=False)
+        return agents.agents[0].command()[-1].split("--rdzv-endpoint ")[1].split()[0]
+    assert endpoint("a") == "10.0.0.1:25000"
+    assert endpoint("b") == "10.0.0.1:26000"  # 25000 is a's
+    cluster.forget("a")
+    assert endpoint("c") == "10.0.0.1:25000"  # a's, released
+
+
+def test_a_spawn_with_a_bad_env_is_refused_before_it_is_placed():
+    """env=["A=1"] raised TypeError after placement: the group stayed placed (a later
+    separate_from it was satisfied by a group that never ran)."""
+    async def main():
+        async with asyncrl.Controller(echo_logs=False) as ctl:
+            with pytest.raises(TypeError) as bad:
+                await ctl.spawn(_Idle, nprocs=1, name="idle", env=["A=1"])
+            assert ctl.placer.placed == {}  # (refused after placement: placed, never run)
+            assert "group 'idle': env= maps names to values, like {'NAME': 'value'}; got a " \
+                "list" in str(bad.value)
+            with pytest.raises(TypeError, match=r"env=\{'A': 1\}: environment names and values "
+                                                r"are str; pass 'A': '1'"):
+                await ctl.spawn(_Idle, nprocs=1, name="idle", env={"A": 1})
+            return dict(ctl.placer.placed)
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == {}

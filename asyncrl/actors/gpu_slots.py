@@ -9,17 +9,18 @@ it finds at start-up (GPU d is the d-th entry; without one, GPU d), before CUDA 
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 GPU_SLOTS = "ASYNCRL_GPU_SLOTS"
 
 
-def select_gpus(env: MutableMapping[str, str] = os.environ) -> None:
+def select_gpus(env: MutableMapping[str, str] = os.environ) -> list[str]:
     """Turn the agent's slots into this rank's CUDA_VISIBLE_DEVICES (consumed: a process the
-    rank starts inherits the result, not the slots to map again)."""
+    rank starts inherits the result, not the slots to map again). Returns the slots (none:
+    not a cluster group's rank, or one on a CPU host)."""
     slots = env.pop(GPU_SLOTS, None)
     if not slots:
-        return
+        return []
     visible = env.get("CUDA_VISIBLE_DEVICES")
     # (set but empty: this host hides its GPUs from the rank, none to pick)
     ids = None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
@@ -37,6 +38,23 @@ def select_gpus(env: MutableMapping[str, str] = os.environ) -> None:
                 f"{len(ids)}: give the host its real number of GPUs in the hosts file "
                 f"(\"gpus\"), or its allocation more")
     env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
+    return slots.split(",")
+
+
+def check_gpus(slots: list[str], env: Mapping[str, str] = os.environ) -> None:
+    """Refuse to start a rank given GPU slots its host does not have: a hosts file claiming
+    8 GPUs on a host of 4 made slot 5 CUDA_VISIBLE_DEVICES=5, which CUDA found no device
+    behind, and the rank ran gloo on the CPU without a word."""
+    import torch  # (here: after select_gpus chose the list CUDA reads)
+
+    if slots and torch.cuda.device_count() < len(slots):
+        raise RuntimeError(
+            f"host {env.get('ASYNCRL_HOST_NAME', '?')}: the group was given {len(slots)} of "
+            f"its GPU(s) ({','.join(slots)}, CUDA_VISIBLE_DEVICES="
+            f"{env.get('CUDA_VISIBLE_DEVICES')} here), but CUDA sees "
+            f"{torch.cuda.device_count()}, and the ranks would run on the CPU: give the host "
+            f"its real number of GPUs in the hosts file (\"gpus\"; \"cpus\" for a host "
+            f"without), or check its driver")
 
 
 def bind_gpu() -> None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import zmq
 
 from asyncrl.actors import debugger
-from asyncrl.actors.gpu_slots import bind_gpu, gpu_index, select_gpus
+from asyncrl.actors.gpu_slots import bind_gpu, check_gpus, gpu_index, select_gpus
 from asyncrl.actors.output import OutputCapture
 from asyncrl.actors.procs import PROCESS_ENV, runs
 from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
@@ -503,7 +503,7 @@ def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):  # (a container's odd limits: as they are)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    select_gpus()  # a cluster group's GPUs on this host, before CUDA reads the list
+    check_gpus(select_gpus())  # a cluster group's GPUs on this host, before CUDA reads it
     cores = pin_cpus()
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
     _init_distributed()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import re
 import shlex
 import socket
@@ -31,10 +32,14 @@ from typing import Any
 
 from asyncrl.actors.rank_fork import RANK_ENV_DEFAULTS
 from asyncrl.comm.dataserver import addresses, is_loopback
-from asyncrl.controller.placement import PlacementError, constraints_of
+from asyncrl.controller.placement import Host, PlacementError, constraints_of
 
 VIAS = ("local", "ssh", "srun", "netns")
 HERE = ("local", "netns")  # the vias that run on the controller's own machine
+# rendezvous ports off this machine: a generator of its own (the flow's seeded `random` would
+# give every run of a sweep the same port, and shift the state checkpoints keep), below the
+# ephemeral ports, which connections take
+_PORTS = random.SystemRandom()
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class Cluster:
         self._taken: dict[str, set[int]] = {h.name: set() for h in hosts}  # slots in use
         self._groups: dict[str, dict[str, list[int]]] = {}  # group -> host -> its slots
         self._deaths: dict[str, int] = {}  # host -> ranks that died there (see `suspect`)
+        self._ports: dict[str, tuple[str, int]] = {}  # group -> its rendezvous host and port
 
     @staticmethod
     def from_file(path: str | os.PathLike) -> Cluster:
@@ -130,7 +136,9 @@ class Cluster:
             hosts.append(HostSpec(name, str(entry.get("address", name)), entry.get("gpus", 0),
                                   entry.get("cpus", 1), str(entry.get("via", "ssh"))))
         try:  # (its checks, named with the file)
-            return Cluster(hosts)
+            cluster = Cluster(hosts)
+            _check_gpus_here(cluster.hosts)
+            return cluster
         except ValueError as e:
             raise ValueError(f"hosts file {p}: {e}") from None
 
@@ -209,16 +217,29 @@ class Cluster:
                 f"fewest hosts; drop {c.kind}, or run on one host (no --hosts; under "
                 f"SLURM: an allocation of one node, the controller on it)")
 
-    def suspect(self, host: str) -> None:
-        """A rank died on `host` (its process gone, silent, or crashed): groups placed from
-        now on go to other hosts first (a dead node, a failing GPU would take the respawn too).
-        A preference, not a ban: a host is used again when the others lack the slots."""
-        if host in self._taken:
-            self._deaths[host] = self._deaths.get(host, 0) + 1
+    def suspect(self, *hosts: str) -> None:
+        """A rank died on each of `hosts` (its process gone, silent, or crashed), or none
+        started there (its agent failed, or hung at the rendezvous): groups placed from now on
+        go to other hosts first (a dead node, a failing GPU would take the respawn too). A
+        preference, not a ban: a host is used again when the others lack the slots."""
+        for host in hosts:
+            if host in self._taken:
+                self._deaths[host] = self._deaths.get(host, 0) + 1
+
+    def rendezvous_port(self, group: str, host: HostSpec) -> int:
+        """A port for `group`'s rendezvous on its first host, `host`: one probed free here
+        (local), else drawn at random; never one a placed group's rendezvous holds there."""
+        held = {port for name, port in self._ports.values() if name == host.name}
+        while True:
+            port = free_port() if host.via == "local" else _PORTS.randint(20000, 32000)
+            if port not in held:
+                self._ports[group] = (host.name, port)
+                return port
 
     def forget(self, group: str) -> None:
         for name, slots in self._groups.pop(group, {}).items():
             self._taken[name].difference_update(slots)
+        self._ports.pop(group, None)
 
 
 def _is_ipv6(address: str) -> bool:
@@ -246,12 +267,66 @@ def _refuse_shared_gpus(gpu_hosts: list[HostSpec]) -> None:
 
 
 def _machine_of(h: HostSpec) -> set[str]:
-    """What tells `h`'s machine apart: its address, and for ssh the IP addresses that
-    resolves to here (best effort: a name only ssh's own config knows need not resolve).
-    srun's nodes are SLURM's, each named once."""
-    resolved = (addresses(h.address) or set()) if h.via == "ssh" else set()
-    here = h.via in HERE or any(map(is_loopback, resolved))
+    """What tells `h`'s machine apart: its address, and the IP addresses that resolves to
+    here (best effort: a name only ssh's own config knows need not resolve); "this machine"
+    for local and netns hosts, and for an address that is a loopback or one this machine
+    holds (ssh to its own LAN address). srun's nodes are SLURM's, each named once."""
+    resolved = (addresses(h.address) or set()) if h.via != "srun" else set()
+    here = h.via in HERE or any(map(_is_mine, resolved))
     return {h.address, *resolved, *(["this machine"] if here else [])}
+
+
+def _is_mine(ip: str) -> bool:
+    """Whether `ip` is an address of this machine: a loopback, or one it can bind."""
+    if is_loopback(ip):
+        return True
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _check_gpus_here(hosts: list[HostSpec]) -> None:
+    """A local or netns host claiming more GPUs than this machine has: its ranks' slots past
+    the real ones would see no GPU (CUDA_VISIBLE_DEVICES=5 of 4), and run on the CPU."""
+    here = [h for h in hosts if h.via in HERE and h.gpus]
+    found = Host.detect().gpus if here else 0
+    for h in here:
+        if h.gpus > found:
+            fix = f'"gpus": {found}' if found else 'no "gpus", and "cpus" instead'
+            raise ValueError(f"host {h.name!r} is this machine (via {h.via!r}), which has "
+                             f"{found} GPU(s) visible, but \"gpus\" gives it {h.gpus}: give "
+                             f"it its real number of GPUs ({fix})")
+
+
+def unreachable(address: str) -> str | None:
+    """Why ranks on other machines could not reach the controller at `address`: "" for a
+    loopback or wildcard address, what a name resolves to here for a name (127.0.1.1 on
+    Debian); None: they may."""
+    if address in ("0.0.0.0", "::", ""):  # (where it listens, not where others reach it)
+        return ""
+    resolved = addresses(address)
+    if resolved and not all(map(is_loopback, resolved)):
+        return None
+    if resolved is not None and address.partition("%")[0] in resolved:
+        return ""  # (a loopback IP address itself)
+    return f"it resolves here to {', '.join(sorted(resolved))}" if resolved else \
+        "it does not resolve here"
+
+
+def check_controller_address(cluster: Cluster, host: str) -> None:
+    """Refuse a controller address that ranks on the cluster's remote hosts cannot reach:
+    they would connect to their own machine and wait out the startup timeout."""
+    remote = [h.name for h in cluster.hosts if h.via != "local"]
+    why = unreachable(host) if remote else None
+    if why is not None:
+        raise ValueError(f"a cluster with remote hosts ({remote}) needs the controller's "
+                         f"address as they reach it, got {host!r}{why and f' ({why})'}: "
+                         f"ranks connect back to the controller; give a routable address of "
+                         f"this machine (Controller(host=...), or asyncrl launch "
+                         f"--controller-address; Debian-style hosts name themselves 127.0.1.1)")
 
 
 def _gpu_count(text: str) -> int:

@@ -46,10 +46,10 @@ from asyncrl.comm.relay import pid_of
 from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_server
 from asyncrl.controller.checkpoint import TRUST_RUN_DIR
-from asyncrl.controller.cluster import Cluster
+from asyncrl.controller.cluster import Cluster, check_controller_address
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
-from asyncrl.controller.launcher import Agent, cluster_agents, rank_env
+from asyncrl.controller.launcher import Agent, check_env, cluster_agents, rank_env
 from asyncrl.controller.links import Links
 from asyncrl.controller.logs import LogSink
 from asyncrl.controller.lost import concurrent_sockets
@@ -146,14 +146,8 @@ class Controller:
         self._die_with_controller = die_with_controller
         self.echo_logs = echo_logs
         self.cluster = cluster  # groups spread over its hosts; None: this machine only
-        if cluster is not None and any(h.via != "local" for h in cluster.hosts) and (
-                host.startswith("127.") or host in ("localhost", "::1", "0.0.0.0", "::", "")):
-            # (a wildcard is where it listens, not where others reach it: ranks elsewhere
-            # would connect to themselves)
-            raise ValueError(f"a cluster with remote hosts needs the controller's address as "
-                             f"they reach it, got {host!r} (Controller(host=...), or asyncrl "
-                             f"launch --controller-address; Debian-style hosts name "
-                             f"themselves 127.0.1.1): ranks connect back to the controller")
+        if cluster is not None:  # (ranks elsewhere must not connect to themselves)
+            check_controller_address(cluster, host)
         if encrypt and not curve_available():
             raise RuntimeError("Controller(encrypt=True) needs a libzmq with CURVE, and this "
                                "pyzmq's has none; install pyzmq from its wheels (they bundle "
@@ -321,7 +315,7 @@ class Controller:
         if self._closed or not self._started:
             raise ClosedError("the controller is not running; use `async with Controller()`")
         name = name or getattr(worker_cls, "__name__", "").lower()  # (checked next)
-        layout = self._check_spawn(worker_cls, name, nprocs, mesh, place)
+        layout = self._check_spawn(worker_cls, name, nprocs, mesh, env)
         nice = check_nice(name, nice)
         relayed = self._relays_for(name, nprocs, self.relay if relay is None else relay)
         try:
@@ -459,7 +453,8 @@ class Controller:
             self.cluster.forget(name)
 
     def _check_spawn(self, cls: type, name: str, nprocs: int, mesh: dict[str, int] | None,
-                     place: Any) -> Layout:
+                     env: Any) -> Layout:
+        """Refuse what would fail after the group is placed (before it is: nothing to undo)."""
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
             raise TypeError(f"spawn() needs a subclass of asyncrl.Worker, got {cls!r}")
         try:
@@ -482,6 +477,7 @@ class Controller:
         if size != nprocs:
             raise ValueError(f"mesh {mesh} has {size} ranks but nprocs={nprocs}; make the "
                              f"product of the mesh sizes equal nprocs")
+        check_env(name, env)
         return Layout(name, tuple(mesh.items()))
 
     async def _wait(self, group: GroupHandle, waiter: asyncio.Future, timeout: float,
@@ -489,6 +485,9 @@ class Controller:
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except asyncio.TimeoutError:
+            if waiter is group.started and self.cluster is not None:  # a respawn goes first
+                # to other hosts than those none of its ranks said hello from
+                self.cluster.suspect(*group.agent.blamed({i.host for i in group.ranks.values()}))
             # hello: on both its sockets (its Construct waits for every rank's two)
             missing = sorted(set(range(group.nprocs)) - {
                 r for r, i in group.ranks.items() if i.ready or (

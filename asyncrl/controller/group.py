@@ -562,8 +562,10 @@ class GroupHandle:
             return
         self.dead = GroupDeadError(self.name, rank, exit_code, reason, self.agent.tail())
         info = self.ranks.get(rank) if rank is not None else None
-        if info is not None and self._ctl.cluster is not None:
-            self._ctl.cluster.suspect(info.host)  # a respawn goes elsewhere first
+        cluster = self._ctl.cluster
+        if cluster is not None:  # a respawn goes elsewhere first; with no rank to name, away
+            heard = {i.host for i in self.ranks.values()}  # from the hosts that failed it
+            cluster.suspect(*[info.host] if info is not None else self.agent.blamed(heard))
         self._fail_all(self.dead)
         self.announce_gone(f"is dead: {reason}")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 import re
 import signal
 import subprocess
@@ -33,7 +32,6 @@ from asyncrl.controller.agent_fork import pid_alive as pid_alive  # (its users i
 from asyncrl.controller.cluster import (
     Cluster,
     HostSpec,
-    free_port,
     lifeline_env,
     torchrun_command,
 )
@@ -114,6 +112,10 @@ class Agent:
             self.rank_pids[rank] = pid
             self._rank_birth[rank] = birth(pid)
             self._launched[launched or pid] = pid
+
+    def blamed(self, heard: set[str]) -> list[str]:
+        """The hosts at fault when the group failed with no rank named: its host."""
+        return [self.host] if self.host is not None else []
 
     def fork(self) -> ForkedAgent | None:
         """torchrun forked by the agent server, or None (it cannot: `start` starts it anew).
@@ -298,6 +300,15 @@ class HostAgents:
         for a in self.agents:
             a.wait(timeout)
 
+    def blamed(self, heard: set[str]) -> list[str]:
+        """The hosts at fault when the group failed with no rank named: the host whose agent
+        exited first (ssh could not connect, torchrun failed there), else each host none of
+        whose ranks said hello (`heard`: the hosts of those that did; an agent hung at the
+        rendezvous)."""
+        if self._first is not None:
+            return self._first.blamed(heard)
+        return [a.host for a in self.agents if a.host is not None and a.host not in heard]
+
     def tail(self, lines: int = 30) -> str:
         return "\n".join(t for a in self._cause_first() if (t := a.tail(lines)))
 
@@ -319,6 +330,17 @@ class HostAgents:
             a.signal_all(sig)
 
 
+def check_env(group: str, env: Any) -> None:
+    """A group's `env=`: names and values, both str (None: nothing to add)."""
+    if env is not None and not isinstance(env, Mapping):
+        raise TypeError(f"group {group!r}: env= maps names to values, like {{'NAME': 'value'}}; "
+                        f"got a {type(env).__name__}: {env!r}")
+    for key, value in (env or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"group {group!r}: env={{{key!r}: {value!r}}}: environment names "
+                            f"and values are str; pass {str(key)!r}: {str(value)!r}")
+
+
 def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     """The environment of a group's ranks: ours, the user's `env=`, and the package path."""
     env = dict(base)
@@ -331,9 +353,6 @@ def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     pkg_root = str(Path(asyncrl.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
     return env
-
-
-_PORTS = random.SystemRandom()
 
 
 def host_env(h: HostSpec, slots: list[int], base: Mapping[str, str],
@@ -362,12 +381,7 @@ def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, st
     hosts = cluster.spread(name, nprocs)
     per = nprocs // len(hosts)
     first = hosts[0][0]
-    # a port probed here is free here; in another host or namespace, pick one at random
-    # (a generator of its own: the flow's seeded `random` would give every run of a sweep
-    # the same port, and the draw would shift the state checkpoints keep; below the
-    # ephemeral ports, which connections take)
-    port = free_port() if first.via == "local" else _PORTS.randint(20000, 32000)
-    endpoint = f"{first.address}:{port}"
+    endpoint = f"{first.address}:{cluster.rendezvous_port(name, first)}"
     agents = []
     for i, (h, slots) in enumerate(hosts):
         env = host_env(h, slots, os.environ, extra)
