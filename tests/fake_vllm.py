@@ -10,24 +10,60 @@ restores that backup; level 2 drops them; sleep while any part still sleeps (the
 woken alone) does nothing, as vLLM's executor is "already sleeping"; weights loaded while
 the weights sleep are an illegal memory access; generating needs everything awake;
 `load_format="dummy"` starts from random weights, not the checkpoint's; a temperature in
-(0, 0.01) is raised to 0.01, as vLLM's SamplingParams does. With
+(0, 0.01) is raised to 0.01, as vLLM's SamplingParams does; processed log-probs with
+top_p < 1 are renormalised over the nucleus. Level 2 keeps the model's buffers on the host
+and copies them back at the first wake_up, whatever its tags (the KV cache woken first:
+an illegal address); wake_up(None) while partly awake maps the awake part again (an error).
+LLM's keywords go to an EngineArgs dataclass (an unknown one: TypeError). Prompts are
+checked as they are added (empty, too long; out of vocabulary only with a tokenizer): a
+refused one leaves those before it in the engine. Without a tokenizer an id outside the
+vocabulary reaches the embedding kernel: a device-side assert, after which every call fails
+(the CUDA context is gone). Faults on demand: `kv_wake_ooms` (the next N KV cache wakes run
+out of memory), `reset_failures` (the next N reset_prefix_cache calls return False). With
 FAKE_VLLM_CALLS=DIR each process also writes what it was asked, one JSON line per call, to
 DIR/<pid>.jsonl (for tests of torchrun groups)."""
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from asyncrl.hybrid.models import ModelConfig, build_model
-from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+from asyncrl.hybrid.sampler import Sampler, SamplingConfig, top_p_filter
 
 __version__ = "0.11.0"  # a release the adapter takes (it checks the version it imports)
 _MAX_TEMP = 1e-2  # vLLM's: a lower temperature above 0 is raised to it
+
+
+@dataclass
+class EngineArgs:
+    """vLLM's EngineArgs (a dataclass: an unknown keyword is a TypeError), with the fields
+    asyncrl's adapter and its tests use."""
+    model: str = "facebook/opt-125m"
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enable_sleep_mode: bool = False
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+    seed: int | None = 0
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    logprobs_mode: str = "raw_logprobs"
+    worker_extension_cls: str = ""
+    max_model_len: int | None = None
+    hf_overrides: Any = None
+    trust_remote_code: bool = False
+    kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+    enable_prefix_caching: bool | None = None
 
 
 @dataclass
@@ -100,6 +136,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any):
         _record("init", kwargs)
+        EngineArgs(model=model, **kwargs)  # as vLLM's LLM: a TypeError for an unknown key
         required = {"distributed_executor_backend", "enable_sleep_mode", "worker_extension_cls"}
         missing = required - set(kwargs)
         if missing:
@@ -120,23 +157,48 @@ class LLM:
         c = self._model.config  # vLLM's default: the model's own limit
         self._max_len = kwargs.get("max_model_len") or getattr(
             c, "max_position_embeddings", None) or c.n_positions
+        self._vocab = int(c.vocab_size)  # vLLM's model_config.get_vocab_size()
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(
-            max_model_len=self._max_len))
+            max_model_len=self._max_len, get_vocab_size=lambda: self._vocab))
         self._left: list[tuple[dict, SamplingParams]] = []  # requests a refused call left
+        self._saved_buffers: dict[str, Any] = {}  # level 2: the buffers, on the host
+        self._dead: str | None = None  # a CUDA error that left the context unusable
+        self.kv_wake_ooms = 0  # the next N wake_up(["kv_cache"]) run out of memory
+        self._kv_wakes = 0
+        self.reset_failures = 0  # the next N reset_prefix_cache() return False
+
+    def _alive(self) -> None:
+        if self._dead:
+            raise RuntimeError(f"fake LLM: {self._dead} (an earlier call's; the CUDA "
+                               f"context is unusable)")
+
+    def _kill(self, error: str) -> RuntimeError:
+        self._dead = error
+        return RuntimeError(f"fake LLM: {error}")
 
     def generate(self, prompts: list[dict], sampling_params: list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        self._alive()
         if self.asleep:
             raise RuntimeError(f"fake LLM: generate() while {sorted(self.asleep)} sleep")
         for k, prompt in enumerate(prompts):  # each added as it is checked: up to 0.11.0
-            room = self._max_len - len(prompt["prompt_token_ids"])  # a refused one left
-            if room < 1:  # those before it in the engine, answered by the next call
+            ids = prompt["prompt_token_ids"]  # a refused one left those before it in the
+            error = None  # engine, answered by the next call (vLLM's _validate_model_input)
+            if not ids:
+                error = "The decoder prompt cannot be empty"
+            elif not self._skip_tokenizer and not 0 <= max(ids) < self._vocab:
+                error = f"Token id {max(ids)} is out of vocabulary"  # (with a tokenizer only)
+            elif self._max_len - len(ids) < 1:
+                error = (f"the decoder prompt (length {len(ids)}) is longer than the "
+                         f"maximum model length of {self._max_len}")
+            if error:
                 self._left += list(zip(prompts[:k], sampling_params[:k], strict=True))
-                raise ValueError(f"fake LLM: the decoder prompt (length "
-                                 f"{len(prompt['prompt_token_ids'])}) is longer than the "
-                                 f"maximum model length of {self._max_len}")
+                raise ValueError(f"fake LLM: {error}")
         requests = self._left + list(zip(prompts, sampling_params, strict=True))
         self._left = []
+        if any(not 0 <= t < self._vocab for p, _ in requests for t in p["prompt_token_ids"]):
+            raise self._kill("CUDA error: device-side assert triggered (an index out of "
+                             "range in the embedding)")
         out = []
         for prompt, sp in requests:
             if self._logprobs_mode == "raw_logprobs" and sp.logprobs is not None and \
@@ -157,6 +219,10 @@ class LLM:
             n = int(res["response_mask"][0].sum())
             tokens = res["response_ids"][0, :n].tolist()
             lps = res["logprobs"][0, :n].tolist()
+            if self._logprobs_mode == "processed_logprobs" and sp.top_p < 1 and \
+                    sp.temperature > 0 and tokens:  # renormalised over the nucleus
+                lps = _nucleus_logprobs(self._model, prompt["prompt_token_ids"], tokens,
+                                        sp.temperature, sp.top_p)
             logprobs = [{t: Logprob(lp)} for t, lp in zip(tokens, lps, strict=True)] \
                 if sp.logprobs is not None else None
             out.append(RequestOutput(prompt["prompt_token_ids"],
@@ -165,6 +231,7 @@ class LLM:
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         _record("collective_rpc", method)
+        self._alive()
         if "weights" in self.asleep:
             raise RuntimeError("fake LLM: CUDA error: an illegal memory access (the weights' "
                                "memory is released while asleep)")
@@ -172,25 +239,62 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         _record("reset_prefix_cache", None)
+        self._alive()
+        if self.reset_failures:  # vLLM: "some blocks are not freed yet"
+            self.reset_failures -= 1
+            return False
         return True
 
     def sleep(self, level: int = 1) -> None:
         _record("sleep", level)
+        self._alive()
         if self.asleep:  # vLLM's executor: "already sleeping" while any tag sleeps, even
             return       # with the weights woken alone: nothing is released
         params = dict(self._model.named_parameters())
         self._backup = {k: v.detach().clone() for k, v in params.items()} if level == 1 else None
-        if level == 2:
-            for v in params.values():
+        if level == 2:  # the weights' pool is discarded, the buffers (in it) kept on the host
+            self._saved_buffers = {k: v.detach().cpu().clone()
+                                   for k, v in self._model.named_buffers()}
+            for v in itertools.chain(params.values(), self._model.buffers()):
                 v.data.fill_(float("nan"))  # gone: only new weights make it usable again
         self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         _record("wake_up", tags)
-        tags = ["weights", "kv_cache"] if tags is None else tags
-        if not self.asleep or not set(tags) <= self.asleep:  # vLLM warns and does nothing
+        self._alive()
+        if not self.asleep:  # vLLM warns and does nothing
             return
+        if tags is None and self.asleep != {"weights", "kv_cache"}:  # every tag mapped again
+            raise RuntimeError(f"fake LLM: CUDA error: invalid argument (wake_up(None) maps "
+                               f"every tag, and {sorted({'weights', 'kv_cache'} - self.asleep)} "
+                               f"is mapped already)")
+        tags = ["weights", "kv_cache"] if tags is None else tags
+        if not set(tags) <= self.asleep:  # vLLM warns and does nothing
+            return
+        if "kv_cache" in tags and self.kv_wake_ooms:
+            self.kv_wake_ooms -= 1
+            self._kv_wakes += 1
+            raise torch.OutOfMemoryError(f"fake LLM: CUDA out of memory (waking the KV "
+                                         f"cache, attempt {self._kv_wakes})")
         if "weights" in tags and "weights" in self.asleep and self._backup is not None:
             for k, v in self._model.named_parameters():  # level 1: the backup comes back
                 v.data.copy_(self._backup[k])
+        if self._saved_buffers:  # vLLM's worker: at the first wake, whatever its tags
+            if "weights" in self.asleep and "weights" not in tags:
+                raise self._kill("CUDA error: an illegal memory access (level 2's buffers "
+                                 "copied back into the weights' unmapped memory)")
+            for k, v in self._model.named_buffers():
+                v.data.copy_(self._saved_buffers[k])
+            self._saved_buffers = {}
         self.asleep -= set(tags)
+
+
+def _nucleus_logprobs(model: Any, prompt: list[int], tokens: list[int], temperature: float,
+                      top_p: float) -> list[float]:
+    """vLLM's processed log-probs with top_p < 1: after temperature and the top-p mask, so
+    renormalised over the nucleus (the trainer's are the whole distribution's)."""
+    ids = torch.tensor([list(prompt) + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    logp = F.log_softmax(top_p_filter(logits, top_p), -1)
+    return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()

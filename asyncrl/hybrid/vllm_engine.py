@@ -17,9 +17,13 @@ loaded while asleep first wake vLLM's weight memory (loading into slept memory i
 access, and waking after it would restore the old weights over the new). Not supported:
 tensor parallelism (every rank of a TP group would need the same prompts, and the DP
 dispatch gives each its own), and swapping weights in the middle of a generation (the
-Sampler's interruptible rollouts): a load waits for the generation in flight to end; quantized
-and MLA checkpoints (vLLM derives tensors from their weights after a load, which new weights
-would not redo).
+Sampler's interruptible rollouts): a load waits for the generation in flight to end; quantized,
+MLA and MoE checkpoints (vLLM derives tensors from their weights after a load, which new
+weights would not redo; a fused MoE's load writes the checkpoint's layout into the kernel's),
+and a KV cache dtype other than "auto" (level 2 sleep loses the fp8 KV cache scales).
+Prompts are checked before vLLM sees them (empty, ids outside the vocabulary: without a
+tokenizer vLLM passes a bad id to the embedding kernel, a device-side assert), and so are
+`engine_options` keys (against vLLM's EngineArgs).
 Roles take it with `engine="vllm"` and `engine_options=` (this constructor's keywords);
 the model must be a local checkpoint (`model={"path": DIR}`).
 
@@ -30,6 +34,8 @@ been available); its logic is tested against a fake that follows vLLM's document
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import itertools
 import json
@@ -55,6 +61,14 @@ class WeightLoader:
     _asyncrl_loaded: set[str] | None = None  # the names filled since asyncrl last asked
 
     def asyncrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        # (the config check's backstop: a MoE its keys did not reveal)
+        fused = _fused_moe(self.model_runner.model)
+        if fused:
+            raise ValueError(f"the vLLM engine cannot take new weights: the model has fused "
+                             f"MoE layers ({fused}), whose weights vLLM rewrites into the "
+                             f"kernel's layout after its first load, and load_weights would "
+                             f"write the checkpoint's layout over them (garbage rollouts); "
+                             f"use the built-in engine (engine='builtin') or a dense model")
         loaded = self.model_runner.model.load_weights(weights=weights)
         if isinstance(loaded, set):  # vLLM's models report the parameters they filled
             self._asyncrl_loaded = (self._asyncrl_loaded or set()) | loaded
@@ -93,6 +107,9 @@ ADAPTER_SETS = {"model", "distributed_executor_backend", "enable_sleep_mode",
 # greedy check), and samples there, while the trainer would divide by the one asked for
 LOWEST_TEMPERATURE = 1e-2
 MIN_VERSION = (0, 10, 2)  # logprobs_mode="processed_logprobs" with temperature applied
+# config.json keys that give a MoE's expert count (Qwen-MoE/OLMoE, Mixtral/Llama 4/GPT-OSS,
+# DeepSeek, ERNIE)
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 class VLLMEngine:
@@ -101,9 +118,12 @@ class VLLMEngine:
     def __init__(self, model_path: str, sampling: SamplingConfig | None = None, *,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", seed: int = 0, load_format: str = "auto",
-                 llm_cls: Any = None, sampling_params_cls: Any = None, **llm_options: Any):
+                 llm_cls: Any = None, sampling_params_cls: Any = None,
+                 engine_args_cls: Any = None, **llm_options: Any):
         """`llm_options`: other keywords of vLLM's LLM (max_model_len, hf_overrides,
-        enforce_eager, ...), passed on as they are; those this adapter sets are refused."""
+        enforce_eager, ...), passed on as they are; those this adapter sets are refused, and
+        those vLLM's EngineArgs lacks (`engine_args_cls`; vllm.EngineArgs when vLLM is
+        imported here) are named with the ones meant."""
         taken = sorted(set(llm_options) & ADAPTER_SETS)
         if taken:
             raise ValueError(f"engine_options {taken} are set by asyncrl's vLLM adapter (it "
@@ -124,6 +144,14 @@ class VLLMEngine:
                                   f"{'.'.join(map(str, MIN_VERSION))} (log-probs after "
                                   f"temperature), found {vllm.__version__}")
             llm_cls, sampling_params_cls = vllm.LLM, vllm.SamplingParams
+            engine_args_cls = engine_args_cls or getattr(vllm, "EngineArgs", None)
+        _check_keys(llm_options, engine_args_cls)
+        kv_dtype = llm_options.get("kv_cache_dtype", "auto")
+        if kv_dtype != "auto":
+            raise ValueError(f"engine_options kv_cache_dtype={kv_dtype!r} is not supported: "
+                             f"an fp8 KV cache's scales (k_scale/v_scale) are lost when vLLM "
+                             f"sleeps at level 2 (it keeps only the model's buffers), and "
+                             f"generation after the wake would be garbage; leave it \"auto\"")
         if tensor_parallel_size != 1:
             raise ValueError(f"VLLMEngine(tensor_parallel_size={tensor_parallel_size}): only 1 "
                              f"is supported (each rank generates its own DP rows); use more "
@@ -157,6 +185,9 @@ class VLLMEngine:
         # vLLM is not thread-safe: a weight load (a concurrent call) waits for a generation
         # to end, and its tokens are tagged with the version they were sampled with
         self._busy = threading.Lock()
+        self._wake_failure: BaseException | None = None  # why the last wake() failed
+        self._unusable: BaseException | None = None  # set: vLLM cannot be slept or woken
+        self._stale_prefixes = False  # a load's prefix cache reset failed: not generating
 
     @property
     def max_model_len(self) -> int | None:
@@ -174,12 +205,14 @@ class VLLMEngine:
                              f"one seed per sample")
         _check_top_p(cfg)
         limit = _max_model_len(self.llm)
+        vocab = _vocab_size(self.llm)
         for i, p in enumerate(prompts):  # before vLLM: up to 0.11.0 it kept the rows added
             if limit is not None and len(p) >= limit:  # before a refused one, and handed
                 raise ValueError(  # them to the next call (issue 26081)
                     f"generate: prompt {i} has {len(p)} tokens, which leaves no room for a "
                     f"response within vLLM's max_model_len of {limit}; cut the prompt or "
                     f"raise max_model_len (engine_options)")
+            _check_prompt(i, p, vocab)
         params = [self._params_cls(temperature=cfg.temperature, top_p=cfg.top_p,
                                    max_tokens=cfg.max_new_tokens,
                                    stop_token_ids=list(cfg.stop_token_ids),
@@ -187,6 +220,9 @@ class VLLMEngine:
                                    logprobs=0, ignore_eos=True, detokenize=False)
                   for s in seeds]
         with self._busy:
+            self._check_usable()
+            if self._stale_prefixes:  # a load's reset failed: its cached prefixes are old
+                self._reset_prefix_cache()
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                                         params, use_tqdm=False)
             version = self.version
@@ -243,14 +279,36 @@ class VLLMEngine:
 
     def _rpc(self, method: str, weights: Any, version: int | None) -> int:
         with self._busy:
+            self._check_usable()
             self._wake_weights()
             counts = self.llm.collective_rpc(method, args=(weights,))
-            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-            if version is not None:
+            if version is not None:  # (the weights held now, whatever the reset does)
                 self.version = version
+            self._stale_prefixes = True  # cached prefixes were computed with the old weights
+            self._reset_prefix_cache()
         return int(counts[0])
 
-    def _wake_weights(self) -> None:
+    def _reset_prefix_cache(self) -> None:
+        """vLLM's reset_prefix_cache() returns False when it could not (requests holding
+        blocks): tried twice, then an error, and no generation until one goes through."""
+        for _ in range(2):
+            if self.llm.reset_prefix_cache() is not False:  # (None: a vLLM that says nothing)
+                self._stale_prefixes = False
+                return
+        raise RuntimeError("vLLM could not reset its prefix cache after a weight load "
+                           "(reset_prefix_cache() returned False twice: requests still hold "
+                           "cache blocks?); its cached prefixes hold the old weights' KV, so "
+                           "generation is refused until a reset succeeds: call again (the "
+                           "next generate or load tries it first)")
+
+    def _check_usable(self) -> None:
+        if self._unusable is not None:
+            raise RuntimeError("the vLLM engine is unusable (a failed wake left it neither "
+                               "asleep nor awake, see the cause): restart the group") \
+                from self._unusable
+
+    def _wake_weights(self) -> None:  # (first: level 2 copies its buffers back at the
+        # first wake, into the weights' memory; the KV cache first: an illegal address)
         if "weights" in self._asleep_parts:
             self.llm.wake_up(tags=["weights"])
             self._asleep_parts.discard("weights")
@@ -259,19 +317,36 @@ class VLLMEngine:
         """Release the KV cache, and offload the weights to host memory (level 1) or drop
         them (level 2: for callers that load new weights before the next generation)."""
         with self._busy:
+            self._check_usable()
             if self._asleep_parts == {"weights", "kv_cache"}:  # nothing more to release
                 return
             if self._asleep_parts:  # partly awake (weights woken to load): vLLM would take
                 # itself for asleep and ignore this, keeping the weights on the GPU
-                self.llm.wake_up(tags=sorted(self._asleep_parts))
+                try:
+                    self.llm.wake_up(tags=sorted(self._asleep_parts))
+                except Exception as e:  # (the wake that failed, again: out of memory)
+                    first = self._wake_failure or e
+                    self._unusable = first
+                    raise RuntimeError(
+                        f"the vLLM engine is unusable: restart the group. Waking its "
+                        f"{sorted(self._asleep_parts)} failed ({first!r}), and so did the "
+                        f"wake needed to put it back to sleep ({e!r}): vLLM sleeps only "
+                        f"when wholly awake, so its weights stay on the GPU") from first
+            self._wake_failure = None
             self.llm.sleep(level=level)
             self._asleep_parts = {"weights", "kv_cache"}
             self.asleep = True
 
     def wake(self) -> None:
         with self._busy:
-            if self._asleep_parts:
-                self.llm.wake_up(tags=sorted(self._asleep_parts))
+            self._check_usable()
+            if self._asleep_parts:  # (both at once, or the KV cache after the weights)
+                try:
+                    self.llm.wake_up(tags=sorted(self._asleep_parts))
+                except BaseException as e:  # (what sleep() reports if it fails again)
+                    self._wake_failure = e
+                    raise
+            self._wake_failure = None
             self._asleep_parts = set()
             self.asleep = False
 
@@ -285,19 +360,97 @@ class VLLMEngine:
 def _check_reloadable(model_path: str) -> None:
     """New weights go in through the model's load_weights, and vLLM's processing after a
     load (which builds tensors from the weights: quantized kernels' repacked weights, MLA's
-    absorbed projections) runs once, at startup: refuse the checkpoints that need it."""
+    absorbed projections, fused MoE's kernel layout) runs once, at startup: refuse the
+    checkpoints that need it (their text config too: multimodal ones nest it)."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         return
     with open(path) as f:
         config = json.load(f)
-    needs = "it is quantized (quantization_config)" if config.get("quantization_config") \
-        else "its attention is MLA (kv_lora_rank)" if config.get("kv_lora_rank") else None
-    if needs:
-        raise ValueError(f"the vLLM engine cannot take new weights for {model_path}: {needs}, "
-                         f"and vLLM would keep generating from tensors it derived from the "
-                         f"first weights (its processing after loading is not run again yet); "
-                         f"use a dense, unquantized checkpoint with standard attention")
+    for part in (config, config.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        experts = {k: part[k] for k in EXPERT_KEYS if _most(part.get(k)) > 1}
+        if experts:  # vLLM issue 42821: w13 keeps its loader after the kernel's rewrite
+            raise ValueError(f"the vLLM engine cannot take new weights for {model_path}: it "
+                             f"is a mixture of experts ({experts}), whose fused weights vLLM "
+                             f"rewrites into its kernel's layout after the first load, and "
+                             f"each later load would write the checkpoint's layout over "
+                             f"them (garbage rollouts from the first step, unsaid); use the "
+                             f"built-in engine (engine='builtin') or a dense model")
+        needs = "it is quantized (quantization_config)" if part.get("quantization_config") \
+            else "its attention is MLA (kv_lora_rank)" if part.get("kv_lora_rank") else None
+        if needs:
+            raise ValueError(f"the vLLM engine cannot take new weights for {model_path}: "
+                             f"{needs}, and vLLM would keep generating from tensors it derived "
+                             f"from the first weights (its processing after loading is not run "
+                             f"again yet); use a dense, unquantized checkpoint with standard "
+                             f"attention")
+
+
+def _most(value: Any) -> int:
+    """An expert count from config.json: a number, or a list of them (one per modality)."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return value
+    if isinstance(value, list):
+        return max((v for v in value if isinstance(v, int)), default=0)
+    return 0
+
+
+def _fused_moe(model: Any) -> str | None:
+    """The first module of vLLM's fused MoE kind (FusedMoE, or one made from it)."""
+    modules = getattr(model, "named_modules", None)
+    for name, module in (modules() if callable(modules) else ()):
+        if any(c.__name__ == "FusedMoE" for c in type(module).__mro__):
+            return name
+    return None
+
+
+def _check_keys(options: dict[str, Any], engine_args_cls: Any) -> None:
+    """vLLM's LLM hands the keywords it does not name to EngineArgs, a dataclass: an unknown
+    one is a TypeError deep in vLLM's start (after the group started); named here, with the
+    keys meant."""
+    if not dataclasses.is_dataclass(engine_args_cls):
+        return
+    known = {f.name for f in dataclasses.fields(engine_args_cls)}
+    for key in sorted(set(options) - known):
+        close = difflib.get_close_matches(key, sorted(known), n=3)
+        raise TypeError(f"engine_options {key!r} is not a keyword of vLLM's LLM (its "
+                        f"EngineArgs has no such field)"
+                        + (f"; did you mean {' or '.join(map(repr, close))}?" if close else
+                           "; see vLLM's engine arguments for this version"))
+
+
+def _vocab_size(llm: Any) -> int | None:
+    """The model's vocabulary size as vLLM holds it (None where this vLLM does not say)."""
+    engine = getattr(llm, "llm_engine", None)
+    config = getattr(engine, "model_config", None) or \
+        getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    get = getattr(config, "get_vocab_size", None)
+    try:
+        size = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a vLLM whose config cannot say: vLLM's own checks
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _check_prompt(i: int, prompt: Sequence[int], vocab: int | None) -> None:
+    """Before vLLM: an empty prompt fails inside its add loop (the rows before it stay in
+    the engine, issue 26081), and without a tokenizer it does not check ids against the
+    vocabulary: a bad one reaches the embedding kernel, a device-side assert that leaves the
+    CUDA context dead (and the group's peers waiting in their next collective)."""
+    if len(prompt) == 0:
+        raise ValueError(f"generate: prompt {i} is empty; vLLM needs at least one token "
+                         f"(a BOS token, say)")
+    if vocab is None:
+        return
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"generate: prompt {i} has token id {bad}, outside the model's "
+                         f"vocabulary [0, {vocab}); check the tokenizer matches the model")
 
 
 def _max_model_len(llm: Any) -> int | None:
