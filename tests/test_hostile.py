@@ -52,14 +52,17 @@ def test_controller_socket_drops_hostile_frames():
             await intruder.send_multipart(hb)  # valid once (ignored: no such group)
             await intruder.send_multipart(hb)  # replayed
             await intruder.send_multipart(good.sign(b"pair/0/io/1", b"\xc1\xff not msgpack"))
-            await poll_until(lambda: ctl.dropped_frames.get("undecodable") == 1, 10,
+            # a message of 200,000 empty parts: read over several turns, kept in part
+            await intruder.send_multipart([b""] * 200_000)
+            await poll_until(lambda: ctl.dropped_frames.get("too_many_parts") == 1, 30,
                              "the last frame to be dropped")  # frames of one peer stay in order
             intruder.close(0)
             ctx.term()
             dropped = ctl.dropped_frames
             # the raw bytes may parse as ZMTP 1.0 frames: dropped too, in some number
             assert dropped["malformed"] >= 1 and dropped["bad_mac"] >= 2
-            assert dropped["replay"] == 1
+            assert dropped["replay"] == 1 and dropped["undecodable"] == 1
+            assert dropped["unknown_sender"] == 1  # the heartbeat: signed, of no group
             assert await group.add(2, 3) == [5]
             return pids
     assert_gone(run(main()))
@@ -250,7 +253,7 @@ def test_one_turn_of_the_controllers_reader_takes_a_bounded_number_of_messages()
             return type("Frame", (), {"more": False})()
 
     ch = object.__new__(channel.ControllerChannel)
-    ch._sock, ch._scheduled = Endless(), False
+    ch._sock, ch._scheduled, ch._partial, ch._excess = Endless(), False, [], 0
     ch._handle = lambda identity, msg: None
     seen: list = []
     ch._dispatch = lambda frames, handle: seen.append(frames)
@@ -258,3 +261,110 @@ def test_one_turn_of_the_controllers_reader_takes_a_bounded_number_of_messages()
     ch._loop = type("Loop", (), {"call_soon": lambda self, fn: later.append(fn)})()
     ch._drain()
     assert len(seen) == channel.DRAIN_MAX and later == [ch._drain] and ch._scheduled
+
+
+def test_one_turn_of_the_reader_takes_a_bounded_number_of_parts_of_one_message():
+    """A message of a million empty parts was read whole in one turn (DRAIN_MAX counted
+    messages) and given a view per part before its signature was checked: seconds of a
+    blocked loop, half a GB. A turn now reads DRAIN_PARTS parts, the message goes on in the
+    next, and parts past MAX_PARTS are read and dropped with it."""
+    from asyncrl.comm import channel
+    from asyncrl.comm.auth import Verifier
+
+    class Endless:  # one message whose parts never end (until `last` ends it)
+        closed, reads, last = False, 0, None
+
+        def recv(self, flags, copy):
+            if self.last is not None and self.reads >= self.last:
+                raise zmq.Again()  # the socket is dry after the message's last part
+            self.reads += 1
+            if self.reads > 3 * channel.DRAIN_PARTS + channel.MAX_PARTS:
+                raise AssertionError("read past the turn's budget")
+            return type("Frame", (), {"more": self.reads != self.last, "bytes": b"route"})()
+
+    ch = object.__new__(channel.ControllerChannel)
+    sock = Endless()
+    ch._sock, ch._scheduled, ch._partial, ch._excess = sock, False, [], 0
+    ch._handle, ch._verifier = (lambda identity, msg: None), Verifier(b"s" * 32)
+    seen: list = []
+    ch._dispatch = lambda frames, handle: seen.append(frames)
+    later: list = []
+    ch._loop = type("Loop", (), {"call_soon": lambda self, fn: later.append(fn)})()
+    ch._drain()
+    assert sock.reads == channel.DRAIN_PARTS and later == [ch._drain] and not seen
+    while sock.reads < channel.MAX_PARTS + channel.DRAIN_PARTS:
+        ch._drain()  # (turns of the loop)
+    assert len(ch._partial) == channel.MAX_PARTS and ch._excess > 0  # the rest not kept
+    sock.last = sock.reads + 1
+    ch._drain()
+    assert not seen and ch._verifier.dropped == {"too_many_parts": 1}
+    assert ch._partial == [] and ch._excess == 0  # the next message starts afresh
+
+
+def test_a_relay_holds_an_answer_for_its_senders_rank_only():
+    """A relay took a held call's answer for the rank the message named, not the rank of
+    the socket that sent it: rank 1 answering as rank 0 marked rank 0 answered."""
+    from asyncrl.comm.auth import Verifier
+    from asyncrl.comm.relay import HostRelay
+
+    relay = object.__new__(HostRelay)
+    relay._group, relay._verifier = b"g", Verifier(b"s" * 32)
+    relay._held = {7: ({0, 1}, [])}
+
+    def answer(sender: bytes, rank: int):
+        return relay._release(sender, memoryview(messages.encode(messages.Result(7, rank))))
+    assert answer(b"g/1/exec/1.00", 0) == [] and relay._verifier.dropped == {"foreign": 1}
+    assert answer(b"h/0/exec/1.00", 0) == [] and relay._verifier.dropped["foreign"] == 2
+    assert answer(b"g/1/exec/1.00", 1) == []  # rank 0 has still to answer
+    (sender, body), = answer(b"g/0/exec/2.00", 0)
+    assert messages.decode(body).ranks == [1, 0]
+
+
+def test_drops_are_said_once_a_reason_then_at_most_every_30_seconds(caplog, monkeypatch):
+    """Verifier.drop only counted: a flood (or a misconfigured peer) was silent."""
+    from asyncrl.comm import auth
+
+    now = [1000.0]
+    monkeypatch.setattr(auth, "monotonic", lambda: now[0], raising=False)
+    verifier = auth.Verifier(b"s" * 32)
+    route = b"x/0/io/" + b"n" * 200
+    with caplog.at_level("WARNING", logger="asyncrl"):
+        for _ in range(1000):
+            verifier.verify(route, [b"\0" * 40, b"y" * 32])
+        said = [r.getMessage() for r in caplog.records if "bad_mac" in r.getMessage()]
+        assert len(said) == 1 and repr(route[:80]) in said[0] and "n" * 74 not in said[0]
+        now[0] += auth.WARN_EVERY_S
+        verifier.verify(route, [b"\0" * 40, b"y" * 32])
+    said = [r.getMessage() for r in caplog.records if "bad_mac" in r.getMessage()]
+    assert len(said) == 2 and "1001 dropped for this reason (1000 since last said)" in said[1]
+
+
+def test_a_frame_is_checked_before_its_parts_are_copied_or_viewed():
+    """The controller copied a message's body (and MAC) and made a view of each raw part
+    before checking its signature: an unsigned message cost a copy of all it sent."""
+    from asyncrl.comm import channel
+    from asyncrl.comm.auth import Verifier
+
+    class Untouched:  # a raw part that must not be looked at before the signature passed
+        def __len__(self):
+            return 4
+
+        def __getattr__(self, name):
+            raise AssertionError(f"{name} of a raw part read before the signature passed")
+
+    secret, route = b"s" * 32, b"g/0/fetch/1.00"
+    ch = object.__new__(channel.ControllerChannel)
+    ch._verifier, got, checked = Verifier(secret), [], []
+    verify = ch._verifier.verify
+    ch._verifier.verify = lambda r, parts: checked.append(parts) or verify(r, parts)
+    fetched = messages.encode(messages.Fetched(1, 0, buffers=[4]))
+    body, _ = Signer(secret).sign(route, fetched)
+    unsigned = [zmq.Frame(route), zmq.Frame(body), zmq.Frame(b"m" * 32), Untouched()]
+    ch._dispatch(unsigned, lambda identity, msg: got.append(msg))
+    assert ch._verifier.dropped == {"bad_mac": 1} and got == []
+    # checked where zmq received them, not on copies
+    assert [part.obj for part in checked[0]] == unsigned[1:3]
+    signed = [zmq.Frame(route), *map(zmq.Frame, Signer(secret).sign(route, fetched)),
+              zmq.Frame(b"four")]
+    ch._dispatch(signed, lambda identity, msg: got.append(msg))
+    assert [(bytes(f), f.obj) for f in got[0].frames] == [(b"four", signed[3])]

@@ -299,11 +299,13 @@ def test_a_late_hello_from_an_earlier_group_of_the_name_is_dropped():
             await late.send_multipart(signer.sign(b"g/0/io/4242", messages.encode(hello)))
             await poll_until(lambda: ctl.dropped_frames.get("stale") == 1, 20,
                              "the late hello to be dropped")
-            # nor are its heartbeats taken for rank 0's (they kept a hung rank 0 alive)
+            # nor are its heartbeats taken for rank 0's (they kept a hung rank 0 alive), nor
+            # those of a socket named with rank 0's pid but not its nonce
             beat = messages.Heartbeat(0, 999, 999)
             await late.send_multipart(signer.sign(b"g/0/io/4242", messages.encode(beat)))
-            await poll_until(lambda: ctl.dropped_frames.get("stale") == 2, 20,
+            await poll_until(lambda: ctl.dropped_frames.get("foreign") == 1, 20,
                              "the late heartbeat to be dropped")
+            await _forge(ctl, b"g/0/io/%d.0000" % before[0], beat, "foreign")
             assert group.store_stats[0] != (999, 999)
             late.close()
             ctx.term()
@@ -362,9 +364,10 @@ def test_a_stopped_sockets_frames_replayed_are_dropped():
 
 async def _forge(ctl, route: bytes, msg, dropped_as: str) -> None:
     """Send `msg`, signed with the run's secret, from a socket named `route`, and wait for
-    the controller to drop it as `dropped_as` (once)."""
+    the controller to drop it as `dropped_as` (once more)."""
     from helpers import poll_until
 
+    count = ctl.dropped_frames.get(dropped_as, 0) + 1
     ctx = zmq.asyncio.Context()
     forged = ctx.socket(zmq.DEALER)
     try:
@@ -373,7 +376,7 @@ async def _forge(ctl, route: bytes, msg, dropped_as: str) -> None:
         forged.connect(ctl.channel.address)
         await forged.send_multipart(Signer(read_secret(str(ctl.secret_file))).sign(
             route, messages.encode(msg)))
-        await poll_until(lambda: ctl.dropped_frames.get(dropped_as) == 1, 20,
+        await poll_until(lambda: ctl.dropped_frames.get(dropped_as) == count, 20,
                          f"the forged {type(msg).__name__} to be dropped")
     finally:
         forged.close()
@@ -408,13 +411,32 @@ def test_a_ready_from_another_socket_than_the_ranks_exec_is_dropped(tmp_path):
             pid = ctl.groups["gated"].ranks[0].pid
             route = b"gated/0/exec/%d.0000000000000000" % pid  # not its socket's nonce
             failure = messages.Failure("ValueError", "an earlier group's failure", "")
-            await _forge(ctl, route, messages.Ready(0, error=failure), "stale")
+            await _forge(ctl, route, messages.Ready(0, error=failure), "foreign")
             gate.touch()
             group = await spawn
             return await group.add(1, 2), group_pids(group)
     added, pids = run(main())
     assert_gone(pids)
     assert added == [3]
+
+
+def test_a_hello_for_another_socket_than_its_sender_is_dropped():
+    """A Hello with its spawn's token was taken for whatever rank and role it named: one
+    from rank 0's exec socket, naming rank 1's io, took rank 1's route over."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(Echo, name="two", nprocs=2)
+            before, token = group.ranks[1].identity, ctl.spawn_tokens["two"]
+            pid = group.ranks[1].pid
+            hello = messages.Hello("two", 1, 2, 1, pid, socket.gethostname(), "io",
+                                   "tcp://x:1", spawn=token)
+            await _forge(ctl, b"two/0/exec/%d.0000000000000000" % pid, hello, "foreign")
+            await _forge(ctl, b"two/1/io/%d.0000000000000000" % pid, hello, "foreign")
+            assert group.ranks[1].identity == before
+            return await group.add(1, 2), group_pids(group)
+    added, pids = run(main())
+    assert_gone(pids)
+    assert added == [3, 3]
 
 
 class Slow(asyncrl.Worker):
@@ -426,8 +448,9 @@ class Slow(asyncrl.Worker):
 
 
 def test_an_answer_to_a_call_from_another_groups_socket_is_dropped(tmp_path):
-    """Results were taken by call id and rank alone: any holder of the secret (another
-    group's rank) could answer a group's call with its own value."""
+    """Results were taken by call id and the name's group and rank alone: any holder of the
+    secret (another group's rank) could answer a group's call with its own value, naming its
+    socket as the rank's (its pid is in `ps`), or a relay of the group's."""
     from helpers import poll_until
 
     gate = tmp_path / "gate"
@@ -437,16 +460,47 @@ def test_an_answer_to_a_call_from_another_groups_socket_is_dropped(tmp_path):
             group = await ctl.spawn(Slow, name="slow")
             pending = group.wait_for(str(gate))
             await poll_until(lambda: group._pending, 20, "the call to be sent")
-            call_id = next(iter(group._pending))
-            route = b"other/0/exec/1.0000000000000000"  # a socket of another group
-            answer = messages.Result(call_id, 0, msgspec.Raw(codec.encode("forged")))
-            await _forge(ctl, route, answer, "foreign")
+            call_id, pid = next(iter(group._pending)), group.ranks[0].pid
+            forged = msgspec.Raw(codec.encode("forged"))
+            answer = messages.Result(call_id, 0, forged)
+            await _forge(ctl, b"other/0/exec/1.0000000000000000", answer, "unknown_sender")
+            await _forge(ctl, b"slow/0/exec/%d.0000000000000000" % pid, answer, "foreign")
+            bundle = messages.Fanin([group.ranks[0].exec_identity], [msgspec.Raw(
+                messages.encode(messages.Results(call_id, [0], [forged], [True], [-1], [], 0.0)))])
+            await _forge(ctl, b"slow/0/relay-exec/%d.0000000000000000" % pid, bundle, "foreign")
+            bundle.frames = [msgspec.Raw(messages.encode(answer))]  # (the rank's own name)
+            await _forge(ctl, b"slow/3/relay-io/x", bundle, "foreign")
+            # nor a log file opened for each rank a name claims, nor a Shutdown taken
+            await _forge(ctl, b"slow/1000000/log/1.0", messages.Log(["x"]), "foreign")
+            assert not ctl.logs.path("slow", 10**6).exists()
+            await _forge(ctl, b"slow/0/io/1.0", messages.Shutdown(), "unexpected")
             assert not pending.done()
             gate.touch()
             return await pending, group_pids(group)
     value, pids = run(main())
     assert_gone(pids)
     assert value == ["real"]
+
+
+def test_what_a_rank_prints_before_its_hello_reaches_its_log():
+    """Only registered ranks' sockets are heard, but a rank's output starts before its hello
+    (a failure there prints its traceback): its log socket's lines are kept, for the group's
+    own ranks alone (no file opened for a rank a name claims past the group's size)."""
+    from types import SimpleNamespace
+
+    from asyncrl.controller.inbox import Inbox
+
+    written, dropped = [], []
+    group = SimpleNamespace(name="g", nprocs=2)
+    ctl = SimpleNamespace(groups={"g": group}, calls={},
+                          logs=SimpleNamespace(write=lambda *a: written.append(a)),
+                          channel=SimpleNamespace(drop=lambda why, route=b"": dropped.append(why)))
+    inbox = Inbox(ctl)
+    inbox.on_message(b"g/1/log/4242.0123456789abcdef", messages.Log(["Traceback: boom"], 2))
+    assert written == [("g", 1, ["Traceback: boom"], 2)] and dropped == []
+    for route in (b"g/2/log/1.0", b"g/1/io/1.0", b"other/0/log/1.0"):
+        inbox.on_message(route, messages.Log(["x"]))
+    assert len(written) == 1 and dropped == ["foreign", "foreign", "unknown_sender"]
 
 
 def test_a_value_from_a_peer_never_runs_the_file_a_reference_in_it_names(tmp_path):

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import struct
 from collections import Counter
 from collections.abc import Callable
+from time import monotonic
 from typing import NamedTuple
 
 import zmq
@@ -47,6 +49,8 @@ SECRET_BYTES = 32
 _SEQ = struct.Struct(">Q")
 _ROUTE_LEN = struct.Struct(">I")
 _MAC_SIZE = hashlib.sha256().digest_size  # 32
+WARN_EVERY_S = 30.0  # a reason's drops are said at its first, then at most once per this
+log = logging.getLogger("asyncrl")
 
 
 def new_secret() -> bytes:
@@ -173,10 +177,21 @@ class Verifier:
         self.skipped: Counter[bytes] = Counter()
         self.accepted: Counter[bytes] = Counter()  # per route, frames that passed
         self.total_dropped = 0  # an int, safe to read from another thread
+        self._said: dict[str, tuple[float, int]] = {}  # reason -> when said, its count then
 
-    def drop(self, reason: str) -> None:
+    def drop(self, reason: str, route: bytes = b"") -> None:
+        """Count a dropped frame (`route`: who sent it, where known). Said as a warning at
+        the first of each reason, then at most once per WARN_EVERY_S for it: a flood of
+        them costs a count each, not a line each."""
         self.dropped[reason] += 1
         self.total_dropped += 1
+        said = self._said.get(reason)
+        if said is None or monotonic() - said[0] >= WARN_EVERY_S:
+            count = self.dropped[reason]
+            self._said[reason] = (monotonic(), count)
+            log.warning("asyncrl: dropped a frame (%s) from %s: %d dropped for this reason "
+                        "(%d since last said), %d in all", reason, route[:80] or "?", count,
+                        count - (said[1] if said else 0), self.total_dropped)
 
     def last(self, route: bytes) -> int:
         """The sequence number of the last frame accepted from `route` (0: none yet)."""
@@ -197,22 +212,22 @@ class Verifier:
     def verify(self, route: bytes, frames: list[bytes] | list[memoryview]) -> memoryview | None:
         """Return the message bytes of a valid frame from ``route``, or None (dropped)."""
         if len(frames) != 2 or len(frames[0]) < _SEQ.size:
-            self.drop("malformed")
+            self.drop("malformed", route)
             return None
         body, mac = frames
         if len(mac) != _MAC_SIZE:  # (before hashing a body of any size)
-            self.drop("malformed")
+            self.drop("malformed", route)
             return None
         if route in self._retired:
-            self.drop("replay")
+            self.drop("replay", route)
             return None
         if not hmac.compare_digest(self._mac(route, body), mac):
-            self.drop("bad_mac")
+            self.drop("bad_mac", route)
             return None
         (seq,) = _SEQ.unpack_from(body)
         last = self._last_seq.get(route, 0)
         if seq <= last:
-            self.drop("replay")
+            self.drop("replay", route)
             return None
         if seq != last + 1:  # frames that never came (from a sender that counts per route)
             self.skipped[route] += seq - last - 1

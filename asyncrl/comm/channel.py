@@ -23,42 +23,51 @@ log = logging.getLogger("asyncrl")
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 DRAIN_MAX = 1000  # messages read in one turn of the loop; the rest in the next
+DRAIN_PARTS = 4 * DRAIN_MAX  # and parts: a message of more is read over several turns
+MAX_PARTS = 3 + (1 << 16)  # parts kept of one message (route, body, MAC, raw frames of at
+# least codec.OOB_MIN_BYTES each): the rest are read and dropped, and so is the message
 LINK_MIN_RATE = 10e6  # bytes/s: the slowest the controller's messages are taken to leave
 
 
-def open_frame(verifier: Verifier, route: bytes, frames: list) -> Message | None:
+# a frame's bytes where zmq received them (cheaper than Frame.buffer; pyzmq's stubs do not
+# say a Frame is a buffer)
+_view: Callable[[Any], memoryview] = memoryview
+
+
+def open_frame(verifier: Verifier, route: bytes, frames: list,
+               copy: bool = False) -> Message | None:
     """The message in a signed frame, or None: a malformed, unsigned, replayed or
-    undecodable frame is dropped and counted by `verifier`, never raised."""
+    undecodable frame is dropped and counted by `verifier`, never raised. `copy`: decode
+    from a copy of the body, made once the signature passed (the frames may be views)."""
     body = verifier.verify(route, frames)
     if body is None:
         return None
     try:
-        return messages.decode(body)
+        return messages.decode(bytes(body) if copy else body)
     except Exception:  # noqa: BLE001 - DecodeError, ValidationError, RecursionError (nesting)
-        verifier.drop("undecodable")
+        verifier.drop("undecodable", route)
         return None
 
 
 _Framed = type[messages.Call] | type[messages.Construct] | type[messages.Fetched]
 
 
-def open_with_frames(verifier: Verifier, route: bytes, frames: list,
-                     kinds: tuple[_Framed, ...]) -> Message | None:
-    """`open_frame` of the signed frames[:2]; raw frames after them are allowed for a
-    message of `kinds` (Call, Construct, Fetched) that announces their sizes in its
-    `buffers`, and go in its `frames`. Anything else with raw frames is dropped as
-    malformed."""
-    msg = open_frame(verifier, route, frames[:2])
-    extra = frames[2:]
+def open_with_frames(verifier: Verifier, route: bytes, signed: list, extra: Sequence[Any],
+                     kinds: tuple[_Framed, ...], copy: bool = False) -> Message | None:
+    """`open_frame` of the two `signed` parts; the raw parts after them (`extra`, zmq
+    Frames) are allowed for a message of `kinds` (Call, Construct, Fetched) that announces
+    their sizes in its `buffers`, and go in its `frames` as views, made only then. Anything
+    else with raw parts is dropped as malformed."""
+    msg = open_frame(verifier, route, signed, copy)
     if isinstance(msg, kinds):
         # `frames` is for what came here, never what a sender wrote into the message
-        if msg.frames or [f.nbytes for f in extra] != msg.buffers:
-            verifier.drop("malformed")
+        if msg.frames or [len(f) for f in extra] != msg.buffers:
+            verifier.drop("malformed", route)
             return None
         if extra:
-            msg.frames = extra  # views: the arrays use them as they are
+            msg.frames = [_view(f) for f in extra]  # the arrays use them as they are
     elif msg is not None and extra:
-        verifier.drop("malformed")
+        verifier.drop("malformed", route)
         return None
     return msg
 
@@ -94,15 +103,19 @@ class ControllerChannel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
         self._watched: dict[bytes, Unheard] = {}
+        # the parts of a message a turn's budget ended in, and how many past MAX_PARTS
+        self._partial: list[zmq.Frame] = []
+        self._excess = 0
         self._backlog, self._backlog_at = 0.0, 0.0  # bytes (see send_encoded), and when
 
     @property
     def dropped(self) -> dict[str, int]:
         return dict(self._verifier.dropped)
 
-    def drop(self, reason: str) -> None:
-        """Count a message dropped after its frame was accepted (e.g. inside a relay's)."""
-        self._verifier.drop(reason)
+    def drop(self, reason: str, route: bytes = b"") -> None:
+        """Count a message dropped after its frame was accepted (e.g. inside a relay's);
+        `route`: who sent it."""
+        self._verifier.drop(reason, route)
 
     def forget(self, gone: Callable[[bytes], bool]) -> None:
         """Routes (socket identities) that will not speak again: see Verifier.forget."""
@@ -179,29 +192,43 @@ class ControllerChannel:
             return
         recv, handle = self._sock.recv, self._handle
         assert handle is not None
-        for _ in range(DRAIN_MAX):
-            try:
+        frames, excess = self._partial, self._excess  # a message an earlier turn began
+        left = DRAIN_MAX
+        for _ in range(DRAIN_PARTS):  # parts, not messages: one of a million parts must not
+            try:  # keep the loop here either
                 frame = recv(_NOBLOCK, copy=False)
             except zmq.Again:
+                self._partial, self._excess = frames, excess
                 return
-            frames = [frame]
-            while frame.more:  # the parts of one message arrive together
-                frame = recv(_NOBLOCK, copy=False)
+            if len(frames) < MAX_PARTS:
                 frames.append(frame)
-            self._dispatch(frames, handle)
+            else:
+                excess += 1
+            if frame.more:  # (the parts of one message arrive together)
+                continue
+            if excess:
+                self._verifier.drop("too_many_parts", frames[0].bytes)
+            else:
+                self._dispatch(frames, handle)
+            frames, excess = [], 0
+            left -= 1
+            if not left:
+                break
+        self._partial, self._excess = frames, excess
         self._wake()  # more: after the loop's other work (a flood of frames, signed or not,
         # kept the loop here: no heartbeat, no call went meanwhile)
 
     def _dispatch(self, frames: list[zmq.Frame],
                   handle: Callable[[bytes, Message], None]) -> None:
-        if len(frames) < 2 or frames[0].bytes[:1] == b">":  # (">": the controller's own
-            self._verifier.drop("malformed")  # routes: a frame it sent, bounced back)
-            return
         identity = frames[0].bytes
-        msg = open_with_frames(self._verifier, identity,
-                               [f.bytes for f in frames[1:3]] + [f.buffer for f in frames[3:]],
-                               (messages.Fetched,))  # a large result: its arrays' bytes follow
-        if msg is None:
+        if len(frames) < 3 or identity[:1] == b">":  # (">": the controller's own routes: a
+            self._verifier.drop("malformed", identity)  # frame it sent, bounced back)
+            return
+        # checked on the received buffers (a MAC part of gigabytes is refused by its size,
+        # not copied first), the body copied once it passed
+        msg = open_with_frames(self._verifier, identity, [_view(frames[1]), _view(frames[2])],
+                               frames[3:], (messages.Fetched,), copy=True)  # (a large
+        if msg is None:  # result: its arrays' bytes follow)
             return
         try:
             handle(identity, msg)
@@ -296,9 +323,10 @@ class RankSocket:
             return None
         while sock.rcvmore and len(frames) < 2:  # the signed ones: small, copied
             frames.append(sock.recv())
+        extra: list[zmq.Frame] = []
         while sock.rcvmore:  # raw ones: large, used where zmq received them
-            frames.append(sock.recv(copy=False).buffer)
-        return open_with_frames(self._verifier, self._route, frames,
+            extra.append(sock.recv(copy=False))
+        return open_with_frames(self._verifier, self._route, frames, extra,
                                 (messages.Call, messages.Construct))
 
     def close(self) -> None:

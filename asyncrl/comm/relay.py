@@ -96,6 +96,7 @@ class HostRelay:
         self._held: dict[int, tuple[set[int], list[tuple[bytes, Result]]]] = {}
         # this rank's own sockets are served last: the rank may exit on what it gets
         self._own = identity.rsplit(b"/", 2)[0] + b"/"
+        self._group = identity.split(b"/", 1)[0]
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="asyncrl-relay", daemon=True)
 
@@ -214,6 +215,9 @@ class HostRelay:
             return []
         if not isinstance(msg, Result) or msg.call_id not in self._held:
             return [(sender, body)]
+        if sender.split(b"/")[:2] != [self._group, b"%d" % msg.rank]:  # an answer for
+            self._verifier.drop("foreign", sender)  # another rank (the checked sender is
+            return []  # who answered): held, it would mark that rank answered
         waiting, answers = self._held[msg.call_id]
         waiting.discard(msg.rank)
         answers.append((sender, msg))
