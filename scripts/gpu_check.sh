@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks, in one short run on a machine with an NVIDIA GPU (the device tool's H200:
-# python3 3.12 with torch, cupy, pytest, psutil, uvloop; no pyzmq, msgspec or deepspeed).
+# The GPU checks, in one short run on a machine with an NVIDIA GPU (the device tool's H100 or
+# H200, said in gpu.txt: compare figures only between runs on the same kind; python3 3.12 with torch, cupy, pytest, psutil, uvloop; no pyzmq, msgspec or deepspeed).
 #
 # Before the run, on the CPU machine, fetch what it lacks into .whl (git-ignored, ~7 MB):
 #   bash scripts/gpu_wheels.sh
@@ -18,12 +18,14 @@ if ! ls .whl/*.whl > /dev/null 2>&1; then  # (every step would fail on `import z
   exit 2
 fi
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+  # (setup bounded too: a hang here would take the call's whole limit, gpu.txt unwritten)
+  timeout -k 5 120 python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   if [ -d /tmp/site/deepspeed ]; then  # a warm machine's second run: built already
     :
   elif ls .whl/deepspeed-*.tar.gz > /dev/null 2>&1; then  # its source, built without ops
-    DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+    DS_BUILD_OPS=0 timeout -k 5 120 python3 -m pip install -q --no-index --no-deps \
+      --no-build-isolation \
       --no-compile --no-cache-dir --target /tmp/site .whl/deepspeed-*.tar.gz \
       || echo "deepspeed did not install: the ZeRO GPU test will fail"
   fi
@@ -31,8 +33,11 @@ if [ -d .whl ]; then
 else
   export PYTHONPATH=$PWD
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 - 2>&1 <<'EOF' | tee -a "$OUT/gpu.txt"
+timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
+  | tee "$OUT/gpu.txt"
+# (a warm machine's earlier run killed at its cap may have left processes holding memory)
+timeout 30 nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee -a "$OUT/gpu.txt"
+timeout 60 python3 - 2>&1 <<'EOF' | tee -a "$OUT/gpu.txt"
 import importlib.metadata as m
 import torch
 print("cuda", torch.cuda.is_available(), torch.version.cuda, "devices", torch.cuda.device_count())
@@ -47,15 +52,19 @@ EOF
 # one step costs the later steps their time but never the call's output. Logs go straight
 # to $OUT: a step killed at its limit still returns what it printed. The CPU tests are not
 # rerun here: CI runs them.
-DEADLINE=${DEADLINE:-420}  # (with the machine's start, room for a targeted rerun at once:
-# `DEADLINE=150 ONLY="zero3 or weight_sync" bash scripts/gpu_check.sh`, the tests alone)
+DEADLINE=${DEADLINE:-420}  # (with the machine's start, room for a targeted rerun at once,
+# on the warm machine: `DEADLINE=150 ONLY=failed bash scripts/gpu_check.sh`, the GPU tests
+# that did not pass last time (failed, or not reached before the step's cap) alone; or
+# ONLY="a -k expression")
 FAILED=0  # the script's exit status: the device tool's rc then says whether a step failed
+SKIPPED=0  # steps with no time left: not failures (a test rerun would not help them)
+LAST=/tmp/gpu-last-tests.log  # the last test step's log, kept on the warm machine
 step() {  # step SECONDS LOG COMMAND...: COMMAND for SECONDS at most, or what is left
   local cap=$1 log=$2 rc; shift 2
   local left=$((DEADLINE - SECONDS))
   [ "$left" -lt "$cap" ] && cap=$left
   if [ "$cap" -lt 15 ]; then
-    echo "skipped (no time left): $*" | tee -a "$log"; FAILED=1; return
+    echo "skipped (no time left): $*" | tee -a "$log"; SKIPPED=1; return
   fi
   echo "== $* (at ${SECONDS}s, ${cap}s at most)" >> "$log"
   # (a step killed at its limit takes its own process group; asyncrl's agents and ranks,
@@ -67,15 +76,29 @@ step() {  # step SECONDS LOG COMMAND...: COMMAND for SECONDS at most, or what is
 }
 export ASYNCRL_REQUIRE_GPU_DEPS=1  # a missing NCCL or DeepSpeed fails its test, not skips it
 export NCCL_DEBUG=WARN
+# warnings are errors in the suite (pyproject); here the image's own library versions may
+# warn where CI's do not, and a figure matters more than a deprecation: shown, not raised.
+# -v: each test's name and result as it ends (a step killed at its cap never prints -q's
+# summary)
+PYTEST=(python3 -m pytest -v -rA -p no:cacheprovider -W default --durations=0 --timeout 100
+        -o faulthandler_timeout=90 -m gpu)
 if [ -n "${ONLY:-}" ]; then  # a rerun of some GPU tests alone, on a warm machine
-  step "$DEADLINE" "$OUT/gpu-tests.log" python3 -m pytest -q -p no:cacheprovider -W default \
-    --durations=0 --timeout 100 -o faulthandler_timeout=90 -m gpu -k "$ONLY" tests/test_gpu.py
+  if [ "$ONLY" = failed ]; then  # all but those the last run passed
+    [ -f "$LAST" ] || { echo "ONLY=failed: no earlier run's log ($LAST) on this machine" \
+      | tee "$OUT/gpu-tests.log"; exit 2; }
+    args=()
+    for id in $(grep -oE '^tests/test_gpu.py::[^ ]+ PASSED' "$LAST" | cut -d' ' -f1); do
+      args+=(--deselect "$id")
+    done
+    step "$DEADLINE" "$OUT/gpu-tests.log" "${PYTEST[@]}" "${args[@]}" tests/test_gpu.py
+  else
+    step "$DEADLINE" "$OUT/gpu-tests.log" "${PYTEST[@]}" -k "$ONLY" tests/test_gpu.py
+  fi
+  cp "$OUT/gpu-tests.log" "$LAST"
   exit "$FAILED"
 fi
-# warnings are errors in the suite (pyproject); here the image's own library versions may
-# warn where CI's do not, and a figure matters more than a deprecation: shown, not raised
-step 200 "$OUT/gpu-tests.log" python3 -m pytest -q -p no:cacheprovider -W default \
-  --durations=0 --timeout 100 -o faulthandler_timeout=90 -m gpu tests/test_gpu.py
+step 200 "$OUT/gpu-tests.log" "${PYTEST[@]}" tests/test_gpu.py
+cp "$OUT/gpu-tests.log" "$LAST"
 B="$OUT/gpu-bench.jsonl"
 bench() {  # bench SECONDS SCRIPT ARGS...: its JSON lines to $B, its stderr to bench.err
   local cap=$1; shift
@@ -90,5 +113,6 @@ bench 60 benchmarks/hybrid_switch.py --backend zero3 --presets llama-100m --repe
 # /tmp (checkpoints under $OUT would crowd out the logs)
 step 120 "$OUT/grpo.log" python3 -m asyncrl launch examples/grpo_tiny.py --steps 3 \
   --run-dir /tmp/grpo actor_procs=1
-echo "done at ${SECONDS}s, a step failed: $FAILED" | tee -a "$OUT/gpu.txt"
+echo "done at ${SECONDS}s, a step failed: $FAILED, a step skipped for time: $SKIPPED" \
+  | tee -a "$OUT/gpu.txt"
 exit "$FAILED"
