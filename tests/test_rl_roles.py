@@ -3,6 +3,8 @@ token rewards, the policy and value losses (against hand-computed values), group
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -318,6 +320,18 @@ def test_a_roles_settings_are_checked_where_its_group_is_declared():
                                          r"for engine='vllm'"):
         asyncrl.group(Rollout, model, engine_options={"gpu_memory_utilization": 0.5})
     asyncrl.group(Policy, model, hybrid=False, engine="unused")  # (a train-only Policy)
+    # vLLM's settings this adapter refuses, without vLLM (they failed in each rank's vLLM)
+    with pytest.raises(ValueError, match="engine='vllm' loads a local checkpoint"):
+        asyncrl.group(Actor, model, rl={"algo": "ppo"}, engine="vllm")
+    checkpoint = {"path": os.path.dirname(__file__)}  # (a directory: not read here)
+    with pytest.raises(ValueError, match="top_p=0.9 < 1 is not supported"):
+        asyncrl.group(Rollout, checkpoint, engine="vllm", sampling={"top_p": 0.9})
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported"):
+        asyncrl.group(Policy, checkpoint, engine="vllm", engine_options={"kv_cache_dtype": "fp8"})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\): only 1"):
+        asyncrl.group(Rollout, checkpoint, engine="vllm",
+                      engine_options={"tensor_parallel_size": 2})
+    asyncrl.group(Rollout, checkpoint, engine="vllm", engine_options={"max_model_len": 64})
     with pytest.raises(TypeError, match=r"Reference model=: 'presets'"):
         asyncrl.group(Reference, {"presets": "tiny-llama"})
     with pytest.raises(ValueError, match="^Reference micro_batch_size must be >= 1, got 0"):

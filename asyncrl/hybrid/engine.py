@@ -42,9 +42,11 @@ BUCKET_BYTES = 32 << 20  # parameters gathered together, up to about this many b
 ENGINES = ("builtin", "vllm")
 
 
-def check_engine(name: Any, options: Any) -> None:
-    """An engine's name and options as make_engine takes them (also where a group is
-    declared: a mistake failed every rank after the groups had started)."""
+def check_engine(name: Any, options: Any, model_cfg: ModelConfig | None = None,
+                 sampling: SamplingConfig | None = None) -> None:
+    """An engine's name and options, and the model and sampling it would run, as
+    make_engine takes them (also where a group is declared: a mistake failed every rank
+    after the groups had started). vLLM is not imported: its own checks come later."""
     if name not in ENGINES:
         raise ValueError(f"engine is one of {ENGINES}, got {name!r}")
     if options is not None and not isinstance(options, dict):
@@ -53,6 +55,25 @@ def check_engine(name: Any, options: Any) -> None:
     if name == "builtin" and options:
         raise ValueError(f"engine_options {sorted(options)} are for engine='vllm'; the "
                          f"built-in engine takes its settings from sampling=")
+    if name == "vllm":
+        from asyncrl.hybrid.vllm_engine import check_options, check_sampling
+
+        check_options(options or {})
+        if sampling is not None:
+            check_sampling(sampling)
+        if model_cfg is not None:
+            _check_vllm_model(model_cfg)
+
+
+def _check_vllm_model(model_cfg: ModelConfig) -> None:
+    if model_cfg.path is None:
+        raise ValueError(f"engine='vllm' loads a local checkpoint: give model={{'path': "
+                         f"DIR}}; the preset {model_cfg.preset!r} is for the built-in engine")
+    if model_cfg.overrides:  # the trainer would build another model than vLLM runs
+        raise ValueError(f"engine='vllm' runs the checkpoint's own config.json: the model "
+                         f"overrides {sorted(model_cfg.overrides)} would reach the trainer "
+                         f"only; save the checkpoint with them, or pass vLLM's "
+                         f"hf_overrides in engine_options too and drop them here")
 
 
 def _check_covers(path: str | None, model: torch.nn.Module) -> None:
@@ -115,18 +136,10 @@ def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | No
                 options: dict[str, Any] | None = None) -> Any:
     """A generation engine: the built-in Sampler, or vLLM (GPU machines, a local checkpoint;
     `options`: VLLMEngine's keywords, e.g. gpu_memory_utilization)."""
-    check_engine(name, options)
+    check_engine(name, options, model_cfg, sampling)
     if name == "builtin":
         return Sampler(build_model(model_cfg).to(default_device()), sampling)
     if name == "vllm":
-        if model_cfg.path is None:
-            raise ValueError(f"engine='vllm' loads a local checkpoint: give model={{'path': "
-                             f"DIR}}; the preset {model_cfg.preset!r} is for the built-in engine")
-        if model_cfg.overrides:  # the trainer would build another model than vLLM runs
-            raise ValueError(f"engine='vllm' runs the checkpoint's own config.json: the model "
-                             f"overrides {sorted(model_cfg.overrides)} would reach the trainer "
-                             f"only; save the checkpoint with them, or pass vLLM's "
-                             f"hf_overrides in engine_options too and drop them here")
         from asyncrl.hybrid.vllm_engine import VLLMEngine
 
         # vLLM computes as the trainer does (the built-in engine's dtype is the model's too):
@@ -134,6 +147,7 @@ def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | No
         options = {"dtype": model_cfg.dtype, "seed": model_cfg.seed,
                    **({"trust_remote_code": True} if model_cfg.trust_remote_code else {}),
                    **(options or {})}
+        assert model_cfg.path is not None  # (check_engine: a preset is refused)
         return VLLMEngine(model_cfg.path, sampling, **options)
     raise AssertionError(name)  # (check_engine knows every name)
 

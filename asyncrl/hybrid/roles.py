@@ -196,11 +196,11 @@ def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg
 def check_policy_arguments(role: str, given: dict[str, Any]) -> None:
     """A Policy's (or Actor's) arguments as its __init__ reads them, where the group is
     declared: a mistake there failed every rank's __init__ after the groups had started."""
-    read_settings(role, given["model"], given["sampling"], given["multi_turn"],
-                  given["train"])
+    model_cfg, _, sampling_cfg, _ = read_settings(
+        role, given["model"], given["sampling"], given["multi_turn"], given["train"])
     check_backend(given["backend"])
     if given["hybrid"]:
-        check_engine(given["engine"], given["engine_options"])
+        check_engine(given["engine"], given["engine_options"], model_cfg, sampling_cfg)
 
 
 def engine_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
@@ -407,9 +407,9 @@ class Rollout(Worker):
         """As Policy.check_settings: where the group is declared."""
         given = own_arguments(cls, Rollout.__init__, args, kwargs)
         if given is not None:
-            read_settings(cls.__name__, given["model"], given["sampling"],
-                          given["multi_turn"])
-            check_engine(given["engine"], given["engine_options"])
+            model_cfg, _, sampling_cfg, _ = read_settings(
+                cls.__name__, given["model"], given["sampling"], given["multi_turn"])
+            check_engine(given["engine"], given["engine_options"], model_cfg, sampling_cfg)
 
     def on_close(self) -> None:
         if self.turns is not None:  # its environment's processes, if any

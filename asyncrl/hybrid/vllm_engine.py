@@ -124,11 +124,7 @@ class VLLMEngine:
         enforce_eager, ...), passed on as they are; those this adapter sets are refused, and
         those vLLM's EngineArgs lacks (`engine_args_cls`; vllm.EngineArgs when vLLM is
         imported here) are named with the ones meant."""
-        taken = sorted(set(llm_options) & ADAPTER_SETS)
-        if taken:
-            raise ValueError(f"engine_options {taken} are set by asyncrl's vLLM adapter (it "
-                             f"runs vLLM inside the rank's torchrun group, with sleep mode "
-                             f"and its own weight loading); leave them out")
+        check_options({**llm_options, "tensor_parallel_size": tensor_parallel_size})
         if llm_cls is None or sampling_params_cls is None:
             name = os.environ.get(MODULE_ENV, "vllm")
             try:
@@ -146,16 +142,6 @@ class VLLMEngine:
             llm_cls, sampling_params_cls = vllm.LLM, vllm.SamplingParams
             engine_args_cls = engine_args_cls or getattr(vllm, "EngineArgs", None)
         _check_keys(llm_options, engine_args_cls)
-        kv_dtype = llm_options.get("kv_cache_dtype", "auto")
-        if kv_dtype != "auto":
-            raise ValueError(f"engine_options kv_cache_dtype={kv_dtype!r} is not supported: "
-                             f"an fp8 KV cache's scales (k_scale/v_scale) are lost when vLLM "
-                             f"sleeps at level 2 (it keeps only the model's buffers), and "
-                             f"generation after the wake would be garbage; leave it \"auto\"")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"VLLMEngine(tensor_parallel_size={tensor_parallel_size}): only 1 "
-                             f"is supported (each rank generates its own DP rows); use more "
-                             f"ranks instead")
         _check_reloadable(model_path)
         for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # (newer torch: both)
             if "expandable_segments:true" in os.environ.get(name, "").lower():
@@ -164,7 +150,7 @@ class VLLMEngine:
                                  f"environment of the groups that run vLLM")
         require_own_gpu("vLLM needs a GPU per rank (it binds cuda:LOCAL_RANK)")
         self.config = sampling or SamplingConfig()
-        _check_top_p(self.config)
+        check_sampling(self.config)
         self._params_cls = sampling_params_cls
         # vLLM refuses to start if less than gpu_memory_utilization of the GPU is free (a
         # hybrid Policy builds its trainer first: lower it there), and by default sizes for
@@ -203,7 +189,7 @@ class VLLMEngine:
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give "
                              f"one seed per sample")
-        _check_top_p(cfg)
+        check_sampling(cfg)
         limit = _max_model_len(self.llm)
         vocab = _vocab_size(self.llm)
         for i, p in enumerate(prompts):  # before vLLM: up to 0.11.0 it kept the rows added
@@ -490,7 +476,27 @@ def _too_old(text: str) -> bool:
         return tuple(parts) < MIN_VERSION
 
 
-def _check_top_p(cfg: SamplingConfig) -> None:
+def check_options(options: dict[str, Any]) -> None:
+    """VLLMEngine's keywords as it takes them, without vLLM (also where a group is
+    declared): those this adapter sets, and the settings it does not support."""
+    taken = sorted(set(options) & ADAPTER_SETS)
+    if taken:
+        raise ValueError(f"engine_options {taken} are set by asyncrl's vLLM adapter (it "
+                         f"runs vLLM inside the rank's torchrun group, with sleep mode "
+                         f"and its own weight loading); leave them out")
+    kv_dtype = options.get("kv_cache_dtype", "auto")
+    if kv_dtype != "auto":
+        raise ValueError(f"engine_options kv_cache_dtype={kv_dtype!r} is not supported: "
+                         f"an fp8 KV cache's scales (k_scale/v_scale) are lost when vLLM "
+                         f"sleeps at level 2 (it keeps only the model's buffers), and "
+                         f"generation after the wake would be garbage; leave it \"auto\"")
+    tp = options.get("tensor_parallel_size", 1)
+    if tp != 1:
+        raise ValueError(f"VLLMEngine(tensor_parallel_size={tp}): only 1 is supported (each "
+                         f"rank generates its own DP rows); use more ranks instead")
+
+
+def check_sampling(cfg: SamplingConfig) -> None:
     """vLLM's processed log-probs are renormalised over the top-p nucleus, the trainer's (and
     the built-in Sampler's) are not: with top_p < 1 every ratio would start near top_p, not 1,
     and PPO's clip would silence the negative advantages. vLLM raises a temperature below
