@@ -374,7 +374,8 @@ def _stub_flow(spec, spawns):
         spawns.append(spec.name)
         return types.SimpleNamespace(dead=None, closing=False)
 
-    return types.SimpleNamespace(groups=[spec], _ctl=Ctl(), _spawn=spawn, _watchers=set())
+    return types.SimpleNamespace(groups=[spec], _ctl=Ctl(), _spawn=spawn, _watchers=set(),
+                                 _steps={})
 
 
 def test_a_death_counts_one_restart_when_its_respawn_is_cancelled_in_the_backoff():

@@ -2,9 +2,9 @@
 
     step t:  inputs ──▶ rollout ──▶ score ──▶ train        a node starts when the nodes it
                           └──────▶ ref ───────┘             names have *returned* (their
-    step t+1:  rollout(follows="train") waits for           futures may still be running), so
-               train of step t-k to finish (k = max_staleness)   a step is dispatched at once;
-               and all of step t-k-1 (a bound on steps in flight)
+    step t+1: dispatched once train of step t-k has         futures may still be running), so
+              finished (rollout follows="train";            a step is dispatched at once
+              k = max_staleness) and all of step t-k-1 (a bound on steps in flight)
     checkpoint after step t: steps <= t all finish, the save runs, then step t+1 is dispatched
 
 A node is a small controller-side function; its parameters name its inputs (flow inputs,
@@ -12,6 +12,8 @@ other nodes, or `<node>_out`, and `step`: the step index, unless a node or an in
 name). What it receives is exactly what the upstream node returned. Step t+1 is
 dispatched once every node of step t has returned: an async node that awaits its group's
 work holds it until that work is done (a plain node returning the DistFuture does not).
+A node has *finished* once its returned futures and every group call it made are done
+(finished.py); the graph is resolved and checked in flow_graph.py.
 """
 
 from __future__ import annotations
@@ -29,18 +31,18 @@ from typing import Any
 from asyncrl.actors.worker import rng_state
 from asyncrl.controller.blame import blame, upstream
 from asyncrl.controller.declare import GroupSpec, declared_for
+from asyncrl.controller.finished import Calls, finished, node_calls, quiet, shielded
+from asyncrl.controller.flow_graph import count, named_nodes, resolve, topological
 from asyncrl.controller.inputs import Inputs
 from asyncrl.controller.logs import say
-from asyncrl.controller.nodes import FlowError, Node, NodeError, Param
+from asyncrl.controller.nodes import FlowError, Node, NodeError
 from asyncrl.controller.recovery import Recovery
 from asyncrl.controller.saved_inputs import save_node_inputs
 from asyncrl.controller.timeline import current_node
 from asyncrl.errors import InputsExhausted
-from asyncrl.futures.future import futures_in, held_at, resolved
+from asyncrl.futures.future import held_at, resolved
 
 log = logging.getLogger("asyncrl")
-
-STEP = "step"  # a parameter nothing else provides: the step index (validate every N steps)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class _Step:
     index: int
     returned: dict[str, asyncio.Task] = field(default_factory=dict)
     finished: dict[str, asyncio.Task] = field(default_factory=dict)
+    watchers: list[asyncio.Task] = field(default_factory=list)  # recovery's, of its nodes
     started: float = 0.0  # dispatched (ahead: up to max_staleness + 2 steps in flight)
     ended: float = 0.0  # its last node finished
 
@@ -67,36 +70,25 @@ class DataFlow:
     def __init__(self, nodes: list[Any], inputs: dict[str, Any] | None = None,
                  max_staleness: int = 0, groups: list[GroupSpec] | None = None,
                  checkpoint_every: int | None = None, steps: int | None = None):
-        self.nodes: dict[str, Node] = {}
-        for n in nodes:
-            if not isinstance(n, Node):
-                raise FlowError(f"{n!r} is not a node: decorate it with @asyncrl.node")
-            if n.name in self.nodes:
-                raise FlowError(f"two nodes are named {n.name!r}; rename one with "
-                                f"@asyncrl.node(name=...)")
-            self.nodes[n.name] = n
         self.inputs = dict(inputs or {})
-        clash = sorted(set(self.inputs) & set(self.nodes))
-        if clash:
-            raise FlowError(f"{clash} name both a flow input and a node; rename one")
-        if not isinstance(max_staleness, int) or max_staleness < 0:
+        self.nodes = named_nodes(nodes, self.inputs)
+        if not count(max_staleness, 0):
             raise FlowError(f"max_staleness must be an int >= 0 (0: on-policy, each rollout "
                             f"waits for the train step before it), got {max_staleness!r}")
         self.max_staleness = max_staleness
-        if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
-                                             or checkpoint_every < 1):
+        if checkpoint_every is not None and not count(checkpoint_every, 1):
             raise FlowError(f"checkpoint_every must be an int >= 1 (or None: only after the "
                             f"last step), got {checkpoint_every!r}")
         self.checkpoint_every = checkpoint_every
         # --checkpoint-every and --keep-checkpoints as `asyncrl launch` was given them (noted
         # in checkpoints: a resume goes on with them)
         self.launch_options: dict[str, Any] = {}
-        if steps is not None and (not isinstance(steps, int) or steps < 1):
+        if steps is not None and not count(steps, 1):
             raise FlowError(f"steps must be an int >= 1 (or None: until an input runs out), "
                             f"got {steps!r}")
         self.steps = steps  # what run() and `asyncrl launch` run when not told
-        self.deps = {name: self._resolve(n) for name, n in self.nodes.items()}
-        self.order = self._topological()
+        self.deps = {name: resolve(n, self.nodes, self.inputs) for name, n in self.nodes.items()}
+        self.order = topological(self.deps)
         self.groups = list(groups) if groups is not None else \
             declared_for(n.fn for n in self.nodes.values())
         self.feed = Inputs(self.inputs)  # one item a step from each, and their positions
@@ -105,6 +97,7 @@ class DataFlow:
         # (older ones are let go, and with them the futures their nodes returned)
         self._steps: dict[int, _Step] = {}
         self._failed: int | None = None  # a step that failed: no step after it can run
+        self._stepping = False  # a step() runs: a second one at once is refused
         self._earlier: Callable[[Exception], Awaitable[None]] | None = None  # _finish_earlier
         self._next = 0  # the index of the step dispatched next (> 0 once resumed)
         self._ctl: Any = None
@@ -114,60 +107,6 @@ class DataFlow:
         self._origin: tuple[int, dict[str, Any]] = (0, {})  # where this run started
         self._origin_rng: dict[str, Any] = {}  # and the controller's random state there
         self.recovery = Recovery(self)
-
-    # -- the graph ----------------------------------------------------------------------------
-    def _source_of(self, p: Param) -> tuple[str, str] | None:
-        """('node', name) / ('input', name) / ('step', 'step'), or None for an optional input
-        nothing provides."""
-        s = p.source
-        if s in self.nodes:
-            return ("node", s)
-        if s.endswith("_out") and s[:-4] in self.nodes:
-            return ("node", s[:-4])
-        if s in self.inputs:
-            return ("input", s)
-        if s == STEP:
-            return ("step", s)
-        return None
-
-    def _resolve(self, n: Node) -> dict[str, tuple[str, str] | None]:
-        out = {}
-        for p in n.params:
-            src = self._source_of(p)
-            if src is None and not p.optional:
-                raise FlowError(
-                    f"node {n.name!r} needs input {p.source!r}, which no node or input "
-                    f"provides; add a node named {p.source!r}, give the flow an input "
-                    f"{p.source!r} (DataFlow(inputs=...)), or give the parameter a default")
-            out[p.name] = src
-        if n.follows is not None and n.follows not in self.nodes:
-            raise FlowError(f"node {n.name!r} follows {n.follows!r}, which is not a node of "
-                            f"this flow; nodes: {sorted(self.nodes)}: name one of them in "
-                            f"follows=, or add a node named {n.follows!r}")
-        return out
-
-    def _topological(self) -> list[str]:
-        order: list[str] = []
-        state: dict[str, int] = {}  # 1 visiting, 2 done
-
-        def visit(name: str, path: list[str]) -> None:
-            if state.get(name) == 2:
-                return
-            if state.get(name) == 1:
-                cycle = path[path.index(name):] + [name]
-                raise FlowError(f"nodes form a cycle: {' -> '.join(cycle)}; a node cannot "
-                                f"depend on itself within a step (use follows= for an edge "
-                                f"to the previous step)")
-            state[name] = 1
-            for src in self.deps[name].values():
-                if src is not None and src[0] == "node":
-                    visit(src[1], path + [name])
-            state[name] = 2
-            order.append(name)
-
-        for name in self.nodes:
-            visit(name, [])
-        return order
 
     # -- groups -------------------------------------------------------------------------------
     async def open(self, ctl: Any = None) -> None:
@@ -290,7 +229,18 @@ class DataFlow:
 
     async def step(self) -> dict[str, Any] | None:
         """Dispatch one step; return ``{node: what it returned}`` once every node returned
-        (None once an input or a node's own inputs ran out). Earlier steps may still run."""
+        (None once an input or a node's own inputs ran out). Earlier steps may still run.
+        One at a time: await each step before the next."""
+        if self._stepping:  # (both would take one step index, and the second's wait is off)
+            raise RuntimeError("flow.step() is running already: await each step before "
+                               "calling the next (or use flow.run())")
+        self._stepping = True
+        try:
+            return await self._step()
+        finally:
+            self._stepping = False
+
+    async def _step(self) -> dict[str, Any] | None:
         if self._ctl is None:
             raise RuntimeError("the flow is not open: use `async with flow:` or flow.run()")
         if self._failed is not None:  # its nodes were cancelled: later steps wait on them
@@ -298,13 +248,15 @@ class DataFlow:
                             f"nodes: rewind the flow to a checkpoint (asyncrl.group("
                             f"max_restarts=...) makes flow.run() do it) or close it")
         t = self.next_step
-        # a `follows=` node waits for its node of step t-k-1 (_run_node); the steps in flight
-        # are bounded one further: every node of step t-k-2 has finished before step t starts
+        # step t starts once the nodes its `follows=` nodes name have finished in step t-k-1;
+        # the steps in flight are bounded one further: every node of step t-k-2 has finished
         # (a side node, an eval or a critic's update, may lag one step behind, not more)
-        bound = t - self.max_staleness - 2
-        if bound in self._steps:  # (shielded: a driver's timeout on this wait must not
-            # cancel step t-k-2's work, which the steps after it still wait on)
-            await asyncio.shield(asyncio.gather(*self._steps[bound].finished.values()))
+        bound, before = t - self.max_staleness - 2, self._steps.get(t - self.max_staleness - 1)
+        waits = list(self._steps[bound].finished.values()) if bound in self._steps else []
+        if before is not None:  # (absent: before a resume)
+            waits += [before.finished[n.follows] for n in self.nodes.values() if n.follows]
+        if waits:  # before the input is read, shielded: a driver's timeout here leaves the
+            await shielded(waits)  # flow as it was (those steps' work, the input item)
         values = self.feed.next()
         if values is None:
             return None
@@ -313,10 +265,11 @@ class DataFlow:
         self._next = t + 1
         loop = asyncio.get_running_loop()
         for name in self.order:
-            task = _quiet(loop.create_task(self._run_node(step, self.nodes[name], values)))
+            calls = Calls()  # the group calls the node makes (a node finishes after them)
+            task = quiet(loop.create_task(self._run_node(step, self.nodes[name], values, calls)))
             step.returned[name] = task
-            step.finished[name] = _quiet(loop.create_task(_finished(
-                task, functools.partial(self._blame, step, name))))
+            step.finished[name] = quiet(loop.create_task(finished(
+                task, calls, functools.partial(self._blame, step, name))))
             step.finished[name].add_done_callback(step._finish)
         # step t+1 looks back to step t-k-1 (its bound) and t-k (its follows= edges): older
         # steps (all finished, as step t-k-2 was before this one) are let go
@@ -330,22 +283,19 @@ class DataFlow:
                 task.result()  # raises its NodeError
             return {name: await task for name, task in step.returned.items()}
         except BaseException as e:
-            for task in (*step.returned.values(), *step.finished.values()):
-                task.cancel()
+            for task in (*step.returned.values(), *step.finished.values(), *step.watchers):
+                task.cancel()  # (a recovery watcher would re-run a failed step's node)
             if not (isinstance(e, NodeError) and isinstance(e.__cause__, InputsExhausted)):
                 self._failed = t
                 raise
             del self._steps[t]  # a node's own inputs ran out (DAPO's prompts): a normal end,
             self._next, self.feed.ended = t, e.node  # its last checkpoint saved (_run_steps)
+            self.feed.unread()  # with step t's items not used (a resume reads them again)
             say(self._ctl, f"[asyncrl] node {e.node!r}, step {t}: {e.__cause__}: the run ends")
             return None
 
-    async def _run_node(self, step: _Step, n: Node, values: dict[str, Any]) -> Any:
-        if n.follows is not None:  # the state edge: the followed node of step t-k-1 finished
-            before = self._steps.get(step.index - self.max_staleness - 1)
-            if before is not None:  # (absent: before a resume, or let go once finished)
-                await asyncio.shield(before.finished[n.follows])  # a cancel of this step
-                # must not reach step t-k-1's work
+    async def _run_node(self, step: _Step, n: Node, values: dict[str, Any],
+                        calls: Calls) -> Any:
         kwargs = {}
         for p in n.params:
             src = self.deps[n.name][p.name]
@@ -358,6 +308,7 @@ class DataFlow:
             else:
                 kwargs[p.name] = await step.returned[src[1]]
         current_node.set((n.name, step.index))
+        node_calls.set(calls)
         start = time.perf_counter()
         try:
             if self.save_inputs is not None:  # for `asyncrl run --node` (values awaited; a
@@ -411,6 +362,10 @@ class DataFlow:
         opened = self._ctl is None
         if opened:
             await self.open()
+        if steps is None and not self.feed.consumed:  # (no iterable input: none runs out)
+            log.warning("asyncrl: this flow's inputs are all constants and it has no steps=: "
+                        "the run goes on until a node raises InputsExhausted; pass "
+                        "run(steps=N) or DataFlow(..., steps=N)")
         done: dict[int, dict[str, Any]] = {}
         self._origin, self._origin_rng = (self.next_step, self.positions()), rng_state()
         try:
@@ -532,7 +487,7 @@ class DataFlow:
     async def _complete(self, step: _Step, results: dict[str, Any],
                         on_step: Callable[[int, dict[str, Any], float], None] | None,
                         keep: bool) -> dict[str, Any]:
-        await asyncio.shield(asyncio.gather(*step.finished.values()))
+        await shielded(step.finished.values())
         values = {}
         for name, r in results.items():
             try:
@@ -580,19 +535,3 @@ class DataFlow:
             out = await out
         return await resolved(out)
 
-
-def _quiet(task: asyncio.Task) -> asyncio.Task:
-    """A task whose failure is reported where it is awaited, not again when it is collected."""
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return task
-
-
-async def _finished(returned: asyncio.Task, blame: Callable[[Exception], NodeError]) -> None:
-    """A node has finished when it returned and every DistFuture it returned is done."""
-    out = await returned
-    try:
-        for fut in futures_in(out):
-            await asyncio.shield(fut._fut)
-    except Exception as e:  # the work the node started failed: say which node
-        err = blame(e)
-        raise err from err.__cause__

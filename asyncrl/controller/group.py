@@ -37,6 +37,7 @@ from asyncrl.comm.messages import (
     Schema,
 )
 from asyncrl.controller.fetches import Fetches
+from asyncrl.controller.finished import note_call
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import called_groups, current_node
 from asyncrl.errors import (
@@ -217,6 +218,7 @@ class GroupHandle:
             raise self._no_method(method)
         loop = self._ctl.loop
         future = DistFuture._new(loop, f"{self.name}.{method}")
+        note_call(future)  # the node making it finishes once it ends (finished.py)
         item = _Queued(method, args, kwargs, future)
         timeline = self._ctl.timeline
         if timeline is not None:

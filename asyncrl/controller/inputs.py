@@ -12,6 +12,7 @@ each iterable is, for checkpoints.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,6 +31,9 @@ class Inputs:
         self.consumed: dict[str, int] = {}  # items taken from each iterable, the whole run
         self._last: dict[str, Any] = {}  # the last item taken (skip-count sources)
         self.ended: str | None = None  # the input whose end ended the run, if one did
+        # the last step's items, the restorable sources' states before them and _last
+        # before them: unread() puts them back
+        self._read: tuple[dict[str, Any], list[tuple[str, Any, Any]], dict[str, Any]] | None = None
 
     def reset(self) -> None:
         """Every input from its beginning again (a rewind after a first read)."""
@@ -37,7 +41,7 @@ class Inputs:
             self.check_rereadable()
         self._iters = {k: _iterate(v) for k, v in self.sources.items()}
         self.consumed = {k: 0 for k, it in self._iters.items() if it is not None}
-        self._last = {}
+        self._last, self._read = {}, None
 
     def check_rereadable(self) -> None:
         for name, source in self.sources.items():
@@ -119,30 +123,48 @@ class Inputs:
         values = {}
         # with several iterable inputs, one may end after the ones before it gave this step's
         # item: those are put back where they were, or the run's last checkpoint would save
-        # them one item past what its steps used (a resumed run would skip it)
-        several = len(self.consumed) > 1
+        # them one item past what its steps used (a resumed run would skip it); so may the
+        # step's node (unread)
         taken: list[tuple[str, Any, Any]] = []
         for name, it in self._iters.items():
             if it is None:
                 values[name] = self.sources[name]
                 continue
             source = self.sources[name]
-            before = source.state_dict() if several and _restorable(source) else None
+            before = source.state_dict() if _restorable(source) else None
             try:
                 values[name] = next(it)
             except StopIteration:
-                for key, source, state in taken:  # (a fresh iterator: from that position)
-                    source.load_state_dict(state)
-                    self._iters[key] = iter(source)
+                self._restore(taken)
                 self.ended = name
                 return None
             if before is not None:
                 taken.append((name, source, before))
+        self._read = (values, taken, dict(self._last))
         for name in self.consumed:  # only for a step that runs (checkpoints save these)
             self.consumed[name] += 1
             if not _restorable(self.sources[name]):
                 self._last[name] = values[name]
         return values
+
+    def unread(self) -> None:
+        """Put the last step's items back (its node's own inputs ran out: it did not run):
+        positions() then says where the steps that ran left the inputs, and a resume, or
+        the next step, reads those items again."""
+        if self._read is None:
+            return
+        (values, taken, self._last), self._read = self._read, None
+        self._restore(taken)
+        for name in self.consumed:
+            self.consumed[name] -= 1
+            it = self._iters[name]
+            if not _restorable(self.sources[name]) and it is not None:
+                self._iters[name] = itertools.chain([values[name]], it)
+
+    def _restore(self, taken: list[tuple[str, Any, Any]]) -> None:
+        for key, source, state in taken:  # (a fresh iterator: from that position)
+            source.load_state_dict(state)
+            self._iters[key] = iter(source)
 
 
 def _skipped(name: str, it: Iterator[Any], state: dict[str, Any], rewind: bool) -> Any:

@@ -55,9 +55,13 @@ class Node:
 
 
 def node(fn: Callable[..., Any] | None = None, *, name: str | None = None,
-         inputs: dict[str, str] | None = None, follows: str | None = None) -> Any:
+         inputs: dict[str, str] | None = None, follows: str | Node | None = None) -> Any:
     """Mark a controller-side function as a node: ``@asyncrl.node`` or
-    ``@asyncrl.node(inputs={"param": "source"}, follows="train", name="...")``."""
+    ``@asyncrl.node(inputs={"param": "source"}, follows="train", name="...")``
+    (`follows`: a node's name, or the node)."""
+    followed = follows.name if isinstance(follows, Node) else follows
+    if followed is not None and not isinstance(followed, str):
+        raise FlowError(f"follows= takes a node or its name (a str), got {follows!r}")
 
     def make(f: Callable[..., Any]) -> Node:
         sig = inspect.signature(f)
@@ -75,6 +79,6 @@ def node(fn: Callable[..., Any] | None = None, *, name: str | None = None,
             optional = p.default is not p.empty
             params.append(Param(p.name, mapping.get(p.name, p.name), optional,
                                  p.default if optional else None))
-        return Node(f, name or f.__name__, params, follows)
+        return Node(f, name or f.__name__, params, followed)
 
     return make(fn) if fn is not None else make

@@ -228,6 +228,8 @@ class Recovery:
                                                 called))
         self.flow._watchers.add(watcher)
         watcher.add_done_callback(self.flow._watchers.discard)
+        if step in self.flow._steps:  # cancelled with its step, if that fails: a re-run
+            self.flow._steps[step].watchers.append(watcher)  # would spend a restart on it
         watcher.add_done_callback(_settled)  # its failure reaches the stand-ins
         return _replace(out, proxies)
 
