@@ -15,9 +15,9 @@ response_mask (a prefix of each row), as the generation engines produce.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +37,7 @@ from asyncrl.hybrid.models import (
     sequence_logprobs,
     sequence_values,
 )
+from asyncrl.hybrid.optim import adamw, clip_grad_norm, lr_scheduler, resume_schedule
 from asyncrl.hybrid.settings import check_kinds
 from asyncrl.hybrid.turns import sampled_mask
 
@@ -97,47 +98,6 @@ class TrainConfig:
                              f"which must exceed warmup_steps ({self.warmup_steps}); got "
                              f"total_steps={self.total_steps} (the run's optimizer steps: "
                              f"steps x epochs x mini_batches)")
-
-
-def lr_factor(cfg: TrainConfig, step: int) -> float:
-    """The multiplier of `cfg.lr` at optimizer step `step` (from 0), as transformers'
-    get_{constant,cosine,linear}_schedule_with_warmup (verl's) define it (the first warmup
-    step at 0), with a floor of min_lr_ratio for the decays, held after total_steps (where
-    transformers' cosine rises again). A constant schedule has no floor."""
-    if step < cfg.warmup_steps:
-        return step / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
-    decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" \
-        else 1 - progress
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
-
-
-def adamw(params: Any, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with its fused kernel where the parameters' device has one (CPU, CUDA). On CPU
-    torch otherwise picks its per-tensor loop: 8x slower for a tiny model, 7x for ~100M."""
-    params = list(params)
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             fused=fused or None)
-
-
-def lr_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> Any:
-    """A LambdaLR of `lr_factor`; stepped after each optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg))
-
-
-def resume_schedule(sched: Any, opt: torch.optim.Optimizer, cfg: TrainConfig, steps: int) -> None:
-    """Put a loaded trainer's schedule at `steps` optimizer steps, with this config's lr and
-    weight decay (a resumed run may change them: the optimizer's state dict brought back the
-    saved ones; both backends then agree)."""
-    sched.last_epoch = steps
-    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
-    for group in opt.param_groups:
-        group["lr"] = cfg.lr * lr_factor(cfg, steps)
-        group["weight_decay"] = cfg.weight_decay
-    sched._last_lr = [group["lr"] for group in opt.param_groups]
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -233,26 +193,6 @@ def _shard_adapters_apart(module: torch.nn.Module, dp_mesh: Any, bf16: bool) -> 
     if factors and (bf16 or others - theirs):
         fully_shard(factors, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(
             reduce_dtype=torch.float32 if bf16 else None))
-
-
-def clip_grad_norm(params: Any, max_norm: float | None) -> float:
-    """Clip the global gradient norm of parameters that may live on different meshes (FSDP
-    on dp, FSDP+TP on (dp, tp)): a norm per mesh, combined, then one scale for all."""
-    grads = [p.grad for p in params if p.grad is not None]
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
-    total_sq = 0.0
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        total_sq += float(norm) ** 2
-    total = total_sq ** 0.5
-    if max_norm and total > max_norm:  # 0 or None: no clipping, as DeepSpeed reads it
-        scale = max_norm / (total + 1e-6)
-        for group in by_mesh.values():  # one foreach op per mesh, not one op per tensor
-            torch._foreach_mul_(group, scale)
-    return total
 
 
 ALL_ROWS = "all_rows"  # meta: (real rows of every dp rank, this rank's rows, dp ranks)
@@ -374,6 +314,8 @@ class TrainBackend:
     cfg: TrainConfig
     head: str
     forward_module: torch.nn.Module
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
     stats_group: Any = None  # the group a step's statistics are averaged over (None: world)
     loads = 0  # times weights were loaded (load, load_state_dict): frozen ones may have changed
 
@@ -461,11 +403,47 @@ class TrainBackend:
             backward(loss * weight)
             for k, v in {"loss": loss.detach().item(), **stats}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
-        keys = sorted(sums)
-        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(totals, group=self.stats_group)
-        size = dist.get_world_size(self.stats_group)
-        return {k: float(v) / size for k, v in zip(keys, totals, strict=True)}
+        return rank_means(sums, self.stats_group)
+
+    def _empty_step(self, batch: TensorBatch) -> dict[str, float] | None:
+        """A train step's result where no rank has a real row (`batch` counted by
+        `count_rows`): nothing to learn from, so neither the optimizer nor the schedule
+        steps (both backends alike); None where there is."""
+        if batch.meta[ALL_ROWS][0] > 0:
+            return None
+        return {"grad_norm": 0.0, "lr": self.opt.param_groups[0]["lr"], "grad_nonfinite": 0.0}
+
+    def _check_keys(self, state: dict[str, torch.Tensor]) -> None:
+        """`load_state_dict`'s state has the model's own keys, no more, no fewer: torch's
+        full-state-dict load fills a missing one with the current (random) weight."""
+        own = set(self.model.state_dict())
+        missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
+        if missing or unexpected:
+            raise ValueError(
+                f"load_state_dict: the state dict lacks {len(missing)} of the model's keys "
+                f"{missing[:5]} and has {len(unexpected)} it does not know {unexpected[:5]}; "
+                f"give every key of this backend's state_dict() (the same model's), no others")
+
+
+def rank_means(sums: dict[str, float], group: Any) -> dict[str, float]:
+    """Each statistic's mean over the ranks of `group` (one all-reduce of all of them), once
+    the ranks agree on which there are (a loss's keys that depend on its data would sum one
+    rank's "a" with another's "b", or hang NCCL with vectors of other lengths)."""
+    keys = sorted(sums)
+    digest = float(zlib.crc32("\0".join(keys).encode()))
+    seen = torch.tensor([digest, -digest], dtype=torch.float64)  # the largest, the smallest
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    if seen[0] != -seen[1]:  # (every rank sees it: all of them raise)
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, keys, group=group)
+        raise ValueError(f"the loss's statistics have other keys on other ranks ("
+                         f"{', '.join(f'rank {r}: {k}' for r, k in enumerate(every))}): a "
+                         f"LossFn's stats must have the same keys on every rank (report 0.0 "
+                         f"where a statistic has nothing to measure, e.g. no masked token)")
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(totals, group=group)
+    size = dist.get_world_size(group)
+    return {k: float(v) / size for k, v in zip(keys, totals, strict=True)}
 
 
 class FSDPBackend(TrainBackend):
@@ -521,8 +499,12 @@ class FSDPBackend(TrainBackend):
         """One optimizer step over this rank's rows, in micro-batches with gradient
         accumulation; FSDP averages the gradients over the data-parallel ranks."""
         self.opt.zero_grad(set_to_none=True)  # a step that failed midway left some behind
+        micros = self.train_micro_batches(batch)
+        if (empty := self._empty_step(batch)) is not None:
+            return empty
         try:
-            stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward())
+            stats = self._accumulate(batch, loss_fn, entropy, lambda loss: loss.backward(),
+                                     micros)
         except BaseException:
             self._recover()
             raise
@@ -556,9 +538,14 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         check_written_by(folder, "fsdp2")
-        model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        # a checkpoint from before weight decay left norms and biases alone has one parameter
+        # group: loaded into a twin optimizer of one, whose moments this one takes over
+        last = f"optim.param_groups.{len(self.opt.param_groups) - 1}."
+        opt = self.opt if any(k.startswith(last) for k in saved) else torch.optim.AdamW(
+            trained_parameters(self.model), fused=self.opt.defaults.get("fused"))
+        model_sd, optim_sd = get_state_dict(self.model, opt)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         old = legacy_adapter_names(k.removeprefix("model.") for k in saved
                                    if k.startswith("model."))
         if old:
@@ -571,7 +558,9 @@ class FSDPBackend(TrainBackend):
             state["sched"] = self._sched_state()
         self.loads += 1
         dcp.load(state, checkpoint_id=str(folder))  # in place
-        set_state_dict(self.model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(self.model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        if opt is not self.opt:  # its state is per parameter, whatever the groups
+            self.opt.state.update(opt.state)
         steps = int(state["sched"]["steps"]) if "sched" in state else max(
             (int(s["step"]) for s in self.opt.state.values() if "step" in s), default=0)
         resume_schedule(self.sched, self.opt, self.cfg, steps)
@@ -591,6 +580,7 @@ class FSDPBackend(TrainBackend):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        self._check_keys(state)
         self.loads += 1
         full: dict[str, Any] = dict(state)
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))

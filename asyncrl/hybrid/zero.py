@@ -10,8 +10,10 @@ is mis-initialised), with a plain torch AdamW so the update is FSDP2's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,17 +26,15 @@ from asyncrl.hybrid.fsdp import (
     LossFn,
     TrainBackend,
     TrainConfig,
-    adamw,
     check_head,
     check_written_by,
-    lr_scheduler,
     nll_loss,
-    resume_schedule,
     trainable,
     trained_parameters,
     use_bf16,
 )
 from asyncrl.hybrid.models import ModelConfig
+from asyncrl.hybrid.optim import adamw, lr_scheduler, resume_schedule
 
 
 def _deepspeed() -> Any:
@@ -62,6 +62,17 @@ def _no_shared_memory_all_reduce(deepspeed: Any) -> None:
 
 
 TAG = ZERO_TAG
+
+
+def _saved_groups(folder: Any) -> int | None:
+    """The optimizer parameter groups a DeepSpeed checkpoint holds (its model states name
+    each group's parameters); None where it does not say."""
+    from pathlib import Path
+
+    for path in sorted((Path(folder) / TAG).glob("*model_states.pt"))[:1]:
+        shapes = torch.load(path, map_location="cpu", weights_only=False).get("param_shapes")
+        return len(shapes) if isinstance(shapes, list) else None
+    return None
 
 
 class ZeroBackend(TrainBackend):
@@ -92,6 +103,8 @@ class ZeroBackend(TrainBackend):
         # the torch optimizer ZeRO wraps (its state is what the hybrid engine moves)
         self.opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         self._ds = ds
+        self._bit16 = use_bf16(train_cfg)  # weights in bf16, beside the fp32 masters
+        self._masters_away = False  # offloaded (offload_masters): DeepSpeed unlinked them
         self._failed_midway = ""  # a step whose backward ran for some micro-batches, not all
         self._host_masters: list[torch.Tensor] = []  # ZeRO-3's, while generating: pinned
         # and made once (a fresh pageable copy each switch is slow to fill, and synchronous)
@@ -106,6 +119,8 @@ class ZeroBackend(TrainBackend):
                 f"gradients; respawn the group (a flow's rewind does) or use FSDP2, which "
                 f"drops them")
         micros = self.train_micro_batches(batch)
+        if (empty := self._empty_step(batch)) is not None:
+            return empty
         gas = len(micros)
         if self.engine.gradient_accumulation_steps() != gas:  # this step's micro-batch count
             self.engine.set_train_batch_size(
@@ -149,8 +164,19 @@ class ZeroBackend(TrainBackend):
         # schedules hold None there, which DeepSpeed would hand to load_state_dict
         check_written_by(folder, f"zero{self.stage}")
         self.loads += 1
-        path, client = self.engine.load_checkpoint(str(folder), tag=TAG,
-                                                   load_lr_scheduler_states=False)
+        try:
+            path, client = self.engine.load_checkpoint(str(folder), tag=TAG,
+                                                       load_lr_scheduler_states=False)
+        except (RuntimeError, ValueError) as e:  # DeepSpeed's own words miss the cause
+            groups = _saved_groups(folder)
+            if groups is None or groups == len(self.opt.param_groups):
+                raise
+            raise ValueError(
+                f"{folder} holds {groups} optimizer parameter group(s) and this trainer has "
+                f"{len(self.opt.param_groups)}: checkpoints from before weight decay left norms "
+                f"and biases alone (2026-12-05) hold one, which DeepSpeed cannot load into "
+                f"two (FSDP2 can); start a new run from its model (`asyncrl export`, then "
+                f"model={{'path': ...}})") from e
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
         saved = client.get("lr_scheduler")
@@ -166,6 +192,7 @@ class ZeroBackend(TrainBackend):
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
         masters = self._masters()
+        self._masters_away = True
         if self.stage == 2:
             include = [State.hp_params, State.lp_grads]
         else:  # DeepSpeed moves ZeRO-3's masters only for its own FusedAdam (it asserts the
@@ -190,6 +217,7 @@ class ZeroBackend(TrainBackend):
 
     def reload_masters(self) -> None:
         self.engine.reload_states()
+        self._masters_away = False
         if self.stage == 3:
             device = next(self.model.parameters()).device
             for t in self._masters():
@@ -213,28 +241,57 @@ class ZeroBackend(TrainBackend):
         return self._ds.zero.GatheredParameters(params, modifier_rank=None,
                                                 enabled=self.stage == 3)
 
-    def state_dict(self, everywhere: bool = True, trained: bool = False
-                   ) -> dict[str, torch.Tensor]:
+    def state_dict(self, everywhere: bool = True, trained: bool = False,
+                   masters: bool | None = None) -> dict[str, torch.Tensor]:
         """Full weights on the CPU, on every rank (or on rank 0 only: the others take part in
         the gathers and keep nothing); `trained`: without the frozen parameters (a LoRA
-        model's: its adapters and buffers go). Under ZeRO-3 one parameter is whole at a time."""
+        model's: its adapters and buffers go). Under ZeRO-3 one parameter is whole at a time.
+        `masters`: the trained parameters' fp32 masters, as FSDP2's state dict gives them,
+        not the bf16 weights DeepSpeed computes with (None: unless `trained`, a weight sync's
+        view, whose engine computes in bf16 too). Frozen ones are the module's, as buffers."""
         keep = everywhere or dist.get_rank() == 0
+        fp32 = self._bit16 and (not trained if masters is None else masters)
         out: dict[str, torch.Tensor] = {}
         done: dict[int, torch.Tensor] = {}  # tied weights: gathered once, under each name
-        for name, value in self.model.state_dict(keep_vars=True).items():
-            if trained and isinstance(value, torch.nn.Parameter) and not value.requires_grad:
-                continue  # (a LoRA model's frozen weights; buffers still go)
-            if id(value) not in done:
-                with self.gathered([value] if isinstance(value, torch.nn.Parameter) else []):
-                    done[id(value)] = value.detach().to("cpu", copy=True) if keep else value
-            if keep:
-                out[name] = done[id(value)]
+        with self._masters_here(fp32):
+            for name, value in self.model.state_dict(keep_vars=True).items():
+                param = isinstance(value, torch.nn.Parameter)
+                if trained and param and not value.requires_grad:
+                    continue  # (a LoRA model's frozen weights; buffers still go)
+                if id(value) not in done and fp32 and param and value.requires_grad:
+                    whole = self._ds.utils.safe_get_full_fp32_param(value)  # (a collective)
+                    done[id(value)] = whole.detach().to("cpu", copy=True) if keep else whole
+                elif id(value) not in done:
+                    with self.gathered([value] if param else []):
+                        done[id(value)] = value.detach().to("cpu", copy=True) if keep else value
+                if keep:
+                    out[name] = done[id(value)]
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """New weights in the model and in ZeRO's fp32 partitions the optimizer steps."""
+        """New weights in the model and in ZeRO's fp32 partitions the optimizer steps: the
+        masters take the state's own values (bf16 weights would round them)."""
+        self._check_keys(state)
         self.loads += 1
         params = list(self.model.parameters())
         with self._ds.zero.GatheredParameters(params, modifier_rank=0, enabled=self.stage == 3):
             self.model.load_state_dict(state)
-        self.engine.optimizer._restore_from_bit16_weights()
+        with self._masters_here(self._bit16):
+            self.engine.optimizer._restore_from_bit16_weights()
+            if self._bit16:
+                for name, param in self.model.named_parameters():
+                    if param.requires_grad:
+                        self._ds.utils.safe_set_full_fp32_param(param, state[name])
+
+    @contextlib.contextmanager
+    def _masters_here(self, needed: bool = True) -> Iterator[None]:
+        """Where the masters are needed whole while offloaded (the hybrid engine generating):
+        back for the while (DeepSpeed unlinks them from the parameters when it moves them)."""
+        away = needed and self._masters_away
+        if away:
+            self.reload_masters()
+        try:
+            yield
+        finally:
+            if away:
+                self.offload_masters()
