@@ -197,6 +197,26 @@ def test_a_send_to_a_consumer_that_died_ends_at_once_and_frees_the_producer(fake
     assert out["x"].tolist() == [0.0, 10.0, 20.0, 30.0] and out["taker"] == [0] * 4
 
 
+class Both(Maker, Taker):
+    pass
+
+
+def test_links_both_ways_between_two_groups_are_set_up_one_after_the_other(fake_nccl):
+    """A rank's NCCL groups hold a lock of its process, and a link's set-up waits in one for
+    its peers: A->B and B->A set up at once each held one end's lock, waiting for the other
+    (until the transfer timeout aborted both). The controller sets links up one at a time."""
+    async def main():
+        async with asyncrl.Controller(transport="nccl", transfer_timeout=15) as ctl:
+            env = {**spawn_env(), "FAKE_NCCL_CONNECT_S": "1"}  # (the set-ups overlap)
+            a, b = await asyncio.gather(ctl.spawn(Both, nprocs=1, env=env, name="a"),
+                                        ctl.spawn(Both, nprocs=1, env=env, name="b"))
+            batch = TensorBatch({"i": torch.arange(4)})
+            return await asyncio.gather(b.take(a.make(batch)), a.take(b.make(batch))), \
+                ctl.links.setups
+    (ab, ba), setups = run(main())
+    assert ab["x"].tolist() == ba["x"].tolist() == [0.0, 10.0, 20.0, 30.0] and setups == 2
+
+
 def test_a_link_with_two_ranks_on_one_gpu_is_refused_before_nccl_is_asked():
     from types import SimpleNamespace
 
@@ -402,3 +422,160 @@ def test_a_pull_mixing_this_ranks_own_rows_with_rows_by_nccl_needs_no_key_for_it
         ctx.term()
     assert out["x"][2:].tolist() == [0.0, 1.0]  # its own rows, copied
     assert [(r.obj_id, r.nccl_key) for r in asked] == [(3, "A->B")]  # A's, by NCCL
+
+
+def test_an_id_for_cupy_before_14_goes_as_chars_of_the_platforms_sign():
+    """CuPy < 14 takes the unique id as a tuple of C chars, range-checked as it converts
+    them, before NCCL is called: signed on x86-64, unsigned on aarch64 (cupy#9430), where
+    the signed tuple given after the TypeError of bytes raised OverflowError."""
+    from types import SimpleNamespace
+
+    from asyncrl.comm import nccl
+
+    def old_cupy(lo: int, hi: int) -> SimpleNamespace:
+        def make(world, uid, rank):
+            if not isinstance(uid, tuple):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got "
+                                f"{type(uid).__name__})")
+            for b in uid:
+                if not lo <= b <= hi:
+                    raise OverflowError("value too large to convert to char" if b > hi
+                                        else "can't convert negative value to char")
+            return uid
+        return SimpleNamespace(NcclCommunicator=make)
+
+    uid = bytes(range(64, 192))  # either side of 127
+    for lo, hi in ((-128, 127), (0, 255)):  # x86-64, aarch64
+        made = nccl._communicator(old_cupy(lo, hi), 2, uid, 0)
+        assert bytes(b & 0xFF for b in made) == uid
+
+
+def test_gpu_rows_that_cuda_ipc_cannot_share_here_come_through_host_memory(monkeypatch,
+                                                                          caplog):
+    """torch shares memory in expandable segments through pidfd_getfd, which containers
+    without ptrace rights refuse (pytorch#165685): the pull failed inside its copy with
+    "Operation not permitted". The failure now names the cause and its fix, the pull is made
+    again through host memory, and this process uses CUDA IPC no more (said once). A
+    producer whose export failed answers IpcUnavailable, taken the same way."""
+    import logging
+    import threading
+
+    import zmq
+
+    from asyncrl.comm import cuda_ipc, dataplane, messages
+    from asyncrl.comm.remote import Piece, Shard
+
+    monkeypatch.setattr(cuda_ipc, "_failed", None, raising=False)  # (IPC not given up yet)
+    monkeypatch.setattr(cuda_ipc, "_visible", ["GPU-x"])
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+
+    def refuse(*args):
+        raise RuntimeError("pidfd_getfd: Operation not permitted")
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", staticmethod(refuse))
+    rows = messages.IpcRows(0, b"h", 64, 0, b"r", 0, None, False, "float32", (2,), (1,), 0,
+                            "GPU-x")
+    with pytest.raises(RuntimeError, match="PYTORCH_CUDA_ALLOC_CONF=expandable_segments") \
+            as info:
+        cuda_ipc.copy_rows_into(rows, torch.empty(2))
+    assert isinstance(info.value, cuda_ipc.IpcUnavailable)
+    tried: list[bool] = []
+
+    def pull(self, rb):  # the pull as _fetch_rows makes it: by CUDA IPC while usable
+        tried.append(cuda_ipc.usable())
+        if cuda_ipc.usable():
+            cuda_ipc.copy_rows_into(rows, torch.empty(2))
+        return TensorBatch({"x": torch.ones(2)})
+    monkeypatch.setattr(dataplane.DataClient, "_pull_rows", pull)
+    secret, ctx = b"k" * 32, zmq.Context()
+    client = dataplane.DataClient(ctx, secret, "taker/0", "127.0.0.1", None, timeout=10)
+    server = ctx.socket(zmq.ROUTER)
+    addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncrl"):
+            for _ in range(2):
+                assert client._fetch_rows(None)["x"].tolist() == [1.0, 1.0]
+        assert tried == [True, False, False]
+        warned = [r.getMessage() for r in caplog.records if "CUDA IPC" in r.getMessage()]
+        assert len(warned) == 1 and "through host memory" in warned[0], warned
+        req = messages.Pull(5, 1, 0, 2, ipc=["x"])
+        answer = threading.Thread(target=lambda: answer_with(
+            server, addr, secret, "IpcUnavailable: CUDA IPC could not export GPU rows"))
+        answer.start()
+        with pytest.raises(cuda_ipc.IpcUnavailable, match="could not export"):
+            client._exchange([(Piece(Shard("maker", 0, 1, addr, "127.0.0.1"), 0, 2), req)],
+                             lambda *_: None)
+        answer.join(10)
+    finally:
+        client.close()
+        server.close(0)
+        ctx.term()
+
+
+def answer_with(server, addr: str, secret: bytes, error: str) -> None:
+    from asyncrl.comm import messages
+    from asyncrl.comm.auth import Signer, Verifier
+    from asyncrl.comm.channel import open_frame
+
+    who, *frames = server.recv_multipart()
+    req = open_frame(Verifier(secret), who + b"@" + addr.encode(), frames)
+    server.send_multipart([who, *Signer(secret).sign(
+        b">" + who, messages.encode(messages.Pulled(req.xfer_id, error=error)))])
+
+
+def test_the_fake_nccl_refuses_reads_and_hangs_where_nccl_does(fake_nccl):
+    """tests/fake_nccl.py as cupy.cuda.nccl: a bad datatype or peer and any call on an
+    aborted communicator raise; a call refused in a group fails its groupEnd, which still
+    closes the group; a send reads its bytes when its stream runs it, not when posted; a
+    receive whose count differs from its send's waits (NCCL may hang) rather than fail."""
+    import threading
+
+    import fake_nccl as stub
+
+    uid, comms = stub.get_unique_id(), {}
+
+    def on_device_1(fn) -> None:  # rank 1: a thread standing in for another process
+        def run() -> None:
+            stub.use_device(1)
+            fn()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(30)
+    made = threading.Thread(target=lambda: comms.setdefault(0, stub.NcclCommunicator(2, uid, 0)))
+    made.start()
+    on_device_1(lambda: comms.setdefault(1, stub.NcclCommunicator(2, uid, 1)))
+    made.join(30)
+    a, b, u8 = comms[0], comms[1], stub.NCCL_UINT8
+    src, later, byte = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8), \
+        torch.ones(1, dtype=torch.uint8)
+    got = [torch.zeros(8, dtype=torch.uint8) for _ in range(3)]
+    try:
+        for dtype, peer in ((99, 1), (u8, 2), (u8, 0)):  # no such datatype; no such peer
+            with pytest.raises(stub.NcclError, match="INVALID_ARGUMENT"):
+                a.send(src.data_ptr(), 8, dtype, peer, 0)
+        stub.groupStart()
+        with pytest.raises(stub.NcclError):
+            a.send(src.data_ptr(), 8, u8, 5, 0)
+        with pytest.raises(stub.NcclError, match="a call in this group failed"):
+            stub.groupEnd()
+        assert stub._group.depth == 0
+        connecting = threading.Thread(target=lambda: on_device_1(
+            lambda: b.recv(byte.data_ptr(), 1, u8, 0, 0)))
+        connecting.start()
+        a.send(byte.data_ptr(), 1, u8, 1, 0)  # the pair connects (groupEnd waits for b)
+        connecting.join(30)
+        assert a.wait_all(10)
+        a.send(src.data_ptr(), 8, u8, 1, 0)  # runs, waiting for b's receive
+        a.send(later.data_ptr(), 8, u8, 1, 0)  # waits behind it on a's stream
+        later.fill_(7)  # before the stream reads it, as a kernel would
+        on_device_1(lambda: [b.recv(g.data_ptr(), 8, u8, 0, 0) for g in got[:2]])
+        assert b.wait_all(10) and a.wait_all(10)
+        assert torch.equal(got[0], src) and got[1].tolist() == [7] * 8
+        a.send(src.data_ptr(), 8, u8, 1, 0)
+        on_device_1(lambda: b.recv(got[2].data_ptr(), 4, u8, 0, 0))  # 4 for 8 sent
+        assert not b.wait_all(1) and not a.wait_all(0.1) and got[2].tolist() == [0] * 8
+        assert stub.MISMATCHES[-1] == "rank 1 from 0: b'1 8' sent, b'1 4' received"
+    finally:
+        a.abort()
+        b.abort()
+    with pytest.raises(stub.NcclError, match="aborted"):
+        a.send(src.data_ptr(), 8, u8, 1, 0)

@@ -16,15 +16,54 @@ DataClient copies its own rows from its store instead).
 torch frees an exported block only once every handle to it was opened and closed (a count
 in shared memory the consumer decrements). A consumer that will not copy rows it was sent
 (a reply that came after its pull failed) still opens and closes them: `release`.
+
+Where torch cannot export or open rows (memory in expandable segments is shared through
+pidfd_getfd, which a container without ptrace rights refuses: pytorch#165685), the call
+raises IpcUnavailable; DataClient then pulls the rows through host memory, and this process
+uses CUDA IPC no more (`give_up`, said once in the log).
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
 from asyncrl.comm.messages import IpcRows
 
+log = logging.getLogger("asyncrl")
 _visible: list[str] | None = None
+_failed: str | None = None  # why CUDA IPC failed in this process: not used again
+
+
+class IpcUnavailable(RuntimeError):
+    """torch could not export or open GPU rows for CUDA IPC here."""
+
+
+def _unavailable(what: str, e: RuntimeError) -> IpcUnavailable:
+    hint = ""
+    if "pidfd" in str(e) or "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
+                                                                    ""):
+        hint = ("; torch shares memory in expandable segments (PYTORCH_CUDA_ALLOC_CONF="
+                "expandable_segments:True) through pidfd_getfd, which a container without "
+                "ptrace rights refuses (pytorch#165685): unset expandable_segments in the "
+                "producer group's environment to keep CUDA IPC")
+    return IpcUnavailable(f"CUDA IPC could not {what} GPU rows ({e}){hint}")
+
+
+def usable() -> bool:
+    """Whether this process still uses CUDA IPC (it stops at its first failure)."""
+    return _failed is None
+
+
+def give_up(e: Exception) -> None:
+    """Use CUDA IPC no more in this process: GPU rows go through host memory (logged once)."""
+    global _failed
+    if _failed is None:
+        _failed = str(e)
+        log.warning("asyncrl: %s; GPU rows between groups on this host go through host "
+                    "memory in this process from now on (slower)", e)
 
 
 def device_uuid(index: int) -> str:
@@ -42,8 +81,11 @@ def visible_gpus() -> list[str]:
 
 def export_rows(t: torch.Tensor, start: int, stop: int) -> IpcRows:
     rows = t[start:stop]
-    (device, handle, storage_bytes, storage_offset_bytes, ref_counter_handle,
-     ref_counter_offset, event_handle, event_sync) = rows.untyped_storage()._share_cuda_()
+    try:
+        (device, handle, storage_bytes, storage_offset_bytes, ref_counter_handle,
+         ref_counter_offset, event_handle, event_sync) = rows.untyped_storage()._share_cuda_()
+    except RuntimeError as e:
+        raise _unavailable("export", e) from e
     return IpcRows(int(device), bytes(handle), int(storage_bytes), int(storage_offset_bytes),
                    bytes(ref_counter_handle), int(ref_counter_offset),
                    None if event_handle is None else bytes(event_handle), bool(event_sync),
@@ -60,14 +102,19 @@ def _open(info: IpcRows) -> tuple[int, torch.UntypedStorage]:
                            f"process (it sees {visible}); place the groups on the same GPUs "
                            f"(colocate_with) or use Controller(transport='tcp')")
     device = visible.index(info.gpu)  # the producer's index means nothing here
-    return device, torch.UntypedStorage._new_shared_cuda(
-        device, info.handle, info.storage_bytes, info.storage_offset_bytes,
-        info.ref_counter_handle, info.ref_counter_offset, info.event_handle, info.event_sync)
+    try:
+        return device, torch.UntypedStorage._new_shared_cuda(
+            device, info.handle, info.storage_bytes, info.storage_offset_bytes,
+            info.ref_counter_handle, info.ref_counter_offset, info.event_handle,
+            info.event_sync)
+    except RuntimeError as e:
+        raise _unavailable("open", e) from e
 
 
 def release(info: IpcRows) -> None:
-    """Open and close rows this process will not copy, so the producer can free them."""
-    if torch.cuda.is_available() and info.gpu in visible_gpus():
+    """Open and close rows this process will not copy, so the producer can free them (not
+    once opening failed here: it would fail again)."""
+    if usable() and torch.cuda.is_available() and info.gpu in visible_gpus():
         _open(info)  # closed as it is dropped: torch's deleter decrements the count
 
 

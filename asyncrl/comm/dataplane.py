@@ -255,9 +255,10 @@ class DataClient:
                     deadline = time.monotonic() + silence()  # the timeout is for silence
                     piece, req = pending.pop(reply.xfer_id)
                     try:
-                        if reply.error:
-                            raise RuntimeError(f"pull from {piece.shard.peer} failed: "
-                                               f"{reply.error}")
+                        if reply.error:  # (its CUDA IPC export failed: IpcUnavailable)
+                            raise (cuda_ipc.IpcUnavailable if reply.error.startswith(
+                                "IpcUnavailable:") else RuntimeError)(
+                                f"pull from {piece.shard.peer} failed: {reply.error}")
                         if len(frames) - 2 != len(reply.buffers):
                             raise RuntimeError(f"pull from {piece.shard.peer}: "
                                                f"{len(frames) - 2} buffers for "
@@ -297,6 +298,13 @@ class DataClient:
         return TensorBatch(data, rb.meta)
 
     def _fetch_rows(self, rb: RemoteBatch) -> TensorBatch:
+        try:
+            return self._pull_rows(rb)
+        except cuda_ipc.IpcUnavailable as e:  # torch could not share the rows here (see
+            cuda_ipc.give_up(e)  # comm/cuda_ipc.py): this pull again, through host memory
+            return self._pull_rows(rb)
+
+    def _pull_rows(self, rb: RemoteBatch) -> TensorBatch:
         n = len(rb)
         tensor_cols = [c for c in rb.columns if c.dtype != "list"]
         all_cols = tensor_cols
@@ -308,7 +316,8 @@ class DataClient:
         # controller set up a communicator with their group (another host, or other GPUs;
         # transport="nccl": every tensor column, for tests on CPUs); else through host
         # memory and back onto this rank's GPU, if it has one
-        by_ipc = on_gpu and same_host and self._transport not in ("tcp", "nccl") and all(
+        by_ipc = on_gpu and same_host and self._transport not in ("tcp", "nccl") and \
+            cuda_ipc.usable() and all(
             p.shard.gpu in visible_gpus() for p in rb.pieces if p.shard.addr != self._own_addr)
         keys = {p.shard.group: f"{p.shard.group}->{self._group}" for p in rb.pieces
                 if p.shard.addr != self._own_addr}
@@ -403,7 +412,8 @@ class DataClient:
                     ((piece.shard.group, piece.shard.rank),
                      by_nccl[col][rows_at[req.xfer_id]:rows_at[req.xfer_id] + req.stop
                                   - req.start])
-                    for piece, req in requests if req.nccl_key == key for col in req.nccl])
+                    for piece, req in requests if req.nccl_key == key for col in req.nccl],
+                    self._timeout)
 
         for end in links.values():  # one puller at a time per communicator: receives match
             end.lock.acquire()      # sends in order

@@ -23,8 +23,16 @@ holds up the generation or training that keeps running on the default stream.
 One communicator per direction: one thread of the producer's data server only sends on it
 (a thread per communicator, one send at a time in the process: a send waiting for a
 receiver that gave up holds up no pull by shared memory or sockets), the consumer's call
-threads only receive (under a lock), so no communicator is used by two threads at once. A
-send or receive that does not finish within the transfer timeout aborts the communicator
+threads only receive (under a lock). NCCL allows no two threads to issue calls at once to
+one communicator, nor to two on one device (its guide, "Thread Safety"), and CuPy's abort
+frees the communicator with no lock: so every group, groupStart to groupEnd, holds one lock
+of the process (`_calls`), and so does every abort. That lock is held for a bounded time
+only: a groupEnd may wait on the host for a peer (NCCL connects a pair there, at its first
+transfer), so each group has a watchdog that aborts its link past the transfer timeout, and
+an abort of the very link whose groupEnd has held the lock over a second does not wait for
+the lock (an abort is the one way NCCL ends that wait; nothing else runs NCCL meanwhile:
+the lock is still held). Waits for a lock are bounded too (TransferTimeout naming the link).
+A send or receive that does not finish within the transfer timeout aborts the communicator
 (NCCL cannot be interrupted otherwise), and a transfer still waiting on the aborted one fails
 (its kernels end without moving the bytes). A rank's error reply names the links it aborted
 (`aborted()`, each with the id it was made from): the controller sets up those again, and
@@ -82,10 +90,13 @@ def new_unique_id() -> bytes:
 def _communicator(nccl: Any, world: int, uid: bytes, rank: int) -> Any:
     try:
         return nccl.NcclCommunicator(world, uid, rank)
-    except TypeError:  # CuPy < 14 takes the id as a tuple of signed chars (checked before
-        # it calls NCCL, so nothing was set up)
+    except TypeError:  # CuPy < 14 takes the id as a tuple of C chars (converted before it
+        pass  # calls NCCL, so a refused one set nothing up)
+    try:  # signed where char is (x86-64)
         return nccl.NcclCommunicator(world, tuple(b - 256 if b > 127 else b for b in uid),
                                      rank)
+    except OverflowError:  # unsigned where char is (aarch64: cupy#9430)
+        return nccl.NcclCommunicator(world, tuple(uid), rank)
 
 
 @dataclass
@@ -103,7 +114,11 @@ class Link:
 _links: dict[str, Link] = {}  # key ("A->B") -> this rank's end
 _aborted: dict[str, bytes] = {}  # key -> uid: ends this rank gave up and has not made again
 _guard = threading.Lock()
-_sending = threading.Lock()
+_sending = threading.Lock()  # one send at a time in the process, held until its wait ends
+_calls = threading.Lock()  # every NCCL group of the process, groupStart to groupEnd, and aborts
+_ending_guard = threading.Lock()
+_ending: tuple[Link, float] | None = None  # the link whose groupEnd holds _calls, since when
+STUCK_S = 1.0  # a groupEnd this long waits for a peer: only an abort of its link ends it
 
 
 def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -> None:
@@ -125,9 +140,10 @@ def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -
 
 def _connect(key: str, end: Link, me: int, world: int) -> None:
     """A byte from each producer rank to each consumer rank: NCCL connects a pair at its
-    first transfer, inside groupEnd, where the host waits unbounded; done here (bounded by
-    the controller's wait for the joins), no later send waits there, holding every NCCL
-    send of its process."""
+    first transfer, inside groupEnd, where the host waits for the peer; done here, within
+    the transfer timeout (the group's watchdog), no later send waits there. A link whose
+    set-up failed is dropped: its pairs may not all be connected."""
+    timeout = _transfer_timeout()
     first = end.offsets[key.split("->")[1]]  # the consumer group's first communicator rank
     sends = me < first
     peers = range(first, world) if sends else range(0, min(first, world))
@@ -136,15 +152,22 @@ def _connect(key: str, end: Link, me: int, world: int) -> None:
         else torch.device("cpu")
     bytes_ = [torch.zeros(1, dtype=torch.uint8, device=device) for _ in peers]
     nccl = backend()
-    with _sending if sends else contextlib.nullcontext():  # (one send at a time in a
-        with _on_stream(end, bytes_) as stream:  # process, as send(): two communicators'
-            nccl.groupStart()  # kernels at once may deadlock each other)
-            try:
+    try:  # (one send at a time in a process, as send(): two communicators' kernels at
+        # once may deadlock each other)
+        with _held(_sending, timeout, key, "connecting", _SENDS_HELD) if sends \
+                else contextlib.nullcontext():
+            with _on_stream(end, bytes_) as stream, _group(nccl, key, end, "connecting",
+                                                            timeout):
                 for peer, byte in zip(peers, bytes_, strict=True):
                     move(byte.data_ptr(), 1, nccl.NCCL_UINT8, peer, stream)
-            finally:
-                nccl.groupEnd()
-        _wait(key, end, "connecting", float(os.environ.get("ASYNCRL_TRANSFER_TIMEOUT", "60")))
+            _wait(key, end, "connecting", timeout)
+    except BaseException:
+        forget(key, end)
+        raise
+
+
+def _transfer_timeout() -> float:
+    return float(os.environ.get("ASYNCRL_TRANSFER_TIMEOUT", "60"))
 
 
 def has(key: str) -> bool:
@@ -195,11 +218,85 @@ def forget_group(group: str) -> None:
 
 
 def _abort(found: Link) -> None:
-    found.aborted = True
+    """Abort `found`'s communicator, holding _calls (CuPy frees it: no NCCL call of this
+    process may run meanwhile). A groupEnd of `found` itself that holds _calls over
+    STUCK_S waits for a peer: aborted at once, the only way out (nothing else runs NCCL:
+    the lock is held; its thread clears `_ending` only once the abort is done)."""
+    found.aborted = True  # no new group starts on it
+    while not _calls.acquire(timeout=0.1):  # (every holder lets go within its timeout)
+        with _ending_guard:
+            if _ending is not None and _ending[0] is found and \
+                    time.monotonic() - _ending[1] > STUCK_S:
+                _abort_comm(found)
+                return
+    try:
+        _abort_comm(found)
+    finally:
+        _calls.release()
+
+
+def _abort_comm(found: Link) -> None:
     try:
         found.comm.abort()
     except Exception:  # noqa: BLE001 - a broken communicator may refuse even that
         pass
+
+
+_SENDS_HELD = "this process's NCCL send (one at a time) was busy all that time: another " \
+              "link's send or set-up waited for its peer"
+_GROUP_HELD = "another thread of this process was in an NCCL group all that time (one at a " \
+              "time per process: NCCL's thread safety), waiting for its peer"
+
+
+@contextmanager
+def _held(lock: threading.Lock, timeout: float, key: str, what: str,
+          why: str) -> Iterator[None]:
+    if not lock.acquire(timeout=max(0.0, timeout)):
+        raise TransferTimeout(f"NCCL {what} on {key!r} could not start within {timeout:g} s: "
+                              f"{why}")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextmanager
+def _group(nccl: Any, key: str, end: Link, what: str, timeout: float) -> Iterator[None]:
+    """One NCCL group on `end`, groupStart to groupEnd (always ended: a call that raised
+    inside would leave this thread's later groups nested in it, never launched), holding
+    _calls; a groupEnd past `timeout` has its link aborted (TransferTimeout)."""
+    global _ending
+    with _held(_calls, timeout, key, what, _GROUP_HELD):
+        if end.aborted:
+            raise RuntimeError(f"NCCL {what} on {key!r}: the communicator was aborted (a "
+                               f"transfer past its timeout, its peer group gone, or set up "
+                               f"again); nothing was posted")
+        nccl.groupStart()
+        try:
+            yield
+        finally:
+            fired = threading.Event()
+
+            def give_up() -> None:
+                fired.set()
+                forget(key, end)
+            watchdog = threading.Timer(timeout, give_up)
+            watchdog.daemon = True
+            with _ending_guard:
+                _ending = (end, time.monotonic())
+            watchdog.start()
+            try:
+                nccl.groupEnd()
+            except Exception as e:
+                if fired.is_set():
+                    raise TransferTimeout(f"NCCL {what} on {key!r}: its groupEnd waited for "
+                                          f"its peer over {timeout:g} s; the communicator "
+                                          f"was aborted") from e
+                raise
+            finally:
+                watchdog.cancel()
+                with _ending_guard:
+                    _ending = None
 
 
 @contextmanager
@@ -249,33 +346,33 @@ def send(key: str, tensors: list[torch.Tensor], to: tuple[str, int], timeout: fl
     """Producer side: send `tensors` (rows already cut) to rank `to` = (group, rank). One
     send at a time in a process, whatever its communicator: NCCL kernels of two
     communicators live on one GPU at once may deadlock each other (NCCL's guide)."""
-    with _sending:
+    what = f"send to {to[0]}:{to[1]}"
+    with _held(_sending, timeout, key, what, _SENDS_HELD):
         end, nccl = link(key), backend()
         peer = end.offsets[to[0]] + to[1]
         with _on_stream(end, tensors) as stream:
             flats = [byte_view(t) for t in tensors]  # alive until the stream is done with them
-            nccl.groupStart()
-            for flat in flats:
-                if flat.numel():
-                    end.comm.send(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, peer, stream)
-            nccl.groupEnd()
-        _wait(key, end, f"send to {to[0]}:{to[1]}", timeout)
+            with _group(nccl, key, end, what, timeout):
+                for flat in flats:
+                    if flat.numel():
+                        end.comm.send(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, peer,
+                                      stream)
+        _wait(key, end, what, timeout)
 
 
-def receive(key: str, end: Link, wanted: list[tuple[tuple[str, int], torch.Tensor]]) -> None:
+def receive(key: str, end: Link, wanted: list[tuple[tuple[str, int], torch.Tensor]],
+            timeout: float | None = None) -> None:
     """Consumer side, holding `end.lock` from before its pulls were sent until `finish`: post
-    a receive for each (producer (group, rank), destination rows), as one NCCL group."""
-    nccl = backend()
-    with _on_stream(end, [dst for _, dst in wanted]) as stream:
-        nccl.groupStart()
-        try:
-            for (group, rank), dst in wanted:
-                if dst.numel():
-                    flat = dst.view(-1).view(torch.uint8)  # contiguous rows of a fresh tensor
-                    end.comm.recv(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8,
-                                  end.offsets[group] + rank, stream)
-        finally:
-            nccl.groupEnd()
+    a receive for each (producer (group, rank), destination rows), as one NCCL group (within
+    `timeout`, by default the rank's transfer timeout)."""
+    nccl, timeout = backend(), _transfer_timeout() if timeout is None else timeout
+    with _on_stream(end, [dst for _, dst in wanted]) as stream, \
+            _group(nccl, key, end, "receive", timeout):
+        for (group, rank), dst in wanted:
+            if dst.numel():
+                flat = dst.view(-1).view(torch.uint8)  # contiguous rows of a fresh tensor
+                end.comm.recv(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8,
+                              end.offsets[group] + rank, stream)
 
 
 def finish(key: str, end: Link, timeout: float) -> None:

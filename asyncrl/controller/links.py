@@ -32,6 +32,11 @@ class Links:
         self.timeout = timeout
         self._made: dict[str, tuple[GroupHandle, GroupHandle, bytes]] = {}  # with the uid
         self._locks: dict[str, asyncio.Lock] = {}
+        # one set-up at a time in the job: a rank's NCCL groups hold a lock of its process
+        # (NCCL's thread safety), and a set-up's groupEnd waits there for the peer ranks to
+        # connect: A->B and B->A set up at once would each hold one end's lock, waiting for
+        # the other's (until the transfer timeout aborted both)
+        self._setting_up = asyncio.Lock()
         self.setups = 0  # communicators made
         self._without: set[str] = set()  # pairs where a group has no NCCL: host memory
 
@@ -63,7 +68,7 @@ class Links:
         """The key of the producer -> consumer link, set up if this pair has none. None: a
         group has no NCCL through CuPy (unless `required`: then that ImportError)."""
         key = self.key(producer, consumer)
-        async with self._locks.setdefault(key, asyncio.Lock()):
+        async with self._locks.setdefault(key, asyncio.Lock()), self._setting_up:
             if key in self._without and not required:
                 return None
             made = self._made.get(key)
