@@ -27,7 +27,42 @@ class Loader(asyncrl.Worker):
         return seconds
 
 
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def pair(self, a: asyncrl.TensorBatch, b: asyncrl.TensorBatch) -> asyncrl.TensorBatch:
+        return a
+
+
 loader = asyncrl.group(Loader, name="loader")
+
+
+def test_a_call_refused_where_it_was_made_holds_no_step_back():
+    """A call whose arguments the controller refuses (DP batches of other lengths) raised,
+    and its future, noted as the node's, never ended: a node that caught the error never
+    finished, and the next step's follows edge waited for ever."""
+    from asyncrl import TensorBatch
+
+    @asyncrl.node(follows="check")
+    def roll(x):
+        return x
+
+    @asyncrl.node
+    def check(roll):
+        try:
+            loader.pair(TensorBatch({"i": [1, 2, 3]}), TensorBatch({"i": [1, 2]}))
+        except ValueError:
+            return {"refused": 1}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            flow = asyncrl.DataFlow(nodes=[roll, check], inputs={"x": range(3)},
+                                    groups=[loader])
+            await flow.open(ctl)
+            try:
+                return [await flow.step() for _ in range(3)]
+            finally:
+                await flow.close()
+    steps = asyncio.run(asyncio.wait_for(main(), 60))
+    assert [s["check"] for s in steps] == [{"refused": 1}] * 3
 
 
 def test_a_follows_edge_and_a_checkpoint_wait_for_a_call_the_node_did_not_return():

@@ -218,7 +218,6 @@ class GroupHandle:
             raise self._no_method(method)
         loop = self._ctl.loop
         future = DistFuture._new(loop, f"{self.name}.{method}")
-        note_call(future)  # the node making it finishes once it ends (finished.py)
         item = _Queued(method, args, kwargs, future)
         timeline = self._ctl.timeline
         if timeline is not None:
@@ -227,7 +226,8 @@ class GroupHandle:
             self._submit(item)
         else:
             loop.call_soon_threadsafe(self._submit_or_fail, item)
-        return future
+        note_call(future)  # the node making it finishes once it ends (finished.py; after:
+        return future  # one refused here raised, and left no future to wait for)
 
     def _refusal(self, closed: str = "") -> Exception:
         """Its death, a copy for each raise (one object raised again and again grows its
