@@ -31,7 +31,7 @@ def named_nodes(nodes: Iterable[Any], inputs: dict[str, Any]) -> dict[str, Node]
     clash = sorted(k for k in inputs if k in out or k.endswith("_out") and k[:-4] in out)
     if clash:  # (a parameter `<node>_out` reads the node's output: the input was unseen)
         raise FlowError(f"{clash} name both a flow input and a node (or its output, "
-                        f"`<node>_out`); rename the input")
+                        f"`<node>_out`); rename one (the input, say)")
     return out
 
 
