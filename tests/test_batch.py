@@ -132,6 +132,20 @@ def test_chunk_pad_multi_dim_tensor_keeps_shape_and_dtype():
 
 
 # -- split -----------------------------------------------------------------------------------
+def test_padding_rows_own_copies_of_list_items():
+    """A padding row's list items are copies (take keeps them the same objects): a DP method
+    appending to each row's list appended twice to the real row it repeats."""
+    b = TensorBatch({"m": [[i] for i in range(5)], "x": torch.arange(5)})
+    chunk = b.chunk(2, pad=True)[1]  # rows 3, 4 and a padding row repeating row 4
+    assert chunk["m"] == [[3], [4], [4]] and chunk["m"][1] is b["m"][4]
+    assert chunk["m"][2] is not chunk["m"][1]
+    one = TensorBatch({"m": [[0]]})
+    empty = one.chunk(2, pad=True)[1]  # all padding: repeats another chunk's row
+    assert empty["m"] == [[0]] and empty["m"][0] is not one["m"][0]
+    two = TensorBatch({"m": [[{"k": [1]}]]}).pad_to(3)  # each padding row its own, deeply
+    assert two["m"][1] is not two["m"][2] and two["m"][1][0]["k"] is not two["m"][0][0]["k"]
+
+
 def test_split_is_consecutive_micro_batches():
     b = mixed(5, {"k": 1})
     parts = b.split(2)

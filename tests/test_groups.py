@@ -76,8 +76,18 @@ class Echo(asyncrl.Worker):
         return TensorBatch({"x": batch["x"].repeat_interleave(r)})
 
     @asyncrl.register(dispatch=Dispatch.DP)
-    def count(self, batch: TensorBatch):
-        return (self.dp_rank, len(batch), batch.meta.get("dp_pad", 0))
+    def count(self, batch: TensorBatch):  # (a dict: a list as long as the chunk is cut)
+        return {"dp": self.dp_rank, "rows": len(batch), "pad": batch.meta.get("dp_pad", 0)}
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def times_two(self, batch: TensorBatch, as_list: bool = False):  # an item per row
+        return (batch["x"] * 2).tolist() if as_list else batch["x"] * 2
+
+    @asyncrl.register(dispatch=Dispatch.DP)
+    def add_turn(self, batch: TensorBatch) -> TensorBatch:  # changes each row's list in place
+        for messages in batch["messages"]:
+            messages.append("turn")
+        return batch
 
     @asyncrl.register
     def all_reduce(self, i: int) -> float:
@@ -182,7 +192,7 @@ def test_results_of_none_keep_their_place(pair):
     assert get(pair.same(pair.nothing())) is None
     assert get(pair.same(pair.on_zero_only())) == ["zero", None]
     out = get(pair.rows_past_zero(TensorBatch({"x": torch.arange(3)})))
-    assert out[0] is None and out[1]["x"].tolist() == [2, 2]  # dp rank 1's row and its pad
+    assert out[0] is None and out[1]["x"].tolist() == [2]  # dp rank 1's row, its pad dropped
 
 
 def test_user_protocol(pair):
@@ -195,7 +205,23 @@ def test_dp_pads_and_drops_padding(pair):
     assert out["x"].tolist() == [0, 2, 4, 6, 8]
     assert out["dp"] == [0, 0, 0, 1, 1]
     assert out["pad"] == [0, 0, 0, 1, 1]  # dp rank 1 got 2 real rows + 1 marked padding row
-    assert get(pair.count(batch)) == [[0, 3, 0], [1, 3, 1]]  # non-batch results: one per chunk
+    assert get(pair.count(batch)) == [{"dp": 0, "rows": 3, "pad": 0},  # non-batch results:
+                                      {"dp": 1, "rows": 3, "pad": 1}]  # one per chunk
+
+
+def test_dp_drops_padding_from_tensors_and_lists_with_a_row_each(pair):
+    """Not only batches: a rank's tensor or list with one item per row it was sent loses its
+    padding rows' items (score(batch) -> batch["x"] * 2 gave [6, 8, 8] on dp rank 1)."""
+    batch = TensorBatch({"x": torch.arange(5)})
+    assert torch.cat(get(pair.times_two(batch))).tolist() == [0, 2, 4, 6, 8]
+    assert get(pair.times_two(batch, True)) == [[0, 2, 4], [6, 8]]
+
+
+def test_dp_padding_rows_do_not_share_a_rows_lists(pair):
+    """A padding row repeats the chunk's last row; its list items are its own copies, so a
+    method that appends to each row's list appends once to the real row's."""
+    batch = TensorBatch({"messages": [[f"p{i}"] for i in range(5)]})
+    assert get(pair.add_turn(batch))["messages"] == [[f"p{i}", "turn"] for i in range(5)]
 
 
 def test_dp_with_r_rows_per_input_row(pair):

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from asyncrl.comm import codec
 from asyncrl.comm.batch import RowOps
 
@@ -119,6 +121,10 @@ def check_split(protocol: str, split: Any, world: int) -> None:
     if not isinstance(split, Split):
         raise TypeError(f"protocol {protocol!r}: split returned {type(split).__name__}, not "
                         f"an asyncrl.Split(calls, collect)")
+    if split.dp_rows is not None:  # (every rank would be sent calls[0] and cut rows itself)
+        raise ValueError(f"protocol {protocol!r}: split set Split.dp_rows, which only the "
+                         f"built-in DP protocol sets; leave it None and give each rank its own "
+                         f"arguments in calls")
     if not split.calls:
         raise ValueError(f"protocol {protocol!r}: split called no rank (calls is empty): the "
                          f"call would never finish")
@@ -155,8 +161,23 @@ def register_protocol(name: str, *, split: Callable[[Layout, tuple, dict[str, An
     ``{rank: value}`` for the ranks in ``Split.collect`` and returns what ``await`` gives."""
     if name in _PROTOCOLS and _PROTOCOLS[name].builtin:
         raise ValueError(f"protocol name {name!r} is built in; choose another name")
-    _PROTOCOLS[name] = Protocol(name, split, collect)
+    _PROTOCOLS[name] = Protocol(name, _noted(name, split), collect)
     return name
+
+
+def _noted(name: str, split: Callable[[Layout, tuple, dict[str, Any]], Split]
+           ) -> Callable[[Layout, tuple, dict[str, Any]], Split]:
+    """A user's `split` whose errors say whose they are (the caller's traceback ends in
+    asyncrl's sending code; the future's name, group.method, says which call)."""
+    @functools.wraps(split)
+    def noted(layout: Layout, args: tuple, kwargs: dict[str, Any]) -> Split:
+        try:
+            return split(layout, args, kwargs)
+        except Exception as e:
+            e.add_note(f"raised by split() of the user protocol {name!r} (register_protocol), "
+                       f"for a call on group {layout.group!r}")
+            raise
+    return noted
 
 
 def get_protocol(name: str) -> Protocol:
@@ -168,6 +189,10 @@ def get_protocol(name: str) -> Protocol:
 
 
 def protocol_name(dispatch: Dispatch | str) -> str:
+    if not isinstance(dispatch, str):  # (a Dispatch is a str) before a lookup: {} "unhashable"
+        raise TypeError(f"dispatch= takes an asyncrl.Dispatch or a protocol name (str), got "
+                        f"{type(dispatch).__name__} {dispatch!r}; e.g. "
+                        f"@register(dispatch=Dispatch.DP)")
     name = dispatch.value if isinstance(dispatch, Dispatch) else dispatch
     get_protocol(name)
     return name
@@ -215,9 +240,12 @@ class _DPState:
 
 def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
     """Batches (local TensorBatch or RemoteBatch: the same row operations) are chunked with
-    padding; every other argument is broadcast."""
+    padding; every other argument is broadcast (one holding a batch, with none beside it,
+    is refused: it would be sent whole to every rank)."""
     dp = layout.dp_size
     batches = [a for a in (*args, *kwargs.values()) if isinstance(a, RowOps)]
+    if not batches:
+        _refuse_nested_batches(layout, args, kwargs)
     lengths = {len(b) for b in batches}
     if len(lengths) > 1:
         raise ValueError(f"DP call on group {layout.group!r}: TensorBatch arguments have "
@@ -243,6 +271,22 @@ def _dp_split(layout: Layout, args: tuple, kwargs: dict) -> Split:
     dp_of = layout._dp[0]
     calls = {r: per_dp[d] for r, d in enumerate(dp_of)}
     return Split(calls, layout.dp_collect, state)
+
+
+def _refuse_nested_batches(layout: Layout, args: tuple, kwargs: dict[str, Any]) -> None:
+    """A batch inside a dict, list or tuple argument is not chunked (only arguments that are
+    batches are): every rank would get all its rows, and the results repeat them dp times."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [
+        (f"argument {k!r}", v) for k, v in kwargs.items()]
+    for what, value in named:
+        inner = value.values() if isinstance(value, dict) else \
+            value if isinstance(value, list | tuple) else ()
+        if any(isinstance(x, RowOps) for x in inner):
+            raise ValueError(
+                f"DP call on group {layout.group!r}: {what} is a {type(value).__name__} holding "
+                f"a TensorBatch, which DP would send whole to every dp rank (only arguments "
+                f"that are batches are split by rows); pass the TensorBatch itself as an "
+                f"argument, or call a ONE_TO_ALL method to give every rank every row")
 
 
 def dp_block(args: tuple, kwargs: dict[str, Any], start: int, stop: int
@@ -275,27 +319,39 @@ def _dp_collect_encoded(layout: Layout, results: dict[int, Any], state: _DPState
 
 def _dp_kept(layout: Layout, d: int, rows: int, state: _DPState) -> int | None:
     """How many of the rows dp rank d returned are real: padding rows (and the rows the
-    method made from them) are dropped. None: dp rank d was sent no padding."""
+    method made from them, r rows per row sent) are dropped. None: kept whole, where dp rank
+    d was sent no padding, or returned a row count that is not a multiple of the rows sent
+    (a summary of its chunk, say: its rows are not the input's, so none is padding's)."""
     pad, sent = state.pads[d], state.chunk_rows[d]
-    if not (pad and state.batched):
+    if not (pad and state.batched) or rows % sent:
         return None
-    if rows % sent:
-        raise ValueError(
-            f"DP call on group {layout.group!r}: dp rank {d} returned {rows} rows "
-            f"for {sent} input rows ({pad} of them padding); padding can only be "
-            f"dropped when a method returns the same number of rows per input row")
     return rows - pad * (rows // sent)
 
 
+def _dp_cut(layout: Layout, d: int, out: Any, state: _DPState) -> Any:
+    """Dp rank d's result without its padding rows' part: a batch's rows as `_dp_kept`
+    says; a tensor (dim 0) or list with one item per row sent, its padding rows' items.
+    Anything else (a dict, a scalar, None, a list of another length) as it is."""
+    if isinstance(out, RowOps):
+        rows = _dp_kept(layout, d, len(out), state)
+        return out if rows is None else out.slice(0, rows)
+    pad, sent = state.pads[d], state.chunk_rows[d]
+    if not (pad and state.batched):
+        return out
+    if isinstance(out, list) and len(out) == sent or \
+            isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == sent:
+        return out[:sent - pad]
+    return out
+
+
 def _dp_collect(layout: Layout, results: dict[int, Any], state: _DPState) -> Any:
-    ordered = [results[r] for r in sorted(results, key=layout.dp_rank)]
+    """Batches: concatenated in dp order, padding rows dropped. Other values: a list in dp
+    order, each cut as `_dp_cut` cuts it."""
+    ordered = [_dp_cut(layout, d, results[r], state)
+               for d, r in enumerate(sorted(results, key=layout.dp_rank))]
     if not ordered or not all(isinstance(x, RowOps) for x in ordered):
         return ordered
-    kept = []
-    for d, out in enumerate(ordered):
-        rows = _dp_kept(layout, d, len(out), state)
-        kept.append(out if rows is None else out.slice(0, rows))
-    return type(kept[0]).concat(kept)
+    return type(ordered[0]).concat(ordered)
 
 
 for _p in (Protocol(Dispatch.ONE_TO_ALL.value, _one_to_all_split, _by_rank, True),

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.protocols import DP_AXIS, Dispatch
-from asyncrl.actors.register import register
+from asyncrl.actors.register import check_method_names, register
 
 
 class Worker:
@@ -25,6 +25,10 @@ class Worker:
     group_name: str
     mesh: dict[str, int]
     coords: dict[str, int]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_method_names(cls)  # at class definition, before any group is spawned
 
     @property
     def dp_rank(self) -> int:

@@ -11,6 +11,7 @@ Every method that returns a batch gives it its own `meta` dict.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -127,7 +128,12 @@ class RowOps:
         if missing == 0:
             return chunk
         src = chunk if len(chunk) else last
-        padded = type(self).concat([chunk, src.take([len(src) - 1] * missing)])
+        extra = src.take([len(src) - 1] * missing)
+        if isinstance(extra, TensorBatch):  # take shares a list column's items with the row
+            for k, v in extra._data.items():  # it repeats: a method that changes a row's list
+                if isinstance(v, list):  # in place (appends a turn) changed its padding too
+                    extra._data[k] = [copy.deepcopy(x) for x in v]  # (tensors: copied)
+        padded = type(self).concat([chunk, extra])
         # padding the chunk already had (re-chunking a padded chunk) stays trailing too
         padded.meta[PAD_KEY] = chunk.meta.get(PAD_KEY, 0) + missing
         return padded

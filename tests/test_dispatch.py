@@ -1,0 +1,145 @@
+"""Dispatch without processes: @register's checks, the DP protocol's split and collect on
+the controller, a rank's chunk, user protocols' splits (real groups: test_groups.py)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+import torch
+
+import asyncrl
+from asyncrl.actors import protocols
+from asyncrl.actors.protocols import (
+    DPRows,
+    Layout,
+    Split,
+    _dp_collect,
+    _dp_collect_encoded,
+    check_split,
+    get_protocol,
+    take_dp_rows,
+)
+from asyncrl.comm import codec
+from asyncrl.controller import group
+
+DP = asyncrl.Dispatch.DP
+PAIR = Layout("g", (("dp", 2),))
+
+
+def dp_split(*args, **kwargs) -> Split:
+    return get_protocol(DP.value).split(PAIR, args, kwargs)
+
+
+# -- padding rows ----------------------------------------------------------------------------
+def test_a_ranks_padding_row_owns_its_list_items():
+    """take_dp_rows pads a rank's chunk as chunk(pad=True) does: the padding row's list is a
+    copy, so appending a turn to each row's messages appends once to row 4's."""
+    batch = asyncrl.TensorBatch({"messages": [[f"p{i}"] for i in range(5)]})
+    split = dp_split(batch)
+    (chunk,), _ = take_dp_rows([batch], {}, split.dp_rows, 0, 1)
+    for messages in chunk["messages"]:
+        messages.append("turn")
+    assert batch["messages"][3:] == [["p3", "turn"], ["p4", "turn"]]
+    assert chunk["messages"][2] == ["p4", "turn"]  # the padding row's own list
+
+
+# -- collecting: padding dropped from every result with a row per row sent --------------------
+def test_dp_collect_cuts_padding_from_tensors_and_lists_of_a_row_each():
+    split = dp_split(asyncrl.TensorBatch({"x": torch.arange(5)}))  # 3 + 2 rows and 1 pad
+    got = _dp_collect(PAIR, {0: torch.tensor([0, 2, 4]), 1: torch.tensor([6, 8, 8])},
+                      split.state)
+    assert torch.cat(got).tolist() == [0, 2, 4, 6, 8]
+    assert _dp_collect(PAIR, {0: [0, 2, 4], 1: [6, 8, 8]}, split.state) == [[0, 2, 4], [6, 8]]
+    # other values as they are: other lengths, dicts, scalars, None, 0-d tensors
+    for value in ([1, 2], {"a": 1, "b": 2, "c": 3}, 7, None):
+        assert _dp_collect(PAIR, {0: value, 1: value}, split.state) == [value, value]
+    zero = _dp_collect(PAIR, {0: torch.tensor(1), 1: torch.tensor(2)}, split.state)
+    assert [t.item() for t in zero] == [1, 2]
+    # a batch among other values is cut too (dp rank 1's real row and not its pad)
+    one = dp_split(asyncrl.TensorBatch({"x": torch.arange(3)})).state
+    mixed = _dp_collect(PAIR, {0: None, 1: asyncrl.TensorBatch({"x": torch.tensor([2, 2])})},
+                        one)
+    assert mixed[0] is None and mixed[1]["x"].tolist() == [2]
+
+
+def test_dp_collect_keeps_a_summary_batch_whole():
+    """A batch whose rows are not r per row sent (one row of metrics per rank) is no rows
+    of the input: kept whole, decoded or from its encoding, rather than refused."""
+    state = dp_split(asyncrl.TensorBatch({"x": torch.arange(5)})).state
+    summary = {r: asyncrl.TensorBatch({"loss": torch.tensor([float(r)])}) for r in (0, 1)}
+    assert _dp_collect(PAIR, summary, state)["loss"].tolist() == [0.0, 1.0]
+    raws = {r: codec.encode(b) for r, b in summary.items()}
+    assert _dp_collect_encoded(PAIR, raws, state)["loss"].tolist() == [0.0, 1.0]
+
+
+# -- splitting ------------------------------------------------------------------------------
+@pytest.mark.parametrize("call", [
+    lambda b: dp_split({"b": b}), lambda b: dp_split(3, [b]), lambda b: dp_split(x=(1, b))])
+def test_dp_refuses_a_batch_nested_in_an_argument(call):
+    """A batch one level down was sent whole to every rank: 8 rows collected from 4."""
+    with pytest.raises(ValueError, match=r"argument .* holding a TensorBatch.*pass the "
+                                         r"TensorBatch itself as an argument"):
+        call(asyncrl.TensorBatch({"x": torch.arange(4)}))
+    batch = asyncrl.TensorBatch({"x": torch.arange(4)})  # beside a batch argument: as before
+    assert dp_split(batch, {"ref": batch}).dp_rows == DPRows(4, 2)
+
+
+def test_a_user_split_may_not_set_dp_rows():
+    whole = Split({0: ((), {}), 1: ((), {})}, [0, 1], dp_rows=DPRows(4, 2))
+    with pytest.raises(ValueError, match="'mine': split set Split.dp_rows.*leave it None"):
+        check_split("mine", whole, 2)
+
+
+def test_a_user_splits_error_names_the_protocol_and_group():
+    def split(layout, args, kwargs):
+        return {"rows": args[0]["missing"]}
+
+    name = asyncrl.register_protocol("test_dispatch_noted", split=split,
+                                     collect=lambda *a: None)
+    try:
+        with pytest.raises(KeyError) as info:
+            get_protocol(name).split(PAIR, ({},), {})
+        assert any("'test_dispatch_noted'" in n and "group 'g'" in n
+                   for n in info.value.__notes__)
+    finally:
+        del protocols._PROTOCOLS[name]
+
+
+# -- @register -------------------------------------------------------------------------------
+def test_register_says_to_pass_the_protocol_by_keyword():
+    with pytest.raises(TypeError, match=r"write @register\(dispatch=Dispatch.DP\)"):
+        asyncrl.register(DP)
+    with pytest.raises(TypeError, match=r"write @register\(dispatch='dp'\)"):
+        asyncrl.register("dp")
+    with pytest.raises(TypeError, match=r"dispatch= takes an asyncrl.Dispatch or a protocol "
+                                        r"name \(str\), got dict"):
+        asyncrl.register(dispatch={})
+
+
+def test_a_method_the_group_handle_would_shadow_is_refused():
+    with pytest.raises(TypeError, match="registers 'ready', also the name of a GroupHandle "
+                                        "attribute.*another name"):
+        class Shadowed(asyncrl.Worker):
+            @asyncrl.register
+            def ready(self):
+                return True
+
+    class Fine(asyncrl.Worker):  # the same name, not registered: not callable, no clash
+        def ready(self):
+            return True
+
+
+def test_the_shadowed_names_are_the_group_handles_public_attributes():
+    """GROUP_HANDLE_NAMES (kept in register.py, which ranks import) against group.py."""
+    from asyncrl.actors.register import GROUP_HANDLE_NAMES
+
+    tree = ast.parse(inspect.getsource(group.GroupHandle))
+    body = tree.body[0].body  # the class's methods and properties, then what they set
+    names = {n.name for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    names |= {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.AnnAssign)
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+              and t.value.id == "self"}
+    assert {n for n in names if not n.startswith("_")} == GROUP_HANDLE_NAMES
