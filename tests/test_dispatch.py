@@ -90,6 +90,10 @@ def test_a_user_split_may_not_set_dp_rows():
     whole = Split({0: ((), {}), 1: ((), {})}, [0, 1], dp_rows=DPRows(4, 2))
     with pytest.raises(ValueError, match="'mine': split set Split.dp_rows.*leave it None"):
         check_split("mine", whole, 2)
+    # one whose split is DP's own (asyncrl.rl's dp_stats: DP's rows, rank 0's answer) may
+    import asyncrl.rl.batch  # noqa: F401 - registers dp_stats
+
+    check_split("dp_stats", whole, 2)
 
 
 def test_a_user_splits_error_names_the_protocol_and_group():

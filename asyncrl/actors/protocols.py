@@ -121,7 +121,9 @@ def check_split(protocol: str, split: Any, world: int) -> None:
     if not isinstance(split, Split):
         raise TypeError(f"protocol {protocol!r}: split returned {type(split).__name__}, not "
                         f"an asyncrl.Split(calls, collect)")
-    if split.dp_rows is not None:  # (every rank would be sent calls[0] and cut rows itself)
+    own = _PROTOCOLS.get(protocol)  # (one whose split is DP's own, asyncrl.rl's dp_stats:
+    dp = own is not None and getattr(own.split, "__wrapped__", own.split) is _dp_split  # fine)
+    if split.dp_rows is not None and not dp:  # (every rank would be sent calls[0] and cut
         raise ValueError(f"protocol {protocol!r}: split set Split.dp_rows, which only the "
                          f"built-in DP protocol sets; leave it None and give each rank its own "
                          f"arguments in calls")
