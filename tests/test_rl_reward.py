@@ -239,8 +239,8 @@ def test_a_scorer_process_killed_while_idle_costs_no_row():
         jobs = row_inputs(verifier, answers(1, 2, 3))
         assert pool.call(jobs) == ([1.0, 2.0, 3.0], [False] * 3)
         for c in pool.children:  # both: the first one given a row is dead whichever it is
-            os.kill(c.proc.pid, signal.SIGKILL)
-            c.proc.wait()
+            os.kill(c.pid, signal.SIGKILL)
+            c.wait()
         assert pool.call(jobs) == ([1.0, 2.0, 3.0], [False] * 3)
         assert not set(pool.pids()) & set(seen)
         seen += pool.pids()
@@ -262,25 +262,22 @@ def crashes_beside_a_helper(prompt, response, answer):
 
 
 @pytest.mark.timeout(90)  # (for ever before, with no timeout_s: the helper never ends)
-@pytest.mark.parametrize(("timeout_s", "pidfd"), [(None, True), (30.0, True), (None, False)])
-def test_a_scorer_crashing_beside_a_helper_it_forked_fails_at_once(tmp_path, monkeypatch,
-                                                                   timeout_s, pidfd):
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+def test_a_scorer_crashing_beside_a_helper_it_forked_is_seen_at_once(tmp_path, monkeypatch,
+                                                                     timeout_s):
     """Its crash is seen in its process's exit: its pipe's EOF, which the helper withheld,
-    was waited for (as long as the helper lived; with a timeout the row scored as timed
-    out: no RuntimeError). The helper goes with it."""
+    was waited for (as long as the helper lived). Its row counts as timed out (a crash by
+    a signal), the others keep their scores, and the helper goes with it."""
     from asyncrl.hybrid.fn_pool import FunctionPool
     from asyncrl.rl.reward import row_inputs
 
     monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(tmp_path / "helper.pid"))
-    if not pidfd:  # Linux < 5.3: its exit is polled for
-        monkeypatch.delattr(os, "pidfd_open", raising=False)
     pool = FunctionPool(crashes_beside_a_helper, processes=1, timeout_s=timeout_s)
     seen = pool.pids()
     try:
-        assert pidfd or getattr(pool.children[0], "pidfd", None) is None  # (polled)
-        with pytest.raises(RuntimeError, match=rf"'crashes_beside_a_helper': its process "
-                                               rf"{seen[0]} exited with -11 on row 1; see"):
-            pool.call(row_inputs(crashes_beside_a_helper, answers(1, 2, 3)))
+        assert pool.call(row_inputs(crashes_beside_a_helper, answers(1, 2, 3))) == \
+            ([1.0, None, 3.0], [False, True, False])
+        assert pool.crashed == [False, True, False]
         seen.append(int((tmp_path / "helper.pid").read_text()))
         assert_gone(seen)  # the helper too, before the pool is closed
     finally:

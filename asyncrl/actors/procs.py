@@ -41,17 +41,6 @@ def child_pids(pid: int) -> list[int]:
     return _children().get(pid, [])
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process under `pid` now, wherever it went (a session of its own)."""
-    children = _children()
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo += children.get(p, [])
-    return found
-
-
 def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:

@@ -39,6 +39,24 @@ def make_ref(obj: Any) -> tuple[str, str, str]:
     return module, qualname, os.path.abspath(file) if file else ""
 
 
+def function_ref(fn: Any, what: str) -> tuple[str, str, str]:
+    """`make_ref` for a function another process imports and calls: refused unless the
+    reference leads back to `fn` here (a functools.partial or a callable instance has
+    none: it failed at its first call; a bound method's is its plain function: `self`
+    went unbound)."""
+    ref = make_ref(fn)
+    try:
+        found = resolve_ref(*ref, load=False)
+    except (ImportError, AttributeError, TypeError):
+        found = None
+    if found is not fn:
+        raise TypeError(f"{what} {fn!r} cannot run in child processes: they import it by its "
+                        f"module and name, and a functools.partial, a callable instance or "
+                        f"a bound method does not import as itself; pass a module-level "
+                        f"function (def) that makes the call")
+    return ref
+
+
 def resolve_ref(module: str, qualname: str, file: str, load: bool = True) -> Any:
     """Import what `make_ref` described, loading it from `file` if the module name alone
     does not lead to that file here (load=False, a peer's value: only a module imported

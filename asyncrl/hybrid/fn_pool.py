@@ -3,22 +3,31 @@ timeout_s=T)`) or a multi-turn environment (`multi_turn={"env": fn, "processes":
 "timeout_s": T}`). Rows go N at a time, and a row whose function runs past `timeout_s` is
 marked timed out while its process is killed and replaced. A verifier or a tool that hangs
 on one row (sympy on a pathological expression, a sandbox that never returns) then costs
-that row, not the run. With a timeout the pool keeps one spare process started ahead (its
-imports done, ~2 s with torch): a replacement takes it at once, and a new spare starts.
+that row, not the run; so does a row whose process a signal kills (a segfault, the OOM
+killer): it counts as timed out, and as crashed. With a timeout the pool keeps one spare
+process started ahead (its imports done, ~2 s with torch): a replacement takes it at once,
+and a new spare starts.
 
 Each child is `python -m asyncrl.hybrid.fn_pool`: it imports the function by reference (its
 module, qualname and file, as the ranks import it), says it is ready, then calls it on the
 rows it is sent. Frames are length-prefixed msgpack on a pipe of their own (the function's
-prints go to stderr, the group's log); nothing is pickled. A child, and what it started,
-dies with its rank (a watcher process) and ends when its input closes. The parent watches
-each child's process as well as its pipe: a helper the function forked (a multiprocessing
-pool) holds the pipe open past the child's death.
+prints go to stderr, the group's log); nothing is pickled. Its environment lacks the run's
+secret. A small watcher starts it and holds it:
+
+    rank --Popen--> watcher (subreaper, own session) --fork+exec--> child (own session)
+      ^                 | orphans of the child's tree come to it       | jobs in, frames out:
+      +-- pid, status --+ (the child's pid, then its exit status)      +-- pipes to the rank
+
+It ends the child with everything under it (stopped as found, none forking meanwhile, then
+killed: a sandbox in a session of its own whose parent died included) on a timeout or a
+close (the rank's SIGTERM), when the child dies, and when the rank dies (watched by pid:
+a death signal would fire with the thread that made it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import logging
 import math
 import os
 import selectors
@@ -34,9 +43,10 @@ from typing import IO, Any
 
 import msgspec
 
-from asyncrl.actors.procs import descendants, kill_pids
-from asyncrl.comm.refs import make_ref, resolve_ref
+from asyncrl.comm.refs import function_ref, resolve_ref
 from asyncrl.errors import ClosedError
+
+log = logging.getLogger("asyncrl")
 
 
 class PoolClosedError(ClosedError, RuntimeError):
@@ -45,8 +55,8 @@ class PoolClosedError(ClosedError, RuntimeError):
 
 LENGTH = struct.Struct("<I")
 START_TIMEOUT_S = 300.0  # importing the function's module (torch, a flow file) may be slow
-POLL_S = 0.5  # without pidfds (Linux < 5.3): how often the children's exits are looked for
 CLOSE_WAIT_S = 30.0  # close() waits this long for a call under way to see it and end
+SECRET_WORDS = ("SECRET", "TOKEN", "KEY", "PASSWORD")  # in ASYNCRL_ names the children lack
 
 
 def _plain(obj: Any) -> Any:
@@ -81,14 +91,8 @@ def read_frame(src: IO[bytes]) -> Any:
     return None if len(data) < size else msgspec.msgpack.decode(data)
 
 
-def _child(parent: int) -> None:
-    try:  # stopped when the rank that started it dies, even inside a hung function: its
-        # watcher then kills it with what it started (dead at once, its descendants would
-        # lose their tie to it: a sandbox in a session of its own ran on)
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGSTOP)
-    except (OSError, AttributeError):  # (not a subreaper: the zombies of what its function
-        pass  # left would be its to reap, and reaping them steals its subprocesses' codes)
-    if os.getppid() != parent:  # it died before the line above
+def _child(watcher: int) -> None:
+    if os.getppid() != watcher:  # it died before its death signal was set (in the fork)
         os._exit(1)
     src = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
@@ -100,6 +104,7 @@ def _child(parent: int) -> None:
     os.close(null)
     fn = resolve_ref(*read_frame(src))
     write_frame(out, "ready")
+    me = os.getpid()
     # one frame answers each one received: the parent never has two to read from a child
     while (job := read_frame(src)) is not None:
         index, prompt, response, meta = job
@@ -107,116 +112,210 @@ def _child(parent: int) -> None:
             answer = frame([index, fn(prompt, response, **meta), None])
         except BaseException:  # noqa: BLE001 - the parent raises it, naming the row; a
             # sys.exit() in the function ended this process, with nothing in the log
-            answer = frame([index, None, traceback.format_exc()])
+            answer = b"" if os.getpid() != me else frame([index, None, traceback.format_exc()])
+        if os.getpid() != me:  # a process the function forked, returned or raised (not
+            os._exit(1)  # os._exit()): it answered rows and read jobs as this one
         out.write(answer)
         out.flush()
 
 
-# A child's watcher: ends the child and what its function started (a sandbox, a tool's
-# server, in the child's process group or in a session of its own) when the rank dies: the
-# child, stopped by its own death signal, still holds its descendants; each is stopped as
-# found (none forks meanwhile), then all are killed. It is the rank's child (the rank reaps
-# it), in a session of its own (a kill of the rank's session leaves it to act), told of the
-# rank's death by its own death signal; a plain interpreter without site or asyncrl (a few
-# ms to start, a few MB), hence its own small /proc scan.
+# A child's watcher (see the diagram above): the rank's child, in a session of its own (a
+# kill of the rank's session leaves it to act), a child subreaper (what the child's tree
+# orphans, a sandbox whose parent exited, stays under it). argv: the rank's pid, the job
+# pipe's and the frame pipe's ends for the child, the child's command. It says the child's
+# pid, then its exit status. Ends the tree on SIGTERM, on the child's death, on the rank's.
+# A plain interpreter without site or asyncrl (a few ms to start, a few MB), hence its own
+# small /proc scan.
 _WATCHER = """
-import ctypes, os, signal, sys
-rank, child = int(sys.argv[1]), int(sys.argv[2])
+import ctypes, os, select, signal, sys
+rank, job, out, command = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+libc = ctypes.CDLL(None)
+try:
+    libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+except AttributeError:
+    pass
+wake, woken = os.pipe()
+os.set_blocking(wake, False)
+os.set_blocking(woken, False)
+signal.set_wakeup_fd(woken)
+asked = []
+signal.signal(signal.SIGTERM, lambda *_: asked.append(1))
+signal.signal(signal.SIGCHLD, lambda *_: None)
+try:
+    died = os.pidfd_open(rank)  # (readable once the rank is gone; opened before the check)
+except (AttributeError, OSError):
+    died = None  # (Linux < 5.3: its parent pid is polled)
+child = os.fork()
+if child == 0:
+    try:
+        libc.prctl(1, signal.SIGKILL)  # the watcher killed outright: the child goes too
+        os.setsid()
+        os.dup2(job, 0)
+        os.dup2(out, 1)
+        os.close(job)
+        os.close(out)
+        for s in (signal.SIGPIPE, signal.SIGXFSZ):  # as Popen leaves them
+            signal.signal(s, signal.SIG_DFL)
+        os.execv(command[0], [*command, str(os.getppid())])
+    finally:
+        os._exit(127)
+def say(number):  # (to a rank gone: nobody listens)
+    try:
+        os.write(1, b"%d\\n" % number)
+    except OSError:
+        pass
+os.close(job)
+os.close(out)
+say(child)
 def stat(pid):
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rsplit(b")", 1)[1].split()
-def born(pid):
-    try:
-        return stat(pid)[19]
-    except (OSError, IndexError):
-        return None
-birth = born(child)
 def children():
-    out = {}
+    below = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                out.setdefault(int(stat(name)[1]), []).append(int(name))
+                below.setdefault(int(stat(name)[1]), []).append(int(name))
             except (OSError, IndexError, ValueError):
                 pass
-    return out
+    return below
 def kill(pids, sig):
     for pid in pids:
         try:
             os.kill(pid, sig)
         except OSError:
             pass
-def end(*_):
-    if birth is not None and born(child) == birth:  # (not a pid taken again)
-        found, new = [], [child]
-        while new:
-            kill(new, signal.SIGSTOP)
-            found += new
-            below = children()
-            new = [c for p in found for c in below.get(p, ()) if c not in found]
-        kill(found, signal.SIGKILL)
+def reap(block):
+    while True:
         try:
-            os.killpg(child, signal.SIGKILL)
-        except OSError:
-            pass
+            pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+        if pid == child:
+            say(os.waitstatus_to_exitcode(status))
+            asked.append(0)
+def end():
+    # all under it: each stopped as found, until a scan finds none new, then all killed
+    me = os.getpid()
+    found, new = {me}, [me]
+    while new:
+        below = children()
+        new = [c for p in found for c in below.get(p, ()) if c not in found]
+        kill(new, signal.SIGSTOP)
+        found.update(new)
+    found.discard(me)
+    kill(found, signal.SIGKILL)
+    signal.alarm(10)  # (its default ends this one: a process stuck in the kernel)
+    reap(True)
     os._exit(0)
-signal.signal(signal.SIGTERM, end)
-try:
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-except (OSError, AttributeError):
-    pass
-if os.getppid() != rank:
-    end()
 while True:
-    signal.pause()
+    reap(False)
+    if asked or os.getppid() != rank:
+        end()
+    ready = select.select([wake] + ([died] if died is not None else []), [], [],
+                          None if died is not None else 0.5)[0]
+    if died in ready:
+        end()
+    try:
+        os.read(wake, 512)
+    except BlockingIOError:
+        pass
 """
 
 
+def _child_env() -> dict[str, str]:
+    """This process's environment less the run's secrets (their files' paths): the function
+    may run model-written code."""
+    return {k: v for k, v in os.environ.items()
+            if not (k.startswith("ASYNCRL_") and any(w in k for w in SECRET_WORDS))}
+
+
 class _Child:
+    """A child process and its watcher, which says the child's pid, then its exit status
+    (the child is the watcher's to reap)."""
+
     def __init__(self, ref: tuple[str, str, str]):
-        # a session of its own: a timeout kills what the function started too (a sandbox)
-        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.hybrid.fn_pool",
-                                      str(os.getpid())], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
-        self.watcher = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _WATCHER, str(os.getpid()), str(self.proc.pid)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
-        self.pidfd = _pidfd(self.proc.pid)
+        job, self_in = os.pipe()
+        self_out, out = os.pipe()
+        try:
+            self.watcher = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHER, str(os.getpid()), str(job),
+                 str(out), sys.executable, "-m", "asyncrl.hybrid.fn_pool"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, bufsize=0,
+                pass_fds=(job, out), start_new_session=True, env=_child_env())
+        except BaseException:
+            for fd in (self_in, self_out):
+                os.close(fd)
+            raise
+        finally:
+            os.close(job)
+            os.close(out)
+        self.stdin, self.stdout = os.fdopen(self_in, "wb"), os.fdopen(self_out, "rb")
+        assert self.watcher.stdout is not None
+        self.status = self.watcher.stdout
+        self._said = b""
+        self.code: int | None = None  # the child's exit status, once the watcher said it
         self.ref = ref
         self.ready = False
         self.row: int | None = None  # the row it works on
         self.since = self.started = time.monotonic()
-        write_frame(self.stdin, list(ref))
+        try:
+            pid = self._line(wait=True)
+        except EOFError:
+            self.reap()
+            raise RuntimeError(f"the watcher of a function's process exited with "
+                               f"{self.watcher.returncode} before starting it; see the "
+                               f"log") from None
+        assert pid is not None  # (waited for)
+        self.pid = pid
+        with contextlib.suppress(BrokenPipeError):  # (it died at once: read as it exits)
+            write_frame(self.stdin, list(ref))
+
+    def _line(self, wait: bool) -> int | None:
+        """The watcher's next number; None where none came yet (wait: until one comes).
+        EOFError: the watcher ended without one."""
+        while b"\n" not in self._said:
+            if not wait and not _pending(self.status):
+                return None
+            data = os.read(self.status.fileno(), 64)
+            if not data:
+                raise EOFError
+            self._said += data
+        line, _, self._said = self._said.partition(b"\n")
+        return int(line)
+
+    def poll(self, wait: bool = False) -> int | None:
+        """The child's exit status once it ended, else None (wait: until it ends)."""
+        if self.code is None:
+            try:
+                self.code = self._line(wait)
+            except EOFError:  # its watcher was killed, and the child with it (its death
+                self.code = self.watcher.wait()  # signal)
+        return self.code
+
+    def wait(self) -> int:
+        code = self.poll(wait=True)
+        assert code is not None
+        return code
 
     def signal(self) -> None:
-        # its descendants first, wherever they went (a sandbox in a session of its own,
-        # out of reach of the group's kill), then its group
-        kill_pids(descendants(self.proc.pid))
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """Have the watcher stop and kill the child and everything under it."""
         with contextlib.suppress(ProcessLookupError):
-            self.watcher.kill()
+            self.watcher.send_signal(signal.SIGTERM)
 
     def reap(self) -> None:
-        self.proc.wait()
-        self.watcher.wait()
-        for pipe in (self.stdin, self.stdout):
+        self.watcher.wait()  # (it exits once all under it are dead)
+        for pipe in (self.stdin, self.stdout, self.status):
             with contextlib.suppress(OSError):
                 pipe.close()
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
 
 
-def _pidfd(pid: int) -> int | None:
-    """A descriptor that turns readable when `pid` exits (Linux 5.3+), else None: the
-    parent then polls for exits every POLL_S."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
+def _signal_name(code: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(-code).name
+    return f"signal {-code}"
 
 
 def _pending(pipe: IO[bytes]) -> bool:
@@ -231,29 +330,40 @@ class FunctionPool:
 
     def __init__(self, fn: Callable[..., Any], processes: int, timeout_s: float | None,
                  what: str = "reward function"):
-        self.ref = make_ref(fn)
         self.name = f"{what} {getattr(fn, '__name__', repr(fn))!r}"
+        self.ref = function_ref(fn, what)
         self.timeout_s = timeout_s
         self.where: list[str] = []
+        self.crashed: list[bool] = []  # the last call's rows whose process a signal killed
+        self._signals: dict[int, int] = {}  # row -> the negative exit code, in the call
         # close() may come from another thread than a call's (a rank closing under a score)
         self._lock = threading.Condition()
         self._closed = self._calling = False
-        self.children = [_Child(self.ref) for _ in range(processes)]
-        # a replacement waited for a fresh process's imports: ~2 s a timed-out row
-        self._spare = _Child(self.ref) if timeout_s is not None else None
+        self.children: list[_Child] = []
+        self._spare: _Child | None = None
+        try:
+            for _ in range(processes):
+                self.children.append(_Child(self.ref))
+            # a replacement waited for a fresh process's imports: ~2 s a timed-out row
+            self._spare = _Child(self.ref) if timeout_s is not None else None
+        except BaseException:
+            self._stop_all()
+            raise
         self._idle_deaths = 0  # in the call under way
 
     def pids(self) -> list[int]:
-        return [c.proc.pid for c in self.children]
+        return [c.pid for c in self.children]
 
     @property
     def spare_pid(self) -> int | None:
-        return None if self._spare is None else self._spare.proc.pid
+        return None if self._spare is None else self._spare.pid
 
     def call(self, jobs: list[tuple[Any, Any, dict[str, Any]]], where: list[str] | None = None
              ) -> tuple[list[Any], list[bool]]:
-        """Each job's value (None where it timed out) and whether it timed out. On an error
-        the children busy with this call's rows are replaced: the next call starts clean."""
+        """Each job's value (None where it timed out) and whether it timed out; a row whose
+        process a signal killed (a segfault, the OOM killer) counts as timed out, and is
+        marked in `crashed`. On an error the children busy with this call's rows are
+        replaced: the next call starts clean."""
         with self._lock:
             if self._closed:  # (it waited for ever: no child would answer)
                 raise PoolClosedError(f"{self.name}: call() on a closed pool (its group "
@@ -276,16 +386,17 @@ class FunctionPool:
         self.where = where or [f"row {i}" for i in range(len(jobs))]  # each job, in errors
         values: list[Any] = [None] * len(jobs)
         timed_out = [False] * len(jobs)
+        self.crashed, self._signals = [False] * len(jobs), {}
         todo, left = list(range(len(jobs)))[::-1], len(jobs)
         self._idle_deaths = 0
         # those that died since the last call (killed while idle: out of memory): no row lost
-        self._replace([i for i, c in enumerate(self.children) if c.proc.poll() is not None])
+        self._replace([i for i, c in enumerate(self.children) if c.poll() is not None])
         try:
             while left:
                 if self._closed:
                     raise PoolClosedError(self._cut_short(left, len(jobs)))
                 for c in self.children:  # idle and ready: give it the next row
-                    if c.ready and c.row is None and todo and c.proc.poll() is not None:
+                    if c.ready and c.row is None and todo and c.poll() is not None:
                         self._died_idle(c)  # (its pipe may not say: a helper holds it open)
                     elif c.ready and c.row is None and todo:
                         c.row, c.since = todo.pop(), time.monotonic()
@@ -294,9 +405,9 @@ class FunctionPool:
                             c.row = None
                             self._died_idle(c)
                 for c in self._woken():
-                    left -= self._answer(c, values)
+                    left -= self._answer(c, values, timed_out)
                 left -= self._expire(timed_out)
-                late = [c.proc.pid for c in self.children if not c.ready and
+                late = [c.pid for c in self.children if not c.ready and
                         time.monotonic() - c.started > START_TIMEOUT_S]
                 if late:
                     raise RuntimeError(f"{self.name}: processes {late} did not import it "
@@ -307,8 +418,13 @@ class FunctionPool:
             if self._closed:
                 raise
             self._replace([i for i, c in enumerate(self.children)
-                           if c.row is not None or c.proc.poll() is not None or not c.ready])
+                           if c.row is not None or c.poll() is not None or not c.ready])
             raise
+        if self._signals:  # (said once a call: the caller counts them as timed out)
+            log.warning("asyncrl: %s: a process died by a signal on %s; scored as timed out "
+                        "(crashed)", self.name, ", ".join(
+                            f"{self.where[i]} ({_signal_name(code)})"
+                            for i, code in sorted(self._signals.items())))
         return values, timed_out
 
     def _cut_short(self, left: int, rows: int) -> str:
@@ -329,16 +445,12 @@ class FunctionPool:
         return True
 
     def _woken(self) -> list[_Child]:
-        """The children with a frame to read or that exited, each once."""
-        polled = [c for c in self.children if c.pidfd is None]
+        """The children with a frame to read or that exited (their watchers say), each once."""
         with selectors.DefaultSelector() as sel:
             for c in self.children:
                 sel.register(c.stdout, selectors.EVENT_READ, c)
-                if c.pidfd is not None:
-                    sel.register(c.pidfd, selectors.EVENT_READ, c)
-            woken = [key.data for key, _ in
-                     sel.select(min(self._wait(), POLL_S) if polled else self._wait())]
-        woken += [c for c in polled if c.proc.poll() is not None]
+                sel.register(c.status, selectors.EVENT_READ, c)
+            woken = [key.data for key, _ in sel.select(self._wait())]
         return list(dict.fromkeys(woken))
 
     def _wait(self) -> float:
@@ -348,28 +460,38 @@ class FunctionPool:
         ends += [c.started + START_TIMEOUT_S for c in self.children if not c.ready]
         return max(0.0, min(ends) - time.monotonic()) + 0.01 if ends else START_TIMEOUT_S
 
-    def _answer(self, c: _Child, values: list[Any]) -> int:
+    def _answer(self, c: _Child, values: list[Any], timed_out: list[bool]) -> int:
         """Read `c`'s frame: ready, or its row's value (1: a row done). One that exited is
-        read to its end: what it sent before, then nothing."""
-        exited = c.proc.poll() is not None
-        if exited:  # its group goes: a helper it forked holds the pipe open, and lives on
-            c.signal()
+        read to its end: what it sent before, then nothing (its watcher killed what it had
+        started: a helper it forked no longer holds the pipe open)."""
+        exited = c.poll() is not None
         frame = read_frame(c.stdout) if not exited or _pending(c.stdout) else None
         if frame is None and c.ready and c.row is None:  # died idle: no row lost
             self._died_idle(c)
             return 0
+        if frame is None and c.ready and c.row is not None and c.wait() < 0 \
+                and not self._closed:  # a signal on its row (a segfault, the OOM killer):
+            row, c.row = c.row, None  # the row is lost, as a timed-out one is
+            timed_out[row] = self.crashed[row] = True
+            self._signals[row] = c.wait()
+            self._replace([self.children.index(c)])
+            return 1
         if frame is None:  # it died, not by our hand
-            code = c.proc.wait()
+            code = c.wait()
             doing = f"on {self.where[c.row]}" if c.ready and c.row is not None else \
                 f"before importing {self.ref[0]}:{self.ref[1]}"
-            raise RuntimeError(f"{self.name}: its process {c.proc.pid} exited with {code} "
+            raise RuntimeError(f"{self.name}: its process {c.pid} exited with {code} "
                                f"{doing}; see the group's log")
         if frame == "ready":
             c.ready = True
             return 0
         index, value, error = frame
-        row, c.row = c.row, None
-        assert index == row, (index, row)  # one frame answers each one sent
+        if index != c.row:  # one frame answers each one sent: another process wrote it
+            c.ready = False  # (replaced as the call fails)
+            raise RuntimeError(f"{self.name}: its process {c.pid} answered for row {index} "
+                               f"while it had {c.row}: another process wrote to its pipe (one "
+                               f"the function forked, that went on instead of os._exit())")
+        c.row = None
         if error is not None:
             raise ValueError(f"{self.name} failed on {self.where[index]}:\n{error}")
         values[index] = value
@@ -378,7 +500,7 @@ class FunctionPool:
     def _died_idle(self, c: _Child) -> None:
         """Replace `c`, which exited between rows; again and again in one call is an error
         (replacements that keep exiting would loop for ever)."""
-        code = c.proc.wait()
+        code = c.wait()
         self._idle_deaths += 1
         if self._idle_deaths > 2 * len(self.children):
             raise RuntimeError(f"{self.name}: its processes keep exiting between rows "
@@ -413,7 +535,7 @@ class FunctionPool:
             spare = self._spare
             if spare is None:
                 return _Child(self.ref)
-            if spare.proc.poll() is not None:  # it died waiting (killed: out of memory)
+            if spare.poll() is not None:  # it died waiting (killed: out of memory)
                 _stop([spare])
                 spare = _Child(self.ref)
             self._spare = _Child(self.ref)
