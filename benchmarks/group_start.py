@@ -12,13 +12,21 @@ Workloads: "noop" (a worker that builds nothing) on 1 and 2 ranks, and "policy":
 hybrid tiny-llama Policy (FSDP2 + the built-in engine; Ray's actors build the same model and
 engine config, without a process group). Each system runs in a process of its own, so each
 pays its own first start; `first_start_s` is that one, `start_s` the median of the rest.
+What a start imports differs: asyncrl's forked ranks inherit torch, imported once by the
+agent server (that cost is in the first workload's `first_start_s` only), while every Ray
+actor and every rank started anew imports torch itself, in every start.
 
 One JSON line per result:
-    {"bench": "group_start", "system": ..., "workload": ..., "ranks": n, "first_start_s": ...,
-     "start_s": ..., "close_s": ..., "machine": ..., "python": ..., "versions": ...}
-A close lasts until the group's processes are gone (Ray's too: `ray.kill` returns before its
-actors' processes have exited, so the close waits for their pids), and the next start
-begins only then: no start runs beside the last group's exit.
+    {"bench": "group_start", "system": ..., "workload": ..., "ranks": n, "repeats": ...,
+     "first_start_s": ..., "start_s": ..., "close": ..., "close_s": ..., "machine": ...,
+     "python": ..., "versions": ...}
+A close lasts until the group's processes are gone, and the next start begins only then: no
+start runs beside the last group's exit. asyncrl's close is graceful (every rank's
+`on_close` after the calls under way, then torchrun's exit). Ray's is measured both ways, in
+turns: `close_s` is `ray.kill` (a forced kill; it returns before the actors' processes have
+exited, so the close waits for their pids) and `close_graceful_s` is
+`actor.__ray_terminate__.remote()` (the actor exits after the calls queued before it) and the
+same wait; each repeat starts the actors twice, once for each close.
 Run: `.venv/bin/python benchmarks/group_start.py [--repeats 4]`.
 """
 
@@ -47,7 +55,7 @@ SYSTEMS = {"asyncrl": {}, "asyncrl-agents": {"ASYNCRL_FORK_RANKS": "0"},
 
 class Noop(asyncrl.Worker):
     @asyncrl.register
-    def ready(self) -> bool:
+    def built(self) -> bool:  # (never called: spawning is what is timed)
         return True
 
 
@@ -56,11 +64,12 @@ def context() -> dict[str, Any]:
 
 
 def summary(system: str, workload: str, ranks: int, starts: list[float],
-            closes: list[float]) -> dict[str, Any]:
+            closes: list[float], close: str, **more: Any) -> dict[str, Any]:
     return {"bench": "group_start", "system": system, "workload": workload, "ranks": ranks,
-            "first_start_s": round(starts[0], 3),
-            "start_s": round(statistics.median(starts[1:] or starts), 3),
-            "close_s": round(statistics.median(closes), 3), **context()}
+            "repeats": len(closes), "first_start_s": round(starts[0], 3),
+            "start_s": round(statistics.median(starts[1:] or starts), 3), "starts": len(starts),
+            "close": close, "close_s": round(statistics.median(closes), 3), **more,
+            **context()}
 
 
 async def bench_asyncrl(system: str, repeats: int) -> list[dict[str, Any]]:
@@ -80,7 +89,8 @@ async def bench_asyncrl(system: str, repeats: int) -> list[dict[str, Any]]:
                 t0 = time.perf_counter()
                 await ctl.close_group(group)
                 closes.append(time.perf_counter() - t0)
-            out.append(summary(system, workload, ranks, starts, closes))
+            out.append(summary(system, workload, ranks, starts, closes,
+                               "graceful: on_close on every rank, then torchrun's exit"))
     return out
 
 
@@ -109,28 +119,41 @@ def bench_ray(repeats: int) -> list[dict[str, Any]]:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+
+    def close(actors: list, pids: list[int], how: str) -> float:
+        """Seconds from asking the actors to go until their processes are gone."""
+        procs = [psutil.Process(pid) for pid in pids]  # (while they are there)
+        t0 = time.perf_counter()
+        for a in actors:
+            if how == "kill":
+                ray.kill(a)  # forced
+            else:
+                a.__ray_terminate__.remote()  # graceful: after the calls queued before it
+        # neither waits for the process: psutil waits on each pid (the raylet, their
+        # parent, reaps them)
+        _, alive = psutil.wait_procs(procs, timeout=60)
+        if alive:
+            raise RuntimeError(f"Ray actor processes {[p.pid for p in alive]} were still "
+                               f"there 60 s after {how}")
+        return time.perf_counter() - t0
+
     out = []
     try:
         for workload, ranks in WORKLOADS:
             cls = RayNoop if workload == "noop" else RayPolicy
-            starts, closes = [], []
+            starts: list[float] = []
+            closes: dict[str, list[float]] = {"kill": [], "graceful": []}
             for _ in range(repeats):
-                t0 = time.perf_counter()
-                actors = [cls.remote() for _ in range(ranks)]
-                pids = ray.get([a.pid.remote() for a in actors])
-                starts.append(time.perf_counter() - t0)
-                procs = [psutil.Process(pid) for pid in pids]  # (while they are there)
-                t0 = time.perf_counter()
-                for a in actors:
-                    ray.kill(a)
-                # ray.kill only asks: wait until the processes are gone (psutil waits on
-                # each pid; the raylet, their parent, reaps them)
-                _, alive = psutil.wait_procs(procs, timeout=60)
-                closes.append(time.perf_counter() - t0)
-                if alive:
-                    raise RuntimeError(f"Ray actor processes {[p.pid for p in alive]} were "
-                                       f"still there 60 s after ray.kill")
-            out.append(summary("ray", workload, ranks, starts, closes))
+                for how, done in closes.items():  # in turns: each start closed one way
+                    t0 = time.perf_counter()
+                    actors = [cls.remote() for _ in range(ranks)]
+                    pids = ray.get([a.pid.remote() for a in actors])
+                    starts.append(time.perf_counter() - t0)
+                    done.append(close(actors, pids, how))
+            out.append(summary(
+                "ray", workload, ranks, starts, closes["kill"], "forced: ray.kill",
+                close_graceful="actor.__ray_terminate__.remote()",
+                close_graceful_s=round(statistics.median(closes["graceful"]), 3)))
     finally:
         ray.shutdown()
     return out
@@ -150,12 +173,14 @@ def main() -> None:
                                      text=True, timeout=1800)
             except subprocess.TimeoutExpired as e:  # (its ranks die with their controller)
                 print(json.dumps({"bench": "group_start", "system": system,
+                                  "repeats": args.repeats,
                                   "skipped": f"timed out after {e.timeout} s", **context()}),
                       flush=True)
                 continue
             lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
             if run.returncode != 0 or not lines:
                 lines = [json.dumps({"bench": "group_start", "system": system,
+                                     "repeats": args.repeats,
                                      "skipped": run.stderr.strip()[-500:], **context()})]
             print("\n".join(lines), flush=True)
         return

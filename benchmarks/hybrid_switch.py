@@ -156,7 +156,7 @@ async def bench(presets: list[str], repeat: int, backend: str, ranks: int | None
                 limit = 3.0 if copied else 1.5
                 print(json.dumps({
                     "bench": "hybrid_switch", "preset": preset, "backend": backend,
-                    "params": switch["params"], "ranks": ranks,
+                    "params": switch["params"], "ranks": ranks, "repeat": repeat,
                     # (on CPU the state is on the host either way: nothing moves)
                     "optimizer": ("offloaded" if offload else "kept") if gpu else "on host",
                     "switch_s": round(switch["switch_s"], 6),

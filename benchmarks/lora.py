@@ -83,13 +83,14 @@ def train_steps(preset: str, lora: dict[str, Any], batch: int, tokens: int, repe
         print(json.dumps({
             "bench": "lora", "what": "train_step", "system": system, "preset": preset,
             "rank": None if system == "full" else lora["rank"], "batch": batch,
-            "tokens": tokens, "step_s": round(step, 4),
+            "tokens": tokens, "repeat": repeat, "rounds": len(runs[system]),
+            "step_s": round(step, 4),
             "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "optimizer_bytes": state, **context()}), flush=True)
     print(json.dumps({"bench": "lora", "what": "train_step_vs_peft",
                       "ratio": round(results["asyncrl"] / results["peft"], 3),
                       "target_met": results["asyncrl"] <= 1.1 * results["peft"],
-                      **context()}), flush=True)
+                      "repeat": repeat, "rounds": 2, **context()}), flush=True)
     del full, ours, theirs
 
 
@@ -122,7 +123,8 @@ async def switches(ctl: Any, preset: str, lora: dict[str, Any], repeat: int) -> 
         group = await ctl.spawn(SwitchBench, cfg, nprocs=2, name=f"switch-{system}")
         out = (await group.switch(repeat))[0]
         print(json.dumps({"bench": "lora", "what": "switch", "system": system,
-                          "preset": preset, "ranks": 2, "switch_s": round(out["switch_s"], 4),
+                          "preset": preset, "ranks": 2, "repeat": repeat,
+                          "switch_s": round(out["switch_s"], 4),
                           "peak_gather_bytes": out["gathered_bytes"], **context()}), flush=True)
         await ctl.close_group(group)
 
@@ -146,7 +148,8 @@ async def weight_syncs(ctl: Any, preset: str, lora: dict[str, Any], repeat: int)
         pack, load = (round(statistics.median(s[key] for s in syncs[1:]), 4)  # as sync_s
                       for key in ("sync/pack_s", "sync/load_s"))
         print(json.dumps({"bench": "lora", "what": "weight_sync", "system": system,
-                          "preset": preset, "sync_s": round(statistics.median(times[1:]), 4),
+                          "preset": preset, "ranks": 2, "repeat": repeat,
+                          "sync_s": round(statistics.median(times[1:]), 4),
                           "pack_s": pack,  # gathering, on rank 0
                           "load_s": load,
                           "bytes": int(synced["sync/bytes"]),

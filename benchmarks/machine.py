@@ -4,10 +4,13 @@ benchmark: they run from this folder)."""
 
 from __future__ import annotations
 
+import datetime
+import functools
 import importlib.metadata
 import os
 import platform
 import subprocess
+from pathlib import Path
 from typing import Any
 
 
@@ -20,10 +23,25 @@ def version(dist: str) -> str | None:
 
 
 def describe(**versions: str | None) -> dict[str, Any]:
-    """{"machine": {"arch", "nproc": the cores this process may use}, "python", "versions"}."""
+    """{"machine": {"arch", "nproc": the cores this process may use}, "python", "versions",
+    "commit": the checkout's short git commit (None outside a git checkout), "date": now, in
+    UTC}."""
     nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"machine": {"arch": platform.machine(), "nproc": nproc},
-            "python": platform.python_version(), "versions": versions}
+            "python": platform.python_version(), "versions": versions, "commit": commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+@functools.cache
+def commit() -> str | None:
+    """`git rev-parse --short HEAD` of the checkout these benchmarks are in, or None where
+    git is missing, fails or this is no checkout (a local edit does not show in it)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True, cwd=Path(__file__).parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def describe_gpu() -> dict[str, Any] | None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import random
 import statistics
 import time
 
 import torch
+from machine import describe, version
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -97,8 +97,10 @@ async def bench(rows: int, repeat: int) -> None:
                               "computed_tokens": got["computed_tokens"],
                               "largest_micro_tokens": got["largest"],
                               "loss": round(got["loss"], 6), "train": train,
-                              "machine": {"arch": platform.machine()},
-                              "torch": torch.__version__}), flush=True)
+                              "repeat": repeat, "torch": torch.__version__,
+                              **describe(torch=torch.__version__,
+                                         transformers=version("transformers"),
+                                         asyncrl=asyncrl.__version__)}), flush=True)
             await ctl.close_group(group)
 
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from types import SimpleNamespace
 
 import torch
+from machine import describe, version
 
 MODEL = {"preset": "tiny-llama", "overrides": {
     "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
@@ -92,7 +92,9 @@ def main() -> None:
                 "sampled_tokens_per_s": round(float(sampled.sum()) / s, 1),
                 "response_tokens": int(mask.sum()),
                 "turns_mean": float(out["turns"].float().mean()) if "turns" in out else 1.0,
-                "machine": platform.machine(), "torch": torch.__version__}), flush=True)
+                "repeat": args.repeat, "warmup": 1, "torch": torch.__version__,
+                **describe(torch=torch.__version__, transformers=version("transformers"),
+                           asyncrl=version("asyncrl"))}), flush=True)
     finally:
         for turns in pools.values():
             turns.close()
