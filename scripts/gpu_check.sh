@@ -54,11 +54,11 @@ EOF
 # rerun here: CI runs them.
 DEADLINE=${DEADLINE:-420}  # (with the machine's start, room for a targeted rerun at once,
 # on the warm machine: `DEADLINE=150 ONLY=failed bash scripts/gpu_check.sh`, the GPU tests
-# that did not pass last time (failed, or not reached before the step's cap) alone; or
+# not passed since the last full run (failed, or not reached before a step's cap) alone; or
 # ONLY="a -k expression")
 FAILED=0  # the script's exit status: the device tool's rc then says whether a step failed
 SKIPPED=0  # steps with no time left: not failures (a test rerun would not help them)
-LAST=/tmp/gpu-last-tests.log  # the last test step's log, kept on the warm machine
+PASSED=/tmp/gpu-passed-tests  # the GPU tests passed since the last full run (warm machine)
 step() {  # step SECONDS LOG COMMAND...: COMMAND for SECONDS at most, or what is left
   local cap=$1 log=$2 rc; shift 2
   local left=$((DEADLINE - SECONDS))
@@ -76,6 +76,9 @@ step() {  # step SECONDS LOG COMMAND...: COMMAND for SECONDS at most, or what is
 }
 export ASYNCRL_REQUIRE_GPU_DEPS=1  # a missing NCCL or DeepSpeed fails its test, not skips it
 export NCCL_DEBUG=WARN
+passed() {  # the ids of the tests the last test step passed
+  grep -oE '^tests/test_gpu.py::[^ ]+ PASSED' "$OUT/gpu-tests.log" | cut -d' ' -f1
+}
 # warnings are errors in the suite (pyproject); here the image's own library versions may
 # warn where CI's do not, and a figure matters more than a deprecation: shown, not raised.
 # -v: each test's name and result as it ends (a step killed at its cap never prints -q's
@@ -83,22 +86,22 @@ export NCCL_DEBUG=WARN
 PYTEST=(python3 -m pytest -v -rA -p no:cacheprovider -W default --durations=0 --timeout 100
         -o faulthandler_timeout=90 -m gpu)
 if [ -n "${ONLY:-}" ]; then  # a rerun of some GPU tests alone, on a warm machine
-  if [ "$ONLY" = failed ]; then  # all but those the last run passed
-    [ -f "$LAST" ] || { echo "ONLY=failed: no earlier run's log ($LAST) on this machine" \
+  if [ "$ONLY" = failed ]; then  # all but those passed since the last full run
+    [ -f "$PASSED" ] || { echo "ONLY=failed: no earlier run's record ($PASSED) here" \
       | tee "$OUT/gpu-tests.log"; exit 2; }
     args=()
-    for id in $(grep -oE '^tests/test_gpu.py::[^ ]+ PASSED' "$LAST" | cut -d' ' -f1); do
+    for id in $(sort -u "$PASSED"); do
       args+=(--deselect "$id")
     done
     step "$DEADLINE" "$OUT/gpu-tests.log" "${PYTEST[@]}" "${args[@]}" tests/test_gpu.py
   else
     step "$DEADLINE" "$OUT/gpu-tests.log" "${PYTEST[@]}" -k "$ONLY" tests/test_gpu.py
   fi
-  cp "$OUT/gpu-tests.log" "$LAST"
+  passed >> "$PASSED"
   exit "$FAILED"
 fi
 step 200 "$OUT/gpu-tests.log" "${PYTEST[@]}" tests/test_gpu.py
-cp "$OUT/gpu-tests.log" "$LAST"
+passed > "$PASSED"  # (a full run starts the record anew)
 B="$OUT/gpu-bench.jsonl"
 bench() {  # bench SECONDS SCRIPT ARGS...: its JSON lines to $B, its stderr to bench.err
   local cap=$1; shift

@@ -92,7 +92,16 @@ def test_fsdp2_refuses_a_state_dict_with_keys_missing_or_unknown():
                     r"lacks 1 of the model's keys \['lm_head\.weight'\] and has 1 it does "
                     r"not know \['model\.extra'\]")):
                 await group.reload(weights)
-            return group_pids(group)
+            # a tied parameter given by one name (an HF checkpoint of tied embeddings has no
+            # lm_head.weight) stands for the other
+            tied = await ctl.spawn(CheckTrainer, "fsdp2", {**MODEL, "overrides": {
+                "tie_word_embeddings": True}}, {"micro_batch_size": 8}, name="tied")
+            own = (await tied.weights())[0]
+            given = {k: v + 1 for k, v in own.items() if k != "lm_head.weight"}
+            await tied.reload(given)
+            back = (await tied.weights())[0]
+            assert torch.equal(back["lm_head.weight"], given["model.embed_tokens.weight"])
+            return group_pids(group) + group_pids(tied)
     assert_gone(run(main(), timeout=200))
 
 
@@ -234,3 +243,13 @@ def test_a_checkpoint_of_one_optimizer_group_resumes_on_fsdp2_and_is_named_on_ze
     for k, v in old.items():  # the matrices stepped alike: the same moments, the same decay
         if v.ndim >= 2:
             torch.testing.assert_close(new[k], v, rtol=1e-6, atol=1e-7)
+
+
+def test_a_trainer_with_nothing_to_train_is_refused():
+    """An optimizer over no parameters stepped nothing, unsaid (torch takes an empty group)."""
+    from asyncrl.hybrid.fsdp import TrainConfig
+    from asyncrl.hybrid.optim import adamw
+
+    with pytest.raises(ValueError, match="no parameters to train"):
+        adamw([], TrainConfig())
+    assert len(adamw([torch.nn.Parameter(torch.ones(2, 2))], TrainConfig()).param_groups) == 1

@@ -45,19 +45,20 @@ def test_a_ranks_padding_row_owns_its_list_items():
     assert chunk["messages"][2] == ["p4", "turn"]  # the padding row's own list
 
 
-# -- collecting: padding dropped from every result with a row per row sent --------------------
-def test_dp_collect_cuts_padding_from_tensors_and_lists_of_a_row_each():
+# -- collecting: padding dropped from batches; other values as the ranks returned them -------
+def test_dp_collect_cuts_padding_from_batches_and_leaves_other_values():
+    """A list or tensor as long as the rows a rank was sent may be one item a row or a
+    summary ((loss, tokens) on a chunk of two rows): it is not cut (a summary cut lost half
+    of itself); a batch is."""
     split = dp_split(asyncrl.TensorBatch({"x": torch.arange(5)}))  # 3 + 2 rows and 1 pad
     got = _dp_collect(PAIR, {0: torch.tensor([0, 2, 4]), 1: torch.tensor([6, 8, 8])},
                       split.state)
-    assert torch.cat(got).tolist() == [0, 2, 4, 6, 8]
-    assert _dp_collect(PAIR, {0: [0, 2, 4], 1: [6, 8, 8]}, split.state) == [[0, 2, 4], [6, 8]]
-    # other values as they are: other lengths, dicts, scalars, None, 0-d tensors
+    assert [t.tolist() for t in got] == [[0, 2, 4], [6, 8, 8]]
+    assert _dp_collect(PAIR, {0: [0, 2, 4], 1: [6, 8, 8]}, split.state) == [[0, 2, 4],
+                                                                             [6, 8, 8]]
     for value in ([1, 2], {"a": 1, "b": 2, "c": 3}, 7, None):
         assert _dp_collect(PAIR, {0: value, 1: value}, split.state) == [value, value]
-    zero = _dp_collect(PAIR, {0: torch.tensor(1), 1: torch.tensor(2)}, split.state)
-    assert [t.item() for t in zero] == [1, 2]
-    # a batch among other values is cut too (dp rank 1's real row and not its pad)
+    # a batch among other values is cut (dp rank 1's real row and not its pad)
     one = dp_split(asyncrl.TensorBatch({"x": torch.arange(3)})).state
     mixed = _dp_collect(PAIR, {0: None, 1: asyncrl.TensorBatch({"x": torch.tensor([2, 2])})},
                         one)

@@ -76,12 +76,8 @@ class Echo(asyncrl.Worker):
         return TensorBatch({"x": batch["x"].repeat_interleave(r)})
 
     @asyncrl.register(dispatch=Dispatch.DP)
-    def count(self, batch: TensorBatch):  # (a dict: a list as long as the chunk is cut)
-        return {"dp": self.dp_rank, "rows": len(batch), "pad": batch.meta.get("dp_pad", 0)}
-
-    @asyncrl.register(dispatch=Dispatch.DP)
-    def times_two(self, batch: TensorBatch, as_list: bool = False):  # an item per row
-        return (batch["x"] * 2).tolist() if as_list else batch["x"] * 2
+    def count(self, batch: TensorBatch):  # (a summary as long as the chunk: not cut)
+        return self.dp_rank, len(batch), batch.meta.get("dp_pad", 0)
 
     @asyncrl.register(dispatch=Dispatch.DP)
     def add_turn(self, batch: TensorBatch) -> TensorBatch:  # changes each row's list in place
@@ -205,16 +201,8 @@ def test_dp_pads_and_drops_padding(pair):
     assert out["x"].tolist() == [0, 2, 4, 6, 8]
     assert out["dp"] == [0, 0, 0, 1, 1]
     assert out["pad"] == [0, 0, 0, 1, 1]  # dp rank 1 got 2 real rows + 1 marked padding row
-    assert get(pair.count(batch)) == [{"dp": 0, "rows": 3, "pad": 0},  # non-batch results:
-                                      {"dp": 1, "rows": 3, "pad": 1}]  # one per chunk
-
-
-def test_dp_drops_padding_from_tensors_and_lists_with_a_row_each(pair):
-    """Not only batches: a rank's tensor or list with one item per row it was sent loses its
-    padding rows' items (score(batch) -> batch["x"] * 2 gave [6, 8, 8] on dp rank 1)."""
-    batch = TensorBatch({"x": torch.arange(5)})
-    assert torch.cat(get(pair.times_two(batch))).tolist() == [0, 2, 4, 6, 8]
-    assert get(pair.times_two(batch, True)) == [[0, 2, 4], [6, 8]]
+    assert get(pair.count(batch)) == [[0, 3, 0], [1, 3, 1]]  # non-batch results: one per
+    # chunk, as returned (a tuple arrives as a list; as long as the chunk, it is not cut)
 
 
 def test_dp_padding_rows_do_not_share_a_rows_lists(pair):

@@ -522,3 +522,24 @@ def test_gone_peers_match_a_piece_by_address_group_and_object():
     assert gone.lost(piece("other", "tcp://a:1", 9)) is None  # another group there now
     assert gone.lost(piece("eval7", "tcp://10.0.0.7:1", 4)) is not None
     assert len(gone.since(1000)) == 1
+
+
+def test_gpu_rows_are_still_released_after_another_producers_export_failed(monkeypatch):
+    """One producer could not export its rows (CUDA IPC off in this process from then on),
+    and the releases of the other producers' exported rows were skipped too: their blocks
+    stayed held until they exited. Only a failure to open here stops the releases."""
+    from asyncrl.comm import cuda_ipc
+
+    opened: list[int] = []
+    monkeypatch.setattr(cuda_ipc, "_failed", None)
+    monkeypatch.setattr(cuda_ipc, "_open_failed", False, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: [0])
+    monkeypatch.setattr(cuda_ipc, "_open", lambda info: opened.append(info.gpu))
+    rows = type("Rows", (), {"gpu": 0})()
+    cuda_ipc.give_up(cuda_ipc.IpcUnavailable("CUDA IPC could not export GPU rows (there)"))
+    cuda_ipc.release(rows)
+    assert opened == [0] and not cuda_ipc.usable()
+    monkeypatch.setattr(cuda_ipc, "_open_failed", True)  # opening failed here: not again
+    cuda_ipc.release(rows)
+    assert opened == [0]

@@ -174,6 +174,11 @@ def test_grpo_refuses_the_kl_in_the_reward_divided_by_the_groups_std():
     RLConfig(algo="grpo", group_size=4, kl_coef=1e-3, kl_in_reward=True, std_normalize=False)
     RLConfig(algo="grpo", group_size=4, kl_coef=1e-3)  # the KL as a loss term: fine
     RLConfig(algo="ppo", kl_coef=1e-3, kl_in_reward=True)  # (std_normalize is GRPO's)
+    RLConfig(algo="grpo", group_size=4, kl_in_reward=True)  # kl_coef 0: no KL folded in
+    with pytest.raises(ValueError, match="k1 with kl_in_reward=True and std_normalize=False"):
+        RLConfig(algo="grpo", group_size=4, kl_coef=1e-3, kl_kind="k1")  # its advice: taken,
+    RLConfig(algo="grpo", group_size=4, kl_coef=1e-3, kl_kind="k1", kl_in_reward=True,
+             std_normalize=False)  # accepted
 
 
 def test_the_public_functions_refuse_settings_out_of_range():

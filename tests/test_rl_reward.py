@@ -105,23 +105,22 @@ def test_overlong_responses_lose_reward_linearly_through_the_buffer():
         RewardFn(count_answer, overlong={"max_length": 2, "buffer": 3})
 
 
-def test_an_overlong_max_length_below_the_response_width_is_refused():
-    """max_length=100 with 256-token responses (max_new_tokens=256): a full response lost
-    8.8 x penalty_factor, past the -penalty_factor the buffer promises."""
+def test_an_overlong_penalty_past_max_length_stays_at_the_penalty_factor():
+    """max_length=100 with 256-token responses (an evaluation generating more than training's
+    max_new_tokens): a full response lost 8.8 x penalty_factor, past the -penalty_factor the
+    buffer promises; now it loses penalty_factor, and the batch is scored."""
     from asyncrl.rl.reward import Overlong
 
     reward = RewardFn(count_answer, overlong={"max_length": 100, "buffer": 20})
     wide = TensorBatch({"response_ids": torch.full((2, 256), 5),
-                        "response_mask": (torch.arange(256) < torch.tensor([[120], [256]])).long(),
+                        "response_mask": (torch.arange(256) < torch.tensor([[90], [256]])).long(),
                         "prompt": ["q0", "q1"], "answer": [5, 5]})
-    with pytest.raises(ValueError, match=r"responses are 256 tokens wide, past max_length=100.*"
-                                         r"give max_length = the generation's max_new_tokens"):
-        reward.score(wide)
+    assert reward.score(wide)["overlong_penalty"].tolist() == [-0.5, -1.0]
     fits = RewardFn(count_answer, overlong={"max_length": 256, "buffer": 20}).score(wide)
     assert fits["overlong_penalty"].tolist() == [0.0, -1.0]
     penalty = Overlong(max_length=100, buffer=20, penalty_factor=2.0).penalty(
-        torch.tensor([80, 90, 100]), 100)
-    assert penalty.tolist() == [0.0, -1.0, -2.0]
+        torch.tensor([80, 90, 100, 300]), 300)
+    assert penalty.tolist() == [0.0, -1.0, -2.0, -2.0]
 
 
 def test_a_reward_models_nan_score_is_refused_naming_the_rows():

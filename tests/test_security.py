@@ -490,8 +490,11 @@ def test_what_a_rank_prints_before_its_hello_reaches_its_log():
 
     from asyncrl.controller.inbox import Inbox
 
+    class Group:  # (a handle: hashable, as the inbox keeps registered groups in a set)
+        name, nprocs = "g", 2
+
     written, dropped = [], []
-    group = SimpleNamespace(name="g", nprocs=2)
+    group = Group()
     ctl = SimpleNamespace(groups={"g": group}, calls={},
                           logs=SimpleNamespace(write=lambda *a: written.append(a)),
                           channel=SimpleNamespace(drop=lambda why, route=b"": dropped.append(why)))
@@ -501,6 +504,12 @@ def test_what_a_rank_prints_before_its_hello_reaches_its_log():
     for route in (b"g/2/log/1.0", b"g/1/io/1.0", b"other/0/log/1.0"):
         inbox.on_message(route, messages.Log(["x"]))
     assert len(written) == 1 and dropped == ["foreign", "foreign", "unknown_sender"]
+    # through relays, its exec hello may come first (by the exec relay): its logs, which go
+    # by the io relay, are still kept until the io hello registers that relay
+    tag = b"4242.0123456789abcdef"
+    assert inbox._register(group, [b"g", b"0", b"exec", tag], "exec", b"g/0/relay-exec/" + tag)
+    inbox.on_message(b"g/0/log/" + tag, messages.Log(["early"]), b"g/0/relay-io/" + tag)
+    assert written[-1] == ("g", 0, ["early"], 0)
 
 
 def test_a_value_from_a_peer_never_runs_the_file_a_reference_in_it_names(tmp_path):

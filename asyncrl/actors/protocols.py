@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from asyncrl.comm import codec
 from asyncrl.comm.batch import RowOps
 
@@ -331,24 +329,19 @@ def _dp_kept(layout: Layout, d: int, rows: int, state: _DPState) -> int | None:
 
 
 def _dp_cut(layout: Layout, d: int, out: Any, state: _DPState) -> Any:
-    """Dp rank d's result without its padding rows' part: a batch's rows as `_dp_kept`
-    says; a tensor (dim 0) or list with one item per row sent, its padding rows' items.
-    Anything else (a dict, a scalar, None, a list of another length) as it is."""
+    """Dp rank d's result without its padding rows' part when it is a batch (its rows as
+    `_dp_kept` says). Anything else as it is: a list or tensor one item a row cannot be told
+    from a summary of that length (a (loss, tokens) pair on a chunk of two rows)."""
     if isinstance(out, RowOps):
         rows = _dp_kept(layout, d, len(out), state)
         return out if rows is None else out.slice(0, rows)
-    pad, sent = state.pads[d], state.chunk_rows[d]
-    if not (pad and state.batched):
-        return out
-    if isinstance(out, list) and len(out) == sent or \
-            isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == sent:
-        return out[:sent - pad]
     return out
 
 
 def _dp_collect(layout: Layout, results: dict[int, Any], state: _DPState) -> Any:
     """Batches: concatenated in dp order, padding rows dropped. Other values: a list in dp
-    order, each cut as `_dp_cut` cuts it."""
+    order, as the ranks returned them (a value a row holds its padding rows' items too:
+    return a TensorBatch to have them dropped)."""
     ordered = [_dp_cut(layout, d, results[r], state)
                for d, r in enumerate(sorted(results, key=layout.dp_rank))]
     if not ordered or not all(isinstance(x, RowOps) for x in ordered):

@@ -35,6 +35,7 @@ from asyncrl.comm.messages import IpcRows
 log = logging.getLogger("asyncrl")
 _visible: list[str] | None = None
 _failed: str | None = None  # why CUDA IPC failed in this process: not used again
+_open_failed = False  # opening failed here (not a producer's export): releases would too
 
 
 class IpcUnavailable(RuntimeError):
@@ -108,13 +109,16 @@ def _open(info: IpcRows) -> tuple[int, torch.UntypedStorage]:
             info.ref_counter_handle, info.ref_counter_offset, info.event_handle,
             info.event_sync)
     except RuntimeError as e:
+        global _open_failed
+        _open_failed = True
         raise _unavailable("open", e) from e
 
 
 def release(info: IpcRows) -> None:
     """Open and close rows this process will not copy, so the producer can free them (not
-    once opening failed here: it would fail again)."""
-    if usable() and torch.cuda.is_available() and info.gpu in visible_gpus():
+    once opening failed here: it would fail again; after a producer's export failed, the
+    other producers' exported rows are still opened and closed, or their blocks stay)."""
+    if not _open_failed and torch.cuda.is_available() and info.gpu in visible_gpus():
         _open(info)  # closed as it is dropped: torch's deleter decrements the count
 
 

@@ -449,6 +449,7 @@ class Controller:
 
     def _forget(self, name: str) -> None:
         self.placer.forget(name)
+        self.inbox.forget_stopped()  # (its ranks' registrations held the handle's arrays)
         if self.cluster is not None:
             self.cluster.forget(name)
 

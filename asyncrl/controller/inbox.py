@@ -124,8 +124,9 @@ class Inbox:
             return None
         known = self._known.get(parts[0] + b"/" + parts[1])
         rank = int(parts[1])
-        if rank >= group.nprocs or known is not None and known.group is group:
-            return None
+        if rank >= group.nprocs or known is not None and known.group is group and (
+                "io" in known.roles):  # (logs go where the io hello went: through a relay,
+            return None  # its exec hello may come first, by the other relay)
         return group.name, rank
 
     def _sender(self, identity: bytes, relay: bytes | None) -> _Known | None:
@@ -238,7 +239,7 @@ class Inbox:
         """Record a rank's socket (its hello passed the token's check): its first says the
         tag all its sockets have; each role once. False: dropped."""
         if group not in self._groups:  # a group's first: what stopped groups left goes
-            self._forget_stopped()
+            self.forget_stopped()
             self._groups.add(group)
         key, rank = parts[0] + b"/" + parts[1], int(parts[1])
         known = self._known.get(key)
@@ -259,7 +260,8 @@ class Inbox:
             spoken[1].add(rank)
         return True
 
-    def _forget_stopped(self) -> None:
+    def forget_stopped(self) -> None:
+        """Drop the registrations of groups no longer running (closed, dead, replaced)."""
         groups = self._ctl.groups
         gone = {g for g in self._groups if groups.get(g.name) is not g}
         if gone:

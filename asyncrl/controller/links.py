@@ -68,42 +68,47 @@ class Links:
         """The key of the producer -> consumer link, set up if this pair has none. None: a
         group has no NCCL through CuPy (unless `required`: then that ImportError)."""
         key = self.key(producer, consumer)
-        async with self._locks.setdefault(key, asyncio.Lock()), self._setting_up:
+        async with self._locks.setdefault(key, asyncio.Lock()):
             if key in self._without and not required:
                 return None
             made = self._made.get(key)
             if made is not None and made[0] is producer and made[1] is consumer:
                 return key
             _check_gpus(producer, consumer)
-            try:  # both ends must have NCCL through CuPy; the producer's rank 0 makes the id
-                uid, _ = await asyncio.wait_for(asyncio.gather(
-                    producer.call("_nccl_unique_id"), consumer.call("_nccl_unique_id", False)),
-                    self.timeout)
-            except asyncio.TimeoutError:
-                raise TransferTimeout(f"rank 0 of groups {producer.name!r} and "
-                                      f"{consumer.name!r} did not answer whether they have NCCL "
-                                      f"within {self.timeout:g} s (transfer_timeout)") from None
-            except RemoteError as e:
-                if e.exc_type != "ImportError" or required:
-                    raise
-                log.warning("asyncrl: GPU rows from group %r to group %r go through host "
-                            "memory: %s", producer.name, consumer.name, e.remote_message)
-                self._without.add(key)
-                return None
-            offsets = {producer.name: 0, consumer.name: producer.nprocs}
-            world = producer.nprocs + consumer.nprocs
-            joins = [g.call("_nccl_join", key, uid, world, offsets)
-                     for g in (producer, consumer)]
-            try:
-                await asyncio.wait_for(asyncio.gather(*joins), self.timeout)
-            except asyncio.TimeoutError:
-                raise TransferTimeout(
-                    f"setting up NCCL between groups {producer.name!r} and {consumer.name!r}"
-                    f" ({world} ranks) took longer than {self.timeout:g} s (transfer_timeout)"
-                ) from None
-            self._made[key] = (producer, consumer, uid)
-            self.setups += 1
-            return key
+            async with self._setting_up:  # (a link made already goes by at once)
+                return await self._set_up(key, producer, consumer, required)
+
+    async def _set_up(self, key: str, producer: GroupHandle, consumer: GroupHandle,
+                      required: bool) -> str | None:
+        try:  # both ends must have NCCL through CuPy; the producer's rank 0 makes the id
+            uid, _ = await asyncio.wait_for(asyncio.gather(
+                producer.call("_nccl_unique_id"), consumer.call("_nccl_unique_id", False)),
+                self.timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"rank 0 of groups {producer.name!r} and "
+                                  f"{consumer.name!r} did not answer whether they have NCCL "
+                                  f"within {self.timeout:g} s (transfer_timeout)") from None
+        except RemoteError as e:
+            if e.exc_type != "ImportError" or required:
+                raise
+            log.warning("asyncrl: GPU rows from group %r to group %r go through host "
+                        "memory: %s", producer.name, consumer.name, e.remote_message)
+            self._without.add(key)
+            return None
+        offsets = {producer.name: 0, consumer.name: producer.nprocs}
+        world = producer.nprocs + consumer.nprocs
+        joins = [g.call("_nccl_join", key, uid, world, offsets)
+                 for g in (producer, consumer)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*joins), self.timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(
+                f"setting up NCCL between groups {producer.name!r} and {consumer.name!r}"
+                f" ({world} ranks) took longer than {self.timeout:g} s (transfer_timeout)"
+            ) from None
+        self._made[key] = (producer, consumer, uid)
+        self.setups += 1
+        return key
 
     def aborted(self, ends: dict[str, bytes]) -> None:
         """A rank aborted its ends of these links (key -> the uid they were made from):

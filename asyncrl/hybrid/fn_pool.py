@@ -145,6 +145,7 @@ try:
     died = os.pidfd_open(rank)  # (readable once the rank is gone; opened before the check)
 except (AttributeError, OSError):
     died = None  # (Linux < 5.3: its parent pid is polled)
+me = os.getpid()  # (taken before the fork: the child compares its parent with it)
 child = os.fork()
 if child == 0:
     try:
@@ -156,7 +157,7 @@ if child == 0:
         os.close(out)
         for s in (signal.SIGPIPE, signal.SIGXFSZ):  # as Popen leaves them
             signal.signal(s, signal.SIG_DFL)
-        os.execv(command[0], [*command, str(os.getppid())])
+        os.execv(command[0], [*command, str(me)])
     finally:
         os._exit(127)
 def say(number):  # (to a rank gone: nobody listens)

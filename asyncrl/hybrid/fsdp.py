@@ -413,16 +413,27 @@ class TrainBackend:
             return None
         return {"grad_norm": 0.0, "lr": self.opt.param_groups[0]["lr"], "grad_nonfinite": 0.0}
 
-    def _check_keys(self, state: dict[str, torch.Tensor]) -> None:
-        """`load_state_dict`'s state has the model's own keys, no more, no fewer: torch's
-        full-state-dict load fills a missing one with the current (random) weight."""
-        own = set(self.model.state_dict())
+    def _checked_keys(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`load_state_dict`'s state with the model's own keys, no more, no fewer (torch's
+        full-state-dict load fills a missing one with the current, random, weight); a tied
+        parameter given by one of its names (an HF checkpoint of tied embeddings has no
+        lm_head.weight) stands for the others."""
+        names: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        state = dict(state)
+        for tied in names.values():
+            given = next((n for n in tied if n in state), None)
+            if given is not None:
+                state.update({n: state[given] for n in tied if n not in state})
+        own = set(self.model.state_dict(keep_vars=True))
         missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
         if missing or unexpected:
             raise ValueError(
                 f"load_state_dict: the state dict lacks {len(missing)} of the model's keys "
                 f"{missing[:5]} and has {len(unexpected)} it does not know {unexpected[:5]}; "
                 f"give every key of this backend's state_dict() (the same model's), no others")
+        return state
 
 
 def rank_means(sums: dict[str, float], group: Any) -> dict[str, float]:
@@ -580,7 +591,6 @@ class FSDPBackend(TrainBackend):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        self._check_keys(state)
+        full: dict[str, Any] = self._checked_keys(state)
         self.loads += 1
-        full: dict[str, Any] = dict(state)
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))

@@ -43,10 +43,13 @@ def adamw(params: Any, cfg: TrainConfig) -> torch.optim.AdamW:
     embeddings, LoRA's factors) with `cfg.weight_decay`, the rest (norms' gains, biases) with
     none, which would otherwise pull an RMSNorm's gain toward 0."""
     params = list(params)
+    if not params:  # (torch takes an empty group and steps nothing, unsaid)
+        raise ValueError("the trainer has no parameters to train (every one frozen): unfreeze "
+                         "some, or give a LoRA config whose target modules the model has")
     fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     groups = [{"params": [p for p in params if (p.ndim >= 2) == decayed],
                "weight_decay": cfg.weight_decay if decayed else 0.0} for decayed in (True, False)]
-    kept = [g for g in groups if g["params"]] or groups[:1]  # (no parameters: torch says so)
+    kept = [g for g in groups if g["params"]]
     opt = torch.optim.AdamW(kept, lr=cfg.lr, fused=fused or None)
     _DECAYED[opt] = [g is groups[0] for g in kept]
     return opt

@@ -260,7 +260,9 @@ class ZeroBackend(TrainBackend):
                     continue  # (a LoRA model's frozen weights; buffers still go)
                 if id(value) not in done and fp32 and param and value.requires_grad:
                     whole = self._ds.utils.safe_get_full_fp32_param(value)  # (a collective)
-                    done[id(value)] = whole.detach().to("cpu", copy=True) if keep else whole
+                    # (kept or not: a rank that keeps nothing holds no whole fp32 copy)
+                    done[id(value)] = whole.detach().to("cpu", copy=True) if keep else \
+                        torch.empty(0)
                 elif id(value) not in done:
                     with self.gathered([value] if param else []):
                         done[id(value)] = value.detach().to("cpu", copy=True) if keep else value
@@ -271,7 +273,7 @@ class ZeroBackend(TrainBackend):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """New weights in the model and in ZeRO's fp32 partitions the optimizer steps: the
         masters take the state's own values (bf16 weights would round them)."""
-        self._check_keys(state)
+        state = self._checked_keys(state)
         self.loads += 1
         params = list(self.model.parameters())
         with self._ds.zero.GatheredParameters(params, modifier_rank=0, enabled=self.stage == 3):

@@ -87,16 +87,15 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     return loss, clipfrac.detach()
 
 
-def check_clips(clip: float, clip_high: float | None, dual_clip: float | None) -> None:
-    """ppo_policy_loss's ranges, as RLConfig checks them."""
+def check_clips(clip: float, clip_high: float | None, dual_clip: float | None,
+                who: str = "ppo_policy_loss: ") -> None:
+    """ppo_policy_loss's ranges (RLConfig's too, `who` naming it)."""
     if not 0 < clip < 1 or (clip_high is not None and not clip_high > 0):
-        raise ValueError(f"ppo_policy_loss: clip must be in (0, 1) (the ratio's lower bound "
-                         f"is 1 - clip; 0.2 is usual) and clip_high > 0 or None, got {clip} "
-                         f"and {clip_high}")
+        raise ValueError(f"{who}clip must be in (0, 1) (the ratio's lower bound is 1 - clip; "
+                         f"0.2 is usual) and clip_high > 0 or None, got {clip} and {clip_high}")
     if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"ppo_policy_loss: dual_clip must be > 1 (a negative advantage's "
-                         f"loss is at most -A * dual_clip; verl uses 3.0) or None, got "
-                         f"{dual_clip}")
+        raise ValueError(f"{who}dual_clip must be > 1 (a negative advantage's loss is at most "
+                         f"-A * dual_clip; verl uses 3.0) or None, got {dual_clip}")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

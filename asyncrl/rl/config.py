@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.hybrid.settings import check_kinds
-from asyncrl.rl.algorithms import AGGS
+from asyncrl.rl.algorithms import AGGS, check_clips
 
 # what PPO's returns depend on (see RLConfig.returns_fields); the KL's settings only where
 # the KL is in the reward
@@ -73,17 +73,13 @@ class RLConfig:
         if self.kl_kind == "k1" and self.kl_coef and not self.kl_in_reward:
             raise ValueError("RLConfig: kl_kind='k1' as a loss term does not pull towards the "
                              "reference (its gradient, grad log p, is 0 in expectation); use "
-                             "kl_kind='k2' or 'k3' for a loss, or k1 with kl_in_reward=True")
+                             "kl_kind='k2' or 'k3' for a loss, or k1 with kl_in_reward=True"
+                             + (" and std_normalize=False (GRPO)" if self.algo == "grpo"
+                                else ""))
         if self.correction not in ("none", "tis", "decoupled"):
             raise ValueError(f"RLConfig.correction is 'none', 'tis' or 'decoupled', got "
                              f"{self.correction!r}")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"RLConfig.dual_clip must be > 1 (verl uses 3.0) or None, got "
-                             f"{self.dual_clip}")
-        if not 0 < self.clip < 1 or (self.clip_high is not None and self.clip_high <= 0):
-            raise ValueError(f"RLConfig.clip must be in (0, 1) (the ratio's lower bound is "
-                             f"1 - clip) and clip_high > 0, got {self.clip} and "
-                             f"{self.clip_high}")
+        check_clips(self.clip, self.clip_high, self.dual_clip, "RLConfig.")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"RLConfig.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -109,7 +105,7 @@ class RLConfig:
                 raise ValueError(f"RLConfig.{name} must be >= 0, got {getattr(self, name)}"
                                  + ("; a negative entropy bonus drives the policy to collapse "
                                     "(use 0 for none)" if name == "entropy_coef" else ""))
-        if self.algo == "grpo" and self.kl_in_reward and self.std_normalize:
+        if self.algo == "grpo" and self.kl_in_reward and self.kl_coef and self.std_normalize:
             raise ValueError("RLConfig: GRPO with kl_in_reward=True and std_normalize=True "
                              "divides the KL folded into each reward by its group's std, so "
                              "a group of equal scores gets full-size advantages from KL "

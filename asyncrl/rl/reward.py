@@ -180,13 +180,9 @@ class Overlong:
                              f"penalty_factor={self.penalty_factor}")
 
     def penalty(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
-        """Each response's penalty; `width` is the batch's response width (at most the
-        generation's max_new_tokens), which must not pass max_length."""
-        if width > self.max_length:
-            raise ValueError(f"RewardFn(overlong=): responses are {width} tokens wide, past "
-                             f"max_length={self.max_length}: longer ones would lose more than "
-                             f"penalty_factor; give max_length = the generation's "
-                             f"max_new_tokens")
+        """Each response's penalty, never below -penalty_factor: a response past max_length
+        (an evaluation generating more than training's max_new_tokens, `width` wide) loses
+        that much, not more (at max_length=100, buffer=20, a 256-token one lost 8.8x)."""
         over = lengths.float() - (self.max_length - self.buffer)
         return (-over / self.buffer * self.penalty_factor).clamp(-self.penalty_factor, 0.0)
 
