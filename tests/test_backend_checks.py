@@ -132,21 +132,30 @@ def test_bf16_zero_state_dict_holds_the_fp32_masters_it_was_given(kind):
     assert step["grad_norm"] > 0
 
 
-def test_statistics_with_other_keys_on_other_ranks_are_refused_on_every_rank():
+@pytest.mark.parametrize("kind", ["fsdp2", "zero2"])
+def test_statistics_with_other_keys_on_other_ranks_are_refused_on_every_rank(kind):
     """The statistics were summed as one vector in each rank's own key order: rank 0's "a"
     was reported as the mean of its "a" and rank 1's "b"; with more keys on one rank, gloo
-    failed on the vectors' sizes (NCCL would hang)."""
+    failed on the vectors' sizes (NCCL would hang). Refused before any backward: ZeRO, which
+    steps inside the last one, had stepped when the check came after it."""
+    if kind != "fsdp2":
+        pytest.importorskip("deepspeed")
+
     async def main():
-        async with asyncrl.Controller() as ctl:
-            group = await _spawn(ctl, "fsdp2", {"micro_batch_size": 4}, nprocs=2)
+        async with asyncrl.Controller(construct_timeout=500) as ctl:
+            group = await _spawn(ctl, kind, {"micro_batch_size": 8}, nprocs=2)
+            before = (await group.weights())[0]
             errors = []
             for extra in (False, True):
                 with pytest.raises(asyncrl.RemoteError) as raised:
                     await group.rank_stats_step(fixed_batch(), extra)
                 errors.append(str(raised.value))
+            unchanged = all(torch.equal(v, before[k])
+                            for k, v in (await group.weights())[0].items())
             after = await group.step(fixed_batch())  # the group goes on
-            return errors, after, group_pids(group)
-    errors, after, pids = run(main(), timeout=200)
+            return errors, unchanged, after, group_pids(group)
+    errors, unchanged, after, pids = run(main(), timeout=400)
+    assert unchanged
     assert_gone(pids)
     assert "rank 0: ['a', 'loss'], rank 1: ['b', 'loss']" in errors[0]
     assert "rank 0: ['a', 'loss'], rank 1: ['b', 'c', 'loss']" in errors[1]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,14 @@ from asyncrl.hybrid.models import (
     sequence_logprobs,
     sequence_values,
 )
-from asyncrl.hybrid.optim import adamw, clip_grad_norm, lr_scheduler, resume_schedule
+from asyncrl.hybrid.optim import (
+    adamw,
+    agree_keys,
+    clip_grad_norm,
+    lr_scheduler,
+    rank_means,
+    resume_schedule,
+)
 from asyncrl.hybrid.settings import check_kinds
 from asyncrl.hybrid.turns import sampled_mask
 
@@ -400,6 +406,8 @@ class TrainBackend:
             weight = len(micro) / len(batch)
             micro = self._on_device(micro)
             loss, stats = loss_fn(self._forward(micro, entropy), micro)
+            if not sums:  # before any backward (ZeRO steps inside the last one): keys that
+                agree_keys(["loss", *stats], self.stats_group)  # differ by rank refused
             backward(loss * weight)
             for k, v in {"loss": loss.detach().item(), **stats}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
@@ -434,27 +442,6 @@ class TrainBackend:
                 f"{missing[:5]} and has {len(unexpected)} it does not know {unexpected[:5]}; "
                 f"give every key of this backend's state_dict() (the same model's), no others")
         return state
-
-
-def rank_means(sums: dict[str, float], group: Any) -> dict[str, float]:
-    """Each statistic's mean over the ranks of `group` (one all-reduce of all of them), once
-    the ranks agree on which there are (a loss's keys that depend on its data would sum one
-    rank's "a" with another's "b", or hang NCCL with vectors of other lengths)."""
-    keys = sorted(sums)
-    digest = float(zlib.crc32("\0".join(keys).encode()))
-    seen = torch.tensor([digest, -digest], dtype=torch.float64)  # the largest, the smallest
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-    if seen[0] != -seen[1]:  # (every rank sees it: all of them raise)
-        every: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, keys, group=group)
-        raise ValueError(f"the loss's statistics have other keys on other ranks ("
-                         f"{', '.join(f'rank {r}: {k}' for r, k in enumerate(every))}): a "
-                         f"LossFn's stats must have the same keys on every rank (report 0.0 "
-                         f"where a statistic has nothing to measure, e.g. no masked token)")
-    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(totals, group=group)
-    size = dist.get_world_size(group)
-    return {k: float(v) / size for k, v in zip(keys, totals, strict=True)}
 
 
 class FSDPBackend(TrainBackend):

@@ -1,16 +1,19 @@
 """The optimizer step of the training backends: AdamW, with weight decay on the matrices
 only (not on norms' gains or biases, as OpenRLHF and transformers' Trainer decay), a warmup
-then constant, cosine or linear lr by optimizer steps (both backends), and the clipping of
-gradients sharded over several meshes (FSDP2's; DeepSpeed clips its own)."""
+then constant, cosine or linear lr by optimizer steps (both backends), the clipping of
+gradients sharded over several meshes (FSDP2's; DeepSpeed clips its own), and a step's
+statistics averaged over the ranks, which must agree on their keys."""
 
 from __future__ import annotations
 
 import functools
 import math
 import weakref
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from asyncrl.hybrid.fsdp import TrainConfig
@@ -91,3 +94,30 @@ def clip_grad_norm(params: Any, max_norm: float | None) -> float:
         for group in by_mesh.values():  # one foreach op per mesh, not one op per tensor
             torch._foreach_mul_(group, scale)
     return total
+
+
+def rank_means(sums: dict[str, float], group: Any) -> dict[str, float]:
+    """Each statistic's mean over the ranks of `group` (one all-reduce of all of them), once
+    the ranks agree on which there are (a loss's keys that depend on its data would sum one
+    rank's "a" with another's "b", or hang NCCL with vectors of other lengths)."""
+    keys = agree_keys(sums, group)
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(totals, group=group)
+    size = dist.get_world_size(group)
+    return {k: float(v) / size for k, v in zip(keys, totals, strict=True)}
+
+
+def agree_keys(names: Any, group: Any) -> list[str]:
+    """`names` sorted, the same on every rank of `group`, or a ValueError on every rank."""
+    keys = sorted(set(names))
+    digest = float(zlib.crc32("\0".join(keys).encode()))
+    seen = torch.tensor([digest, -digest], dtype=torch.float64)  # the largest, the smallest
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    if seen[0] != -seen[1]:  # (every rank sees it: all of them raise)
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, keys, group=group)
+        raise ValueError(f"the loss's statistics have other keys on other ranks ("
+                         f"{', '.join(f'rank {r}: {k}' for r, k in enumerate(every))}): a "
+                         f"LossFn's stats must have the same keys on every rank (report 0.0 "
+                         f"where a statistic has nothing to measure, e.g. no masked token)")
+    return keys
