@@ -271,7 +271,7 @@ def test_record_keys_the_rl_step_writes_are_refused():
     """A dataset with a 'reward' field failed at the first actor.update (its column beside
     the scores' in one batch)."""
     for key in ("reward", "ref_logprobs", "values", "loss_mask", "overlong_penalty",
-                "timed_out"):
+                "timed_out", "crashed"):
         with pytest.raises(ValueError, match=rf"the key\(s\) \['{key}'\], which the RL step "
                                              rf"writes .*: rename them"):
             PromptSource([{"prompt": [1], key: 1.0}], batch_size=1)

@@ -159,8 +159,24 @@ def verifier(prompt, response, answer):
         return np.float64(len(tool.stdout.strip()))
     if answer == 7:
         raise ArithmeticError("cannot parse the answer")
+    if answer == 11:  # a crash in native code (a segfault, the OOM killer)
+        os.kill(os.getpid(), signal.SIGSEGV)
     print("this print goes to the log, not into the frames")
     return np.float64(len(response))
+
+
+def test_a_row_whose_scorer_a_signal_killed_is_reported_as_crashed():
+    """The pool scored such a row as timed out and marked it crashed; the scores said
+    timed_out alone (`reward/crashed` now tells a segfaulting verifier from a slow one)."""
+    reward = RewardFn(verifier, processes=1, timeout_s=30.0, timeout_score=-1.0)
+    try:
+        scores = reward.score(answers(1, 11, 2))
+    finally:
+        pids = reward.scorer_pids()
+        reward.on_close()
+    assert_gone(pids)
+    assert scores["reward"].tolist() == [1.0, -1.0, 3.0]
+    assert scores["timed_out"].tolist() == scores["crashed"].tolist() == [0.0, 1.0, 0.0]
 
 
 def logged_length(prompt, response, answer):
@@ -394,6 +410,7 @@ def test_a_reward_group_scores_hung_rows_with_the_timeout_score_and_leaves_no_pr
     assert_gone(pids)  # the rank, its scoring processes and their replacements
     assert scores["reward"].tolist() == [1.0, -1.0, 3.0]
     assert scores["timed_out"].tolist() == [0.0, 1.0, 0.0]
+    assert scores["crashed"].tolist() == [0.0, 0.0, 0.0]  # (hung, not killed by a signal)
     for bad in ({"timeout_s": 0}, {"timeout_s": float("nan")}, {"processes": None},
                 {"timeout_score": True}):
         with pytest.raises(ValueError, match="processes must be an int >= 0, timeout_s"):

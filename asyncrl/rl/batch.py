@@ -23,7 +23,7 @@ from asyncrl.rl.config import RLConfig
 log = logging.getLogger("asyncrl")
 
 # what a RewardFn's scores may hold beside "reward", reported as reward/<name> (batch means)
-REPORTED = ("overlong_penalty", "timed_out")
+REPORTED = ("overlong_penalty", "timed_out", "crashed")
 # the columns assemble() puts beside a rollout's: a prompt record's key of one of these names
 # would clash with it at the first update (PromptSource refuses them)
 ASSEMBLED = frozenset({"reward", "ref_logprobs", "values", "loss_mask", *REPORTED})

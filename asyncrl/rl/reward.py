@@ -239,7 +239,8 @@ class RewardFn(Worker):
             scores = torch.tensor([self.timeout_score if t else checked(self.fn, v, i)
                                    for i, (v, t) in enumerate(zip(values, late, strict=True))],
                                   dtype=torch.float32)
-            out = {"timed_out": _padded(torch.tensor(late, dtype=torch.float32), len(batch))}
+            out = {k: _padded(torch.tensor(flags, dtype=torch.float32), len(batch))
+                   for k, flags in (("timed_out", late), ("crashed", self.pool.crashed))}
             if any(late):
                 log.warning("asyncrl: %s ran past %s s on %d of %d rows; they score %s",
                             self.pool.name, self.pool.timeout_s, sum(late),
