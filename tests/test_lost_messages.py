@@ -168,8 +168,12 @@ def test_a_concurrent_calls_result_lost_on_its_way_back_fails_the_group(later):
     pids, said, threads = run(main())
     assert_gone(pids)
     assert "rank 1" in said and "from a socket of its concurrent calls" in said, said
-    assert ("never came (a later one did)" in said) == (later and threads == 1), (said, threads)
-    assert ("had not come" in said) == (not later or threads == 2), (said, threads)
+    if not later:
+        assert "had not come" in said and "a later one did" not in said, said
+    elif threads == 1:
+        assert "never came (a later one did)" in said, said
+    else:  # (a second thread started, and either thread may have run the second call)
+        assert "never came (a later one did)" in said or "had not come" in said, said
 
 
 @pytest.mark.parametrize("relay", [False, True])

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import copy
 import inspect
@@ -366,7 +367,8 @@ class Controller:
         loop = self.loop
 
         def exited(code: int) -> None:  # on the agent's watcher thread
-            loop.call_soon_threadsafe(self.supervisor.agent_exited, group, code)
+            with contextlib.suppress(RuntimeError):  # (the loop closed: nobody to tell)
+                loop.call_soon_threadsafe(self.supervisor.agent_exited, group, code)
 
         # the agent server asked from a thread: busy, or still importing torch, it answers
         # in seconds, while the other groups' heartbeats must go on
