@@ -53,14 +53,10 @@ def test_a_call_refused_where_it_was_made_holds_no_step_back():
             return {"refused": 1}
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[roll, check], inputs={"x": range(3)},
-                                    groups=[loader])
-            await flow.open(ctl)
-            try:
-                return [await flow.step() for _ in range(3)]
-            finally:
-                await flow.close()
+        flow = asyncrl.DataFlow(nodes=[roll, check], inputs={"x": range(3)},
+                                groups=[loader])
+        async with flow:
+            return [await flow.step() for _ in range(3)]
     steps = asyncio.run(asyncio.wait_for(main(), 60))
     assert [s["check"] for s in steps] == [{"refused": 1}] * 3
 
@@ -116,18 +112,14 @@ def test_a_driver_timing_out_a_step_waiting_on_its_follows_edge_can_step_again()
     flow = _edge_flow(late)
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            await flow.open(ctl)
-            try:
-                await flow.step()
-                with pytest.raises(TimeoutError):  # train 0 runs on: step 1 waits for it
-                    await asyncio.wait_for(flow.step(), 0.05)
-                late[0]._set_result(Held("train 0"))
-                second = await asyncio.wait_for(flow.step(), 30)
-                third = await asyncio.wait_for(flow.step(), 30)
-            finally:
-                await flow.close()
-            return second["rollout"], third["rollout"], flow.next_step
+        async with flow:
+            await flow.step()
+            with pytest.raises(TimeoutError):  # train 0 runs on: step 1 waits for it
+                await asyncio.wait_for(flow.step(), 0.05)
+            late[0]._set_result(Held("train 0"))
+            second = await asyncio.wait_for(flow.step(), 30)
+            third = await asyncio.wait_for(flow.step(), 30)
+        return second["rollout"], third["rollout"], flow.next_step
     assert asyncio.run(main()) == (1, 2, 3)
 
 
@@ -162,16 +154,12 @@ def test_two_steps_at_once_are_refused():
         return x
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[echo], inputs={"x": range(5)}, groups=[])
-            await flow.open(ctl)
-            try:
-                await flow.step()
-                await flow.step()
-                both = await asyncio.gather(flow.step(), flow.step(), return_exceptions=True)
-                return both, await flow.step(), flow.next_step
-            finally:
-                await flow.close()
+        flow = asyncrl.DataFlow(nodes=[echo], inputs={"x": range(5)}, groups=[])
+        async with flow:
+            await flow.step()
+            await flow.step()
+            both = await asyncio.gather(flow.step(), flow.step(), return_exceptions=True)
+            return both, await flow.step(), flow.next_step
     (first, second), after, next_step = asyncio.run(main())
     assert first == {"echo": 2} and isinstance(second, RuntimeError)
     assert "await each step before calling the next (or use flow.run())" in str(second)
@@ -195,16 +183,12 @@ def test_a_failed_steps_recovery_watchers_are_cancelled_with_it(monkeypatch):
         raise ValueError("broken beside it")
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[keep, broken], inputs={"x": [0]}, groups=[])
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError, match="broken beside it"):
-                    await flow.step()
-                watchers = list(flow._watchers)
-                return len(watchers), all(w.cancelling() for w in watchers)
-            finally:
-                await flow.close()
+        flow = asyncrl.DataFlow(nodes=[keep, broken], inputs={"x": [0]}, groups=[])
+        async with flow:
+            with pytest.raises(asyncrl.NodeError, match="broken beside it"):
+                await flow.step()
+            watchers = list(flow._watchers)
+            return len(watchers), all(w.cancelling() for w in watchers)
     assert asyncio.run(main()) == (1, True)
 
 
@@ -221,20 +205,16 @@ def test_a_left_behind_bound_wait_failing_later_is_not_logged_as_never_retrieved
         return late[0]
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[slow], inputs={"x": range(4)}, groups=[])
-            await flow.open(ctl)
-            try:
+        flow = asyncrl.DataFlow(nodes=[slow], inputs={"x": range(4)}, groups=[])
+        async with flow:
+            await flow.step()
+            await flow.step()
+            with pytest.raises(TimeoutError):  # step 2 waits for all of step 0
+                await asyncio.wait_for(flow.step(), 0.05)
+            late[0]._set_exception(RuntimeError("slow 0 failed"))
+            with pytest.raises(asyncrl.NodeError, match="slow 0 failed"):
                 await flow.step()
-                await flow.step()
-                with pytest.raises(TimeoutError):  # step 2 waits for all of step 0
-                    await asyncio.wait_for(flow.step(), 0.05)
-                late[0]._set_exception(RuntimeError("slow 0 failed"))
-                with pytest.raises(asyncrl.NodeError, match="slow 0 failed"):
-                    await flow.step()
-            finally:
-                await flow.close()
-            gc.collect()
+        gc.collect()
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         asyncio.run(main())
         gc.collect()
