@@ -19,10 +19,16 @@ MODEL = {"preset": "tiny-llama", "seed": 0}
 
 class CheckTrainer(AnyTrainer):
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
-    def rank_stats_step(self, batch: TensorBatch, extra: bool) -> dict:
-        """A loss whose statistics' keys depend on the rank's data (here its rank)."""
+    def rank_stats_step(self, batch: TensorBatch, extra: bool | str) -> dict:
+        """A loss whose statistics' keys depend on the rank's data (here its rank), or with
+        extra="micro", on the micro-batch (a "d" in the second micro-batch on every rank)."""
+        micros = []
+
         def loss_fn(out, micro):
             loss, _ = nll_loss(out, micro)
+            micros.append(micro)
+            if extra == "micro":
+                return loss, {"a": 1.0, **({"d": 2.0} if len(micros) == 2 else {})}
             stats = {"a": 1.0} if self.rank == 0 else {"b": 3.0}
             return loss, {**stats, "c": 0.0} if extra and self.rank == 1 else stats
         return self.backend.train_step(batch, loss_fn)
@@ -137,31 +143,43 @@ def test_statistics_with_other_keys_on_other_ranks_are_refused_on_every_rank(kin
     """The statistics were summed as one vector in each rank's own key order: rank 0's "a"
     was reported as the mean of its "a" and rank 1's "b"; with more keys on one rank, gloo
     failed on the vectors' sizes (NCCL would hang). Refused before any backward: ZeRO, which
-    steps inside the last one, had stepped when the check came after it."""
+    steps inside the last one, had stepped when the check came after it. A key that only a
+    later micro-batch has (its mean was of that micro-batch's share alone, 2.0 reported as
+    1.0) is refused before the last backward: ZeRO had stepped; it now keeps the first
+    micro-batch's gradients and refuses to step on (FSDP2 drops them)."""
     if kind != "fsdp2":
         pytest.importorskip("deepspeed")
 
     async def main():
         async with asyncrl.Controller(construct_timeout=500) as ctl:
-            group = await _spawn(ctl, kind, {"micro_batch_size": 8}, nprocs=2)
+            group = await _spawn(ctl, kind, {"micro_batch_size": 2}, nprocs=2)
             before = (await group.weights())[0]
             errors = []
-            for extra in (False, True):
+            for extra in (False, True, "micro"):
                 with pytest.raises(asyncrl.RemoteError) as raised:
                     await group.rank_stats_step(fixed_batch(), extra)
                 errors.append(str(raised.value))
             unchanged = all(torch.equal(v, before[k])
                             for k, v in (await group.weights())[0].items())
-            after = await group.step(fixed_batch())  # the group goes on
+            try:  # the group goes on
+                after = await group.step(fixed_batch())
+            except asyncrl.RemoteError as e:
+                after = str(e)
             return errors, unchanged, after, group_pids(group)
     errors, unchanged, after, pids = run(main(), timeout=400)
     assert unchanged
     assert_gone(pids)
     assert "rank 0: ['a', 'loss'], rank 1: ['b', 'loss']" in errors[0]
     assert "rank 0: ['a', 'loss'], rank 1: ['b', 'c', 'loss']" in errors[1]
-    for error in errors:
+    for error in errors[:2]:
         assert "a LossFn's stats must have the same keys on every rank" in error
-    assert len({s["loss"] for s in after}) == 1 and after[0]["grad_norm"] > 0
+    assert ("other keys in micro-batch 1 (['a', 'd', 'loss']) than in the first (['a', "
+            "'loss']): a LossFn's stats must have the same keys in every micro-batch"
+            ) in errors[2]
+    if kind == "fsdp2":
+        assert len({s["loss"] for s in after}) == 1 and after[0]["grad_norm"] > 0
+    else:
+        assert "the step before failed after some of its micro-batches' backward" in after
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "zero2"])

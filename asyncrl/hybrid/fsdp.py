@@ -402,16 +402,30 @@ class TrainBackend:
         """Forward and backward each micro-batch (weighted by its share of the rows); the
         loss and statistics, averaged over the micro-batches and the data-parallel ranks."""
         sums: dict[str, float] = {}
-        for micro in micros if micros is not None else self.train_micro_batches(batch):
+        micros = micros if micros is not None else self.train_micro_batches(batch)
+        keys: list[set[str]] = []  # each micro-batch's statistics
+        for i, micro in enumerate(micros):
             weight = len(micro) / len(batch)
             micro = self._on_device(micro)
             loss, stats = loss_fn(self._forward(micro, entropy), micro)
-            if not sums:  # before any backward (ZeRO steps inside the last one): keys that
-                agree_keys(["loss", *stats], self.stats_group)  # differ by rank refused
+            keys.append({"loss", *stats})
+            if i in (0, len(micros) - 1):  # before any backward, and before the last (ZeRO
+                self._agree_stats(keys)  # steps inside it): differing keys refused
             backward(loss * weight)
             for k, v in {"loss": loss.detach().item(), **stats}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
         return rank_means(sums, self.stats_group)
+
+    def _agree_stats(self, keys: list[set[str]]) -> None:
+        """The ranks agree on the statistics' keys and on whether a micro-batch's differ from
+        the first's (a mean would then be of some micro-batches only)."""
+        other = next((i for i, k in enumerate(keys) if k != keys[0]), None)
+        agree_keys([*keys[0], *(["<other keys in a later micro-batch>"] if other else [])],
+                   self.stats_group)
+        if other:  # on every rank (they agreed on it)
+            raise ValueError(f"the loss's statistics have other keys in micro-batch {other} "
+                             f"({sorted(keys[other])}) than in the first ({sorted(keys[0])}):"
+                             f" a LossFn's stats must have the same keys in every micro-batch")
 
     def _empty_step(self, batch: TensorBatch) -> dict[str, float] | None:
         """A train step's result where no rank has a real row (`batch` counted by
