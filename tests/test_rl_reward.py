@@ -478,6 +478,10 @@ def test_a_reward_parameter_no_column_fills_is_warned_of(caplog):
     # the first two parameters are the prompt and the response, whatever their names
     assert score_rows(lambda raw_prompt, text, answer: float(answer), rollout_like(1)
                       ).tolist() == [5.0]
+    # or a *args takes them: the keywords after it are columns (it was given none)
+    assert score_rows(lambda *texts, answer: float(answer), rollout_like(1)).tolist() == [5.0]
+    assert score_rows(lambda prompt, *rest, answer: float(answer), rollout_like(1)
+                      ).tolist() == [5.0]
 
 
 def test_text_prompts_are_generated_from_and_scored_as_text(tmp_path):

@@ -51,8 +51,9 @@ def taken_by(fn: Callable[..., Any], keys: list[str], what: str = "reward functi
     except (TypeError, ValueError):  # a builtin or C function: give it everything
         return keys
     name = getattr(fn, "__name__", repr(fn))
+    slots = _response_slots(params)
     # (prompt, response), given positionally: a keyword of the same name would clash
-    own = {p.name for p in params[:2] if p.kind is p.POSITIONAL_OR_KEYWORD}
+    own = {p.name for p in slots if p.kind is p.POSITIONAL_OR_KEYWORD}
     if own & set(keys) and (name, tuple(sorted(own & set(keys)))) not in _warned:
         _warned.add((name, tuple(sorted(own & set(keys)))))
         log.warning("asyncrl: %s %r is not given the column(s) %s: they are named as its "
@@ -61,7 +62,8 @@ def taken_by(fn: Callable[..., Any], keys: list[str], what: str = "reward functi
     keys = [k for k in keys if k not in own]
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return keys
-    named = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    named = [p for p in params if p not in slots
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     taken = [k for k in keys if k in {p.name for p in named}]
     missing = [p.name for p in named if p.name not in keys and p.default is p.empty]
     if missing:
@@ -76,6 +78,19 @@ def taken_by(fn: Callable[..., Any], keys: list[str], what: str = "reward functi
                     "while the columns %s go unused: a misspelt parameter?", what, name,
                     defaulted, unused)
     return taken
+
+
+def _response_slots(params: list[inspect.Parameter]) -> list[inspect.Parameter]:
+    """The parameters the prompt and the response fill, given positionally: the first two
+    positional ones, or fewer and a *args that takes the rest (`def f(*args, answer)`)."""
+    slots: list[inspect.Parameter] = []
+    for p in params[:2]:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL):
+            break
+        slots.append(p)
+        if p.kind is p.VAR_POSITIONAL:
+            break
+    return slots
 
 
 _warned: set[tuple[str, tuple[str, ...]]] = set()
