@@ -59,10 +59,10 @@ def launch(args: argparse.Namespace) -> int:
     sys.argv = [args.script, *args.args, *args.passed]
     overrides = now = key_values("launch", args.args)
     if args.resume:  # the run's own settings, under those given now (steps=... to go on)
-        from asyncrl.controller.checkpoint import checkpoint_overrides
+        from asyncrl.controller.launch import resumed_overrides
 
-        try:
-            saved = checkpoint_overrides(Path(args.run_dir))
+        try:  # (once the checkpoint is known to be this user's)
+            saved = resumed_overrides(Path(args.run_dir))
         except CheckpointError as e:
             raise SystemExit(f"asyncrl launch: {e}") from None
         if saved:
@@ -79,7 +79,8 @@ def launch(args: argparse.Namespace) -> int:
                              f"declare `flow = asyncrl.DataFlow(...)` or write `async def "
                              f"main():` that opens `async with asyncrl.Controller()`")
         _refuse_flow_options(args)
-        result = run(main()) if inspect.iscoroutinefunction(main) else main()
+        result = main()  # a coroutine from an async def, or from a wrapper of one too
+        result = run(result) if inspect.iscoroutine(result) else result
         return int(result) if isinstance(result, int) and not isinstance(result, bool) else 0
     stray = [a for a in args.args if "=" not in a] + args.passed  # a flow takes key=value
     if stray:                                                     # overrides only
@@ -338,11 +339,13 @@ def timeline(args: argparse.Namespace) -> int:
 def export(args: argparse.Namespace) -> int:
     from transformers.utils import logging
 
+    from asyncrl.controller.launch import sigterm_raises
     from asyncrl.hybrid.export import export as write
 
     logging.disable_progress_bar()  # one line says what was written
-    try:
-        done = write(Path(args.path), Path(args.out), args.group, args.dtype)
+    try:  # (SIGTERM raises: its half-written folder is removed, as on any failure)
+        with sigterm_raises():
+            done = write(Path(args.path), Path(args.out), args.group, args.dtype)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         raise SystemExit(f"asyncrl export: {e}") from None
     print(f"asyncrl export: wrote {done['out']}: group {done['group']!r} of "
@@ -411,6 +414,7 @@ def bench(args: argparse.Namespace) -> int:
     if stray:
         raise SystemExit(f"asyncrl bench: unrecognized arguments: {' '.join(stray)}; a flow "
                          f"takes key=value overrides after the options (`asyncrl bench --help`)")
+    settings = _settings(args)  # (checked before the flow's file is imported)
     module = load_flow(args.script, key_values("bench", args.args))
     flow = flow_of(module, args.script)
     if flow is None:
@@ -421,7 +425,7 @@ def bench(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
     failed = _run_flow("bench", run_dir, launch_flow(flow, args.steps, run_dir,
-                                                     controller=_settings(args)))
+                                                     controller=settings))
     if failed:
         return failed
     deps = {name: [src[1] for src in d.values() if src is not None and src[0] == "node"]

@@ -9,7 +9,7 @@ import os
 import sys
 import sysconfig
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 from asyncrl.errors import SettingError
 
@@ -31,21 +31,14 @@ def load_flow(path: str, overrides: dict[str, Any] | None = None,
     run's checkpoint alone gave. Of those, what the file no longer declares (a setting
     renamed or removed since) is dropped, said; what was given now must be declared."""
     try:
-        return _import_with(path, overrides, saved)
+        return _import_with(path, overrides or {}, saved or {})
     except SettingError as e:
-        stale = sorted(k for k in e.unknown if k in (saved or {}))
-        if not stale or len(stale) < len(e.unknown):
-            raise SystemExit(f"asyncrl: {e}; fix the key=value arguments" + (
-                f" (on --resume, the run's own, kept in its checkpoint, count too: "
-                f"{json.dumps(saved)})" if saved else "")) from None
-    print(f"asyncrl: the run's setting(s) {stale}, kept in its checkpoint, are not settings "
-          f"of {path} any more: dropped", file=sys.stderr)
-    return load_flow(path, {k: v for k, v in (overrides or {}).items() if k not in stale},
-                 {k: v for k, v in (saved or {}).items() if k not in stale})
+        raise SystemExit(f"asyncrl: {e}; fix the key=value arguments" + (
+            f" (on --resume, the run's own, kept in its checkpoint, count too: "
+            f"{json.dumps(saved)})" if saved else "")) from None
 
 
-def _import_with(path: str, overrides: dict[str, Any] | None,
-                 saved: dict[str, Any] | None) -> Any:
+def _import_with(path: str, overrides: dict[str, Any], saved: dict[str, Any]) -> Any:
     from asyncrl.comm.refs import _load_file
     from asyncrl.controller import declare
     from asyncrl.controller.declare import OVERRIDES_CHECKED_ENV, OVERRIDES_ENV
@@ -54,7 +47,7 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
         raise SystemExit(f"asyncrl: no such file: {path}")
     # before the import: the flow file reads them with asyncrl.config(...); none given,
     # none left from an earlier load in this process
-    os.environ[OVERRIDES_ENV] = json.dumps(overrides or {})
+    os.environ[OVERRIDES_ENV] = json.dumps(overrides)
     os.environ.pop(OVERRIDES_CHECKED_ENV, None)
     declare.settings.clear()  # this file's, for the run's trackers
     calls, loaded, declared = declare.config_calls, set(sys.modules), declare.declared_count()
@@ -62,11 +55,12 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
     try:
         module = _load_file(os.path.abspath(path))
         unknown = sorted(declare.pending - set(declare.settings))
-        if unknown:  # loaded again when given other settings: not kept
+        if any(k not in saved for k in unknown):  # loaded again when given other settings:
+            # not kept (the run's own alone: the import stands, see _drop_stale)
             sys.modules.pop(module.__name__, None)
             raise declare.unknown_settings(unknown, declare.settings)
-    except SettingError:  # the command line's mistake, not the file's: _load says so (and
-        declare.forget_declared_after(declared)  # may import it again: its groups anew)
+    except SettingError:  # the command line's mistake, not the file's: load_flow says so
+        declare.forget_declared_after(declared)  # (a later load imports it anew: its groups)
         raise
     except SyntaxError as e:
         where = f"{e.filename}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
@@ -76,7 +70,7 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
         raise SystemExit(f"asyncrl: {broken} is not valid Python: {e.msg} at {where}{code}\n"
                          f"fix the file and launch again") from None
     except Exception as e:  # noqa: BLE001 - user code: say where it failed and what
-        given = " ".join(f"{k}={v}" for k, v in (overrides or {}).items())
+        given = " ".join(f"{k}={v}" for k, v in overrides.items())
         # SystemExit prints its message alone, never its cause: the traceback goes in it
         whole = "".join(traceback.format_exception(e)) if os.environ.get(
             "ASYNCRL_TRACEBACK") else ""
@@ -92,18 +86,39 @@ def _import_with(path: str, overrides: dict[str, Any] | None,
         declare.pending = None
     os.environ[OVERRIDES_CHECKED_ENV] = "1"  # (the ranks' imports take them as checked)
     if overrides and module.__name__ not in loaded and declare.config_calls == calls:
-        now = [k for k in overrides if k not in (saved or {})]
-        if not now:  # the run's own settings alone: the file stopped declaring any
-            raise SettingError("no settings declared", list(overrides))
-        given = " ".join(f"{k}={overrides[k]}" for k in now)
-        driver = callable(getattr(module, "main", None))  # its own arguments: after --
-        raise SystemExit(f"asyncrl: {path} takes no settings (it never calls "
-                         f"asyncrl.config(...)), so {given} would be ignored; " +
-                         (f"arguments for its main() go after --: asyncrl launch {path} -- "
-                          f"{given}" if driver else
-                          "declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop "
-                          "them"))
+        now = [k for k in overrides if k not in saved]
+        if now:
+            _refuse_settings(path, module, {k: overrides[k] for k in now})
+        unknown = sorted(overrides)  # the run's own alone: the file declares none any more
+    if unknown:
+        _drop_stale(path, unknown, overrides)
     return module
+
+
+def _drop_stale(path: str, stale: list[str], overrides: dict[str, Any]) -> None:
+    """Say that the run's settings `stale`, kept in its checkpoint, are no settings of the
+    file any more, and leave them out of what the ranks and the next checkpoint take. The
+    import stands: importing it again would leave out the groups and settings of modules
+    it imports (cached, not run again), and its config() calls already skipped them."""
+    from asyncrl.controller.declare import OVERRIDES_ENV
+
+    print(f"asyncrl: the run's setting(s) {stale}, kept in its checkpoint, are not settings "
+          f"of {path} any more: dropped", file=sys.stderr)
+    os.environ[OVERRIDES_ENV] = json.dumps(
+        {k: v for k, v in overrides.items() if k not in stale})
+
+
+def _refuse_settings(path: str, module: Any, now: dict[str, Any]) -> NoReturn:
+    """Settings given now to a file that never calls asyncrl.config(...): they would be
+    ignored, so refused, saying where they belong."""
+    given = " ".join(f"{k}={v}" for k, v in now.items())
+    driver = callable(getattr(module, "main", None))  # its own arguments: after --
+    raise SystemExit(f"asyncrl: {path} takes no settings (it never calls "
+                     f"asyncrl.config(...)), so {given} would be ignored; " +
+                     (f"arguments for its main() go after --: asyncrl launch {path} -- "
+                      f"{given}" if driver else
+                      "declare them there, e.g. cfg = asyncrl.config(lr=1e-3), or drop "
+                      "them"))
 
 
 def _user_line(error: BaseException, path: str) -> str:

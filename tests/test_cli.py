@@ -48,7 +48,6 @@ def test_launch_errors_are_clear(tmp_path):
     assert out.returncode != 0 and "--checkpoint-every must be >= 1, got 0" in out.stderr
 
 
-
 def test_launch_passes_a_driver_the_arguments_after_dash_dash_without_it(tmp_path,
                                                                           monkeypatch):
     import re
@@ -70,6 +69,9 @@ def test_launch_passes_a_driver_the_arguments_after_dash_dash_without_it(tmp_pat
                         "pass asyncrl.Controller(transfer_timeout=...)")):
         with pytest.raises(SystemExit, match=re.escape(said)):
             main(["launch", str(driver), *argv, "--", "--foo"])
+    with pytest.raises(SystemExit, match="nor a setting; arguments for a driver's main"
+                                         "\\(\\) go after '--'"):  # (before '--': said)
+        main(["launch", str(driver), "--out=res.json"])
 
 
 def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
@@ -369,6 +371,8 @@ def test_bad_controller_timings_are_refused_before_anything_starts(tmp_path):
                                          r"heartbeat_interval \(0.5 s\); see --heartbeat"):
         main(["launch", str(flow), "--heartbeat-timeout", "0.2",
               "--run-dir", str(tmp_path / "run")])
+    with pytest.raises(SystemExit, match=r"heartbeat_timeout \(0.2 s\) must be longer"):
+        main(["bench", str(flow), "--heartbeat-timeout", "0.2"])  # (bench's: checked too)
     for flag in ("--heartbeat-interval", "--transfer-timeout", "--collective-timeout"):
         for bad in ("0", "-1", "inf", "nan"):
             with pytest.raises(SystemExit) as e:  # argparse's usage error (the flow file
@@ -507,3 +511,90 @@ def test_remote_hosts_and_a_loopback_or_unresolvable_name_ask_for_controller_add
         cli._cluster(given)
     given.controller_address = "10.0.0.2"
     assert cli._cluster(given)[1] == "10.0.0.2"
+
+
+def test_a_stale_setting_keeps_groups_and_settings_of_a_module_the_flow_imports(
+        tmp_path, monkeypatch, capsys):
+    """A saved setting the flow no longer declares made --resume import the flow file again,
+    not the module it imports (cached): its group and its checkpoint's settings were lost."""
+    from asyncrl.controller import declare
+    from asyncrl.controller.declare import OVERRIDES_ENV
+    from asyncrl.flow_file import load_flow
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "stale_setting_roles.py").write_text(
+        "import asyncrl\n\n\nclass W(asyncrl.Worker):\n    pass\n\n\n"
+        "w = asyncrl.group(W, name='w')\ncfg = asyncrl.config(actor_lr=0.5)\n")
+    flow = tmp_path / "stale_setting_flow.py"
+    flow.write_text("import asyncrl\nfrom stale_setting_roles import w\n\n\n@asyncrl.node\n"
+                    "def n(x):\n    return w.f(x)\n\n\n"
+                    "flow = asyncrl.DataFlow(nodes=[n], inputs={'x': [1]})\n")
+    saved = {"lr": "0.5", "actor_lr": "0.9"}  # lr: renamed actor_lr since the run began
+    monkeypatch.setenv(OVERRIDES_ENV, "{}")  # (load_flow sets it for the ranks)
+    try:
+        module = load_flow(str(flow), saved, saved)
+    finally:
+        sys.modules.pop("stale_setting_roles", None)
+    assert [g.name for g in module.flow.groups] == ["w"]
+    assert json.loads(os.environ[OVERRIDES_ENV]) == {"actor_lr": "0.9"}
+    assert declare.settings == {"actor_lr": 0.9}
+    assert re.findall(r"setting\(s\) (\[.*?\])", capsys.readouterr().err) == ["['lr']"]
+
+
+def test_a_driver_whose_main_returns_a_coroutine_runs_it(tmp_path, monkeypatch):
+    """A wrapped async main() returned a coroutine never awaited: launch exited 0, nothing ran."""
+    from asyncrl.cli import main
+
+    ran = tmp_path / "ran"
+    driver = tmp_path / "wrapped_driver.py"
+    driver.write_text(f"import functools, pathlib\n\n\ndef logged(fn):\n"
+                      f"    @functools.wraps(fn)\n    def wrapper():\n        return fn()\n"
+                      f"    return wrapper\n\n\n@logged\nasync def main():\n"
+                      f"    pathlib.Path({str(ran)!r}).write_text('ran')\n    return 3\n")
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # (launch sets the driver's)
+    assert main(["launch", str(driver)]) == 3 and ran.read_text() == "ran"
+
+
+def test_sigterm_during_export_removes_its_half_written_folder(tmp_path):
+    """SIGTERM ended `asyncrl export` at once: its hidden .OUT.xxxx/ folder stayed."""
+    script = ("import os, shutil, signal, sys, tempfile\nimport asyncrl.hybrid.export\n"
+              "from asyncrl.cli import main\n\n\ndef export(path, out, group, dtype):\n"
+              "    tmp = tempfile.mkdtemp(dir=out.parent, prefix=f'.{out.name}.')\n"
+              "    try:\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        while True:\n            signal.pause()\n"
+              "    except BaseException:\n        shutil.rmtree(tmp)\n        raise\n\n\n"
+              "asyncrl.hybrid.export.export = export\nsys.exit(main(sys.argv[1:]))\n")
+    out = subprocess.run([sys.executable, "-c", script, "export", str(tmp_path / "run"),
+                          str(tmp_path / "model")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 143, out.stderr[-2000:]
+    assert not list(tmp_path.glob(".model.*"))
+
+
+def test_a_run_dir_that_is_a_file_is_said_in_a_line(tmp_path, monkeypatch, capsys):
+    """A file as --run-dir ended in a FileExistsError traceback."""
+    from asyncrl.cli import main
+
+    flow = tmp_path / "no_groups_flow.py"
+    flow.write_text("import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
+    (taken := tmp_path / "taken").write_text("")
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # (launch sets the flow's)
+    assert main(["launch", str(flow), "--run-dir", str(taken)]) == 2
+    assert f"--run-dir {taken} cannot be used as the run's folder (it is a file, not a " \
+        f"folder); choose another --run-dir" in capsys.readouterr().err
+
+
+def test_another_users_checkpoint_is_refused_before_the_flow_takes_its_settings(
+        tmp_path, monkeypatch):
+    """--resume imported the flow with another user's checkpoint's settings, then refused it."""
+    from asyncrl.cli import main
+    from asyncrl.controller import checkpoint
+
+    step = tmp_path / "run" / "checkpoints" / "step_000000"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": 0, "overrides": {"lr": "1"}}))
+    monkeypatch.setattr(checkpoint, "not_yours", lambda path: "owned by user 4242")
+    flow = tmp_path / "imported_flow.py"
+    flow.write_text("raise RuntimeError('the flow file was imported')\n")
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # (launch sets the flow's)
+    with pytest.raises(SystemExit, match=r"--resume: .*run is owned by user 4242"):
+        main(["launch", str(flow), "--resume", "--run-dir", str(tmp_path / "run")])

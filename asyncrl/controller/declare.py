@@ -249,7 +249,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, str]:
                              f"key=value, with no space around '='")
         if key.startswith("-"):
             raise ValueError(f"{pair!r} is not an option of the command (see --help), nor a "
-                             f"setting")
+                             f"setting; arguments for a driver's main() go after '--'")
         if key in out:
             raise ValueError(f"setting {key} is given twice ({key}={out[key]} and {pair})")
         out[key] = raw

@@ -8,14 +8,16 @@ line, write metrics.jsonl, checkpoints and timeline.json into the run directory,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import math
 import numbers
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
 from asyncrl.controller.logs import append_line
 from asyncrl.controller.recovery import RESTARTS_FILE
+from asyncrl.controller.runner import Terminated
 from asyncrl.controller.saved_inputs import load_inputs  # noqa: F401 - (cli imports it here)
 from asyncrl.controller.timeline import CONTROLLER_ROW, SPANS_FILE, Timeline, union_length
 from asyncrl.controller.trackers import WANDB_STATE, TensorBoard, Wandb
@@ -224,8 +227,7 @@ def hold_run_dir(run_dir: Path) -> int:
     """An exclusive lock on the folder `run_dir` itself (no file left in it; released as its
     descriptor closes or the process ends): two launches in one run directory remove each
     other's half-written checkpoints and interleave their metrics."""
-    run_dir.mkdir(checkpoint.PRIVATE_DIR, parents=True, exist_ok=True)
-    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fd = _open_run_dir(run_dir)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -237,6 +239,20 @@ def hold_run_dir(run_dir: Path) -> int:
         print(f"asyncrl: cannot lock {run_dir} ({e}); going on unlocked: make sure no other "
               f"launch uses it", file=sys.stderr, flush=True)  # lockd): not this run's fault
     return fd
+
+
+def _open_run_dir(run_dir: Path) -> int:
+    """A descriptor of the folder `run_dir`, made if need be; one that cannot be (a file of
+    that name, a folder this user cannot write) is the command line's mistake, said in a
+    line: not an OSError's traceback."""
+    try:
+        run_dir.mkdir(checkpoint.PRIVATE_DIR, parents=True, exist_ok=True)
+        return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        why = "it is a file, not a folder" if run_dir.exists() and not run_dir.is_dir() \
+            else f"{e.strerror or e}"
+        raise CheckpointError(f"--run-dir {run_dir} cannot be used as the run's folder "
+                              f"({why}); choose another --run-dir") from None
 
 
 async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_inputs: bool,
@@ -347,6 +363,34 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
     finally:
         metrics.close(failed)  # (wandb's service process with it)
     return run_dir
+
+
+def resumed_overrides(run_dir: Path) -> dict[str, Any]:
+    """The key=value settings of the run in `run_dir`, kept in its newest checkpoint; that
+    checkpoint is checked to be this user's first: another user's settings would reach the
+    flow file's import (and its meta.json be read) before `checkpoint.resumable` refused it."""
+    newest = checkpoint.latest(run_dir)
+    if newest is not None:
+        checkpoint._own(newest)
+    return checkpoint.checkpoint_overrides(run_dir)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Terminated while in it (exit 143, as `launch` does with a flow), so the
+    command's cleanup runs (export's removal of its half-written folder); a handler of the
+    caller's own (a scheduler's) is kept, as run() keeps it."""
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated("SIGTERM")
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def saved_overrides(inputs: Path) -> dict[str, Any]:
