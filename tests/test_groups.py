@@ -121,6 +121,13 @@ class Echo(asyncrl.Worker):
         return {name: mesh[name].size() for name in self.mesh}
 
     @asyncrl.register
+    def mesh_timeouts(self):
+        """Each mesh dimension's process group's timeout, in seconds."""
+        mesh = self.device_mesh
+        return {name: mesh.get_group(name)._get_backend(torch.device("cpu")).options
+                ._timeout.total_seconds() for name in self.mesh}
+
+    @asyncrl.register
     def big(self) -> TensorBatch:  # too big to come with its Result: fetched when awaited
         return TensorBatch({"x": torch.ones(2, 40_000), "tag": ["a", "b"]})
 
@@ -225,6 +232,9 @@ def test_dp_replicas_on_2x2_mesh(grid):
     assert out["x"].tolist() == [0, 2, 4, 6, 8, 10, 12]
     assert out["dp"] == [0, 0, 0, 0, 1, 1, 1]
     assert get(grid.mesh_sizes()) == [{"dp": 2, "tp": 2}] * 4
+    # the dimensions' own groups wait the Controller's collective_timeout (600 s), not
+    # torch's default 30 minutes (a rank's peers waited that long after it raised)
+    assert get(grid.mesh_timeouts()) == [{"dp": 600.0, "tp": 600.0}] * 4
     hist = get(grid.history())
     # tp replicas of a dp rank get the same chunk: 4 rows each (dp 1 padded 3 -> 4)
     assert [h[-1] for h in hist] == [["double", 4]] * 4

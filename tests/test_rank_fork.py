@@ -16,10 +16,12 @@ import sys
 
 import psutil
 import pytest
+import torch
 from helpers import assert_gone, group_pids, run
 
 import asyncrl
 from asyncrl.actors.rank_client import STAND_IN
+from asyncrl.actors.rank_fork import StartUp
 from asyncrl.controller.agent_fork import shared_server, shared_server_pid
 
 
@@ -30,7 +32,8 @@ class Probe(asyncrl.Worker):
             title = f.read().replace(b"\0", b" ").decode()
         return {"pid": os.getpid(), "ppid": os.getppid(), "stand_in": os.environ.get(STAND_IN),
                 "marker": os.environ.get("PROBE_MARKER"), "cwd": os.getcwd(),
-                "random": random.random(), "hash": hash("asyncrl"), "title": title}
+                "random": random.random(), "hash": hash("asyncrl"), "title": title,
+                "torch_random": torch.rand(1).item()}
 
     @asyncrl.register
     def huge_pages_asked(self, mib: int) -> bool:
@@ -109,9 +112,21 @@ def test_ranks_are_forked_from_the_server_and_their_stand_ins_go_with_them(tmp_p
     assert [s["marker"] for s in seen] == ["given", "given"]
     assert {s["cwd"] for s in seen} == {str(tmp_path)}
     assert seen[0]["random"] != seen[1]["random"]
+    assert seen[0]["torch_random"] != seen[1]["torch_random"]  # (the server's state was
+    # every forked rank's, every restart's too)
     assert [s["title"].split("rank_main ")[1].strip() for s in seen] == \
         ["[probe rank 0]", "[probe rank 1]"]
     assert_gone(pids + [s["pid"] for s in seen])
+
+
+def test_variables_read_as_libraries_load_are_start_up_ones():
+    """libgomp reads OMP_* as torch loads it, huggingface_hub its cache folders at import:
+    a group's env= setting one was lost in its forked ranks."""
+    for key in ("OMP_PROC_BIND", "OMP_WAIT_POLICY", "XDG_CACHE_HOME", "GLIBC_TUNABLES",
+                "HUGGINGFACE_HUB_CACHE", "TZ"):
+        assert StartUp({}).differs({key: "x"}) == f"{key} differs from the server's (read " \
+            f"at start-up)"
+    assert StartUp({}).differs({"PYTHONPATH": "x"}) is None  # read when used
 
 
 def test_a_rank_whose_start_up_environment_differs_starts_anew(monkeypatch):

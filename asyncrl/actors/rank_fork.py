@@ -44,12 +44,14 @@ PRELOAD = ("asyncrl.actors.rank_main", "asyncrl.hybrid.roles", "asyncrl.rl",
 PACKAGES = ("asyncrl", "torch", "transformers", "numpy", "zmq", "msgspec")  # of PRELOAD's
 # read when Python, torch, transformers or the C runtime start, or when torch is imported: the
 # same as the server's or the rank starts anew. Not these: read when used (after the fork).
-# OMP_NUM_THREADS: numpy's OpenBLAS reads it as the server imports numpy (its threads are
-# not torch.set_num_threads's)
+# OMP_*: libgomp reads them as torch loads it; numpy's OpenBLAS OMP_NUM_THREADS as the server
+# imports numpy (its threads are not torch.set_num_threads's); XDG_CACHE_HOME and
+# HUGGINGFACE_*: huggingface_hub at its import; TZ: Python's time module; GLIBC_TUNABLES: ld.so
 START_KEYS = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LANG", "LOGLEVEL", "THP_MEM_ALLOC_ENABLE",
-              "OMP_NUM_THREADS")
+              "GLIBC_TUNABLES", "XDG_CACHE_HOME", "TZ")
 START_PREFIXES = ("PYTHON", "LC_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
-                  "KMP_", "MKL_", "GOMP_", "OPENBLAS_", "MALLOC_", "TRANSFORMERS_", "HF_")
+                  "KMP_", "MKL_", "GOMP_", "OMP_", "OPENBLAS_", "MALLOC_", "TRANSFORMERS_",
+                  "HF_", "HUGGINGFACE_")
 READ_WHEN_USED = ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCH_NCCL_", "TORCH_DISTRIBUTED_",
                   "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCH_CUDA_ARCH_LIST",
                   # set by imports (deepspeed's, torch._dynamo's) in the controller too
@@ -301,6 +303,8 @@ class RankForker:
         random.seed()  # not the server's sequence, nor another rank's
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
+        if "torch" in sys.modules:  # (a fresh process's torch seeds itself at random too)
+            sys.modules["torch"].default_generator.seed()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         from asyncrl.actors import rank_main

@@ -36,6 +36,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 import zmq
+from torch.distributed import distributed_c10d as c10d
 
 from asyncrl.actors import debugger
 from asyncrl.actors.gpu_slots import bind_gpu, check_gpus, gpu_index, select_gpus
@@ -467,6 +468,9 @@ def collective_timeout() -> float:
 
 def _init_distributed() -> None:
     timeout = datetime.timedelta(seconds=collective_timeout())
+    # groups made later (a device mesh's dimensions, a user's new_group) take these, not
+    # torch's 30 minutes
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     if torch.cuda.is_available():
         bind_gpu()
         # a collective past its timeout ends this process (the NCCL watchdog): the
