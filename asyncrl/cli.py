@@ -364,7 +364,8 @@ def attach(args: argparse.Namespace) -> int:
     if args.list:
         for s in sessions:
             print(f"{s['group']}:{s['rank']}  host {s['host']}  pid {s['pid']}  thread "
-                  f"{s.get('thread')}  at {s['where']}")
+                  f"{s.get('thread')}  at {s['where']}" + (
+                      f"  ({s['elsewhere']})" if s.get("elsewhere") else ""))
         if not sessions:
             print(f"no rank waits for a debugger in {args.run_dir}")
         return 0

@@ -107,6 +107,64 @@ def test_attach_says_who_waits_when_the_choice_is_wrong(tmp_path, capsys):
         main(["attach", str(tmp_path), "--group", "stuck"])
 
 
+
+def _namespaces() -> dict[str, str]:
+    """This process's pid and net namespaces, as a rank writes them in its session."""
+    return {"pid_ns": os.readlink("/proc/self/ns/pid"),
+            "net_ns": os.readlink("/proc/self/ns/net")}
+
+
+def _write_session(debug, name: str, **fields) -> None:
+    debug.mkdir(mode=0o700, exist_ok=True)
+    (debug / f"{name}.json").write_text(json.dumps({
+        "group": name, "rank": 0, "host": socket.gethostname(), "port": 9, "token": "t",
+        "where": "flow.py:3", **fields}))
+
+
+def test_a_session_in_another_namespace_of_this_host_is_kept_and_named(tmp_path):
+    """Ranks in a `docker --network host` container share the hostname but not the pids:
+    attach on the host read a live rank's pid as dead and removed its session (the rank
+    then waited forever); a netns host's rank shares the pids but not the loopback: attach
+    said it no longer waits (connection refused)."""
+    import subprocess
+
+    from asyncrl.actors.procs import birth
+    from asyncrl.cli import main
+    from asyncrl.controller.attach import waiting
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # (a pid that means nothing here, as a container's would)
+    debug = tmp_path / "debug"
+    _write_session(debug, "container", pid=gone.pid, start="1",
+                   **{**_namespaces(), "pid_ns": "pid:[1]", "net_ns": "net:[1]"})
+    _write_session(debug, "netns", pid=os.getpid(), start=birth(os.getpid()),
+                   **{**_namespaces(), "net_ns": "net:[1]"})
+    listed = {s["group"]: s for s in waiting(tmp_path)}
+    assert sorted(listed) == ["container", "netns"]
+    assert not any(s["here"] for s in listed.values())
+    assert (debug / "container.json").exists() and (debug / "netns.json").exists()
+    with pytest.raises(SystemExit, match=r"container:0 waits for a debugger on this host in "
+                                         r"another pid and network namespace \(pid:\[1\], "
+                                         r"net:\[1\]\).*docker exec"):
+        main(["attach", str(tmp_path), "--group", "container"])
+    with pytest.raises(SystemExit, match=r"netns:0 waits for a debugger on this host in "
+                                         r"another network namespace \(net:\[1\]\).*ip "
+                                         r"netns exec"):
+        main(["attach", str(tmp_path), "--group", "netns"])
+    assert (debug / "container.json").exists()
+
+
+def test_a_session_whose_pid_another_process_now_has_is_pruned(tmp_path):
+    """A rank that died at its breakpoint (os._exit: its file stays) whose pid a later
+    process got was listed as waiting, and attach sent the token, and then the keystrokes,
+    to whatever listened on its old port."""
+    from asyncrl.controller.attach import waiting
+
+    debug = tmp_path / "debug"
+    _write_session(debug, "reused", pid=os.getpid(), start="1", **_namespaces())
+    assert waiting(tmp_path) == []
+    assert not (debug / "reused.json").exists()
+
 # -- in process: a thread stops in breakpoint(), the test is the attach client ---------------
 class _Rank:
     """breakpoint() on threads of this process, as on a rank's threads; `stops` says when
@@ -471,3 +529,23 @@ def test_a_debug_folder_others_can_use_is_refused_and_a_planted_fifo_blocks_noth
     rank.join()
     assert isinstance(rank.results["refused"], PermissionError)
     assert "is not this user's alone" in str(rank.results["refused"])
+
+
+def test_a_rank_waiting_here_writes_its_identity_and_is_listed_as_here(rank):
+    """What tells the rank apart past its hostname and pid (start time, namespaces) is in
+    its session, and attach from the same process's namespaces lists it as here."""
+    from asyncrl.actors.procs import birth
+
+    rank.start("call", _stops_then_calls_helper)
+    rank.next_stop()
+    session = rank.session()
+    with _connect(session) as sock:  # (first: a failed check leaves no rank waiting)
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"c\n")
+    rank.join()
+    assert rank.results["call"] == 42
+    assert session["here"] and session["pid"] == os.getpid()
+    assert session.get("start") == birth(os.getpid())
+    assert {k: session.get(k) for k in ("pid_ns", "net_ns")} == _namespaces()
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert session.get("boot") == f.read().strip()

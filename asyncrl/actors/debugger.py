@@ -3,10 +3,11 @@
     rank: breakpoint() ──▶ listen on 127.0.0.1:<free port>
           ──▶ RUN_DIR/debug/<group>-<rank>-<thread>.json (one per waiting breakpoint: a
           concurrent=True call may stop beside the in-order one; host, port, pid, thread,
-          where, a one-time token; the file is 0600)
+          where, a one-time token, and what tells the rank apart past its hostname and pid:
+          boot id, pid and net namespaces, start time; the file is 0600)
           prints "<group>:<rank> waits for a debugger on <host>: asyncrl attach RUN_DIR"
-    user, on that host: asyncrl attach RUN_DIR ──▶ lists waiting ranks ──▶ connects, sends
-          the token ──▶ pdb
+    user, on that host (in the rank's container or net namespace, if it runs in one):
+          asyncrl attach RUN_DIR ──▶ lists waiting ranks ──▶ connects, sends the token ──▶ pdb
 
 The call stays in the debugger until the user continues (`c`, `q`, or the attach client
 goes away: its connection closes either way; `q` is `c` here: failing the call would leave
@@ -28,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from asyncrl.actors.procs import birth
 
 DEBUG_DIR_ENV = "ASYNCRL_DEBUG_DIR"
 TOKEN_TIMEOUT_S = 10.0
@@ -111,9 +114,9 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"group": group, "rank": int(rank), "pid": os.getpid(),
-                   "thread": thread.name, "host": socket.gethostname(),
-                   "port": server.getsockname()[1], "token": token, "where": where,
-                   "since": time.time()}, f)
+                   "start": birth(os.getpid()), **place(), "thread": thread.name,
+                   "host": socket.gethostname(), "port": server.getsockname()[1],
+                   "token": token, "where": where, "since": time.time()}, f)
     os.replace(partial, session)
     print(f"[asyncrl] {group}:{rank} waits for a debugger at {where}: run "
           f"`asyncrl attach {folder.parent}` on {socket.gethostname()}", file=sys.stderr,
@@ -143,6 +146,30 @@ def _remove_stale(folder: Path, group: str, rank: int) -> None:
                 path.unlink()
         except (OSError, KeyError, TypeError):
             continue  # another rank's, removed right now
+
+
+def place() -> dict[str, str | None]:
+    """Where this process runs, past its hostname: the machine's boot id, its pid and net
+    namespaces (None where /proc does not tell). A container or a netns host shares the
+    hostname but not the pids or the loopback, so `asyncrl attach` reaches (and prunes) a
+    session only from the same place."""
+    return {"boot": _read_proc("/proc/sys/kernel/random/boot_id"),
+            "pid_ns": _namespace("pid"), "net_ns": _namespace("net")}
+
+
+def _namespace(kind: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")  # e.g. "pid:[4026531836]"
+    except OSError:
+        return None
+
+
+def _read_proc(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def read_session(path: Path) -> dict[str, Any] | None:

@@ -14,26 +14,63 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.debugger import read_session
-from asyncrl.controller.launcher import pid_alive
+from asyncrl.actors.debugger import place, read_session
+from asyncrl.actors.procs import birth, pid_alive
 
 
 def waiting(run_dir: Path) -> list[dict[str, Any]]:
-    """The breakpoints ranks wait at (a shared run directory: other hosts' too, `here`
-    False). A rank of this host that died or was stopped there (it exits with os._exit: its
-    file stays) is left out and its file removed."""
+    """The breakpoints ranks wait at. Those reachable from here only (this host, and this
+    process's pid and net namespaces) have `here` True; the others (a shared run directory's
+    other hosts, a container's or a netns host's ranks) say in `elsewhere` where to run
+    `asyncrl attach`. A reachable rank that died or was stopped there (it exits with
+    os._exit: its file stays), or whose pid another process now has, is left out and its
+    file removed."""
     folder = Path(run_dir) / "debug"
     sessions = []
+    mine = place()
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         session = read_session(path)
         if session is None:
             continue  # removed right now, unreadable, or not this user's
-        session["here"] = session.get("host") in ("127.0.0.1", socket.gethostname())
-        if session["here"] and not pid_alive(int(session.get("pid", 0))):
+        session["elsewhere"] = _elsewhere(session, mine)
+        session["here"] = session["elsewhere"] is None
+        if session["here"] and _gone(session):
             path.unlink(missing_ok=True)
             continue
         sessions.append(session)
     return sessions
+
+
+def _elsewhere(session: dict[str, Any], mine: dict[str, str | None]) -> str | None:
+    """Where the session's rank waits and where to attach from, when not from here (its
+    debugger listens on its own loopback, and its pid means nothing in another pid
+    namespace); None when here. A field either side lacks (a session written before the
+    field was, no /proc) does not count."""
+    host = session.get("host")
+    if host not in ("127.0.0.1", socket.gethostname()):
+        return f"on host {host}: run `asyncrl attach` there"
+    differs = [field for field in ("boot", "pid_ns", "net_ns")
+               if session.get(field) is not None and mine.get(field) is not None
+               and session[field] != mine[field]]
+    if "boot" in differs:
+        return f"on another machine also named {host}: run `asyncrl attach` there"
+    if differs:
+        kinds = " and ".join({"pid_ns": "pid", "net_ns": "network"}[f] for f in differs)
+        return (f"on this host in another {kinds} namespace "
+                f"({', '.join(str(session[f]) for f in differs)}): a container's or a netns "
+                f"host's; run `asyncrl attach` inside it (`docker exec -it CONTAINER asyncrl "
+                f"attach RUN_DIR`, `ip netns exec NAME asyncrl attach RUN_DIR`)")
+    return None
+
+
+def _gone(session: dict[str, Any]) -> bool:
+    """Whether a rank reachable from here no longer runs: its pid is gone, or belongs to
+    a later process (another start time: the old port may be anyone's now)."""
+    pid = int(session.get("pid", 0))
+    if not pid_alive(pid):
+        return True
+    started, now = session.get("start"), birth(pid)
+    return started is not None and now is not None and str(started) != now
 
 
 def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
@@ -53,9 +90,11 @@ def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
     # one rank stopped in several threads (a concurrent=True call beside the in-order one):
     # the longest waiting first (or the --thread asked for), the others named
     picked.sort(key=lambda s: s.get("since", 0.0))
-    if not picked[0].get("here", True):  # its debugger listens on its host's loopback
+    if not picked[0].get("here", True):  # its debugger listens on its own loopback
+        where = picked[0].get("elsewhere") or \
+            f"on host {picked[0]['host']}: run `asyncrl attach` there"
         raise LookupError(f"{picked[0]['group']}:{picked[0]['rank']} waits for a debugger "
-                          f"on host {picked[0]['host']}: run `asyncrl attach` there")
+                          f"{where}")
     return {**picked[0], "also": [s["where"] for s in picked[1:]]}
 
 
