@@ -346,10 +346,12 @@ def export(args: argparse.Namespace) -> int:
     try:  # (SIGTERM raises: its half-written folder is removed, as on any failure)
         with sigterm_raises():
             done = write(Path(args.path), Path(args.out), args.group, args.dtype)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (OSError, ValueError) as e:  # (a checkpoint file unreadable, OUT not writable)
         raise SystemExit(f"asyncrl export: {e}") from None
     print(f"asyncrl export: wrote {done['out']}: group {done['group']!r} of "
           f"{done['checkpoint']}, {done['parameters']:,} parameters in {done['dtype']}")
+    for note in done["notes"]:
+        print(f"asyncrl export: note: {note}")
     return 0
 
 

@@ -5,7 +5,10 @@ paths and groups that are not one."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +138,21 @@ def policy_folder(checkpoint, group: str, model: bool = True) -> None:
         save_model_files(folder, ModelConfig(preset="tiny-llama"))
 
 
+def saved_policy(run_dir, cfg: ModelConfig, weights: dict) -> None:
+    """run_dir's complete checkpoint step 0 of a Policy "actor" of `cfg` holding `weights`,
+    as a run writes it (FSDP2's files), without a run."""
+    import torch.distributed.checkpoint as dcp
+
+    step = run_dir / "checkpoints" / "step_000000"
+    (step / "actor").mkdir(parents=True)
+    torch.save({"version": 1}, step / "actor" / "actor.pt")
+    save_model_files(step / "actor", cfg)
+    with warnings.catch_warnings():  # one process on purpose, which DCP warns of
+        warnings.filterwarnings("ignore", message=".*in a single process")
+        dcp.save({"model": weights}, checkpoint_id=str(step / "actor" / "train"), no_dist=True)
+    (step / "meta.json").write_text(json.dumps({"step": 0}))
+
+
 def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist; give a run directory"):
         export(tmp_path / "nowhere", tmp_path / "out")
@@ -148,9 +166,15 @@ def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
     policy_folder(step, "student", model=False)
     (step / "critic").mkdir()
     torch.save({"version": 1}, step / "critic" / "critic.pt")
-    with pytest.raises(ValueError, match=r"2 policy groups \(\['actor', 'student'\]\): name "
-                                         r"one with --group"):
-        export(tmp_path / "run", tmp_path / "out")
+    # the run, its checkpoints folder (was "holds no complete checkpoint"): its newest one
+    for given in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+        with pytest.raises(ValueError, match=r"2 policy groups \(\['actor', 'student'\]\): "
+                                             r"name one with --group"):
+            export(given, tmp_path / "out")
+    # a checkpoint's file (was "does not exist")
+    with pytest.raises(ValueError, match=r"meta.json is a file; give a run directory .* or "
+                                         r"one of its checkpoints/step_\* folders"):
+        export(step / "meta.json", tmp_path / "out")
     with pytest.raises(ValueError, match="'critic' holds no policy .* policies .*: "
                                          r"\['actor', 'student'\]"):
         export(tmp_path / "run", tmp_path / "out", group="critic")
@@ -281,3 +305,113 @@ def test_a_policy_with_code_of_its_own_exports_with_its_code(tmp_path):
     assert type(model).__name__ == "MyModel"
     exported = model.state_dict()
     assert all(torch.equal(exported[k], trained[k].to(exported[k].dtype)) for k in trained)
+
+
+def tiny_deepseek_v3():
+    """A 2-layer DeepseekV3 (its second layer a mixture of 4 experts): a model whose router
+    transformers keeps in fp32 (_keep_in_fp32_modules_strict)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        max_position_embeddings=64)
+
+
+def test_parameters_transformers_keeps_in_fp32_export_in_fp32(tmp_path):
+    """A bf16 MoE's router (gate.weight, e_score_correction_bias), which from_pretrained and
+    so the trainer keep in fp32, was exported rounded to bf16: the model routed otherwise."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "source"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_deepseek_v3()).to(torch.bfloat16).save_pretrained(source)
+    cfg = ModelConfig(path=str(source), dtype="bfloat16")
+    trained = build_model(cfg).state_dict()
+    router = [k for k in trained if k.endswith(("gate.weight", "e_score_correction_bias"))]
+    assert len(router) == 2 and all(trained[k].dtype == torch.float32 for k in router)
+    for name in router:  # as if trained: values bf16 cannot hold
+        trained[name] = trained[name] + torch.rand_like(trained[name]) * 1e-3
+    saved_policy(tmp_path / "run", cfg, trained)
+
+    assert export(tmp_path / "run", tmp_path / "hf")["dtype"] == "bfloat16"
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {k: exported[k].dtype for k in router} == dict.fromkeys(router, torch.float32)
+    assert all(torch.equal(exported[k], trained[k]) for k in router)
+    assert {v.dtype for k, v in exported.items() if k not in router} == {torch.bfloat16}
+
+
+def test_an_export_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """OUT took its final name with its files maybe in the page cache alone: a host crash
+    left a model folder whose shards were cut short."""
+    cfg = ModelConfig(preset="tiny-llama")
+    saved_policy(tmp_path / "run", cfg, build_model(cfg).state_dict())
+    synced: list[int] = []  # the inodes fsynced, in order
+    renamed_after: list[int] = []  # how many fsyncs came before the rename
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        synced.append(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    def checked_replace(src, dst):
+        written = [src, *(str(p) for p in Path(src).rglob("*"))]
+        assert [p for p in written if os.stat(p).st_ino not in synced] == []
+        replace(src, dst)
+        renamed_after.append(len(synced))
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", checked_replace)
+    export(tmp_path / "run", tmp_path / "hf")
+    assert len(renamed_after) == 1  # and the rename, in its folder
+    assert os.stat(tmp_path).st_ino in synced[renamed_after[0]:]
+
+
+def test_an_export_that_cannot_be_written_fails_before_reading_the_weights(tmp_path,
+                                                                           monkeypatch):
+    """A parent of OUT that is a file failed after minutes of reading, and as "File
+    exists", as if OUT existed."""
+    import asyncrl.hybrid.export as module
+
+    step = tmp_path / "run" / "checkpoints" / "step_000000"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    policy_folder(step, "actor")
+
+    def unread(folder):
+        raise AssertionError("read before the destination was checked")
+
+    monkeypatch.setattr(module, "trained_weights", unread)
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out in (afile / "out", afile / "deeper" / "out"):
+        with pytest.raises(ValueError,  # (what the CLI says in a line)
+                           match=f"cannot write the export {out}: {afile} is a file, not a "
+                                 f"folder; give an OUT whose folder can be written"):
+            export(tmp_path / "run", out)
+    assert afile.read_text() == "mine"
+    # the folders made for OUT go with a failed export: it leaves nothing
+    with pytest.raises(AssertionError, match="read before"):
+        export(tmp_path / "run", tmp_path / "new" / "deep" / "out")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["afile", "run"]
+
+
+def test_an_export_that_fills_the_disk_says_so_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import asyncrl.hybrid.export as module
+
+    cfg = ModelConfig(preset="tiny-llama")
+    saved_policy(tmp_path / "run", cfg, build_model(cfg).state_dict())
+
+    def full(folder):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(module, "sync_tree", full)
+    with pytest.raises(ValueError, match=f"cannot write the export {tmp_path / 'hf'}: No space "
+                                         f"left on device: {tmp_path}; give an OUT whose"):
+        export(tmp_path / "run", tmp_path / "hf")
+    assert [f.name for f in tmp_path.iterdir()] == ["run"]

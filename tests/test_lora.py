@@ -439,6 +439,27 @@ def test_a_lora_policy_resumes_and_exports_merged_and_as_a_peft_adapter(tmp_path
     assert (logits(old) - want).abs().max().item() < 1e-5
 
 
+def test_the_adapters_of_a_policy_with_overrides_name_no_base_model(tmp_path):
+    """peft loads adapter_config.json's base_model_name_or_path without the overrides that
+    made the policy another model (the merged export's config.json has them): it silently
+    put the adapters on a different model."""
+    from test_export import saved_policy
+
+    source = tmp_path / "source"
+    build_model(ModelConfig(preset="tiny-llama")).save_pretrained(source)
+    # attn_implementation: how the model computes, not what (the source is still its base)
+    for i, (overrides, base) in enumerate([({"rms_norm_eps": 1e-3}, None),
+                                           ({"attn_implementation": "eager"}, str(source))]):
+        cfg = ModelConfig(path=str(source), overrides=overrides, lora=LORA)
+        saved_policy(tmp_path / f"run{i}", cfg, build_model(cfg).state_dict())
+        done = export(tmp_path / f"run{i}", tmp_path / f"out{i}")
+        adapter = json.loads((tmp_path / f"out{i}" / ADAPTER_FOLDER / "adapter_config.json"
+                              ).read_text())
+        assert adapter["base_model_name_or_path"] == base
+        said = [n for n in done["notes"] if "names no base model" in n and "rms_norm_eps" in n]
+        assert len(said) == (0 if base else 1)  # (what the export returns says why)
+
+
 def legacy_checkpoint(step, run):
     """A copy of checkpoint `step` in run directory `run`, its weights' adapters named as
     asyncrl named them before 2026-12-04 (`<layer>.lora_A`)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.actors.worker import sync_dir, sync_tree
 from asyncrl.hybrid.lora import is_adapter, legacy_adapter_names, merged
 from asyncrl.hybrid.models import ModelConfig, hf_config
 from asyncrl.hybrid.zero import TAG
@@ -87,16 +89,21 @@ def save_model_files(folder: Path, cfg: ModelConfig) -> None:
 
 def checkpoint_folder(path: Path) -> Path:
     """`path` itself when it is a checkpoint (step_* with meta.json), else the newest complete
-    checkpoint of the run directory `path`."""
-    from asyncrl.controller.checkpoint import latest
+    checkpoint of the run directory `path` (or of the run whose checkpoints folder it is)."""
+    from asyncrl.controller.checkpoint import CHECKPOINTS, latest
 
     path = Path(path)
     if (path / "meta.json").is_file():
         return path
+    if path.is_file():
+        raise ValueError(f"{path} is a file; give a run directory (the --run-dir of asyncrl "
+                         f"launch) or one of its checkpoints/step_* folders")
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist; give a run directory (the --run-dir "
                                 f"of asyncrl launch) or one of its checkpoints/step_* folders")
     found = latest(path)
+    if found is None and path.name == CHECKPOINTS:  # the run's folder of checkpoints
+        found = latest(path.parent)
     if found is None:
         raise FileNotFoundError(f"{path} holds no complete checkpoint (checkpoints/step_*/meta"
                                 f".json): a run writes one after its last step and every "
@@ -165,14 +172,19 @@ def _current_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return weights
 
 
+class DestinationError(ValueError, OSError):
+    """OUT cannot be written: an OSError (what it is) and a ValueError (what the CLI says in
+    a line)."""
+
+
 def export(path: Path, out: Path, group: str | None = None,
            dtype: str | None = None) -> dict[str, Any]:
     """Write the policy of checkpoint (or run directory) `path` as a Hugging Face model
     directory `out` (new or empty: nothing is overwritten) in `dtype` (default: the source
-    checkpoint's, else the one it trained in); what was written."""
+    checkpoint's, else the one it trained in); what was written, and `notes` to tell."""
     # transformers imports DeepSpeed where it is installed, which guesses its accelerator
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     out = Path(out).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -184,58 +196,153 @@ def export(path: Path, out: Path, group: str | None = None,
     config = AutoConfig.from_pretrained(folder / HF_FOLDER, local_files_only=True,
                                         trust_remote_code=cfg.trust_remote_code)
     target = _dtype(dtype, config, cfg)
-    weights = trained_weights(folder)
-    lora = cfg.lora
-    adapters: dict[str, torch.Tensor] = {}
-    if lora is not None:  # what trained, for peft's file; merged in place, a layer at a time
-        adapters = {k: v for k, v in weights.items() if is_adapter(k) or lora.trains_whole(k)}
-        for name, value in merged(weights, lora, target):
-            weights[name] = value  # (the unmerged one dropped: never two copies)
-        for name in [k for k in weights if is_adapter(k)]:
-            del weights[name]
+    # made before minutes of reading: an OUT that cannot be written fails at once
+    created, tmp = _destination(out)
+    try:
+        model, adapters = _trained_model(folder, cfg, config, target)
+        try:
+            _write(tmp, model, folder, cfg, adapters)
+            sync_tree(tmp)  # on disk before its final name: a crash leaves no cut-short OUT
+            os.replace(tmp, out)  # onto an empty folder, or none
+            sync_dir(out.parent)
+        except OSError as e:  # a full disk, a folder made read-only meanwhile
+            if not _writing(e, tmp):  # (not the checkpoint's files, read)
+                raise
+            raise _destination_error(out, e) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        raise
+    return {"out": str(out), "checkpoint": str(checkpoint), "group": folder.name,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "dtype": str(target).removeprefix("torch."), "notes": _notes(cfg)}
+
+
+def _destination(out: Path) -> tuple[list[Path], Path]:
+    """The folders made for `out` (its missing parents, deepest first) and the hidden
+    temporary folder beside it that the export is written into."""
+    created = [p for p in out.parents if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return created, Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    except OSError as e:
+        _remove_empty(created)
+        raise _destination_error(out, e) from e
+
+
+def _destination_error(out: Path, e: OSError) -> DestinationError:
+    # "File exists" of a parent that is a file reads as if OUT existed: name the file
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    why = f"{blocking} is a file, not a folder" if blocking is not None else \
+        f"{e.strerror or e}: {e.filename2 or e.filename or out.parent}"
+    return DestinationError(f"cannot write the export {out}: {why}; give an OUT whose folder "
+                            f"can be written (and has room for the model)")
+
+
+def _writing(e: OSError, tmp: Path) -> bool:
+    """Whether `e` is of writing the export: of a file in `tmp`, or of no file (a write's
+    ENOSPC, a folder's fsync)."""
+    return not isinstance(e.filename, str) or Path(e.filename).resolve().is_relative_to(tmp)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders an export made (deepest first), down to one not empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _trained_model(folder: Path, cfg: ModelConfig, config: Any,
+                   target: torch.dtype) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The model of Policy checkpoint `folder` in the export's dtypes, and a LoRA policy's
+    adapters (what trained, for peft's file)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=target,
                                                  trust_remote_code=cfg.trust_remote_code)
+    dtypes = _export_dtypes(model, target)
+    weights = trained_weights(folder)
+    lora = cfg.lora
+    adapters: dict[str, torch.Tensor] = {}
+    if lora is not None:  # merged in place, a layer at a time, rounded once into its dtype
+        adapters = {k: v for k, v in weights.items() if is_adapter(k) or lora.trains_whole(k)}
+        for name, value in merged(weights, lora, torch.float32):
+            weights[name] = value.to(dtypes.get(name, target))  # (never two copies)
+        for name in [k for k in weights if is_adapter(k)]:
+            del weights[name]
     missing = _needed(model) - set(weights)
     unexpected = set(weights) - set(model.state_dict())
     if missing or unexpected:
         raise ValueError(f"{folder}: the checkpoint's weights do not fit the model of "
                          f"{MODEL_FILE}: missing {sorted(missing)[:5]}, unexpected "
                          f"{sorted(unexpected)[:5]}")
-    for name in list(weights):  # one tensor at a time: never two copies of the model
-        value = weights.pop(name)
-        weights[name] = value.to(target) if value.is_floating_point() else value
-    model.load_state_dict(weights, strict=False, assign=True)
+    for name, value in weights.items():  # one tensor at a time: never two copies of the model
+        if value.is_floating_point():
+            weights[name] = value.to(dtypes[name])
+    model.load_state_dict(weights, strict=False, assign=True)  # (each tensor's dtype kept)
     del weights
     model.tie_weights()  # a tied name the checkpoint left out shares its twin's tensor
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        model.save_pretrained(tmp, max_shard_size="5GB")  # (verl's, the Hub's size)
-        for file in (folder / HF_FOLDER).iterdir():  # the tokenizer's files, if any
-            if file.is_dir():
-                shutil.copytree(file, tmp / file.name)
-            elif file.name != "config.json":
-                shutil.copy2(file, tmp / file.name)
-        if lora is not None:
-            _save_adapter(tmp / ADAPTER_FOLDER, adapters, cfg)
-        # safetensors writes its file owner-only: every file as config.json (the umask's)
-        mode = (tmp / "config.json").stat().st_mode & 0o777
-        for file in tmp.rglob("*"):
-            file.chmod(mode if file.is_file() else mode | (mode & 0o444) >> 2)
-        tmp.chmod(mode | (mode & 0o444) >> 2)  # mkdtemp's is owner-only: x where r
-        os.replace(tmp, out)  # onto an empty folder, or none
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {"out": str(out), "checkpoint": str(checkpoint), "group": folder.name,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "dtype": str(target).removeprefix("torch.")}
+    return model, adapters
+
+
+def _export_dtypes(model: Any, target: torch.dtype) -> dict[str, torch.dtype]:
+    """Each state-dict name's dtype in the export, as from_pretrained(dtype=target) gives it
+    (what the policy trained with): fp32 where transformers' dtype plan keeps a module so
+    (_keep_in_fp32_modules_strict: a MoE router; rounded to bf16, it routes otherwise),
+    matched as its loader matches; else the dtype `model` (built in `target`) has it in."""
+    plan_of = getattr(model, "_get_dtype_plan", None)  # (transformers 5)
+    plan = plan_of(target) if plan_of is not None else {}
+    # the loader's match: each glob, its * as .*, searched anywhere in the name
+    patterns = [(re.compile(glob.replace("*", ".*")), kept) for glob, kept in plan.items()]
+    return {name: next((kept for pattern, kept in patterns if pattern.search(name)),
+                       tensor.dtype)
+            for name, tensor in model.state_dict().items()}
+
+
+def _write(tmp: Path, model: Any, folder: Path, cfg: ModelConfig,
+           adapters: dict[str, torch.Tensor]) -> None:
+    """The export's files into `tmp`: the model, its tokenizer's files, a LoRA policy's
+    adapters; readable as config.json is."""
+    model.save_pretrained(tmp, max_shard_size="5GB")  # (verl's, the Hub's size)
+    for file in (folder / HF_FOLDER).iterdir():  # the tokenizer's files, if any
+        if file.is_dir():
+            shutil.copytree(file, tmp / file.name)
+        elif file.name != "config.json":
+            shutil.copy2(file, tmp / file.name)
+    if cfg.lora is not None:
+        _save_adapter(tmp / ADAPTER_FOLDER, adapters, cfg)
+    # safetensors writes its file owner-only: every file as config.json (the umask's)
+    mode = (tmp / "config.json").stat().st_mode & 0o777
+    for file in tmp.rglob("*"):
+        file.chmod(mode if file.is_file() else mode | (mode & 0o444) >> 2)
+    tmp.chmod(mode | (mode & 0o444) >> 2)  # mkdtemp's is owner-only: x where r
+
+
+def _changed_source(cfg: ModelConfig) -> list[str]:
+    """The overrides that make the policy another model than its source directory's (not
+    attn_implementation: how it computes, not what)."""
+    return sorted(k for k in cfg.overrides if k != "attn_implementation")
+
+
+def _notes(cfg: ModelConfig) -> list[str]:
+    """What the user of an export must know beyond what was written."""
+    changed = {k: cfg.overrides[k] for k in _changed_source(cfg)}
+    if cfg.lora is None or cfg.path is None or not changed:
+        return []
+    return [f"{ADAPTER_FOLDER}/adapter_config.json names no base model "
+            f"(base_model_name_or_path): the policy's overrides {changed} change the model "
+            f"of {cfg.path}, which peft would load without them; to use the adapters, load "
+            f"AutoModelForCausalLM.from_pretrained({cfg.path!r}, **{changed}) and give it to "
+            f"peft's PeftModel.from_pretrained"]
 
 
 def _save_adapter(out: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """A LoRA policy's adapters as peft saves them: `base_model.model.<layer>.lora_A.weight`
-    and adapter_config.json (base_model_name_or_path: the checkpoint it started from)."""
+    and adapter_config.json (base_model_name_or_path: the checkpoint it started from, None
+    when overrides changed that model: peft would load it without them, another model)."""
     from safetensors.torch import save_file
 
     lora = cfg.lora
@@ -254,7 +361,8 @@ def _save_adapter(out: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig
         "lora_alpha": lora.alpha, "target_modules": layers, "lora_dropout": 0.0,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
         "modules_to_save": saved or None,
-        "base_model_name_or_path": os.path.abspath(cfg.path) if cfg.path else None}, indent=1))
+        "base_model_name_or_path": os.path.abspath(cfg.path)
+        if cfg.path and not _changed_source(cfg) else None}, indent=1))
 
 
 def _dtype(asked: str | None, config: Any, cfg: ModelConfig) -> torch.dtype:
