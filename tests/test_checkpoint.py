@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 from types import SimpleNamespace
 
@@ -26,7 +27,9 @@ import torch
 from helpers import cli
 
 import asyncrl
+from asyncrl.actors.worker import construct
 from asyncrl.controller import checkpoint, saved_inputs
+from asyncrl.controller.inputs import Inputs
 from asyncrl.controller.recovery import Recovery
 from asyncrl.errors import CheckpointError, RemoteError
 from asyncrl.rl.data import PromptSource
@@ -263,7 +266,6 @@ def test_resume_after_a_crash_continues_from_the_newest_complete_checkpoint(stra
         "move step_000005 out of" in out.stderr and "Traceback" not in out.stderr
 
 
-
 def test_an_input_position_that_is_not_json_is_refused_naming_the_input():
     """A data source whose state_dict() holds a tensor (torchdata's loaders keep generator
     state so) failed the run's first checkpoint after every group had saved: json.dumps of
@@ -275,6 +277,14 @@ def test_an_input_position_that_is_not_json_is_refused_naming_the_input():
     with pytest.raises(CheckpointError, match=r"input 'loader': its state_dict\(\) cannot go "
                                               r"into a checkpoint's meta.json .*\.tolist\(\)"):
         checkpoint.positions(odd)
+    # nor one JSON gives back changed: {"pos": {0: 3}} was resumed as {"pos": {"0": 3}} (a
+    # source's shards restarted at 0, silently; a rewind before any checkpoint had it right)
+    for state, shown in (({"pos": {0: 3}}, "{0: 3}} as {'pos': {'0': 3}}"),
+                         ({"pos": (2, 3)}, "(2, 3)} as {'pos': [2, 3]}")):
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"input 'shards': its state_dict() comes back from a checkpoint's meta.json "
+                f"changed ({{'pos': {shown}): JSON keeps dict keys as strings")):
+            checkpoint.positions(SimpleNamespace(positions=lambda s=state: {"shards": s}))
 
 
 class Rotated:
@@ -293,8 +303,6 @@ def test_a_resumed_input_that_gives_other_items_is_refused_naming_it(caplog):
     """An input without state_dict() is resumed by skipping the items it gave: where its
     order changed, the resumed run repeated some prompts and never saw others, silently.
     The checkpoint now keeps a digest of the last item taken, checked on resume."""
-    from asyncrl.controller.inputs import Inputs
-
     def opened(turn: int) -> Inputs:
         feed = Inputs({"prompts": Rotated(turn), "batch": asyncrl.TensorBatch({"x": [1]})})
         feed.reset()
@@ -356,8 +364,6 @@ def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(tmp_p
     """A pruned checkpoint a reader still held (NFS's busy .nfs* files, an export reading
     it) was a warning at its save, but the next save's removal of the leftover raised: the
     run, and every resume after it, failed at its next checkpoint."""
-    import shutil
-
     flow = SimpleNamespace(_ctl=None, positions=dict, nodes={}, groups=[], launch_options={},
                            recovery=SimpleNamespace(restarts={}))
     real_rmtree = shutil.rmtree
@@ -399,18 +405,11 @@ def test_a_checkpoint_of_the_other_backend_is_named_as_such(tmp_path):
         (folder / ZERO_TAG).mkdir()
         for name in files:
             (folder / ZERO_TAG / name).write_bytes(b"")
-    with pytest.raises(ValueError, match=r"fsdp was written with backend='fsdp2'; this group "
-                                         r"trains with backend='zero3': resume"):
-        check_written_by(fsdp, "zero3")
-    with pytest.raises(ValueError, match="written with backend='zero2'; this group trains "
-                                         "with backend='fsdp2'"):
-        check_written_by(zero2, "fsdp2")
-    with pytest.raises(ValueError, match="zero2 was written with backend='zero2'; this group "
-                                         "trains with backend='zero3'"):
-        check_written_by(zero2, "zero3")
-    with pytest.raises(ValueError, match="written with backend='zero3'; this group trains "
-                                         "with backend='zero2'"):
-        check_written_by(zero3, "zero2")
+    for folder, theirs, backend in ((fsdp, "fsdp2", "zero3"), (zero2, "zero2", "fsdp2"),
+                                    (zero2, "zero2", "zero3"), (zero3, "zero3", "zero2")):
+        with pytest.raises(ValueError, match=f"{folder.name} was written with backend="
+                           f"'{theirs}'; this group trains with backend='{backend}': resume"):
+            check_written_by(folder, backend)
     for folder, backend in ((fsdp, "fsdp2"), (zero2, "zero2"), (zero3, "zero3"),
                             (empty, "fsdp2"), (empty, "zero2")):
         check_written_by(folder, backend)  # (a missing one is the load's own error)
@@ -426,8 +425,6 @@ class OnlySaves(Rotated):
 def test_a_source_that_cannot_go_back_is_counted_not_saved_by_its_state_dict():
     """Its state_dict() was saved, and every --resume refused it (it has no
     load_state_dict): found only at the resume. It is counted as other sources are."""
-    from asyncrl.controller.inputs import Inputs
-
     feed = Inputs({"prompts": OnlySaves(0)})
     feed.reset()
     assert [feed.next()["prompts"] for _ in range(2)] == ["a", "b"]
@@ -470,7 +467,7 @@ def test_a_resume_with_other_prompts_is_refused_before_any_group_starts(tmp_path
                 checkpoint.resumable(tmp_path, flow_of(other))
 
 
-def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path):
+def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path, monkeypatch):
     """A checkpoint is read with pickle (torch's distributed checkpoints, DeepSpeed's): one
     in a folder every user can write was resumed, running whatever was planted there."""
     flow = bare_flow()
@@ -479,7 +476,9 @@ def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path):
     (folder / "meta.json").write_text(json.dumps({
         "step": 0, "flow": checkpoint.identity(flow), "sizes": {}, "inputs": {}}))
     assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
-    for where in (tmp_path / "run", folder.parent, folder):
+    (folder / "g").mkdir()  # a group's folder and a rank's file in it (DCP reads it with
+    (folder / "g" / ".metadata").write_bytes(b"")  # pickle), and meta.json (its settings)
+    for where in (tmp_path / "run", folder.parent, folder, *sorted(folder.rglob("*"))):
         where.chmod(0o777)
         with pytest.raises(CheckpointError, match=f"--resume: {where} is writable by every "
                                                   f"user; a checkpoint is loaded with pickle"):
@@ -487,11 +486,8 @@ def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path):
         where.chmod(0o775)  # (a group's shared project folder: resumed)
     assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
     folder.chmod(0o777)  # a mode that says so falsely (a FUSE mount), told: resumed
-    os.environ["ASYNCRL_TRUST_RUN_DIR"] = "1"
-    try:
-        assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
-    finally:
-        del os.environ["ASYNCRL_TRUST_RUN_DIR"]
+    monkeypatch.setenv("ASYNCRL_TRUST_RUN_DIR", "1")
+    assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
 
 
 def test_an_empty_or_garbled_controller_rng_file_is_a_checkpoint_error_naming_it(tmp_path):
@@ -551,6 +547,9 @@ def test_a_run_under_umask_0_resumes_from_its_own_checkpoints(tmp_path, monkeypa
         done.append(("replace", a, b)), replace(a, b)))
     flow = bare_flow()
     flow.feed.reset()
+    rank = construct(asyncrl.Worker, [], {}, {"group_name": "g", "rank": 0})  # its files too
+    handle = SimpleNamespace(save_checkpoint=lambda p: asyncio.to_thread(rank.save_checkpoint, p))
+    flow.groups = [SimpleNamespace(name="g", nprocs=1, worker_cls=asyncrl.Worker, handle=handle)]
     old = os.umask(0)
     try:
         run_dir = tmp_path / "run"
@@ -564,6 +563,8 @@ def test_a_run_under_umask_0_resumes_from_its_own_checkpoints(tmp_path, monkeypa
     assert checkpoint.resumable(run_dir, flow)[0] == saved
     for where in (run_dir / "checkpoints", saved):
         assert where.stat().st_mode & 0o777 == 0o775  # (a group's write kept, not others')
+    assert sorted(p.name for p in saved.rglob("*") if not p.stat().st_mode & 0o002) == [
+        "controller_rng.pt", "g", "meta.json", "rng_rank0.pt"]  # (none: every user's)
 
 
 def test_a_run_dir_given_as_its_checkpoints_folder_is_named_not_removed(tmp_path):

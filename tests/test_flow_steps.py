@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
+import random
 import re
 import sys
+import threading
 
 import pytest
+import torch
 
 import asyncrl
+from asyncrl.actors.worker import rng_state
+from asyncrl.controller import launch
+from asyncrl.controller.inputs import Inputs
+from asyncrl.controller.recovery import Recovery
+from asyncrl.controller.timeline import Timeline
+from asyncrl.errors import CheckpointError
 
 
 def test_a_step_after_a_failed_one_is_refused_with_what_to_do():
@@ -30,19 +41,14 @@ def test_a_step_after_a_failed_one_is_refused_with_what_to_do():
         return rollout
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[gen, rollout, train], inputs={"x": [1, 2, 3]},
-                                    groups=[])
-            await flow.open(ctl)
-            try:
-                first = await flow.step()
-                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
-                    await flow.step()
-                with pytest.raises(asyncrl.FlowError, match=re.escape(
-                        "step 1 failed, and the steps after it need its nodes: rewind")):
-                    await flow.step()
-            finally:
-                await flow.close()
+        async with asyncrl.DataFlow(nodes=[gen, rollout, train], inputs={"x": [1, 2, 3]},
+                                    groups=[]) as flow:
+            first = await flow.step()
+            with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
+                await flow.step()
+            with pytest.raises(asyncrl.FlowError, match=re.escape(
+                    "step 1 failed, and the steps after it need its nodes: rewind")):
+                await flow.step()
             return first
     assert asyncio.run(main()) == {"gen": 1, "rollout": 1, "train": 1}
 
@@ -60,15 +66,11 @@ def test_a_nodes_failure_is_said_without_waiting_for_a_slower_node_before_it():
 
     async def main():
         never.append(asyncio.Event())
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": [1]}, groups=[])
-            assert flow.order == ["slow", "broken"]
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError, match="broken at once"):
-                    await asyncio.wait_for(flow.step(), 30)  # not a TimeoutError
-            finally:
-                await flow.close()
+        flow = asyncrl.DataFlow(nodes=[slow, broken], inputs={"x": [1]}, groups=[])
+        assert flow.order == ["slow", "broken"]
+        async with flow:
+            with pytest.raises(asyncrl.NodeError, match="broken at once"):
+                await asyncio.wait_for(flow.step(), 30)  # not a TimeoutError
     asyncio.run(main())
 
 
@@ -97,15 +99,11 @@ def test_a_failure_is_named_by_the_node_it_began_in_not_one_it_fed():
         return await faulty.take(gen)
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[gen, train], inputs={"x": [1]}, groups=[faulty])
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError) as info:
-                    await asyncio.wait_for(flow.step(), 60)
-            finally:
-                await flow.close()
-            return info.value
+        async with asyncrl.DataFlow(nodes=[gen, train], inputs={"x": [1]}, groups=[faulty]) \
+                as flow:
+            with pytest.raises(asyncrl.NodeError) as info:
+                await asyncio.wait_for(flow.step(), 60)
+        return info.value
     err = asyncio.run(main())
     assert err.node == "gen" and "no rollout for 1" in str(err), str(err)
 
@@ -121,19 +119,14 @@ def test_a_one_shot_input_with_restarts_is_refused_when_the_flow_opens():
         return restartable.make(x)
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[gen], inputs={"x": (i for i in range(3))},
-                                    groups=[restartable])
-            try:
-                with pytest.raises(asyncrl.FlowError, match="input 'x' is a one-shot iterator"):
-                    await flow.open(ctl)
-            finally:
-                await flow.close()
-            # without restarts (no rewind) a generator is fine
-            flow = asyncrl.DataFlow(nodes=[gen], inputs={"x": (i for i in range(3))},
-                                    groups=[faulty])
-            await flow.open(ctl)
-            await flow.close()
+        flow = asyncrl.DataFlow(nodes=[gen], inputs={"x": (i for i in range(3))},
+                                groups=[restartable])
+        with pytest.raises(asyncrl.FlowError, match="input 'x' is a one-shot iterator"):
+            await flow.open()  # (a failed open closes what it started)
+        # without restarts (no rewind) a generator is fine
+        async with asyncrl.DataFlow(nodes=[gen], inputs={"x": (i for i in range(3))},
+                                    groups=[faulty]):
+            pass
     asyncio.run(main())
 
 
@@ -165,20 +158,15 @@ def test_a_driver_timing_out_a_step_waiting_on_its_bound_can_step_again():
         return late[0]
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[rollout, train, evaluate], inputs={"x": range(4)},
-                                    groups=[])
-            await flow.open(ctl)
-            try:
-                await flow.step()
-                await flow.step()
-                with pytest.raises(TimeoutError):  # step 2 waits for all of step 0
-                    await asyncio.wait_for(flow.step(), 0.2)
-                late[0]._set_result(Held("eval"))
-                third = await asyncio.wait_for(flow.step(), 30)
-            finally:
-                await flow.close()
-            return flow.next_step, sorted(third)
+        async with asyncrl.DataFlow(nodes=[rollout, train, evaluate], inputs={"x": range(4)},
+                                    groups=[]) as flow:
+            await flow.step()
+            await flow.step()
+            with pytest.raises(TimeoutError):  # step 2 waits for all of step 0
+                await asyncio.wait_for(flow.step(), 0.2)
+            late[0]._set_result(Held("eval"))
+            third = await asyncio.wait_for(flow.step(), 30)
+        return flow.next_step, sorted(third)
     assert asyncio.run(main()) == (3, ["evaluate", "rollout", "train"])
 
 
@@ -210,15 +198,10 @@ def test_the_steps_finished_before_a_failure_reach_on_step():
 
     async def main():
         seen = []
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[rollout, train, evaluate], inputs={"x": range(8)},
-                                    groups=[])
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError, match="train 3 failed"):
-                    await flow.run(on_step=lambda t, values, s: seen.append(t))
-            finally:
-                await flow.close()
+        async with asyncrl.DataFlow(nodes=[rollout, train, evaluate], inputs={"x": range(8)},
+                                    groups=[]) as flow:
+            with pytest.raises(asyncrl.NodeError, match="train 3 failed"):
+                await flow.run(on_step=lambda t, values, s: seen.append(t))
         return seen
     assert asyncio.run(main()) == [0, 1, 2]
 
@@ -270,15 +253,10 @@ def test_opening_an_open_flow_is_refused_and_leaves_it_open():
         return x
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[echo], inputs={"x": [1, 2]}, groups=[])
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.FlowError, match="open already"):
-                    await flow.open(ctl)
-                return await flow.step()  # still open
-            finally:
-                await flow.close()
+        async with asyncrl.DataFlow(nodes=[echo], inputs={"x": [1, 2]}, groups=[]) as flow:
+            with pytest.raises(asyncrl.FlowError, match="open already"):
+                await flow.open()
+            return await flow.step()  # still open (its own controller too)
     assert asyncio.run(main()) == {"echo": 1}
 
 
@@ -374,15 +352,11 @@ def test_an_upstream_failure_is_named_by_its_node_when_inputs_are_saved(tmp_path
         return rollout
 
     async def main(save):
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[rollout, score], inputs={"x": range(3)}, groups=[])
-            flow.save_inputs = tmp_path / "inputs" if save else None
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError) as e:
-                    await flow.run()
-            finally:
-                await flow.close()
+        flow = asyncrl.DataFlow(nodes=[rollout, score], inputs={"x": range(3)}, groups=[])
+        flow.save_inputs = tmp_path / "inputs" if save else None
+        async with flow:
+            with pytest.raises(asyncrl.NodeError) as e:
+                await flow.run()
         return e.value
     for save in (False, True):
         err = asyncio.run(main(save))
@@ -403,15 +377,10 @@ def test_a_node_raising_cancelled_error_fails_its_step_not_the_driver():
 
     async def main():
         seen = []
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[fetch], inputs={"x": range(4)}, groups=[])
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError, match="node 'fetch' raised "
-                                                            "CancelledError") as e:
-                    await flow.run(on_step=lambda t, values, s: seen.append(t))
-            finally:
-                await flow.close()
+        async with asyncrl.DataFlow(nodes=[fetch], inputs={"x": range(4)}, groups=[]) as flow:
+            with pytest.raises(asyncrl.NodeError, match="node 'fetch' raised "
+                                                        "CancelledError") as e:
+                await flow.run(on_step=lambda t, values, s: seen.append(t))
         return e.value, seen
     err, seen = asyncio.run(main())
     assert (err.node, err.step, seen) == ("fetch", 2, [0, 1])
@@ -453,48 +422,55 @@ def test_on_step_failing_while_a_run_fails_is_said_and_no_later_step_completes(c
         seen.append(t)
 
     async def main():
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[slow, fails_later], inputs={"x": range(5)},
-                                    groups=[], max_staleness=2)
-            flows.append(flow)
-            await flow.open(ctl)
-            try:
-                with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
-                    await asyncio.wait_for(flow.run(on_step=on_step), 30)
-            finally:
-                await flow.close()
+        flows.append(asyncrl.DataFlow(nodes=[slow, fails_later], inputs={"x": range(5)},
+                                      groups=[], max_staleness=2))
+        async with flows[0] as flow:
+            with pytest.raises(asyncrl.NodeError, match="no sample for 2"):
+                await asyncio.wait_for(flow.run(on_step=on_step), 30)
     seen: list[int] = []
     asyncio.run(main())
     assert seen == []
     assert "completing step 0 failed too: OSError: the disk is full" in capsys.readouterr().err
 
 
+class Live:
+    """An iterator whose state_dict() is the dict it moves on; it keeps the dict it loads."""
+
+    def __init__(self):
+        self.state = {"at": 0}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.state["at"] += 1
+        return self.state["at"]
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
 def test_an_iterator_that_saves_its_position_is_rereadable():
     """Any iterator was refused with restarts on ("a one-shot iterator... cannot be read
     again"), also one whose state_dict()/load_state_dict() take it back to a checkpoint's
-    position, as resume_at does."""
-    from asyncrl.controller.inputs import Inputs
-
-    class Stateful:
-        def __init__(self):
-            self.at = 0
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            self.at += 1
-            return self.at
-
-        def state_dict(self):
-            return {"at": self.at}
-
-        def load_state_dict(self, state):
-            self.at = state["at"]
-
-    Inputs({"p": Stateful()}).check_rereadable()
+    position, as resume_at does. (A live state_dict(): the positions kept at the run's start,
+    for a rewind before any checkpoint, and before a step, for unread(), moved on with it.)"""
     with pytest.raises(asyncrl.FlowError, match="input 'g' is a one-shot iterator"):
         Inputs({"g": (i for i in range(3))}).check_rereadable()
+    feed = Inputs({"p": Live()})
+    feed.check_rereadable()
+    feed.reset()
+    origin = feed.positions()  # (flow.run keeps it so)
+    assert [feed.next()["p"] for _ in range(2)] == [1, 2]
+    feed.unread()
+    assert feed.next()["p"] == 2
+    for _ in range(2):  # rewound twice to the start
+        feed.reset()
+        feed.resume_at(0, origin, rewind=True)
+        assert [feed.next()["p"] for _ in range(2)] == [1, 2]
 
 
 def test_a_node_whose_own_inputs_run_out_ends_the_run_with_its_last_checkpoint(capsys):
@@ -527,14 +503,9 @@ def test_a_node_whose_own_inputs_run_out_ends_the_run_with_its_last_checkpoint(c
         async def checkpoint(t):
             saved.append((t, source.state_dict()["epoch"]))
 
-        async with asyncrl.Controller() as ctl:
-            flow = asyncrl.DataFlow(nodes=[sample, train], inputs={"prompts": source},
-                                    groups=[])
-            await flow.open(ctl)
-            try:
-                steps = await flow.run(checkpoint=checkpoint)
-            finally:
-                await flow.close()
+        async with asyncrl.DataFlow(nodes=[sample, train], inputs={"prompts": source},
+                                    groups=[]) as flow:
+            steps = await flow.run(checkpoint=checkpoint)
         return [s["train"] for s in steps], saved, flow.next_step, flow.ended
     # (saved where step 2 found it, epoch 0: step 2's prompts are read again by a resume)
     assert asyncio.run(main()) == ([1, 1], [(1, 0)], 2, "sample")
@@ -546,23 +517,19 @@ class ShufflesEachPass:
     """An input read again in another order on each pass (a DataLoader with shuffle=True
     and a seeded generator): the resume's pass is the second since the process started."""
 
-    def __init__(self) -> None:
-        import random
-
-        self.rng = random.Random(0)
+    def __init__(self, seed: int = 0, tensors: bool = False) -> None:
+        self.rng, self.tensors = random.Random(seed), tensors
 
     def __iter__(self):
         order = list(range(20))
         self.rng.shuffle(order)
-        return iter(order)
+        return iter({"ids": torch.tensor([i])} for i in order) if self.tensors else iter(order)
 
 
 def test_a_resume_reads_a_reshuffling_input_as_the_run_did():
     """The check before the groups start read such an input once more: the resume then read
     a third order, refused as "another item" (or, with items no digest covers, trained on
-    other rows, some twice)."""
-    from asyncrl.controller.inputs import Inputs
-
+    other rows, some twice: tensors, a DataLoader's, were not covered)."""
     ran = Inputs({"x": ShufflesEachPass()})  # the run that saved the checkpoint
     ran.reset()
     taken = [ran.next()["x"] for _ in range(6)]
@@ -574,3 +541,60 @@ def test_a_resume_reads_a_reshuffling_input_as_the_run_did():
     resumed.reset()
     resumed.resume_at(5, saved)
     assert resumed.next()["x"] == taken[5]
+    ran, same, other = (Inputs({"x": ShufflesEachPass(seed, tensors=True)}) for seed in (0, 0, 1))
+    for feed in (ran, same, other):
+        feed.reset()
+    [ran.next() for _ in range(5)]
+    saved = json.loads(json.dumps(ran.positions()))  # as meta.json keeps it
+    same.resume_at(5, saved)
+    assert torch.equal(same.next()["x"]["ids"], ran.next()["x"]["ids"])
+    with pytest.raises(CheckpointError, match="input 'x' gave another item at position 5"):
+        other.resume_at(5, saved)  # (another seed: another order)
+
+
+def test_a_skip_count_resume_keeps_the_controller_loop_beating(tmp_path):
+    """An input without state_dict() was skipped to its position on the controller's loop,
+    after every group had started (a --resume, a rewind): a DataLoader's thousands of
+    batches stopped the heartbeats (400 items at 5 ms: 2.1 s), and the ranks exited."""
+    from asyncrl.controller.checkpoint import restore
+
+    on_the_loop = []  # for each item the input gives (a DataLoader's batch): on the loop?
+    flow = asyncrl.DataFlow(nodes=[broken], groups=[], inputs={"x": (on_the_loop.append(
+        threading.current_thread() is threading.main_thread()) or i for i in itertools.count())})
+    torch.save(rng_state(), tmp_path / "controller_rng.pt")
+
+    async def main():
+        async with flow:
+            await restore(flow, tmp_path, {"step": 3, "inputs": {"x": {"consumed": 400}}})
+    asyncio.run(main())
+    assert flow.next_step == 4 and flow.feed.next()["x"] == 400
+    assert on_the_loop == [False] * 400 + [True]  # skipped on a thread, then read
+
+
+def test_on_rewind_does_not_stall_the_loop(tmp_path, monkeypatch):
+    """A rewind's on_rewind (`asyncrl launch`'s metrics.jsonl and timeline.jsonl rewritten
+    and fsynced, TensorBoard closed) ran on the controller's loop: 66 MB of metrics held it
+    1.4 s, near the ranks' heartbeat timeout (3 s)."""
+    @asyncrl.node
+    def take(x):
+        if x == 2 and not rewound:
+            raise RuntimeError("a rank died")
+        return {"x": x}
+    flow = asyncrl.DataFlow(nodes=[take], groups=[], inputs={"x": [0, 1, 2, 3]})
+    rewound, on_the_loop = [], []  # the steps rewinds went back from; where rows were cut
+
+    async def rewind(exc, step, restore):  # to the start (no checkpoint), as recovery does
+        await flow._abandon()
+        flow._reset_sources()
+        rewound.append(step)
+        return True
+    monkeypatch.setattr(Recovery, "enabled", property(lambda self: True))
+    monkeypatch.setattr(flow.recovery, "rewind", rewind)
+    drop = launch.drop_rows_after
+    monkeypatch.setattr(launch, "drop_rows_after", lambda *a: (on_the_loop.append(
+        threading.current_thread() is threading.main_thread()), drop(*a))[1])
+    metrics = launch.Metrics(tmp_path, None, Timeline(tmp_path), trackers=[])
+    asyncio.run(flow.run(on_step=metrics, on_rewind=metrics.rewind_off_loop))
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert rewound == [2] and [json.loads(row)["step"] for row in rows] == [0, 1, 2, 3]
+    assert on_the_loop == [False]  # (a thread's: the loop's heartbeats go on meanwhile)

@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -107,13 +108,18 @@ def refuse_existing(run_dir: Path) -> None:
 TRUST_RUN_DIR = "ASYNCRL_TRUST_RUN_DIR"  # "1": a run's folders are taken as its own
 PRIVATE_DIR = 0o775  # the mode of the folders a run makes (no write for others, whatever
 # the umask: a folder every user can write is refused, see not_yours)
+PRIVATE_FILE = 0o664  # and of the files it makes
 
 
 def _own(path: Path) -> None:
     """A checkpoint is code as well as data (torch's distributed checkpoints and DeepSpeed's
-    are read with pickle): refuse one that another user wrote, or could have."""
-    for where in (path.parent.parent, path.parent, path):  # run dir, checkpoints, step_*
-        whose = not_yours(where)
+    are read with pickle, meta.json holds settings): refuse one that another user wrote, or
+    could have: its folders above it and every folder and file in it (a few per group)."""
+    for where in (path.parent.parent, path.parent, *_tree(path)):  # run dir, checkpoints
+        try:
+            whose = not_yours(where)
+        except OSError as e:  # (a link to nothing)
+            whose = f"not checkable ({e.strerror})"
         if whose is not None and os.environ.get(TRUST_RUN_DIR) != "1":
             raise CheckpointError(
                 f"--resume: {where} is {whose}; "
@@ -121,6 +127,26 @@ def _own(path: Path) -> None:
                 f"DeepSpeed's), so only one that you wrote, in folders only you (or your "
                 f"group) can write, is resumed: copy it into a run directory of yours (or "
                 f"set {TRUST_RUN_DIR}=1 where that is false: root on NFS, a FUSE mount)")
+
+
+def _tree(path: Path) -> list[Path]:
+    """`path` and every folder and file under it."""
+    found = [path]
+    for root, folders, files in os.walk(path):
+        found += [Path(root, name) for name in (*folders, *files)]
+    return found
+
+
+def _unshared(path: Path) -> None:
+    """Take others' write permission off every folder and file of this user's under `path`
+    (ranks and torch make theirs as the umask says: under umask 0, writable by every user,
+    which --resume refuses); links are left alone (a chmod would follow them), and another
+    user's entries to --resume's check (root's, squashed on NFS: ASYNCRL_TRUST_RUN_DIR)."""
+    for where in _tree(path):
+        st = where.lstat()
+        if st.st_uid == os.getuid() and not stat.S_ISLNK(st.st_mode) and \
+                st.st_mode & stat.S_IWOTH:
+            os.chmod(where, stat.S_IMODE(st.st_mode) & ~stat.S_IWOTH)
 
 
 def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
@@ -225,6 +251,7 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     if errors:  # a death first: it explains the others, and a resave recovers from it
         raise next((e for e in errors if isinstance(e, GroupDeadError)), errors[0])
     torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
+    await asyncio.to_thread(_unshared, tmp)  # (before the sync: the modes on disk too)
     # (the ranks synced what they wrote: here, the folders and the rest; off the loop)
     await asyncio.to_thread(sync_tree, tmp)
     meta = {"step": step, "flow": identity(flow), "inputs": inputs,
@@ -250,17 +277,34 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
 
 
 def positions(flow: DataFlow) -> dict[str, Any]:
-    """The flow's inputs' positions, each checked to go into meta.json (JSON)."""
-    out = flow.positions()
-    for name, state in out.items():
-        try:
-            json.dumps(state)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"input {name!r}: its state_dict() cannot go into a checkpoint's meta.json "
-                f"({e}); return plain numbers, strings, lists and dicts (a tensor as "
-                f".tolist())") from e
-    return out
+    """The flow's inputs' positions as meta.json gives them back, each checked to come back
+    unchanged: what a rewind from the origin loads, a resume loads too."""
+    return {name: _as_saved(name, state) for name, state in flow.positions().items()}
+
+
+def _as_saved(name: str, state: Any) -> Any:
+    """Input `name`'s `state` through JSON; CheckpointError where JSON cannot hold it, or
+    would give back another value (int keys as strings, tuples as lists: a source loading
+    {"0": 3} for {0: 3} restarts its shards at 0, silently)."""
+    try:
+        kept = json.loads(json.dumps(state))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"input {name!r}: its state_dict() cannot go into a checkpoint's meta.json "
+            f"({e}); return plain numbers, strings, lists and dicts (a tensor as "
+            f".tolist())") from e
+    if kept != state:
+        raise CheckpointError(
+            f"input {name!r}: its state_dict() comes back from a checkpoint's meta.json "
+            f"changed ({_shown(state)} as {_shown(kept)}): JSON keeps dict keys as strings "
+            f"and tuples as lists; return string keys and lists (and convert them back in "
+            f"load_state_dict)")
+    return kept
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:117]}..."
 
 
 def _install(tmp: Path, final: Path) -> None:
@@ -289,7 +333,8 @@ def _remove_stale(root: Path, tmp: Path) -> list[str]:
 
 
 def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+    """`path` written with `text` and fsynced; no write for others, whatever the umask."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -326,7 +371,10 @@ async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
         raise CheckpointError(f"loading {path} failed: {type(e).__name__}: {e}\nif its "
                               f"files are damaged, {_aside(path)}") from e
     start = int(meta["step"]) + 1
-    flow.resume_at(start, meta.get("inputs", {}), rewind)
+    # off the loop: an input without state_dict() is skipped item by item (a DataLoader
+    # collating thousands of batches: seconds without heartbeats, and the ranks exit); no
+    # step runs meanwhile
+    await asyncio.to_thread(flow.resume_at, start, meta.get("inputs", {}), rewind)
     return start
 
 

@@ -333,7 +333,7 @@ class DataFlow:
                   on_step: Callable[[int, dict[str, Any], float], None] | None = None,
                   checkpoint: Callable[[int], Awaitable[None]] | None = None,
                   restore: Callable[[], Awaitable[bool]] | None = None,
-                  on_rewind: Callable[[int], None] | None = None,
+                  on_rewind: Callable[[int], Awaitable[None] | None] | None = None,
                   keep: bool = True) -> list[dict[str, Any]]:
         """Run until step index `steps` (default: the flow's `steps`, else until an input is
         exhausted, or a node's own inputs: InputsExhausted) inside the current Controller (or
@@ -346,8 +346,9 @@ class DataFlow:
         `checkpoint_every`-th step and after the last step of a run that ends normally.
         With restarts (`asyncrl.group(max_restarts=)`), a death the flow recovers from by
         going back (recovery.py) awaits `restore()` (load the newest checkpoint; False when
-        there is none: the run starts over) and calls `on_rewind(t)`: steps after t run
-        again, and what `on_step` was given for them is void.
+        there is none: the run starts over) and calls `on_rewind(t)` (awaited if async: a
+        file's rewrite goes on a thread, not the loop): steps after t run again, and what
+        `on_step` was given for them is void.
 
         `on_step(t, values, seconds)` gets each step's values once it finished, in order;
         `seconds`: from the end of the step before (or its dispatch, if later) to its own end,
@@ -382,8 +383,9 @@ class DataFlow:
                     kept = self.next_step - 1
                     for t in [t for t in done if t > kept]:
                         del done[t]
-                    if on_rewind is not None:
-                        on_rewind(kept)
+                    rewound = on_rewind(kept) if on_rewind is not None else None
+                    if inspect.isawaitable(rewound):
+                        await rewound
         finally:
             if opened:
                 await self.close()

@@ -11,6 +11,7 @@ each iterable is, for checkpoints.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -53,13 +54,13 @@ class Inputs:
                     f"another re-iterable source")
 
     def positions(self) -> dict[str, Any]:
-        """Where each iterable input is: its ``state_dict()``, else ``{"consumed": n}`` and
-        the digest of its n-th item (where the item is JSON: a prompt, a list of them)."""
+        """Where each iterable input is: a copy of its ``state_dict()``, else
+        ``{"consumed": n}`` and the digest of its n-th item (JSON, tensors, arrays)."""
         out: dict[str, Any] = {}
         for name, n in self.consumed.items():
             source = self.sources[name]
-            if _restorable(source):
-                out[name] = source.state_dict()
+            if _restorable(source):  # (copied: a source may hand out the dict it moves on)
+                out[name] = copy.deepcopy(source.state_dict())
                 continue
             out[name] = {"consumed": n}
             digest = _digest(self._last[name]) if name in self._last else None
@@ -78,8 +79,8 @@ class Inputs:
                     f"{sorted(positions)}); resume with the flow that wrote it")
             source, state = self.sources[name], positions[name]
             if _restorable(source):
-                try:
-                    source.load_state_dict(state)
+                try:  # (a copy: a source that keeps the dict it is given moves it on, and
+                    source.load_state_dict(copy.deepcopy(state))  # a rewind reuses it)
                 except ValueError as e:  # another source than the run's (its data, seed)
                     raise CheckpointError(f"input {name!r}: {e}") from e
                 self._iters[name] = iter(source)  # a fresh iterator, from that position
@@ -131,7 +132,7 @@ class Inputs:
                 values[name] = self.sources[name]
                 continue
             source = self.sources[name]
-            before = source.state_dict() if _restorable(source) else None
+            before = copy.deepcopy(source.state_dict()) if _restorable(source) else None
             try:
                 values[name] = next(it)
             except StopIteration:
@@ -213,9 +214,62 @@ def _iterate(source: Any) -> Iterator[Any] | None:
 
 
 def _digest(item: Any) -> str | None:
-    """A short digest of a JSON item (None for one that is not JSON: not checked)."""
+    """A short digest of an item: of its JSON text, else of the tensors and arrays in it (a
+    DataLoader's batch: their dtypes, shapes and bytes, through dicts, lists, tuples and
+    TensorBatch columns); None for anything else (not checked)."""
     try:
         text = json.dumps(item, sort_keys=True)
     except (TypeError, ValueError):
-        return None
+        tensors = hashlib.sha256(b"tensors\0")
+        return tensors.hexdigest()[:16] if _hash_into(tensors, item) else None
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _hash_into(hasher: Any, item: Any) -> bool:
+    """Feed `item` to `hasher`, the same in every process; False where part of it has no
+    bytes of its own (an object, a numpy array of objects, a sparse tensor)."""
+    import numpy as np
+    import torch
+
+    from asyncrl.comm.batch import TensorBatch
+
+    if isinstance(item, TensorBatch):
+        item = item.to_dict()
+    if isinstance(item, torch.Tensor):
+        values = _tensor_bytes(item)
+        if values is None:
+            return False
+        hasher.update(f"tensor {item.dtype} {tuple(item.shape)}\0".encode() + values)
+        return True
+    if isinstance(item, np.ndarray | np.generic):
+        array = np.asarray(item)
+        if array.dtype.hasobject:  # (its bytes are addresses)
+            return False
+        hasher.update(f"array {array.dtype.str} {array.shape}\0".encode())
+        hasher.update(np.ascontiguousarray(array).tobytes())
+        return True
+    if isinstance(item, dict):
+        hasher.update(f"dict {len(item)}\0".encode())
+        return all(_hash_into(hasher, k) and _hash_into(hasher, v)
+                   for k, v in sorted(item.items(), key=lambda kv: repr(kv[0])))
+    if isinstance(item, list | tuple):
+        hasher.update(f"{type(item).__name__} {len(item)}\0".encode())
+        return all(_hash_into(hasher, v) for v in item)
+    try:
+        hasher.update(json.dumps(item).encode() + b"\0")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _tensor_bytes(t: Any) -> bytes | None:
+    """A dense tensor's values as bytes (bf16's too, which numpy lacks), wherever it is;
+    None for one whose bytes are not its values (sparse, quantized, meta, a subclass)."""
+    import torch
+
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
+            or t.is_quantized or t.is_meta:
+        return None
+    flat = torch.empty(t.numel(), dtype=t.dtype)  # (stride 1, on the CPU: a view of it as
+    flat.copy_(t.detach().reshape(-1))  # bytes is its values)
+    return bytes(flat.view(torch.uint8).numpy())

@@ -141,9 +141,19 @@ class Metrics:
     def rewind(self, step: int) -> None:
         """Steps after `step` run again (a recovery went back to a checkpoint): their rows,
         timeline events and TensorBoard scalars go."""
+        self.timeline.forget_after(step)
+        self._drop_written_after(step)
+
+    async def rewind_off_loop(self, step: int) -> None:
+        """`rewind`, its files rewritten on a thread (a long run's metrics.jsonl took
+        seconds: no heartbeats meanwhile, and the ranks exited); no step runs meanwhile."""
+        self.timeline.forget_after(step)  # (on the loop: events are added there)
+        await asyncio.to_thread(self._drop_written_after, step)
+
+    def _drop_written_after(self, step: int) -> None:
         drop_rows_after(self.path, step)
-        self.timeline.drop_after(step)
-        for tracker in self.trackers:
+        self.timeline.cut_after(step)
+        for tracker in self.trackers:  # (TensorBoard closes its writer: its files flushed)
             tracker.rewind(step)
 
     def flush(self) -> None:
@@ -185,8 +195,7 @@ def drop_rows_after(path: Path, step: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and (_step_of(line) or 0) <= step
-            and _step_of(line) is not None]
+    kept = [line for line in lines if (at := _step_of(line)) is not None and at <= step]
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:  # on disk before it replaces the rows (a power cut between)
         f.write("".join(line + "\n" for line in kept))
@@ -340,7 +349,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                             lambda: checkpoint.restore(flow, resume_from, meta))
                     checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
                     await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
-                                   on_rewind=metrics.rewind, keep=False)
+                                   on_rewind=metrics.rewind_off_loop, keep=False)
                     what = f"input {flow.ended!r}" if flow.ended in flow.feed.sources \
                         else f"the prompts node {flow.ended!r} draws"  # (DAPO's: its own)
                     if flow.ended is not None and resume_from is not None and \

@@ -98,7 +98,17 @@ class Timeline:
     def drop_after(self, step: int) -> None:
         """Forget the events of the steps after `step` (they run again), in memory and in
         timeline.jsonl (timeline.json follows at the next write)."""
+        self.forget_after(step)
+        self.cut_after(step)
+
+    def forget_after(self, step: int) -> None:
+        """Forget the in-memory events of the steps after `step` (on the loop: events are
+        added there)."""
         self._by_step = {t: es for t, es in self._by_step.items() if t <= step}
+
+    def cut_after(self, step: int) -> None:
+        """Cut the lines of the steps after `step` from timeline.jsonl (a copy of the file's
+        latest writes: a thread's work, not the loop's)."""
         if self.run_dir is None:
             return
         with self._lock:
