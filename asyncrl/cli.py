@@ -386,7 +386,7 @@ def attach(args: argparse.Namespace) -> int:
 
 
 def logs(args: argparse.Namespace) -> int:
-    from asyncrl.controller.logs import read_log
+    from asyncrl.controller.logs import read_log, visible
 
     if args.tail is not None and args.tail < 0:
         raise SystemExit(f"asyncrl logs: --tail takes a number of lines >= 0, got {args.tail}")
@@ -394,9 +394,9 @@ def logs(args: argparse.Namespace) -> int:
         lines = read_log(Path(args.run_dir), args.group, args.rank, args.tail)
     except FileNotFoundError as e:
         raise SystemExit(f"asyncrl logs: {e}") from None
+    shown = visible if sys.stdout.isatty() else str  # a terminal would obey a rank's escapes
     try:
-        for line in lines:
-            sys.stdout.write(line + "\n")
+        sys.stdout.writelines(f"{shown(line)}\n" for line in lines)
         sys.stdout.flush()
     except BrokenPipeError:  # its reader had enough (`| head`): not an error; and the
         # interpreter's own flush at exit must not meet the closed pipe again

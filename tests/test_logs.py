@@ -3,6 +3,7 @@ run directory, rate-limited on the console only, and read back with `asyncrl log
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -155,8 +156,30 @@ def test_asyncrl_logs_keeps_a_ranks_lines_whole_and_stops_quietly_for_head(tmp_p
                 logs.kill()
 
 
-def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):
-    from asyncrl.actors.output import LINE_CAP, OutputCapture, split_lines
+@contextlib.contextmanager
+def pumped(send):
+    """An OutputCapture's reader fed from a pipe of ours instead of fds 1 and 2; yields the
+    pipe's write end, whose close (the last writer) makes the reader send the rest and end."""
+    from asyncrl.actors.output import OutputCapture
+
+    capture = OutputCapture(send)
+    read_fd, write_fd = os.pipe()
+    capture._read_fd, capture._original = read_fd, os.open(os.devnull, os.O_WRONLY)
+    pump = threading.Thread(target=capture._pump, daemon=True)
+    pump.start()
+    try:
+        yield write_fd
+    finally:
+        os.close(write_fd)
+        pump.join(30)
+        os.close(read_fd)
+        os.close(capture._original)
+    assert not pump.is_alive()
+
+
+def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path, monkeypatch):
+    from asyncrl.actors import output
+    from asyncrl.actors.output import LINE_CAP, split_lines
 
     assert split_lines(b"a\r\nb\n\nc\r d\r e") == ([b"a", b"b", b"", b"c", b" d"], b" e")
     # a CRLF split between two reads makes no empty line; a blank CRLF line stays one
@@ -173,25 +196,28 @@ def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path):
         sent.extend(lines)
         first.set()
 
-    capture = OutputCapture(send)  # fed from a pipe of ours instead of fds 1 and 2
-    read_fd, write_fd = os.pipe()
-    capture._read_fd, capture._original = read_fd, os.open(os.devnull, os.O_WRONLY)
-    pump = threading.Thread(target=capture._pump, daemon=True)
-    pump.start()
-    try:
+    monkeypatch.setattr(output, "PARTIAL_S", 600)  # (a quiet line's send: tested below)
+    with pumped(send) as write_fd:
         os.write(write_fd, b"\r 10%|#    |\r 20%|##   |")  # tqdm: no newline until the end
         assert first.wait(30), "a progress bar's redraws were held back for a newline"
         assert sent == [" 10%|#    |"]
         long = "é" * LINE_CAP  # 2 * LINE_CAP bytes, never a newline
         os.write(write_fd, long.encode())
-    finally:
-        os.close(write_fd)  # the last writer: the pump sends the rest and returns
-        pump.join(30)
-        os.close(read_fd)
-        os.close(capture._original)
-    assert not pump.is_alive()
     assert sent[1].startswith(" 20%|##   |é") and "".join(sent[1:]) == " 20%|##   |" + long
     assert len(sent) > 2 and all(len(x.encode()) <= LINE_CAP for x in sent)
+
+
+def test_a_partial_line_is_sent_after_a_quiet_second():
+    """A line without its end (tqdm's redraws start with \\r; a `print(..., end="")`) waited
+    for one: 3 s after a bar's last redraw the controller had its 50% only, and a hung rank
+    showed stale output. It is sent after a quiet second; its end, when it comes, makes no
+    empty line."""
+    sent: list[str] = []
+    with pumped(lambda lines, dropped: sent.extend(lines)) as write_fd:
+        os.write(write_fd, b"\rshards 50%\rshards 100%")
+        wait_until(lambda: "shards 100%" in sent, 5, "a line without its end, a second old")
+        os.write(write_fd, b"\nnext\n")
+    assert sent == ["shards 50%", "shards 100%", "next"]
 
 
 def test_a_rank_whose_output_tee_is_killed_prints_on_to_its_log():
@@ -488,3 +514,84 @@ def test_the_controllers_notices_go_through_the_console_thread(tmp_path, monkeyp
     say(SimpleNamespace(logs=sink), "after the close")
     say(None, "without a controller")
     assert "".join(paused.shown).endswith("after the close\nwithout a controller\n")
+
+
+def test_a_full_disk_at_a_groups_close_neither_raises_nor_keeps_files(tmp_path, capsys):
+    """A rank's file whose write failed (a full disk: said once a group, the run goes on)
+    failed again at its close, which flushes: close_group raised in the reaping of a dead
+    group (a restart became the run's failure), and close left the other files open and the
+    console's last lines unwritten."""
+    keys = [(group, rank) for group in ("g", "h") for rank in (0, 1)]
+    for group, rank in keys:
+        (tmp_path / group).mkdir(exist_ok=True)
+        (tmp_path / group / f"rank{rank}.log").symlink_to("/dev/full")
+    sink = LogSink(tmp_path)
+    for group, rank in keys:
+        sink.write(group, rank, [f"a line of {group}:{rank}"])
+    files = dict(sink._files)
+    assert len(files) == 4
+    sink.close_group("g")
+    assert sorted(sink._files) == [("h", 0), ("h", 1)]
+    assert files["g", 0].closed and files["g", 1].closed
+    sink.close()
+    assert sink._files == {} and all(f.closed for f in files.values())
+    err = capsys.readouterr().err  # (the console's thread has written it all by its close)
+    assert all(f"{g}:{r} | a line of {g}:{r}" in err for g, r in keys)
+    assert err.count("[asyncrl] writing") == 2  # once a group
+
+
+def test_a_ranks_escape_sequences_are_shown_escaped_not_obeyed(tmp_path, capsys):
+    """A rank's control characters reached the terminal byte for byte: OSC 0 set the
+    window's title (OSC 52 the clipboard), CSI 2J cleared the screen, tqdm's cursor-up wrote
+    over other ranks' lines; a remote error's text in the controller's notices too; and
+    `asyncrl logs` on a terminal. They are shown escaped; the rank's file keeps them as
+    printed, and `asyncrl logs` writes them so to a pipe or a file."""
+    from types import SimpleNamespace
+
+    from asyncrl.controller.logs import say
+
+    raw = "t \x1b]0;pwned\x07 \x1b[2J \x9b31m\tend"
+    sink = LogSink(tmp_path / "logs")
+    sink.write("g", 0, [raw])
+    say(SimpleNamespace(logs=sink), f"[asyncrl] group 'g' failed: {raw}")
+    sink.close()
+    say(None, raw)  # no controller: stderr itself
+    err = capsys.readouterr().err
+    assert not {"\x1b", "\x07", "\x9b"} & set(err), repr(err)
+    shown = "t \\x1b]0;pwned\\x07 \\x1b[2J \\x9b31m\tend"  # (a tab is harmless)
+    assert err.splitlines() == [f"g:0 | {shown}", f"[asyncrl] group 'g' failed: {shown}",
+                                shown]
+    assert (tmp_path / "logs" / "g" / "rank0.log").read_text() == raw + "\n"
+    command = [sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group", "g",
+               "--rank", "0"]
+    piped = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert piped.returncode == 0 and piped.stdout == raw + "\n", piped.stderr
+    assert on_a_terminal(command) == (0, f"{shown}\r\n".encode())
+
+
+def on_a_terminal(command: list[str]) -> tuple[int, bytes]:
+    """`command` run with a pseudo-terminal for its stdout and stderr: its exit code, and
+    what it wrote there (the terminal turns each newline into CRLF)."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    shown = b""
+    try:
+        with subprocess.Popen(command, stdout=follower, stderr=follower, cwd=ROOT) as proc:
+            try:
+                os.close(follower)
+                follower = -1
+                while select.select([leader], [], [], 60)[0]:  # to its end: EIO once the
+                    try:  # command exited (its side of the terminal closed)
+                        shown += os.read(leader, 4096)
+                    except OSError:
+                        break
+                return proc.wait(60), shown
+            finally:
+                if proc.poll() is None:  # (failed midway)
+                    proc.kill()
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)

@@ -3,13 +3,17 @@ the numbers of its metrics rows, trackers that fail, and its run directory. No p
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 
 import numpy as np
 import pytest
 import torch
 
+import asyncrl
+from asyncrl.controller import logs
 from asyncrl.controller.launch import Metrics, default_run_dir, scalars
 from asyncrl.controller.timeline import Event, Timeline, draw
 from asyncrl.controller.trackers import Wandb
@@ -384,3 +388,45 @@ def test_spans_a_failed_write_took_are_written_by_the_next(tmp_path, monkeypatch
     trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     assert sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X") == [
         (0, "rollout"), (1, "train")]
+
+
+def test_a_short_metrics_write_leaves_no_half_row(tmp_path, monkeypatch):
+    """A row was one os.write, its count unread: a nearly full disk took part of it, and
+    the next row went on at its end, on its line ({"step": 1{"step": 2, ...}): unreadable
+    (a resume's cut dropped both). A write cut short is taken back; a short count, finished."""
+    path = tmp_path / "metrics.jsonl"
+    logs.append_line(path, json.dumps({"step": 0}))
+    real_write = os.write
+
+    def full_after_10_bytes(fd: int, data: bytes) -> int:
+        real_write(fd, data[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(logs.os, "write", full_after_10_bytes)
+    with pytest.raises(OSError, match="No space left"):
+        logs.append_line(path, json.dumps({"step": 1, "loss": 0.5}))
+    monkeypatch.setattr(logs.os, "write", lambda fd, data: real_write(fd, data[:10]))
+    logs.append_line(path, json.dumps({"step": 2, "loss": 0.25}))  # written 10 bytes a time
+    monkeypatch.undo()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2]
+
+
+class Controller(asyncrl.Worker):
+    """A worker class whose groups are named "controller" unless spawn() names them."""
+
+
+def test_a_group_named_controller_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """"controller" is the timeline's row of the flow's node functions: a group of that name
+    had its calls left out of time/<node>_s, time/busy/controller_s and `asyncrl bench`."""
+    from helpers import run
+
+    monkeypatch.setenv("ASYNCRL_FORK_AGENTS", "0")  # (no warm agent server: no process)
+
+    async def main():
+        async with asyncrl.Controller(run_dir=tmp_path, echo_logs=False) as ctl:
+            for name in ("controller", None):  # (None: the class's name, in lower case)
+                with pytest.raises(ValueError, match="group name 'controller' is the "
+                                   "timeline's row of the flow's node functions .*choose "
+                                   "another name"):
+                    await ctl.spawn(Controller, name=name)
+            assert ctl.groups == {}
+    run(main())

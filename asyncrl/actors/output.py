@@ -1,6 +1,7 @@
 """A rank's stdout and stderr, streamed to the controller line by line (a line ends at a
 newline, at a carriage return: each redraw of a progress bar is a line, or after LINE_CAP
-bytes without either).
+bytes without either; what has no end yet is sent after PARTIAL_S of quiet: a progress bar's
+last redraw, a `print(..., end="")`).
 
     fd 1, fd 2 ──▶ pipe ──▶ tee ──▶ the original stdout (torchrun's group log keeps
                              │         every byte, as before)
@@ -29,6 +30,8 @@ from collections.abc import Callable
 
 FLUSH_S = 0.1
 LINE_CAP = 64 * 1024  # output without a line end is sent in pieces of this size
+PARTIAL_S = 1.0  # a line without its end yet is sent when it is this old (its end, when it
+# comes, ends no line of its own: the rest arrives as a line of its own, as with LINE_CAP)
 
 
 def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
@@ -96,7 +99,8 @@ class OutputCapture:
     def _read_lines(self) -> None:
         partial, lines, dropped = b"", [], 0
         window, sent = time.monotonic(), 0
-        last_flush = time.monotonic()
+        last_flush = partial_since = time.monotonic()
+        cut = False  # the last line was sent before its end (PARTIAL_S)
         poller = select.poll()  # (select() refuses a descriptor >= 1024: a group of a
         poller.register(self._read_fd, select.POLLIN)  # thousand ranks' gloo sockets)
         while True:
@@ -110,15 +114,20 @@ class OutputCapture:
                 if self._tee is not None and not self._closing:  # the tee died (killed):
                     self._tee_gone()  # prints would fail on its broken pipe
                 return
+            now = time.monotonic()
+            complete: list[bytes] = []
             if chunk:
-                if self._mirror:
-                    try:
-                        os.write(self._original, chunk)
-                    except OSError:  # the log's disk is full or its pipe broke: the lines
-                        self._mirror = False  # still reach the controller, and the pump
-                        # goes on (a pipe nobody drains would block every print)
-                complete, partial = split_lines(partial + chunk)
-                now = time.monotonic()
+                self._copy_to_log(chunk)
+                started = not partial.rstrip(b"\r")  # (a held "\r" ended the line before)
+                data = _after_cut(chunk) if cut else chunk
+                cut = cut and not data  # (that line's end not read yet)
+                complete, partial = split_lines(partial + data)
+                if complete or started:
+                    partial_since = now
+            if partial.rstrip(b"\r") and now - partial_since >= PARTIAL_S:  # quiet since
+                complete.append(partial.rstrip(b"\r"))  # (a hung rank's last words, a
+                partial, cut = b"", True  # progress bar's last redraw: not held back)
+            if complete:
                 if now - window >= 1.0:
                     window, sent = now, 0
                 for raw in complete:
@@ -127,10 +136,17 @@ class OutputCapture:
                         continue
                     sent += len(raw) + 1
                     lines.append(raw.decode(errors="replace"))
-            now = time.monotonic()
             if (lines or dropped) and now - last_flush >= FLUSH_S:
                 self._forward(lines, dropped)
                 lines, dropped, last_flush = [], 0, now
+
+    def _copy_to_log(self, chunk: bytes) -> None:
+        if self._mirror:
+            try:
+                os.write(self._original, chunk)
+            except OSError:  # the log's disk is full or its pipe broke: the lines still
+                self._mirror = False  # reach the controller, and the pump goes on (a
+                # pipe nobody drains would block every print)
 
     def _forward(self, lines: list[str], dropped: int) -> None:
         try:
@@ -161,6 +177,12 @@ class OutputCapture:
         if self._tee is not None:
             self._tee.poll()  # reaped if done (a child of the rank's may still write)
         return not self._thread.is_alive()
+
+
+def _after_cut(data: bytes) -> bytes:
+    """`data` that follows a line sent before its end: its leading line end ends that line,
+    not an empty one (a progress bar's closing newline)."""
+    return data.lstrip(b"\r").removeprefix(b"\n")
 
 
 def _tee(source: int, log: int) -> tuple[subprocess.Popen[bytes], int] | None:

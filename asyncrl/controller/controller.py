@@ -19,7 +19,6 @@ import inspect
 import itertools
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -52,7 +51,7 @@ from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
 from asyncrl.controller.launcher import Agent, check_env, cluster_agents, rank_env
 from asyncrl.controller.links import Links
-from asyncrl.controller.logs import LogSink
+from asyncrl.controller.logs import LogSink, check_group_name
 from asyncrl.controller.lost import concurrent_sockets
 from asyncrl.controller.outbox import Outbox
 from asyncrl.controller.placement import Placer, check_nice
@@ -70,7 +69,6 @@ from asyncrl.errors import (
 log = logging.getLogger("asyncrl")
 _current: contextvars.ContextVar[Controller | None] = contextvars.ContextVar(
     "asyncrl_controller", default=None)
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 RELAY_MIN_RANKS = 16  # relay=None: groups this large talk to the controller through relays
 MAX_IPC_PATH = 100  # a unix socket's path must fit sockaddr_un (107 bytes on Linux)
 
@@ -464,9 +462,7 @@ class Controller:
             make_ref(cls)
         except TypeError as e:
             raise EncodeError(f"worker class {cls.__qualname__}: {e}") from None
-        if not _NAME.match(name) or name in (".", ".."):  # (its logs' folder: RUN_DIR/logs/..)
-            raise ValueError(f"group name {name!r}: use letters, digits, '_', '.' or '-' "
-                             f"(not '.' or '..' alone)")
+        check_group_name(name)
         if name in self.groups:
             raise ValueError(f"a group named {name!r} already exists; pass name=... to spawn()")
         if not isinstance(nprocs, int) or nprocs < 1:

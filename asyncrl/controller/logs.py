@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import sys
 import tempfile
 import threading
@@ -23,7 +24,32 @@ from asyncrl.actors.rank_client import current_umask
 
 CONSOLE_QUEUE = 1000  # writes waiting for the console; past it, lines are counted, not kept
 CONTROLLER_LOG = "controller.log"  # the controller's notices, in RUN_DIR (logs/ has the
-# groups' logs, torchrun's logs/<group>.log among them: a group may be named controller)
+# groups' logs, torchrun's logs/<group>.log among them)
+GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# C0 controls but tab and newline, DEL and C1, written as \x1b...: a rank's escape sequence
+# would be obeyed by the terminal (set its title or clipboard, clear it, move the cursor
+# over other ranks' lines, leave its colours on)
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0)) if c not in (9, 10)}
+
+
+def visible(text: str) -> str:
+    """`text` with its control characters escaped, as a terminal may show it."""
+    return text.translate(_CONTROLS)
+
+
+def check_group_name(name: str) -> None:
+    """Refuse a group name that cannot name its logs' folder, RUN_DIR/logs/<name>, or that
+    is the timeline's row of the flow's node functions."""
+    from asyncrl.controller.timeline import CONTROLLER_ROW  # (timeline imports this module)
+
+    if not GROUP_NAME.match(name) or name in (".", ".."):  # ('..': above RUN_DIR/logs)
+        raise ValueError(f"group name {name!r}: use letters, digits, '_', '.' or '-' "
+                         f"(not '.' or '..' alone)")
+    if name == CONTROLLER_ROW:  # its calls would be taken for the node functions' own time
+        raise ValueError(f"group name {name!r} is the timeline's row of the flow's node "
+                         f"functions (its calls would be left out of time/<node>_s, "
+                         f"time/busy/<group>_s and `asyncrl bench`); choose another name "
+                         f"(name=... in spawn() or asyncrl.group())")
 
 
 def say(ctl: Any, text: str) -> None:
@@ -38,7 +64,7 @@ def say(ctl: Any, text: str) -> None:
         sink.console.write(text + "\n")
         return
     with contextlib.suppress(OSError, ValueError):  # a console gone: the run goes on
-        print(text, file=sys.stderr, flush=True)
+        print(visible(text), file=sys.stderr, flush=True)
 
 
 class Console:
@@ -78,9 +104,10 @@ class Console:
                 return
 
     def _emit(self, text: str) -> bool:
-        """`text` on stderr; False (and no more after) once the console is gone."""
+        """`text` on stderr, its control characters escaped (ranks' lines, remote errors);
+        False (and no more after) once the console is gone."""
         try:
-            sys.stderr.write(text)
+            sys.stderr.write(visible(text))
             sys.stderr.flush()
         except (OSError, ValueError):  # the console gone: the files go on
             self.alive = False
@@ -175,7 +202,7 @@ class LogSink:
         for key in [k for k in self._hidden if k[0] == group and self._hidden[k]]:
             self._say_hidden(key)  # (a burst that ended its output: a traceback, often)
         for key in [k for k in self._files if k[0] == group]:
-            self._files.pop(key).close()
+            _close_log(self._files.pop(key))
         for table in (self._tokens, self._hidden):
             for key in [k for k in table if k[0] == group]:
                 del table[key]
@@ -187,12 +214,21 @@ class LogSink:
                                f"shown; all are in {self.path(*key)}\n")
 
     def close(self) -> None:
-        for key in [k for k in self._hidden if self._hidden[k]]:
-            self._say_hidden(key)
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-        self.console.close()
+        try:
+            for key in [k for k in self._hidden if self._hidden[k]]:
+                self._say_hidden(key)
+            for f in self._files.values():
+                _close_log(f)
+            self._files.clear()
+        finally:  # its last lines shown whatever happened to the files
+            self.console.close()
+
+
+def _close_log(f: TextIO) -> None:
+    """Close a rank's file, every time: its flush fails again on a full disk, a loss its
+    write has said already (the file is closed all the same)."""
+    with contextlib.suppress(OSError):
+        f.close()
 
 
 def read_log(run_dir: Path, group: str, rank: int, tail: int | None = None
@@ -272,10 +308,20 @@ def replace_file(path: Path, write: Callable[[IO[bytes]], object]) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append `line` to a JSON-lines file (metrics.jsonl, recoveries.jsonl) in one write to an
-    O_APPEND descriptor: a reader polling the file never sees half of it."""
+    """Append `line` to a JSON-lines file (metrics.jsonl, recoveries.jsonl; the controller
+    its one writer) whole or not at all: a write cut short (a nearly full disk) is taken
+    back, or the next row would go on at the end of the half one, on its line. One write to
+    an O_APPEND descriptor, as a rule: a reader polling the file does not see half of it."""
+    data = (line + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (line + "\n").encode())
+        size = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except BaseException:
+            with contextlib.suppress(OSError):  # (the write's error is the one to see)
+                os.ftruncate(fd, size)
+            raise
     finally:
         os.close(fd)
