@@ -3,9 +3,11 @@ the numbers of its metrics rows, trackers that fail, and its run directory. No p
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
+import threading
 import time
 
 import numpy as np
@@ -14,7 +16,7 @@ import torch
 
 import asyncrl
 from asyncrl.controller import logs
-from asyncrl.controller.launch import Metrics, default_run_dir, scalars
+from asyncrl.controller.launch import Metrics, default_run_dir, scalars, write_spans
 from asyncrl.controller.timeline import Event, Timeline, draw
 from asyncrl.controller.trackers import Wandb
 
@@ -385,6 +387,37 @@ def test_spans_a_failed_write_took_are_written_by_the_next(tmp_path, monkeypatch
     tl.add(Event("policy", "train", 1, 1.6, 1.9))
     monkeypatch.setattr(timeline_module, "_append", real)
     tl.write(tl.take(1))
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X") == [
+        (0, "rollout"), (1, "train")]
+
+
+def test_spans_whose_write_was_cancelled_are_written_once(tmp_path, monkeypatch):
+    """A checkpoint cancelled (Ctrl-C) while its spans were written on a thread put them
+    back, and the thread wrote them all the same: the run's last write wrote them again."""
+    import asyncrl.controller.timeline as timeline_module
+
+    real, began, go = timeline_module._append, threading.Event(), threading.Event()
+
+    def held(path, data):
+        began.set()
+        go.wait(60)
+        return real(path, data)
+    monkeypatch.setattr(timeline_module, "_append", held)
+    tl = Timeline(tmp_path)
+    tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
+
+    async def main():
+        writing = asyncio.create_task(write_spans(tl, 0))
+        await asyncio.to_thread(began.wait, 60)
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        go.set()
+        tl.add(Event("policy", "train", 1, 1.6, 1.9))
+        await asyncio.to_thread(tl.write, tl.take())  # the run's last write (after the
+        # thread's: the timeline's lock)
+    asyncio.run(main())
     trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     assert sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X") == [
         (0, "rollout"), (1, "train")]

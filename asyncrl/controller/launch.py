@@ -307,12 +307,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         # out of memory on the loop, appended to timeline.jsonl and timeline.json rebuilt
         # from it off the loop (the whole trace was built from every event of the run at
         # each checkpoint: ~2.7 s for 400k events, near a heartbeat timeout, on the loop)
-        events = timeline.take(step)
-        try:
-            await asyncio.to_thread(timeline.write, events)
-        except BaseException:  # (a full disk, a cancel): kept for the next write
-            timeline.put_back(events)
-            raise
+        await write_spans(timeline, step)
         metrics.flush()
         if (run_dir / "metrics.jsonl").exists():  # its rows up to the checkpoint, on disk
             await asyncio.to_thread(sync_file, run_dir / "metrics.jsonl")
@@ -372,6 +367,18 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
     finally:
         metrics.close(failed)  # (wandb's service process with it)
     return run_dir
+
+
+async def write_spans(timeline: Timeline, step: int) -> None:
+    """The spans of the steps up to `step`, taken out of memory on the loop and written on a
+    thread; kept for the next write where that failed (a full disk), not where it was
+    cancelled: its thread goes on and writes them (put back, they came out twice)."""
+    events = timeline.take(step)
+    try:
+        await asyncio.to_thread(timeline.write, events)
+    except Exception:
+        timeline.put_back(events)
+        raise
 
 
 def resumed_overrides(run_dir: Path) -> dict[str, Any]:
