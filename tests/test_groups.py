@@ -101,7 +101,10 @@ class Echo(asyncrl.Worker):
         raise ValueError(message)
 
     @asyncrl.register
-    def unsendable(self, huge: bool = False):
+    def unsendable(self, huge: bool | str = False):
+        if huge == "quantized":  # a large batch is stored, not encoded: its column checked
+            x = torch.quantize_per_tensor(torch.zeros(70_000), 0.1, 0, torch.qint8)
+            return TensorBatch({"q": x})
         return {"n": 2**70} if huge else threading.Lock()
 
     @asyncrl.register
@@ -314,6 +317,13 @@ def test_unsendable_return_value(pair):
     with pytest.raises(asyncrl.RemoteError, match=r"unsendable returned a value that cannot "
                                                   r"be sent: can't serialize ints"):
         get(pair.unsendable(True))
+    # a batch column whose bytes are not all of it (a qint8's scale): refused, named, not
+    # stored for a consumer to get a broken tensor
+    with pytest.raises(asyncrl.RemoteError, match=r"unsendable returned a value that cannot "
+                                                  r"be sent: column 'q' of the TensorBatch: a "
+                                                  r"torch.qint8 tensor cannot be sent"):
+        get(pair.unsendable("quantized"))
+    assert get(pair.scaled(1)) == [3, 4]  # the group goes on
 
 
 def test_sync_bridge(bg, pair):

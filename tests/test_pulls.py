@@ -327,6 +327,35 @@ def test_rows_pulled_over_a_slow_link_are_given_time_for_their_bytes(scripted):
     assert client.fetch_batch(batch)["x"].shape == (rows, 2)
 
 
+def test_a_whole_value_pulled_over_a_slow_link_is_given_time_for_its_bytes(scripted):
+    """A whole value (not a batch) pulled from another group was given transfer_timeout of
+    silence however many bytes were on their way: gigabytes over a slow link timed out
+    every time, still arriving. Its bytes come with its reference (schema.nbytes)."""
+    from types import SimpleNamespace
+
+    from asyncrl.comm.channel import LINK_MIN_RATE
+    from asyncrl.controller.objects import ObjectRef
+
+    _, producer, _ = scripted
+    group = SimpleNamespace(name="prod", ranks={0: SimpleNamespace(
+        data_addr=producer.addr, host="127.0.0.1", gpu="")}, _ctl=SimpleNamespace(
+        releases=SimpleNamespace(later=lambda *_: None)))
+    stored = ObjectRef(group, 1, lambda parts: parts[0],  # (a second's worth of bytes)
+                       {0: messages.Schema(-1, nbytes=int(LINK_MIN_RATE))}, {})
+    ref = codec.decode(codec.encode(stored.view()))  # as the controller sends it on
+    assert ref.shard == producer.shard and ref.nbytes == int(LINK_MIN_RATE)
+
+    def script():
+        who, req = producer.pull()
+        time.sleep(0.6)  # the slow link: its bytes still on their way past the timeout
+        body, frames = codec.encode_oob([1, 2])
+        producer.answer(who, messages.Pulled(req.xfer_id, value=msgspec.Raw(body)), *frames)
+
+    producer.play(script)
+    client = client_of(scripted, timeout=0.2)
+    assert client.fetch_value(ref) == [1, 2]
+
+
 def test_a_big_result_fetched_over_a_slow_link_is_given_time_for_its_bytes():
     """The driver's fetch timed out at transfer_timeout however many bytes were still on
     their way; the answer came, was decoded and thrown away, and the next await asked for
@@ -503,6 +532,25 @@ def test_a_row_wider_than_a_bucket_comes_a_group_of_columns_at_a_time(monkeypatc
             assert sent == [["a", "b"], ["c", "d"], ["e"]] * 2
         else:
             assert sent == [[], []]  # written into the segment: one pull a row
+
+
+def test_a_row_of_many_columns_is_asked_for_in_pulls_a_data_server_takes(monkeypatch):
+    """Into shared memory, one pull named every column of a piece: a weight pack of an MoE
+    model (~19k columns) made a pull past what a data server takes, which cut the puller
+    off (TransferTimeout, every time). Its columns are asked for a group at a time now; GPU
+    columns, still named in one pull, are refused before it is sent."""
+    monkeypatch.setattr(dataserver, "MAX_PULL_BYTES", 4096)  # (the server takes it at start)
+    cols = {f"layer{i:03d}": torch.full((1, 2), float(i)) for i in range(300)}
+    store = {1: asyncrl.TensorBatch({**cols, "name": ["pack"]})}
+    with served(store, "many", "shm") as (shard, client):
+        columns = [*(messages.Column(k, "float32", (2,)) for k in cols),
+                   messages.Column("name", "list", ())]
+        got = client.fetch_batch(RemoteBatch([Piece(shard, 0, 1)], columns))
+        assert all(torch.equal(got[k], v) for k, v in cols.items()) and got["name"] == ["pack"]
+    by_ipc = messages.Pull(1, 1, 0, 1, ipc=[f"{k}.mlp.experts.weight" for k in cols])
+    with pytest.raises(ValueError, match=r"names 300 GPU columns and 0 others in \d+ bytes, "
+                                         r"past the 4096 a data server takes"):
+        dataplane._encoded(by_ipc)
 
 
 def test_gone_peers_match_a_piece_by_address_group_and_object():

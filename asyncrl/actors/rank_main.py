@@ -261,7 +261,10 @@ class RankMain:
         if value is None:
             return Result(call.call_id, self.rank)
         value = storable(value)
-        schema = schema_of(value)
+        try:
+            schema = schema_of(value)  # (a batch's column the data plane cannot move)
+        except TypeError as e:
+            raise TypeError(f"{call.method} returned a value that cannot be sent: {e}") from e
         raw, inline = NONE, not codec.encodes_past(value, INLINE_LIMIT)  # (not by encoding)
         if inline:
             try:

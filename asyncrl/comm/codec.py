@@ -55,14 +55,13 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype | None, torch.dtype | None]] = {}
 _TENSOR_HEADS: dict[tuple[torch.dtype, torch.Size], tuple[bytes, torch.dtype | None]] = {}
 # bytes alone do not make a quantized tensor (torch.frombuffer gives one that crashes on use)
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+_WIDEST = {"f": 8, "c": 16}  # itemsizes: a wider float is a long double (bytes by machine)
+_REFUSED = (TypeError, ValueError, OverflowError, RecursionError)  # (a value holding itself)
 
 
 def _dtype_info(dtype: torch.dtype) -> _Carried:
     info = _DTYPE_INFO.get(dtype)
     if info is None:
-        if dtype in _QUANTIZED:
-            raise TypeError(f"a {dtype} tensor cannot be sent (its scale and zero point would "
-                            f"be lost); send t.dequantize(), or t.int_repr() and its qparams")
         name = str(dtype)[6:]  # "torch.float32" -> "float32"
         info = (name, None, None)
         for carrier in (name, f"u{dtype.itemsize}"):  # its numpy twin, or the uint of its size
@@ -199,15 +198,29 @@ def encodes_past(value: Any, limit: int) -> bool:
     return False
 
 
+def check_sendable(t: torch.Tensor) -> None:
+    """TypeError, saying what to send instead, unless `t`'s raw bytes are all of it: what
+    the codec and the data plane move (a store keeps a large batch column as it is)."""
+    if t.is_nested:  # (before the type: a jagged one is a subclass)
+        raise TypeError("a nested tensor cannot be sent; send its tensors as a list "
+                        "(t.unbind()), or t.to_padded_tensor(0) and their lengths")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor: shards
+        raise TypeError(f"a {type(t).__name__} cannot be sent; send a plain tensor "
+                        f"(a DTensor's .full_tensor(), or its .to_local() shard)")
+    if t.layout != torch.strided:  # sparse, mkldnn...: not one buffer of raw bytes
+        raise TypeError(f"a {t.layout} tensor cannot be sent; densify it first with "
+                        f".to_dense()")
+    if t.is_quantized:
+        raise TypeError(f"a {t.dtype} tensor cannot be sent (its scale and zero point would "
+                        f"be lost); send t.dequantize(), or t.int_repr() and its qparams")
+    if t.is_meta:
+        raise TypeError("a meta tensor cannot be sent (it has no values); send a real one")
+
+
 def _enc_hook(obj: Any) -> Any:
     global produced_bytes_encoded
     if isinstance(obj, torch.Tensor):
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor: shards
-            raise TypeError(f"a {type(obj).__name__} cannot be sent; send a plain tensor "
-                            f"(a DTensor's .full_tensor(), or its .to_local() shard)")
-        if obj.layout != torch.strided:  # sparse, mkldnn...: not one buffer of raw bytes
-            raise TypeError(f"a {obj.layout} tensor cannot be sent; densify it first with "
-                            f".to_dense()")
+        check_sendable(obj)
         numel = obj.numel()
         if _produced and numel and obj.untyped_storage().data_ptr() in _produced:
             produced_bytes_encoded += numel * obj.element_size()
@@ -238,6 +251,9 @@ def _enc_hook(obj: Any) -> Any:
         if obj.dtype.kind in "Mm":  # no buffer to hand over (a large one failed mid-send)
             raise TypeError(f"a numpy array of {obj.dtype} cannot be sent; send "
                             f".astype('int64') (counts of its unit) and view it back")
+        if obj.dtype.itemsize > _WIDEST.get(obj.dtype.kind, obj.dtype.itemsize):
+            raise TypeError(f"a numpy array of {obj.dtype} cannot be sent (a long double's "
+                            f"bytes differ by machine); send .astype(np.float64)")
         # not np.ascontiguousarray: it makes a 0-d array 1-d
         a = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
         if _left_out(a):
@@ -261,7 +277,7 @@ def _enc_hook(obj: Any) -> Any:
         return msgspec.msgpack.Ext(EXT_REMOTE_BATCH, _encoder.encode(
             [obj.pieces, obj.columns, obj.meta]))
     if isinstance(obj, RemoteValue):
-        return msgspec.msgpack.Ext(EXT_REMOTE_VALUE, msgspec.msgpack.encode(obj.shard))
+        return msgspec.msgpack.Ext(EXT_REMOTE_VALUE, _encoder.encode([obj.shard, obj.nbytes]))
     raise TypeError(
         f"an object of type {type(obj).__module__}.{type(obj).__qualname__} cannot be sent: "
         f"asyncrl sends msgspec-encodable values, tensors, ndarrays, TensorBatch, DistFutures "
@@ -371,7 +387,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         pieces, columns, meta = _remote_batch_decoder.decode(data)
         return RemoteBatch(pieces, columns, meta)
     if code == EXT_REMOTE_VALUE:
-        return RemoteValue(msgspec.msgpack.decode(data, type=Shard))
+        return RemoteValue(*msgspec.msgpack.decode(data, type=tuple[Shard, int]))
     if code == EXT_OUT_OF_BAND:
         return _from_frame(data)
     raise ValueError(f"unknown extension type {code}")
@@ -531,14 +547,14 @@ def encode_call(args: tuple, kwargs: dict[str, Any], names: list[str]) -> bytes:
     counted = produced_bytes_encoded
     try:
         return _encoder.encode([args, kwargs])
-    except (TypeError, ValueError, OverflowError):
+    except _REFUSED:
         # one by one to name the failing argument (the ones before it are counted again)
         produced_bytes_encoded = counted
         named = [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
         for name, value in [*named, *kwargs.items()]:
             try:
                 _encoder.encode(value)
-            except (TypeError, ValueError, OverflowError) as e:
+            except _REFUSED as e:
                 raise ArgEncodeError(name, e) from e
         raise
 

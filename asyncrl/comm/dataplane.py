@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import zmq
 
-from asyncrl.comm import codec, cuda_ipc, messages, nccl
+from asyncrl.comm import codec, cuda_ipc, dataserver, messages, nccl
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.channel import LINK_MIN_RATE, open_frame
@@ -102,19 +102,43 @@ def _buckets(pieces: list[Piece], row_bytes: int) -> list[Piece]:
             for s in range(p.start, p.stop, rows)]
 
 
-def _column_groups(row_bytes: dict[str, int], rows: int) -> list[list[str]]:
-    """The columns in groups of at most BUCKET_BYTES for `rows` rows (a wider column alone):
-    a row wider than a bucket (a weight pack: a column per parameter) comes a group at a
-    time, not as one message held whole beside the batch it is copied into."""
+def _column_groups(row_bytes: dict[str, int], rows: int, by_bytes: bool) -> list[list[str]]:
+    """The columns in groups, each asked for by one pull: of at most BUCKET_BYTES for `rows`
+    rows when `by_bytes` (a wider column alone): a row wider than a bucket (a weight pack: a
+    column per parameter) comes a group at a time, not as one message held whole beside the
+    batch it is copied into; and naming at most half what a data server takes in a message
+    (an MoE model's pack has ~19k columns: named in one pull, its server cut the puller off)."""
     groups: list[list[str]] = [[]]
-    size = 0
+    size = named = 0
     for key, nbytes in row_bytes.items():
-        if groups[-1] and size + nbytes * rows > BUCKET_BYTES:
+        naming = _naming_bytes(key)
+        if groups[-1] and ((by_bytes and size + nbytes * rows > BUCKET_BYTES)
+                           or named + naming > dataserver.MAX_PULL_BYTES // 2):
             groups.append([])
-            size = 0
+            size = named = 0
         groups[-1].append(key)
         size += nbytes * rows
+        named += naming
     return groups
+
+
+def _naming_bytes(key: str) -> int:
+    """At most what a ColumnDest of `key` adds to a pull: the key, its two ints, msgpack's
+    framing."""
+    return len(key.encode(errors="surrogatepass")) + 24
+
+
+def _encoded(req: Pull) -> bytes:
+    """The pull as sent; ValueError if a data server would refuse it (it cuts off a peer
+    that sends more than MAX_PULL_BYTES at once: the pull would time out unexplained)."""
+    body = messages.encode(req)
+    if len(body) + 64 > dataserver.MAX_PULL_BYTES:  # (+ the signer's sequence number)
+        raise ValueError(
+            f"a pull of object {req.obj_id} names {len(req.ipc) + len(req.nccl)} GPU columns "
+            f"and {len(req.columns)} others in {len(body)} bytes, past the "
+            f"{dataserver.MAX_PULL_BYTES} a data server takes (GPU columns are asked for in "
+            f"one pull): send fewer, larger GPU columns, e.g. flat buckets as sync_pack does")
+    return body
 
 
 @dataclass
@@ -197,11 +221,13 @@ class DataClient:
         for piece, req in requests:
             queued.setdefault(piece.shard.addr, deque()).append((piece, req))
 
+        bodies = {req.xfer_id: _encoded(req) for _, req in requests}  # (before any is sent)
+
         def send_next(addr: str) -> None:
             piece, req = queued[addr].popleft()
             sock, signer, _, identity = self._socket(addr)
             sock.send_multipart(signer.sign(identity + b"@" + addr.encode(),
-                                            messages.encode(req)))
+                                            bodies.pop(req.xfer_id)))
             pending[req.xfer_id] = (piece, req)
             poller.register(sock, zmq.POLLIN)
         try:
@@ -282,7 +308,8 @@ class DataClient:
         got: list[Any] = []
         self._exchange([(Piece(ref.shard, -1, -1), req)],
                        lambda req, reply, frames: got.append(
-                           codec.decode_oob(reply.value, [f.buffer for f in frames])))
+                           codec.decode_oob(reply.value, [f.buffer for f in frames])),
+                       nbytes=lambda req: ref.nbytes)  # (a large value: its bytes take time)
         return got[0]
 
     def fetch_batch(self, rb: RemoteBatch) -> TensorBatch:
@@ -342,21 +369,23 @@ class DataClient:
         lease = self._pool.acquire(total) if self._pool is not None and total else None
         heap = np.empty(total, np.uint8) if lease is None and total else None  # no pool
         direct = lease is not None and self._transport != "tcp" and same_host
-        dests = [ColumnDest(c.key, offsets[c.key], row_bytes[c.key]) for c in tensor_cols]
+        dests = {c.key: ColumnDest(c.key, offsets[c.key], row_bytes[c.key]) for c in tensor_cols}
         requests: list[tuple[Piece, Pull]] = []
         mine: list[tuple[Piece, Pull]] = []  # pieces of this rank's own store
         rows_at, row = {}, 0
         framed = bool(total) and not direct  # tensor columns come as frames over a socket
         for piece in _buckets(rb.pieces, sum(row_bytes.values())):
             own = piece.shard.addr == self._own_addr  # (copied here: never by NCCL, no key)
-            groups = _column_groups({k: row_bytes[k] for k in offsets}, piece.stop - piece.start) \
-                if framed and not own else [[]]
+            # (into shared memory, grouped only so that each pull's column names fit a message)
+            groups = _column_groups({k: row_bytes[k] for k in offsets}, piece.stop - piece.start,
+                                    by_bytes=framed) if not own else [[]]
             for first, cols in zip(itertools.count(), groups):
                 req = Pull(next(self._xfer), piece.shard.obj_id, piece.start, piece.stop)
                 if direct and lease is not None:
-                    req.dest, req.dest_row, req.columns = lease.name, row, dests
+                    req.dest, req.dest_row = lease.name, row
+                    req.columns = [dests[k] for k in cols]
                 elif len(groups) > 1:
-                    req.columns = [ColumnDest(k, offsets[k], row_bytes[k]) for k in cols]
+                    req.columns = [dests[k] for k in cols]
                 if first == 0:  # the rest of the row comes with its first group
                     req.ipc = list(ipc)
                     if by_nccl and not own:

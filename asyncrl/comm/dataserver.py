@@ -31,7 +31,7 @@ from asyncrl.comm.messages import NONE, Pull, Pulled
 from asyncrl.comm.shm import SegmentMapper
 
 log = logging.getLogger("asyncrl")
-MAX_PULL_BYTES = 1 << 20  # a pull names rows and columns: far below this
+MAX_PULL_BYTES = 1 << 20  # a pull names rows and columns (their names split over pulls below this)
 
 
 def _puller(identity: bytes) -> tuple[str, str]:

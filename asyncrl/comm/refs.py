@@ -27,6 +27,8 @@ def is_referable(obj: Any) -> bool:
 
 def make_ref(obj: Any) -> tuple[str, str, str]:
     """(module, qualname, file) for an importable class or function, else TypeError."""
+    if isinstance(obj, types.BuiltinFunctionType):
+        return _builtin_ref(obj)
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", "")
     if "<lambda>" in qualname:
@@ -37,6 +39,19 @@ def make_ref(obj: Any) -> tuple[str, str, str]:
     mod = sys.modules.get(module)
     file = getattr(mod, "__file__", None) or ""
     return module, qualname, os.path.abspath(file) if file else ""
+
+
+def _builtin_ref(fn: types.BuiltinFunctionType) -> tuple[str, str, str]:
+    """A builtin by its module and name: its qualname may name a class it is not reached
+    through (torch.mean's is "_VariableFunctionsClass.mean"). Refused unless that leads back
+    to it (a bound method: random.random is a method of a hidden Random instance)."""
+    module = fn.__module__ or ""
+    if getattr(sys.modules.get(module), fn.__name__, None) is not fn:
+        raise TypeError(f"{fn!r} cannot be sent: a builtin travels by its module and name, "
+                        f"which do not lead back to it (a bound method's never do); send a "
+                        f"module-level function (def) that calls it")
+    file = getattr(sys.modules[module], "__file__", None) or ""
+    return module, fn.__name__, os.path.abspath(file) if file else ""
 
 
 def function_ref(fn: Any, what: str) -> tuple[str, str, str]:

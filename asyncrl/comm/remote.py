@@ -45,13 +45,14 @@ class Piece(msgspec.Struct, array_like=True, frozen=True):
 
 
 class RemoteValue:
-    """A whole stored value (not a TensorBatch) on one rank. A plain class, not a Struct:
-    the codec must see it to encode it as a reference."""
+    """A whole stored value (not a TensorBatch) on one rank, and the bytes of its arrays: a
+    pull of it waits for them on a slow link. A plain class, not a Struct: the codec must
+    see it to encode it as a reference."""
 
-    __slots__ = ("shard",)
+    __slots__ = ("shard", "nbytes")
 
-    def __init__(self, shard: Shard):
-        self.shard = shard
+    def __init__(self, shard: Shard, nbytes: int = 0):
+        self.shard, self.nbytes = shard, nbytes
 
     def __repr__(self) -> str:
         return f"RemoteValue({self.shard.peer} object {self.shard.obj_id})"

@@ -64,7 +64,7 @@ class ObjectRef:
                 continue
             shard = self.shard(rank)
             if schema.rows < 0:
-                parts[rank] = RemoteValue(shard)
+                parts[rank] = RemoteValue(shard, schema.nbytes)  # (a pull's time: its bytes)
             else:
                 meta = codec.decode(schema.meta) or {}
                 parts[rank] = RemoteBatch([Piece(shard, 0, schema.rows)], schema.columns, meta)

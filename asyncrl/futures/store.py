@@ -19,6 +19,7 @@ def schema_of(value: Any) -> Schema:
         columns, nbytes = [], 0
         for key, col in value.items():
             if isinstance(col, torch.Tensor):
+                _check_column(key, col)
                 columns.append(Column(key, str(col.dtype)[6:], tuple(col.shape[1:]),
                                       "cuda" if col.is_cuda else "cpu"))
                 nbytes += col.numel() * col.element_size()
@@ -27,6 +28,15 @@ def schema_of(value: Any) -> Schema:
         meta = msgspec.Raw(codec.encode(value.meta)) if value.meta else NONE
         return Schema(len(value), tuple(columns), meta, nbytes)
     return Schema(-1, nbytes=codec.array_bytes(value))
+
+
+def _check_column(key: str, col: torch.Tensor) -> None:
+    """TypeError naming the column unless its raw bytes are all of it: a large batch is
+    stored, not encoded, and the data plane moves its columns' bytes as they are."""
+    try:
+        codec.check_sendable(col)
+    except TypeError as e:
+        raise TypeError(f"column {key!r} of the TensorBatch: {e}") from None
 
 
 def storable(value: Any) -> Any:
