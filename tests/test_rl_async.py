@@ -26,7 +26,7 @@ from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.roles import Policy, Rollout
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 from asyncrl.hybrid.weight_sync import ALL_RANKS, SyncSource, unpack
-from asyncrl.rl import Actor
+from asyncrl.rl import Actor, Critic
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 9, 9], [1, 4]]
 
@@ -334,19 +334,24 @@ def test_an_update_whose_every_sample_is_too_stale_leaves_the_weights_as_they_we
     assert (again["actor/skipped_steps"], again["actor/version"]) == (0, 2)
 
 
+def fails_second_step(backend) -> None:
+    """`backend`'s second optimizer step fails (after the first moved the weights)."""
+    step, calls = backend.train_step, [0]
+
+    def flaky(*a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("the second mini-batch's step failed")
+        return step(*a, **k)
+    backend.train_step = flaky
+
+
 class FailsSecondStep(Actor):
     """Its second optimizer step of an update fails (after the first moved the weights)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        step, calls = self.backend.train_step, [0]
-
-        def flaky(*a, **k):
-            calls[0] += 1
-            if calls[0] == 2:
-                raise RuntimeError("the second mini-batch's step failed")
-            return step(*a, **k)
-        self.backend.train_step = flaky
+        fails_second_step(self.backend)
 
 
 def test_an_update_failing_after_an_optimizer_step_still_gives_a_new_version():
@@ -370,12 +375,78 @@ def test_an_update_failing_after_an_optimizer_step_still_gives_a_new_version():
     assert run(main())["actor/version"] == 2  # one for each update that moved the weights
 
 
+class CriticFailsSecondStep(Critic):
+    """A critic whose second optimizer step of an update fails."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        fails_second_step(self.backend)
+
+
+def test_a_critic_update_failing_after_an_optimizer_step_still_counts_a_version():
+    """As the actor's: the critic's weights moved by its first mini-batch kept the old
+    version when a later one failed, so it measured staleness a version behind the actor's
+    and trained on rows the actor dropped."""
+    ids = torch.tensor([[1, 5], [1, 6], [1, 7], [1, 8]])
+    resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
+    rmask = (resp > 0).long()
+    rollout = TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
+                           "response_ids": resp, "response_mask": rmask,
+                           "logprobs": torch.zeros(4, 3),
+                           "versions": torch.tensor([0, 0, 1, 1])[:, None] * rmask})
+    scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 0.0])})
+    rl = {"algo": "ppo", "mini_batches": 2, "max_staleness": 0}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            critic = await ctl.spawn(CriticFailsSecondStep, {"seed": 0}, rl, {"lr": 1e-2},
+                                     nprocs=1)
+            values = await critic.values(rollout)
+            with pytest.raises(asyncrl.RemoteError, match="second mini-batch's step failed"):
+                await critic.update(rollout, scores, values=values)
+            return await critic.update(rollout, scores, values=values)
+    assert run(main())["critic/dropped"] == 2  # those of version 0, now one behind
+
+
+class PolicyFailsAfterItsStep(Policy):
+    """Its train step fails after the optimizer stepped (ZeRO steps inside the last
+    backward; the statistics' all_reduce after it may fail)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        step = self.backend.train_step
+
+        def fails_after(*a, **k):
+            step(*a, **k)
+            raise RuntimeError("the step's statistics failed")
+        self.backend.train_step = fails_after
+
+    @asyncrl.register
+    def current_version(self) -> int:
+        return self.version
+
+
+def test_a_train_step_failing_after_its_optimizer_step_still_gives_a_new_version():
+    """Policy.train_step counted a version only when the backend's step returned: one
+    failing after the optimizer stepped left moved weights under the old version."""
+    ids, resp = torch.tensor([[1, 5], [1, 7]]), torch.tensor([[9, 10, 2], [12, 13, 14]])
+    batch = TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
+                         "response_ids": resp, "response_mask": torch.ones_like(resp)})
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(PolicyFailsAfterItsStep, {"seed": 0}, {"lr": 1e-2},
+                                     nprocs=1, hybrid=False)
+            with pytest.raises(asyncrl.RemoteError, match="the step's statistics failed"):
+                await policy.train_step(batch)
+            return await policy.current_version()
+    assert run(main()) == [1]  # (a list: one per rank)
+
+
 def test_the_critic_drops_the_samples_the_actor_drops(tmp_path):
     """A row too stale for the actor is left out of the critic's value loss as well: the
     critic's loss on the whole batch equals its loss on the batch without that row. Its
     version advances once per update, comes back from its checkpoint, and can be given."""
-    from asyncrl.rl import Critic
-
     ids = torch.tensor([[1, 5], [1, 6], [1, 7], [1, 8]])
     resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
     rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])

@@ -332,6 +332,9 @@ def test_a_roles_settings_are_checked_where_its_group_is_declared():
         asyncrl.group(Rollout, checkpoint, engine="vllm",
                       engine_options={"tensor_parallel_size": 2})
     asyncrl.group(Rollout, checkpoint, engine="vllm", engine_options={"max_model_len": 64})
+    with pytest.raises(ValueError, match=r"a Rollout group with engine='vllm' and a LoRA "
+                                         r"model is not supported yet"):  # (each rank's)
+        Rollout.check_settings(model={**checkpoint, "lora": {"rank": 4}}, engine="vllm")
     with pytest.raises(TypeError, match=r"Reference model=: 'presets'"):
         asyncrl.group(Reference, {"presets": "tiny-llama"})
     with pytest.raises(ValueError, match="^Reference micro_batch_size must be >= 1, got 0"):

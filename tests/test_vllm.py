@@ -390,3 +390,64 @@ def test_a_switch_that_fails_is_undone_and_a_failed_restore_is_done_by_the_next_
     backend.moves.clear()
     hybrid.to_train()  # the restore done now
     assert backend.moves == ["masters back", "state to cpu"] and not hybrid._offloaded
+
+
+def test_a_weight_load_failing_midway_leaves_vllm_refusing_to_generate():
+    """vLLM copies a load tensor by tensor: one it cannot take (a name it does not know, a
+    shape, a CUDA error) left those before it new, under the old version and the old cached
+    prefixes, and the next generation ran on the torn model. Now generation is refused until
+    a whole load goes through, which resets the prefix cache and tags its version."""
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    sampling = SamplingConfig(max_new_tokens=4)
+    engine = VLLMEngine("tiny-llama", sampling, llm_cls=fake_vllm.LLM,
+                        sampling_params_cls=fake_vllm.SamplingParams)
+    new = build_model(ModelConfig(seed=9))
+    named = [(n, p.detach()) for n, p in new.named_parameters()]
+    with pytest.raises(KeyError, match="model.no_such.weight"):
+        engine.load_weights([*named[:2], ("model.no_such.weight", named[0][1])], version=3)
+    assert engine.version == 0
+    with pytest.raises(RuntimeError, match=r"the last weight load \(asyncrl_load_weights\) "
+                                           r"failed midway.* load the whole weights again"):
+        engine.generate(PROMPTS, [1, 2, 3, 4])
+    fake_vllm.LLM.calls.clear()
+    engine.load_weights(named, version=3)
+    assert [name for name, _ in fake_vllm.LLM.calls] == ["collective_rpc", "reset_prefix_cache"]
+    out = engine.generate(PROMPTS, [1, 2, 3, 4])
+    assert out["versions"][out["response_mask"].bool()].eq(3).all()
+    want = Sampler(new, sampling).generate(PROMPTS, seeds=[1, 2, 3, 4])
+    assert torch.equal(out["response_ids"], want["response_ids"])
+
+
+def test_a_hybrid_fill_failing_midway_is_filled_whole_by_the_next_switch(tmp_path):
+    """The hybrid's own recovery from a fill that failed midway (vLLM slept, every bucket
+    loaded again at the next switch) is not stopped by the refusal a torn load leaves."""
+    import fake_vllm
+
+    build_model(ModelConfig(seed=4)).save_pretrained(tmp_path / "ckpt")
+    loads = [0]
+
+    class FailsSecondBucket(fake_vllm.LLM):
+        def collective_rpc(self, method, args=()):
+            out = super().collective_rpc(method, args)
+            if method == "asyncrl_load_weights":
+                loads[0] += 1
+                if loads[0] == 2:  # the second bucket, after its copies
+                    raise RuntimeError("fake LLM: CUDA error midway through a load")
+            return out
+
+    sampling = SamplingConfig(max_new_tokens=3)
+    backend = CountingBackend(build_model(ModelConfig(path=str(tmp_path / "ckpt"))))
+    hybrid = HybridEngine(backend, ModelConfig(path=str(tmp_path / "ckpt")), sampling,
+                          bucket_bytes=1, engine="vllm",
+                          engine_options={"llm_cls": FailsSecondBucket,
+                                          "sampling_params_cls": fake_vllm.SamplingParams})
+    with pytest.raises(RuntimeError, match="CUDA error midway"):
+        hybrid.to_generate()
+    assert hybrid.mode == "train" and hybrid.engine.llm.asleep == {"weights", "kv_cache"}
+    hybrid.to_generate()
+    out = hybrid.generate(PROMPTS, [1, 2, 3, 4])
+    want = Sampler(backend.model, sampling).generate(PROMPTS, seeds=[1, 2, 3, 4])
+    assert torch.equal(out["response_ids"], want["response_ids"])

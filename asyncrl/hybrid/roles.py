@@ -306,7 +306,15 @@ class Policy(Worker):
     def train_step(self, batch: TensorBatch) -> dict:
         self.to_train()
         self.before_weights_change()
-        out = self.backend.train_step(batch)
+        steps = self.backend.sched.last_epoch  # (the schedule steps with the optimizer)
+        try:
+            out = self.backend.train_step(batch)
+        except BaseException:
+            # ZeRO steps inside the last backward: a failure after it (the statistics'
+            # all_reduce) leaves the weights moved, a new version (as the Actor counts)
+            if self.backend.sched.last_epoch != steps:
+                self.version += 1
+            raise
         self.version += 1
         return out
 
@@ -384,17 +392,22 @@ class Policy(Worker):
                 "offloaded_bytes": self.hybrid.offloaded_bytes}
 
 
+def check_rollout_engine(engine: str, model_cfg: ModelConfig) -> None:
+    """What a Rollout's engine cannot run (in __init__, and where its group is declared)."""
+    if model_cfg.lora is not None and engine != "builtin":
+        raise ValueError(f"a Rollout group with engine={engine!r} and a LoRA model is not "
+                         f"supported yet (its weight syncs carry the adapters alone, "
+                         f"which only the built-in engine applies); use engine='builtin', "
+                         f"or a hybrid Policy, whose switch merges them for vLLM")
+
+
 class Rollout(Worker):
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any] | None = None,
                  engine: str = "builtin", engine_options: dict[str, Any] | None = None,
                  multi_turn: dict[str, Any] | None = None):
         self.model_cfg, _, sampling_cfg, turns = read_settings(type(self).__name__, model,
                                                                sampling, multi_turn)
-        if self.model_cfg.lora is not None and engine != "builtin":
-            raise ValueError(f"a Rollout group with engine={engine!r} and a LoRA model is not "
-                             f"supported yet (its weight syncs carry the adapters alone, "
-                             f"which only the built-in engine applies); use engine='builtin', "
-                             f"or a hybrid Policy, whose switch merges them for vLLM")
+        check_rollout_engine(engine, self.model_cfg)
         # vLLM as the default trainer computes (a Policy's engine follows its own trainer)
         engine_cfg = engine_config(self.model_cfg, TrainConfig()) if engine == "vllm" else \
             self.model_cfg
@@ -410,6 +423,7 @@ class Rollout(Worker):
             model_cfg, _, sampling_cfg, _ = read_settings(
                 cls.__name__, given["model"], given["sampling"], given["multi_turn"])
             check_engine(given["engine"], given["engine_options"], model_cfg, sampling_cfg)
+            check_rollout_engine(given["engine"], model_cfg)
 
     def on_close(self) -> None:
         if self.turns is not None:  # its environment's processes, if any

@@ -394,11 +394,15 @@ class Sampler:
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:
-        """Copy new weights in, by name, in place (no new allocation), between two token
-        steps of a running generation; `version` tags the tokens sampled from now on."""
+        """Copy new weights in, by name, in place (the model's memory kept), between two
+        token steps of a running generation; `version` tags the tokens sampled from now on."""
         pairs = self._match(named, "load_weights")
+        # all converted to the parameters' device and dtype before any is copied in: one
+        # failing (out of memory, a meta tensor) leaves the old weights whole under the old
+        # version, as adopt_weights does (none converted under the step lock either)
+        made = [value.detach().to(param.device, param.dtype) for param, value in pairs]
         with self._step, torch.no_grad():
-            for param, value in pairs:
+            for (param, _), value in zip(pairs, made, strict=True):
                 param.copy_(value)
             if version is not None:
                 self.version = version

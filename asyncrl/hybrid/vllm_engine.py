@@ -14,7 +14,9 @@ Matching the built-in Sampler: log-probs after temperature (`logprobs_mode=
 top_p < 1 is refused), token ids in and out
 (no tokenizer, no detokenizing), stops on `stop_token_ids` only (`ignore_eos`). Weights
 loaded while asleep first wake vLLM's weight memory (loading into slept memory is an illegal
-access, and waking after it would restore the old weights over the new). Not supported:
+access, and waking after it would restore the old weights over the new); a load that fails
+midway (vLLM copies tensor by tensor) leaves generation refused until a whole one goes
+through. Not supported:
 tensor parallelism (every rank of a TP group would need the same prompts, and the DP
 dispatch gives each its own), and swapping weights in the middle of a generation (the
 Sampler's interruptible rollouts): a load waits for the generation in flight to end; quantized,
@@ -174,6 +176,7 @@ class VLLMEngine:
         self._wake_failure: BaseException | None = None  # why the last wake() failed
         self._unusable: BaseException | None = None  # set: vLLM cannot be slept or woken
         self._stale_prefixes = False  # a load's prefix cache reset failed: not generating
+        self._torn: str | None = None  # the load that failed midway: vLLM holds part of it
 
     @property
     def max_model_len(self) -> int | None:
@@ -207,6 +210,7 @@ class VLLMEngine:
                   for s in seeds]
         with self._busy:
             self._check_usable()
+            self._check_whole()
             if self._stale_prefixes:  # a load's reset failed: its cached prefixes are old
                 self._reset_prefix_cache()
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
@@ -267,12 +271,22 @@ class VLLMEngine:
         with self._busy:
             self._check_usable()
             self._wake_weights()
+            # vLLM copies tensor by tensor: one failing (a name it does not know, a shape, a
+            # CUDA error) leaves those before it new, under the old version and old prefixes
+            self._torn, self._stale_prefixes = method, True
             counts = self.llm.collective_rpc(method, args=(weights,))
+            self._torn = None
             if version is not None:  # (the weights held now, whatever the reset does)
                 self.version = version
-            self._stale_prefixes = True  # cached prefixes were computed with the old weights
             self._reset_prefix_cache()
         return int(counts[0])
+
+    def _check_whole(self) -> None:
+        if self._torn is not None:
+            raise RuntimeError(f"the vLLM engine refuses to generate: the last weight load "
+                               f"({self._torn}) failed midway, and vLLM holds part of the new "
+                               f"weights beside the old ones; load the whole weights again "
+                               f"(Rollout.load_weights, load_state)")
 
     def _reset_prefix_cache(self) -> None:
         """vLLM's reset_prefix_cache() returns False when it could not (requests holding

@@ -121,14 +121,27 @@ class Critic(Worker):
         assert returns is not None  # PPO's (checked when built)
         train = batch.select(["prompt_ids", "prompt_mask", "response_ids", "response_mask",
                               "values", "loss_mask"]).union(TensorBatch({"returns": returns}))
-        runs, skipped = trained_steps(
-            (count_globally(mini, self.backend.stats_group) for _ in range(self.rl.epochs)
-             for mini in mini_batches(train, self.rl, self.backend.stats_group)),
-            lambda mini: self.backend.train_step(mini, value_loss(self.rl)))
-        if runs:  # as the actor's: no update where every row was dropped
-            self.version += 1
+        runs, skipped = self._train(train)
         return {**{f"critic/{k}": v for k, v in (mean_stats(runs) if runs else {}).items()},
                 "critic/dropped": dropped, "critic/skipped_steps": float(skipped)}
+
+    def _train(self, train: TensorBatch) -> tuple[list[dict[str, float]], int]:
+        """A step per mini-batch with tokens (`trained_steps`), and a new version where any
+        stepped, as the actor counts: none where every row was dropped, one where a later
+        mini-batch failed after an earlier step had moved the weights."""
+        stepped = [0]
+
+        def step(mini: TensorBatch) -> dict[str, float]:
+            out = self.backend.train_step(mini, value_loss(self.rl))
+            stepped[0] += 1
+            return out
+        try:
+            return trained_steps(
+                (count_globally(mini, self.backend.stats_group) for _ in range(self.rl.epochs)
+                 for mini in mini_batches(train, self.rl, self.backend.stats_group)), step)
+        finally:
+            if stepped[0]:
+                self.version += 1
 
     def save_state(self, folder: Path) -> None:
         self.backend.save(folder / "train")
