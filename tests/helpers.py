@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncrl
+from asyncrl.actors.procs import kill_pids
 from asyncrl.controller.launcher import pid_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +86,21 @@ def assert_gone(pids: Iterable[int], timeout: float = 15) -> None:
     assert pids, "no pids to check"
     wait_until(lambda: not any(pid_alive(p) for p in pids), timeout,
                f"processes {[p for p in pids if pid_alive(p)]} to exit")
+
+
+def kill_left(pid_file: Path, mark: str) -> None:
+    """SIGKILL the process whose pid `pid_file` holds (one a failing test left running), if
+    it is still that one: `mark` ("NAME=value", naming the test's own tmp_path) is in its
+    environment, which a later process given the same pid lacks. No file or no such
+    process (the test passed): nothing."""
+    try:
+        pid = int(pid_file.read_text())
+        with open(f"/proc/{pid}/environ", "rb") as f:  # (a zombie's reads empty)
+            ours = mark.encode() in f.read().split(b"\0")
+    except (OSError, ValueError):  # (no file, one half written; the process gone)
+        return
+    if ours and pid_alive(pid):
+        kill_pids([pid])
 
 
 def group_pids(group: asyncrl.GroupHandle) -> list[int]:

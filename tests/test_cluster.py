@@ -27,7 +27,7 @@ from asyncrl.controller.cluster import (
     lifeline_env,
     torchrun_command,
 )
-from asyncrl.controller.launcher import host_env, kill_pids
+from asyncrl.controller.launcher import host_env, kill_pids, pid_alive
 
 
 def test_slurm_node_lists_expand():
@@ -199,12 +199,12 @@ def test_an_agent_off_this_machine_removes_its_torchrun_folder(tmp_path):
     run_id = f"agent{os.getpid()}"
     pool = f"/dev/shm/asyncrl-{run_id}-grp+0-"  # + the rank's pid: what pool_prefix names
     rank = tmp_path / "rank.py"
-    rank.write_text("import os, sys, time\n"
+    rank.write_text("import os, sys, time\n"  # (its pid beside `seen`, first)
+                    "open(sys.argv[1] + '.pid', 'w').write(str(os.getpid()))\n"
                     f"open({pool!r} + str(os.getpid()) + '-0', 'w').close()\n"
                     "open(sys.argv[1], 'w').write(os.environ['TORCHELASTIC_ERROR_FILE'])\n"
                     "time.sleep(float(sys.argv[2]))\n")
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    (scratch := tmp_path / "tmp").mkdir()
     env = {**os.environ, "TMPDIR": str(scratch), "ASYNCRL_RUN_ID": run_id,
            "ASYNCRL_GROUP": "grp"}
     kept = [f"/dev/shm/asyncrl-{run_id}-grp+1-{os.getpid()}-0",  # a rank that runs
@@ -225,15 +225,14 @@ def test_an_agent_off_this_machine_removes_its_torchrun_folder(tmp_path):
 
 def _agent_cleans_up(tmp_path: Path, rank: Path, scratch: Path, env: dict) -> None:
     """An agent whose rank exits, then one stopped by SIGTERM: torchrun's folder goes."""
+    from helpers import kill_left
     def agent(seen: Path, sleep: float) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.actors.agent_main", "--standalone",
-             "--nproc-per-node", "1", "--monitor-interval", "0.1", str(rank), str(seen),
-             str(sleep)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+        return subprocess.Popen([sys.executable, "-m", "asyncrl.actors.agent_main",
+                                 "--standalone", "--nproc-per-node", "1", "--monitor-interval",
+                                 "0.1", str(rank), str(seen), str(sleep)], env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    done = agent(tmp_path / "done", 0)
-    assert done.wait(60) == 0
+    assert agent(tmp_path / "done", 0).wait(60) == 0
     assert (tmp_path / "done").read_text().startswith(str(scratch / "asyncrl-torchrun-"))
     assert list(scratch.iterdir()) == []
     stopped = agent(tmp_path / "stopped", 120)
@@ -245,6 +244,7 @@ def _agent_cleans_up(tmp_path: Path, rank: Path, scratch: Path, env: dict) -> No
     finally:
         stopped.kill()
         stopped.wait()
+        kill_left(tmp_path / "stopped.pid", f"TMPDIR={scratch}")  # (a failed SIGTERM's rank)
     assert list(scratch.iterdir()) == []
     # stopped before its ranks start (waiting at the rendezvous for a host that failed):
     # torchrun's handler was not in place yet, and SIGTERM killed it with its folder left
@@ -560,12 +560,12 @@ def test_a_remote_agent_stops_its_ranks_when_its_ssh_or_srun_end_is_gone(tmp_pat
         agent.stdin.close()  # the local ssh is gone
         assert agent.wait(60) != 0
         assert_gone([rank])
-    finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)  # (torchrun's ranks: a session of their
-            agent.wait()                          # own, stopped by pid too)
-            if rank is not None:
-                kill_pids([rank])
+    finally:  # torchrun's ranks have a session of their own: stopped by pid, the agent
+        if agent.poll() is None:  # gone or not (gone first: the very failure tested here)
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+        if rank is not None and pid_alive(rank):
+            kill_pids([rank])
 
 
 class ClosesSlowlyOnB(asyncrl.Worker):

@@ -193,14 +193,20 @@ def test_a_paused_engine_holds_its_generation_at_a_token_boundary_until_resumed(
     """pause() from another thread (a weight sync's): the generation in flight stops between
     two token steps, keeps its tokens, takes no new call, and goes on once resumed, with the
     tokens an undisturbed generation gives (the same weights, the same seeds)."""
+    import os
+    import sys
     import threading
+
+    from helpers import wait_until
 
     engine = Sampler(build_model(ModelConfig(seed=3)), SamplingConfig(max_new_tokens=6))
     want = engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
-    steps, held = [], threading.Event()
+    steps, held, early = [], threading.Event(), []
 
     def on_token(step):
         steps.append(step)
+        if step > 2 and engine.paused:  # a token made past the pause point while paused
+            early.append(step)
         if step == 2:
             engine.pause()
             held.set()
@@ -208,15 +214,26 @@ def test_a_paused_engine_holds_its_generation_at_a_token_boundary_until_resumed(
     out = {}
     worker = threading.Thread(target=lambda: out.update(got=engine.generate(
         PROMPTS, seeds=[1, 2, 3, 4])))
+
+    def parked() -> bool:
+        """The worker blocked in a wait of the sampler's (an Event's), not passing by one."""
+        frame, where = sys._current_frames().get(worker.ident), []
+        while frame is not None:
+            where.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+            frame = frame.f_back
+        return len(where) > 2 and where[:2] == [("threading.py", "wait")] * 2 and \
+            where[2][0] == "sampler.py"  # (Condition.wait, in Event.wait, in generate)
     worker.start()
-    assert held.wait(60)
-    worker.join(0.5)  # it would have finished its 6 tokens by now
-    assert worker.is_alive() and steps == [1, 2] and engine.paused
-    with pytest.raises(RuntimeError, match=r"paused: resume\(\) it before generating"):
-        engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
-    engine.resume()
-    worker.join(60)
-    assert not worker.is_alive() and steps == [1, 2, 3, 4, 5]
+    try:
+        assert held.wait(60)
+        wait_until(parked, 30, "the generation to hold at the paused token boundary")
+        assert worker.is_alive() and steps == [1, 2] and engine.paused
+        with pytest.raises(RuntimeError, match=r"paused: resume\(\) it before generating"):
+            engine.generate(PROMPTS, seeds=[1, 2, 3, 4])
+    finally:
+        engine.resume()
+        worker.join(60)
+    assert not worker.is_alive() and steps == [1, 2, 3, 4, 5] and early == []
     for key in ("response_ids", "response_mask", "logprobs"):
         assert torch.equal(out["got"][key], want[key]), key
 

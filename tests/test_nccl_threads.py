@@ -40,6 +40,35 @@ def peers(monkeypatch, tmp_path):
     nccl._aborted.clear()
 
 
+class TriedLock:
+    """nccl._calls as it is, noting each thread that tries to take it: a test waits for a
+    thread to be at the lock (not a sleep); one that skips the lock never shows up."""
+
+    def __init__(self, lock: threading.Lock):
+        self.lock, self.tried, self.changed = lock, set(), threading.Condition()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self.changed:
+            self.tried.add(threading.current_thread().name)
+            self.changed.notify_all()
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def wait_tried(self, thread: str, timeout: float = 10) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: thread in self.tried, timeout)
+
+
+@pytest.fixture
+def calls(monkeypatch) -> TriedLock:
+    """Installed before any link is made: every holder of the lock goes through it."""
+    tried = TriedLock(nccl._calls)
+    monkeypatch.setattr(nccl, "_calls", tried)
+    return tried
+
+
 class Peer:
     """One rank of the other group, on a thread of its own device: makes its end of the
     communicator, then runs `script(peer, comm)`."""
@@ -143,7 +172,7 @@ def test_a_send_that_raises_inside_its_group_still_ends_the_group(peers):
     assert out["value"].done() == [] and torch.equal(out["value"].received, ROWS)
 
 
-def test_no_two_threads_of_a_process_are_in_nccl_groups_at_once(peers):
+def test_no_two_threads_of_a_process_are_in_nccl_groups_at_once(peers, calls):
     """NCCL forbids issuing calls from two threads at once to communicators of one device;
     a producer's sender thread and a call thread receiving on another link did. Every
     group now holds the process's NCCL lock from groupStart to groupEnd."""
@@ -166,8 +195,11 @@ def test_no_two_threads_of_a_process_are_in_nccl_groups_at_once(peers):
         nccl.receive("C->A", end, [(("C", 0), dst)])
         nccl.finish("C->A", end, 10)
     receiving, received = in_thread(receive)
-    receiving.join(0.5)  # (a receive that overlapped the send failed at once)
-    go.set()
+    try:  # the receive waits for the lock the send holds (one that did not take it would
+        # have overlapped the send, and failed at once)
+        assert calls.wait_tried(receiving.name), "the receive did not wait for the NCCL lock"
+    finally:
+        go.set()
     for thread in (sending, receiving):
         thread.join(20)
     assert sent == {"value": None} and received == {"value": None}, (sent, received)
@@ -175,7 +207,7 @@ def test_no_two_threads_of_a_process_are_in_nccl_groups_at_once(peers):
     assert c.done() == [] and peers[0].done() == []
 
 
-def test_an_abort_waits_for_another_threads_group_to_end(peers):
+def test_an_abort_waits_for_another_threads_group_to_end(peers, calls):
     """A dead group's links were aborted from a thread of their own while the sender thread
     could be in an NCCL call on the same communicator: CuPy's abort frees it under that
     call. The abort now waits for the group in progress (bounded: every group is)."""
@@ -185,9 +217,12 @@ def test_an_abort_waits_for_another_threads_group_to_end(peers):
     sending, _ = in_thread(lambda: nccl.send("A->B", [ROWS], ("B", 0), 10))
     assert inside.wait(10)
     nccl.forget_group("B")  # the controller said B is gone: its links are aborted
-    time.sleep(0.3)  # (an abort that did not wait for the group happened by now)
-    aborted_inside = end.comm._aborted.is_set()
-    go.set()
+    try:  # on a thread of its own, which waits for the lock the send holds (an abort that
+        # did not would never be seen at it)
+        assert calls.wait_tried("asyncrl-nccl-abort"), "the abort did not wait for the lock"
+        aborted_inside = end.comm._aborted.is_set()
+    finally:
+        go.set()
     wait_until(end.comm._aborted.is_set, 10, "the abort")
     sending.join(20)
     assert not aborted_inside and fake_nccl.OVERLAPS == []

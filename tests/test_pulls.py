@@ -304,15 +304,14 @@ def test_buckets_that_come_as_frames_are_asked_for_a_window_at_a_time(monkeypatc
     assert most == [2, 2, 2, 2, 2, 1]  # never more than two asked and unanswered
 
 
-def test_rows_pulled_over_a_slow_link_are_given_time_for_their_bytes(scripted):
+def test_rows_pulled_over_a_slow_link_are_given_time_for_their_bytes(monkeypatch, scripted):
     """A reply of many bytes (a wide row: a weight pack) is heard of only once all of it
     came; the pull timed out at transfer_timeout of silence however many were on their
     way (a 14 GB pack over 1 GbE needs ~2 minutes, the timeout is 60 s)."""
-    from asyncrl.comm.channel import LINK_MIN_RATE
-
     _, producer, _ = scripted
-    rows = int(LINK_MIN_RATE) // 8  # a second's worth at the slowest rate counted on
-    x = torch.zeros(rows, 2, dtype=torch.float32)
+    rows = 1000  # 8000 bytes: 5 s worth at the slowest rate counted on (here)
+    monkeypatch.setattr(dataplane, "LINK_MIN_RATE", rows * 8 / 5)
+    x = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2)
 
     def script():
         who, req = producer.pull()
@@ -324,26 +323,27 @@ def test_rows_pulled_over_a_slow_link_are_given_time_for_their_bytes(scripted):
     client = client_of(scripted, timeout=0.2)
     batch = RemoteBatch([Piece(producer.shard, 0, rows)],
                         [messages.Column("x", "float32", (2,))])
-    assert client.fetch_batch(batch)["x"].shape == (rows, 2)
+    assert torch.equal(client.fetch_batch(batch)["x"], x)
 
 
-def test_a_whole_value_pulled_over_a_slow_link_is_given_time_for_its_bytes(scripted):
+def test_a_whole_value_pulled_over_a_slow_link_is_given_time_for_its_bytes(monkeypatch,
+                                                                          scripted):
     """A whole value (not a batch) pulled from another group was given transfer_timeout of
     silence however many bytes were on their way: gigabytes over a slow link timed out
     every time, still arriving. Its bytes come with its reference (schema.nbytes)."""
     from types import SimpleNamespace
 
-    from asyncrl.comm.channel import LINK_MIN_RATE
     from asyncrl.controller.objects import ObjectRef
 
     _, producer, _ = scripted
+    monkeypatch.setattr(dataplane, "LINK_MIN_RATE", 1000.0)  # its 5000 bytes: worth 5 s
     group = SimpleNamespace(name="prod", ranks={0: SimpleNamespace(
         data_addr=producer.addr, host="127.0.0.1", gpu="")}, _ctl=SimpleNamespace(
         releases=SimpleNamespace(later=lambda *_: None)))
-    stored = ObjectRef(group, 1, lambda parts: parts[0],  # (a second's worth of bytes)
-                       {0: messages.Schema(-1, nbytes=int(LINK_MIN_RATE))}, {})
+    stored = ObjectRef(group, 1, lambda parts: parts[0],
+                       {0: messages.Schema(-1, nbytes=5000)}, {})
     ref = codec.decode(codec.encode(stored.view()))  # as the controller sends it on
-    assert ref.shard == producer.shard and ref.nbytes == int(LINK_MIN_RATE)
+    assert ref.shard == producer.shard and ref.nbytes == 5000
 
     def script():
         who, req = producer.pull()

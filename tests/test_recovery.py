@@ -18,6 +18,8 @@ import psutil
 import pytest
 from helpers import ROOT, assert_gone, poll_until, tensorboard_scalars, wait_until
 
+from asyncrl.actors.procs import kill_pids, pid_alive
+
 FLOW = os.path.join(os.path.dirname(__file__), "drivers", "recovery_flow.py")
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2.5", "--transfer-timeout", "10"]
 
@@ -276,14 +278,18 @@ def test_killed_controller_leaves_no_rank_and_resume_goes_on(tmp_path, killed_dr
     marks = tmp_path / "marks"
     marks.mkdir()
     run_dir = tmp_path / "run"
-    with launched(run_dir, "steps=7", "hold=trainer:3", f"marks={marks}",
-                  env=killed_driver_env) as proc:
-        held_pid(marks, "trainer", proc)  # steps 0..2 done, checkpoint after step 1
-        children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        assert len(children) >= 4  # two torchrun agents and their ranks
-        proc.kill()
-        proc.communicate()
-    assert_gone(children, timeout=15)  # the ranks exit on the controller's silence
+    children: list[int] = []
+    try:
+        with launched(run_dir, "steps=7", "hold=trainer:3", f"marks={marks}",
+                      env=killed_driver_env) as proc:
+            held_pid(marks, "trainer", proc)  # steps 0..2 done, checkpoint after step 1
+            children += [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            assert len(children) >= 4  # two torchrun agents and their ranks
+            proc.kill()
+            proc.communicate()
+        assert_gone(children, timeout=15)  # the ranks exit on the controller's silence
+    finally:  # (else agents and ranks outliving their controller stay)
+        kill_pids([p for p in children if pid_alive(p)])
     with launched(run_dir, "--resume") as resumed:  # its own settings again: steps=7, ...
         out = finish(resumed)
     assert f"resuming from {run_dir / 'checkpoints' / 'step_000001'}" in out
@@ -508,10 +514,13 @@ def test_a_groups_death_keeps_no_awaiters_frames_alive():
         dead = GroupDeadError("trainer", 0, -9, "killed")
         group._fail_all(dead)
         errors = await asyncio.gather(*tasks, return_exceptions=True)
-        assert all(isinstance(e, GroupDeadError) for e in errors)
-        again = futures[0]._fut.exception()
-        assert again is futures[0]._fut.exception()  # one per future: "the same failure"
-        del tasks, errors, futures, again, group
+        assert all(isinstance(e, GroupDeadError) and str(e) == str(dead) for e in errors)
+        # each awaiter raised its own future's copy (the one object, raised by all, kept
+        # the last one's frames): not `dead`, nor another's
+        own = [f._fut.exception() for f in futures]
+        assert all(e is o for e, o in zip(errors, own, strict=True))
+        assert len({id(e) for e in [dead, *errors]}) == 4
+        del tasks, errors, futures, own, group
         return dead, held
     dead, held = asyncio.run(main())
     gc.collect()

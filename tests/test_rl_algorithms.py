@@ -391,8 +391,10 @@ def test_whiten_uses_masked_positions_only_and_the_unbiased_variance(monkeypatch
     half = 2 ** -0.5  # mean 2, variance (1 + 1) / (2 - 1)
     assert torch.allclose(whiten(x, m), torch.tensor([[-half, half, 0.0]]), atol=1e-4)
     four, ones = torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4)
-    # (1 - 2.5) / sqrt(5 / 3): mean 2.5, variance (2.25 + 0.25 + 0.25 + 2.25) / (4 - 1)
-    assert whiten(four, ones)[0, 0].item() == pytest.approx(-1.1619, abs=1e-4)
+    # mean 2.5, variance (2.25 + 0.25 + 0.25 + 2.25) / (4 - 1) = 5 / 3 (the biased one: 5 / 4)
+    assert whiten(four, ones)[0, 0].item() == pytest.approx((1 - 2.5) / math.sqrt(5 / 3),
+                                                            abs=1e-5)
+    assert torch.allclose(whiten(four, ones), (four - 2.5) / math.sqrt(5 / 3), atol=1e-5)
     # the trainer's, over every data-parallel rank (here one: its sums are its own)
     monkeypatch.setattr(rl_batch, "global_sums", lambda values, group: values)
     assert torch.allclose(whiten_across(four, ones, None), whiten(four, ones), atol=1e-6)

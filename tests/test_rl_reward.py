@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import WORDS, assert_gone, group_pids, run, wait_until, word_tokenizer
+from helpers import WORDS, assert_gone, group_pids, kill_left, run, wait_until, word_tokenizer
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -198,7 +198,8 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
     from asyncrl.hybrid.fn_pool import FunctionPool
     from asyncrl.rl.reward import row_inputs
 
-    monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(tmp_path / "sandbox.pid"))
+    sandbox = tmp_path / "sandbox.pid"
+    monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(sandbox))
     pool = FunctionPool(verifier, processes=2, timeout_s=1.0)
     spare = pool.spare_pid
     seen = pool.pids() + [spare]
@@ -217,7 +218,7 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
         # its own (the group's kill missed it)
         for answer in (8, 88):
             assert pool.call(row_inputs(verifier, answers(answer)))[1] == [True]
-            assert_gone([int((tmp_path / "sandbox.pid").read_text())])
+            assert_gone([int(sandbox.read_text())])
         seen += pool.pids()
         with pytest.raises(ValueError, match=r"(?s)failed on row 1:.*ArithmeticError: cannot "
                                              r"parse the answer"):
@@ -230,11 +231,15 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
         # frame that never came while its row ran: the row timed out)
         assert pool.call(row_inputs(verifier, answers(66))) == ([0.0], [False])
         untimed = FunctionPool(verifier, processes=1, timeout_s=None)
-        assert untimed.spare_pid is None  # nothing is ever replaced on a timeout there
-        seen += untimed.pids()
-        assert untimed.call(row_inputs(verifier, answers(5, 6))) == ([1.0, 2.0], [False] * 2)
-        untimed.close()
+        try:
+            seen += untimed.pids()
+            assert untimed.spare_pid is None  # nothing is ever replaced on a timeout there
+            assert untimed.call(row_inputs(verifier, answers(5, 6))) == ([1.0, 2.0],
+                                                                          [False] * 2)
+        finally:
+            untimed.close()
     finally:
+        kill_left(sandbox, f"ASYNCRL_TEST_SANDBOX={sandbox}")  # (a sleep 3600 left by a failure)
         seen += pool.pids() + [pool.spare_pid]
         pool.close()
     assert_gone(seen)
@@ -286,16 +291,18 @@ def test_a_scorer_crashing_beside_a_helper_it_forked_is_seen_at_once(tmp_path, m
     from asyncrl.hybrid.fn_pool import FunctionPool
     from asyncrl.rl.reward import row_inputs
 
-    monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(tmp_path / "helper.pid"))
+    helper = tmp_path / "helper.pid"
+    monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(helper))
     pool = FunctionPool(crashes_beside_a_helper, processes=1, timeout_s=timeout_s)
     seen = pool.pids()
     try:
         assert pool.call(row_inputs(crashes_beside_a_helper, answers(1, 2, 3))) == \
             ([1.0, None, 3.0], [False, True, False])
         assert pool.crashed == [False, True, False]
-        seen.append(int((tmp_path / "helper.pid").read_text()))
+        seen.append(int(helper.read_text()))
         assert_gone(seen)  # the helper too, before the pool is closed
     finally:
+        kill_left(helper, f"ASYNCRL_TEST_SANDBOX={helper}")  # (it never ends on its own)
         seen += pool.pids() + ([pool.spare_pid] if pool.spare_pid is not None else [])
         pool.close()
     assert_gone(seen)

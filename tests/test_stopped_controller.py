@@ -4,6 +4,7 @@ no shared memory (tests/drivers/hold.py is the driver)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, assert_gone, wait_until
+
+from asyncrl.actors.procs import kill_pids, pid_alive
 
 HOLD = os.path.join(os.path.dirname(__file__), "drivers", "hold.py")
 ASYNCRL = [sys.executable, "-m", "asyncrl"]
@@ -111,26 +114,35 @@ def test_a_killed_controllers_ranks_leave_no_shared_memory(killed_driver_env, fo
     /dev/shm, RAM until a reboot. Each unlinks its own first now."""
     env = {**killed_driver_env, "ASYNCRL_FORK_RANKS": forked}
     proc, pids = _start_hold("--pull", env=env)
+    everyone = [pids["agent"], *pids["ranks"]]
+
+    def segments() -> list[str]:
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"asyncrl-{pids['run']}-")]
     try:
-        mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"asyncrl-{pids['run']}-")]
-        assert mine, "the pulls made no segment"  # (else this test checks nothing)
-    finally:
-        proc.kill()
-        proc.communicate(timeout=10)
-    assert_gone([pids["agent"], *pids["ranks"]], timeout=30)
-    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"asyncrl-{pids['run']}-")]
-    for name in left:  # (not to leak them beyond this test)
-        os.unlink(f"/dev/shm/{name}")
-    assert left == []
+        try:
+            assert segments(), "the pulls made no segment"  # (else this test checks nothing)
+        finally:
+            proc.kill()
+            proc.communicate(timeout=10)
+        assert_gone(everyone, timeout=30)
+        assert segments() == []
+    finally:  # (what a failure left: not for the next test, nor RAM until a reboot)
+        kill_pids([p for p in everyone if pid_alive(p)])
+        for name in segments():
+            with contextlib.suppress(FileNotFoundError):  # (a dying rank's own unlink)
+                os.unlink(f"/dev/shm/{name}")
 
 
 def test_killed_controller_ranks_exit_on_lost_heartbeat(killed_driver_env):
     proc, pids = _start_hold("--orphanable", env=killed_driver_env)
-    proc.kill()
-    proc.communicate(timeout=10)
-    # torchrun does not die with the controller here: the ranks' watchdog must end them
-    assert_gone(pids["ranks"], timeout=2.0 + 15)
-    assert_gone([pids["agent"]])
+    try:
+        proc.kill()
+        proc.communicate(timeout=10)
+        # torchrun does not die with the controller here: the ranks' watchdog must end them
+        assert_gone(pids["ranks"], timeout=2.0 + 15)
+        assert_gone([pids["agent"]])
+    finally:  # (else a regressed watchdog's agent and ranks idle for ever)
+        kill_pids([p for p in [pids["agent"], *pids["ranks"]] if pid_alive(p)])
     logs = "".join(p.read_text(errors="replace") for p in Path(
         killed_driver_env["TMPDIR"]).glob("asyncrl-*/logs/*.log"))  # the group's, torchrun's
     said = re.findall(r"no heartbeat from the controller for [\d.]+s \(limit [\d.]+s\)"
