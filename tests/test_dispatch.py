@@ -1,10 +1,15 @@
 """Dispatch without processes: @register's checks, the DP protocol's split and collect on
-the controller, a rank's chunk, user protocols' splits (real groups: test_groups.py)."""
+the controller, a rank's chunk, user protocols' splits and collects, held calls' contexts
+(real groups: test_groups.py)."""
 
 from __future__ import annotations
 
 import ast
+import asyncio
+import contextvars
 import inspect
+import threading
+import types
 
 import pytest
 import torch
@@ -22,7 +27,11 @@ from asyncrl.actors.protocols import (
     take_dp_rows,
 )
 from asyncrl.comm import codec
+from asyncrl.comm.messages import MethodSpec, Schema
 from asyncrl.controller import group
+from asyncrl.controller.objects import ObjectRef
+from asyncrl.controller.timeline import called_groups
+from asyncrl.futures.future import DistFuture
 
 DP = asyncrl.Dispatch.DP
 PAIR = Layout("g", (("dp", 2),))
@@ -110,6 +119,84 @@ def test_a_user_splits_error_names_the_protocol_and_group():
                    for n in info.value.__notes__)
     finally:
         del protocols._PROTOCOLS[name]
+
+
+def summing_collect(layout, results, state):  # a user's collect, written for values
+    return sum(results[r] for r in sorted(results))
+
+
+def handles(*names: str, ranks: int = 1, **ctl: object) -> list[group.GroupHandle]:
+    """Groups of `ranks` ranks with a method f and a concurrent one, link, on a stand-in
+    controller (on this loop)."""
+    fake = types.SimpleNamespace(
+        loop=asyncio.get_running_loop(), _loop_thread=threading.get_ident(), calls={},
+        transfer_timeout=1.0, timeline=None, transport="tcp", post=lambda *a: None,
+        releases=types.SimpleNamespace(later=lambda *a: None), **ctl)
+    out = []
+    for name in names:
+        handle = group.GroupHandle(fake, name, object, Layout(name, (("dp", ranks),)), None)
+        handle.methods = {"f": MethodSpec("one_to_all"), "link": MethodSpec("one_to_all", True)}
+        handle.ranks = {r: group.RankInfo(1, "h", 0.0) for r in range(ranks)}
+        out.append(handle)
+    return out
+
+
+def test_a_user_collect_given_references_says_so():
+    """A result passed to another group's call is collected from references; a collect
+    written for values failed with a bare TypeError naming neither it nor the input."""
+    name = asyncrl.register_protocol("test_dispatch_summing", split=lambda *a: None,
+                                     collect=summing_collect)
+
+    async def main() -> BaseException | None:
+        a, c = handles("a", "c", ranks=2, links=types.SimpleNamespace(needed=lambda *a: False))
+        total = DistFuture._new(a._ctl.loop, "a.total")
+        call = group._Pending(7, "total", get_protocol(name), total, None, set(), {0, 1}, [],
+                              schemas={r: Schema(-1, nbytes=8) for r in (0, 1)})
+        a._pending[7] = call
+        a._done(call)  # (the ranks answered)
+        out = c.call("f", total)
+        for _ in range(8):
+            await asyncio.sleep(0)
+        return out._fut.exception()
+    try:
+        error = asyncio.run(main())
+    finally:
+        del protocols._PROTOCOLS[name]
+    assert isinstance(error, TypeError)
+    assert "collect() of protocol 'test_dispatch_summing' got references (RemoteValue/" \
+           "RemoteBatch), not values, when its result was passed as input 0 of c.f() " \
+           "(a.total)" in "".join(getattr(error, "__notes__", []))
+
+
+def test_a_held_call_sets_up_its_links_as_a_call_of_the_node_that_made_it():
+    """Held calls wait in one drain task, made in the context of the node whose call was
+    held first: the link a later node's call set up was counted as the first node's call
+    (the groups it called, its finished waits, its timeline spans)."""
+    async def ensure(producer, consumer, required=False):  # a link's set-up calls both
+        producer.call("link")
+        consumer.call("link")
+
+    async def main() -> tuple[set[str], set[str], int]:
+        links = types.SimpleNamespace(needed=lambda *a: True, ensure=ensure)
+        a, c = handles("a", "c", links=links)
+        sent: list = []
+        a._send = c._send = sent.append
+        first, later = DistFuture._new(a._ctl.loop, "a.x"), DistFuture._new(a._ctl.loop, "a.y")
+        node_1, node_2 = {"node 1"}, {"node 2"}
+
+        def call_in(node: set[str], fut: DistFuture) -> None:  # as a DataFlow node does
+            called_groups.set(node)
+            c.call("f", fut)
+        contextvars.Context().run(call_in, node_1, first)
+        contextvars.Context().run(call_in, node_2, later)
+        for obj, fut in enumerate((first, later)):
+            fut._set_result(ObjectRef(a, obj, lambda p: p[0], {0: Schema(-1, nbytes=1)}, {}))
+        for _ in range(8):
+            await asyncio.sleep(0)
+        return node_1, node_2, len(sent)
+    node_1, node_2, sent = asyncio.run(main())
+    assert sent == 2 * 3  # each held call, and its link's two calls
+    assert node_1 == {"node 1", "c", "a"} and node_2 == {"node 2", "c", "a"}
 
 
 # -- @register -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ the calls behind it, so every rank sees the group's calls in submission order.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import inspect
 import itertools
@@ -40,6 +41,9 @@ from asyncrl.controller.fetches import Fetches
 from asyncrl.controller.finished import note_call
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import called_groups, current_node
+from asyncrl.controller.unsent import Queued as _Queued
+from asyncrl.controller.unsent import check_held as _check_held
+from asyncrl.controller.unsent import lost as _lost
 from asyncrl.errors import (
     ClosedError,
     EncodeError,
@@ -95,23 +99,6 @@ class _Pending:
     schemas: dict[int, Schema] = field(default_factory=dict)  # what collected ranks keep
     inline: dict[int, msgspec.Raw] = field(default_factory=dict)
     busy: float = 0.0  # the longest time a rank spent on it
-
-
-@dataclass
-class _Queued:
-    method: str
-    args: tuple
-    kwargs: dict[str, Any]
-    future: DistFuture
-    inputs: list[ObjectRef] = field(default_factory=list)
-
-
-def _check_held(ref: ObjectRef, what: str) -> None:
-    if (dead := ref.group.dead) is not None or ref.group.closing:  # its data gone with it
-        why = f"is dead: {dead.reason}" if dead is not None else "was shut down"
-        raise InputLostError(f"{what} is lost: it was held by group {ref.group.name!r}, "
-                             f"which {why}; call its method again on the group brought "
-                             f"back (a DataFlow with max_restarts does that)")
 
 
 class _Method:
@@ -261,38 +248,44 @@ class GroupHandle:
             self._waiting[task] = item
             task.add_done_callback(self._waiting.pop)
         else:
+            item.context = contextvars.copy_context()  # (the drainer serves every node)
             self._backlog.append(item)
             if self._drainer is None or self._drainer.done():
-                self._drainer = self._ctl.loop.create_task(self._drain())
+                self._drainer = self._ctl.loop.create_task(self._drain(),
+                                                           context=contextvars.Context())
 
     def _submit_or_fail(self, item: _Queued) -> None:
         try:
             self._submit(item)
         except Exception as e:  # noqa: BLE001 - the caller on another thread sees it at result()
-            item.future._set_exception(e)
+            item.fail(e)
 
     # -- sending ----------------------------------------------------------------------------
     async def _drain(self) -> None:
         while self._backlog:
             item = self._backlog[0]
-            try:
-                await self._send_when_ready(item)
+            try:  # in its caller's context, as a concurrent call's task is: the links it
+                # sets up are that node's calls (timeline, re-runs), not the first node's
+                await self._ctl.loop.create_task(self._send_when_ready(item), context=item.context)
             finally:  # _fail_all may have emptied the backlog meanwhile
                 if self._backlog and self._backlog[0] is item:
                     self._backlog.popleft()
 
     async def _send_when_ready(self, item: _Queued) -> None:
         try:
-            item.args = tuple([await self._view(a, i, item) for i, a in enumerate(item.args)])
-            item.kwargs = {k: await self._view(v, k, item) for k, v in item.kwargs.items()}
-            for ref in item.inputs:  # (one dead while a later input was awaited: not sent)
-                _check_held(ref, "an input")
-            if self.closing or self.dead is not None:
-                raise self._refusal()
+            await self._take_inputs(item)
             self._send(item)
-        except Exception as e:  # noqa: BLE001 - the caller sees it at await; the inputs go
-            item.args, item.kwargs, item.inputs = (), {}, []  # now: the frames of this
-            item.future._set_exception(e.with_traceback(None))  # error's path name them
+        except Exception as e:  # noqa: BLE001 - the caller sees it at await (its traceback
+            item.fail(e)  # keeps this frame, which names only the call: emptied by fail)
+
+    async def _take_inputs(self, item: _Queued) -> None:
+        """Its futures' results in place of them, once done, and still held by their groups."""
+        item.args = tuple([await self._view(a, i, item) for i, a in enumerate(item.args)])
+        item.kwargs = {k: await self._view(v, k, item) for k, v in item.kwargs.items()}
+        for ref in item.inputs:  # (one dead while a later input was awaited: not sent)
+            _check_held(ref, "an input")
+        if self.closing or self.dead is not None:
+            raise self._refusal()
 
     def _send(self, item: _Queued) -> None:
         protocol = get_protocol(self.methods[item.method].dispatch)
@@ -498,7 +491,8 @@ class GroupHandle:
         p.future._set_result(ObjectRef(
             self, p.call_id, lambda parts: protocol.collect(layout, parts, state),
             p.schemas, p.inline,
-            None if encoded is None else lambda raws: encoded(layout, raws, state)))
+            None if encoded is None else lambda raws: encoded(layout, raws, state),
+            protocol.name))
 
     def _remote_error(self, rank: int, method: str, error: Failure) -> Exception:
         own = _DATA_PLANE_ERRORS.get(error.type)  # raised by asyncrl itself on the rank
@@ -512,14 +506,18 @@ class GroupHandle:
             raise self._refusal("; its results are gone")
         return await self.fetches.get(rank, obj_id, nbytes)
 
-    async def _view(self, arg: Any, name: int | str, item: _Queued) -> Any:
+    async def _view(self, arg: Any, name: int | str, item: _Queued, lost_value: bool = True
+                    ) -> Any:
         """A DistFuture argument (or one in a list, tuple, dict or Rows) becomes references to
-        its data, which the consumer's ranks pull from the producer's: never via here."""
+        its data, which the consumer's ranks pull from the producer's: never via here. A
+        small result of a group gone since (`lost_value`) goes as itself: the controller has
+        all of it."""
         if not isinstance(arg, DistFuture):
             if not futures_in(arg):
                 return arg
-            if isinstance(arg, Rows):  # rows of futures: one batch of their references
-                return await arg.batch(lambda f: self._view(f, name, item))
+            if isinstance(arg, Rows):  # rows of futures: one batch of their references (a
+                # lost one's value could not join them: InputLostError, as before)
+                return await arg.batch(lambda f: self._view(f, name, item, lost_value=False))
             if isinstance(arg, dict):
                 return {k: await self._view(v, f"{name}[{k!r}]", item) for k, v in arg.items()}
             return rebuild(arg, [await self._view(v, f"{name}[{i}]", item)
@@ -530,12 +528,14 @@ class GroupHandle:
             raise RuntimeError(f"input {name!r} ({arg._label}) failed: {e}") from e
         if isinstance(ref, Held):  # a value on the controller: it goes with the call
             return ref.view()
+        if lost_value and _lost(ref) and ref.came_inline():
+            return await ref.value()  # (decoded only: no rank is asked)
         _check_held(ref, f"input {name!r} ({arg._label})")  # (heard of here, maybe not there)
         item.inputs.append(ref)
         transport = self._ctl.transport
         if self._ctl.links.needed(ref, self, transport):  # (set up before the call goes)
             await self._ctl.links.ensure(ref.group, self, required=transport == "nccl")
-        return ref.view()
+        return ref.view(f"input {name!r} of {self.name}.{item.method}() ({arg._label})")
 
     def _fail_all(self, exc: BaseException) -> None:
         # a copy each: one object raised by many kept its last awaiter's frames (and batches)
@@ -551,8 +551,9 @@ class GroupHandle:
         for task, item in list(self._waiting.items()):  # fail now, not when inputs arrive
             task.cancel()
             item.future._set_exception(copy.copy(exc))
-        if self._drainer is not None:  # (the backlog's head waits on its inputs: let go)
-            self._drainer.cancel()
+        if self._drainer is not None:  # (the backlog's head waits on its inputs: let go;
+            self._drainer.cancel()  # and not kept: its end's traceback names their futures)
+            self._drainer = None
         self.fetches.fail(exc)
         for waiter in (self.started, self.ready):
             if not waiter.done():

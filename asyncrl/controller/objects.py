@@ -2,11 +2,12 @@
 
 It holds where each collected rank keeps its part (a `Shard` and its schema) and, when the
 parts were small, the encoded values themselves. Passing the call's future to another group
-uses `view()` — references that the consumer's ranks pull from — and never the values.
-`await` uses `value()`, fetching the parts that were too big to come inline (their large
-arrays arrive as raw frames and are used in place). When the last reference to an ObjectRef
-goes (its DistFuture and every pending consumer call), the owners are told to free their
-parts.
+uses `view()` — references that the consumer's ranks pull from — and never the values (but
+for a group gone since whose parts all came inline: the value is all here). `await` uses
+`value()`, fetching the parts that were too big to come inline (their large arrays arrive
+as raw frames and are used in place; a failed fetch of one rank's part leaves the parts that
+arrived for the next await). When the last reference to an ObjectRef goes (its DistFuture
+and every pending consumer call), the owners are told to free their parts.
 """
 
 from __future__ import annotations
@@ -28,19 +29,24 @@ if TYPE_CHECKING:
 
 class ObjectRef:
     __slots__ = ("group", "obj_id", "_collect", "_collect_encoded", "schemas", "_inline",
-                 "_value", "_done", "_building", "__weakref__")
+                 "_value", "_done", "_building", "_fetching", "protocol", "__weakref__")
 
     def __init__(self, group: GroupHandle, obj_id: int, collect: Callable[[dict[int, Any]], Any],
                  schemas: dict[int, Schema], inline: dict[int, msgspec.Raw],
-                 collect_encoded: Callable[[dict[int, Any]], Any] | None = None):
+                 collect_encoded: Callable[[dict[int, Any]], Any] | None = None,
+                 protocol: str = ""):
         self.group, self.obj_id = group, obj_id
         self._collect = collect
+        self.protocol = protocol  # the name of the protocol whose collect it is
         self._collect_encoded = collect_encoded  # the protocol's, when it has one
         self.schemas = schemas  # rank -> what it stores (ranks that returned None: nothing)
         self._inline = inline  # rank -> encoded value, for the parts that came with the Result
         self._value: Any = None
         self._done = False
         self._building: asyncio.Task[Any] | None = None  # fetching parts, for every awaiter
+        # rank -> the fetch of its part, kept until the value is built: a build that failed
+        # on one rank's part fetches only that one again, not the others' (gigabytes maybe)
+        self._fetching: dict[int, asyncio.Future[Any]] = {}
         if schemas:
             weakref.finalize(self, group._ctl.releases.later, group, list(schemas), obj_id)
 
@@ -54,8 +60,9 @@ class ObjectRef:
         for rank, schema in self.schemas.items():
             yield self.shard(rank), schema
 
-    def view(self) -> Any:
-        """The value as references for another group's call: nothing is fetched."""
+    def view(self, passed_as: str = "an input of another group's call") -> Any:
+        """The value as references for another group's call (`passed_as`: which argument of
+        which call, for an error's note): nothing is fetched."""
         parts: dict[int, Any] = {}
         for rank in self._ranks():
             schema = self.schemas.get(rank)
@@ -68,7 +75,17 @@ class ObjectRef:
             else:
                 meta = codec.decode(schema.meta) or {}
                 parts[rank] = RemoteBatch([Piece(shard, 0, schema.rows)], schema.columns, meta)
-        return self._collect(parts)
+        try:
+            return self._collect(parts)
+        except Exception as e:  # a collect written for values (its `await` works)
+            e.add_note(f"collect() of protocol {self.protocol!r} got references (RemoteValue/"
+                       f"RemoteBatch), not values, when its result was passed as {passed_as}: "
+                       f"make it take both, or pass the awaited value instead of the future")
+            raise
+
+    def came_inline(self) -> bool:
+        """Whether every part came with its Result: `value()` needs no rank."""
+        return all(rank in self._inline for rank in self._ranks())
 
     async def value(self) -> Any:
         """The value itself, for the driver that awaits it (fetched where not inline). Every
@@ -86,10 +103,13 @@ class ObjectRef:
         return await asyncio.shield(self._building)
 
     async def _fetch_and_build(self, ranks: list[int], missing: list[int]) -> Any:
-        fetched = dict(zip(missing, await asyncio.gather(  # from every rank at once
-            *(self.group._fetch(rank, self.obj_id, self.schemas[rank].nbytes
-                                if rank in self.schemas else 0) for rank in missing)),
-            strict=True))
+        for rank in missing:  # from every rank at once; a fetch that failed: again
+            if _to_fetch(self._fetching.get(rank)):
+                self._fetching[rank] = asyncio.ensure_future(self.group._fetch(
+                    rank, self.obj_id, self.schemas[rank].nbytes if rank in self.schemas else 0))
+        fetched = dict(zip(missing, await asyncio.gather(*(self._fetching[r] for r in missing)),
+                           strict=True))
+        self._fetching.clear()
         return self._build(ranks, fetched)
 
     def _build(self, ranks: list[int], fetched: dict[int, Any]) -> Any:
@@ -114,3 +134,9 @@ class ObjectRef:
 
     def _ranks(self) -> list[int]:
         return sorted(set(self.schemas) | set(self._inline))
+
+
+def _to_fetch(fetch: asyncio.Future[Any] | None) -> bool:
+    """Whether a part is to be fetched (again): no fetch of it yet, or one that failed."""
+    return fetch is None or (fetch.done() and (fetch.cancelled() or
+                                               fetch.exception() is not None))
