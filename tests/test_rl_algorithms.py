@@ -340,6 +340,34 @@ def test_grpo_refuses_a_group_size_other_than_the_sources_repeat():
     check_repeat(TensorBatch({"x": [1]}, {SAMPLES_PER_PROMPT: 1}), RLConfig(group_size=8))
 
 
+def test_grpo_refuses_a_group_whose_samples_share_a_seed():
+    """PromptSource(repeat=1), its batch copied with batch.repeat(4): the copies kept one
+    seed, sampled the same response, and every advantage was 0 (nothing trained, no word)."""
+    from asyncrl.comm.batch import TensorBatch
+    from asyncrl.rl import PromptSource
+    from asyncrl.rl.batch import check_groups, sampling_seeds
+
+    def seeds_of(prompts: TensorBatch) -> torch.Tensor:
+        keys = sampling_seeds(prompts)
+        assert keys[:, 1].tolist() == [1] * len(prompts)  # every row has its seed
+        return keys[:, 0]
+
+    records = [{"prompt": [5, 6]}, {"prompt": [7]}]
+    prints = torch.tensor([1] * 4 + [2] * 4)  # each group one prompt: only the seeds differ
+    copied = PromptSource(records, batch_size=2, shuffle=False).next_batch().repeat(4)
+    with pytest.raises(ValueError, match=re.escape(
+            "samples 0..3 of the batch (group 0): samples of one group share a sampling "
+            "seed: they are identical")):
+        check_groups(prints, 4, seeds_of(copied))
+    grouped = PromptSource(records, batch_size=2, repeat=4, shuffle=False).next_batch()
+    check_groups(prints, 4, seeds_of(grouped))  # a seed per sample
+    check_groups(prints, 4)  # no seeds (a rollout without the column): prompts only
+    # seeds past int64 are taken modulo 2**64, as the sampler takes them
+    wide = sampling_seeds(TensorBatch({"seed": [2**64 + 3, 3, 2**63]}))
+    assert wide[:, 0].tolist() == [3, 3, -2**63]
+    assert sampling_seeds(TensorBatch({"x": [1, 2]})).tolist() == [[0, 0], [0, 0]]
+
+
 def test_clip_higher_and_dual_clip_by_hand():
     logp = torch.log(torch.tensor([[1.25, 5.0, 0.5]]))
     old, mask = torch.zeros(1, 3), torch.ones(1, 3)

@@ -4,6 +4,7 @@ prompts through a tokenizer, bad data."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import WORDS, word_tokenizer
@@ -59,6 +60,24 @@ def test_seeded_order_and_exact_resume():
     old = {k: state[k] for k in ("epoch", "index", "seed", "records")}  # before session 28
     PromptSource(records(12), batch_size=3, seed=7).load_state_dict(old)
 
+
+
+def test_a_position_saved_under_another_shuffle_is_refused(monkeypatch):
+    """The seed was saved, not the order it gave: torch.randperm shuffling otherwise (another
+    torch release) resumed at an index into another order, without a word."""
+    import torch
+
+    src = PromptSource(records(12), batch_size=3, seed=7, epochs=2)
+    for _ in range(5):  # into the second epoch
+        src.next_batch()
+    state = src.state_dict()
+    PromptSource(records(12), batch_size=3, seed=7, epochs=2).load_state_dict(state)
+    monkeypatch.setattr(torch, "randperm", lambda n, generator=None: torch.arange(n).flip(0))
+    with pytest.raises(ValueError, match="saved for another order of the prompts: epoch 1's "
+                                         "shuffle differs here"):
+        PromptSource(records(12), batch_size=3, seed=7, epochs=2).load_state_dict(state)
+    unshuffled = PromptSource(records(12), batch_size=3, shuffle=False)  # randperm unused
+    unshuffled.load_state_dict(unshuffled.state_dict())
 
 
 def ids(text: str) -> list[int]:
@@ -141,7 +160,7 @@ def test_prompts_a_tokenizer_cannot_take_are_refused_naming_the_record(tmp_path)
         (dict(data=[{"prompt": "w1"}], tokenizer=str(tmp_path / "none")),
          "tokenizer '.*none' is not a directory; give the local folder"),
         (dict(data=[{"prompt": "w1"}, {"prompt": ""}], tokenizer=tok),
-         "record 1 of the given sequence: the prompt '' has no tokens"),
+         "record 1 of the given sequence: the prompt '' is blank"),
         (dict(data=[{"prompt": []}], max_prompt_length=4),
          "record 0 of the given sequence: the prompt \\[\\] has no tokens"),
         (dict(data=[{"prompt": [{"role": "user", "content": "w1"}] * 2}], tokenizer=refusing),
@@ -222,6 +241,8 @@ def test_token_id_prompts_are_checked_in_every_record_without_a_tokenizer(tmp_pa
     one of floats, or text among token ids failed generation when its batch came, hours
     in. Text alone, or records without 'prompt' (a source of other data), stay accepted:
     the first generate refuses them (test_bad_input)."""
+    import numpy as np
+
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [1, 2]}, {"prompt": "hello"}])
     cases = [
         ([{"prompt": [1]}, {"prompt": []}],
@@ -235,6 +256,14 @@ def test_token_id_prompts_are_checked_in_every_record_without_a_tokenizer(tmp_pa
                                                             "tokenizer="),
         (tmp_path / "p.jsonl", f"{tmp_path / 'p.jsonl'}:2: the prompt 'hello' is not a list "
                                f"of token ids (ints), as {tmp_path / 'p.jsonl'}:1's is"),
+        # an array of another shape: numpy's broadcast error, naming no record
+        ([{"prompt": [1, 2]}, {"prompt": np.array([[3, 4]])}],
+         "record 1 of the given sequence: the prompt '[[3, 4]]' is not a list of token ids"),
+        ([{"prompt": np.array([[3, 4]])}],  # every record so: taken, failed at generate
+         "record 0 of the given sequence: the prompt '[[3, 4]]' is not a list of token ids"),
+        ([{"prompt": [1, 2]}, {"prompt": None}],
+         "record 1 of the given sequence: the prompt 'None' is a NoneType, not a list of "
+         "token ids"),
     ]
     for data, message in cases:
         with pytest.raises(ValueError) as info:
@@ -265,6 +294,61 @@ def test_numpy_and_torch_token_ids_are_taken_and_negative_ones_refused(tmp_path)
                    f"(position {len(bad) - 1}) is negative; token ids are >= 0" in str(info.value)
     with pytest.raises(ValueError, match="give text, chat messages"):  # (bools are no ids)
         PromptSource([{"prompt": [np.bool_(True)]}], batch_size=1, tokenizer=tok)
+
+
+def test_pandas_object_arrays_become_lists(tmp_path):
+    """pandas.read_parquet(...).to_dict("records") holds numpy object arrays (a chat, a
+    list<string> column): they travelled as given, and the codec refused them at the first
+    generate ("a numpy array of Python objects cannot be sent"), naming no record."""
+    import numpy as np
+
+    from asyncrl.comm import codec
+
+    chat = np.array([{"role": "user", "content": "w5 w6"}], dtype=object)
+    answers = np.array(["7", "seven"], dtype=object)
+    nested = {"tags": np.array(["a"], dtype=object), "score": np.float32(0.5)}
+    src = PromptSource([{"prompt": chat, "answers": answers, "extra": nested}], batch_size=1,
+                       tokenizer=str(word_tokenizer(tmp_path / "tok")))
+    batch = next(iter(src))
+    assert codec.decode(codec.encode(batch))["prompt"] == [ids("<s> user w5 w6 </s> "
+                                                               "<s> assistant")]
+    assert batch["raw_prompt"] == [[{"role": "user", "content": "w5 w6"}]]
+    assert batch["answers"] == [["7", "seven"]] and type(batch["answers"][0]) is list
+    assert batch["extra"] == [{"tags": ["a"], "score": 0.5}]
+    assert type(batch["extra"][0]["score"]) is float
+    # without a tokenizer too
+    ids_only = PromptSource([{"prompt": np.array([3, 4]), "answers": answers}], batch_size=1)
+    codec.encode(next(iter(ids_only)))
+
+
+def test_blank_text_prompts_are_refused(tmp_path):
+    """A tokenizer that adds a BOS made "" or "   " the prompt [BOS], trained on."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(word_tokenizer(tmp_path / "tok"), local_files_only=True)
+    bos = tok.convert_tokens_to_ids("<s>")
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", bos)])
+    for blank in ("", "   "):
+        with pytest.raises(ValueError, match=re.escape(
+                f"record 1 of the given sequence: the prompt {blank!r} is blank (empty or "
+                f"only whitespace)")):
+            PromptSource([{"prompt": "w3"}, {"prompt": blank}], batch_size=1, tokenizer=tok)
+    assert next(iter(PromptSource([{"prompt": " w3 "}], batch_size=1,
+                                  tokenizer=tok)))["prompt"] == [[bos, *ids("w3")]]
+
+
+def test_token_ids_past_the_tokenizers_vocabulary_are_refused(tmp_path):
+    """Another model's ids: taken, and failed at generate, naming no record."""
+    tok = str(word_tokenizer(tmp_path / "tok"))
+    size = len(WORDS)
+    with pytest.raises(ValueError, match=re.escape(
+            f"record 0 of the given sequence: the prompt's token id {size} (position 1) is "
+            f"past the tokenizer's vocabulary of {size} tokens")):
+        PromptSource([{"prompt": [5, size]}], batch_size=1, tokenizer=tok)
+    last = PromptSource([{"prompt": [size - 1]}], batch_size=1, tokenizer=tok)
+    assert next(iter(last))["prompt"] == [[size - 1]]
 
 
 def test_record_keys_the_rl_step_writes_are_refused():

@@ -155,10 +155,11 @@ def test_dynamic_sampling_needs_the_sources_whole_groups_of_two_or_more():
         asyncio.run(dynamic_sampling(source.next_batch(), more=lambda: None,
                                      generate=lambda b: b, score=never, groups=1,
                                      group_size=2))
-    # a source of one sample per prompt, repeated after: its meta says 1, and the rows
-    # are whole groups (as _check_groups sees): generated
-    once = PromptSource([{"prompt": [1, 2]}, {"prompt": [3]}], batch_size=2,
-                        max_prompt_length=4).next_batch().repeat(4)
+    # a source of one sample per prompt, repeated after and given a seed per copy: its
+    # meta says 1, and the rows are whole groups (as _check_groups sees): generated
+    copied = PromptSource([{"prompt": [1, 2]}, {"prompt": [3]}], batch_size=2,
+                          max_prompt_length=4).next_batch().repeat(4)
+    once = TensorBatch({"prompt": copied["prompt"], "seed": list(range(8))}, copied.meta)
 
     class Generated(Exception):
         pass
@@ -173,6 +174,41 @@ def test_dynamic_sampling_needs_the_sources_whole_groups_of_two_or_more():
         asyncio.run(dynamic_sampling(source.next_batch(), more=lambda: None,
                                      generate=lambda b: b, score=never, groups=1,
                                      group_size=1))
+
+
+def test_dynamic_sampling_refuses_a_group_of_one_seed():
+    """PromptSource(repeat=1) then batch.repeat(4): each group's four copies shared one
+    sampling seed, so its samples came out identical, scored alike, and every round was
+    thrown away until max_rounds blamed the prompts."""
+    source = PromptSource([{"prompt": [1, 2]}, {"prompt": [3]}], batch_size=2,
+                          shuffle=False, max_prompt_length=4)
+    copied = source.next_batch().repeat(4)
+
+    def generate(batch):
+        raise AssertionError("nothing is generated")
+
+    def score(rollout):
+        raise AssertionError("nothing is scored")
+
+    with pytest.raises(ValueError, match=r"rows 0..3 are one group, but samples of one group "
+                                         r"share a sampling seed: they will be identical; "
+                                         r"use PromptSource\(repeat=group_size\)"):
+        asyncio.run(dynamic_sampling(copied, more=source.next_batch, generate=generate,
+                                     score=score, groups=1, group_size=4))
+    # the source's own groups: a seed per sample, each group's four distinct
+    grouped = PromptSource([{"prompt": [1, 2]}, {"prompt": [3]}], batch_size=2, repeat=4,
+                           max_prompt_length=4).next_batch()
+    assert len(set(grouped["seed"][:4])) == 4 and len(set(grouped["seed"])) == 8
+
+    class Generated(Exception):
+        pass
+
+    def reached(batch):
+        raise Generated
+
+    with pytest.raises(Generated):
+        asyncio.run(dynamic_sampling(grouped, more=lambda: None, generate=reached,
+                                     score=score, groups=1, group_size=4))
 
 
 def test_dynamic_sampling_filters_on_the_functions_own_score_by_default():

@@ -189,9 +189,42 @@ def prompt_fingerprints(batch: TensorBatch) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def check_groups(prompts: torch.Tensor, group_size: int) -> None:
+def sampling_seeds(batch: TensorBatch) -> torch.Tensor:
+    """Per row, [its sampling seed as an int64 (modulo 2**64, as the sampler takes it), 1];
+    [0, 0] for every row of a batch without a "seed" column."""
+    if "seed" not in batch:
+        return torch.zeros(len(batch), 2, dtype=torch.int64)
+    seeds = [(int(s) + 2**63) % 2**64 - 2**63 for s in batch["seed"]]
+    return torch.stack([torch.tensor(seeds, dtype=torch.int64),
+                        torch.ones(len(batch), dtype=torch.int64)], 1)
+
+
+def check_groups(prompts: torch.Tensor, group_size: int, seeds: torch.Tensor | None = None
+                 ) -> None:
     """Each GRPO group (`group_size` consecutive samples) answers one prompt (`prompts`:
-    their fingerprints): else its baseline would mix prompts, silently."""
+    their fingerprints): else its baseline would mix prompts, silently. With `seeds` (the
+    samples' sampling seeds), each sample of a group has its own."""
+    _check_one_prompt(prompts, group_size)
+    if seeds is not None:
+        _check_distinct_seeds(seeds, group_size)
+
+
+def _check_distinct_seeds(seeds: torch.Tensor, group_size: int) -> None:
+    """Equal seeds draw equal numbers: the samples are identical, their rewards equal and
+    their advantages all 0, so the group trains nothing (a source of repeat=1 whose batch
+    was copied with batch.repeat(k), seeds and all)."""
+    ordered = seeds.view(-1, group_size).sort(1).values
+    shared = (ordered[:, 1:] == ordered[:, :-1]).any(1).nonzero()
+    if len(shared):
+        first = int(shared[0]) * group_size
+        raise ValueError(f"GRPO: samples {first}..{first + group_size - 1} of the batch "
+                         f"(group {int(shared[0])}): samples of one group share a sampling "
+                         f"seed: they are identical (advantages all 0, nothing learned); use "
+                         f"PromptSource(repeat=group_size), not batch.repeat(k), which "
+                         f"copies the seeds too")
+
+
+def _check_one_prompt(prompts: torch.Tensor, group_size: int) -> None:
     groups = prompts.view(-1, group_size)
     mixed = (groups != groups[:, :1]).any(1).nonzero()
     if len(mixed):
@@ -206,7 +239,8 @@ def check_repeat(batch: TensorBatch, cfg: RLConfig) -> None:
     """A GRPO group is all of one prompt's samples: with PromptSource(repeat=16) and
     group_size=8 each prompt had two baselines of half its samples each (check_groups passes
     them: each half is one prompt's). The same meta on every rank: raised on all alike."""
-    # (1: maybe repeated later, with batch.repeat(k); check_groups sees those rows)
+    # (1: one sample per prompt, repeated later with batch.repeat(k): check_groups sees
+    # those rows, and refuses copies that share a seed)
     repeat = batch.meta.get(SAMPLES_PER_PROMPT)
     if repeat is not None and repeat > 1 and repeat != cfg.group_size:
         raise ValueError(
@@ -226,15 +260,18 @@ def _grpo(batch: TensorBatch, cfg: RLConfig, group: Any) -> torch.Tensor:
     flags = [torch.zeros_like(valid) for _ in range(world)]
     dist.all_gather(rewards, seq.float().contiguous(), group=group)
     dist.all_gather(flags, valid.contiguous(), group=group)
-    prompts = [torch.zeros(len(seq), dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(prompts, prompt_fingerprints(batch), group=group)
+    # each row: its prompt's fingerprint, its sampling seed, 1 if it has one
+    keys = torch.cat([prompt_fingerprints(batch)[:, None], sampling_seeds(batch)], 1)
+    prompts = [torch.zeros(len(seq), 3, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(prompts, keys, group=group)
     everything = torch.cat([r[f.bool()] for r, f in zip(rewards, flags, strict=True)])
     if everything.numel() % cfg.group_size:
         raise ValueError(f"GRPO: the batch has {everything.numel()} samples, not a multiple of "
                          f"group_size={cfg.group_size}; sample group_size responses per prompt "
                          f"(PromptSource(..., repeat=group_size))")
-    check_groups(torch.cat([p[f.bool()] for p, f in zip(prompts, flags, strict=True)]),
-                 cfg.group_size)
+    real = torch.cat([p[f.bool()] for p, f in zip(prompts, flags, strict=True)])
+    seeded = bool(real[:, 2].all())  # (every row or none: the columns of one prompt batch)
+    check_groups(real[:, 0], cfg.group_size, real[:, 1] if seeded else None)
     adv = grpo_advantages(everything, cfg.group_size, std_normalize=cfg.std_normalize)
     me = dist.get_rank(group)
     start = int(sum(int(f.sum()) for f in flags[:me]))

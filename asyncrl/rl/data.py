@@ -31,7 +31,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.sampler import GENERATED, PROMPT_WIDTH
 from asyncrl.hybrid.user_fn import load_tokenizer
 from asyncrl.rl.batch import ASSEMBLED, SAMPLES_PER_PROMPT
-from asyncrl.rl.tokens import as_list, as_token_ids, no_negative_ids, prompt_ids
+from asyncrl.rl.tokens import as_list, as_token_ids, no_negative_ids, plain, prompt_ids
 
 log = logging.getLogger("asyncrl")
 
@@ -121,7 +121,9 @@ def _read_records(data: Sequence[dict[str, Any]]
         if not isinstance(r, dict):
             raise ValueError(f"{locate(i)} is a {type(r).__name__}, not a dict; pass records "
                              f'as dicts such as {{"prompt": [token ids], "answer": "7"}}')
-    return records, "the given sequence", locate
+    # pandas' records hold numpy object arrays (chats, list<string> columns), which the
+    # codec cannot send: it failed at the first generate, naming no record or column
+    return [plain(r) for r in records], "the given sequence", locate
 
 
 def _tokenized(records: list[dict[str, Any]], keys: list[str], tokenizer: Any, prompt_key: str,
@@ -140,7 +142,7 @@ def _tokenized(records: list[dict[str, Any]], keys: list[str], tokenizer: Any, p
     out = []
     for i, r in enumerate(records):
         r = dict(r)
-        raw = r.pop(prompt_key)
+        raw = plain(r.pop(prompt_key))  # (a file's records were not made plain)
         r["prompt"], r["raw_prompt"] = prompt_ids(tok, raw, locate(i)), raw
         out.append(r)
     return out
@@ -153,23 +155,28 @@ def _token_ids(records: list[dict[str, Any]], locate: Callable[[int], str]
     generation when its batch came, hours in). Text alone, or no "prompt" (a source of other
     data), is kept: the first generate refuses it, naming the fix."""
     out = [{**r, "prompt": as_list(r["prompt"])} if "prompt" in r else r for r in records]
+    for i, r in enumerate(out):
+        if "prompt" in r and not isinstance(r["prompt"], str | list):
+            raise ValueError(f"{locate(i)}: the prompt {str(r['prompt'])[:40]!r} is a "
+                             f"{type(r['prompt']).__name__}, not a list of token ids; give "
+                             f"token ids, or text or chats with tokenizer=")
     ids = next((i for i, r in enumerate(out) if isinstance(r.get("prompt"), list)), None)
     if ids is None:
         return out
     for i, r in enumerate(out):
         p = r["prompt"]
-        if p == []:
-            raise ValueError(f"{locate(i)}: the prompt [] has no tokens; generation needs at "
-                             f"least one")
-        plain = as_token_ids(p)
-        if plain is None:
+        flat = as_token_ids(p)  # (before comparing: an array compares elementwise)
+        if flat is None:
             like = f", as {locate(ids)}'s is" if i != ids else ""
             raise ValueError(f"{locate(i)}: the prompt {str(p)[:40]!r} is not a list of token "
                              f"ids (ints){like}; give every record token ids, or give text or "
                              f"chats with tokenizer=")
-        no_negative_ids(plain, locate(i))
+        if not flat:
+            raise ValueError(f"{locate(i)}: the prompt [] has no tokens; generation needs at "
+                             f"least one")
+        no_negative_ids(flat, locate(i))
         if not all(type(t) is int for t in p):  # (numpy's ints: as plain ints on the wire)
-            out[i] = {**r, "prompt": plain}
+            out[i] = {**r, "prompt": flat}
     return out
 
 
@@ -310,7 +317,13 @@ class PromptSource:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
                 "records": len(self.records), "shuffle": self.shuffle,
-                "digest": self.digest()}
+                "digest": self.digest(), "order": self._order_digest(self.epoch)}
+
+    def _order_digest(self, epoch: int) -> str:
+        """A hash of the first 64 indices of `epoch`'s order: the seed is saved, but
+        torch.randperm may shuffle otherwise in another torch release."""
+        head = self._order(epoch)[:64]
+        return hashlib.sha1(json.dumps(head).encode()).hexdigest()[:16]
 
     def digest(self) -> str:
         """A fingerprint of the records (64 of them, evenly spaced: cheap for a large set),
@@ -340,3 +353,15 @@ class PromptSource:
             raise ValueError(f"this position was saved for other prompts ({'; '.join(differ)}"
                              f"); resume with the prompt data, seed and shuffle the run "
                              f"started with (the digest is of the records' values)")
+        self._check_order(state)
+
+    def _check_order(self, state: dict[str, Any]) -> None:
+        """The same data and seed shuffled otherwise here (another torch release's randperm):
+        the saved index would repeat some prompts and skip others."""
+        epoch = state.get("epoch", 0)  # (an older position has no order: not checked)
+        if "order" in state and state["order"] != self._order_digest(epoch):
+            raise ValueError(f"this position was saved for another order of the prompts: "
+                             f"epoch {epoch}'s shuffle differs here (order {state['order']!r} "
+                             f"there, {self._order_digest(epoch)!r} here), though the data, "
+                             f"seed and shuffle match; resume with the torch version the run "
+                             f"started with")

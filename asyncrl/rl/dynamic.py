@@ -58,16 +58,24 @@ def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
 def _check_groups(batch: TensorBatch, group_size: int) -> None:
     """Each run of `group_size` rows is one prompt's samples: with PromptSource(repeat=4)
     and group_size=8 a block held two prompts, kept when either's samples differed."""
-    # (1: maybe repeated later, with batch.repeat(k)); a block that was part of a prompt's
-    # samples was dropped when its part scored alike, or kept halved
+    # (1: one sample per prompt, repeated later with batch.repeat(k): the seed check below
+    # refuses its copies); a block that was part of a prompt's samples was dropped when its
+    # part scored alike, or kept halved
     repeat = batch.meta.get(SAMPLES_PER_PROMPT)
     if repeat is not None and repeat > 1 and repeat != group_size:
         raise ValueError(
             f"dynamic sampling: group_size={group_size}, but the PromptSource repeats each "
             f"prompt {repeat} times (repeat={repeat}): a group is all of one prompt's "
             f"samples; give both (and RLConfig group_size) the same value")
-    if "prompt" not in batch or len(batch) % group_size:
+    if len(batch) % group_size:
         return  # (informative_groups names a count that does not divide)
+    if "prompt" in batch:
+        _check_one_prompt(batch, group_size)
+    if "seed" in batch:
+        _check_distinct_seeds(batch, group_size)
+
+
+def _check_one_prompt(batch: TensorBatch, group_size: int) -> None:
     column = batch["prompt"]
     prompts = column.tolist() if hasattr(column, "tolist") else list(column)
     for start in range(0, len(prompts), group_size):
@@ -77,6 +85,20 @@ def _check_groups(batch: TensorBatch, group_size: int) -> None:
                              f"to be one prompt's group_size={group_size} samples, but hold "
                              f"different prompts; give the PromptSource repeat={group_size} "
                              f"(and RLConfig group_size={group_size})")
+
+
+def _check_distinct_seeds(batch: TensorBatch, group_size: int) -> None:
+    """A group's samples each need their own seed: equal seeds draw the same numbers, so the
+    samples come out identical, score alike, and no round ever keeps their group."""
+    seeds = [int(s) for s in batch["seed"]]
+    for start in range(0, len(seeds), group_size):
+        block = seeds[start:start + group_size]
+        if len(set(block)) < len(block):
+            raise ValueError(f"dynamic sampling: rows {start}..{start + group_size - 1} are "
+                             f"one group, but samples of one group share a sampling seed: "
+                             f"they will be identical; use PromptSource(repeat=group_size) "
+                             f"(repeat={group_size}), not batch.repeat(k), which copies the "
+                             f"seeds too")
 
 
 async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBatch | None],

@@ -38,6 +38,26 @@ def as_list(value: Any) -> Any:
         else value
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def plain(value: Any) -> Any:
+    """`value` as the codec sends it: arrays (numpy's object arrays of pandas' read_parquet
+    records: chats, list<string> columns) and tuples as lists, numpy and torch scalars as
+    Python's, all the way down through dicts and lists; anything else as it is."""
+    if type(value) in _SCALARS:  # (numpy's float64 is a float: tolist makes it Python's)
+        return value
+    if isinstance(value, dict):  # (scalars inline: a million records' build time doubled)
+        return {k: v if type(v) in _SCALARS else plain(v) for k, v in value.items()}
+    if type(value) is list and _SCALARS.issuperset(map(type, value)):
+        return value  # the common case, token ids: no copy
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist"):
+        return plain(value.tolist())
+    return value
+
+
 def as_token_ids(value: Any) -> list[int] | None:
     """A list of token ids as plain ints: ints, or numpy or torch integer scalars (records
     a user built from arrays), not bools; None when `value` is something else."""
@@ -63,7 +83,23 @@ def no_negative_ids(ids: list[int], where: str) -> list[int]:
     return ids
 
 
+def in_vocabulary(ids: list[int], tok: Any, where: str) -> list[int]:
+    """`ids`, or an error naming `where` and the first id the tokenizer has no token for
+    (generation failed on it, naming no record)."""
+    size = len(tok) if hasattr(tok, "__len__") else None
+    for i, t in enumerate(ids):
+        if size is not None and t >= size:
+            raise ValueError(f"{where}: the prompt's token id {t} (position {i}) is past the "
+                             f"tokenizer's vocabulary of {size} tokens; give ids this "
+                             f"tokenizer made (another model's tokenizer?), or text")
+    return ids
+
+
 def _ids(tok: Any, value: Any, where: str) -> list[int]:
+    # blank text: a BOS-adding tokenizer made it [BOS], a prompt of nothing trained on
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{where}: the prompt {value!r} is blank (empty or only "
+                         f"whitespace); give it text, or leave the record out")
     if isinstance(value, str):  # (text the chat template made already starts with its BOS:
         bos = getattr(tok, "bos_token", None)  # not a second one)
         again = not (isinstance(bos, str) and bos and value.startswith(bos))
@@ -88,7 +124,7 @@ def _ids(tok: Any, value: Any, where: str) -> list[int]:
         return [int(t) for t in ids]
     ids = as_token_ids(value)
     if ids is not None:
-        return no_negative_ids(ids, where)
+        return in_vocabulary(no_negative_ids(ids, where), tok, where)
     raise ValueError(f"{where}: the prompt is {str(value)[:60]!r} ({type(value).__name__}); "
                      f"give text, chat messages [{{'role': 'user', 'content': '...'}}] or a "
                      f"list of token ids")
