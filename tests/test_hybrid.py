@@ -462,12 +462,13 @@ def test_model_overrides_name_the_setting_that_does_what_they_would(tmp_path):
 
 def test_weights_loaded_are_all_taken_or_none():
     """load_weights (a Rollout's dict of weights, its checkpoint) copied parameter by
-    parameter: one failing half-way (out of memory converting a dtype, a meta tensor) left
-    those before it new and the rest old, under the old version, as adopt_weights once did."""
+    parameter: one failing half-way (a meta tensor) left those before it new and the rest
+    old, under the old version. Every value is checked first, then copied one at a time
+    (converting all first held a second model on the GPU at a resume)."""
     sampler = Sampler(build_model(ModelConfig()))
     (a, first), (b, second) = list(sampler.model.named_parameters())[:2]
     before = first.detach().clone()
-    with pytest.raises(NotImplementedError):  # a meta tensor cannot be copied to the CPU
+    with pytest.raises(TypeError, match="cannot be copied in: a meta tensor"):
         sampler.load_weights([(a, torch.ones_like(first)),
                               (b, torch.empty(second.shape, device="meta"))], version=5)
     assert torch.equal(sampler.model.get_parameter(a), before) and sampler.version == 0

@@ -447,9 +447,12 @@ def test_the_adapters_of_a_policy_with_overrides_name_no_base_model(tmp_path):
 
     source = tmp_path / "source"
     build_model(ModelConfig(preset="tiny-llama")).save_pretrained(source)
-    # attn_implementation: how the model computes, not what (the source is still its base)
-    for i, (overrides, base) in enumerate([({"rms_norm_eps": 1e-3}, None),
-                                           ({"attn_implementation": "eager"}, str(source))]):
+    # how the model computes, not what (the source is still its base): attn_implementation,
+    # use_cache, a dropout (off in evaluation)
+    for i, (overrides, base) in enumerate([
+            ({"rms_norm_eps": 1e-3}, None),
+            ({"attn_implementation": "eager", "use_cache": False, "attention_dropout": 0.1},
+             str(source))]):
         cfg = ModelConfig(path=str(source), overrides=overrides, lora=LORA)
         saved_policy(tmp_path / f"run{i}", cfg, build_model(cfg).state_dict())
         done = export(tmp_path / f"run{i}", tmp_path / f"out{i}")

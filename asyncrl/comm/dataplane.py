@@ -263,11 +263,12 @@ class DataClient:
             if not ready:
                 piece, _ = next(iter(pending.values()))
                 what = "whole value" if piece.start < 0 else f"rows {piece.start}:{piece.stop}"
+                limit, unanswered = silence(), len(pending)  # (the timeout and the bytes')
                 self._give_up(pending)
                 raise TransferTimeout(
                     f"no answer from {piece.shard.peer} ({piece.shard.addr}) to a pull of "
-                    f"{what} of object {piece.shard.obj_id} within {self._timeout:g} s "
-                    f"({len(pending)} pull(s) unanswered)")
+                    f"{what} of object {piece.shard.obj_id} within {limit:.4g} s "
+                    f"({unanswered} pull(s) unanswered)")
             for sock in ready:
                 if id(sock) in late:
                     if self._drain(late[id(sock)]):  # owes nothing more

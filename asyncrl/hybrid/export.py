@@ -33,7 +33,7 @@ import torch
 
 from asyncrl.actors.worker import sync_dir, sync_tree
 from asyncrl.hybrid.lora import is_adapter, legacy_adapter_names, merged
-from asyncrl.hybrid.models import ModelConfig, hf_config
+from asyncrl.hybrid.models import DROPOUT, ModelConfig, hf_config
 from asyncrl.hybrid.zero import TAG
 
 MODEL_FILE = "model.json"  # the group's ModelConfig, in its checkpoint folder
@@ -322,9 +322,11 @@ def _write(tmp: Path, model: Any, folder: Path, cfg: ModelConfig,
 
 
 def _changed_source(cfg: ModelConfig) -> list[str]:
-    """The overrides that make the policy another model than its source directory's (not
-    attn_implementation: how it computes, not what)."""
-    return sorted(k for k in cfg.overrides if k != "attn_implementation")
+    """The overrides that make the policy another model than its source directory's: not
+    those of how it computes (attn_implementation, use_cache, output_*) or trains (dropout,
+    off in evaluation), which leave its weights' function as it was."""
+    return sorted(k for k in cfg.overrides if k not in ("attn_implementation", "use_cache")
+                  and not k.startswith("output_") and not DROPOUT.search(k))
 
 
 def _notes(cfg: ModelConfig) -> list[str]:

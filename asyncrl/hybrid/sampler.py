@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncrl.comm import codec
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.models import positions
 from asyncrl.hybrid.settings import whole_number
@@ -397,12 +398,17 @@ class Sampler:
         """Copy new weights in, by name, in place (the model's memory kept), between two
         token steps of a running generation; `version` tags the tokens sampled from now on."""
         pairs = self._match(named, "load_weights")
-        # all converted to the parameters' device and dtype before any is copied in: one
-        # failing (out of memory, a meta tensor) leaves the old weights whole under the old
-        # version, as adopt_weights does (none converted under the step lock either)
-        made = [value.detach().to(param.device, param.dtype) for param, value in pairs]
+        # every value checked before any is copied in: one that has no values to copy (a
+        # meta tensor) leaves the old weights whole under the old version. Copied one at a
+        # time, not converted all first: a resume's CPU state dict would hold a second copy
+        # of the model on the GPU (only one tensor's conversion can fail midway: memory)
+        for _, value in pairs:
+            try:
+                codec.check_sendable(value)  # (its raw values are all of it)
+            except TypeError as e:
+                raise TypeError(f"load_weights: a weight cannot be copied in: {e}") from None
         with self._step, torch.no_grad():
-            for (param, _), value in zip(pairs, made, strict=True):
+            for param, value in pairs:
                 param.copy_(value)
             if version is not None:
                 self.version = version
