@@ -177,8 +177,7 @@ def test_sync_tree_puts_every_file_and_folder_of_a_checkpoint_on_disk(tmp_path, 
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"x")
     os.mkfifo(tmp_path / "actor" / "pipe")  # not a regular file: left alone (it would block)
-    synced = []
-    real = os.fsync
+    synced, real = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(
         f"/proc/self/fd/{fd}")), real(fd)))
     sync_tree(tmp_path)
@@ -270,8 +269,9 @@ def test_an_input_position_that_is_not_json_is_refused_naming_the_input():
     """A data source whose state_dict() holds a tensor (torchdata's loaders keep generator
     state so) failed the run's first checkpoint after every group had saved: json.dumps of
     meta.json, with no word of which input. Now checked first (and when a launch opens)."""
-    fine = SimpleNamespace(positions=lambda: {"prompts": {"consumed": 3}})
-    assert checkpoint.positions(fine) == {"prompts": {"consumed": 3}}
+    for state in ({"consumed": 3}, {"best": float("nan")}, {"ema": [1.0, float("nan")]}):
+        saved = checkpoint.positions(SimpleNamespace(positions=lambda s=state: {"prompts": s}))
+        assert repr(saved) == repr({"prompts": state})  # (NaN != NaN: refused, a save failed)
     odd = SimpleNamespace(positions=lambda: {"prompts": {"consumed": 3},
                                              "loader": {"generator": torch.zeros(2)}})
     with pytest.raises(CheckpointError, match=r"input 'loader': its state_dict\(\) cannot go "
@@ -279,11 +279,12 @@ def test_an_input_position_that_is_not_json_is_refused_naming_the_input():
         checkpoint.positions(odd)
     # nor one JSON gives back changed: {"pos": {0: 3}} was resumed as {"pos": {"0": 3}} (a
     # source's shards restarted at 0, silently; a rewind before any checkpoint had it right)
-    for state, shown in (({"pos": {0: 3}}, "{0: 3}} as {'pos': {'0': 3}}"),
-                         ({"pos": (2, 3)}, "(2, 3)} as {'pos': [2, 3]}")):
+    for state, shown, at in (({"pos": {0: 3}}, "{0: 3}} as {'pos': {'0': 3}}", "has the key 0"),
+                             ({"pos": (2, 3)}, "(2, 3)} as {'pos': [2, 3]}", "is a tuple")):
         with pytest.raises(CheckpointError, match=re.escape(
                 f"input 'shards': its state_dict() comes back from a checkpoint's meta.json "
-                f"changed ({{'pos': {shown}): JSON keeps dict keys as strings")):
+                f"changed ({{'pos': {shown}): JSON keeps dict keys as strings and tuples as "
+                f"lists (state_dict()['pos'] {at})")):
             checkpoint.positions(SimpleNamespace(positions=lambda s=state: {"shards": s}))
 
 
@@ -301,8 +302,7 @@ class Rotated:
 
 def test_a_resumed_input_that_gives_other_items_is_refused_naming_it(caplog):
     """An input without state_dict() is resumed by skipping the items it gave: where its
-    order changed, the resumed run repeated some prompts and never saw others, silently.
-    The checkpoint now keeps a digest of the last item taken, checked on resume."""
+    order changed, some prompts were repeated, others never seen: now a digest is checked."""
     def opened(turn: int) -> Inputs:
         feed = Inputs({"prompts": Rotated(turn), "batch": asyncrl.TensorBatch({"x": [1]})})
         feed.reset()
@@ -344,9 +344,8 @@ def test_a_run_dir_is_one_launchs_while_it_runs(tmp_path):
 
 
 def test_a_resume_goes_on_with_the_runs_restarts(tmp_path):
-    """The restart budget is the run's: a crash that recurs at each resume (under a requeue
-    wrapper) spent a fresh budget each time before session 26. Counted as they happen
-    (restarts.json), and from the checkpoint where that file is older."""
+    """The restart budget is the run's (a crash recurring at each resume spent a fresh one
+    each time): counted as they happen (restarts.json), or the checkpoint's if newer."""
     recovery = Recovery(SimpleNamespace(_ctl=None, groups=[SimpleNamespace(name="actor"),
                                                 SimpleNamespace(name="reward")]))
     recovery.log_path = tmp_path / "recoveries.jsonl"
@@ -358,12 +357,10 @@ def test_a_resume_goes_on_with_the_runs_restarts(tmp_path):
     assert recovery.restarts == {"actor": 3, "reward": 1}
 
 
-def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(tmp_path,
-                                                                            monkeypatch,
-                                                                            capsys):
-    """A pruned checkpoint a reader still held (NFS's busy .nfs* files, an export reading
-    it) was a warning at its save, but the next save's removal of the leftover raised: the
-    run, and every resume after it, failed at its next checkpoint."""
+def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(
+        tmp_path, monkeypatch, capsys):
+    """A pruned checkpoint a reader still held (NFS's busy .nfs* files) was a warning at its
+    save, but the next save's removal of it raised: the run, and each resume, failed."""
     flow = SimpleNamespace(_ctl=None, positions=dict, nodes={}, groups=[], launch_options={},
                            recovery=SimpleNamespace(restarts={}))
     real_rmtree = shutil.rmtree
@@ -387,11 +384,9 @@ def test_an_old_checkpoint_that_cannot_be_removed_yet_does_not_end_the_run(tmp_p
 
 
 def test_a_checkpoint_of_the_other_backend_is_named_as_such(tmp_path):
-    """An FSDP2 checkpoint given to a ZeRO group (or the reverse) failed with "no DeepSpeed
-    checkpoint" or a missing .metadata file, and one of the other ZeRO stage with an
-    assertion of DeepSpeed's: the error said to move a good checkpoint aside. Now the
-    backend that wrote it is named. (The files as DeepSpeed names them: ZeRO-3 keeps its
-    model states per rank.)"""
+    """An FSDP2 checkpoint given to a ZeRO group (or the reverse), or one of the other ZeRO
+    stage, failed as a damaged one would (move it aside, said): the backend is named now.
+    (The files as DeepSpeed names them: ZeRO-3 keeps its model states per rank.)"""
     from asyncrl.hybrid.fsdp import ZERO_TAG, check_written_by
 
     fsdp, zero2, zero3, empty = (tmp_path / n for n in ("fsdp", "zero2", "zero3", "empty"))
@@ -437,9 +432,8 @@ def test_a_source_that_cannot_go_back_is_counted_not_saved_by_its_state_dict():
 
 
 def test_a_resume_with_other_prompts_is_refused_before_any_group_starts(tmp_path):
-    """A PromptSource of other data, seed or shuffle than the checkpoint's, or a list now
-    shorter or in another order, was refused only by restore, after every group had started
-    and loaded its weights (minutes, for a real model)."""
+    """A PromptSource of other data, seed or shuffle, or a list now shorter or in another
+    order, was refused only by restore, after every group started and loaded its weights."""
     @asyncrl.node
     def take(prompts):
         return prompts
@@ -479,9 +473,10 @@ def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path, m
     (folder / "g").mkdir()  # a group's folder and a rank's file in it (DCP reads it with
     (folder / "g" / ".metadata").write_bytes(b"")  # pickle), and meta.json (its settings)
     for where in (tmp_path / "run", folder.parent, folder, *sorted(folder.rglob("*"))):
-        where.chmod(0o777)
+        where.chmod(0o666 if where.is_file() else 0o777)  # (an umask-0 run's own: told how)
         with pytest.raises(CheckpointError, match=f"--resume: {where} is writable by every "
-                                                  f"user; a checkpoint is loaded with pickle"):
+                           f"user; a checkpoint is loaded with pickle.*`chmod -R o-w "
+                           f"{folder if folder in (where, *where.parents) else where}` if you"):
             checkpoint.resumable(tmp_path / "run", flow)
         where.chmod(0o775)  # (a group's shared project folder: resumed)
     assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
@@ -491,9 +486,8 @@ def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path, m
 
 
 def test_an_empty_or_garbled_controller_rng_file_is_a_checkpoint_error_naming_it(tmp_path):
-    """A damaged controller_rng.pt (an empty file where fsync is not honoured, garbage)
-    raised EOFError or UnpicklingError as a bare traceback, not the checkpoint's error with
-    the way out."""
+    """A damaged controller_rng.pt (empty where fsync is not honoured, garbage) raised
+    EOFError or UnpicklingError as a bare traceback, not the checkpoint's error and fix."""
     flow = bare_flow()
     folder = tmp_path / "checkpoints" / "step_000000"
     folder.mkdir(parents=True)
@@ -535,9 +529,9 @@ def test_a_peers_death_while_a_checkpoint_loads_is_not_taken_for_a_damaged_check
 
 
 def test_a_run_under_umask_0_resumes_from_its_own_checkpoints(tmp_path, monkeypatch):
-    """Under umask 0 (some containers) the run's folders were made writable by every user,
-    and --resume refused the run's own checkpoints as another user's could be; the first
-    checkpoint's folder was not fsynced in the run directory (nor meta.json's name in it)."""
+    """Under umask 0 (some containers) a run's folders were writable by every user (refused
+    by --resume; a mount refusing chmod failed every save); the first checkpoint's folder
+    was not fsynced in the run directory (nor meta.json's name in it)."""
     from asyncrl.actors import worker
 
     done = []  # and what the folder's fsync vouches for (meta.json's name: it is written last)
@@ -565,6 +559,11 @@ def test_a_run_under_umask_0_resumes_from_its_own_checkpoints(tmp_path, monkeypa
         assert where.stat().st_mode & 0o777 == 0o775  # (a group's write kept, not others')
     assert sorted(p.name for p in saved.rglob("*") if not p.stat().st_mode & 0o002) == [
         "controller_rng.pt", "g", "meta.json", "rng_rank0.pt"]  # (none: every user's)
+    def refused(*args):  # a mount that shows 0777 and refuses a chmod (vfat, exfat): every
+        raise PermissionError(1, "Operation not permitted")  # save failed
+    (saved / "meta.json").chmod(0o666)
+    monkeypatch.setattr(checkpoint.os, "chmod", refused)
+    checkpoint._unshared(saved)
 
 
 def test_a_run_dir_given_as_its_checkpoints_folder_is_named_not_removed(tmp_path):

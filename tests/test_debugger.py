@@ -124,7 +124,8 @@ def _write_session(debug, name: str, **fields) -> None:
 def test_a_session_in_another_namespace_of_this_host_is_kept_and_named(tmp_path):
     """Ranks in a `docker --network host` container share the hostname but not the pids:
     attach on the host read a live rank's pid as dead and removed its session (the rank
-    then waited forever); a netns host's rank shares the pids but not the loopback: attach
+    then waited forever); they share the loopback, so they are here all the same (they were
+    refused as elsewhere). A netns host's rank shares the pids but not the loopback: attach
     said it no longer waits (connection refused)."""
     import subprocess
 
@@ -139,19 +140,23 @@ def test_a_session_in_another_namespace_of_this_host_is_kept_and_named(tmp_path)
                    **{**_namespaces(), "pid_ns": "pid:[1]", "net_ns": "net:[1]"})
     _write_session(debug, "netns", pid=os.getpid(), start=birth(os.getpid()),
                    **{**_namespaces(), "net_ns": "net:[1]"})
+    _write_session(debug, "hostnet", pid=gone.pid, start="1",  # docker --network host
+                   **{**_namespaces(), "pid_ns": "pid:[1]"})
     listed = {s["group"]: s for s in waiting(tmp_path)}
-    assert sorted(listed) == ["container", "netns"]
-    assert not any(s["here"] for s in listed.values())
-    assert (debug / "container.json").exists() and (debug / "netns.json").exists()
+    assert sorted(listed) == ["container", "hostnet", "netns"]
+    assert [g for g, s in listed.items() if s["here"]] == ["hostnet"]
+    assert all((debug / f"{g}.json").exists() for g in listed)
     with pytest.raises(SystemExit, match=r"container:0 waits for a debugger on this host in "
-                                         r"another pid and network namespace \(pid:\[1\], "
-                                         r"net:\[1\]\).*docker exec"):
+                                         r"another network namespace \(net:\[1\]\).*docker "
+                                         r"exec"):
         main(["attach", str(tmp_path), "--group", "container"])
     with pytest.raises(SystemExit, match=r"netns:0 waits for a debugger on this host in "
                                          r"another network namespace \(net:\[1\]\).*ip "
                                          r"netns exec"):
         main(["attach", str(tmp_path), "--group", "netns"])
-    assert (debug / "container.json").exists()
+    with pytest.raises(SystemExit, match=r"hostnet:0 no longer waits at flow.py:3"):
+        main(["attach", str(tmp_path), "--group", "hostnet"])  # (here: connected to)
+    assert (debug / "container.json").exists() and (debug / "hostnet.json").exists()
 
 
 def test_a_session_whose_pid_another_process_now_has_is_pruned(tmp_path):

@@ -27,7 +27,7 @@ from asyncrl.actors.protocols import (
     take_dp_rows,
 )
 from asyncrl.comm import codec
-from asyncrl.comm.messages import MethodSpec, Schema
+from asyncrl.comm.messages import Column, MethodSpec, Schema
 from asyncrl.controller import group
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import called_groups
@@ -166,6 +166,28 @@ def test_a_user_collect_given_references_says_so():
     assert "collect() of protocol 'test_dispatch_summing' got references (RemoteValue/" \
            "RemoteBatch), not values, when its result was passed as input 0 of c.f() " \
            "(a.total)" in "".join(getattr(error, "__notes__", []))
+
+
+def test_a_builtin_collects_error_is_not_blamed_on_references():
+    """The note that a collect was given references went on any collect's error: DP's
+    refusal of batches whose columns differ (a data error) said to change DP's collect."""
+    async def main() -> BaseException | None:
+        a, c = handles("a", "c", ranks=2, links=types.SimpleNamespace(needed=lambda *a: False))
+        batches = DistFuture._new(a._ctl.loop, "a.batches")
+        call = group._Pending(7, "batches", get_protocol("dp"), batches,
+                              protocols._DPState([2, 2], [0, 0], True), set(), {0, 1},
+                              [], schemas={r: Schema(2, (Column(f"x{r}", "float32"),))
+                                           for r in (0, 1)})
+        a._pending[7] = call
+        a._done(call)
+        out = c.call("f", batches)
+        for _ in range(8):
+            await asyncio.sleep(0)
+        return out._fut.exception()
+    error = asyncio.run(main())
+    assert isinstance(error, ValueError) and "differ in columns" in str(error)
+    assert not any("got references" in n for n in getattr(error, "__notes__", [])), \
+        error.__notes__
 
 
 def test_a_held_call_sets_up_its_links_as_a_call_of_the_node_that_made_it():

@@ -10,11 +10,13 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from helpers import ROOT, assert_gone, group_pids, poll_until, run, wait_until
 
 import asyncrl
+from asyncrl.actors import output
 from asyncrl.controller.logs import LogSink
 
 
@@ -178,7 +180,6 @@ def pumped(send):
 
 
 def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path, monkeypatch):
-    from asyncrl.actors import output
     from asyncrl.actors.output import LINE_CAP, split_lines
 
     assert split_lines(b"a\r\nb\n\nc\r d\r e") == ([b"a", b"b", b"", b"c", b" d"], b" e")
@@ -207,17 +208,30 @@ def test_progress_bars_and_long_lines_without_a_newline_are_streamed(tmp_path, m
     assert len(sent) > 2 and all(len(x.encode()) <= LINE_CAP for x in sent)
 
 
-def test_a_partial_line_is_sent_after_a_quiet_second():
+def test_a_partial_line_is_sent_after_a_quiet_second(monkeypatch):
     """A line without its end (tqdm's redraws start with \\r; a `print(..., end="")`) waited
     for one: 3 s after a bar's last redraw the controller had its 50% only, and a hung rank
-    showed stale output. It is sent after a quiet second; its end, when it comes, makes no
-    empty line."""
-    sent: list[str] = []
+    showed stale output. It is sent after a quiet second (progress dots were cut a second
+    after they began); its end makes no empty line (a blank print() after it was lost too)."""
+    monkeypatch.setattr(output, "PARTIAL_S", 0.6)  # 12 times the time between two dots
+    sent, written = [], []
     with pumped(lambda lines, dropped: sent.extend(lines)) as write_fd:
         os.write(write_fd, b"\rshards 50%\rshards 100%")
-        wait_until(lambda: "shards 100%" in sent, 5, "a line without its end, a second old")
+        wait_until(lambda: "shards 100%" in sent, 5, "a line without its end, quiet")
         os.write(write_fd, b"\nnext\n")
-    assert sent == ["shards 50%", "shards 100%", "next"]
+        for _ in range(30):  # 1.5 s of dots: cut at 0.6 s and 1.2 s when cut by age
+            written.append(time.monotonic())
+            os.write(write_fd, b".")
+            time.sleep(0.05)
+        os.write(write_fd, b" done\nLoading...")
+        wait_until(lambda: "Loading..." in sent, 5, "a line without its end, quiet")
+        os.write(write_fd, b"\n")  # print(): the line's end, read on its own
+        time.sleep(0.3)
+        os.write(write_fd, b"\nSummary\n")  # print(), print("Summary")
+    quiet = max(later - at for at, later in zip(written, written[1:], strict=False))
+    assert (sent[:3], sent[-3:]) == (["shards 50%", "shards 100%", "next"],
+                                     ["Loading...", "", "Summary"]), sent
+    assert sent[3:-3] == ["." * 30 + " done"] or quiet >= output.PARTIAL_S, sent  # (or stalled)
 
 
 def test_a_rank_whose_output_tee_is_killed_prints_on_to_its_log():
@@ -227,12 +241,7 @@ def test_a_rank_whose_output_tee_is_killed_prints_on_to_its_log():
         import json, os, signal, threading
         from asyncrl.actors.output import OutputCapture
         sent, through = [], threading.Event()
-
-        def send(lines, dropped):
-            sent.extend(lines)
-            through.set()
-
-        capture = OutputCapture(send)
+        capture = OutputCapture(lambda lines, dropped: (sent.extend(lines), through.set()))
         capture.start()
         print("before", flush=True)
         assert through.wait(30)  # through the tee (what it has not read yet dies with it)
@@ -369,13 +378,8 @@ def test_a_rank_whose_output_pipe_has_a_descriptor_past_1024_still_streams():
         held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
         from asyncrl.actors.output import OutputCapture
         sent, through = [], threading.Event()
-
-        def send(lines, dropped):
-            sent.extend(lines)
-            if "last" in lines:
-                through.set()
-
-        capture = OutputCapture(send)
+        capture = OutputCapture(lambda lines, dropped: (
+            sent.extend(lines), "last" in lines and through.set()))
         capture.start()
         assert capture._read_fd >= 1024, capture._read_fd
         for i in range(2000):  # ~200 KB: more than a pipe holds
@@ -452,12 +456,9 @@ def test_a_console_gone_at_close_and_a_ranks_notices_and_drops(tmp_path, capsys,
     assert "g:0 | [asyncrl] 4 lines were not streamed (over the rank's limit, or its queue " \
            "full): they are only in the group's torchrun log" in err
 
-    class Gone:
+    class Gone(PausedConsole):
         def write(self, text):
             raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            pass
 
     monkeypatch.setattr(sys, "stderr", Gone())
     sink.write("g", 1, [f"m{i}" for i in range(10)])
@@ -545,20 +546,22 @@ def test_a_ranks_escape_sequences_are_shown_escaped_not_obeyed(tmp_path, capsys)
     window's title (OSC 52 the clipboard), CSI 2J cleared the screen, tqdm's cursor-up wrote
     over other ranks' lines; a remote error's text in the controller's notices too; and
     `asyncrl logs` on a terminal. They are shown escaped; the rank's file keeps them as
-    printed, and `asyncrl logs` writes them so to a pipe or a file."""
+    printed, and `asyncrl logs` writes them so to a pipe or a file. Colours pass (they were
+    escaped too: a rank forcing colour showed \x1b[32m... on every line), reset at the end
+    of a line that leaves one on."""
     from types import SimpleNamespace
 
     from asyncrl.controller.logs import say
 
-    raw = "t \x1b]0;pwned\x07 \x1b[2J \x9b31m\tend"
+    raw = "t \x1b]0;pwned\x07 \x1b[2J \x9b31m\t\x1b[31mred\x1b[0m \x1b[1;32mend"
     sink = LogSink(tmp_path / "logs")
     sink.write("g", 0, [raw])
     say(SimpleNamespace(logs=sink), f"[asyncrl] group 'g' failed: {raw}")
     sink.close()
     say(None, raw)  # no controller: stderr itself
     err = capsys.readouterr().err
-    assert not {"\x1b", "\x07", "\x9b"} & set(err), repr(err)
-    shown = "t \\x1b]0;pwned\\x07 \\x1b[2J \\x9b31m\tend"  # (a tab is harmless)
+    assert not {"\x07", "\x9b"} & set(err), repr(err)
+    shown = "t \\x1b]0;pwned\\x07 \\x1b[2J \\x9b31m\t\x1b[31mred\x1b[0m \x1b[1;32mend\x1b[0m"
     assert err.splitlines() == [f"g:0 | {shown}", f"[asyncrl] group 'g' failed: {shown}",
                                 shown]
     assert (tmp_path / "logs" / "g" / "rank0.log").read_text() == raw + "\n"

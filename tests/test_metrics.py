@@ -423,6 +423,44 @@ def test_spans_whose_write_was_cancelled_are_written_once(tmp_path, monkeypatch)
         (0, "rollout"), (1, "train")]
 
 
+def test_spans_whose_write_waited_for_a_busy_thread_pool_when_cancelled_are_written_once(
+        tmp_path):
+    """A cancel while the write's job still waited for a thread of the busy default pool
+    cancelled the job: the spans were neither written nor put back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    go = threading.Event()
+    tl = Timeline(tmp_path)
+    tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
+
+    async def main():
+        queued, second = [], asyncio.Event()
+
+        class Pool(ThreadPoolExecutor):
+            def submit(self, fn, /, *args, **kwargs):  # (on the loop's thread)
+                queued.append(fn)
+                if len(queued) == 2:
+                    second.set()
+                return super().submit(fn, *args, **kwargs)
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(Pool(1))
+        busy = loop.run_in_executor(None, go.wait, 60)  # the pool's one thread, taken
+        writing = asyncio.create_task(write_spans(tl, 0))
+        await second.wait()  # the write's job waits in the pool's queue
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        go.set()
+        await busy
+        tl.add(Event("policy", "train", 1, 1.6, 1.9))
+        await asyncio.to_thread(tl.write, tl.take())  # the run's last write (after the
+        # first's: one thread, in order)
+    asyncio.run(main())
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X") == [
+        (0, "rollout"), (1, "train")]
+
+
 def test_a_short_metrics_write_leaves_no_half_row(tmp_path, monkeypatch):
     """A row was one os.write, its count unread: a nearly full disk took part of it, and
     the next row went on at its end, on its line ({"step": 1{"step": 2, ...}): unreadable

@@ -408,22 +408,36 @@ def test_a_critic_update_failing_after_an_optimizer_step_still_counts_a_version(
     assert run(main())["critic/dropped"] == 2  # those of version 0, now one behind
 
 
-class PolicyFailsAfterItsStep(Policy):
-    """Its train step fails after the optimizer stepped (ZeRO steps inside the last
-    backward; the statistics' all_reduce after it may fail)."""
+class FailsAfterFirstStep:
+    """Its first train step steps the optimizer (and schedule), then raises (ZeRO steps
+    inside the last backward; the statistics' all_reduce or grad norm after it may fail)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        step = self.backend.train_step
+        step, calls = self.backend.train_step, [0]
 
         def fails_after(*a, **k):
-            step(*a, **k)
-            raise RuntimeError("the step's statistics failed")
+            out, calls[0] = step(*a, **k), calls[0] + 1
+            if calls[0] == 1:
+                raise RuntimeError("the step's statistics failed")
+            return out
         self.backend.train_step = fails_after
 
     @asyncrl.register
     def current_version(self) -> int:
         return self.version
+
+
+class ActorFailsAfterItsStep(FailsAfterFirstStep, Actor):
+    pass
+
+
+class CriticFailsAfterItsStep(FailsAfterFirstStep, Critic):
+    pass
+
+
+class PolicyFailsAfterItsStep(FailsAfterFirstStep, Policy):
+    pass
 
 
 def test_a_train_step_failing_after_its_optimizer_step_still_gives_a_new_version():
@@ -441,6 +455,34 @@ def test_a_train_step_failing_after_its_optimizer_step_still_gives_a_new_version
                 await policy.train_step(batch)
             return await policy.current_version()
     assert run(main()) == [1]  # (a list: one per rank)
+
+
+def test_an_update_failing_inside_its_optimizer_step_still_counts_a_version():
+    """Actor and Critic counted a version after a failed update only where a train step had
+    returned: one that stepped the optimizer and then raised (ZeRO) left moved weights under
+    the old version. They count by the schedule now, as Policy.train_step does."""
+    ids = torch.tensor([[1, 5], [1, 5], [1, 7], [1, 7]])  # (GRPO's groups of 2)
+    resp = torch.tensor([[9, 10, 2], [11, 2, 0], [12, 13, 14], [9, 9, 2]])
+    rollout = TensorBatch({"prompt_ids": ids, "prompt_mask": torch.ones_like(ids),
+                           "response_ids": resp, "response_mask": (resp > 0).long(),
+                           "logprobs": torch.zeros(4, 3)})
+    scores = TensorBatch({"reward": torch.tensor([1.0, 0.0, 1.0, 0.0])})
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            actor, critic = await asyncio.gather(
+                ctl.spawn(ActorFailsAfterItsStep, {"seed": 0},
+                          {"algo": "grpo", "group_size": 2}, {"lr": 1e-2}, nprocs=1,
+                          hybrid=False),
+                ctl.spawn(CriticFailsAfterItsStep, {"seed": 0}, {"algo": "ppo"},
+                          {"lr": 1e-2}, nprocs=1))
+            values = await critic.values(rollout)
+            with pytest.raises(asyncrl.RemoteError, match="the step's statistics failed"):
+                await actor.update(rollout, scores)
+            with pytest.raises(asyncrl.RemoteError, match="the step's statistics failed"):
+                await critic.update(rollout, scores, values=values)
+            return await actor.current_version(), await critic.current_version()
+    assert run(main()) == ([1], [1])  # (lists: one per rank)
 
 
 def test_the_critic_drops_the_samples_the_actor_drops(tmp_path):

@@ -80,6 +80,24 @@ def test_a_position_saved_under_another_shuffle_is_refused(monkeypatch):
     unshuffled.load_state_dict(unshuffled.state_dict())
 
 
+def test_a_prompt_sources_order_is_made_once_an_epoch_not_at_every_state_dict(monkeypatch):
+    """state_dict() (which the controller takes at every step) made the epoch's whole
+    randperm for its order digest, as each batch did: ~50 ms a step at a million prompts."""
+    src = PromptSource(records(12), batch_size=3, seed=7, epochs=2)
+    made, real = [], src._order
+    monkeypatch.setattr(src, "_order", lambda epoch: (made.append(epoch), real(epoch))[1])
+    src.next_batch()
+    first = src.state_dict()
+    src.next_batch()
+    assert src.state_dict()["order"] == first["order"] and made == [0]
+    for _ in range(3):  # into the second epoch: its own order, its own digest
+        src.next_batch()
+    second = src.state_dict()
+    assert made == [0, 1] and second["epoch"] == 1 and second["order"] != first["order"]
+    fresh = PromptSource(records(12), batch_size=3, seed=7, epochs=2)
+    assert fresh._order_digest(1) == second["order"] and fresh._order_digest(0) == first["order"]
+
+
 def ids(text: str) -> list[int]:
     return [WORDS.index(w) for w in text.split()]
 
@@ -258,9 +276,11 @@ def test_token_id_prompts_are_checked_in_every_record_without_a_tokenizer(tmp_pa
                                f"of token ids (ints), as {tmp_path / 'p.jsonl'}:1's is"),
         # an array of another shape: numpy's broadcast error, naming no record
         ([{"prompt": [1, 2]}, {"prompt": np.array([[3, 4]])}],
-         "record 1 of the given sequence: the prompt '[[3, 4]]' is not a list of token ids"),
+         "record 1 of the given sequence: the prompt '[[3 4]]' is a ndarray, not a list of "
+         "token ids"),
         ([{"prompt": np.array([[3, 4]])}],  # every record so: taken, failed at generate
-         "record 0 of the given sequence: the prompt '[[3, 4]]' is not a list of token ids"),
+         "record 0 of the given sequence: the prompt '[[3 4]]' is a ndarray, not a list of "
+         "token ids"),
         ([{"prompt": [1, 2]}, {"prompt": None}],
          "record 1 of the given sequence: the prompt 'None' is a NoneType, not a list of "
          "token ids"),
@@ -319,6 +339,14 @@ def test_pandas_object_arrays_become_lists(tmp_path):
     # without a tokenizer too
     ids_only = PromptSource([{"prompt": np.array([3, 4]), "answers": answers}], batch_size=1)
     codec.encode(next(iter(ids_only)))
+    # numeric arrays and tensors stay as given (lists of a reward's features: 8-30x the
+    # memory, and `feat @ w` broke)
+    import torch
+
+    kept = PromptSource([{"prompt": [3, 4], "feat": np.arange(3, dtype=np.float32),
+                          "t": torch.tensor([1.5, 2.5])}], batch_size=1)
+    got = codec.decode(codec.encode(next(iter(kept))))
+    assert got["feat"][0].dtype == np.float32 and isinstance(got["t"][0], torch.Tensor)
 
 
 def test_blank_text_prompts_are_refused(tmp_path):

@@ -409,12 +409,14 @@ def test_a_weight_load_failing_midway_leaves_vllm_refusing_to_generate():
     with pytest.raises(KeyError, match="model.no_such.weight"):
         engine.load_weights([*named[:2], ("model.no_such.weight", named[0][1])], version=3)
     assert engine.version == 0
-    with pytest.raises(RuntimeError, match=r"the last weight load \(asyncrl_load_weights\) "
+    with pytest.raises(RuntimeError, match=r"a weight load \(asyncrl_load_weights\) "
                                            r"failed midway.* load the whole weights again"):
         engine.generate(PROMPTS, [1, 2, 3, 4])
     fake_vllm.LLM.calls.clear()
     engine.load_weights(named, version=3)
-    assert [name for name, _ in fake_vllm.LLM.calls] == ["collective_rpc", "reset_prefix_cache"]
+    assert fake_vllm.LLM.calls == [("collective_rpc", "asyncrl_load_weights"),
+                                   ("collective_rpc", "asyncrl_unfilled"),  # (all filled?)
+                                   ("reset_prefix_cache", None)]
     out = engine.generate(PROMPTS, [1, 2, 3, 4])
     assert out["versions"][out["response_mask"].bool()].eq(3).all()
     want = Sampler(new, sampling).generate(PROMPTS, seeds=[1, 2, 3, 4])
@@ -451,3 +453,38 @@ def test_a_hybrid_fill_failing_midway_is_filled_whole_by_the_next_switch(tmp_pat
     out = hybrid.generate(PROMPTS, [1, 2, 3, 4])
     want = Sampler(backend.model, sampling).generate(PROMPTS, seeds=[1, 2, 3, 4])
     assert torch.equal(out["response_ids"], want["response_ids"])
+
+
+def test_after_a_torn_load_only_loads_filling_every_weight_or_a_whole_state_let_vllm_generate():
+    """A torn load's refusal was lifted by any later load that went through: a one-tensor
+    load (Rollout.load_weights allows a part) left vLLM generating on a mixed model tagged
+    with its version, and state_dict() saved the torn weights under the old version. Now the
+    loads since must fill every parameter vLLM holds (however many calls), or a whole state
+    (load_state_dict) go in; state_dict() is refused while torn."""
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine("tiny-llama", SamplingConfig(max_new_tokens=3), llm_cls=fake_vllm.LLM,
+                        sampling_params_cls=fake_vllm.SamplingParams)
+    saved = engine.state_dict()
+    named = [(n, p.detach()) for n, p in build_model(ModelConfig(seed=9)).named_parameters()]
+
+    def tear() -> None:
+        with pytest.raises(KeyError, match="model.no_such.weight"):
+            engine.load_weights([*named[:2], ("model.no_such.weight", named[0][1])], 3)
+    tear()
+    engine.load_weights([named[-1]], version=4)  # one tensor: the rest are not all new
+    assert engine.version == 4
+    with pytest.raises(RuntimeError, match=rf"refuses to generate: .* left {len(named) - 1} "
+                                           r"of vLLM's parameters unloaded"):
+        engine.generate(PROMPTS, [1, 2, 3, 4])
+    with pytest.raises(RuntimeError, match=r"refuses to save its weights \(a checkpoint would "
+                                           r"keep the torn model, under version 4\)"):
+        engine.state_dict()
+    engine.load_weights(named[:-1], version=5)  # with the one before: every parameter
+    assert engine.generate(PROMPTS, [1, 2, 3, 4])["versions"].max() == 5
+    tear()
+    engine.load_state_dict(saved, version=1)  # a whole state
+    assert engine.generate(PROMPTS, [1, 2, 3, 4])["versions"].max() == 1
+    assert all(torch.equal(v, saved[k]) for k, v in engine.state_dict().items())

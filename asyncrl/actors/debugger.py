@@ -150,9 +150,9 @@ def _remove_stale(folder: Path, group: str, rank: int) -> None:
 
 def place() -> dict[str, str | None]:
     """Where this process runs, past its hostname: the machine's boot id, its pid and net
-    namespaces (None where /proc does not tell). A container or a netns host shares the
-    hostname but not the pids or the loopback, so `asyncrl attach` reaches (and prunes) a
-    session only from the same place."""
+    namespaces (None where /proc does not tell). A netns host shares the hostname but not
+    the loopback, a container maybe neither: `asyncrl attach` reaches a session only from
+    its machine and net namespace, and prunes it only from its pid namespace too."""
     return {"boot": _read_proc("/proc/sys/kernel/random/boot_id"),
             "pid_ns": _namespace("pid"), "net_ns": _namespace("net")}
 

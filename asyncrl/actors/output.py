@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 FLUSH_S = 0.1
 LINE_CAP = 64 * 1024  # output without a line end is sent in pieces of this size
-PARTIAL_S = 1.0  # a line without its end yet is sent when it is this old (its end, when it
-# comes, ends no line of its own: the rest arrives as a line of its own, as with LINE_CAP)
+PARTIAL_S = 1.0  # a line without its end yet is sent after this long without output (its
+# end, when it comes, ends no line of its own: the rest arrives as a line of its own)
 
 
 def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
@@ -118,12 +118,10 @@ class OutputCapture:
             complete: list[bytes] = []
             if chunk:
                 self._copy_to_log(chunk)
-                started = not partial.rstrip(b"\r")  # (a held "\r" ended the line before)
                 data = _after_cut(chunk) if cut else chunk
-                cut = cut and not data  # (that line's end not read yet)
-                complete, partial = split_lines(partial + data)
-                if complete or started:
-                    partial_since = now
+                cut = cut and not chunk.strip(b"\r")  # (only a held "\r": that line's end
+                complete, partial = split_lines(partial + data)  # may still come)
+                partial_since = now  # (output flows: a line built slowly is not cut)
             if partial.rstrip(b"\r") and now - partial_since >= PARTIAL_S:  # quiet since
                 complete.append(partial.rstrip(b"\r"))  # (a hung rank's last words, a
                 partial, cut = b"", True  # progress bar's last redraw: not held back)

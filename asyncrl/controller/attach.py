@@ -19,12 +19,13 @@ from asyncrl.actors.procs import birth, pid_alive
 
 
 def waiting(run_dir: Path) -> list[dict[str, Any]]:
-    """The breakpoints ranks wait at. Those reachable from here only (this host, and this
-    process's pid and net namespaces) have `here` True; the others (a shared run directory's
-    other hosts, a container's or a netns host's ranks) say in `elsewhere` where to run
-    `asyncrl attach`. A reachable rank that died or was stopped there (it exits with
-    os._exit: its file stays), or whose pid another process now has, is left out and its
-    file removed."""
+    """The breakpoints ranks wait at. Those reachable from here (this machine, and this
+    process's net namespace: its debugger listens on its loopback) have `here` True; the
+    others (a shared run directory's other hosts, a netns host's ranks) say in `elsewhere`
+    where to run `asyncrl attach`. A rank of this pid namespace too (a `docker --network
+    host` container's pids mean nothing here) that died or was stopped there (it exits
+    with os._exit: its file stays), or whose pid another process now has, is left out and
+    its file removed."""
     folder = Path(run_dir) / "debug"
     sessions = []
     mine = place()
@@ -34,7 +35,7 @@ def waiting(run_dir: Path) -> list[dict[str, Any]]:
             continue  # removed right now, unreadable, or not this user's
         session["elsewhere"] = _elsewhere(session, mine)
         session["here"] = session["elsewhere"] is None
-        if session["here"] and _gone(session):
+        if session["here"] and not _differs(session, mine, "pid_ns") and _gone(session):
             path.unlink(missing_ok=True)
             continue
         sessions.append(session)
@@ -43,24 +44,26 @@ def waiting(run_dir: Path) -> list[dict[str, Any]]:
 
 def _elsewhere(session: dict[str, Any], mine: dict[str, str | None]) -> str | None:
     """Where the session's rank waits and where to attach from, when not from here (its
-    debugger listens on its own loopback, and its pid means nothing in another pid
-    namespace); None when here. A field either side lacks (a session written before the
-    field was, no /proc) does not count."""
+    debugger listens on its own loopback: another machine's, or another net namespace's;
+    another pid namespace alone does not matter); None when here."""
     host = session.get("host")
     if host not in ("127.0.0.1", socket.gethostname()):
         return f"on host {host}: run `asyncrl attach` there"
-    differs = [field for field in ("boot", "pid_ns", "net_ns")
-               if session.get(field) is not None and mine.get(field) is not None
-               and session[field] != mine[field]]
-    if "boot" in differs:
+    if _differs(session, mine, "boot"):
         return f"on another machine also named {host}: run `asyncrl attach` there"
-    if differs:
-        kinds = " and ".join({"pid_ns": "pid", "net_ns": "network"}[f] for f in differs)
-        return (f"on this host in another {kinds} namespace "
-                f"({', '.join(str(session[f]) for f in differs)}): a container's or a netns "
-                f"host's; run `asyncrl attach` inside it (`docker exec -it CONTAINER asyncrl "
-                f"attach RUN_DIR`, `ip netns exec NAME asyncrl attach RUN_DIR`)")
+    if _differs(session, mine, "net_ns"):
+        return (f"on this host in another network namespace ({session['net_ns']}): a "
+                f"container's or a netns host's; run `asyncrl attach` inside it (`docker "
+                f"exec -it CONTAINER asyncrl attach RUN_DIR`, `ip netns exec NAME asyncrl "
+                f"attach RUN_DIR`)")
     return None
+
+
+def _differs(session: dict[str, Any], mine: dict[str, str | None], field: str) -> bool:
+    """Whether the session's `field` (boot id, a namespace) is not this process's; a field
+    either side lacks (a session written before the field was, no /proc) does not count."""
+    return session.get(field) is not None and mine.get(field) is not None \
+        and session[field] != mine[field]
 
 
 def _gone(session: dict[str, Any]) -> bool:

@@ -115,18 +115,33 @@ def _own(path: Path) -> None:
     """A checkpoint is code as well as data (torch's distributed checkpoints and DeepSpeed's
     are read with pickle, meta.json holds settings): refuse one that another user wrote, or
     could have: its folders above it and every folder and file in it (a few per group)."""
-    for where in (path.parent.parent, path.parent, *_tree(path)):  # run dir, checkpoints
+    tree = _tree(path)
+    for where in (path.parent.parent, path.parent, *tree):  # run dir, checkpoints
         try:
             whose = not_yours(where)
         except OSError as e:  # (a link to nothing)
             whose = f"not checkable ({e.strerror})"
         if whose is not None and os.environ.get(TRUST_RUN_DIR) != "1":
+            fix = "copy it into a run directory of yours"
+            if _own_but_shared(where):  # (an earlier asyncrl's run under umask 0 wrote
+                # its ranks' files so: a copy keeps the mode)
+                fix = f"`chmod -R o-w {path if where in tree else where}` if you trust " \
+                      f"its contents"
             raise CheckpointError(
                 f"--resume: {where} is {whose}; "
                 f"a checkpoint is loaded with pickle (torch's distributed checkpoints, "
                 f"DeepSpeed's), so only one that you wrote, in folders only you (or your "
-                f"group) can write, is resumed: copy it into a run directory of yours (or "
-                f"set {TRUST_RUN_DIR}=1 where that is false: root on NFS, a FUSE mount)")
+                f"group) can write, is resumed: {fix} (or set {TRUST_RUN_DIR}=1 where "
+                f"that is false: root on NFS, a FUSE mount)")
+
+
+def _own_but_shared(path: Path) -> bool:
+    """`path` is this user's, and only others' write permission makes it refused."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and bool(st.st_mode & stat.S_IWOTH)
 
 
 def _tree(path: Path) -> list[Path]:
@@ -146,7 +161,11 @@ def _unshared(path: Path) -> None:
         st = where.lstat()
         if st.st_uid == os.getuid() and not stat.S_ISLNK(st.st_mode) and \
                 st.st_mode & stat.S_IWOTH:
-            os.chmod(where, stat.S_IMODE(st.st_mode) & ~stat.S_IWOTH)
+            try:
+                os.chmod(where, stat.S_IMODE(st.st_mode) & ~stat.S_IWOTH)
+            except OSError:  # a mount that shows 0777 and refuses a chmod (vfat, exfat,
+                pass  # some FUSE): the save goes on (--resume still refuses it, unless
+                # ASYNCRL_TRUST_RUN_DIR=1)
 
 
 def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
@@ -285,7 +304,8 @@ def positions(flow: DataFlow) -> dict[str, Any]:
 def _as_saved(name: str, state: Any) -> Any:
     """Input `name`'s `state` through JSON; CheckpointError where JSON cannot hold it, or
     would give back another value (int keys as strings, tuples as lists: a source loading
-    {"0": 3} for {0: 3} restarts its shards at 0, silently)."""
+    {"0": 3} for {0: 3} restarts its shards at 0, silently). Not by comparing the value
+    that comes back: NaN (a "best" score not yet set) is unequal to itself."""
     try:
         kept = json.loads(json.dumps(state))
     except (TypeError, ValueError) as e:
@@ -293,13 +313,34 @@ def _as_saved(name: str, state: Any) -> Any:
             f"input {name!r}: its state_dict() cannot go into a checkpoint's meta.json "
             f"({e}); return plain numbers, strings, lists and dicts (a tensor as "
             f".tolist())") from e
-    if kept != state:
+    changed = _changed_by_json(state, "state_dict()")
+    if changed is not None:
         raise CheckpointError(
             f"input {name!r}: its state_dict() comes back from a checkpoint's meta.json "
             f"changed ({_shown(state)} as {_shown(kept)}): JSON keeps dict keys as strings "
-            f"and tuples as lists; return string keys and lists (and convert them back in "
-            f"load_state_dict)")
+            f"and tuples as lists ({changed}); return string keys and lists (and convert "
+            f"them back in load_state_dict)")
     return kept
+
+
+def _changed_by_json(value: Any, where: str) -> str | None:
+    """Where in `value` (JSON-able) JSON would give back something else, and what; None:
+    nowhere."""
+    if isinstance(value, tuple):
+        return f"{where} is a tuple"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where} has the key {key!r}"
+            found = _changed_by_json(item, f"{where}[{key!r}]")
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _changed_by_json(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _shown(value: Any) -> str:
@@ -361,7 +402,7 @@ async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
     handles = [_handle(g) for g in flow.groups]
     try:
         await asyncio.gather(*(h.load_checkpoint(str(path)) for h in handles))
-        set_rng_state(torch.load(path / "controller_rng.pt", weights_only=True))
+        rng = torch.load(path / "controller_rng.pt", weights_only=True)
     except (RemoteError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         # a file damaged or missing, maybe; or a death (a rewind's to recover from), which
         # a rank whose peer died reports before the supervisor declares it
@@ -373,8 +414,17 @@ async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
     start = int(meta["step"]) + 1
     # off the loop: an input without state_dict() is skipped item by item (a DataLoader
     # collating thousands of batches: seconds without heartbeats, and the ranks exit); no
-    # step runs meanwhile
+    # step runs meanwhile. Before the RNG state is set: the skip draws from the global RNG
+    # as the first run did at step 0 (a DataLoader(shuffle=True) seeded by the flow file's
+    # torch.manual_seed draws its shuffle's seed at its first item: with the checkpoint's
+    # state, another order, and the resume was refused)
     await asyncio.to_thread(flow.resume_at, start, meta.get("inputs", {}), rewind)
+    try:  # then as at the checkpoint, for the steps to come
+        set_rng_state(rng)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"loading {path} failed: controller_rng.pt: "
+                              f"{type(e).__name__}: {e}\nif its files are damaged, "
+                              f"{_aside(path)}") from e
     return start
 
 

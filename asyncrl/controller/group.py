@@ -492,7 +492,7 @@ class GroupHandle:
             self, p.call_id, lambda parts: protocol.collect(layout, parts, state),
             p.schemas, p.inline,
             None if encoded is None else lambda raws: encoded(layout, raws, state),
-            protocol.name))
+            "" if protocol.builtin else protocol.name))
 
     def _remote_error(self, rank: int, method: str, error: Failure) -> Exception:
         own = _DATA_PLANE_ERRORS.get(error.type)  # raised by asyncrl itself on the rank

@@ -192,8 +192,9 @@ def _skipped(name: str, it: Iterator[Any], state: dict[str, Any], rewind: bool) 
         f"saved the checkpoint: its order changes from run to run (a set, a shuffle "
         f"without a fixed seed), or its data changed, and skipping {wanted} items "
         f"would repeat some and never give others; pass a list (or shuffle with a "
-        f"fixed seed), or a source with state_dict()/load_state_dict() (a "
-        f"PromptSource)")
+        f"fixed seed: DataLoader(..., shuffle=True, "
+        f"generator=torch.Generator().manual_seed(n))), or a source with "
+        f"state_dict()/load_state_dict() (a PromptSource)")
 
 
 def _restorable(source: Any) -> bool:

@@ -371,14 +371,32 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
 
 async def write_spans(timeline: Timeline, step: int) -> None:
     """The spans of the steps up to `step`, taken out of memory on the loop and written on a
-    thread; kept for the next write where that failed (a full disk), not where it was
-    cancelled: its thread goes on and writes them (put back, they came out twice)."""
+    thread, once whenever a cancel comes: the write is a task of its own, shielded (a cancel
+    while its job still waited for a thread of the busy default pool cancelled the job: the
+    spans were neither written nor put back); put back for the next write only where the
+    write itself failed (a full disk)."""
     events = timeline.take(step)
-    try:
-        await asyncio.to_thread(timeline.write, events)
-    except Exception:
-        timeline.put_back(events)
-        raise
+
+    async def write() -> None:
+        try:
+            await asyncio.to_thread(timeline.write, events)
+        except Exception:
+            timeline.put_back(events)
+            raise
+
+    writing = asyncio.ensure_future(write())
+    _WRITES.add(writing)  # (a task the loop only holds weakly: kept until it ends)
+    writing.add_done_callback(_ended_write)
+    await asyncio.shield(writing)
+
+
+_WRITES: set[asyncio.Future[None]] = set()
+
+
+def _ended_write(writing: asyncio.Future[None]) -> None:
+    _WRITES.discard(writing)
+    if not writing.cancelled():
+        writing.exception()  # (a cancelled caller's: retrieved, not logged as never seen)
 
 
 def resumed_overrides(run_dir: Path) -> dict[str, Any]:

@@ -28,13 +28,28 @@ CONTROLLER_LOG = "controller.log"  # the controller's notices, in RUN_DIR (logs/
 GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 # C0 controls but tab and newline, DEL and C1, written as \x1b...: a rank's escape sequence
 # would be obeyed by the terminal (set its title or clipboard, clear it, move the cursor
-# over other ranks' lines, leave its colours on)
+# over other ranks' lines); colours (SGR: ESC [ digits and semicolons m) only are kept
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0)) if c not in (9, 10)}
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+_RESETS = ("\x1b[m", "\x1b[0m")
 
 
 def visible(text: str) -> str:
-    """`text` with its control characters escaped, as a terminal may show it."""
-    return text.translate(_CONTROLS)
+    """`text` with its control characters escaped, as a terminal may show it, but for its
+    colours (a rank forcing colour: FORCE_COLOR, rich); a line that leaves a colour on is
+    reset at its end (it would colour the next lines, other ranks' too)."""
+    if "\x1b" not in text:
+        return text.translate(_CONTROLS)
+    return "\n".join(_coloured(line) for line in text.split("\n"))
+
+
+def _coloured(line: str) -> str:
+    shown, at, last = [], 0, ""
+    for colour in _COLOUR.finditer(line):
+        shown += [line[at:colour.start()].translate(_CONTROLS), colour.group()]
+        at, last = colour.end(), colour.group()
+    shown.append(line[at:].translate(_CONTROLS))
+    return "".join(shown) + ("\x1b[0m" if last and last not in _RESETS else "")
 
 
 def check_group_name(name: str) -> None:

@@ -37,7 +37,8 @@ class ObjectRef:
                  protocol: str = ""):
         self.group, self.obj_id = group, obj_id
         self._collect = collect
-        self.protocol = protocol  # the name of the protocol whose collect it is
+        self.protocol = protocol  # the name of the user protocol whose collect it is ("":
+        # a built-in one's, which the user cannot change)
         self._collect_encoded = collect_encoded  # the protocol's, when it has one
         self.schemas = schemas  # rank -> what it stores (ranks that returned None: nothing)
         self._inline = inline  # rank -> encoded value, for the parts that came with the Result
@@ -77,7 +78,9 @@ class ObjectRef:
                 parts[rank] = RemoteBatch([Piece(shard, 0, schema.rows)], schema.columns, meta)
         try:
             return self._collect(parts)
-        except Exception as e:  # a collect written for values (its `await` works)
+        except Exception as e:  # a user's collect written for values (its `await` works)
+            if not self.protocol:
+                raise
             e.add_note(f"collect() of protocol {self.protocol!r} got references (RemoteValue/"
                        f"RemoteBatch), not values, when its result was passed as {passed_as}: "
                        f"make it take both, or pass the awaited value instead of the future")

@@ -20,6 +20,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,15 @@ def check_backend(backend: Any) -> None:
         raise ValueError(f"backend is one of {BACKENDS}, got {backend!r}")
 
 
+def schedule_moved(backend: Any) -> Callable[[], bool]:
+    """Whether the backend's optimizer has stepped since this call (its schedule steps with
+    it), whatever returned or raised: ZeRO steps inside the last backward, so a train step
+    failing after it (the statistics' all_reduce, the grad norm) leaves the weights moved, a
+    new version (Policy, Actor and Critic count so)."""
+    steps = backend.sched.last_epoch
+    return lambda: bool(backend.sched.last_epoch != steps)
+
+
 def make_backend(worker: Worker, backend: str, model_cfg: ModelConfig, train_cfg: TrainConfig,
                  head: str = "lm") -> Any:
     """The training backend named in a role's config: "fsdp2", "zero2" or "zero3"."""
@@ -306,13 +316,11 @@ class Policy(Worker):
     def train_step(self, batch: TensorBatch) -> dict:
         self.to_train()
         self.before_weights_change()
-        steps = self.backend.sched.last_epoch  # (the schedule steps with the optimizer)
+        moved = schedule_moved(self.backend)
         try:
             out = self.backend.train_step(batch)
         except BaseException:
-            # ZeRO steps inside the last backward: a failure after it (the statistics'
-            # all_reduce) leaves the weights moved, a new version (as the Actor counts)
-            if self.backend.sched.last_epoch != steps:
+            if moved():  # (ZeRO: a failure after the step inside the last backward)
                 self.version += 1
             raise
         self.version += 1

@@ -15,8 +15,9 @@ top_p < 1 is refused), token ids in and out
 (no tokenizer, no detokenizing), stops on `stop_token_ids` only (`ignore_eos`). Weights
 loaded while asleep first wake vLLM's weight memory (loading into slept memory is an illegal
 access, and waking after it would restore the old weights over the new); a load that fails
-midway (vLLM copies tensor by tensor) leaves generation refused until a whole one goes
-through. Not supported:
+midway (vLLM copies tensor by tensor) leaves generation and checkpoints (state_dict)
+refused until the loads since have filled every parameter vLLM holds (its model reports
+those it fills) or a whole state went in (load_state_dict). Not supported:
 tensor parallelism (every rank of a TP group would need the same prompts, and the DP
 dispatch gives each its own), and swapping weights in the middle of a generation (the
 Sampler's interruptible rollouts): a load waits for the generation in flight to end; quantized,
@@ -61,8 +62,12 @@ class WeightLoader:
 
     model_runner: Any
     _asyncrl_loaded: set[str] | None = None  # the names filled since asyncrl last asked
+    _asyncrl_since: set[str] | None = None  # filled since a load asked to recount (None: a
+    # load since that the model did not report)
 
-    def asyncrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+    def asyncrl_load_weights(self, weights: list[tuple[str, torch.Tensor]],
+                             recount: bool = False) -> int:
+        """`recount`: count the parameters filled from this load on (asyncrl_unfilled)."""
         # (the config check's backstop: a MoE its keys did not reveal)
         fused = _fused_moe(self.model_runner.model)
         if fused:
@@ -71,10 +76,24 @@ class WeightLoader:
                              f"kernel's layout after its first load, and load_weights would "
                              f"write the checkpoint's layout over them (garbage rollouts); "
                              f"use the built-in engine (engine='builtin') or a dense model")
+        if recount:
+            self._asyncrl_since = set()
         loaded = self.model_runner.model.load_weights(weights=weights)
         if isinstance(loaded, set):  # vLLM's models report the parameters they filled
             self._asyncrl_loaded = (self._asyncrl_loaded or set()) | loaded
+            if self._asyncrl_since is not None:
+                self._asyncrl_since |= loaded
+        else:
+            self._asyncrl_since = None
         return len(weights)
+
+    def asyncrl_unfilled(self) -> list[str] | None:
+        """vLLM's parameters no load filled since the last one given `recount` (None: the
+        model does not report what it loaded)."""
+        if self._asyncrl_since is None:
+            return None
+        return sorted(n for n, _ in self.model_runner.model.named_parameters()
+                      if n not in self._asyncrl_since)
 
     def asyncrl_not_loaded(self) -> list[str] | None:
         """vLLM's parameters no load has filled since the last call (None: the model does
@@ -177,6 +196,12 @@ class VLLMEngine:
         self._unusable: BaseException | None = None  # set: vLLM cannot be slept or woken
         self._stale_prefixes = False  # a load's prefix cache reset failed: not generating
         self._torn: str | None = None  # the load that failed midway: vLLM holds part of it
+        # while torn: the names the failed loads were given, those given since (by every
+        # load that went through), whether vLLM counts what it fills since, and what not
+        self._torn_names: set[str] = set()
+        self._since_names: set[str] = set()
+        self._counting = False
+        self._unfilled: list[str] | None = None
 
     @property
     def max_model_len(self) -> int | None:
@@ -258,8 +283,11 @@ class VLLMEngine:
             return self.llm.collective_rpc("asyncrl_not_loaded")[0] or []
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights held, by vLLM's own names (a checkpoint of a rollout)."""
+        """The weights held, by vLLM's own names (a checkpoint of a rollout); refused while
+        a load that failed midway has left them torn."""
         with self._busy:
+            self._check_whole("save its weights (a checkpoint would keep the torn model, "
+                              f"under version {self.version})")
             self._wake_weights()
             return dict(self.llm.collective_rpc("asyncrl_state")[0])
 
@@ -268,25 +296,47 @@ class VLLMEngine:
         self._rpc("asyncrl_set_state", state, version)
 
     def _rpc(self, method: str, weights: Any, version: int | None) -> int:
+        whole = method == "asyncrl_set_state"  # (every parameter: else a KeyError first)
+        names = set(weights) if whole else {n for n, _ in weights}
         with self._busy:
             self._check_usable()
             self._wake_weights()
             # vLLM copies tensor by tensor: one failing (a name it does not know, a shape, a
             # CUDA error) leaves those before it new, under the old version and old prefixes
-            self._torn, self._stale_prefixes = method, True
-            counts = self.llm.collective_rpc(method, args=(weights,))
-            self._torn = None
+            args = (weights,) if whole else (weights, self._torn is not None and not
+                                             self._counting)
+            self._stale_prefixes = True
+            try:
+                counts = self.llm.collective_rpc(method, args=args)
+            except BaseException:
+                self._torn_names = names | (self._torn_names if self._torn else set())
+                self._torn, self._counting, self._since_names = method, False, set()
+                raise
+            mended = whole
+            if self._torn is not None and not whole:  # torn until the loads since cover
+                self._counting, self._since_names = True, self._since_names | names
+                self._unfilled = self.llm.collective_rpc("asyncrl_unfilled")[0]
+                mended = self._since_names >= self._torn_names if self._unfilled is None \
+                    else not self._unfilled  # (None: vLLM's model does not report)
+            if mended:
+                self._torn, self._unfilled = None, None
             if version is not None:  # (the weights held now, whatever the reset does)
                 self.version = version
             self._reset_prefix_cache()
         return int(counts[0])
 
-    def _check_whole(self) -> None:
+    def _check_whole(self, action: str = "generate") -> None:
+        """Refused while a load that failed midway (vLLM copies tensor by tensor) has left
+        part of its weights beside the old ones: until the loads since have filled every
+        parameter (vLLM's model reports those it fills), or a whole state went in."""
         if self._torn is not None:
-            raise RuntimeError(f"the vLLM engine refuses to generate: the last weight load "
+            since = "" if not self._unfilled else (
+                f"; the loads since left {len(self._unfilled)} of vLLM's parameters unloaded "
+                f"({', '.join(self._unfilled[:3])})")
+            raise RuntimeError(f"the vLLM engine refuses to {action}: a weight load "
                                f"({self._torn}) failed midway, and vLLM holds part of the new "
-                               f"weights beside the old ones; load the whole weights again "
-                               f"(Rollout.load_weights, load_state)")
+                               f"weights beside the old ones{since}; load the whole weights "
+                               f"again (Rollout.load_weights, load_state)")
 
     def _reset_prefix_cache(self) -> None:
         """vLLM's reset_prefix_cache() returns False when it could not (requests holding

@@ -26,7 +26,7 @@ import torch
 from asyncrl.actors.register import register
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES
-from asyncrl.hybrid.roles import Policy, check_policy_arguments
+from asyncrl.hybrid.roles import Policy, check_policy_arguments, schedule_moved
 from asyncrl.hybrid.settings import from_dict, own_arguments
 from asyncrl.rl.algorithms import aggregate, kl_penalty, masked_mean, ppo_policy_loss
 from asyncrl.rl.batch import (
@@ -156,20 +156,18 @@ class Actor(Policy):
             ["ref_logprobs"] if "ref_logprobs" in batch else [])).union(
             TensorBatch({"advantages": adv}))
         waited = self.before_weights_change()  # the last sync may still be pulled
-        stepped = [0]
-
+        moved = schedule_moved(self.backend)  # (not counted by steps returned: ZeRO steps
+        # inside the last backward, and what follows it in train_step may raise)
         entropy = entropy_mode(self.rl)
 
         def step(mini: TensorBatch) -> dict[str, float]:
-            out = self.backend.train_step(mini, policy_loss(self.rl, in_pass), entropy=entropy)
-            stepped[0] += 1
-            return out
+            return self.backend.train_step(mini, policy_loss(self.rl, in_pass), entropy=entropy)
         try:
             runs, skipped = trained_steps(
                 (count_globally(mini, group) for _ in range(self.rl.epochs)
                  for mini in mini_batches(train, self.rl, group)), step)
         finally:  # the weights moved (a later mini-batch may have failed): a new version;
-            if stepped[0]:  # else the policy is the one that generated (its version too)
+            if moved():  # else the policy is the one that generated (its version too)
                 self.version += 1
         if not runs and self.rank == 0:
             log.warning("asyncrl: actor update skipped: no token to train on%s", (

@@ -31,7 +31,7 @@ from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fsdp import TrainConfig
 from asyncrl.hybrid.models import ModelConfig
-from asyncrl.hybrid.roles import check_backend, make_backend
+from asyncrl.hybrid.roles import check_backend, make_backend, schedule_moved
 from asyncrl.hybrid.settings import from_dict, own_arguments
 from asyncrl.rl.actor import mean_stats
 from asyncrl.rl.algorithms import masked_mean
@@ -126,21 +126,19 @@ class Critic(Worker):
                 "critic/dropped": dropped, "critic/skipped_steps": float(skipped)}
 
     def _train(self, train: TensorBatch) -> tuple[list[dict[str, float]], int]:
-        """A step per mini-batch with tokens (`trained_steps`), and a new version where any
-        stepped, as the actor counts: none where every row was dropped, one where a later
-        mini-batch failed after an earlier step had moved the weights."""
-        stepped = [0]
+        """A step per mini-batch with tokens (`trained_steps`), and a new version where the
+        optimizer stepped (its schedule moved), as the actor counts: none where every row was
+        dropped, one where a step or a later mini-batch failed after the weights moved."""
+        moved = schedule_moved(self.backend)
 
         def step(mini: TensorBatch) -> dict[str, float]:
-            out = self.backend.train_step(mini, value_loss(self.rl))
-            stepped[0] += 1
-            return out
+            return self.backend.train_step(mini, value_loss(self.rl))
         try:
             return trained_steps(
                 (count_globally(mini, self.backend.stats_group) for _ in range(self.rl.epochs)
                  for mini in mini_batches(train, self.rl, self.backend.stats_group)), step)
         finally:
-            if stepped[0]:
+            if moved():  # (the schedule's steps: ZeRO steps inside the last backward)
                 self.version += 1
 
     def save_state(self, folder: Path) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from asyncrl.hybrid.user_fn import load_tokenizer  # noqa: F401 - flow files import it here
 
 
@@ -42,9 +44,10 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def plain(value: Any) -> Any:
-    """`value` as the codec sends it: arrays (numpy's object arrays of pandas' read_parquet
-    records: chats, list<string> columns) and tuples as lists, numpy and torch scalars as
-    Python's, all the way down through dicts and lists; anything else as it is."""
+    """`value` as the codec sends it: numpy's object arrays (pandas' read_parquet records:
+    chats, list<string> columns) and tuples as lists, numpy scalars as Python's, all the
+    way down through dicts and lists; anything else (a numeric array, a tensor: sent as
+    they are, and far smaller than lists) as it is."""
     if type(value) in _SCALARS:  # (numpy's float64 is a float: tolist makes it Python's)
         return value
     if isinstance(value, dict):  # (scalars inline: a million records' build time doubled)
@@ -53,8 +56,10 @@ def plain(value: Any) -> Any:
         return value  # the common case, token ids: no copy
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
-    if hasattr(value, "tolist"):
-        return plain(value.tolist())
+    if isinstance(value, np.ndarray):
+        return plain(value.tolist()) if value.dtype.hasobject else value
+    if isinstance(value, np.generic):
+        return value.item()
     return value
 
 
