@@ -24,7 +24,7 @@ import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,7 @@ class RecoveryEvent:
     resumed_at: int | None  # the first step run again ("rewind" only)
     cause: str
     seconds: float  # from noticing the failure until the flow could go on
+    hung: list[str] = field(default_factory=list)  # live groups respawned as hung ("rewind")
 
 
 RESTARTS_FILE = "restarts.json"  # beside recoveries.jsonl: each group's restarts so far
@@ -105,6 +106,23 @@ class Recovery:
     def _left(self, spec: GroupSpec) -> bool:
         return self.restarts[spec.name] < spec.max_restarts
 
+    def _restartable(self, spec: GroupSpec) -> bool:
+        """Whether `spec` may come back: a restart left, or its current death already counted
+        (a respawn of it is under way: its backoff, its spawn)."""
+        return self._left(spec) or (spec.handle is not None
+                                    and self._counted.get(spec.name) is spec.handle)
+
+    def _spent(self, exc: BaseException, groups: list[GroupSpec]) -> None:
+        """Note on `exc` (and say) each of `groups` whose restart budget stops a recovery."""
+        for spec in groups:
+            if self._restartable(spec):
+                continue
+            note = (f"not recovered: group {spec.name!r} used its {self.restarts[spec.name]} "
+                    f"restart(s) (max_restarts={spec.max_restarts})")
+            if note not in getattr(exc, "__notes__", ()):
+                exc.add_note(note)
+                say(self.flow._ctl, f"[asyncrl] {note}")
+
     def rerunnable(self, exc: BaseException, called: set[str]) -> GroupSpec | None:
         """The stateless group whose death `exc` reports, if the node called it (a death it
         only awaited, an upstream node's, a re-run would meet again), it may restart, and the
@@ -112,7 +130,8 @@ class Recovery:
         if not isinstance(exc, GroupDeadError) or exc.group not in called:
             return None
         spec = self._spec(exc.group)
-        if spec is None or spec.stateful or not self._left(spec) or self._stateful(called):
+        if spec is None or spec.stateful or not self._restartable(spec) or \
+                self._stateful(called):
             return None
         return spec
 
@@ -150,6 +169,10 @@ class Recovery:
                     return True
                 except (SpawnError, RemoteError) as e:  # (RemoteError: its __init__ raised,
                     cause, count = e, True  # an OOM beside a colocated group, a file hiccup)
+                except asyncio.CancelledError:  # the spawn failed meanwhile: its failure is a
+                    if spec.handle is old:  # restart the next respawn counts
+                        self._counted.pop(spec.name, None)
+                    raise
 
     async def _spawn_into(self, spec: GroupSpec) -> None:
         spec.handle = await self.flow._spawn(spec)
@@ -180,6 +203,8 @@ class Recovery:
         """One restart of `spec` against its budget (for its `dead` handle), after its
         backoff."""
         if not self._left(spec):
+            self._counted.pop(spec.name, None)  # a respawn after this one counts (and fails)
+            self._spent(cause, [spec])
             raise cause
         self.restarts[spec.name] += 1
         self._counted[spec.name] = dead
@@ -286,8 +311,8 @@ class Recovery:
         whose peer died fails the call before the death is declared. `exc`, the failure, is
         marked when no death showed: a rewind after it does not wait again."""
         spec = self._spec(label.rpartition(".")[0])  # group names may hold dots
-        if spec is None or spec.name not in called or spec.stateful or not self._left(spec) \
-                or self._stateful(called):
+        if spec is None or spec.name not in called or spec.stateful or \
+                not self._restartable(spec) or self._stateful(called):
             return None
         dead = await self.dead_groups()
         if not dead:
@@ -309,11 +334,14 @@ class Recovery:
         # a user code's error a node's call already waited for a death behind: reported now
         waited = any(getattr(e, _NO_DEATH, False) for e in _chain(exc))
         dead = await self.dead_groups(wait=not (repaired or waited))
-        if not (dead or repaired) or not all(self._left(g) for g in dead):
+        if not (dead or repaired) or not all(self._restartable(g) for g in dead):
+            self._spent(exc, dead)
             return False
         fresh = restore is None
-        if fresh and (flow._origin[0] != 0):
-            return False  # no checkpoint to go back to, and the groups are not at step 0
+        if fresh and (flow._origin[0] != 0):  # no checkpoint to go back to, and the groups
+            exc.add_note(f"not recovered: no checkpoint to go back to, and this run started "
+                         f"at step {flow._origin[0]}, not 0")  # are not at step 0
+            return False
         flow.feed.check_rereadable()  # before any group is touched
         await flow._abandon()
         # a call pulling from a dead rank ends when its rank hears of the death (at worst
@@ -326,6 +354,8 @@ class Recovery:
         for spec in dead:
             await self.respawn(spec, exc)
         for spec in stuck:
+            say(ctl, f"[asyncrl] group {spec.name!r} still busy after the calls ended (hung): "
+                     f"respawning it (not counted)")
             await self.respawn(spec, exc, count=False)
         flow._reset_sources()
         loaded = await self.restored(restore, dead) if restore is not None else False
@@ -340,7 +370,8 @@ class Recovery:
             set_rng_state(flow._origin_rng)  # nodes that draw random numbers draw them again
             flow.resume_at(*flow._origin, rewind=True)
         resumed = flow.next_step
-        self._record("rewind", [g.name for g in dead], step, None, resumed, exc, started)
+        self._record("rewind", [g.name for g in dead], step, None, resumed, exc, started,
+                     [g.name for g in stuck])
         say(flow._ctl, f"[asyncrl] rewound to step {resumed} after: {_first_line(exc)}")
         return True
 
@@ -354,7 +385,8 @@ class Recovery:
                 return await restore()
             except Exception as again:  # noqa: BLE001 - a death: respawned; else it stands
                 died = await self.dead_groups(wait=False)  # (restore waited for it to show)
-                if not died or not all(self._left(g) for g in died):
+                if not died or not all(self._restartable(g) for g in died):
+                    self._spent(again, died)
                     raise
                 for spec in died:
                     await self.respawn(spec, again)
@@ -411,10 +443,11 @@ class Recovery:
             await asyncio.sleep(0.02)
 
     def _record(self, kind: str, groups: list[str], step: int, node: str | None,
-                resumed: int | None, cause: BaseException, started: float) -> None:
+                resumed: int | None, cause: BaseException, started: float,
+                hung: list[str] | None = None) -> None:
         event = RecoveryEvent(kind, groups, step, node, resumed,
-                          f"{type(cause).__name__}: {_first_line(cause)}",
-                          round(time.monotonic() - started, 3))
+                              f"{type(cause).__name__}: {_first_line(cause)}",
+                              round(time.monotonic() - started, 3), hung or [])
         self.events.append(event)
         if self.log_path is not None:  # one write of a whole line: a reader sees it whole
             append_line(self.log_path, json.dumps(asdict(event)))

@@ -1,0 +1,169 @@
+"""The restart budget as Recovery spends it, on stand-ins for the flow and the controller
+(as at the end of tests/test_recovery.py): a death being respawned is not a spent budget,
+a spent budget says so, a failed spawn counts even when its respawn was cancelled, a hung
+group respawned by a rewind is named."""
+
+import asyncio
+import types
+
+from helpers import poll_until
+
+from asyncrl.controller.recovery import Recovery
+from asyncrl.controller.timeline import called_groups
+from asyncrl.errors import GroupDeadError, SpawnError
+
+
+def _group(name, max_restarts, stateful=False, dead=True):
+    """A group as Recovery sees it (its handle dead, or alive), and its death."""
+    death = GroupDeadError(name, 0, -9, "killed")
+    handle = types.SimpleNamespace(dead=death if dead else None, closing=False, busy=False)
+    return types.SimpleNamespace(name=name, stateful=stateful, max_restarts=max_restarts,
+                                 restart_backoff=0.0, handle=handle), death
+
+
+def _flow(groups, spawns, spawn=None):
+    """A flow as Recovery sees it: its groups, a controller that closes, a spawn, and what a
+    rewind touches."""
+
+    class Ctl:
+        heartbeat_timeout, heartbeat_interval, transfer_timeout = 0.2, 0.05, 0.1
+
+        async def close_group(self, handle):
+            handle.closing = True
+
+    async def spawned(spec):
+        spawns.append(spec.name)
+        return types.SimpleNamespace(dead=None, closing=False, busy=False)
+
+    async def abandon():
+        pass
+
+    return types.SimpleNamespace(
+        groups=groups, _ctl=Ctl(), _spawn=spawn or spawned, _watchers=set(), _steps={},
+        feed=types.SimpleNamespace(check_rereadable=lambda: None), _abandon=abandon,
+        _reset_sources=lambda: None, _origin=(0, {}), next_step=3)
+
+
+async def _restore():
+    return True
+
+
+def test_a_node_calling_a_group_in_its_respawns_backoff_reruns_on_its_last_restart():
+    """reward (max_restarts=1) died; node A's re-run counted its one restart and slept the
+    backoff; node B, calling reward meanwhile, met the death and found no restart left: it
+    raised and failed the step, though the respawn under way then succeeded."""
+    async def main():
+        spawns: list[str] = []
+        spec, _ = _group("reward", max_restarts=1)
+        spec.restart_backoff = 0.3
+        recovery = Recovery(_flow([spec], spawns))
+
+        def node(runs):
+            def call():
+                runs.append(1)
+                called_groups.get().add("reward")
+                if spec.handle.dead is not None:
+                    raise spec.handle.dead
+                return "scored"
+            return call
+
+        a_runs: list[int] = []
+        b_runs: list[int] = []
+        a = asyncio.ensure_future(recovery.call("a", 0, node(a_runs)))
+        await poll_until(lambda: recovery.restarts["reward"] == 1, 10, "A's restart")
+        b = await asyncio.wait_for(recovery.call("b", 0, node(b_runs)), 10)
+        return await a, b, len(a_runs), len(b_runs), spawns, recovery.restarts
+    a, b, a_runs, b_runs, spawns, restarts = asyncio.run(main())
+    assert (a, b, a_runs, b_runs) == ("scored", "scored", 2, 2)
+    assert spawns == ["reward"] and restarts == {"reward": 1}
+
+
+def test_a_rewind_while_a_groups_last_restart_is_under_way_goes_back():
+    """reward's last restart was in its backoff (a re-run cancelled there by the rewind) when
+    the actor (3 restarts left) died: the rewind found reward with none left and gave up."""
+    async def main():
+        spawns: list[str] = []
+        reward, reward_death = _group("reward", max_restarts=1)
+        actor, actor_death = _group("actor", max_restarts=3, stateful=True)
+        reward.restart_backoff = 60.0
+        recovery = Recovery(_flow([actor, reward], spawns))
+        rerun = asyncio.ensure_future(recovery.respawn(reward, reward_death))
+        await poll_until(lambda: recovery.restarts["reward"] == 1, 10, "reward's restart")
+        rerun.cancel()  # the rewind's _abandon
+        rewound = await asyncio.wait_for(recovery.rewind(actor_death, 2, _restore), 10)
+        return rewound, sorted(spawns), recovery.restarts, actor_death
+    rewound, spawns, restarts, death = asyncio.run(main())
+    assert rewound is True and spawns == ["actor", "reward"]
+    assert restarts == {"actor": 1, "reward": 1}
+    assert not getattr(death, "__notes__", [])
+
+
+def test_a_spent_budget_is_named_in_the_failure_it_leaves():
+    """A run failing because reward's budget was spent reported the actor's death, with
+    nothing about reward; a respawn past the budget raised the bare death."""
+    async def main():
+        spawns: list[str] = []
+        reward, reward_death = _group("reward", max_restarts=1)
+        actor, actor_death = _group("actor", max_restarts=3, stateful=True)
+        recovery = Recovery(_flow([actor, reward], spawns))
+        recovery.restarts["reward"] = 1  # spent on an earlier death
+        rewound = await asyncio.wait_for(recovery.rewind(actor_death, 2, _restore), 10)
+        try:
+            await recovery.respawn(reward, reward_death)
+            raised = None
+        except GroupDeadError as e:
+            raised = e
+        return rewound, actor_death, raised, reward_death, spawns
+    rewound, actor_death, raised, reward_death, spawns = asyncio.run(main())
+    assert rewound is False and raised is reward_death and spawns == []
+    note = "not recovered: group 'reward' used its 1 restart(s) (max_restarts=1)"
+    assert actor_death.__notes__ == [note]
+    assert reward_death.__notes__ == [note]
+
+
+def test_a_spawn_that_fails_while_its_respawn_is_cancelled_counts_a_restart():
+    """A re-run's respawn, cancelled by a rewind during its spawn, waited for the spawn, which
+    failed; the rewind's respawn, finding the death counted, spawned without counting: the
+    failed start-up was not counted as another restart."""
+    async def main():
+        spawns: list[str] = []
+        spawning, release = asyncio.Event(), asyncio.Event()
+
+        async def spawn(spec):
+            spawns.append(spec.name)
+            if len(spawns) == 1:
+                spawning.set()
+                await release.wait()
+                raise SpawnError("rank 0 never said hello")
+            return types.SimpleNamespace(dead=None, closing=False, busy=False)
+
+        spec, dead = _group("reward", max_restarts=3)
+        recovery = Recovery(_flow([spec], spawns, spawn))
+        rerun = asyncio.ensure_future(recovery.respawn(spec, dead))
+        await spawning.wait()
+        rerun.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        cancelled = await asyncio.gather(rerun, return_exceptions=True)
+        respawned = await asyncio.wait_for(recovery.respawn(spec, dead), 10)
+        return cancelled, respawned, spawns, recovery.restarts
+    [cancelled], respawned, spawns, restarts = asyncio.run(main())
+    assert isinstance(cancelled, asyncio.CancelledError) and respawned is True
+    assert spawns == ["reward", "reward"] and restarts == {"reward": 2}
+
+
+def test_a_hung_group_a_rewind_respawns_is_named_in_its_event():
+    """A live group still busy when the rewind's calls had ended was respawned, uncounted,
+    without a word: the rewind's event named only the dead."""
+    async def main():
+        spawns: list[str] = []
+        actor, death = _group("actor", max_restarts=3, stateful=True)
+        ref, _ = _group("ref", max_restarts=3, dead=False)
+        ref.handle.busy = True  # hung in a call
+        recovery = Recovery(_flow([actor, ref], spawns))
+        rewound = await asyncio.wait_for(recovery.rewind(death, 2, _restore), 10)
+        return rewound, recovery.events, recovery.restarts, sorted(spawns)
+    rewound, [event], restarts, spawns = asyncio.run(main())
+    assert rewound is True and spawns == ["actor", "ref"]
+    assert (event.kind, event.groups, event.hung) == ("rewind", ["actor"], ["ref"])
+    assert restarts == {"actor": 1, "ref": 0}
