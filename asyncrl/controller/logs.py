@@ -324,19 +324,28 @@ def replace_file(path: Path, write: Callable[[IO[bytes]], object]) -> None:
 
 def append_line(path: Path, line: str) -> None:
     """Append `line` to a JSON-lines file (metrics.jsonl, recoveries.jsonl; the controller
-    its one writer) whole or not at all: a write cut short (a nearly full disk) is taken
-    back, or the next row would go on at the end of the half one, on its line. One write to
-    an O_APPEND descriptor, as a rule: a reader polling the file does not see half of it."""
-    data = (line + "\n").encode()
+    its one writer) whole or not at all (`append_whole`). One write to an O_APPEND
+    descriptor, as a rule: a reader polling the file does not see half of it."""
+    append_whole(path, (line + "\n").encode())
+
+
+def append_whole(path: Path, data: bytes, sync: bool = False) -> int:
+    """Append `data` to `path` (on disk when this returns, with `sync`); the file's new
+    size. A write cut short (a nearly full disk) is taken back: the next line would go on
+    at the end of the half one, on its line."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
         try:
-            while data:
-                data = data[os.write(fd, data):]
+            view = memoryview(data)
+            while view:  # (a write may take only part)
+                view = view[os.write(fd, view):]
+            if sync:
+                os.fsync(fd)
         except BaseException:
             with contextlib.suppress(OSError):  # (the write's error is the one to see)
                 os.ftruncate(fd, size)
             raise
+        return os.fstat(fd).st_size
     finally:
         os.close(fd)

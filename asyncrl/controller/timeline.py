@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextvars
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from asyncrl.controller.logs import replace_file
+from asyncrl.controller.logs import append_whole, replace_file
 
 CONTROLLER_ROW = "controller"
 SPANS_FILE, TRACE_FILE = "timeline.jsonl", "timeline.json"  # in the run directory
@@ -221,21 +220,9 @@ def _parse(line: bytes) -> dict[str, Any] | None:
 
 
 def _append(path: Path, data: bytes) -> int:
-    """Append `data` to `path`, on disk when this returns; the file's new size. A write that
-    fails (a full disk) is undone: no line cut short among whole ones."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    before = os.fstat(fd).st_size
-    try:
-        view = memoryview(data)
-        while view:  # (a write may take only part)
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-        return os.fstat(fd).st_size
-    except BaseException:
-        os.ftruncate(fd, before)
-        raise
-    finally:
-        os.close(fd)
+    """Append `data` to `path`, on disk when this returns; the file's new size; a write that
+    fails is undone (`append_whole`)."""
+    return append_whole(path, data, sync=True)
 
 
 def _keeps(line: bytes, upto: int) -> bool:
