@@ -213,15 +213,22 @@ def _check_distinct_seeds(seeds: torch.Tensor, group_size: int) -> None:
     """Equal seeds draw equal numbers: the samples are identical, their rewards equal and
     their advantages all 0, so the group trains nothing (a source of repeat=1 whose batch
     was copied with batch.repeat(k), seeds and all)."""
-    ordered = seeds.view(-1, group_size).sort(1).values
-    shared = (ordered[:, 1:] == ordered[:, :-1]).any(1).nonzero()
-    if len(shared):
-        first = int(shared[0]) * group_size
+    group = shared_seed_group(seeds, group_size)
+    if group is not None:
+        first = group * group_size
         raise ValueError(f"GRPO: samples {first}..{first + group_size - 1} of the batch "
-                         f"(group {int(shared[0])}): samples of one group share a sampling "
+                         f"(group {group}): samples of one group share a sampling "
                          f"seed: they are identical (advantages all 0, nothing learned); use "
                          f"PromptSource(repeat=group_size), not batch.repeat(k), which "
                          f"copies the seeds too")
+
+
+def shared_seed_group(seeds: torch.Tensor, group_size: int) -> int | None:
+    """The first group (`group_size` consecutive samples, of `sampling_seeds`' seeds) two of
+    whose samples share a seed; None when none does."""
+    ordered = seeds.view(-1, group_size).sort(1).values
+    shared = (ordered[:, 1:] == ordered[:, :-1]).any(1).nonzero()
+    return int(shared[0]) if len(shared) else None
 
 
 def _check_one_prompt(prompts: torch.Tensor, group_size: int) -> None:

@@ -29,7 +29,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.errors import AsyncRLError, InputsExhausted
 from asyncrl.futures.future import DistFuture, concat
 from asyncrl.hybrid.sampler import PROMPT_WIDTH
-from asyncrl.rl.batch import SAMPLES_PER_PROMPT
+from asyncrl.rl.batch import SAMPLES_PER_PROMPT, sampling_seeds, shared_seed_group
 
 log = logging.getLogger("asyncrl")
 WARN_EVERY = 10  # prompt batches between warnings of a step with no max_rounds
@@ -90,15 +90,14 @@ def _check_one_prompt(batch: TensorBatch, group_size: int) -> None:
 def _check_distinct_seeds(batch: TensorBatch, group_size: int) -> None:
     """A group's samples each need their own seed: equal seeds draw the same numbers, so the
     samples come out identical, score alike, and no round ever keeps their group."""
-    seeds = [int(s) for s in batch["seed"]]
-    for start in range(0, len(seeds), group_size):
-        block = seeds[start:start + group_size]
-        if len(set(block)) < len(block):
-            raise ValueError(f"dynamic sampling: rows {start}..{start + group_size - 1} are "
-                             f"one group, but samples of one group share a sampling seed: "
-                             f"they will be identical; use PromptSource(repeat=group_size) "
-                             f"(repeat={group_size}), not batch.repeat(k), which copies the "
-                             f"seeds too")
+    group = shared_seed_group(sampling_seeds(batch)[:, 0], group_size)
+    if group is not None:
+        start = group * group_size
+        raise ValueError(f"dynamic sampling: rows {start}..{start + group_size - 1} are "
+                         f"one group, but samples of one group share a sampling seed: "
+                         f"they will be identical; use PromptSource(repeat=group_size) "
+                         f"(repeat={group_size}), not batch.repeat(k), which copies the "
+                         f"seeds too")
 
 
 async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBatch | None],
