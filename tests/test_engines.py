@@ -436,17 +436,24 @@ def test_a_model_that_returns_no_kv_cache_is_refused_saying_so():
         Sampler(NoCache()).generate([[1, 2, 3]], seeds=[0])
 
 
-def test_weights_adopted_are_all_taken_or_none():
-    """A copy failing half-way (out of memory converting a pack's dtype) left the weights
-    before it new and the rest old, under the old version: a torn model generated on."""
+@pytest.mark.parametrize("method, error, match", [
+    ("adopt_weights", NotImplementedError, None),  # (a meta tensor cannot be copied to CPU)
+    ("load_weights", TypeError, "cannot be copied in: a meta tensor")])
+def test_weights_adopted_or_loaded_are_all_taken_or_none(method, error, match):
+    """A copy failing half-way (out of memory converting a pack's dtype, a meta tensor) left
+    the weights before it new and the rest old, under the old version: a torn model
+    generated on. adopt_weights converts every value first; load_weights (a Rollout's dict
+    of weights, its checkpoint) checks every value first, then copies one at a time
+    (converting all first held a second model on the GPU at a resume)."""
     sampler = Sampler(build_model(ModelConfig()))
+    take = getattr(sampler, method)
     (a, first), (b, second) = list(sampler.model.named_parameters())[:2]
     before = first.detach().clone()
-    with pytest.raises(NotImplementedError):  # a meta tensor cannot be copied to the CPU
-        sampler.adopt_weights([(a, torch.ones_like(first)),
-                               (b, torch.empty(second.shape, device="meta"))], version=5)
+    with pytest.raises(error, match=match):
+        take([(a, torch.ones_like(first)), (b, torch.empty(second.shape, device="meta"))],
+             version=5)
     assert torch.equal(sampler.model.get_parameter(a), before) and sampler.version == 0
-    sampler.adopt_weights([(a, torch.ones_like(first, dtype=torch.bfloat16))], version=6)
+    take([(a, torch.ones_like(first, dtype=torch.bfloat16))], version=6)
     assert sampler.model.get_parameter(a).dtype == torch.float32 and sampler.version == 6
     assert torch.equal(sampler.model.get_parameter(a), torch.ones_like(first))
 

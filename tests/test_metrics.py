@@ -387,9 +387,19 @@ def test_spans_a_failed_write_took_are_written_by_the_next(tmp_path, monkeypatch
     tl.add(Event("policy", "train", 1, 1.6, 1.9))
     monkeypatch.setattr(timeline_module, "_append", real)
     tl.write(tl.take(1))
-    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
-    assert sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X") == [
-        (0, "rollout"), (1, "train")]
+    assert written_spans(tmp_path) == [(0, "rollout"), (1, "train")]
+
+
+async def last_write(tl: Timeline) -> None:
+    """A step's span added, then the run's last write, as launch's end does."""
+    tl.add(Event("policy", "train", 1, 1.6, 1.9))
+    await asyncio.to_thread(tl.write, tl.take())
+
+
+def written_spans(run_dir) -> list[tuple[int, str]]:
+    """(step, name) of every span in the run's timeline.json."""
+    trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    return sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X")
 
 
 def test_spans_whose_write_was_cancelled_are_written_once(tmp_path, monkeypatch):
@@ -414,13 +424,9 @@ def test_spans_whose_write_was_cancelled_are_written_once(tmp_path, monkeypatch)
         with pytest.raises(asyncio.CancelledError):
             await writing
         go.set()
-        tl.add(Event("policy", "train", 1, 1.6, 1.9))
-        await asyncio.to_thread(tl.write, tl.take())  # the run's last write (after the
-        # thread's: the timeline's lock)
+        await last_write(tl)  # (after the thread's: the timeline's lock)
     asyncio.run(main())
-    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
-    assert sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X") == [
-        (0, "rollout"), (1, "train")]
+    assert written_spans(tmp_path) == [(0, "rollout"), (1, "train")]
 
 
 def test_spans_whose_write_waited_for_a_busy_thread_pool_when_cancelled_are_written_once(
@@ -452,13 +458,9 @@ def test_spans_whose_write_waited_for_a_busy_thread_pool_when_cancelled_are_writ
             await writing
         go.set()
         await busy
-        tl.add(Event("policy", "train", 1, 1.6, 1.9))
-        await asyncio.to_thread(tl.write, tl.take())  # the run's last write (after the
-        # first's: one thread, in order)
+        await last_write(tl)  # (after the first's: one thread, in order)
     asyncio.run(main())
-    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
-    assert sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X") == [
-        (0, "rollout"), (1, "train")]
+    assert written_spans(tmp_path) == [(0, "rollout"), (1, "train")]
 
 
 def test_a_short_metrics_write_leaves_no_half_row(tmp_path, monkeypatch):
