@@ -414,7 +414,7 @@ class TrainBackend:
             backward(loss * weight)
             for k, v in {"loss": loss.detach().item(), **stats}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
-        return rank_means(sums, self.stats_group)
+        return rank_means(sums, self.stats_group)  # (keys agreed before the last backward)
 
     def _agree_stats(self, keys: list[set[str]]) -> None:
         """The ranks agree on the statistics' keys and on whether a micro-batch's differ from

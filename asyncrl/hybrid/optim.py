@@ -97,10 +97,11 @@ def clip_grad_norm(params: Any, max_norm: float | None) -> float:
 
 
 def rank_means(sums: dict[str, float], group: Any) -> dict[str, float]:
-    """Each statistic's mean over the ranks of `group` (one all-reduce of all of them), once
-    the ranks agree on which there are (a loss's keys that depend on its data would sum one
-    rank's "a" with another's "b", or hang NCCL with vectors of other lengths)."""
-    keys = agree_keys(sums, group)
+    """Each statistic's mean over the ranks of `group` (one all-reduce of all of them), the
+    ranks agreed on which there are (`agree_keys`: a loss's keys that depend on its data
+    would sum one rank's "a" with another's "b", or hang NCCL with vectors of other
+    lengths)."""
+    keys = sorted(sums)
     totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(totals, group=group)
     size = dist.get_world_size(group)
