@@ -272,10 +272,9 @@ class PromptSource:
         self.repeat, self.max_prompt_length = repeat, max_prompt_length
         self.epoch, self.index = 0, 0  # the position: the next batch starts here
         self._digest: str | None = None  # (made at the first checkpoint)
-        # one epoch's order and the digest of its head, made once for it (a million prompts'
-        # randperm: ~50 ms, at every batch and every state_dict, which each step takes)
+        # one epoch's order, made once for it (a million prompts' randperm: ~50 ms, at every
+        # batch and every state_dict, which each step takes)
         self._orders: tuple[int, list[int]] | None = None
-        self._order_hash: tuple[int, str] | None = None
         self._said_done = False
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -331,11 +330,9 @@ class PromptSource:
 
     def _order_digest(self, epoch: int) -> str:
         """A hash of the first 64 indices of `epoch`'s order: the seed is saved, but
-        torch.randperm may shuffle otherwise in another torch release. Made once an epoch."""
-        if self._order_hash is None or self._order_hash[0] != epoch:
-            head = self._epoch_order(epoch)[:64]
-            self._order_hash = (epoch, hashlib.sha1(json.dumps(head).encode()).hexdigest()[:16])
-        return self._order_hash[1]
+        torch.randperm may shuffle otherwise in another torch release."""
+        head = self._epoch_order(epoch)[:64]
+        return hashlib.sha1(json.dumps(head).encode()).hexdigest()[:16]
 
     def digest(self) -> str:
         """A fingerprint of the records (64 of them, evenly spaced: cheap for a large set),
