@@ -90,19 +90,18 @@ class WeightLoader:
     def asyncrl_unfilled(self) -> list[str] | None:
         """vLLM's parameters no load filled since the last one given `recount` (None: the
         model does not report what it loaded)."""
-        if self._asyncrl_since is None:
-            return None
-        return sorted(n for n, _ in self.model_runner.model.named_parameters()
-                      if n not in self._asyncrl_since)
+        return None if self._asyncrl_since is None else self._left_out(self._asyncrl_since)
 
     def asyncrl_not_loaded(self) -> list[str] | None:
         """vLLM's parameters no load has filled since the last call (None: the model does
         not report what it loaded)."""
         loaded, self._asyncrl_loaded = self._asyncrl_loaded, set()
-        if loaded is None:
-            return None
+        return None if loaded is None else self._left_out(loaded)
+
+    def _left_out(self, filled: set[str]) -> list[str]:
+        """vLLM's parameters not in `filled`, sorted."""
         return sorted(n for n, _ in self.model_runner.model.named_parameters()
-                      if n not in loaded)
+                      if n not in filled)
 
     def asyncrl_state(self) -> dict[str, torch.Tensor]:
         """The weights as vLLM holds them (its own names: fused projections), on the host."""
