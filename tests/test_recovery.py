@@ -364,7 +364,7 @@ def _dead_reward(max_restarts, restart_backoff):
 
     dead = GroupDeadError("reward", 0, -9, "killed")
     return types.SimpleNamespace(name="reward", stateful=False, max_restarts=max_restarts,
-                                 restart_backoff=restart_backoff,
+                                 restart_backoff=restart_backoff, place=None,
                                  handle=types.SimpleNamespace(dead=dead, closing=False)), dead
 
 
@@ -465,8 +465,8 @@ def test_a_user_error_in_a_stateless_group_is_reported_after_one_wait_for_a_deat
         recovery = Recovery(flow)
         looked = recovery.dead_groups
 
-        async def dead_groups(wait=True):  # each look noted; none waits: nothing dies here
-            waits.append(wait)
+        async def dead_groups(wait=True, of=None):  # each look noted; none waits: nothing
+            waits.append(wait)  # dies here
             return await looked(wait=False)
         recovery.dead_groups = dead_groups
         with pytest.raises(RemoteError):

@@ -1,16 +1,20 @@
 """The restart budget as Recovery spends it, on stand-ins for the flow and the controller
 (as at the end of tests/test_recovery.py): a death being respawned is not a spent budget,
 a spent budget says so, a failed spawn counts even when its respawn was cancelled, a hung
-group respawned by a rewind is named."""
+group respawned by a rewind is named. Then deaths that come together: a re-run meeting a
+second group's death, a broken collective whose group's death shows after another's,
+respawns of groups placed with respect to each other."""
 
 import asyncio
 import types
 
 from helpers import poll_until
 
+from asyncrl.controller.placement import Host, Placer, colocate_with
 from asyncrl.controller.recovery import Recovery
 from asyncrl.controller.timeline import called_groups
-from asyncrl.errors import GroupDeadError, SpawnError
+from asyncrl.errors import GroupDeadError, RemoteError, SpawnError
+from asyncrl.futures.future import DistFuture
 
 
 def _group(name, max_restarts, stateful=False, dead=True):
@@ -18,7 +22,7 @@ def _group(name, max_restarts, stateful=False, dead=True):
     death = GroupDeadError(name, 0, -9, "killed")
     handle = types.SimpleNamespace(dead=death if dead else None, closing=False, busy=False)
     return types.SimpleNamespace(name=name, stateful=stateful, max_restarts=max_restarts,
-                                 restart_backoff=0.0, handle=handle), death
+                                 restart_backoff=0.0, handle=handle, place=None), death
 
 
 def _flow(groups, spawns, spawn=None):
@@ -167,3 +171,97 @@ def test_a_hung_group_a_rewind_respawns_is_named_in_its_event():
     assert rewound is True and spawns == ["actor", "ref"]
     assert (event.kind, event.groups, event.hung) == ("rewind", ["actor"], ["ref"])
     assert restarts == {"actor": 1, "ref": 0}
+
+
+def test_a_rerun_that_meets_a_second_groups_death_runs_again():
+    """ref and reward (both stateless) died together under a node that calls both: its
+    returned future failed with ref's death, ref was respawned, and the re-run, calling the
+    dead reward, failed the step (a rewind, or the run's end without a checkpoint)."""
+    async def main():
+        spawns: list[str] = []
+        ref, ref_death = _group("ref", max_restarts=2, dead=False)
+        reward, reward_death = _group("reward", max_restarts=2, dead=False)
+        recovery = Recovery(_flow([ref, reward], spawns))
+        loop = asyncio.get_running_loop()
+        futures: list[DistFuture] = []
+
+        def node():
+            for spec in (ref, reward):
+                called_groups.get().add(spec.name)
+                if spec.handle.dead is not None:  # a dead group refuses the call
+                    raise spec.handle.dead
+            futures.append(DistFuture.held("scored", "ref.logprobs") if futures else
+                           DistFuture._new(loop, "ref.logprobs"))
+            return futures[-1]
+
+        out = await recovery.call("score", 0, node)
+        ref.handle.dead, reward.handle.dead = ref_death, reward_death  # both die, then the
+        futures[0]._set_exception(ref_death)  # call sent to ref fails
+        return await asyncio.wait_for(out, 10), spawns, recovery.events
+    result, spawns, events = asyncio.run(main())
+    assert result == "scored" and spawns == ["ref", "reward"]
+    assert [(e.kind, e.groups, e.node) for e in events] == \
+        [("rerun", ["ref"], "score"), ("rerun", ["reward"], "score")]
+
+
+def test_a_broken_collective_waits_for_its_own_groups_death_not_the_first_one():
+    """ref's rank 0 failed in a collective its dead peer broke while another group's death
+    (reward's, not called by the node) was already declared: the wait for a death behind
+    the failure ended at reward's, found ref alive, and failed the step instead of re-running
+    it once ref's death showed a moment later."""
+    async def main():
+        spawns: list[str] = []
+        ref, ref_death = _group("ref", max_restarts=2, dead=False)
+        reward, _ = _group("reward", max_restarts=2)  # dead already
+        flow = _flow([ref, reward], spawns)
+        flow._ctl.heartbeat_timeout = 5.0  # how long a death may take to show
+        recovery = Recovery(flow)
+        broken = RemoteError("ref", 0, "logprobs", "DistBackendError", "peer gone", "")
+        runs: list[int] = []
+
+        def node():
+            runs.append(1)
+            called_groups.get().add("ref")
+            if len(runs) == 1:  # ref's death is declared a moment after its rank's failure
+                asyncio.get_running_loop().call_later(
+                    0.2, lambda: setattr(ref.handle, "dead", ref_death))
+                raise broken
+            return "logprobs"
+
+        return await asyncio.wait_for(recovery.call("ref", 0, node), 10), runs, spawns
+    result, runs, spawns = asyncio.run(main())
+    assert (result, len(runs), spawns) == ("logprobs", 2, ["ref"])
+
+
+def test_groups_placed_together_that_die_together_are_placed_again():
+    """reward is placed colocate_with(ref); both died. ref's respawn closed it (no longer
+    placed) and slept its backoff while reward's respawn spawned: its placement failed with
+    "names a group that is not placed yet", and the run ended."""
+    async def main():
+        placer = Placer(Host(0, (0, 1, 2, 3)))
+        ref, ref_death = _group("ref", max_restarts=2)
+        reward, reward_death = _group("reward", max_restarts=2)
+        ref.restart_backoff, reward.place = 0.3, colocate_with("ref")
+        placer.place("ref", 2, None)
+        placer.place("reward", 2, reward.place)
+        placer.place("other", 2, None)  # ref goes back to its cores, reward with it
+        first = placer.placed["ref"]
+
+        async def spawn(spec):
+            placer.place(spec.name, 2, spec.place)
+            return types.SimpleNamespace(dead=None, closing=False, busy=False, name=spec.name)
+
+        ref.handle.name, reward.handle.name = "ref", "reward"
+        flow = _flow([ref, reward], [], spawn)
+
+        async def close_group(handle):
+            handle.closing = True
+            placer.forget(handle.name)
+        flow._ctl.close_group = close_group
+        recovery = Recovery(flow)
+        both = asyncio.gather(recovery.respawn(ref, ref_death),
+                              recovery.respawn(reward, reward_death))
+        return await asyncio.wait_for(both, 10), first, placer.placed
+    respawned, first, placed = asyncio.run(main())
+    assert respawned == [True, True]
+    assert placed["ref"] == placed["reward"] == first

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.worker import set_rng_state
 from asyncrl.controller.logs import append_line, replace_json, say
+from asyncrl.controller.placement import constraints_of
 from asyncrl.controller.timeline import called_groups
 from asyncrl.errors import (
     ClosedError,
@@ -164,6 +165,7 @@ class Recovery:
                 if count and not counted:
                     await self._count(spec, cause, old)
                 counted = False
+                await self._placed_again(spec)
                 try:
                     await self._unstoppable(self._spawn_into(spec))
                     return True
@@ -173,6 +175,17 @@ class Recovery:
                     if spec.handle is old:  # restart the next respawn counts
                         self._counted.pop(spec.name, None)
                     raise
+
+    async def _placed_again(self, spec: GroupSpec) -> None:
+        """Wait for the respawns under way of the groups `spec` is placed with respect to
+        (colocate_with(g), separate_from(g)): while one is closed and not yet back, `spec`
+        cannot be placed ("names a group that is not placed yet"). Those were placed before
+        it: their respawns never wait for `spec`'s."""
+        for c in constraints_of(spec.place):
+            lock = self._locks.get(c.target) if c.target is not None else None
+            if lock is not None and lock.locked():
+                async with lock:
+                    pass
 
     async def _spawn_into(self, spec: GroupSpec) -> None:
         spec.handle = await self.flow._spawn(spec)
@@ -222,12 +235,17 @@ class Recovery:
         """`fn()` (a node's function with its inputs bound), re-run after each death of a
         stateless group it called (an async node's await may meet it first as a peer's
         broken collective); with restarts on, what it returns is guarded."""
+        out, called = await self._run(node, step, fn)
+        return self._guard(node, step, out, fn, called) if self.enabled else out
+
+    async def _run(self, node: str, step: int, fn: Callable[[], Any]) -> tuple[Any, set[str]]:
+        """What `fn()` returns, re-run while a death of a stateless group it called explains
+        its failure; and the groups its last attempt called."""
         seen: list[BaseException] = []
         while True:
             called: set[str] = set()
             try:
-                out = await _attempt(fn, called)
-                break
+                return await _attempt(fn, called), called
             except Exception as e:
                 spec = self.rerunnable(e, called)
                 if spec is None and isinstance(e, RemoteError):  # a peer's death fails a
@@ -240,7 +258,6 @@ class Recovery:
                 respawned = await self.respawn(spec, e)
                 self._record("rerun", [spec.name] if respawned else [], step, node, None, e,
                              started)
-        return self._guard(node, step, out, fn, called) if self.enabled else out
 
     def _guard(self, node: str, step: int, out: Any, fn: Callable[[], Any],
                called: set[str]) -> Any:
@@ -289,14 +306,14 @@ class Recovery:
                 seen.append(failure)
                 started = time.monotonic()
                 respawned = await self.respawn(spec, failure)
-                called = set()
-                inner = _unique_futures(await _attempt(fn, called))
+                self._record("rerun", [spec.name] if respawned else [], step, node, None,
+                             failure, started)
+                out, called = await self._run(node, step, fn)  # (another group it calls may
+                inner = _unique_futures(out)  # have died too: re-run again, not rewound)
                 if len(inner) != len(proxies):
                     failure = RecoveryError(f"node {node!r} returned {len(inner)} futures when "
                                             f"re-run, {len(proxies)} the first time")
                     return
-                self._record("rerun", [spec.name] if respawned else [], step, node, None,
-                             failure, started)
         except BaseException as e:  # a restart that failed, or cancelled by a rewind
             if not isinstance(e, asyncio.CancelledError):
                 failure = e
@@ -314,7 +331,7 @@ class Recovery:
         if spec is None or spec.name not in called or spec.stateful or \
                 not self._restartable(spec) or self._stateful(called):
             return None
-        dead = await self.dead_groups()
+        dead = await self.dead_groups(of=spec)  # (another group's death may show first)
         if not dead:
             setattr(exc, _NO_DEATH, True)
         return spec if spec in dead else None
@@ -400,7 +417,7 @@ class Recovery:
         not explain `exc` (a stateful group died, the budget is spent: a rewind's turn)."""
         ctl, started = self.flow._ctl, time.monotonic()
         dead = await self.dead_groups() if _death_behind(exc) else []
-        if not dead or any(g.stateful or not self._left(g) for g in dead):
+        if not dead or any(g.stateful or not self._restartable(g) for g in dead):
             return False
         if await self._settle(ctl.transfer_timeout + ctl.heartbeat_timeout):
             return False  # a live group's save still runs into the folder a save removes
@@ -418,17 +435,19 @@ class Recovery:
                 return True
         return False
 
-    async def dead_groups(self, wait: bool = True) -> list[GroupSpec]:
+    async def dead_groups(self, wait: bool = True, of: GroupSpec | None = None
+                          ) -> list[GroupSpec]:
         """The flow's dead groups. A failure can reach us before the supervisor declares the
         death behind it (a peer's collective broke): wait as long as declaring takes for one
-        to show. A failure with no death behind it (a bug in user code) is reported that
-        much later. wait=False: those dead now."""
+        to show (`of`'s, when given). A failure with no death behind it (a bug in user code)
+        is reported that much later. wait=False: those dead now."""
         ctl = self.flow._ctl
         deadline = time.monotonic() + ctl.heartbeat_timeout + 2 * ctl.heartbeat_interval
         while True:
             dead = [g for g in self.flow.groups
                     if g.handle is None or g.handle.dead is not None]
-            if dead or not wait or time.monotonic() > deadline:
+            if (of in dead if of is not None else dead) or not wait or \
+                    time.monotonic() > deadline:
                 return dead
             await asyncio.sleep(ctl.heartbeat_interval / 4)
 
