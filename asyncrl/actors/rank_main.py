@@ -39,6 +39,7 @@ import zmq
 from torch.distributed import distributed_c10d as c10d
 
 from asyncrl.actors import debugger
+from asyncrl.actors.failures import failure as _failure
 from asyncrl.actors.gpu_slots import bind_gpu, check_gpus, gpu_index, select_gpus
 from asyncrl.actors.output import OutputCapture
 from asyncrl.actors.procs import PROCESS_ENV, runs
@@ -61,7 +62,6 @@ from asyncrl.comm.messages import (
     SPAWN_ENV,
     Call,
     Construct,
-    Failure,
     Fetch,
     Fetched,
     Heartbeat,
@@ -76,36 +76,11 @@ from asyncrl.comm.messages import (
 )
 from asyncrl.comm.relay import RELAY_ROLES, HostRelay, relay_address, relay_identity
 from asyncrl.comm.shm import SegmentPool
-from asyncrl.errors import InputLostError, TransferTimeout
 from asyncrl.futures.store import ObjectStore, schema_of, storable
 
 EXIT_CONTROLLER_LOST = 75
 INLINE_LIMIT = 64 * 1024  # results up to this size also travel with their Result
 CALLS_SETTLE_S = 5.0  # at close, the longest on_close waits for calls under way
-
-
-def _failure(e: BaseException) -> Failure:
-    """The failure to send back; never raises, or the call would get no Result at all.
-    asyncrl's own data-plane errors go under their full names: the controller raises them
-    as themselves (a user's exception of the same name stays a RemoteError)."""
-    name = type(e).__qualname__
-    if type(e) in (TransferTimeout, InputLostError):
-        name = f"asyncrl.{name}"
-    try:
-        message = str(e)
-    except BaseException as broken:  # noqa: BLE001 - a user exception's own __str__ failed
-        message = (f"<str() of the {name} raised {type(broken).__qualname__}; its message "
-                   f"is lost>")
-    try:
-        tb = traceback.format_exc()
-    except BaseException:  # noqa: BLE001 - e.g. a broken __repr__ / __str__ deeper down
-        tb = f"{name}: {message}\n(the traceback could not be formatted)\n"
-    return Failure(type=name, message=_sendable(message), traceback=_sendable(tb))
-
-
-def _sendable(text: str) -> str:
-    """`text` without lone surrogates (os.fsdecode'd names carry them): msgpack refuses them."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Executor:
@@ -351,12 +326,20 @@ class RankMain:
     def run_concurrent(self, call: Call) -> None:
         ex = getattr(self.local, "executor", None)
         if ex is None:
+            ex = self.local.executor = _Executor(self, self.concurrent_socket())
+        ex.run_call(call)
+
+    def concurrent_socket(self) -> RankSocket:
+        """This pool thread's socket, made once (kept even when its executor failed to
+        start): the ROUTER ignores a second socket of the same identity, and a Result sent
+        on one would never be read."""
+        sock = getattr(self.local, "sock", None)
+        if sock is None:
             bind_gpu()
-            sock = self.socket(f"c{threading.get_ident()}")
+            sock = self.local.sock = self.socket(f"c{threading.get_ident()}")
             if not self.relay_addresses:  # (its heartbeats say how many it sent: lost.py)
                 self.concurrent_socks.append(sock)
-            ex = self.local.executor = _Executor(self, sock)
-        ex.run_call(call)
+        return sock
 
     def call_starts(self) -> bool:
         with self._settled:

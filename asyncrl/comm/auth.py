@@ -218,11 +218,11 @@ class Verifier:
         if len(mac) != _MAC_SIZE:  # (before hashing a body of any size)
             self.drop("malformed", route)
             return None
-        if route in self._retired:
-            self.drop("replay", route)
-            return None
         if not hmac.compare_digest(self._mac(route, body), mac):
             self.drop("bad_mac", route)
+            return None
+        if route in self._retired:  # (after the MAC: unsigned junk is not a replay)
+            self.drop("replay", route)
             return None
         (seq,) = _SEQ.unpack_from(body)
         last = self._last_seq.get(route, 0)

@@ -75,11 +75,17 @@ def _why(channel: ControllerChannel, relay_of: dict[bytes, bytes], info: RankInf
 
 def concurrent_sockets(info: RankInfo) -> list[tuple[bytes, int]]:
     """The sockets of the rank's concurrent calls its last heartbeat named (reached
-    directly), each with how many it sent; names not of that form are ignored."""
+    directly), each with how many it sent; names not of that form are ignored. A name
+    given twice (two sockets made under one identity) is one socket here, with the most
+    either sent: judged with each in turn, its `behind` would be reset every round."""
     group, rank, _, tag = info.identity.split(b"/")
-    return [(b"/".join((group, rank, role.encode(), tag)), sent)
-            for role, sent in info.beat.concurrent[:CONCURRENT_THREADS]
-            if role[:1] == "c" and role[1:].isdigit()]
+    sent_by: dict[bytes, int] = {}
+    for role, sent in info.beat.concurrent:
+        identity = b"/".join((group, rank, role.encode(), tag))
+        if role[:1] == "c" and role[1:].isdigit() and (
+                identity in sent_by or len(sent_by) < CONCURRENT_THREADS):
+            sent_by[identity] = max(sent, sent_by.get(identity, 0))
+    return list(sent_by.items())
 
 
 def _from_concurrent(channel: ControllerChannel, info: RankInfo, grace: float, now: float

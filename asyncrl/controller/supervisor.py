@@ -24,6 +24,7 @@ from asyncrl.controller.lost import lost_messages
 if TYPE_CHECKING:
     from asyncrl.controller.controller import Controller
     from asyncrl.controller.group import GroupHandle
+    from asyncrl.controller.outbox import Outbox
 
 log = logging.getLogger("asyncrl")
 
@@ -56,28 +57,37 @@ class Supervisor:
         for group in list(ctl.groups.values()):
             if group.closing or group.dead is not None:
                 continue
-            group.post_all(box, "io", beat)
-            silent, lost = [], None
-            for rank, info in list(group.ranks.items()):
-                if info.host == here and not info.gone and not pid_alive(info.pid):
-                    info.gone = True
-                    ctl.loop.create_task(self.rank_gone(group, rank))
-                elif judge and not info.gone and now - info.last_seen > ctl.heartbeat_timeout:
-                    silent.append(rank)
-                elif judge and not info.gone and lost is None:
-                    why = lost_messages(ctl.channel, ctl.relay_of, info, ctl.heartbeat_timeout, now)
-                    lost = None if why is None else (rank, why)
-            if lost is not None and not silent and not any(  # (a death named as such)
-                    i.gone for i in group.ranks.values()):
-                group._mark_dead(lost[0], None, lost[1])
-                group.agent.signal_all(signal.SIGKILL)
-            if silent and not self.falling_silent_behind(group, silent, now):
-                rank, why = self.culprit(group, silent, now)
-                group._mark_dead(rank, None, f"no heartbeat for "
-                                 f"{now - group.ranks[rank].last_seen:.1f} s (heartbeat_timeout="
-                                 f"{ctl.heartbeat_timeout} s){why}")
-                group.agent.signal_all(signal.SIGKILL)
+            try:
+                self.check_group(group, box, beat, judge, now, here)
+            except Exception:  # one group's failure must not cost the others their heartbeats
+                log.exception("asyncrl supervisor: checking group %r failed", group.name)
         box.flush()
+
+    def check_group(self, group: GroupHandle, box: Outbox, beat: bytes, judge: bool,
+                    now: float, here: str) -> None:
+        """Put the group's heartbeats in `box`; declare it dead if a rank of it is."""
+        ctl = self._ctl
+        group.post_all(box, "io", beat)
+        silent, lost = [], None
+        for rank, info in list(group.ranks.items()):
+            if info.host == here and not info.gone and not pid_alive(info.pid):
+                info.gone = True
+                ctl.loop.create_task(self.rank_gone(group, rank))
+            elif judge and not info.gone and now - info.last_seen > ctl.heartbeat_timeout:
+                silent.append(rank)
+            elif judge and not info.gone and lost is None:
+                why = lost_messages(ctl.channel, ctl.relay_of, info, ctl.heartbeat_timeout, now)
+                lost = None if why is None else (rank, why)
+        if lost is not None and not silent and not any(  # (a death named as such)
+                i.gone for i in group.ranks.values()):
+            group._mark_dead(lost[0], None, lost[1])
+            group.agent.signal_all(signal.SIGKILL)
+        if silent and not self.falling_silent_behind(group, silent, now):
+            rank, why = self.culprit(group, silent, now)
+            group._mark_dead(rank, None, f"no heartbeat for "
+                             f"{now - group.ranks[rank].last_seen:.1f} s (heartbeat_timeout="
+                             f"{ctl.heartbeat_timeout} s){why}")
+            group.agent.signal_all(signal.SIGKILL)
 
     def falling_silent_behind(self, group: GroupHandle, silent: list[int], now: float) -> bool:
         """Whether a silent rank runs relays that ranks not yet past the timeout, but past
