@@ -165,18 +165,23 @@ def verifier(prompt, response, answer):
     return np.float64(len(response))
 
 
-def test_a_row_whose_scorer_a_signal_killed_is_reported_as_crashed():
+@pytest.mark.parametrize("timeout_s", [30.0, None])
+def test_a_row_whose_scorer_a_signal_killed_is_reported_as_crashed(timeout_s, caplog):
     """The pool scored such a row as timed out and marked it crashed; the scores said
-    timed_out alone (`reward/crashed` now tells a segfaulting verifier from a slow one)."""
-    reward = RewardFn(verifier, processes=1, timeout_s=30.0, timeout_score=-1.0)
+    timed_out alone (`reward/crashed` now tells a segfaulting verifier from a slow one), and
+    the log that it "ran past None s" (with no timeout_s)."""
+    reward = RewardFn(verifier, processes=1, timeout_s=timeout_s, timeout_score=-1.0)
     try:
-        scores = reward.score(answers(1, 11, 2))
+        with caplog.at_level("WARNING", logger="asyncrl"):
+            scores = reward.score(answers(1, 11, 2))
     finally:
         pids = reward.scorer_pids()
         reward.on_close()
     assert_gone(pids)
     assert scores["reward"].tolist() == [1.0, -1.0, 3.0]
     assert scores["timed_out"].tolist() == scores["crashed"].tolist() == [0.0, 1.0, 0.0]
+    assert "reward function 'verifier' crashed (its process killed by a signal" in \
+        caplog.text and "ran past" not in caplog.text
 
 
 def logged_length(prompt, response, answer):

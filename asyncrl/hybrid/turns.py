@@ -32,7 +32,10 @@ tokens left out, as rewards read them) and an observation may be text (tokenized
 special tokens added) or chat messages, {"role": "tool", "content": ...} or a list of them,
 written as the chat template writes them after the assistant's turn, with the next
 assistant turn opened (`chat_turns`, as verl's tool agent loop does; a message the template
-leaves out, a role it does not know, is refused). Without a tokenizer, they are token ids.
+leaves out, a role it does not know, is refused). Without a tokenizer, they are token ids
+(an observation's: a list or tuple; in this process a 1-D integer numpy array or torch
+tensor too, which the pool's frames do not carry). Every id is checked against the engine's
+vocabulary (the built-in engine's, vLLM's), text and chat messages' too.
 An observation longer than `max_observation_tokens`, or than the budget left, keeps its
 first tokens (chat messages keep their markers: their contents are cut; a text is cut to
 CHARS_PER_TOKEN characters a token before it is tokenized). A row's budget is the
@@ -44,7 +47,8 @@ reach outside its row runs once per replica.
 With `processes=N` the calls asked together (the rows whose turns ended at one token step,
 or in one call) run N at a time in child processes (asyncrl.hybrid.fn_pool: a tool that
 runs code, say); with `timeout_s` a call past it ends its row (its process, with whatever
-it started, is killed and replaced), and the rollout's `env_timeouts` counts them.
+it started, is killed and replaced), and so does a call whose process a signal killed (a
+segfault, the OOM killer): the rollout's `env_timeouts` counts both (the log says which).
 """
 
 from __future__ import annotations
@@ -165,13 +169,13 @@ class Turns:
                              f"{list(TURN_KEYS)}): rename the column(s) in the records")
         real = batch.real_rows  # a DP chunk's padding rows: one turn, no
         # env call (a tool with side effects would run twice for one row)
-        timeouts, cut = [0] * n, [0] * n
+        timeouts, crashes, cut = [0] * n, [0] * n, [0] * n
 
         def respond(asked: list[Asked]) -> list[list[int]]:
             mine = [a for a in asked if a[0] < real]
-            seen = dict(zip([a[0] for a in mine], self._observe(batch, prompts, mine,
-                                                                meta_keys, timeouts, cut),
-                            strict=True))
+            seen = dict(zip([a[0] for a in mine],
+                            self._observe(batch, prompts, mine, meta_keys, timeouts, crashes,
+                                          cut), strict=True))
             return [seen.get(a[0], []) for a in asked]
 
         if getattr(engine, "continues_turns", False):
@@ -188,13 +192,25 @@ class Turns:
                         "max_observation_tokens=%d on %d of %d rows (their first tokens "
                         "kept); raise max_observation_tokens to keep them whole", self.name,
                         self.cfg.max_observation_tokens, sum(map(bool, cut)), n)
-        if self.cfg.timeout_s is not None:  # the env calls that ran past it, per row
+        if self.pool is not None:  # the env calls that ended their rows: past timeout_s,
+            # or their process killed by a signal (with no timeout too: else such a row read
+            # as the env's "done", and trained as a finished trajectory, unmarked)
             out = out.union(TensorBatch({"env_timeouts": torch.tensor(timeouts)}))
-            if any(timeouts):
-                assert self.pool is not None  # a timeout runs the env in a process
-                log.warning("asyncrl: %s ran past %s s on %d of %d rows; they end there",
-                            self.pool.name, self.cfg.timeout_s, sum(map(bool, timeouts)), n)
+            self._say_lost(timeouts, crashes)
         return out
+
+    def _say_lost(self, timeouts: list[int], crashes: list[int]) -> None:
+        """Warn of the rows whose env call ended them, by cause."""
+        assert self.pool is not None
+        n = len(timeouts)
+        hung = sum(bool(t) and not c for t, c in zip(timeouts, crashes, strict=True))
+        if hung:
+            log.warning("asyncrl: %s ran past %s s on %d of %d rows; they end there",
+                        self.pool.name, self.cfg.timeout_s, hung, n)
+        if any(crashes):
+            log.warning("asyncrl: %s crashed (its process killed by a signal: a segfault, "
+                        "the OOM killer) on %d of %d rows; they end there, counted in "
+                        "env_timeouts", self.pool.name, sum(map(bool, crashes)), n)
 
     def _turn_by_turn(self, generate: Callable[..., TensorBatch], prompts: list[list[int]],
                       seeds: list[int], cfg: SamplingConfig,
@@ -242,12 +258,12 @@ class Turns:
         return self._batch(rows, prompts, cfg, temperature)
 
     def _observe(self, batch: TensorBatch, prompts: list[list[int]], asked: list[Asked],
-                 meta_keys: list[str], timeouts: list[int], cut: list[int]
-                 ) -> list[list[int]]:
+                 meta_keys: list[str], timeouts: list[int], crashes: list[int],
+                 cut: list[int]) -> list[list[int]]:
         """The env's observation after each asked row's turn, as token ids within
         max_observation_tokens ([]: the row is done; one cut is counted in `cut`); in this
-        process row by row, or in the pool's (a row past its timeout is done, and counted in
-        `timeouts`)."""
+        process row by row, or in the pool's (a row past its timeout, or whose process a
+        signal killed, is done, and counted in `timeouts`; the latter in `crashes` too)."""
         text = self.tok is not None
         jobs = []
         for i, turn, said, response in asked:
@@ -260,8 +276,10 @@ class Turns:
                          {k: extra[k] if k in extra else batch[k][i] for k in meta_keys}))
         if self.pool is not None:
             values, late = self.pool.call(jobs, [f"row {i}, turn {t}" for i, t, *_ in asked])
-            for (i, *_), timed_out in zip(asked, late, strict=True):
+            for (i, *_), timed_out, crashed in zip(asked, late, self.pool.crashed,
+                                                   strict=True):
                 timeouts[i] += timed_out
+                crashes[i] += crashed
             return [[] if t else self._ids(v, i, turn, said, cut)
                     for (i, turn, said, _), v, t in zip(asked, values, late, strict=True)]
         out = []
@@ -281,41 +299,58 @@ class Turns:
 
     def _ids(self, value: Any, i: int, turn: int, said: list[int], cut: list[int]
              ) -> list[int]:
-        """An observation as token ids, cut to max_observation_tokens (counted in `cut`)."""
+        """An observation as token ids within the model's vocabulary, cut to
+        max_observation_tokens (counted in `cut`)."""
         if value is None:
             return []
         if isinstance(value, dict) and self.tok is not None:
             value = [value]
-        if isinstance(value, list) and value and all(isinstance(m, dict) for m in value) \
-                and self.tok is not None:
-            ids, shortened = self._chat(value, said, f"row {i}, turn {turn}")
+        # (a tuple as a list: through the pool's frames a tuple arrives as one)
+        if isinstance(value, list | tuple) and value and \
+                all(isinstance(m, dict) for m in value) and self.tok is not None:
+            ids, shortened = self._chat(list(value), said, f"row {i}, turn {turn}")
             cut[i] += shortened
-            return ids
+            return self._in_vocab(ids, i, turn, "chat messages")
         limit = self.cfg.max_observation_tokens
         if isinstance(value, str) and self.tok is not None:  # its first characters only
             ids = self._encode(value[:limit * CHARS_PER_TOKEN])
             cut[i] += len(value) > limit * CHARS_PER_TOKEN or len(ids) > limit
-        else:
-            ids = self._token_ids(value, i, turn)
-            cut[i] += len(ids) > limit
+            return self._in_vocab(ids[:limit], i, turn, "text")
+        ids = self._in_vocab(self._token_ids(value, i, turn), i, turn)
+        cut[i] += len(ids) > limit
         return ids[:limit]
 
+    def _in_vocab(self, ids: list[int], i: int, turn: int, tokenized: str | None = None
+                  ) -> list[int]:
+        """`ids`, each within the model's vocabulary: past it, the built-in engine failed
+        with torch's IndexError deep in its decode loop, vLLM refused the next turn blaming
+        the prompt, or (the row's budget spent) the id reached the trainer's embedding.
+        `tokenized`: what the tokenizer made them of (its ids may pass the model's)."""
+        # the vocabulary unknown (an engine that does not say), what a token tensor holds
+        limit = self._vocab if self._vocab is not None else 2 ** 63
+        outside = [t for t in ids if not 0 <= t < limit]
+        if not outside:
+            return ids
+        of = f" of {self._vocab}" if self._vocab is not None else ""
+        what, fix = "token ids", f"; return ids in [0, {limit})" if of else "; return ids >= 0"
+        if tokenized:
+            what = f"{tokenized} whose token ids (multi_turn's tokenizer's) are"
+            fix = "; give multi_turn the model's own tokenizer (this one has ids it lacks)"
+        raise ValueError(f"environment {self.name!r} returned {what} outside the model's "
+                         f"vocabulary{of} ({outside[:5]}) for row {i}, turn {turn}{fix}")
+
     def _token_ids(self, value: Any, i: int, turn: int) -> list[int]:
-        if isinstance(value, list | tuple) and all(map(whole_number, value)):
-            # the vocabulary unknown (vLLM's), what a token tensor holds at least
-            limit = self._vocab if self._vocab is not None else 2 ** 63
-            outside = [int(t) for t in value if not 0 <= t < limit]
-            if outside:  # else torch's IndexError, deep in the decode loop
-                of = f" of {self._vocab}" if self._vocab is not None else ""
-                raise ValueError(f"environment {self.name!r} returned token ids outside the "
-                                 f"model's vocabulary{of} ({outside[:5]}) for row {i}, turn "
-                                 f"{turn}")
-            return [int(t) for t in value]
+        ids = value
+        if getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
+            ids = value.tolist()  # a numpy array's or torch tensor's (floats refused below)
+        if isinstance(ids, list | tuple) and all(map(whole_number, ids)):
+            return [int(t) for t in ids]
         hint = "text, chat messages or token ids" if self.tok is not None else \
             "token ids (text needs multi_turn={'tokenizer': DIR})"
-        raise TypeError(f"environment {self.name!r} returned {reprlib.repr(value)} for row {i}, "
-                        f"turn {turn}: it returns an observation as {hint}, or None when the "
-                        f"row is done")
+        kind = f" (a {type(value).__name__})" if not isinstance(value, list | tuple) else ""
+        raise TypeError(f"environment {self.name!r} returned {reprlib.repr(value)}{kind} for "
+                        f"row {i}, turn {turn}: it returns an observation as {hint} (a list, "
+                        f"or a 1-D integer array), or None when the row is done")
 
     def _encode(self, text: str) -> list[int]:
         assert self.tok is not None
@@ -332,7 +367,7 @@ class Turns:
                    for m in messages)
         messages = [{**m, "content": m["content"][:chars]} if isinstance(m.get("content"), str)
                     else m for m in messages]
-        ids = self._encode(chat_turns(self.tok, messages, said, where))
+        ids = self._encode(chat_turns(self.tok, messages, said, where, self._stops))
         untouched = False
         for attempt in range(3):  # re-tokenizing a cut content may shift a token or two
             over = len(ids) - limit
@@ -349,7 +384,7 @@ class Turns:
                 m["content"] = self._text(content[:keep])
                 if over <= 0:
                     break
-            ids = self._encode(chat_turns(self.tok, messages, said, where))
+            ids = self._encode(chat_turns(self.tok, messages, said, where, self._stops))
         if len(ids) > limit and untouched:
             raise ValueError(f"{where}: the environment's messages take {len(ids)} tokens, more "
                              f"than max_observation_tokens={limit}, and a content that is not "
@@ -388,15 +423,17 @@ class Turns:
 MARK = "asyncrl-assistant-turn"  # an assistant message's content, found again in the text
 
 
-def chat_turns(tok: Any, messages: list[dict[str, Any]], said: list[int], where: str) -> str:
+def chat_turns(tok: Any, messages: list[dict[str, Any]], said: list[int], where: str,
+               stops: Sequence[int] = ()) -> str:
     """Chat messages (a tool's answer, a user's reply) as the tokenizer's chat template writes
     them after an assistant turn, the next assistant turn opened: the template's text of a
     conversation ending with them after the assistant's content, less the end-of-turn token
-    the generated turn stopped at (the newline the template puts after it stays). Only the
-    text after the assistant's content is read: a template may write earlier turns
-    differently once later ones follow (Qwen3 drops an empty think block). A message whose
-    text content the template leaves out (Qwen's writes only the roles it knows) is refused:
-    the observation would have lost it, unsaid."""
+    the generated turn stopped at (the newline the template puts after it stays), or, for a
+    turn that stopped at one of `stops` (the sampling's), another of them the template closes
+    the turn with (see `_held`). Only the text after the assistant's content is read: a
+    template may write earlier turns differently once later ones follow (Qwen3 drops an
+    empty think block). A message whose text content the template leaves out (Qwen's writes
+    only the roles it knows) is refused: the observation would have lost it, unsaid."""
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{where}: the environment returned chat messages, but the tokenizer "
                          f"has no chat template; return text or token ids")
@@ -422,10 +459,22 @@ def chat_turns(tok: Any, messages: list[dict[str, Any]], said: list[int], where:
                                  f"message with role {messages[k]['role']!r} (a role it does "
                                  f"not write); use a role the template writes (a tool's "
                                  f"output: 'tool')")
-    last = str(tok.decode(said[-1:], skip_special_tokens=False)) if said else ""
-    last, space = last.strip(), len(after) - len(after.lstrip())
-    held = space + len(last) if last and after[space:].startswith(last) else 0  # <|im_end|>
-    return after[held:]
+    return after[_held(tok, after, said, stops):]
+
+
+def _held(tok: Any, after: str, said: list[int], stops: Sequence[int]) -> int:
+    """How much of `after` (the template's text after the assistant's content) the turn
+    already holds: the end-of-turn marker it stopped at (ChatML's <|im_end|>), with the
+    whitespace before it; for a turn stopped at a stop token, another stop token's marker
+    too: Llama 3.1 stops a tool call at <|eom_id|> and its template closes the turn with
+    <|eot_id|>, which the transcript would have after it."""
+    if not said:
+        return 0
+    ended = [said[-1]] + ([s for s in stops if s != said[-1]] if said[-1] in stops else [])
+    marks = [str(tok.decode([t], skip_special_tokens=False)).strip() for t in ended]
+    space = len(after) - len(after.lstrip())
+    found = [len(m) for m in marks if m and after[space:].startswith(m)]
+    return space + max(found) if found else 0
 
 
 def _render(tok: Any, conversation: list[dict[str, Any]], messages: list[dict[str, Any]],

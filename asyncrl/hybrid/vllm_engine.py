@@ -207,6 +207,12 @@ class VLLMEngine:
         """vLLM's max_model_len (None where it does not say): a prompt and its response fit."""
         return _max_model_len(self.llm)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """vLLM's vocabulary size (None where it does not say): multi-turn observations are
+        checked against it (an id past it fails in vLLM's embedding kernel)."""
+        return _vocab_size(self.llm)
+
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  config: SamplingConfig | None = None) -> TensorBatch:
         cfg = config or self.config

@@ -241,10 +241,7 @@ class RewardFn(Worker):
                                   dtype=torch.float32)
             out = {k: _padded(torch.tensor(flags, dtype=torch.float32), len(batch))
                    for k, flags in (("timed_out", late), ("crashed", self.pool.crashed))}
-            if any(late):
-                log.warning("asyncrl: %s ran past %s s on %d of %d rows; they score %s",
-                            self.pool.name, self.pool.timeout_s, sum(late),
-                            len(late), self.timeout_score)
+            self._say_lost(late, self.pool.crashed)
         scores = _padded(scores, len(batch))
         if self.overlong is None:
             return TensorBatch({"reward": scores, **out})
@@ -252,6 +249,21 @@ class RewardFn(Worker):
         penalty = self.overlong.penalty(rmask.sum(1), rmask.shape[1])
         return TensorBatch({"reward": scores + penalty, "score": scores,
                             "overlong_penalty": penalty, **out})
+
+    def _say_lost(self, late: list[bool], crashed: list[bool]) -> None:
+        """Warn of the rows scored `timeout_score`, by cause: past timeout_s, or their
+        process killed by a signal (with no timeout_s too: "ran past None s" said nothing)."""
+        assert self.pool is not None
+        hung = sum(t and not c for t, c in zip(late, crashed, strict=True))
+        if hung:
+            log.warning("asyncrl: %s ran past %s s on %d of %d rows; they score %s",
+                        self.pool.name, self.pool.timeout_s, hung, len(late),
+                        self.timeout_score)
+        if any(crashed):
+            log.warning("asyncrl: %s crashed (its process killed by a signal: a segfault, "
+                        "the OOM killer) on %d of %d rows; they score %s (timed_out and "
+                        "crashed say which)", self.pool.name, sum(crashed), len(late),
+                        self.timeout_score)
 
     def on_close(self) -> None:
         if self.pool is not None:  # else the children, which share the rank's output
