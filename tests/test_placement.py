@@ -74,7 +74,11 @@ def test_placement_of_a_respawned_group_goes_back_where_it_was():
     # where it was no longer meets what it asks now: placed afresh
     apart.forget("reward")
     assert apart.place("reward", 2, asyncrl.separate_from("ref")).devices == [1, 2]
-    apart.forget("ref")
+    apart.forget("ref")  # reward, placed separate_from(ref), holds GPUs 1 and 2
+    with pytest.raises(asyncrl.PlacementError, match=re.escape(
+            "apart from 'reward' (placed separate_from(ref)), but only 0")):
+        apart.place("ref", 1, asyncrl.separate_from("actor"))
+    apart.forget("reward")
     assert apart.place("ref", 1, asyncrl.separate_from("actor")).devices == [1]
 
 

@@ -351,3 +351,28 @@ def test_a_rank_server_out_of_fds_refuses_a_stand_in_instead_of_spinning(tmp_pat
         server.wait(30)
     assert refused and answers == [None]  # answered nothing: its rank starts anew
     assert served.isdigit() and int(served) < 10, served  # not a spin
+
+
+def test_a_server_that_was_not_ready_in_time_is_not_asked_again(monkeypatch):
+    """ranks_address() gave up waiting for the server (broken), then start() waited as long
+    again; ready by then, it was asked, and its answer, taken for an orphan's, was stopped:
+    the group's torchrun forked for nothing, and started anew after the answer's timeout."""
+    import io
+    import threading
+    from collections import deque
+
+    import asyncrl.controller.agent_fork as agent_fork
+
+    monkeypatch.setattr(agent_fork, "READY_TIMEOUT", 0.0)
+    monkeypatch.setattr(agent_fork, "ANSWER_TIMEOUT", 0.0)  # (without the fix: no wait)
+    server = object.__new__(agent_fork.AgentServer)  # its protocol's side only: no process
+    server._stdin, server._lock, server._answered = io.BytesIO(), threading.Lock(), \
+        threading.Condition()
+    server._answers, server._agents, server._ended = deque(), {}, {}
+    server._ready, server._ranks, server._eof, server.broken = threading.Event(), None, \
+        False, False
+    assert server.ranks_address() is None and server.broken  # not ready within the timeout
+    server._ready.set()  # ready now
+    with pytest.raises(RuntimeError, match="failed earlier .* it is not asked again"):
+        server.start(["--standalone"], {}, "unused.log", die_with_parent=False)
+    assert server._stdin.getvalue() == b""  # nothing asked: no agent forked to be stopped

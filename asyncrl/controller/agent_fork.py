@@ -314,13 +314,16 @@ class AgentServer:
     def ranks_address(self) -> str | None:
         """Where this server forks ranks (once it is ready), or None: it does not."""
         if not self._ready.wait(READY_TIMEOUT):
-            self.broken = True  # (start() would wait as long again before giving up)
+            self.broken = True  # (start() refuses at once, not after as long again)
         return self._ranks
 
     def start(self, argv: list[str], env: dict[str, str], log: str,
               die_with_parent: bool) -> ForkedAgent:
         """An agent forked with these torchrun arguments; RuntimeError when the server cannot
         (the caller starts torchrun anew)."""
+        if self.broken:  # (it did not get ready in time: a late answer would be an orphan's)
+            raise RuntimeError("the torchrun agent server failed earlier (it did not start or "
+                               "answer in time): it is not asked again")
         if not self._ready.wait(READY_TIMEOUT) or self._eof:
             self.broken = True
             raise RuntimeError("the torchrun agent server did not start")

@@ -111,7 +111,7 @@ class Cluster:
         self._taken: dict[str, set[int]] = {h.name: set() for h in hosts}  # slots in use
         self._groups: dict[str, dict[str, list[int]]] = {}  # group -> host -> its slots
         self._deaths: dict[str, int] = {}  # host -> ranks that died there (see `suspect`)
-        self._ports: dict[str, tuple[str, int]] = {}  # group -> its rendezvous host and port
+        self._ports: dict[str, tuple[str, int]] = {}  # group -> its rendezvous address, port
 
     @staticmethod
     def from_file(path: str | os.PathLike) -> Cluster:
@@ -228,13 +228,19 @@ class Cluster:
 
     def rendezvous_port(self, group: str, host: HostSpec) -> int:
         """A port for `group`'s rendezvous on its first host, `host`: one probed free here
-        (local), else drawn at random; never one a placed group's rendezvous holds there."""
-        held = {port for name, port in self._ports.values() if name == host.name}
+        (local), else drawn at random; never one a placed group's rendezvous holds at its
+        address (hosts that share one, as "hosts" on loopback do, share its ports)."""
+        held = {port for address, port in self._ports.values() if address == host.address}
         while True:
             port = free_port() if host.via == "local" else _PORTS.randint(20000, 32000)
             if port not in held:
-                self._ports[group] = (host.name, port)
+                self._ports[group] = (host.address, port)
                 return port
+
+    def here(self) -> set[str]:
+        """The names of the hosts that are this machine (via local or netns): their ranks'
+        shared memory is this machine's."""
+        return {h.name for h in self.hosts if h.via in HERE}
 
     def forget(self, group: str) -> None:
         for name, slots in self._groups.pop(group, {}).items():
@@ -392,9 +398,10 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
 
 def _on_command_line(key: str) -> bool:
     """What ssh's command line carries: ours and the settings users tune (the agent needs
-    PYTHONPATH to start at all); the rest of a group's env= goes in its lifeline."""
-    return key.startswith(("ASYNCRL_", "PYTHONPATH", "OMP_", "CUDA_", "NCCL_", "GLOO_",
-                           "TORCH_")) or key in RANK_ENV_DEFAULTS
+    PYTHONPATH to start at all; PYTHONUNBUFFERED, for the ranks' prints to reach their logs as
+    they come); the rest of a group's env= goes in its lifeline."""
+    return key.startswith(("ASYNCRL_", "PYTHONPATH", "PYTHONUNBUFFERED", "OMP_", "CUDA_",
+                           "NCCL_", "GLOO_", "TORCH_")) or key in RANK_ENV_DEFAULTS
 
 
 def lifeline_env(host: HostSpec, env: Mapping[str, str], given: frozenset[str]) -> bytes:

@@ -29,7 +29,7 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -400,9 +400,7 @@ class Controller:
         group.agent.signal_all(signal.SIGKILL)
         if group.agent.proc is not None:
             await self.loop.run_in_executor(None, group.agent.wait)
-        if self.groups.get(group.name) is group:
-            del self.groups[group.name]
-            self._forget(group.name)
+        self._drop(group)
 
     def _relays_for(self, name: str, nprocs: int, relay: bool | None) -> bool:
         """Whether group `name` talks to the controller through host relays."""
@@ -442,7 +440,14 @@ class Controller:
 
     async def close_group(self, group: GroupHandle) -> None:
         """Shut one group down (its ranks exit; pending calls fail with ClosedError)."""
-        await self._stop_group(group)
+        try:
+            await self._stop_group(group)
+        except asyncio.CancelledError:  # the stop goes on: name and placement freed as it ends
+            cast(asyncio.Future, group.stopping).add_done_callback(lambda _: self._drop(group))
+            raise
+        self._drop(group)
+
+    def _drop(self, group: GroupHandle) -> None:  # a stopped group's name is free again
         if self.groups.get(group.name) is group:
             del self.groups[group.name]
             self._forget(group.name)
@@ -537,9 +542,9 @@ class Controller:
         name, ranks = group.name.encode(), {(str(r).encode(), str(info.pid).encode())
                                             for r, info in group.ranks.items()}
         self.channel.forget(lambda route: _rank_route(route, name, ranks))
-        here = socket.gethostname()
+        here = {socket.gethostname(), *(self.cluster.here() if self.cluster else ())}
         for rank, info in group.ranks.items():  # what its killed ranks left in /dev/shm
-            if info.host == here:
+            if info.host in here:
                 cleanup_segments(pool_prefix(self.run_id, group.name, rank, info.pid) + "-")
 
 

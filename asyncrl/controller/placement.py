@@ -131,7 +131,8 @@ class Placer:
         self._use: Counter[int] = Counter()
         self._added: dict[str, list[int]] = {}  # what each group added to _use, one per rank
         # where a forgotten group was: placed again while groups placed with respect to it
-        # remain (a respawn: those colocated with it are still there), it goes back there
+        # remain (a respawn), it goes back there when that still meets every constraint
+        # (those colocated with it take it to their devices in any case)
         self._was: dict[str, list[int]] = {}
         self._asked: dict[str, list[Constraint]] = {}  # each placed group's constraints
 
@@ -169,38 +170,52 @@ class Placer:
             raise PlacementError(
                 f"group {group!r} is placed both colocate_with({g}) and separate_from({g}); "
                 f"keep one of the two constraints")
+        # placed again (closed, or respawned): what the placed groups ask of it holds too
+        kept_with, kept_apart = self._held(group)
+        spare = [f"separate_from({t})" for t in apart] + \
+            [f"apart from {g!r} (placed separate_from({group}))" for g in kept_apart]
+        anchor = f"colocate_with({colocate[0]})" if colocate else \
+            f"{kept_with[0]!r} (placed colocate_with({group}))" if kept_with else ""
+        again = f"; or close {kept_with + kept_apart} before placing {group!r} again" \
+            if kept_with or kept_apart else ""
         problem = ""  # a constraint this host cannot meet, and how to change the request
-        if colocate:
-            devices = list(on[colocate[0]])
+        if anchor:
+            devices = list(on[colocate[0]] if colocate else self.placed[kept_with[0]])
+            used = set(devices[:nprocs])  # what its ranks use: rank i on devices[i % n]
             clash = [f"colocate_with({t}) (on {on[t]})" for t in colocate
                      if set(on[t]) != set(devices)] + \
-                    [f"separate_from({t}) (on {on[t]})" for t in apart if set(on[t]) & set(devices)]
+                    [f"{g!r} (placed colocate_with({group}), on {self.placed[g]})"
+                     for g in kept_with if set(self.placed[g]) != set(devices)] + \
+                    [f"separate_from({t}) (on {on[t]})" for t in apart if set(on[t]) & used] + \
+                    [f"{g!r} (placed separate_from({group}), on {self.placed[g]})"
+                     for g in kept_apart if set(self.placed[g]) & used]
             if clash:
-                problem = (f"group {group!r}: colocate_with({colocate[0]}) puts it on "
-                           f"{host.kind}s {devices}, which conflicts with {'; '.join(clash)}; "
-                           f"drop one of the constraints, or place those groups so they agree")
+                problem = (f"group {group!r}: {anchor} puts it on {host.kind}s {devices}, "
+                           f"which conflicts with {'; '.join(clash)}; drop one of the "
+                           f"constraints, or place those groups so they agree{again}")
             elif host.gpus and len(devices) * per < nprocs:  # NCCL refuses two ranks a GPU
                 k = -(-nprocs // len(devices))
-                problem = (f"group {group!r}: colocate_with({colocate[0]}) puts its {nprocs} "
-                           f"ranks on the {len(devices)} GPU(s) {devices}, {k} ranks per GPU; "
-                           f"give it nprocs <= {len(devices) * per}, or place it with "
-                           f"asyncrl.share_gpus({k}) as well (no NCCL inside the group)")
-            elif len({_domain(d, nvlink) for d in devices}) > 1:
-                problem = (f"group {group!r}: colocate_with({colocate[0]}) puts it on GPUs "
-                           f"{devices}, which are not within one NVLink domain of "
+                problem = (f"group {group!r}: {anchor} puts its {nprocs} ranks on the "
+                           f"{len(devices)} GPU(s) {devices}, {k} ranks per GPU; give it "
+                           f"nprocs <= {len(devices) * per}, or place it with "
+                           f"asyncrl.share_gpus({k}) as well (no NCCL inside the group){again}")
+            elif len({_domain(d, nvlink) for d in used}) > 1:
+                problem = (f"group {group!r}: {anchor} puts it on GPUs {devices}, which are "
+                           f"not within one NVLink domain of "
                            f"{' and '.join(f'nvlink_group({n})' for n in nvlink)}; drop "
-                           f"nvlink_group, or place {colocate[0]!r} with it")
+                           f"nvlink_group, or place {(colocate or kept_with)[0]!r} with it"
+                           f"{again}")
         else:
-            away = {d for t in apart for d in on[t]}
+            away = {d for t in [*apart, *kept_apart] for d in self.placed[t]}
             free = [d for d in pool if d not in away]
             was = self._was.get(group, []) if any(
                 c.target == group for cs in self._asked.values() for c in cs) else []
-            if len(free) < needed and apart:
+            if len(free) < needed and spare:
                 problem = (f"group {group!r} needs {needed} {host.kind}(s) "
-                           f"{' and '.join(f'separate_from({t})' for t in apart)}, but only "
+                           f"{' and '.join(spare)}, but only "
                            f"{len(free)} of this host's {len(pool)} are free of those groups; "
                            f"use nprocs <= {len(free) * per}, give those groups fewer ranks, or "
-                           f"drop separate_from{share}")
+                           f"drop separate_from{share}{again}")
             elif len(free) < needed:
                 problem = (f"group {group!r} needs {needed} {host.kind}(s), {each}, but this "
                            f"host has {len(pool)}; use nprocs <= {len(pool) * per}, or spread "
@@ -217,18 +232,17 @@ class Placer:
                 if fits else free[:needed]
             if not fits and not problem:  # enough GPUs, but not within one domain
                 n = min(nvlink)
-                spared = " free of " + " and ".join(f"separate_from({t})" for t in apart) \
-                    if apart else ""
+                spared = " free of " + " and ".join(spare) if spare else ""
                 problem = (f"group {group!r}: nvlink_group({n}) needs its {needed} GPU(s) "
                            f"within one NVLink domain (aligned blocks: GPUs 0-{n - 1}, "
                            f"{n}-{2 * n - 1}, ...), but no domain has {needed} GPU(s){spared} "
                            f"(the free ones: {sorted(free)}); give those groups fewer ranks or "
-                           f"place them within one domain, or drop nvlink_group")
+                           f"place them within one domain, or drop nvlink_group{again}")
         if problem and host.gpus:
             raise PlacementError(problem)
         if not host.gpus and len(devices) < nprocs and not problem:  # colocated on fewer
-            problem = (f"group {group!r} runs {nprocs} ranks on the {len(devices)} core(s) of "
-                       f"colocate_with({colocate[0]})")
+            problem = f"group {group!r} runs {nprocs} ranks on the {len(devices)} core(s) of " \
+                f"{anchor}"
         if problem and warn:  # a CPU-only host runs it anyway, and says so
             log.warning("asyncrl placement: %s; on this CPU-only host it runs anyway: ranks "
                         "will share cores", problem)
@@ -241,6 +255,13 @@ class Placer:
             return Placement(devices, {"CUDA_VISIBLE_DEVICES": ",".join(
                 host.gpu_id(d) for d in devices)})
         return Placement(devices, {"ASYNCRL_CPUS": ",".join(map(str, devices))})
+
+    def _held(self, group: str) -> tuple[list[str], list[str]]:
+        """The placed groups that asked to be colocated with `group`, and those that asked
+        to be kept apart from it."""
+        others = [(g, cs) for g, cs in self._asked.items() if g != group]
+        return [g for g, cs in others if colocate_with(group) in cs], \
+            [g for g, cs in others if separate_from(group) in cs]
 
     def forget(self, group: str) -> None:
         if group in self.placed:

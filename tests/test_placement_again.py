@@ -1,0 +1,82 @@
+"""A group placed again (closed, then spawned under its name; respawned) keeps to what the
+placed groups asked of it; a colocated group's other constraints are judged on the GPUs its
+ranks use. More placement in test_placement.py."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+import asyncrl
+from asyncrl.controller.placement import Host, Placer
+
+
+def test_a_group_placed_again_stays_apart_from_those_placed_separate_from_it():
+    """A on [0, 1], B separate_from(A) on [2, 3]; A closed and spawned again with 4 ranks
+    was given [0, 1, 2, 3], B's GPUs too."""
+    p = Placer(Host(4, (0, 1)))
+    p.place("a", 2, None)
+    b = p.place("b", 2, asyncrl.separate_from("a")).devices
+    p.forget("a")
+    with pytest.raises(asyncrl.PlacementError) as e:
+        p.place("a", 4, None)
+    assert "group 'a' needs 4 GPU(s) apart from 'b' (placed separate_from(a)), but only 2 " \
+        "of this host's 4 are free of those groups" in str(e.value)
+    assert "close ['b'] before placing 'a' again" in str(e.value)
+    assert "a" not in p.placed
+    again = p.place("a", 1, None).devices  # what fits beside b
+    assert not set(again) & set(b)
+
+
+def test_a_group_placed_again_goes_to_the_devices_of_those_colocated_with_it():
+    """A on [0, 1], B colocate_with(A) on them; A spawned again with 1 rank was placed on
+    the least used GPU, [2], and B stayed on [0, 1]."""
+    p = Placer(Host(4, (0, 1)))
+    p.place("a", 2, None)
+    b = p.place("b", 2, asyncrl.colocate_with("a")).devices
+    p.forget("a")
+    assert p.place("a", 1, None).devices == b
+    # its own constraints disagree with b's: refused, saying which group holds it
+    p.forget("a")
+    p.place("c", 1, asyncrl.separate_from("b"))
+    with pytest.raises(asyncrl.PlacementError) as e:
+        p.place("a", 1, asyncrl.colocate_with("c"))
+    assert f"'b' (placed colocate_with(a), on {b})" in str(e.value)
+    assert "close ['b'] before placing 'a' again" in str(e.value)
+    assert "a" not in p.placed
+
+
+def test_a_cpu_only_host_places_a_group_again_with_a_warning(caplog):
+    p = Placer(Host(0, (0, 1, 2, 3)))
+    p.place("a", 2, None)
+    b = p.place("b", 2, asyncrl.separate_from("a")).devices
+    p.forget("a")
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        p.place("a", 4, None)
+    assert "apart from 'b' (placed separate_from(a))" in caplog.text
+    assert "ranks will share cores" in caplog.text
+    assert set(p.placed["b"]) == set(b)
+
+
+def test_a_colocated_groups_constraints_are_judged_on_the_gpus_its_ranks_use():
+    """ref's 2 ranks on actor's GPUs 0-3 use 0 and 1: separate_from(x), on GPU 2, holds;
+    and 2 ranks on GPUs 2-5 use 2 and 3, within one nvlink_group(4) domain."""
+    p = Placer(Host(4, (0, 1)))
+    p.place("a", 2, None)  # 0, 1
+    p.place("b", 2, None)  # 2, 3
+    assert p.place("actor", 4, None).devices == [0, 1, 2, 3]
+    assert p.place("x", 1, asyncrl.separate_from("a")).devices == [2]
+    ref = p.place("ref", 2, [asyncrl.colocate_with("actor"), asyncrl.separate_from("x")])
+    assert ref.devices == [0, 1, 2, 3]
+    with pytest.raises(asyncrl.PlacementError, match=re.escape(  # 3 ranks: GPU 2 too
+            "which conflicts with separate_from(x) (on [2])")):
+        p.place("wide", 3, [asyncrl.colocate_with("actor"), asyncrl.separate_from("x")])
+    nv = Placer(Host(8, (0, 1)))
+    nv.place("small", 2, None)  # 0, 1
+    assert nv.place("actor", 4, None).devices == [2, 3, 4, 5]  # domains 0-3 and 4-7
+    assert nv.place("ref", 2, [asyncrl.colocate_with("actor"),
+                               asyncrl.nvlink_group(4)]).devices == [2, 3, 4, 5]
+    with pytest.raises(asyncrl.PlacementError, match="not within one NVLink domain"):
+        nv.place("wide", 3, [asyncrl.colocate_with("actor"), asyncrl.nvlink_group(4)])
