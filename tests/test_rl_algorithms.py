@@ -464,6 +464,10 @@ def test_an_actor_refuses_values_from_a_critic_that_computes_returns_differently
     with pytest.raises(ValueError, match="kl_in_reward: actor False, critic True"):
         check_critic_agrees(critic_values(algo="ppo", kl_in_reward=True, kl_coef=0.1),
                             RLConfig(algo="ppo", kl_coef=0.1))
+    # the rows trained on: a critic with another staleness bound fits rows the actor drops
+    with pytest.raises(ValueError, match="max_staleness: actor 1, critic 3"):
+        check_critic_agrees(critic_values(algo="ppo", max_staleness=3),
+                            RLConfig(algo="ppo", max_staleness=1))
     # the KL as a loss term leaves the returns alone: a critic without it agrees (it was
     # refused); in the reward, its coefficient counts
     check_critic_agrees(critic_values(algo="ppo"), RLConfig(algo="ppo", kl_coef=0.01))

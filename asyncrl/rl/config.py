@@ -8,9 +8,10 @@ from typing import Any
 from asyncrl.hybrid.settings import check_kinds
 from asyncrl.rl.algorithms import AGGS, check_clips
 
-# what PPO's returns depend on (see RLConfig.returns_fields); the KL's settings only where
+# what PPO's returns depend on (see RLConfig.returns_fields), and which rows they are fitted
+# on (max_staleness: else the critic fits rows the actor drops); the KL's settings only where
 # the KL is in the reward
-RETURNS_FIELDS = ("gamma", "lam", "kl_in_reward")
+RETURNS_FIELDS = ("gamma", "lam", "kl_in_reward", "max_staleness")
 KL_FIELDS = ("kl_coef", "kl_kind")
 TIS_CAP = 2.0  # RLConfig.tis_cap's default (verl's)
 
