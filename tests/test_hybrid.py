@@ -458,3 +458,30 @@ def test_model_overrides_name_the_setting_that_does_what_they_would(tmp_path):
     with pytest.raises(ValueError, match=r"overrides \{'vocab_size': 160\}: the weights of "
                                          r"checkpoint .*resize_token_embeddings\(n\)"):
         build_model(ModelConfig(path=str(tmp_path / "ckpt"), overrides={"vocab_size": 160}))
+
+
+def test_a_bf16_reference_scores_as_a_bf16_trainer_does():
+    """A Reference computed in its model's dtype (fp32 by default) beside a bf16 trainer (a
+    GPU's default): its log-probs differed from the trainer's by ~1e-2, the KL above 0
+    before any update. bf16=True (None: on the GPUs that support it) computes as it does."""
+    from asyncrl.hybrid.roles import Reference
+
+    model = {"preset": "tiny-llama", "seed": 0}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            policy = await ctl.spawn(Policy, model, {"bf16": True}, {"max_new_tokens": 6},
+                                     hybrid=False, name="policy")
+            refs = [await ctl.spawn(Reference, model, bf16=bf16, name=f"ref{i}")
+                    for i, bf16 in enumerate((True, None))]
+            pids = group_pids(policy) + [p for r in refs for p in group_pids(r)]
+            rollout = Sampler(build_model(ModelConfig(preset="tiny-llama", seed=0)),
+                              SamplingConfig(max_new_tokens=6)).generate(
+                [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]], seeds=[0, 1, 2, 3])
+            trainer = (await policy.logprobs(rollout))["logprobs"]
+            scored = [(await r.logprobs(rollout))["logprobs"] for r in refs]
+            return trainer, scored, rollout["response_mask"].bool(), pids
+    trainer, (bf16, default), mask, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    gap = [(lp - trainer)[mask].abs().max().item() for lp in (bf16, default)]
+    assert gap[0] < 1e-5 < 1e-3 < gap[1], gap  # (no GPU here: the default is fp32)

@@ -498,7 +498,7 @@ class Rollout(Worker):
 
 
 def _reference_settings(model: dict[str, Any], micro_batch_size: int | None,
-                        max_tokens_per_micro_batch: int | None
+                        max_tokens_per_micro_batch: int | None, bf16: bool | None = None
                         ) -> tuple[ModelConfig, TrainConfig]:
     # a LoRA model's reference is its frozen model: the adapters start as no change
     if not isinstance(model, dict):
@@ -507,23 +507,26 @@ def _reference_settings(model: dict[str, Any], micro_batch_size: int | None,
     cfg = from_dict(ModelConfig, {**model, "lora": None}, "Reference model=")
     # a TrainConfig checks the sizes as it does for training (named as given: Reference's)
     try:
-        return cfg, TrainConfig(
+        train = TrainConfig(
             micro_batch_size=1 if micro_batch_size is None else micro_batch_size,
-            max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch, bf16=bf16)
     except ValueError as e:
         raise ValueError(str(e).replace("TrainConfig.", "Reference ")) from None
+    return engine_config(cfg, train), train  # (computing as a bf16 trainer does: bf16 too)
 
 
 class Reference(Worker):
     """A frozen copy of a model; each rank scores its rows in micro-batches of
     `micro_batch_size` rows (4 by default, as training's; None: all at once, whose
     full-vocabulary log-probs a real model's batch may not fit in memory) or of
-    `max_tokens_per_micro_batch` tokens (as TrainConfig's)."""
+    `max_tokens_per_micro_batch` tokens (as TrainConfig's). `bf16` as a trainer's
+    (`train={"bf16": ...}`; None: on the GPUs that support it): an fp32 model's log-probs
+    beside a bf16 trainer's put the KL ~1e-4 a token above 0 before any update."""
 
     def __init__(self, model: dict[str, Any], micro_batch_size: int | None = 4,
-                 max_tokens_per_micro_batch: int | None = None):
+                 max_tokens_per_micro_batch: int | None = None, bf16: bool | None = None):
         cfg, self.sizes = _reference_settings(model, micro_batch_size,
-                                              max_tokens_per_micro_batch)
+                                              max_tokens_per_micro_batch, bf16)
         self.model = build_model(cfg).to(default_device())
         self.whole = micro_batch_size is None
 
@@ -533,7 +536,7 @@ class Reference(Worker):
         given = own_arguments(cls, Reference.__init__, args, kwargs)
         if given is not None:
             _reference_settings(given["model"], given["micro_batch_size"],
-                                given["max_tokens_per_micro_batch"])
+                                given["max_tokens_per_micro_batch"], given["bf16"])
 
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()
