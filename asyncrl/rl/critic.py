@@ -13,8 +13,8 @@ version it measures them against is its own count of updates (kept in checkpoint
 actor's when each updates once a step from the start, as in examples/ppo_tiny.py (both
 have the same max_staleness, the actor refuses values of a critic with another: an update
 whose every row is dropped takes no step and leaves the version, so with other bounds one
-may skip where the other does not). A flow that updates them otherwise (a critic warm-up, a Policy.train_step of the actor) passes the
-actor's version: `update(..., version=N)`.
+may skip where the other does not). A flow that updates them otherwise (a critic warm-up,
+a Policy.train_step of the actor) passes the actor's version: `update(..., version=N)`.
 """
 
 from __future__ import annotations
