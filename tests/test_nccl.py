@@ -319,12 +319,13 @@ def test_an_nccl_send_waiting_for_its_receiver_holds_up_no_other_pull(monkeypatc
     sending, done = threading.Event(), threading.Event()
     sent: list = []
 
-    def send(key, tensors, to, timeout):
+    def send(key, tensors, to, timeout, uid):
         sending.set()
         assert done.wait(30)
         sent.append((key, [t.tolist() for t in tensors], to))
 
     monkeypatch.setattr(dataserver.nccl, "send", send)
+    monkeypatch.setattr(dataserver.nccl, "has", lambda key, connecting=False: True)
     secret = b"k" * 32
     stored = {1: TensorBatch({"x": torch.arange(4.0)}), 2: {"whole": 7}}
     ctx = zmq.Context()
@@ -377,7 +378,7 @@ def test_a_transfer_on_a_communicator_replaced_meanwhile_fails_and_spares_the_ne
     new = nccl.Link(Comm(), {}, threading.Lock())
     nccl._links["maker->taker"] = new
     try:
-        nccl._abort(old)  # what join() does to the link it replaces
+        nccl._abort(old, "set up again for another call")  # as join() does to the old one
         with pytest.raises(RuntimeError, match="aborted during it .* did not complete"):
             nccl._wait("maker->taker", old, "receive", 1.0)
         nccl.forget("maker->taker", old)  # a late give-up on the old one
@@ -403,7 +404,8 @@ def test_a_pull_mixing_this_ranks_own_rows_with_rows_by_nccl_needs_no_key_for_it
     from asyncrl.comm.remote import Piece, RemoteBatch, Shard
 
     monkeypatch.setattr(nccl, "has", lambda key: True)  # the controller linked A -> B
-    monkeypatch.setattr(nccl, "link", lambda key: SimpleNamespace(lock=threading.Lock()))
+    monkeypatch.setattr(nccl, "link", lambda key: SimpleNamespace(lock=threading.Lock(),
+                                                                  uid=b"u"))
     monkeypatch.setattr(nccl, "finish", lambda key, end, timeout: None)
     asked = []
     monkeypatch.setattr(dataplane.DataClient, "_exchange",
@@ -421,7 +423,8 @@ def test_a_pull_mixing_this_ranks_own_rows_with_rows_by_nccl_needs_no_key_for_it
         client.close()
         ctx.term()
     assert out["x"][2:].tolist() == [0.0, 1.0]  # its own rows, copied
-    assert [(r.obj_id, r.nccl_key) for r in asked] == [(3, "A->B")]  # A's, by NCCL
+    # A's, by NCCL, bound to the link's making it was posted for
+    assert [(r.obj_id, r.nccl_key, r.nccl_uid) for r in asked] == [(3, "A->B", b"u")]
 
 
 def test_an_id_for_cupy_before_14_goes_as_chars_of_the_platforms_sign():
@@ -463,7 +466,7 @@ def test_gpu_rows_that_cuda_ipc_cannot_share_here_come_through_host_memory(monke
     import zmq
 
     from asyncrl.comm import cuda_ipc, dataplane, messages
-    from asyncrl.comm.remote import Piece, Shard
+    from asyncrl.comm.remote import Piece, RemoteBatch, Shard
 
     monkeypatch.setattr(cuda_ipc, "_failed", None, raising=False)  # (IPC not given up yet)
     monkeypatch.setattr(cuda_ipc, "_visible", ["GPU-x"])
@@ -493,7 +496,7 @@ def test_gpu_rows_that_cuda_ipc_cannot_share_here_come_through_host_memory(monke
     try:
         with caplog.at_level(logging.WARNING, logger="asyncrl"):
             for _ in range(2):
-                assert client._fetch_rows(None)["x"].tolist() == [1.0, 1.0]
+                assert client._fetch_rows(RemoteBatch([], ()))["x"].tolist() == [1.0, 1.0]
         assert tried == [True, False, False]
         warned = [r.getMessage() for r in caplog.records if "CUDA IPC" in r.getMessage()]
         assert len(warned) == 1 and "through host memory" in warned[0], warned

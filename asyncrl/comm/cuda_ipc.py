@@ -20,7 +20,9 @@ in shared memory the consumer decrements). A consumer that will not copy rows it
 Where torch cannot export or open rows (memory in expandable segments is shared through
 pidfd_getfd, which a container without ptrace rights refuses: pytorch#165685), the call
 raises IpcUnavailable; DataClient then pulls the rows through host memory, and this process
-uses CUDA IPC no more (`give_up`, said once in the log).
+uses CUDA IPC no more (`give_up`, said once in the log). An open is taken for that only
+where no open ever succeeded in this process, or pidfd may be the cause: otherwise the
+rows' producer most likely died or freed them, and only that transfer fails (RuntimeError).
 """
 
 from __future__ import annotations
@@ -36,16 +38,22 @@ log = logging.getLogger("asyncrl")
 _visible: list[str] | None = None
 _failed: str | None = None  # why CUDA IPC failed in this process: not used again
 _open_failed = False  # opening failed here (not a producer's export): releases would too
+_opened = False  # an open succeeded here: a later failure is the rows', not the process's
 
 
 class IpcUnavailable(RuntimeError):
     """torch could not export or open GPU rows for CUDA IPC here."""
 
 
+def _pidfd(e: RuntimeError) -> bool:
+    """Whether `e` may be torch's pidfd_getfd refused (memory in expandable segments)."""
+    return "pidfd" in str(e) or "expandable_segments" in os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF", "")
+
+
 def _unavailable(what: str, e: RuntimeError) -> IpcUnavailable:
     hint = ""
-    if "pidfd" in str(e) or "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
-                                                                    ""):
+    if _pidfd(e):
         hint = ("; torch shares memory in expandable segments (PYTORCH_CUDA_ALLOC_CONF="
                 "expandable_segments:True) through pidfd_getfd, which a container without "
                 "ptrace rights refuses (pytorch#165685): unset expandable_segments in the "
@@ -103,15 +111,21 @@ def _open(info: IpcRows) -> tuple[int, torch.UntypedStorage]:
                            f"process (it sees {visible}); place the groups on the same GPUs "
                            f"(colocate_with) or use Controller(transport='tcp')")
     device = visible.index(info.gpu)  # the producer's index means nothing here
+    global _open_failed, _opened
     try:
-        return device, torch.UntypedStorage._new_shared_cuda(
+        storage = torch.UntypedStorage._new_shared_cuda(
             device, info.handle, info.storage_bytes, info.storage_offset_bytes,
             info.ref_counter_handle, info.ref_counter_offset, info.event_handle,
             info.event_sync)
     except RuntimeError as e:
-        global _open_failed
+        if _opened and not _pidfd(e):  # CUDA IPC works here: these rows are the trouble
+            raise RuntimeError(f"CUDA IPC could not open GPU rows of {info.gpu} ({e}); this "
+                               f"process opened others before, so their producer most likely "
+                               f"died or freed them") from e
         _open_failed = True
         raise _unavailable("open", e) from e
+    _opened = True
+    return device, storage
 
 
 def release(info: IpcRows) -> None:

@@ -141,6 +141,13 @@ def _encoded(req: Pull) -> bytes:
     return body
 
 
+def _error_type(error: str) -> type[Exception]:
+    """A producer's error reply is raised here as there where a caller may catch it
+    (IpcUnavailable: pulled again through host memory; TransferTimeout), else RuntimeError."""
+    kinds = {kind.__name__: kind for kind in (cuda_ipc.IpcUnavailable, TransferTimeout)}
+    return kinds.get(error.partition(":")[0], RuntimeError)
+
+
 @dataclass
 class _Retired:
     """A socket whose CUDA IPC pulls timed out, kept only to release their late replies."""
@@ -212,8 +219,8 @@ class DataClient:
         overlaps the transfer of the next), all within the timeout: of silence, plus the
         time the largest reply awaited takes at LINK_MIN_RATE (`nbytes`: a reply's bytes
         over the socket; a reply is heard of only once all of it came)."""
+        self._close_gone()  # (first: a dead producer's late CUDA IPC rows cannot be opened)
         self._drain_late()
-        self._close_gone()
         self._check_alive(piece for piece, _ in requests)  # before anything is sent
         pending: dict[int, tuple[Piece, Pull]] = {}
         poller = zmq.Poller()
@@ -282,15 +289,14 @@ class DataClient:
                     deadline = time.monotonic() + silence()  # the timeout is for silence
                     piece, req = pending.pop(reply.xfer_id)
                     try:
-                        if reply.error:  # (its CUDA IPC export failed: IpcUnavailable)
-                            raise (cuda_ipc.IpcUnavailable if reply.error.startswith(
-                                "IpcUnavailable:") else RuntimeError)(
+                        if reply.error:
+                            raise _error_type(reply.error)(
                                 f"pull from {piece.shard.peer} failed: {reply.error}")
                         if len(frames) - 2 != len(reply.buffers):
                             raise RuntimeError(f"pull from {piece.shard.peer}: "
                                                f"{len(frames) - 2} buffers for "
                                                f"{len(reply.buffers)} columns")
-                    except RuntimeError:
+                    except (RuntimeError, TransferTimeout):
                         _release(reply.ipc.values())
                         self._give_up(pending)  # the others' replies: not for the next pull
                         raise
@@ -329,7 +335,8 @@ class DataClient:
         try:
             return self._pull_rows(rb)
         except cuda_ipc.IpcUnavailable as e:  # torch could not share the rows here (see
-            cuda_ipc.give_up(e)  # comm/cuda_ipc.py): this pull again, through host memory
+            self._check_alive(rb.pieces)  # comm/cuda_ipc.py; not a dead producer's fault):
+            cuda_ipc.give_up(e)  # this pull again, through host memory
             return self._pull_rows(rb)
 
     def _pull_rows(self, rb: RemoteBatch) -> TensorBatch:
@@ -435,6 +442,8 @@ class DataClient:
             self._copy_own(req, rows_at[req.xfer_id], lists, ipc, by_nccl,
                            lease.buf if lease is not None else heap, offsets, row_bytes)
         links = {k: nccl.link(k) for k in sorted({r.nccl_key for _, r in requests if r.nccl})}
+        for _, req in requests:  # bound to this making of its link (see Pull.nccl_uid)
+            req.nccl_uid = links[req.nccl_key].uid if req.nccl else b""
 
         def post() -> None:  # the receives of every bucket, once its pull is on its way
             for key, end in links.items():
@@ -463,7 +472,7 @@ class DataClient:
             if lease is not None:  # a late producer may still write into it: never reuse
                 lease.discard()
             for key, end in links.items():  # a receive may never complete: give the
-                nccl.forget(key, end)          # communicator up
+                nccl.forget(key, end, "a pull on it failed")  # communicator up
             raise
         finally:
             for end in links.values():

@@ -111,6 +111,7 @@ class DataServer:
         self._timeout = timeout  # for an NCCL send to be received
         self.rejected = 0  # well-signed requests that could not be served
         self._senders: dict[str, ThreadPoolExecutor] = {}  # NCCL key -> its thread
+        self._senders_lock = threading.Lock()
         self._replies = f"inproc://asyncrl-data-replies-{id(self)}"
         self._local = threading.local()  # each sender thread's socket to the server's
         bound = threading.Event()
@@ -169,15 +170,28 @@ class DataServer:
         if not isinstance(req, Pull):
             self._verifier.drop("unexpected")
             return
-        if req.nccl:
+        if req.nccl and self._send_later(req, identity):
+            return
+        reply, buffers = self._reply(req, identity)  # (no such link: refused at once)
+        self._send(identity, messages.encode(reply), buffers)
+
+    def _send_later(self, req: Pull, identity: bytes) -> bool:
+        """Queue an NCCL pull on its link's thread; False: this rank has no such link."""
+        with self._senders_lock:  # (group_gone, on the rank's io thread, ends threads)
             sender = self._senders.get(req.nccl_key)
-            if sender is None:
+            if sender is None and nccl.has(req.nccl_key, connecting=True):
                 sender = self._senders[req.nccl_key] = ThreadPoolExecutor(
                     1, thread_name_prefix="asyncrl-nccl-send", initializer=self._start_thread)
-            sender.submit(self._answer_later, req, identity)
-            return
-        reply, buffers = self._reply(req, identity)
-        self._send(identity, messages.encode(reply), buffers)
+            if sender is not None:
+                sender.submit(self._answer_later, req, identity)
+        return sender is not None
+
+    def _close_push(self) -> None:
+        """On a sender thread, its last task: close its socket to the server's thread."""
+        push = getattr(self._local, "push", None)
+        if push is not None:
+            push.close(0)
+            del self._local.push
 
     def _answer_later(self, req: Pull, identity: bytes) -> None:
         """On a sender thread: answer, and hand the reply to the server's thread."""
@@ -250,7 +264,7 @@ class DataServer:
                                f"{missing}")
             group, rank = _puller(identity)
             nccl.send(req.nccl_key, [tensors.pop(k)[req.start:req.stop] for k in req.nccl],
-                      (group, int(rank)), self._timeout)
+                      (group, int(rank)), self._timeout, req.nccl_uid)
         if not req.dest:
             if req.columns:  # one group of a wide row's columns
                 missing = [c.key for c in req.columns if c.key not in tensors]
@@ -285,8 +299,15 @@ class DataServer:
     def group_gone(self, group: str) -> None:
         """Unmap the segments of `group`'s ranks that rows were written into (a closed
         consumer's pools are unlinked, and a mapping kept would pin their memory until
-        this rank mapped some new segment)."""
+        this rank mapped some new segment); end the sender threads of its links (a long
+        run that makes and closes groups would pile them up), each once its queue is done
+        (its sends fail at once: nccl.forget_group aborts their links)."""
         self._mapper.forget_prefix(f"{self._run_prefix}{group}+")
+        with self._senders_lock:
+            for key in [k for k in self._senders if group in k.split("->")]:
+                sender = self._senders.pop(key)
+                sender.submit(self._close_push)
+                sender.shutdown(wait=False)
 
     def close(self) -> None:
         self._mapper.close()

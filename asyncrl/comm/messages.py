@@ -240,6 +240,8 @@ class Pull(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     nccl: list[str] = []  # columns to send by NCCL, in this order, on communicator nccl_key
     nccl_key: str = ""
     no_lists: bool = False  # a row's later column group: its list columns came with the first
+    nccl_uid: bytes = b""  # the making of link nccl_key it is for (its uid; b"": any): a
+    # producer never sends it on a link set up again since (its consumer gave it up)
 
 
 class Pulled(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

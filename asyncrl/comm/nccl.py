@@ -36,9 +36,12 @@ A send or receive that does not finish within the transfer timeout aborts the co
 (NCCL cannot be interrupted otherwise), and a transfer still waiting on the aborted one fails
 (its kernels end without moving the bytes). A rank's error reply names the links it aborted
 (`aborted()`, each with the id it was made from): the controller sets up those again, and
-keeps the others, which calls may still be using. When the
-controller announces a group dead or closed (PeersGone), every link with it is aborted at
-once: a send to a receiver that died ends then, not at the timeout.
+keeps the others, which calls may still be using. A pull names the making of the link it
+was posted for (its uid): a producer never sends one left in its queue on a link set up
+again since (it would take a later pull's receives), and a link is used by no call before
+its set-up byte moved. When the controller announces a group dead or closed (PeersGone),
+every link with it is aborted at once: a send to a receiver that died ends then, not at the
+timeout. A transfer failed by an abort says why the link was aborted.
 
 Imports CuPy only when a communicator is made. `ASYNCRL_NCCL_MODULE` names another module
 with the same API (cupy.cuda.nccl's get_unique_id, NcclCommunicator, groupStart/groupEnd,
@@ -56,7 +59,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -109,6 +112,9 @@ class Link:
     stream: Any = None  # its torch.cuda.Stream on a GPU (None on CPUs: the stand-in's own)
     aborted: bool = False  # an aborted communicator's kernels end without moving the bytes
     uid: bytes = b""  # the unique id it was made from: which making of the link it is
+    # set once its set-up transfer is done (only then do calls use it), or it is aborted
+    connected: threading.Event = field(default_factory=threading.Event)
+    why: str = ""  # why it was aborted (said by the transfers it fails)
 
 
 _links: dict[str, Link] = {}  # key ("A->B") -> this rank's end
@@ -129,12 +135,13 @@ def join(key: str, uid: bytes, world: int, rank: int, offsets: dict[str, int]) -
         stream = torch.cuda.Stream(torch.cuda.current_device())
     comm = _communicator(nccl, world, uid, rank)
     end = Link(comm, dict(offsets), threading.Lock(), stream, uid=uid)
-    with _guard:
+    with _guard:  # has() and link() say no until its set-up byte moved: a receive posted
+        # before it would take that byte, and its pull's rows would come a bucket late
         old = _links.pop(key, None)
         _links[key] = end
         _aborted.pop(key, None)
     if old is not None:
-        _abort(old)
+        _abort(old, "set up again for another call")
     _connect(key, end, rank, world)
 
 
@@ -161,8 +168,9 @@ def _connect(key: str, end: Link, me: int, world: int) -> None:
                 for peer, byte in zip(peers, bytes_, strict=True):
                     move(byte.data_ptr(), 1, nccl.NCCL_UINT8, peer, stream)
             _wait(key, end, "connecting", timeout)
+            end.connected.set()
     except BaseException:
-        forget(key, end)
+        forget(key, end, "its set-up failed")
         raise
 
 
@@ -170,30 +178,38 @@ def _transfer_timeout() -> float:
     return float(os.environ.get("ASYNCRL_TRANSFER_TIMEOUT", "60"))
 
 
-def has(key: str) -> bool:
+def has(key: str, connecting: bool = False) -> bool:
+    """Whether this rank's end of `key` is set up (its set-up transfer done; `connecting`:
+    or still being set up)."""
     with _guard:
-        return key in _links
+        found = _links.get(key)
+    return found is not None and (connecting or found.connected.is_set())
 
 
 def link(key: str) -> Link:
     with _guard:
         found = _links.get(key)
-    if found is None:
-        raise LookupError(f"no NCCL communicator {key!r} on this rank: the controller sets "
-                          f"one up before the first call that needs it")
+    if found is None or not found.connected.is_set():
+        raise _no_link(key)
     return found
 
 
-def forget(key: str, end: Link | None = None) -> None:
-    """Drop this rank's end of `key` (only if it is still `end`: a send that timed out on
-    a communicator that was replaced meanwhile must not abort the new one)."""
+def _no_link(key: str) -> LookupError:
+    return LookupError(f"no NCCL communicator {key!r} on this rank: the controller sets one "
+                       f"up before the first call that needs it")
+
+
+def forget(key: str, end: Link | None = None, why: str = "given up on this rank") -> None:
+    """Drop this rank's end of `key`, aborted for the reason `why` (only if it is still
+    `end`: a send that timed out on a communicator that was replaced meanwhile must not
+    abort the new one)."""
     with _guard:
         old = _links.get(key)
         if old is None or (end is not None and old is not end):
             return
         del _links[key]
         _aborted[key] = old.uid
-    _abort(old)
+    _abort(old, why)
 
 
 def aborted() -> dict[str, bytes]:
@@ -210,19 +226,22 @@ def forget_group(group: str) -> None:
         ends = [(k, end) for k, end in _links.items() if group in k.split("->")]
     def abort_them() -> None:
         for key, end in ends:
-            forget(key, end)
+            forget(key, end, f"group {group!r} is gone (dead or closed)")
 
     if ends:  # the ends as they are now; aborted beside the caller (the rank's io thread,
         # which keeps its heartbeats going: an abort may take a while)
         threading.Thread(target=abort_them, daemon=True, name="asyncrl-nccl-abort").start()
 
 
-def _abort(found: Link) -> None:
+def _abort(found: Link, why: str) -> None:
     """Abort `found`'s communicator, holding _calls (CuPy frees it: no NCCL call of this
     process may run meanwhile). A groupEnd of `found` itself that holds _calls over
     STUCK_S waits for a peer: aborted at once, the only way out (nothing else runs NCCL:
     the lock is held; its thread clears `_ending` only once the abort is done)."""
+    if not found.aborted:
+        found.why = why
     found.aborted = True  # no new group starts on it
+    found.connected.set()  # (a send waiting for its set-up goes on, to fail)
     while not _calls.acquire(timeout=0.1):  # (every holder lets go within its timeout)
         with _ending_guard:
             if _ending is not None and _ending[0] is found and \
@@ -268,9 +287,8 @@ def _group(nccl: Any, key: str, end: Link, what: str, timeout: float) -> Iterato
     global _ending
     with _held(_calls, timeout, key, what, _GROUP_HELD):
         if end.aborted:
-            raise RuntimeError(f"NCCL {what} on {key!r}: the communicator was aborted (a "
-                               f"transfer past its timeout, its peer group gone, or set up "
-                               f"again); nothing was posted")
+            raise RuntimeError(f"NCCL {what} on {key!r}: the communicator was aborted "
+                               f"({end.why}); nothing was posted")
         nccl.groupStart()
         try:
             yield
@@ -279,7 +297,7 @@ def _group(nccl: Any, key: str, end: Link, what: str, timeout: float) -> Iterato
 
             def give_up() -> None:
                 fired.set()
-                forget(key, end)
+                forget(key, end, f"its {what} waited for its peer over {timeout:g} s")
             watchdog = threading.Timer(timeout, give_up)
             watchdog.daemon = True
             with _ending_guard:
@@ -331,7 +349,7 @@ def _wait(key: str, end: Link, what: str, timeout: float) -> None:
     elif end.comm.wait_all(timeout):  # the CPU stand-in's stream (tests/fake_nccl.py)
         _check_not_aborted(key, end, what)
         return
-    forget(key, end)
+    forget(key, end, f"its {what} was not done within {timeout:g} s")
     raise TransferTimeout(f"NCCL {what} on {key!r} not done within {timeout:g} s; the "
                           f"communicator was aborted")
 
@@ -339,16 +357,29 @@ def _wait(key: str, end: Link, what: str, timeout: float) -> None:
 def _check_not_aborted(key: str, end: Link, what: str) -> None:
     if end.aborted:
         raise RuntimeError(f"NCCL {what} on {key!r}: the communicator was aborted during it "
-                           f"(set up again for another call); the transfer did not complete")
+                           f"({end.why}); the transfer did not complete")
 
 
-def send(key: str, tensors: list[torch.Tensor], to: tuple[str, int], timeout: float) -> None:
-    """Producer side: send `tensors` (rows already cut) to rank `to` = (group, rank). One
+def send(key: str, tensors: list[torch.Tensor], to: tuple[str, int], timeout: float,
+         uid: bytes = b"") -> None:
+    """Producer side: send `tensors` (rows already cut) to rank `to` = (group, rank), on
+    the making of link `key` from `uid` (the one the pull was posted for; b"": any). One
     send at a time in a process, whatever its communicator: NCCL kernels of two
     communicators live on one GPU at once may deadlock each other (NCCL's guide)."""
     what = f"send to {to[0]}:{to[1]}"
+    with _guard:
+        found = _links.get(key)
+    if found is None:  # refused at once, not once the send lock is free
+        raise _no_link(key)
+    if not found.connected.wait(timeout):  # a consumer may pull once its own end is set up
+        raise TransferTimeout(f"NCCL {what} on {key!r}: its set-up on this rank was not done "
+                              f"within {timeout:g} s; nothing sent")
     with _held(_sending, timeout, key, what, _SENDS_HELD):
         end, nccl = link(key), backend()
+        if uid and end.uid != uid:  # a pull its consumer gave up, left in this rank's
+            # queue: on the new communicator its rows would take a later pull's receive
+            raise RuntimeError(f"NCCL {what} on {key!r}: the link was set up again since "
+                               f"this pull was made (its consumer gave it up); nothing sent")
         peer = end.offsets[to[0]] + to[1]
         with _on_stream(end, tensors) as stream:
             flats = [byte_view(t) for t in tensors]  # alive until the stream is done with them
