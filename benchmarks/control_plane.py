@@ -314,7 +314,7 @@ def main() -> None:
         rounds.append(got)
     for system, ranks in rounds[0]:
         result(system, ranks, [r[system, ranks] for r in rounds], ctx)
-    emit(summary(rounds))
+    emit({**summary(rounds), **ctx})
 
 
 if __name__ == "__main__":

@@ -17,14 +17,16 @@ loop, its ZeroMQ I/O thread and the release of each result) over many sequential
 
 in `--repeat` rounds, the best reported (CPU time on a shared machine moves with its load).
 First, the floor: a plain pyzmq ROUTER here sending one frame of a Call's size to each of N
-DEALERs (forked echo processes) and receiving one back, nothing else.
+DEALERs (forked echo processes) and receiving one back, nothing else: a direct fan-out
+("relay": false), the like for like of --no-relay; a relayed call's per-rank frames go through
+the HostRelay threads of the host processes, whose CPU is not counted.
 
     {"bench": "controller_scale", "ranks": N, "call": "broadcast"|"dp"|"zmq_floor",
      "us_per_rank": ..., "zmq_io_us_per_rank": ... (the part ZeroMQ's I/O thread used), ...}
 
 Run: `.venv/bin/python benchmarks/controller_scale.py [--sizes 64,256,1024] [--repeat 3]
-[--rank-calls 20000] [--encrypt]` (about 80 s on 2 cores). The host processes run this file
-with `--host`; driver code stays behind __main__.
+[--rank-calls 20000] [--warmup 0.2] [--encrypt] [--no-relay]` (about 80 s on 2 cores). The
+host processes run this file with `--host`; driver code stays behind __main__.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -186,7 +189,10 @@ def context() -> dict[str, Any]:
 
 
 def zmq_io_cpu() -> float:
-    """CPU seconds of this process's ZeroMQ I/O threads so far (0 where /proc is missing)."""
+    """CPU seconds of this process's ZeroMQ I/O threads so far (0 where /proc is missing):
+    from schedstat's run time in ns where the kernel has it; else from stat's utime + stime,
+    in clock ticks (10 ms: a repeat's I/O time is only a few ticks, so that reading is +-1
+    tick, +-25-50 %; the figures benchmarks/README.md quotes were read so)."""
     total = 0.0
     try:
         tasks = os.listdir("/proc/self/task")
@@ -198,9 +204,16 @@ def zmq_io_cpu() -> float:
                 stat = f.read()
         except OSError:
             continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
-        if name.startswith("ZMQbg/IO"):
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if not stat[stat.index("(") + 1:stat.rindex(")")].startswith("ZMQbg/IO"):
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+            continue
+        except (OSError, ValueError, IndexError):
+            pass
+        fields = stat.rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
 
@@ -253,7 +266,7 @@ async def measure(ctl: SimController, n: int, kinds: list[str], calls: int, warm
     relayed = bool(ctl.relay_of)
     await ctl.close_group(group)
     return [record(n, call, calls, repeats[call], hosts=len(group.agent.agents),
-                   spawn_s=spawn_s, relay=relayed) for call in kinds]
+                   spawn_s=spawn_s, relay=relayed, warmup=warmup) for call in kinds]
 
 
 async def bench(sizes: list[int], kinds: list[str], rank_calls: int, warmup: float,
@@ -336,8 +349,10 @@ def zmq_floor(n: int, calls: int, warmup: int, repeat: int) -> dict[str, Any]:
                 one()
 
         many(warmup)
+        # relay False: a direct fan-out, one frame per rank from here (the like for like of
+        # --no-relay; a relayed call's per-rank frames are sent by relays in the hosts)
         return record(n, "zmq_floor", calls, [timed(lambda: many(calls)) for _ in range(repeat)],
-                      hosts=len(procs))
+                      hosts=len(procs), relay=False, warmup=warmup)
     finally:
         for peer in peers:
             router.send_multipart([peer, b"stop"])
@@ -367,7 +382,10 @@ def main() -> None:
                    help="Controller(relay=False): every rank talks to the controller itself")
     args = p.parse_args()
     logging.getLogger("asyncrl").setLevel(logging.ERROR)  # "ranks share cores": expected
-    ctx = context()
+    ctx = {**context(), "warmup_share": args.warmup,
+           # where zmq_io_us_per_rank was read from: "schedstat" (ns) or "stat" (10 ms ticks)
+           "zmq_io_from": "schedstat" if os.path.exists(
+               f"/proc/self/task/{threading.get_native_id()}/schedstat") else "stat"}
     sizes = [int(s) for s in args.sizes.split(",")]
     kinds = args.calls.split(",")
     floors = [] if args.no_floor else [  # first: forked before any thread is started
@@ -381,7 +399,10 @@ def main() -> None:
     by = {(r["ranks"], r["call"]): r["us_per_rank"] for r in results}
     largest, smallest = max(sizes), min(sizes)
     summary: dict[str, Any] = {"bench": "controller_scale", "summary": True,
-                               "target_us_per_rank": TARGET_US}
+                               "target_us_per_rank": TARGET_US, "encrypt": args.encrypt,
+                               # the calls' at the largest size (the floor's is direct)
+                               "relay": next(r["relay"] for r in results
+                                             if r["ranks"] == largest)}
     for call in kinds:
         top, base = by[(largest, call)], by[(smallest, call)]
         # the target: at most TARGET_US per rank at the largest size, and no faster than
@@ -390,7 +411,7 @@ def main() -> None:
                          f"growth_{smallest}_to_{largest}": round(top / base, 2)}
     if floors:
         summary["zmq_floor_us_per_rank"] = floors[-1]["us_per_rank"]
-    print(json.dumps(summary), flush=True)
+    print(json.dumps({**summary, **ctx}), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ single-thread copy of the same bytes between two already-allocated buffers.
              (torch tensors, as the issue defines the peer; and numpy arrays, which Ray
              reads from its store without a copy: their copy into the store is made when
              the actor returns, before the timing starts; reported, no target)
-    memcpy   torch copy_ of the same bytes, one thread, both buffers warm (the issue's
-             baseline, measured first); and again right before asyncrl's run with as many
-             threads as ranks copy at once in its hand-offs (its two producers), each thread
-             copying its share: a second baseline, reported beside the first (no target)
+    memcpy   torch copy_ of the same bytes, one thread, both buffers warm, on the huge pages
+             the ranks ask for (the issue's baseline, measured first); and again right before
+             asyncrl's run with as many threads as ranks copy at once in its hand-offs (its
+             two producers), each thread copying its share: a second baseline, reported
+             beside the first (no target)
 
 Then dp2 -> dp1 again with the producing call inside the timing (`"timed": "produce+hand-off"`,
 asyncrl and both Ray variants): every system's copies counted, wherever it makes them.
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from machine import describe, version
+from machine import describe, describe_gpu, version
 
 try:
     import psutil
@@ -76,9 +77,10 @@ def emit(record: dict[str, Any]) -> None:
 
 def context(args: argparse.Namespace) -> dict[str, Any]:
     """The machine and versions, and how each figure was taken: `repeat` timed runs (their
-    median) after one untimed."""
+    median) after one untimed, torch's huge pages on or off (see main())."""
     return {**describe(**{d: version(d) for d in ("torch", "ray", "pyzmq", "asyncrl")}),
-            "repeat": args.repeat, "warmup": 1}
+            "repeat": args.repeat, "warmup": 1,
+            "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE")}
 
 
 def gib_per_s(nbytes: int, seconds: list[float]) -> dict[str, float]:
@@ -113,6 +115,9 @@ def bench_memcpy(nbytes: int, repeat: int, ctx: dict[str, Any], threads: int = 1
 
 # -- GPU -----------------------------------------------------------------------------------
 def bench_gpu(nbytes: int, repeat: int, ctx: dict[str, Any]) -> None:
+    # which GPU (the driver's first: its copy below starts CUDA here anyway; the ranks are on
+    # GPUs of the same host)
+    ctx = {**ctx, "gpu": describe_gpu()}
     src = torch.ones(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -134,7 +139,7 @@ def bench_ray(nbytes: int, repeat: int, ctx: dict[str, Any]) -> list[dict[str, A
     try:
         import ray
     except ImportError:
-        emit({"bench": "data_plane", "system": "ray", "skipped": "ray is not installed"})
+        emit({"bench": "data_plane", "system": "ray", "skipped": "ray is not installed", **ctx})
         return []
 
     @ray.remote(num_cpus=0)
@@ -152,10 +157,6 @@ def bench_ray(nbytes: int, repeat: int, ctx: dict[str, Any]) -> list[dict[str, A
             return float(sum((torch.from_numpy(p) if isinstance(p, np.ndarray) else p).sum()
                              for p in parts))
 
-    # Ray's workers inherit this environment: the huge pages asyncrl's ranks ask for, which
-    # make Ray's torch hand-off faster too (1.7 against 1.1 GiB/s dp2->dp2 here; numpy's
-    # arrays take them anyway)
-    os.environ.update({**RANK_ENV_DEFAULTS, **os.environ})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=max(4 * nbytes, 1 << 30))
     out = []
@@ -259,7 +260,8 @@ async def _asyncrl(nbytes: int, repeat: int, calls: int, ctx: dict[str, Any],
 async def _lifetimes(ctl: asyncrl.Controller, source: Any, sink: Any, calls: int,
                      ctx: dict[str, Any]) -> dict[str, Any]:
     if psutil is None:
-        rec = {"bench": "data_plane", "check": "lifetimes", "skipped": "psutil is not installed"}
+        rec = {"bench": "data_plane", "check": "lifetimes", "skipped": "psutil is not installed",
+               **ctx}
         emit(rec)
         return rec
     procs = [psutil.Process(p) for g in (source, sink) for p in g.pids.values()]
@@ -307,6 +309,13 @@ def main() -> None:
     if args.quick:
         args.mib, args.repeat, args.calls = 32, 2, 500
     nbytes = args.mib << 20
+    # the huge pages asyncrl's ranks ask for (RANK_ENV_DEFAULTS), here too before anything is
+    # allocated: torch reads THP_MEM_ALLOC_ENABLE once, at its first CPU allocation (not on
+    # import), so the memcpy baselines below copy under the ranks' setting (the memcpy
+    # figures benchmarks/README.md quotes ran without it); Ray's workers inherit it, which
+    # makes Ray's torch hand-off faster too (1.7 against 1.1 GiB/s dp2->dp2 here; numpy's
+    # arrays take them anyway)
+    os.environ.update({**RANK_ENV_DEFAULTS, **os.environ})
     ctx = context(args)
     if args.gpu:
         bench_gpu(nbytes, args.repeat, ctx)
@@ -339,7 +348,7 @@ def main() -> None:
             # no target: against a copy by as many threads as its producers
             f"over_memcpy_{PRODUCERS}_threads": round(rec["gib_per_s"] / copy_n["gib_per_s"],
                                                       2)}
-    emit(summary)
+    emit({**summary, **ctx})
 
 
 if __name__ == "__main__":

@@ -112,6 +112,8 @@ class SwitchBench(asyncrl.Worker):
             t0 = time.perf_counter()
             self.hybrid.to_generate()
             self.hybrid.to_train()
+            if torch.cuda.is_available():  # the barrier goes over gloo: it waits for no kernel
+                torch.cuda.synchronize()
             dist.barrier()
             times.append(time.perf_counter() - t0)
         return {"switch_s": statistics.median(times),
