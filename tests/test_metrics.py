@@ -16,7 +16,13 @@ import torch
 
 import asyncrl
 from asyncrl.controller import logs
-from asyncrl.controller.launch import Metrics, default_run_dir, scalars, write_spans
+from asyncrl.controller.launch import (
+    Metrics,
+    default_run_dir,
+    scalars,
+    write_last_spans,
+    write_spans,
+)
 from asyncrl.controller.timeline import Event, Timeline, draw
 from asyncrl.controller.trackers import Wandb
 
@@ -425,6 +431,36 @@ def test_spans_whose_write_was_cancelled_are_written_once(tmp_path, monkeypatch)
             await writing
         go.set()
         await last_write(tl)  # (after the thread's: the timeline's lock)
+    asyncio.run(main())
+    assert written_spans(tmp_path) == [(0, "rollout"), (1, "train")]
+
+
+def test_spans_of_a_checkpoint_write_that_fails_as_the_run_ends_are_written_last(
+        tmp_path, monkeypatch):
+    """The run's last write took what memory held while a checkpoint's write still ran;
+    that write failed (a full disk) and put its spans back after the take: never written."""
+    import asyncrl.controller.timeline as timeline_module
+
+    real, began, go = timeline_module._append, threading.Event(), threading.Event()
+
+    def full_once(path, data):
+        if not began.is_set():
+            began.set()
+            go.wait(60)
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+    monkeypatch.setattr(timeline_module, "_append", full_once)
+    tl = Timeline(tmp_path)
+    tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
+
+    async def main():
+        writing = asyncio.create_task(write_spans(tl, 0))
+        await asyncio.to_thread(began.wait, 60)
+        tl.add(Event("policy", "train", 1, 1.6, 1.9))
+        go.set()
+        await write_last_spans(tl)
+        with pytest.raises(OSError, match="No space"):
+            await writing
     asyncio.run(main())
     assert written_spans(tmp_path) == [(0, "rollout"), (1, "train")]
 

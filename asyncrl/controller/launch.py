@@ -362,7 +362,7 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                 finally:
                     await flow.close()
             finally:
-                timeline.write(timeline.take())
+                await write_last_spans(timeline)
         failed = False
     finally:
         metrics.close(failed)  # (wandb's service process with it)
@@ -391,6 +391,13 @@ async def write_spans(timeline: Timeline, step: int) -> None:
 
 
 _WRITES: set[asyncio.Future[None]] = set()
+
+
+async def write_last_spans(timeline: Timeline) -> None:
+    """The run's last write: the spans left in memory, once the writes still under way
+    have ended (one that fails puts its spans back: taken now, they would be lost)."""
+    await asyncio.gather(*_WRITES, return_exceptions=True)
+    timeline.write(timeline.take())
 
 
 def _ended_write(writing: asyncio.Future[None]) -> None:
