@@ -3,17 +3,21 @@ is every group call it made, returned or not.
 
     _run_node: node_calls.set(Calls()) ──▶ fn() ──▶ group.call(...) ──▶ note_call(future)
     finished(): the node returned ──▶ its returned futures done (their failure is the node's)
-                                  ──▶ the calls it noted done (a failure: the group says it)
+                                  ──▶ the calls it noted done (the first to fail: the node's)
 
 A node that calls a group without returning the future (`rollouts.load_weights(...)` in a
-node that returns metrics) has not finished until that call ends: a `follows=` edge on it
-and a checkpoint after its step wait for the call, as for a returned one.
+node that returns metrics, or one inside a dataclass it returns) has not finished until that
+call ends: a `follows=` edge on it and a checkpoint after its step wait for the call, as for
+a returned one, and its failure is the node's (a NodeError: the next rollout does not run on
+the old weights). A call that recovery re-ran the node after (a stateless group's death)
+counts no more: the re-run's calls do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,15 +31,40 @@ F = TypeVar("F", bound=asyncio.Future)
 
 
 class Calls:
-    """The group calls a node made that are not done yet (a done one is let go at once)."""
+    """The group calls a node made that are not done yet (a done one is let go at once), and
+    those of the node's last run that failed."""
 
     def __init__(self) -> None:
         self.running: set[asyncio.Future[Any]] = set()
+        self._failures: list[DistFuture] = []
+        self._run = 0  # the node's runs so far (recovery re-runs it after a death)
 
-    def add(self, fut: asyncio.Future[Any]) -> None:
-        if not fut.done():
-            self.running.add(fut)
-            fut.add_done_callback(self.running.discard)
+    def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        """`fn(**kwargs)`, a run of the node (recovery re-runs it after a death): the failures
+        of its earlier runs' calls, which this run repairs, are forgotten (those calls are
+        still waited for)."""
+        self._run += 1
+        self._failures = []
+        return fn(**kwargs)
+
+    def add(self, future: DistFuture) -> None:
+        fut, ended = future._fut, functools.partial(self._ended, self._run, future)
+        if fut.done():  # (noted from a thread after it ended)
+            ended(fut)
+            return
+        self.running.add(fut)
+        fut.add_done_callback(self.running.discard)
+        fut.add_done_callback(ended)
+
+    def _ended(self, run: int, future: DistFuture, fut: asyncio.Future[Any]) -> None:
+        if run == self._run and not fut.cancelled() and fut.exception() is not None:
+            self._failures.append(future)  # (cancelled: the step was, which says so)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The first failure of the last run's calls that the node did not await: one it
+        awaited was raised to it, its own to handle (caught, or its failure already)."""
+        return next((f._fut.exception() for f in self._failures if not f._awaited), None)
 
     async def done(self) -> None:
         while self.running:  # (a task the node started may call on while this waits)
@@ -58,9 +87,9 @@ def note_call(future: DistFuture) -> None:
     except RuntimeError:  # a thread the node started (asyncio.to_thread)
         here = False
     if here:
-        calls.add(future._fut)
+        calls.add(future)
     else:  # (ahead of the thread's result, which the node awaits on the loop)
-        loop.call_soon_threadsafe(calls.add, future._fut)
+        loop.call_soon_threadsafe(calls.add, future)
 
 
 def quiet(fut: F) -> F:
@@ -79,12 +108,14 @@ async def shielded(tasks: Iterable[asyncio.Future]) -> None:
 async def finished(returned: asyncio.Task, calls: Calls,
                    blame: Callable[[Exception], NodeError]) -> None:
     """A node has finished when it returned, every DistFuture it returned is done and every
-    group call it made has ended."""
+    group call it made has ended; it failed when one of those failed (`blame` names it)."""
     out = await returned
     try:
         for fut in futures_in(out):
             await asyncio.shield(fut._fut)
+        await calls.done()
+        if isinstance(calls.failed, Exception):  # one it did not return (a sync's load):
+            raise calls.failed  # else the next step's rollout ran on the old weights
     except Exception as e:  # the work the node started failed: say which node
         err = blame(e)
         raise err from err.__cause__
-    await calls.done()

@@ -12,8 +12,9 @@ other nodes, or `<node>_out`, and `step`: the step index, unless a node or an in
 name). What it receives is exactly what the upstream node returned. Step t+1 is
 dispatched once every node of step t has returned: an async node that awaits its group's
 work holds it until that work is done (a plain node returning the DistFuture does not).
-A node has *finished* once its returned futures and every group call it made are done
-(finished.py); the graph is resolved and checked in flow_graph.py.
+A node has *finished* once its returned futures and every group call it made are done, and
+failed if one of those failed, returned or not (finished.py); the graph is resolved and
+checked in flow_graph.py.
 """
 
 from __future__ import annotations
@@ -283,14 +284,19 @@ class DataFlow:
                 task.result()  # raises its NodeError
             return {name: await task for name, task in step.returned.items()}
         except BaseException as e:
-            for task in (*step.returned.values(), *step.finished.values(), *step.watchers):
+            tasks = [*step.returned.values(), *step.finished.values(), *step.watchers]
+            for task in tasks:
                 task.cancel()  # (a recovery watcher would re-run a failed step's node)
             if not (isinstance(e, NodeError) and isinstance(e.__cause__, InputsExhausted)):
                 self._failed = t
                 raise
-            del self._steps[t]  # a node's own inputs ran out (DAPO's prompts): a normal end,
-            self._next, self.feed.ended = t, e.node  # its last checkpoint saved (_run_steps)
-            self.feed.unread()  # with step t's items not used (a resume reads them again)
+            # a node's own inputs ran out (DAPO's prompts): a normal end, its last checkpoint
+            self._next, self.feed.ended = t, e.node  # saved (_run_steps), with step t's
+            self.feed.unread()  # items not used (a resume reads them again)
+            # its other nodes' cleanup ends first, not after the last save or the close
+            # (a cancel here leaves step t for close() to wait on)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            del self._steps[t]
             say(self._ctl, f"[asyncrl] node {e.node!r}, step {t}: {e.__cause__}: the run ends")
             return None
 
@@ -315,7 +321,8 @@ class DataFlow:
                 # failed upstream future named as without it); the node's time starts after
                 await save_node_inputs(self.save_inputs / f"step{step.index}", n.name, kwargs)
                 start = time.perf_counter()
-            out = await self.recovery.call(n.name, step.index, lambda: n.fn(**kwargs))
+            out = await self.recovery.call(n.name, step.index, functools.partial(
+                calls.run, n.fn, kwargs))
         except (Exception, asyncio.CancelledError) as e:
             task = asyncio.current_task()  # the node's own cancel (a task it awaited): its
             if not isinstance(e, Exception) and (task is None or task.cancelling()):  # failure

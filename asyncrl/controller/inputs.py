@@ -2,7 +2,8 @@
 each iterable is, for checkpoints.
 
     positions()  ──▶ meta.json   a source with state_dict() (a PromptSource): its own state;
-                                 any other: {"consumed": n, "item": digest of item n}
+                                 any other: {"consumed": n, "item": digest of item n,
+                                 made as it was read: a node may change it in place}
     resume_at()  ◀── meta.json   load_state_dict(), or n items skipped and the n-th checked
                                  against its digest: a source whose order changes from run
                                  to run (a set of strings, a shuffle without a seed) would
@@ -30,11 +31,14 @@ class Inputs:
         self.sources = sources
         self._iters: dict[str, Iterator[Any] | None] = {}
         self.consumed: dict[str, int] = {}  # items taken from each iterable, the whole run
-        self._last: dict[str, Any] = {}  # the last item taken (skip-count sources)
+        # the digest of the last item taken (skip-count sources), made as it is read: a node
+        # may change its item in place (a DataLoader's dict batch) before a checkpoint
+        self._last: dict[str, str | None] = {}
         self.ended: str | None = None  # the input whose end ended the run, if one did
         # the last step's items, the restorable sources' states before them and _last
         # before them: unread() puts them back
-        self._read: tuple[dict[str, Any], list[tuple[str, Any, Any]], dict[str, Any]] | None = None
+        self._read: tuple[dict[str, Any], list[tuple[str, Any, Any]],
+                          dict[str, str | None]] | None = None
 
     def reset(self) -> None:
         """Every input from its beginning again (a rewind after a first read)."""
@@ -63,7 +67,7 @@ class Inputs:
                 out[name] = copy.deepcopy(source.state_dict())
                 continue
             out[name] = {"consumed": n}
-            digest = _digest(self._last[name]) if name in self._last else None
+            digest = self._last.get(name)
             if digest is not None:
                 out[name]["item"] = digest
         return out
@@ -116,7 +120,7 @@ class Inputs:
         assert it is not None
         last = _skipped(name, it, state, rewind)
         if state["consumed"]:  # (none taken: no item to digest at the next checkpoint)
-            self._last[name] = last
+            self._last[name] = _digest(last)
         self.consumed[name] = state["consumed"]
 
     def next(self) -> dict[str, Any] | None:
@@ -145,7 +149,7 @@ class Inputs:
         for name in self.consumed:  # only for a step that runs (checkpoints save these)
             self.consumed[name] += 1
             if not _restorable(self.sources[name]):
-                self._last[name] = values[name]
+                self._last[name] = _digest(values[name])
         return values
 
     def unread(self) -> None:

@@ -22,11 +22,12 @@ from asyncrl.comm.batch import RowOps
 
 
 class DistFuture:
-    __slots__ = ("_fut", "_loop", "_label", "busy_s", "__weakref__")
+    __slots__ = ("_fut", "_loop", "_label", "busy_s", "_awaited", "__weakref__")
     _fut: asyncio.Future[Any]
     _loop: asyncio.AbstractEventLoop
     _label: str
     busy_s: float  # once resolved: the longest time one of its ranks spent running it
+    _awaited: bool  # someone awaited it (its failure was raised to them: theirs to handle)
 
     def __init__(self, *args: Any, **kwargs: Any):
         raise TypeError("DistFuture has no public constructor; group method calls return them")
@@ -38,6 +39,7 @@ class DistFuture:
         self._fut = loop.create_future()
         self._label = label
         self.busy_s = 0.0
+        self._awaited = False
         return self
 
     @classmethod
@@ -73,6 +75,7 @@ class DistFuture:
                                f"had while the controller runs, with `await` on its loop")
 
     async def _get(self) -> Any:
+        self._awaited = True
         # shielded: cancelling one awaiter (a wait_for timing out) must not cancel the call
         return await (await asyncio.shield(self._fut)).value()
 

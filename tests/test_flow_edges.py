@@ -1,0 +1,140 @@
+"""Edges of a DataFlow's steps: a group call a node made but did not return that fails, the
+cleanup of an exhausted step's other nodes, and an input item a node changes in place."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import asyncrl
+from asyncrl.controller.finished import Calls, note_call
+from asyncrl.controller.inputs import Inputs
+from asyncrl.futures.future import DistFuture
+
+
+def test_a_call_the_node_did_not_return_that_fails_fails_the_node():
+    """`def sync(train): rollouts.load_weights(...); return {...}`: its load failing after the
+    node returned was only waited for; the next rollout (follows="sync", max_staleness=0) ran
+    on the old weights and the run ended normally."""
+    rolled: list[int] = []
+
+    @asyncrl.node(follows="sync")
+    def rollout(x):
+        rolled.append(x)
+        return x
+
+    @asyncrl.node
+    def sync(rollout):
+        load = DistFuture._new(asyncio.get_running_loop(), "rollouts.load_weights")
+        note_call(load)  # as GroupHandle.call does
+        asyncio.get_running_loop().call_soon(load._set_exception, RuntimeError("load failed"))
+        return {"synced": rollout}
+
+    async def main():
+        async with asyncrl.Controller():
+            flow = asyncrl.DataFlow(nodes=[rollout, sync], inputs={"x": range(3)}, groups=[])
+            await flow.run()
+    with pytest.raises(asyncrl.NodeError, match="node 'sync' failed at step 0") as failed:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    assert (failed.value.node, failed.value.step) == ("sync", 0)
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert rolled == [0]  # no rollout after the failed load
+
+
+def test_a_call_whose_failure_the_node_awaited_and_caught_is_its_own():
+    """A node that awaits a call and handles its failure (a retry, a fallback) has not
+    failed: only the failures of calls it did not await are its own that way."""
+    handled: list[str] = []
+
+    @asyncrl.node
+    async def score(x):
+        loop = asyncio.get_running_loop()
+        call = DistFuture._new(loop, "judge.score")
+        note_call(call)
+        loop.call_soon(call._set_exception, RuntimeError("judge busy"))
+        try:
+            return await call
+        except RuntimeError as e:
+            handled.append(str(e))
+            return 0.0
+
+    async def main():
+        async with asyncrl.Controller():
+            flow = asyncrl.DataFlow(nodes=[score], inputs={"x": range(2)}, groups=[])
+            await flow.run()
+            return flow.next_step
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == 2
+    assert handled == ["judge busy", "judge busy"]
+
+
+def test_a_call_failure_a_re_run_of_the_node_repaired_is_forgotten():
+    """Recovery re-runs a node after a stateless group's death: the failed calls of its first
+    run are still waited for, but only the re-run's calls can fail it."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = Calls()
+        first, late, again = (DistFuture._new(loop, "ref.logprobs") for _ in range(3))
+        calls.run(lambda: (calls.add(first), calls.add(late)), {})
+        first._set_exception(ConnectionError("the group died"))
+        await asyncio.wait([first._fut])  # (its done callbacks, the Calls' first, have run)
+        failed_once = calls.failed
+        calls.run(calls.add, {"future": again})  # the re-run
+        late._set_exception(ConnectionError("the group died"))  # a call of the first run
+        again._set_result(1)
+        await calls.done()
+        return failed_once, calls.failed
+    failed_once, failed = asyncio.run(main())
+    assert isinstance(failed_once, ConnectionError)
+    assert failed is None
+
+
+def test_an_exhausted_steps_other_nodes_end_before_the_last_save_and_the_close():
+    """A node raising InputsExhausted cancelled its step's other nodes but did not wait for
+    them: their cleanup ran after the last checkpoint was saved, and after the flow closed."""
+    order: list[tuple[str, int]] = []
+    sides: list[asyncio.Task] = []
+
+    @asyncrl.node
+    def gen(x):
+        if x == 1:
+            raise asyncrl.InputsExhausted("the node's own prompts ran out")
+        return x
+
+    @asyncrl.node
+    async def side(x):
+        if x == 0:
+            return x
+        sides.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await asyncio.Event().wait()  # cancelled with the exhausted step
+        finally:
+            await asyncio.sleep(0.2)  # cleanup that takes a while (closing a file, a client)
+            order.append(("cleaned", x))
+
+    async def save(t):
+        order.append(("save", t))
+
+    async def main():
+        async with asyncrl.Controller():
+            flow = asyncrl.DataFlow(nodes=[gen, side], inputs={"x": range(3)}, groups=[])
+            async with flow:
+                await flow.run(checkpoint=save)
+            return [t for t in sides if not t.done()]
+    left = asyncio.run(asyncio.wait_for(main(), 60))
+    assert order == [("cleaned", 1), ("save", 0)]
+    assert left == []
+
+
+def test_an_item_a_node_changed_in_place_is_checked_as_it_was_read():
+    """A node adding a key to its DataLoader batch made the checkpoint's digest differ from a
+    fresh read: the resume was refused as an input whose order changes from run to run."""
+    ran = Inputs({"x": [{"p": 1}, {"p": 2}]})
+    ran.reset()
+    ran.next()["x"]["seen"] = True  # the node's change
+    Inputs({"x": [{"p": 1}, {"p": 2}]}).check(ran.positions())  # raised CheckpointError
+    ran.next()["x"]["seen"] = True
+    ran.unread()  # (its node's own inputs ran out): the digest of the step before is back
+    saved = ran.positions()
+    assert saved["x"]["consumed"] == 1
+    Inputs({"x": [{"p": 1}, {"p": 2}]}).check(saved)
