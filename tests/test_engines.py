@@ -385,6 +385,30 @@ def test_a_switch_failing_on_another_rank_leaves_the_built_in_engine_asleep(monk
     assert hybrid.generate([[1, 2]], seeds=[0])["response_mask"].sum() > 0
 
 
+def test_a_switch_failing_on_another_rank_gathers_the_frozen_weights_again(monkeypatch):
+    """On a CPU (nothing released), a rank whose own fill went through kept the frozen
+    weights as the engine's while its peer's fill failed: at the next switch one gathered
+    the trained parameters only, the other frozen and trained, their all_gathers paired."""
+    import asyncrl.hybrid.engine as engine_module
+
+    model = build_model(ModelConfig())
+    model.get_input_embeddings().weight.requires_grad_(False)  # (LoRA's base: frozen)
+    hybrid = HybridEngine(CountingBackend(model), ModelConfig())
+    agree = engine_module.agree
+
+    def peer_fails(failed, what, value=0):  # this rank's fill went through; rank 1's did not
+        agree(failed, what, value)
+        if what == "filling the engine":
+            raise RuntimeError(f"{what} failed on another rank of this group")
+        return 0
+
+    monkeypatch.setattr(engine_module, "agree", peer_fails)
+    with pytest.raises(RuntimeError, match="another rank"):
+        hybrid.to_generate()
+    assert hybrid._frozen_plan and hybrid._fill_plan() == \
+        hybrid._frozen_plan + hybrid._trained_plan  # as the peer's next switch gathers
+
+
 def test_a_way_back_to_training_whose_engine_sleep_failed_is_finished_by_the_next(
         monkeypatch):
     """vLLM's sleep (collective_rpc) raising on the way back left the mode "train": the

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.hybrid.gather import Gatherer, plan_gather, whole_each
+from asyncrl.hybrid.gather import Gatherer, attempt, plan_gather, whole_each
 from asyncrl.hybrid.lora import delta, is_adapter, lora_layers
 from asyncrl.hybrid.models import ModelConfig, build_model, default_device
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
@@ -106,15 +106,6 @@ def checkpoint_tensors(path: str) -> set[str] | None:
 
     with safe_open(single, "pt") as f:
         return set(f.keys())
-
-
-def attempt(step: Any) -> BaseException | None:
-    """What `step()` raised (None: it went through)."""
-    try:
-        step()
-    except BaseException as e:  # noqa: BLE001 - raised by agree() on every rank
-        return e
-    return None
 
 
 def agree(failed: BaseException | None, what: str, value: int = 0) -> int:
@@ -206,7 +197,8 @@ class HybridEngine:
             # (a rank whose own fill went through woke it; vLLM's first load woke its weights),
             # its memory freed again (GPU), the optimizer back where it steps (or at the next
             # to_train, which also sleeps an engine left awake, if this fails too)
-            try:
+            self._frozen_at = None  # (every rank: whether its own fill went through or not,
+            try:  # the next switch gathers the frozen weights again, in step)
                 self.engine.sleep(self._sleep_level)
             finally:
                 self._release()
@@ -228,6 +220,8 @@ class HybridEngine:
             for block in self._blocks:
                 block.untyped_storage().resize_(block.numel() * block.element_size())
             self.released = False
+        if not self.engine.owns_weights:  # out of memory for them here, agreed: not in the
+            self._gatherer.reserve(self._fill_plan())  # midst of the gathers
 
     def _fill_and_wake(self) -> None:
         self._fill_engine()
@@ -240,14 +234,17 @@ class HybridEngine:
         if self.engine.owns_weights:
             self._fill_by_name()
             return
+        self._gatherer.run(self._fill_plan())  # (ZeRO: groups gathered in place, a
+        self.peak_gather_bytes = self._gatherer.peak_bytes  # collective each)
+        self._frozen_at = getattr(self.backend, "loads", 0)
+
+    def _fill_plan(self) -> list[Any]:
+        """The trained parameters, and the frozen ones unless the engine holds them already
+        (since the backend's last load of weights: a backend that never reloads counts 0)."""
         assert self._frozen_plan is not None
-        # the trained parameters, and the frozen ones unless the engine holds them already
-        loads = getattr(self.backend, "loads", 0)  # (a backend that never reloads: 0)
-        plan = self._trained_plan if self._frozen_at == loads else \
-            self._frozen_plan + self._trained_plan
-        self._gatherer.run(plan)  # (ZeRO: groups gathered in place, a collective each)
-        self.peak_gather_bytes = self._gatherer.peak_bytes
-        self._frozen_at = loads
+        if self._frozen_at == getattr(self.backend, "loads", 0):
+            return self._trained_plan
+        return self._frozen_plan + self._trained_plan
 
     def _fill_by_name(self) -> None:
         """An engine that owns its weights' memory (vLLM, which fuses projections) takes

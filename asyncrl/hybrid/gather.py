@@ -11,6 +11,7 @@ engine's weights; a weight sync into the pack it sends.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -133,23 +134,36 @@ class Gatherer:
 
     @torch.no_grad()
     def run(self, plan: list[Any]) -> None:
+        """Gather `plan` into its targets. A failure of this rank's own part (a copy, a
+        bucket's staging) does not leave the peers in a collective: past it, this rank still
+        takes part in every collective of the plan, copies nothing more, and raises the
+        failure after the last one."""
         self.peak_bytes = 0
+        failed: BaseException | None = None
         for item in plan:
             if isinstance(item, Bucket):
-                self._bucket(item, plan)
-                continue
-            if isinstance(item, Local):  # (no_grad: to_local's tensors track nothing)
-                torch._foreach_copy_(item.targets, [p.to_local() for p in item.params])
-                continue
-            with self._whole([param for param, _ in item]) as wholes:  # one group at a time
-                for (_, target), whole in zip(item, wholes, strict=True):
-                    target.copy_(whole)
-                self.peak_bytes = max(self.peak_bytes,
-                                      sum(w.numel() * w.element_size() for w in wholes))
+                failed = self._bucket(item, plan, failed)
+            elif isinstance(item, Local):  # (no_grad: to_local's tensors track nothing)
+                failed = failed or attempt(functools.partial(
+                    torch._foreach_copy_, item.targets, [p.to_local() for p in item.params]))
+            else:
+                with self._whole([param for param, _ in item]) as wholes:  # one group at a
+                    failed = failed or attempt(functools.partial(_copy, item, wholes))  # time
+                    self.peak_bytes = max(self.peak_bytes,
+                                          sum(w.numel() * w.element_size() for w in wholes))
+        if failed is not None:
+            raise failed
 
-    def _bucket(self, bucket: Bucket, plan: list[Any]) -> None:
-        """One all_gather for the bucket's parameters, then each rank's real rows copied
-        straight into the targets."""
+    def reserve(self, plan: list[Any]) -> None:
+        """The buffers of `plan`'s widest buckets, now: out of memory here, not in the midst
+        of the gathers (peers in a collective this rank would not reach)."""
+        for bucket in plan:
+            if isinstance(bucket, Bucket):
+                self._buffers(bucket, plan)
+
+    def _buffers(self, bucket: Bucket, plan: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's staging slice and the gathered slice for `bucket`, in buffers sized for
+        the plan's widest bucket of its dtype and device (reused: warm memory)."""
         world, width = bucket.world, bucket.width
         if self._local is None or self._local.numel() < width or \
                 self._local.dtype != bucket.dtype or self._local.device != bucket.device:
@@ -159,20 +173,18 @@ class Gatherer:
             self._local = torch.zeros(widest, dtype=bucket.dtype, device=bucket.device)
             self._out = torch.empty(widest * world, dtype=bucket.dtype, device=bucket.device)
         assert self._out is not None
-        local, out = self._local[:width], self._out[:width * world]
-        for param, _, at in bucket.items:  # (no_grad: to_local's tensor tracks nothing)
-            shard = param.to_local().reshape(-1)
-            local[at:at + shard.numel()] = shard
+        return self._local[:width], self._out[:width * world]
+
+    def _bucket(self, bucket: Bucket, plan: list[Any], failed: BaseException | None
+                ) -> BaseException | None:
+        """One all_gather for the bucket's parameters, then each rank's real rows copied
+        straight into the targets; the first failure so far (past one, only the
+        all_gather)."""
+        local, out = self._buffers(bucket, plan)
+        failed = failed or attempt(functools.partial(_stage, bucket, local))
         _all_gather(out, local, group=bucket.group)
         self.peak_bytes = max(self.peak_bytes, out.numel() * out.element_size())
-        per_rank = out.view(world, width)
-        for param, target, at in bucket.items:
-            rows = param.shape[0]
-            per, row = -(-rows // world), param.numel() // max(1, rows)
-            flat = target.view(-1)
-            for r in range(world):
-                real = max(0, min(per, rows - r * per)) * row
-                flat[r * per * row:r * per * row + real].copy_(per_rank[r, at:at + real])
+        return failed or attempt(functools.partial(_spread, bucket, out))
 
     def free(self) -> None:
         self._local = self._out = None
@@ -182,3 +194,38 @@ class Gatherer:
         """What the buffers hold now."""
         return sum(t.numel() * t.element_size() for t in (self._local, self._out)
                    if t is not None)
+
+
+def _stage(bucket: Bucket, local: torch.Tensor) -> None:
+    """This rank's shards of the bucket's parameters, side by side in `local`."""
+    for param, _, at in bucket.items:  # (no_grad: to_local's tensor tracks nothing)
+        shard = param.to_local().reshape(-1)
+        local[at:at + shard.numel()] = shard
+
+
+def _spread(bucket: Bucket, out: torch.Tensor) -> None:
+    """Each rank's real rows of the gathered `out` into the parameters' targets."""
+    world, width = bucket.world, bucket.width
+    per_rank = out.view(world, width)
+    for param, target, at in bucket.items:
+        rows = param.shape[0]
+        per, row = -(-rows // world), param.numel() // max(1, rows)
+        flat = target.view(-1)
+        for r in range(world):
+            real = max(0, min(per, rows - r * per)) * row
+            flat[r * per * row:r * per * row + real].copy_(per_rank[r, at:at + real])
+
+
+def _copy(group: list[tuple[Any, torch.Tensor]], wholes: list[torch.Tensor]) -> None:
+    for (_, target), whole in zip(group, wholes, strict=True):
+        target.copy_(whole)
+
+
+def attempt(step: Callable[[], Any]) -> BaseException | None:
+    """What `step()` raised (None: it went through): raised later, once the collectives
+    the peers wait in are done (the rest of a plan; engine.agree)."""
+    try:
+        step()
+    except BaseException as e:  # noqa: BLE001 - raised by the caller, after them
+        return e
+    return None
