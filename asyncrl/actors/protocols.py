@@ -106,7 +106,9 @@ class DPRows:
 @dataclass
 class Split:
     calls: dict[int, tuple[tuple, dict[str, Any]]]  # rank -> (args, kwargs); absent: not run
-    collect: list[int]  # ranks whose return values are sent back, in collect order
+    # ranks whose return values are sent back: `collect` gets them as {rank: value} in rank
+    # order, whatever the order of this list
+    collect: list[int]
     state: Any = None
     # set by DP: `calls` hold the whole batches, and each rank takes its chunk itself
     # (`take_dp_rows`): a host is sent the rows its ranks need once, not a chunk per rank
@@ -137,6 +139,23 @@ def check_split(protocol: str, split: Any, world: int) -> None:
     if idle:
         raise ValueError(f"protocol {protocol!r}: collect names ranks {idle} that split does "
                          f"not call (calls {sorted(split.calls)})")
+    for rank, call in split.calls.items():
+        _check_call(protocol, rank, call)
+
+
+def _check_call(protocol: str, rank: int, call: Any) -> None:
+    """TypeError unless `call` is (args, kwargs): `((batch), {})`, a 1-tuple without its
+    comma, ran fn(*batch) on every rank; `(args,)` failed unpacking inside asyncrl."""
+    pair = isinstance(call, tuple | list) and len(call) == 2
+    if pair and isinstance(call[0], tuple | list) and isinstance(call[1], dict):
+        return
+    got = type(call).__name__
+    if isinstance(call, tuple | list):
+        got += f" of {len(call)}: ({', '.join(type(x).__name__ for x in call[:3])}" + (
+            ", ...)" if len(call) > 3 else ")")
+    raise TypeError(f"protocol {protocol!r}: split's calls[{rank}] must be a pair (args, "
+                    f"kwargs), a tuple or list and a dict, e.g. ((batch,), {{}}) (a 1-tuple "
+                    f"needs its comma), got {got}")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,11 @@ def make_ref(obj: Any) -> tuple[str, str, str]:
                         f"the ranks; define it at module level")
     mod = sys.modules.get(module)
     file = getattr(mod, "__file__", None) or ""
+    if module == "__main__" and not file:  # (a rank's __main__ is another program: on it,
+        # "__main__:main" was asyncrl's own main, and anything else an AttributeError)
+        raise TypeError(f"{qualname!r} is defined in an interactive session (a notebook, "
+                        f"python -c, stdin), which the ranks cannot import; define it in a "
+                        f".py file and import it from there")
     return module, qualname, os.path.abspath(file) if file else ""
 
 

@@ -136,6 +136,7 @@ class ObjectRef:
         return bool(self.schemas) and all(s.rows >= 0 for s in self.schemas.values())
 
     def _ranks(self) -> list[int]:
+        """The collected ranks in rank order (not Split.collect's): the order collect gets."""
         return sorted(set(self.schemas) | set(self._inline))
 
 

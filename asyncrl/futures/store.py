@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -27,7 +28,30 @@ def schema_of(value: Any) -> Schema:
                 columns.append(Column(key, "list"))
         meta = msgspec.Raw(codec.encode(value.meta)) if value.meta else NONE
         return Schema(len(value), tuple(columns), meta, nbytes)
+    _check_tensors(value)
     return Schema(-1, nbytes=codec.array_bytes(value))
+
+
+def _check_tensors(value: Any, where: str = "") -> None:
+    """`check_sendable` for every tensor in a value, however deep in lists, dicts and batches
+    (as `codec.array_bytes` walks them): a large value is stored, not encoded, and a tensor
+    that cannot be sent failed only when a driver fetched it, unnamed. `where`: its path
+    ("": the value itself)."""
+    if isinstance(value, torch.Tensor):
+        try:
+            codec.check_sendable(value)
+        except TypeError as e:
+            raise TypeError(f"{where}: {e}" if where else str(e)) from None
+    elif isinstance(value, TensorBatch):
+        for key, col in value.items():
+            if isinstance(col, torch.Tensor):
+                _check_tensors(col, f"{where or 'value'}[{key!r}] (a TensorBatch column)")
+    else:
+        items: Iterable[tuple[Any, Any]] = value.items() if isinstance(value, dict) else \
+            enumerate(value) if isinstance(value, (list, tuple)) else ()
+        for at, item in items:
+            if type(item) not in codec._LEAVES:  # long lists of numbers, strings: fast
+                _check_tensors(item, f"{where or 'value'}[{at!r}]")
 
 
 def _check_column(key: str, col: torch.Tensor) -> None:
