@@ -73,6 +73,8 @@ def test_a_colocated_groups_constraints_are_judged_on_the_gpus_its_ranks_use():
     with pytest.raises(asyncrl.PlacementError, match=re.escape(  # 3 ranks: GPU 2 too
             "which conflicts with separate_from(x) (on [2])")):
         p.place("wide", 3, [asyncrl.colocate_with("actor"), asyncrl.separate_from("x")])
+    p.forget("x")  # respawned: kept apart from the GPUs ref's ranks use, not all of actor's
+    assert p.place("x", 1, asyncrl.separate_from("a")).devices == [2]
     nv = Placer(Host(8, (0, 1)))
     nv.place("small", 2, None)  # 0, 1
     assert nv.place("actor", 4, None).devices == [2, 3, 4, 5]  # domains 0-3 and 4-7

@@ -186,9 +186,10 @@ class Placer:
                      if set(on[t]) != set(devices)] + \
                     [f"{g!r} (placed colocate_with({group}), on {self.placed[g]})"
                      for g in kept_with if set(self.placed[g]) != set(devices)] + \
-                    [f"separate_from({t}) (on {on[t]})" for t in apart if set(on[t]) & used] + \
+                    [f"separate_from({t}) (on {on[t]})" for t in apart
+                     if self._uses(t) & used] + \
                     [f"{g!r} (placed separate_from({group}), on {self.placed[g]})"
-                     for g in kept_apart if set(self.placed[g]) & used]
+                     for g in kept_apart if self._uses(g) & used]
             if clash:
                 problem = (f"group {group!r}: {anchor} puts it on {host.kind}s {devices}, "
                            f"which conflicts with {'; '.join(clash)}; drop one of the "
@@ -206,7 +207,7 @@ class Placer:
                            f"nvlink_group, or place {(colocate or kept_with)[0]!r} with it"
                            f"{again}")
         else:
-            away = {d for t in [*apart, *kept_apart] for d in self.placed[t]}
+            away = {d for t in [*apart, *kept_apart] for d in self._uses(t)}
             free = [d for d in pool if d not in away]
             was = self._was.get(group, []) if any(
                 c.target == group for cs in self._asked.values() for c in cs) else []
@@ -255,6 +256,11 @@ class Placer:
             return Placement(devices, {"CUDA_VISIBLE_DEVICES": ",".join(
                 host.gpu_id(d) for d in devices)})
         return Placement(devices, {"ASYNCRL_CPUS": ",".join(map(str, devices))})
+
+    def _uses(self, group: str) -> set[int]:
+        """The devices `group`'s ranks run on (a colocated group of fewer ranks than its
+        target's devices uses the first of them): what being kept apart from it means."""
+        return set(self._added[group])
 
     def _held(self, group: str) -> tuple[list[str], list[str]]:
         """The placed groups that asked to be colocated with `group`, and those that asked
