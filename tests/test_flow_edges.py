@@ -68,6 +68,34 @@ def test_a_call_whose_failure_the_node_awaited_and_caught_is_its_own():
     assert handled == ["judge busy", "judge busy"]
 
 
+def test_a_death_under_a_call_the_node_left_and_failures_it_caught_in_concat_pass():
+    """A group's death under a call the node did not await is met by the next call to the
+    group (recovery's re-run there, not a rewind of the whole flow); a concat the node
+    awaited and caught fails none of its parts' calls later."""
+    from asyncrl.errors import GroupDeadError
+
+    @asyncrl.node
+    async def score(x):
+        loop = asyncio.get_running_loop()
+        warm, first, second = (DistFuture._new(loop, f"judge.{m}") for m in "abc")
+        for call in (warm, first, second):
+            note_call(call)
+        warm._set_exception(GroupDeadError("judge", 0, -9, "killed"))
+        first._set_exception(RuntimeError("judge busy"))
+        second._set_exception(RuntimeError("judge busy"))
+        try:
+            return await asyncrl.concat(first, second)
+        except RuntimeError:
+            return 0.0
+
+    async def main():
+        async with asyncrl.Controller():
+            flow = asyncrl.DataFlow(nodes=[score], inputs={"x": range(2)}, groups=[])
+            await flow.run()
+            return flow.next_step
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == 2
+
+
 def test_a_call_failure_a_re_run_of_the_node_repaired_is_forgotten():
     """Recovery re-runs a node after a stateless group's death: the failed calls of its first
     run are still waited for, but only the re-run's calls can fail it."""

@@ -9,8 +9,10 @@ A node that calls a group without returning the future (`rollouts.load_weights(.
 node that returns metrics, or one inside a dataclass it returns) has not finished until that
 call ends: a `follows=` edge on it and a checkpoint after its step wait for the call, as for
 a returned one, and its failure is the node's (a NodeError: the next rollout does not run on
-the old weights). A call that recovery re-ran the node after (a stateless group's death)
-counts no more: the re-run's calls do.
+the old weights), unless the node awaited it (raised to the node: its own to handle) or it
+is the group's death (met by the next call to the group, which recovery repairs). A call
+that recovery re-ran the node after (a stateless group's death) counts no more: the
+re-run's calls do.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from asyncrl.errors import GroupDeadError, InputLostError
 from asyncrl.futures.future import futures_in
 
 if TYPE_CHECKING:
@@ -62,9 +65,12 @@ class Calls:
 
     @property
     def failed(self) -> BaseException | None:
-        """The first failure of the last run's calls that the node did not await: one it
-        awaited was raised to it, its own to handle (caught, or its failure already)."""
-        return next((f._fut.exception() for f in self._failures if not f._awaited), None)
+        """The first failure of the last run's calls that the node did not await (one it
+        awaited was raised to it, its own to handle), but for a group's death (or an input
+        lost with it): the next call to that group meets it, where recovery re-runs or
+        rewinds as it does for any call."""
+        return next((e for f in self._failures if not f._awaited and not isinstance(
+            e := f._fut.exception(), GroupDeadError | InputLostError)), None)
 
     async def done(self) -> None:
         while self.running:  # (a task the node started may call on while this waits)

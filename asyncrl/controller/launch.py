@@ -396,8 +396,11 @@ _WRITES: set[asyncio.Future[None]] = set()
 async def write_last_spans(timeline: Timeline) -> None:
     """The run's last write: the spans left in memory, once the writes still under way
     have ended (one that fails puts its spans back: taken now, they would be lost)."""
-    await asyncio.gather(*_WRITES, return_exceptions=True)
-    timeline.write(timeline.take())
+    try:  # (wait, not gather: a second Ctrl-C here must not cancel those shielded writes)
+        if _WRITES:
+            await asyncio.wait(list(_WRITES))
+    finally:
+        timeline.write(timeline.take())
 
 
 def _ended_write(writing: asyncio.Future[None]) -> None:

@@ -168,6 +168,8 @@ class Rows:
         return pieces[0] if len(pieces) == 1 else type(pieces[0]).concat(pieces)
 
     def __await__(self) -> Any:
+        for fut, _ in self.parts:  # every part's failure is the awaiter's, not only the first
+            fut._awaited = True
         work = functools.partial(self.batch, lambda f: f._get())
         return _awaited(self.parts[0][0], work) if self.parts else work().__await__()
 
