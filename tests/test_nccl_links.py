@@ -331,11 +331,13 @@ def ipc_here(monkeypatch):
     return opens
 
 
-def test_rows_a_dead_producer_left_fail_that_transfer_not_cuda_ipc(ipc_here):
+def test_rows_a_dead_producer_left_fail_that_transfer_not_cuda_ipc(ipc_here, monkeypatch):
     """Any open that failed turned CUDA IPC off in the whole process: rows of a producer
     that had died (a late reply's, released) left every later pull in host memory, and no
     later reply's rows were released. Once an open succeeded here, a failure that names no
-    pidfd is the rows' own: a plain error for that transfer."""
+    pidfd is the rows' own: a plain error for that transfer (with expandable segments set
+    too: an open went through them)."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cuda_ipc._open(ROWS)  # CUDA IPC works in this process
     ipc_here.refuse = "CUDA error: invalid resource handle"
     with pytest.raises(RuntimeError, match="died or freed them") as info:
@@ -384,16 +386,18 @@ def test_late_rows_of_a_dead_producer_are_not_opened(ipc_here):
         ctx.term()
 
 
-def test_cuda_ipc_is_not_given_up_for_a_producer_that_died(ipc_here, monkeypatch):
+@pytest.mark.parametrize("failure", [cuda_ipc.IpcUnavailable, RuntimeError])
+def test_cuda_ipc_is_not_given_up_for_a_producer_that_died(ipc_here, monkeypatch, failure):
     """A pull whose CUDA IPC failed was made again through host memory, and CUDA IPC given
-    up for the process, even when its producer had just died: InputLostError now."""
+    up for the process, even when its producer had just died: InputLostError now (also
+    where the open failed as the rows' own trouble, a plain RuntimeError)."""
     gone, ctx = GonePeers(), zmq.Context()
     client = dataplane.DataClient(ctx, SECRET, "B/0", "h", None, 10, gone=gone)
     shard = Shard("A", 0, 3, "tcp://h:1", "h", "GPU-x")
     gone.add(PeersGone("A", [shard.addr], 10, "died"))
 
     def pull(self, rb):
-        raise cuda_ipc.IpcUnavailable("CUDA IPC could not open GPU rows")
+        raise failure("CUDA IPC could not open GPU rows")
     monkeypatch.setattr(dataplane.DataClient, "_pull_rows", pull)
     rb = RemoteBatch([Piece(shard, 0, 2)], (Column("x", "float32", (), "cuda"),))
     try:
@@ -403,3 +407,26 @@ def test_cuda_ipc_is_not_given_up_for_a_producer_that_died(ipc_here, monkeypatch
     finally:
         client.close()
         ctx.term()
+
+
+def test_a_gone_groups_links_are_dropped_before_their_abort_runs(stub_nccl, monkeypatch):
+    """forget_group dropped the links on the thread that aborts them: a late pull of the gone
+    group, before that thread ran, found its link and started a sender thread that nothing
+    ended (group_gone had run). The links go at once now; only the abort is left behind."""
+    started: list = []
+
+    class Held:  # the abort thread, not started: the links as the caller leaves them
+        def __init__(self, target, **_):
+            started.append(target)
+
+        def start(self) -> None:
+            pass
+    monkeypatch.setattr(nccl.threading, "Thread", Held)
+    gone = made("A->B", b"u")
+    made("A->C", b"v")
+    nccl.forget_group("B")
+    assert not nccl.has("A->B", connecting=True) and nccl.has("A->C")
+    assert nccl.aborted() == {"A->B": b"u"} and len(started) == 1
+    started[0]()  # the abort itself, as its thread runs it
+    assert gone.aborted and "group 'B' is gone" in gone.why
+    assert not nccl._links["A->C"].aborted

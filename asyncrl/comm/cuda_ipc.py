@@ -118,7 +118,8 @@ def _open(info: IpcRows) -> tuple[int, torch.UntypedStorage]:
             info.ref_counter_handle, info.ref_counter_offset, info.event_handle,
             info.event_sync)
     except RuntimeError as e:
-        if _opened and not _pidfd(e):  # CUDA IPC works here: these rows are the trouble
+        if _opened and "pidfd" not in str(e):  # CUDA IPC works here (expandable segments
+            # too, if set): these rows are the trouble
             raise RuntimeError(f"CUDA IPC could not open GPU rows of {info.gpu} ({e}); this "
                                f"process opened others before, so their producer most likely "
                                f"died or freed them") from e

@@ -36,8 +36,6 @@ from asyncrl.comm import codec, cuda_ipc, dataserver, messages, nccl
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.channel import LINK_MIN_RATE, open_frame
-from asyncrl.comm.cuda_ipc import copy_rows_into, visible_gpus
-from asyncrl.comm.dataserver import bytes_of
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import ColumnDest, Pull, Pulled
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue
@@ -144,8 +142,8 @@ def _encoded(req: Pull) -> bytes:
 def _error_type(error: str) -> type[Exception]:
     """A producer's error reply is raised here as there where a caller may catch it
     (IpcUnavailable: pulled again through host memory; TransferTimeout), else RuntimeError."""
-    kinds = {kind.__name__: kind for kind in (cuda_ipc.IpcUnavailable, TransferTimeout)}
-    return kinds.get(error.partition(":")[0], RuntimeError)
+    return {k.__name__: k for k in (cuda_ipc.IpcUnavailable, TransferTimeout)}.get(
+        error.partition(":")[0], RuntimeError)
 
 
 @dataclass
@@ -334,10 +332,12 @@ class DataClient:
     def _fetch_rows(self, rb: RemoteBatch) -> TensorBatch:
         try:
             return self._pull_rows(rb)
-        except cuda_ipc.IpcUnavailable as e:  # torch could not share the rows here (see
-            self._check_alive(rb.pieces)  # comm/cuda_ipc.py; not a dead producer's fault):
-            cuda_ipc.give_up(e)  # this pull again, through host memory
-            return self._pull_rows(rb)
+        except RuntimeError as e:  # (rows a dead producer left: its death said as such)
+            self._check_alive(rb.pieces)
+            if not isinstance(e, cuda_ipc.IpcUnavailable):
+                raise
+            cuda_ipc.give_up(e)  # torch could not share the rows here (comm/cuda_ipc.py):
+            return self._pull_rows(rb)  # this pull again, through host memory
 
     def _pull_rows(self, rb: RemoteBatch) -> TensorBatch:
         n = len(rb)
@@ -352,8 +352,8 @@ class DataClient:
         # transport="nccl": every tensor column, for tests on CPUs); else through host
         # memory and back onto this rank's GPU, if it has one
         by_ipc = on_gpu and same_host and self._transport not in ("tcp", "nccl") and \
-            cuda_ipc.usable() and all(
-            p.shard.gpu in visible_gpus() for p in rb.pieces if p.shard.addr != self._own_addr)
+            cuda_ipc.usable() and all(p.shard.gpu in cuda_ipc.visible_gpus()
+                                      for p in rb.pieces if p.shard.addr != self._own_addr)
         keys = {p.shard.group: f"{p.shard.group}->{self._group}" for p in rb.pieces
                 if p.shard.addr != self._own_addr}
         linked = bool(keys) and all(nccl.has(k) for k in keys.values())
@@ -424,7 +424,7 @@ class DataClient:
                 if len(reply.lists) > 1:  # more than a msgpack nil
                     lists[req.xfer_id] = codec.decode(reply.lists)
                 for key, info in reply.ipc.items():
-                    copy_rows_into(info, ipc[key][start:start + count])
+                    cuda_ipc.copy_rows_into(info, ipc[key][start:start + count])
                     del left[key]
             finally:
                 _release(left.values())
@@ -523,7 +523,7 @@ class DataClient:
             dst[row:row + count].copy_(value.tensor(key)[start:stop])
         if buf is not None:
             for key, at in offsets.items():
-                src = bytes_of(value.tensor(key)[start:stop])
+                src = dataserver.bytes_of(value.tensor(key)[start:stop])
                 at += row * row_bytes[key]
                 buf[at:at + src.nbytes] = src
 

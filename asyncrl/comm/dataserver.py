@@ -170,10 +170,13 @@ class DataServer:
         if not isinstance(req, Pull):
             self._verifier.drop("unexpected")
             return
-        if req.nccl and self._send_later(req, identity):
-            return
-        reply, buffers = self._reply(req, identity)  # (no such link: refused at once)
-        self._send(identity, messages.encode(reply), buffers)
+        if req.nccl and not self._send_later(req, identity):  # refused at once: a send
+            self.rejected += 1  # here would wait on this thread for a link set up meanwhile
+            reply = Pulled(req.xfer_id, error=f"LookupError: {nccl.no_link(req.nccl_key)}")
+            self._send(identity, messages.encode(reply), [])
+        elif not req.nccl:
+            reply, buffers = self._reply(req, identity)
+            self._send(identity, messages.encode(reply), buffers)
 
     def _send_later(self, req: Pull, identity: bytes) -> bool:
         """Queue an NCCL pull on its link's thread; False: this rank has no such link."""

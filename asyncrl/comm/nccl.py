@@ -190,11 +190,11 @@ def link(key: str) -> Link:
     with _guard:
         found = _links.get(key)
     if found is None or not found.connected.is_set():
-        raise _no_link(key)
+        raise no_link(key)
     return found
 
 
-def _no_link(key: str) -> LookupError:
+def no_link(key: str) -> LookupError:
     return LookupError(f"no NCCL communicator {key!r} on this rank: the controller sets one "
                        f"up before the first call that needs it")
 
@@ -222,11 +222,15 @@ def forget_group(group: str) -> None:
     """Drop every link to or from `group`, dead or closed: its ranks will never post the
     matching calls, so a send or receive waiting on one ends now (its communicator aborted),
     not at the transfer timeout, and frees this process's one NCCL send for other links."""
-    with _guard:
+    with _guard:  # dropped now (a late pull of the group finds no link, starts no sender)
         ends = [(k, end) for k, end in _links.items() if group in k.split("->")]
-    def abort_them() -> None:
         for key, end in ends:
-            forget(key, end, f"group {group!r} is gone (dead or closed)")
+            del _links[key]
+            _aborted[key] = end.uid
+
+    def abort_them() -> None:
+        for _, end in ends:
+            _abort(end, f"group {group!r} is gone (dead or closed)")
 
     if ends:  # the ends as they are now; aborted beside the caller (the rank's io thread,
         # which keeps its heartbeats going: an abort may take a while)
@@ -370,7 +374,7 @@ def send(key: str, tensors: list[torch.Tensor], to: tuple[str, int], timeout: fl
     with _guard:
         found = _links.get(key)
     if found is None:  # refused at once, not once the send lock is free
-        raise _no_link(key)
+        raise no_link(key)
     if not found.connected.wait(timeout):  # a consumer may pull once its own end is set up
         raise TransferTimeout(f"NCCL {what} on {key!r}: its set-up on this rank was not done "
                               f"within {timeout:g} s; nothing sent")
