@@ -87,6 +87,11 @@ def test_a_turn_stopped_at_another_stop_token_loses_the_templates_end_of_turn(tm
     # cut by the budget (no stop token ended it), or no stops said: the marker is written
     assert chat_turns(tok, reply, ids("w7"), "row 0, turn 0", stops) == " </s>" + opened
     assert chat_turns(tok, reply, ids("w7") + [eom], "row 0, turn 0") == " </s>" + opened
+    # stopped at a plain (not special) stop token, a tool's closing tag as Qwen's
+    # </tool_call>: the template's end-of-turn marker stays, the turn closed
+    call = ids("w9")[0]
+    assert chat_turns(tok, reply, ids("w7") + [call], "row 0, turn 0", (eot, call)) == \
+        " </s>" + opened
 
 
 def as_array(prompt, response, turn):

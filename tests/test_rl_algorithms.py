@@ -467,7 +467,11 @@ def test_an_actor_refuses_values_from_a_critic_that_computes_returns_differently
     # the rows trained on: a critic with another staleness bound fits rows the actor drops
     with pytest.raises(ValueError, match="max_staleness: actor 1, critic 3"):
         check_critic_agrees(critic_values(algo="ppo", max_staleness=3),
-                            RLConfig(algo="ppo", max_staleness=1))
+                            RLConfig(algo="ppo", max_staleness=1),
+                            TensorBatch({"versions": torch.zeros(2, 3)}))
+    # rows without policy versions: none is dropped by staleness, either bound agrees
+    check_critic_agrees(critic_values(algo="ppo", max_staleness=3),
+                        RLConfig(algo="ppo", max_staleness=1), TensorBatch({"x": values}))
     # the KL as a loss term leaves the returns alone: a critic without it agrees (it was
     # refused); in the reward, its coefficient counts
     check_critic_agrees(critic_values(algo="ppo"), RLConfig(algo="ppo", kl_coef=0.01))

@@ -128,8 +128,11 @@ class Gatherer:
     def __init__(self, whole: Callable[[list[Any]], AbstractContextManager[list[torch.Tensor]]]
                  = whole_each):
         self._whole = whole
-        self._local: torch.Tensor | None = None
-        self._out: torch.Tensor | None = None
+        # (dtype, device) -> this rank's staging buffer and the gathered one, each sized for
+        # the plan's widest bucket of them: kept for every dtype a plan holds (a LoRA plan's
+        # bf16 base and fp32 adapters), reserved before the gathers, reused (warm memory)
+        self._buffers_of: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor,
+                                                                        torch.Tensor]] = {}
         self.peak_bytes = 0  # the largest gathered tensor alive at once, last run
 
     @torch.no_grad()
@@ -162,18 +165,19 @@ class Gatherer:
                 self._buffers(bucket, plan)
 
     def _buffers(self, bucket: Bucket, plan: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's staging slice and the gathered slice for `bucket`, in buffers sized for
-        the plan's widest bucket of its dtype and device (reused: warm memory)."""
-        world, width = bucket.world, bucket.width
-        if self._local is None or self._local.numel() < width or \
-                self._local.dtype != bucket.dtype or self._local.device != bucket.device:
-            self.free()  # before the new ones: never both alive
+        """This rank's staging slice and the gathered slice for `bucket`, in the buffers of
+        its dtype and device, sized for the plan's widest bucket of them."""
+        world, width, kind = bucket.world, bucket.width, (bucket.dtype, bucket.device)
+        local, out = self._buffers_of.get(kind, (None, None))
+        if local is None or out is None or local.numel() < width or \
+                out.numel() < width * world:
+            self._buffers_of.pop(kind, None)  # before the new ones: never both alive
             widest = max(b.width for b in plan if isinstance(b, Bucket) and
-                         b.dtype == bucket.dtype and b.device == bucket.device)
-            self._local = torch.zeros(widest, dtype=bucket.dtype, device=bucket.device)
-            self._out = torch.empty(widest * world, dtype=bucket.dtype, device=bucket.device)
-        assert self._out is not None
-        return self._local[:width], self._out[:width * world]
+                         (b.dtype, b.device) == kind)
+            local = torch.zeros(widest, dtype=bucket.dtype, device=bucket.device)
+            out = torch.empty(widest * world, dtype=bucket.dtype, device=bucket.device)
+            self._buffers_of[kind] = (local, out)
+        return local[:width], out[:width * world]
 
     def _bucket(self, bucket: Bucket, plan: list[Any], failed: BaseException | None
                 ) -> BaseException | None:
@@ -187,13 +191,13 @@ class Gatherer:
         return failed or attempt(functools.partial(_spread, bucket, out))
 
     def free(self) -> None:
-        self._local = self._out = None
+        self._buffers_of = {}
 
     @property
     def buffer_bytes(self) -> int:
         """What the buffers hold now."""
-        return sum(t.numel() * t.element_size() for t in (self._local, self._out)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for pair in self._buffers_of.values()
+                   for t in pair)
 
 
 def _stage(bucket: Bucket, local: torch.Tensor) -> None:

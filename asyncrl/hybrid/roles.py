@@ -520,8 +520,10 @@ class Reference(Worker):
     `micro_batch_size` rows (4 by default, as training's; None: all at once, whose
     full-vocabulary log-probs a real model's batch may not fit in memory) or of
     `max_tokens_per_micro_batch` tokens (as TrainConfig's). `bf16` as a trainer's
-    (`train={"bf16": ...}`; None: on the GPUs that support it): an fp32 model's log-probs
-    beside a bf16 trainer's put the KL ~1e-4 a token above 0 before any update."""
+    (`train={"bf16": ...}`; None: as a trainer's default, on the GPUs that support it): an
+    fp32 model's log-probs beside a bf16 trainer's put the KL ~1e-4 a token above 0 before
+    any update. A trainer given bf16=False wants its Reference given bf16=False too (it does
+    not see the trainer's settings)."""
 
     def __init__(self, model: dict[str, Any], micro_batch_size: int | None = 4,
                  max_tokens_per_micro_batch: int | None = None, bf16: bool | None = None):

@@ -465,12 +465,16 @@ def chat_turns(tok: Any, messages: list[dict[str, Any]], said: list[int], where:
 def _held(tok: Any, after: str, said: list[int], stops: Sequence[int]) -> int:
     """How much of `after` (the template's text after the assistant's content) the turn
     already holds: the end-of-turn marker it stopped at (ChatML's <|im_end|>), with the
-    whitespace before it; for a turn stopped at a stop token, another stop token's marker
-    too: Llama 3.1 stops a tool call at <|eom_id|> and its template closes the turn with
-    <|eot_id|>, which the transcript would have after it."""
+    whitespace before it; for a turn stopped at a stop token that is a special token (an
+    end-of-turn marker), another stop token's marker too: Llama 3.1 stops a tool call at
+    <|eom_id|> and its template closes the turn with <|eot_id|>, which the transcript would
+    have after it. A turn stopped at a plain stop token (Qwen's </tool_call>, not special)
+    keeps the template's marker: without it, the assistant's turn would never be closed."""
     if not said:
         return 0
-    ended = [said[-1]] + ([s for s in stops if s != said[-1]] if said[-1] in stops else [])
+    special = said[-1] in set(getattr(tok, "all_special_ids", None) or ())
+    ended = [said[-1]] + ([s for s in stops if s != said[-1]]
+                          if special and said[-1] in stops else [])
     marks = [str(tok.decode([t], skip_special_tokens=False)).strip() for t in ended]
     space = len(after) - len(after.lstrip())
     found = [len(m) for m in marks if m and after[space:].startswith(m)]

@@ -137,7 +137,7 @@ class Actor(Policy):
     @register(dispatch=STATS)
     def update(self, rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None = None,
                values: TensorBatch | None = None) -> dict[str, float]:
-        check_critic_agrees(values, self.rl)
+        check_critic_agrees(values, self.rl, rollout)
         if self.rl.kl_coef and ref is None:
             raise ValueError(f"RLConfig.kl_coef={self.rl.kl_coef} but update() got no ref=: "
                              f"pass the reference's log-probs (a Reference group's "

@@ -301,13 +301,18 @@ def whiten_across(x: torch.Tensor, mask: torch.Tensor, group: Any, eps: float = 
 CRITIC_RL = "critic_rl"  # the meta key of the critic's values: its RLConfig.returns_fields()
 
 
-def check_critic_agrees(values: TensorBatch | None, cfg: RLConfig) -> None:
+def check_critic_agrees(values: TensorBatch | None, cfg: RLConfig,
+                        rollout: TensorBatch | None = None) -> None:
     """The critic's values came from a Critic whose returns are computed as this actor's
-    advantages are (each group takes its own `rl=`): else a clear error, before training."""
+    advantages are (each group takes its own `rl=`), on the rows it trains on (its
+    max_staleness, where the `rollout` has policy versions to drop rows by): else a clear
+    error, before training."""
     theirs = values.meta.get(CRITIC_RL) if values is not None else None
     if theirs is None:  # not from a Critic (a user's own values): nothing to compare
         return
     ours = cfg.returns_fields()
+    if rollout is not None and "versions" not in rollout:  # no row is dropped by staleness
+        ours.pop("max_staleness")
     differ = [f"{k}: actor {ours[k]!r}, critic {theirs.get(k)!r}" for k in ours
               if theirs.get(k) != ours[k]]
     if differ:
