@@ -15,6 +15,7 @@ import torch
 from helpers import assert_gone, word_tokenizer
 from test_multi_turn import OBSERVED, PROMPTS, SEEDS, STOPS, echo, engine, prompt_batch, turns
 from test_multi_turn_env import fake_vllm_engine
+from tokenizers import AddedToken
 
 from asyncrl.hybrid.engine import HybridEngine
 from asyncrl.hybrid.sampler import SamplingConfig
@@ -75,7 +76,8 @@ def test_a_turn_stopped_at_another_stop_token_loses_the_templates_end_of_turn(tm
     tokens, the turn holds the template's marker that is another of them."""
     t = Turns(MultiTurn(env=echo, tokenizer=str(word_tokenizer(tmp_path / "tok"))))
     tok = t.tok
-    tok.add_special_tokens({"additional_special_tokens": ["<|eom|>"]})
+    # added flagged special, as Llama 3.1's tokenizer has it (not in its special tokens map)
+    tok.add_tokens([AddedToken("<|eom|>", special=True)])
     eom, eot = tok.convert_tokens_to_ids("<|eom|>"), tok.convert_tokens_to_ids("</s>")
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     reply, stops = [{"role": "tool", "content": "4 2"}], (eot, eom)

@@ -23,7 +23,7 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from asyncrl.errors import GroupDeadError, InputLostError
+from asyncrl.errors import GroupDeadError
 from asyncrl.futures.future import futures_in
 
 if TYPE_CHECKING:
@@ -66,11 +66,12 @@ class Calls:
     @property
     def failed(self) -> BaseException | None:
         """The first failure of the last run's calls that the node did not await (one it
-        awaited was raised to it, its own to handle), but for a group's death (or an input
-        lost with it): the next call to that group meets it, where recovery re-runs or
-        rewinds as it does for any call."""
+        awaited was raised to it, its own to handle), but for the called group's death: the
+        next call to that group meets it, where recovery re-runs or rewinds as it does for
+        any call (an input lost with another group's death is the node's: the called group
+        lives, and its next call would not say it)."""
         return next((e for f in self._failures if not f._awaited and not isinstance(
-            e := f._fut.exception(), GroupDeadError | InputLostError)), None)
+            e := f._fut.exception(), GroupDeadError)), None)
 
     async def done(self) -> None:
         while self.running:  # (a task the node started may call on while this waits)

@@ -32,26 +32,43 @@ def schema_of(value: Any) -> Schema:
     return Schema(-1, nbytes=codec.array_bytes(value))
 
 
-def _check_tensors(value: Any, where: str = "") -> None:
+def _check_tensors(value: Any) -> None:
     """`check_sendable` for every tensor in a value, however deep in lists, dicts and batches
     (as `codec.array_bytes` walks them): a large value is stored, not encoded, and a tensor
-    that cannot be sent failed only when a driver fetched it, unnamed. `where`: its path
-    ("": the value itself)."""
+    that cannot be sent failed only when a driver fetched it, unnamed. The error names its
+    path (value['q'][0]), made only then."""
+    try:
+        _walk(value)
+    except _Unsendable as e:
+        path = "".join(reversed(e.path))
+        raise TypeError(f"value{path}: {e.cause}" if path else str(e.cause)) from None
+
+
+class _Unsendable(Exception):
+    """A tensor that cannot be sent, and its path inward (filled as the walk unwinds)."""
+
+    def __init__(self, cause: TypeError):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.path: list[str] = []
+
+
+def _walk(value: Any) -> None:
     if isinstance(value, torch.Tensor):
         try:
             codec.check_sendable(value)
         except TypeError as e:
-            raise TypeError(f"{where}: {e}" if where else str(e)) from None
-    elif isinstance(value, TensorBatch):
-        for key, col in value.items():
-            if isinstance(col, torch.Tensor):
-                _check_tensors(col, f"{where or 'value'}[{key!r}] (a TensorBatch column)")
-    else:
-        items: Iterable[tuple[Any, Any]] = value.items() if isinstance(value, dict) else \
-            enumerate(value) if isinstance(value, (list, tuple)) else ()
-        for at, item in items:
-            if type(item) not in codec._LEAVES:  # long lists of numbers, strings: fast
-                _check_tensors(item, f"{where or 'value'}[{at!r}]")
+            raise _Unsendable(e) from None
+        return
+    items: Iterable[tuple[Any, Any]] = value.items() if isinstance(value, dict | TensorBatch) \
+        else enumerate(value) if isinstance(value, list | tuple) else ()
+    for at, item in items:
+        if type(item) not in codec._LEAVES:  # long lists of numbers, strings: fast
+            try:
+                _walk(item)
+            except _Unsendable as e:
+                e.path.append(f"[{at!r}]")
+                raise
 
 
 def _check_column(key: str, col: torch.Tensor) -> None:

@@ -472,7 +472,10 @@ def _held(tok: Any, after: str, said: list[int], stops: Sequence[int]) -> int:
     keeps the template's marker: without it, the assistant's turn would never be closed."""
     if not said:
         return 0
-    special = said[-1] in set(getattr(tok, "all_special_ids", None) or ())
+    added = (getattr(tok, "added_tokens_decoder", None) or {}).get(said[-1])
+    special = getattr(added, "special", False) or \
+        said[-1] in set(getattr(tok, "all_special_ids", None) or ())  # (Llama 3.1's are only
+    # flagged special where they are added: its special tokens map names bos and eos alone)
     ended = [said[-1]] + ([s for s in stops if s != said[-1]]
                           if special and said[-1] in stops else [])
     marks = [str(tok.decode([t], skip_special_tokens=False)).strip() for t in ended]
