@@ -96,6 +96,27 @@ def test_a_death_under_a_call_the_node_left_and_failures_it_caught_in_concat_pas
     assert asyncio.run(asyncio.wait_for(main(), 60)) == 2
 
 
+def test_an_input_lost_under_a_call_the_node_left_fails_the_node():
+    """rollouts.load_weights(trainer.sync_pack()) failing because the trainer's pack went
+    with its group: the rollout group lives, and its next call (the next step's rollout)
+    would run on the old weights without saying so; the node fails instead."""
+    from asyncrl.errors import InputLostError
+
+    @asyncrl.node
+    def sync(x):
+        load = DistFuture._new(asyncio.get_running_loop(), "rollouts.load_weights")
+        note_call(load)
+        load._set_exception(InputLostError("the pack's group 'trainer' died"))
+        return x
+
+    async def main():
+        async with asyncrl.Controller():
+            flow = asyncrl.DataFlow(nodes=[sync], inputs={"x": range(2)}, groups=[])
+            await flow.run()
+    with pytest.raises(asyncrl.NodeError, match="node 'sync' failed at step 0"):
+        asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_a_call_failure_a_re_run_of_the_node_repaired_is_forgotten():
     """Recovery re-runs a node after a stateless group's death: the failed calls of its first
     run are still waited for, but only the re-run's calls can fail it."""
