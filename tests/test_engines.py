@@ -518,3 +518,32 @@ def test_a_calls_stop_token_ids_keep_the_models_end_of_sequence(tmp_path):
     turns = Turns(multi_turn_config({"env": lambda prompt, response: None}))
     with pytest.raises(ValueError, match="multi_turn= needs stop tokens"):
         turns.generate(None, TensorBatch({"prompt": [[1]], "seed": [0]}), [[1]], [0], none)
+
+
+def test_gather_buffers_reserved_for_every_dtype_of_a_plan(monkeypatch):
+    """A LoRA plan gathers bf16 base buckets and fp32 adapter buckets: the buffers were one
+    pair, so reserving them before the gathers kept only the last dtype's, and the gathers
+    allocated the other's between their collectives (out of memory there: peers left in an
+    all_gather). Each dtype keeps its pair now, reserved up front."""
+    from types import SimpleNamespace
+
+    from asyncrl.hybrid.gather import Bucket, Gatherer
+
+    mesh = SimpleNamespace(get_group=lambda: None, size=lambda: 2)  # (no collective here)
+    plan = []
+    for dtype, rows in ((torch.bfloat16, 8), (torch.float32, 2), (torch.bfloat16, 4)):
+        bucket = Bucket(mesh, dtype, torch.device("cpu"))
+        bucket.add(torch.zeros(rows, 3, dtype=dtype), torch.zeros(rows, 3, dtype=dtype))
+        plan.append(bucket)
+    gatherer = Gatherer()
+    gatherer.reserve(plan)
+    # the widest bucket of each dtype: bf16 4 rows x 3 of 2 ranks, fp32 1 x 3; local + out
+    assert gatherer.buffer_bytes == (12 + 24) * 2 + (3 + 6) * 4
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("allocated between the collectives")
+    monkeypatch.setattr(torch, "zeros", no_memory)
+    monkeypatch.setattr(torch, "empty", no_memory)
+    for bucket in plan:  # what the gathers take: all reserved
+        local, out = gatherer._buffers(bucket, plan)
+        assert (local.dtype, out.numel()) == (bucket.dtype, bucket.width * 2)
