@@ -254,10 +254,16 @@ class Recovery:
                 if spec is None or any(e is s for s in seen):  # the same failure again: a
                     raise  # re-run does not reach what failed
                 seen.append(e)
-                started = time.monotonic()
-                respawned = await self.respawn(spec, e)
-                self._record("rerun", [spec.name] if respawned else [], step, node, None, e,
-                             started)
+                await self._respawned_for(node, step, spec, e)
+
+    async def _respawned_for(self, node: str, step: int, spec: GroupSpec,
+                             cause: BaseException) -> None:
+        """`spec` respawned (unless another caller already did) for `node`'s re-run, and the
+        re-run recorded."""
+        started = time.monotonic()
+        respawned = await self.respawn(spec, cause)
+        self._record("rerun", [spec.name] if respawned else [], step, node, None, cause,
+                     started)
 
     def _guard(self, node: str, step: int, out: Any, fn: Callable[[], Any],
                called: set[str]) -> Any:
@@ -304,10 +310,7 @@ class Recovery:
                 if spec is None or any(failure is s for s in seen):  # the same failure
                     return  # again (an upstream future it returns): a re-run cannot repair it
                 seen.append(failure)
-                started = time.monotonic()
-                respawned = await self.respawn(spec, failure)
-                self._record("rerun", [spec.name] if respawned else [], step, node, None,
-                             failure, started)
+                await self._respawned_for(node, step, spec, failure)
                 out, called = await self._run(node, step, fn)  # (another group it calls may
                 inner = _unique_futures(out)  # have died too: re-run again, not rewound)
                 if len(inner) != len(proxies):

@@ -32,16 +32,10 @@ from asyncrl.actors.rank_main import collective_timeout
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.engine import (
-    BUCKET_BYTES,
-    HybridEngine,
-    agree,
-    attempt,
-    check_engine,
-    make_engine,
-)
+from asyncrl.hybrid.engine import BUCKET_BYTES, HybridEngine, agree, check_engine, make_engine
 from asyncrl.hybrid.export import POLICY_FILE, ModelFiles
 from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, use_bf16
+from asyncrl.hybrid.gather import attempt
 from asyncrl.hybrid.lora import adapters_off
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (

@@ -66,7 +66,7 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.fn_pool import pool_for, pool_settings_ok
 from asyncrl.hybrid.sampler import SamplingConfig, left_pad, turn_seed
 from asyncrl.hybrid.settings import from_dict, whole_number
-from asyncrl.hybrid.user_fn import load_tokenizer, taken_by
+from asyncrl.hybrid.user_fn import load_tokenizer, say_lost, taken_by
 
 # a row's turn the environment is asked about: (row, turn, its tokens, the response so far)
 Asked = tuple[int, int, list[int], list[int]]
@@ -196,21 +196,9 @@ class Turns:
             # or their process killed by a signal (with no timeout too: else such a row read
             # as the env's "done", and trained as a finished trajectory, unmarked)
             out = out.union(TensorBatch({"env_timeouts": torch.tensor(timeouts)}))
-            self._say_lost(timeouts, crashes)
+            say_lost(self.pool.name, self.cfg.timeout_s, timeouts, crashes, "they end there",
+                     "counted in env_timeouts")
         return out
-
-    def _say_lost(self, timeouts: list[int], crashes: list[int]) -> None:
-        """Warn of the rows whose env call ended them, by cause."""
-        assert self.pool is not None
-        n = len(timeouts)
-        hung = sum(bool(t) and not c for t, c in zip(timeouts, crashes, strict=True))
-        if hung:
-            log.warning("asyncrl: %s ran past %s s on %d of %d rows; they end there",
-                        self.pool.name, self.cfg.timeout_s, hung, n)
-        if any(crashes):
-            log.warning("asyncrl: %s crashed (its process killed by a signal: a segfault, "
-                        "the OOM killer) on %d of %d rows; they end there, counted in "
-                        "env_timeouts", self.pool.name, sum(map(bool, crashes)), n)
 
     def _turn_by_turn(self, generate: Callable[..., TensorBatch], prompts: list[list[int]],
                       seeds: list[int], cfg: SamplingConfig,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger("asyncrl")
@@ -94,3 +94,19 @@ def _response_slots(params: list[inspect.Parameter]) -> list[inspect.Parameter]:
 
 
 _warned: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def say_lost(name: str, timeout_s: float | None, late: Sequence[Any], crashed: Sequence[Any],
+             then: str, counted: str) -> None:
+    """Warn of the rows a pool's calls lost, by cause: past `timeout_s`, or their process
+    killed by a signal (with no timeout_s too); `then`: what becomes of them, `counted`:
+    where the batch says which."""
+    n = len(late)
+    hung = sum(bool(t) and not c for t, c in zip(late, crashed, strict=True))
+    if hung:
+        log.warning("asyncrl: %s ran past %s s on %d of %d rows; %s", name, timeout_s, hung, n,
+                    then)
+    if any(crashed):
+        log.warning("asyncrl: %s crashed (its process killed by a signal: a segfault, the OOM "
+                    "killer) on %d of %d rows; %s (%s)", name, sum(map(bool, crashed)), n,
+                    then, counted)

@@ -24,7 +24,7 @@ from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.user_fn import taken_by
+from asyncrl.hybrid.user_fn import say_lost, taken_by
 
 log = logging.getLogger("asyncrl")
 
@@ -241,7 +241,8 @@ class RewardFn(Worker):
                                   dtype=torch.float32)
             out = {k: _padded(torch.tensor(flags, dtype=torch.float32), len(batch))
                    for k, flags in (("timed_out", late), ("crashed", self.pool.crashed))}
-            self._say_lost(late, self.pool.crashed)
+            say_lost(self.pool.name, self.pool.timeout_s, late, self.pool.crashed,
+                     f"they score {self.timeout_score}", "timed_out and crashed say which")
         scores = _padded(scores, len(batch))
         if self.overlong is None:
             return TensorBatch({"reward": scores, **out})
@@ -249,21 +250,6 @@ class RewardFn(Worker):
         penalty = self.overlong.penalty(rmask.sum(1), rmask.shape[1])
         return TensorBatch({"reward": scores + penalty, "score": scores,
                             "overlong_penalty": penalty, **out})
-
-    def _say_lost(self, late: list[bool], crashed: list[bool]) -> None:
-        """Warn of the rows scored `timeout_score`, by cause: past timeout_s, or their
-        process killed by a signal (with no timeout_s too: "ran past None s" said nothing)."""
-        assert self.pool is not None
-        hung = sum(t and not c for t, c in zip(late, crashed, strict=True))
-        if hung:
-            log.warning("asyncrl: %s ran past %s s on %d of %d rows; they score %s",
-                        self.pool.name, self.pool.timeout_s, hung, len(late),
-                        self.timeout_score)
-        if any(crashed):
-            log.warning("asyncrl: %s crashed (its process killed by a signal: a segfault, "
-                        "the OOM killer) on %d of %d rows; they score %s (timed_out and "
-                        "crashed say which)", self.pool.name, sum(crashed), len(late),
-                        self.timeout_score)
 
     def on_close(self) -> None:
         if self.pool is not None:  # else the children, which share the rank's output
