@@ -3,7 +3,9 @@ loads, pause) and the hybrid engine's switch (the vLLM adapter: test_vllm.py).""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -355,26 +357,36 @@ def engine_bytes(hybrid: HybridEngine) -> int:
                 for p in hybrid.engine.model.parameters()}.values())
 
 
-def test_a_switch_failing_on_another_rank_leaves_the_built_in_engine_asleep(monkeypatch):
-    """Rank 1's fill failing fails the switch on rank 0 too, whose engine had woken: only
-    vLLM was put back to sleep, so a built-in engine over freed weights (a GPU) said it was
-    awake, and to_train (in train mode still) never slept it."""
+@contextlib.contextmanager
+def fill_fails_on_a_peer() -> Iterator[None]:
+    """The hybrid engine's switches, meanwhile, as on a rank whose own fill of the engine
+    went through while rank 1's did not: every rank learns of it (engine.agree)."""
     import asyncrl.hybrid.engine as engine_module
 
-    monkeypatch.setattr(HybridEngine, "_frees_memory", lambda self: True)  # as on a GPU
-    hybrid = HybridEngine(CountingBackend(build_model(ModelConfig())), ModelConfig())
     agree = engine_module.agree
 
-    def peer_fails(failed, what, value=0):  # this rank's fill went through; rank 1's did not
+    def peer_fails(failed, what, value=0):
         agree(failed, what, value)
         if what == "filling the engine":
             raise RuntimeError(f"{what} failed on another rank of this group")
         return 0
 
-    monkeypatch.setattr(engine_module, "agree", peer_fails)
-    with pytest.raises(RuntimeError, match="another rank"):
-        hybrid.to_generate()
-    monkeypatch.setattr(engine_module, "agree", agree)
+    engine_module.agree = peer_fails
+    try:
+        yield
+    finally:
+        engine_module.agree = agree
+
+
+def test_a_switch_failing_on_another_rank_leaves_the_built_in_engine_asleep(monkeypatch):
+    """Rank 1's fill failing fails the switch on rank 0 too, whose engine had woken: only
+    vLLM was put back to sleep, so a built-in engine over freed weights (a GPU) said it was
+    awake, and to_train (in train mode still) never slept it."""
+    monkeypatch.setattr(HybridEngine, "_frees_memory", lambda self: True)  # as on a GPU
+    hybrid = HybridEngine(CountingBackend(build_model(ModelConfig())), ModelConfig())
+    with fill_fails_on_a_peer():
+        with pytest.raises(RuntimeError, match="another rank"):
+            hybrid.to_generate()
     assert hybrid.mode == "train" and hybrid.engine.asleep and engine_bytes(hybrid) == 0
     assert not hybrid._offloaded
     hybrid.to_train()
@@ -385,25 +397,14 @@ def test_a_switch_failing_on_another_rank_leaves_the_built_in_engine_asleep(monk
     assert hybrid.generate([[1, 2]], seeds=[0])["response_mask"].sum() > 0
 
 
-def test_a_switch_failing_on_another_rank_gathers_the_frozen_weights_again(monkeypatch):
+def test_a_switch_failing_on_another_rank_gathers_the_frozen_weights_again():
     """On a CPU (nothing released), a rank whose own fill went through kept the frozen
     weights as the engine's while its peer's fill failed: at the next switch one gathered
     the trained parameters only, the other frozen and trained, their all_gathers paired."""
-    import asyncrl.hybrid.engine as engine_module
-
     model = build_model(ModelConfig())
     model.get_input_embeddings().weight.requires_grad_(False)  # (LoRA's base: frozen)
     hybrid = HybridEngine(CountingBackend(model), ModelConfig())
-    agree = engine_module.agree
-
-    def peer_fails(failed, what, value=0):  # this rank's fill went through; rank 1's did not
-        agree(failed, what, value)
-        if what == "filling the engine":
-            raise RuntimeError(f"{what} failed on another rank of this group")
-        return 0
-
-    monkeypatch.setattr(engine_module, "agree", peer_fails)
-    with pytest.raises(RuntimeError, match="another rank"):
+    with fill_fails_on_a_peer(), pytest.raises(RuntimeError, match="another rank"):
         hybrid.to_generate()
     assert hybrid._frozen_plan and hybrid._fill_plan() == \
         hybrid._frozen_plan + hybrid._trained_plan  # as the peer's next switch gathers

@@ -13,6 +13,17 @@ from asyncrl.controller.inputs import Inputs
 from asyncrl.futures.future import DistFuture
 
 
+def steps_run(nodes: list, items: int) -> int:
+    """Run a DataFlow of `nodes` over the input x = 0..items-1 in a Controller of its own
+    (no groups): how many steps it ran."""
+    async def main():
+        async with asyncrl.Controller():
+            flow = asyncrl.DataFlow(nodes=nodes, inputs={"x": range(items)}, groups=[])
+            await flow.run()
+            return flow.next_step
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_a_call_the_node_did_not_return_that_fails_fails_the_node():
     """`def sync(train): rollouts.load_weights(...); return {...}`: its load failing after the
     node returned was only waited for; the next rollout (follows="sync", max_staleness=0) ran
@@ -31,12 +42,8 @@ def test_a_call_the_node_did_not_return_that_fails_fails_the_node():
         asyncio.get_running_loop().call_soon(load._set_exception, RuntimeError("load failed"))
         return {"synced": rollout}
 
-    async def main():
-        async with asyncrl.Controller():
-            flow = asyncrl.DataFlow(nodes=[rollout, sync], inputs={"x": range(3)}, groups=[])
-            await flow.run()
     with pytest.raises(asyncrl.NodeError, match="node 'sync' failed at step 0") as failed:
-        asyncio.run(asyncio.wait_for(main(), 60))
+        steps_run([rollout, sync], 3)
     assert (failed.value.node, failed.value.step) == ("sync", 0)
     assert isinstance(failed.value.__cause__, RuntimeError)
     assert rolled == [0]  # no rollout after the failed load
@@ -59,12 +66,7 @@ def test_a_call_whose_failure_the_node_awaited_and_caught_is_its_own():
             handled.append(str(e))
             return 0.0
 
-    async def main():
-        async with asyncrl.Controller():
-            flow = asyncrl.DataFlow(nodes=[score], inputs={"x": range(2)}, groups=[])
-            await flow.run()
-            return flow.next_step
-    assert asyncio.run(asyncio.wait_for(main(), 60)) == 2
+    assert steps_run([score], 2) == 2
     assert handled == ["judge busy", "judge busy"]
 
 
@@ -88,12 +90,7 @@ def test_a_death_under_a_call_the_node_left_and_failures_it_caught_in_concat_pas
         except RuntimeError:
             return 0.0
 
-    async def main():
-        async with asyncrl.Controller():
-            flow = asyncrl.DataFlow(nodes=[score], inputs={"x": range(2)}, groups=[])
-            await flow.run()
-            return flow.next_step
-    assert asyncio.run(asyncio.wait_for(main(), 60)) == 2
+    assert steps_run([score], 2) == 2
 
 
 def test_an_input_lost_under_a_call_the_node_left_fails_the_node():
@@ -109,12 +106,8 @@ def test_an_input_lost_under_a_call_the_node_left_fails_the_node():
         load._set_exception(InputLostError("the pack's group 'trainer' died"))
         return x
 
-    async def main():
-        async with asyncrl.Controller():
-            flow = asyncrl.DataFlow(nodes=[sync], inputs={"x": range(2)}, groups=[])
-            await flow.run()
     with pytest.raises(asyncrl.NodeError, match="node 'sync' failed at step 0"):
-        asyncio.run(asyncio.wait_for(main(), 60))
+        steps_run([sync], 2)
 
 
 def test_a_call_failure_a_re_run_of_the_node_repaired_is_forgotten():

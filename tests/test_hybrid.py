@@ -155,16 +155,22 @@ def test_hybrid_switch_after_log_probs_takes_the_sharded_parameters():
     assert all(torch.equal(engine_w[k], train_w[k]) for k in train_w)
 
 
-def fails_once_on_rank_1(policy: Policy, method: str, message: str) -> None:
-    """The policy's backend `method` raises an out-of-memory error once, on rank 1."""
-    real, failures = getattr(policy.backend, method), [1 if policy.rank == 1 else 0]
+def failing_once(real, message: str, here: bool):
+    """`real`, whose first call raises an out-of-memory error `here` (on one rank)."""
+    failures = [int(here)]
 
-    def flaky():
+    def flaky(*args):
         if failures[0]:
             failures[0] -= 1
             raise torch.OutOfMemoryError(message)
-        return real()
-    setattr(policy.backend, method, flaky)
+        return real(*args)
+    return flaky
+
+
+def fails_once_on_rank_1(policy: Policy, method: str, message: str) -> None:
+    """The policy's backend `method` raises an out-of-memory error once, on rank 1."""
+    setattr(policy.backend, method,
+            failing_once(getattr(policy.backend, method), message, policy.rank == 1))
 
 
 class FlakySwitchPolicy(Policy):
@@ -176,22 +182,41 @@ class FlakySwitchPolicy(Policy):
         fails_once_on_rank_1(self, "offload_masters", "the masters found no room (rank 1)")
 
 
-def test_a_switch_failing_on_one_rank_fails_its_peers_at_once_and_the_next_one_goes():
+class FlakyFillPolicy(Policy):
+    """Rank 1's first switch to generation fails in its gathers: copying the first bucket's
+    rows into the engine's weights (after its all_gather)."""
+
+    def __init__(self, *args, **kwargs):
+        import asyncrl.hybrid.gather as gather
+
+        super().__init__(*args, **kwargs)
+        gather._spread = failing_once(gather._spread, "the copy found no room (rank 1)",
+                                      self.rank == 1)
+
+
+@pytest.mark.parametrize("cls, seed, own, peers", [
+    (FlakySwitchPolicy, 2, "the masters found no room", "preparing the switch to generation"),
+    (FlakyFillPolicy, 3, "the copy found no room", "filling the engine")],
+    ids=["before the gathers", "in the gathers"])
+def test_a_switch_failing_on_one_rank_fails_its_peers_at_once_and_the_next_one_goes(
+        cls, seed, own, peers):
     """A switch that failed on one rank before its gathers left its peers in the first
     all_gather until the collective timeout; then their modes differed (one generating,
-    one training), and the group's next collectives met the wrong ones."""
+    one training), and the group's next collectives met the wrong ones. Failing in its
+    gathers (a copy after a bucket's all_gather), it went straight to agreeing the failure
+    while its peers went on into the next bucket's all_gather, and waited there (on NCCL,
+    the group's collectives out of step after)."""
     async def main():
         async with asyncrl.Controller(collective_timeout=300.0) as ctl:
-            policy = await small_policy(ctl, FlakySwitchPolicy, seed=2)
+            policy = await small_policy(ctl, cls, seed=seed)
             pids = group_pids(policy)
             with pytest.raises(asyncrl.RemoteError) as e:
                 await policy.generate(prompts_batch(4))
 
             def said() -> str:  # either rank's error may come first, the other as a note
                 return "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
-            await poll_until(lambda: "the masters found no room" in said() and "preparing the "
-                             "switch to generation failed on another rank" in said(), 30,
-                             "both ranks' errors")
+            await poll_until(lambda: own in said() and f"{peers} failed on another rank"
+                             in said(), 30, "both ranks' errors")
             out = await policy.generate(prompts_batch(4))
             return pids, out, (await policy.weights("engine"))[0], \
                 (await policy.weights("train"))[0]
@@ -485,44 +510,3 @@ def test_a_bf16_reference_scores_as_a_bf16_trainer_does():
     assert_gone(pids)
     gap = [(lp - trainer)[mask].abs().max().item() for lp in (bf16, default)]
     assert gap[0] < 1e-5 < 1e-3 < gap[1], gap  # (no GPU here: the default is fp32)
-
-
-class FlakyFillPolicy(Policy):
-    """Rank 1's first switch to generation fails in its gathers: copying the first bucket's
-    rows into the engine's weights (after its all_gather)."""
-
-    def __init__(self, *args, **kwargs):
-        import asyncrl.hybrid.gather as gather
-
-        super().__init__(*args, **kwargs)
-        real, failures = gather._spread, [1 if self.rank == 1 else 0]
-
-        def flaky(bucket, out):
-            if failures[0]:
-                failures[0] -= 1
-                raise torch.OutOfMemoryError("the copy found no room (rank 1)")
-            return real(bucket, out)
-        gather._spread = flaky
-
-
-def test_a_switch_failing_in_its_gathers_on_one_rank_keeps_the_others_collectives_in_step():
-    """Rank 1's fill failing after the first bucket's all_gather went straight to agreeing
-    the failure, while rank 0 went on into the second bucket's all_gather: it waited there
-    until the collective timeout (on NCCL, the group's collectives out of step after)."""
-    async def main():
-        async with asyncrl.Controller(collective_timeout=300.0) as ctl:
-            policy = await small_policy(ctl, FlakyFillPolicy, seed=3)
-            pids = group_pids(policy)
-            with pytest.raises(asyncrl.RemoteError) as e:
-                await policy.generate(prompts_batch(4))
-
-            def said() -> str:  # either rank's error may come first, the other as a note
-                return "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
-            await poll_until(lambda: "the copy found no room" in said() and "filling the "
-                             "engine failed on another rank" in said(), 30, "both ranks' errors")
-            out = await policy.generate(prompts_batch(4))
-            return pids, out, (await policy.weights("engine"))[0], \
-                (await policy.weights("train"))[0]
-    pids, out, engine_w, train_w = run(main(), timeout=120)
-    assert_gone(pids)
-    assert len(out) == 4 and all(torch.equal(engine_w[k], train_w[k]) for k in train_w)

@@ -408,18 +408,29 @@ def written_spans(run_dir) -> list[tuple[int, str]]:
     return sorted((e["args"]["step"], e["name"]) for e in trace if e["ph"] == "X")
 
 
-def test_spans_whose_write_was_cancelled_are_written_once(tmp_path, monkeypatch):
-    """A checkpoint cancelled (Ctrl-C) while its spans were written on a thread put them
-    back, and the thread wrote them all the same: the run's last write wrote them again."""
+def first_append_held(monkeypatch, full: bool = False
+                      ) -> tuple[threading.Event, threading.Event]:
+    """timeline.jsonl's first append held on its thread (`began` set) until `go` is set,
+    then made, or failing as on a full disk (`full`); the later ones made at once."""
     import asyncrl.controller.timeline as timeline_module
 
     real, began, go = timeline_module._append, threading.Event(), threading.Event()
 
     def held(path, data):
-        began.set()
-        go.wait(60)
+        if not began.is_set():
+            began.set()
+            go.wait(60)
+            if full:
+                raise OSError(28, "No space left on device")
         return real(path, data)
     monkeypatch.setattr(timeline_module, "_append", held)
+    return began, go
+
+
+def test_spans_whose_write_was_cancelled_are_written_once(tmp_path, monkeypatch):
+    """A checkpoint cancelled (Ctrl-C) while its spans were written on a thread put them
+    back, and the thread wrote them all the same: the run's last write wrote them again."""
+    began, go = first_append_held(monkeypatch)
     tl = Timeline(tmp_path)
     tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
 
@@ -439,17 +450,7 @@ def test_spans_of_a_checkpoint_write_that_fails_as_the_run_ends_are_written_last
         tmp_path, monkeypatch):
     """The run's last write took what memory held while a checkpoint's write still ran;
     that write failed (a full disk) and put its spans back after the take: never written."""
-    import asyncrl.controller.timeline as timeline_module
-
-    real, began, go = timeline_module._append, threading.Event(), threading.Event()
-
-    def full_once(path, data):
-        if not began.is_set():
-            began.set()
-            go.wait(60)
-            raise OSError(28, "No space left on device")
-        return real(path, data)
-    monkeypatch.setattr(timeline_module, "_append", full_once)
+    began, go = first_append_held(monkeypatch, full=True)
     tl = Timeline(tmp_path)
     tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
 
