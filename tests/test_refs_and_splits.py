@@ -1,6 +1,7 @@
 """What is refused on the controller before it goes wrong on the ranks: a user protocol's
-calls that are not (args, kwargs), a result holding a tensor that cannot be sent, a class
-or function from an interactive session's __main__."""
+calls that are not (args, kwargs), a result holding a tensor that cannot be sent (and a
+fetched one that could not: the rank's failure), a class or function from an interactive
+session's __main__."""
 
 from __future__ import annotations
 
@@ -69,6 +70,30 @@ def test_a_large_result_holding_a_quantized_tensor_fails_its_call(quantizer):
                                                   r"sent: value\['q'\]: a torch.qint8 tensor"):
         quantizer.quantized().result(timeout=60)
 
+
+
+def test_a_fetch_the_rank_could_not_send_is_its_failure_not_a_lookup_error():
+    """Fetches.answered made every failed fetch a LookupError, as if the rank had let the
+    object go: a value the rank holds but could not encode is its failure (RuntimeError)."""
+    import asyncio
+
+    from asyncrl.comm.messages import Fetched
+    from asyncrl.controller.fetches import Fetches
+
+    async def main():
+        fetches = Fetches("g", asyncio.get_running_loop(), lambda rank, msg: None, timeout=30)
+        got = []
+        for obj_id, answer in ((1, Fetched(1, 0, error="object 1 is not held by g:0",
+                                           missing=True)),
+                               (2, Fetched(2, 0, error="TypeError: cannot encode object"))):
+            asyncio.get_running_loop().call_soon(fetches.answered, answer)
+            with pytest.raises(Exception) as e:
+                await fetches.get(0, obj_id)
+            got.append((type(e.value), str(e.value)))
+        return got
+    (missing, unsent) = asyncio.run(main())
+    assert missing[0] is LookupError and "not held by g:0" in missing[1]
+    assert unsent[0] is RuntimeError and "g:0: TypeError: cannot encode" in unsent[1]
 
 # -- refs ------------------------------------------------------------------------------------
 def _defined_in(main: types.ModuleType) -> types.FunctionType:

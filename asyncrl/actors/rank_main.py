@@ -265,8 +265,8 @@ class RankMain:
             reply = Fetched(obj_id, self.rank, value=msgspec.Raw(body),
                             buffers=[f.nbytes for f in frames])
         except KeyError:
-            reply = Fetched(obj_id, self.rank, error=f"object {obj_id} is not held by "
-                                                     f"{self.group}:{self.rank}")
+            reply = Fetched(obj_id, self.rank, missing=True, error=(
+                f"object {obj_id} is not held by {self.group}:{self.rank}"))
         except Exception as e:  # noqa: BLE001 - e.g. a value that cannot be sent
             reply = Fetched(obj_id, self.rank, error=f"{type(e).__name__}: {e}")
         try:

@@ -183,9 +183,10 @@ class Fetch(msgspec.Struct, tag=True, array_like=True):
 
 
 class Fetched(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """rank -> controller: the stored object (`codec.encode_oob`), or why not. The bytes of
-    its large arrays follow the signed frames as raw frames of the sizes in `buffers`, in
-    order; the controller's channel checks them and puts them in `frames` (sent empty)."""
+    """rank -> controller: the stored object (`codec.encode_oob`), or why not (`missing`:
+    the rank does not hold it; else it could not be sent). The bytes of its large arrays
+    follow the signed frames as raw frames of the sizes in `buffers`, in order; the
+    controller's channel checks them and puts them in `frames` (sent empty)."""
 
     obj_id: int
     rank: int
@@ -193,6 +194,7 @@ class Fetched(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     error: str = ""
     buffers: list[int] = []
     frames: list[Any] = []
+    missing: bool = False
 
 
 class ColumnDest(msgspec.Struct, array_like=True, frozen=True):

@@ -60,9 +60,10 @@ class Fetches:
         waiter = self._waiters.pop((msg.rank, msg.obj_id), None)
         if waiter is None or waiter.done():
             return
-        if msg.error:
-            waiter.set_exception(LookupError(f"fetching the result of call {msg.obj_id} from "
-                                             f"{self._group}:{msg.rank}: {msg.error}"))
+        if msg.error:  # not held: a LookupError; held but not sendable: the rank's failure
+            kind = LookupError if msg.missing else RuntimeError
+            waiter.set_exception(kind(f"fetching the result of call {msg.obj_id} from "
+                                      f"{self._group}:{msg.rank}: {msg.error}"))
             return
         try:
             waiter.set_result(codec.decode_oob(msg.value, msg.frames))
