@@ -14,6 +14,7 @@ from asyncrl import TensorBatch
 from asyncrl.hybrid.models import ModelConfig, build_model
 from asyncrl.hybrid.roles import Policy, Rollout
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
+from asyncrl.hybrid.weight_sync import unpack
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 3]]
 
@@ -295,6 +296,40 @@ def test_a_sync_pack_held_too_long_fails_every_rank_at_once_and_the_next_step_tr
     pids, stats = run(main(), timeout=120)
     assert_gone(pids)
     assert len(stats) == 2 and all(s["loss"] > 0 for s in stats)
+
+
+class FlakySyncPolicy(Policy):
+    """Rank 1's first sync_pack finds no room for the flat buffer of its small weights."""
+
+    def __init__(self, *args, **kwargs):
+        import asyncrl.hybrid.weight_sync as weight_sync
+
+        super().__init__(*args, **kwargs)
+        weight_sync._flat = failing_once(weight_sync._flat, "no room for the flat buffer "
+                                         "(rank 1)", self.rank == 1)
+
+
+def test_a_sync_pack_failing_on_one_rank_before_its_gathers_fails_its_peers_at_once():
+    """Rank 1 raised before the small weights' all_gather (out of memory for their flat
+    buffer) while rank 0 went on into it and waited there until the collective timeout."""
+    async def main():
+        async with asyncrl.Controller(collective_timeout=300.0) as ctl:
+            policy = await ctl.spawn(FlakySyncPolicy, {"preset": "tiny-llama", "seed": 6},
+                                     {"lr": 3e-3}, nprocs=2, hybrid=False, name="trainer")
+            pids = group_pids(policy)
+            with pytest.raises(asyncrl.RemoteError) as e:  # (not a TimeoutError: a hang)
+                await asyncio.wait_for(policy.sync_pack(), 30)
+
+            def said() -> str:
+                return "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
+            await poll_until(lambda: "no room for the flat buffer" in said() and "preparing "
+                             "the weights' gathers failed on another rank" in said(), 30,
+                             "both ranks' errors")
+            pack = await policy.sync_pack()  # the next one goes
+            return pids, dict(unpack(pack)), (await policy.weights("train"))[0]
+    pids, sent, train_w = run(main(), timeout=120)
+    assert_gone(pids)
+    assert sent and all(torch.equal(w, train_w[k]) for k, w in sent.items())
 
 
 def test_weights_of_a_policy_without_an_engine_say_to_ask_for_the_train_layout():

@@ -21,7 +21,9 @@ this code) at 54% (31.8 GiB/s).
 
 Small parameters sharded over several ranks (up to SMALL_BYTES) are gathered together, one
 all_gather per bucket (`asyncrl.hybrid.gather`) into one flat buffer whose views are the
-pack's columns; large ones one by one, each straight into its own tensor.
+pack's columns (the buffers made first, every rank agreeing they were: an out-of-memory on
+one fails all, none left in an all_gather); large ones one by one, each straight into its
+own tensor.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from asyncrl.actors.protocols import (
     register_protocol,
 )
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.hybrid.gather import Gatherer, full, plan_gather, row_sharded
+from asyncrl.hybrid.engine import agree
+from asyncrl.hybrid.gather import Gatherer, attempt, full, plan_gather, row_sharded
 
 
 def _every_rank_zero_answers(layout: Layout, args: tuple, kwargs: dict) -> Split:
@@ -135,15 +138,29 @@ def gathered(named: list[tuple[str, Any]], bucket_bytes: int
         if row_sharded(p) and p.numel() * p.element_size() <= SMALL_BYTES:
             small.setdefault(p.dtype, []).append(p)
     views: dict[int, torch.Tensor] = {}
-    for dtype, params in small.items():
-        flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-        at = 0
-        for p in params:
-            views[id(p)] = flat[at:at + p.numel()].view(p.shape)
-            at += p.numel()
-        Gatherer().run(plan_gather(((p, views[id(p)]) for p in params), bucket_bytes))
+    gatherer, plans = Gatherer(), []
+
+    def prepare() -> None:  # the flat buffers and the gathers' own, before any collective
+        for params in small.values():
+            flat = _flat(params)
+            at = 0
+            for p in params:
+                views[id(p)] = flat[at:at + p.numel()].view(p.shape)
+                at += p.numel()
+            plans.append(plan_gather(((p, views[id(p)]) for p in params), bucket_bytes))
+            gatherer.reserve(plans[-1])
+    # agreed: out of memory on one rank fails every rank here, none waits in an all_gather
+    agree(attempt(prepare), "preparing the weights' gathers")
+    for plan in plans:
+        gatherer.run(plan)
     for n, p in named:
         yield n, views[id(p)] if id(p) in views else full(p)
+
+
+def _flat(params: list[Any]) -> torch.Tensor:
+    """One flat tensor for `params` (of one dtype, on one device) side by side."""
+    return torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
+                       device=params[0].device)
 
 
 FLAT_BYTES = 256 << 20  # a flat pack's buckets: parameters together up to about this size
