@@ -483,12 +483,14 @@ def test_weights_adopted_or_loaded_are_all_taken_or_none(method, error, match):
     assert torch.equal(sampler.model.get_parameter(a), torch.ones_like(first))
 
 
-def test_greedy_decoding_refuses_nan_logits_as_sampling_does():
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_greedy_decoding_refuses_nan_or_inf_logits_as_sampling_does(bad):
     """argmax takes NaN for the largest: greedy validation went on on garbage (token 5 again
-    and again, log-probs NaN) where sampling raised."""
+    and again, log-probs NaN) where sampling raised; a +inf logit (fp16's LM head
+    overflowing) was taken too, its log-prob inf - inf = NaN."""
     model = build_model(ModelConfig())
-    with torch.no_grad():
-        model.lm_head.weight[5].fill_(float("nan"))
+    model.lm_head.register_forward_hook(lambda mod, inp, out: out.index_fill(-1, torch.tensor(
+        [5]), bad))
     for temperature in (0.0, 1.0):
         engine = Sampler(model, SamplingConfig(max_new_tokens=3, temperature=temperature))
         with pytest.raises(ValueError, match="contain NaN"):

@@ -288,9 +288,10 @@ class Sampler:
             scaled = logits.float() / (cfg.temperature or 1.0)
             logp_all = F.log_softmax(scaled, -1)
             if cfg.temperature == 0:  # greedy (as vLLM: log-probs before any temperature)
-                if scaled.isnan().any():  # (argmax takes NaN for the largest: garbage out)
-                    raise ValueError("greedy decoding: the next-token logits contain NaN "
-                                     "(check the model's weights and dtype)")
+                if scaled.isnan().any() or scaled.isposinf().any():  # (argmax takes NaN
+                    # or +inf for the largest: garbage out, a log-prob of NaN)
+                    raise ValueError("greedy decoding: the next-token logits contain NaN or "
+                                     "+inf (check the model's weights and dtype)")
                 token = scaled.argmax(-1)
             else:
                 probs = top_p_filter(scaled, cfg.top_p).softmax(-1)
