@@ -327,10 +327,11 @@ def test_a_resumed_trainer_continues_its_lr_schedule(kind, tmp_path):
                 ctl.spawn(AnyTrainer, kind, model_cfg, {**train_cfg, "lr": 2e-3,
                                                         "weight_decay": 0.1}, name="other"))
             before = [(await first.step(batch))[0]["lr"] for _ in range(3)]
-            await first.save(str(tmp_path / "ckpt"))
-            await again.load(str(tmp_path / "ckpt"))
+            # a folder whose name globs (DeepSpeed globs its path unescaped: it found nothing)
+            await first.save(str(tmp_path / "ckpt[1]"))
+            await again.load(str(tmp_path / "ckpt[1]"))
             after = [(await again.step(batch))[0]["lr"] for _ in range(2)]
-            await other.load(str(tmp_path / "ckpt"))
+            await other.load(str(tmp_path / "ckpt[1]"))
             changed = (await other.step(batch))[0]["lr"]
             decay = await other.weight_decay()
             pids = group_pids(first) + group_pids(again) + group_pids(other)

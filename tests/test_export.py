@@ -100,10 +100,11 @@ def test_a_zero3_policy_exports_its_weights_in_the_dtype_asked_for(tmp_path):
     pytest.importorskip("deepspeed")
     from transformers import AutoModelForCausalLM
 
-    trained = trained_checkpoint(tmp_path / "run", {"preset": "tiny-llama", "seed": 5},
+    # a run folder whose name globs: DeepSpeed's reader globs its path, and found nothing
+    trained = trained_checkpoint(tmp_path / "run[1]", {"preset": "tiny-llama", "seed": 5},
                                  backend="zero3")
     (tmp_path / "hf").mkdir()  # an empty folder is fine
-    done = export(tmp_path / "run" / "checkpoints" / "step_000000", tmp_path / "hf",
+    done = export(tmp_path / "run[1]" / "checkpoints" / "step_000000", tmp_path / "hf",
                   dtype="bfloat16")
     assert done["group"] == "actor" and done["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True,
@@ -151,6 +152,26 @@ def saved_policy(run_dir, cfg: ModelConfig, weights: dict) -> None:
         warnings.filterwarnings("ignore", message=".*in a single process")
         dcp.save({"model": weights}, checkpoint_id=str(step / "actor" / "train"), no_dist=True)
     (step / "meta.json").write_text(json.dumps({"step": 0}))
+
+
+def test_a_hub_model_in_the_local_cache_is_noted_with_its_tokenizer(tmp_path, monkeypatch):
+    """path="foo/bar", a Hub id build_model loads from the local cache: its checkpoints
+    noted os.path.abspath("foo/bar"), a folder that does not exist, and no tokenizer."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = tmp_path / "hub" / "models--foo--bar" / "snapshots" / "abc"
+    local_model(snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc")
+    (tmp_path / "noted").mkdir()
+    save_model_files(tmp_path / "noted", ModelConfig(path="foo/bar"))
+    assert json.loads((tmp_path / "noted" / "model.json").read_text())["path"] == str(snapshot)
+    assert (tmp_path / "noted" / "hf" / "tokenizer.json").read_bytes() == \
+        (snapshot / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match=r"path='foo/baz' is neither a local directory nor a "
+                                         r"model in the local Hugging Face cache"):
+        save_model_files(tmp_path / "noted", ModelConfig(path="foo/baz"))
 
 
 def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
@@ -399,19 +420,36 @@ def test_an_export_that_cannot_be_written_fails_before_reading_the_weights(tmp_p
     assert sorted(f.name for f in tmp_path.iterdir()) == ["afile", "run"]
 
 
-def test_an_export_that_fills_the_disk_says_so_and_leaves_nothing(tmp_path, monkeypatch):
+NO_SPACE = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+@pytest.mark.parametrize("where", ["fsync", "model", "adapter"])
+def test_an_export_that_fills_the_disk_says_so_and_leaves_nothing(tmp_path, monkeypatch, where):
+    """safetensors' writes (the model's, a LoRA policy's adapters) fail with its own
+    SafetensorError, not an OSError: a full disk there was a traceback."""
     import errno
+    import re
+
+    import safetensors.torch
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
 
     import asyncrl.hybrid.export as module
 
-    cfg = ModelConfig(preset="tiny-llama")
+    cfg = ModelConfig(preset="tiny-llama",
+                      lora={"rank": 2, "alpha": 4} if where == "adapter" else None)
     saved_policy(tmp_path / "run", cfg, build_model(cfg).state_dict())
 
-    def full(folder):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def full(*args, **kwargs):
+        if where == "fsync":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise SafetensorError(NO_SPACE)
 
-    monkeypatch.setattr(module, "sync_tree", full)
-    with pytest.raises(ValueError, match=f"cannot write the export {tmp_path / 'hf'}: No space "
-                                         f"left on device: {tmp_path}; give an OUT whose"):
+    monkeypatch.setattr(*{"fsync": (module, "sync_tree"),
+                          "model": (transformers.modeling_utils, "safe_save_file"),
+                          "adapter": (safetensors.torch, "save_file")}[where], full)
+    why = "No space left on device" if where == "fsync" else NO_SPACE
+    with pytest.raises(ValueError, match=re.escape(f"cannot write the export {tmp_path / 'hf'}: "
+                                                   f"{why}: {tmp_path}; give an OUT whose")):
         export(tmp_path / "run", tmp_path / "hf")
     assert [f.name for f in tmp_path.iterdir()] == ["run"]

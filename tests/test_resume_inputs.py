@@ -52,3 +52,44 @@ def test_a_dataloader_shuffled_by_the_flow_files_manual_seed_resumes(tmp_path):
     with pytest.raises(CheckpointError, match=r"gave another item at position 3 .*"
                                               r"generator=torch\.Generator\(\)\.manual_seed"):
         restored(1)
+
+
+class _Counting:
+    """A restorable source whose state is a bare int (valid JSON, as meta.json keeps it)."""
+
+    def __init__(self) -> None:
+        self.at, self.loaded = 0, []
+
+    def __iter__(self):
+        while True:
+            self.at += 1
+            yield self.at - 1
+
+    def state_dict(self) -> int:
+        return self.at
+
+    def load_state_dict(self, state: int) -> None:
+        self.loaded.append(state)
+        self.at = state
+
+
+def test_a_source_whose_state_is_an_int_resumes():
+    """check() and resume_at() asked `"consumed" in state` of every source's state: an int
+    state was a TypeError; a source without load_state_dict given one is refused in words."""
+    first = Inputs({"n": _Counting()})
+    first.reset()
+    first.next(), first.next()
+    saved = json.loads(json.dumps(first.positions()))
+    assert saved == {"n": 2}
+    resumed = Inputs({"n": _Counting()})
+    resumed.reset()
+    resumed.check(saved)
+    resumed.resume_at(2, saved)
+    assert resumed.sources["n"].loaded == [2]
+    assert resumed.next() == {"n": 2}
+    plain = Inputs({"n": [0, 1, 2]})
+    plain.reset()
+    plain.check(saved)
+    with pytest.raises(CheckpointError, match=r"input 'n' was saved as 2, a position for a "
+                                              r"source with load_state_dict\(\)"):
+        plain.resume_at(2, saved)

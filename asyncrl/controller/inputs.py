@@ -90,7 +90,7 @@ class Inputs:
                 self._iters[name] = iter(source)  # a fresh iterator, from that position
                 self.consumed[name] = start
                 continue
-            if "consumed" not in state:
+            if not isinstance(state, dict) or "consumed" not in state:
                 raise CheckpointError(
                     f"input {name!r} was saved as {state}, a position for a source with "
                     f"load_state_dict(); this one has none: resume with the same input source")
@@ -107,10 +107,11 @@ class Inputs:
                     source.check_state(positions[name])
                 except ValueError as e:
                     raise CheckpointError(f"input {name!r}: {e}") from e
-            elif name in positions and "consumed" in positions[name] and \
-                    isinstance(source, Sequence) and not _restorable(source):  # (a list, a
-                # range: read again alike; a DataLoader that shuffles on each pass would
-                # give the resume another order than this check saw)
+            elif name in positions and isinstance(source, Sequence) and \
+                    not _restorable(source) and isinstance(positions[name], dict) and \
+                    "consumed" in positions[name]:  # (a list, a range: read again alike; a
+                # DataLoader that shuffles on each pass would give the resume another order
+                # than this check saw; a restorable source's state may be any JSON: an int)
                 it = _iterate(source)  # (not a one-shot iterator's: the run reads it once)
                 if it is not None:
                     _skipped(name, it, positions[name], rewind=False)

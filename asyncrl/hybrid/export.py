@@ -34,7 +34,7 @@ import torch
 from asyncrl.actors.worker import sync_dir, sync_tree
 from asyncrl.hybrid.lora import is_adapter, legacy_adapter_names, merged
 from asyncrl.hybrid.models import DROPOUT, ModelConfig, hf_config
-from asyncrl.hybrid.zero import TAG
+from asyncrl.hybrid.zero import TAG, globless
 
 MODEL_FILE = "model.json"  # the group's ModelConfig, in its checkpoint folder
 HF_FOLDER = "hf"  # beside it: the model's config.json and its tokenizer files
@@ -65,11 +65,12 @@ class ModelFiles:
     @staticmethod
     def read(cfg: ModelConfig) -> ModelFiles:
         given = dataclasses.asdict(cfg)
-        if cfg.path is not None:
-            given["path"] = os.path.abspath(cfg.path)
-        extra = {} if cfg.path is None else {
-            file.relative_to(cfg.path).as_posix(): file.read_bytes()
-            for pattern in TOKENIZER_FILES for file in Path(cfg.path).glob(pattern)
+        source = None if cfg.path is None else _source_folder(cfg.path)
+        if source is not None:
+            given["path"] = str(source)
+        extra = {} if source is None else {
+            file.relative_to(source).as_posix(): file.read_bytes()
+            for pattern in TOKENIZER_FILES for file in source.glob(pattern)
             if file.is_file()}
         return ModelFiles(given, hf_config(cfg, dropout_off=False), extra)
 
@@ -80,6 +81,26 @@ class ModelFiles:
         for name, data in self.extra.items():
             (hf / name).parent.mkdir(exist_ok=True)
             (hf / name).write_bytes(data)
+
+
+def _source_folder(path: str) -> Path:
+    """The folder of the model `path` names: `path` itself (a local directory), else the
+    snapshot folder of the Hugging Face Hub model `path` in the local cache, as
+    from_pretrained(local_files_only=True) loads it ("Qwen/Qwen2.5-0.5B")."""
+    if os.path.isdir(path):
+        return Path(os.path.abspath(path))
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, local_files_only=True))
+    except (ValueError, OSError) as e:
+        # a partial download (files its cached listing names are missing): from_pretrained
+        # found what it needs there all the same
+        if snapshot := getattr(e, "snapshot_path", None):
+            return Path(snapshot)
+        raise ValueError(f"ModelConfig path={path!r} is neither a local directory nor a model "
+                         f"in the local Hugging Face cache ({e}); give the directory of a "
+                         f"model, or download it first (hf download {path})") from e
 
 
 def save_model_files(folder: Path, cfg: ModelConfig) -> None:
@@ -147,8 +168,9 @@ def trained_weights(folder: Path) -> dict[str, torch.Tensor]:
         except ImportError as e:
             raise ValueError(f"{folder} was written by DeepSpeed ZeRO, whose files only "
                              f"DeepSpeed reads: pip install 'asyncrl[deepspeed]' ({e})") from e
-        return _current_names(dict(get_fp32_state_dict_from_zero_checkpoint(str(train),
-                                                                              tag=TAG)))
+        with globless(train) as plain:  # (it globs the path it is given)
+            return _current_names(dict(get_fp32_state_dict_from_zero_checkpoint(plain,
+                                                                                  tag=TAG)))
     import torch.distributed.checkpoint as dcp
 
     saved = dcp.FileSystemReader(str(train)).read_metadata().state_dict_metadata
@@ -184,6 +206,7 @@ def export(path: Path, out: Path, group: str | None = None,
     checkpoint's, else the one it trained in); what was written, and `notes` to tell."""
     # transformers imports DeepSpeed where it is installed, which guesses its accelerator
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    from safetensors import SafetensorError
     from transformers import AutoConfig
 
     out = Path(out).resolve()
@@ -205,7 +228,8 @@ def export(path: Path, out: Path, group: str | None = None,
             sync_tree(tmp)  # on disk before its final name: a crash leaves no cut-short OUT
             os.replace(tmp, out)  # onto an empty folder, or none
             sync_dir(out.parent)
-        except OSError as e:  # a full disk, a folder made read-only meanwhile
+        # a full disk, a folder made read-only meanwhile (safetensors' writes fail so too)
+        except (OSError, SafetensorError) as e:
             if not _writing(e, tmp):  # (not the checkpoint's files, read)
                 raise
             raise _destination_error(out, e) from e
@@ -230,18 +254,22 @@ def _destination(out: Path) -> tuple[list[Path], Path]:
         raise _destination_error(out, e) from e
 
 
-def _destination_error(out: Path, e: OSError) -> DestinationError:
+def _destination_error(out: Path, e: Exception) -> DestinationError:
+    """`e`: an OSError, or safetensors' SafetensorError (its words alone, no errno)."""
     # "File exists" of a parent that is a file reads as if OUT existed: name the file
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    file = getattr(e, "filename2", None) or getattr(e, "filename", None) or out.parent
     why = f"{blocking} is a file, not a folder" if blocking is not None else \
-        f"{e.strerror or e}: {e.filename2 or e.filename or out.parent}"
+        f"{getattr(e, 'strerror', None) or e}: {file}"
     return DestinationError(f"cannot write the export {out}: {why}; give an OUT whose folder "
                             f"can be written (and has room for the model)")
 
 
-def _writing(e: OSError, tmp: Path) -> bool:
+def _writing(e: Exception, tmp: Path) -> bool:
     """Whether `e` is of writing the export: of a file in `tmp`, or of no file (a write's
-    ENOSPC, a folder's fsync)."""
+    ENOSPC, a folder's fsync); a SafetensorError of its I/O (not one of the tensors)."""
+    if not isinstance(e, OSError):
+        return "I/O error" in str(e)
     return not isinstance(e.filename, str) or Path(e.filename).resolve().is_relative_to(tmp)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,6 +63,20 @@ def _no_shared_memory_all_reduce(deepspeed: Any) -> None:
 
 
 TAG = ZERO_TAG
+
+
+@contextlib.contextmanager
+def globless(folder: Any) -> Iterator[str]:
+    """`folder` by a path without glob characters, while the context lasts: DeepSpeed globs
+    its files under the folder it is given, unescaped (`runs/lr[1e-5]` matched nothing,
+    `runs/exp*` other folders too). A symlink to it, where its path holds any."""
+    path = os.path.abspath(folder)
+    if not any(c in path for c in "*?["):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="asyncrl-") as tmp:
+        os.symlink(path, os.path.join(tmp, "checkpoint"))
+        yield os.path.join(tmp, "checkpoint")
 
 
 def _saved_groups(folder: Any) -> int | None:
@@ -165,8 +180,9 @@ class ZeroBackend(TrainBackend):
         check_written_by(folder, f"zero{self.stage}")
         self.loads += 1
         try:
-            path, client = self.engine.load_checkpoint(str(folder), tag=TAG,
-                                                       load_lr_scheduler_states=False)
+            with globless(folder) as plain:
+                path, client = self.engine.load_checkpoint(plain, tag=TAG,
+                                                           load_lr_scheduler_states=False)
         except (RuntimeError, ValueError) as e:  # DeepSpeed's own words miss the cause
             groups = _saved_groups(folder)
             if groups is None or groups == len(self.opt.param_groups):
