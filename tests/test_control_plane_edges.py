@@ -11,13 +11,16 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import msgspec
+import numpy as np
 import pytest
+import zmq
 
 from asyncrl.actors import rank_main
 from asyncrl.actors.rank_main import RankMain
 from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.channel import Unheard
+from asyncrl.comm.dataserver import _puller
 from asyncrl.controller import supervisor
 from asyncrl.controller.group import RankInfo
 from asyncrl.controller.lost import _from_concurrent, concurrent_sockets
@@ -77,7 +80,7 @@ def test_a_pool_thread_whose_executor_failed_to_start_keeps_its_one_socket(monke
     monkeypatch.setattr(rank_main, "bind_gpu", lambda: None)
     monkeypatch.setattr(asyncio, "new_event_loop", event_loop_once_short_of_descriptors)
     rank = _rank(local=threading.local(), relay_addresses={}, concurrent_socks=[],
-                 socket=socket, data_client=lambda _: SimpleNamespace(materialize=lambda x: x),
+                 socket=socket, data_client=lambda: SimpleNamespace(materialize=lambda x: x),
                  worker=SimpleNamespace(peek=lambda: None), closing=False, _running=0,
                  _settled=threading.Condition())
     call = messages.Call(1, "peek", PAYLOAD)
@@ -133,6 +136,44 @@ def test_junk_on_a_retired_route_is_counted_as_a_bad_mac_not_a_replay():
     replayed = Signer(secret).sign(route, b"again")  # signed: a replay on a retired route
     assert verifier.verify(route, replayed) is None
     assert verifier.dropped == {"bad_mac": 1, "replay": 1}
+
+
+def test_pull_sockets_and_dropped_frame_logs_do_not_give_away_the_ranks_tag(caplog):
+    """A producer saw its consumer's pull socket named "<group>/<rank>/exec/<tag>/pull0",
+    and the tag is what the controller takes for proof that a socket is that rank's: a
+    rank of another group could then send Results as this one. The warnings of dropped
+    frames named it too."""
+    ctx = zmq.Context()
+    rank = _rank(ctx=ctx, secret=b"s" * 32, host="h", segments=None, transfer_timeout=1.0,
+                 transport="auto", curve=None, data=SimpleNamespace(address="tcp://x:1"),
+                 store=SimpleNamespace(get=None), gone=None)
+    ex = rank_main._Executor(rank, SimpleNamespace(identity=b"g/2/exec/1.x"))
+    try:
+        sock = ex.data._socket("tcp://127.0.0.1:9")[0]
+        identity = sock.getsockopt(zmq.IDENTITY)
+        assert b"1.x" not in identity and _puller(identity) == ("g", "2")
+    finally:
+        ex.loop.close()
+        ctx.destroy(0)
+    with caplog.at_level(logging.WARNING, "asyncrl"):
+        Verifier(b"s" * 32).drop("bad_mac", b"g/2/io/1.x")
+    assert "g/2/io" in caplog.text and "1.x" not in caplog.text
+
+
+def test_a_value_of_more_arrays_than_a_message_may_carry_is_refused_saying_so(
+        monkeypatch):
+    """The controller's reader dropped it as too_many_parts, and the driver waited for a
+    TransferTimeout whose advice (a longer transfer_timeout) could not help."""
+    monkeypatch.setattr(rank_main, "MAX_FETCHED_ARRAYS", 2, raising=False)
+    sent: list = []
+    rank = _rank(fetch_sock=SimpleNamespace(
+        send=lambda reply, frames=(): sent.append((reply, list(frames)))),
+        store=SimpleNamespace(get=lambda _: [np.zeros(64 << 10, np.uint8)] * 3))
+    rank.send_fetched(5)
+    [(reply, frames)] = sent
+    assert frames == [] and reply.obj_id == 5 and reply.value is messages.NONE
+    assert "holds 3 arrays" in reply.error and "past the 2" in reply.error
+    assert "stack them into fewer arrays" in reply.error
 
 
 class _Box:

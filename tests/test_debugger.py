@@ -10,6 +10,7 @@ import os
 import queue
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 
@@ -83,8 +84,6 @@ def test_attach_says_who_waits_when_the_choice_is_wrong(tmp_path, capsys):
         main(["attach", str(tmp_path / "typo"), "--list"])
     # a rank that died at its breakpoint leaves its file (it exits with os._exit): not
     # listed, and removed; one still running that no longer answers is named
-    import subprocess
-
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     debug = tmp_path / "debug"
@@ -107,7 +106,6 @@ def test_attach_says_who_waits_when_the_choice_is_wrong(tmp_path, capsys):
         main(["attach", str(tmp_path), "--group", "stuck"])
 
 
-
 def _namespaces() -> dict[str, str]:
     """This process's pid and net namespaces, as a rank writes them in its session."""
     return {"pid_ns": os.readlink("/proc/self/ns/pid"),
@@ -127,8 +125,6 @@ def test_a_session_in_another_namespace_of_this_host_is_kept_and_named(tmp_path)
     then waited forever); they share the loopback, so they are here all the same (they were
     refused as elsewhere). A netns host's rank shares the pids but not the loopback: attach
     said it no longer waits (connection refused)."""
-    import subprocess
-
     from asyncrl.actors.procs import birth
     from asyncrl.cli import main
     from asyncrl.controller.attach import waiting
@@ -343,6 +339,54 @@ def test_two_breakpoints_of_one_rank_are_each_reachable(rank, tmp_path):
     assert waiting(tmp_path) == []
 
 
+def test_a_session_of_a_live_process_of_the_same_rank_stays_a_dead_ones_goes(rank, tmp_path):
+    """A forked child's (a DataLoader worker's) session: removed at the rank's next stop."""
+    from asyncrl.actors.debugger import birth, place
+
+    debug, dead = tmp_path / "debug", subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        for name, pid in (("live", live.pid), ("dead", dead.pid)):
+            _write_session(debug, name, group="g", pid=pid, start=birth(pid), **place())
+        rank.start("call", _stops_then_calls_helper)
+        rank.next_stop()
+        assert (debug / "live.json").exists() and not (debug / "dead.json").exists()
+        with _connect(rank.session("in _stops")) as sock:
+            _until(sock, b"(asyncrl-pdb g:0)")
+            sock.sendall(b"c\n")
+        rank.join()
+    finally:
+        live.kill()
+        live.wait()
+    assert rank.results == {"call": 42}
+
+
+def test_a_token_trickled_a_byte_at_a_time_is_cut_off_at_the_deadline(rank, monkeypatch):
+    """The timeout was per byte: a local user sending one every 9 s held the breakpoint's
+    one connection for ~40 minutes, and `asyncrl attach` waited behind it."""
+    monkeypatch.setattr("asyncrl.actors.debugger.TOKEN_TIMEOUT_S", 1.0)
+    rank.start("call", _stops_then_calls_helper)
+    rank.next_stop()
+    session = rank.session()
+    with socket.create_connection(("127.0.0.1", session["port"]), timeout=0.3) as slow:
+        for _ in range(16):  # a byte every 0.3 s, until the rank hangs up (or ~5 s)
+            try:
+                if slow.recv(1) == b"":
+                    break
+            except TimeoutError:
+                slow.sendall(b"0")
+            except ConnectionResetError:  # (it closed with a byte unread)
+                break
+        else:
+            pytest.fail("the rank still reads a token trickled for 5 s")
+    with _connect(session) as sock:
+        _until(sock, b"(asyncrl-pdb g:0)")
+        sock.sendall(b"c\n")
+    rank.join()
+    assert rank.results == {"call": 42}
+
+
 class Screen(io.StringIO):
     """A terminal: what is written is kept (getvalue) and handed to a test waiting on it."""
 
@@ -491,7 +535,7 @@ def test_a_link_planted_where_the_session_file_goes_is_replaced_not_followed(ran
     folder, victim = tmp_path / "debug", tmp_path / "victim"
     folder.mkdir(0o700)
     victim.write_text("mine")
-    (folder / f"g-0-{rank.threads[-1].ident}.partial").symlink_to(victim)
+    (folder / f"g-0-{os.getpid()}-{rank.threads[-1].ident}.partial").symlink_to(victim)
     go.set()
     rank.next_stop()
     assert victim.read_text() == "mine"

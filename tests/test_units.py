@@ -224,3 +224,14 @@ def test_dp_collect_from_encoded_results_equals_decoding_each(seed):
     assert got.keys() == want.keys() and got.meta == want.meta and len(got) == len(want)
     assert got["s"] == want["s"]
     assert got["t"].dtype == want["t"].dtype and torch.equal(got["t"], want["t"])
+
+
+def test_a_group_name_too_long_for_its_socket_names_is_refused_before_the_spawn():
+    """A ~220-character name passed, and each rank then failed with "ZMQError: Invalid
+    argument" (a socket identity is at most 255 bytes, and the name starts every one)."""
+    from asyncrl.controller.logs import check_group_name
+
+    check_group_name("g" * 100)
+    with pytest.raises(ValueError, match="group name 'gggg.*is 220 characters long: use at "
+                                         "most 100"):
+        check_group_name("g" * 220)

@@ -1,7 +1,7 @@
 """`breakpoint()` inside a worker: a pdb session the user reaches with `asyncrl attach`.
 
     rank: breakpoint() ──▶ listen on 127.0.0.1:<free port>
-          ──▶ RUN_DIR/debug/<group>-<rank>-<thread>.json (one per waiting breakpoint: a
+          ──▶ RUN_DIR/debug/<group>-<rank>-<pid>-<thread>.json (one per waiting breakpoint: a
           concurrent=True call may stop beside the in-order one; host, port, pid, thread,
           where, a one-time token, and what tells the rank apart past its hostname and pid:
           boot id, pid and net namespaces, start time; the file is 0600)
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.procs import birth
+from asyncrl.actors.procs import birth, pid_alive
 
 DEBUG_DIR_ENV = "ASYNCRL_DEBUG_DIR"
 TOKEN_TIMEOUT_S = 10.0
@@ -76,10 +76,15 @@ class _Conn:
 
 
 def _token_line(conn: socket.socket) -> bytes:
-    """The first line, byte by byte: what follows it is pdb's, and must stay unread."""
-    line = b""
+    """The first line, byte by byte: what follows it is pdb's, and must stay unread. All of
+    it within TOKEN_TIMEOUT_S (a timeout per byte let a client trickling bytes hold the one
+    connection a breakpoint accepts for as long as it liked)."""
+    line, deadline = b"", time.monotonic() + TOKEN_TIMEOUT_S
     try:
         while not line.endswith(b"\n") and len(line) < 256:
+            if (left := deadline - time.monotonic()) <= 0:
+                return b""
+            conn.settimeout(left)
             byte = conn.recv(1)
             if not byte:
                 break
@@ -107,7 +112,8 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     token = secrets.token_hex(16)
     _remove_stale(folder, group, int(rank))
     thread = threading.current_thread()
-    session = folder / f"{group}-{rank}-{thread.ident}.json"
+    # the pid too: a forked child (a DataLoader worker) keeps the thread's ident
+    session = folder / f"{group}-{rank}-{os.getpid()}-{thread.ident}.json"
     # written aside and renamed: `asyncrl attach` (or a test) never reads half a file
     partial = session.with_suffix(".partial")
     partial.unlink(missing_ok=True)  # (never followed: a link planted there is replaced)
@@ -124,7 +130,6 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
     try:
         while True:
             conn, _ = server.accept()
-            conn.settimeout(TOKEN_TIMEOUT_S)
             sent = _token_line(conn)
             if secrets.compare_digest(sent, token.encode()):
                 conn.settimeout(None)
@@ -137,15 +142,35 @@ def _wait_for_debugger(folder: Path, where: str) -> _Conn:
 
 def _remove_stale(folder: Path, group: str, rank: int) -> None:
     """Remove sessions this group and rank left from an earlier process (one killed while it
-    waited): nobody would answer there."""
+    waited): nobody would answer there. Those of a process that runs (a forked child of this
+    rank stopped in its own breakpoint) stay."""
+    mine = place()
     for path in folder.glob("*.json"):
         old = read_session(path)
         try:
-            if old is not None and old["group"] == group and old["rank"] == rank and \
-                    old["pid"] != os.getpid():
-                path.unlink()
-        except (OSError, KeyError, TypeError):
+            if old is None or old["group"] != group or old["rank"] != rank or \
+                    old["pid"] == os.getpid():
+                continue
+            # of another machine or pid namespace, its pid means nothing here: this group
+            # and rank run here now, so that one was an earlier process
+            if old.get("host") == socket.gethostname() and all(
+                    old.get(k) is None or mine[k] is None or old[k] == mine[k]
+                    for k in ("boot", "pid_ns")) and not gone(old):
+                continue
+            path.unlink()
+        except (OSError, KeyError, TypeError, ValueError):
             continue  # another rank's, removed right now
+
+
+def gone(session: dict[str, Any]) -> bool:
+    """Whether the process of a session reachable from here no longer runs: its pid is
+    gone, or belongs to a later process (another start time: the old port may be anyone's
+    now)."""
+    pid = int(session.get("pid", 0))
+    if not pid_alive(pid):
+        return True
+    started, now = session.get("start"), birth(pid)
+    return started is not None and now is not None and str(started) != now
 
 
 def place() -> dict[str, str | None]:

@@ -51,7 +51,7 @@ from asyncrl.actors.sigterm import stop_on_sigterm
 from asyncrl.actors.worker import Worker, construct
 from asyncrl.comm import codec, nccl
 from asyncrl.comm.auth import read_curve, read_secret
-from asyncrl.comm.channel import RankSocket
+from asyncrl.comm.channel import MAX_PARTS, RankSocket
 from asyncrl.comm.cuda_ipc import device_uuid
 from asyncrl.comm.dataplane import DataClient, own_pool_prefix, run_prefix
 from asyncrl.comm.dataserver import DataServer, check_reachable
@@ -81,6 +81,7 @@ from asyncrl.futures.store import ObjectStore, schema_of, storable
 EXIT_CONTROLLER_LOST = 75
 INLINE_LIMIT = 64 * 1024  # results up to this size also travel with their Result
 CALLS_SETTLE_S = 5.0  # at close, the longest on_close waits for calls under way
+MAX_FETCHED_ARRAYS = MAX_PARTS - 3  # the controller's reader keeps no more of a message
 
 
 class _Executor:
@@ -91,7 +92,7 @@ class _Executor:
         self.main = rank_main
         self.sock = sock
         self.loop = asyncio.new_event_loop()
-        self.data = rank_main.data_client(sock.identity.decode())
+        self.data = rank_main.data_client()
 
     def run_call(self, call: Call) -> None:
         main = self.main
@@ -225,7 +226,10 @@ class RankMain:
                      self.host, role, self.data.address, gpu, launched,
                      os.environ.get(SPAWN_ENV, ""))
 
-    def data_client(self, identity: str) -> DataClient:
+    def data_client(self) -> DataClient:
+        # named without this rank's tag: every producer it pulls from sees the name, and the
+        # tag is what the controller takes for proof that a socket is this rank's
+        identity = f"{self.group}/{self.rank}/pull/{secrets.token_hex(8)}"
         return DataClient(self.ctx, self.secret, identity, self.host, self.segments,
                           self.transfer_timeout, self.transport, self.curve,
                           own=(self.data.address, self.store.get), gone=self.gone)
@@ -264,6 +268,12 @@ class RankMain:
             body, frames = codec.encode_oob(self.store.get(obj_id))
             reply = Fetched(obj_id, self.rank, value=msgspec.Raw(body),
                             buffers=[f.nbytes for f in frames])
+            if len(frames) > MAX_FETCHED_ARRAYS:  # the controller's reader would drop it
+                reply = Fetched(obj_id, self.rank, error=(  # (the driver then waited for a
+                    f"object {obj_id} holds {len(frames)} arrays of "  # TransferTimeout)
+                    f"{codec.OOB_MIN_BYTES} bytes or more, past the {MAX_FETCHED_ARRAYS} one "
+                    f"value may send to the driver; stack them into fewer arrays"))
+                frames = []
         except KeyError:
             reply = Fetched(obj_id, self.rank, missing=True, error=(
                 f"object {obj_id} is not held by {self.group}:{self.rank}"))

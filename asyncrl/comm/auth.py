@@ -164,6 +164,12 @@ class Signer:
         return [body, self._mac(route, body)]
 
 
+def _who(route: bytes) -> str:
+    """A route as logged: its group/rank/role, never a rank socket's tag after them (a log
+    read by others must not give them the part that proves a socket is that rank's)."""
+    return b"/".join(route.split(b"/")[:3])[:80].decode(errors="replace") or "?"
+
+
 class Verifier:
     """Checks incoming frames; counts what it drops, by reason, and never raises."""
 
@@ -190,7 +196,7 @@ class Verifier:
             count = self.dropped[reason]
             self._said[reason] = (monotonic(), count)
             log.warning("asyncrl: dropped a frame (%s) from %s: %d dropped for this reason "
-                        "(%d since last said), %d in all", reason, route[:80] or "?", count,
+                        "(%d since last said), %d in all", reason, _who(route), count,
                         count - (said[1] if said else 0), self.total_dropped)
 
     def last(self, route: bytes) -> int:

@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.debugger import place, read_session
-from asyncrl.actors.procs import birth, pid_alive
+from asyncrl.actors.debugger import gone, place, read_session
 
 
 def waiting(run_dir: Path) -> list[dict[str, Any]]:
@@ -35,7 +34,7 @@ def waiting(run_dir: Path) -> list[dict[str, Any]]:
             continue  # removed right now, unreadable, or not this user's
         session["elsewhere"] = _elsewhere(session, mine)
         session["here"] = session["elsewhere"] is None
-        if session["here"] and not _differs(session, mine, "pid_ns") and _gone(session):
+        if session["here"] and not _differs(session, mine, "pid_ns") and gone(session):
             path.unlink(missing_ok=True)
             continue
         sessions.append(session)
@@ -64,16 +63,6 @@ def _differs(session: dict[str, Any], mine: dict[str, str | None], field: str) -
     either side lacks (a session written before the field was, no /proc) does not count."""
     return session.get(field) is not None and mine.get(field) is not None \
         and session[field] != mine[field]
-
-
-def _gone(session: dict[str, Any]) -> bool:
-    """Whether a rank reachable from here no longer runs: its pid is gone, or belongs to
-    a later process (another start time: the old port may be anyone's now)."""
-    pid = int(session.get("pid", 0))
-    if not pid_alive(pid):
-        return True
-    started, now = session.get("start"), birth(pid)
-    return started is not None and now is not None and str(started) != now
 
 
 def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,

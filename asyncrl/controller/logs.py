@@ -26,6 +26,7 @@ CONSOLE_QUEUE = 1000  # writes waiting for the console; past it, lines are count
 CONTROLLER_LOG = "controller.log"  # the controller's notices, in RUN_DIR (logs/ has the
 # groups' logs, torchrun's logs/<group>.log among them)
 GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+MAX_GROUP_NAME = 100  # it starts every socket identity of its ranks: ZeroMQ takes 255 bytes
 # C0 controls but tab and newline, DEL and C1, written as \x1b...: a rank's escape sequence
 # would be obeyed by the terminal (set its title or clipboard, clear it, move the cursor
 # over other ranks' lines); colours (SGR: ESC [ digits and semicolons m) only are kept
@@ -60,6 +61,10 @@ def check_group_name(name: str) -> None:
     if not GROUP_NAME.match(name) or name in (".", ".."):  # ('..': above RUN_DIR/logs)
         raise ValueError(f"group name {name!r}: use letters, digits, '_', '.' or '-' "
                          f"(not '.' or '..' alone)")
+    if len(name) > MAX_GROUP_NAME:  # (else the ranks fail with "ZMQError: Invalid argument")
+        raise ValueError(f"group name {name[:20]!r}... is {len(name)} characters long: "
+                         f"use at most {MAX_GROUP_NAME} (ZeroMQ socket names, which start "
+                         f"with it, are limited to 255 bytes)")
     if name == CONTROLLER_ROW:  # its calls would be taken for the node functions' own time
         raise ValueError(f"group name {name!r} is the timeline's row of the flow's node "
                          f"functions (its calls would be left out of time/<node>_s, "
