@@ -19,9 +19,10 @@ checked as they are added (empty, too long; out of vocabulary only with a tokeni
 refused one leaves those before it in the engine. Without a tokenizer an id outside the
 vocabulary reaches the embedding kernel: a device-side assert, after which every call fails
 (the CUDA context is gone). Faults on demand: `kv_wake_ooms` (the next N KV cache wakes run
-out of memory), `reset_failures` (the next N reset_prefix_cache calls return False). With
-FAKE_VLLM_CALLS=DIR each process also writes what it was asked, one JSON line per call, to
-DIR/<pid>.jsonl (for tests of torchrun groups)."""
+out of memory), `reset_failures` (the next N reset_prefix_cache calls return False, as newer
+vLLM does; 0.10-0.11 return None whatever happened). With FAKE_VLLM_CALLS=DIR each process
+also writes what it was asked, one JSON line per call, to DIR/<pid>.jsonl (for tests of
+torchrun groups)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
+    quantization: str | None = None  # (vLLM quantizes the weights once, as it loads them)
 
 
 @dataclass
@@ -158,8 +160,10 @@ class LLM:
         self._max_len = kwargs.get("max_model_len") or getattr(
             c, "max_position_embeddings", None) or c.n_positions
         self._vocab = int(c.vocab_size)  # vLLM's model_config.get_vocab_size()
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(
-            max_model_len=self._max_len, get_vocab_size=lambda: self._vocab))
+        self.llm_engine = SimpleNamespace(  # (the rows a refused call left are unfinished)
+            model_config=SimpleNamespace(max_model_len=self._max_len,
+                                         get_vocab_size=lambda: self._vocab),
+            has_unfinished_requests=lambda: bool(self._left))
         self._left: list[tuple[dict, SamplingParams]] = []  # requests a refused call left
         self._saved_buffers: dict[str, Any] = {}  # level 2: the buffers, on the host
         self._dead: str | None = None  # a CUDA error that left the context unusable

@@ -24,9 +24,9 @@ def fake_engine(path: str = "tiny-llama", sampling: SamplingConfig | None = None
 
     from asyncrl.hybrid.vllm_engine import VLLMEngine
 
+    options.setdefault("llm_cls", fake_vllm.LLM)
     return VLLMEngine(path, sampling or SamplingConfig(max_new_tokens=4),
-                      llm_cls=fake_vllm.LLM, sampling_params_cls=fake_vllm.SamplingParams,
-                      **options)
+                      sampling_params_cls=fake_vllm.SamplingParams, **options)
 
 
 def test_vllm_refuses_a_mixture_of_experts_checkpoint(tmp_path):
@@ -68,6 +68,25 @@ def test_vllm_refuses_a_mixture_of_experts_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"fused MoE layers \(mlp\)"):
         worker.asyncrl_load_weights([("mlp.w13", torch.zeros(1))])
     assert loads == []
+
+
+def test_vllm_refuses_to_quantize_a_model_it_must_take_new_weights_into(tmp_path):
+    """vLLM's `quantization=` (or a quantization_config given by hf_overrides) quantizes the
+    weights once, as it loads them: each later load_weights failed in vLLM or was cast into
+    the quantized tensors with stale scales. Refused, also where the group is declared."""
+    from asyncrl.hybrid.engine import check_engine
+
+    for make in (lambda: fake_engine(quantization="fp8"),
+                 lambda: check_engine("vllm", {"quantization": "fp8"})):
+        with pytest.raises(ValueError, match=r"quantization='fp8': the vLLM engine cannot "
+                                             r"take new weights"):
+            make()
+    build_model(ModelConfig(seed=4)).save_pretrained(tmp_path)
+    for overrides, said in (({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+                            ({"text_config": {"num_experts": 8}}, "a mixture of experts")):
+        with pytest.raises(ValueError, match=f"cannot take new weights for .*{said}"):
+            fake_engine(str(tmp_path), hf_overrides=overrides)
+    fake_engine(str(tmp_path), quantization=None, hf_overrides={"max_position_embeddings": 64})
 
 
 def test_vllm_prompts_empty_or_outside_the_vocabulary_are_refused_before_vllm():
@@ -253,3 +272,51 @@ def test_a_prefix_cache_vllm_could_not_reset_after_a_load_is_an_error():
         engine.generate([[1, 5]], [0])
     out = engine.generate([[1, 5]], [0])  # the reset goes through now
     assert out["versions"][out["response_mask"].bool()].eq(2).all()
+
+
+def test_a_prefix_cache_reset_that_says_nothing_fails_while_requests_are_unfinished():
+    """vLLM 0.10-0.11's reset_prefix_cache() returns None whether or not it reset (its V1
+    engine's returns nothing): a failed reset was taken for done. With None, requests still
+    unfinished in vLLM (a refused call's rows, which hold blocks once scheduled) count as a
+    failed reset; with none it is done."""
+    import fake_vllm
+
+    class SaysNothing(fake_vllm.LLM):
+        def reset_prefix_cache(self):
+            super().reset_prefix_cache()
+
+    engine = fake_engine(llm_cls=SaysNothing)
+    params = fake_vllm.SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
+    with pytest.raises(ValueError, match="The decoder prompt cannot be empty"):  # (vLLM's)
+        engine.llm.generate([{"prompt_token_ids": [1, 5]}, {"prompt_token_ids": []}],
+                            [params] * 2)
+    other = dict(build_model(ModelConfig(seed=9)).named_parameters())
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+        engine.load_weights(other.items(), version=1)
+    assert len(engine.llm.generate([{"prompt_token_ids": [1, 7]}], [params])) == 2
+    engine.load_weights(other.items(), version=2)  # nothing unfinished: the reset is done
+    assert engine.generate([[1, 5]], [0])["versions"].max() == 2
+
+
+def test_expandable_segments_are_taken_from_the_vllm_that_turns_them_off_around_its_pool(
+        monkeypatch):
+    """vLLM asserted no expandable segments with sleep mode before 0.20.1 (PR 40812); from
+    then on it turns them off around its memory pool, but only if PYTORCH_CUDA_ALLOC_CONF
+    says so. Taken there, from that version (when the adapter imports vLLM itself)."""
+    import fake_vllm
+
+    monkeypatch.setenv("ASYNCRL_VLLM_MODULE", "fake_vllm")
+    monkeypatch.setattr("asyncrl.hybrid.vllm_engine.require_own_gpu", lambda why: None)
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    for version in ("0.20.0", "0.20.1rc1"):
+        monkeypatch.setattr(fake_vllm, "__version__", version)
+        with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF has expandable_segm"):
+            VLLMEngine("tiny-llama")
+    monkeypatch.setattr(fake_vllm, "__version__", "0.20.1")
+    VLLMEngine("tiny-llama")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # (not read there)
+    with pytest.raises(ValueError, match="PYTORCH_ALLOC_CONF has expandable_segments:True"):
+        VLLMEngine("tiny-llama")

@@ -20,10 +20,10 @@ refused until the loads since have filled every parameter vLLM holds (its model 
 those it fills) or a whole state went in (load_state_dict). Not supported:
 tensor parallelism (every rank of a TP group would need the same prompts, and the DP
 dispatch gives each its own), and swapping weights in the middle of a generation (the
-Sampler's interruptible rollouts): a load waits for the generation in flight to end; quantized,
-MLA and MoE checkpoints (vLLM derives tensors from their weights after a load, which new
-weights would not redo; a fused MoE's load writes the checkpoint's layout into the kernel's),
-and a KV cache dtype other than "auto" (level 2 sleep loses the fp8 KV cache scales).
+Sampler's interruptible rollouts): a load waits for the generation in flight to end; quantized
+(or `quantization=`), MLA and MoE checkpoints (vLLM derives tensors from their weights after
+a load, which new weights would not redo; a fused MoE's load writes the checkpoint's layout
+into the kernel's), and a KV cache dtype other than "auto" (level 2 sleep loses its scales).
 Prompts are checked before vLLM sees them (empty, ids outside the vocabulary: without a
 tokenizer vLLM passes a bad id to the embedding kernel, a device-side assert), and so are
 `engine_options` keys (against vLLM's EngineArgs).
@@ -127,6 +127,7 @@ ADAPTER_SETS = {"model", "distributed_executor_backend", "enable_sleep_mode",
 # greedy check), and samples there, while the trainer would divide by the one asked for
 LOWEST_TEMPERATURE = 1e-2
 MIN_VERSION = (0, 10, 2)  # logprobs_mode="processed_logprobs" with temperature applied
+EXPANDABLE_OK = (0, 20, 1)  # vLLM PR 40812: expandable segments turned off around its pool
 # config.json keys that give a MoE's expert count (Qwen-MoE/OLMoE, Mixtral/Llama 4/GPT-OSS,
 # DeepSeek, ERNIE)
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -145,6 +146,7 @@ class VLLMEngine:
         those vLLM's EngineArgs lacks (`engine_args_cls`; vllm.EngineArgs when vLLM is
         imported here) are named with the ones meant."""
         check_options({**llm_options, "tensor_parallel_size": tensor_parallel_size})
+        version = None  # (unknown for classes given: the stricter checks)
         if llm_cls is None or sampling_params_cls is None:
             name = os.environ.get(MODULE_ENV, "vllm")
             try:
@@ -155,19 +157,22 @@ class VLLMEngine:
                                   "(engine='builtin')") from e
             # older: no logprobs_mode (a TypeError), or its "processed" log-probs before
             # temperature (every ratio off 1, unsaid)
-            if _too_old(getattr(vllm, "__version__", "0")):
+            if _too_old(version := getattr(vllm, "__version__", "0")):
                 raise ImportError(f"the vLLM engine needs vLLM >= "
                                   f"{'.'.join(map(str, MIN_VERSION))} (log-probs after "
                                   f"temperature), found {vllm.__version__}")
             llm_cls, sampling_params_cls = vllm.LLM, vllm.SamplingParams
             engine_args_cls = engine_args_cls or getattr(vllm, "EngineArgs", None)
         _check_keys(llm_options, engine_args_cls)
-        _check_reloadable(model_path)
+        _check_reloadable(model_path, llm_options.get("hf_overrides"))
+        toggled = version is not None and not _too_old(version, EXPANDABLE_OK) and \
+            "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # (newer torch: both)
-            if "expandable_segments:true" in os.environ.get(name, "").lower():
+            if not toggled and "expandable_segments:true" in os.environ.get(name, "").lower():
                 raise ValueError(f"{name} has expandable_segments:True, which vLLM's sleep "
-                                 f"mode refuses (its memory pool): leave it out of the "
-                                 f"environment of the groups that run vLLM")
+                                 f"mode refuses (its memory pool) before 0.20.1, and from then "
+                                 f"on turns off around it only if PYTORCH_CUDA_ALLOC_CONF says "
+                                 f"so: leave it out, or set it there with vLLM >= 0.20.1")
         require_own_gpu("vLLM needs a GPU per rank (it binds cuda:LOCAL_RANK)")
         self.config = sampling or SamplingConfig()
         check_sampling(self.config)
@@ -347,14 +352,17 @@ class VLLMEngine:
         """vLLM's reset_prefix_cache() returns False when it could not (requests holding
         blocks): tried twice, then an error, and no generation until one goes through."""
         for _ in range(2):
-            if self.llm.reset_prefix_cache() is not False:  # (None: a vLLM that says nothing)
+            done = self.llm.reset_prefix_cache()
+            if done is None:  # (0.10-0.11 say nothing: unfinished requests may hold blocks)
+                done = not getattr(self.llm.llm_engine, "has_unfinished_requests", bool)()
+            if done is not False:
                 self._stale_prefixes = False
                 return
         raise RuntimeError("vLLM could not reset its prefix cache after a weight load "
-                           "(reset_prefix_cache() returned False twice: requests still hold "
-                           "cache blocks?); its cached prefixes hold the old weights' KV, so "
-                           "generation is refused until a reset succeeds: call again (the "
-                           "next generate or load tries it first)")
+                           "(reset_prefix_cache() returned False twice, or None with requests "
+                           "unfinished: they hold cache blocks?); its cached prefixes hold the "
+                           "old weights' KV, so generation is refused until a reset succeeds: "
+                           "call again (the next generate or load tries it first)")
 
     def _check_usable(self) -> None:
         if self._unusable is not None:
@@ -412,16 +420,20 @@ class VLLMEngine:
         self.paused = False
 
 
-def _check_reloadable(model_path: str) -> None:
+def _check_reloadable(model_path: str, overrides: Any = None) -> None:
     """New weights go in through the model's load_weights, and vLLM's processing after a
     load (which builds tensors from the weights: quantized kernels' repacked weights, MLA's
     absorbed projections, fused MoE's kernel layout) runs once, at startup: refuse the
-    checkpoints that need it (their text config too: multimodal ones nest it)."""
+    checkpoints that need it (their text config too: multimodal ones nest it), as vLLM
+    reads them: `hf_overrides` (a dict) over config.json, a nested config key by key."""
     path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        config = json.load(f)
+    config: dict[str, Any] = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            config = json.load(f)
+    for key, value in (overrides.items() if isinstance(overrides, dict) else ()):
+        both = isinstance(value, dict) and isinstance(config.get(key), dict)
+        config[key] = {**config[key], **value} if both else value
     for part in (config, config.get("text_config")):
         if not isinstance(part, dict):
             continue
@@ -531,18 +543,18 @@ def _check_answers(outputs: Sequence[Any], prompts: Sequence[Sequence[int]]) -> 
                                f"earlier call that failed left in it?); call again")
 
 
-def _too_old(text: str) -> bool:
-    """Whether vLLM `text` comes before MIN_VERSION; a pre-release of it too ("0.10.2rc1",
+def _too_old(text: str, least: tuple[int, ...] = MIN_VERSION) -> bool:
+    """Whether vLLM `text` comes before `least`; a pre-release of it too ("0.10.2rc1",
     a nightly "0.10.2.dev5+g1a2b": it may not have what the release has)."""
     from packaging.version import InvalidVersion, Version
 
     try:
-        return Version(text) < Version(".".join(map(str, MIN_VERSION)))
+        return Version(text) < Version(".".join(map(str, least)))
     except InvalidVersion:  # (a local build's own naming): its leading numbers
         parts = []
         for piece in text.split(".")[:3]:
             parts.append(int("".join(itertools.takewhile(str.isdigit, piece)) or 0))
-        return tuple(parts) < MIN_VERSION
+        return tuple(parts) < least
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -553,6 +565,11 @@ def check_options(options: dict[str, Any]) -> None:
         raise ValueError(f"engine_options {taken} are set by asyncrl's vLLM adapter (it "
                          f"runs vLLM inside the rank's torchrun group, with sleep mode "
                          f"and its own weight loading); leave them out")
+    quant = options.get("quantization")
+    if quant is not None:  # (vLLM quantizes once, after loading)
+        raise ValueError(f"engine_options quantization={quant!r}: the vLLM engine cannot take "
+                         f"new weights into a model vLLM quantizes once, as it loads: each later "
+                         f"load would fail or be cast in with stale scales; leave it out")
     kv_dtype = options.get("kv_cache_dtype", "auto")
     if kv_dtype != "auto":
         raise ValueError(f"engine_options kv_cache_dtype={kv_dtype!r} is not supported: "
