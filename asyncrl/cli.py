@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from asyncrl.controller.nodes import FlowError, NodeError
+from asyncrl.controller.nodes import NodeError
 from asyncrl.controller.runner import Terminated, run
 from asyncrl.controller.trackers import TrackerError
 from asyncrl.errors import AsyncRLError, CheckpointError
@@ -56,8 +56,8 @@ def launch(args: argparse.Namespace) -> int:
                              f"override, taken as {option}'s value; give {option} its own "
                              f"value first (or ./{value} for a folder of that name)")
     settings = _settings(args)  # (checked before the flow's file is imported)
-    sys.argv = [args.script, *args.args, *args.passed]
-    overrides = now = key_values("launch", args.args)
+    sys.argv = [args.script, *[a for a in args.args if "=" not in a], *args.passed]  # (k=v:
+    overrides = now = key_values("launch", args.args)  # settings, never main()'s arguments)
     if args.resume:  # the run's own settings, under those given now (steps=... to go on)
         from asyncrl.controller.launch import resumed_overrides
 
@@ -128,20 +128,19 @@ def _wandb(args: argparse.Namespace, run_dir: Path) -> str | None:
     from asyncrl.controller.trackers import require_wandb, wandb_project_of
 
     project = args.wandb or (wandb_project_of(run_dir) if args.resume else None)
-    if args.no_wandb:
-        if project is not None:  # its id stays in the run directory for a later resume
-            print(f"asyncrl launch: not logging to wandb project {project!r} (--no-wandb)",
-                  file=sys.stderr)
-        return None
-    if project is not None:
+    if project is not None and not args.no_wandb:
         try:
             require_wandb()
-        except TrackerError as e:
-            raise SystemExit(f"asyncrl launch: {e}") from None
-        if args.resume and not args.wandb:
-            print(f"asyncrl launch: logging to wandb project {project!r} as the run did",
-                  file=sys.stderr)
-    return project
+        except TrackerError as e:  # (on --resume, not asked for: the run's wandb.json)
+            raise SystemExit(f"asyncrl launch: {e}" if args.wandb else f"asyncrl launch: the "
+                             f"run logged to wandb project {project!r}: install wandb (pip "
+                             f"install 'asyncrl[wandb]'), or pass --no-wandb to resume "
+                             f"without it") from None
+    if project is not None and not args.wandb:  # the run's (--no-wandb: its id stays in the
+        print("asyncrl launch: " + (f"not logging to wandb project {project!r} (--no-wandb)"
+              if args.no_wandb else f"logging to wandb project {project!r} as the run did"),
+              file=sys.stderr)  # run directory, for a later resume)
+    return None if args.no_wandb else project
 
 
 def _run_flow(command: str, run_dir: Path, running: Any) -> int:
@@ -162,24 +161,25 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
     except (CheckpointError, TrackerError) as e:
         print(f"asyncrl {command}: {e}", file=sys.stderr)
         return 2
-    except NodeError as e:  # the node, the step and the group (a rank's traceback in it)
-        cause = e.__cause__
+    except AsyncRLError as e:  # a failed node (NodeError: step, group, a rank's traceback);
+        # a group that could not start, be placed, or died outside a node; recoveries used up
+        node = isinstance(e, NodeError)
+        cause = e.__cause__ if node else None  # a bug in the node's own code: its line
         where = "" if cause is None or isinstance(cause, AsyncRLError) else "".join(
-            traceback.format_exception(cause))  # a bug in the node's own code: its line
-        notes = list(getattr(cause, "__notes__", []))  # other ranks that raised too, and
-        deaths = [n for n in notes if n.startswith("then group ")]  # the group's death
-        ranks = [n for n in notes if n not in deaths]
-        where += "".join(f"\n{n}" for n in ranks[:4] + deaths) + (
-            f"\n... and {len(ranks) - 4} more ranks" if len(ranks) > 4 else "")
-        print(f"asyncrl: {e}\n{where}".rstrip(), file=sys.stderr)
-        print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
-        return 1
-    except AsyncRLError as e:  # a group that could not start or be placed,
-        # one that died outside a node, a flow that cannot run, recoveries used up
-        print(f"asyncrl {command}: {type(e).__name__}: {e}", file=sys.stderr)
-        print(f"run_dir: {run_dir} (logs/ has every group's output)", file=sys.stderr)
+            traceback.format_exception(cause))  # (its notes in it)
+        said = f"asyncrl: {e}\n{where}" if node else f"asyncrl {command}: {type(e).__name__}: {e}"
+        print(f"{said}{_notes(None if where else cause, e)}".rstrip() + f"\nrun_dir: {run_dir} "
+              f"(logs/ has every group's output)", file=sys.stderr)
         return 1
     return 0
+
+
+def _notes(*errors: BaseException | None) -> str:
+    """The notes on `errors`, once each: 4 of the ranks that raised too, then the others."""
+    notes = list(dict.fromkeys(n for e in errors for n in getattr(e, "__notes__", [])))
+    ranks = [n for n in notes if " raised too: " in n]
+    more = [f"... and {len(ranks) - 4} more ranks"] if len(ranks) > 4 else []
+    return "".join(f"\n{n}" for n in ranks[:4] + more + [n for n in notes if n not in ranks])
 
 
 # launch's options that set up a flow's run or its Controller: a driver's main() makes its
@@ -306,10 +306,10 @@ def run_node(args: argparse.Namespace) -> int:
     flow = flow_of(module, args.script)
     if flow is None:
         raise SystemExit(f"asyncrl run: {args.script} defines no `flow`")
-    saved, futures = load_inputs(inputs)
-    try:  # a mistyped node, before its groups load their models
+    try:  # damaged inputs, a mistyped node (a FlowError): before its groups load models
+        saved, futures = load_inputs(inputs)
         flow.node_inputs(args.node, saved)
-    except FlowError as e:
+    except ValueError as e:
         raise SystemExit(f"asyncrl run: {e}") from None
     value = run(run_one_node(flow, args.node, saved, futures))
     print(repr(value))

@@ -4,6 +4,7 @@ and what goes wrong on import said in a line, with where it happened in the file
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -45,6 +46,9 @@ def _import_with(path: str, overrides: dict[str, Any], saved: dict[str, Any]) ->
 
     if not os.path.isfile(path):
         raise SystemExit(f"asyncrl: no such file: {path}")
+    if importlib.util.spec_from_file_location("flow", path) is None:  # (by its suffix)
+        raise SystemExit(f"asyncrl: {path} is not a Python file (.py); give the file that "
+                         f"defines the flow or main()")
     # before the import: the flow file reads them with asyncrl.config(...); none given,
     # none left from an earlier load in this process
     os.environ[OVERRIDES_ENV] = json.dumps(overrides)

@@ -340,7 +340,7 @@ def test_a_run_dir_is_one_launchs_while_it_runs(tmp_path):
         hold_run_dir(run_dir)
     os.close(held)  # the launch ended: the next one takes it
     os.close(hold_run_dir(run_dir))
-    assert os.listdir(run_dir) == []  # the folder itself is locked: nothing written in it
+    assert os.listdir(run_dir) == [".lock"]  # the lock is held on RUN_DIR/.lock alone
 
 
 def test_a_resume_goes_on_with_the_runs_restarts(tmp_path):

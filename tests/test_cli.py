@@ -56,12 +56,12 @@ def test_launch_passes_a_driver_the_arguments_after_dash_dash_without_it(tmp_pat
 
     seen = tmp_path / "argv.json"
     driver = tmp_path / "argv_driver.py"
-    driver.write_text(f"import json, pathlib, sys\n\ndef main():\n"
+    driver.write_text(f"import asyncrl, json, pathlib, sys\nasyncrl.config(lr=0.1)\ndef main():\n"
                       f"    pathlib.Path({str(seen)!r}).write_text(json.dumps(sys.argv[1:]))\n")
-    monkeypatch.setattr(sys, "argv", sys.argv[:])  # launch sets the driver's
-    for passed in (["--foo", "bar"], ["--out=res.json", "k=v"]):  # never taken as settings
-        assert main(["launch", str(driver), "--", *passed]) == 0
-        assert json.loads(seen.read_text()) == passed
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # launch sets the driver's; after '--':
+    for before, passed in ((["lr=0.5", "-f"], ["--foo", "bar"]), ([], ["--out=res.json", "k=v"])):
+        assert main(["launch", str(driver), *before, "--", *passed]) == 0  # never settings;
+        assert json.loads(seen.read_text()) == [*before[1:], *passed]  # a setting: not main's
     # options that set up a flow's run would be ignored by a main(): refused, with the way
     for argv, said in ((["--steps", "3"], "--steps: run as many steps as main() asks for"),
                        (["--run-dir", "r", "--transfer-timeout", "5"],

@@ -273,3 +273,35 @@ def test_a_rank_stuck_in_a_call_into_torch_ends_on_sigterm_at_once():
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+DRIVER = """
+import asyncio, asyncrl
+
+async def main():
+    print("ready", flush=True)
+    try:
+        await asyncio.sleep(600)
+    finally:
+        print("cleanup ran", flush=True)
+
+asyncrl.run(main())
+"""
+
+
+def test_a_driver_run_as_a_script_exits_143_on_sigterm_after_its_cleanup():
+    """`python driver.py` (asyncrl.run(main())) cleaned up on SIGTERM, then Terminated
+    escaped as any failure: a traceback and exit 1, where only `asyncrl launch` said 143."""
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, out) == (128 + signal.SIGTERM, "cleanup ran\n")
+        assert "Traceback" not in err
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()

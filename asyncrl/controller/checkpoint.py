@@ -111,6 +111,17 @@ PRIVATE_DIR = 0o775  # the mode of the folders a run makes (no write for others,
 PRIVATE_FILE = 0o664  # and of the files it makes
 
 
+def open_to_all(run_dir: Path) -> str | None:
+    """Why `run_dir` may not be used, where every user can write it (and TRUST_RUN_DIR does
+    not say its mode lies): the Controller refuses it, and a launch before its cleanup."""
+    if run_dir.stat().st_mode & 0o002 and os.environ.get(TRUST_RUN_DIR) != "1":
+        return (f"run_dir {run_dir} is writable by every user: another user could redirect "
+                f"its logs or replace its checkpoints (loaded with pickle on --resume); "
+                f"choose a folder only you (or your group) can write (chmod o-w), or set "
+                f"{TRUST_RUN_DIR}=1 where its mode says so falsely (some FUSE mounts)")
+    return None
+
+
 def _own(path: Path) -> None:
     """A checkpoint is code as well as data (torch's distributed checkpoints and DeepSpeed's
     are read with pickle, meta.json holds settings): refuse one that another user wrote, or

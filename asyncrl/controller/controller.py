@@ -45,7 +45,7 @@ from asyncrl.comm.refs import make_ref
 from asyncrl.comm.relay import pid_of
 from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_server
-from asyncrl.controller.checkpoint import TRUST_RUN_DIR
+from asyncrl.controller.checkpoint import open_to_all
 from asyncrl.controller.cluster import Cluster, check_controller_address
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
@@ -211,12 +211,8 @@ class Controller:
         self.run_dir.mkdir(0o775, parents=True, exist_ok=True)  # (no write for others
         # under umask 0). Every user can write it (not another user's: root on NFS, a
         # container's bind mount): refused, as --resume would refuse its checkpoints late
-        if self.run_dir.stat().st_mode & 0o002 and os.environ.get(TRUST_RUN_DIR) != "1":
-            raise PermissionError(
-                f"run_dir {self.run_dir} is writable by every user: another user could "
-                f"redirect its logs or replace its checkpoints (loaded with pickle on "
-                f"--resume); choose a folder only you (or your group) can write, or set "
-                f"{TRUST_RUN_DIR}=1 where its mode says so falsely (some FUSE mounts)")
+        if (unsafe := open_to_all(self.run_dir)) is not None:
+            raise PermissionError(unsafe)
         self.logs = LogSink(self.run_dir / "logs", echo=self.echo_logs)
         remove_orphans(Path(tempfile.gettempdir()))  # of controllers killed before closing
         self._private = Path(tempfile.mkdtemp(prefix="asyncrl-secret-"))  # 0700, removed at close

@@ -2,6 +2,7 @@
 line, write metrics.jsonl, checkpoints and timeline.json into the run directory, shut down.
 
     run_dir/  logs/<group>.log   metrics.jsonl   timeline.jsonl, timeline.json (timeline.py)
+              .lock (held while a launch runs there)
               inputs/step<t>/<node>.msgpack   checkpoints/step_<t>/   (see checkpoint.py)
 """
 
@@ -221,7 +222,7 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     `keep`: checkpoints kept. `controller`: more Controller settings (heartbeat_interval=...).
     `wandb`: a Weights & Biases project the metrics go to as well. `cluster`, `host`: where
     groups run. Recoveries from dead groups are written to run_dir/recoveries.jsonl. The run
-    directory is this launch's alone while it runs (a lock on the folder)."""
+    directory is this launch's alone while it runs (a lock on RUN_DIR/.lock)."""
     run_dir = Path(run_dir)
     if options.get("resume") and not run_dir.is_dir():  # its own error, and no folder made
         checkpoint.resumable(run_dir, flow)
@@ -232,18 +233,22 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         os.close(lock)  # (the lock goes with the descriptor)
 
 
+LOCK_FILE = ".lock"  # in the run directory: held by the launch running there
+
+
 def hold_run_dir(run_dir: Path) -> int:
-    """An exclusive lock on the folder `run_dir` itself (no file left in it; released as its
-    descriptor closes or the process ends): two launches in one run directory remove each
-    other's half-written checkpoints and interleave their metrics."""
+    """An exclusive lock on RUN_DIR/.lock (released as its descriptor closes or the process
+    ends): two launches in one run directory remove each other's half-written checkpoints
+    and interleave their metrics. A regular file opened for writing: NFS takes a lock on it
+    to the server, one on a folder only to this host (a requeue on another node)."""
     fd = _open_run_dir(run_dir)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise CheckpointError(f"{run_dir} is in use by another launch (it holds a lock on the "
-                              f"folder); wait for it to end, or choose another --run-dir"
-                              ) from None
+        raise CheckpointError(f"{run_dir} is in use by another launch (it holds a lock on "
+                              f"{run_dir / LOCK_FILE}); wait for it to end, or choose another "
+                              f"--run-dir") from None
     except OSError as e:  # a file system without locks (Lustre's noflock, NFS without
         print(f"asyncrl: cannot lock {run_dir} ({e}); going on unlocked: make sure no other "
               f"launch uses it", file=sys.stderr, flush=True)  # lockd): not this run's fault
@@ -251,15 +256,19 @@ def hold_run_dir(run_dir: Path) -> int:
 
 
 def _open_run_dir(run_dir: Path) -> int:
-    """A descriptor of the folder `run_dir`, made if need be; one that cannot be (a file of
-    that name, a folder this user cannot write) is the command line's mistake, said in a
-    line: not an OSError's traceback."""
+    """A descriptor of RUN_DIR/.lock, the folder and file made if need be; a folder that
+    cannot be used (a file of that name, one this user cannot write) is the command line's
+    mistake, said in a line: not an OSError's traceback."""
     try:
         run_dir.mkdir(checkpoint.PRIVATE_DIR, parents=True, exist_ok=True)
-        return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        # as the Controller refuses it, but before a fresh run's cleanup removes files in it
+        if (unsafe := checkpoint.open_to_all(run_dir)) is not None:
+            raise CheckpointError(unsafe)
+        return os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
+                       os.O_CLOEXEC, checkpoint.PRIVATE_FILE)
     except OSError as e:
         why = "it is a file, not a folder" if run_dir.exists() and not run_dir.is_dir() \
-            else f"{e.strerror or e}"
+            else f"{run_dir / LOCK_FILE}: {e.strerror or e}"
         raise CheckpointError(f"--run-dir {run_dir} cannot be used as the run's folder "
                               f"({why}); choose another --run-dir") from None
 

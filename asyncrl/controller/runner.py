@@ -1,7 +1,8 @@
 """run(): the event loop a driver runs on: uvloop when it is installed.
 
 SIGTERM (scancel, docker stop, a supervisor) cancels the driver as Ctrl-C does: its
-controller shuts every group down and removes what it made, then run() raises Terminated.
+controller shuts every group down and removes what it made, then run() raises Terminated,
+a SystemExit: `python driver.py` exits 143 (as a shell reports SIGTERM), no traceback.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-class Terminated(BaseException):
+class Terminated(SystemExit):
     """The process got SIGTERM while a driver ran: it was cancelled, its groups shut down."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.code = 128 + signal.SIGTERM  # (its text stays "SIGTERM")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

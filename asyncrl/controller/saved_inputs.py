@@ -43,7 +43,12 @@ def load_inputs(path: Path) -> tuple[dict[str, Any], dict[str, list[list[Any]]]]
                          f"with `asyncrl launch FLOW --save-inputs`, or pass another "
                          f"step's file") from None
     if isinstance(saved, dict) and saved.get("format") == NODE_INPUTS:
-        return saved["values"], saved["futures"]
+        values, futures = saved.get("values"), saved.get("futures")
+        if isinstance(values, dict) and isinstance(futures, dict):
+            return values, futures
+        raise ValueError(f"{path} cannot be read as a node's inputs (its values or futures "
+                         f"are missing); save them again with `asyncrl launch FLOW "
+                         f"--save-inputs`, or pass another step's file")
     if not isinstance(saved, dict):
         raise ValueError(f"{path} does not hold a node's inputs (a dict); write it with "
                          f"`asyncrl launch FLOW --save-inputs`")

@@ -1,0 +1,134 @@
+"""`asyncrl launch` and `asyncrl run` at their edges: a run directory others can write,
+errors whose notes say more, a file that is no Python, damaged saved inputs."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+
+import pytest
+
+NO_GROUPS = "import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n"
+
+
+@pytest.fixture
+def cli_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # (launch sets the flow's)
+
+
+def test_a_run_dir_every_user_can_write_is_refused_before_anything_in_it_goes(
+        tmp_path, monkeypatch, capsys, cli_argv):
+    """The Controller refused it, but only after a fresh run's cleanup had removed the
+    earlier run's wandb.json (and the others) in it: an asyncio traceback, exit 1."""
+    from asyncrl.cli import main
+    from asyncrl.controller.checkpoint import TRUST_RUN_DIR
+    from asyncrl.controller.launch import hold_run_dir
+
+    monkeypatch.delenv(TRUST_RUN_DIR, raising=False)
+    (flow := tmp_path / "no_groups_flow.py").write_text(NO_GROUPS)
+    (shared := tmp_path / "shared").mkdir()
+    shared.chmod(0o777)
+    (shared / "wandb.json").write_text("{}")
+    assert main(["launch", str(flow), "--run-dir", str(shared)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"run_dir {shared} is writable by every user" in err
+    assert (shared / "wandb.json").read_text() == "{}"
+    monkeypatch.setenv(TRUST_RUN_DIR, "1")  # where its mode says so falsely: taken
+    os.close(hold_run_dir(shared))
+
+
+LOCKS = ("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\ntry:\n"
+         "    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n"
+         "    sys.exit(3)\n")
+
+
+def test_a_run_dirs_lock_is_on_a_regular_file_opened_for_writing(tmp_path):
+    """The lock was flock() on the folder: NFS keeps such a lock to its own host, so a
+    second controller on another node sharing the run directory was not refused."""
+    from asyncrl.controller.launch import hold_run_dir
+
+    lock = (run_dir := tmp_path / "run") / ".lock"
+    held = hold_run_dir(run_dir)
+    try:
+        assert os.path.samestat(os.fstat(held), lock.lstat()) and lock.is_file()
+        assert fcntl.fcntl(held, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+        taken = subprocess.run([sys.executable, "-c", LOCKS, str(lock)], timeout=60)
+        assert taken.returncode == 3  # another process's lock on it: refused
+    finally:
+        os.close(held)
+    assert subprocess.run([sys.executable, "-c", LOCKS, str(lock)], timeout=60).returncode == 0
+
+
+def test_a_failures_own_notes_are_said_beside_its_causes(tmp_path, capsys):
+    """Only a NodeError's cause's notes were printed (not its own: why recovery gave up),
+    and none of any other error's (a RemoteError's other ranks that raised too)."""
+    from asyncrl.cli import _run_flow
+    from asyncrl.controller.nodes import NodeError
+    from asyncrl.errors import RemoteError
+
+    def remote() -> RemoteError:
+        error = RemoteError("reward", 0, "score", "ValueError", "boom", "tb")
+        for rank in range(1, 7):  # (the first 4 said, the others counted)
+            error.add_note(f"reward[rank {rank}].score raised too: ValueError: boom")
+        return error
+
+    async def fails(error: BaseException) -> None:
+        raise error
+
+    node = NodeError("score", 3, cause := remote())
+    node.__cause__ = cause
+    spent = "not recovered: group 'reward' used its 1 restart(s) (max_restarts=1)"
+    node.add_note(spent)
+    for error, last in ((node, spent), (remote(), "... and 2 more ranks")):
+        assert _run_flow("launch", tmp_path, fails(error)) == 1
+        err = capsys.readouterr().err
+        assert "reward[rank 4].score raised too: ValueError: boom\n... and 2 more ranks" in err
+        assert "rank 5]" not in err
+        assert f"\n{last}\nrun_dir: {tmp_path}" in err
+
+
+def test_a_resume_of_a_wandb_run_without_wandb_says_how_to_go_on(tmp_path, monkeypatch):
+    """It said "--wandb needs the wandb package" to a user who never passed --wandb."""
+    from asyncrl import cli
+    from asyncrl.controller import trackers
+
+    (tmp_path / "wandb.json").write_text('{"id": "abc123", "project": "p1"}')
+    monkeypatch.setattr(trackers, "find_spec", lambda name: None)  # wandb not installed
+    args = cli.parser().parse_args(["launch", "flow.py", "--run-dir", str(tmp_path),
+                                    "--resume"])
+    with pytest.raises(SystemExit, match="the run logged to wandb project 'p1': install "
+                                         "wandb .* or pass --no-wandb to resume without it"):
+        cli._wandb(args, tmp_path)
+    args.no_wandb = True
+    assert cli._wandb(args, tmp_path) is None
+
+
+def test_damaged_saved_inputs_are_said_in_a_line(tmp_path):
+    """load_inputs said what was wrong (a ValueError, or a KeyError for a dict without its
+    values), and `asyncrl run` printed it as a traceback."""
+    from asyncrl.cli import main
+    from asyncrl.comm import codec
+    from asyncrl.controller.saved_inputs import NODE_INPUTS
+
+    (flow := tmp_path / "no_groups_flow.py").write_text(NO_GROUPS)
+    whole = codec.encode({"format": NODE_INPUTS, "values": {"x": 1}, "futures": {}})
+    for damaged in (whole[:-3], codec.encode({"format": NODE_INPUTS})):  # cut; no values
+        (saved := tmp_path / "x.msgpack").write_bytes(damaged)
+        with pytest.raises(SystemExit, match=f"asyncrl run: {saved} cannot be read as a "
+                                             f"node's inputs .*; save them again"):
+            main(["run", str(flow), "--node", "x", "--inputs", str(saved)])
+
+
+def test_a_file_that_is_no_python_is_said_to_be_so(tmp_path, cli_argv):
+    """flow.txt: "importing flow.txt failed at .../asyncrl/comm/refs.py:167: ImportError
+    ... install the missing module"."""
+    from asyncrl.cli import main
+
+    (flow := tmp_path / "flow.txt").write_text(NO_GROUPS)
+    for command in (["launch", str(flow)], ["run", str(flow), "--node", "x", "--inputs",
+                                              str(flow)]):
+        with pytest.raises(SystemExit, match=f"^asyncrl: {flow} is not a Python file \\(.py\\)"):
+            main(command)
