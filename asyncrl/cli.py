@@ -453,8 +453,8 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", type=_seconds, default=None, metavar="S",
                    help="seconds between heartbeats, both ways (default 0.5)")
     p.add_argument("--heartbeat-timeout", type=_seconds, default=None, metavar="S",
-                   help="a rank silent this long is hung, and ranks exit when the "
-                   "controller is silent this long (default 3)")
+                   help="a rank silent this long is hung; ranks exit when the controller "
+                   "is silent this long and its process is gone (default 3)")
     p.add_argument("--transfer-timeout", type=_seconds, default=None, metavar="S",
                    help="how long a rank waits for a peer's data (default 60)")
     p.add_argument("--collective-timeout", type=_seconds, default=None, metavar="S",

@@ -93,7 +93,8 @@ class Controller:
     """The asyncio single controller. Use as ``async with asyncrl.Controller() as ctl:``.
 
     heartbeat_interval / heartbeat_timeout: both ways; a rank silent for heartbeat_timeout is
-    dead, and ranks exit when the controller is silent that long.
+    dead; ranks exit when the controller is silent that long (one whose process runs on
+    their host, its loop blocked: up to the collective timeout).
     startup_timeout: torchrun start until every rank said hello.
     construct_timeout: hello until every worker's ``__init__`` returned.
     shutdown_grace: how long ranks get to exit on close before they are killed.
