@@ -137,7 +137,7 @@ class LLM:
     calls: list[tuple[str, Any]] = []  # what the adapter asked of vLLM, for the tests
 
     def __init__(self, model: str, **kwargs: Any):
-        _record("init", kwargs)
+        _record("init", {"model": model, **kwargs})
         EngineArgs(model=model, **kwargs)  # as vLLM's LLM: a TypeError for an unknown key
         required = {"distributed_executor_backend", "enable_sleep_mode", "worker_extension_cls"}
         missing = required - set(kwargs)

@@ -154,26 +154,6 @@ def saved_policy(run_dir, cfg: ModelConfig, weights: dict) -> None:
     (step / "meta.json").write_text(json.dumps({"step": 0}))
 
 
-def test_a_hub_model_in_the_local_cache_is_noted_with_its_tokenizer(tmp_path, monkeypatch):
-    """path="foo/bar", a Hub id build_model loads from the local cache: its checkpoints
-    noted os.path.abspath("foo/bar"), a folder that does not exist, and no tokenizer."""
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    snapshot = tmp_path / "hub" / "models--foo--bar" / "snapshots" / "abc"
-    local_model(snapshot)
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("abc")
-    (tmp_path / "noted").mkdir()
-    save_model_files(tmp_path / "noted", ModelConfig(path="foo/bar"))
-    assert json.loads((tmp_path / "noted" / "model.json").read_text())["path"] == str(snapshot)
-    assert (tmp_path / "noted" / "hf" / "tokenizer.json").read_bytes() == \
-        (snapshot / "tokenizer.json").read_bytes()
-    with pytest.raises(ValueError, match=r"path='foo/baz' is neither a local directory nor a "
-                                         r"model in the local Hugging Face cache"):
-        save_model_files(tmp_path / "noted", ModelConfig(path="foo/baz"))
-
-
 def test_export_says_what_is_wrong_with_its_paths_and_groups(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist; give a run directory"):
         export(tmp_path / "nowhere", tmp_path / "out")

@@ -23,7 +23,6 @@ optimizer state and the engine's weights stay where they are (warm memory, reuse
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 from asyncrl.hybrid.gather import Gatherer, attempt, plan_gather, whole_each
 from asyncrl.hybrid.lora import delta, is_adapter, lora_layers
-from asyncrl.hybrid.models import ModelConfig, build_model, default_device
+from asyncrl.hybrid.models import ModelConfig, build_model, default_device, model_file, model_folder
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
 BUCKET_BYTES = 32 << 20  # parameters gathered together, up to about this many bytes
@@ -94,17 +93,17 @@ def _check_covers(path: str | None, model: torch.nn.Module) -> None:
 
 
 def checkpoint_tensors(path: str) -> set[str] | None:
-    """The tensor names of a safetensors checkpoint (None: another format, or none)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return set(json.load(f)["weight_map"])
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(single):
+    """The tensor names of a safetensors checkpoint, a directory or a cached Hub id (None:
+    another format, or none)."""
+    index = model_file(path, "model.safetensors.index.json")
+    if index is not None:
+        return set(json.loads(index.read_text())["weight_map"])
+    single = model_file(path, "model.safetensors")
+    if single is None:
         return None
     from safetensors import safe_open
 
-    with safe_open(single, "pt") as f:
+    with safe_open(str(single), "pt") as f:
         return set(f.keys())
 
 
@@ -139,7 +138,8 @@ def make_engine(name: str, model_cfg: ModelConfig, sampling: SamplingConfig | No
                    **({"trust_remote_code": True} if model_cfg.trust_remote_code else {}),
                    **(options or {})}
         assert model_cfg.path is not None  # (check_engine: a preset is refused)
-        return VLLMEngine(model_cfg.path, sampling, **options)
+        # a Hub id by its cached folder: vLLM given the id would ask the Hub for it
+        return VLLMEngine(str(model_folder(model_cfg.path)), sampling, **options)
     raise AssertionError(name)  # (check_engine knows every name)
 
 

@@ -33,7 +33,7 @@ import torch
 
 from asyncrl.actors.worker import sync_dir, sync_tree
 from asyncrl.hybrid.lora import is_adapter, legacy_adapter_names, merged
-from asyncrl.hybrid.models import DROPOUT, ModelConfig, hf_config
+from asyncrl.hybrid.models import DROPOUT, ModelConfig, hf_config, model_folder
 from asyncrl.hybrid.zero import TAG, globless
 
 MODEL_FILE = "model.json"  # the group's ModelConfig, in its checkpoint folder
@@ -65,7 +65,7 @@ class ModelFiles:
     @staticmethod
     def read(cfg: ModelConfig) -> ModelFiles:
         given = dataclasses.asdict(cfg)
-        source = None if cfg.path is None else _source_folder(cfg.path)
+        source = None if cfg.path is None else model_folder(cfg.path)
         if source is not None:
             given["path"] = str(source)
         extra = {} if source is None else {
@@ -81,26 +81,6 @@ class ModelFiles:
         for name, data in self.extra.items():
             (hf / name).parent.mkdir(exist_ok=True)
             (hf / name).write_bytes(data)
-
-
-def _source_folder(path: str) -> Path:
-    """The folder of the model `path` names: `path` itself (a local directory), else the
-    snapshot folder of the Hugging Face Hub model `path` in the local cache, as
-    from_pretrained(local_files_only=True) loads it ("Qwen/Qwen2.5-0.5B")."""
-    if os.path.isdir(path):
-        return Path(os.path.abspath(path))
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(path, local_files_only=True))
-    except (ValueError, OSError) as e:
-        # a partial download (files its cached listing names are missing): from_pretrained
-        # found what it needs there all the same
-        if snapshot := getattr(e, "snapshot_path", None):
-            return Path(snapshot)
-        raise ValueError(f"ModelConfig path={path!r} is neither a local directory nor a model "
-                         f"in the local Hugging Face cache ({e}); give the directory of a "
-                         f"model, or download it first (hf download {path})") from e
 
 
 def save_model_files(folder: Path, cfg: ModelConfig) -> None:

@@ -1,5 +1,6 @@
-"""Causal language models: Hugging Face `transformers`, from a local directory or a preset
-config with random weights (tiny ones for CPU runs and tests). Nothing is downloaded.
+"""Causal language models: Hugging Face `transformers`, from a local directory, a Hub model in
+the local cache (`model_folder`) or a preset config with random weights (tiny ones for CPU
+runs and tests). Nothing is downloaded.
 
 Token log-probs are computed one way for training and for checking generation:
 `sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask)`. Critics and
@@ -9,9 +10,11 @@ reward models are the same backbone with a scalar head (`ValueModel`): `sequence
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,8 +56,8 @@ DEFAULT_PRESET = "tiny-llama"
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A preset name (random weights from `seed`) or a local checkpoint directory; neither
-    given: the tiny-llama preset."""
+    """A preset name (random weights from `seed`) or a checkpoint: a local directory or the
+    id of a Hub model in the local cache; neither given: the tiny-llama preset."""
 
     preset: str | None = None
     path: str | None = None
@@ -74,8 +77,8 @@ class ModelConfig:
                             f"{self.trust_remote_code!r}")
         if self.preset is not None and self.path is not None:
             raise ValueError(f"ModelConfig: give preset= (a name from {sorted(PRESETS)}) or "
-                             f"path= (a local checkpoint directory), not both: got preset="
-                             f"{self.preset!r} and path={self.path!r}")
+                             f"path= (a checkpoint directory or cached Hub id), not both: got "
+                             f"preset={self.preset!r} and path={self.path!r}")
         if self.preset is None and self.path is None:
             self.preset = DEFAULT_PRESET
         if self.preset is not None and self.preset not in PRESETS:
@@ -129,6 +132,37 @@ def zero_dropout(node: Any, seen: set[int] | None = None) -> None:
             zero_dropout(value, seen)
 
 
+def model_folder(path: str) -> Path:
+    """The folder of the model `path` names: `path` itself (a local directory), absolute,
+    else the snapshot folder of the Hugging Face Hub model `path` in the local cache, as
+    from_pretrained(local_files_only=True) loads it ("Qwen/Qwen2.5-0.5B"). Resolved where
+    its files are read: hosts may hold it in different places."""
+    if os.path.isdir(path):
+        return Path(os.path.abspath(path))
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, local_files_only=True))
+    except (ValueError, OSError) as e:
+        # a partial download (files its cached listing names are missing): from_pretrained
+        # found what it needs there all the same
+        if snapshot := getattr(e, "snapshot_path", None):
+            return Path(snapshot)
+        raise ValueError(f"ModelConfig path={path!r} is neither a local directory nor a model "
+                         f"in the local Hugging Face cache ({e}); give the directory of a "
+                         f"model, or download it first (hf download {path})") from e
+
+
+def model_file(path: str, name: str) -> Path | None:
+    """The file `name` of the model `path` names (`model_folder`); None when it has none,
+    or `path` names no model here (its loading says what is wrong)."""
+    try:
+        file = model_folder(path) / name
+    except ValueError:
+        return None
+    return file if file.is_file() else None
+
+
 def hf_config(cfg: ModelConfig, dropout_off: bool = True) -> Any:
     """The transformers config of the model `cfg` describes, dropout off (unless not
     `dropout_off`: as given, for an export), with its overrides applied (an override may
@@ -137,7 +171,7 @@ def hf_config(cfg: ModelConfig, dropout_off: bool = True) -> Any:
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(cfg.path, local_files_only=True,
+            config = AutoConfig.from_pretrained(model_folder(cfg.path), local_files_only=True,
                                                 trust_remote_code=cfg.trust_remote_code)
         except ValueError as e:
             if cfg.trust_remote_code or "trust_remote_code" not in str(e):
@@ -191,9 +225,11 @@ def _build(cfg: ModelConfig, auto: Any) -> torch.nn.Module:
 
 def _pretrained(cfg: ModelConfig, auto: Any, config: Any, dtype: torch.dtype) -> Any:
     assert cfg.path is not None
-    try:
-        return auto.from_pretrained(cfg.path, config=config, local_files_only=True,
-                                    dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    try:  # from the folder: given a Hub id, transformers 5 looks for a peft adapter online
+        # (local_files_only not passed on), retrying ~23 s where there is no network
+        return auto.from_pretrained(model_folder(cfg.path), config=config,
+                                    local_files_only=True, dtype=dtype,
+                                    trust_remote_code=cfg.trust_remote_code)
     except RuntimeError as e:
         if not cfg.overrides or "ignore_mismatched_sizes" not in str(e):  # (its advice
             raise  # names no asyncrl option)
@@ -212,7 +248,7 @@ def _untied(model: torch.nn.Module, cfg: ModelConfig) -> None:
     from transformers import AutoConfig
 
     assert cfg.path is not None
-    if getattr(AutoConfig.from_pretrained(cfg.path, local_files_only=True,
+    if getattr(AutoConfig.from_pretrained(model_folder(cfg.path), local_files_only=True,
                                           trust_remote_code=cfg.trust_remote_code),
                 "tie_word_embeddings", False):
         lm: Any = model
@@ -257,12 +293,12 @@ LM_HEADS = ("lm_head", "embed_out")  # output heads of HF causal LMs (GPT-NeoX: 
 
 
 def checkpoint_head(path: str) -> dict[str, torch.Tensor] | None:
-    """The scalar head saved in checkpoint directory `path` ({"weight": [1, H], maybe
-    "bias"}), or None when it holds none (a causal LM's checkpoint)."""
+    """The scalar head saved in the checkpoint `path` names (a directory or a cached Hub
+    id: `model_folder`) ({"weight": [1, H], maybe "bias"}), or None when it holds none (a
+    causal LM's checkpoint)."""
     import json
-    from pathlib import Path
 
-    folder = Path(path)
+    folder = model_folder(path)
     files: list[Path] = []
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (folder / index).exists():

@@ -42,6 +42,7 @@ from asyncrl.hybrid.models import (
     ModelConfig,
     build_model,
     default_device,
+    model_file,
     sampled_at,
     sequence_logprobs,
 )
@@ -90,11 +91,12 @@ def with_eos(stops: Any, path: str) -> Any:
 
 
 def eos_token_ids(path: str) -> list[int]:
-    """The end-of-sequence ids a checkpoint directory names (none: [])."""
+    """The end-of-sequence ids a checkpoint (a directory or a cached Hub id) names (none:
+    [])."""
     for name in ("generation_config.json", "config.json"):
-        file = Path(path) / name
+        file = model_file(path, name)
         try:
-            eos = json.loads(file.read_text()).get("eos_token_id")
+            eos = json.loads(file.read_text()).get("eos_token_id") if file else None
         except (OSError, ValueError, AttributeError):
             continue  # not there, or not a config: the model's loading says what is wrong
         ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []

@@ -13,7 +13,8 @@ log = logging.getLogger("asyncrl")
 
 
 def load_tokenizer(tokenizer: Any) -> Any:
-    """A tokenizer from a local directory, or the tokenizer object given."""
+    """A tokenizer from a local directory or a Hub model in the local cache (the id a model
+    is given by), or the tokenizer object given."""
     if not isinstance(tokenizer, str | os.PathLike):
         if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
             raise TypeError(f"tokenizer: give a local tokenizer directory or a Hugging Face "
@@ -21,12 +22,17 @@ def load_tokenizer(tokenizer: Any) -> Any:
         return tokenizer
     from transformers import AutoTokenizer
 
-    if not os.path.isdir(tokenizer):
+    from asyncrl.hybrid.models import model_folder
+
+    try:
+        folder = model_folder(os.fspath(tokenizer))
+    except ValueError:
         raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} is not a directory; give "
                                 f"the local folder of a model or tokenizer (its "
-                                f"tokenizer.json or vocabulary files; nothing is downloaded)")
+                                f"tokenizer.json or vocabulary files) or the id of a Hub "
+                                f"model in the local cache (nothing is downloaded)") from None
     try:  # (not given, transformers asks on a terminal whether to run the folder's code)
-        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True,
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True,
                                              trust_remote_code=False)
     except ValueError as e:
         if "trust_remote_code" not in str(e):

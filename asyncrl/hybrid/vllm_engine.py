@@ -51,6 +51,7 @@ import torch
 
 from asyncrl.actors.gpu_slots import require_own_gpu
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.models import model_file
 from asyncrl.hybrid.sampler import SamplingConfig, left_pad
 
 MODULE_ENV = "ASYNCRL_VLLM_MODULE"  # another module with vLLM's LLM and SamplingParams: the
@@ -426,11 +427,8 @@ def _check_reloadable(model_path: str, overrides: Any = None) -> None:
     absorbed projections, fused MoE's kernel layout) runs once, at startup: refuse the
     checkpoints that need it (their text config too: multimodal ones nest it), as vLLM
     reads them: `hf_overrides` (a dict) over config.json, a nested config key by key."""
-    path = os.path.join(model_path, "config.json")
-    config: dict[str, Any] = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            config = json.load(f)
+    path = model_file(model_path, "config.json")  # (a Hub id: its cached snapshot's)
+    config: dict[str, Any] = json.loads(path.read_text()) if path is not None else {}
     for key, value in (overrides.items() if isinstance(overrides, dict) else ()):
         both = isinstance(value, dict) and isinstance(config.get(key), dict)
         config[key] = {**config[key], **value} if both else value
