@@ -221,6 +221,26 @@ def test_a_held_call_sets_up_its_links_as_a_call_of_the_node_that_made_it():
     assert node_1 == {"node 1", "c", "a"} and node_2 == {"node 2", "c", "a"}
 
 
+def test_a_methods_parameter_named_method_or_self_can_be_passed_by_keyword():
+    """`reward.score(b, method="fuzzy")` raised TypeError: got multiple values for argument
+    'method' (call's own parameter), and `self=` the same."""
+    async def main() -> list:
+        (c,) = handles("c")
+        sent: list = []
+        c._send = sent.append
+        c.f(1, method="y", self="z")
+        c.call("f", 1, method="y", self="z")
+        await asyncio.sleep(0)
+        return sent
+    assert [(q.method, q.args, q.kwargs) for q in asyncio.run(main())] == \
+        [("f", (1,), {"method": "y", "self": "z"})] * 2
+
+    @asyncrl.node  # a node's function, called as a plain one, the same
+    def scored(self, method):
+        return self, method
+    assert scored(self=1, method=2) == (1, 2)
+
+
 # -- @register -------------------------------------------------------------------------------
 def test_register_says_to_pass_the_protocol_by_keyword():
     with pytest.raises(TypeError, match=r"write @register\(dispatch=Dispatch.DP\)"):

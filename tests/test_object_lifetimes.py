@@ -151,3 +151,24 @@ def test_a_fetch_failed_on_one_rank_fetches_only_that_rank_again():
         return await ref.value()
     assert asyncio.run(main()) == ["part0", "part1", "part2", "part3"]
     assert {r: asked.count(r) for r in range(4)} == {0: 1, 1: 2, 2: 1, 3: 1}
+
+
+def test_a_failed_fetch_lets_go_of_the_result_when_its_future_goes():
+    """A fetch timed out: the failed fetch kept in the ObjectRef held an error whose traceback
+    named the ObjectRef, a cycle; the ranks kept the result until a gc pass."""
+    released: list[int] = []
+
+    async def fetch(rank: int, obj_id: int, nbytes: int = 0) -> None:
+        raise TransferTimeout("rank 0 slow")
+
+    async def main() -> None:
+        owner = types.SimpleNamespace(_fetch=fetch, _ctl=fake_controller(released))
+        fut = DistFuture._new(asyncio.get_running_loop(), "a.big")
+        fut._set_result(ObjectRef(owner, 9, lambda p: p, {0: Schema(-1, nbytes=1 << 30)}, {}))
+        with pytest.raises(TransferTimeout):
+            await fut
+        del fut
+        await turns()
+        assert released == [9], "the failed fetch's traceback keeps the result"
+    with refcounts_only():
+        asyncio.run(main())

@@ -5,10 +5,17 @@ session's __main__."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import enum
 import sys
 import types
+import uuid
 import warnings
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +29,12 @@ def _quantized(n: int) -> torch.Tensor:
     with warnings.catch_warnings():  # (torch deprecates quantized tensors: still made)
         warnings.simplefilter("ignore")
         return torch.quantize_per_tensor(torch.zeros(n), 0.1, 0, torch.qint8)
+
+
+@dataclasses.dataclass
+class Point:
+    y: object
+    z: object
 
 
 # -- a user protocol's calls -----------------------------------------------------------------
@@ -53,6 +66,25 @@ def test_tensors_inside_a_non_batch_result_are_checked_where_they_are():
         schema_of(q)
     assert schema_of({"a": torch.zeros(10), "b": [1, (torch.zeros(2, 2), "x")]}).nbytes == 56
 
+
+
+def test_what_the_codec_cannot_send_in_a_stored_result_is_refused_where_it_is():
+    """A large result is stored, not encoded: a batch's list column of Fractions, a list of
+    complex numbers passed its call and failed at a consumer's pull (blamed on the consumer)
+    or at the driver's fetch. Checked by type, as cheaply as the tensors."""
+    with pytest.raises(TypeError, match=r"value\['f'\]\[0\]: an object of type "
+                                        r"fractions.Fraction cannot be sent"):
+        schema_of(asyncrl.TensorBatch({"x": torch.zeros(70_000), "f": [Fraction(1, 3)] * 70_000}))
+    with pytest.raises(TypeError, match=r"value\['c'\]\[0\]: an object of type builtins.complex"):
+        schema_of({"c": [1j] * 70_000})
+    with pytest.raises(TypeError, match=r"value\[0\].z: a numpy array of Python objects"):
+        schema_of([Point(np.zeros(2), np.array([None]))])
+    with pytest.raises(TypeError, match=r"value\[1\]: a numpy datetime64\[s\] scalar"):
+        schema_of([1, np.datetime64(1, "s")])
+    fine = {"ints": list(range(70_000)), "strs": ["ab"] * 70_000, "rows": [{"a": 1.0}] * 70_000,
+            "others": [Point(np.float32(1), (uuid.uuid4(), datetime.date.today(), {1, 2})),
+                       Decimal(1), enum.Enum("E", "a").a, np.zeros(3), make_ref, bytearray(2)]}
+    assert schema_of(fine).nbytes == 24
 
 class Quantizer(asyncrl.Worker):
     @asyncrl.register

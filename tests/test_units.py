@@ -3,10 +3,12 @@ test_codec.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import random
 import re
+import types
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from asyncrl.actors.protocols import (
     get_protocol,
     take_dp_rows,
 )
+from asyncrl.actors.worker import construct
 from asyncrl.comm import codec
 from asyncrl.comm.auth import Signer, Verifier
 
@@ -235,3 +238,41 @@ def test_a_group_name_too_long_for_its_socket_names_is_refused_before_the_spawn(
     with pytest.raises(ValueError, match="group name 'gggg.*is 220 characters long: use at "
                                          "most 100"):
         check_group_name("g" * 220)
+
+
+class AsyncHooks(asyncrl.Worker):
+    """A worker whose hooks are `async def`, as its methods may be."""
+
+    async def save_state(self, folder):
+        await asyncio.sleep(0)
+        (folder / "weights.txt").write_text("3")
+
+    async def load_state(self, folder):
+        await asyncio.sleep(0)
+        self.weights = int((folder / "weights.txt").read_text())
+
+    async def on_close(self):
+        await asyncio.sleep(0)
+        self.closed_on = asyncio.get_running_loop()
+
+
+def test_async_def_hooks_run_to_their_end(tmp_path):
+    """An `async def` save_state, load_state or on_close was called and its coroutine
+    dropped: a checkpoint marked complete without the weights, a resume on fresh ones, and
+    no on_close."""
+    from asyncrl.actors import rank_main
+
+    worker = construct(AsyncHooks, [], {}, {"group_name": "g", "rank": 0})
+    calls_loop = asyncio.new_event_loop()  # (runs a call's awaitable, as the rank's does)
+    try:
+        calls_loop.run_until_complete(worker.save_checkpoint(str(tmp_path)))
+        assert (tmp_path / "g" / "weights.txt").read_text() == "3"
+        assert (tmp_path / "g" / "rng_rank0.pt").is_file()
+        calls_loop.run_until_complete(worker.load_checkpoint(str(tmp_path)))
+        assert worker.weights == 3
+        rank = types.SimpleNamespace(worker=worker, group="g", rank=0, calls_loop=calls_loop,
+                                     settle=lambda timeout: True)
+        rank_main._close(rank, 0, None)  # the in-order calls settled: on their loop
+        assert worker.closed_on is calls_loop
+    finally:
+        calls_loop.close()

@@ -183,6 +183,7 @@ class RankMain:
                                on_start=bind_gpu, timeout=self.transfer_timeout,
                                curve=self.curve)
         self.worker: Any = None
+        self.calls_loop: asyncio.AbstractEventLoop | None = None  # the in-order calls' loop
         self._running = 0  # calls under way (in order, and concurrent ones)
         self._settled = threading.Condition()
         self.closing = False  # set: no call starts any more
@@ -299,6 +300,7 @@ class RankMain:
     def exec_loop(self) -> None:
         bind_gpu()
         ex = _Executor(self, self.exec)
+        self.calls_loop = ex.loop
         ex.sock.send(self.hello("exec"))
         sock = ex.sock
         while True:
@@ -541,7 +543,8 @@ def _close(rank: RankMain, code: int, output: OutputCapture) -> None:
     # within half the controller's shutdown grace (on_close gets the other half)
     closes = rank.worker is not None and type(rank.worker).on_close is not Worker.on_close
     wait = min(CALLS_SETTLE_S, float(os.environ.get("ASYNCRL_SHUTDOWN_GRACE", "10")) / 2)
-    if not rank.settle(wait if closes else 0.0) and closes:
+    settled = rank.settle(wait if closes else 0.0)
+    if not settled and closes:
         print(f"[asyncrl] {rank.group}:{rank.rank}: a call still ran {wait:g} s after the "
               f"group closed; on_close() runs beside it", file=sys.stderr, flush=True)
     if rank.worker is not None:
@@ -551,7 +554,11 @@ def _close(rank: RankMain, code: int, output: OutputCapture) -> None:
         watchdog.daemon = True
         watchdog.start()
         try:
-            rank.worker.on_close()
+            closed = rank.worker.on_close()
+            if inspect.isawaitable(closed):  # async def: on the calls' loop, idle once they
+                # settled (one still running: a loop of its own)
+                loop = rank.calls_loop if settled and rank.calls_loop else asyncio.new_event_loop()
+                loop.run_until_complete(closed)
         except Exception:  # noqa: BLE001 - the rank exits anyway: say why in its log
             traceback.print_exc()
         watchdog.cancel()

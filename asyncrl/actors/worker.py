@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import random
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,17 +55,18 @@ class Worker:
         return mesh
 
     # -- checkpoints: the flow calls save_checkpoint / load_checkpoint; you override the hooks
-    def save_state(self, folder: Path) -> None:
+    # (each may be `async def`, as a method may: it runs to its end on the call's loop)
+    def save_state(self, folder: Path) -> Awaitable[None] | None:
         """Write this rank's state (weights, optimizer...) into `folder`, which the group's
         ranks share: name files by rank. The default saves nothing."""
 
-    def load_state(self, folder: Path) -> None:
+    def load_state(self, folder: Path) -> Awaitable[None] | None:
         """Read back what `save_state` wrote into `folder`. The default loads nothing."""
 
-    def on_close(self) -> None:
+    def on_close(self) -> Awaitable[None] | None:
         """Called on each rank as its group closes, after its last call: release what the
         worker holds outside its process (child processes, say). The default does nothing;
-        a rank that dies runs no hook."""
+        a rank that dies runs no hook. `async def`: on the in-order calls' loop."""
 
     @register(concurrent=True, dispatch=Dispatch.RANK_ZERO)
     def _nccl_unique_id(self, make: bool = True) -> bytes:
@@ -85,20 +88,22 @@ class Worker:
         nccl.join(key, uid, world, offsets[self.group_name] + self.rank, offsets)
 
     @register
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str) -> Any:
         """Save this rank's RNG states and `save_state` into ``path/<group name>/``."""
         import torch
 
         folder = Path(path) / self.group_name
         folder.mkdir(parents=True, exist_ok=True)
-        self.save_state(folder)
-        # the RNG after save_state, restored after load_state: draws either makes (a data
-        # loader's seed, a head made anew) do not shift the resumed run's numbers
-        torch.save(rng_state(), folder / f"rng_rank{self.rank}.pt")
-        sync_tree(folder)  # on disk before the controller marks the checkpoint complete
+
+        def rest() -> None:
+            # the RNG after save_state, restored after load_state: draws either makes (a
+            # data loader's seed, a head made anew) do not shift the resumed run's numbers
+            torch.save(rng_state(), folder / f"rng_rank{self.rank}.pt")
+            sync_tree(folder)  # on disk before the controller marks the checkpoint complete
+        return after(self.save_state(folder), rest)
 
     @register
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str) -> Any:
         """Restore what `save_checkpoint(path)` saved on this rank."""
         import torch
 
@@ -110,8 +115,21 @@ class Worker:
                 f"{self.rank} of group {self.group_name!r} (was it written by a group with "
                 f"{self.world_size} ranks?); resume with the group sizes that wrote it")
         state = torch.load(rng, weights_only=True)  # (read first: a bad file fails here)
-        self.load_state(folder)
-        set_rng_state(state)  # (after load_state: see save_checkpoint)
+        # the RNG set after load_state: see save_checkpoint
+        return after(self.load_state(folder), lambda: set_rng_state(state))
+
+
+def after(hooked: Any, rest: Callable[[], None]) -> Any:
+    """`rest()` once a hook that returned `hooked` is done: at once, or, for an `async def`
+    hook, in a coroutine awaiting it first, which the rank runs as it runs an async method's
+    (dropped, the hook never ran: a checkpoint complete without the weights)."""
+    if not inspect.isawaitable(hooked):
+        return rest()
+
+    async def awaited() -> None:
+        await hooked
+        rest()
+    return awaited()
 
 
 def sync_tree(path: Path) -> None:

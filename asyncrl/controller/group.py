@@ -107,7 +107,7 @@ class _Method:
     def __init__(self, group: GroupHandle, name: str):
         self._group, self._name = group, name
 
-    def __call__(self, *args: Any, **kwargs: Any) -> DistFuture:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> DistFuture:
         return self._group.call(self._name, *args, **kwargs)
 
     def __repr__(self) -> str:
@@ -188,7 +188,7 @@ class GroupHandle:
     def __repr__(self) -> str:
         return f"<GroupHandle {self.name!r} {self.worker_class.__name__} x{self.nprocs}>"
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> DistFuture:
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> DistFuture:
         """Call a registered method by name; the same as ``group.<method>(...)``.
 
         On the controller's loop, errors in the arguments raise here and nothing is sent;

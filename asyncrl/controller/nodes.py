@@ -50,7 +50,7 @@ class Node:
     params: list[Param]
     follows: str | None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # still a plain function
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:  # still a plain function
         return self.fn(*args, **kwargs)
 
 

@@ -110,8 +110,14 @@ class ObjectRef:
             if _to_fetch(self._fetching.get(rank)):
                 self._fetching[rank] = asyncio.ensure_future(self.group._fetch(
                     rank, self.obj_id, self.schemas[rank].nbytes if rank in self.schemas else 0))
-        fetched = dict(zip(missing, await asyncio.gather(*(self._fetching[r] for r in missing)),
-                           strict=True))
+        try:
+            parts = await asyncio.gather(*(self._fetching[r] for r in missing))
+        except BaseException:  # a failed fetch kept: its error's traceback names self, a
+            # cycle that keeps the ranks' parts until a gc pass (the next await asks again)
+            for rank in [r for r, fetch in self._fetching.items() if _to_fetch(fetch)]:
+                del self._fetching[rank]
+            raise
+        fetched = dict(zip(missing, parts, strict=True))
         self._fetching.clear()
         return self._build(ranks, fetched)
 

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import decimal
+import enum
 import threading
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 
 from asyncrl.comm import codec
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.messages import NONE, Column, Schema
+from asyncrl.comm.remote import RemoteBatch, RemoteValue
 
 
 def schema_of(value: Any) -> Schema:
@@ -26,17 +33,19 @@ def schema_of(value: Any) -> Schema:
                 nbytes += col.numel() * col.element_size()
             else:
                 columns.append(Column(key, "list"))
+        _check_sendable(value)  # (its list columns; the tensors' errors name the column)
         meta = msgspec.Raw(codec.encode(value.meta)) if value.meta else NONE
         return Schema(len(value), tuple(columns), meta, nbytes)
-    _check_tensors(value)
+    _check_sendable(value)
     return Schema(-1, nbytes=codec.array_bytes(value))
 
 
-def _check_tensors(value: Any) -> None:
-    """`check_sendable` for every tensor in a value, however deep in lists, dicts and batches
-    (as `codec.array_bytes` walks them): a large value is stored, not encoded, and a tensor
-    that cannot be sent failed only when a driver fetched it, unnamed. The error names its
-    path (value['q'][0]), made only then."""
+def _check_sendable(value: Any) -> None:
+    """A TypeError unless the codec can send every leaf of a value, however deep in lists,
+    dicts, batches (their list columns too), dataclasses and Structs: a large value is
+    stored, not encoded, and what cannot be sent failed only at a consumer's pull (blamed on
+    the consumer) or a driver's fetch. Checked by type, not by encoding the value; the error
+    names its path (value['q'][0]), made only then. (An int past 64 bits is not seen here.)"""
     try:
         _walk(value)
     except _Unsendable as e:
@@ -45,30 +54,76 @@ def _check_tensors(value: Any) -> None:
 
 
 class _Unsendable(Exception):
-    """A tensor that cannot be sent, and its path inward (filled as the walk unwinds)."""
+    """What cannot be sent, and its path inward (filled as the walk unwinds)."""
 
-    def __init__(self, cause: TypeError):
+    def __init__(self, cause: Exception):
         super().__init__(str(cause))
         self.cause = cause
         self.path: list[str] = []
 
 
+# what msgspec encodes as it is, by exact type (a subclass of int or str it does not); the
+# rest mirrors codec._enc_hook
+_SENDS = frozenset({int, float, str, bytes, bool, type(None), bytearray, memoryview,
+                    datetime.datetime, datetime.date, datetime.time, datetime.timedelta,
+                    uuid.UUID, decimal.Decimal, msgspec.Raw, msgspec.msgpack.Ext,
+                    RemoteBatch, RemoteValue})
+
+
 def _walk(value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        try:
-            codec.check_sendable(value)
-        except TypeError as e:
-            raise _Unsendable(e) from None
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if type(key) not in _SENDS:
+                _inside(key, key)
+            if type(item) not in _SENDS:
+                _inside(item, key)
         return
-    items: Iterable[tuple[Any, Any]] = value.items() if isinstance(value, dict | TensorBatch) \
-        else enumerate(value) if isinstance(value, list | tuple) else ()
+    if isinstance(value, list | tuple | set | frozenset):
+        if _SENDS.issuperset(map(type, value)):  # long lists of numbers, strings: fast
+            return
+        items = enumerate(value)
+    elif isinstance(value, TensorBatch):
+        items = value.items()
+    elif isinstance(value, msgspec.Struct) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        fields = value.__struct_fields__ if isinstance(value, msgspec.Struct) else \
+            [f.name for f in dataclasses.fields(value)]
+        items = [(_Field(name), getattr(value, name)) for name in fields]
+    else:
+        _check_leaf(value)
+        return
     for at, item in items:
-        if type(item) not in codec._LEAVES:  # long lists of numbers, strings: fast
-            try:
-                _walk(item)
-            except _Unsendable as e:
-                e.path.append(f"[{at!r}]")
-                raise
+        if type(item) not in _SENDS:
+            _inside(item, at)
+
+
+def _check_leaf(value: Any) -> None:
+    if type(value) in _SENDS or isinstance(value, enum.Enum):  # (an enum: sent as its value)
+        return
+    try:
+        if isinstance(value, torch.Tensor):
+            codec.check_sendable(value)
+        elif isinstance(value, np.ndarray):  # refused by dtype: an empty one says it
+            codec._enc_hook(np.empty(0, value.dtype).view(type(value)))
+        elif isinstance(value, np.generic):
+            codec._enc_hook(value)
+        else:  # a class or function (sent by name), or the codec's TypeError
+            codec.encode(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _Unsendable(e) from None
+
+
+class _Field(str):
+    """A dataclass's or Struct's field name, in a path: .name, not ['name']."""
+
+
+def _inside(item: Any, at: Any) -> None:
+    try:
+        _walk(item)
+    except _Unsendable as e:
+        e.path.append(f".{at}" if isinstance(at, _Field) else f"[{at!r}]")
+        raise
 
 
 def _check_column(key: str, col: torch.Tensor) -> None:
