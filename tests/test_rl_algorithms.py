@@ -478,3 +478,44 @@ def test_an_actor_refuses_values_from_a_critic_that_computes_returns_differently
     with pytest.raises(ValueError, match="kl_coef: actor 0.01, critic 0.02"):
         check_critic_agrees(critic_values(algo="ppo", kl_in_reward=True, kl_coef=0.02),
                             RLConfig(algo="ppo", kl_in_reward=True, kl_coef=0.01))
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of this process alone (the collectives of advantages() run)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_non_finite_reward_is_refused_naming_its_row(one_rank, algo):
+    """A reward from elsewhere than RewardFn or RewardModel (a user's scorer): GRPO gave a NaN's
+    group advantages 0 silently (std > 0 is false for NaN); PPO whitened every advantage to
+    NaN, and every step was skipped as grad_nonfinite."""
+    from asyncrl.comm.batch import PAD_KEY, TensorBatch
+    from asyncrl.rl.batch import advantages
+    from asyncrl.rl.config import RLConfig
+
+    def batch(rewards):
+        n = len(rewards)
+        return TensorBatch({
+            "prompt_ids": torch.tensor([[5, 6]] * n), "prompt_mask": torch.ones(n, 2),
+            "response_ids": torch.ones(n, 3, dtype=torch.long),
+            "response_mask": torch.ones(n, 3), "loss_mask": torch.ones(n, 3),
+            "values": torch.zeros(n, 3), "reward": torch.tensor(rewards)})
+
+    cfg = RLConfig(algo=algo, group_size=2)
+    adv, _ = advantages(batch([1.0, 0.0, 0.5, 0.5]), cfg, None)
+    assert adv.isfinite().all()
+    which = "sample 2 of the batch has the reward nan" if algo == "grpo" else \
+        "the first is row 2 of data-parallel rank 0's rows (its reward nan)"
+    with pytest.raises(ValueError, match=re.escape(which)):
+        advantages(batch([1.0, 0.0, math.nan, 0.5]), cfg, None)
+    with pytest.raises(ValueError, match="a reward must be a finite number"):
+        advantages(batch([1.0, 0.0, 0.5, math.inf]), cfg, None)
+    padded = batch([1.0, 0.0, 0.5, 0.5, 0.5])  # a DP padding row: its real row's reward
+    padded.meta[PAD_KEY] = 1
+    assert advantages(padded, cfg, None)[0].isfinite().all()

@@ -389,6 +389,22 @@ def test_record_keys_the_rl_step_writes_are_refused():
             PromptSource([{"prompt": [1], key: 1.0}], batch_size=1)
 
 
+def test_record_values_the_wire_cannot_carry_are_refused_naming_the_record(tmp_path):
+    """An int past 64 bits (a JSONL "answer": 1234...890) failed hours in, at the generate of
+    its batch ("can't serialize ints", no record named), or at the first checkpoint."""
+    with pytest.raises(ValueError, match=r"record 1 of the given sequence: its 'answer' value "
+                                         r"cannot be sent .*store numbers past 64 bits as "
+                                         r"strings"):
+        PromptSource([{"prompt": [1], "answer": 1}, {"prompt": [1], "answer": 10**30}],
+                     batch_size=1)
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": [1], "answer": 2}] * 5000 +
+                [{"prompt": [1], "answer": 123456789012345678901234567890}])
+    with pytest.raises(ValueError, match=r"p.jsonl:5001: its 'answer' value"):
+        PromptSource(tmp_path / "p.jsonl", batch_size=1)
+    with pytest.raises(ValueError, match=r"record 0 .* its 'when' value cannot be sent"):
+        PromptSource([{"prompt": [1], "when": object()}], batch_size=1)
+
+
 def test_a_dict_or_a_dataframe_is_refused_naming_the_list_of_records():
     """Read as a sequence, a dict or a DataFrame gives its keys: 'record 0 ... is a str'."""
     class Frame:  # a DataFrame's shape: read, its column names; to_dict makes records

@@ -281,3 +281,32 @@ def test_prompts_running_out_with_no_group_kept_is_prompts_exhausted():
                                      generate=done, score=alike, groups=1, group_size=2))
     assert isinstance(info.value, DynamicSamplingError)
     assert isinstance(info.value, InputsExhausted)
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_prompts_running_out_at_max_rounds_ends_the_step(differ):
+    """max_rounds=2 and the source's last batch in round 2: the limit was checked before
+    more() said the prompts were done, so a finite run's last step failed, "raise max_rounds",
+    instead of training on the groups kept (or ending the run: PromptsExhausted)."""
+    from asyncrl.futures.future import DistFuture
+    from asyncrl.hybrid.sampler import PROMPT_WIDTH
+    from asyncrl.rl.dynamic import PromptsExhausted
+
+    def done(value):
+        return DistFuture.held(value, "g.m")
+
+    rewards = [torch.ones(4), torch.tensor([1.0, 0.0, 1.0, 1.0] if differ else [1.0] * 4)]
+
+    def score(rollout):
+        return done(TensorBatch({"reward": rewards.pop(0)}))
+
+    batches = [TensorBatch({"prompt": [[3], [3], [4], [4]]}, {PROMPT_WIDTH: 1})]
+    run_ = dynamic_sampling(TensorBatch({"prompt": [[1], [1], [2], [2]]}, {PROMPT_WIDTH: 1}),
+                            more=lambda: batches.pop() if batches else None, generate=done,
+                            score=score, groups=2, group_size=2, max_rounds=2)
+    if not differ:
+        with pytest.raises(PromptsExhausted, match="no group whose rewards differ in 4"):
+            asyncio.run(run_)
+        return
+    out = asyncio.run(run_)
+    assert out["dapo/kept_groups"] == 1 and out["dapo/rounds"] == 2

@@ -103,6 +103,9 @@ def test_overlong_responses_lose_reward_linearly_through_the_buffer():
         RewardFn(count_answer, overlong={"len": 4})
     with pytest.raises(ValueError, match="1 <= buffer <= max_length"):
         RewardFn(count_answer, overlong={"max_length": 2, "buffer": 3})
+    for key, bad in (("penalty_factor", "nan"), ("penalty_factor", "inf"), ("max_length", "inf")):
+        with pytest.raises(ValueError, match=f"{key} must be a finite number, got {bad}"):
+            RewardFn(count_answer, overlong={"max_length": 8, "buffer": 4, key: float(bad)})
 
 
 def test_an_overlong_penalty_past_max_length_stays_at_the_penalty_factor():

@@ -73,6 +73,46 @@ def test_reward_model_scores_the_last_real_token():
         assert scores[row].item() == pytest.approx(v[0, -1].item(), abs=1e-5)
 
 
+def test_reward_model_scores_in_micro_batches():
+    """A rank's whole chunk went through the model in one forward (2048 rows of 1.5k tokens
+    of a 7B model: out of memory), its DP padding rows scored too."""
+    rm = RewardModel.__new__(RewardModel)
+    rm.__init__({"seed": 5}, micro_batch_size=2)
+    seen = []
+
+    class Counted(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, **kw):
+            seen.append(len(input_ids))
+            return self.inner(input_ids=input_ids, **kw)
+
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7], [9], [4, 4], [8], [3, 2, 1]], pad=0)
+    b = TensorBatch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                     "response_ids": torch.tensor([[11, 12, 0]] * 3 + [[13, 14, 15]] * 2),
+                     "response_mask": torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1],
+                                                    [1, 1, 0], [1, 1, 1]])})
+    whole = rm._scores(b)
+    rm.model = Counted(rm.model)
+    seen.clear()
+    torch.testing.assert_close(rm.score(b)["reward"], whole)
+    assert seen == [2, 2, 1]
+    seen.clear()
+    padded = TensorBatch.concat([b, b.slice(4, 5), b.slice(4, 5)])
+    padded.meta[PAD_KEY] = 2  # (two copies of the last row: scored as it, not run)
+    torch.testing.assert_close(padded_scores := rm.score(padded)["reward"],
+                               torch.cat([whole, whole[-1:], whole[-1:]]))
+    assert sum(seen) == 5 and len(padded_scores) == 7
+    seen.clear()
+    rm.micro_batch_size, rm.max_tokens = 4, 8  # by a token budget: rows sorted, put back
+    torch.testing.assert_close(rm.score(b)["reward"], whole)
+    assert sum(seen) == 5 and len(seen) > 1, seen
+    with pytest.raises(ValueError, match="RewardModel micro_batch_size must be >= 1"):
+        RewardModel.check_settings({"seed": 5}, micro_batch_size=0)
+
+
 @pytest.mark.parametrize("safe", [True, False])
 def test_a_reward_model_checkpoint_keeps_its_head(tmp_path, safe):
     """A transformers *ForSequenceClassification checkpoint (safetensors or .bin) scores as
@@ -151,6 +191,15 @@ def test_padding_rows_are_masked_out_of_the_training_batch():
     assert batch["loss_mask"].tolist() == [[1, 1, 0], [0, 0, 0]]
     with pytest.raises(KeyError, match="needs a 'reward' column"):
         assemble(rollout, TensorBatch({"score": torch.zeros(2)}))
+
+
+@pytest.mark.parametrize("scores", [[1.0, 0.5], {"reward": [1.0, 0.5]}])
+def test_scores_that_are_not_a_tensor_batch_are_refused(scores):
+    """A RANK_ZERO scorer's list, or a dict: an AttributeError from inside assemble."""
+    rollout, _ = scored([1.0, 0.5])
+    with pytest.raises(TypeError, match=rf"the scores are a {type(scores).__name__}, not a "
+                                        r"TensorBatch: a scorer returns TensorBatch\("):
+        assemble(rollout, scores)
 
 
 def test_token_rewards_put_the_score_last_and_subtract_the_kl():

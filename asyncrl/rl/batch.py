@@ -9,6 +9,7 @@ unpadded one would.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -44,6 +45,10 @@ def assemble(rollout: TensorBatch, scores: TensorBatch, ref: TensorBatch | None 
              values: TensorBatch | None = None) -> TensorBatch:
     """The rollout's columns with "reward", "ref_logprobs", "values" and "loss_mask" (and
     the scores' REPORTED columns they have)."""
+    if not isinstance(scores, TensorBatch):  # (a RANK_ZERO scorer's list, a dict)
+        raise TypeError(f"the scores are a {type(scores).__name__}, not a TensorBatch: a "
+                        f"scorer returns TensorBatch({{'reward': ...}}), one number a row "
+                        f"(as RewardFn.score and RewardModel.score do)")
     if "reward" not in scores:
         raise KeyError(f"the scores batch needs a 'reward' column (RewardFn.score or "
                        f"RewardModel.score return one); it has {scores.keys()}")
@@ -272,6 +277,14 @@ def _grpo(batch: TensorBatch, cfg: RLConfig, group: Any) -> torch.Tensor:
     prompts = [torch.zeros(len(seq), 3, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(prompts, keys, group=group)
     everything = torch.cat([r[f.bool()] for r, f in zip(rewards, flags, strict=True)])
+    # every rank holds the same rewards now: each raises alike (a NaN's group got advantages
+    # 0 silently: its std > 0 was false)
+    bad = (~everything.isfinite()).nonzero().flatten()
+    if len(bad):
+        kl = " (its reward minus the KL: kl_in_reward)" if cfg.kl_in_reward else ""
+        raise ValueError(f"GRPO: sample {int(bad[0])} of the batch has the reward "
+                         f"{float(everything[bad[0]])}{kl}, {len(bad)} sample(s) in all are "
+                         f"not finite; a reward must be a finite number: fix the scorer")
     if everything.numel() % cfg.group_size:
         raise ValueError(f"GRPO: the batch has {everything.numel()} samples, not a multiple of "
                          f"group_size={cfg.group_size}; sample group_size responses per prompt "
@@ -329,7 +342,27 @@ def advantages(batch: TensorBatch, cfg: RLConfig, group: Any
     if "values" not in batch:
         raise KeyError("PPO needs the critic's values: pass the critic node's result to "
                        "update(..., values=...)")
+    check_finite_rewards(batch, group)
     mask = batch.tensor("loss_mask")
     adv, returns = gae(token_rewards(batch, cfg), batch.tensor("values"), mask, cfg.gamma,
                        cfg.lam)
     return whiten_across(adv, mask, group), returns
+
+
+def check_finite_rewards(batch: TensorBatch, group: Any) -> None:
+    """A non-finite reward refused on every rank alike (counted over them: one rank raising
+    alone would leave the others in the next collective). One NaN made every advantage NaN
+    after whitening, and every step was skipped as grad_nonfinite."""
+    reward = batch.tensor("reward")
+    bad = ~reward.isfinite() & valid_rows(batch).bool()
+    (count,) = global_sums([float(bad.sum())], group)
+    if not count:
+        return
+    # the first bad row of the lowest rank that has one: (rank, row) as one float to max
+    rank, rows = dist.get_rank(group), 2 ** 32  # (exact in a float64 below 2**21 ranks)
+    first = -(rank * rows + int(bad.nonzero()[0])) if bad.any() else -math.inf
+    at, row = divmod(-int(global_max(first, group)), rows)
+    here = f" (its reward {float(reward[row])})" if at == rank else ""
+    raise ValueError(f"PPO: {int(count)} reward(s) of the batch are not finite numbers: the "
+                     f"first is row {row} of data-parallel rank {at}'s rows{here}; a reward "
+                     f"must be a finite number: fix the scorer")

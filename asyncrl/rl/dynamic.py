@@ -127,7 +127,7 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
     kept = seen = uniform = rounds = 0
     total, samples = 0.0, 0
     batch: TensorBatch | None = prompts
-    while batch is not None and kept < groups:
+    while batch is not None:
         # before the first round too (else said at the first step that needs a second,
         # hours in, after a wasted generate); max_rounds=1 never joins batches
         if (rounds or max_rounds != 1) and PROMPT_WIDTH not in batch.meta:
@@ -156,21 +156,25 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
             kept_rollouts.append(rollout.rows(rows))
             kept_scores.append(scores.rows(rows))
             kept += len(keep)
-        if kept < groups and rounds == max_rounds:
+        if kept >= groups:
+            break
+        # drawn before the limit is checked: prompts that ran out end the step (trained on
+        # what was kept) at max_rounds too; the batch drawn before the raise is no loss (a
+        # failed run saves no position: it resumes at its last checkpoint's)
+        batch = more()
+        if batch is not None and rounds == max_rounds:
             raise DynamicSamplingError(
                 f"dynamic sampling kept {kept} of the {groups} groups needed after "
                 f"{rounds} prompt batches ({seen} groups, {uniform} of them scored alike): "
                 f"the prompts are too easy or too hard for the policy now; raise max_rounds "
                 f"(verl's max_num_gen_batches) or change the data")
-        if kept < groups and max_rounds is None and rounds % WARN_EVERY == 0:
+        if batch is not None and max_rounds is None and rounds % WARN_EVERY == 0:
             # no limit: a reward that scores everything alike (a format it never parses)
             # would make this node run on, with nothing said while the step looked hung
             log.warning("asyncrl: dynamic sampling has drawn %d prompt batches and kept %d "
                         "of the %d groups needed (%d of %d groups scored alike); it goes on "
                         "(no max_rounds: set one to stop with an error)", rounds, kept,
                         groups, uniform, seen)
-        if kept < groups:
-            batch = more()
     if not kept:
         raise PromptsExhausted(f"dynamic sampling found no group whose rewards differ in "
                                f"{seen} groups before the prompts ran out")

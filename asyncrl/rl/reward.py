@@ -32,10 +32,17 @@ RESERVED = {"prompt", "prompt_ids", "prompt_mask", "response_ids", "response_mas
             "seed"}
 
 
-def _model_settings(model: dict[str, Any]) -> Any:
+def _model_settings(model: dict[str, Any], micro_batch_size: int | None = 4,
+                    max_tokens_per_micro_batch: int | None = None) -> Any:
+    from asyncrl.hybrid.fsdp import TrainConfig
     from asyncrl.hybrid.models import ModelConfig
     from asyncrl.hybrid.settings import from_dict
 
+    try:  # the sizes checked as Reference's are (named as given: RewardModel's)
+        TrainConfig(micro_batch_size=1 if micro_batch_size is None else micro_batch_size,
+                    max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    except ValueError as e:
+        raise ValueError(str(e).replace("TrainConfig.", "RewardModel ")) from None
     return from_dict(ModelConfig, model, "RewardModel model=")
 
 
@@ -43,12 +50,16 @@ class RewardModel(Worker):
     """A value model (backbone + scalar head) whose value at each sequence's last real token
     is its reward. From a local checkpoint, its head is the checkpoint's (transformers'
     *ForSequenceClassification, OpenRLHF's or TRL's value head; none is an error); from a
-    preset, a random one drawn from the seed (a stand-in for tests and benchmarks)."""
+    preset, a random one drawn from the seed (a stand-in for tests and benchmarks). Each
+    rank scores its rows in micro-batches, as Reference does: of `micro_batch_size` rows (4
+    by default; None: all at once) or of `max_tokens_per_micro_batch` tokens."""
 
-    def __init__(self, model: dict[str, Any]):
+    def __init__(self, model: dict[str, Any], micro_batch_size: int | None = 4,
+                 max_tokens_per_micro_batch: int | None = None):
         from asyncrl.hybrid.models import build_value_model, default_device
 
-        cfg = _model_settings(model)
+        cfg = _model_settings(model, micro_batch_size, max_tokens_per_micro_batch)
+        self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens_per_micro_batch
         self.model = build_value_model(cfg, require_head=True)
         if cfg.path is None:
             with torch.random.fork_rng(devices=[]), torch.no_grad():  # (drawn on the CPU:
@@ -64,11 +75,35 @@ class RewardModel(Worker):
 
         given = own_arguments(cls, RewardModel.__init__, args, kwargs)
         if given is not None:
-            _model_settings(given["model"])
+            _model_settings(given["model"], given["micro_batch_size"],
+                            given["max_tokens_per_micro_batch"])
 
     @register(dispatch=Dispatch.DP)
     @torch.no_grad()
     def score(self, batch: TensorBatch) -> TensorBatch:
+        from asyncrl.hybrid.micro import micro_batches
+
+        # a rank's whole chunk in one forward ran out of memory (2048 rows of 1.5k tokens
+        # on a 7B model); a DP chunk's padding rows are not scored: given the last real one's
+        real = batch.real_rows
+        rows = batch.slice(0, real) if real < len(batch) else batch
+        micros, order = micro_batches(
+            rows, max(len(rows), 1) if self.micro_batch_size is None else
+            self.micro_batch_size, self.max_tokens, agree=False)  # (no parameters gathered)
+        parts = [self._scores(m) for m in micros]
+        scores = torch.cat(parts) if parts else torch.zeros(0)
+        scores = scores if order is None else scores[order.argsort()]
+        bad = (~scores.isfinite()).nonzero().flatten().tolist()
+        if bad:  # (one NaN made a whole PPO batch's advantages NaN after whitening)
+            raise ValueError(f"RewardModel scored {scores[bad[:5]].tolist()} for row(s) "
+                             f"{bad[:5]}{' ...' if len(bad) > 5 else ''} of this rank's "
+                             f"{len(rows)} rows; a reward must be a finite number: check "
+                             f"the checkpoint's head and weights for NaN or inf, and use "
+                             f"dtype 'bfloat16' or 'float32' where float16 overflows")
+        return TensorBatch({"reward": _padded(scores, len(batch))})
+
+    def _scores(self, batch: TensorBatch) -> torch.Tensor:
+        """The value at each row's last real token."""
         from asyncrl.hybrid.models import joined, positions
 
         ids, mask, rmask = joined(self.model, batch.tensor("prompt_ids"),
@@ -76,15 +111,7 @@ class RewardModel(Worker):
                                   batch.tensor("response_mask"))
         values = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
         last = ids.shape[1] - rmask.shape[1] + rmask.sum(1) - 1  # each row's last real token
-        scores = values[torch.arange(len(batch)), last].float().cpu()
-        bad = (~scores.isfinite()).nonzero().flatten().tolist()
-        if bad:  # (one NaN made a whole PPO batch's advantages NaN after whitening)
-            raise ValueError(f"RewardModel scored {scores[bad[:5]].tolist()} for row(s) "
-                             f"{bad[:5]}{' ...' if len(bad) > 5 else ''} of this rank's "
-                             f"{len(batch)} rows; a reward must be a finite number: check "
-                             f"the checkpoint's head and weights for NaN or inf, and use "
-                             f"dtype 'bfloat16' or 'float32' where float16 overflows")
-        return TensorBatch({"reward": scores})
+        return values[torch.arange(len(batch)), last].float().cpu()
 
 
 def row_inputs(fn: Callable[..., Any], batch: TensorBatch, tok: Any = None
@@ -173,6 +200,10 @@ class Overlong:
     penalty_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("max_length", "buffer", "penalty_factor"):
+            if not is_number(getattr(self, name)):  # (NaN or inf: NaN or -inf rewards)
+                raise ValueError(f"RewardFn(overlong=): {name} must be a finite number, got "
+                                 f"{getattr(self, name)!r}")
         if not 1 <= self.buffer <= self.max_length or self.penalty_factor < 0:
             raise ValueError(f"RewardFn(overlong=): give 1 <= buffer <= max_length (the "
                              f"generation's max_new_tokens) and penalty_factor >= 0, got "
