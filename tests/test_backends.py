@@ -160,6 +160,37 @@ class AnyTrainer(asyncrl.Worker):
     def weights(self) -> dict:
         return self.backend.state_dict()
 
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def logprobs(self, batch: TensorBatch) -> tuple[torch.Tensor, bool]:
+        return self.backend.logprobs(batch), self.backend.model.training
+
+    @asyncrl.register
+    def weights_gathered(self) -> tuple[dict, dict, int]:
+        """state_dict(); torch's full state dict; the most all-gathered tensors alive at once
+        while state_dict() ran (each a whole parameter, on the GPU there)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        alive: list[StorageWeakRef] = []
+        most = 0
+
+        class Gathers(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                nonlocal most
+                out = func(*args, **(kwargs or {}))
+                if "all_gather" in str(func):
+                    alive[:] = [*(r for r in alive if not r.expired()),
+                                StorageWeakRef(out.untyped_storage())]
+                    most = max(most, len(alive))
+                return out
+
+        with Gathers():
+            ours = self.backend.state_dict()
+        theirs = get_model_state_dict(self.backend.model,
+                                      options=StateDictOptions(full_state_dict=True))
+        return ours, {k: v.detach().cpu() for k, v in theirs.items()}, most
+
     @asyncrl.register
     def reload(self, weights: dict) -> bool:
         self.backend.load_state_dict(weights)
@@ -206,6 +237,60 @@ def test_trainer_forward_passes_have_no_dropout():
         first, second = sequence_logprobs(model, *cols), sequence_logprobs(model, *cols)
         model.eval()
         assert torch.equal(first, second) and torch.equal(first, sequence_logprobs(model, *cols))
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "zero2"])
+def test_trainer_log_probs_are_taken_in_eval_mode_with_dropout_turned_back_on(kind):
+    """An override may turn dropout back on (to train with it); the trainer's log-probs (the
+    old policy's, the reference's, a critic's values) were taken in train mode all the same:
+    each call's its own, not the engine's or the reference's (eval mode). MoE router jitter
+    and expert sampling alike. The model goes back to train mode after."""
+    from asyncrl.hybrid.models import sampled_at
+
+    if kind != "fsdp2":
+        pytest.importorskip("deepspeed")
+    batch = fixed_batch()
+    model_cfg = {"preset": "tiny-gpt2", "seed": 0,
+                 "overrides": {"attn_pdrop": 0.5, "resid_pdrop": 0.5, "embd_pdrop": 0.5}}
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(AnyTrainer, kind, model_cfg, {}, nprocs=2)
+            pids = group_pids(group)
+            return await group.logprobs(batch), await group.logprobs(batch), pids
+    first, second, pids = run(main(), timeout=280)
+    assert_gone(pids)
+    assert all(training for _, training in first + second)
+    first_lp, second_lp = (torch.cat([lp for lp, _ in calls]) for calls in (first, second))
+    cols = [batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    with torch.no_grad():
+        want = sequence_logprobs(build_model(ModelConfig(**model_cfg)).eval(), *cols,
+                                 temperature=sampled_at(batch))
+    assert torch.equal(first_lp, second_lp)
+    assert (first_lp - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("preset", "mesh"), [("tiny-gpt2", {"dp": 2}),
+                                              ("tiny-llama", {"dp": 1, "tp": 2})],
+                         ids=["gpt2-tied-dp2", "llama-dp1-tp2"])
+def test_fsdp2_state_dict_is_torchs_gathered_one_parameter_at_a_time(preset, mesh):
+    """torch's full state dict gathered every parameter whole and kept them all on the
+    device until the dict was built: on every rank the model beside its shards (56 GB more
+    for 14B in fp32). Each one is on the CPU now before the next is gathered, on every
+    rank; the dict is torch's, tied weights under each name."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            group = await ctl.spawn(AnyTrainer, "fsdp2", {"preset": preset, "seed": 0}, {},
+                                    nprocs=2, mesh=mesh)
+            return await group.weights_gathered(), group_pids(group)
+    ranks, pids = run(main(), timeout=280)
+    assert_gone(pids)
+    for ours, theirs, most in ranks:
+        # (one, and the last a moment longer: a gloo thread may still hold it)
+        assert list(ours) == list(theirs) and most <= 3, (most, list(ours))
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    if preset == "tiny-gpt2":
+        assert {"lm_head.weight", "transformer.wte.weight"} <= set(ranks[0][0])
 
 
 @pytest.mark.parametrize("head", ["lm", "value"])

@@ -387,7 +387,7 @@ def test_a_checkpoint_of_the_other_backend_is_named_as_such(tmp_path):
     """An FSDP2 checkpoint given to a ZeRO group (or the reverse), or one of the other ZeRO
     stage, failed as a damaged one would (move it aside, said): the backend is named now.
     (The files as DeepSpeed names them: ZeRO-3 keeps its model states per rank.)"""
-    from asyncrl.hybrid.fsdp import ZERO_TAG, check_written_by
+    from asyncrl.hybrid.ckpt_kind import ZERO_TAG, check_written_by
 
     fsdp, zero2, zero3, empty = (tmp_path / n for n in ("fsdp", "zero2", "zero3", "empty"))
     for folder in (fsdp, zero2, zero3, empty):

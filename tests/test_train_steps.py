@@ -5,6 +5,7 @@ hybrid engine's switch back to training that failed."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -165,15 +166,24 @@ def test_bf16_zero_sums_micro_batch_gradients_in_fp32(kind):
     assert dtype == "torch.float32" and stats["grad_norm"] > 0
 
 
-def test_a_tp_mesh_without_a_dp_axis_is_refused_naming_the_fix():
+@pytest.mark.parametrize(("mesh", "has", "fix"), [
+    ({"tp": 2}, "no dp axis", "{'dp': 1, 'tp': 2}"),  # FSDP sharded over the TP ranks
+    ({"dp": 1, "sp": 2}, "{'sp': 2}", "{'dp': 2}"),  # two replicas trained the same rows
+    ({"data": 4}, "{'data': 4}", "{'dp': 4}"),  # sharded over 4, a DP call saw dp=1: 4x compute
+    ({"dp": 2, "tp": 2, "cp": 2}, "{'cp': 2}", "{'dp': 4, 'tp': 2}")])
+def test_an_fsdp2_mesh_other_than_dp_and_tp_is_refused_naming_the_fix(mesh, has, fix):
     from types import SimpleNamespace
 
-    from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig
+    from asyncrl.hybrid.fsdp import TrainConfig
     from asyncrl.hybrid.models import ModelConfig
+    from asyncrl.hybrid.roles import make_backend
 
-    with pytest.raises(ValueError, match=r"needs a 'dp' axis too \(mesh axes: \['tp'\]\); "
-                                         r"spawn with mesh=\{'dp': 1, 'tp': ...\}"):
-        FSDPBackend(ModelConfig(), TrainConfig(), SimpleNamespace(mesh_dim_names=("tp",)))
+    worker = SimpleNamespace(mesh=mesh, device_mesh=SimpleNamespace(
+        mesh_dim_names=tuple(mesh), shape=tuple(mesh.values())))
+    with pytest.raises(ValueError, match=re.escape(
+            f"backend='fsdp2' shards over a 'dp' axis and splits layers over a 'tp' one, no "
+            f"other; the group's mesh {mesh} has {has}: spawn with mesh={fix}")):
+        make_backend(worker, "fsdp2", ModelConfig(), TrainConfig())
 
 
 def test_a_bf16_model_trained_by_fsdp2_without_fp32_masters_is_said():
@@ -194,7 +204,6 @@ def test_a_bf16_model_trained_by_fsdp2_without_fp32_masters_is_said():
 def test_train_settings_refuse_backwards_training_and_name_misspelt_keys():
     """A negative grad_clip scaled every gradient by a negative factor (gradient ascent,
     without a word); a misspelt key was Python's bare TypeError."""
-    import re
 
     import numpy as np
 

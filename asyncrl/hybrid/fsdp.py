@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.ckpt_kind import check_written_by
 from asyncrl.hybrid.lora import adapter_modules, is_adapter, legacy_adapter_names
 from asyncrl.hybrid.micro import in_batch_order, micro_batches
 from asyncrl.hybrid.models import (
@@ -244,31 +245,6 @@ def _columns(b: TensorBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 HEADS = {"lm": build_model, "value": build_value_model}
 
 
-ZERO_TAG = "state"  # the one checkpoint folder DeepSpeed writes into a group's train/ (its tag)
-
-
-def check_written_by(folder: Any, backend: str) -> None:
-    """A checkpoint's train/ folder as `backend` ("fsdp2", "zero2", "zero3") writes it: the
-    other's, loaded, failed with a message about a missing file (DeepSpeed's, of a file the
-    other ZeRO stage names otherwise: its model states per rank under ZeRO-3)."""
-    from pathlib import Path
-
-    folder = Path(folder)
-    theirs = None
-    if (folder / ".metadata").is_file():  # torch.distributed.checkpoint's
-        theirs = "fsdp2"
-    elif (folder / ZERO_TAG).is_dir():  # DeepSpeed's
-        tag = folder / ZERO_TAG
-        theirs = "zero3" if any(tag.glob("zero_pp_rank_*_model_states.pt")) else \
-            "zero2" if any(tag.glob("mp_rank_*_model_states.pt")) else "zero"
-    if theirs is not None and not backend.startswith(theirs):
-        names = {"zero": "backend='zero2' or 'zero3'"}
-        raise ValueError(f"{folder} was written with {names.get(theirs, f'backend={theirs!r}')}"
-                         f"; this group trains with backend={backend!r}: resume with the "
-                         f"backend that wrote it, or start a new run from its model (`asyncrl "
-                         f"export`, then model={{'path': ...}})")
-
-
 def trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, head: str) -> torch.nn.Module:
     """The model a backend trains, in train mode, its layers checkpointed if asked: the
     non-reentrant kind, whose recomputation runs the layer's hooks again (FSDP2 and ZeRO-3
@@ -374,11 +350,18 @@ class TrainBackend:
 
     def _inference(self, batch: TensorBatch, key: str) -> torch.Tensor:
         micros, order = self.micro_batches(batch)
+        # in eval mode, as the engine and the reference: dropout an override turned back on,
+        # MoE router jitter or expert sampling made every call's differ (DeepSpeed's engine
+        # has a `training` of its own, always True: its module's is the one that counts)
+        was = self.model.training
+        self.model.eval()
         try:
             out = in_batch_order([self._forward(m)[key] for m in micros], order, batch)
         except BaseException:
             self._recover()
             raise
+        finally:
+            self.model.train(was)
         self._inference_done()
         return out
 
@@ -485,17 +468,22 @@ class FSDPBackend(TrainBackend):
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Any,
                  head: str = "lm"):
         self.cfg, self.head = train_cfg, check_head(head)
-        names = mesh.mesh_dim_names or ()
-        if "tp" in names and "dp" not in names:  # FSDP would shard over the TP ranks
-            raise ValueError(f"a mesh with a 'tp' axis needs a 'dp' axis too (mesh axes: "
-                             f"{list(names)}); spawn with mesh={{'dp': 1, 'tp': ...}}")
+        sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))
+        other = {a: n for a, n in sizes.items() if a not in ("dp", "tp") and n > 1}
+        if other or "dp" not in sizes:  # another axis's ranks trained duplicates; with no
+            # 'dp' FSDP sharded over every rank while a DP call gave all of them the batch
+            tp = {"tp": sizes["tp"]} if "tp" in sizes else {}
+            raise ValueError(
+                f"backend='fsdp2' shards over a 'dp' axis and splits layers over a 'tp' one, "
+                f"no other; the group's mesh {sizes} has {other or 'no dp axis'}: spawn with "
+                f"mesh={ {'dp': math.prod(sizes.values()) // tp.get('tp', 1), **tp} }")
         self.mesh = mesh
         self.model = trainable(model_cfg, train_cfg, head)
         why = masters_warning(self.model)
         if why and dist.get_rank() == 0:
             log.warning(why)
-        dp_mesh = mesh["dp"] if "dp" in names else mesh
-        if "tp" in names and mesh["tp"].size() > 1:
+        dp_mesh = mesh["dp"]
+        if sizes.get("tp", 1) > 1:
             if model_cfg.lora is not None:  # ColwiseParallel would split A by its rows too
                 raise ValueError("LoRA with tensor parallelism (tp > 1) is not supported: "
                                  "use tp=1 (FSDP shards the frozen model and the adapters)")
@@ -581,13 +569,21 @@ class FSDPBackend(TrainBackend):
         """The schedule's position (optimizer steps taken), as a tensor DCP loads in place."""
         return {"steps": torch.tensor(self.sched.last_epoch, dtype=torch.int64)}
 
+    @torch.no_grad()
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights on every rank, on the CPU."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Full (unsharded) weights on every rank, on the CPU, one whole on the device at a
+        time (torch's full state dict kept them all there: the model beside its shards);
+        tied weights gathered once, under each name."""
+        from torch.distributed.tensor import DTensor
 
-        sd: dict[str, Any] = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().cpu() for k, v in sd.items()}
+        out, done = {}, {}  # (copied on the CPU too: no alias of a live buffer)
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) not in done:
+                whole = v.full_tensor() if isinstance(v, DTensor) else v
+                done[id(v)] = whole.to("cpu", copy=True)
+                del whole  # (before the next is gathered)
+            out[k] = done[id(v)]
+        return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -22,13 +22,12 @@ import torch.distributed as dist
 
 from asyncrl.actors.gpu_slots import require_own_gpu
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.hybrid.ckpt_kind import ZERO_TAG, check_written_by
 from asyncrl.hybrid.fsdp import (
-    ZERO_TAG,
     LossFn,
     TrainBackend,
     TrainConfig,
     check_head,
-    check_written_by,
     nll_loss,
     trainable,
     trained_parameters,
