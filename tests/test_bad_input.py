@@ -67,9 +67,10 @@ def expect(exc_type: type[BaseException], call: Callable[[], Any], *parts: str) 
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
-    """Every file under `folder` with its bytes: to show that a refused command touched none."""
+    """Every file under `folder` with its bytes: to show that a refused command touched none
+    (but the run's lock file, which a launch holds while it checks)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and p.name != ".lock"}
 
 
 # -- 1. a broken flow file ------------------------------------------------------------------
