@@ -208,3 +208,8 @@ def word_tokenizer(folder: Path, chat: bool = True) -> Path:
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return folder
+
+
+# a flow file of one node and no groups: what the CLI does before a flow runs
+NO_GROUPS_FLOW = ("import asyncrl\n\n\n@asyncrl.node\ndef echo(x):\n    return x\n\n\n"
+                  "flow = asyncrl.DataFlow(nodes=[echo], inputs={'x': [1]})\n")

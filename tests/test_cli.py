@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import cli
+from helpers import NO_GROUPS_FLOW, cli
 
 
 def test_help_from_the_module_and_the_console_script():
@@ -83,7 +83,7 @@ def test_launch_refuses_what_a_flow_cannot_take(tmp_path, monkeypatch):
 
     flow = tmp_path / "typo_flow.py"
     flow.write_text("import asyncrl\n\ncfg = asyncrl.config(lr=0.0)\n"
-                    "flow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
+                    + NO_GROUPS_FLOW)
     monkeypatch.setattr(asyncrl.cli, "run", never)
     monkeypatch.setattr(sys, "argv", sys.argv[:])
     monkeypatch.setenv(OVERRIDES_ENV, "{}")  # launch sets the overrides for the import
@@ -195,7 +195,7 @@ def test_overrides_take_their_defaults_types_and_need_a_flow_that_reads_them(tmp
     assert config(dtype=torch.bfloat16) == {"dtype": "float16"}
 
     flow = tmp_path / "no_settings.py"  # never calls asyncrl.config: lr=0.1 would be lost
-    flow.write_text("import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
+    flow.write_text(NO_GROUPS_FLOW)
     monkeypatch.setattr(asyncrl.cli, "run", lambda *a, **k: 0)
     monkeypatch.setattr(sys, "argv", sys.argv[:])
     with pytest.raises(SystemExit, match=r"no_settings.py takes no settings \(it never calls "
@@ -575,7 +575,7 @@ def test_a_run_dir_that_is_a_file_is_said_in_a_line(tmp_path, monkeypatch, capsy
     from asyncrl.cli import main
 
     flow = tmp_path / "no_groups_flow.py"
-    flow.write_text("import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n")
+    flow.write_text(NO_GROUPS_FLOW)
     (taken := tmp_path / "taken").write_text("")
     monkeypatch.setattr(sys, "argv", sys.argv[:])  # (launch sets the flow's)
     assert main(["launch", str(flow), "--run-dir", str(taken)]) == 2

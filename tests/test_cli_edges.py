@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 import pytest
-
-NO_GROUPS = "import asyncrl\n\nflow = asyncrl.DataFlow(nodes=[], inputs={'x': [1]})\n"
+from helpers import NO_GROUPS_FLOW as NO_GROUPS
 
 
 @pytest.fixture

@@ -265,3 +265,29 @@ def test_a_run_of_constant_inputs_without_steps_is_warned_of(caplog):
     with caplog.at_level(logging.WARNING, logger="asyncrl"):
         assert asyncio.run(main()) == [{"const": 0.1}] * 2
     assert "inputs are all constants and it has no steps=" in caplog.text
+
+
+def test_a_flow_without_nodes_and_nodes_that_cannot_run_are_refused():
+    """Each passed construction: no nodes failed the first step on an empty wait; a generator
+    node's body never ran (its consumers got the generator); a positional-only parameter
+    was a TypeError at step 0."""
+    with pytest.raises(asyncrl.FlowError, match=r"this flow has no nodes: .*at least one"):
+        asyncrl.DataFlow(nodes=[], inputs={"x": [1]}, groups=[])
+
+    async def agen(x):
+        yield x
+
+    def gen(x):
+        yield x
+
+    for f in (agen, gen):
+        with pytest.raises(asyncrl.FlowError, match=f"node '{f.__name__}' is a generator "
+                                                    f"function .*: return it"):
+            asyncrl.node(f)
+
+    def only(x, /, y):
+        return x
+
+    with pytest.raises(asyncrl.FlowError, match=r"node 'only': parameter 'x' is "
+                                                r"positional-only.*remove the '/'"):
+        asyncrl.node(inputs={"y": "x"})(only)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from asyncrl.actors.worker import rng_state
+from asyncrl.actors.worker import rng_state, set_rng_state
 from asyncrl.controller import checkpoint
 from asyncrl.controller.inputs import Inputs
 from asyncrl.errors import CheckpointError
@@ -93,3 +93,53 @@ def test_a_source_whose_state_is_an_int_resumes():
     with pytest.raises(CheckpointError, match=r"input 'n' was saved as 2, a position for a "
                                               r"source with load_state_dict\(\)"):
         plain.resume_at(2, saved)
+
+
+
+@pytest.mark.parametrize("own_generator", [False, True], ids=["global_rng", "generator"])
+def test_a_rewind_reads_a_shuffled_dataloader_in_its_first_order(tmp_path, own_generator):
+    """A rewind opened the inputs again with the global RNG (or the DataLoader's generator=)
+    moved on: its skip drew another shuffle, some items came twice and others never, and a
+    later checkpoint's digests refused a resume in a fresh process. With generator=, a
+    rewind to step 0 (no checkpoint) changed the order too."""
+    def opened() -> Inputs:
+        torch.manual_seed(0)  # (the flow file's import)
+        gen = torch.Generator().manual_seed(7) if own_generator else None
+        feed = Inputs({"batch": DataLoader(range(40), batch_size=4, shuffle=True,
+                                           generator=gen)})
+        feed.reset()  # (flow.open)
+        return feed
+
+    def steps(feed: Inputs, upto: int, save: int | None = None) -> list[list[int]]:
+        read: list[list[int]] = []
+        while len(read) < upto and (values := feed.next()) is not None:
+            read.append(values["batch"].tolist())
+            torch.rand(3)  # (the step's nodes draw random numbers)
+            if save is not None and feed.consumed["batch"] == save + 1:  # a checkpoint
+                saved[save] = json.loads(json.dumps(checkpoint.positions(feed)))
+                (tmp_path / str(save)).mkdir()
+                torch.save(rng_state(), tmp_path / str(save) / "controller_rng.pt")
+        return read
+
+    def restore(feed: Inputs, step: int, rewind: bool) -> None:
+        flow = SimpleNamespace(groups=[], resume_at=feed.resume_at)
+        meta = {"step": step, "inputs": saved[step]}
+        assert asyncio.run(checkpoint.restore(flow, tmp_path / str(step), meta, rewind)) \
+            == step + 1
+
+    saved: dict[int, dict] = {}
+    feed = opened()
+    origin, origin_rng = feed.positions(), rng_state()
+    first = steps(feed, 4, save=1)  # steps 0..3, then a failure: back to step 1's checkpoint
+    feed.reset()  # (Recovery.rewind: flow._reset_sources, then the restore)
+    restore(feed, 1, rewind=True)
+    again = first[:2] + steps(feed, 10, save=5)
+    assert sorted(i for batch in again for i in batch) == list(range(40))  # each once
+    assert again[2:4] == first[2:4]
+    fresh = opened()  # a resume in a fresh process, from a checkpoint the rewind wrote
+    restore(fresh, 5, rewind=False)
+    assert steps(fresh, 10) == again[6:]
+    feed.reset()  # a rewind before any checkpoint: from the start, as the run began
+    feed.resume_at(0, origin, rewind=True)
+    set_rng_state(origin_rng)
+    assert steps(feed, 10) == again

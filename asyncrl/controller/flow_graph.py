@@ -28,6 +28,9 @@ def named_nodes(nodes: Iterable[Any], inputs: dict[str, Any]) -> dict[str, Node]
             raise FlowError(f"two nodes are named {n.name!r}; rename one with "
                             f"@asyncrl.node(name=...)")
         out[n.name] = n
+    if not out:  # (a step would have nothing to run, and failed on an empty wait)
+        raise FlowError("this flow has no nodes: DataFlow(nodes=[...]) needs at least one "
+                        "@asyncrl.node function to run each step")
     clash = sorted(k for k in inputs if k in out or k.endswith("_out") and k[:-4] in out)
     if clash:  # (a parameter `<node>_out` reads the node's output: the input was unseen)
         raise FlowError(f"{clash} name both a flow input and a node (or its output, "

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from asyncrl.actors.worker import rng_state, set_rng_state
 from asyncrl.controller.nodes import FlowError
 from asyncrl.errors import CheckpointError
 
@@ -39,11 +40,25 @@ class Inputs:
         # before them: unread() puts them back
         self._read: tuple[dict[str, Any], list[tuple[str, Any, Any]],
                           dict[str, str | None]] | None = None
+        # the random state the inputs were first opened in (the process's RNGs, the
+        # generators the sources shuffle with): a rewind opens them in it again
+        self._opened: tuple[dict[str, Any], list[tuple[Any, Any]]] | None = None
 
     def reset(self) -> None:
-        """Every input from its beginning again (a rewind after a first read)."""
+        """Every input from its beginning again (a rewind after a first read), in the order
+        it gave the first time: a DataLoader(shuffle=True) draws its order from the global
+        RNG or its generator= as it is read, both moved on since (its items would come
+        twice or never, and a later checkpoint's digests refuse a resume). The caller sets
+        the RNG state the steps go on with (a checkpoint's) after skipping, as a resume."""
         if self._iters:
             self.check_rereadable()
+        if self._opened is None:
+            gens = {id(g): g for v in self.sources.values() for g in _generators(v)}
+            self._opened = (rng_state(), [(g, g.get_state()) for g in gens.values()])
+        else:
+            set_rng_state(self._opened[0])
+            for g, state in self._opened[1]:
+                g.set_state(state)
         self._iters = {k: _iterate(v) for k, v in self.sources.items()}
         self.consumed = {k: 0 for k, it in self._iters.items() if it is not None}
         self._last, self._read = {}, None
@@ -208,15 +223,29 @@ def _restorable(source: Any) -> bool:
     return hasattr(source, "state_dict") and hasattr(source, "load_state_dict")
 
 
+def _generators(source: Any) -> list[Any]:
+    """The torch.Generators a counted source (a DataLoader, its sampler) shuffles with."""
+    import torch
+
+    if _restorable(source) or not _iterable(source):
+        return []
+    holders = (source, getattr(source, "sampler", None),
+               getattr(getattr(source, "batch_sampler", None), "sampler", None))
+    return [g for h in holders if isinstance(g := getattr(h, "generator", None), torch.Generator)]
+
+
 def _iterate(source: Any) -> Iterator[Any] | None:
-    """An iterator over a source, or None for a constant (strings, dicts... are constants)."""
+    """An iterator over a source, or None for a constant."""
+    return iter(source) if _iterable(source) else None
+
+
+def _iterable(source: Any) -> bool:
+    """Read an item a step (not a constant: strings, dicts, TensorBatches... are constants)."""
     if isinstance(source, (str, bytes, dict)) or not isinstance(source, Iterable):
-        return None
+        return False
     from asyncrl.comm.batch import TensorBatch
 
-    if isinstance(source, TensorBatch):
-        return None
-    return iter(source)
+    return not isinstance(source, TensorBatch)
 
 
 def _digest(item: Any) -> str | None:

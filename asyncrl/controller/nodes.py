@@ -64,6 +64,11 @@ def node(fn: Callable[..., Any] | None = None, *, name: str | None = None,
         raise FlowError(f"follows= takes a node or its name (a str), got {follows!r}")
 
     def make(f: Callable[..., Any]) -> Node:
+        if inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f):  # (called, its
+            # body would never run: the nodes it feeds would get a generator object)
+            raise FlowError(f"node {f.__name__!r} is a generator function (it yields); a "
+                            f"node returns its step's value: return it, or collect the "
+                            f"items into a list and return that")
         sig = inspect.signature(f)
         mapping = dict(inputs or {})
         unknown = sorted(set(mapping) - set(sig.parameters))
@@ -76,6 +81,10 @@ def node(fn: Callable[..., Any] | None = None, *, name: str | None = None,
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise FlowError(f"node {f.__name__!r}: *args/**kwargs cannot name inputs; "
                                 f"give every input its own parameter")
+            if p.kind is p.POSITIONAL_ONLY:  # (a node's inputs are passed by name)
+                raise FlowError(f"node {f.__name__!r}: parameter {p.name!r} is positional-"
+                                f"only, but a node's inputs are passed by name; remove the "
+                                f"'/' from its parameters")
             optional = p.default is not p.empty
             params.append(Param(p.name, mapping.get(p.name, p.name), optional,
                                  p.default if optional else None))
