@@ -184,6 +184,18 @@ def test_repeat_copies_rather_than_aliasing():
     assert b["x"].tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_repeat_gives_each_copy_its_own_list_items(interleave):
+    """The k copies shared a row's messages list with each other and the source: appending
+    a turn to one sample's conversation appended it to its siblings' too."""
+    b = TensorBatch({"m": [[{"role": "user"}]], "s": ["p"]})
+    r = b.repeat(2, interleave=interleave)
+    r["m"][0].append("turn")
+    r["m"][0][0]["role"] = "x"
+    assert r["m"][1] == [{"role": "user"}] and b["m"] == [[{"role": "user"}]]
+    assert r["s"] == ["p", "p"]
+
+
 # -- select / union / to_dict ----------------------------------------------------------------
 def test_select_keeps_named_columns_in_order():
     b = mixed(3, {"k": 1})
@@ -305,6 +317,34 @@ def test_concat_refuses_columns_of_different_dtypes():
     with pytest.raises(ValueError, match=r"column 'x' has different dtypes \(batch 0: "
                                          r"torch.int64; batch 1: torch.float32\)"):
         TensorBatch.concat([ids, TensorBatch({"x": torch.tensor([1.0])})])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_row_ops_on_dtypes_index_select_lacks(dtype):
+    """torch's CPU index_select has no uint16/32/64: take, chunk(pad=True), pad_to, repeat
+    (and a DP call whose rows do not divide) raised NotImplementedError on nanoGPT-style
+    uint16 token ids."""
+    ids = torch.tensor([7, 65535, 3]).to(dtype)
+    b = TensorBatch({"ids": ids})
+    assert b.take([2, 0])["ids"].tolist() == [3, 7]
+    assert [c["ids"].tolist() for c in b.chunk(2, pad=True)] == [[7, 65535], [3, 3]]
+    assert b.repeat(2)["ids"].dtype == dtype and b.repeat(2)["ids"].tolist() == [
+        7, 7, 65535, 65535, 3, 3]
+    assert len(b.pad_to(5)) == 5 and b.pad_to(5)["ids"].dtype == dtype
+    assert b.union(TensorBatch({"ids": ids.clone()})).keys() == ["ids"]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", [torch.bits16, torch.complex32])
+def test_union_and_take_of_dtypes_torch_equal_lacks(dtype):
+    bits = torch.tensor([1, -2, 3, 4], dtype=torch.int16)
+    col = bits.view(dtype)
+    b = TensorBatch({"c": col})
+    assert b.union(TensorBatch({"c": col.clone()})).keys() == ["c"]
+    with pytest.raises(ValueError, match="different values"):
+        b.union(TensorBatch({"c": (bits + 1).view(dtype)}))
+    assert torch.equal(b.take([1, 0])["c"].view(torch.int16), bits.view(len(col), -1)[[1, 0]]
+                       .flatten())
 
 
 def test_union_of_a_column_holding_nan_with_itself_or_a_copy():

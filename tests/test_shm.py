@@ -171,7 +171,7 @@ def test_threads_acquire_and_drop_concurrently(pool, prefix):
             rng = np.random.default_rng(tid)
             barrier.wait()
             for i in range(150):
-                lease = pool.acquire(int(rng.integers(1, 300_000)))
+                lease = pool.acquire(int(rng.integers(128, 300_000)))  # (128 written)
                 mark = np.full(16, tid * 1000 + i % 1000, dtype=np.int64)
                 if i % 2:
                     arr, = lease.arrays([(0, np.int64, (16,))])
@@ -307,7 +307,8 @@ def test_errors_name_the_segment_and_the_numbers(pool):
     with pytest.raises(ValueError, match="offset -1"):
         mapper.view(lease.name, -1, 1)
     assert len(mapper.view(lease.name, 65436, 100)) == 100
-    with pytest.raises(ValueError, match="ends at 65544, beyond segment .* 65536 bytes"):
+    with pytest.raises(ValueError, match="ends at 65544, beyond the 1 bytes reserved in "
+                                         "segment .* of 65536 bytes"):
         lease.arrays([(0, np.float64, (8192 + 1,))])
     with pytest.raises(ValueError, match="not a multiple of its alignment 8"):
         lease.arrays([(4, np.float64, (1,))])
@@ -359,6 +360,20 @@ def test_a_lease_reserves_the_bytes_it_asked_for_not_the_rounded_size(pool, pref
     [name] = files(prefix)
     held = os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
     assert 300 * 1024 <= held < 512 * 1024
+
+
+def test_a_lease_lends_only_the_bytes_it_reserved(pool):
+    """Its arrays and buf ran to the segment's end: 120 KiB written into a 128 KiB segment
+    of which 100,000 bytes were reserved, on pages /dev/shm may lack (SIGBUS when full)."""
+    lease = pool.acquire(100_000)
+    assert (lease.size, lease.reserved, len(lease.buf)) == (128 * 1024, 100_000, 100_000)
+    with pytest.raises(ValueError, match="ends at 100001, beyond the 100000 bytes reserved in "
+                                         "segment .* of 131072 bytes; acquire a lease of "
+                                         "100001 bytes"):
+        lease.arrays([(0, np.uint8, (100_001,))])
+    arr, = lease.arrays([(0, np.uint8, (100_000,))])
+    arr[-1] = 7
+    assert len(arr) == 100_000
 
 
 def test_mapper_unmaps_segments_their_owner_unlinked(pool):

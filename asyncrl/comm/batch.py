@@ -128,11 +128,9 @@ class RowOps:
         if missing == 0:
             return chunk
         src = chunk if len(chunk) else last
-        extra = src.take([len(src) - 1] * missing)
-        if isinstance(extra, TensorBatch):  # take shares a list column's items with the row
-            for k, v in extra._data.items():  # it repeats: a method that changes a row's list
-                if isinstance(v, list):  # in place (appends a turn) changed its padding too
-                    extra._data[k] = [copy.deepcopy(x) for x in v]  # (tensors: copied)
+        # take shares a list column's items with the row it repeats: a method that changes
+        # a row's list in place (appends a turn) changed its padding too
+        extra = _own_items(src.take([len(src) - 1] * missing))
         padded = type(self).concat([chunk, extra])
         # padding the chunk already had (re-chunking a padded chunk) stays trailing too
         padded.meta[PAD_KEY] = chunk.meta.get(PAD_KEY, 0) + missing
@@ -156,12 +154,28 @@ class RowOps:
             out = self.take([i for i in range(len(self)) for _ in range(k)])
             if pad:  # the padding rows' copies: trailing still (a DP chunk's k samples)
                 out.meta[PAD_KEY] = pad * k
-            return out
-        if pad:
+        elif pad:
             raise ValueError(f"repeat(k, interleave=False) of a batch with {pad} padding "
                              f"row(s) puts them among real rows; repeat interleaved, or drop "
                              f"them first (batch.slice(0, len(batch) - {pad}))")
-        return type(self).concat([self] * k)
+        else:
+            out = type(self).concat([self] * k)
+        # each copy its own list items (take and concat share them), as each sample's fetch
+        # gets: appending a turn to one sample's messages changed its k - 1 siblings
+        return _own_items(out) if k > 1 else out
+
+
+_IMMUTABLE = frozenset({int, float, str, bytes, bool, type(None)})
+
+
+def _own_items(batch: Any) -> Any:
+    """`batch` with its list columns' items deep-copied (a TensorBatch's; tensor columns
+    are copies already), in place."""
+    if isinstance(batch, TensorBatch):
+        for k, v in batch._data.items():
+            if isinstance(v, list):  # (numbers, strings: immutable, kept fast)
+                batch._data[k] = [x if type(x) in _IMMUTABLE else copy.deepcopy(x) for x in v]
+    return batch
 
 
 def row_indices(rows: Iterable[Any]) -> list[int]:
@@ -323,7 +337,7 @@ class TensorBatch(RowOps):
                              f"{min(rows)}..{max(rows)}")
         index = torch.tensor(rows, dtype=torch.long)
         return TensorBatch(  # the index on each column's device (a no-op on the CPU's)
-            {k: v.index_select(0, index.to(v.device)) if isinstance(v, torch.Tensor) else
+            {k: _rows(v, index.to(v.device)) if isinstance(v, torch.Tensor) else
              [v[i] for i in rows] for k, v in self._data.items()}, unpadded_meta(self.meta))
 
     @staticmethod
@@ -383,15 +397,33 @@ def _column_fix(keys: list[str], other: list[str], i: int) -> str:
             f"with .select({shared}) on each batch, or add the missing ones")
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as the int of its item size: a dtype that an op lacks (torch 2.13's CPU
+    index_select and equal refuse uint16/32/64, bits16, complex32) in one it has."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    try:
+        return t.index_select(0, index)
+    except NotImplementedError:  # (uint16 token ids from an np.memmap, say)
+        return _as_int(t).index_select(0, index).view(t.dtype)
+
+
 def _same_column(a: Column, b: Column) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         # torch.equal promotes dtypes; an int and a float column are not the same column.
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
-        # NaN != NaN, yet a column holding NaN is the same column as itself or a copy
-        return a is b or torch.equal(a, b) or (
-            (a.is_floating_point() or a.is_complex()) and
-            bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
+        try:  # NaN != NaN, yet a column holding NaN is the same column as itself or a copy
+            return a is b or torch.equal(a, b) or (
+                (a.is_floating_point() or a.is_complex()) and
+                bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
+        except NotImplementedError:  # the same bits: the same column (NaN too)
+            return torch.equal(_as_int(a), _as_int(b))
     return isinstance(a, list) and isinstance(b, list) and _same_item(a, b)
 
 

@@ -9,7 +9,10 @@ as frames of their own, sent and received without a copy (a driver's large resul
 call's large arguments).
 
 Everything else must be msgspec-encodable (None, bool, int, float, str, bytes, lists,
-dicts, msgspec Structs, dataclasses, enums...). Tuples arrive as lists.
+dicts, msgspec Structs, dataclasses, enums...), and arrives as plain values (no types are
+sent): a tuple as a list, a dataclass or Struct as a dict of its fields (an omit_defaults
+Struct's fields at their defaults left out, a tagged one's tag as a field), an array_like
+Struct as a list, an enum as its value. msgspec.convert(value, TheType) gives the type back.
 
 Decoding bytes from the wire raises on malformed input: mostly ValueError (msgspec's
 DecodeError is one), but a hostile message can also raise struct.error, TypeError,
@@ -34,6 +37,9 @@ from asyncrl.comm.batch import TensorBatch, concat_meta, sliced_meta
 from asyncrl.comm.messages import Column
 from asyncrl.comm.refs import is_referable, make_ref, resolve_ref
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
+from asyncrl.comm.sizes import LEAVES as _LEAVES
+from asyncrl.comm.sizes import array_bytes as array_bytes  # (codec's names)
+from asyncrl.comm.sizes import encodes_past as encodes_past
 
 _REMOTE_BATCH = tuple[list[Piece], list[Column], dict[str, Any]]
 # bytes of tensors decoded from workers' results and encoded again (see `count_produced`)
@@ -140,9 +146,6 @@ def count_produced(value: Any) -> Any:
     return value
 
 
-_LEAVES = frozenset({int, float, str, bytes, bool, type(None)})
-
-
 def _forget_produced(key: int) -> None:
     left = _produced.pop(key, 1) - 1
     if left:
@@ -158,44 +161,6 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     if not t.numel():
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
-
-
-def array_bytes(value: Any) -> int:
-    """The bytes of the tensors and arrays in a value, however deep in lists and dicts (a
-    state dict is a dict of tensors): what a store holds, and what cannot come inline."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, np.ndarray):
-        return value.nbytes
-    if isinstance(value, TensorBatch):
-        return sum(array_bytes(col) for _, col in value.items())
-    items = value.values() if isinstance(value, dict) else value if isinstance(
-        value, (list, tuple)) else ()
-    return sum(array_bytes(v) for v in items if type(v) not in _LEAVES)  # long lists: fast
-
-
-def encodes_past(value: Any, limit: int) -> bool:
-    """Whether `value` surely encodes to more than `limit` bytes, counted without encoding
-    it (an item takes a byte at least, a string its length, an array its bytes): a result of
-    millions of numbers held a rank's GIL for seconds to be measured, then dropped."""
-    size, todo = 0, [value]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, str | bytes | bytearray):
-            size += len(v)
-        elif isinstance(v, torch.Tensor | np.ndarray):
-            size += array_bytes(v)
-        elif isinstance(v, list | tuple | dict | TensorBatch):
-            if size + len(v) > limit:  # (before a long list's items are looked at)
-                return True
-            size += 1
-            todo.extend([*v.keys(), *v.values()] if isinstance(v, dict) else
-                        [col for _, col in v.items()] if isinstance(v, TensorBatch) else v)
-        else:
-            size += 1
-        if size > limit:
-            return True
-    return False
 
 
 def check_sendable(t: torch.Tensor) -> None:
@@ -248,6 +213,10 @@ def _enc_hook(obj: Any) -> Any:
         if obj.dtype.names is not None:
             raise TypeError(f"a numpy array of structured dtype {obj.dtype} cannot be sent (its "
                             f"field names would be lost); send one array per field")
+        if obj.dtype.kind == "V" and obj.dtype.type is not np.void:  # (ml_dtypes' bfloat16)
+            raise TypeError(f"a numpy array of {obj.dtype} cannot be sent (it would arrive as "
+                            f"raw {obj.dtype.str} bytes, its type lost); send a torch tensor "
+                            f"(torch.bfloat16, float8...) or .view(np.uint{obj.itemsize * 8})")
         if obj.dtype.kind in "Mm":  # no buffer to hand over (a large one failed mid-send)
             raise TypeError(f"a numpy array of {obj.dtype} cannot be sent; send "
                             f".astype('int64') (counts of its unit) and view it back")

@@ -103,21 +103,22 @@ class PoolStats:
 class Lease:
     """One segment, lent by a `SegmentPool` until nothing references its memory."""
 
-    __slots__ = ("name", "size", "_root", "_ref", "_seg", "_retire")
+    __slots__ = ("name", "size", "reserved", "_root", "_ref", "_seg", "_retire")
 
-    def __init__(self, seg: _Segment, root: npt.NDArray[np.uint8],
+    def __init__(self, seg: _Segment, root: npt.NDArray[np.uint8], reserved: int,
                  retire: Callable[[_Segment], None]):
         self.name, self.size, self._seg, self._retire = seg.name, seg.size, seg, retire
+        self.reserved = reserved  # the bytes asked for: the rest of `size` may be unbacked
         self._root: npt.NDArray[np.uint8] | None = root
         self._ref = weakref.ref(root)
 
     @property
     def buf(self) -> npt.NDArray[np.uint8]:
-        """The whole segment as a writable uint8 array (a view: it holds the lease too)."""
+        """The reserved bytes as a writable uint8 array (a view: it holds the lease too)."""
         if self._root is None:
             raise RuntimeError(f"lease of segment {self.name!r} was released or handed to "
                                f"arrays(); use those arrays instead")
-        return self._root
+        return self._root[:self.reserved]
 
     def arrays(self, spec: Iterable[tuple[int, Any, tuple[int, ...]]]
                ) -> list[npt.NDArray[Any]]:
@@ -129,13 +130,15 @@ class Lease:
         for offset, dtype, shape in spec:
             dt = np.dtype(dtype)
             nbytes = dt.itemsize * int(np.prod(shape, dtype=np.int64))
-            if offset < 0 or offset + nbytes > self.size:
-                raise ValueError(
-                    f"array of {nbytes} bytes at offset {offset} ends at {offset + nbytes}, "
-                    f"beyond segment {self.name!r} of {self.size} bytes; acquire a bigger lease")
             if offset % dt.alignment:
                 raise ValueError(f"offset {offset} of a {dt} array is not a multiple of its "
                                  f"alignment {dt.alignment}; use layout() to place arrays")
+            # not the segment's size: a write past the reservation may SIGBUS (see above)
+            if offset < 0 or offset + nbytes > self.reserved:
+                raise ValueError(
+                    f"array of {nbytes} bytes at offset {offset} ends at {offset + nbytes}, "
+                    f"beyond the {self.reserved} bytes reserved in segment {self.name!r} of "
+                    f"{self.size} bytes; acquire a lease of {offset + nbytes} bytes or more")
             out.append(np.ndarray(tuple(shape), dtype=dt, buffer=root, offset=offset))
         self._root = None
         return out
@@ -207,7 +210,7 @@ class SegmentPool:
                 raise
         root = np.frombuffer(seg.mm, np.uint8)
         weakref.finalize(root, self._returned.put, seg).atexit = False
-        return Lease(seg, root, self._retire)
+        return Lease(seg, root, nbytes, self._retire)
 
     def _reserve(self, seg: _Segment, nbytes: int) -> None:
         if nbytes <= seg.reserved:

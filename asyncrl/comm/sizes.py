@@ -1,0 +1,70 @@
+"""How many bytes a value holds, counted without encoding it: its tensors' and arrays' bytes
+(`array_bytes`), or whether it surely encodes past a limit (`encodes_past`). Both look inside
+lists, tuples, dicts, TensorBatch, msgspec Structs and dataclasses, as the codec sends them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from asyncrl.comm.batch import TensorBatch
+
+LEAVES = frozenset({int, float, str, bytes, bool, type(None)})
+
+
+def _fields(value: Any) -> Iterable[Any] | None:
+    """The field values of a msgspec Struct or a dataclass instance (not a class), else None."""
+    if isinstance(value, msgspec.Struct):
+        return [getattr(value, name) for name in value.__struct_fields__]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name) for f in dataclasses.fields(value)]
+    return None
+
+
+def array_bytes(value: Any) -> int:
+    """The bytes of the tensors and arrays in a value, however deep in lists, dicts, Structs
+    and dataclasses (a state dict is a dict of tensors): what a store holds, and what cannot
+    come inline."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, TensorBatch):
+        return sum(array_bytes(col) for _, col in value.items())
+    items = value.values() if isinstance(value, dict) else value if isinstance(
+        value, (list, tuple)) else _fields(value) or ()
+    return sum(array_bytes(v) for v in items if type(v) not in LEAVES)  # long lists: fast
+
+
+def encodes_past(value: Any, limit: int) -> bool:
+    """Whether `value` surely encodes to more than `limit` bytes, counted without encoding
+    it (an item takes a byte at least, a string its length, an array its bytes): a result of
+    millions of numbers held a rank's GIL for seconds to be measured, then dropped."""
+    size, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str | bytes | bytearray):
+            size += len(v)
+        elif isinstance(v, torch.Tensor | np.ndarray):
+            size += array_bytes(v)
+        elif isinstance(v, list | tuple | dict | TensorBatch):
+            if size + len(v) > limit:  # (before a long list's items are looked at)
+                return True
+            size += 1
+            todo.extend([*v.keys(), *v.values()] if isinstance(v, dict) else
+                        [*(col for _, col in v.items()), v.meta] if isinstance(v, TensorBatch)
+                        else v)
+        else:
+            fields = _fields(v)
+            if fields is not None:
+                todo.extend(fields)
+            size += 1
+        if size > limit:
+            return True
+    return False
