@@ -1,5 +1,6 @@
-"""Edges of a DataFlow's steps: a group call a node made but did not return that fails, the
-cleanup of an exhausted step's other nodes, and an input item a node changes in place."""
+"""Edges of a DataFlow's steps: a group call a node made but did not return (or gave up
+waiting for) that fails, in a run and in a node run alone, the cleanup of an exhausted
+step's other nodes and their calls, and an input item a node changes in place."""
 
 from __future__ import annotations
 
@@ -47,6 +48,87 @@ def test_a_call_the_node_did_not_return_that_fails_fails_the_node():
     assert (failed.value.node, failed.value.step) == ("sync", 0)
     assert isinstance(failed.value.__cause__, RuntimeError)
     assert rolled == [0]  # no rollout after the failed load
+
+
+def test_a_call_the_node_waited_for_and_gave_up_on_that_fails_fails_the_node():
+    """`try: await asyncio.wait_for(rollouts.load_weights(...), 30) except TimeoutError: pass`:
+    the wait marked the load awaited, its failure after the wait gave up was skipped, and the
+    rollouts after it ran on the old weights while the run ended well."""
+    rolled: list[int] = []
+
+    @asyncrl.node(follows="sync")
+    def rollout(x):
+        rolled.append(x)
+        return x
+
+    @asyncrl.node
+    async def sync(rollout):
+        load = DistFuture._new(asyncio.get_running_loop(), "rollouts.load_weights")
+        note_call(load)
+        try:
+            await asyncio.wait_for(load, 0.01)  # a bounded wait, then go on
+        except TimeoutError:
+            load._set_exception(RuntimeError("load failed"))  # after the wait gave up
+        return {"synced": rollout}
+
+    with pytest.raises(asyncrl.NodeError, match="load failed") as failed:
+        steps_run([rollout, sync], 3)
+    assert (failed.value.node, failed.value.step) == ("sync", 0)
+    assert rolled == [0]  # no rollout on the old weights
+
+
+def test_a_call_failure_a_task_of_the_node_caught_after_it_returned_is_not_the_nodes():
+    """A retry task the node started awaits the load and handles its failure: the failure
+    reaches it in the same turn of the loop as the node's wait for its calls, which read the
+    failure as not awaited when that wait was woken first."""
+    caught: list[str] = []
+
+    @asyncrl.node
+    def sync(x):
+        loop = asyncio.get_running_loop()
+        load = DistFuture._new(loop, "rollouts.load_weights")
+        note_call(load)
+
+        async def retry():
+            try:
+                await load
+            except RuntimeError as e:
+                caught.append(str(e))
+        asyncio.ensure_future(retry())  # starts after the node returned
+        loop.call_soon(load._set_exception, RuntimeError("load failed"))
+        return x
+
+    assert steps_run([sync], 2) == 2
+    assert caught == ["load failed", "load failed"]
+
+
+def test_a_call_a_thread_gave_up_waiting_for_fails_later_as_the_nodes():
+    """fut.result(timeout=) from a thread that timed out marked the call awaited too."""
+    async def main():
+        calls = Calls()
+        load = DistFuture._new(asyncio.get_running_loop(), "rollouts.load_weights")
+        calls.run(calls.add, {"future": load})
+        with pytest.raises(TimeoutError):
+            await asyncio.to_thread(load.result, 0.01)
+        load._set_exception(RuntimeError("load failed"))
+        await calls.done()
+        return calls.failed
+    assert isinstance(asyncio.run(main()), RuntimeError)
+
+
+def test_a_node_run_alone_fails_with_a_call_it_did_not_return():
+    """`asyncrl run flow.py --node sync` (DataFlow.run_node) neither waited for the node's
+    calls nor raised their failure: the load was cut off by the close, success printed."""
+    @asyncrl.node
+    def sync(train):
+        load = DistFuture._new(asyncio.get_running_loop(), "rollouts.load_weights")
+        note_call(load)
+        asyncio.get_running_loop().call_soon(load._set_exception, RuntimeError("load failed"))
+        return {"synced": train}
+
+    flow = asyncrl.DataFlow(nodes=[sync], inputs={"train": [1]}, groups=[])
+    with pytest.raises(RuntimeError, match="load failed"):
+        asyncio.run(asyncio.wait_for(flow.run_node("sync", {"train": 1}), 60))
 
 
 def test_a_call_whose_failure_the_node_awaited_and_caught_is_its_own():
@@ -133,7 +215,8 @@ def test_a_call_failure_a_re_run_of_the_node_repaired_is_forgotten():
 
 def test_an_exhausted_steps_other_nodes_end_before_the_last_save_and_the_close():
     """A node raising InputsExhausted cancelled its step's other nodes but did not wait for
-    them: their cleanup ran after the last checkpoint was saved, and after the flow closed."""
+    them, nor for the group calls they had sent: their cleanup and those calls ran after the
+    last checkpoint was saved, and after the flow closed."""
     order: list[tuple[str, int]] = []
     sides: list[asyncio.Task] = []
 
@@ -148,11 +231,19 @@ def test_an_exhausted_steps_other_nodes_end_before_the_last_save_and_the_close()
         if x == 0:
             return x
         sides.append(asyncio.current_task())  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        call = DistFuture._new(loop, "trainer.step")  # sent: it runs on after the cancel
+        note_call(call)
+
+        def ended():
+            order.append(("call ended", x))
+            call._set_result(None)
         try:
             await asyncio.Event().wait()  # cancelled with the exhausted step
         finally:
             await asyncio.sleep(0.2)  # cleanup that takes a while (closing a file, a client)
             order.append(("cleaned", x))
+            loop.call_later(0.2, ended)  # the call ends after the node did
 
     async def save(t):
         order.append(("save", t))
@@ -164,7 +255,7 @@ def test_an_exhausted_steps_other_nodes_end_before_the_last_save_and_the_close()
                 await flow.run(checkpoint=save)
             return [t for t in sides if not t.done()]
     left = asyncio.run(asyncio.wait_for(main(), 60))
-    assert order == [("cleaned", 1), ("save", 0)]
+    assert order == [("cleaned", 1), ("call ended", 1), ("save", 0)]
     assert left == []
 
 

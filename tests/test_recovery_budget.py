@@ -265,3 +265,30 @@ def test_groups_placed_together_that_die_together_are_placed_again():
     respawned, first, placed = asyncio.run(main())
     assert respawned == [True, True]
     assert placed["ref"] == placed["reward"] == first
+
+
+def test_a_node_passing_an_upstream_future_on_is_re_run_after_a_death():
+    """`return {"rollout": rollout, "score": reward.score(rollout)}`: the rollout it was
+    given got a stand-in too, done at once, and a done stand-in stopped the re-run after
+    reward's death: the flow went back to its last checkpoint (or step 0) instead."""
+    async def main():
+        spawns: list[str] = []
+        reward, death = _group("reward", max_restarts=1, dead=False)
+        recovery = Recovery(_flow([reward], spawns))
+        rollout = DistFuture.held("rows", "rollouts.generate")
+        runs: list[DistFuture] = []
+
+        def node(rollout):
+            called_groups.get().add("reward")
+            runs.append(DistFuture.held("scores", "reward.score") if runs else
+                        DistFuture._new(asyncio.get_running_loop(), "reward.score"))
+            return {"rollout": rollout, "score": runs[-1]}
+
+        given = {"rollout": rollout}
+        out = await recovery.call("score", 0, lambda: node(**given), given)
+        reward.handle.dead = death
+        runs[0]._set_exception(death)
+        return out, await asyncio.wait_for(out["score"], 10), len(runs), spawns, rollout
+    out, score, runs, spawns, rollout = asyncio.run(main())
+    assert (score, runs, spawns) == ("scores", 2, ["reward"])
+    assert out["rollout"] is rollout  # passed on as given

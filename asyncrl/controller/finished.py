@@ -9,10 +9,11 @@ A node that calls a group without returning the future (`rollouts.load_weights(.
 node that returns metrics, or one inside a dataclass it returns) has not finished until that
 call ends: a `follows=` edge on it and a checkpoint after its step wait for the call, as for
 a returned one, and its failure is the node's (a NodeError: the next rollout does not run on
-the old weights), unless the node awaited it (raised to the node: its own to handle) or it
-is the group's death (met by the next call to the group, which recovery repairs). A call
-that recovery re-ran the node after (a stateless group's death) counts no more: the
-re-run's calls do.
+the old weights), unless its failure was raised to an await (the node's: its own to handle;
+an await that gave up first, a wait_for's timeout, saw none) or it is the group's death
+(met by the next call to the group, which recovery repairs). A call that recovery re-ran
+the node after (a stateless group's death) counts no more: the re-run's calls do.
+`DataFlow.run_node` (a node run alone) waits for its calls the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from asyncrl.errors import GroupDeadError
 from asyncrl.futures.future import futures_in
 
 if TYPE_CHECKING:
-    from asyncrl.controller.nodes import NodeError
     from asyncrl.futures.future import DistFuture
 
 F = TypeVar("F", bound=asyncio.Future)
@@ -65,8 +65,8 @@ class Calls:
 
     @property
     def failed(self) -> BaseException | None:
-        """The first failure of the last run's calls that the node did not await (one it
-        awaited was raised to it, its own to handle), but for the called group's death: the
+        """The first failure of the last run's calls not raised to an await (one that was
+        is the awaiter's to handle), but for the called group's death: the
         next call to that group meets it, where recovery re-runs or rewinds as it does for
         any call (an input lost with another group's death is the node's: the called group
         lives, and its next call would not say it)."""
@@ -76,6 +76,9 @@ class Calls:
     async def done(self) -> None:
         while self.running:  # (a task the node started may call on while this waits)
             await asyncio.wait(list(self.running))
+        # a task awaiting a call that just failed is woken with this one: it has seen the
+        # failure (marked it awaited, its own to handle) before `failed` is read
+        await asyncio.sleep(0)
 
 
 # the calls of the node running in this task (tasks and threads it starts copy the context)
@@ -113,7 +116,7 @@ async def shielded(tasks: Iterable[asyncio.Future]) -> None:
 
 
 async def finished(returned: asyncio.Task, calls: Calls,
-                   blame: Callable[[Exception], NodeError]) -> None:
+                   blame: Callable[[Exception], Exception]) -> None:
     """A node has finished when it returned, every DistFuture it returned is done and every
     group call it made has ended; it failed when one of those failed (`blame` names it)."""
     out = await returned

@@ -52,6 +52,7 @@ class _Step:
     returned: dict[str, asyncio.Task] = field(default_factory=dict)
     finished: dict[str, asyncio.Task] = field(default_factory=dict)
     watchers: list[asyncio.Task] = field(default_factory=list)  # recovery's, of its nodes
+    calls: dict[str, Calls] = field(default_factory=dict)  # by node: the group calls it made
     started: float = 0.0  # dispatched (ahead: up to max_staleness + 2 steps in flight)
     ended: float = 0.0  # its last node finished
 
@@ -266,7 +267,7 @@ class DataFlow:
         self._next = t + 1
         loop = asyncio.get_running_loop()
         for name in self.order:
-            calls = Calls()  # the group calls the node makes (a node finishes after them)
+            calls = step.calls[name] = Calls()  # (a node finishes after its group calls)
             task = quiet(loop.create_task(self._run_node(step, self.nodes[name], values, calls)))
             step.returned[name] = task
             step.finished[name] = quiet(loop.create_task(finished(
@@ -296,6 +297,10 @@ class DataFlow:
             # its other nodes' cleanup ends first, not after the last save or the close
             # (a cancel here leaves step t for close() to wait on)
             await asyncio.gather(*tasks, return_exceptions=True)
+            sent = [f for calls in step.calls.values() for f in calls.running]
+            if sent and self._ctl is not None:  # and the calls they had sent (a save or a
+                # close would race them), as long as a failed step's (_complete_running)
+                await asyncio.wait(sent, timeout=self._ctl.collective_timeout)
             del self._steps[t]
             say(self._ctl, f"[asyncrl] node {e.node!r}, step {t}: {e.__cause__}: the run ends")
             return None
@@ -322,7 +327,7 @@ class DataFlow:
                 await save_node_inputs(self.save_inputs / f"step{step.index}", n.name, kwargs)
                 start = time.perf_counter()
             out = await self.recovery.call(n.name, step.index, functools.partial(
-                calls.run, n.fn, kwargs))
+                calls.run, n.fn, kwargs), kwargs)
         except (Exception, asyncio.CancelledError) as e:
             task = asyncio.current_task()  # the node's own cancel (a task it awaited): its
             if not isinstance(e, Exception) and (task is None or task.cancelling()):  # failure
@@ -539,8 +544,16 @@ class DataFlow:
         for param, paths in (futures or {}).items():
             for path in paths if param in kwargs else ():
                 kwargs[param] = held_at(kwargs[param], path, f"saved input {param!r}")
-        out = self.nodes[name].fn(**kwargs)
-        if inspect.iscoroutine(out):  # an async node (a DistFuture is passed on as is)
-            out = await out
-        return await resolved(out)
+        calls = Calls()  # its group calls waited for, their failure raised, as in a run
+        returned = quiet(asyncio.get_running_loop().create_task(
+            _alone(self.nodes[name].fn, kwargs, calls)))
+        await finished(returned, calls, lambda e: e)
+        return await resolved(returned.result())
+
+
+async def _alone(fn: Callable[..., Any], kwargs: dict[str, Any], calls: Calls) -> Any:
+    """A node run alone (its own task: node_calls set in its context only)."""
+    node_calls.set(calls)
+    out = calls.run(fn, kwargs)
+    return await out if inspect.iscoroutine(out) else out  # (a DistFuture passed on as is)
 

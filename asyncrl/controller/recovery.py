@@ -231,12 +231,14 @@ class Recovery:
         await asyncio.sleep(delay)
 
     # -- re-running a node -------------------------------------------------------------------
-    async def call(self, node: str, step: int, fn: Callable[[], Any]) -> Any:
-        """`fn()` (a node's function with its inputs bound), re-run after each death of a
-        stateless group it called (an async node's await may meet it first as a peer's
-        broken collective); with restarts on, what it returns is guarded."""
+    async def call(self, node: str, step: int, fn: Callable[[], Any], given: Any = None) -> Any:
+        """`fn()` (a node's function with its inputs, `given`, bound), re-run after each
+        death of a stateless group it called (an async node's await may meet it first as a
+        peer's broken collective); with restarts on, what it returns is guarded."""
         out, called = await self._run(node, step, fn)
-        return self._guard(node, step, out, fn, called) if self.enabled else out
+        if not self.enabled:
+            return out
+        return self._guard(node, step, out, fn, called, {id(f) for f in futures_in(given)})
 
     async def _run(self, node: str, step: int, fn: Callable[[], Any]) -> tuple[Any, set[str]]:
         """What `fn()` returns, re-run while a death of a stateless group it called explains
@@ -266,14 +268,17 @@ class Recovery:
                      started)
 
     def _guard(self, node: str, step: int, out: Any, fn: Callable[[], Any],
-               called: set[str]) -> Any:
-        inner = _unique_futures(out)
+               called: set[str], given: set[int]) -> Any:
+        """`out` with a stand-in for each future the node's own calls returned; one it was
+        given (an upstream node's, passed on) is its own (a re-run returns it again, done:
+        its stand-in's result would stop the re-run)."""
+        inner = _unique_futures(out, given)
         if not inner:
             return out
         loop = asyncio.get_running_loop()
         proxies = {id(f): DistFuture._new(loop, f._label) for f in inner}
         watcher = loop.create_task(self._follow(node, step, inner, list(proxies.values()), fn,
-                                                called))
+                                                called, given))
         self.flow._watchers.add(watcher)
         watcher.add_done_callback(self.flow._watchers.discard)
         if step in self.flow._steps:  # cancelled with its step, if that fails: a re-run
@@ -282,8 +287,8 @@ class Recovery:
         return _replace(out, proxies)
 
     async def _follow(self, node: str, step: int, inner: list[DistFuture],
-                      proxies: list[DistFuture], fn: Callable[[], Any], called: set[str]
-                      ) -> None:
+                      proxies: list[DistFuture], fn: Callable[[], Any], called: set[str],
+                      given: set[int]) -> None:
         """Pass each inner future's result on to its stand-in; on a death a re-run repairs,
         re-run and follow the new futures. Stand-ins left unresolved fail with the cause.
         Not re-run once some stand-in has a result: the re-run's would not match it (new
@@ -311,8 +316,9 @@ class Recovery:
                     return  # again (an upstream future it returns): a re-run cannot repair it
                 seen.append(failure)
                 await self._respawned_for(node, step, spec, failure)
-                out, called = await self._run(node, step, fn)  # (another group it calls may
-                inner = _unique_futures(out)  # have died too: re-run again, not rewound)
+                # (another group it calls may have died too: re-run again, not rewound)
+                out, called = await self._run(node, step, fn)
+                inner = _unique_futures(out, given)
                 if len(inner) != len(proxies):
                     failure = RecoveryError(f"node {node!r} returned {len(inner)} futures when "
                                             f"re-run, {len(proxies)} the first time")
@@ -500,8 +506,9 @@ def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
-def _unique_futures(out: Any) -> list[DistFuture]:
-    return list({id(f): f for f in futures_in(out)}.values())  # one future may appear twice
+def _unique_futures(out: Any, given: set[int]) -> list[DistFuture]:
+    """The futures in `out`, each once, but those in `given` (ids)."""
+    return list({id(f): f for f in futures_in(out) if id(f) not in given}.values())
 
 
 def _settled(task: asyncio.Task) -> None:
@@ -516,10 +523,10 @@ def _forward(done: asyncio.Future, proxy: DistFuture, inner: DistFuture) -> None
 
 
 def _replace(out: Any, proxies: dict[int, DistFuture]) -> Any:
-    if isinstance(out, DistFuture):
-        return proxies[id(out)]
+    if isinstance(out, DistFuture):  # (one the node was given stays)
+        return proxies.get(id(out), out)
     if isinstance(out, Rows):
-        return Rows([(proxies[id(f)], picked) for f, picked in out.parts])
+        return Rows([(proxies.get(id(f), f), picked) for f, picked in out.parts])
     if isinstance(out, list | tuple):
         return rebuild(out, [_replace(x, proxies) for x in out])
     if isinstance(out, dict):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import operator
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
@@ -27,7 +26,7 @@ class DistFuture:
     _loop: asyncio.AbstractEventLoop
     _label: str
     busy_s: float  # once resolved: the longest time one of its ranks spent running it
-    _awaited: bool  # someone awaited it (its failure was raised to them: theirs to handle)
+    _awaited: bool  # its failure was raised to an awaiter (theirs to handle)
 
     def __init__(self, *args: Any, **kwargs: Any):
         raise TypeError("DistFuture has no public constructor; group method calls return them")
@@ -75,9 +74,13 @@ class DistFuture:
                                f"had while the controller runs, with `await` on its loop")
 
     async def _get(self) -> Any:
-        self._awaited = True
-        # shielded: cancelling one awaiter (a wait_for timing out) must not cancel the call
-        return await (await asyncio.shield(self._fut)).value()
+        try:  # shielded: cancelling one awaiter (a wait_for timing out) must not cancel the call
+            return await (await asyncio.shield(self._fut)).value()
+        except asyncio.CancelledError:  # (an awaiter that gave up never saw the failure: a
+            raise  # later one is the node's, as for a call it did not await)
+        except BaseException:
+            self._awaited = True
+            raise
 
     def result(self, timeout: float | None = None) -> Any:
         """Block until the value is ready (sync code on another thread).
@@ -168,10 +171,18 @@ class Rows:
         return pieces[0] if len(pieces) == 1 else type(pieces[0]).concat(pieces)
 
     def __await__(self) -> Any:
-        for fut, _ in self.parts:  # every part's failure is the awaiter's, not only the first
-            fut._awaited = True
-        work = functools.partial(self.batch, lambda f: f._get())
-        return _awaited(self.parts[0][0], work) if self.parts else work().__await__()
+        return _awaited(self.parts[0][0], self._get) if self.parts else self._get().__await__()
+
+    async def _get(self) -> Any:
+        try:
+            return await self.batch(lambda f: f._get())
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # the parts failed by now were raised as one: the awaiter's
+            for fut, _ in self.parts:  # (one failing later was not)
+                if fut._fut.done() and not fut._fut.cancelled() and fut._fut.exception():
+                    fut._awaited = True
+            raise
 
     def __repr__(self) -> str:
         return "<Rows " + " + ".join(
