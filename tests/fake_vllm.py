@@ -163,7 +163,7 @@ class LLM:
         self.llm_engine = SimpleNamespace(  # (the rows a refused call left are unfinished)
             model_config=SimpleNamespace(max_model_len=self._max_len,
                                          get_vocab_size=lambda: self._vocab),
-            has_unfinished_requests=lambda: bool(self._left))
+            has_unfinished_requests=lambda: bool(self._left), step=lambda: self._left.clear())
         self._left: list[tuple[dict, SamplingParams]] = []  # requests a refused call left
         self._saved_buffers: dict[str, Any] = {}  # level 2: the buffers, on the host
         self._dead: str | None = None  # a CUDA error that left the context unusable

@@ -310,3 +310,21 @@ def test_prompts_running_out_at_max_rounds_ends_the_step(differ):
         return
     out = asyncio.run(run_)
     assert out["dapo/kept_groups"] == 1 and out["dapo/rounds"] == 2
+
+
+def test_the_batch_drawn_past_max_rounds_goes_with_the_error():
+    """To tell prompts that ran out from more needed, a batch is drawn past max_rounds: a
+    caller that catches the error and goes on has it (else its prompts were never seen)."""
+    from asyncrl.futures.future import DistFuture
+    from asyncrl.hybrid.sampler import PROMPT_WIDTH
+
+    def done(value):
+        return DistFuture.held(value, "g.m")
+
+    extra = TensorBatch({"prompt": [[5], [5]]}, {PROMPT_WIDTH: 1})
+    with pytest.raises(DynamicSamplingError, match="raise max_rounds") as info:
+        asyncio.run(dynamic_sampling(
+            TensorBatch({"prompt": [[1], [1]]}, {PROMPT_WIDTH: 1}), more=lambda: extra,
+            generate=done, score=lambda r: done(TensorBatch({"reward": torch.ones(2)})),
+            groups=1, group_size=2, max_rounds=1))
+    assert info.value.drawn is extra

@@ -276,3 +276,69 @@ def test_async_def_hooks_run_to_their_end(tmp_path):
         assert worker.closed_on is calls_loop
     finally:
         calls_loop.close()
+
+
+# -- mends of this session's own changes (a review of its diff) -----------------------------
+def test_a_concat_whose_failure_the_node_handled_leaves_it_no_later_part_failure():
+    """A concat's parts are awaited one by one: the node caught the first part's failure,
+    and a second part failing later was taken for one the node never saw (the node failed)."""
+    from asyncrl.controller.finished import Calls
+    from asyncrl.futures.future import DistFuture, concat
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls, (a, b) = Calls(), (DistFuture._new(loop, "g.a"), DistFuture._new(loop, "g.b"))
+        calls.add(a)
+        calls.add(b)
+        a._fut.set_exception(RuntimeError("a failed"))
+        with pytest.raises(RuntimeError, match="a failed"):
+            await concat(a, b)
+        b._fut.set_exception(RuntimeError("b failed"))
+        await calls.done()
+        return calls.failed
+    assert asyncio.run(main()) is None
+
+
+def test_unset_fields_are_left_out_of_the_checks_as_msgspec_leaves_them_out():
+    """A Struct field at msgspec.UNSET, a dataclass field never set (init=False): encoded
+    without them, yet the new checks refused the one and raised AttributeError on the other."""
+    import dataclasses
+
+    import msgspec
+
+    from asyncrl.futures.store import schema_of
+
+    class P(msgspec.Struct):
+        a: int
+        b: int | msgspec.UnsetType = msgspec.UNSET
+
+    @dataclasses.dataclass
+    class D:
+        a: int
+        b: int = dataclasses.field(init=False)
+    for value in (P(1), D(1), [P(1)] * 3):
+        assert schema_of(value).nbytes == 0 and not codec.encodes_past(value, 100)
+
+
+def test_repeat_copies_the_containers_of_list_items_not_their_tensors():
+    """repeat(k) deep-copied each row's items: a tensor per row (an image) was copied k
+    times over (seconds and GBs); appending to one copy's messages must still not reach
+    another's."""
+    image = torch.zeros(3, 4, 4)
+    batch = asyncrl.TensorBatch({"img": [image], "m": [[{"role": "user"}]]})
+    out = batch.repeat(2)
+    out["m"][0].append({"role": "assistant"})
+    assert out["img"][0] is image and out["img"][1] is image
+    assert out["m"][1] == [{"role": "user"}] and batch["m"][0] == [{"role": "user"}]
+
+
+def test_a_resume_of_an_empty_run_dir_says_to_run_without_resume(tmp_path):
+    """The run's lock file made an empty folder look used: "start afresh in another
+    --run-dir" where a fresh run there is taken."""
+    from asyncrl.controller import checkpoint
+    from asyncrl.controller.launch import hold_run_dir
+
+    os.close(hold_run_dir(tmp_path / "run"))
+    flow = asyncrl.DataFlow(nodes=[asyncrl.node(lambda x: x, name="echo")], inputs={"x": [1]})
+    with pytest.raises(asyncrl.CheckpointError, match="run without --resume"):
+        checkpoint.resumable(tmp_path / "run", flow)

@@ -169,13 +169,26 @@ _IMMUTABLE = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 def _own_items(batch: Any) -> Any:
-    """`batch` with its list columns' items deep-copied (a TensorBatch's; tensor columns
-    are copies already), in place."""
+    """`batch` with its list columns' items copied (a TensorBatch's; tensor columns are
+    copies already), in place: their containers, not the tensors and arrays in them."""
     if isinstance(batch, TensorBatch):
         for k, v in batch._data.items():
-            if isinstance(v, list):  # (numbers, strings: immutable, kept fast)
-                batch._data[k] = [x if type(x) in _IMMUTABLE else copy.deepcopy(x) for x in v]
+            if isinstance(v, list):
+                batch._data[k] = [_own(x) for x in v]
     return batch
+
+
+def _own(x: Any) -> Any:
+    """`x` with its lists, dicts, tuples and sets copied, as deep as they go; tensors and
+    arrays shared (an image per row: a deep copy of each repeat cost seconds and GBs);
+    numbers and strings as they are (immutable); anything else deep-copied."""
+    if type(x) in _IMMUTABLE or isinstance(x, torch.Tensor | np.ndarray):
+        return x
+    if type(x) is dict:  # (exact types: a subclass's constructor may take other arguments)
+        return {k: _own(v) for k, v in x.items()}
+    if type(x) in (list, tuple, set, frozenset):
+        return type(x)(_own(v) for v in x)
+    return copy.deepcopy(x)
 
 
 def row_indices(rows: Iterable[Any]) -> list[int]:

@@ -19,12 +19,15 @@ LEAVES = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 def _fields(value: Any) -> Iterable[Any] | None:
-    """The field values of a msgspec Struct or a dataclass instance (not a class), else None."""
+    """The field values of a msgspec Struct or a dataclass instance (not a class), else None
+    (a field never set left out, as msgspec leaves it out)."""
     if isinstance(value, msgspec.Struct):
-        return [getattr(value, name) for name in value.__struct_fields__]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [getattr(value, f.name) for f in dataclasses.fields(value)]
-    return None
+        names = list(value.__struct_fields__)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = [f.name for f in dataclasses.fields(value)]
+    else:
+        return None
+    return [v for n in names if (v := getattr(value, n, msgspec.UNSET)) is not msgspec.UNSET]
 
 
 def array_bytes(value: Any) -> int:

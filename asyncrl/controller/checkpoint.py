@@ -105,6 +105,7 @@ def refuse_existing(run_dir: Path) -> None:
             f"mixed with this run's)")
 
 
+LOCK_FILE = ".lock"  # in the run directory: held by the launch running there (launch.py)
 TRUST_RUN_DIR = "ASYNCRL_TRUST_RUN_DIR"  # "1": a run's folders are taken as its own
 PRIVATE_DIR = 0o775  # the mode of the folders a run makes (no write for others, whatever
 # the umask: a folder every user can write is refused, see not_yours)
@@ -187,8 +188,9 @@ def resumable(run_dir: Path, flow: DataFlow) -> tuple[Path, dict[str, Any]]:
         raise CheckpointError(f"--resume: {inside}")
     if path is None:  # (a run stopped before its first checkpoint left files: a fresh run
         # there is refused, so another folder)
-        afresh = "start afresh in another --run-dir (or remove this one)" if \
-            Path(run_dir).is_dir() and any(Path(run_dir).iterdir()) else \
+        held = Path(run_dir).is_dir() and any(p.name != LOCK_FILE
+                                              for p in Path(run_dir).iterdir())
+        afresh = "start afresh in another --run-dir (or remove this one)" if held else \
             "run without --resume to start afresh"
         raise CheckpointError(
             f"--resume: no complete checkpoint was found in {Path(run_dir) / CHECKPOINTS}; "

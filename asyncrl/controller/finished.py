@@ -128,4 +128,6 @@ async def finished(returned: asyncio.Task, calls: Calls,
             raise calls.failed  # else the next step's rollout ran on the old weights
     except Exception as e:  # the work the node started failed: say which node
         err = blame(e)
+        if err is e:  # (a node run alone: its own error, its context kept)
+            raise
         raise err from err.__cause__

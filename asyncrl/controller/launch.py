@@ -233,7 +233,7 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
         os.close(lock)  # (the lock goes with the descriptor)
 
 
-LOCK_FILE = ".lock"  # in the run directory: held by the launch running there
+LOCK_FILE = checkpoint.LOCK_FILE
 
 
 def hold_run_dir(run_dir: Path) -> int:
@@ -268,7 +268,7 @@ def _open_run_dir(run_dir: Path) -> int:
                        os.O_CLOEXEC, checkpoint.PRIVATE_FILE)
     except OSError as e:
         why = "it is a file, not a folder" if run_dir.exists() and not run_dir.is_dir() \
-            else f"{run_dir / LOCK_FILE}: {e.strerror or e}"
+            else f"{e.filename or run_dir}: {e.strerror or e}"
         raise CheckpointError(f"--run-dir {run_dir} cannot be used as the run's folder "
                               f"({why}); choose another --run-dir") from None
 

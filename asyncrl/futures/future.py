@@ -178,10 +178,9 @@ class Rows:
             return await self.batch(lambda f: f._get())
         except asyncio.CancelledError:
             raise
-        except BaseException:  # the parts failed by now were raised as one: the awaiter's
-            for fut, _ in self.parts:  # (one failing later was not)
-                if fut._fut.done() and not fut._fut.cancelled() and fut._fut.exception():
-                    fut._awaited = True
+        except BaseException:  # the concat's failure was raised: every part's is the
+            for fut, _ in self.parts:  # awaiter's, one failing later too (its parts are
+                fut._awaited = True  # awaited one by one: the rest never would be)
             raise
 
     def __repr__(self) -> str:

@@ -67,6 +67,7 @@ class _Unsendable(Exception):
 _SENDS = frozenset({int, float, str, bytes, bool, type(None), bytearray, memoryview,
                     datetime.datetime, datetime.date, datetime.time, datetime.timedelta,
                     uuid.UUID, decimal.Decimal, msgspec.Raw, msgspec.msgpack.Ext,
+                    type(msgspec.UNSET),
                     RemoteBatch, RemoteValue})
 
 
@@ -89,7 +90,8 @@ def _walk(value: Any) -> None:
             dataclasses.is_dataclass(value) and not isinstance(value, type)):
         fields = value.__struct_fields__ if isinstance(value, msgspec.Struct) else \
             [f.name for f in dataclasses.fields(value)]
-        items = [(_Field(name), getattr(value, name)) for name in fields]
+        items = [(_Field(name), v) for name in fields  # (unset: left out, as msgspec does)
+                 if (v := getattr(value, name, msgspec.UNSET)) is not msgspec.UNSET]
     else:
         _check_leaf(value)
         return

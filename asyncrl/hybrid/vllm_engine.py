@@ -354,16 +354,19 @@ class VLLMEngine:
         blocks): tried twice, then an error, and no generation until one goes through."""
         for _ in range(2):
             done = self.llm.reset_prefix_cache()
-            if done is None:  # (0.10-0.11 say nothing: unfinished requests may hold blocks)
-                done = not getattr(self.llm.llm_engine, "has_unfinished_requests", bool)()
+            engine: Any = getattr(self.llm, "llm_engine", None)  # 0.10-0.11 say nothing:
+            if done is None and getattr(engine, "has_unfinished_requests", bool)():  # a failed
+                while engine.has_unfinished_requests():  # call's requests hold blocks: run
+                    engine.step()  # them out (their answers are nobody's), then reset
+                done = self.llm.reset_prefix_cache()
             if done is not False:
                 self._stale_prefixes = False
                 return
         raise RuntimeError("vLLM could not reset its prefix cache after a weight load "
-                           "(reset_prefix_cache() returned False twice, or None with requests "
-                           "unfinished: they hold cache blocks?); its cached prefixes hold the "
-                           "old weights' KV, so generation is refused until a reset succeeds: "
-                           "call again (the next generate or load tries it first)")
+                           "(reset_prefix_cache() returned False twice: requests still hold "
+                           "cache blocks?); its cached prefixes hold the old weights' KV, so "
+                           "generation is refused until a reset succeeds: call again (the "
+                           "next generate or load tries it first)")
 
     def _check_usable(self) -> None:
         if self._unusable is not None:

@@ -153,6 +153,7 @@ def gathered(named: list[tuple[str, Any]], bucket_bytes: int
     agree(attempt(prepare), "preparing the weights' gathers")
     for plan in plans:
         gatherer.run(plan)
+    gatherer.free()  # (not held through the large ones' gathers and the packing)
     for n, p in named:
         yield n, views[id(p)] if id(p) in views else full(p)
 

@@ -28,7 +28,7 @@ import msgspec
 import torch
 
 from asyncrl.comm.batch import TensorBatch
-from asyncrl.comm.codec import encode
+from asyncrl.comm.codec import encode_oob
 from asyncrl.hybrid.sampler import GENERATED, PROMPT_WIDTH
 from asyncrl.hybrid.user_fn import load_tokenizer
 from asyncrl.rl.batch import ASSEMBLED, SAMPLES_PER_PROMPT
@@ -211,12 +211,12 @@ def _sendable(records: list[dict[str, Any]], locate: Callable[[int], str]) -> No
     step = 4096  # (~12 ms for 1e5 small records; in parts: a large file's text not held twice)
     for start in range(0, len(records), step):
         try:
-            encode(records[start:start + step])
+            encode_oob(records[start:start + step])  # (large arrays left out: not copied)
         except (OverflowError, TypeError):
             for i in range(start, min(start + step, len(records))):
                 for key, value in records[i].items():
                     try:
-                        encode(value)
+                        encode_oob(value)
                     except (OverflowError, TypeError) as e:
                         hint = ("store numbers past 64 bits as strings" if isinstance(
                             e, OverflowError) else "store it as text, a number or a list")

@@ -36,7 +36,11 @@ WARN_EVERY = 10  # prompt batches between warnings of a step with no max_rounds
 
 
 class DynamicSamplingError(AsyncRLError, RuntimeError):
-    """Too few groups whose rewards differ within `max_rounds` prompt batches."""
+    """Too few groups whose rewards differ within `max_rounds` prompt batches. `drawn`: the
+    prompt batch drawn past them (to tell prompts that ran out from more needed), not
+    generated: a caller that goes on may use it."""
+
+    drawn: TensorBatch | None = None
 
 
 class PromptsExhausted(DynamicSamplingError, InputsExhausted):
@@ -135,7 +139,7 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
                              "groups whose rewards differ, and their responses join the "
                              "first batch's: give the PromptSource max_prompt_length= so "
                              "that every batch's prompts are padded to one width (or "
-                             "max_rounds=1: one batch a step, none drawn)")
+                             "max_rounds=1: one batch a step, never joined)")
         _check_groups(batch, group_size)
         rounds += 1
         rollout = generate(batch)
@@ -159,15 +163,17 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
         if kept >= groups:
             break
         # drawn before the limit is checked: prompts that ran out end the step (trained on
-        # what was kept) at max_rounds too; the batch drawn before the raise is no loss (a
-        # failed run saves no position: it resumes at its last checkpoint's)
+        # what was kept) at max_rounds too; the batch drawn goes with the error (a failed
+        # run saves no position: it resumes at its last checkpoint's)
         batch = more()
         if batch is not None and rounds == max_rounds:
-            raise DynamicSamplingError(
+            error = DynamicSamplingError(
                 f"dynamic sampling kept {kept} of the {groups} groups needed after "
                 f"{rounds} prompt batches ({seen} groups, {uniform} of them scored alike): "
                 f"the prompts are too easy or too hard for the policy now; raise max_rounds "
                 f"(verl's max_num_gen_batches) or change the data")
+            error.drawn = batch
+            raise error
         if batch is not None and max_rounds is None and rounds % WARN_EVERY == 0:
             # no limit: a reward that scores everything alike (a format it never parses)
             # would make this node run on, with nothing said while the step looked hung
