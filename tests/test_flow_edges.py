@@ -25,10 +25,9 @@ def steps_run(nodes: list, items: int) -> int:
     return asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_a_call_the_node_did_not_return_that_fails_fails_the_node():
-    """`def sync(train): rollouts.load_weights(...); return {...}`: its load failing after the
-    node returned was only waited for; the next rollout (follows="sync", max_staleness=0) ran
-    on the old weights and the run ended normally."""
+def failed_load_run(sync, said: str) -> tuple[asyncrl.NodeError, list[int]]:
+    """`sync` as the node "sync", beside a rollout that follows it (max_staleness=0), for 3
+    steps: the NodeError they end with (matching `said`) and the steps rolled out."""
     rolled: list[int] = []
 
     @asyncrl.node(follows="sync")
@@ -36,17 +35,24 @@ def test_a_call_the_node_did_not_return_that_fails_fails_the_node():
         rolled.append(x)
         return x
 
-    @asyncrl.node
+    with pytest.raises(asyncrl.NodeError, match=said) as failed:
+        steps_run([rollout, asyncrl.node(sync)], 3)
+    return failed.value, rolled
+
+
+def test_a_call_the_node_did_not_return_that_fails_fails_the_node():
+    """`def sync(train): rollouts.load_weights(...); return {...}`: its load failing after the
+    node returned was only waited for; the next rollout (follows="sync", max_staleness=0) ran
+    on the old weights and the run ended normally."""
     def sync(rollout):
         load = DistFuture._new(asyncio.get_running_loop(), "rollouts.load_weights")
         note_call(load)  # as GroupHandle.call does
         asyncio.get_running_loop().call_soon(load._set_exception, RuntimeError("load failed"))
         return {"synced": rollout}
 
-    with pytest.raises(asyncrl.NodeError, match="node 'sync' failed at step 0") as failed:
-        steps_run([rollout, sync], 3)
-    assert (failed.value.node, failed.value.step) == ("sync", 0)
-    assert isinstance(failed.value.__cause__, RuntimeError)
+    failed, rolled = failed_load_run(sync, "node 'sync' failed at step 0")
+    assert (failed.node, failed.step) == ("sync", 0)
+    assert isinstance(failed.__cause__, RuntimeError)
     assert rolled == [0]  # no rollout after the failed load
 
 
@@ -54,14 +60,6 @@ def test_a_call_the_node_waited_for_and_gave_up_on_that_fails_fails_the_node():
     """`try: await asyncio.wait_for(rollouts.load_weights(...), 30) except TimeoutError: pass`:
     the wait marked the load awaited, its failure after the wait gave up was skipped, and the
     rollouts after it ran on the old weights while the run ended well."""
-    rolled: list[int] = []
-
-    @asyncrl.node(follows="sync")
-    def rollout(x):
-        rolled.append(x)
-        return x
-
-    @asyncrl.node
     async def sync(rollout):
         load = DistFuture._new(asyncio.get_running_loop(), "rollouts.load_weights")
         note_call(load)
@@ -71,9 +69,8 @@ def test_a_call_the_node_waited_for_and_gave_up_on_that_fails_fails_the_node():
             load._set_exception(RuntimeError("load failed"))  # after the wait gave up
         return {"synced": rollout}
 
-    with pytest.raises(asyncrl.NodeError, match="load failed") as failed:
-        steps_run([rollout, sync], 3)
-    assert (failed.value.node, failed.value.step) == ("sync", 0)
+    failed, rolled = failed_load_run(sync, "load failed")
+    assert (failed.node, failed.step) == ("sync", 0)
     assert rolled == [0]  # no rollout on the old weights
 
 
