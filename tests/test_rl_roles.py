@@ -76,6 +76,8 @@ def test_reward_model_scores_the_last_real_token():
 def test_reward_model_scores_in_micro_batches():
     """A rank's whole chunk went through the model in one forward (2048 rows of 1.5k tokens
     of a 7B model: out of memory), its DP padding rows scored too."""
+    from asyncrl.hybrid.roles import scoring_sizes
+
     rm = RewardModel.__new__(RewardModel)
     rm.__init__({"seed": 5}, micro_batch_size=2)
     seen = []
@@ -106,7 +108,7 @@ def test_reward_model_scores_in_micro_batches():
                                torch.cat([whole, whole[-1:], whole[-1:]]))
     assert sum(seen) == 5 and len(padded_scores) == 7
     seen.clear()
-    rm.micro_batch_size, rm.max_tokens = 4, 8  # by a token budget: rows sorted, put back
+    rm.sizes = scoring_sizes("RewardModel", 4, 8)  # by a token budget: rows sorted, put back
     torch.testing.assert_close(rm.score(b)["reward"], whole)
     assert sum(seen) == 5 and len(seen) > 1, seen
     with pytest.raises(ValueError, match="RewardModel micro_batch_size must be >= 1"):

@@ -501,14 +501,20 @@ def _reference_settings(model: dict[str, Any], micro_batch_size: int | None,
         raise TypeError(f"Reference model= is a dict (preset or path, ...), got "
                         f"{type(model).__name__}")
     cfg = from_dict(ModelConfig, {**model, "lora": None}, "Reference model=")
-    # a TrainConfig checks the sizes as it does for training (named as given: Reference's)
-    try:
-        train = TrainConfig(
-            micro_batch_size=1 if micro_batch_size is None else micro_batch_size,
-            max_tokens_per_micro_batch=max_tokens_per_micro_batch, bf16=bf16)
-    except ValueError as e:
-        raise ValueError(str(e).replace("TrainConfig.", "Reference ")) from None
+    train = scoring_sizes("Reference", micro_batch_size, max_tokens_per_micro_batch, bf16)
     return engine_config(cfg, train), train  # (computing as a bf16 trainer does: bf16 too)
+
+
+def scoring_sizes(role: str, micro_batch_size: int | None,
+                  max_tokens_per_micro_batch: int | None, bf16: bool | None = None
+                  ) -> TrainConfig:
+    """A scoring role's micro-batch sizes (Reference's, RewardModel's; micro_batch_size None:
+    a rank's rows at once), checked as a TrainConfig checks training's, named as given."""
+    try:
+        return TrainConfig(micro_batch_size=1 if micro_batch_size is None else micro_batch_size,
+                           max_tokens_per_micro_batch=max_tokens_per_micro_batch, bf16=bf16)
+    except ValueError as e:
+        raise ValueError(str(e).replace("TrainConfig.", f"{role} ")) from None
 
 
 class Reference(Worker):

@@ -33,17 +33,14 @@ RESERVED = {"prompt", "prompt_ids", "prompt_mask", "response_ids", "response_mas
 
 
 def _model_settings(model: dict[str, Any], micro_batch_size: int | None = 4,
-                    max_tokens_per_micro_batch: int | None = None) -> Any:
-    from asyncrl.hybrid.fsdp import TrainConfig
+                    max_tokens_per_micro_batch: int | None = None) -> tuple[Any, Any]:
+    """Its ModelConfig and its sizes (checked as Reference's are)."""
     from asyncrl.hybrid.models import ModelConfig
+    from asyncrl.hybrid.roles import scoring_sizes
     from asyncrl.hybrid.settings import from_dict
 
-    try:  # the sizes checked as Reference's are (named as given: RewardModel's)
-        TrainConfig(micro_batch_size=1 if micro_batch_size is None else micro_batch_size,
-                    max_tokens_per_micro_batch=max_tokens_per_micro_batch)
-    except ValueError as e:
-        raise ValueError(str(e).replace("TrainConfig.", "RewardModel ")) from None
-    return from_dict(ModelConfig, model, "RewardModel model=")
+    sizes = scoring_sizes("RewardModel", micro_batch_size, max_tokens_per_micro_batch)
+    return from_dict(ModelConfig, model, "RewardModel model="), sizes
 
 
 class RewardModel(Worker):
@@ -58,8 +55,8 @@ class RewardModel(Worker):
                  max_tokens_per_micro_batch: int | None = None):
         from asyncrl.hybrid.models import build_value_model, default_device
 
-        cfg = _model_settings(model, micro_batch_size, max_tokens_per_micro_batch)
-        self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens_per_micro_batch
+        cfg, self.sizes = _model_settings(model, micro_batch_size, max_tokens_per_micro_batch)
+        self.whole = micro_batch_size is None
         self.model = build_value_model(cfg, require_head=True)
         if cfg.path is None:
             with torch.random.fork_rng(devices=[]), torch.no_grad():  # (drawn on the CPU:
@@ -87,9 +84,9 @@ class RewardModel(Worker):
         # on a 7B model); a DP chunk's padding rows are not scored: given the last real one's
         real = batch.real_rows
         rows = batch.slice(0, real) if real < len(batch) else batch
-        micros, order = micro_batches(
-            rows, max(len(rows), 1) if self.micro_batch_size is None else
-            self.micro_batch_size, self.max_tokens, agree=False)  # (no parameters gathered)
+        micros, order = micro_batches(  # (as Reference's: no parameters gathered)
+            rows, max(len(rows), 1) if self.whole else self.sizes.micro_batch_size,
+            self.sizes.max_tokens_per_micro_batch, agree=False)
         parts = [self._scores(m) for m in micros]
         scores = torch.cat(parts) if parts else torch.zeros(0)
         scores = scores if order is None else scores[order.argsort()]
