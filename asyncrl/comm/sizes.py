@@ -18,16 +18,22 @@ from asyncrl.comm.batch import TensorBatch
 LEAVES = frozenset({int, float, str, bytes, bool, type(None)})
 
 
-def _fields(value: Any) -> Iterable[Any] | None:
-    """The field values of a msgspec Struct or a dataclass instance (not a class), else None
-    (a field never set left out, as msgspec leaves it out)."""
+def fields(value: Any) -> list[tuple[str, Any]] | None:
+    """The (name, value) of each field of a msgspec Struct or a dataclass instance (not a
+    class), else None (a field never set left out, as msgspec leaves it out)."""
     if isinstance(value, msgspec.Struct):
         names = list(value.__struct_fields__)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = [f.name for f in dataclasses.fields(value)]
     else:
         return None
-    return [v for n in names if (v := getattr(value, n, msgspec.UNSET)) is not msgspec.UNSET]
+    return [(n, v) for n in names
+            if (v := getattr(value, n, msgspec.UNSET)) is not msgspec.UNSET]
+
+
+def _field_values(value: Any) -> Iterable[Any] | None:
+    named = fields(value)
+    return None if named is None else [v for _, v in named]
 
 
 def array_bytes(value: Any) -> int:
@@ -41,7 +47,7 @@ def array_bytes(value: Any) -> int:
     if isinstance(value, TensorBatch):
         return sum(array_bytes(col) for _, col in value.items())
     items = value.values() if isinstance(value, dict) else value if isinstance(
-        value, (list, tuple)) else _fields(value) or ()
+        value, (list, tuple)) else _field_values(value) or ()
     return sum(array_bytes(v) for v in items if type(v) not in LEAVES)  # long lists: fast
 
 
@@ -64,9 +70,9 @@ def encodes_past(value: Any, limit: int) -> bool:
                         [*(col for _, col in v.items()), v.meta] if isinstance(v, TensorBatch)
                         else v)
         else:
-            fields = _fields(v)
-            if fields is not None:
-                todo.extend(fields)
+            values = _field_values(v)
+            if values is not None:
+                todo.extend(values)
             size += 1
         if size > limit:
             return True

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import decimal
 import enum
@@ -19,6 +18,7 @@ from asyncrl.comm import codec
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.messages import NONE, Column, Schema
 from asyncrl.comm.remote import RemoteBatch, RemoteValue
+from asyncrl.comm.sizes import fields
 
 
 def schema_of(value: Any) -> Schema:
@@ -86,12 +86,8 @@ def _walk(value: Any) -> None:
         items = enumerate(value)
     elif isinstance(value, TensorBatch):
         items = value.items()
-    elif isinstance(value, msgspec.Struct) or (
-            dataclasses.is_dataclass(value) and not isinstance(value, type)):
-        fields = value.__struct_fields__ if isinstance(value, msgspec.Struct) else \
-            [f.name for f in dataclasses.fields(value)]
-        items = [(_Field(name), v) for name in fields  # (unset: left out, as msgspec does)
-                 if (v := getattr(value, name, msgspec.UNSET)) is not msgspec.UNSET]
+    elif (named := fields(value)) is not None:  # a Struct's, a dataclass's
+        items = [(_Field(name), v) for name, v in named]
     else:
         _check_leaf(value)
         return
