@@ -120,6 +120,21 @@ def test_dynamic_sampling_without_a_limit_says_it_goes_on(caplog):
                               "(20 of 20 groups scored alike)" in said[0]
 
 
+def test_dynamic_sampling_refuses_a_score_that_is_not_finite():
+    """A NaN score made its group's max and min NaN (NaN > NaN is False): the group was
+    dropped as scored alike, unsaid, and the run ended as if its prompts ran out."""
+    from asyncrl.hybrid.sampler import PROMPT_WIDTH
+
+    async def nan(rollout):
+        return {"reward": torch.tensor([1.0, float("nan"), 0, 1, 0, 0, 0, 0])}
+
+    with pytest.raises(ValueError, match=r"1 reward\(s\) of prompt batch 1 .* first sample 1"
+                                         r"'s \(nan\).*fix the scorer"):
+        asyncio.run(dynamic_sampling(
+            TensorBatch({"prompt": [[1]] * 4 + [[2]] * 4}, {PROMPT_WIDTH: 1}),
+            more=lambda: None, generate=lambda b: b, score=nan, groups=1, group_size=4))
+
+
 def test_dynamic_sampling_refuses_groups_that_mix_prompts():
     """group_size=4 over prompts repeated twice: a block held two prompts and was kept when
     either's samples differed (a uniform group's advantages, all 0, trained on)."""

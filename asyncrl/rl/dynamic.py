@@ -150,6 +150,12 @@ async def dynamic_sampling(prompts: TensorBatch, *, more: Callable[[], TensorBat
             raise KeyError(f"dynamic_sampling(metric={metric!r}): the scores have no "
                            f"{column!r} column; they have {got.keys()}")
         values = torch.as_tensor(got[column])
+        bad = (~values.double().isfinite()).nonzero().flatten()
+        if len(bad):  # (NaN > NaN is False: its group was dropped as scored alike, unsaid)
+            raise ValueError(f"dynamic_sampling: {len(bad)} {column}(s) of prompt batch "
+                             f"{rounds} are not finite numbers, the first sample {int(bad[0])}"
+                             f"'s ({float(values[bad[0]])}); a score must be a finite number: "
+                             f"fix the scorer")
         differ = informative_groups(values, group_size)
         seen += len(values) // group_size
         total, samples = total + float(values.double().sum()), samples + len(values)
