@@ -3,18 +3,21 @@ inherit, and how they end with it."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from helpers import assert_gone, wait_until
 
 from asyncrl.actors.procs import kill_pids, pid_alive, state
+from asyncrl.hybrid import fn_pool
 from asyncrl.hybrid.fn_pool import FunctionPool
 
 SANDBOX = "ASYNCRL_TEST_SANDBOX"  # where a function writes the pid of what it started
@@ -252,3 +255,67 @@ def test_the_function_processes_lack_the_runs_secret(monkeypatch):
     finally:
         pool.close()
     assert_gone(seen)
+
+
+def fails_or_hangs(prompt, response, answer):
+    """The answer; a ValueError on answer 1, a hang on 2 (until its process is killed)."""
+    if answer == 1:
+        raise ValueError("bad row")
+    if answer == 2:
+        time.sleep(60)
+    return float(answer)
+
+
+def flaky_starts(monkeypatch) -> tuple[dict[str, int], list[int]]:
+    """The pool's process starts fail with EAGAIN (a pids limit) while fails["n"] > 0; the
+    pids of those that started (children and watchers), to check that they are gone."""
+    fails, started = {"n": 0}, []
+
+    class Flaky(fn_pool._Child):
+        def __init__(self, ref):
+            if fails["n"] > 0:
+                fails["n"] -= 1
+                raise OSError(errno.EAGAIN, "Resource temporarily unavailable (a test)")
+            super().__init__(ref)
+            started.extend((self.pid, self.watcher.pid))
+    monkeypatch.setattr(fn_pool, "_Child", Flaky)
+    return fails, started
+
+
+def test_a_process_that_fails_to_start_hides_no_error_and_the_next_call_starts_it(
+        monkeypatch):
+    """The replacement of a process busy as its call failed did not start: its OSError was
+    raised in place of the row's error, and the process reaped stayed in the pool: every
+    later call failed on its closed pipe ("Invalid file object")."""
+    fails, started = flaky_starts(monkeypatch)
+    pool = FunctionPool(fails_or_hangs, processes=2, timeout_s=None)
+    try:
+        fails["n"] = 1  # the hanging row's process's replacement
+        with pytest.raises(ValueError, match="failed on row 1:(?s:.*)ValueError: bad row") as e:
+            pool.call(jobs(2, 1))
+        assert "replacing this call's processes failed too (BlockingIOError(11, 'Resource " \
+            "temporarily unavailable" in "".join(e.value.__notes__)
+        assert pool.call(jobs(3, 4)) == ([3.0, 4.0], [False, False])
+    finally:
+        pool.close()
+    assert_gone(started)
+
+
+def test_a_spare_or_replacement_that_fails_to_start_costs_one_call_at_most(monkeypatch,
+                                                                          caplog):
+    """A timed-out row's process replaced by the spare, whose own replacement did not start,
+    failed the call; a call whose replacement and retry did not start, every later one."""
+    fails, started = flaky_starts(monkeypatch)
+    pool = FunctionPool(fails_or_hangs, processes=1, timeout_s=0.5)
+    try:
+        fails["n"] = 3
+        assert pool.call(jobs(2, 3)) == ([None, 3.0], [True, False])  # the spare taken
+        assert pool.spare_pid is None and "its spare process did not start" in caplog.text
+        with pytest.raises(OSError, match="Resource temporarily unavailable") as e:
+            pool.call(jobs(2))  # no spare: the row's replacement fails, and again as it ends
+        assert "replacing this call's processes failed too" in "".join(e.value.__notes__)
+        assert pool.call(jobs(2, 3)) == ([None, 3.0], [True, False])  # and a spare again
+        assert pool.spare_pid is not None
+    finally:
+        pool.close()
+    assert_gone(started)

@@ -21,8 +21,9 @@ import asyncrl
 from asyncrl import TensorBatch
 from asyncrl.actors.procs import kill_pids
 from asyncrl.controller.launcher import pid_alive
+from asyncrl.hybrid.fn_pool import FunctionPool
 from asyncrl.rl import PromptSource, RewardFn
-from asyncrl.rl.reward import score_rows
+from asyncrl.rl.reward import row_inputs, score_rows
 
 
 def count_answer(prompt, response, answer):
@@ -203,9 +204,6 @@ def answers(*values: int) -> TensorBatch:
 
 
 def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, monkeypatch):
-    from asyncrl.hybrid.fn_pool import FunctionPool
-    from asyncrl.rl.reward import row_inputs
-
     sandbox = tmp_path / "sandbox.pid"
     monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(sandbox))
     pool = FunctionPool(verifier, processes=2, timeout_s=1.0)
@@ -258,9 +256,6 @@ def test_a_scorer_process_killed_while_idle_costs_no_row():
     row (it failed whole on a broken pipe)."""
     import signal
 
-    from asyncrl.hybrid.fn_pool import FunctionPool
-    from asyncrl.rl.reward import row_inputs
-
     pool = FunctionPool(verifier, processes=2, timeout_s=None)
     seen = pool.pids()
     try:
@@ -296,9 +291,6 @@ def test_a_scorer_crashing_beside_a_helper_it_forked_is_seen_at_once(tmp_path, m
     """Its crash is seen in its process's exit: its pipe's EOF, which the helper withheld,
     was waited for (as long as the helper lived). Its row counts as timed out (a crash by
     a signal), the others keep their scores, and the helper goes with it."""
-    from asyncrl.hybrid.fn_pool import FunctionPool
-    from asyncrl.rl.reward import row_inputs
-
     helper = tmp_path / "helper.pid"
     monkeypatch.setenv("ASYNCRL_TEST_SANDBOX", str(helper))
     pool = FunctionPool(crashes_beside_a_helper, processes=1, timeout_s=timeout_s)
@@ -330,9 +322,6 @@ def exits(prompt, response, answer):
 def test_a_reward_function_calling_sys_exit_fails_its_row_and_ends_no_process():
     """In a pool it ended its process (an "exited with 3", the log empty, a process spent);
     in the rank's own, the rank's call (naming no row)."""
-    from asyncrl.hybrid.fn_pool import FunctionPool
-    from asyncrl.rl.reward import row_inputs
-
     for answer, raised in ((2, r"SystemExit\(3\)"), (3, r"KeyboardInterrupt\(\)"),
                            (4, r"GeneratorExit\(\)")):
         with pytest.raises(RuntimeError, match=rf"reward function 'exits' raised {raised} on "
@@ -356,8 +345,6 @@ def test_a_reward_function_calling_sys_exit_fails_its_row_and_ends_no_process():
 def test_a_row_msgpack_cannot_carry_fails_naming_it_and_keeps_the_process():
     """An int past 64 bits, a lone surrogate: msgpack's bare OverflowError or
     UnicodeEncodeError came out, and the process never sent the row was replaced."""
-    from asyncrl.hybrid.fn_pool import FunctionPool
-
     pool = FunctionPool(verifier, processes=1, timeout_s=None)
     seen = pool.pids()
     try:
@@ -373,14 +360,29 @@ def test_a_row_msgpack_cannot_carry_fails_naming_it_and_keeps_the_process():
     assert_gone(seen)
 
 
+def sums_answer(prompt, response, answer):
+    return float(sum(answer))
+
+
+def test_a_records_numeric_array_reaches_a_pools_process_as_a_list():
+    """A record's numeric array stays an array in this process (tokens.plain); the pool's
+    frames refused it, failing every call ("a ndarray cannot be sent")."""
+    arrays = TensorBatch({"answer": [np.array([1, 2]), np.array([3])]})
+    batch = rollout_like(2).select(["prompt", "response_ids", "response_mask"]).union(arrays)
+    pool = FunctionPool(sums_answer, processes=1, timeout_s=None)
+    try:
+        assert pool.call(row_inputs(sums_answer, batch))[0] == \
+            score_rows(sums_answer, batch).tolist() == [3.0, 3.0]
+    finally:
+        pool.close()
+
+
 @pytest.mark.timeout(120)  # (a call on a closed pool waited for ever)
 def test_a_closed_scorer_pool_refuses_calls_and_fails_the_one_it_cut_short():
     """close() from another thread (a rank closing under a score): the call under way fails
     saying so, rather than blaming a row with its killed process's exit; later calls and
     replacements are refused (one started a process nobody stopped)."""
     from asyncrl.errors import ClosedError
-    from asyncrl.hybrid.fn_pool import FunctionPool
-    from asyncrl.rl.reward import row_inputs
 
     pool = FunctionPool(verifier, processes=1, timeout_s=None)
     seen, failed = pool.pids(), []

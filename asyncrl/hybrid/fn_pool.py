@@ -10,9 +10,9 @@ and a new spare starts.
 
 Each child is `python -m asyncrl.hybrid.fn_pool`: it imports the function by reference (its
 module, qualname and file, as the ranks import it), says it is ready, then calls it on the
-rows it is sent. Frames are length-prefixed msgpack on a pipe of their own (the function's
-prints go to stderr, the group's log); nothing is pickled. Its environment lacks the run's
-secret. A small watcher starts it and holds it:
+rows it is sent. Frames (`fn_wire`) are length-prefixed msgpack on a pipe of their own
+(the function's prints go to stderr, the group's log); nothing is pickled. Its environment
+lacks the run's secret. A small watcher starts it and holds it:
 
     rank --Popen--> watcher (subreaper, own session) --fork+exec--> child (own session)
       ^                 | orphans of the child's tree come to it       | jobs in, frames out:
@@ -32,7 +32,6 @@ import math
 import os
 import selectors
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -41,10 +40,9 @@ import traceback
 from collections.abc import Callable
 from typing import IO, Any
 
-import msgspec
-
 from asyncrl.comm.refs import function_ref, resolve_ref
 from asyncrl.errors import ClosedError
+from asyncrl.hybrid.fn_wire import frame, read_frame, write_frame
 
 log = logging.getLogger("asyncrl")
 
@@ -53,42 +51,9 @@ class PoolClosedError(ClosedError, RuntimeError):
     """The pool was closed (its group closing): a call on it, or one it cut short."""
 
 
-LENGTH = struct.Struct("<I")
 START_TIMEOUT_S = 300.0  # importing the function's module (torch, a flow file) may be slow
 CLOSE_WAIT_S = 30.0  # close() waits this long for a call under way to see it and end
 SECRET_WORDS = ("SECRET", "TOKEN", "KEY", "PASSWORD")  # in ASYNCRL_ names the children lack
-
-
-def _plain(obj: Any) -> Any:
-    """numpy and torch scalars (a reward computed with numpy, meta from a DataFrame) as the
-    Python numbers they hold."""
-    if getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
-        return obj.item()
-    raise TypeError(f"a {type(obj).__name__} cannot be sent to or from a function's process; "
-                    f"use numbers, strings, lists and dicts")
-
-
-_encoder = msgspec.msgpack.Encoder(enc_hook=_plain)
-
-
-def frame(value: Any) -> bytes:
-    data = _encoder.encode(value)
-    return LENGTH.pack(len(data)) + data
-
-
-def write_frame(out: IO[bytes], value: Any) -> None:
-    out.write(frame(value))
-    out.flush()
-
-
-def read_frame(src: IO[bytes]) -> Any:
-    """The next frame's value; None once the other side has closed."""
-    head = src.read(LENGTH.size)
-    if len(head) < LENGTH.size:
-        return None
-    size = LENGTH.unpack(head)[0]
-    data = src.read(size)
-    return None if len(data) < size else msgspec.msgpack.decode(data)
 
 
 def _child(watcher: int) -> None:
@@ -308,6 +273,8 @@ class _Child:
 
     def reap(self) -> None:
         self.watcher.wait()  # (it exits once all under it are dead)
+        if self.code is None:  # left in a pool where its replacement failed to start: it
+            self.code = self.watcher.returncode  # reads as exited, and the next call retries
         for pipe in (self.stdin, self.stdout, self.status):
             with contextlib.suppress(OSError):
                 pipe.close()
@@ -418,8 +385,12 @@ class FunctionPool:
                 raise PoolClosedError(self._cut_short(left, len(jobs))) from e  # close()'s doing
             if self._closed:
                 raise
-            self._replace([i for i, c in enumerate(self.children)
-                           if c.row is not None or c.poll() is not None or not c.ready])
+            try:  # (a start failing here, EAGAIN at a pids limit, hides not the call's error)
+                self._replace([i for i, c in enumerate(self.children)
+                               if c.row is not None or c.poll() is not None or not c.ready])
+            except Exception as failed:
+                e.add_note(f"{self.name}: replacing this call's processes failed too "
+                           f"({failed!r}); the next call starts them again")
             raise
         if self._signals:  # (said once a call: the caller counts them as timed out)
             log.warning("asyncrl: %s: a process died by a signal on %s; scored as timed out "
@@ -533,15 +504,19 @@ class FunctionPool:
         with self._lock:  # none starts after close(): nobody would stop it
             if self._closed:
                 raise PoolClosedError(f"{self.name}: the pool was closed; no process starts")
-            spare = self._spare
-            if spare is None:
-                return _Child(self.ref)
-            if spare.poll() is not None:  # it died waiting (killed: out of memory)
-                _stop([spare])
-                spare = _Child(self.ref)
-            self._spare = _Child(self.ref)
-        spare.started = time.monotonic()  # its "ready" is read from now; an old spare is not
-        return spare  # late starting (the start timeout counts from its creation)
+            spare, self._spare = self._spare, None
+            if spare is not None and spare.poll() is not None:  # it died waiting (killed:
+                _stop([spare])  # out of memory)
+                spare = None
+            fresh = spare if spare is not None else _Child(self.ref)
+            if self.timeout_s is not None:  # (a spare that failed to start: started here)
+                try:
+                    self._spare = _Child(self.ref)
+                except Exception as e:  # EAGAIN at a pids limit: a process taken is kept
+                    log.warning("asyncrl: %s: its spare process did not start (%r); the "
+                                "next replacement starts one", self.name, e)
+        fresh.started = time.monotonic()  # its "ready" is read from now; an old spare is not
+        return fresh  # late starting (the start timeout counts from its creation)
 
     def close(self) -> None:
         """Kill the children. A call under way (another thread's) fails, saying the pool

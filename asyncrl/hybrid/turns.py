@@ -33,8 +33,8 @@ special tokens added) or chat messages, {"role": "tool", "content": ...} or a li
 written as the chat template writes them after the assistant's turn, with the next
 assistant turn opened (`chat_turns`, as verl's tool agent loop does; a message the template
 leaves out, a role it does not know, is refused). Without a tokenizer, they are token ids
-(an observation's: a list or tuple; in this process a 1-D integer numpy array or torch
-tensor too, which the pool's frames do not carry). Every id is checked against the engine's
+(an observation's: a list or tuple, or a 1-D integer numpy array or torch tensor, which
+the pool's frames carry as a list). Every id is checked against the engine's
 vocabulary (the built-in engine's, vLLM's), text and chat messages' too.
 An observation longer than `max_observation_tokens`, or than the budget left, keeps its
 first tokens (chat messages keep their markers: their contents are cut; a text is cut to
