@@ -184,12 +184,15 @@ def bench_zmq(args: argparse.Namespace, peers: int = 1) -> dict[str, float]:
 
 
 # -- ray -----------------------------------------------------------------------------------
-def bench_ray(args: argparse.Namespace) -> dict[int, dict[str, float]] | None:
-    """One round of Ray's figures by group size; None (and a "skipped" line) without ray."""
+def bench_ray(args: argparse.Namespace, ctx: dict[str, Any]
+              ) -> dict[int, dict[str, float]] | None:
+    """One round of Ray's figures by group size; None (and a "skipped" line, with the
+    machine and versions as every line has them) without ray."""
     try:
         import ray
     except ImportError as e:
-        emit({"bench": "control_plane", "system": "ray", "skipped": f"ray not importable: {e}"})
+        emit({"bench": "control_plane", "system": "ray", "skipped": f"ray not importable: {e}",
+              **ctx})
         return None
 
     @ray.remote
@@ -288,26 +291,40 @@ def summary(rounds: list[dict]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+# the counts' defaults, and --quick's (which fill only the counts not given)
+FULL = {"calls": 3000, "pipelined": 5000, "inflight": 1000, "warmup": 200}
+QUICK = {"calls": 200, "pipelined": 500, "inflight": 100, "warmup": 20}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--calls", type=int, default=3000, help="sequential calls timed (RTT)")
-    p.add_argument("--pipelined", type=int, default=5000, help="pipelined calls timed (calls/s)")
-    p.add_argument("--inflight", type=int, default=1000, help="calls in flight when pipelined")
-    p.add_argument("--warmup", type=int, default=200, help="untimed calls before measuring")
+    for name, text in (("calls", "sequential calls timed (RTT)"),
+                       ("pipelined", "pipelined calls timed (calls/s)"),
+                       ("inflight", "calls in flight when pipelined"),
+                       ("warmup", "untimed calls before measuring")):
+        p.add_argument(f"--{name}", type=int,
+                       help=f"{text}; default {FULL[name]}, with --quick {QUICK[name]}")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds of zmq, ray, asyncrl (medians and min-max reported)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 200/500 calls, 20 warm-up")
-    args = p.parse_args()
-    if args.quick:
-        args.calls, args.pipelined, args.inflight, args.warmup = 200, 500, 100, 20
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: smaller counts for those not given")
+    args = p.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, not {args.rounds}")
+    return args
+
+
+def main() -> None:
+    args = parse()
     ctx = context(args)
     rounds: list[dict[tuple[str, int], dict[str, float]]] = []
     with_ray = True
     for _ in range(args.rounds):
         got = {("zmq", 1): bench_zmq(args), ("zmq", 2): bench_zmq(args, peers=2)}
-        ray_round = bench_ray(args) if with_ray else None  # shuts ray down before asyncrl
+        ray_round = bench_ray(args, ctx) if with_ray else None  # shuts ray down before asyncrl
         with_ray = ray_round is not None
         got.update({("ray", n): rec for n, rec in (ray_round or {}).items()})
         got.update({("asyncrl", n): rec for n, rec in bench_asyncrl(args).items()})

@@ -32,10 +32,12 @@ host processes run this file with `--host`; driver code stays behind __main__.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing as mp
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -73,6 +75,7 @@ from asyncrl.futures.store import schema_of
 MAX_HOSTS = 16
 RANKS_PER_HOST = 64  # two sockets each: well under ZeroMQ's 1023 sockets per context
 TARGET_US = 10.0
+HELLO_TIMEOUT_S = 30.0  # the floor's wait for its next peer's hello
 
 
 class ScaleWorker(asyncrl.Worker):
@@ -269,6 +272,12 @@ async def measure(ctl: SimController, n: int, kinds: list[str], calls: int, warm
                    spawn_s=spawn_s, relay=relayed, warmup=warmup) for call in kinds]
 
 
+def plan(n: int, rank_calls: int, warmup: float) -> tuple[int, int]:
+    """(timed calls, untimed warm-up calls) for n ranks: the same for the floor and the calls."""
+    calls = max(10, rank_calls // n)
+    return calls, max(2, int(calls * warmup))
+
+
 async def bench(sizes: list[int], kinds: list[str], rank_calls: int, warmup: float,
                 repeat: int, encrypt: bool, relay: bool | None) -> list[dict]:
     # heartbeats every 30 s: supervision is not what a call costs (it runs between calls)
@@ -276,9 +285,7 @@ async def bench(sizes: list[int], kinds: list[str], rank_calls: int, warmup: flo
                              shutdown_grace=10, encrypt=encrypt, relay=relay) as ctl:
         results = []
         for n in sizes:
-            calls = max(10, rank_calls // n)
-            results += await measure(ctl, n, kinds, calls, max(2, int(calls * warmup)),
-                                     repeat)
+            results += await measure(ctl, n, kinds, *plan(n, rank_calls, warmup), repeat)
         return results
 
 
@@ -295,6 +302,7 @@ def echo_peers(conn: Any, first: int, count: int, parent: int) -> None:
     for i in range(first, first + count):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, b"peer%d" % i)
+        sock.setsockopt(zmq.LINGER, 0)  # an exit never waits on a hello not yet taken
         sock.connect(address)
         sock.send(b"hello")
         socks.append(sock)
@@ -309,11 +317,43 @@ def echo_peers(conn: Any, first: int, count: int, parent: int) -> None:
             sock.send_multipart(frames)
 
 
+def hellos(router: zmq.Socket, n: int, procs: list[Any]) -> list[bytes]:
+    """The identities of the n peers, from their hellos; an error naming the open-file limit
+    if an echo process exits or the hellos stop short (libzmq failing to accept a peer past
+    the limit says nothing)."""
+    peers: list[bytes] = []
+    deadline = time.monotonic() + HELLO_TIMEOUT_S
+    while len(peers) < n:
+        if router.poll(100):
+            peers.append(router.recv_multipart()[0])
+            deadline = time.monotonic() + HELLO_TIMEOUT_S
+            continue
+        dead = [proc.exitcode for proc in procs if proc.exitcode is not None]
+        if dead or time.monotonic() > deadline:
+            why = f"an echo process exited ({dead[0]})" if dead else \
+                f"no more within {HELLO_TIMEOUT_S:.0f} s"
+            raise RuntimeError(
+                f"zmq_floor: heard {len(peers)} of {n} peers' hellos, {why}; the open-file "
+                f"limit is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} (a descriptor per "
+                f"peer here, two per peer in an echo process): raise it with `ulimit -n` or "
+                f"give smaller --sizes")
+    return peers
+
+
 def zmq_floor(n: int, calls: int, warmup: int, repeat: int) -> dict[str, Any]:
     """One 3-part frame of a Call's size to each of n peers and one back, from a plain ROUTER
     (blocking receives, no signing, no decoding): what ZeroMQ alone costs per rank here."""
     fork = mp.get_context("fork")  # no asyncrl import per child: forked before any thread
     per = -(-n // min(MAX_HOSTS, -(-n // RANKS_PER_HOST)))
+    # a descriptor here per peer, two per peer in an echo process (which inherits ours):
+    # past the limit libzmq fails to accept without a word, and the hellos never come
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    need = len(os.listdir("/proc/self/fd")) + max(n, 2 * per) + 16 \
+        if os.path.isdir("/proc/self/fd") else 0
+    if soft != resource.RLIM_INFINITY and need > soft:
+        raise RuntimeError(f"zmq_floor: {n} peers need about {need} open files, more than the "
+                           f"open-file limit of {soft}; raise it (`ulimit -n {need}`; the "
+                           f"hard limit bounds it) or give smaller --sizes or --no-floor")
     procs, pipes = [], []
     for first in range(0, n, per):
         child_end, our_end = fork.Pipe(duplex=False)
@@ -331,7 +371,7 @@ def zmq_floor(n: int, calls: int, warmup: int, repeat: int) -> dict[str, Any]:
         pipe.close()
     peers: list[bytes] = []
     try:
-        peers = [router.recv_multipart()[0] for _ in range(n)]
+        peers = hellos(router, n, procs)
         body, mac = b"b" * 70, b"m" * 32
 
         def one() -> None:
@@ -357,7 +397,7 @@ def zmq_floor(n: int, calls: int, warmup: int, repeat: int) -> dict[str, Any]:
         for peer in peers:
             router.send_multipart([peer, b"stop"])
         for proc in procs:
-            proc.join(10)
+            proc.join(10 if len(peers) == n else 0)  # a peer not heard is not told to stop
             if proc.is_alive():
                 proc.kill()
         router.close(0)
@@ -381,6 +421,11 @@ def main() -> None:
     p.add_argument("--no-relay", action="store_true",
                    help="Controller(relay=False): every rank talks to the controller itself")
     args = p.parse_args()
+    # descriptors up to the hard limit (as a rank raises its own): the floor holds one per
+    # peer, 1024 at the largest default size, which a soft limit of 1024 cannot hold
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):  # (a container's odd limits: as they are)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     logging.getLogger("asyncrl").setLevel(logging.ERROR)  # "ranks share cores": expected
     ctx = {**context(), "warmup_share": args.warmup,
            # where zmq_io_us_per_rank was read from: "schedstat" (ns) or "stat" (10 ms ticks)
@@ -389,7 +434,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     kinds = args.calls.split(",")
     floors = [] if args.no_floor else [  # first: forked before any thread is started
-        zmq_floor(n, max(10, args.rank_calls // n), 5, args.repeat) for n in sizes]
+        zmq_floor(n, *plan(n, args.rank_calls, args.warmup), args.repeat) for n in sizes]
     results = asyncrl.run(bench(sizes, kinds, args.rank_calls, args.warmup, args.repeat,
                                 args.encrypt, False if args.no_relay else None))
     for rec in results:

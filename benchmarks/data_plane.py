@@ -297,17 +297,31 @@ async def asyncio_sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
-def main() -> None:
+# the sizes' defaults, and --quick's (which fill only the sizes not given)
+FULL = {"mib": 256, "repeat": 5, "calls": 10_000}
+QUICK = {"mib": 32, "repeat": 2, "calls": 500}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mib", type=int, default=256, help="size of the batch (MiB)")
-    p.add_argument("--repeat", type=int, default=5, help="timed hand-offs per layout")
-    p.add_argument("--calls", type=int, default=10_000, help="calls for the lifetime check")
-    p.add_argument("--quick", action="store_true", help="32 MiB, 2 repeats, 500 calls")
+    for name, text in (("mib", "size of the batch (MiB)"),
+                       ("repeat", "timed hand-offs per layout"),
+                       ("calls", "calls for the lifetime check")):
+        p.add_argument(f"--{name}", type=int,
+                       help=f"{text}; default {FULL[name]}, with --quick {QUICK[name]}")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: smaller sizes for those not given")
     p.add_argument("--gpu", action="store_true",
                    help="only the GPU hand-offs (CUDA IPC on one host) and a device copy")
-    args = p.parse_args()
-    if args.quick:
-        args.mib, args.repeat, args.calls = 32, 2, 500
+    args = p.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main() -> None:
+    args = parse()
     nbytes = args.mib << 20
     # the huge pages asyncrl's ranks ask for (RANK_ENV_DEFAULTS), here too before anything is
     # allocated: torch reads THP_MEM_ALLOC_ENABLE once, at its first CPU allocation (not on

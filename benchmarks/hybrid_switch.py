@@ -114,15 +114,26 @@ class SwitchBench(asyncrl.Worker):
     @asyncrl.register
     def all_gather(self, repeat: int) -> float:
         local = torch.cat([_local(p) for p in self.backend.model.parameters()]).detach()
-        out = torch.empty(local.numel() * self.world_size, dtype=local.dtype)
-        times = []
-        for _ in range(repeat + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local)
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        return gather_floor(local, repeat)
+
+
+def gather_floor(local: torch.Tensor, repeat: int) -> float:
+    """The median time of an all_gather of every rank's `local` into one tensor. FSDP2's
+    shards are uneven where a dimension does not divide by the ranks (3 ranks: 43, 43 and 42
+    rows of a 128-row weight) and all_gather_into_tensor needs equal ones: each is padded to
+    the largest, as FSDP2 pads its own gather's."""
+    size = torch.tensor([local.numel()])
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    local = torch.nn.functional.pad(local, (0, int(size) - local.numel()))
+    out = torch.empty(local.numel() * dist.get_world_size(), dtype=local.dtype)
+    times = []
+    for _ in range(repeat + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

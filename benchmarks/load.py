@@ -5,7 +5,8 @@ DP1 consumer's call (the rows go worker to worker) and dropped once the consumer
 calls run pipelined, `--window` in flight. Afterwards every object store must be empty; the
 controller's memory growth and the ranks' are reported:
 
-    {"bench": "load", "futures": N, "objects_left": 0, "controller_rss_growth_mib": ...,
+    {"bench": "load", "futures": N, "window": W, "objects_left": 0,
+     "controller_rss_growth_mib": ...,
      "rank_rss_growth_mib": ..., "pass_and_drop_per_s": ...}
 
 Run: `.venv/bin/python benchmarks/load.py [--futures 100000] [--window 256]`. Driver code
@@ -74,7 +75,7 @@ async def load(futures: int, window: int) -> dict:
                 break
             await asyncio.sleep(0.1)
         left = sum(o for g in (producer, consumer) for o, _ in g.store_stats.values())
-        return {"bench": "load", "futures": futures, "objects_left": left,
+        return {"bench": "load", "futures": futures, "window": window, "objects_left": left,
                 "controller_rss_growth_mib": round((me.memory_info().rss - start_ctl) / 2**20, 2),
                 "rank_rss_growth_mib": round(
                     (sum(r.memory_info().rss for r in ranks) - start_ranks) / 2**20, 2),

@@ -23,11 +23,11 @@ task, model, batch and generation length. Everything in one run, on this machine
         sync_s: packing, loading, the controller's hops), and never less than
         pack_load_fraction, the ranks' own gathering, packing, unpacking and loading
         (targets: >= 60 % of the transport, < 20 % outside the wire)
-    {"bench": "grpo_vs_trl", "system": "asyncrl" | "trl", "tokens_per_s", "threads"}
-        TRL in one process with one torch thread and with one per core (asyncrl's two groups
-        use a core each), in each round right after asyncrl's runs: the target is asyncrl
-        ahead of the faster of the two, each round's asyncrl against the same round's TRL,
-        judged by the median of those ratios
+    {"bench": "grpo_vs_trl", "system": "asyncrl" | "trl", "tokens_per_s"} (TRL's: "threads")
+        TRL in one process with one torch thread and with one per core this process may run
+        on (asyncrl's two groups use a core each), in each round right after asyncrl's runs:
+        the target is asyncrl ahead of the faster of the two, each round's asyncrl against
+        the same round's TRL, judged by the median of those ratios
 
 Run: `.venv/bin/python benchmarks/pipeline.py [--steps 30] [--rounds 2] [--sync-preset llama-100m]`
 (`--skip-trl` without trl; `--kl-coef 0`: no KL term, so neither asyncrl nor TRL runs a
@@ -210,6 +210,17 @@ async def weight_sync(preset: str, repeat: int) -> dict:
             "load_s": round(statistics.median(g["sync/load_s"] for _, g in syncs[1:]), 4)}
 
 
+def trl_thread_counts() -> list[int]:
+    """TRL's torch threads: one, and one per core this process may run on (the cores
+    asyncrl's ranks are pinned within, not the machine's: a container or taskset gives
+    fewer)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on macOS)
+        cores = os.cpu_count() or 1
+    return sorted({1, cores})
+
+
 def trl_run(steps: int, warmup: int, threads: int, beta: float) -> dict:
     """TRL's GRPOTrainer (trl_grpo.py) in a process of its own, as asyncrl's groups are.
     With torch's own allocator settings, not the huge pages asyncrl's ranks ask for: with
@@ -262,8 +273,7 @@ def main() -> None:
         except ImportError as e:
             emit({"bench": "grpo_vs_trl", "system": "trl", "skipped": f"{e}"})
             with_trl = False
-    # TRL with one thread and one per core (the same cores as asyncrl too)
-    threads = sorted({1, os.cpu_count() or 1}) if with_trl else []
+    threads = trl_thread_counts() if with_trl else []
     rows, trl = pipeline(args.steps, args.warmup, args.rounds, args.kl_coef, threads, emit)
     for row in rows:
         emit(row)
