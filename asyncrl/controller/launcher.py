@@ -46,6 +46,7 @@ _STOPPED = re.compile(r"\] Sending process (\d+) closing signal")
 
 
 FREEZE_S = 1.0  # the longest signal_all waits for the agent to be stopped
+HANG_UP_S = 1.0  # the longest hang_up waits for remote agents' ssh or srun, at each step
 _ASK = object()  # Agent.start: ask the agent server for a forked torchrun
 
 
@@ -66,6 +67,7 @@ class Agent:
         self.lifeline_env = b"{}\n"  # a remote agent's: its lifeline's first line
         self._server = server  # forks torchrun from a warm process (this host's groups)
         self.proc: subprocess.Popen | ForkedAgent | None = None
+        self._hung_up = False  # a remote agent's lifeline closed (close_lifeline)
         self.rank_pids: dict[int, int] = {}
         self._rank_birth: dict[int, str | None] = {}  # when each rank's process started
         self._launched: dict[int, int] = {}  # the pid torchrun started -> the rank's
@@ -214,8 +216,10 @@ class Agent:
         return sorted(pids)
 
     def signal_all(self, sig: int) -> None:
-        if sig == signal.SIGKILL:  # stopped first: a child it started while its children
-            self._freeze()  # were listed (torchrun starting its ranks) was never signalled
+        if sig == signal.SIGKILL:
+            hang_up([self])
+            # stopped first: a child it started while its children were listed (torchrun
+            self._freeze()  # starting its ranks) was never signalled
         kill_pids(self.all_pids(), sig)
         for rank, pid in self.rank_pids.items():  # torchrun starts each rank in a session
             # of its own: what a rank started (a sandbox, a compile worker) goes with it. Its
@@ -242,6 +246,54 @@ class Agent:
         deadline = time.monotonic() + FREEZE_S
         while state(proc.pid) not in (None, "T", "t", "Z", "X") and time.monotonic() < deadline:
             time.sleep(0.001)  # (a stop takes effect at the process's next kernel exit)
+
+    def close_lifeline(self) -> bool:
+        """A remote agent's end of its lifeline closed while its ssh or srun runs, to pass
+        that on (once): whether it did."""
+        proc = self.proc
+        if self.local or self._hung_up or not isinstance(proc, subprocess.Popen) \
+                or proc.poll() is not None:
+            return False
+        self._hung_up = True
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:  # (its end gone already)
+            pass
+        return True
+
+    def terminate(self) -> None:
+        """SIGTERM to the agent's process (a remote agent's: its ssh or srun)."""
+        if isinstance(self.proc, subprocess.Popen) and self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def exit_by(self, deadline: float) -> None:
+        """Wait for the agent to exit until `deadline` (time.monotonic()) at most."""
+        try:
+            self.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def hang_up(agents: list[Agent]) -> None:
+    """Stop the remote ones of `agents` through their ssh or srun, before those are killed:
+    a SIGKILLed srun passes on nothing (slurmstepd keeps the agent's stdin open until srun
+    says it ended), and the ranks there kept their GPUs until a collective timed out. Their
+    lifelines close first (the agent there stops its ranks, cleans up and exits, its ssh or
+    srun with it); those still running after HANG_UP_S get SIGTERM (srun SIGKILLs its step,
+    ranks included), and HANG_UP_S more."""
+    told = [a for a in agents if a.close_lifeline()]
+    for terminate in (False, True):
+        if terminate:
+            told = [a for a in told if a.returncode is None]
+            for a in told:
+                a.terminate()
+        deadline = time.monotonic() + HANG_UP_S
+        for a in told:
+            a.exit_by(deadline)
 
 
 class HostAgents:
@@ -326,12 +378,15 @@ class HostAgents:
         return sorted({p for a in self.agents for p in a.all_pids()})
 
     def signal_all(self, sig: int) -> None:
+        if sig == signal.SIGKILL:  # every host's at once: one wait for them all
+            hang_up(self.agents)
         for a in self.agents:
             a.signal_all(sig)
 
 
 def check_env(group: str, env: Any) -> None:
-    """A group's `env=`: names and values, both str (None: nothing to add)."""
+    """A group's `env=`: names and values, both str, that an environment can hold (None:
+    nothing to add)."""
     if env is not None and not isinstance(env, Mapping):
         raise TypeError(f"group {group!r}: env= maps names to values, like {{'NAME': 'value'}}; "
                         f"got a {type(env).__name__}: {env!r}")
@@ -339,6 +394,13 @@ def check_env(group: str, env: Any) -> None:
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"group {group!r}: env={{{key!r}: {value!r}}}: environment names "
                             f"and values are str; pass {str(key)!r}: {str(value)!r}")
+        # what no environment can hold (torchrun, or Popen, failed on it later, unnamed)
+        if not key or "=" in key or "\0" in key:
+            raise ValueError(f"group {group!r}: env={{{key!r}: {value!r}}}: an environment "
+                             f"name is not empty and has no '=' or NUL; rename {key!r}")
+        if "\0" in value:
+            raise ValueError(f"group {group!r}: env={{{key!r}: {value!r}}}: an environment "
+                             f"value has no NUL; remove it from the value of {key!r}")
 
 
 def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
@@ -374,6 +436,23 @@ def host_env(h: HostSpec, slots: list[int], base: Mapping[str, str],
                            "ASYNCRL_DATA_HOST": h.address})
 
 
+def netns_interface(h: HostSpec) -> str:
+    """The interface that holds netns host `h`'s address in its namespace (named like it)."""
+    try:
+        out = subprocess.run(["ip", "-n", h.name, "-o", "addr", "show", "to", h.address],
+                             capture_output=True, text=True, timeout=10)
+        why = out.stderr.strip() or "ip lists none"
+        fields = out.stdout.split() if out.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why, fields = str(e), []
+    if len(fields) < 2:
+        raise ValueError(f"host {h.name!r} (via netns): no interface of network namespace "
+                         f"{h.name!r} found holding its address {h.address} ({why}); give "
+                         f"the host the address it has there, or the interface as "
+                         f"GLOO_SOCKET_IFNAME in the group's env=")
+    return fields[1].partition("@")[0]  # ("5: eth0    inet 10.0.0.2/24 ...")
+
+
 def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, str],
                    log_dir: Path, run_id: str, die_with_parent: bool,
                    scratch: Path | None = None) -> HostAgents:
@@ -385,8 +464,8 @@ def cluster_agents(cluster: Cluster, name: str, nprocs: int, extra: dict[str, st
     agents = []
     for i, (h, slots) in enumerate(hosts):
         env = host_env(h, slots, os.environ, extra)
-        if h.via == "netns":  # gloo would pick the machine's address, not the namespace's
-            env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        if h.via == "netns" and "GLOO_SOCKET_IFNAME" not in env:  # gloo would pick the
+            env["GLOO_SOCKET_IFNAME"] = netns_interface(h)  # machine's address, not the host's
         command = torchrun_command(h, env, len(hosts), i, per, endpoint, f"{name}-{run_id}",
                                    None if scratch is None else str(scratch), frozenset(extra))
         agent = Agent(name, per, env, log_dir / f"{name}.{h.name}.log", die_with_parent,
