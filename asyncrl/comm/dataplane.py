@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import time
 from collections import deque
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 import zmq
 
-from asyncrl.comm import codec, cuda_ipc, dataserver, messages, nccl
+from asyncrl.comm import buckets, codec, cuda_ipc, dataserver, messages, nccl
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.channel import LINK_MIN_RATE, open_frame
@@ -87,43 +86,6 @@ def _release(rows: Any) -> None:
             cuda_ipc.release(info)
         except Exception as e:  # noqa: BLE001 - the producer may be gone; nothing to free
             log.warning("asyncrl: could not release CUDA IPC rows on %s: %s", info.gpu, e)
-
-
-def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def _buckets(pieces: list[Piece], row_bytes: int) -> list[Piece]:
-    """Pieces cut into runs of rows of at most BUCKET_BYTES each."""
-    rows = max(1, BUCKET_BYTES // max(1, row_bytes))
-    return [Piece(p.shard, s, min(s + rows, p.stop)) for p in pieces
-            for s in range(p.start, p.stop, rows)]
-
-
-def _column_groups(row_bytes: dict[str, int], rows: int, by_bytes: bool) -> list[list[str]]:
-    """The columns in groups, each asked for by one pull: of at most BUCKET_BYTES for `rows`
-    rows when `by_bytes` (a wider column alone): a row wider than a bucket (a weight pack: a
-    column per parameter) comes a group at a time, not as one message held whole beside the
-    batch it is copied into; and naming at most half what a data server takes in a message
-    (an MoE model's pack has ~19k columns: named in one pull, its server cut the puller off)."""
-    groups: list[list[str]] = [[]]
-    size = named = 0
-    for key, nbytes in row_bytes.items():
-        naming = _naming_bytes(key)
-        if groups[-1] and ((by_bytes and size + nbytes * rows > BUCKET_BYTES)
-                           or named + naming > dataserver.MAX_PULL_BYTES // 2):
-            groups.append([])
-            size = named = 0
-        groups[-1].append(key)
-        size += nbytes * rows
-        named += naming
-    return groups
-
-
-def _naming_bytes(key: str) -> int:
-    """At most what a ColumnDest of `key` adds to a pull: the key, its two ints, msgpack's
-    framing."""
-    return len(key.encode(errors="surrogatepass")) + 24
 
 
 def _encoded(req: Pull) -> bytes:
@@ -343,7 +305,8 @@ class DataClient:
         n = len(rb)
         tensor_cols = [c for c in rb.columns if c.dtype != "list"]
         all_cols = tensor_cols
-        row_bytes = {c.key: _row_bytes(c.dtype, c.shape) for c in tensor_cols}
+        row_bytes = {c.key: buckets.row_bytes(c.dtype, c.shape) for c in tensor_cols}
+        list_bytes = buckets.list_row_bytes(rb.columns)  # a row's, in a reply's message
         same_host = all(p.shard.host == self._host for p in rb.pieces)
         on_gpu = torch.cuda.is_available()
         # GPU columns go device to device by CUDA IPC when this rank sees every producer's
@@ -382,11 +345,13 @@ class DataClient:
         mine: list[tuple[Piece, Pull]] = []  # pieces of this rank's own store
         rows_at, row = {}, 0
         framed = bool(total) and not direct  # tensor columns come as frames over a socket
-        for piece in _buckets(rb.pieces, sum(row_bytes.values())):
+        for piece in buckets.rows_of(rb.pieces, sum(row_bytes.values()) + list_bytes,
+                                     BUCKET_BYTES):
             own = piece.shard.addr == self._own_addr  # (copied here: never by NCCL, no key)
             # (into shared memory, grouped only so that each pull's column names fit a message)
-            groups = _column_groups({k: row_bytes[k] for k in offsets}, piece.stop - piece.start,
-                                    by_bytes=framed) if not own else [[]]
+            groups = buckets.column_groups({k: row_bytes[k] for k in offsets},
+                                           piece.stop - piece.start, by_bytes=framed,
+                                           limit=BUCKET_BYTES) if not own else [[]]
             for first, cols in zip(itertools.count(), groups):
                 req = Pull(next(self._xfer), piece.shard.obj_id, piece.start, piece.stop)
                 if direct and lease is not None:
@@ -457,15 +422,14 @@ class DataClient:
         for end in links.values():  # one puller at a time per communicator: receives match
             end.lock.acquire()      # sends in order
         try:
-            # frames over a socket come in a window of buckets (shared memory and NCCL
-            # bring none: their pulls all go at once)
-            def framed_bytes(req: Pull) -> int:
-                if buf is None or direct:
-                    return 0
-                return (req.stop - req.start) * sum(row_bytes[k] for k in framed_keys(req))
+            # frames and list columns over a socket come in a window of buckets (else all
+            # of them would wait in ZeroMQ's queue; NCCL's receives are posted all at once)
+            def reply_bytes(req: Pull) -> int:  # over the socket: frames and list columns
+                frames = sum(row_bytes[k] for k in framed_keys(req)) if buf is not None else 0
+                return (req.stop - req.start) * (frames + (0 if req.no_lists else list_bytes))
             self._exchange(requests, take, post if links else None,
-                           window=FRAMES_WINDOW if buf is not None and not links else 0,
-                           nbytes=framed_bytes)
+                           window=FRAMES_WINDOW if (buf is not None or list_bytes) and not links
+                           else 0, nbytes=reply_bytes)
             for key, end in links.items():
                 nccl.finish(key, end, self._timeout)
         except BaseException:

@@ -89,12 +89,16 @@ NONE = msgspec.Raw(b"\xc0")  # msgpack nil: the value of a call whose result is 
 
 class Column(msgspec.Struct, array_like=True, frozen=True):
     """One column of a stored TensorBatch: dtype ("list" for a list column), row shape, and
-    the kind of device its tensor lives on ("cpu" or "cuda")."""
+    the kind of device its tensor lives on ("cpu" or "cuda"). `row_bytes`: a list column's
+    bytes a row, on average, as its producer estimated them (`sizes.value_bytes`): its rows
+    come inside a pull's reply, which is given time and cut into buckets by them (a tensor
+    column's dtype and shape say its own)."""
 
     key: str
     dtype: str
     shape: tuple[int, ...] = ()
     device: str = "cpu"
+    row_bytes: int = 0
 
 
 class Schema(msgspec.Struct, array_like=True, frozen=True):

@@ -160,14 +160,23 @@ class RemoteBatch(RowOps):
             raise ValueError("RemoteBatch.concat needs at least one batch")
         columns = batches[0].columns
         for i, b in enumerate(batches[1:], 1):
-            if b.columns != columns:
-                differ = sorted({(c.key, c.dtype, c.shape, c.device) for c in b.columns} ^
-                                {(c.key, c.dtype, c.shape, c.device) for c in columns})
+            if list(map(_kind, b.columns)) != list(map(_kind, columns)):
+                differ = sorted(set(map(_kind, b.columns)) ^ set(map(_kind, columns)))
                 hint = " (responses to prompt batches of different widths: give the " \
                     "PromptSource max_prompt_length, which pads prompts to it)" if any(
                         d[0].startswith("prompt") for d in differ) else ""
                 raise ValueError(f"concat: batch {i} and batch 0 differ in columns (key, dtype, "
                                  f"row shape, device) {differ or 'order'}: batches "
                                  f"concatenate when their columns match{hint}")
+        # a list column's bytes a row: the most any part's producer estimated (too many give
+        # a pull more time and smaller buckets; too few, too little time)
+        columns = tuple(msgspec.structs.replace(c, row_bytes=max(
+            b.columns[j].row_bytes for b in batches)) if c.dtype == "list" else c
+            for j, c in enumerate(columns))
         return RemoteBatch([p for b in batches for p in b.pieces], columns,
                            concat_meta([(b.meta, len(b)) for b in batches]))
+
+
+def _kind(c: Column) -> tuple[str, str, tuple[int, ...], str]:
+    """What concatenated columns must share (not their estimated bytes)."""
+    return c.key, c.dtype, c.shape, c.device

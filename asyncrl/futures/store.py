@@ -18,7 +18,7 @@ from asyncrl.comm import codec
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.messages import NONE, Column, Schema
 from asyncrl.comm.remote import RemoteBatch, RemoteValue
-from asyncrl.comm.sizes import fields
+from asyncrl.comm.sizes import fields, pulled_bytes, value_bytes
 
 
 def schema_of(value: Any) -> Schema:
@@ -31,13 +31,15 @@ def schema_of(value: Any) -> Schema:
                 columns.append(Column(key, str(col.dtype)[6:], tuple(col.shape[1:]),
                                       "cuda" if col.is_cuda else "cpu"))
                 nbytes += col.numel() * col.element_size()
-            else:
-                columns.append(Column(key, "list"))
+            else:  # its bytes (an estimate) give a pull of its rows time and buckets
+                listed = value_bytes(col)
+                columns.append(Column(key, "list", row_bytes=-(-listed // max(1, len(col)))))
+                nbytes += listed
         _check_sendable(value)  # (its list columns; the tensors' errors name the column)
         meta = msgspec.Raw(codec.encode(value.meta)) if value.meta else NONE
         return Schema(len(value), tuple(columns), meta, nbytes)
     _check_sendable(value)
-    return Schema(-1, nbytes=codec.array_bytes(value))
+    return Schema(-1, nbytes=pulled_bytes(value))
 
 
 def _check_sendable(value: Any) -> None:
