@@ -232,6 +232,15 @@ def test_a_bad_lora_entry_is_refused_by_the_model_config(lora, message):
         ModelConfig(lora=lora)
 
 
+def test_numpy_numbers_are_a_lora_entry_as_any_setting():
+    """A sweep's np.int64 rank was refused as not an int, in a message that showed 8."""
+    import numpy as np
+
+    lora = ModelConfig(lora={"rank": np.int64(8), "alpha": np.float32(16)}).lora
+    assert lora.described()["rank"] == 8 and type(lora.rank) is int
+    assert lora == ModelConfig(lora={"rank": 8, "alpha": 16.0}).lora
+
+
 def test_an_empty_modules_to_save_means_none():
     assert ModelConfig(lora={"rank": 4, "modules_to_save": []}).lora == LoraConfig(rank=4)
 

@@ -25,12 +25,15 @@ updates), and what it syncs or saves of them is bf16-rounded: a little log-prob 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from asyncrl.hybrid.settings import whole_number
 
 ADAPTERS = ("lora_A", "lora_B")  # the factors LoRA adds to each targeted layer
 
@@ -46,11 +49,13 @@ class LoraConfig:
     modules_to_save: list[str] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+        if not whole_number(self.rank) or self.rank < 1:
             raise ValueError(f"lora.rank must be an int >= 1, got {self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or \
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or \
                 not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"lora.alpha must be a number > 0, got {self.alpha!r}")
+        # numpy's numbers (a sweep's np.arange) as Python's: compared and written as JSON
+        self.rank, self.alpha = int(self.rank), float(self.alpha)
         if self.target_modules != "all-linear":
             self.target_modules = _names(self.target_modules, "target_modules",
                                          "'all-linear' or a list of layer names (e.g. "
