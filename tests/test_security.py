@@ -7,32 +7,36 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 import torch
 import zmq
 import zmq.asyncio
-from helpers import ROOT, assert_gone, group_pids, run
+from helpers import ROOT, assert_gone, group_pids, poll_until, run
 from zmq.utils.monitor import parse_monitor_message
 
 import asyncrl
-from asyncrl import TensorBatch
+from asyncrl import TensorBatch, cli
 from asyncrl.comm import codec, messages
 from asyncrl.comm.auth import (
     Signer,
+    Verifier,
     curve_available,
     new_curve_keys,
     read_curve,
     read_secret,
     write_secret,
 )
+from asyncrl.controller.inbox import Inbox
 
 DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "no_pickle.py")
 needs_curve = pytest.mark.skipif(not curve_available(), reason="this libzmq has no CURVE")
@@ -50,6 +54,10 @@ class Echo(asyncrl.Worker):
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
     def total(self, batch: TensorBatch) -> float:
         return float(batch["x"].sum())
+
+    @asyncrl.register
+    def numel(self, ts: list) -> int:  # (as a call's value comes: each rank's, in a list)
+        return ts[0].numel()
 
 
 def test_secret_file_is_private(tmp_path):
@@ -258,8 +266,6 @@ def test_nothing_is_ever_unpickled_from_a_socket(tmp_path):
 
 
 def test_launch_encrypt_reaches_the_controller_or_refuses(tmp_path, monkeypatch):
-    from asyncrl import cli
-
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # `launch` sets it for the script
 
     args = cli.parser().parse_args(["launch", "flow.py", "--encrypt"])
@@ -281,7 +287,6 @@ def test_a_late_hello_from_an_earlier_group_of_the_name_is_dropped():
     """A rank of a group that was stopped before it said hello (a spawn that timed out) says
     it late, to the group respawned under that name: taken, it gave rank 0 a stale pid and
     route. It carries its own spawn's token, not this group's."""
-    from helpers import poll_until
 
     async def main():
         async with asyncrl.Controller() as ctl:
@@ -316,8 +321,6 @@ def test_a_late_hello_from_an_earlier_group_of_the_name_is_dropped():
     assert after == before and added == [3]
     # a rank's sockets are named with its pid and 64 random bits: no other process of the
     # host can connect first under the name (pid and group are in `ps`) and take its frames
-    import re
-
     assert re.fullmatch(rb"g/0/io/%d\.[0-9a-f]{16}" % before[0], before[1]), before[1]
 
 
@@ -346,8 +349,6 @@ def test_a_stopped_sockets_frames_replayed_are_dropped():
     """Forgetting a stopped group's routes dropped their sequence numbers: a frame captured
     from one of them verified again, replayed (a dead group's Ready or Log, taken by the
     group started afresh under its name)."""
-    from asyncrl.comm.auth import Verifier
-
     secret = os.urandom(32)
     route = b"g/0/exec/123.00ff00ff00ff00ff"
     frame = Signer(secret).sign(route, messages.encode(messages.Heartbeat(0, 1, 1)))
@@ -365,8 +366,6 @@ def test_a_stopped_sockets_frames_replayed_are_dropped():
 async def _forge(ctl, route: bytes, msg, dropped_as: str) -> None:
     """Send `msg`, signed with the run's secret, from a socket named `route`, and wait for
     the controller to drop it as `dropped_as` (once more)."""
-    from helpers import poll_until
-
     count = ctl.dropped_frames.get(dropped_as, 0) + 1
     ctx = zmq.asyncio.Context()
     forged = ctx.socket(zmq.DEALER)
@@ -399,8 +398,6 @@ def test_a_ready_from_another_socket_than_the_ranks_exec_is_dropped(tmp_path):
     """A group's Ready was taken from any socket naming the group (a captured one of an
     earlier group of the name, replayed): its error failed the spawn, its success marked a
     rank constructed that was not."""
-    from helpers import poll_until
-
     gate = tmp_path / "gate"
 
     async def main():
@@ -451,8 +448,6 @@ def test_an_answer_to_a_call_from_another_groups_socket_is_dropped(tmp_path):
     """Results were taken by call id and the name's group and rank alone: any holder of the
     secret (another group's rank) could answer a group's call with its own value, naming its
     socket as the rank's (its pid is in `ps`), or a relay of the group's."""
-    from helpers import poll_until
-
     gate = tmp_path / "gate"
 
     async def main():
@@ -486,10 +481,6 @@ def test_what_a_rank_prints_before_its_hello_reaches_its_log():
     """Only registered ranks' sockets are heard, but a rank's output starts before its hello
     (a failure there prints its traceback): its log socket's lines are kept, for the group's
     own ranks alone (no file opened for a rank a name claims past the group's size)."""
-    from types import SimpleNamespace
-
-    from asyncrl.controller.inbox import Inbox
-
     class Group:  # (a handle: hashable, as the inbox keeps registered groups in a set)
         name, nprocs = "g", 2
 
@@ -517,12 +508,10 @@ def test_a_value_from_a_peer_never_runs_the_file_a_reference_in_it_names(tmp_pat
     by name was loaded from the file: a holder of the secret (a rank's result, a pulled
     batch, a shared inputs file) could have any .py on the receiver's disk run. Only the
     controller's commands (decode_call) may now; a value finds the modules loaded here."""
-    from asyncrl.comm.codec import EXT_REF
-
     evil = tmp_path / "evil_module_xyz.py"
     ran = tmp_path / "ran"
     evil.write_text(f"open({str(ran)!r}, 'w').close()\nclass Thing:\n    pass\n")
-    ref = msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(
+    ref = msgspec.msgpack.Ext(codec.EXT_REF, msgspec.msgpack.encode(
         ["evil_module_xyz", "Thing", str(evil)]))
     value = msgspec.msgpack.encode({"x": ref})
     with pytest.raises(ImportError, match="values from peers never run a file"):
@@ -540,14 +529,14 @@ def test_a_value_from_a_peer_never_runs_the_file_a_reference_in_it_names(tmp_pat
     side.write_text(f"open({str(ran)!r} + '2', 'w').close()\nclass Thing:\n    pass\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        named = msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(["sidefx_module_xyz",
-                                                                     "Thing", ""]))
+        named = msgspec.msgpack.Ext(codec.EXT_REF, msgspec.msgpack.encode(["sidefx_module_xyz",
+                                                                           "Thing", ""]))
         with pytest.raises(ImportError, match="not imported here"):
             codec.decode(msgspec.msgpack.encode(named))
         assert not (tmp_path / "ran2").exists()
     finally:
         sys.path.remove(str(tmp_path))
-    environ = msgspec.msgpack.Ext(EXT_REF, msgspec.msgpack.encode(["os", "environ", ""]))
+    environ = msgspec.msgpack.Ext(codec.EXT_REF, msgspec.msgpack.encode(["os", "environ", ""]))
     with pytest.raises(TypeError, match="only classes and functions travel by name"):
         codec.decode(msgspec.msgpack.encode(environ))
     # nor a module's lazy __getattr__ (numpy imports numpy.fft on first use), checked in a
@@ -590,3 +579,22 @@ def test_a_run_dir_every_user_can_write_is_refused_before_anything_is_written(
         async with asyncrl.Controller(run_dir=shared) as ctl:
             assert ctl.run_dir == shared
     run(main())
+
+
+
+
+@needs_curve
+def test_encrypted_large_values_leave_the_heartbeats_flowing():
+    # CURVE encrypts a part whole on its context's one I/O thread: 384 MiB in one part, an
+    # argument (the controller's) or a pull (a rank's data server's), held its heartbeats
+    w = torch.ones(3 << 25)  # (not filled on the loop: it would stop them itself)
+
+    async def main():
+        async with asyncrl.Controller(encrypt=True, transport="tcp", heartbeat_interval=0.1,
+                                      heartbeat_timeout=0.5, echo_logs=False) as ctl:
+            a, b = await ctl.spawn(Echo, name="a"), await ctl.spawn(Echo, name="b")
+            got = [await a.numel([w]), await b.numel(a.add(w, 0))]  # (kept on a, pulled by b)
+            return group_pids(a) + group_pids(b), got, a.dead, b.dead
+    pids, got, *dead = run(main())
+    assert_gone(pids)
+    assert got == [[w.numel()]] * 2 and dead == [None, None]

@@ -177,7 +177,9 @@ class RankMain:
         run_id = env.get("ASYNCRL_RUN_ID", str(os.getpid()))
         self.segments = SegmentPool(own_pool_prefix())
         check_reachable(env.get("ASYNCRL_DATA_HOST", "127.0.0.1"), self.address)
-        self.data = DataServer(self.ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
+        # the data plane's own context: CURVE encrypts a part whole on its context's I/O
+        self.data_ctx = zmq.Context()  # thread, and a GiB there held the heartbeats for seconds
+        self.data = DataServer(self.data_ctx, env.get("ASYNCRL_DATA_HOST", "127.0.0.1"),
                                self.secret, self.store.get, f"{self.group}:{self.rank}",
                                run_prefix(run_id),
                                on_start=bind_gpu, timeout=self.transfer_timeout,
@@ -231,7 +233,7 @@ class RankMain:
         # named without this rank's tag: every producer it pulls from sees the name, and the
         # tag is what the controller takes for proof that a socket is this rank's
         identity = f"{self.group}/{self.rank}/pull/{secrets.token_hex(8)}"
-        return DataClient(self.ctx, self.secret, identity, self.host, self.segments,
+        return DataClient(self.data_ctx, self.secret, identity, self.host, self.segments,
                           self.transfer_timeout, self.transport, self.curve,
                           own=(self.data.address, self.store.get), gone=self.gone)
 

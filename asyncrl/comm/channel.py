@@ -25,8 +25,13 @@ _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 DRAIN_MAX = 1000  # messages read in one turn of the loop; the rest in the next
 DRAIN_PARTS = 4 * DRAIN_MAX  # and parts: a message of more is read over several turns
 MAX_PARTS = 3 + (1 << 16)  # parts kept of one message (route, body, MAC, raw frames of at
-# least codec.OOB_MIN_BYTES each): the rest are read and dropped, and so is the message
+# least codec.OOB_MIN_BYTES each, or their PART_BYTES parts): the rest are read and dropped,
+# and so is the message
 LINK_MIN_RATE = 10e6  # bytes/s: the slowest the controller's messages are taken to leave
+# on a CURVE socket raw frames go in parts of at most this: CURVE encrypts (and decrypts) a
+# part whole on its context's one I/O thread, and a GiB in one part held every other
+# message of that thread (the heartbeats) for seconds
+PART_BYTES = 8 << 20
 
 
 # a frame's bytes where zmq received them (cheaper than Frame.buffer; pyzmq's stubs do not
@@ -49,17 +54,47 @@ def open_frame(verifier: Verifier, route: bytes, frames: list,
         return None
 
 
+def in_parts(frames: Sequence[Any]) -> list[Any]:
+    """`frames` cut into parts of at most PART_BYTES (views of them, not copies)."""
+    parts: list[Any] = []
+    for frame in frames:
+        view = memoryview(frame).cast("B")
+        parts += [view[at:at + PART_BYTES] for at in range(0, len(view), PART_BYTES)] or [view]
+    return parts
+
+
+def joined(parts: Sequence[Any], sizes: list[int]) -> list[Any] | None:
+    """The frames of `sizes` that `in_parts` cut into `parts`, whole again (one of several
+    parts copied once, into a writable buffer), or None: the parts are not those cuts."""
+    counts = [max(1, -(-size // PART_BYTES)) for size in sizes]
+    if sum(counts) != len(parts):  # (before the cuts are listed: a size of petabytes in a
+        return None  # signed message would list a hundred million)
+    cuts = [min(PART_BYTES, size - at) for size in sizes
+            for at in range(0, size, PART_BYTES) or [0]]
+    if [len(part) for part in parts] != cuts:
+        return None
+    frames, at = [], 0
+    for count in counts:
+        whole = parts[at:at + count]
+        frames.append(whole[0] if count == 1 else bytearray().join(map(_view, whole)))
+        at += count
+    return frames
+
+
 _Framed = type[messages.Call] | type[messages.Construct] | type[messages.Fetched]
 
 
 def open_with_frames(verifier: Verifier, route: bytes, signed: list, extra: Sequence[Any],
-                     kinds: tuple[_Framed, ...], copy: bool = False) -> Message | None:
+                     kinds: tuple[_Framed, ...], copy: bool = False, parts: bool = False
+                     ) -> Message | None:
     """`open_frame` of the two `signed` parts; the raw parts after them (`extra`, zmq
     Frames) are allowed for a message of `kinds` (Call, Construct, Fetched) that announces
     their sizes in its `buffers`, and go in its `frames` as views, made only then. Anything
-    else with raw parts is dropped as malformed."""
+    else with raw parts is dropped as malformed. `parts`: they came `in_parts` (CURVE)."""
     msg = open_frame(verifier, route, signed, copy)
     if isinstance(msg, kinds):
+        if parts and msg.buffers:
+            extra = joined(extra, msg.buffers) or []  # (not theirs: dropped below)
         # `frames` is for what came here, never what a sender wrote into the message
         if msg.frames or [len(f) for f in extra] != msg.buffers:
             verifier.drop("malformed", route)
@@ -87,6 +122,7 @@ class ControllerChannel:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a control message silently
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._parts = curve_secret is not None  # raw frames go and come `in_parts`
         try:
             if curve_secret is not None:  # encrypted: only CURVE clients with our key get in
                 curve_server(self._sock, curve_secret)
@@ -166,6 +202,8 @@ class ControllerChannel:
         unheard = self._watched.get(identity)
         if unheard is not None:
             unheard.sent(self._signer.seq, now, self._backlog / LINK_MIN_RATE)
+        if frames and self._parts and b"/relay-" not in identity:  # (relays take them whole)
+            frames = in_parts(frames)
         send = self._sock.send
         send(identity, _MORE)
         send(body, _MORE)
@@ -225,10 +263,11 @@ class ControllerChannel:
             self._verifier.drop("malformed", identity)  # frame it sent, bounced back)
             return
         # checked on the received buffers (a MAC part of gigabytes is refused by its size,
-        # not copied first), the body copied once it passed
+        # not copied first), the body copied once it passed; a large result's arrays' bytes
+        # follow it
         msg = open_with_frames(self._verifier, identity, [_view(frames[1]), _view(frames[2])],
-                               frames[3:], (messages.Fetched,), copy=True)  # (a large
-        if msg is None:  # result: its arrays' bytes follow)
+                               frames[3:], (messages.Fetched,), copy=True, parts=self._parts)
+        if msg is None:
             return
         try:
             handle(identity, msg)
@@ -279,6 +318,7 @@ class RankSocket:
         self._sock.setsockopt(zmq.LINGER, 2000)  # let the last results leave on exit
         if curve is not None:
             curve_client(self._sock, curve.controller)
+        self._parts = curve is not None  # raw frames go and come `in_parts`
         self._sock.connect(address)
         self._signer = Signer(secret)
         self._verifier = verifier or Verifier(secret)
@@ -308,7 +348,8 @@ class RankSocket:
         """Send a message; `frames` (raw buffers a Fetched announces) follow it, unsigned and
         uncopied (held until sent). block=False: zmq.Again when its queue is full."""
         self._sock.send_multipart([*self._signer.sign(self.identity, messages.encode(msg)),
-                                   *frames], 0 if block else zmq.NOBLOCK, copy=False)
+                                   *(in_parts(frames) if self._parts else frames)],
+                                  0 if block else zmq.NOBLOCK, copy=False)
 
     def recv(self, timeout_ms: int) -> Message | None:
         """The next valid message, or None when `timeout_ms` passed (invalid ones dropped).
@@ -327,7 +368,7 @@ class RankSocket:
         while sock.rcvmore:  # raw ones: large, used where zmq received them
             extra.append(sock.recv(copy=False))
         return open_with_frames(self._verifier, self._route, frames, extra,
-                                (messages.Call, messages.Construct))
+                                (messages.Call, messages.Construct), parts=self._parts)
 
     def close(self) -> None:
         self._sock.close()
