@@ -9,7 +9,7 @@
                         [--wandb PROJECT | --no-wandb]
                                           run FILE's `flow` (a DataFlow), or its `main()`
     asyncrl run FILE --node NAME --inputs FILE     run one node alone with saved inputs
-    asyncrl timeline RUN_DIR                       draw RUN_DIR/timeline.json as a PNG
+    asyncrl timeline RUN_DIR [--out PNG]           draw RUN_DIR/timeline.json as a PNG
     asyncrl export RUN_DIR OUT [--group G] [--dtype D]   the trained policy as a HF model
     asyncrl logs RUN_DIR --group G [--rank R] [--tail N]   one rank's output
     asyncrl attach RUN_DIR [--group G] [--rank R] [--thread T] [--list]
@@ -30,6 +30,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from asyncrl.cli_cluster import launch_cluster
+from asyncrl.controller.logs import visible
 from asyncrl.controller.nodes import NodeError
 from asyncrl.controller.runner import Terminated, run
 from asyncrl.controller.trackers import TrackerError
@@ -87,7 +89,7 @@ def launch(args: argparse.Namespace) -> int:
         raise SystemExit(f"asyncrl launch: unrecognized arguments: {' '.join(stray)}; "
                          f"{args.script} defines a flow, which takes key=value overrides "
                          f"after the options, and no '--' (see `asyncrl launch --help`)")
-    cluster, host = _cluster(args)  # (refused before a run directory is made)
+    cluster, host = launch_cluster(args)  # (refused before a run directory is made)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
     given = {k: v for k, v in (("steps", args.steps), ("checkpoint_every", args.checkpoint_every),
@@ -159,7 +161,7 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
                   f"every N saves along the way)", file=sys.stderr)
         raise
     except (CheckpointError, TrackerError) as e:
-        print(f"asyncrl {command}: {e}", file=sys.stderr)
+        print(visible(f"asyncrl {command}: {e}"), file=sys.stderr)
         return 2
     except AsyncRLError as e:  # a failed node (NodeError: step, group, a rank's traceback);
         # a group that could not start, be placed, or died outside a node; recoveries used up
@@ -168,8 +170,10 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
         where = "" if cause is None or isinstance(cause, AsyncRLError) else "".join(
             traceback.format_exception(cause))  # (its notes in it)
         said = f"asyncrl: {e}\n{where}" if node else f"asyncrl {command}: {type(e).__name__}: {e}"
-        print(f"{said}{_notes(None if where else cause, e)}".rstrip() + f"\nrun_dir: {run_dir} "
-              f"(logs/ has every group's output)", file=sys.stderr)
+        said = f"{said}{_notes(None if where else cause, e)}".rstrip()
+        # escaped, as the console escapes the ranks' lines: a rank's error, its log's tail
+        print(visible(said) + f"\nrun_dir: {run_dir} (logs/ has every group's output)",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -249,41 +253,6 @@ def _seconds(text: str) -> float:
 _seconds.__name__ = "number of seconds > 0"  # (argparse says "invalid <name> value")
 
 
-def _cluster(args: argparse.Namespace) -> tuple[Any, str]:
-    """The cluster to spread groups over (--hosts FILE, or the SLURM allocation this runs
-    in), and the address the control plane listens on (this machine's, beyond loopback,
-    when ranks run on other machines)."""
-    import socket
-
-    from asyncrl.controller.cluster import Cluster, unreachable
-
-    try:
-        cluster = Cluster.from_file(args.hosts) if args.hosts else Cluster.from_slurm()
-    except ValueError as e:
-        raise SystemExit(f"asyncrl launch: {e}") from None
-    if cluster is None or all(h.via == "local" for h in cluster.hosts):
-        return cluster, "127.0.0.1"
-    remote = [h.name for h in cluster.hosts if h.via != "local"]
-    fix = (f"pass --controller-address ADDRESS, this machine's address as host(s) {remote} "
-           f"reach it: their ranks connect back to the controller")
-    address = args.controller_address
-    said = f"--controller-address {address}"
-    if address is None:
-        name = socket.gethostname()
-        try:
-            address = socket.gethostbyname(name)
-        except OSError as e:  # (gaierror)
-            raise SystemExit(f"asyncrl launch: this machine's name {name!r} does not "
-                             f"resolve here ({e}); {fix}") from None
-        said = (f"this machine's name {name!r} resolves to {address} (Debian-style hosts "
-                f"name themselves 127.0.1.1)")
-    why = unreachable(address)  # (a loopback or wildcard IP, or a name resolving to one)
-    if why is not None:  # (as Controller refuses them)
-        raise SystemExit(f"asyncrl launch: {said}{why and f' ({why})'}, an address other "
-                         f"machines cannot reach; {fix}")
-    return cluster, address
-
-
 def run_node(args: argparse.Namespace) -> int:
     from asyncrl.controller.launch import load_inputs, run_one_node, saved_overrides
 
@@ -329,10 +298,14 @@ def timeline(args: argparse.Namespace) -> int:
     if not trace.is_file():
         raise SystemExit(f"asyncrl timeline: {trace} does not exist; it is written by "
                          f"`asyncrl launch FLOW --run-dir {args.run_dir}`")
+    png = Path(args.out) if args.out else Path(args.run_dir) / "timeline.png"
     try:
-        print(draw(trace, Path(args.run_dir) / "timeline.png"))
+        print(draw(trace, png))
     except (ImportError, ValueError) as e:
         raise SystemExit(f"asyncrl timeline: {e}") from None
+    except OSError as e:  # (a run directory this user cannot write: another user's run)
+        raise SystemExit(f"asyncrl timeline: drawing {trace} into {png} failed ({e}); give "
+                         f"--out FILE.png, a file you can write") from None
     return 0
 
 
@@ -571,6 +544,7 @@ def parser() -> argparse.ArgumentParser:
     ep.set_defaults(func=export)
     tp = sub.add_parser("timeline", help="draw a run's timeline as a PNG Gantt chart")
     tp.add_argument("run_dir")
+    tp.add_argument("--out", default=None, help="the PNG to write (RUN_DIR/timeline.png)")
     tp.set_defaults(func=timeline)
     return p
 

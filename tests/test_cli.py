@@ -505,12 +505,12 @@ def test_remote_hosts_and_a_loopback_or_unresolvable_name_ask_for_controller_add
     monkeypatch.setattr(socket, "gethostbyname", unresolvable)
     given = argparse.Namespace(hosts=str(hosts), controller_address=None)
     with pytest.raises(SystemExit, match=r"does not resolve here .*--controller-address"):
-        cli._cluster(given)
+        cli.launch_cluster(given)
     given.controller_address = "127.0.0.1"
     with pytest.raises(SystemExit, match=r"--controller-address 127\.0\.0\.1, an address"):
-        cli._cluster(given)
+        cli.launch_cluster(given)
     given.controller_address = "10.0.0.2"
-    assert cli._cluster(given)[1] == "10.0.0.2"
+    assert cli.launch_cluster(given)[1] == "10.0.0.2"
 
 
 def test_a_stale_setting_keeps_groups_and_settings_of_a_module_the_flow_imports(

@@ -1,5 +1,6 @@
-"""`asyncrl launch` and `asyncrl run` at their edges: a run directory others can write,
-errors whose notes say more, a file that is no Python, damaged saved inputs."""
+"""`asyncrl launch`, `run`, `logs` and `timeline` at their edges: a run directory others can
+write, errors whose notes say more, a file that is no Python, damaged saved inputs, a reader
+that stops early."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 from helpers import NO_GROUPS_FLOW as NO_GROUPS
+from helpers import ROOT
 
 
 @pytest.fixture
@@ -131,3 +133,120 @@ def test_a_file_that_is_no_python_is_said_to_be_so(tmp_path, cli_argv):
                                               str(flow)]):
         with pytest.raises(SystemExit, match=f"^asyncrl: {flow} is not a Python file \\(.py\\)"):
             main(command)
+
+
+def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
+    from asyncrl.controller.logs import LogSink, read_log
+
+    sink = LogSink(tmp_path / "logs", echo=False)
+    sink.write("actor", 1, ["first", "second", "third"])
+    sink.close()
+    out = subprocess.run([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
+                          "actor", "--rank", "1", "--tail", "2"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["second", "third"]
+    assert list(read_log(tmp_path, "actor", 1, 0)) == []  # not the whole log
+    other = tmp_path / "other"
+    sink = LogSink(other / "logs", echo=False)  # a group closed: its files closed too
+    sink.write("actor", 0, ["a"])
+    sink.write("critic", 0, ["b"])
+    opened = set(os.listdir("/proc/self/fd"))
+    sink.close_group("actor")
+    assert len(opened - set(os.listdir("/proc/self/fd"))) == 1
+    sink.write("actor", 0, ["c"])  # a respawned group's rank: opened again, appended to
+    sink.close()
+    assert list(read_log(other, "actor", 0)) == ["a", "c"]
+    assert list(read_log(tmp_path, "actor", 1, 5)) == ["first", "second", "third"]
+    with pytest.raises(FileNotFoundError, match=r"no log for group 'critic' rank 1 .*logs "
+                                                r"there: \['actor:0', 'critic:0'\]"):
+        read_log(other, "critic", 1)
+    (other / "logs" / "critic.log").write_text("torchrun's\n")  # the group ran, its rank 1
+    with pytest.raises(FileNotFoundError, match=r"rank 1 of group 'critic' printed nothing .*"
+                                                r"torchrun log is .*critic\.log"):
+        read_log(other, "critic", 1)  # printed nothing (its file is made at its first line)
+    (other / "logs" / "critic.log").unlink()  # on a cluster: one torchrun log per host
+    for host in ("n1", "n2"):
+        (other / "logs" / f"critic.{host}.log").write_text("torchrun's\n")
+    with pytest.raises(FileNotFoundError, match=r"printed nothing .*torchrun logs are "
+                                                r".*critic\.n1\.log, .*critic\.n2\.log"):
+        read_log(other, "critic", 1)
+    # read from the end, a block at a time: lines across blocks come whole
+    from asyncrl.controller.logs import _last_lines
+
+    big = tmp_path / "big.log"
+    big.write_text("".join(f"{i:05d} " + "x" * (i % 37) + "\n" for i in range(3000)))
+    want = big.read_text().splitlines()
+    for n in (0, 1, 7, 500, 5000):
+        assert _last_lines(big, n, block=100) == want[max(len(want) - n, 0):]
+    bad = subprocess.run([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
+                          "critic", "--rank", "0"], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert bad.returncode != 0 and "actor:1" in bad.stderr
+
+
+def test_asyncrl_logs_keeps_a_ranks_lines_whole_and_stops_quietly_for_head(tmp_path):
+    """Lines split at newlines only (str.splitlines also split at U+2028, \\x0c...: a
+    fragment came out as a line of its own); a reader that stops early (`| head -1`) ended
+    in a BrokenPipeError traceback and exit code 1."""
+    from asyncrl.controller.logs import LogSink, read_log
+
+    sink = LogSink(tmp_path / "logs", echo=False)
+    sink.write("actor", 0, ["sep\u2028arated", "form\x0cfeed"] + [f"line {i}" for i in range(
+        20000)])
+    sink.close()
+    assert list(read_log(tmp_path, "actor", 0))[:2] == ["sep\u2028arated", "form\x0cfeed"]
+    assert list(read_log(tmp_path, "actor", 0, 20001))[0] == "form\x0cfeed"
+    with subprocess.Popen([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
+                           "actor", "--rank", "0"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, cwd=ROOT) as logs:  # (pipes closed, reaped)
+        try:
+            assert logs.stdout.readline() == "sep\u2028arated\n".encode()
+            logs.stdout.close()  # as `head -1` does
+            assert logs.wait(60) == 0
+            assert logs.stderr.read() == b""
+        finally:
+            if logs.poll() is None:  # (failed midway)
+                logs.kill()
+
+
+def test_a_ranks_escape_sequences_in_the_runs_last_error_are_shown_escaped(tmp_path, capsys):
+    """The run's last error was printed as it was: a rank's exception message (a model's
+    output in it) or a dead group's log tail set the terminal's title, cleared it... The
+    console escapes them in the ranks' lines; the error now too, its newlines kept."""
+    from asyncrl.cli import _run_flow
+    from asyncrl.controller.nodes import NodeError
+    from asyncrl.errors import CheckpointError, RemoteError
+
+    raw = "bad answer \x1b]0;pwned\x07\x1b[2J"
+    cause = RemoteError("reward", 0, "score", "ValueError", raw, f"Traceback\nValueError: {raw}")
+    node = NodeError("score", 3, cause)
+    node.__cause__ = cause
+
+    async def fails(error: BaseException) -> None:
+        raise error
+
+    for error, code in ((node, 1), (cause, 1), (CheckpointError(raw), 2)):
+        assert _run_flow("launch", tmp_path, fails(error)) == code
+        err = capsys.readouterr().err
+        assert not {"\x07", "\x1b"} & set(err), repr(err)
+        assert "bad answer \\x1b]0;pwned\\x07\\x1b[2J" in err
+        assert code == 2 or "\n--- remote traceback (group 'reward', rank 0) ---\n" in err
+
+
+def test_asyncrl_timeline_where_its_picture_cannot_be_written_says_so(tmp_path):
+    """A run directory this user cannot write (another user's run): the picture's OSError
+    ended `asyncrl timeline` in a traceback. Said in a line; --out draws it elsewhere."""
+    pytest.importorskip("matplotlib")
+    from asyncrl.cli import main
+    from asyncrl.controller.timeline import Timeline
+
+    timeline = Timeline(tmp_path)
+    timeline.node("generate", 0, 1.0, 1.5)
+    timeline.write(timeline.take())
+    (tmp_path / "timeline.png").mkdir()  # (a folder this user cannot write, even as root)
+    with pytest.raises(SystemExit, match=f"asyncrl timeline: drawing {tmp_path}/timeline.json "
+                                         f"into {tmp_path}/timeline.png failed .*Is a "
+                                         f"directory.*; give --out FILE.png"):
+        main(["timeline", str(tmp_path)])
+    assert main(["timeline", str(tmp_path), "--out", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 0

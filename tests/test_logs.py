@@ -1,5 +1,6 @@
 """Ranks' output: streamed to the controller, prefixed on its console, kept per rank in the
-run directory, rate-limited on the console only, and read back with `asyncrl logs`."""
+run directory, rate-limited on the console only, and read back with `asyncrl logs` (the
+command's own tests: test_cli_edges.py)."""
 
 from __future__ import annotations
 
@@ -82,80 +83,6 @@ def test_a_log_file_that_cannot_be_written_hides_nothing_on_the_console(tmp_path
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "g:0 | one" and err[-1] == "g:1 | two"
     assert len([line for line in err if "failed" in line]) == 1  # said once
-
-
-def test_asyncrl_logs_prints_a_rank_log_and_names_the_known_ones(tmp_path):
-    sink = LogSink(tmp_path / "logs", echo=False)
-    sink.write("actor", 1, ["first", "second", "third"])
-    sink.close()
-    out = subprocess.run([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
-                          "actor", "--rank", "1", "--tail", "2"], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.splitlines() == ["second", "third"]
-    from asyncrl.controller.logs import read_log
-
-    assert list(read_log(tmp_path, "actor", 1, 0)) == []  # not the whole log
-    other = tmp_path / "other"
-    sink = LogSink(other / "logs", echo=False)  # a group closed: its files closed too
-    sink.write("actor", 0, ["a"])
-    sink.write("critic", 0, ["b"])
-    opened = set(os.listdir("/proc/self/fd"))
-    sink.close_group("actor")
-    assert len(opened - set(os.listdir("/proc/self/fd"))) == 1
-    sink.write("actor", 0, ["c"])  # a respawned group's rank: opened again, appended to
-    sink.close()
-    assert list(read_log(other, "actor", 0)) == ["a", "c"]
-    assert list(read_log(tmp_path, "actor", 1, 5)) == ["first", "second", "third"]
-    with pytest.raises(FileNotFoundError, match=r"no log for group 'critic' rank 1 .*logs "
-                                                r"there: \['actor:0', 'critic:0'\]"):
-        read_log(other, "critic", 1)
-    (other / "logs" / "critic.log").write_text("torchrun's\n")  # the group ran, its rank 1
-    with pytest.raises(FileNotFoundError, match=r"rank 1 of group 'critic' printed nothing .*"
-                                                r"torchrun log is .*critic\.log"):
-        read_log(other, "critic", 1)  # printed nothing (its file is made at its first line)
-    (other / "logs" / "critic.log").unlink()  # on a cluster: one torchrun log per host
-    for host in ("n1", "n2"):
-        (other / "logs" / f"critic.{host}.log").write_text("torchrun's\n")
-    with pytest.raises(FileNotFoundError, match=r"printed nothing .*torchrun logs are "
-                                                r".*critic\.n1\.log, .*critic\.n2\.log"):
-        read_log(other, "critic", 1)
-    # read from the end, a block at a time: lines across blocks come whole
-    from asyncrl.controller.logs import _last_lines
-
-    big = tmp_path / "big.log"
-    big.write_text("".join(f"{i:05d} " + "x" * (i % 37) + "\n" for i in range(3000)))
-    want = big.read_text().splitlines()
-    for n in (0, 1, 7, 500, 5000):
-        assert _last_lines(big, n, block=100) == want[max(len(want) - n, 0):]
-    bad = subprocess.run([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
-                          "critic", "--rank", "0"], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT)
-    assert bad.returncode != 0 and "actor:1" in bad.stderr
-
-
-def test_asyncrl_logs_keeps_a_ranks_lines_whole_and_stops_quietly_for_head(tmp_path):
-    """Lines split at newlines only (str.splitlines also split at U+2028, \\x0c...: a
-    fragment came out as a line of its own); a reader that stops early (`| head -1`) ended
-    in a BrokenPipeError traceback and exit code 1."""
-    from asyncrl.controller.logs import read_log
-
-    sink = LogSink(tmp_path / "logs", echo=False)
-    sink.write("actor", 0, ["sep\u2028arated", "form\x0cfeed"] + [f"line {i}" for i in range(
-        20000)])
-    sink.close()
-    assert list(read_log(tmp_path, "actor", 0))[:2] == ["sep\u2028arated", "form\x0cfeed"]
-    assert list(read_log(tmp_path, "actor", 0, 20001))[0] == "form\x0cfeed"
-    with subprocess.Popen([sys.executable, "-m", "asyncrl", "logs", str(tmp_path), "--group",
-                           "actor", "--rank", "0"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, cwd=ROOT) as logs:  # (pipes closed, reaped)
-        try:
-            assert logs.stdout.readline() == "sep\u2028arated\n".encode()
-            logs.stdout.close()  # as `head -1` does
-            assert logs.wait(60) == 0
-            assert logs.stderr.read() == b""
-        finally:
-            if logs.poll() is None:  # (failed midway)
-                logs.kill()
 
 
 @contextlib.contextmanager
@@ -490,6 +417,25 @@ def test_the_progress_line_goes_through_the_console_thread(tmp_path, monkeypatch
     assert text.index("g:0 | a rank's line") < text.index("step 1/3") < text.index("step 3/3")
 
 
+def test_a_trackers_notices_go_through_the_console_thread(tmp_path, monkeypatch):
+    """A tracker's notice (TensorBoard or wandb failing mid-run) was printed on the
+    controller's loop: a console that does not read stopped the loop there too."""
+    from asyncrl.controller.trackers import TensorBoard
+
+    class Broken:
+        def add_scalar(self, *args):
+            raise OSError(28, "No space left on device")
+    paused = PausedConsole()
+    monkeypatch.setattr(sys, "stderr", paused)
+    sink, board = LogSink(tmp_path, lines_per_s=1e9, burst=10**9), TensorBoard(tmp_path)
+    board.say, board.writer = sink.console.write, Broken()  # as asyncrl launch sets it
+    board.log(0, {"loss": 1.0})  # returns at once, whatever the console does
+    assert not paused.shown
+    paused.reading.set()
+    sink.close()
+    assert "tensorboard: logging step 0 failed (OSError" in "".join(paused.shown)
+
+
 def test_the_controllers_notices_go_through_the_console_thread(tmp_path, monkeypatch):
     """A restart's, a rewind's or a checkpoint's notice was printed on the controller's loop:
     a console that does not read stopped the loop there (the heartbeats with it). They go
@@ -598,3 +544,38 @@ def on_a_terminal(command: list[str]) -> tuple[int, bytes]:
         os.close(leader)
         if follower >= 0:
             os.close(follower)
+
+
+
+def test_a_thousand_printing_ranks_leave_the_controller_descriptors_to_write_with(tmp_path):
+    """A file held open per printing rank took every descriptor (the soft limit, 1024, kept)
+    at ~1000 ranks: metrics.jsonl's append, every open after, failed with EMFILE."""
+    script = """if True:
+        import resource, sys
+        from pathlib import Path
+        from asyncrl.actors.procs import raise_open_file_limit
+        from asyncrl.controller.logs import LogSink, append_line
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 300))  # a low hard limit too
+        raise_open_file_limit()  # as the controller starts
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (300, 300)
+        sink = LogSink(Path(sys.argv[1]), echo=False)  # 400 ranks: some files kept open
+        for rank in [*range(400), 0]:  # (rank 0's file closed meanwhile: appended to)
+            sink.write("g", rank, [f"rank {rank}"])
+        append_line(Path(sys.argv[1]) / "metrics.jsonl", "{}")
+        sink.close()
+    """
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert all((tmp_path / "g" / f"rank{r}.log").read_text() == f"rank {r}\n" * (1 + (r == 0))
+               for r in range(400))
+
+
+def test_a_group_name_with_a_newline_at_its_end_is_refused():
+    """Its pattern ended in "$", which matches before a last newline too: "actor\\n" passed."""
+    from asyncrl.controller.logs import check_group_name
+
+    check_group_name("actor")
+    for name in ("actor\n", "\nactor"):
+        with pytest.raises(ValueError, match="use letters, digits"):
+            check_group_name(name)

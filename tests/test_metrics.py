@@ -53,11 +53,10 @@ def test_a_tracker_failing_mid_run_or_at_its_close_neither_ends_nor_hides_the_ru
         def finish(self, exit_code):
             raise BrokenPipeError("the wandb service is gone")
 
-    w = Wandb.__new__(Wandb)  # as made by a run that started well
-    w.run, w.logged, w._said_through = DeadService(), -1, -1
+    w, said = Wandb.__new__(Wandb), []  # as made by a run that started well
+    w.run, w.logged, w._said_through, w.say = DeadService(), -1, -1, said.append
     w.log(0, {"loss": 1.0})
-    err = capsys.readouterr().err
-    assert w.run is None and "no more rows go to wandb" in err and "failed too" in err
+    assert w.run is None and "no more rows go to wandb" in said[0] and "failed too" in said[1]
 
     class FullDisk:
         def close(self, failed):
@@ -141,6 +140,18 @@ def test_tensorboard_failing_to_close_for_a_rewind_is_turned_off_not_the_run(tmp
     board.rewind(3)  # (it raised out of on_rewind, ending a run that had just recovered)
     assert board.writer is None
     assert "closing its writer for a rewind failed (OSError" in capsys.readouterr().err
+
+
+def test_every_node_has_its_time_one_that_called_no_group_too(tmp_path):
+    """time/<node>_s came from a node's group calls only: a node that called none (a reward
+    computed on the controller) had none in its rows, which the README gives every node."""
+    tl = Timeline()
+    tl.node("score", 0, 1.0, 1.25)  # no group call: its own time
+    tl.node("train", 0, 1.0, 3.0)
+    tl.add(Event("policy", "train", 0, 1.5, 2.5))  # its group call's time, as before
+    Metrics(tmp_path, 1, tl, trackers=[])(0, {}, 3.0)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["time/score_s"] == 0.25 and row["time/train_s"] == 1.0
 
 
 def test_overlapping_spans_of_one_row_go_on_lanes_that_perfetto_keeps(tmp_path):
@@ -327,7 +338,7 @@ def test_asyncrl_timeline_rebuilds_the_trace_of_a_run_killed_as_it_wrote_it(tmp_
         tl.add(e)
     tl.write(tl.take())
     (tmp_path / "timeline.json").unlink()  # killed between timeline.jsonl and its trace
-    assert timeline(argparse.Namespace(run_dir=str(tmp_path))) == 0
+    assert timeline(argparse.Namespace(run_dir=str(tmp_path), out=None)) == 0
     assert len(perfetto_lanes(tmp_path)[1]) == 10
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -393,6 +404,34 @@ def test_spans_a_failed_write_took_are_written_by_the_next(tmp_path, monkeypatch
     tl.add(Event("policy", "train", 1, 1.6, 1.9))
     monkeypatch.setattr(timeline_module, "_append", real)
     tl.write(tl.take(1))
+    assert written_spans(tmp_path) == [(0, "rollout"), (1, "train")]
+    # the failed write's lane had been taken all the same, its "thread_name" line not
+    # written: the next span went on a lane no line named (`asyncrl timeline`'s KeyError: 0)
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in trace if e["ph"] == "X"} <= {e["tid"] for e in trace
+                                                            if e["ph"] == "M"}
+
+
+def test_spans_whose_trace_rebuild_failed_are_not_written_again(tmp_path, monkeypatch):
+    """A checkpoint's spans appended, timeline.json's rebuild failing (a full disk): they
+    were put back all the same, and the next write appended them a second time."""
+    import asyncrl.controller.timeline as timeline_module
+
+    real, failures = timeline_module.build_trace, [OSError(28, "No space left on device")]
+
+    def full_once(run_dir):
+        if failures:
+            raise failures.pop()
+        return real(run_dir)
+    monkeypatch.setattr(timeline_module, "build_trace", full_once)
+    tl = Timeline(tmp_path)
+    tl.add(Event("policy", "rollout", 0, 1.0, 1.5))
+
+    async def main():
+        with pytest.raises(OSError, match="No space"):
+            await write_spans(tl, 0)
+        await last_write(tl)
+    asyncio.run(main())
     assert written_spans(tmp_path) == [(0, "rollout"), (1, "train")]
 
 

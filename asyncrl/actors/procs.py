@@ -1,8 +1,11 @@
-"""Processes by pid, told apart from later ones that get the same pid."""
+"""Processes by pid, told apart from later ones that get the same pid; this process's
+open-file limit."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import signal
 
 PROCESS_ENV = "ASYNCRL_CONTROLLER_PROCESS"  # a local rank's: its controller, as "pid:birth"
@@ -82,3 +85,11 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's: it runs
         return True
+
+
+def raise_open_file_limit() -> None:
+    """This process's open-file limit raised to its hard limit: the controller holds sockets
+    and a log file per rank, a rank two descriptors a segment kept (1024 ran out at ~450)."""
+    with contextlib.suppress(ValueError, OSError):  # (a container's odd limits: as they are)
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import msgspec
 
-from asyncrl.actors.procs import PROCESS_ENV, runs, this_process
+from asyncrl.actors.procs import PROCESS_ENV, raise_open_file_limit, runs, this_process
 from asyncrl.actors.protocols import Layout
 from asyncrl.actors.worker import Worker
 from asyncrl.comm import codec, messages
@@ -207,6 +207,7 @@ class Controller:
             raise
 
     def _start(self) -> None:
+        raise_open_file_limit()  # (a socket and a log file per rank: 1024 ran out)
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))
         self.run_dir.mkdir(0o775, parents=True, exist_ok=True)  # (no write for others

@@ -82,7 +82,9 @@ class Metrics:
     """metrics.jsonl (one object per step), the trackers (TensorBoard when installed, wandb
     when asked for: asyncrl/controller/trackers.py), a progress line.
 
-    A row: {"step": t, "time/step_s": ..., "time/<node>_s": ..., then each node's numbers}.
+    A row: {"step": t, "time/step_s": ..., "time/<node>_s": ..., then each node's numbers};
+    a node's time spans its group calls (first start to last end), or its function's run
+    where it called no group.
     A node returning {"loss": x} gives "<node>/loss"; a key with a "/" ({"actor/kl": x}) is
     written as it is. With "perf/tokens" in the row, "perf/tokens_per_s" is added (tokens
     over the step's seconds). Per group: "time/busy/<group>_s", the time its ranks spent on
@@ -104,14 +106,15 @@ class Metrics:
             row.update({k: v for k, v in scalars(node, value).items() if k not in OWN_KEYS})
         if "perf/tokens" in row and seconds > 0:
             row["perf/tokens_per_s"] = row["perf/tokens"] / seconds
-        spans: dict[str, list[float]] = {}
+        spans: dict[str, list[float]] = {}  # a node's group calls, first start to last end
+        own: dict[str, list[float]] = {}  # the node function's: for one that called none
         busy: dict[str, list[tuple[float, float]]] = {}
         for e in self.timeline.of_step(step):
+            s = (own if e.row == CONTROLLER_ROW else spans).setdefault(e.name, [e.start, e.end])
+            s[0], s[1] = min(s[0], e.start), max(s[1], e.end)
             if e.row != CONTROLLER_ROW:
-                s = spans.setdefault(e.name, [e.start, e.end])
-                s[0], s[1] = min(s[0], e.start), max(s[1], e.end)
                 busy.setdefault(e.row, []).append((e.start, e.end))
-        row.update({f"time/{n}_s": round(b - a, 4) for n, (a, b) in spans.items()})
+        row.update({f"time/{n}_s": round(b - a, 4) for n, (a, b) in (own | spans).items()})
         for group, group_spans in sorted(busy.items()):
             used = union_length(group_spans)
             row[f"time/busy/{group}_s"] = round(used, 4)
@@ -336,6 +339,8 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
             ctl.timeline = timeline
             assert ctl.logs is not None  # (made as the controller starts)
             metrics.say = ctl.logs.console.write  # (in order with the ranks' lines)
+            for tracker in trackers:  # (their notices too)
+                tracker.say = ctl.logs.console.write
             if resume_from is not None:  # the steps before the resume stay in the trace
                 await asyncio.to_thread(timeline.resume, meta["step"])
             flow.save_inputs = run_dir / "inputs" if save_inputs else None
@@ -382,16 +387,17 @@ async def write_spans(timeline: Timeline, step: int) -> None:
     """The spans of the steps up to `step`, taken out of memory on the loop and written on a
     thread, once whenever a cancel comes: the write is a task of its own, shielded (a cancel
     while its job still waited for a thread of the busy default pool cancelled the job: the
-    spans were neither written nor put back); put back for the next write only where the
-    write itself failed (a full disk)."""
+    spans were neither written nor put back); put back for the next write only where their
+    append failed (a full disk): not where timeline.json's rebuild did (written twice)."""
     events = timeline.take(step)
 
     async def write() -> None:
         try:
-            await asyncio.to_thread(timeline.write, events)
+            await asyncio.to_thread(timeline.append, events)
         except Exception:
             timeline.put_back(events)
             raise
+        await asyncio.to_thread(timeline.rebuild)
 
     writing = asyncio.ensure_future(write())
     _WRITES.add(writing)  # (a task the loop only holds weakly: kept until it ends)

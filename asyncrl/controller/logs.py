@@ -23,9 +23,12 @@ from typing import IO, Any, TextIO
 from asyncrl.actors.rank_client import current_umask
 
 CONSOLE_QUEUE = 1000  # writes waiting for the console; past it, lines are counted, not kept
+# ranks' files held open at once, the least recently written closed past it (opened again at
+# its next line): one a rank took every descriptor of ~1000 printing ranks (EMFILE on all)
+OPEN_LOGS = 256
 CONTROLLER_LOG = "controller.log"  # the controller's notices, in RUN_DIR (logs/ has the
 # groups' logs, torchrun's logs/<group>.log among them)
-GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # the whole name (fullmatch: "$" took "g\n")
 MAX_GROUP_NAME = 100  # it starts every socket identity of its ranks: ZeroMQ takes 255 bytes
 # C0 controls but tab and newline, DEL and C1, written as \x1b...: a rank's escape sequence
 # would be obeyed by the terminal (set its title or clipboard, clear it, move the cursor
@@ -58,7 +61,7 @@ def check_group_name(name: str) -> None:
     is the timeline's row of the flow's node functions."""
     from asyncrl.controller.timeline import CONTROLLER_ROW  # (timeline imports this module)
 
-    if not GROUP_NAME.match(name) or name in (".", ".."):  # ('..': above RUN_DIR/logs)
+    if not GROUP_NAME.fullmatch(name) or name in (".", ".."):  # ('..': above RUN_DIR/logs)
         raise ValueError(f"group name {name!r}: use letters, digits, '_', '.' or '-' "
                          f"(not '.' or '..' alone)")
     if len(name) > MAX_GROUP_NAME:  # (else the ranks fail with "ZMQError: Invalid argument")
@@ -172,10 +175,13 @@ class LogSink:
         if self.echo:  # first: a file that cannot be written must not hide them
             self._show(key, lines + ([f"{unstreamed} in {self.folder}"] if dropped else []))
         try:
-            f = self._files.get(key)
+            f = self._files.pop(key, None)  # (put back last: the most recently written)
             if f is None:
+                if len(self._files) >= OPEN_LOGS:
+                    _close_log(self._files.pop(next(iter(self._files))))
                 self.path(group, rank).parent.mkdir(parents=True, exist_ok=True)
-                f = self._files[key] = open(self.path(group, rank), "a", encoding="utf-8")
+                f = open(self.path(group, rank), "a", encoding="utf-8")
+            self._files[key] = f
             for line in lines:
                 f.write(line + "\n")
             if dropped:

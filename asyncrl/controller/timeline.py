@@ -138,42 +138,53 @@ class Timeline:
         """Append `events` (from `take`) to timeline.jsonl, on disk before timeline.json is
         rebuilt from it: the work grows with `events`, and the rebuild's reading and writing
         with the file, in fixed memory."""
+        self.append(events)
+        self.rebuild()
+
+    def append(self, events: list[Event]) -> None:
+        """`write`'s first half: `events` in timeline.jsonl, whole or not at all."""
+        run_dir = self._run_dir()
+        with self._lock:
+            lanes = {row: tids[:] for row, tids in self._lanes.items()}
+            ends, zero = dict(self._ends), self._zero
+            if zero is None and events:  # the first event written is at 0
+                zero = min(e.start for e in events)
+            size = _append(run_dir / SPANS_FILE, self._lines(events, zero, lanes, ends))
+            # on disk: the lanes they took are the file's (where the append failed, none is:
+            # the next write opens them again, each with its "thread_name" line)
+            self._lanes, self._ends, self._zero = lanes, ends, zero
+            top = max([self._marks[-1][1], *(e.step for e in events)])
+            self._marks = self._marks[:1] + [*self._marks[1:], (size, top)][-MARKS:]
+
+    def rebuild(self) -> None:
+        """`write`'s second half: timeline.json from timeline.jsonl. A failure leaves the
+        spans written (a retry would repeat them): the next write, or `asyncrl timeline`,
+        rebuilds it."""
+        run_dir = self._run_dir()
+        with self._lock:  # (one at a time: the last to replace timeline.json read the
+            build_trace(run_dir)  # file last)
+
+    def _run_dir(self) -> Path:
         if self.run_dir is None:
             raise ValueError("this Timeline has no run directory to write to: make it as "
                              "Timeline(run_dir)")
-        with self._lock:
-            size = _append(self.run_dir / SPANS_FILE, self._lines(events))
-            top = max([self._marks[-1][1], *(e.step for e in events)])
-            self._marks = self._marks[:1] + [*self._marks[1:], (size, top)][-MARKS:]
-            build_trace(self.run_dir)
+        return self.run_dir
 
-    def _lines(self, events: list[Event]) -> bytes:
-        """`events` as Chrome trace lines on the run's clock, each on the first lane of its
-        row free by then (one thread's spans must nest, or Perfetto drops them), a new lane
-        named by a "thread_name" line as it appears."""
-        if self._zero is None and events:  # the first event written is at 0
-            self._zero = min(e.start for e in events)
+    def _lines(self, events: list[Event], zero: float | None, lanes: dict[str, list[int]],
+               ends: dict[int, float]) -> bytes:
+        """`events` as Chrome trace lines on the run's clock (`zero` written as ts `_base`),
+        each on the first lane of its row free by then (one thread's spans must nest, or
+        Perfetto drops them), a new lane named by a "thread_name" line as it appears; the
+        lanes taken are marked in `lanes` and `ends`."""
         lines: list[dict[str, Any]] = []
         for e in sorted(events, key=lambda e: (e.row != CONTROLLER_ROW, e.row, e.start)):
-            ts = round((e.start - (self._zero or 0.0)) * 1e6 + self._base, 1)
+            ts = round((e.start - (zero or 0.0)) * 1e6 + self._base, 1)
             dur = round((e.end - e.start) * 1e6, 1)
-            tid = self._lane(e.row, ts, lines)
-            self._ends[tid] = ts + dur
+            tid = _lane(lanes.setdefault(e.row, []), ends, e.row, ts, lines)
+            ends[tid] = ts + dur
             lines.append({"name": e.name, "cat": e.row, "ph": "X", "pid": 1, "tid": tid,
                           "ts": ts, "dur": dur, "args": {"step": e.step}})
         return "".join(json.dumps(line) + "\n" for line in lines).encode()
-
-    def _lane(self, row: str, ts: float, lines: list[dict[str, Any]]) -> int:
-        """The tid of the first lane of `row` free at `ts` (compared as written: Perfetto
-        reads these), or of a new one, named in `lines`."""
-        lanes = self._lanes.setdefault(row, [])
-        tid = next((t for t in lanes if self._ends[t] <= ts), None)
-        if tid is None:
-            tid = max(self._ends, default=-1) + 1
-            lanes.append(tid)
-            lines.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
-                          "args": {"name": row}})
-        return tid
 
     def resume(self, upto: int) -> int:
         """Go on from a resumed run's timeline.jsonl: its lines of steps after `upto` cut
@@ -203,6 +214,19 @@ class Timeline:
         if kept:  # (each process has its own clock)
             self._zero, self._base = self.origin, last + 1e6
         return kept
+
+
+def _lane(lanes: list[int], ends: dict[int, float], row: str, ts: float,
+          lines: list[dict[str, Any]]) -> int:
+    """The tid of the first of `row`'s `lanes` free at `ts` (compared as written: Perfetto
+    reads these), or of a new one, named in `lines`."""
+    tid = next((t for t in lanes if ends[t] <= ts), None)
+    if tid is None:
+        tid = max(ends, default=-1) + 1
+        lanes.append(tid)
+        lines.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+                      "args": {"name": row}})
+    return tid
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:

@@ -1,6 +1,8 @@
 """Where a run's metrics go besides metrics.jsonl: TensorBoard (when installed) and Weights &
 Biases (`asyncrl launch --wandb PROJECT`). Each takes a step's row, a rewind (a recovery
-went back to a checkpoint: the steps after it run again), a flush and a close."""
+went back to a checkpoint: the steps after it run again), a flush and a close; its notices go
+to `say`: stderr, or the controller's console once it runs (a thread of its own writes it: a
+console that does not read must not stop the controller's loop)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,13 @@ class TrackerError(AsyncRLError, RuntimeError):
     """A tracker asked for cannot start (said before any group starts)."""
 
 
+def stderr(text: str) -> None:
+    """A tracker's notice on stderr (no controller's console yet, or none any more)."""
+    with contextlib.suppress(OSError, ValueError):  # a console gone: the run goes on
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 class TensorBoard:
     """Scalars under run_dir/tensorboard, the writer made with the first row (a run that never
     got one leaves none). Event files are append-only: the steps a rewind or a resume runs
@@ -32,6 +42,7 @@ class TensorBoard:
         self.writer: Any = None
         self._purge: int | None = first_step or None
         self._missing = find_spec("tensorboard") is None
+        self.say: Callable[[str], None] = stderr
 
     def log(self, step: int, row: dict[str, float]) -> None:
         if self.writer is None and not self._missing:
@@ -50,9 +61,8 @@ class TensorBoard:
                 self._off(f"logging step {step} failed", e)
 
     def _off(self, what: str, e: Exception) -> None:
-        print(f"tensorboard: {what} ({type(e).__name__}: {e}); no more rows go to "
-              f"TensorBoard in this run (metrics.jsonl has them all)", file=sys.stderr,
-              flush=True)
+        self.say(f"tensorboard: {what} ({type(e).__name__}: {e}); no more rows go to "
+                 f"TensorBoard in this run (metrics.jsonl has them all)\n")
         writer, self._missing, self.writer = self.writer, True, None
         if writer is not None:
             with contextlib.suppress(Exception):  # (its thread and file: what it can)
@@ -99,6 +109,8 @@ class Wandb:
         require_wandb()
         import wandb
 
+        self.say: Callable[[str], None] = stderr
+
         state = Path(run_dir) / WANDB_STATE
         saved = _read_state(state) if resumed_after is not None else {}
         if saved.get("project") != project:
@@ -127,22 +139,20 @@ class Wandb:
             return
         if step <= self.logged:
             if step > self._said_through:
-                print(f"wandb: step {step} ran again; wandb keeps the values it was given "
-                      f"first (through step {self.logged}); metrics.jsonl has the new ones",
-                      file=sys.stderr, flush=True)
+                self.say(f"wandb: step {step} ran again; wandb keeps the values it was "
+                         f"given first (through step {self.logged}); metrics.jsonl has the "
+                         f"new ones\n")
                 self._said_through = self.logged
             return
         try:
             self.run.log(row, step=step)
         except Exception as e:  # noqa: BLE001 - the training goes on without wandb
-            print(f"wandb: logging step {step} failed ({type(e).__name__}: {e}); no more "
-                  f"rows go to wandb in this run (metrics.jsonl has them all)",
-                  file=sys.stderr, flush=True)
+            self.say(f"wandb: logging step {step} failed ({type(e).__name__}: {e}); no "
+                     f"more rows go to wandb in this run (metrics.jsonl has them all)\n")
             try:  # (a dead wandb service fails its finish too: still not the run's end)
                 self.close(failed=True)
             except Exception as e:  # noqa: BLE001 - said; the training goes on
-                print(f"wandb: closing its run failed too ({type(e).__name__}: {e})",
-                      file=sys.stderr, flush=True)
+                self.say(f"wandb: closing its run failed too ({type(e).__name__}: {e})\n")
             return
         self.logged = step
 
