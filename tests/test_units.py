@@ -342,3 +342,46 @@ def test_a_resume_of_an_empty_run_dir_says_to_run_without_resume(tmp_path):
     flow = asyncrl.DataFlow(nodes=[asyncrl.node(lambda x: x, name="echo")], inputs={"x": [1]})
     with pytest.raises(asyncrl.CheckpointError, match="run without --resume"):
         checkpoint.resumable(tmp_path / "run", flow)
+
+
+def test_a_rank_of_a_group_over_hosts_gives_gloo_the_interface_of_its_hosts_address(
+        monkeypatch):
+    """Gloo listened where the machine's name resolves (127.0.1.1 on Debian): peers on other
+    hosts were told loopback, and init_process_group waited out the collective timeout."""
+    import socket
+
+    from asyncrl.actors import gloo_interface as gi
+
+    held = {"lo": "127.0.0.1", "eth7": "10.1.2.3"}
+    monkeypatch.setattr(socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth7")])
+    monkeypatch.setattr(gi, "interface_address", held.get)
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # (it is loopback)
+    over = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "ASYNCRL_DATA_HOST": "10.1.2.3"}
+    env = dict(over)
+    gi.set_gloo_interface(env)
+    assert env["GLOO_SOCKET_IFNAME"] == "eth7"
+    for kept in ({**over, "LOCAL_WORLD_SIZE": "2"}, {**over, "GLOO_SOCKET_IFNAME": "ib0"},
+                 {**over, "ASYNCRL_DATA_HOST": "127.0.0.2"}):
+        env = dict(kept)  # one host, or hosts imitated on loopback, or the user's choice
+        gi.set_gloo_interface(env)
+        assert env == kept
+    with pytest.raises(RuntimeError, match=r"'localhost' resolves to loopback .* no interface "
+                                           r"here holds the host's address '10\.9\.9\.9'.*"
+                                           r"GLOO_SOCKET_IFNAME"):
+        gi.set_gloo_interface({**over, "ASYNCRL_DATA_HOST": "10.9.9.9"})
+    monkeypatch.undo()  # this machine's own interfaces, read for real
+    found = {n: gi.interface_address(n) for _, n in socket.if_nameindex()}
+    assert found.get("lo") == "127.0.0.1"
+    for name, address in found.items():
+        if address is not None and name != "lo":
+            env = {**over, "ASYNCRL_DATA_HOST": address}
+            gi.set_gloo_interface(env)
+            assert env["GLOO_SOCKET_IFNAME"] == name
+
+
+def test_a_secret_file_missing_on_a_host_names_tmpdir(tmp_path):
+    from asyncrl.comm.auth import read_secret
+
+    with pytest.raises(FileNotFoundError, match=f"secret file {tmp_path}/none is not on host "
+                                                f".*point TMPDIR at a folder on the shared"):
+        read_secret(str(tmp_path / "none"))

@@ -15,13 +15,11 @@ io thread never runs user code, so heartbeats flow while a call computes for min
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import faulthandler
 import inspect
 import math
 import os
-import resource
 import secrets
 import signal
 import socket
@@ -40,9 +38,10 @@ from torch.distributed import distributed_c10d as c10d
 
 from asyncrl.actors import debugger
 from asyncrl.actors.failures import failure as _failure
+from asyncrl.actors.gloo_interface import set_gloo_interface
 from asyncrl.actors.gpu_slots import bind_gpu, check_gpus, gpu_index, select_gpus
 from asyncrl.actors.output import OutputCapture
-from asyncrl.actors.procs import PROCESS_ENV, runs
+from asyncrl.actors.procs import PROCESS_ENV, raise_open_file_limit, runs
 from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
 from asyncrl.actors.rank_client import STAND_IN
 from asyncrl.actors.rank_fork import set_title
@@ -503,13 +502,11 @@ def main() -> None:
     set_title(f"{sys.executable} -m asyncrl.actors.rank_main [{os.environ.get('ASYNCRL_GROUP')}"
               f" rank {os.environ.get('RANK')}]")
     os.nice(int(os.environ.get("ASYNCRL_NICE", "0")))  # the group's `nice`: 0 by default
-    # descriptors up to the hard limit: a segment kept costs two (1024 ran out at ~450)
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    with contextlib.suppress(ValueError, OSError):  # (a container's odd limits: as they are)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_file_limit()  # a segment kept costs two descriptors (1024 ran out at ~450)
     check_gpus(select_gpus())  # a cluster group's GPUs on this host, before CUDA reads it
     cores = pin_cpus()
     torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
+    set_gloo_interface(os.environ)  # a group over hosts: gloo on the host's address
     _init_distributed()
     rank = RankMain()
     # used by the output thread alone; a context of its own, ended at exit: its last lines

@@ -37,6 +37,7 @@ import hmac
 import logging
 import os
 import secrets
+import socket
 import struct
 from collections import Counter
 from collections.abc import Callable
@@ -107,7 +108,13 @@ def write_secret(path: str, secret: bytes, curve: CurveKeys | None = None) -> No
 
 
 def _read_private(path: str) -> list[str]:
-    mode = os.stat(path).st_mode & 0o777
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except FileNotFoundError:  # (a rank on another host: the file is where TMPDIR was)
+        raise FileNotFoundError(
+            f"secret file {path} is not on host {socket.gethostname()}: a run over several "
+            f"hosts makes it under the controller's TMPDIR, which every host must see: "
+            f"point TMPDIR at a folder on the shared file system before launching") from None
     if mode & 0o077:
         raise PermissionError(
             f"secret file {path} has mode {mode:o}; it must be readable by its owner only "
