@@ -356,19 +356,24 @@ def test_a_rank_of_a_group_over_hosts_gives_gloo_the_interface_of_its_hosts_addr
     monkeypatch.setattr(socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth7")])
     monkeypatch.setattr(gi, "interface_address", held.get)
     monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # (it is loopback)
-    over = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "ASYNCRL_DATA_HOST": "10.1.2.3"}
+    over = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "ASYNCRL_DATA_HOST": "10.1.2.3",
+            "ASYNCRL_ADDR": "tcp://10.0.0.1:5000"}
     env = dict(over)
     gi.set_gloo_interface(env)
     assert env["GLOO_SOCKET_IFNAME"] == "eth7"
     for kept in ({**over, "LOCAL_WORLD_SIZE": "2"}, {**over, "GLOO_SOCKET_IFNAME": "ib0"},
-                 {**over, "ASYNCRL_DATA_HOST": "127.0.0.2"}):
-        env = dict(kept)  # one host, or hosts imitated on loopback, or the user's choice
+                 {**over, "ASYNCRL_ADDR": "tcp://127.0.0.1:5000", "ASYNCRL_DATA_HOST": "a"}):
+        env = dict(kept)  # one host, the user's choice, or hosts imitated on loopback
         gi.set_gloo_interface(env)
         assert env == kept
     with pytest.raises(RuntimeError, match=r"'localhost' resolves to loopback .* no interface "
                                            r"here holds the host's address '10\.9\.9\.9'.*"
                                            r"GLOO_SOCKET_IFNAME"):
         gi.set_gloo_interface({**over, "ASYNCRL_DATA_HOST": "10.9.9.9"})
+    real = gi.addresses  # a SLURM host's address is its name, 127.0.1.1 on Debian
+    monkeypatch.setattr(gi, "addresses", lambda h: {"127.0.1.1"} if h == "node1" else real(h))
+    with pytest.raises(RuntimeError, match=r"'node1' resolves to loopback here \(127\.0\.1\.1"):
+        gi.set_gloo_interface({**over, "ASYNCRL_DATA_HOST": "node1"})
     monkeypatch.undo()  # this machine's own interfaces, read for real
     found = {n: gi.interface_address(n) for _, n in socket.if_nameindex()}
     assert found.get("lo") == "127.0.0.1"

@@ -33,23 +33,23 @@ def set_gloo_interface(env: MutableMapping[str, str]) -> None:
     """GLOO_SOCKET_IFNAME for a rank of a group over several hosts (unless set): the
     interface of the host's address. RuntimeError where there is none and this machine's
     name resolves to loopback only (gloo would listen there)."""
+    controller = env.get("ASYNCRL_ADDR", "").removeprefix("tcp://").rpartition(":")[0]
     if env.get("GLOO_SOCKET_IFNAME") or \
-            int(env.get("WORLD_SIZE", "1")) <= int(env.get("LOCAL_WORLD_SIZE", "1")):
-        return  # (one host: loopback is fine)
+            int(env.get("WORLD_SIZE", "1")) <= int(env.get("LOCAL_WORLD_SIZE", "1")) or \
+            all(map(is_loopback, addresses(controller.strip("[]")) or {"127.0.0.1"})):
+        return  # (one host, or hosts imitated on this machine: loopback is fine)
     host = env.get("ASYNCRL_DATA_HOST", "")
     wanted = addresses(host) or set()
-    if wanted and all(map(is_loopback, wanted)):
-        return  # (hosts imitated on this machine's loopback)
     for _, name in socket.if_nameindex():
         if interface_address(name) in wanted:
             env["GLOO_SOCKET_IFNAME"] = name
             return
     own = socket.gethostname()
-    found = addresses(own)
-    if found and all(map(is_loopback, found)):
-        raise RuntimeError(
-            f"this machine's name {own!r} resolves to loopback ({', '.join(sorted(found))}), "
-            f"where gloo would listen, and no interface here holds the host's address "
-            f"{host!r}: ranks on other hosts could not reach this one; give the host its IP "
-            f"address in the cluster's hosts, or set GLOO_SOCKET_IFNAME (the interface its "
-            f"peers reach it on) in the group's env=")
+    for name, found in ((host, wanted), (own, addresses(own))):  # (a SLURM host's address
+        if found and all(map(is_loopback, found)):  # is its name: 127.0.1.1 on Debian)
+            raise RuntimeError(
+                f"{name!r} resolves to loopback here ({', '.join(sorted(found))}), where gloo "
+                f"would listen, and no interface here holds the host's address {host!r}: "
+                f"ranks on other hosts could not reach this one; give the host its IP address "
+                f"in the cluster's hosts, or set GLOO_SOCKET_IFNAME (the interface its peers "
+                f"reach it on) in the group's env=")
