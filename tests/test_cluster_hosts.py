@@ -210,3 +210,30 @@ def test_stopping_a_group_on_srun_hosts_stops_its_ranks_there(tmp_path, monkeypa
         group.signal_all(signal.SIGKILL)
         for pid_file in pids.iterdir():  # what a failure left: the steps, agents and ranks
             kill_left(pid_file, f"TMPDIR={scratch}")
+
+
+def test_stopping_remote_agents_leaves_the_callers_thread_at_once(tmp_path):
+    """The hang-up (lifeline closed, SIGTERM, then the kill) waited on the caller, the
+    controller's loop, up to 2 s a group: no call or heartbeat went meanwhile. The caller
+    now goes on at once, and the agents are killed on a thread of their own."""
+    import subprocess
+
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    agents = []
+    for host in ("n1", "n2"):  # an ssh or srun slow to pass the hang-up on
+        agent = launcher.Agent("g", 1, {}, tmp_path / f"{host}.log", die_with_parent=False,
+                               host=host, local=False)
+        agent.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+        agents.append(agent)
+    pids = [a.proc.pid for a in agents]
+    try:
+        launcher.HostAgents(agents).signal_all(signal.SIGKILL)
+        assert [a.proc.poll() for a in agents] == [None, None]  # (before: killed by now)
+        assert all(a.proc.stdin.closed for a in agents)  # told first
+        wait_until(lambda: all(a.proc.poll() == -signal.SIGKILL for a in agents), 15,
+                   "the hang-up thread to kill them")
+    finally:
+        for a in agents:
+            a.proc.kill()
+            a.proc.wait()
+    assert_gone(pids)

@@ -17,7 +17,7 @@ import zmq
 
 from asyncrl.actors import rank_main
 from asyncrl.actors.rank_main import RankMain
-from asyncrl.comm import codec, messages
+from asyncrl.comm import channel, codec, messages
 from asyncrl.comm.auth import Signer, Verifier
 from asyncrl.comm.channel import Unheard
 from asyncrl.comm.dataserver import _puller
@@ -144,7 +144,7 @@ def test_pull_sockets_and_dropped_frame_logs_do_not_give_away_the_ranks_tag(capl
     rank of another group could then send Results as this one. The warnings of dropped
     frames named it too."""
     ctx = zmq.Context()
-    rank = _rank(ctx=ctx, secret=b"s" * 32, host="h", segments=None, transfer_timeout=1.0,
+    rank = _rank(data_ctx=ctx, secret=b"s" * 32, host="h", segments=None, transfer_timeout=1.0,
                  transport="auto", curve=None, data=SimpleNamespace(address="tcp://x:1"),
                  store=SimpleNamespace(get=None), gone=None)
     ex = rank_main._Executor(rank, SimpleNamespace(identity=b"g/2/exec/1.x"))
@@ -166,14 +166,20 @@ def test_a_value_of_more_arrays_than_a_message_may_carry_is_refused_saying_so(
     TransferTimeout whose advice (a longer transfer_timeout) could not help."""
     monkeypatch.setattr(rank_main, "MAX_FETCHED_ARRAYS", 2, raising=False)
     sent: list = []
+    arrays = [np.zeros(64 << 10, np.uint8)] * 3
     rank = _rank(fetch_sock=SimpleNamespace(
         send=lambda reply, frames=(): sent.append((reply, list(frames)))),
-        store=SimpleNamespace(get=lambda _: [np.zeros(64 << 10, np.uint8)] * 3))
+        store=SimpleNamespace(get=lambda _: arrays), curve=None)
     rank.send_fetched(5)
     [(reply, frames)] = sent
     assert frames == [] and reply.obj_id == 5 and reply.value is messages.NONE
     assert "holds 3 arrays" in reply.error and "past the 2" in reply.error
     assert "stack them into fewer arrays" in reply.error
+    # encrypted, they go in parts (channel.in_parts): two arrays, four parts, past it too
+    monkeypatch.setattr(channel, "PART_BYTES", 32 << 10)
+    rank.curve, arrays[:] = object(), arrays[:2]
+    rank.send_fetched(6)
+    assert "holds 2 arrays" in sent[-1][0].error and "4 parts as sent" in sent[-1][0].error
 
 
 class _Box:

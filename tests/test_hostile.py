@@ -355,7 +355,7 @@ def test_a_frame_is_checked_before_its_parts_are_copied_or_viewed():
 
     secret, route = b"s" * 32, b"g/0/fetch/1.00"
     ch = object.__new__(channel.ControllerChannel)
-    ch._verifier, got, checked = Verifier(secret), [], []
+    ch._verifier, ch._parts, got, checked = Verifier(secret), False, [], []
     verify = ch._verifier.verify
     ch._verifier.verify = lambda r, parts: checked.append(parts) or verify(r, parts)
     fetched = messages.encode(messages.Fetched(1, 0, buffers=[4]))

@@ -149,9 +149,11 @@ def test_every_node_has_its_time_one_that_called_no_group_too(tmp_path):
     tl.node("score", 0, 1.0, 1.25)  # no group call: its own time
     tl.node("train", 0, 1.0, 3.0)
     tl.add(Event("policy", "train", 0, 1.5, 2.5))  # its group call's time, as before
+    tl.node("step", 0, 1.0, 1.1)  # a node named "step" leaves the step's time as it is
     Metrics(tmp_path, 1, tl, trackers=[])(0, {}, 3.0)
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row["time/score_s"] == 0.25 and row["time/train_s"] == 1.0
+    assert row["time/step_s"] == 3.0
 
 
 def test_overlapping_spans_of_one_row_go_on_lanes_that_perfetto_keeps(tmp_path):

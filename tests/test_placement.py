@@ -218,7 +218,7 @@ def test_a_controller_name_that_resolves_to_loopback_is_refused_for_remote_hosts
     given = argparse.Namespace(hosts=str(hosts), controller_address="myhost")
     with pytest.raises(SystemExit, match=r"--controller-address myhost \(it resolves here to "
                                          r"127\.0\.1\.1\), an address other machines cannot"):
-        cli._cluster(given)
+        cli.launch_cluster(given)
     monkeypatch.setattr(cluster_module, "addresses", lambda name: None)
     with pytest.raises(ValueError, match=r"got 'nowhere' \(it does not resolve here\)"):
         asyncrl.Controller(host="nowhere", cluster=remote)

@@ -50,7 +50,7 @@ from asyncrl.actors.sigterm import stop_on_sigterm
 from asyncrl.actors.worker import Worker, construct
 from asyncrl.comm import codec, nccl
 from asyncrl.comm.auth import read_curve, read_secret
-from asyncrl.comm.channel import MAX_PARTS, RankSocket
+from asyncrl.comm.channel import MAX_PARTS, RankSocket, in_parts
 from asyncrl.comm.cuda_ipc import device_uuid
 from asyncrl.comm.dataplane import DataClient, own_pool_prefix, run_prefix
 from asyncrl.comm.dataserver import DataServer, check_reachable
@@ -270,11 +270,13 @@ class RankMain:
             body, frames = codec.encode_oob(self.store.get(obj_id))
             reply = Fetched(obj_id, self.rank, value=msgspec.Raw(body),
                             buffers=[f.nbytes for f in frames])
-            if len(frames) > MAX_FETCHED_ARRAYS:  # the controller's reader would drop it
-                reply = Fetched(obj_id, self.rank, error=(  # (the driver then waited for a
+            parts = len(in_parts(frames)) if self.curve else len(frames)  # (as sent)
+            if parts > MAX_FETCHED_ARRAYS:  # the controller's reader would drop it (the
+                reply = Fetched(obj_id, self.rank, error=(  # driver then waited for a
                     f"object {obj_id} holds {len(frames)} arrays of "  # TransferTimeout)
-                    f"{codec.OOB_MIN_BYTES} bytes or more, past the {MAX_FETCHED_ARRAYS} one "
-                    f"value may send to the driver; stack them into fewer arrays"))
+                    f"{codec.OOB_MIN_BYTES} bytes or more, {parts} parts as sent, past the "
+                    f"{MAX_FETCHED_ARRAYS} one value may send to the driver; stack them into "
+                    f"fewer arrays"))
                 frames = []
         except KeyError:
             reply = Fetched(obj_id, self.rank, missing=True, error=(

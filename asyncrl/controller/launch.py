@@ -114,7 +114,8 @@ class Metrics:
             s[0], s[1] = min(s[0], e.start), max(s[1], e.end)
             if e.row != CONTROLLER_ROW:
                 busy.setdefault(e.row, []).append((e.start, e.end))
-        row.update({f"time/{n}_s": round(b - a, 4) for n, (a, b) in (own | spans).items()})
+        row.update({f"time/{n}_s": round(b - a, 4) for n, (a, b) in (own | spans).items()
+                    if f"time/{n}_s" not in OWN_KEYS})  # (a node named "step": the step's)
         for group, group_spans in sorted(busy.items()):
             used = union_length(group_spans)
             row[f"time/busy/{group}_s"] = round(used, 4)

@@ -216,12 +216,13 @@ class Agent:
         return sorted(pids)
 
     def signal_all(self, sig: int) -> None:
-        if sig == signal.SIGKILL:
-            hang_up([self])
-            # stopped first: a child it started while its children were listed (torchrun
-            self._freeze()  # starting its ranks) was never signalled
+        if sig == signal.SIGKILL and self.close_lifeline():  # (a remote one: the rest on a
+            hang_up([self])  # thread of its own, after its ssh or srun passed that on)
+            return
+        if sig == signal.SIGKILL:  # stopped first: a child it started while its children
+            self._freeze()  # were listed (torchrun starting its ranks) was never signalled
         kill_pids(self.all_pids(), sig)
-        for rank, pid in self.rank_pids.items():  # torchrun starts each rank in a session
+        for rank, pid in list(self.rank_pids.items()):  # torchrun starts each rank in a session
             # of its own: what a rank started (a sandbox, a compile worker) goes with it. Its
             # pid is not reused while its group has members; a live process of another
             # birth under it is someone else's, left alone
@@ -278,22 +279,28 @@ class Agent:
             pass
 
 
-def hang_up(agents: list[Agent]) -> None:
-    """Stop the remote ones of `agents` through their ssh or srun, before those are killed:
-    a SIGKILLed srun passes on nothing (slurmstepd keeps the agent's stdin open until srun
-    says it ended), and the ranks there kept their GPUs until a collective timed out. Their
-    lifelines close first (the agent there stops its ranks, cleans up and exits, its ssh or
-    srun with it); those still running after HANG_UP_S get SIGTERM (srun SIGKILLs its step,
-    ranks included), and HANG_UP_S more."""
-    told = [a for a in agents if a.close_lifeline()]
-    for terminate in (False, True):
-        if terminate:
-            told = [a for a in told if a.returncode is None]
-            for a in told:
-                a.terminate()
-        deadline = time.monotonic() + HANG_UP_S
+def hang_up(told: list[Agent]) -> None:
+    """Stop remote agents whose lifelines were just closed (`close_lifeline`) through their
+    ssh or srun before those are killed, on a thread of its own (the caller, the controller's
+    loop, goes on): a SIGKILLed srun passes on nothing (slurmstepd keeps the agent's stdin
+    open until srun says it ended), and the ranks there kept their GPUs until a collective
+    timed out. The agent there stops its ranks, cleans up and exits, its ssh or srun with it;
+    those still running after HANG_UP_S get SIGTERM (srun SIGKILLs its step, ranks
+    included), and after HANG_UP_S more, SIGKILL with whatever is left of them."""
+    def stop() -> None:
+        running = told
+        for terminate in (False, True):
+            if terminate:
+                running = [a for a in running if a.returncode is None]
+                for a in running:
+                    a.terminate()
+            deadline = time.monotonic() + HANG_UP_S
+            for a in running:
+                a.exit_by(deadline)
         for a in told:
-            a.exit_by(deadline)
+            a.signal_all(signal.SIGKILL)  # (its lifeline closed: killed at once now)
+
+    threading.Thread(target=stop, name="asyncrl-hang-up").start()
 
 
 class HostAgents:
@@ -378,10 +385,12 @@ class HostAgents:
         return sorted({p for a in self.agents for p in a.all_pids()})
 
     def signal_all(self, sig: int) -> None:
-        if sig == signal.SIGKILL:  # every host's at once: one wait for them all
-            hang_up(self.agents)
+        told = [a for a in self.agents if a.close_lifeline()] if sig == signal.SIGKILL else []
+        if told:  # every host's at once: one wait for them all
+            hang_up(told)
         for a in self.agents:
-            a.signal_all(sig)
+            if a not in told:
+                a.signal_all(sig)
 
 
 def check_env(group: str, env: Any) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import re
+import resource
 import sys
 import tempfile
 import threading
@@ -23,8 +24,10 @@ from typing import IO, Any, TextIO
 from asyncrl.actors.rank_client import current_umask
 
 CONSOLE_QUEUE = 1000  # writes waiting for the console; past it, lines are counted, not kept
-# ranks' files held open at once, the least recently written closed past it (opened again at
-# its next line): one a rank took every descriptor of ~1000 printing ranks (EMFILE on all)
+# ranks' files held open at once: a quarter of the open-file limit, 256 at least; the least
+# recently written closed past it (opened again at its next line): one a rank took every
+# descriptor of ~1000 printing ranks (EMFILE on all), and a fixed 256 made each write past
+# 256 ranks an open and a close (20x slower, on the loop)
 OPEN_LOGS = 256
 CONTROLLER_LOG = "controller.log"  # the controller's notices, in RUN_DIR (logs/ has the
 # groups' logs, torchrun's logs/<group>.log among them)
@@ -158,6 +161,7 @@ class LogSink:
         self._tokens: dict[tuple[str, int], tuple[float, float]] = {}  # tokens, time
         self._hidden: dict[tuple[str, int], int] = {}
         self._files: dict[tuple[str, int], TextIO] = {}
+        self._open_most = max(OPEN_LOGS, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
         self._unwritten: set[str] = set()  # groups whose files could not be written (said)
 
     def path(self, group: str, rank: int) -> Path:
@@ -177,7 +181,7 @@ class LogSink:
         try:
             f = self._files.pop(key, None)  # (put back last: the most recently written)
             if f is None:
-                if len(self._files) >= OPEN_LOGS:
+                if len(self._files) >= self._open_most:
                     _close_log(self._files.pop(next(iter(self._files))))
                 self.path(group, rank).parent.mkdir(parents=True, exist_ok=True)
                 f = open(self.path(group, rank), "a", encoding="utf-8")
