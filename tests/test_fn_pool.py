@@ -143,7 +143,7 @@ def test_a_timeout_leaves_nothing_of_a_sandbox_that_keeps_forking(tmp_path, monk
     on (one timeout in three)."""
     sandbox = tmp_path / "sandbox.pid"
     monkeypatch.setenv(SANDBOX, str(sandbox))
-    pool = FunctionPool(forks_fast, processes=1, timeout_s=0.5)
+    pool = FunctionPool(forks_fast, processes=1, timeout_s=1.0)  # (time to write its pid)
     seen, sessions = pool.pids() + [pool.spare_pid], []
     try:
         for _ in range(6):

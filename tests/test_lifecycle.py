@@ -410,10 +410,11 @@ def test_a_slow_agent_server_does_not_stall_the_other_groups_heartbeats(monkeypa
 
     from asyncrl.controller.launcher import Agent
 
-    fork = Agent.fork
+    fork, on_loop = Agent.fork, []
 
     def slow_fork(self):
-        if self.group == "late":
+        if self.group == "late":  # (a loop stall alone no longer ends the others: asked
+            on_loop.append(asyncio._get_running_loop() is not None)  # where it waits)
             time.sleep(3.0)  # the server's slow answer (longer than the heartbeat timeout)
         return fork(self)
 
@@ -422,9 +423,12 @@ def test_a_slow_agent_server_does_not_stall_the_other_groups_heartbeats(monkeypa
             first = await ctl.spawn(Sleeper, name="first")
             monkeypatch.setattr(Agent, "fork", slow_fork)
             late = await ctl.spawn(Sleeper, name="late")
-            return await first.take(7), await late.take(8), group_pids(first) + group_pids(late)
-    first, late, pids = run(main())
-    assert (first, late) == ([7], [8])
+            log = ctl.logs.path("first", 0)
+            return (await first.take(7), await late.take(8),
+                    group_pids(first) + group_pids(late), log.is_file() and log.read_text())
+    first, late, pids, log = run(main())
+    assert (first, late) == ([7], [8]) and on_loop == [False]
+    assert "no heartbeat from the controller" not in (log or "")
     assert_gone(pids)
 
 

@@ -222,7 +222,8 @@ def test_a_scorer_pool_times_out_a_hung_row_and_replaces_its_process(tmp_path, m
         seen += pool.pids() + [pool.spare_pid]
         # a sandbox the function started goes with its process, even from a session of
         # its own (the group's kill missed it)
-        for answer in (8, 88):
+        for answer in (8, 88):  # (each writes its own pid: 88 never reads 8's)
+            sandbox.unlink(missing_ok=True)
             assert pool.call(row_inputs(verifier, answers(answer)))[1] == [True]
             assert_gone([int(sandbox.read_text())])
         seen += pool.pids()
