@@ -1,14 +1,19 @@
 """Edges of a DataFlow's steps: a group call a node made but did not return (or gave up
-waiting for) that fails, in a run and in a node run alone, the cleanup of an exhausted
-step's other nodes and their calls, and an input item a node changes in place."""
+waiting for) that fails, in a run and in a node run alone, one made from a thread without
+the node's context, the cleanup of an exhausted step's other nodes and their calls, an input
+item a node changes in place, and a close that is cancelled."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import types
 
 import pytest
 
 import asyncrl
+import asyncrl.controller.finished as finished_mod
 from asyncrl.controller.finished import Calls, note_call
 from asyncrl.controller.inputs import Inputs
 from asyncrl.futures.future import DistFuture
@@ -111,6 +116,30 @@ def test_a_call_a_thread_gave_up_waiting_for_fails_later_as_the_nodes():
         await calls.done()
         return calls.failed
     assert isinstance(asyncio.run(main()), RuntimeError)
+
+
+def test_a_call_from_a_thread_without_the_nodes_context_is_warned_of(caplog, monkeypatch):
+    """A group call from a thread a node started with run_in_executor (or a
+    ThreadPoolExecutor, a threading.Thread) is not the node's: the step neither waited for it
+    nor failed with it, and nothing said so."""
+    monkeypatch.setattr(finished_mod, "_warned", [], raising=False)  # (once a process)
+
+    @asyncrl.node
+    async def sync(x):
+        loop = asyncio.get_running_loop()
+
+        def load():  # GroupHandle.call noting its call, on the node's thread
+            call = DistFuture._new(loop, "rollouts.load_weights")
+            note_call(call)
+            return call
+        for call in (await loop.run_in_executor(None, load), await asyncio.to_thread(load)):
+            call._set_result(None)
+        return x
+
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        steps_run([sync], 2)
+    warned = [r.getMessage() for r in caplog.records if "asyncio.to_thread" in r.getMessage()]
+    assert len(warned) == 1 and "rollouts.load_weights" in warned[0]
 
 
 def test_a_node_run_alone_fails_with_a_call_it_did_not_return():
@@ -268,3 +297,43 @@ def test_an_item_a_node_changed_in_place_is_checked_as_it_was_read():
     saved = ran.positions()
     assert saved["x"]["consumed"] == 1
     Inputs({"x": [{"p": 1}, {"p": 2}]}).check(saved)
+
+
+def test_a_close_cancelled_while_it_waits_for_the_steps_still_closes_the_groups():
+    """A second Ctrl-C (or SIGTERM) while close() waited for a task that outlives a cancel
+    (a respawn) skipped the close: no group nor the flow's own Controller closed (its shared
+    memory and folders left), and the flow could not be opened again."""
+    @asyncrl.node
+    def a(x):
+        return x
+
+    async def main():
+        flow = asyncrl.DataFlow(nodes=[a], inputs={"x": 1}, groups=[])
+        closed: list = []
+
+        class Ctl:
+            async def close_group(self, handle):
+                closed.append(("group", handle))
+
+            async def close(self):
+                closed.append("controller")
+        flow._ctl, flow._own_ctl = Ctl(), True
+        flow.groups = [types.SimpleNamespace(name="g", handle="H")]
+        release = asyncio.Event()
+
+        async def unstoppable():  # a watcher waiting for a spawn that goes on when cancelled
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await release.wait()
+        watcher = asyncio.ensure_future(unstoppable())
+        flow._watchers.add(watcher)
+        await asyncio.sleep(0)
+        closing = asyncio.ensure_future(flow.close())
+        await asyncio.sleep(0.05)
+        closing.cancel()  # the second Ctrl-C
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.wait([closing, watcher])
+        return closing.cancelled(), closed, flow._ctl
+    cancelled, closed, ctl = asyncio.run(asyncio.wait_for(main(), 60))
+    assert cancelled and closed == [("group", "H"), "controller"] and ctl is None

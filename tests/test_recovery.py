@@ -355,6 +355,54 @@ def test_a_respawn_cancelled_mid_spawn_keeps_the_group_until_its_spawn_ends():
     assert handle_dead is None  # the group the cancelled re-run started
 
 
+@pytest.mark.parametrize("how", ["close, then cancel", "cancel, then close", "driver"])
+def test_a_respawn_under_way_when_the_run_stops_is_cancelled_not_waited_for(how):
+    """SIGTERM while a node's re-run (or the driver's rewind) respawned a group: the stop
+    waited for the whole spawn (up to startup_timeout + construct_timeout), past docker's or
+    slurm's SIGKILL, dropping each further cancel."""
+    import asyncio
+    import types
+
+    from asyncrl.controller.recovery import Recovery
+
+    async def main():
+        spawning, never, cancelled = asyncio.Event(), asyncio.Event(), []
+
+        class Ctl:
+            async def close_group(self, handle):
+                handle.closing = True
+
+        async def spawn(spec):
+            spawning.set()
+            try:
+                await never.wait()  # ranks loading a model, for minutes
+            except asyncio.CancelledError:
+                cancelled.append(spec.name)
+                raise
+
+        spec, dead = _dead_reward(max_restarts=3, restart_backoff=0.0)
+        recovery = Recovery(types.SimpleNamespace(groups=[spec], _ctl=Ctl(), _spawn=spawn))
+
+        async def driver():  # a rewind's respawn, in the task that opened the flow
+            recovery.start()
+            await recovery.respawn(spec, dead)
+        respawn = asyncio.ensure_future(
+            driver() if how == "driver" else recovery.respawn(spec, dead))
+        await spawning.wait()
+        if how == "close, then cancel":
+            recovery.stop()  # DataFlow.close()
+        respawn.cancel()
+        await asyncio.sleep(0.05)  # (held, if it is)
+        if how == "cancel, then close":
+            recovery.stop()
+        done, _ = await asyncio.wait([respawn], timeout=5)
+        never.set()  # (a spawn still waited for ends: the test fails, not hangs)
+        await asyncio.wait([respawn])
+        return respawn in done and respawn.cancelled(), cancelled, spec.handle is not None
+    ended, cancelled, kept = asyncio.run(main())
+    assert ended and cancelled == ["reward"]
+    assert kept  # the dead handle stays until the flow closes it
+
 
 def _dead_reward(max_restarts, restart_backoff):
     """A stateless group "reward" as Recovery sees it, its handle dead; and the death."""

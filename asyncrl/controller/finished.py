@@ -13,7 +13,9 @@ the old weights), unless its failure was raised to an await (the node's: its own
 an await that gave up first, a wait_for's timeout, saw none) or it is the group's death
 (met by the next call to the group, which recovery repairs). A call that recovery re-ran
 the node after (a stateless group's death) counts no more: the re-run's calls do.
-`DataFlow.run_node` (a node run alone) waits for its calls the same way.
+`DataFlow.run_node` (a node run alone) waits for its calls the same way. A call from a thread
+is the node's when the thread copied its context (asyncio.to_thread); one made off the loop
+with no node's context while nodes run is warned of, once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from asyncrl.futures.future import DistFuture
 
 F = TypeVar("F", bound=asyncio.Future)
+log = logging.getLogger("asyncrl")
 
 
 class Calls:
@@ -81,25 +85,48 @@ class Calls:
         await asyncio.sleep(0)
 
 
-# the calls of the node running in this task (tasks and threads it starts copy the context)
+# the calls of the node running in this task (the tasks it starts copy the context, and so
+# do its threads started by asyncio.to_thread; not loop.run_in_executor's, a
+# ThreadPoolExecutor's nor a threading.Thread's: their calls are not the node's)
 node_calls: contextvars.ContextVar[Calls | None] = contextvars.ContextVar(
     "asyncrl_node_calls", default=None)
+# nodes dispatched and not finished yet, of any flow: a call made off the loop with no node's
+# context meanwhile is likely a node's, from a thread that did not copy it (warned of once)
+unfinished: set[asyncio.Future[Any]] = set()
+_warned: list[str] = []
 
 
 def note_call(future: DistFuture) -> None:
     """A group call made (GroupHandle.call): the node running it waits for it to finish."""
     calls = node_calls.get()
-    if calls is None:
+    if calls is None and not unfinished:
         return
     loop = future._fut.get_loop()
     try:
         here = asyncio.get_running_loop() is loop
     except RuntimeError:  # a thread the node started (asyncio.to_thread)
         here = False
-    if here:
+    if calls is None:
+        if not here and not _warned:
+            _warned.append(future._label)
+            log.warning(
+                "asyncrl: %s was called from a thread, while a flow's nodes ran, with no "
+                "node's context: if a node started that thread (loop.run_in_executor, a "
+                "ThreadPoolExecutor, threading.Thread), the node neither waits for the call "
+                "(its follows= edges, a checkpoint) nor fails with it; start it with "
+                "asyncio.to_thread (or run its function in contextvars.copy_context())",
+                future._label)
+    elif here:
         calls.add(future)
     else:  # (ahead of the thread's result, which the node awaits on the loop)
         loop.call_soon_threadsafe(calls.add, future)
+
+
+def dispatched(task: F) -> F:
+    """`task`, a node's finished(): in `unfinished` until it ends."""
+    unfinished.add(task)
+    task.add_done_callback(unfinished.discard)
+    return task
 
 
 def quiet(fut: F) -> F:

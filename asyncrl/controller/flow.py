@@ -32,7 +32,7 @@ from typing import Any
 from asyncrl.actors.worker import rng_state
 from asyncrl.controller.blame import blame, upstream
 from asyncrl.controller.declare import GroupSpec, declared_for
-from asyncrl.controller.finished import Calls, finished, node_calls, quiet, shielded
+from asyncrl.controller.finished import Calls, dispatched, finished, node_calls, quiet, shielded
 from asyncrl.controller.flow_graph import count, named_nodes, resolve, topological
 from asyncrl.controller.inputs import Inputs
 from asyncrl.controller.logs import say
@@ -118,6 +118,7 @@ class DataFlow:
         if self._ctl is not None:  # (a second open's failure would close the first's groups)
             raise FlowError("this DataFlow is open already: close it first (or use "
                             "`async with flow:` once)")
+        self.recovery.start()  # (this task is the driver's: its cancel stops a respawn)
         if ctl is None:
             ctl = Controller.current()
         if ctl is None:
@@ -184,24 +185,33 @@ class DataFlow:
 
     async def close(self) -> None:
         """Close the groups this flow spawned (and its own Controller, if it opened one),
-        after cancelling what still runs for it (steps, recoveries)."""
-        await self._abandon()
-        await self.recovery.finish()
+        after cancelling what still runs for it (steps, recoveries, respawns); closed even if
+        this is cancelled while it waits for those (a second Ctrl-C or SIGTERM)."""
+        self.recovery.stop()  # a respawn under way is cancelled, not waited for (minutes)
+        ctl, own = self._ctl, self._own_ctl
         failed: list[BaseException] = []
         try:
-            if self._ctl is not None:  # every group closed, and the controller, if one fails
-                handles = [g.handle for g in self.groups if g.handle is not None]
-                closed = await asyncio.gather(*(self._ctl.close_group(h) for h in handles),
-                                              return_exceptions=True)
-                failed = [e for e in closed if isinstance(e, BaseException)]
-            for g in self.groups:
-                g.handle = None
-            if self._own_ctl and self._ctl is not None:
-                await self._ctl.close()
-        finally:  # (closed, if not cleanly: it can be opened again)
-            self._ctl, self._own_ctl = None, False
+            await self._abandon()
+            await self.recovery.finish()
+        finally:  # every group closed, and the controller, if one fails (or is cancelled)
+            try:
+                if ctl is not None:  # (shielded, as Controller.close stops its groups)
+                    failed = await asyncio.shield(self._close_groups(ctl))
+            finally:  # (closed, if not cleanly: it can be opened again)
+                self._ctl, self._own_ctl = None, False
+                if own and ctl is not None:
+                    await ctl.close()
         if failed:
             raise failed[0]
+
+    async def _close_groups(self, ctl: Any) -> list[BaseException]:
+        """Close every group of the flow on `ctl`: the failures."""
+        handles = [g.handle for g in self.groups if g.handle is not None]
+        closed = await asyncio.gather(*(ctl.close_group(h) for h in handles),
+                                      return_exceptions=True)
+        for g in self.groups:
+            g.handle = None
+        return [e for e in closed if isinstance(e, BaseException)]
 
     async def __aenter__(self) -> DataFlow:
         await self.open()
@@ -270,8 +280,8 @@ class DataFlow:
             calls = step.calls[name] = Calls()  # (a node finishes after its group calls)
             task = quiet(loop.create_task(self._run_node(step, self.nodes[name], values, calls)))
             step.returned[name] = task
-            step.finished[name] = quiet(loop.create_task(finished(
-                task, calls, functools.partial(self._blame, step, name))))
+            step.finished[name] = dispatched(quiet(loop.create_task(finished(
+                task, calls, functools.partial(self._blame, step, name)))))
             step.finished[name].add_done_callback(step._finish)
         # step t+1 looks back to step t-k-1 (its bound) and t-k (its follows= edges): older
         # steps (all finished, as step t-k-2 was before this one) are let go

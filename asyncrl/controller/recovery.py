@@ -79,6 +79,21 @@ class Recovery:
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()  # closes and spawns a cancel cannot stop
         self._counted: dict[str, Any] = {}  # group -> the dead handle its last restart counted
+        self._stopped = False  # the run stops: closes and spawns are cancelled, not waited for
+        self._driver: asyncio.Task | None = None  # the task that opened the flow (the driver's)
+
+    def start(self) -> None:
+        """The flow opens (in the driver's task): a cancel of that task stops a respawn in it
+        (a rewind's, a resume's load) at once; a node's re-run's still waits (see _unstoppable)."""
+        self._stopped, self._driver = False, asyncio.current_task()
+
+    def stop(self) -> None:
+        """The run stops (its flow closes): closes and spawns under way are cancelled, not
+        waited for (up to startup_timeout + construct_timeout): a spawn undoes itself (bounded),
+        a close goes on and the flow's close waits for it."""
+        self._stopped = True
+        for task in self._background:
+            task.cancel()
 
     def resume_counts(self, saved: dict[str, int]) -> None:
         """A resumed run's restarts so far: those written as they happened (beside
@@ -147,7 +162,8 @@ class Recovery:
 
         Until its replacement is up the old handle stays: calls to it raise its death (which
         their nodes recover from), not "not running". Closing and spawning go on if the
-        caller is cancelled (a rewind), so no group is left half closed or unowned."""
+        caller is cancelled (a rewind), so no group is left half closed or unowned; not if
+        the run stops (_unstoppable)."""
         if self.flow._ctl is None:  # the flow has closed: nothing to bring back
             raise cause
         lock = self._locks.setdefault(spec.name, asyncio.Lock())
@@ -193,19 +209,25 @@ class Recovery:
     async def _unstoppable(self, work: Awaitable[Any]) -> Any:
         """`work`, carried on if the caller is cancelled; the cancelled caller still waits for
         it (and so keeps the group's lock): a rewind that took the lock at once would find
-        the group half closed, or spawn it a second time beside the one still starting."""
+        the group half closed, or spawn it a second time beside the one still starting.
+        Cancelled with its caller when the run stops: stop(), or the driver's task cancelled
+        (SIGTERM, Ctrl-C: no rewind follows, and a spawn can take minutes)."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(_settled)
         task.add_done_callback(self._background.discard)
+        if self._stopped:
+            task.cancel()
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+            if asyncio.current_task() is self._driver and not self._stopped:
+                task.cancel()  # (once: Controller.spawn's undo runs to its end)
             while not task.done():
                 try:
                     await asyncio.wait([task])
                 except asyncio.CancelledError:
-                    continue  # bounded: a spawn ends by its start-up timeouts
+                    continue  # bounded: a spawn ends by its start-up timeouts (or stop())
             raise
 
     async def finish(self) -> None:
