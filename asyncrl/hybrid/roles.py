@@ -314,13 +314,10 @@ class Policy(Worker):
         self.before_weights_change()
         moved = schedule_moved(self.backend)
         try:
-            out = self.backend.train_step(batch)
-        except BaseException:
-            if moved():  # (ZeRO: a failure after the step inside the last backward)
+            return self.backend.train_step(batch)
+        finally:  # a step taken, failing after it too (ZeRO steps inside the last backward):
+            if moved():  # no rows anywhere took none, and the weights are the version's
                 self.version += 1
-            raise
-        self.version += 1
-        return out
 
     @register(dispatch=GATHER_TO_ZERO)
     def sync_pack(self) -> TensorBatch | None:
