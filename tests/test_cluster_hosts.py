@@ -237,3 +237,27 @@ def test_stopping_remote_agents_leaves_the_callers_thread_at_once(tmp_path):
             a.proc.kill()
             a.proc.wait()
     assert_gone(pids)
+
+
+def test_a_second_stop_leaves_a_remote_agents_hang_up_to_run_its_course(tmp_path):
+    """A second signal_all (a close right after the supervisor's kill) killed the ssh or
+    srun the first was hanging up: a SIGKILLed srun passes nothing on."""
+    import subprocess
+
+    code = "import sys, time; sys.stdin.buffer.read(); time.sleep(0.3); sys.exit(0)"
+    agents = []
+    for host in ("n1", "n2"):  # each exits cleanly 0.3 s after its lifeline closes
+        agent = launcher.Agent("g", 1, {}, tmp_path / f"{host}.log", die_with_parent=False,
+                               host=host, local=False)
+        agent.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+        agents.append(agent)
+    try:
+        group = launcher.HostAgents(agents)
+        group.signal_all(signal.SIGKILL)
+        group.signal_all(signal.SIGKILL)
+        assert [a.proc.wait(15) for a in agents] == [0, 0]  # (before: [-9, -9])
+    finally:
+        for a in agents:
+            a.proc.kill()
+            a.proc.wait()
+    assert_gone([a.proc.pid for a in agents])

@@ -371,9 +371,12 @@ def test_a_rank_of_a_group_over_hosts_gives_gloo_the_interface_of_its_hosts_addr
                                            r"GLOO_SOCKET_IFNAME"):
         gi.set_gloo_interface({**over, "ASYNCRL_DATA_HOST": "10.9.9.9"})
     real = gi.addresses  # a SLURM host's address is its name, 127.0.1.1 on Debian
-    monkeypatch.setattr(gi, "addresses", lambda h: {"127.0.1.1"} if h == "node1" else real(h))
-    with pytest.raises(RuntimeError, match=r"'node1' resolves to loopback here \(127\.0\.1\.1"):
-        gi.set_gloo_interface({**over, "ASYNCRL_DATA_HOST": "node1"})
+    named = {"node1": {"127.0.1.1"}, "node2": {"127.0.0.1"}}  # (lo holds 127.0.0.1)
+    monkeypatch.setattr(gi, "addresses", lambda h: named.get(h) or real(h))
+    for node, address in named.items():
+        with pytest.raises(RuntimeError, match=f"'{node}' resolves to loopback here "
+                                               f"\\({re.escape(*address)}"):
+            gi.set_gloo_interface({**over, "ASYNCRL_DATA_HOST": node})
     monkeypatch.undo()  # this machine's own interfaces, read for real
     found = {n: gi.interface_address(n) for _, n in socket.if_nameindex()}
     assert found.get("lo") == "127.0.0.1"

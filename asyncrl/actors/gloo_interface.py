@@ -40,8 +40,8 @@ def set_gloo_interface(env: MutableMapping[str, str]) -> None:
         return  # (one host, or hosts imitated on this machine: loopback is fine)
     host = env.get("ASYNCRL_DATA_HOST", "")
     wanted = addresses(host) or set()
-    for _, name in socket.if_nameindex():
-        if interface_address(name) in wanted:
+    for _, name in socket.if_nameindex():  # (never lo: "127.0.0.1 node1" in /etc/hosts)
+        if interface_address(name) in {a for a in wanted if not is_loopback(a)}:
             env["GLOO_SOCKET_IFNAME"] = name
             return
     own = socket.gethostname()

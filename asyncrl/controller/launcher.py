@@ -68,6 +68,7 @@ class Agent:
         self._server = server  # forks torchrun from a warm process (this host's groups)
         self.proc: subprocess.Popen | ForkedAgent | None = None
         self._hung_up = False  # a remote agent's lifeline closed (close_lifeline)
+        self.hanging_up = False  # and hang_up's thread not yet through with it
         self.rank_pids: dict[int, int] = {}
         self._rank_birth: dict[int, str | None] = {}  # when each rank's process started
         self._launched: dict[int, int] = {}  # the pid torchrun started -> the rank's
@@ -219,6 +220,8 @@ class Agent:
         if sig == signal.SIGKILL and self.close_lifeline():  # (a remote one: the rest on a
             hang_up([self])  # thread of its own, after its ssh or srun passed that on)
             return
+        if sig == signal.SIGKILL and self.hanging_up:  # (a second stop: the hang-up's own
+            return  # kill follows; killed now, srun would pass nothing on)
         if sig == signal.SIGKILL:  # stopped first: a child it started while its children
             self._freeze()  # were listed (torchrun starting its ranks) was never signalled
         kill_pids(self.all_pids(), sig)
@@ -255,7 +258,7 @@ class Agent:
         if self.local or self._hung_up or not isinstance(proc, subprocess.Popen) \
                 or proc.poll() is not None:
             return False
-        self._hung_up = True
+        self._hung_up = self.hanging_up = True
         try:
             if proc.stdin is not None:
                 proc.stdin.close()
@@ -298,9 +301,13 @@ def hang_up(told: list[Agent]) -> None:
             for a in running:
                 a.exit_by(deadline)
         for a in told:
+            a.hanging_up = False
             a.signal_all(signal.SIGKILL)  # (its lifeline closed: killed at once now)
 
-    threading.Thread(target=stop, name="asyncrl-hang-up").start()
+    try:
+        threading.Thread(target=stop, name="asyncrl-hang-up").start()
+    except RuntimeError:  # (at interpreter exit, on some Pythons: "can't create new thread")
+        stop()
 
 
 class HostAgents:
