@@ -278,6 +278,20 @@ def test_a_batch_column_that_cannot_be_sent_is_refused_naming_it():
     assert schema_of(asyncrl.TensorBatch({"ok": torch.zeros(3, 2)})).nbytes == 24
 
 
+def test_an_int_past_64_bits_in_a_stored_value_is_refused_as_it_is_kept():
+    """Checked by type only, it was found when the value was sent: at a consumer's pull,
+    blamed on the consumer, or the driver's fetch."""
+    from asyncrl.futures.store import schema_of
+
+    big = 1 << 64
+    for value, path in [({"ids": [1, 2, big]}, r"\['ids'\]\[2\]"), ([1.0, -big], r"\[1\]"),
+                        (asyncrl.TensorBatch({"n": [[0], ["a", big]]}), r"\['n'\]\[1\]\[1\]"),
+                        ({big: 1}, rf"\[{big}\]")]:
+        with pytest.raises(TypeError, match=rf"value{path}: the int -?{big} is past 64 bits"):
+            schema_of(value)
+    assert schema_of([-(1 << 63), big - 1]).nbytes == 0  # msgpack's whole range
+
+
 def test_builtins_travel_by_module_and_name_or_are_refused():
     """torch.mean's qualname is "_VariableFunctionsClass.mean", which never resolved on the
     ranks; a bound builtin method (random.random) was refused as "defined inside a function"."""

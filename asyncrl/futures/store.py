@@ -47,7 +47,7 @@ def _check_sendable(value: Any) -> None:
     dicts, batches (their list columns too), dataclasses and Structs: a large value is
     stored, not encoded, and what cannot be sent failed only at a consumer's pull (blamed on
     the consumer) or a driver's fetch. Checked by type, not by encoding the value; the error
-    names its path (value['q'][0]), made only then. (An int past 64 bits is not seen here.)"""
+    names its path (value['q'][0]), made only then."""
     try:
         _walk(value)
     except _Unsendable as e:
@@ -77,13 +77,16 @@ def _walk(value: Any) -> None:
     items: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
         for key, item in value.items():
-            if type(key) not in _SENDS:
+            if type(key) not in _SENDS or _past_64_bits(key):
                 _inside(key, key)
-            if type(item) not in _SENDS:
+            if type(item) not in _SENDS or _past_64_bits(item):
                 _inside(item, key)
         return
     if isinstance(value, list | tuple | set | frozenset):
-        if _SENDS.issuperset(map(type, value)):  # long lists of numbers, strings: fast
+        kinds = set(map(type, value))
+        if _SENDS.issuperset(kinds) and (int not in kinds or (  # long lists: fast
+                -(1 << 63) <= min(value) and max(value) < 1 << 64 if kinds == {int}
+                else not any(map(_past_64_bits, value)))):
             return
         items = enumerate(value)
     elif isinstance(value, TensorBatch):
@@ -94,11 +97,19 @@ def _walk(value: Any) -> None:
         _check_leaf(value)
         return
     for at, item in items:
-        if type(item) not in _SENDS:
+        if type(item) not in _SENDS or _past_64_bits(item):
             _inside(item, at)
 
 
+def _past_64_bits(value: Any) -> bool:
+    """An int msgpack cannot carry (it takes -2**63 .. 2**64-1)."""
+    return type(value) is int and not -(1 << 63) <= value < 1 << 64
+
+
 def _check_leaf(value: Any) -> None:
+    if _past_64_bits(value):
+        raise _Unsendable(OverflowError(f"the int {value} is past 64 bits, which msgpack "
+                                        f"cannot carry; send it as a string"))
     if type(value) in _SENDS or isinstance(value, enum.Enum):  # (an enum: sent as its value)
         return
     try:
