@@ -137,6 +137,28 @@ def test_out_suffix_and_input_mapping():
     assert flow.deps["copy"] == {"x": ("node", "gen")}
 
 
+def test_a_0d_tensor_or_array_input_is_a_constant_and_an_input_iter_refuses_is_named():
+    """Issue 4: an input is an iterable (an item a step) or a constant. A 0-d tensor or array
+    has __iter__: it was read as an iterable and failed once the groups had started,
+    "iteration over a 0-d tensor", naming no input."""
+    class Broken:
+        def __iter__(self):
+            raise TypeError("not today")
+
+    def flow(source):  # (no groups)
+        return asyncrl.DataFlow(nodes=[gen], inputs={"prompts": source}, groups=[])
+
+    async def main():
+        async with asyncrl.Controller():
+            with pytest.raises(asyncrl.FlowError, match="input 'prompts': a Broken has "
+                               "__iter__ but cannot be iterated"):
+                await flow(Broken()).run(steps=1)
+            return [await flow(x).run(steps=2) for x in (torch.tensor(0.5),
+                                                         torch.tensor(0.5).numpy())]
+    for values in run(main()):
+        assert [float(v["gen"]) for v in values] == [0.5, 0.5]
+
+
 def test_config_overrides(monkeypatch):
     monkeypatch.setenv("ASYNCRL_OVERRIDES", json.dumps({"lr": 0.1}))
     monkeypatch.delenv("ASYNCRL_OVERRIDES_CHECKED", raising=False)  # (a launcher's, once

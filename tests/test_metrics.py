@@ -219,6 +219,21 @@ def run_steps(tl: Timeline, metrics: Metrics, steps: range, every: int, at: floa
         assert len(tl.events) == 10 * (t - written)  # never the steps already written
 
 
+def test_bench_gives_each_node_its_busy_and_its_idle_time_a_step(tmp_path):
+    """Issue 7: `asyncrl bench` gives per node and per group busy and idle time; per node
+    it gave busy only. Steps start every 2 s: rollout is busy 0.9 s a step, train 1.4 s."""
+    from asyncrl.controller.bench import analyse, report
+    tl = Timeline(tmp_path)
+    metrics = Metrics(tmp_path, 3, tl, trackers=[])
+    metrics.console = False
+    run_steps(tl, metrics, range(3), 3, 0.0)
+    f = analyse(tmp_path, {"rollout": [], "score": ["rollout"], "train": ["score"]})
+    assert f["period_s"] == pytest.approx(2.0)
+    assert f["nodes"]["rollout"] == pytest.approx({"busy_s_per_step": 0.9, "idle_s_per_step": 1.1})
+    assert f["nodes"]["train"]["idle_s_per_step"] == pytest.approx(0.6)
+    assert "  rollout                900.0        1100.0" in report(f)
+
+
 def test_a_long_run_holds_only_its_unwritten_steps_and_its_trace_keeps_every_span(tmp_path):
     """Every event of a run stayed in memory (~200 B each; hundreds of MB over days) and the
     whole trace was built from them again at each checkpoint, the work growing with the run.

@@ -1,6 +1,7 @@
 """A group placed again (closed, then spawned under its name; respawned) keeps to what the
 placed groups asked of it; a colocated group's other constraints are judged on the GPUs its
-ranks use. More placement in test_placement.py."""
+ranks use; a worker parameter named as a runtime keyword (nice=, relay=) given a value is
+refused. More placement in test_placement.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import re
 
 import pytest
+from helpers import run
 
 import asyncrl
 from asyncrl.controller.placement import Host, Placer
@@ -82,3 +84,29 @@ def test_a_colocated_groups_constraints_are_judged_on_the_gpus_its_ranks_use():
                                asyncrl.nvlink_group(4)]).devices == [2, 3, 4, 5]
     with pytest.raises(asyncrl.PlacementError, match="not within one NVLink domain"):
         nv.place("wide", 3, [asyncrl.colocate_with("actor"), asyncrl.nvlink_group(4)])
+
+
+class Niced(asyncrl.Worker):
+    def __init__(self, relay=None, *, nice=0):
+        self.relay, self.nice = relay, nice
+
+
+def test_a_runtime_keyword_that_the_worker_also_takes_is_refused_not_lost():
+    """Issues 2 and 4 reserve nprocs, name, mesh, place and env; the runtime also takes
+    relay, nice, max_restarts and restart_backoff, and a worker's own nice= or relay= went
+    to it, the worker silently getting its default."""
+    with pytest.raises(TypeError, match=re.escape(
+            "asyncrl.group(): nice=5 is taken by the runtime, but Niced.__init__ also has a "
+            "parameter 'nice', which would not get it; rename that parameter")):
+        asyncrl.group(Niced, nice=5)
+    with pytest.raises(TypeError, match="relay=True .* pass the worker's relay positionally"):
+        asyncrl.group(Niced, relay=True)
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            with pytest.raises(TypeError, match=r"spawn\(\): relay=False is taken"):
+                await ctl.spawn(Niced, relay=False)
+            with pytest.raises(TypeError, match=r"spawn\(\): nice=3 is taken"):
+                await ctl.spawn(Niced, nice=3)
+            assert not ctl.groups  # refused before anything started
+    run(main())

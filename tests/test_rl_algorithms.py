@@ -397,12 +397,19 @@ def test_kl_penalty_by_hand():
     assert torch.allclose(kl_penalty(logp, ref), torch.tensor([k3]), atol=1e-6)
     with pytest.raises(ValueError, match="kind is"):
         kl_penalty(logp, ref, "k4")
-    far = kl_penalty(torch.tensor([[-31.0, -1.0]]), torch.tensor([[-1.0, -31.0]]))
+    # unclamped, as issue 6 names it (it was clamped to [-10, 10]: 10 here)
+    assert kl_penalty(torch.tensor([[-3.0]]), torch.tensor([[0.0]])).item() == \
+        pytest.approx(math.exp(3) - 4)
+    far = kl_penalty(torch.tensor([[-31.0, -1.0]]), torch.tensor([[-1.0, -31.0]]), clamp=10)
     assert far.tolist() == [[10.0, 10.0]]  # e^30 - 31 and 29, clamped as verl does
+    assert kl_penalty(torch.tensor([[-3.0]]), torch.tensor([[0.0]]), clamp=30).item() == \
+        pytest.approx(math.exp(3) - 4)  # within the bound: as it is
+    with pytest.raises(ValueError, match="clamp is a bound > 0"):
+        kl_penalty(logp, ref, clamp=0)
     # a token ~89 nats below the reference: e^89 is inf in fp32, and its gradient through
     # the clamp was NaN, which made the whole step's gradient NaN (the step skipped)
     logp = torch.tensor([[-0.1, -95.0, -0.2]], requires_grad=True)
-    kl = kl_penalty(logp, torch.tensor([[-0.2, -0.5, -0.1]]))
+    kl = kl_penalty(logp, torch.tensor([[-0.2, -0.5, -0.1]]), clamp=10.0)
     kl.sum().backward()
     assert kl[0, 1].item() == 10.0 and torch.isfinite(logp.grad).all(), logp.grad
     assert logp.grad[0, 1].item() == 0.0

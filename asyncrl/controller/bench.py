@@ -1,6 +1,7 @@
 """`asyncrl bench flow.py`: where a pipeline's time goes, from its run's timeline.
 
-    per node   time its group calls kept a group busy (worker-side, per step)
+    per node   time its group calls kept a group busy (worker-side, per step), and idle:
+               the step period less that (never below 0: its calls may span steps)
     per group  busy time, idle time and utilisation over the run
     critical   the chain of dependent nodes with the most busy time per step
     step       wall time / steps; period: the time between steps' starts (the tail of the
@@ -80,7 +81,9 @@ def analyse(run_dir: Path, deps: dict[str, list[str]], warmup: int = 0) -> dict[
                   / len(steps) for g in by_group)
     tokens = sum(r.get("perf/tokens") or 0.0 for r in metrics)
     return {"steps": len(steps), "wall_s": wall, "step_s": per_step_s, "period_s": period_s,
-            "nodes": {n: {"busy_s_per_step": node_busy[n]} for n in nodes},
+            "nodes": {n: {"busy_s_per_step": node_busy[n],
+                          "idle_s_per_step": max(period_s - node_busy[n], 0.0)}
+                      for n in nodes},
             "groups": groups, "critical_path": critical,
             "critical_path_s": critical_s, "busiest_group_s_per_step": busiest,
             "overlap_efficiency": per_step_s / busiest if busiest else float("nan"),
@@ -91,9 +94,11 @@ def report(figures: dict[str, Any]) -> str:
     f = figures
     lines = [f"{f['steps']} steps in {f['wall_s']:.2f} s: {f['step_s'] * 1e3:.1f} ms a step "
              f"({f['period_s'] * 1e3:.1f} ms from one step's start to the next's), "
-             f"{f['tokens_per_s']:.0f} tokens/s", "", "node              busy ms/step"]
+             f"{f['tokens_per_s']:.0f} tokens/s", "",
+             "node              busy ms/step  idle ms/step"]
     for n, v in f["nodes"].items():
-        lines.append(f"  {n:<16}{v['busy_s_per_step'] * 1e3:>10.1f}")
+        lines.append(f"  {n:<16}{v['busy_s_per_step'] * 1e3:>12.1f}"
+                     f"{v['idle_s_per_step'] * 1e3:>14.1f}")
     lines += ["", "group             busy s    idle s   utilisation"]
     for g, v in f["groups"].items():
         lines.append(f"  {g:<16}{v['busy_s']:>7.2f}{v['idle_s']:>10.2f}"

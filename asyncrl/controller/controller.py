@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import contextvars
 import copy
-import inspect
 import itertools
 import logging
 import os
@@ -47,6 +46,7 @@ from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_server
 from asyncrl.controller.checkpoint import open_to_all
 from asyncrl.controller.cluster import Cluster, check_controller_address
+from asyncrl.controller.declare import check_runtime_keywords, init_params
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
 from asyncrl.controller.launcher import Agent, check_env, cluster_agents, rank_env
@@ -313,10 +313,11 @@ class Controller:
             raise ClosedError("the controller is not running; use `async with Controller()`")
         name = name or getattr(worker_cls, "__name__", "").lower()  # (checked next)
         layout = self._check_spawn(worker_cls, name, nprocs, mesh, env)
+        check_runtime_keywords(worker_cls, "spawn()", relay=relay, nice=nice)
         nice = check_nice(name, nice)
         relayed = self._relays_for(name, nprocs, self.relay if relay is None else relay)
         try:
-            params = list(_init_params(worker_cls))
+            params = init_params(worker_cls)
             # large arrays as raw frames: the loop neither copies nor signs them per rank;
             # sent from their own memory, before spawn returns
             payload, frames = codec.encode_call_oob((worker_cls, *args), kwargs,
@@ -589,10 +590,3 @@ def _rank_route(route: bytes, group: bytes, ranks: set[tuple[bytes, bytes]]) -> 
 def _retrieved(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()  # its awaiter may have gone: not "never retrieved"
-
-
-def _init_params(cls: type) -> list[str]:
-    try:
-        return list(inspect.signature(cls).parameters)
-    except (TypeError, ValueError):
-        return []

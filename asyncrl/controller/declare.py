@@ -36,6 +36,9 @@ class GroupSpec:
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"asyncrl.group() needs a subclass of asyncrl.Worker (the class, "
                             f"not an instance), got {worker_cls!r}")
+        check_runtime_keywords(worker_cls, "asyncrl.group()", max_restarts=max_restarts,
+                               restart_backoff=restart_backoff, nice=nice,
+                               relay=kwargs.get("relay"))  # (spawn() takes it from kwargs)
         self.worker_cls, self.args, self.kwargs = worker_cls, args, kwargs
         self.nprocs, self.mesh, self.place, self.env = nprocs, mesh, place, env
         self.name = name or worker_cls.__name__.lower()
@@ -75,6 +78,37 @@ class GroupSpec:
 
 
 _declared: list[GroupSpec] = []
+
+# keywords group() and spawn() take for the runtime beyond the documented nprocs, name,
+# mesh, place and env, with their defaults
+RUNTIME_KEYWORDS: dict[str, Any] = {"relay": None, "nice": 0, "max_restarts": 0,
+                                    "restart_backoff": 1.0}
+
+
+def init_params(cls: type) -> list[str]:
+    """The parameter names of ``cls(...)`` (none where it has no signature)."""
+    try:
+        return list(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def check_runtime_keywords(cls: type, call: str, **given: Any) -> None:
+    """Refuse a runtime keyword given a value when `cls.__init__` has a parameter of that
+    name: the runtime takes it, and the worker would silently get its own default."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return
+    for key, value in given.items():
+        param = params.get(key)
+        if param is None or value == RUNTIME_KEYWORDS[key]:
+            continue
+        fix = "rename that parameter" if param.kind is param.KEYWORD_ONLY else \
+            f"pass the worker's {key} positionally, or rename that parameter"
+        raise TypeError(f"{call}: {key}={value!r} is taken by the runtime, but "
+                        f"{cls.__qualname__}.__init__ also has a parameter {key!r}, which "
+                        f"would not get it; {fix}")
 
 
 def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | None = None,

@@ -59,7 +59,7 @@ class Inputs:
             set_rng_state(self._opened[0])
             for g, state in self._opened[1]:
                 g.set_state(state)
-        self._iters = {k: _iterate(v) for k, v in self.sources.items()}
+        self._iters = {k: _iterate(k, v) for k, v in self.sources.items()}
         self.consumed = {k: 0 for k, it in self._iters.items() if it is not None}
         self._last, self._read = {}, None
 
@@ -127,7 +127,7 @@ class Inputs:
                     "consumed" in positions[name]:  # (a list, a range: read again alike; a
                 # DataLoader that shuffles on each pass would give the resume another order
                 # than this check saw; a restorable source's state may be any JSON: an int)
-                it = _iterate(source)  # (not a one-shot iterator's: the run reads it once)
+                it = _iterate(name, source)  # (not a one-shot iterator's: the run reads it once)
                 if it is not None:
                     _skipped(name, it, positions[name], rewind=False)
 
@@ -234,14 +234,23 @@ def _generators(source: Any) -> list[Any]:
     return [g for h in holders if isinstance(g := getattr(h, "generator", None), torch.Generator)]
 
 
-def _iterate(source: Any) -> Iterator[Any] | None:
+def _iterate(name: str, source: Any) -> Iterator[Any] | None:
     """An iterator over a source, or None for a constant."""
-    return iter(source) if _iterable(source) else None
+    if not _iterable(source):
+        return None
+    try:
+        return iter(source)
+    except TypeError as e:  # (Iterable says only that it has __iter__)
+        raise FlowError(f"input {name!r}: a {type(source).__name__} has __iter__ but cannot "
+                        f"be iterated ({e}); pass an iterable that gives one item a "
+                        f"step, or a constant that has no __iter__") from e
 
 
 def _iterable(source: Any) -> bool:
-    """Read an item a step (not a constant: strings, dicts, TensorBatches... are constants)."""
-    if isinstance(source, (str, bytes, dict)) or not isinstance(source, Iterable):
+    """Read an item a step (not a constant: strings, dicts, TensorBatches, 0-d tensors and
+    arrays... are constants)."""
+    if isinstance(source, (str, bytes, dict)) or not isinstance(source, Iterable) \
+            or getattr(source, "ndim", None) == 0:  # (iter() of one raises TypeError)
         return False
     from asyncrl.comm.batch import TensorBatch
 

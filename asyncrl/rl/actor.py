@@ -95,8 +95,8 @@ def policy_loss(cfg: RLConfig, correct_in_pass: bool = False) -> Any:
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy
         if "ref_logprobs" in micro:
-            kl = aggregate(kl_penalty(logp, micro.tensor("ref_logprobs"), cfg.kl_kind), mask,
-                           cfg.agg) * part
+            kl = aggregate(kl_penalty(logp, micro.tensor("ref_logprobs"), cfg.kl_kind,
+                                      clamp=10.0), mask, cfg.agg) * part  # as verl
             stats["kl"] = kl.detach().item()
             if cfg.kl_coef and not cfg.kl_in_reward:
                 loss = loss + cfg.kl_coef * kl

@@ -128,19 +128,28 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     return per_row.sum() / (m.sum(1) > 0).sum().clamp(min=1)
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", *,
+               clamp: float | None = None) -> torch.Tensor:
     """Per-token KL estimates against the reference policy: k1 logp - ref, k2 (logp - ref)^2
-    / 2, k3 exp(ref - logp) - (ref - logp) - 1 clamped to [-10, 10] as verl's low_var_kl
-    (one token far below the reference would give e^30 and outweigh everything else), its
-    exponent clamped first (e^89 is inf in fp32, and inf's gradient through the clamp NaN)."""
+    / 2, k3 exp(ref - logp) - (ref - logp) - 1, unclamped. `clamp` bounds k3 to [-clamp,
+    clamp] as verl's low_var_kl does with 10 (the trainer's setting: one token far below the
+    reference would give e^30 and outweigh everything else); k1 and k2 stay as they are."""
     diff = logp - ref_logp
     if kind == "k1":
         return diff
     if kind == "k2":
         return diff.pow(2) / 2
     if kind == "k3":  # expm1: exp(-d) - 1 + d without cancelling away small d
-        diff = diff.clamp(-20.0, 20.0)  # (past it, clamped to 10 below either way)
-        return torch.clamp(torch.expm1(-diff) + diff, -10.0, 10.0)
+        if clamp is None:
+            return torch.expm1(-diff) + diff
+        if not clamp > 0:
+            raise ValueError(f"kl_penalty: clamp is a bound > 0, or None (unclamped), got "
+                             f"{clamp!r}")
+        # d bounded where k3 is already >= clamp on either side (k3(c + 1) > c, and
+        # k3(-log(1 + c) - 1) = e(1 + c) - log(1 + c) - 2 >= c): the same result, without
+        # e^89 = inf in fp32 (whose gradient through the clamp is NaN)
+        diff = diff.clamp(-(math.log1p(clamp) + 1.0), clamp + 1.0)
+        return torch.clamp(torch.expm1(-diff) + diff, -clamp, clamp)
     raise ValueError(f"kl_penalty: kind is 'k1', 'k2' or 'k3', got {kind!r}")
 
 

@@ -128,7 +128,8 @@ def _kl(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
     if "ref_logprobs" not in batch:
         raise KeyError("kl_in_reward needs the reference's log-probs: pass the reference "
                        "node's result to update(..., ref=...)")
-    return kl_penalty(batch.tensor("logprobs"), batch.tensor("ref_logprobs"), cfg.kl_kind)
+    return kl_penalty(batch.tensor("logprobs"), batch.tensor("ref_logprobs"), cfg.kl_kind,
+                      clamp=10.0)  # as verl's low_var_kl
 
 
 def token_rewards(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
