@@ -12,7 +12,7 @@
     asyncrl timeline RUN_DIR [--out PNG]           draw RUN_DIR/timeline.json as a PNG
     asyncrl export RUN_DIR OUT [--group G] [--dtype D]   the trained policy as a HF model
     asyncrl logs RUN_DIR --group G [--rank R] [--tail N]   one rank's output
-    asyncrl attach RUN_DIR [--group G] [--rank R] [--thread T] [--list]
+    asyncrl attach [RUN_DIR] [--group G] [--rank R] [--thread T] [--list]
                                                          pdb on a rank in breakpoint()
     asyncrl bench FILE [--steps N] [--run-dir DIR] [key=value ...] (and launch's
                        Controller settings)  run FILE's flow and say where the time went
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.cli_cluster import launch_cluster
+from asyncrl.cli_resume import RUNS, run_to_resume
 from asyncrl.controller.logs import visible
 from asyncrl.controller.nodes import NodeError
 from asyncrl.controller.runner import Terminated, run
@@ -43,9 +44,6 @@ def launch(args: argparse.Namespace) -> int:
     from asyncrl.controller.checkpoint import KEEP
     from asyncrl.controller.launch import default_run_dir, launch_flow
 
-    if args.resume and not args.run_dir:
-        raise SystemExit("asyncrl launch: --resume needs --run-dir DIR, the run to continue "
-                         "(its checkpoints are in DIR/checkpoints)")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise SystemExit(f"asyncrl launch: --checkpoint-every must be >= 1, got "
                          f"{args.checkpoint_every}")
@@ -57,6 +55,8 @@ def launch(args: argparse.Namespace) -> int:
             raise SystemExit(f"asyncrl launch: {option} {value}: that is a key=value "
                              f"override, taken as {option}'s value; give {option} its own "
                              f"value first (or ./{value} for a folder of that name)")
+    if args.resume and not args.run_dir:  # the newest run of this flow file under runs/
+        args.run_dir = str(run_to_resume(args.script))
     settings = _settings(args)  # (checked before the flow's file is imported)
     sys.argv = [args.script, *[a for a in args.args if "=" not in a], *args.passed]  # (k=v:
     overrides = now = key_values("launch", args.args)  # settings, never main()'s arguments)
@@ -330,22 +330,29 @@ def export(args: argparse.Namespace) -> int:
 
 def attach(args: argparse.Namespace) -> int:
     from asyncrl.controller.attach import attach as bridge
-    from asyncrl.controller.attach import choose, connect, waiting
+    from asyncrl.controller.attach import choose, connect, describe, newest_waiting, waiting
 
+    if args.run_dir is None:
+        if (found := newest_waiting(RUNS)) is None:
+            raise SystemExit(f"asyncrl attach: no run under {RUNS}/ has a rank waiting in "
+                             f"breakpoint(); give RUN_DIR, the folder `asyncrl launch` "
+                             f"printed as run_dir:")
+        print(f"asyncrl attach: {found}, the newest run under {RUNS}/ with a rank waiting",
+              file=sys.stderr)
+        args.run_dir = str(found)
     if not Path(args.run_dir).is_dir():
         raise SystemExit(f"asyncrl attach: no run directory {args.run_dir} (the folder "
                          f"`asyncrl launch` printed as run_dir:)")
     sessions = waiting(Path(args.run_dir))
     if args.list:
         for s in sessions:
-            print(f"{s['group']}:{s['rank']}  host {s['host']}  pid {s['pid']}  thread "
-                  f"{s.get('thread')}  at {s['where']}" + (
-                      f"  ({s['elsewhere']})" if s.get("elsewhere") else ""))
+            print(describe(s))
         if not sessions:
             print(f"no rank waits for a debugger in {args.run_dir}")
         return 0
     try:
-        session = choose(sessions, args.group, args.rank, args.thread)
+        session = choose(sessions, args.group, args.rank, args.thread,
+                         ask=input if sys.stdin.isatty() else None)  # a terminal: asked
     except LookupError as e:
         raise SystemExit(f"asyncrl attach: {e}") from None
     try:  # (once connected, a reset is the session's end: the rank continued)
@@ -477,7 +484,8 @@ def parser() -> argparse.ArgumentParser:
     lp.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
                     help="keep the newest K checkpoints (default 3; 0 keeps all)")
     lp.add_argument("--resume", action="store_true",
-                    help="continue the run in --run-dir from its newest complete checkpoint")
+                    help="continue the run in --run-dir (default: the newest run under runs/ "
+                    "with a checkpoint of this flow file) from its newest complete checkpoint")
     tracking = lp.add_mutually_exclusive_group()
     tracking.add_argument("--wandb", default=None, metavar="PROJECT",
                           help="log the metrics to this Weights & Biases project too (pip "
@@ -501,7 +509,8 @@ def parser() -> argparse.ArgumentParser:
     ap = sub.add_parser("attach", help="reach a rank waiting in breakpoint() with pdb",
                         description="List the ranks of a run waiting in breakpoint() and open "
                                     "pdb on one (type c to let it continue).")
-    ap.add_argument("run_dir")
+    ap.add_argument("run_dir", nargs="?", default=None, help="the run's folder (default: the "
+                    "newest under runs/ where a rank waits)")
     ap.add_argument("--group", default=None)
     ap.add_argument("--rank", type=int, default=None)
     ap.add_argument("--thread", default=None,

@@ -1,10 +1,11 @@
 """`asyncrl launch`, `run`, `logs` and `timeline` at their edges: a run directory others can
 write, errors whose notes say more, a file that is no Python, damaged saved inputs, a reader
-that stops early."""
+that stops early, a --resume that finds its run."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -250,3 +251,39 @@ def test_asyncrl_timeline_where_its_picture_cannot_be_written_says_so(tmp_path):
         main(["timeline", str(tmp_path)])
     assert main(["timeline", str(tmp_path), "--out", str(tmp_path / "t.png")]) == 0
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+COUNTED = ("import asyncrl\n\n\n@asyncrl.node\ndef n(x):\n    return {'v': x}\n\n\n"
+           "flow = asyncrl.DataFlow(nodes=[n], inputs={'x': range(100)})\n")
+
+
+def test_a_resume_without_run_dir_continues_the_newest_run_of_its_flow_file(tmp_path):
+    """`asyncrl launch flow.py --resume` (the issue's words) exited: --resume needs --run-dir."""
+    def launch(*args: str) -> subprocess.CompletedProcess:  # from tmp_path: its runs/
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [
+            os.environ.get("PYTHONPATH")])])}
+        return subprocess.run([sys.executable, "-m", "asyncrl", "launch", *args], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    def steps(run: str) -> list[int]:
+        rows = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(row)["step"] for row in rows]
+
+    (tmp_path / "counted_flow.py").write_text(COUNTED)
+    (tmp_path / "other_flow.py").write_text(COUNTED)
+    out = launch("counted_flow.py", "--resume")
+    assert out.returncode == 1 and out.stderr == (
+        "asyncrl launch: --resume needs --run-dir DIR, the run to continue (its checkpoints "
+        "are in DIR/checkpoints): no run under runs/ holds a complete checkpoint of "
+        "counted_flow.py\n")
+    runs = []
+    for flow, n in (("counted_flow.py", "1"), ("counted_flow.py", "2"), ("other_flow.py", "1")):
+        out = launch(flow, "--steps", n)  # the last one: the newest run, of another file
+        assert out.returncode == 0, out.stderr
+        runs.append(out.stdout.split("run_dir: ")[1].split("\n")[0])
+    out = launch("counted_flow.py", "--resume", "--steps", "3")
+    assert out.returncode == 0, out.stderr
+    assert f"asyncrl launch: --resume: continuing {runs[1]} (its step_000001), the newest " \
+           f"run under runs/ with a checkpoint of counted_flow.py" in out.stderr
+    assert f"run_dir: {runs[1]}\n" in out.stdout
+    assert [steps(run) for run in runs] == [[0], [0, 1, 2], [0]]

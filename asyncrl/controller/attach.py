@@ -1,8 +1,9 @@
-"""`asyncrl attach RUN_DIR [--group G --rank R]`: reach a rank waiting in `breakpoint()`.
+"""`asyncrl attach [RUN_DIR] [--group G --rank R]`: reach a rank waiting in `breakpoint()`.
 
 Lists the waiting ranks (RUN_DIR/debug/*.json, written by the ranks: one per waiting
-breakpoint, so a rank may have several), connects to the chosen one with its one-time token,
-and joins the terminal to its pdb until it continues. Leaving (Ctrl-C) lets the rank go on."""
+breakpoint, so a rank may have several), connects to the chosen one (several: picked from a
+numbered list on a terminal) with its one-time token, and joins the terminal to its pdb until
+it continues. Leaving (Ctrl-C) lets the rank go on."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import select
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +67,33 @@ def _differs(session: dict[str, Any], mine: dict[str, str | None], field: str) -
         and session[field] != mine[field]
 
 
+def newest_waiting(root: Path) -> Path | None:
+    """The run folder under `root` (where launches without --run-dir go) whose debug/ folder
+    changed last and where a rank waits; None if none."""
+    def changed(debug: Path) -> float:
+        try:
+            return debug.stat().st_mtime
+        except OSError:  # (removed meanwhile)
+            return 0.0
+    for debug in sorted(root.glob("*/debug"), key=changed, reverse=True):
+        if waiting(debug.parent):
+            return debug.parent
+    return None
+
+
+def describe(session: dict[str, Any]) -> str:
+    """One line on a waiting breakpoint: who, where, and where to attach from if not here."""
+    s = session
+    return (f"{s['group']}:{s['rank']}  host {s['host']}  pid {s.get('pid')}  thread "
+            f"{s.get('thread')}  at {s['where']}" + (
+                f"  ({s['elsewhere']})" if s.get("elsewhere") else ""))
+
+
 def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
-           thread: str | None = None) -> dict[str, Any]:
+           thread: str | None = None,
+           ask: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """The session to attach to. Several ranks match: `ask` (a terminal's input(): None
+    where there is none) reads the user's pick from a numbered list, else refused."""
     picked = [s for s in sessions if (group is None or s["group"] == group) and
               (rank is None or s["rank"] == rank) and
               (thread is None or s.get("thread") == thread)]
@@ -76,6 +103,9 @@ def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
         raise LookupError(f"no rank waits for a debugger there matching group={group} "
                           f"rank={rank} thread={thread}; waiting: {listed}")
     if len({(s["group"], s["rank"]) for s in picked}) > 1:
+        if ask is not None:  # (a breakpoint() in SPMD code stops every rank of the group)
+            one = _pick(picked, ask)
+            return choose(sessions, one["group"], one["rank"], one.get("thread"))
         listed = ", ".join(f"{s['group']}:{s['rank']} ({s['where']})" for s in picked)
         raise LookupError(f"several ranks wait for a debugger: {listed}; pick one with "
                           f"--group and --rank")
@@ -88,6 +118,21 @@ def choose(sessions: list[dict[str, Any]], group: str | None, rank: int | None,
         raise LookupError(f"{picked[0]['group']}:{picked[0]['rank']} waits for a debugger "
                           f"{where}")
     return {**picked[0], "also": [s["where"] for s in picked[1:]]}
+
+
+def _pick(picked: list[dict[str, Any]], ask: Callable[[str], str]) -> dict[str, Any]:
+    """The session whose number the user gives, asked again until it is one of the list."""
+    picked = sorted(picked, key=lambda s: (s["group"], s["rank"], s.get("since", 0.0)))
+    listed = "".join(f"{i}) {describe(s)}\n" for i, s in enumerate(picked, 1))
+    prompt = f"several ranks wait for a debugger:\n{listed}attach to which (1-{len(picked)})? "
+    while True:
+        try:
+            answer = ask(prompt).strip()
+        except (EOFError, KeyboardInterrupt):
+            raise LookupError("no rank chosen; pick one with --group and --rank") from None
+        if answer.isascii() and answer.isdigit() and 1 <= int(answer) <= len(picked):
+            return picked[int(answer) - 1]
+        prompt = f"{answer!r} is none of them; give a number from 1 to {len(picked)}: "
 
 
 def connect(session: dict[str, Any]) -> socket.socket:
