@@ -15,12 +15,16 @@ single-thread copy of the same bytes between two already-allocated buffers.
              two producers), each thread copying its share: a second baseline, reported
              beside the first (no target)
 
-Then dp2 -> dp1 again with the producing call inside the timing (`"timed": "produce+hand-off"`,
+Then dp2 -> dp1 again with the producing call inside the timing (layout "dp2->dp1+produce",
 asyncrl and both Ray variants): every system's copies counted, wherever it makes them.
 Then a lifetime check: 10,000 calls whose results are passed on and dropped; the object
 stores must end empty and the ranks' memory flat.
 
-One JSON line per result on stdout. Run: `make bench-data` or
+One JSON line per result on stdout, {"bench": "data_plane", "system", "layout", "gib_per_s",
+...}, each (system, layout) once a run (the 2-thread copy is layout "copy-2threads"); the
+lifetime check and the ratios are lines of their own bench, "data_plane_lifetimes" and
+"data_plane_summary", which a reader of the issue's lines cannot take for a result. A line
+with "skipped" says what did not run and has no figures. Run: `make bench-data` or
 `.venv/bin/python benchmarks/data_plane.py [--mib 256] [--repeat 5] [--quick]`.
 The ranks import this file to find the worker classes: driver code stays behind __main__.
 """
@@ -107,7 +111,9 @@ def bench_memcpy(nbytes: int, repeat: int, ctx: dict[str, Any], threads: int = 1
             else:
                 list(pool.map(lambda pair: pair[0].copy_(pair[1]), pairs))
             times.append(time.perf_counter() - t0)
-    rec = {"bench": "data_plane", "system": "memcpy", "layout": "copy", "threads": threads,
+    # the issue's baseline is one thread, "copy"; another count is a layout of its own
+    layout = "copy" if threads == 1 else f"copy-{threads}threads"
+    rec = {"bench": "data_plane", "system": "memcpy", "layout": layout, "threads": threads,
            "mib": nbytes >> 20, **gib_per_s(nbytes, times), **ctx}
     emit(rec)
     return rec
@@ -204,8 +210,9 @@ def _produced_too(system: str, nbytes: int, times: list[float],
                   ctx: dict[str, Any]) -> dict[str, Any]:
     """dp2 -> dp1 with the producing call inside the timing: where each system makes its
     copies (Ray's numpy arrays into its store as the actor returns, asyncrl's rows into the
-    consumer's segment on the pull), all of them counted."""
-    rec = {"bench": "data_plane", "system": system, "layout": "dp2->dp1",
+    consumer's segment on the pull), all of them counted: a layout of its own, not the
+    issue's dp2->dp1 (its batch already produced)."""
+    rec = {"bench": "data_plane", "system": system, "layout": "dp2->dp1+produce",
            "timed": "produce+hand-off", "mib": nbytes >> 20,
            **gib_per_s(nbytes, times[1:]), **ctx}
     emit(rec)
@@ -260,8 +267,8 @@ async def _asyncrl(nbytes: int, repeat: int, calls: int, ctx: dict[str, Any],
 async def _lifetimes(ctl: asyncrl.Controller, source: Any, sink: Any, calls: int,
                      ctx: dict[str, Any]) -> dict[str, Any]:
     if psutil is None:
-        rec = {"bench": "data_plane", "check": "lifetimes", "skipped": "psutil is not installed",
-               **ctx}
+        rec = {"bench": "data_plane_lifetimes", "check": "lifetimes",
+               "skipped": "psutil is not installed", **ctx}
         emit(rec)
         return rec
     procs = [psutil.Process(p) for g in (source, sink) for p in g.pids.values()]
@@ -284,8 +291,9 @@ async def _lifetimes(ctl: asyncrl.Controller, source: Any, sink: Any, calls: int
             o for g in (source, sink) for o, _ in g.store_stats.values()):
         await asyncio_sleep(0.1)
     left = sum(o for g in (source, sink) for o, _ in g.store_stats.values())
-    rec = {"bench": "data_plane", "system": "asyncrl", "check": "lifetimes", "calls": calls,
-           "objects_left": left, "rank_rss_growth_mib": round((rss() - start) / 2**20, 2),
+    rec = {"bench": "data_plane_lifetimes", "system": "asyncrl", "check": "lifetimes",
+           "calls": calls, "objects_left": left,
+           "rank_rss_growth_mib": round((rss() - start) / 2**20, 2),
            "pass_and_drop_per_s": round(calls / elapsed, 1), **ctx}
     emit(rec)
     return rec
@@ -345,7 +353,7 @@ def main() -> None:
     copy_n = bench_memcpy(nbytes, args.repeat, ctx, threads=PRODUCERS)
     ours = asyncrl.run(_asyncrl(nbytes, args.repeat, args.calls, ctx))
     asyncrl.run(_asyncrl(nbytes, args.repeat, 0, ctx, transport="tcp"))  # for reference
-    summary: dict[str, Any] = {"bench": "data_plane", "summary": True}
+    summary: dict[str, Any] = {"bench": "data_plane_summary", "summary": True}
     for rec in ours:
         layout = rec.get("layout")
         if layout is None or "timed" in rec:
