@@ -313,9 +313,10 @@ def test_remote_error_carries_group_rank_method_and_traceback(pair):
 def test_unsendable_return_value(pair):
     with pytest.raises(asyncrl.RemoteError, match="cannot be sent"):
         get(pair.unsendable())
-    # an int past 64 bits: the same words (it was a bare OverflowError)
+    # an int past 64 bits: the same words (it was a bare OverflowError), naming where
     with pytest.raises(asyncrl.RemoteError, match=r"unsendable returned a value that cannot "
-                                                  r"be sent: can't serialize ints"):
+                                                  r"be sent: value\['n'\]: the int \d+ is "
+                                                  r"past 64 bits"):
         get(pair.unsendable(True))
     # a batch column whose bytes are not all of it (a qint8's scale): refused, named, not
     # stored for a consumer to get a broken tensor
