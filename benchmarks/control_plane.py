@@ -32,6 +32,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from machine import describe, version
+from quick import add_counts, fill_counts
 
 import asyncrl
 
@@ -301,20 +302,14 @@ QUICK = {"calls": 200, "pipelined": 500, "inflight": 100, "warmup": 20}
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, text in (("calls", "sequential calls timed (RTT)"),
-                       ("pipelined", "pipelined calls timed (calls/s)"),
-                       ("inflight", "calls in flight when pipelined"),
-                       ("warmup", "untimed calls before measuring")):
-        p.add_argument(f"--{name}", type=int,
-                       help=f"{text}; default {FULL[name]}, with --quick {QUICK[name]}")
+    add_counts(p, {"calls": "sequential calls timed (RTT)",
+                   "pipelined": "pipelined calls timed (calls/s)",
+                   "inflight": "calls in flight when pipelined",
+                   "warmup": "untimed calls before measuring"}, FULL, QUICK, "counts")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds of zmq, ray, asyncrl (medians and min-max reported)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: smaller counts for those not given")
     args = p.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_counts(args, FULL, QUICK)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, not {args.rounds}")
     return args

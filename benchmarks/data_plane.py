@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 from machine import describe, describe_gpu, version
+from quick import add_counts, fill_counts
 
 try:
     import psutil
@@ -312,19 +313,12 @@ QUICK = {"mib": 32, "repeat": 2, "calls": 500}
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, text in (("mib", "size of the batch (MiB)"),
-                       ("repeat", "timed hand-offs per layout"),
-                       ("calls", "calls for the lifetime check")):
-        p.add_argument(f"--{name}", type=int,
-                       help=f"{text}; default {FULL[name]}, with --quick {QUICK[name]}")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: smaller sizes for those not given")
+    add_counts(p, {"mib": "size of the batch (MiB)", "repeat": "timed hand-offs per layout",
+                   "calls": "calls for the lifetime check"}, FULL, QUICK, "sizes")
     p.add_argument("--gpu", action="store_true",
                    help="only the GPU hand-offs (CUDA IPC on one host) and a device copy")
     args = p.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_counts(args, FULL, QUICK)
     return args
 
 
