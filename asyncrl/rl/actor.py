@@ -28,7 +28,13 @@ from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import BUCKET_BYTES
 from asyncrl.hybrid.roles import Policy, check_policy_arguments, schedule_moved
 from asyncrl.hybrid.settings import from_dict, own_arguments
-from asyncrl.rl.algorithms import aggregate, kl_penalty, masked_mean, ppo_policy_loss
+from asyncrl.rl.algorithms import (
+    TRAINER_KL_CLAMP,
+    aggregate,
+    kl_penalty,
+    masked_mean,
+    ppo_policy_loss,
+)
 from asyncrl.rl.batch import (
     REPORTED,
     STATS,
@@ -96,7 +102,7 @@ def policy_loss(cfg: RLConfig, correct_in_pass: bool = False) -> Any:
             loss = loss - cfg.entropy_coef * entropy
         if "ref_logprobs" in micro:
             kl = aggregate(kl_penalty(logp, micro.tensor("ref_logprobs"), cfg.kl_kind,
-                                      clamp=10.0), mask, cfg.agg) * part  # as verl
+                                      clamp=TRAINER_KL_CLAMP), mask, cfg.agg) * part
             stats["kl"] = kl.detach().item()
             if cfg.kl_coef and not cfg.kl_in_reward:
                 loss = loss + cfg.kl_coef * kl

@@ -128,6 +128,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     return per_row.sum() / (m.sum(1) > 0).sum().clamp(min=1)
 
 
+TRAINER_KL_CLAMP = 10.0  # the bound the trainer gives k3, as verl's low_var_kl
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", *,
                clamp: float | None = None) -> torch.Tensor:
     """Per-token KL estimates against the reference policy: k1 logp - ref, k2 (logp - ref)^2

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from asyncrl.actors.protocols import _dp_split, _rank_zero_collect, register_protocol
 from asyncrl.comm.batch import PAD_KEY, TensorBatch
 from asyncrl.hybrid.turns import sampled_mask
-from asyncrl.rl.algorithms import gae, grpo_advantages, kl_penalty
+from asyncrl.rl.algorithms import TRAINER_KL_CLAMP, gae, grpo_advantages, kl_penalty
 from asyncrl.rl.config import RLConfig
 
 log = logging.getLogger("asyncrl")
@@ -129,7 +129,7 @@ def _kl(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
         raise KeyError("kl_in_reward needs the reference's log-probs: pass the reference "
                        "node's result to update(..., ref=...)")
     return kl_penalty(batch.tensor("logprobs"), batch.tensor("ref_logprobs"), cfg.kl_kind,
-                      clamp=10.0)  # as verl's low_var_kl
+                      clamp=TRAINER_KL_CLAMP)
 
 
 def token_rewards(batch: TensorBatch, cfg: RLConfig) -> torch.Tensor:
