@@ -8,6 +8,7 @@ from asyncrl.actors.protocols import Dispatch, Layout, Split, register_protocol
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.compat import print_notes_on_310
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import config, group
 from asyncrl.controller.flow import DataFlow
@@ -39,6 +40,7 @@ from asyncrl.errors import (
 from asyncrl.futures.future import DistFuture, Rows, concat
 
 __version__ = "0.1.0"
+print_notes_on_310()  # (3.11 prints an uncaught error's notes itself)
 
 __all__ = [
     "AsyncRLError",

@@ -12,6 +12,7 @@ import sysconfig
 import traceback
 from typing import Any, NoReturn
 
+from asyncrl.compat import format_exception
 from asyncrl.errors import SettingError
 
 
@@ -76,7 +77,7 @@ def _import_with(path: str, overrides: dict[str, Any], saved: dict[str, Any]) ->
     except Exception as e:  # noqa: BLE001 - user code: say where it failed and what
         given = " ".join(f"{k}={v}" for k, v in overrides.items())
         # SystemExit prints its message alone, never its cause: the traceback goes in it
-        whole = "".join(traceback.format_exception(e)) if os.environ.get(
+        whole = format_exception(e) if os.environ.get(
             "ASYNCRL_TRACEBACK") else ""
         raise SystemExit(f"{whole}asyncrl: importing {path} failed at {_user_line(e, path)}: "
                          f"{type(e).__name__}: {e}\n"

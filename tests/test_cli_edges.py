@@ -68,13 +68,14 @@ def test_a_failures_own_notes_are_said_beside_its_causes(tmp_path, capsys):
     """Only a NodeError's cause's notes were printed (not its own: why recovery gave up),
     and none of any other error's (a RemoteError's other ranks that raised too)."""
     from asyncrl.cli import _run_flow
+    from asyncrl.compat import add_note
     from asyncrl.controller.nodes import NodeError
     from asyncrl.errors import RemoteError
 
     def remote() -> RemoteError:
         error = RemoteError("reward", 0, "score", "ValueError", "boom", "tb")
         for rank in range(1, 7):  # (the first 4 said, the others counted)
-            error.add_note(f"reward[rank {rank}].score raised too: ValueError: boom")
+            add_note(error, f"reward[rank {rank}].score raised too: ValueError: boom")
         return error
 
     async def fails(error: BaseException) -> None:
@@ -83,7 +84,7 @@ def test_a_failures_own_notes_are_said_beside_its_causes(tmp_path, capsys):
     node = NodeError("score", 3, cause := remote())
     node.__cause__ = cause
     spent = "not recovered: group 'reward' used its 1 restart(s) (max_restarts=1)"
-    node.add_note(spent)
+    add_note(node, spent)
     for error, last in ((node, spent), (remote(), "... and 2 more ranks")):
         assert _run_flow("launch", tmp_path, fails(error)) == 1
         err = capsys.readouterr().err

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import asyncrl
+from asyncrl.compat import cancelling
 from asyncrl.controller.inputs import _digest
 from asyncrl.futures.future import DistFuture, Held
 
@@ -114,7 +115,7 @@ def test_a_driver_timing_out_a_step_waiting_on_its_follows_edge_can_step_again()
     async def main():
         async with flow:
             await flow.step()
-            with pytest.raises(TimeoutError):  # train 0 runs on: step 1 waits for it
+            with pytest.raises(asyncio.TimeoutError):  # train 0 runs on: step 1 waits for it
                 await asyncio.wait_for(flow.step(), 0.05)
             late[0]._set_result(Held("train 0"))
             second = await asyncio.wait_for(flow.step(), 30)
@@ -188,7 +189,7 @@ def test_a_failed_steps_recovery_watchers_are_cancelled_with_it(monkeypatch):
             with pytest.raises(asyncrl.NodeError, match="broken beside it"):
                 await flow.step()
             watchers = list(flow._watchers)
-            return len(watchers), all(w.cancelling() for w in watchers)
+            return len(watchers), all(cancelling(w) for w in watchers)
     assert asyncio.run(main()) == (1, True)
 
 
@@ -209,7 +210,7 @@ def test_a_left_behind_bound_wait_failing_later_is_not_logged_as_never_retrieved
         async with flow:
             await flow.step()
             await flow.step()
-            with pytest.raises(TimeoutError):  # step 2 waits for all of step 0
+            with pytest.raises(asyncio.TimeoutError):  # step 2 waits for all of step 0
                 await asyncio.wait_for(flow.step(), 0.05)
             late[0]._set_exception(RuntimeError("slow 0 failed"))
             with pytest.raises(asyncrl.NodeError, match="slow 0 failed"):

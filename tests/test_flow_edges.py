@@ -70,7 +70,7 @@ def test_a_call_the_node_waited_for_and_gave_up_on_that_fails_fails_the_node():
         note_call(load)
         try:
             await asyncio.wait_for(load, 0.01)  # a bounded wait, then go on
-        except TimeoutError:
+        except asyncio.TimeoutError:
             load._set_exception(RuntimeError("load failed"))  # after the wait gave up
         return {"synced": rollout}
 

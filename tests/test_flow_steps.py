@@ -162,7 +162,7 @@ def test_a_driver_timing_out_a_step_waiting_on_its_bound_can_step_again():
                                     groups=[]) as flow:
             await flow.step()
             await flow.step()
-            with pytest.raises(TimeoutError):  # step 2 waits for all of step 0
+            with pytest.raises(asyncio.TimeoutError):  # step 2 waits for all of step 0
                 await asyncio.wait_for(flow.step(), 0.2)
             late[0]._set_result(Held("eval"))
             third = await asyncio.wait_for(flow.step(), 30)

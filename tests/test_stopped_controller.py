@@ -92,6 +92,8 @@ def test_a_flow_stopped_before_its_first_checkpoint_says_its_run_dir_cannot_resu
     assert proc.returncode == 130, err
     assert f"asyncrl: stopped before its first checkpoint, so {run_dir} cannot be resumed: " \
         "launch again in another --run-dir, or remove it" in err, err
+    # (3.10's asyncio.run cancelled the node itself: "raised CancelledError", a traceback)
+    assert "CancelledError" not in err and "Traceback" not in err, err
 
 
 def test_sigterm_shuts_every_group_down_as_ctrl_c_does(killed_driver_env):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import traceback
-
 from asyncrl.comm.messages import Failure
+from asyncrl.compat import format_exception
 from asyncrl.errors import InputLostError, TransferTimeout
 
 
@@ -22,7 +21,7 @@ def failure(e: BaseException) -> Failure:
                    f"is lost>")
     try:  # from `e` itself, not the exception being handled: a failure found outside its
         # except block (a concurrent call's thread that failed) has its own traceback too
-        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        tb = format_exception(e)
     except BaseException:  # noqa: BLE001 - e.g. a broken __repr__ / __str__ deeper down
         tb = f"{name}: {message}\n(the traceback could not be formatted)\n"
     return Failure(type=name, message=sendable(message), traceback=sendable(tb))

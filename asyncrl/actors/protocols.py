@@ -19,6 +19,7 @@ from typing import Any
 
 from asyncrl.comm import codec
 from asyncrl.comm.batch import RowOps
+from asyncrl.compat import add_note
 
 DP_AXIS = "dp"
 
@@ -193,8 +194,8 @@ def _noted(name: str, split: Callable[[Layout, tuple, dict[str, Any]], Split]
         try:
             return split(layout, args, kwargs)
         except Exception as e:
-            e.add_note(f"raised by split() of the user protocol {name!r} (register_protocol), "
-                       f"for a call on group {layout.group!r}")
+            add_note(e, f"raised by split() of the user protocol {name!r} "
+                     f"(register_protocol), for a call on group {layout.group!r}")
             raise
     return noted
 

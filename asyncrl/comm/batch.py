@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self
 
 Column = torch.Tensor | list
 

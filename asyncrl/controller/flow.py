@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.worker import rng_state
+from asyncrl.compat import cancel, cancelling
 from asyncrl.controller.blame import blame, upstream
 from asyncrl.controller.declare import GroupSpec, declared_for
 from asyncrl.controller.finished import Calls, dispatched, finished, node_calls, quiet, shielded
@@ -180,7 +181,7 @@ class DataFlow:
                  for t in (*s.returned.values(), *s.finished.values())]
         tasks += list(self._watchers)
         for task in tasks:
-            task.cancel()
+            cancel(task)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def close(self) -> None:
@@ -297,7 +298,7 @@ class DataFlow:
         except BaseException as e:
             tasks = [*step.returned.values(), *step.finished.values(), *step.watchers]
             for task in tasks:
-                task.cancel()  # (a recovery watcher would re-run a failed step's node)
+                cancel(task)  # (a recovery watcher would re-run a failed step's node)
             if not (isinstance(e, NodeError) and isinstance(e.__cause__, InputsExhausted)):
                 self._failed = t
                 raise
@@ -340,7 +341,7 @@ class DataFlow:
                 calls.run, n.fn, kwargs), kwargs)
         except (Exception, asyncio.CancelledError) as e:
             task = asyncio.current_task()  # the node's own cancel (a task it awaited): its
-            if not isinstance(e, Exception) and (task is None or task.cancelling()):  # failure
+            if not isinstance(e, Exception) and (task is None or cancelling(task)):  # failure
                 raise  # this step's cancel (the driver's Ctrl-C, a failure beside it)
             err = self._blame(step, n.name, e if isinstance(e, Exception) else RuntimeError(
                 f"node {n.name!r} raised CancelledError (a task it awaited was cancelled)"))

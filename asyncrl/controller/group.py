@@ -37,6 +37,7 @@ from asyncrl.comm.messages import (
     Results,
     Schema,
 )
+from asyncrl.compat import add_note, create_task
 from asyncrl.controller.fetches import Fetches
 from asyncrl.controller.finished import note_call
 from asyncrl.controller.objects import ObjectRef
@@ -251,8 +252,7 @@ class GroupHandle:
             item.context = contextvars.copy_context()  # (the drainer serves every node)
             self._backlog.append(item)
             if self._drainer is None or self._drainer.done():
-                self._drainer = self._ctl.loop.create_task(self._drain(),
-                                                           context=contextvars.Context())
+                self._drainer = create_task(self._ctl.loop, self._drain(), contextvars.Context())
 
     def _submit_or_fail(self, item: _Queued) -> None:
         try:
@@ -266,7 +266,7 @@ class GroupHandle:
             item = self._backlog[0]
             try:  # in its caller's context, as a concurrent call's task is: the links it
                 # sets up are that node's calls (timeline, re-runs), not the first node's
-                await self._ctl.loop.create_task(self._send_when_ready(item), context=item.context)
+                await create_task(self._ctl.loop, self._send_when_ready(item), item.context)
             finally:  # _fail_all may have emptied the backlog meanwhile
                 if self._backlog and self._backlog[0] is item:
                     self._backlog.popleft()
@@ -432,8 +432,8 @@ class GroupHandle:
             elif isinstance(first, RemoteError) and len(getattr(first, "__notes__", [])) < 16:
                 # shown with the first rank's error (16 at most): a bug on every rank is not
                 # taken for one rank's trouble
-                first.add_note(f"{self.name}[rank {rank}].{p.method} raised too: "
-                               f"{msg.error.type}: {msg.error.message}")
+                add_note(first, f"{self.name}[rank {rank}].{p.method} raised too: "
+                                f"{msg.error.type}: {msg.error.message}")
             if msg.aborted_links:
                 self._ctl.links.aborted(msg.aborted_links)
         elif rank in p.collect:
@@ -542,7 +542,7 @@ class GroupHandle:
         for p in self._pending.values():
             first = p.future._fut.exception() if p.future._fut.done() else None
             if isinstance(first, RemoteError) and isinstance(exc, GroupDeadError):
-                first.add_note(f"then {exc}")  # a rank whose peer died failed it first
+                add_note(first, f"then {exc}")  # a rank whose peer died failed it first
             p.future._set_exception(copy.copy(exc))
             self._ctl.calls.pop(p.call_id, None)
         self._pending.clear()

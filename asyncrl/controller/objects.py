@@ -22,6 +22,7 @@ import msgspec
 from asyncrl.comm import codec
 from asyncrl.comm.messages import Schema
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
+from asyncrl.compat import add_note
 
 if TYPE_CHECKING:
     from asyncrl.controller.group import GroupHandle
@@ -81,9 +82,9 @@ class ObjectRef:
         except Exception as e:  # a user's collect written for values (its `await` works)
             if not self.protocol:
                 raise
-            e.add_note(f"collect() of protocol {self.protocol!r} got references (RemoteValue/"
-                       f"RemoteBatch), not values, when its result was passed as {passed_as}: "
-                       f"make it take both, or pass the awaited value instead of the future")
+            add_note(e, f"collect() of protocol {self.protocol!r} got references (RemoteValue/"
+                        f"RemoteBatch), not values, when its result was passed as {passed_as}: "
+                        f"make it take both, or pass the awaited value instead of the future")
             raise
 
     def came_inline(self) -> bool:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.worker import set_rng_state
+from asyncrl.compat import add_note
 from asyncrl.controller.logs import append_line, replace_json, say
 from asyncrl.controller.placement import constraints_of
 from asyncrl.controller.timeline import called_groups
@@ -136,7 +137,7 @@ class Recovery:
             note = (f"not recovered: group {spec.name!r} used its {self.restarts[spec.name]} "
                     f"restart(s) (max_restarts={spec.max_restarts})")
             if note not in getattr(exc, "__notes__", ()):
-                exc.add_note(note)
+                add_note(exc, note)
                 say(self.flow._ctl, f"[asyncrl] {note}")
 
     def rerunnable(self, exc: BaseException, called: set[str]) -> GroupSpec | None:
@@ -387,8 +388,8 @@ class Recovery:
             return False
         fresh = restore is None
         if fresh and (flow._origin[0] != 0):  # no checkpoint to go back to, and the groups
-            exc.add_note(f"not recovered: no checkpoint to go back to, and this run started "
-                         f"at step {flow._origin[0]}, not 0")  # are not at step 0
+            add_note(exc, f"not recovered: no checkpoint to go back to, and this run started "
+                          f"at step {flow._origin[0]}, not 0")  # are not at step 0
             return False
         flow.feed.check_rereadable()  # before any group is touched
         await flow._abandon()

@@ -28,8 +28,40 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_until_sigterm(coro))
-    return uvloop.run(_until_sigterm(coro))
+        return asyncio.run(_until_interrupt(_until_sigterm(coro)))
+    return uvloop.run(_until_interrupt(_until_sigterm(coro)))
+
+
+async def _until_interrupt(coro: Coroutine[Any, Any, T]) -> T:
+    """Ctrl-C as Python 3.11's asyncio.run takes it, on 3.10 too: the first cancels the
+    driver (its flow and controller close what they opened), a second raises
+    KeyboardInterrupt. (3.10's raised it at once, wherever the loop was, then cancelled every
+    task, shielded ones and a closing controller's too.) 3.11 has set its own handler."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    interrupted = []
+
+    def interrupt() -> None:
+        interrupted.append(True)
+        if len(interrupted) > 1:
+            raise KeyboardInterrupt  # (asyncio and uvloop let it out of run)
+        task.cancel()
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return await coro  # the caller's own, or 3.11's
+    try:
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+        return await coro
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:

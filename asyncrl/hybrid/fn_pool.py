@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from asyncrl.comm.refs import function_ref, resolve_ref
+from asyncrl.compat import add_note
 from asyncrl.errors import ClosedError
 from asyncrl.hybrid.fn_wire import frame, read_frame, write_frame
 
@@ -389,8 +390,8 @@ class FunctionPool:
                 self._replace([i for i, c in enumerate(self.children)
                                if c.row is not None or c.poll() is not None or not c.ready])
             except Exception as failed:
-                e.add_note(f"{self.name}: replacing this call's processes failed too "
-                           f"({failed!r}); the next call starts them again")
+                add_note(e, f"{self.name}: replacing this call's processes failed too "
+                            f"({failed!r}); the next call starts them again")
             raise
         if self._signals:  # (said once a call: the caller counts them as timed out)
             log.warning("asyncrl: %s: a process died by a signal on %s; scored as timed out "

@@ -24,6 +24,7 @@ from asyncrl.actors.protocols import Dispatch
 from asyncrl.actors.register import register
 from asyncrl.actors.worker import Worker
 from asyncrl.comm.batch import TensorBatch
+from asyncrl.compat import add_note
 from asyncrl.hybrid.user_fn import say_lost, taken_by
 
 log = logging.getLogger("asyncrl")
@@ -173,8 +174,8 @@ def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) ->
         try:
             value = fn(p, r, **m)
         except Exception as e:  # its own type and traceback, and where: as the pool says
-            e.add_note(f"in reward function {getattr(fn, '__name__', fn)!r} on row {i} of "
-                       f"this rank's rows (prompt {str(p)[:80]!r})")
+            add_note(e, f"in reward function {getattr(fn, '__name__', fn)!r} on row {i} of "
+                        f"this rank's rows (prompt {str(p)[:80]!r})")
             raise
         except (SystemExit, KeyboardInterrupt, GeneratorExit) as e:  # else the rank's end,
             raise RuntimeError(  # or a failure naming no row
