@@ -26,12 +26,12 @@ import json
 import os
 import re
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 from asyncrl.cli_cluster import launch_cluster
 from asyncrl.cli_resume import RUNS, run_to_resume
+from asyncrl.compat import format_exception
 from asyncrl.controller.logs import visible
 from asyncrl.controller.nodes import NodeError
 from asyncrl.controller.runner import Terminated, run
@@ -99,6 +99,7 @@ def launch(args: argparse.Namespace) -> int:
         from asyncrl.controller.checkpoint import launch_options
 
         saved_options = launch_options(run_dir)
+        saved_options.pop("flow_file", None)  # (this launch's own is noted below)
         began = saved_options.pop("flow_steps", flow.steps)  # the flow's own steps then
         # the flow's steps changed since (steps=... given now, or the file): asked for now,
         # over the run's --steps
@@ -112,7 +113,8 @@ def launch(args: argparse.Namespace) -> int:
                   f"{', '.join(f'--{OPTION_NAMES[k]} {v}' for k, v in taken.items())}",
                   file=sys.stderr)
         given = {**taken, **given}
-    flow.launch_options = {**given, "flow_steps": flow.steps}  # noted in its checkpoints
+    flow.launch_options = {**given, "flow_steps": flow.steps,  # noted in its checkpoints;
+                           "flow_file": os.path.realpath(args.script)}  # (found by --resume)
     if "checkpoint_every" in given:
         flow.checkpoint_every = given["checkpoint_every"]
     keep = given.get("keep", KEEP) or None  # 0: all
@@ -167,8 +169,8 @@ def _run_flow(command: str, run_dir: Path, running: Any) -> int:
         # a group that could not start, be placed, or died outside a node; recoveries used up
         node = isinstance(e, NodeError)
         cause = e.__cause__ if node else None  # a bug in the node's own code: its line
-        where = "" if cause is None or isinstance(cause, AsyncRLError) else "".join(
-            traceback.format_exception(cause))  # (its notes in it)
+        where = "" if cause is None or isinstance(cause, AsyncRLError) else format_exception(
+            cause)  # (its notes in it)
         said = f"asyncrl: {e}\n{where}" if node else f"asyncrl {command}: {type(e).__name__}: {e}"
         said = f"{said}{_notes(None if where else cause, e)}".rstrip()
         # escaped, as the console escapes the ranks' lines: a rank's error, its log's tail

@@ -16,11 +16,12 @@ def run_to_resume(script: str, root: Path = RUNS) -> Path:
     if not os.path.isfile(script):
         raise SystemExit(f"asyncrl: no such file: {script}")
     name = os.path.basename(script)
-    found = newest_run_of(name, root)
+    found, refused, elsewhere = newest_run_of(script, root)
     if found is None:
         raise SystemExit(f"asyncrl launch: --resume needs --run-dir DIR, the run to continue "
                          f"(its checkpoints are in DIR/checkpoints): no run under {root}/ "
-                         f"holds a complete checkpoint of {name}")
+                         f"holds a complete checkpoint of {name}"
+                         f"{_passed_over(refused, elsewhere)}")
     run, step = found
     print(f"asyncrl launch: --resume: continuing {run} (its {step.name}), the newest run "
           f"under {root}/ with a checkpoint of {name}; give --run-dir DIR for another",
@@ -28,31 +29,64 @@ def run_to_resume(script: str, root: Path = RUNS) -> Path:
     return run
 
 
-def newest_run_of(name: str, root: Path) -> tuple[Path, Path] | None:
+def _passed_over(refused: list[tuple[Path, str]], elsewhere: list[tuple[Path, str]]) -> str:
+    """The runs not looked into, being not only this user's, with why (the first's reason
+    says how to fix it), and those of a flow file of the same name in another folder."""
+    said = ""
+    if refused:
+        said += (f"; not looked into, as not only yours: "
+                 f"{', '.join(str(run) for run, _ in refused)} (the first: {refused[0][1]})")
+    for path in sorted({path for _, path in elsewhere}):  # (a copied recipe: another flow;
+        runs = [str(run) for run, ran in elsewhere if ran == path]  # a moved one: this one)
+        said += (f"; {', '.join(runs)} ran {path}, another file of that name (if this file "
+                 f"is it moved, give --run-dir {runs[-1]})")
+    return said
+
+
+def newest_run_of(script: str, root: Path) -> tuple[tuple[Path, Path] | None,
+                                                    list[tuple[Path, str]],
+                                                    list[tuple[Path, str]]]:
     """(run folder, its newest complete checkpoint) of the run under `root` that checkpointed
-    flow file `name` last; None if none. A checkpoint names the files of its flow's nodes
-    (checkpoint.identity): that is matched here, before the flow file is imported (with the
-    run's settings); its nodes, groups and sizes are checked once it is, as on any resume.
-    Only this user's checkpoints are read (another's settings must not reach the import)."""
+    flow file `script` last (None if none); the runs refused unread, with why; and those of
+    another file of its name, with its path. A run is matched by the flow file's real path,
+    kept in its launch options (another folder's file of the same name is another flow: a
+    copied recipe); a run of before that, by the names of its nodes' files
+    (checkpoint.identity). That is matched before the flow file is imported (with the run's
+    settings); its nodes, groups and sizes are checked once it is, as on any resume. Only
+    this user's checkpoints are read (another's settings must not reach the import)."""
     from asyncrl.controller import checkpoint
     from asyncrl.errors import CheckpointError
 
-    found = []
+    name, here = os.path.basename(script), os.path.realpath(script)
+    found: list[tuple[float, Path, Path]] = []
+    refused: list[tuple[Path, str]] = []
+    elsewhere: list[tuple[Path, str]] = []
     for run in sorted(root.iterdir()) if root.is_dir() else []:
         path = checkpoint.latest(run)
         if path is None:
             continue
         try:
             checkpoint._own(path)
+        except CheckpointError as e:  # said if no run is found: the fix may be a chmod
+            refused.append((run, str(e)))
+            continue
+        try:
             meta = checkpoint.read_meta(path)
             when = (path / "meta.json").stat().st_mtime
         except (CheckpointError, OSError):
-            continue  # another user's, damaged or gone: never resumed unasked
-        flow = meta.get("flow")
-        files = flow.get("file") if isinstance(flow, dict) else None
-        if isinstance(files, str) and name in files.split(", "):
+            continue  # damaged or gone: never resumed unasked
+        options, flow = meta.get("launch_options"), meta.get("flow")
+        kept = options.get("flow_file") if isinstance(options, dict) else None
+        if isinstance(kept, str):
+            if kept == here:
+                found.append((when, run, path))
+            elif os.path.basename(kept) == name:
+                elsewhere.append((run, kept))
+            continue
+        files = flow.get("file") if isinstance(flow, dict) else None  # (a run of before
+        if isinstance(files, str) and name in files.split(", "):  # flow_file was kept)
             found.append((when, run, path))
     if not found:
-        return None
+        return None, refused, elsewhere
     _, run, path = max(found)
-    return run, path
+    return (run, path), refused, elsewhere

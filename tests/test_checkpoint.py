@@ -468,7 +468,7 @@ def test_a_checkpoint_another_user_could_have_written_is_not_resumed(tmp_path, m
     folder = tmp_path / "run" / "checkpoints" / "step_000000"
     folder.mkdir(parents=True)
     (folder / "meta.json").write_text(json.dumps({
-        "step": 0, "flow": checkpoint.identity(flow), "sizes": {}, "inputs": {}}))
+        "step": 0, "flow": checkpoint.identity(flow), "inputs": {"x": {"consumed": 0}}}))
     assert checkpoint.resumable(tmp_path / "run", flow)[0] == folder
     (folder / "g").mkdir()  # a group's folder and a rank's file in it (DCP reads it with
     (folder / "g" / ".metadata").write_bytes(b"")  # pickle), and meta.json (its settings)

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import asyncrl
 from asyncrl.actors.worker import rng_state, set_rng_state
 from asyncrl.controller import checkpoint
 from asyncrl.controller.inputs import Inputs
 from asyncrl.errors import CheckpointError
+from asyncrl.rl.data import PromptSource
 
 
 def test_a_dataloader_shuffled_by_the_flow_files_manual_seed_resumes(tmp_path):
@@ -89,10 +92,10 @@ def test_a_source_whose_state_is_an_int_resumes():
     assert resumed.next() == {"n": 2}
     plain = Inputs({"n": [0, 1, 2]})
     plain.reset()
-    plain.check(saved)
-    with pytest.raises(CheckpointError, match=r"input 'n' was saved as 2, a position for a "
-                                              r"source with load_state_dict\(\)"):
-        plain.resume_at(2, saved)
+    for refused in (plain.check, lambda saved: plain.resume_at(2, saved)):
+        with pytest.raises(CheckpointError, match=r"input 'n' was saved as 2, a position "
+                                                  r"for a source with load_state_dict\(\)"):
+            refused(saved)
 
 
 
@@ -143,3 +146,59 @@ def test_a_rewind_reads_a_shuffled_dataloader_in_its_first_order(tmp_path, own_g
     feed.resume_at(0, origin, rewind=True)
     set_rng_state(origin_rng)
     assert steps(feed, 10) == again
+
+
+def test_a_resume_with_renamed_or_other_kinds_of_inputs_is_refused_before_any_group_starts(
+        tmp_path):
+    """Only the inputs the checkpoint saved a position for were checked: one renamed or
+    added since, or a list that became a PromptSource (or the reverse), was refused by
+    resume_at, after every group started and loaded its weights."""
+    @asyncrl.node
+    def take(prompts=None, train_prompts=None, more=None):  # (any of them: a flow of each)
+        return prompts
+
+    def flow_of(**inputs) -> asyncrl.DataFlow:
+        return asyncrl.DataFlow(nodes=[take], groups=[], inputs=inputs)
+
+    def source() -> PromptSource:
+        return PromptSource([{"x": i} for i in range(7)], batch_size=3, seed=5)
+    folder = tmp_path / "checkpoints" / "step_000001"
+    folder.mkdir(parents=True)
+    for prompts, other, why in (
+            (["a", "b", "c"], {"train_prompts": ["a", "b", "c"]},
+             r"the checkpoint saved no position for input 'train_prompts' \(it has "
+             r"\['prompts'\]\)"),
+            (["a", "b", "c"], {"prompts": ["a", "b", "c"], "more": ["d", "e"]},
+             "no position for input 'more'"),
+            (["a", "b", "c"], {"prompts": source()}, "input 'prompts' was saved as .*'consumed'"
+             ": 2.*, the count of items read from a source without load_state_dict"),
+            (source(), {"prompts": ["a", "b", "c"]}, "input 'prompts' was saved as .*'epoch'.*"
+             ", a position for a source with load_state_dict")):
+        saved = flow_of(prompts=prompts)  # two steps taken
+        saved.feed.reset()
+        saved.feed.next(), saved.feed.next()
+        (folder / "meta.json").write_text(json.dumps({
+            "step": 1, "flow": checkpoint.identity(saved), "sizes": {},
+            "inputs": saved.positions()}))
+        assert checkpoint.resumable(tmp_path, flow_of(prompts=prompts, n=3))[0] == folder
+        with pytest.raises(CheckpointError, match=why):
+            checkpoint.resumable(tmp_path, flow_of(**other))
+
+
+def test_a_rewind_past_a_list_item_a_node_changed_in_place_says_so(caplog):
+    """A list gives the same objects again after a rewind: one its node changed in place
+    differs from its digest, and the warning said its order changes each time it is read
+    (use a list), of a list."""
+    items = [{"v": i} for i in range(4)]
+    feed = Inputs({"x": items})
+    feed.reset()
+    for _ in range(2):
+        feed.next()["x"]["v"] += 100  # (the node's change, in place)
+    saved = json.loads(json.dumps(feed.positions()))  # the checkpoint after step 1
+    feed.reset()  # (Recovery.rewind)
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        feed.resume_at(2, saved, rewind=True)
+    assert "input 'x' gives another item at position 2 than before the rewind, though it " \
+           "is a list: a node likely changed that item in place" in caplog.text
+    assert "copy the item in the node" in caplog.text and "order" not in caplog.text
+    assert feed.next() == {"x": {"v": 2}}

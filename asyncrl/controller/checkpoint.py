@@ -9,7 +9,8 @@ meta.json: {"step": the last finished step index, "flow": identity(flow), "input
 flow.positions(), "sizes": each group's ranks, "overrides": the run's key=value settings
 (a resume takes them again, under its own), "launch_options": --steps, --checkpoint-every
 and --keep-checkpoints as given (a resume goes on with them unless given others) and the
-flow's own steps (flow_steps: where they changed since, they replace a saved --steps),
+flow's own steps (flow_steps: where they changed since, they replace a saved --steps)
+and the flow file's real path (flow_file: what --resume without --run-dir looks for),
 "time": when}.
 A `.tmp` folder is a save that died half-way: never resumed from, removed by the next save.
 The newest `keep` checkpoints are kept (None: all).

@@ -92,11 +92,8 @@ class Inputs:
         (a recovery in this run, its groups already respawned): an input that gives other
         items there is a warning, not the end of the run."""
         for name in self.consumed:
-            if name not in positions:
-                raise CheckpointError(
-                    f"the checkpoint saved no position for input {name!r} (it has "
-                    f"{sorted(positions)}); resume with the flow that wrote it")
-            source, state = self.sources[name], positions[name]
+            source = self.sources[name]
+            state = _position(name, source, positions)
             if _restorable(source):
                 try:  # (a copy: a source that keeps the dict it is given moves it on, and
                     source.load_state_dict(copy.deepcopy(state))  # a rewind reuses it)
@@ -105,36 +102,37 @@ class Inputs:
                 self._iters[name] = iter(source)  # a fresh iterator, from that position
                 self.consumed[name] = start
                 continue
-            if not isinstance(state, dict) or "consumed" not in state:
-                raise CheckpointError(
-                    f"input {name!r} was saved as {state}, a position for a source with "
-                    f"load_state_dict(); this one has none: resume with the same input source")
             self._skip(name, state, rewind)
 
     def check(self, positions: dict[str, Any]) -> None:
-        """Refuse, before any group starts, positions that sources which can check one
+        """Refuse, before any group starts, what resume_at would refuse once every group
+        loaded its checkpoint: an iterable input with no position (renamed or added since),
+        or one of another kind of source; positions that sources which can check one
         (`check_state`: a PromptSource, its records, seed and shuffle) say were saved for
         other data, and those a re-iterable source (a list) no longer reaches or gives
         another item at (skipped on an iterator of its own: resume_at skips again)."""
         for name, source in self.sources.items():
-            if name in positions and hasattr(source, "check_state"):
+            if not _iterable(source):  # (a constant: read whole each step, no position)
+                continue
+            state = _position(name, source, positions)
+            if hasattr(source, "check_state"):
                 try:
-                    source.check_state(positions[name])
+                    source.check_state(state)
                 except ValueError as e:
                     raise CheckpointError(f"input {name!r}: {e}") from e
-            elif name in positions and isinstance(source, Sequence) and \
-                    not _restorable(source) and isinstance(positions[name], dict) and \
-                    "consumed" in positions[name]:  # (a list, a range: read again alike; a
-                # DataLoader that shuffles on each pass would give the resume another order
-                # than this check saw; a restorable source's state may be any JSON: an int)
+            elif isinstance(source, Sequence) and not _restorable(source):  # (a list, a
+                # range: read again alike; a DataLoader that shuffles on each pass would give
+                # the resume another order than this check saw)
                 it = _iterate(name, source)  # (not a one-shot iterator's: the run reads it once)
                 if it is not None:
-                    _skipped(name, it, positions[name], rewind=False)
+                    _skipped(name, it, state, rewind=False)
 
     def _skip(self, name: str, state: dict[str, Any], rewind: bool) -> None:
         it = self._iters[name]
         assert it is not None
-        last = _skipped(name, it, state, rewind)
+        source = self.sources[name]
+        listed = type(source).__name__ if isinstance(source, Sequence) else None
+        last = _skipped(name, it, state, rewind, listed)
         if state["consumed"]:  # (none taken: no item to digest at the next checkpoint)
             self._last[name] = _digest(last)
         self.consumed[name] = state["consumed"]
@@ -188,9 +186,38 @@ class Inputs:
             self._iters[key] = iter(source)
 
 
-def _skipped(name: str, it: Iterator[Any], state: dict[str, Any], rewind: bool) -> Any:
+def _position(name: str, source: Any, positions: dict[str, Any]) -> Any:
+    """Iterable input `name`'s position in `positions`, checked to be there (an input
+    renamed or added since has none) and to be of `source`'s kind: a count of items for a
+    source without load_state_dict(), and a state for one with it."""
+    if name not in positions:
+        raise CheckpointError(
+            f"the checkpoint saved no position for input {name!r} (it has "
+            f"{sorted(positions)}); resume with the flow that wrote it")
+    state = positions[name]
+    if not _restorable(source) and not (isinstance(state, dict) and "consumed" in state):
+        raise CheckpointError(
+            f"input {name!r} was saved as {state}, a position for a source with "
+            f"load_state_dict(); this one has none: resume with the same input source")
+    if _restorable(source) and _counted(state) and not _counted(source.state_dict()):
+        raise CheckpointError(  # (a source whose own state looks so is left to load it)
+            f"input {name!r} was saved as {state}, the count of items read from a source "
+            f"without load_state_dict() (a list); this one has load_state_dict(): resume "
+            f"with the same input source")
+    return state
+
+
+def _counted(state: Any) -> bool:
+    """`state` is what positions() saves for a source without load_state_dict()."""
+    return isinstance(state, dict) and "consumed" in state and \
+        set(state) <= {"consumed", "item"}
+
+
+def _skipped(name: str, it: Iterator[Any], state: dict[str, Any], rewind: bool,
+             listed: str | None = None) -> Any:
     """The last of the `state["consumed"]` items taken from `it` (None: none), checked
-    against the digest `state` saved of it."""
+    against the digest `state` saved of it. `listed`: the type of the source where it is a
+    list (or another sequence), which gives the same objects each time it is read."""
     last, wanted = None, state["consumed"]
     for taken in range(wanted):
         try:
@@ -200,6 +227,13 @@ def _skipped(name: str, it: Iterator[Any], state: dict[str, Any], rewind: bool) 
                 f"input {name!r} ended after {taken} items, but the checkpoint had "
                 f"consumed {wanted}; resume with the same input data") from None
     if "item" not in state or _digest(last) == state["item"]:
+        return last
+    if rewind and listed:  # (the digest was made as the item was read, before its node ran)
+        log.warning("asyncrl: input %r gives another item at position %d than before the "
+                    "rewind, though it is a %s: a node likely changed that item in place "
+                    "(the %s holds the object the node was given), so the steps run again "
+                    "see the changed data; copy the item in the node before changing it "
+                    "(copy.deepcopy)", name, wanted, listed, listed)
         return last
     if rewind:
         log.warning("asyncrl: input %r gives another item at position %d than before the "
