@@ -12,7 +12,7 @@ from test_hybrid import fixed_batch
 
 import asyncrl
 from asyncrl import TensorBatch
-from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, sequence_mean_nll
+from asyncrl.hybrid.fsdp import FSDPBackend, TrainConfig, real_row_mean, sequence_mean_nll
 from asyncrl.hybrid.models import ModelConfig, build_model, sequence_logprobs
 from asyncrl.hybrid.roles import make_backend
 
@@ -36,6 +36,23 @@ class Trainer(asyncrl.Worker):
             loss = sequence_mean_nll(out["logprobs"], micro)
             return (loss * float("nan") if self.rank == 1 else loss), {}
         return self.backend.train_step(batch, loss_fn)
+
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def summed_nll_step(self, batch: TensorBatch) -> dict:  # a custom loss's exact mean
+        return self.backend.train_step(batch, lambda out, micro: (
+            real_row_mean(_summed_nll(out["logprobs"], micro), micro), {}))
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def plain_summed_nll_step(self, batch: TensorBatch) -> dict:  # its mean over the real rows
+        return self.backend.train_step(batch, lambda out, micro: (
+            _summed_nll(out["logprobs"], micro)[:micro.real_rows].mean(), {}))
+
+
+def _summed_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """A custom loss's per-row values: each row's summed response NLL, times its weight."""
+    mask = batch.tensor("response_mask").to(logprobs.dtype)
+    return -(logprobs * mask).sum(1) * batch.tensor("weight")
 
 
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"dp": 1, "tp": 2}], ids=["dp2", "dp1-tp2"])
@@ -80,6 +97,44 @@ def test_fsdp2_steps_match_one_process_on_the_whole_batch(mesh):
     ref_sd = ref.state_dict()
     assert set(weights) == set(ref_sd)
     assert max((weights[k] - ref_sd[k]).abs().max().item() for k in ref_sd) < 1e-4
+
+
+def test_a_custom_loss_meaned_by_real_row_mean_matches_one_process_on_the_whole_batch():
+    """A LossFn's loss is weighted by its micro-batch's share of the rank's rows, the ranks
+    averaged: with 7 rows on 2 ranks (rank 1's last micro-batch holds one real row and a
+    padding row), a plain mean over a micro-batch's real rows gave that row 1/4 of the
+    step, not 1/7; taken by `real_row_mean`, a custom per-row mean is the whole batch's
+    (here a weighted NLL, whose rows' weights make the difference plain)."""
+    batch = fixed_batch().slice(0, 7).union(TensorBatch({"weight": torch.arange(1.0, 8.0)}))
+    model_cfg, train_cfg = {"preset": "tiny-llama", "seed": 0}, {"lr": 3e-3, "micro_batch_size": 2}
+    cols = [batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    ref = build_model(ModelConfig(**model_cfg)).train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
+    expected = []
+    for _ in range(2):
+        loss = _summed_nll(sequence_logprobs(ref, *cols), batch).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            exact, plain = await asyncio.gather(*(
+                ctl.spawn(Trainer, model_cfg, train_cfg, nprocs=2, mesh={"dp": 2}, name=name)
+                for name in ("exact", "plain")))
+            losses = [(await exact.summed_nll_step(batch))[0]["loss"] for _ in range(2)]
+            plain_loss = (await plain.plain_summed_nll_step(batch))[0]["loss"]
+            return losses, (await exact.weights())[0], plain_loss, [
+                *group_pids(exact), *group_pids(plain)]
+    losses, weights, plain_loss, pids = run(main(), timeout=300)
+    assert_gone(pids)
+    for got, want in zip(losses, expected, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), (losses, expected)
+    ref_sd = ref.state_dict()
+    assert max((weights[k] - ref_sd[k]).abs().max().item() for k in ref_sd) < 1e-4
+    assert abs(plain_loss - expected[0]) > 1e-2 * abs(expected[0])  # what the layout did
 
 
 def test_tp_trains_per_head_norms_as_one_weight_and_refuses_weights_it_cannot_split(

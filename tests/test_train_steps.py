@@ -28,6 +28,11 @@ class _FailsBackward(torch.autograd.Function):
         raise RuntimeError("the backward failed")
 
 
+def _nan_loss(out, micro):
+    loss, stats = nll_loss(out, micro)
+    return loss * float("nan"), stats
+
+
 class StepTrainer(AnyTrainer):
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
     def failing_step(self, batch: TensorBatch) -> dict:
@@ -67,10 +72,15 @@ class StepTrainer(AnyTrainer):
 
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
     def poisoned_step(self, batch: TensorBatch) -> dict:
-        def loss_fn(out, micro):
-            loss, stats = nll_loss(out, micro)
-            return loss * float("nan"), stats
-        return self.backend.train_step(batch, loss_fn)
+        return self.backend.train_step(batch, _nan_loss)
+
+    @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
+    def unchecked_poisoned_step(self, batch: TensorBatch) -> dict:
+        """A poisoned step as a DeepSpeed whose bf16 config has no check_grad_overflow
+        takes it under ZeRO-2: applied."""
+        self.backend._skips_nonfinite = False
+        self.backend.engine.optimizer.check_grad_overflow = False
+        return self.backend.train_step(batch, _nan_loss)
 
     @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
     def grad_accum_dtype(self) -> str:
@@ -121,32 +131,46 @@ def test_a_save_before_the_first_step_and_a_failed_step_change_no_later_step(kin
 
 
 def test_a_skipped_step_advances_both_backends_schedules_and_a_failed_backward_is_kept():
-    """A non-finite gradient skips the step in both backends; FSDP2 stepped the schedule and
-    DeepSpeed did not, so their warmups drifted apart. And a ZeRO step whose last (here its
-    only) micro-batch's backward failed left what it had reduced in DeepSpeed's buffers, for
-    the next step to add (only a failure before the last was caught)."""
+    """A non-finite gradient skips the step in both backends, bf16 ZeRO-2's too (DeepSpeed
+    applied it where its bf16 config's check_grad_overflow is off, or missing: every weight
+    NaN for good; a DeepSpeed without the option has the step refused after it); FSDP2
+    stepped the schedule and DeepSpeed did not, so their warmups drifted apart. And a ZeRO
+    step whose last (here its only) micro-batch's backward failed left what it had reduced
+    in DeepSpeed's buffers, for the next step to add (only a failure before the last was
+    caught)."""
     pytest.importorskip("deepspeed")
     batch = fixed_batch()
     train_cfg = {"lr": 1e-2, "micro_batch_size": 4, "warmup_steps": 4, "grad_clip": None}
+    kinds = {"fsdp2": ("fsdp2", {}), "zero2": ("zero2", {}),
+             "zero2-bf16": ("zero2", {"bf16": True})}
 
     async def main():
         async with asyncrl.Controller(construct_timeout=500) as ctl:
             groups = await asyncio.gather(*(
-                ctl.spawn(StepTrainer, kind, {"preset": "tiny-llama", "seed": 0}, train_cfg,
-                          name=kind) for kind in ("fsdp2", "zero2")))
+                ctl.spawn(StepTrainer, kind, {"preset": "tiny-llama", "seed": 0},
+                          {**train_cfg, **extra}, name=name)
+                for name, (kind, extra) in kinds.items()))
             pids = [p for g in groups for p in group_pids(g)]
+            before = [(await g.weights())[0] for g in groups]
             skipped = [(await g.poisoned_step(batch))[0] for g in groups]
+            kept = [(await g.weights())[0] for g in groups]
             after = [(await g.step(batch))[0] for g in groups]
+            with pytest.raises(asyncrl.RemoteError, match=r"DeepSpeed \S+ applied a step whose "
+                               r"gradient was NaN or inf .* Install a DeepSpeed whose bf16 "
+                               r"config has check_grad_overflow"):
+                await groups[2].unchecked_poisoned_step(batch)
             with pytest.raises(asyncrl.RemoteError, match="the backward failed"):
                 await groups[1].failing_backward_step(batch.take([0, 1, 2, 3]))
             with pytest.raises(asyncrl.RemoteError, match="ZeRO train_step refused"):
                 await groups[1].step(batch)
-            return skipped, after, pids
-    skipped, after, pids = run(main(), timeout=300)
+            return before, skipped, kept, after, pids
+    before, skipped, kept, after, pids = run(main(), timeout=400)
     assert_gone(pids)
-    assert [s["grad_nonfinite"] for s in skipped] == [1.0, 1.0]
-    assert [s["lr"] for s in skipped] == [0.0, 0.0]  # warmup's first step
-    assert after[0]["lr"] == after[1]["lr"] == pytest.approx(1e-2 / 4)  # its second, in both
+    assert [s["grad_nonfinite"] for s in skipped] == [1.0, 1.0, 1.0]
+    assert [s["lr"] for s in skipped] == [0.0, 0.0, 0.0]  # warmup's first step
+    assert after[0]["lr"] == after[1]["lr"] == after[2]["lr"] == pytest.approx(1e-2 / 4)
+    for name, want, got in zip(kinds, before, kept, strict=True):  # no step, no NaN weight
+        assert all(torch.equal(got[k], v) and v.isfinite().all() for k, v in want.items()), name
 
 
 @pytest.mark.parametrize("kind", ["zero2", "zero3"])

@@ -48,7 +48,10 @@ from asyncrl.hybrid.optim import (
 from asyncrl.hybrid.settings import check_kinds
 from asyncrl.hybrid.turns import sampled_mask
 
-# (forward outputs of a micro-batch, the micro-batch) -> (loss, scalar stats to report)
+# (forward outputs of a micro-batch, the micro-batch) -> (loss, scalar stats to report). The
+# loss is weighted by the micro-batch's share of the rank's rows, the ranks averaged: a plain
+# mean counts a DP chunk's padding rows and weighs rows of unequal ranks unequally (per row:
+# `real_row_mean` is exact; per token: count the tokens of every rank, as asyncrl.rl's share)
 LossFn = Callable[[dict[str, torch.Tensor], TensorBatch], tuple[torch.Tensor, dict[str, float]]]
 
 log = logging.getLogger("asyncrl")
@@ -207,28 +210,31 @@ ALL_ROWS = "all_rows"  # meta: (real rows of every dp rank, this rank's rows, dp
 
 def count_rows(batch: TensorBatch, group: Any) -> TensorBatch:
     """Mark a rank's batch with the real rows of every data-parallel rank (one all-reduce),
-    so that `sequence_mean_nll` is the mean over all of them however they are split."""
+    so that `real_row_mean` is the mean over all of them however they are split."""
     t = torch.tensor([float(batch.real_rows)], dtype=torch.float64)
     dist.all_reduce(t, group=group)
     batch.meta[ALL_ROWS] = (float(t[0]), len(batch), dist.get_world_size(group))
     return batch
 
 
-def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
-    """Mean over the real sequences (not a DP chunk's padding rows) of the mean negative
-    log-likelihood of their response tokens. On a micro-batch of a counted batch
-    (`count_rows`), the part of the mean over every rank's rows that the backend's
-    weighting (rows of the micro-batch / rows of the rank, averaged over the ranks) turns
-    into that mean: exact when chunks or micro-batches hold unequal real rows. A multi-turn
-    rollout's observations are not the model's to learn: only sampled tokens count."""
-    mask = sampled_mask(batch).to(logprobs.dtype)
-    per_row = -(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)
+def real_row_mean(values: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """The mean of `values` (one a row) over the real rows, not a DP chunk's padding rows.
+    On a micro-batch of a counted batch (`count_rows`: a train step's), the part of the
+    mean over every rank's real rows that the backend's weighting (rows of the micro-batch /
+    rows of the rank, averaged over the ranks) turns into that mean: exact when chunks or
+    micro-batches hold unequal real rows (a custom LossFn's per-row means too)."""
     real = batch.real_rows
-    mean = per_row[:real].sum() / max(real, 1)
+    mean = values[:real].sum() / max(real, 1)
     if ALL_ROWS not in batch.meta:
         return mean
     total, rows, dp = batch.meta[ALL_ROWS]
     return mean * (dp * rows * real / (max(total, 1.0) * len(batch)))
+
+
+def sequence_mean_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """`real_row_mean` of each row's mean NLL of its sampled tokens (observations left out)."""
+    mask = sampled_mask(batch).to(logprobs.dtype)
+    return real_row_mean(-(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1), batch)
 
 
 def nll_loss(out: dict[str, torch.Tensor], batch: TensorBatch
@@ -497,7 +503,8 @@ class FSDPBackend(TrainBackend):
     def train_step(self, batch: TensorBatch, loss_fn: LossFn = nll_loss,
                    entropy: bool | str = False) -> dict[str, float]:
         """One optimizer step over this rank's rows, in micro-batches with gradient
-        accumulation; FSDP averages the gradients over the data-parallel ranks."""
+        accumulation; FSDP averages the gradients over the data-parallel ranks. `loss_fn`
+        runs per micro-batch (`LossFn`: take its means over rows with `real_row_mean`)."""
         self.opt.zero_grad(set_to_none=True)  # a step that failed midway left some behind
         micros = self.train_micro_batches(batch)
         if (empty := self._empty_step(batch)) is not None:

@@ -61,6 +61,17 @@ def _no_shared_memory_all_reduce(deepspeed: Any) -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
+def _skips_nonfinite_steps() -> bool:
+    """Whether this DeepSpeed's bf16 config has `check_grad_overflow`: set, a step whose
+    gradient is NaN or inf is skipped under bf16 as FSDP2 skips it. Older ones (from its
+    PR #4512) apply it under bf16 ZeRO-2; its config refuses keys it does not know."""
+    try:
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    except ImportError:
+        return False
+    return "check_grad_overflow" in getattr(DeepSpeedBF16Config, "model_fields", {})
+
+
 TAG = ZERO_TAG
 
 
@@ -99,11 +110,15 @@ class ZeroBackend(TrainBackend):
         self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
         model = trainable(model_cfg, train_cfg, head)
         opt = adamw(trained_parameters(model), train_cfg)
+        self._skips_nonfinite = _skips_nonfinite_steps()
+        bf16: dict[str, Any] = {"enabled": use_bf16(train_cfg)}
+        if self._skips_nonfinite:  # (0.19.8's default, said outright: not every version's)
+            bf16["check_grad_overflow"] = True
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
                   "gradient_accumulation_steps": 1,  # None: no clipping (DeepSpeed's 0)
                   "gradient_clipping": train_cfg.grad_clip or 0.0,
                   "zero_optimization": {"stage": stage},
-                  "bf16": {"enabled": use_bf16(train_cfg)},
+                  "bf16": bf16,
                   # gradients averaged in fp32, as FSDP2 reduces them (bf16 would by default)
                   "communication_data_type": "fp32",
                   "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
@@ -165,9 +180,25 @@ class ZeroBackend(TrainBackend):
             if began > done or 0 < done < gas:
                 self._failed_midway = f"{type(e).__name__}: {e}"
             raise
+        if self.stage == 2 and not self._skips_nonfinite and self.engine.skipped_steps == skipped:
+            self._check_weights_finite()  # (ZeRO-3 skips a non-finite step itself)
         norm = float(self.engine.get_global_grad_norm() or 0.0)
         return {**stats, "grad_norm": norm, "lr": lr,
                 "grad_nonfinite": 0.0 if math.isfinite(norm) else 1.0}
+
+    def _check_weights_finite(self) -> None:
+        """After a ZeRO-2 step that a DeepSpeed without `check_grad_overflow` applied: refused
+        if it made a weight NaN or inf (the grad norm need not say: DeepSpeed's helpers
+        report a NaN norm as -1). ZeRO-2's weights are whole on every rank: all agree."""
+        weights = [p.detach() for p in self.model.parameters() if p.requires_grad]
+        if torch.stack([torch.isfinite(p).all() for p in weights]).all():
+            return
+        raise RuntimeError(
+            f"DeepSpeed {self._ds.__version__} applied a step whose gradient was NaN or inf "
+            f"(its bf16 config has no check_grad_overflow to skip it, as FSDP2 does): the "
+            f"weights are NaN or inf now. Install a DeepSpeed whose bf16 config has "
+            f"check_grad_overflow (0.19.8 has) or use backend='fsdp2', and respawn the "
+            f"group from a checkpoint")
 
     def save(self, folder: Any) -> None:
         """Weights and optimizer state in DeepSpeed's checkpoint format (same layout to load)."""
