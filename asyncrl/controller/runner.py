@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -36,32 +37,32 @@ async def _until_interrupt(coro: Coroutine[Any, Any, T]) -> T:
     """Ctrl-C as Python 3.11's asyncio.run takes it, on 3.10 too: the first cancels the
     driver (its flow and controller close what they opened), a second raises
     KeyboardInterrupt. (3.10's raised it at once, wherever the loop was, then cancelled every
-    task, shielded ones and a closing controller's too.) 3.11 has set its own handler."""
+    task, shielded ones and a closing controller's too.) A signal handler, as 3.11's: the
+    loop's add_signal_handler also ran for a SIGINT a forked child (a DataLoader's worker)
+    took, and over a driver's own handler. 3.11 has set its own, as may the driver."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or \
+            threading.current_thread() is not threading.main_thread():
+        return await coro
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     assert task is not None
-    interrupted = []
+    presses = []
 
-    def interrupt() -> None:
-        interrupted.append(True)
-        if len(interrupted) > 1:
-            raise KeyboardInterrupt  # (asyncio and uvloop let it out of run)
-        task.cancel()
+    def interrupt(signum: int, frame: Any) -> None:
+        presses.append(signum)
+        if len(presses) > 1:
+            raise KeyboardInterrupt
+        loop.call_soon_threadsafe(task.cancel)
 
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return await coro  # the caller's own, or 3.11's
-    try:
-        loop.add_signal_handler(signal.SIGINT, interrupt)
-    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
-        return await coro
+    signal.signal(signal.SIGINT, interrupt)
     try:
         return await coro
     except asyncio.CancelledError:
-        if interrupted:
+        if len(presses) == 1:  # (after a second, asyncio.run's own cancel at its end)
             raise KeyboardInterrupt from None
         raise
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signal.getsignal(signal.SIGINT) is interrupt:  # (not one the driver set since)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
