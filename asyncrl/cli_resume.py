@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ RUNS = Path("runs")
 
 def run_to_resume(script: str, root: Path = RUNS) -> Path:
     """The run folder under `root` whose newest complete checkpoint is of `script` and the
-    newest such, said; none: SystemExit asking for --run-dir."""
+    newest such, said (and any newer run not looked into); none: SystemExit asking for
+    --run-dir."""
     if not os.path.isfile(script):
         raise SystemExit(f"asyncrl: no such file: {script}")
     name = os.path.basename(script)
@@ -23,19 +25,28 @@ def run_to_resume(script: str, root: Path = RUNS) -> Path:
                          f"holds a complete checkpoint of {name}"
                          f"{_passed_over(refused, elsewhere)}")
     run, step = found
-    print(f"asyncrl launch: --resume: continuing {run} (its {step.name}), the newest run "
+    newest = "the newest run"
+    if refused:  # newer than it: one may be this flow's newest run
+        print(f"asyncrl launch: --resume: warning: newer runs under {root}/ were "
+              f"{_refused(refused)}", file=sys.stderr)
+        newest = "the newest run looked into"
+    print(f"asyncrl launch: --resume: continuing {run} (its {step.name}), {newest} "
           f"under {root}/ with a checkpoint of {name}; give --run-dir DIR for another",
           file=sys.stderr)
     return run
 
 
-def _passed_over(refused: list[tuple[Path, str]], elsewhere: list[tuple[Path, str]]) -> str:
+def _refused(refused: list[tuple[Path, str]]) -> str:
     """The runs not looked into, being not only this user's, with why (the first's reason
-    says how to fix it), and those of a flow file of the same name in another folder."""
-    said = ""
-    if refused:
-        said += (f"; not looked into, as not only yours: "
-                 f"{', '.join(str(run) for run, _ in refused)} (the first: {refused[0][1]})")
+    says how to fix it)."""
+    return (f"not looked into, as not only yours: {', '.join(str(run) for run, _ in refused)} "
+            f"(the first: {refused[0][1]})")
+
+
+def _passed_over(refused: list[tuple[Path, str]], elsewhere: list[tuple[Path, str]]) -> str:
+    """The runs not looked into, being not only this user's, and those of a flow file of
+    the same name in another folder."""
+    said = f"; {_refused(refused)}" if refused else ""
     for path in sorted({path for _, path in elsewhere}):  # (a copied recipe: another flow;
         runs = [str(run) for run, ran in elsewhere if ran == path]  # a moved one: this one)
         said += (f"; {', '.join(runs)} ran {path}, another file of that name (if this file "
@@ -47,19 +58,20 @@ def newest_run_of(script: str, root: Path) -> tuple[tuple[Path, Path] | None,
                                                     list[tuple[Path, str]],
                                                     list[tuple[Path, str]]]:
     """(run folder, its newest complete checkpoint) of the run under `root` that checkpointed
-    flow file `script` last (None if none); the runs refused unread, with why; and those of
-    another file of its name, with its path. A run is matched by the flow file's real path,
-    kept in its launch options (another folder's file of the same name is another flow: a
-    copied recipe); a run of before that, by the names of its nodes' files
-    (checkpoint.identity). That is matched before the flow file is imported (with the run's
-    settings); its nodes, groups and sizes are checked once it is, as on any resume. Only
-    this user's checkpoints are read (another's settings must not reach the import)."""
+    flow file `script` last (None if none); the runs refused unread, with why (where one is
+    found: those ordered after it); and those of another file of its name, with its path. A
+    run is matched by the flow file's real path, kept in its launch options (another
+    folder's file of the same name is another flow: a copied recipe); a run of before that,
+    by the names of its nodes' files (checkpoint.identity). That is matched before the flow
+    file is imported (with the run's settings); its nodes, groups and sizes are checked once
+    it is, as on any resume. Only this user's checkpoints are read (another's settings must
+    not reach the import)."""
     from asyncrl.controller import checkpoint
     from asyncrl.errors import CheckpointError
 
     name, here = os.path.basename(script), os.path.realpath(script)
     found: list[tuple[float, Path, Path]] = []
-    refused: list[tuple[Path, str]] = []
+    refused: list[tuple[float, Path, str]] = []
     elsewhere: list[tuple[Path, str]] = []
     for run in sorted(root.iterdir()) if root.is_dir() else []:
         path = checkpoint.latest(run)
@@ -68,7 +80,7 @@ def newest_run_of(script: str, root: Path) -> tuple[tuple[Path, Path] | None,
         try:
             checkpoint._own(path)
         except CheckpointError as e:  # said if no run is found: the fix may be a chmod
-            refused.append((run, str(e)))
+            refused.append((_mtime(path), run, str(e)))
             continue
         try:
             meta = checkpoint.read_meta(path)
@@ -87,6 +99,16 @@ def newest_run_of(script: str, root: Path) -> tuple[tuple[Path, Path] | None,
         if isinstance(files, str) and name in files.split(", "):  # flow_file was kept)
             found.append((when, run, path))
     if not found:
-        return None, refused, elsewhere
-    _, run, path = max(found)
-    return (run, path), refused, elsewhere
+        return None, [(run, why) for _, run, why in refused], elsewhere
+    when, run, path = max(found)
+    newer = [(other, why) for at, other, why in refused if (at, other) > (when, run)]
+    return (run, path), newer, elsewhere
+
+
+def _mtime(path: Path) -> float:
+    """When a refused run's checkpoint wrote its meta.json (runs are ordered by it, as
+    newest_run_of orders those it reads); inf if it cannot be told: taken for newer."""
+    try:
+        return (path / "meta.json").stat().st_mtime
+    except OSError:
+        return math.inf

@@ -65,10 +65,12 @@ def _checkpoint(run: Path, meta: dict) -> Path:
     return folder
 
 
-def test_a_resume_without_run_dir_names_the_runs_it_could_not_read(tmp_path, monkeypatch):
+def test_a_resume_without_run_dir_names_the_runs_it_could_not_read(tmp_path, monkeypatch,
+                                                                    capsys):
     """A run refused as not only this user's (an earlier asyncrl's run under umask 0) was
-    passed over unsaid: --resume asked for --run-dir as if there were none. A run of before
-    the flow file's path was kept is still found by its name."""
+    passed over unsaid: --resume asked for --run-dir as if there were none, or continued an
+    older run as "the newest". A run of before the flow file's path was kept is still found
+    by its name."""
     monkeypatch.delenv("ASYNCRL_TRUST_RUN_DIR", raising=False)
     flow = tmp_path / "train.py"
     flow.write_text(COUNTED)
@@ -84,6 +86,12 @@ def test_a_resume_without_run_dir_names_the_runs_it_could_not_read(tmp_path, mon
         run_to_resume(str(flow), runs)
     older = runs / "20240101-000000"  # (no flow_file in its meta.json)
     os.utime(_checkpoint(older, {"flow": {"file": "train.py"}}) / "meta.json", (0, 0))
+    capsys.readouterr()
     assert run_to_resume(str(flow), runs) == older
+    said = capsys.readouterr().err
+    assert f"warning: newer runs under {runs}/ were not looked into, as not only yours: " \
+           f"{shared.parent.parent} (the first: " in said and "`chmod -R o-w " in said
+    assert "the newest run under" not in said
     shared.chmod(0o775)
     assert run_to_resume(str(flow), runs) == runs / "20250101-000000"
+    assert "warning" not in capsys.readouterr().err

@@ -76,10 +76,16 @@ class StepTrainer(AnyTrainer):
 
     @asyncrl.register(dispatch=asyncrl.Dispatch.DP)
     def unchecked_poisoned_step(self, batch: TensorBatch) -> dict:
-        """A poisoned step as a DeepSpeed whose bf16 config has no check_grad_overflow
-        takes it under ZeRO-2: applied."""
+        """A poisoned step as a DeepSpeed that does not skip it takes it: applied (ZeRO-2's
+        bf16 config without check_grad_overflow, ZeRO-3's step without is_invalid_grad_norm:
+        this process's, for good)."""
+        import deepspeed.runtime.zero.stage3 as stage3
+
         self.backend._skips_nonfinite = False
-        self.backend.engine.optimizer.check_grad_overflow = False
+        if self.backend.stage == 3:
+            stage3.is_invalid_grad_norm = lambda norm: False
+        else:
+            self.backend.engine.optimizer.check_grad_overflow = False
         return self.backend.train_step(batch, _nan_loss)
 
     @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
@@ -133,16 +139,16 @@ def test_a_save_before_the_first_step_and_a_failed_step_change_no_later_step(kin
 def test_a_skipped_step_advances_both_backends_schedules_and_a_failed_backward_is_kept():
     """A non-finite gradient skips the step in both backends, bf16 ZeRO-2's too (DeepSpeed
     applied it where its bf16 config's check_grad_overflow is off, or missing: every weight
-    NaN for good; a DeepSpeed without the option has the step refused after it); FSDP2
-    stepped the schedule and DeepSpeed did not, so their warmups drifted apart. And a ZeRO
-    step whose last (here its only) micro-batch's backward failed left what it had reduced
-    in DeepSpeed's buffers, for the next step to add (only a failure before the last was
-    caught)."""
+    NaN for good; a DeepSpeed without the option, or whose ZeRO-3 step does not check the
+    norm, has the step refused after it); FSDP2 stepped the schedule and DeepSpeed did not,
+    so their warmups drifted apart. And a ZeRO step whose last (here its only) micro-batch's
+    backward failed left what it had reduced in DeepSpeed's buffers, for the next step to
+    add (only a failure before the last was caught)."""
     pytest.importorskip("deepspeed")
     batch = fixed_batch()
     train_cfg = {"lr": 1e-2, "micro_batch_size": 4, "warmup_steps": 4, "grad_clip": None}
     kinds = {"fsdp2": ("fsdp2", {}), "zero2": ("zero2", {}),
-             "zero2-bf16": ("zero2", {"bf16": True})}
+             "zero2-bf16": ("zero2", {"bf16": True}), "zero3-bf16": ("zero3", {"bf16": True})}
 
     async def main():
         async with asyncrl.Controller(construct_timeout=500) as ctl:
@@ -155,10 +161,11 @@ def test_a_skipped_step_advances_both_backends_schedules_and_a_failed_backward_i
             skipped = [(await g.poisoned_step(batch))[0] for g in groups]
             kept = [(await g.weights())[0] for g in groups]
             after = [(await g.step(batch))[0] for g in groups]
-            with pytest.raises(asyncrl.RemoteError, match=r"DeepSpeed \S+ applied a step whose "
-                               r"gradient was NaN or inf .* Install a DeepSpeed whose bf16 "
-                               r"config has check_grad_overflow"):
-                await groups[2].unchecked_poisoned_step(batch)
+            for group in groups[2:]:  # bf16 ZeRO-2 and ZeRO-3
+                with pytest.raises(asyncrl.RemoteError, match=r"DeepSpeed \S+ applied a step "
+                                   r"whose gradient was NaN or inf .* Install a DeepSpeed whose "
+                                   r"bf16 config has check_grad_overflow"):
+                    await group.unchecked_poisoned_step(batch)
             with pytest.raises(asyncrl.RemoteError, match="the backward failed"):
                 await groups[1].failing_backward_step(batch.take([0, 1, 2, 3]))
             with pytest.raises(asyncrl.RemoteError, match="ZeRO train_step refused"):
@@ -166,9 +173,9 @@ def test_a_skipped_step_advances_both_backends_schedules_and_a_failed_backward_i
             return before, skipped, kept, after, pids
     before, skipped, kept, after, pids = run(main(), timeout=400)
     assert_gone(pids)
-    assert [s["grad_nonfinite"] for s in skipped] == [1.0, 1.0, 1.0]
-    assert [s["lr"] for s in skipped] == [0.0, 0.0, 0.0]  # warmup's first step
-    assert after[0]["lr"] == after[1]["lr"] == after[2]["lr"] == pytest.approx(1e-2 / 4)
+    assert [s["grad_nonfinite"] for s in skipped] == [1.0] * len(kinds)
+    assert [s["lr"] for s in skipped] == [0.0] * len(kinds)  # warmup's first step
+    assert [s["lr"] for s in after] == [pytest.approx(1e-2 / 4)] * len(kinds)
     for name, want, got in zip(kinds, before, kept, strict=True):  # no step, no NaN weight
         assert all(torch.equal(got[k], v) and v.isfinite().all() for k, v in want.items()), name
 

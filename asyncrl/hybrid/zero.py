@@ -61,15 +61,26 @@ def _no_shared_memory_all_reduce(deepspeed: Any) -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
-def _skips_nonfinite_steps() -> bool:
-    """Whether this DeepSpeed's bf16 config has `check_grad_overflow`: set, a step whose
-    gradient is NaN or inf is skipped under bf16 as FSDP2 skips it. Older ones (from its
-    PR #4512) apply it under bf16 ZeRO-2; its config refuses keys it does not know."""
+def _has_check_grad_overflow() -> bool:
+    """Whether this DeepSpeed's bf16 config has `check_grad_overflow`: set, a ZeRO-2 step
+    whose gradient is NaN or inf is skipped under bf16 as FSDP2 skips it. Older ones (from
+    its PR #4512) apply it under bf16 ZeRO-2; its config refuses keys it does not know."""
     try:
         from deepspeed.runtime.precision_config import DeepSpeedBF16Config
     except ImportError:
         return False
     return "check_grad_overflow" in getattr(DeepSpeedBF16Config, "model_fields", {})
+
+
+def _skips_nonfinite_steps(stage: int) -> bool:
+    """Whether this DeepSpeed skips a bf16 step whose gradient is NaN or inf at this stage.
+    ZeRO-3 has no option for it: its step skips one where it checks the norm with
+    `is_invalid_grad_norm` (0.19.8 does), while older ones check only under fp16."""
+    if stage == 2:
+        return _has_check_grad_overflow()
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    return hasattr(stage3, "is_invalid_grad_norm")
 
 
 TAG = ZERO_TAG
@@ -110,9 +121,9 @@ class ZeroBackend(TrainBackend):
         self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
         model = trainable(model_cfg, train_cfg, head)
         opt = adamw(trained_parameters(model), train_cfg)
-        self._skips_nonfinite = _skips_nonfinite_steps()
+        self._skips_nonfinite = _skips_nonfinite_steps(stage)
         bf16: dict[str, Any] = {"enabled": use_bf16(train_cfg)}
-        if self._skips_nonfinite:  # (0.19.8's default, said outright: not every version's)
+        if _has_check_grad_overflow():  # (0.19.8's default, said outright: not every version's)
             bf16["check_grad_overflow"] = True
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
                   "gradient_accumulation_steps": 1,  # None: no clipping (DeepSpeed's 0)
@@ -180,18 +191,25 @@ class ZeroBackend(TrainBackend):
             if began > done or 0 < done < gas:
                 self._failed_midway = f"{type(e).__name__}: {e}"
             raise
-        if self.stage == 2 and not self._skips_nonfinite and self.engine.skipped_steps == skipped:
-            self._check_weights_finite()  # (ZeRO-3 skips a non-finite step itself)
+        if not self._skips_nonfinite and self.engine.skipped_steps == skipped:
+            self._check_weights_finite()
         norm = float(self.engine.get_global_grad_norm() or 0.0)
         return {**stats, "grad_norm": norm, "lr": lr,
                 "grad_nonfinite": 0.0 if math.isfinite(norm) else 1.0}
 
     def _check_weights_finite(self) -> None:
-        """After a ZeRO-2 step that a DeepSpeed without `check_grad_overflow` applied: refused
+        """After a step that a DeepSpeed which does not skip non-finite ones applied: refused
         if it made a weight NaN or inf (the grad norm need not say: DeepSpeed's helpers
-        report a NaN norm as -1). ZeRO-2's weights are whole on every rank: all agree."""
-        weights = [p.detach() for p in self.model.parameters() if p.requires_grad]
-        if torch.stack([torch.isfinite(p).all() for p in weights]).all():
+        report a NaN norm as -1). ZeRO-2's weights are whole on every rank: all agree;
+        ZeRO-3's are checked in this rank's partitions, and the ranks agree by a MIN."""
+        weights = [getattr(p, "ds_tensor", p).detach()  # (ZeRO-3's: this rank's partition)
+                   for p in self.model.parameters() if p.requires_grad]
+        finite = torch.stack([torch.isfinite(p).all() for p in weights]).all()
+        if self.stage == 3:  # every rank raises alike: the NaN may be in another's partition
+            flag = finite.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.engine.data_parallel_group)
+            finite = flag.bool()
+        if finite:
             return
         raise RuntimeError(
             f"DeepSpeed {self._ds.__version__} applied a step whose gradient was NaN or inf "
