@@ -18,11 +18,17 @@ LLM's keywords go to an EngineArgs dataclass (an unknown one: TypeError). Prompt
 checked as they are added (empty, too long; out of vocabulary only with a tokenizer): a
 refused one leaves those before it in the engine. Without a tokenizer an id outside the
 vocabulary reaches the embedding kernel: a device-side assert, after which every call fails
-(the CUDA context is gone). Faults on demand: `kv_wake_ooms` (the next N KV cache wakes run
-out of memory), `reset_failures` (the next N reset_prefix_cache calls return False, as newer
-vLLM does; 0.10-0.11 return None whatever happened). With FAKE_VLLM_CALLS=DIR each process
-also writes what it was asked, one JSON line per call, to DIR/<pid>.jsonl (for tests of
-torchrun groups)."""
+(the CUDA context is gone); so does a step (llm_engine.step) while the KV cache sleeps (sleep
+does not abort requests: a refused call's rows stay). Building an LLM seeds the process's
+RNGs (random, numpy, torch) with `seed`, as vLLM's set_random_seed does. The model's
+load_weights takes the weights positionally only (vLLM's loader passes them so; models name
+the parameter otherwise). With `pool_tensor` the model holds a tensor in the weights' pool
+beside its parameters and buffers (added to the logits, as a rotary cache would be used):
+level 2 loses it (NaN), load_weights does not restore it (vLLM issue 29341). Faults on
+demand: `kv_wake_ooms` (the next N KV cache wakes run out of memory), `reset_failures` (the
+next N reset_prefix_cache calls return False, as newer vLLM does; 0.10-0.11 return None
+whatever happened). With FAKE_VLLM_CALLS=DIR each process also writes what it was asked,
+one JSON line per call, to DIR/<pid>.jsonl (for tests of torchrun groups)."""
 
 from __future__ import annotations
 
@@ -30,10 +36,12 @@ import importlib
 import itertools
 import json
 import os
+import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +58,8 @@ class EngineArgs:
     asyncrl's adapter and its tests use."""
     model: str = "facebook/opt-125m"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     enable_sleep_mode: bool = False
     gpu_memory_utilization: float = 0.9
@@ -107,8 +117,8 @@ class _ModelRunner:
 
 
 class _LoadableModel:
-    """vLLM models expose load_weights(weights=iterable of (name, tensor)), by the
-    checkpoint's names; their own parameters are named otherwise (fused projections):
+    """vLLM models expose load_weights(iterable of (name, tensor)), by the checkpoint's
+    names; their own parameters are named otherwise (fused projections):
     here a prefix stands for that."""
 
     def __init__(self, model: Any):
@@ -117,7 +127,7 @@ class _LoadableModel:
     def named_parameters(self) -> Any:
         return self.module.named_parameters(prefix="vllm_internal")
 
-    def load_weights(self, weights: Any) -> set[str]:
+    def load_weights(self, weights: Any, /) -> set[str]:  # (named otherwise by some)
         """The names of the parameters filled, as vLLM's models return them."""
         params = dict(self.module.named_parameters())
         for name, tensor in weights:
@@ -135,10 +145,16 @@ def _record(name: str, arg: Any) -> None:
 
 class LLM:
     calls: list[tuple[str, Any]] = []  # what the adapter asked of vLLM, for the tests
+    pool_tensor = False  # the model holds a tensor in the weights' pool that level 2 loses
 
     def __init__(self, model: str, **kwargs: Any):
         _record("init", {"model": model, **kwargs})
         EngineArgs(model=model, **kwargs)  # as vLLM's LLM: a TypeError for an unknown key
+        seed = kwargs.get("seed", 0)
+        if seed is not None:  # vLLM's set_random_seed, on every rank
+            random.seed(seed)
+            np.random.seed(seed)
+            torch.manual_seed(seed)
         required = {"distributed_executor_backend", "enable_sleep_mode", "worker_extension_cls"}
         missing = required - set(kwargs)
         if missing:
@@ -163,13 +179,28 @@ class LLM:
         self.llm_engine = SimpleNamespace(  # (the rows a refused call left are unfinished)
             model_config=SimpleNamespace(max_model_len=self._max_len,
                                          get_vocab_size=lambda: self._vocab),
-            has_unfinished_requests=lambda: bool(self._left), step=lambda: self._left.clear())
+            has_unfinished_requests=lambda: bool(self._left), step=self._step)
         self._left: list[tuple[dict, SamplingParams]] = []  # requests a refused call left
         self._saved_buffers: dict[str, Any] = {}  # level 2: the buffers, on the host
         self._dead: str | None = None  # a CUDA error that left the context unusable
         self.kv_wake_ooms = 0  # the next N wake_up(["kv_cache"]) run out of memory
         self._kv_wakes = 0
         self.reset_failures = 0  # the next N reset_prefix_cache() return False
+        self._pool = torch.zeros(()) if self.pool_tensor else None  # (a rotary cache, say)
+        if self._pool is not None:
+            self._model.register_forward_hook(self._use_pool)
+
+    def _use_pool(self, module: Any, args: Any, out: Any) -> Any:
+        out.logits = out.logits + self._pool
+        return out
+
+    def _step(self) -> None:
+        """llm_engine.step(): runs the unfinished requests (to their end, here)."""
+        self._alive()
+        if self._left and "kv_cache" in self.asleep:
+            raise self._kill("CUDA error: an illegal memory access (a step ran requests "
+                             "into the sleeping KV cache's unmapped memory)")
+        self._left.clear()
 
     def _alive(self) -> None:
         if self._dead:
@@ -261,6 +292,8 @@ class LLM:
                                    for k, v in self._model.named_buffers()}
             for v in itertools.chain(params.values(), self._model.buffers()):
                 v.data.fill_(float("nan"))  # gone: only new weights make it usable again
+            if self._pool is not None:  # (lost for good: no load fills it)
+                self._pool.fill_(float("nan"))
         self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -326,3 +326,112 @@ def test_expandable_segments_are_taken_from_the_vllm_that_turns_them_off_around_
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # (not read there)
     with pytest.raises(ValueError, match="PYTORCH_ALLOC_CONF has expandable_segments:True"):
         VLLMEngine("tiny-llama")
+
+
+def test_a_load_while_the_kv_cache_sleeps_leaves_unfinished_requests_for_after_the_wake():
+    """vLLM 0.10-0.11's sleep does not abort requests: a refused call's rows stay. The
+    hybrid's fill loads with the KV cache asleep, and running them out there (before a
+    reset that says nothing) ran the model into the unmapped KV cache: an illegal memory
+    access, the CUDA context dead. The reset waits for the wake: generate runs them out."""
+    import fake_vllm
+
+    class SaysNothing(fake_vllm.LLM):
+        def reset_prefix_cache(self):
+            super().reset_prefix_cache()
+
+    engine = fake_engine(llm_cls=SaysNothing)
+    params = fake_vllm.SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
+    with pytest.raises(ValueError, match="The decoder prompt cannot be empty"):  # (vLLM's)
+        engine.llm.generate([{"prompt_token_ids": [1, 5]}, {"prompt_token_ids": []}],
+                            [params] * 2)
+    engine.sleep(2)
+    other = build_model(ModelConfig(seed=9))
+    engine.load_weights(other.named_parameters(), version=1)
+    engine.wake()
+    out = engine.generate(PROMPTS, [1, 2, 3, 4])
+    assert out["versions"][out["response_mask"].bool()].eq(1).all()
+    want = Sampler(other, SamplingConfig(max_new_tokens=4)).generate(PROMPTS, [1, 2, 3, 4])
+    assert torch.equal(out["response_ids"], want["response_ids"])
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+def test_vllm_refuses_pipeline_and_data_parallelism_inside_a_rank():
+    """With external_launcher vLLM asserts on every pipeline stage but the last at the first
+    generate, and its DP ranks step together: given different rows (each rank its own) they
+    hang. Both were passed on to vLLM; now refused as tensor parallelism is, where a group
+    is declared too."""
+    from asyncrl.hybrid.engine import check_engine
+
+    for key in ("pipeline_parallel_size", "data_parallel_size"):
+        with pytest.raises(ValueError, match=f"{key}=2\\): only 1 is supported"):
+            fake_engine(**{key: 2})
+        with pytest.raises(ValueError, match=f"{key}=2"):
+            check_engine("vllm", {key: 2})
+        fake_engine(**{key: 1})
+
+
+def test_building_vllm_leaves_the_ranks_random_streams_as_they_were():
+    """vLLM's LLM seeds random, numpy and torch (CUDA too) with its seed as it is built,
+    the same on every rank: the rank's own streams were reset to vLLM's. Put back."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(1234)
+    random.seed(5)
+    np.random.seed(6)
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    fake_engine(seed=0)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert (np.random.get_state()[1] == before[2]).all()
+
+
+def test_weights_go_to_vllms_model_positionally_as_its_own_loader_passes_them():
+    """vLLM's loader (and TRL) call model.load_weights(weights) positionally, and plugin
+    models name the parameter otherwise (the fake's is positional only): passed by keyword,
+    every load into such a model was a TypeError."""
+    engine = fake_engine()
+    other = build_model(ModelConfig(seed=9))
+    engine.load_weights(other.named_parameters(), version=1)
+    out = engine.generate(PROMPTS, [1, 2, 3, 4])
+    want = Sampler(other, SamplingConfig(max_new_tokens=4)).generate(PROMPTS, [1, 2, 3, 4])
+    assert torch.equal(out["response_ids"], want["response_ids"])
+
+
+def test_a_hybrid_sleeps_vllm_at_level_1_when_asked_keeping_what_level_2_loses(tmp_path):
+    """Level 2 sleep keeps only the model's buffers of the weights' pool: a tensor a model
+    holds there beside its parameters and buffers is lost, and no load_weights restores it
+    (vLLM issue 29341: garbage rollouts on some newer architectures). engine_options
+    sleep_level=1 has the hybrid sleep vLLM at level 1 (a host copy); others are refused."""
+    import fake_vllm
+
+    from asyncrl.hybrid.engine import check_engine
+
+    class PoolTensor(fake_vllm.LLM):
+        pool_tensor = True
+
+    path = str(tmp_path / "ckpt")
+    build_model(ModelConfig(seed=4)).save_pretrained(path)
+    sampling = SamplingConfig(max_new_tokens=3)
+    want = Sampler(build_model(ModelConfig(path=path)), sampling).generate(PROMPTS, [1, 2, 3, 4])
+
+    def generate(**options):
+        fake_vllm.LLM.calls.clear()
+        backend = CountingBackend(build_model(ModelConfig(path=path)))
+        hybrid = HybridEngine(backend, ModelConfig(path=path), sampling, engine="vllm",
+                              engine_options={"llm_cls": PoolTensor, **options,
+                                              "sampling_params_cls": fake_vllm.SamplingParams})
+        hybrid.to_generate()
+        return hybrid.generate(PROMPTS, [1, 2, 3, 4])
+
+    kept = generate(sleep_level=1)
+    assert {c[1] for c in fake_vllm.LLM.calls if c[0] == "sleep"} == {1}
+    assert torch.equal(kept["response_ids"], want["response_ids"])
+    assert (kept["logprobs"] - want["logprobs"]).abs().max().item() < 1e-6
+    with pytest.raises(ValueError, match="probabilities contain NaN"):  # (the fake's sampler)
+        generate()  # level 2: the pool tensor lost (NaN), as vLLM's would be
+    assert {c[1] for c in fake_vllm.LLM.calls if c[0] == "sleep"} == {2}
+    for bad in (0, 3, True, "1"):
+        with pytest.raises(ValueError, match=f"sleep_level={bad!r}: vLLM sleeps at level 1"):
+            check_engine("vllm", {"sleep_level": bad})

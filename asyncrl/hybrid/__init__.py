@@ -10,5 +10,6 @@
     fn_pool.py   a user's function (a reward, an environment) in child processes, timed out
     user_fn.py   a user's function's inputs from a batch's columns; local tokenizers
     vllm_engine.py  the vLLM generation engine (GPU; never imported on CPU paths)
+    vllm_options.py the vLLM adapter's option and sampling checks (no vLLM import)
     export.py    a policy's checkpoint as a Hugging Face model directory (`asyncrl export`)
 """

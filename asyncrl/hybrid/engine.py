@@ -161,7 +161,10 @@ class HybridEngine:
             engine_options = {"load_format": "dummy", **(engine_options or {})}
             _check_covers(model_cfg.path, backend.model)
         self.engine = make_engine(engine, model_cfg, sampling, engine_options)
-        self._sleep_level = 2 if self.engine.owns_weights else 1
+        # an engine filled by name takes new weights before each generation: none kept asleep
+        # (level 2), unless its option says level 1 (a model holding tensors beside them)
+        self._sleep_level = getattr(self.engine, "sleep_level", 2) if self.engine.owns_weights \
+            else 1
         self.engine.sleep(self._sleep_level)
         self.mode = "train"
         self.peak_gather_bytes = 0  # the largest gathered tensor alive at once, last switch

@@ -5,7 +5,9 @@ SPMD use: every rank of a torchrun group builds its own `LLM` with
 `distributed_executor_backend="external_launcher"` (vLLM joins the torch.distributed group
 the rank is in); `enable_sleep_mode=True` lets the hybrid engine free the KV cache and
 the weights while training (level 2: no host copy; it hands vLLM the trained weights before
-each generation, and builds it with `load_format="dummy"`: the checkpoint is never read).
+each generation, and builds it with `load_format="dummy"`: the checkpoint is never read;
+`sleep_level=1` keeps a host copy, for models whose tensors beside their parameters and
+buffers level 2 loses, vLLM issue 29341).
 New weights go in through a worker extension whose method `collective_rpc` calls on every
 vLLM worker: no reload from disk.
 
@@ -18,8 +20,8 @@ access, and waking after it would restore the old weights over the new); a load 
 midway (vLLM copies tensor by tensor) leaves generation and checkpoints (state_dict)
 refused until the loads since have filled every parameter vLLM holds (its model reports
 those it fills) or a whole state went in (load_state_dict). Not supported:
-tensor parallelism (every rank of a TP group would need the same prompts, and the DP
-dispatch gives each its own), and swapping weights in the middle of a generation (the
+tensor, pipeline or data parallelism inside vLLM (each rank runs its own vLLM on the rows
+the DP dispatch gives it), and swapping weights in the middle of a generation (the
 Sampler's interruptible rollouts): a load waits for the generation in flight to end; quantized
 (or `quantization=`), MLA and MoE checkpoints (vLLM derives tensors from their weights after
 a load, which new weights would not redo; a fused MoE's load writes the checkpoint's layout
@@ -37,8 +39,6 @@ been available); its logic is tested against a fake that follows vLLM's document
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import importlib
 import itertools
 import json
@@ -50,9 +50,11 @@ from typing import Any
 import torch
 
 from asyncrl.actors.gpu_slots import require_own_gpu
+from asyncrl.actors.worker import rng_state, set_rng_state
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.models import model_file
 from asyncrl.hybrid.sampler import SamplingConfig, left_pad
+from asyncrl.hybrid.vllm_options import check_keys, check_options, check_sampling
 
 MODULE_ENV = "ASYNCRL_VLLM_MODULE"  # another module with vLLM's LLM and SamplingParams: the
 # CPU tests' fake (tests/fake_vllm.py), in real torchrun groups
@@ -79,7 +81,8 @@ class WeightLoader:
                              f"use the built-in engine (engine='builtin') or a dense model")
         if recount:
             self._asyncrl_since = set()
-        loaded = self.model_runner.model.load_weights(weights=weights)
+        # positionally, as vLLM's own loader calls it: models name the parameter otherwise
+        loaded = self.model_runner.model.load_weights(weights)
         if isinstance(loaded, set):  # vLLM's models report the parameters they filled
             self._asyncrl_loaded = (self._asyncrl_loaded or set()) | loaded
             if self._asyncrl_since is not None:
@@ -121,12 +124,6 @@ class WeightLoader:
         return len(params)
 
 
-# LLM keywords the adapter sets itself (engine_options may give any other)
-ADAPTER_SETS = {"model", "distributed_executor_backend", "enable_sleep_mode",
-                "skip_tokenizer_init", "logprobs_mode", "worker_extension_cls"}
-# vLLM's _MAX_TEMP: SamplingParams raises a temperature in (0, 0.01) to 0.01 (before its
-# greedy check), and samples there, while the trainer would divide by the one asked for
-LOWEST_TEMPERATURE = 1e-2
 MIN_VERSION = (0, 10, 2)  # logprobs_mode="processed_logprobs" with temperature applied
 EXPANDABLE_OK = (0, 20, 1)  # vLLM PR 40812: expandable segments turned off around its pool
 # config.json keys that give a MoE's expert count (Qwen-MoE/OLMoE, Mixtral/Llama 4/GPT-OSS,
@@ -140,13 +137,17 @@ class VLLMEngine:
     def __init__(self, model_path: str, sampling: SamplingConfig | None = None, *,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", seed: int = 0, load_format: str = "auto",
-                 llm_cls: Any = None, sampling_params_cls: Any = None,
+                 sleep_level: int = 2, llm_cls: Any = None, sampling_params_cls: Any = None,
                  engine_args_cls: Any = None, **llm_options: Any):
         """`llm_options`: other keywords of vLLM's LLM (max_model_len, hf_overrides,
         enforce_eager, ...), passed on as they are; those this adapter sets are refused, and
         those vLLM's EngineArgs lacks (`engine_args_cls`; vllm.EngineArgs when vLLM is
-        imported here) are named with the ones meant."""
-        check_options({**llm_options, "tensor_parallel_size": tensor_parallel_size})
+        imported here) are named with the ones meant. `sleep_level`: the level the hybrid
+        engine sleeps vLLM at (2: its weights dropped; 1: kept on the host, for models that
+        hold tensors beside their parameters and buffers, which level 2 loses)."""
+        check_options({**llm_options, "tensor_parallel_size": tensor_parallel_size,
+                       "sleep_level": sleep_level})
+        self.sleep_level = sleep_level
         version = None  # (unknown for classes given: the stricter checks)
         if llm_cls is None or sampling_params_cls is None:
             name = os.environ.get(MODULE_ENV, "vllm")
@@ -164,7 +165,7 @@ class VLLMEngine:
                                   f"temperature), found {vllm.__version__}")
             llm_cls, sampling_params_cls = vllm.LLM, vllm.SamplingParams
             engine_args_cls = engine_args_cls or getattr(vllm, "EngineArgs", None)
-        _check_keys(llm_options, engine_args_cls)
+        check_keys(llm_options, engine_args_cls)
         _check_reloadable(model_path, llm_options.get("hf_overrides"))
         toggled = version is not None and not _too_old(version, EXPANDABLE_OK) and \
             "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -181,6 +182,8 @@ class VLLMEngine:
         # vLLM refuses to start if less than gpu_memory_utilization of the GPU is free (a
         # hybrid Policy builds its trainer first: lower it there), and by default sizes for
         # the model's whole context (engine_options max_model_len= for less)
+        rng = rng_state()  # vLLM seeds every RNG of the process with `seed` (the same on
+        # every rank): the rank's own streams are put back
         self.llm = llm_cls(model=model_path, tensor_parallel_size=1,
                            distributed_executor_backend="external_launcher",
                            enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
@@ -189,6 +192,7 @@ class VLLMEngine:
                            logprobs_mode="processed_logprobs",
                            worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}",
                            **llm_options)
+        set_rng_state(rng)
         self.asleep = False
         self._asleep_parts: set[str] = set()  # "weights", "kv_cache": what vLLM has released
         self.paused = False
@@ -356,8 +360,14 @@ class VLLMEngine:
             done = self.llm.reset_prefix_cache()
             engine: Any = getattr(self.llm, "llm_engine", None)  # 0.10-0.11 say nothing:
             if done is None and getattr(engine, "has_unfinished_requests", bool)():  # a failed
-                while engine.has_unfinished_requests():  # call's requests hold blocks: run
-                    engine.step()  # them out (their answers are nobody's), then reset
+                # call's requests hold blocks: run them out (their answers are nobody's),
+                # then reset; not while the KV cache sleeps (sleep keeps requests, and a step
+                # would run them into its unmapped memory: a dead CUDA context): generate()
+                # resets after the wake (_stale_prefixes stays set)
+                if "kv_cache" in self._asleep_parts:
+                    return
+                while engine.has_unfinished_requests():
+                    engine.step()
                 done = self.llm.reset_prefix_cache()
             if done is not False:
                 self._stale_prefixes = False
@@ -476,21 +486,6 @@ def _fused_moe(model: Any) -> str | None:
     return None
 
 
-def _check_keys(options: dict[str, Any], engine_args_cls: Any) -> None:
-    """vLLM's LLM hands the keywords it does not name to EngineArgs, a dataclass: an unknown
-    one is a TypeError deep in vLLM's start (after the group started); named here, with the
-    keys meant."""
-    if not dataclasses.is_dataclass(engine_args_cls):
-        return
-    known = {f.name for f in dataclasses.fields(engine_args_cls)}
-    for key in sorted(set(options) - known):
-        close = difflib.get_close_matches(key, sorted(known), n=3)
-        raise TypeError(f"engine_options {key!r} is not a keyword of vLLM's LLM (its "
-                        f"EngineArgs has no such field)"
-                        + (f"; did you mean {' or '.join(map(repr, close))}?" if close else
-                           "; see vLLM's engine arguments for this version"))
-
-
 def _vocab_size(llm: Any) -> int | None:
     """The model's vocabulary size as vLLM holds it (None where this vLLM does not say)."""
     engine = getattr(llm, "llm_engine", None)
@@ -556,45 +551,3 @@ def _too_old(text: str, least: tuple[int, ...] = MIN_VERSION) -> bool:
         for piece in text.split(".")[:3]:
             parts.append(int("".join(itertools.takewhile(str.isdigit, piece)) or 0))
         return tuple(parts) < least
-
-
-def check_options(options: dict[str, Any]) -> None:
-    """VLLMEngine's keywords as it takes them, without vLLM (also where a group is
-    declared): those this adapter sets, and the settings it does not support."""
-    taken = sorted(set(options) & ADAPTER_SETS)
-    if taken:
-        raise ValueError(f"engine_options {taken} are set by asyncrl's vLLM adapter (it "
-                         f"runs vLLM inside the rank's torchrun group, with sleep mode "
-                         f"and its own weight loading); leave them out")
-    quant = options.get("quantization")
-    if quant is not None:  # (vLLM quantizes once, after loading)
-        raise ValueError(f"engine_options quantization={quant!r}: the vLLM engine cannot take "
-                         f"new weights into a model vLLM quantizes once, as it loads: each later "
-                         f"load would fail or be cast in with stale scales; leave it out")
-    kv_dtype = options.get("kv_cache_dtype", "auto")
-    if kv_dtype != "auto":
-        raise ValueError(f"engine_options kv_cache_dtype={kv_dtype!r} is not supported: "
-                         f"an fp8 KV cache's scales (k_scale/v_scale) are lost when vLLM "
-                         f"sleeps at level 2 (it keeps only the model's buffers), and "
-                         f"generation after the wake would be garbage; leave it \"auto\"")
-    tp = options.get("tensor_parallel_size", 1)
-    if tp != 1:
-        raise ValueError(f"VLLMEngine(tensor_parallel_size={tp}): only 1 is supported (each "
-                         f"rank generates its own DP rows); use more ranks instead")
-
-
-def check_sampling(cfg: SamplingConfig) -> None:
-    """vLLM's processed log-probs are renormalised over the top-p nucleus, the trainer's (and
-    the built-in Sampler's) are not: with top_p < 1 every ratio would start near top_p, not 1,
-    and PPO's clip would silence the negative advantages. vLLM raises a temperature below
-    0.01 (but above 0) to 0.01, while the trainer would divide by the one asked for."""
-    if 0 < cfg.temperature < LOWEST_TEMPERATURE:
-        raise ValueError(f"VLLMEngine: temperature={cfg.temperature} is below vLLM's lowest "
-                         f"({LOWEST_TEMPERATURE}), to which vLLM raises it: its samples and "
-                         f"log-probs would be at {LOWEST_TEMPERATURE} and the trainer's at "
-                         f"this one; use temperature=0 for greedy decoding, or >= "
-                         f"{LOWEST_TEMPERATURE}")
-    if cfg.top_p < 1:
-        raise ValueError(f"VLLMEngine: top_p={cfg.top_p} < 1 is not supported: vLLM's "
-                         f"log-probs would be renormalised over the nucleus and differ from "
-                         f"the trainer's; sample with top_p=1 (as RL rollouts usually do)")
