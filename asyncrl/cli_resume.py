@@ -79,8 +79,9 @@ def newest_run_of(script: str, root: Path) -> tuple[tuple[Path, Path] | None,
             continue
         try:
             checkpoint._own(path)
-        except CheckpointError as e:  # said if no run is found: the fix may be a chmod
-            refused.append((_mtime(path), run, str(e)))
+        except CheckpointError as e:  # this user's run, said (its fix may be a chmod);
+            if _yours(run):  # another user's is none of this resume's business
+                refused.append((_mtime(path), run, str(e)))
             continue
         try:
             meta = checkpoint.read_meta(path)
@@ -103,6 +104,13 @@ def newest_run_of(script: str, root: Path) -> tuple[tuple[Path, Path] | None,
     when, run, path = max(found)
     newer = [(other, why) for at, other, why in refused if (at, other) > (when, run)]
     return (run, path), newer, elsewhere
+
+
+def _yours(run: Path) -> bool:
+    try:
+        return run.stat().st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def _mtime(path: Path) -> float:

@@ -70,7 +70,7 @@ def test_a_resume_without_run_dir_names_the_runs_it_could_not_read(tmp_path, mon
     """A run refused as not only this user's (an earlier asyncrl's run under umask 0) was
     passed over unsaid: --resume asked for --run-dir as if there were none, or continued an
     older run as "the newest". A run of before the flow file's path was kept is still found
-    by its name."""
+    by its name. Another user's run is passed over unsaid, as before."""
     monkeypatch.delenv("ASYNCRL_TRUST_RUN_DIR", raising=False)
     flow = tmp_path / "train.py"
     flow.write_text(COUNTED)
@@ -95,3 +95,11 @@ def test_a_resume_without_run_dir_names_the_runs_it_could_not_read(tmp_path, mon
     shared.chmod(0o775)
     assert run_to_resume(str(flow), runs) == runs / "20250101-000000"
     assert "warning" not in capsys.readouterr().err
+    if os.getuid() != 0:  # (giving a run to another user needs root)
+        return
+    theirs = runs / "20260101-000000"  # another user's newer run: none of this user's
+    _checkpoint(theirs, {"flow": {"file": "train.py"},  # business (no chmod fixes it)
+                         "launch_options": {"flow_file": str(flow.resolve())}})
+    os.chown(theirs, 4242, 4242)
+    assert run_to_resume(str(flow), runs) == runs / "20250101-000000"
+    assert str(theirs) not in capsys.readouterr().err

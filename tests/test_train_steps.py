@@ -88,6 +88,20 @@ class StepTrainer(AnyTrainer):
             self.backend.engine.optimizer.check_grad_overflow = False
         return self.backend.train_step(batch, _nan_loss)
 
+    @asyncrl.register
+    def check_with_nan_padding(self) -> int:
+        """ZeRO-3's last rank's partitions end in padding DeepSpeed never writes: NaN there
+        is no NaN weight. How many padding elements this rank has."""
+        from asyncrl.hybrid.zero import _real_part
+
+        padding = 0
+        for p in self.backend.model.parameters():
+            part = p.ds_tensor.data.reshape(-1)
+            part[len(_real_part(p)):] = float("nan")
+            padding += len(part) - len(_real_part(p))
+        self.backend._check_weights_finite()
+        return padding
+
     @asyncrl.register(dispatch=asyncrl.Dispatch.RANK_ZERO)
     def grad_accum_dtype(self) -> str:
         return str(self.backend.engine.optimizer.gradient_accumulation_dtype)
@@ -154,17 +168,20 @@ def test_a_skipped_step_advances_both_backends_schedules_and_a_failed_backward_i
         async with asyncrl.Controller(construct_timeout=500) as ctl:
             groups = await asyncio.gather(*(
                 ctl.spawn(StepTrainer, kind, {"preset": "tiny-llama", "seed": 0},
-                          {**train_cfg, **extra}, name=name)
-                for name, (kind, extra) in kinds.items()))
+                          {**train_cfg, **extra}, name=name, nprocs=1 + 2 * (kind == "zero3"))
+                for name, (kind, extra) in kinds.items()))  # (ZeRO-3: 3 ranks, padded)
             pids = [p for g in groups for p in group_pids(g)]
             before = [(await g.weights())[0] for g in groups]
             skipped = [(await g.poisoned_step(batch))[0] for g in groups]
             kept = [(await g.weights())[0] for g in groups]
             after = [(await g.step(batch))[0] for g in groups]
-            for group in groups[2:]:  # bf16 ZeRO-2 and ZeRO-3
+            padding = await groups[3].check_with_nan_padding()
+            assert padding[:2] == [0, 0] and padding[2] > 0  # (the last rank's only)
+            for group, lacks in zip(groups[2:], ("bf16 config has no check_grad_overflow",
+                                                 "ZeRO-3 step checks no gradient norm"),
+                                    strict=True):
                 with pytest.raises(asyncrl.RemoteError, match=r"DeepSpeed \S+ applied a step "
-                                   r"whose gradient was NaN or inf .* Install a DeepSpeed whose "
-                                   r"bf16 config has check_grad_overflow"):
+                                   r"whose gradient was NaN or inf \(its " + lacks):
                     await group.unchecked_poisoned_step(batch)
             with pytest.raises(asyncrl.RemoteError, match="the backward failed"):
                 await groups[1].failing_backward_step(batch.take([0, 1, 2, 3]))

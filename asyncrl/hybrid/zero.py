@@ -72,6 +72,17 @@ def _has_check_grad_overflow() -> bool:
     return "check_grad_overflow" in getattr(DeepSpeedBF16Config, "model_fields", {})
 
 
+def _real_part(p: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of parameter `p`: whole under ZeRO-2; under ZeRO-3 its partition
+    without the padding the last rank's holds (DeepSpeed never writes it: any bits)."""
+    part = getattr(p, "ds_tensor", None)
+    if part is None:
+        return p.detach()
+    n = part.numel()
+    start = n * dist.get_rank(group=getattr(p, "ds_process_group", None))
+    return part.detach().reshape(-1)[:max(0, min(n, p.ds_numel - start))]  # type: ignore[attr-defined]
+
+
 def _skips_nonfinite_steps(stage: int) -> bool:
     """Whether this DeepSpeed skips a bf16 step whose gradient is NaN or inf at this stage.
     ZeRO-3 has no option for it: its step skips one where it checks the norm with
@@ -202,8 +213,7 @@ class ZeroBackend(TrainBackend):
         if it made a weight NaN or inf (the grad norm need not say: DeepSpeed's helpers
         report a NaN norm as -1). ZeRO-2's weights are whole on every rank: all agree;
         ZeRO-3's are checked in this rank's partitions, and the ranks agree by a MIN."""
-        weights = [getattr(p, "ds_tensor", p).detach()  # (ZeRO-3's: this rank's partition)
-                   for p in self.model.parameters() if p.requires_grad]
+        weights = [_real_part(p) for p in self.model.parameters() if p.requires_grad]
         finite = torch.stack([torch.isfinite(p).all() for p in weights]).all()
         if self.stage == 3:  # every rank raises alike: the NaN may be in another's partition
             flag = finite.to(torch.int32)
@@ -211,12 +221,13 @@ class ZeroBackend(TrainBackend):
             finite = flag.bool()
         if finite:
             return
+        lacks = "its bf16 config has no check_grad_overflow" if self.stage == 2 else \
+            "its ZeRO-3 step checks no gradient norm (is_invalid_grad_norm)"
         raise RuntimeError(
             f"DeepSpeed {self._ds.__version__} applied a step whose gradient was NaN or inf "
-            f"(its bf16 config has no check_grad_overflow to skip it, as FSDP2 does): the "
-            f"weights are NaN or inf now. Install a DeepSpeed whose bf16 config has "
-            f"check_grad_overflow (0.19.8 has) or use backend='fsdp2', and respawn the "
-            f"group from a checkpoint")
+            f"({lacks} to skip it, as FSDP2 does): the weights are NaN or inf now. Install "
+            f"a newer DeepSpeed (0.19.8 skips such steps) or use backend='fsdp2', and "
+            f"respawn the group from a checkpoint")
 
     def save(self, folder: Any) -> None:
         """Weights and optimizer state in DeepSpeed's checkpoint format (same layout to load)."""
