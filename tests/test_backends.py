@@ -4,6 +4,7 @@ agreement, micro-batches, gradient checkpointing, schedules and bf16."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -55,6 +56,23 @@ def _summed_nll(logprobs: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
     return -(logprobs * mask).sum(1) * batch.tensor("weight")
 
 
+def one_process_steps(ref: torch.nn.Module, batches: list[TensorBatch], loss_fn: Any,
+                      lr: float) -> list[float]:
+    """The steps a trainer takes (AdamW, no weight decay, gradients clipped to 1), here in
+    this process, unsharded, one per whole batch; `loss_fn(logprobs, batch)`. Their losses."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for b in batches:
+        cols = [b[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+        loss = loss_fn(sequence_logprobs(ref, *cols), b)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"dp": 1, "tp": 2}], ids=["dp2", "dp1-tp2"])
 def test_fsdp2_steps_match_one_process_on_the_whole_batch(mesh):
     batch = fixed_batch()
@@ -62,17 +80,7 @@ def test_fsdp2_steps_match_one_process_on_the_whole_batch(mesh):
 
     # the same three steps in this process, unsharded, on the whole batch
     ref = build_model(ModelConfig(**model_cfg)).train()
-    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
-    expected = []
-    for _ in range(3):
-        loss = sequence_mean_nll(sequence_logprobs(ref, batch["prompt_ids"], batch["prompt_mask"],
-                                                   batch["response_ids"], batch["response_mask"]),
-                                 batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.detach().item())
+    expected = one_process_steps(ref, [batch] * 3, sequence_mean_nll, 3e-3)
 
     async def main():
         async with asyncrl.Controller() as ctl:
@@ -107,17 +115,8 @@ def test_a_custom_loss_meaned_by_real_row_mean_matches_one_process_on_the_whole_
     (here a weighted NLL, whose rows' weights make the difference plain)."""
     batch = fixed_batch().slice(0, 7).union(TensorBatch({"weight": torch.arange(1.0, 8.0)}))
     model_cfg, train_cfg = {"preset": "tiny-llama", "seed": 0}, {"lr": 3e-3, "micro_batch_size": 2}
-    cols = [batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
     ref = build_model(ModelConfig(**model_cfg)).train()
-    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
-    expected = []
-    for _ in range(2):
-        loss = _summed_nll(sequence_logprobs(ref, *cols), batch).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    expected = one_process_steps(ref, [batch] * 2, lambda lp, b: _summed_nll(lp, b).mean(), 3e-3)
 
     async def main():
         async with asyncrl.Controller() as ctl:
@@ -164,14 +163,7 @@ def test_tp_trains_per_head_norms_as_one_weight_and_refuses_weights_it_cannot_sp
 
     batch, model_cfg = fixed_batch(), {"path": str(tmp_path / "qwen3")}
     ref = build_model(ModelConfig(**model_cfg)).train()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    for _ in range(3):
-        sequence_mean_nll(sequence_logprobs(ref, batch["prompt_ids"], batch["prompt_mask"],
-                                            batch["response_ids"], batch["response_mask"]),
-                          batch).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+    one_process_steps(ref, [batch] * 3, sequence_mean_nll, 1e-2)
 
     async def main():
         async with asyncrl.Controller() as ctl:

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from helpers import assert_gone, group_pids, run
+from test_backends import one_process_steps
 
 import asyncrl
 from asyncrl import TensorBatch
@@ -159,17 +160,8 @@ def test_a_token_budget_trains_and_scores_as_row_micro_batches_do():
     ref = build_model(ModelConfig(**model_cfg)).train()
     with torch.no_grad():
         initial = sequence_logprobs(ref, *cols)
-    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
-    expected = []
     steps = [batch, batch.slice(0, 7)]  # 7 rows: rank 1 holds 3 and a padding row
-    for b in steps:
-        cols = [b[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
-        loss = sequence_mean_nll(sequence_logprobs(ref, *cols), b)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    expected = one_process_steps(ref, steps, sequence_mean_nll, 3e-3)
 
     async def main():
         async with asyncrl.Controller() as ctl:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -274,12 +275,10 @@ def test_a_prefix_cache_vllm_could_not_reset_after_a_load_is_an_error():
     assert out["versions"][out["response_mask"].bool()].eq(2).all()
 
 
-def test_a_prefix_cache_reset_that_says_nothing_runs_out_unfinished_requests_first():
-    """vLLM 0.10-0.11's reset_prefix_cache() returns None whether or not it reset (its V1
-    engine's returns nothing): a reset with a refused call's rows unfinished in vLLM (they
-    hold blocks once scheduled) was taken for done. They are run out first (their answers
-    are nobody's), then the cache reset; counted a failure instead, every later generate
-    and load failed on them. An LLM with no llm_engine: None is done."""
+def _a_refused_call_left_in_a_reset_that_says_nothing() -> tuple[Any, Any]:
+    """A fake engine whose LLM's reset_prefix_cache returns None, as vLLM 0.10-0.11's, and
+    counts its calls (`resets`), with a refused call's rows left unfinished in vLLM; and
+    sampling params for the LLM itself."""
     import fake_vllm
 
     class SaysNothing(fake_vllm.LLM):
@@ -294,9 +293,20 @@ def test_a_prefix_cache_reset_that_says_nothing_runs_out_unfinished_requests_fir
     with pytest.raises(ValueError, match="The decoder prompt cannot be empty"):  # (vLLM's)
         engine.llm.generate([{"prompt_token_ids": [1, 5]}, {"prompt_token_ids": []}],
                             [params] * 2)
+    return engine, params
+
+
+def test_a_prefix_cache_reset_that_says_nothing_runs_out_unfinished_requests_first():
+    """vLLM 0.10-0.11's reset_prefix_cache() returns None whether or not it reset (its V1
+    engine's returns nothing): a reset with a refused call's rows unfinished in vLLM (they
+    hold blocks once scheduled) was taken for done. They are run out first (their answers
+    are nobody's), then the cache reset; counted a failure instead, every later generate
+    and load failed on them. An LLM with no llm_engine: None is done."""
+    engine, params = _a_refused_call_left_in_a_reset_that_says_nothing()
     other = dict(build_model(ModelConfig(seed=9)).named_parameters())
     engine.load_weights(other.items(), version=1)
-    assert SaysNothing.resets == 2 and not engine.llm.llm_engine.has_unfinished_requests()
+    assert type(engine.llm).resets == 2
+    assert not engine.llm.llm_engine.has_unfinished_requests()
     assert len(engine.llm.generate([{"prompt_token_ids": [1, 7]}], [params])) == 1
     assert engine.generate([[1, 5]], [0])["versions"].max() == 1
     del engine.llm.llm_engine  # (a stand-in LLM without one)
@@ -333,17 +343,7 @@ def test_a_load_while_the_kv_cache_sleeps_leaves_unfinished_requests_for_after_t
     hybrid's fill loads with the KV cache asleep, and running them out there (before a
     reset that says nothing) ran the model into the unmapped KV cache: an illegal memory
     access, the CUDA context dead. The reset waits for the wake: generate runs them out."""
-    import fake_vllm
-
-    class SaysNothing(fake_vllm.LLM):
-        def reset_prefix_cache(self):
-            super().reset_prefix_cache()
-
-    engine = fake_engine(llm_cls=SaysNothing)
-    params = fake_vllm.SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
-    with pytest.raises(ValueError, match="The decoder prompt cannot be empty"):  # (vLLM's)
-        engine.llm.generate([{"prompt_token_ids": [1, 5]}, {"prompt_token_ids": []}],
-                            [params] * 2)
+    engine, _ = _a_refused_call_left_in_a_reset_that_says_nothing()
     engine.sleep(2)
     other = build_model(ModelConfig(seed=9))
     engine.load_weights(other.named_parameters(), version=1)

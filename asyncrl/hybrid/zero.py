@@ -83,12 +83,10 @@ def _real_part(p: torch.Tensor) -> torch.Tensor:
     return part.detach().reshape(-1)[:max(0, min(n, p.ds_numel - start))]  # type: ignore[attr-defined]
 
 
-def _skips_nonfinite_steps(stage: int) -> bool:
-    """Whether this DeepSpeed skips a bf16 step whose gradient is NaN or inf at this stage.
-    ZeRO-3 has no option for it: its step skips one where it checks the norm with
+def _stage3_checks_norm() -> bool:
+    """Whether this DeepSpeed's ZeRO-3 step skips a bf16 step whose gradient is NaN or inf.
+    It has no option for it: its step skips one where it checks the norm with
     `is_invalid_grad_norm` (0.19.8 does), while older ones check only under fp16."""
-    if stage == 2:
-        return _has_check_grad_overflow()
     import deepspeed.runtime.zero.stage3 as stage3
 
     return hasattr(stage3, "is_invalid_grad_norm")
@@ -132,9 +130,10 @@ class ZeroBackend(TrainBackend):
         self.cfg, self.stage, self.head = train_cfg, stage, check_head(head)
         model = trainable(model_cfg, train_cfg, head)
         opt = adamw(trained_parameters(model), train_cfg)
-        self._skips_nonfinite = _skips_nonfinite_steps(stage)
+        option = _has_check_grad_overflow()  # whether this DeepSpeed skips a bf16 step
+        self._skips_nonfinite = option if stage == 2 else _stage3_checks_norm()  # with NaN
         bf16: dict[str, Any] = {"enabled": use_bf16(train_cfg)}
-        if _has_check_grad_overflow():  # (0.19.8's default, said outright: not every version's)
+        if option:  # (0.19.8's default, said outright: not every version's)
             bf16["check_grad_overflow"] = True
         config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
                   "gradient_accumulation_steps": 1,  # None: no clipping (DeepSpeed's 0)
