@@ -526,3 +526,49 @@ def test_a_non_finite_reward_is_refused_naming_its_row(one_rank, algo):
     padded = batch([1.0, 0.0, 0.5, 0.5, 0.5])  # a DP padding row: its real row's reward
     padded.meta[PAD_KEY] = 1
     assert advantages(padded, cfg, None)[0].isfinite().all()
+
+
+@pytest.mark.parametrize("rows,width", [(4, 4), (8, 5)])
+def test_ppo_policy_loss_spreads_a_row_advantage_over_its_tokens(rows, width):
+    """grpo_advantages gives [B], ppo_policy_loss took it per token: broadcast along the
+    tokens, each column got one row's advantage where B == T (a wrong gradient, no error),
+    and a bare size mismatch elsewhere."""
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0] * (rows // 4)), 4)
+    logp0, mask = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)), \
+        torch.ones(rows, width)
+    grads = []
+    for a in (adv, adv[:, None].expand(rows, width)):
+        logp = logp0.clone().requires_grad_()
+        ppo_policy_loss(logp, logp.detach(), a, mask)[0].backward()
+        grads.append(logp.grad)
+    assert torch.equal(grads[0], grads[1]) and grads[0][0].lt(0).all()  # row 0: pushed up
+    logp = logp0
+    for bad, said in [({"advantages": torch.ones(width + 1)}, f"advantages has the shape "
+                       f"({width + 1},) and logp ({rows}, {width}); give each per token"),
+                      ({"mask": torch.ones(rows)}, f"mask has the shape ({rows},)"),
+                      ({"old_logp": logp[:, :1]}, f"old_logp has the shape ({rows}, 1)")]:
+        args = {"old_logp": logp, "advantages": adv, "mask": mask, **bad}
+        with pytest.raises(ValueError, match=re.escape(said)):
+            ppo_policy_loss(logp, **args)
+    # the other per-token functions: a [B] tensor beside [B, T] is refused alike
+    with pytest.raises(ValueError, match=re.escape(f"kl_penalty: ref_logp has the shape "
+                                                   f"({rows},) and logp ({rows}, {width})")):
+        kl_penalty(logp, logp[:, 0])
+    with pytest.raises(ValueError, match=re.escape(f"whiten: mask has the shape ({rows}, "
+                                                   f"{width}) and values ({rows},)")):
+        whiten(adv, mask)
+
+
+@pytest.mark.parametrize("std_normalize", [True, False])
+def test_grpo_advantages_refuses_a_non_finite_reward(std_normalize):
+    """A NaN reward gave its group advantages 0 silently with std_normalize (std > 0 is
+    false for NaN), NaN and inf without; the trainer refused them, the function did not."""
+    for value, said in [(math.nan, "sample 2 has the reward nan, 1 sample(s)"),
+                        (math.inf, "sample 2 has the reward inf, 1 sample(s)"),
+                        (-math.inf, "sample 2 has the reward -inf, 1 sample(s)")]:
+        for group in (4, 1):
+            with pytest.raises(ValueError, match=re.escape(
+                    f"grpo_advantages: {said} in all are not finite; a reward must be a "
+                    f"finite number: fix the scorer")):
+                grpo_advantages(torch.tensor([1.0, 0.0, value, 0.5]), group,
+                                std_normalize=std_normalize)

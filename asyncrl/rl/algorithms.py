@@ -21,6 +21,11 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
         raise ValueError(f"grpo_advantages: {rewards.numel()} rewards do not split into "
                          f"groups of {group_size}; sample group_size responses per prompt, "
                          f"each group's rows contiguous")
+    bad = (~rewards.isfinite()).nonzero().flatten()
+    if len(bad):  # (std_normalize gave a NaN's group 0 silently: std > 0 is false for NaN)
+        raise ValueError(f"grpo_advantages: sample {int(bad[0])} has the reward "
+                         f"{float(rewards[bad[0]])}, {len(bad)} sample(s) in all are not "
+                         f"finite; a reward must be a finite number: fix the scorer")
     if group_size == 1:
         return torch.zeros_like(rewards, dtype=torch.float32)
     # in float64: a float32 group mean of equal rewards (9.9 x 8) may be one rounding off
@@ -70,8 +75,13 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     `dual_clip` c > 1, a negative advantage's term is at most -A*c (dual-clip PPO, verl's
     clip_ratio_c). Aggregated as `agg` says (see aggregate: padding and dropped rows count
     in no mean). clipfrac: the share of masked tokens where the clipped term is the
-    larger."""
+    larger. `advantages` is per token, or [B] (a row's, as grpo_advantages gives: spread
+    over its tokens)."""
     check_clips(clip, clip_high, dual_clip)
+    if logp.dim() == 2 and advantages.dim() == 1 and len(advantages) == len(logp):
+        advantages = advantages[:, None]
+    check_per_token("ppo_policy_loss", "logp", logp, old_logp=old_logp, mask=mask,
+                    advantages=advantages)
     m = mask.to(logp.dtype)
     # clamped as verl does: e^89 is inf in fp32, and inf * a zero advantage is NaN
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
@@ -96,6 +106,20 @@ def check_clips(clip: float, clip_high: float | None, dual_clip: float | None,
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"{who}dual_clip must be > 1 (a negative advantage's loss is at most "
                          f"-A * dual_clip; verl uses 3.0) or None, got {dual_clip}")
+
+
+def check_per_token(who: str, name: str, like: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Each of `tensors` has the shape of `like`, per token; "advantages" may have a 1 for a
+    dim (a row's value along its tokens). Broadcast, a [B] one beside [B, T] gave each column
+    one row's value where B == T, and a bare size mismatch elsewhere."""
+    for key, x in tensors.items():
+        fits = x.shape == like.shape or (key == "advantages" and x.dim() == like.dim() and all(
+            a in (1, b) for a, b in zip(x.shape, like.shape, strict=True)))
+        if not fits:
+            rows = " (advantages may be [B]: one per row)" if key == "advantages" else ""
+            raise ValueError(f"{who}: {key} has the shape {tuple(x.shape)} and {name} "
+                             f"{tuple(like.shape)}; give each per token, of one [B, T] "
+                             f"shape{rows}")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -137,6 +161,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", *,
     / 2, k3 exp(ref - logp) - (ref - logp) - 1, unclamped. `clamp` bounds k3 to [-clamp,
     clamp] as verl's low_var_kl does with 10 (the trainer's setting: one token far below the
     reference would give e^30 and outweigh everything else); k1 and k2 stay as they are."""
+    check_per_token("kl_penalty", "logp", logp, ref_logp=ref_logp)
     diff = logp - ref_logp
     if kind == "k1":
         return diff
@@ -159,6 +184,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", *,
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the masked positions (the trainer's whitening step), the
     variance unbiased as verl's masked_whiten takes it."""
+    check_per_token("whiten", "values", values, mask=mask)
     m = mask.to(values.dtype)
     n = m.sum().clamp(min=1)
     mean = (values * m).sum() / n
