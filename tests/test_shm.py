@@ -386,6 +386,28 @@ def test_mapper_unmaps_segments_their_owner_unlinked(pool):
     mapper.close()
 
 
+def test_mapper_unmaps_an_unlinked_segment_while_it_reuses_others(pool, monkeypatch):
+    """A consumer discarded one segment (a pull into it timed out) and went on pulling into
+    another the producer had mapped: no new name to map, so the producer kept the discarded
+    one mapped (its tmpfs memory pinned) until its LRU evicted it. A cache hit now looks
+    for unlinked segments too, at most once every STALE_SCAN_S seconds."""
+    import asyncrl.comm.shm as shm
+
+    now = [100.0]
+    monkeypatch.setattr(shm, "_clock", lambda: now[0])
+    old, kept = pool.acquire(10), pool.acquire(10)
+    mapper = SegmentMapper()
+    mapper.view(old.name, 0, 1)
+    mapper.view(kept.name, 0, 1)
+    old.discard()
+    mapper.view(kept.name, 0, 1)  # within the interval: no scan (kept cheap)
+    assert list(mapper._maps) == [old.name, kept.name]
+    now[0] += shm.STALE_SCAN_S
+    mapper.view(kept.name, 0, 1)  # a cache hit
+    assert list(mapper._maps) == [kept.name]
+    mapper.close()
+
+
 def test_a_segment_that_cannot_be_mapped_leaves_no_file(pool, prefix, monkeypatch):
     """Its file stayed in /dev/shm (named in the pool's list) until the pool closed."""
     import mmap as mmap_module

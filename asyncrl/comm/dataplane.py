@@ -451,8 +451,10 @@ class DataClient:
                     n, *c.shape)
         else:  # no pool (or no bytes): in process memory
             for c in tensor_cols:
-                raw = heap[offsets[c.key]:offsets[c.key] + row_bytes[c.key] * n] \
-                    if heap is not None else np.empty(0, np.uint8)
+                if heap is None:  # no bytes (no rows): np.empty(0)'s stride 0 cannot be viewed
+                    data[c.key] = torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype))
+                    continue
+                raw = heap[offsets[c.key]:offsets[c.key] + row_bytes[c.key] * n]
                 data[c.key] = torch.from_numpy(raw).view(getattr(torch, c.dtype)).reshape(
                     n, *c.shape)
         data.update(ipc)

@@ -33,6 +33,7 @@ import queue
 import secrets
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import suppress
@@ -49,6 +50,8 @@ MIN_SEGMENT = 64 * 1024
 MAX_OVERSIZE = 4  # a free segment serves a request only if it is at most 4x larger
 
 _NAMES_TRIED = 1024  # names a pool skips, taken, before it gives up
+STALE_SCAN_S = 1.0  # how often a mapper reusing its mappings looks for unlinked ones
+_clock = time.monotonic  # (tests move it)
 
 
 def _path(name: str) -> str:
@@ -313,15 +316,21 @@ class SegmentMapper:
         self._lock = threading.Lock()
         self._maps: dict[str, mmap.mmap] = {}  # in order of last use
         self._max_maps = max_maps  # least recently used mappings beyond this are dropped
+        self._scanned = _clock()  # when it last looked for unlinked segments
 
     def view(self, name: str, offset: int, nbytes: int) -> memoryview:
         with self._lock:
             mm = self._maps.pop(name, None)
-            stale = []
+            # a new segment often replaces one its owner unlinked (discarded, or its pool
+            # closed; names are never reused), and an owner may discard one while it reuses
+            # others: unmap those, else they pin their memory (looked for on a cache hit
+            # too, but at most once every STALE_SCAN_S: a stat per mapping)
+            scan = mm is None or _clock() - self._scanned >= STALE_SCAN_S
             if mm is None:
                 mm = self._open(name)
-                # a new segment often replaces one its owner unlinked (discarded, or its pool
-                # closed; names are never reused): unmap those, else they pin their memory
+            stale = []
+            if scan:
+                self._scanned = _clock()
                 stale = [n for n in self._maps if not os.path.exists(_path(n))]
             self._maps[name] = mm
             if len(self._maps) > self._max_maps:
