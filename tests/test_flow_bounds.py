@@ -292,3 +292,59 @@ def test_a_flow_without_nodes_and_nodes_that_cannot_run_are_refused():
     with pytest.raises(asyncrl.FlowError, match=r"node 'only': parameter 'x' is "
                                                 r"positional-only.*remove the '/'"):
         asyncrl.node(inputs={"y": "x"})(only)
+
+
+@pytest.mark.parametrize("end", ["steps", "node"])
+def test_a_dataloaders_workers_end_with_the_flows_run(end):
+    """Its iterator was held by the flow (to be read on): its worker processes lived on after
+    run() returned, for as long as the DataFlow did (a notebook, a sweep of flows). A node
+    whose own inputs ran out puts its step's item back: the iterator is wrapped then."""
+    import multiprocessing
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    @asyncrl.node
+    def take(x, step):
+        if end == "node" and step == 2:
+            raise asyncrl.InputsExhausted("the node's own prompts ran out")
+        return x.tolist()
+
+    async def main(flow):
+        async with asyncrl.Controller():
+            return await flow.run()
+
+    flow = asyncrl.DataFlow(nodes=[take], groups=[], steps=2 if end == "steps" else 3, inputs={
+        "x": DataLoader(list(range(20)), batch_size=2, num_workers=1)})
+    try:
+        for _ in range(2):  # a second run opens the input again
+            assert asyncio.run(main(flow)) == [{"take": [0, 1]}, {"take": [2, 3]}]
+            assert multiprocessing.active_children() == []
+            assert flow.positions() == {"x": {"consumed": 2,
+                                              "item": _digest(torch.tensor([2, 3]))}}
+    finally:
+        flow.feed._iters.clear()  # (a failure leaves no worker behind)
+
+
+def test_max_staleness_without_a_follows_edge_is_warned_of(caplog):
+    """Only a follows= edge waits for train of step t-k-1: without one, the in-flight bound
+    alone let steps overlap k+1 apart (k=0: rollout 1 ran beside train 0), said nowhere."""
+    @asyncrl.node
+    def rollout(x):
+        return x
+
+    @asyncrl.node
+    def train(rollout):
+        return rollout
+
+    roll_after = asyncrl.node(follows="train", name="rollout")(rollout.fn)
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        asyncrl.DataFlow(nodes=[rollout, train], inputs={"x": [1]}, groups=[], max_staleness=1)
+    assert caplog.text.count("no node of this flow has one: steps overlap up to 2 apart") == 1
+    assert 'add follows="train" to the rollout node' in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        asyncrl.DataFlow(nodes=[roll_after, train], inputs={"x": [1]}, groups=[],
+                         max_staleness=1)
+        asyncrl.DataFlow(nodes=[rollout, train], inputs={"x": [1]}, groups=[])  # (k=0: the default)
+    assert caplog.text == ""

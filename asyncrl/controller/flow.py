@@ -76,9 +76,16 @@ class DataFlow:
         self.inputs = dict(inputs or {})
         self.nodes = named_nodes(nodes, self.inputs)
         if not count(max_staleness, 0):
-            raise FlowError(f"max_staleness must be an int >= 0 (0: on-policy, each rollout "
-                            f"waits for the train step before it), got {max_staleness!r}")
+            raise FlowError(f"max_staleness must be an int >= 0 (0 with follows=: on-policy, "
+                            f"each rollout waits for the train step before it), got "
+                            f"{max_staleness!r}")
         self.max_staleness = max_staleness
+        if max_staleness and not any(n.follows for n in self.nodes.values()):
+            # (only the in-flight bound holds a step back: looser than the k asked for)
+            log.warning(f"asyncrl: max_staleness={max_staleness} bounds follows= edges, and no "
+                        f"node of this flow has one: steps overlap up to {max_staleness + 1} "
+                        f"apart; add follows=\"train\" to the rollout node (it then waits for "
+                        f"train of step t-k-1)")
         if checkpoint_every is not None and not count(checkpoint_every, 1):
             raise FlowError(f"checkpoint_every must be an int >= 1 (or None: only after the "
                             f"last step), got {checkpoint_every!r}")
@@ -200,6 +207,7 @@ class DataFlow:
                     failed = await asyncio.shield(self._close_groups(ctl))
             finally:  # (closed, if not cleanly: it can be opened again)
                 self._ctl, self._own_ctl = None, False
+                self.feed.release()  # (a DataLoader's workers end here, not with the flow)
                 if own and ctl is not None:
                     await ctl.close()
         if failed:

@@ -63,6 +63,16 @@ class Inputs:
         self.consumed = {k: 0 for k, it in self._iters.items() if it is not None}
         self._last, self._read = {}, None
 
+    def release(self) -> None:
+        """The flow closed: let go of the iterators that run worker processes (a
+        DataLoader's with num_workers > 0): dropped, they end them; held, the workers lived
+        as long as the DataFlow (a notebook, a sweep of flows). A DataLoader(persistent_
+        workers=True) keeps its own, as meant. What positions() reads stays, and so do the
+        other iterators (an open reads from a fresh Inputs)."""
+        for name, source in self.sources.items():
+            if getattr(source, "num_workers", 0):  # (unread()'s chain wraps one: dropped too)
+                self._iters.pop(name, None)
+
     def check_rereadable(self) -> None:
         for name, source in self.sources.items():
             if isinstance(source, Iterator) and not _restorable(source):  # read once (one
