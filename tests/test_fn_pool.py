@@ -319,3 +319,47 @@ def test_a_spare_or_replacement_that_fails_to_start_costs_one_call_at_most(monke
     finally:
         pool.close()
     assert_gone(started)
+
+
+def test_more_processes_than_the_ranks_cores_are_warned_of(caplog):
+    """A rank on a CPU-only host is pinned to its cores, and its pool's processes with it:
+    two on one core ran a row of 1 s of CPU in ~2 s, past its timeout_s, unsaid."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    was = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(was)})
+    seen: list[int] = []
+    try:
+        pool = FunctionPool(segfaults, processes=2, timeout_s=5.0)
+        seen = pool.pids() + [pool.spare_pid]
+        pool.close()
+    finally:
+        os.sched_setaffinity(0, was)
+    assert_gone(seen)
+    assert f"'segfaults': its 2 processes share the 1 core(s) this rank may use [{min(was)}]; " \
+        "timeout_s=5.0 counts wall time, so a row waiting for a core can time out; use " \
+        "processes <= 1, a larger timeout_s, or give the group more cores: more ranks" \
+        in caplog.text
+
+
+def stops_at_breakpoints(prompt, response, answer):
+    breakpoint()
+    breakpoint()
+    return float(answer)
+
+
+def test_a_breakpoint_in_a_pools_process_is_said_once_and_the_call_goes_on(capfd,
+                                                                            monkeypatch):
+    """pdb read the process's empty stdin: bdb.BdbQuit failed the call, a stray "(Pdb)" in
+    the log, where breakpoint() in the rank (processes=0) waits for `asyncrl attach`."""
+    monkeypatch.delenv("PYTHONBREAKPOINT", raising=False)
+    pool = FunctionPool(stops_at_breakpoints, processes=1, timeout_s=None)
+    seen = pool.pids()
+    try:
+        assert pool.call(jobs(1, 2)) == ([1.0, 2.0], [False, False])
+    finally:
+        pool.close()
+    assert_gone(seen)
+    said = capfd.readouterr()
+    assert said.err.count("cannot attach a debugger; debug with processes=0") == 1, said
+    assert f"breakpoint() at {__file__}:" in said.err and "Pdb" not in said.out + said.err

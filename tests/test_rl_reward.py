@@ -322,24 +322,25 @@ def exits(prompt, response, answer):
 
 def test_a_reward_function_calling_sys_exit_fails_its_row_and_ends_no_process():
     """In a pool it ended its process (an "exited with 3", the log empty, a process spent);
-    in the rank's own, the rank's call (naming no row)."""
+    in the rank's own, the rank's call (naming no row). Both name the row alike (the pool's
+    said "row 1" alone)."""
+    row = r"row 1 of this rank's rows \(prompt '\[1\]'\)"
     for answer, raised in ((2, r"SystemExit\(3\)"), (3, r"KeyboardInterrupt\(\)"),
                            (4, r"GeneratorExit\(\)")):
         with pytest.raises(RuntimeError, match=rf"reward function 'exits' raised {raised} on "
-                                                rf"row 1 of this rank's rows \(prompt '\[1\]'\); "
-                                                rf"a reward function returns a number"):
+                                                rf"{row}; a reward function returns a number"):
             score_rows(exits, answers(1, answer))
-    pool = FunctionPool(exits, processes=1, timeout_s=None)
-    seen = pool.pids()
+    reward = RewardFn(exits, processes=1)
+    seen = reward.scorer_pids()
     try:
         for answer, raised in ((2, "SystemExit: 3"), (3, "KeyboardInterrupt"),
                                (4, "GeneratorExit")):
-            with pytest.raises(ValueError, match=rf"(?s)'exits' failed on row 1:.*{raised}"):
-                pool.call(row_inputs(exits, answers(1, answer)))
-        assert pool.pids() == seen  # it served on
-        assert pool.call(row_inputs(exits, answers(1, 5))) == ([1.0, 5.0], [False] * 2)
+            with pytest.raises(ValueError, match=rf"(?s)'exits' failed on {row}:.*{raised}"):
+                reward.score(answers(1, answer))
+        assert reward.scorer_pids() == seen  # it served on
+        assert reward.score(answers(1, 5))["reward"].tolist() == [1.0, 5.0]
     finally:
-        pool.close()
+        reward.on_close()
     assert_gone(seen)
 
 

@@ -57,9 +57,25 @@ CLOSE_WAIT_S = 30.0  # close() waits this long for a call under way to see it an
 SECRET_WORDS = ("SECRET", "TOKEN", "KEY", "PASSWORD")  # in ASYNCRL_ names the children lack
 
 
+def _no_debugger(*args: Any, **kwargs: Any) -> Any:
+    """sys.breakpointhook in a child: pdb read the empty stdin and failed the call
+    (bdb.BdbQuit), so breakpoint() is said once and the call goes on. PYTHONBREAKPOINT as
+    Python reads it: "0" turns it off, another hook (a remote debugger) is called."""
+    chosen = os.environ.get("PYTHONBREAKPOINT", "")
+    if chosen:
+        return None if chosen == "0" else sys.__breakpointhook__(*args, **kwargs)
+    at = sys._getframe(1)
+    print(f"[asyncrl] breakpoint() at {at.f_code.co_filename}:{at.f_lineno} ignored: a pool's "
+          f"process (processes > 0) cannot attach a debugger; debug with processes=0, "
+          f"where breakpoint() waits for `asyncrl attach`", file=sys.stderr, flush=True)
+    sys.breakpointhook = lambda *args, **kwargs: None  # (once a process)
+    return None
+
+
 def _child(watcher: int) -> None:
     if os.getppid() != watcher:  # it died before its death signal was set (in the fork)
         os._exit(1)
+    sys.breakpointhook = _no_debugger
     src = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints: to the log, not the frames
@@ -310,6 +326,15 @@ class FunctionPool:
         self._closed = self._calling = False
         self.children: list[_Child] = []
         self._spare: _Child | None = None
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if processes > len(cores) > 0:  # a rank on a CPU-only host is pinned to its cores
+            log.warning("asyncrl: %s: its %d processes share the %d core(s) this rank may use "
+                        "%s%s; use processes <= %d%s, or give the group more cores: more ranks "
+                        "(nprocs=K: on a CPU-only host each rank gets a core, and the rows "
+                        "are split among them)", self.name, processes, len(cores), cores,
+                        f"; timeout_s={timeout_s} counts wall time, so a row waiting for a "
+                        f"core can time out" if timeout_s is not None else "", len(cores),
+                        ", a larger timeout_s" if timeout_s is not None else "")
         try:
             for _ in range(processes):
                 self.children.append(_Child(self.ref))

@@ -167,6 +167,11 @@ def _padded(values: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([values, last.expand(rows - len(values))])
 
 
+def row_named(i: int, prompt: Any) -> str:
+    """Row `i` in a reward function's errors: one text in this process and in a pool."""
+    return f"row {i} of this rank's rows (prompt {str(prompt)[:80]!r})"
+
+
 def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) -> torch.Tensor:
     """`fn` on each row, in this process; with a tokenizer `tok`, on text."""
     scores = []
@@ -174,15 +179,14 @@ def score_rows(fn: Callable[..., float], batch: TensorBatch, tok: Any = None) ->
         try:
             value = fn(p, r, **m)
         except Exception as e:  # its own type and traceback, and where: as the pool says
-            add_note(e, f"in reward function {getattr(fn, '__name__', fn)!r} on row {i} of "
-                        f"this rank's rows (prompt {str(p)[:80]!r})")
+            add_note(e, f"in reward function {getattr(fn, '__name__', fn)!r} on "
+                        f"{row_named(i, p)}")
             raise
         except (SystemExit, KeyboardInterrupt, GeneratorExit) as e:  # else the rank's end,
             raise RuntimeError(  # or a failure naming no row
                 f"reward function {getattr(fn, '__name__', fn)!r} raised "
-                f"{type(e).__name__}({e}) on row {i} of this rank's rows (prompt "
-                f"{str(p)[:80]!r}); a reward function returns a number or raises an "
-                f"Exception") from e
+                f"{type(e).__name__}({e}) on {row_named(i, p)}; a reward function returns "
+                f"a number or raises an Exception") from e
         scores.append(checked(fn, value, i))
     return torch.tensor(scores, dtype=torch.float32)
 
@@ -264,7 +268,9 @@ class RewardFn(Worker):
         if self.pool is None:
             scores, out = score_rows(self.fn, rows, self.tok), {}
         else:
-            values, late = self.pool.call(row_inputs(self.fn, rows, self.tok))
+            jobs = row_inputs(self.fn, rows, self.tok)
+            values, late = self.pool.call(jobs, [row_named(i, p) for i, (p, _, _) in
+                                                 enumerate(jobs)])
             scores = torch.tensor([self.timeout_score if t else checked(self.fn, v, i)
                                    for i, (v, t) in enumerate(zip(values, late, strict=True))],
                                   dtype=torch.float32)
