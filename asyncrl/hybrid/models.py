@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.hybrid.lora import LoraConfig, apply_lora, lora_config
+from asyncrl.hybrid.settings import check_kinds
 
 
 def tiny_llama() -> Any:
@@ -89,8 +90,14 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype: {self.dtype!r} is not a torch floating "
                              f"point dtype (float32, bfloat16, float16)")
         self.lora = lora_config(self.lora)  # a bad entry fails before any group starts
+        # (else seed="3" or overrides=[...] failed every rank's build, after groups started)
+        check_kinds(self, "ModelConfig")
+        self.seed = int(self.seed)  # (numpy's: model.json is written with json)
+        if not isinstance(self.overrides, dict):
+            raise TypeError(f"ModelConfig.overrides is a dict of config fields (e.g. "
+                            f"{{'vocab_size': 256}}), got {self.overrides!r}")
         for key in ("dtype", "torch_dtype"):  # (set on the config, it changed nothing)
-            if isinstance(self.overrides, dict) and key in self.overrides:
+            if key in self.overrides:
                 raise ValueError(f"ModelConfig.overrides: {key!r} does not set the weights' "
                                  f"dtype; give model={{..., 'dtype': "
                                  f"{str(self.overrides[key]).removeprefix('torch.')!r}}} "

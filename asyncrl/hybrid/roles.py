@@ -46,8 +46,8 @@ from asyncrl.hybrid.models import (
     sampled_at,
     sequence_logprobs,
 )
-from asyncrl.hybrid.sampler import PROMPT_WIDTH, SamplingConfig, with_overrides
-from asyncrl.hybrid.settings import from_dict, own_arguments
+from asyncrl.hybrid.sampler import GENERATED, PROMPT_WIDTH, SamplingConfig, with_overrides
+from asyncrl.hybrid.settings import from_dict, own_arguments, whole_number
 from asyncrl.hybrid.turns import MultiTurn, Turns, check_stops, multi_turn_config
 from asyncrl.hybrid.weight_sync import (
     ALL_RANKS,
@@ -106,21 +106,48 @@ def eos_token_ids(path: str) -> list[int]:
     return []
 
 
+def _token_ids(prompt: Any) -> list[int] | None:
+    """A prompt's token ids as Python ints: a list or tuple of whole numbers (numpy's or
+    torch's integer scalars too) or a 1-D integer array or tensor; None for anything else."""
+    if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, list | tuple):
+        return None
+    ids = [t.item() if getattr(t, "ndim", None) == 0 and hasattr(t, "item") else t
+           for t in prompt]
+    return [int(t) for t in ids] if all(whole_number(t) for t in ids) else None
+
+
 def _prompts(batch: TensorBatch) -> tuple[list[list[int]], list[int]]:
     for key in ("prompt", "seed"):
         if key not in batch:
             raise KeyError(f"generate needs a prompt batch with columns 'prompt' (token ids) "
                            f"and 'seed' (one per sample); it has {batch.keys()}")
+    prompts = []
     for i, p in enumerate(batch["prompt"]):
-        if isinstance(p, str | bytes) or not all(isinstance(t, int) for t in p):
+        ids = _token_ids(p)
+        if ids is None:
             raise TypeError(f"generate: prompt {i} of this rank's rows (a DP call's chunk) is "
-                            f"{str(p)[:40]!r}, not a list of token "
-                            f"ids; the engines take token ids: give the prompt source a "
-                            f"tokenizer (PromptSource(..., tokenizer=DIR)) or tokenize the "
-                            f"records first")
-    prompts = [list(p) for p in batch["prompt"]]
-    seeds = [int(s) for s in batch["seed"]]
-    return prompts, seeds
+                            f"{str(p)[:40]!r}, not a list of token ids (whole numbers); the "
+                            f"engines take token ids: give the prompt source a tokenizer "
+                            f"(PromptSource(..., tokenizer=DIR)) or tokenize the records first")
+        prompts.append(ids)
+    return prompts, [int(s) for s in batch["seed"]]
+
+
+def no_generation(cfg: SamplingConfig, turns: Turns | None) -> TensorBatch:
+    """A generation of no prompts: the columns, dtypes and response width of one, in the
+    engines' order."""
+    n, long = cfg.max_new_tokens, torch.long
+    cols = {k: torch.zeros((0, 0 if k.startswith("prompt") else n),
+                           dtype=torch.float32 if k == "logprobs" else long)
+            for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
+                      "logprobs", "versions")}
+    if turns is not None:  # (Turns.generate's columns; env_timeouts with a process pool)
+        cols["policy_mask"] = torch.zeros((0, n), dtype=long)
+        more = ["turns", "env_truncated"] + (["env_timeouts"] if turns.pool is not None else [])
+        cols.update({k: torch.zeros(0, dtype=long) for k in more})
+    return TensorBatch(cols, {"temperature": cfg.temperature or 1.0})
 
 
 def generate_with(engine: Any, turns: Turns | None, prompts: TensorBatch,
@@ -129,19 +156,30 @@ def generate_with(engine: Any, turns: Turns | None, prompts: TensorBatch,
     prompt batch's columns (`with_prompts`)."""
     try:
         ids, seeds = _prompts(prompts)
-        out = engine.generate(ids, seeds, cfg) if turns is None else \
-            turns.generate(engine, prompts, ids, seeds, cfg)
+        if not ids:  # (a DP call's empty chunk: the engines refuse no prompts)
+            out = no_generation(cfg, turns)
+        elif turns is None:
+            out = engine.generate(ids, seeds, cfg)
+        else:
+            out = turns.generate(engine, prompts, ids, seeds, cfg)
     except BaseException as e:  # (an environment that raised on one of this rank's rows, a
         agree(e, "generate")  # bad prompt in its chunk): the peers wait in with_prompts' one;
         raise  # (agree raised it already)
     return with_prompts(out, prompts, cfg.pad_token_id)
 
 
+# a rollout given back as prompts (its rows generated again) holds its old generation's
+# columns and the RL ones scored on it (asyncrl.rl.batch.ASSEMBLED): none is carried over
+NOT_CARRIED = GENERATED | {"reward", "ref_logprobs", "values", "loss_mask",
+                           "overlong_penalty", "timed_out", "crashed"}
+
+
 def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatch:
-    """Generation's columns beside the prompt batch's (its meta, padding marks included),
-    the prompts left-padded to the widest of the group's ranks, so that the ranks' results
-    concatenate (a collective: every rank of the group generates), and at least to the
-    batch's PROMPT_WIDTH (so that separate calls' results concatenate too)."""
+    """Generation's columns beside the prompt batch's (its meta, padding marks included;
+    the generation's own, its temperature, winning), the prompts left-padded to the widest
+    of the group's ranks, so that the ranks' results concatenate (a collective: every rank
+    of the group generates), and at least to the batch's PROMPT_WIDTH (so that separate
+    calls' results concatenate too)."""
     ids, mask = out.tensor("prompt_ids"), out.tensor("prompt_mask")
     widest = agree(None, "generate", max(ids.shape[1], int(prompts.meta.get(PROMPT_WIDTH, 0))))
     more = widest - ids.shape[1]
@@ -149,8 +187,10 @@ def with_prompts(out: TensorBatch, prompts: TensorBatch, pad: int) -> TensorBatc
         wider = {"prompt_ids": torch.cat([ids.new_full((len(ids), more), pad), ids], 1),
                  "prompt_mask": torch.cat([mask.new_zeros((len(ids), more)), mask], 1)}
         out = TensorBatch({k: wider.get(k, v) for k, v in out.items()}, out.meta)
-    extra = [k for k in prompts.keys() if k not in out]
-    return out.union(prompts.select(extra)) if extra else out
+    extra = [k for k in prompts.keys() if k not in out and k not in NOT_CARRIED]
+    both = out.union(prompts.select(extra)) if extra else out
+    both.meta = {**prompts.meta, **out.meta}
+    return both
 
 
 def read_settings(role: str, model: dict[str, Any], sampling: dict[str, Any] | None,
@@ -205,8 +245,15 @@ def check_policy_arguments(role: str, given: dict[str, Any]) -> None:
     model_cfg, _, sampling_cfg, _ = read_settings(
         role, given["model"], given["sampling"], given["multi_turn"], given["train"])
     check_backend(given["backend"])
+    check_generates(given["hybrid"], given["multi_turn"])
     if given["hybrid"]:
         check_engine(given["engine"], given["engine_options"], model_cfg, sampling_cfg)
+
+
+def check_generates(hybrid: bool, multi_turn: Any) -> None:
+    if multi_turn is not None and not hybrid:
+        raise ValueError("multi_turn= is for a Policy that generates: a hybrid=False one "
+                         "only trains; give multi_turn= to its Rollout group")
 
 
 def engine_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
@@ -229,6 +276,7 @@ class Policy(Worker):
                  multi_turn: dict[str, Any] | None = None, offload_optimizer: bool = True):
         model_cfg, train_cfg, sampling_cfg, turns = read_settings(
             type(self).__name__, model, sampling, multi_turn, train)
+        check_generates(hybrid, turns)  # (before the trainer is built)
         self.backend = make_backend(self, backend, model_cfg, train_cfg)
         self.model_cfg = model_cfg
         # noted in checkpoints, for `asyncrl export`: read now, while the source is there
@@ -236,9 +284,6 @@ class Policy(Worker):
         self.hybrid = HybridEngine(self.backend, engine_config(model_cfg, train_cfg),
                                    sampling_cfg, bucket_bytes, engine, engine_options,
                                    offload_optimizer) if hybrid else None
-        if turns is not None and not hybrid:
-            raise ValueError("multi_turn= is for a Policy that generates: a hybrid=False one "
-                             "only trains; give multi_turn= to its Rollout group")
         self.turns = Turns(turns) if turns is not None else None
         self.version = 0  # the policy version: updates applied (train_step, Actor.update)
         self.sync_source = SyncSource()
