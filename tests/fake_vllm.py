@@ -22,7 +22,8 @@ vocabulary reaches the embedding kernel: a device-side assert, after which every
 does not abort requests: a refused call's rows stay). Building an LLM seeds the process's
 RNGs (random, numpy, torch) with `seed`, as vLLM's set_random_seed does. The model's
 load_weights takes the weights positionally only (vLLM's loader passes them so; models name
-the parameter otherwise). With `pool_tensor` the model holds a tensor in the weights' pool
+the parameter otherwise), skips lm_head.* where the config ties it (vLLM's models do) and
+returns the names it filled. With `pool_tensor` the model holds a tensor in the weights' pool
 beside its parameters and buffers (added to the logits, as a rotary cache would be used):
 level 2 loses it (NaN), load_weights does not restore it (vLLM issue 29341). Faults on
 demand: `kv_wake_ooms` (the next N KV cache wakes run out of memory), `reset_failures` (the
@@ -128,11 +129,18 @@ class _LoadableModel:
         return self.module.named_parameters(prefix="vllm_internal")
 
     def load_weights(self, weights: Any, /) -> set[str]:  # (named otherwise by some)
-        """The names of the parameters filled, as vLLM's models return them."""
+        """The names of the parameters filled, as vLLM's models return them. A tied model
+        skips lm_head.* (vLLM's AutoWeightsLoader(skip_prefixes=["lm_head."])): its head is
+        the embeddings."""
         params = dict(self.module.named_parameters())
+        tied = getattr(self.module.config, "tie_word_embeddings", False)
+        loaded = set()
         for name, tensor in weights:
+            if tied and name.startswith("lm_head."):
+                continue
             params[name].data.copy_(tensor)
-        return {f"vllm_internal.{name}" for name, _ in weights}
+            loaded.add(f"vllm_internal.{name}")
+        return loaded
 
 
 def _record(name: str, arg: Any) -> None:
@@ -178,7 +186,8 @@ class LLM:
         self._vocab = int(c.vocab_size)  # vLLM's model_config.get_vocab_size()
         self.llm_engine = SimpleNamespace(  # (the rows a refused call left are unfinished)
             model_config=SimpleNamespace(max_model_len=self._max_len,
-                                         get_vocab_size=lambda: self._vocab),
+                                         get_vocab_size=lambda: self._vocab,
+                                         hf_config=c, hf_text_config=c),
             has_unfinished_requests=lambda: bool(self._left), step=self._step)
         self._left: list[tuple[dict, SamplingParams]] = []  # requests a refused call left
         self._saved_buffers: dict[str, Any] = {}  # level 2: the buffers, on the host

@@ -233,30 +233,15 @@ def test_a_zero_lora_checkpoint_with_the_old_adapter_names_exports_merged(tmp_pa
                                                                           monkeypatch):
     """A ZeRO checkpoint of before 2026-12-04, its adapters named `<layer>.lora_A`: only
     FSDP2's were read by today's names ("unexpected [...lora_A]")."""
-    import sys
-    import types
-
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.hybrid.lora import is_adapter, lora_layers, merged
-    from asyncrl.hybrid.zero import TAG
+    from asyncrl.hybrid.lora import is_adapter, merged
 
     cfg = ModelConfig(preset="tiny-llama", seed=0, lora={"rank": 2, "alpha": 4})
-    model = build_model(cfg)
-    with torch.no_grad():  # as if trained: the adapters change the model
-        for layer in lora_layers(model).values():
-            layer.lora_B.weight.normal_(0, 0.05)
-    trained = model.state_dict()
-    step = tmp_path / "run" / "checkpoints" / "step_000000"
-    (step / "actor" / "train" / TAG).mkdir(parents=True)
-    (step / "meta.json").write_text("{}")
-    torch.save({"version": 1}, step / "actor" / "actor.pt")
-    save_model_files(step / "actor", cfg)
+    trained = trained_lora(cfg)
     # DeepSpeed's reader, as it reads such a checkpoint: the adapters under their old names
     old = {k.removesuffix(".weight") if is_adapter(k) else k: v for k, v in trained.items()}
-    zero = types.ModuleType("deepspeed.utils.zero_to_fp32")
-    zero.get_fp32_state_dict_from_zero_checkpoint = lambda path, tag: dict(old)
-    monkeypatch.setitem(sys.modules, "deepspeed.utils.zero_to_fp32", zero)
+    zero_checkpoint(tmp_path / "run", cfg, old, monkeypatch)
     export(tmp_path / "run", tmp_path / "hf")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
                                                     local_files_only=True).state_dict()
@@ -264,6 +249,57 @@ def test_a_zero_lora_checkpoint_with_the_old_adapter_names_exports_merged(tmp_pa
     want = dict(merged(trained, cfg.lora))
     assert set(exported) == set(want)
     assert all(torch.equal(exported[k], want[k]) for k in want)
+
+
+def test_an_fp64_lora_policy_exports_its_merge_to_fp64_accuracy(tmp_path, monkeypatch):
+    """An fp64 LoRA model's export merged W + s B A in fp32: an error of ~1e-7 where fp64
+    holds ~1e-16."""
+    from safetensors.torch import load_file
+
+    from asyncrl.hybrid.lora import is_adapter
+
+    cfg = ModelConfig(preset="tiny-llama", seed=0, dtype="float64", lora={"rank": 2, "alpha": 4})
+    trained = trained_lora(cfg)
+    zero_checkpoint(tmp_path / "run", cfg, trained, monkeypatch)
+    assert export(tmp_path / "run", tmp_path / "hf", dtype="float64")["dtype"] == "float64"
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert cfg.lora is not None
+    want = {k: v for k, v in trained.items() if not is_adapter(k)}
+    for name in [k.removesuffix(".lora_A.weight") for k in trained if ".lora_A." in k]:
+        a, b = trained[f"{name}.lora_A.weight"], trained[f"{name}.lora_B.weight"]
+        want[f"{name}.weight"] = want[f"{name}.weight"] + cfg.lora.scaling * b @ a
+    assert {v.dtype for v in want.values()} == {torch.float64} and set(exported) == set(want)
+    assert max((exported[k] - want[k]).abs().max().item() for k in want) < 1e-12
+
+
+def trained_lora(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A LoRA model's state dict, as if trained: its adapters change the model."""
+    from asyncrl.hybrid.lora import lora_layers
+
+    model = build_model(cfg)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.weight.normal_(0, 0.05)
+    return model.state_dict()
+
+
+def zero_checkpoint(run_dir: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                    monkeypatch) -> None:
+    """A ZeRO checkpoint of group "actor" at run_dir's step 0, read as `weights` by a fake of
+    DeepSpeed's reader (not installed here)."""
+    import sys
+    import types
+
+    from asyncrl.hybrid.zero import TAG
+
+    step = run_dir / "checkpoints" / "step_000000"
+    (step / "actor" / "train" / TAG).mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    torch.save({"version": 1}, step / "actor" / "actor.pt")
+    save_model_files(step / "actor", cfg)
+    zero = types.ModuleType("deepspeed.utils.zero_to_fp32")
+    zero.get_fp32_state_dict_from_zero_checkpoint = lambda path, tag: dict(weights)
+    monkeypatch.setitem(sys.modules, "deepspeed.utils.zero_to_fp32", zero)
 
 
 CUSTOM_CONFIG = """from transformers import GPT2Config

@@ -488,3 +488,39 @@ def test_after_a_torn_load_only_loads_filling_every_weight_or_a_whole_state_let_
     engine.load_state_dict(saved, version=1)  # a whole state
     assert engine.generate(PROMPTS, [1, 2, 3, 4])["versions"].max() == 1
     assert all(torch.equal(v, saved[k]) for k, v in engine.state_dict().items())
+
+
+def test_a_head_that_vllms_tied_model_would_skip_is_refused_not_dropped(tmp_path):
+    """vLLM's model of a tied config skips lm_head.* in load_weights (its head is the
+    embeddings): the head of a trainer that unties it (model overrides
+    {"tie_word_embeddings": False}) was dropped, unsaid, and the rollouts sampled with the
+    embeddings as their head. Refused before vLLM copies anything; a tied trainer's weights
+    (its head left out, the embeddings' tensor, or a copy of it) load."""
+    import fake_vllm
+
+    from asyncrl.hybrid.vllm_engine import VLLMEngine
+
+    tie = {"tie_word_embeddings": True}
+    build_model(ModelConfig(seed=4, overrides=tie)).save_pretrained(tmp_path / "tied")
+    sampling = SamplingConfig(max_new_tokens=5)
+    engine = VLLMEngine(str(tmp_path / "tied"), sampling, llm_cls=fake_vllm.LLM,
+                        sampling_params_cls=fake_vllm.SamplingParams)
+    untied = build_model(ModelConfig(path=str(tmp_path / "tied"),
+                                     overrides={"tie_word_embeddings": False}))
+    with torch.no_grad():
+        untied.lm_head.weight.mul_(2)  # trained apart from the embeddings
+    fake_vllm.LLM.calls.clear()
+    with pytest.raises(ValueError, match=r"cannot take lm_head.weight: vLLM's model ties "
+                                         r"lm_head to the embeddings .*'hf_overrides'"):
+        engine.load_weights(untied.named_parameters(), version=1)
+    assert not fake_vllm.LLM.calls and engine.version == 0  # (not torn: it generates)
+    engine.generate(PROMPTS, [1, 2, 3, 4])
+    tied = build_model(ModelConfig(seed=9, overrides=tie))
+    copied = {k: v.clone() for k, v in tied.state_dict().items()}  # (as over RPC)
+    for version, named in enumerate((tied.named_parameters(), tied.state_dict().items(),
+                                     copied.items()), start=1):
+        assert engine.load_weights(named, version=version) > 0
+    out = engine.generate(PROMPTS, [1, 2, 3, 4])
+    want = Sampler(tied, sampling).generate(PROMPTS, seeds=[1, 2, 3, 4])
+    assert torch.equal(out["response_ids"], want["response_ids"])
+    assert out["versions"].max() == 3

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.hybrid.gather import Gatherer, attempt, plan_gather, whole_each
-from asyncrl.hybrid.lora import delta, is_adapter, lora_layers
+from asyncrl.hybrid.lora import is_adapter, lora_layers, merge
 from asyncrl.hybrid.models import ModelConfig, build_model, default_device, model_file, model_folder
 from asyncrl.hybrid.sampler import Sampler, SamplingConfig
 
@@ -71,8 +71,10 @@ def _check_vllm_model(model_cfg: ModelConfig) -> None:
     if model_cfg.overrides:  # the trainer would build another model than vLLM runs
         raise ValueError(f"engine='vllm' runs the checkpoint's own config.json: the model "
                          f"overrides {sorted(model_cfg.overrides)} would reach the trainer "
-                         f"only; save the checkpoint with them, or pass vLLM's "
-                         f"hf_overrides in engine_options too and drop them here")
+                         f"only; save the checkpoint with them, or give them to vLLM "
+                         f"in their place: engine_options={{'hf_overrides': "
+                         f"{model_cfg.overrides!r}}} (a tied checkpoint untied so has no "
+                         f"lm_head.weight for vLLM to load: add 'load_format': 'dummy')")
 
 
 def _check_covers(path: str | None, model: torch.nn.Module) -> None:
@@ -271,7 +273,7 @@ class HybridEngine:
             layer = layers.get(name.removesuffix(".weight"))
             if layer is not None and name.endswith(".weight"):
                 with self._whole(layer.lora_A.weight) as a, self._whole(layer.lora_B.weight) as b:
-                    value = (value.float() + delta(a, b, layer.scaling)).to(value.dtype)
+                    value = merge(value, a, b, layer.scaling)
             bucket.append((name, value))
             size += value.numel() * value.element_size()
             self.peak_gather_bytes = max(self.peak_gather_bytes, size)

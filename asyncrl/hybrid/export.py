@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from asyncrl.actors.worker import sync_dir, sync_tree
-from asyncrl.hybrid.lora import is_adapter, legacy_adapter_names, merged
+from asyncrl.hybrid.lora import is_adapter, legacy_adapter_names, merge_dtype, merged
 from asyncrl.hybrid.models import DROPOUT, ModelConfig, hf_config, model_folder
 from asyncrl.hybrid.zero import TAG, globless
 
@@ -277,7 +277,7 @@ def _trained_model(folder: Path, cfg: ModelConfig, config: Any,
     adapters: dict[str, torch.Tensor] = {}
     if lora is not None:  # merged in place, a layer at a time, rounded once into its dtype
         adapters = {k: v for k, v in weights.items() if is_adapter(k) or lora.trains_whole(k)}
-        for name, value in merged(weights, lora, torch.float32):
+        for name, value in merged(weights, lora, merge_dtype(target)):  # (fp64 kept)
             weights[name] = value.to(dtypes.get(name, target))  # (never two copies)
         for name in [k for k in weights if is_adapter(k)]:
             del weights[name]

@@ -161,9 +161,28 @@ def adapter_dtype(weight: torch.dtype) -> torch.dtype:
     return torch.promote_types(weight, torch.float32)
 
 
+def merge_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype a merge computes in: fp32 at least (bf16 would round the update away), fp64
+    where any of `dtypes` is (an fp64 model's merge is fp64-accurate)."""
+    wide = torch.float32
+    for dtype in dtypes:
+        wide = torch.promote_types(wide, dtype)
+    return wide
+
+
 def delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """What adapters A, B add to their layer's weight: scaling * B A (in fp32)."""
-    return (b.float() @ a.float()).mul_(scaling)
+    """What adapters A, B add to their layer's weight: scaling * B A (in merge_dtype)."""
+    wide = merge_dtype(a.dtype, b.dtype)
+    return (b.to(wide) @ a.to(wide)).mul_(scaling)
+
+
+def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W + scaling * B A, computed in merge_dtype (of W, A, B and `dtype`), then rounded
+    once into `dtype` (default: W's)."""
+    dtype = dtype or weight.dtype
+    wide = merge_dtype(weight.dtype, a.dtype, b.dtype, dtype)
+    return (weight.to(wide) + delta(a.to(wide), b.to(wide), scaling)).to(dtype)
 
 
 def _output_heads(model: torch.nn.Module) -> set[int]:
@@ -280,13 +299,14 @@ class adapters_off:
 def merged(weights: dict[str, torch.Tensor], cfg: LoraConfig,
            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA model's full weights (by name) as the plain model's: W + scaling * B A under
-    W's name, the adapters dropped. One layer's merge at a time, in fp32, then in `dtype`
-    (default: W's; an fp32 export of a bf16 model rounded the update through bf16 first)."""
+    W's name, the adapters dropped. One layer's merge at a time (`merge`: in fp32, fp64 for
+    fp64 weights or `dtype`), then in `dtype` (default: W's; an fp32 export of a bf16 model
+    rounded the update through bf16 first)."""
     for name, value in weights.items():
         if is_adapter(name):
             continue
         prefix = name.removesuffix(".weight")
         a, b = weights.get(f"{prefix}.lora_A.weight"), weights.get(f"{prefix}.lora_B.weight")
         if name.endswith(".weight") and a is not None and b is not None:
-            value = (value.float() + delta(a, b, cfg.scaling)).to(dtype or value.dtype)
+            value = merge(value, a, b, cfg.scaling, dtype)
         yield name, value

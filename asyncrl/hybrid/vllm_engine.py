@@ -26,6 +26,7 @@ Sampler's interruptible rollouts): a load waits for the generation in flight to 
 (or `quantization=`), MLA and MoE checkpoints (vLLM derives tensors from their weights after
 a load, which new weights would not redo; a fused MoE's load writes the checkpoint's layout
 into the kernel's), and a KV cache dtype other than "auto" (level 2 sleep loses its scales).
+A head vLLM's tied model would skip (a trainer that unties it) is refused before a load.
 Prompts are checked before vLLM sees them (empty, ids outside the vocabulary: without a
 tokenizer vLLM passes a bad id to the embedding kernel, a device-side assert), and so are
 `engine_options` keys (against vLLM's EngineArgs).
@@ -129,6 +130,7 @@ EXPANDABLE_OK = (0, 20, 1)  # vLLM PR 40812: expandable segments turned off arou
 # config.json keys that give a MoE's expert count (Qwen-MoE/OLMoE, Mixtral/Llama 4/GPT-OSS,
 # DeepSeek, ERNIE)
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+HEAD = "lm_head.weight"  # the output head a tied vLLM model skips (its skip_prefixes)
 
 
 class VLLMEngine:
@@ -282,8 +284,11 @@ class VLLMEngine:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:
         """Copy new weights in by name (on every vLLM worker); `version` tags the tokens
-        sampled from now on. Asleep, vLLM's weight memory is woken first (not its KV cache)."""
-        return self._rpc("asyncrl_load_weights", list(named), version)
+        sampled from now on. Asleep, vLLM's weight memory is woken first (not its KV cache).
+        A head that vLLM's tied model would skip is refused (_check_head), before any load."""
+        weights = list(named)
+        _check_head(weights, self.llm)
+        return self._rpc("asyncrl_load_weights", weights, version)
 
     def adopt_weights(self, named: Iterable[tuple[str, torch.Tensor]],
                       version: int | None = None, whole: bool = False) -> int:
@@ -486,12 +491,41 @@ def _fused_moe(model: Any) -> str | None:
     return None
 
 
+def _model_config(llm: Any) -> Any:
+    """vLLM's ModelConfig (None where this vLLM does not keep it where it is looked for)."""
+    engine = getattr(llm, "llm_engine", None)
+    return getattr(engine, "model_config", None) or \
+        getattr(getattr(engine, "vllm_config", None), "model_config", None)
+
+
+def _check_head(weights: list[tuple[str, torch.Tensor]], llm: Any) -> None:
+    """vLLM's model of a tied config (tie_word_embeddings) skips lm_head.* in load_weights
+    (AutoWeightsLoader's skip_prefixes), its head being the embeddings: the head of a trainer
+    that unties it would be dropped, unsaid, and the rollouts sampled with the embeddings as
+    their head. A tied model's own head (the embeddings' tensor, or a copy) is let through."""
+    heads = [(n, v) for n, v in weights if n == HEAD or n.endswith(f".{HEAD}")]
+    config = _model_config(llm) if heads else None
+    hf = getattr(config, "hf_text_config", None) or getattr(config, "hf_config", None)
+    if getattr(hf, "tie_word_embeddings", False) is not True:
+        return
+    for name, head in heads:
+        if any(n != name and v.shape == head.shape and v.dtype == head.dtype and
+               v.device == head.device and (v.data_ptr() == head.data_ptr() or
+                                            torch.equal(v, head)) for n, v in weights):
+            continue  # (a tied model's state dict: its head is its embeddings)
+        raise ValueError(
+            f"the vLLM engine cannot take {name}: vLLM's model ties lm_head to the "
+            f"embeddings (tie_word_embeddings in its config) and the trainer's does not, so "
+            f"vLLM would skip it and sample with the embeddings as its head. Give both the "
+            f"same tie: drop the trainer's model override {{'tie_word_embeddings': False}}, "
+            f"or untie vLLM's with engine_options={{'hf_overrides': {{'tie_word_embeddings': "
+            f"False}}}} and a checkpoint saved untied (its lm_head.weight written) or "
+            f"'load_format': 'dummy' (random weights until the first sync fills them)")
+
+
 def _vocab_size(llm: Any) -> int | None:
     """The model's vocabulary size as vLLM holds it (None where this vLLM does not say)."""
-    engine = getattr(llm, "llm_engine", None)
-    config = getattr(engine, "model_config", None) or \
-        getattr(getattr(engine, "vllm_config", None), "model_config", None)
-    get = getattr(config, "get_vocab_size", None)
+    get = getattr(_model_config(llm), "get_vocab_size", None)
     try:
         size = get() if callable(get) else None
     except Exception:  # noqa: BLE001 - a vLLM whose config cannot say: vLLM's own checks
@@ -518,10 +552,7 @@ def _check_prompt(i: int, prompt: Sequence[int], vocab: int | None) -> None:
 
 def _max_model_len(llm: Any) -> int | None:
     """vLLM's max_model_len (None where this vLLM does not say it where it is looked for)."""
-    engine = getattr(llm, "llm_engine", None)
-    config = getattr(engine, "model_config", None) or \
-        getattr(getattr(engine, "vllm_config", None), "model_config", None)
-    limit = getattr(config, "max_model_len", None)
+    limit = getattr(_model_config(llm), "max_model_len", None)
     return limit if isinstance(limit, int) else None
 
 
