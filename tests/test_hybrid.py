@@ -184,8 +184,8 @@ class FlakySwitchPolicy(Policy):
 
 
 class FlakyFillPolicy(Policy):
-    """Rank 1's first switch to generation fails in its gathers: copying the first bucket's
-    rows into the engine's weights (after its all_gather)."""
+    """Rank 1's first gathers fail: copying the first bucket's rows (after its all_gather)
+    into the engine's weights (a switch to generation) or a sync_pack's flat buffer."""
 
     def __init__(self, *args, **kwargs):
         import asyncrl.hybrid.gather as gather
@@ -330,6 +330,53 @@ def test_a_sync_pack_failing_on_one_rank_before_its_gathers_fails_its_peers_at_o
     pids, sent, train_w = run(main(), timeout=120)
     assert_gone(pids)
     assert sent and all(torch.equal(w, train_w[k]) for k, w in sent.items())
+
+
+class FlakyLargeGatherPolicy(Policy):
+    """Every sharded weight gathered alone, as the large ones are; rank 0's first finds no
+    room for its buffers (rank 0 alone holds the pack: it runs out first)."""
+
+    def __init__(self, *args, **kwargs):
+        import asyncrl.hybrid.weight_sync as weight_sync
+
+        super().__init__(*args, **kwargs)
+        weight_sync.SMALL_BYTES = 0
+        weight_sync.rows_buffers = failing_once(weight_sync.rows_buffers, "no room to "
+                                                "gather (rank 0)", self.rank == 0)
+
+
+@pytest.mark.parametrize("cls, nprocs, own, peers", [
+    (FlakyLargeGatherPolicy, 3, "no room to gather", "weight 'model.embed_tokens.weight'"),
+    (FlakyFillPolicy, 2, "the copy found no room", "the small weights")],
+    ids=["large, uneven shards", "small"])
+def test_a_sync_pack_failing_in_its_gathers_fails_its_peers_at_once_and_the_next_goes(
+        cls, nprocs, own, peers):
+    """A sync_pack failing in a weight's gather ended that rank's gathers while its peers
+    waited in the all_gather until the collective timeout (the group's collectives out of
+    step after): rank 0 out of memory for a large weight, or a rank's copy of the small."""
+    batch = fixed_batch()
+
+    async def main():
+        async with asyncrl.Controller(collective_timeout=20.0) as ctl:
+            policy = await ctl.spawn(cls, {"preset": "tiny-llama", "seed": 7},
+                                     {"lr": 3e-3, "micro_batch_size": 2}, nprocs=nprocs,
+                                     hybrid=False, name="trainer")
+            pids = group_pids(policy)
+            with pytest.raises(asyncrl.RemoteError) as e:  # (not a TimeoutError: a hang)
+                await asyncio.wait_for(policy.sync_pack(), 15)
+
+            def said() -> str:
+                return "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
+            await poll_until(lambda: own in said() and f"gathering {peers} failed on another "
+                             "rank" in said(), 10, "every rank's errors")
+            sent = dict(unpack(await policy.sync_pack()))  # the next one goes
+            return pids, sent, (await policy.weights("train"))[0], \
+                await policy.train_step(batch)
+    pids, sent, train_w, stats = run(main(), timeout=60)
+    assert_gone(pids)
+    assert sent.keys() == train_w.keys() and all(torch.equal(w, train_w[k])
+                                                 for k, w in sent.items())
+    assert len(stats) == nprocs and all(s["loss"] > 0 for s in stats)
 
 
 def test_weights_of_a_policy_without_an_engine_say_to_ask_for_the_train_layout():

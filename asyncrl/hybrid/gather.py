@@ -33,6 +33,26 @@ def full(param: Any) -> torch.Tensor:
     return param.detach().full_tensor()
 
 
+def rows_buffers(param: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a row-sharded parameter's all_gather (`gather_rows`) needs, made apart from it
+    (out of memory here, not with the peers in the collective): the output, ceil(rows /
+    ranks) rows from each rank (the parameter, then the last ranks' padding), and this
+    rank's shard, flat, padded to that width (in a new tensor) where it falls short."""
+    world, rows = param.device_mesh.size(), param.shape[0]
+    width = -(-rows // world) * (param.numel() // max(1, rows))
+    shard = param.to_local().detach().reshape(-1)
+    if shard.numel() < width:
+        shard = torch.cat([shard, shard.new_zeros(width - shard.numel())])
+    return torch.empty(width * world, dtype=param.dtype, device=param.device), shard
+
+
+def gather_rows(param: Any, out: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """A row-sharded parameter whole: gathered straight into `out` (`rows_buffers`), a view
+    of it (the padding all after the real rows: torch.chunk's shards)."""
+    _all_gather(out, shard, group=param.device_mesh.get_group())
+    return out[:param.numel()].view(param.shape)
+
+
 def whole_here(p: Any) -> bool:
     """A DTensor on a one-rank mesh: its local tensor is the whole parameter."""
     return hasattr(p, "device_mesh") and p.device_mesh.size() == 1

@@ -16,7 +16,6 @@ columns through (an "answer" the reward needs travels with its sample).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -384,13 +383,8 @@ class Policy(Worker):
             for _ in named:  # once: nothing to send
                 pass
             return None
-        try:
-            pack = self.sync_source.pack(named, self.version)
-        except BaseException:  # (out of GPU memory for the flat buckets): the other ranks'
-            with contextlib.suppress(Exception):  # gathers go on, so rank 0 takes part in
-                for _ in named:  # the rest of them, and the group stays in step
-                    pass
-            raise
+        # (failing, it still reads `named` to its end: the other ranks' gathers go on)
+        pack = self.sync_source.pack(named, self.version)
         pack.meta["pack_s"] = time.perf_counter() - start  # gathering and packing
         if self.model_cfg.lora is not None:  # the receiver's must be this frozen model
             pack.meta["frozen_model"] = self.model_cfg.frozen_model()

@@ -21,16 +21,19 @@ this code) at 54% (31.8 GiB/s).
 
 Small parameters sharded over several ranks (up to SMALL_BYTES) are gathered together, one
 all_gather per bucket (`asyncrl.hybrid.gather`) into one flat buffer whose views are the
-pack's columns (the buffers made first, every rank agreeing they were: an out-of-memory on
-one fails all, none left in an all_gather); large ones one by one, each straight into its
-own tensor.
+pack's columns; large ones one by one, each straight into its own tensor. Each gather's
+buffers are made first, every rank agreeing they were: an out-of-memory on one fails all at
+once, none left in an all_gather (rank 0, which alone holds the pack, runs out first).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -46,7 +49,15 @@ from asyncrl.actors.protocols import (
 )
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.hybrid.engine import agree
-from asyncrl.hybrid.gather import Gatherer, attempt, full, plan_gather, row_sharded
+from asyncrl.hybrid.gather import (
+    Gatherer,
+    attempt,
+    full,
+    gather_rows,
+    plan_gather,
+    row_sharded,
+    rows_buffers,
+)
 
 
 def _every_rank_zero_answers(layout: Layout, args: tuple, kwargs: dict) -> Split:
@@ -81,7 +92,23 @@ class SyncSource:
              flat: bool | None = None) -> TensorBatch:
         """The weights as a one-row TensorBatch: a column per parameter (views), or, `flat`
         (by default where the first is on a GPU), flat buckets of their copies; `named` is
-        read once, in order (a generator lets each gathered parameter go once copied)."""
+        read once, in order (a generator lets each gathered parameter go once copied), to
+        its end where packing fails (its gathers are collectives the other ranks run)."""
+        named = iter(named)
+        try:
+            return self._pack(named, version, flat)
+        except BaseException as e:  # noqa: BLE001 - raised below, once `named` is read
+            failed = e
+            # its frames hold the failed pack's tensors (GBs of buckets on a GPU): freed
+            # now, before the gathers below, which would run out of memory again
+            traceback.clear_frames(e.__traceback__)
+        with contextlib.suppress(Exception):  # (a gather failing now: on every rank)
+            for _ in named:
+                pass
+        raise failed
+
+    def _pack(self, named: Iterator[tuple[str, Any]], version: int,
+              flat: bool | None) -> TensorBatch:
         shapes: dict[str, list[int]] = {}
         flattener: _Flattener | None = None
         columns: dict[str, torch.Tensor] = {}
@@ -128,11 +155,11 @@ def gathered(named: list[tuple[str, Any]], bucket_bytes: int
              ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for each parameter, gathered as it is asked for (what the caller
     lets go of is freed before the next): a collective, every rank reading all of it, in
-    order. The
-    small sharded ones are gathered together, one all_gather per bucket into new flat
-    buffers (views of them): a LoRA model's adapters 9x faster than one collective each. The
-    rest one by one, each gathered straight into its own tensor (no extra copy), or a view of
-    the live parameter where it is whole on this rank."""
+    order. The small sharded ones are gathered together, one all_gather per bucket into new
+    flat buffers (views of them): a LoRA model's adapters 9x faster than one collective each.
+    The rest one by one, each gathered straight into its own tensor (no extra copy), or a
+    view of the live parameter where it is whole on this rank. A row-sharded one's gather
+    failing on any rank (no room for its buffers) fails that read on every rank."""
     small: dict[torch.dtype, list[Any]] = {}
     for _, p in named:
         if row_sharded(p) and p.numel() * p.element_size() <= SMALL_BYTES:
@@ -151,11 +178,26 @@ def gathered(named: list[tuple[str, Any]], bucket_bytes: int
             gatherer.reserve(plans[-1])
     # agreed: out of memory on one rank fails every rank here, none waits in an all_gather
     agree(attempt(prepare), "preparing the weights' gathers")
-    for plan in plans:
-        gatherer.run(plan)
+    failed = None
+    for plan in plans:  # (each runs its collectives to the end past a failure)
+        failed = failed or attempt(functools.partial(gatherer.run, plan))
     gatherer.free()  # (not held through the large ones' gathers and the packing)
+    agree(failed, "gathering the small weights")
     for n, p in named:
-        yield n, views[id(p)] if id(p) in views else full(p)
+        if id(p) in views:
+            yield n, views[id(p)]
+        elif row_sharded(p):
+            yield n, _gather_large(n, p)
+        else:  # (whole here: no collective; else TP's or a 2-D mesh's, by DTensor)
+            yield n, full(p)
+
+
+def _gather_large(name: str, param: Any) -> torch.Tensor:
+    """A large row-sharded parameter whole: its buffers made first, every rank agreeing they
+    were (one small all_reduce)."""
+    made: list[tuple[torch.Tensor, torch.Tensor]] = []
+    agree(attempt(lambda: made.append(rows_buffers(param))), f"gathering weight {name!r}")
+    return gather_rows(param, *made.pop())
 
 
 def _flat(params: list[Any]) -> torch.Tensor:
