@@ -1,6 +1,7 @@
 """What holds a DataFlow's steps back, and what one step() leaves behind: a node's group calls
 it did not return, a driver's timeout, an exhausted node's input item, two step() calls at
-once, a failed step's recovery watchers, and the graph's checks of its arguments."""
+once, a failed step's recovery watchers, what leaving `async with flow:` waits for, and the
+graph's checks of its arguments."""
 
 from __future__ import annotations
 
@@ -220,6 +221,47 @@ def test_a_left_behind_bound_wait_failing_later_is_not_logged_as_never_retrieved
         asyncio.run(main())
         gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+def test_leaving_a_flows_block_raises_a_failure_of_its_last_steps_calls():
+    """`async with flow: await flow.step()`: leaving closed the flow at once, cancelling the
+    step's finish; the failure of a group call its node did not return was dropped."""
+    @asyncrl.node
+    def n(x):
+        loader.load(-1.0)  # the rank raises (a negative sleep); not returned
+        return {"ok": 1}
+
+    async def main():
+        flow = asyncrl.DataFlow(nodes=[n], inputs={"x": range(3)}, groups=[loader])
+        async with flow:
+            assert await flow.step() == {"n": {"ok": 1}}
+    with pytest.raises(asyncrl.NodeError, match="node 'n' failed at step 0"):
+        asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_leaving_a_flows_block_lets_its_last_steps_calls_finish(monkeypatch):
+    """A slow call the last step's node made and did not return was cut off by the close."""
+    loaded: list = []
+
+    @asyncrl.node
+    def sync(x):
+        call = loader.load(0.5)  # stands in for new weights loading
+        call._fut.add_done_callback(lambda f: loaded.append(
+            "failed" if f.cancelled() or f.exception() else "loaded"))
+        return {"synced": x}
+
+    async def main():
+        flow = asyncrl.DataFlow(nodes=[sync], inputs={"x": range(3)}, groups=[loader])
+        closing = flow.close
+
+        async def close():  # what had finished when the flow began to close
+            loaded.append("closing")
+            await closing()
+        monkeypatch.setattr(flow, "close", close)
+        async with flow:
+            await flow.step()
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert loaded == ["loaded", "closing"]
 
 
 def test_follows_takes_a_node_or_its_name():

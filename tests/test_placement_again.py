@@ -110,3 +110,43 @@ def test_a_runtime_keyword_that_the_worker_also_takes_is_refused_not_lost():
                 await ctl.spawn(Niced, nice=3)
             assert not ctl.groups  # refused before anything started
     run(main())
+
+
+def test_a_roles_settings_are_checked_without_the_runtimes_relay():
+    """group() keeps relay= in the worker's kwargs for spawn(), and gave it to the role's
+    check_settings too: asyncrl.group(Critic, ..., relay=False) raised "unexpected keyword
+    argument 'relay'" for every built-in role."""
+    from asyncrl.controller.declare import declared_count, forget_declared_after
+    from asyncrl.rl.critic import Critic
+
+    count = declared_count()
+    try:
+        spec = asyncrl.group(Critic, model={"preset": "tiny-llama"}, relay=False)
+    finally:
+        forget_declared_after(count)  # (declared by no flow file)
+    assert spec.kwargs.get("relay") is False
+
+
+class Plain(asyncrl.Worker):
+    def __init__(self, size=1):
+        self.size = size
+
+
+class Loose(asyncrl.Worker):
+    def __init__(self, **options):
+        self.options = options
+
+
+def test_spawn_refuses_a_dataflows_restarts():
+    """spawn(max_restarts=3) went to Plain(...) on every rank (a TypeError after the launch,
+    blamed on the worker), or into a **kwargs worker's options: restarts are a DataFlow's."""
+    async def main():
+        async with asyncrl.Controller() as ctl:
+            with pytest.raises(TypeError, match=r"spawn\(\): max_restarts=3: Plain.__init__ "
+                                                r"has no parameter 'max_restarts'.*asyncrl.group"):
+                await ctl.spawn(Plain, max_restarts=3)
+            with pytest.raises(TypeError, match=r"spawn\(\): restart_backoff=2.0: Loose.__init__ "
+                                                r"has no parameter"):
+                await ctl.spawn(Loose, restart_backoff=2.0)
+            assert not ctl.groups  # refused before anything started
+    run(main())

@@ -46,7 +46,7 @@ from asyncrl.comm.shm import cleanup as cleanup_segments
 from asyncrl.controller.agent_fork import AgentServer, forking_enabled, shared_server
 from asyncrl.controller.checkpoint import open_to_all
 from asyncrl.controller.cluster import Cluster, check_controller_address
-from asyncrl.controller.declare import check_runtime_keywords, init_params
+from asyncrl.controller.declare import check_runtime_keywords, check_spawn_keywords, init_params
 from asyncrl.controller.group import GroupHandle
 from asyncrl.controller.inbox import Inbox
 from asyncrl.controller.launcher import Agent, check_env, cluster_agents, rank_env
@@ -314,6 +314,7 @@ class Controller:
         name = name or getattr(worker_cls, "__name__", "").lower()  # (checked next)
         layout = self._check_spawn(worker_cls, name, nprocs, mesh, env)
         check_runtime_keywords(worker_cls, "spawn()", relay=relay, nice=nice)
+        check_spawn_keywords(worker_cls, kwargs)  # (max_restarts: a DataFlow's)
         nice = check_nice(name, nice)
         relayed = self._relays_for(name, nprocs, self.relay if relay is None else relay)
         try:

@@ -111,6 +111,20 @@ def check_runtime_keywords(cls: type, call: str, **given: Any) -> None:
                         f"would not get it; {fix}")
 
 
+def check_spawn_keywords(cls: type, kwargs: dict[str, Any]) -> None:
+    """Refuse `spawn(max_restarts=...)` (or restart_backoff=) to a worker that does not take
+    it: restarts are a DataFlow's (recovery.py), not spawn()'s, and every rank would get it
+    in ``cls(...)`` (a TypeError after the launch, or kept unused by a **kwargs worker)."""
+    params = init_params(cls)
+    for key in ("max_restarts", "restart_backoff"):
+        if key in kwargs and key not in params:
+            raise TypeError(f"spawn(): {key}={kwargs[key]!r}: {cls.__qualname__}.__init__ has "
+                            f"no parameter {key!r}, and spawn() does not restart a group: "
+                            f"restarts are a DataFlow's; declare the group with asyncrl.group("
+                            f"{cls.__qualname__}, {key}=...) and run it in a DataFlow, or "
+                            f"leave {key} out")
+
+
 def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | None = None,
           place: Any = None, name: str | None = None, env: dict[str, str] | None = None,
           max_restarts: int = 0, restart_backoff: float = 1.0, nice: int = 0,
@@ -125,9 +139,11 @@ def group(worker_cls: type, *args: Any, nprocs: int = 1, mesh: dict[str, int] | 
     spec = GroupSpec(worker_cls, args, kwargs, nprocs, mesh, place, name, env, module,
                      max_restarts, restart_backoff, nice)
     # a role's settings checked now, before any group starts (asyncrl.hybrid.roles); only a
-    # classmethod of that name: a worker's own method called so is not this hook
+    # classmethod of that name: a worker's own method called so is not this hook. Without
+    # relay=, left in kwargs for spawn(): the runtime's, not a setting of the role
     if isinstance(inspect.getattr_static(worker_cls, "check_settings", None), classmethod):
-        getattr(worker_cls, "check_settings")(*args, **kwargs)  # noqa: B009
+        own = {k: v for k, v in kwargs.items() if k not in RUNTIME_KEYWORDS}
+        getattr(worker_cls, "check_settings")(*args, **own)  # noqa: B009
     _declared.append(spec)
     return spec
 

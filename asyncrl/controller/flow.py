@@ -107,6 +107,7 @@ class DataFlow:
         # (older ones are let go, and with them the futures their nodes returned)
         self._steps: dict[int, _Step] = {}
         self._failed: int | None = None  # a step that failed: no step after it can run
+        self._told = False  # step() or run() raised a NodeError: the driver knows
         self._stepping = False  # a step() runs: a second one at once is refused
         self._earlier: Callable[[Exception], Awaitable[None]] | None = None  # _finish_earlier
         self._next = 0  # the index of the step dispatched next (> 0 once resumed)
@@ -175,7 +176,7 @@ class DataFlow:
     def _reset_sources(self) -> None:
         """Every input from its beginning again, and no step run (a rewind starts here)."""
         self.feed.reset()
-        self._steps, self._next, self._failed = {}, 0, None
+        self._steps, self._next, self._failed, self._told = {}, 0, None, False
 
     @property
     def ended(self) -> str | None:
@@ -227,7 +228,18 @@ class DataFlow:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
+        """Left cleanly: the steps in flight finish first (their nodes' un-returned group calls
+        too), as flow.run()'s do; the first to fail raises, unless step()/run() raised one."""
+        steps = [self._steps[t] for t in sorted(self._steps)] if exc[0] is None else []
+        try:
+            await self._let_finish(steps, lambda span, bound: f"[asyncrl] leaving `async with "
+                                   f"flow:`: letting step(s) {span} finish (within {bound:g} s)")
+        finally:
+            await self.close()
+        failed = (e for s in steps for t in s.finished.values()
+                  if t.done() and not t.cancelled() and (e := t.exception()) is not None)
+        if not self._told and (first := next(failed, None)):
+            raise first
 
     # -- positions, for checkpoints ----------------------------------------------------------
     def positions(self) -> dict[str, Any]:
@@ -258,6 +270,9 @@ class DataFlow:
         self._stepping = True
         try:
             return await self._step()
+        except NodeError:
+            self._told = True
+            raise
         finally:
             self._stepping = False
 
@@ -473,7 +488,7 @@ class DataFlow:
         that still run finish, and complete those that finish well (their rows, as a run
         without overlap has them). A dead or silent group fails their calls; a call that
         runs on is waited for up to the collective timeout (then the run ends as before)."""
-        earlier, self._earlier = self._earlier, None
+        earlier, self._earlier, self._told = self._earlier, None, True  # (raised: once)
         if earlier is not None:
             await earlier(e)
 
@@ -485,19 +500,26 @@ class DataFlow:
             if any(t.done() and (t.cancelled() or t.exception()) for t in step.finished.values()):
                 break
             ahead.append(step)
-        running = [t for step in ahead for t in step.finished.values() if not t.done()]
-        if running:
-            bound = self._ctl.collective_timeout if self._ctl is not None else 0.0
-            steps = f"{ahead[0].index}" + (f"-{ahead[-1].index}" if len(ahead) > 1 else "")
-            what = (f"node {e.node!r} failed at step {e.step}" if isinstance(e, NodeError)
-                    else "a step failed")
-            say(self._ctl, f"[asyncrl] {what}: letting step(s) {steps}, dispatched before it, "
-                           f"finish first (their rows; within {bound:g} s; the error follows)")
-            _, left = await asyncio.wait(running, timeout=bound)
-            if left:
-                say(self._ctl, f"[asyncrl] step(s) {steps} still ran {bound:g} s later (the "
-                               f"collective timeout): left unfinished")
+        what = (f"node {e.node!r} failed at step {e.step}" if isinstance(e, NodeError)
+                else "a step failed")
+        await self._let_finish(ahead, lambda span, bound: (
+            f"[asyncrl] {what}: letting step(s) {span}, dispatched before it, finish first "
+            f"(their rows; within {bound:g} s; the error follows)"))
         await self._complete_finished(pending, complete)
+
+    async def _let_finish(self, steps: list[_Step], notice: Callable[[str, float], str]) -> None:
+        """Wait for `steps`' nodes still running, up to the collective timeout (then left, said;
+        a cancel leaves them running too); `notice(steps, seconds)` says first what waits."""
+        running = [t for step in steps for t in step.finished.values() if not t.done()]
+        if not running:
+            return
+        bound = self._ctl.collective_timeout if self._ctl is not None else 0.0
+        span = f"{steps[0].index}" + (f"-{steps[-1].index}" if len(steps) > 1 else "")
+        say(self._ctl, notice(span, bound))
+        _, left = await asyncio.wait(running, timeout=bound)
+        if left:
+            say(self._ctl, f"[asyncrl] step(s) {span} still ran {bound:g} s later (the "
+                           f"collective timeout): left unfinished")
 
     async def _complete_finished(self, pending: list[tuple[_Step, dict[str, Any]]],
                                  complete: Callable[[_Step, dict[str, Any]], Awaitable[None]]
