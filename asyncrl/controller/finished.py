@@ -11,7 +11,8 @@ call ends: a `follows=` edge on it and a checkpoint after its step wait for the 
 a returned one, and its failure is the node's (a NodeError: the next rollout does not run on
 the old weights), unless its failure was raised to an await (the node's: its own to handle;
 an await that gave up first, a wait_for's timeout, saw none) or it is the group's death
-(met by the next call to the group, which recovery repairs). A call that recovery re-ran
+(met by the next call to the group, which recovery repairs; so is a rank's failure of a
+collective that the death broke first, `broken_by`). A call that recovery re-ran
 the node after (a stateless group's death) counts no more: the re-run's calls do.
 `DataFlow.run_node` (a node run alone) waits for its calls the same way. A call from a thread
 is the node's when the thread copied its context (asyncio.to_thread); one made off the loop
@@ -27,6 +28,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from asyncrl.compat import add_note
 from asyncrl.errors import GroupDeadError
 from asyncrl.futures.future import futures_in
 
@@ -35,6 +37,20 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=asyncio.Future)
 log = logging.getLogger("asyncrl")
+_DEATH = "_asyncrl_broken_by"  # on a rank's failure of a call: the group's death behind it
+
+
+def broken_by(failure: BaseException, death: GroupDeadError) -> None:
+    """A call that a rank failed first (its peer died: a broken collective) ends with the
+    group's `death`: said on `failure`, and kept on it, so that the failure is taken for the
+    death even once the group is back (an await of it after another node's respawn)."""
+    add_note(failure, f"then {death}")
+    setattr(failure, _DEATH, death)
+
+
+def death_of(exc: BaseException | None) -> GroupDeadError | None:
+    """The group's death `exc` is, or that broke it (`broken_by`); None for other failures."""
+    return exc if isinstance(exc, GroupDeadError) else getattr(exc, _DEATH, None)
 
 
 class Calls:
@@ -74,8 +90,8 @@ class Calls:
         next call to that group meets it, where recovery re-runs or rewinds as it does for
         any call (an input lost with another group's death is the node's: the called group
         lives, and its next call would not say it)."""
-        return next((e for f in self._failures if not f._awaited and not isinstance(
-            e := f._fut.exception(), GroupDeadError)), None)
+        return next((e for f in self._failures if not f._awaited and death_of(
+            e := f._fut.exception()) is None), None)
 
     async def done(self) -> None:
         while self.running:  # (a task the node started may call on while this waits)

@@ -39,7 +39,7 @@ from asyncrl.comm.messages import (
 )
 from asyncrl.compat import add_note, create_task
 from asyncrl.controller.fetches import Fetches
-from asyncrl.controller.finished import note_call
+from asyncrl.controller.finished import broken_by, note_call
 from asyncrl.controller.objects import ObjectRef
 from asyncrl.controller.timeline import called_groups, current_node
 from asyncrl.controller.unsent import Queued as _Queued
@@ -542,7 +542,7 @@ class GroupHandle:
         for p in self._pending.values():
             first = p.future._fut.exception() if p.future._fut.done() else None
             if isinstance(first, RemoteError) and isinstance(exc, GroupDeadError):
-                add_note(first, f"then {exc}")  # a rank whose peer died failed it first
+                broken_by(first, exc)  # a rank whose peer died failed it first
             p.future._set_exception(copy.copy(exc))
             self._ctl.calls.pop(p.call_id, None)
         self._pending.clear()

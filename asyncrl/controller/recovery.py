@@ -1,8 +1,9 @@
 """Recovery: what a DataFlow does when a group dies while it runs.
 
     a stateless group died (reward fn,        respawn it; re-run the node whose call failed,
-    reference) under a node's call            with the same inputs (their producers still
-                                              hold them); the step goes on, nothing else moves
+    reference) under a node's call            once its inputs are done, with the same ones
+                                              (their producers still hold them); the step
+                                              goes on, nothing else moves
     anything else: a stateful group died      drop the steps in flight, let the live groups'
     (actor, critic, rollout), or a call       calls end, respawn the dead groups, load the last
     lost an input a dead group held           checkpoint into every group, run again from the
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.worker import set_rng_state
 from asyncrl.compat import add_note
+from asyncrl.controller.finished import death_of
 from asyncrl.controller.logs import append_line, replace_json, say
 from asyncrl.controller.placement import constraints_of
 from asyncrl.controller.timeline import called_groups
@@ -258,12 +260,14 @@ class Recovery:
         """`fn()` (a node's function with its inputs, `given`, bound), re-run after each
         death of a stateless group it called (an async node's await may meet it first as a
         peer's broken collective); with restarts on, what it returns is guarded."""
-        out, called = await self._run(node, step, fn)
+        inputs = futures_in(given)
+        out, called = await self._run(node, step, fn, inputs)
         if not self.enabled:
             return out
-        return self._guard(node, step, out, fn, called, {id(f) for f in futures_in(given)})
+        return self._guard(node, step, out, fn, called, inputs)
 
-    async def _run(self, node: str, step: int, fn: Callable[[], Any]) -> tuple[Any, set[str]]:
+    async def _run(self, node: str, step: int, fn: Callable[[], Any],
+                   inputs: list[DistFuture]) -> tuple[Any, set[str]]:
         """What `fn()` returns, re-run while a death of a stateless group it called explains
         its failure; and the groups its last attempt called."""
         seen: list[BaseException] = []
@@ -279,19 +283,24 @@ class Recovery:
                 if spec is None or any(e is s for s in seen):  # the same failure again: a
                     raise  # re-run does not reach what failed
                 seen.append(e)
-                await self._respawned_for(node, step, spec, e)
+                await self._respawned_for(node, step, spec, e, inputs)
 
     async def _respawned_for(self, node: str, step: int, spec: GroupSpec,
-                             cause: BaseException) -> None:
+                             cause: BaseException, inputs: list[DistFuture]) -> None:
         """`spec` respawned (unless another caller already did) for `node`'s re-run, and the
-        re-run recorded."""
+        re-run recorded; then its `inputs` done. The death may re-run an upstream node too,
+        in any order: a call on its stand-in queued first on the respawned group would hold
+        back the upstream re-run's calls behind it, waiting for them for ever."""
         started = time.monotonic()
         respawned = await self.respawn(spec, cause)
         self._record("rerun", [spec.name] if respawned else [], step, node, None, cause,
                      started)
+        pending = [f._fut for f in inputs if not f.done()]
+        if pending:  # (a cancel, a rewind's, leaves them be)
+            await asyncio.wait(pending)
 
     def _guard(self, node: str, step: int, out: Any, fn: Callable[[], Any],
-               called: set[str], given: set[int]) -> Any:
+               called: set[str], given: list[DistFuture]) -> Any:
         """`out` with a stand-in for each future the node's own calls returned; one it was
         given (an upstream node's, passed on) is its own (a re-run returns it again, done:
         its stand-in's result would stop the re-run)."""
@@ -311,7 +320,7 @@ class Recovery:
 
     async def _follow(self, node: str, step: int, inner: list[DistFuture],
                       proxies: list[DistFuture], fn: Callable[[], Any], called: set[str],
-                      given: set[int]) -> None:
+                      given: list[DistFuture]) -> None:
         """Pass each inner future's result on to its stand-in; on a death a re-run repairs,
         re-run and follow the new futures. Stand-ins left unresolved fail with the cause.
         Not re-run once some stand-in has a result: the re-run's would not match it (new
@@ -338,9 +347,9 @@ class Recovery:
                 if spec is None or any(failure is s for s in seen):  # the same failure
                     return  # again (an upstream future it returns): a re-run cannot repair it
                 seen.append(failure)
-                await self._respawned_for(node, step, spec, failure)
+                await self._respawned_for(node, step, spec, failure, given)
                 # (another group it calls may have died too: re-run again, not rewound)
-                out, called = await self._run(node, step, fn)
+                out, called = await self._run(node, step, fn, given)
                 inner = _unique_futures(out, given)
                 if len(inner) != len(proxies):
                     failure = RecoveryError(f"node {node!r} returned {len(inner)} futures when "
@@ -363,6 +372,9 @@ class Recovery:
         if spec is None or spec.name not in called or spec.stateful or \
                 not self._restartable(spec) or self._stateful(called):
             return None
+        death = death_of(exc)  # declared already: the group may be back since (a late await)
+        if death is not None and death.group == spec.name:
+            return spec
         dead = await self.dead_groups(of=spec)  # (another group's death may show first)
         if not dead:
             setattr(exc, _NO_DEATH, True)
@@ -512,9 +524,10 @@ async def _attempt(fn: Callable[[], Any], called: set[str]) -> Any:
 
 
 def _death_behind(exc: BaseException) -> bool:
-    """Whether `exc` (or what caused it) is a group's death, or an input lost with one:
-    declared deaths, which a rewind recovers from whether or not the group is back."""
-    return any(isinstance(e, GroupDeadError | InputLostError) for e in _chain(exc))
+    """Whether `exc` (or what caused it) is a group's death, a call it broke, or an input
+    lost with one: declared deaths, which a rewind recovers from whether or not the group is
+    back."""
+    return any(death_of(e) is not None or isinstance(e, InputLostError) for e in _chain(exc))
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -529,9 +542,10 @@ def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
-def _unique_futures(out: Any, given: set[int]) -> list[DistFuture]:
-    """The futures in `out`, each once, but those in `given` (ids)."""
-    return list({id(f): f for f in futures_in(out) if id(f) not in given}.values())
+def _unique_futures(out: Any, given: list[DistFuture]) -> list[DistFuture]:
+    """The futures in `out`, each once, but those in `given`."""
+    ids = {id(f) for f in given}
+    return list({id(f): f for f in futures_in(out) if id(f) not in ids}.values())
 
 
 def _settled(task: asyncio.Task) -> None:
