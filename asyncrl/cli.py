@@ -15,7 +15,8 @@
     asyncrl attach [RUN_DIR] [--group G] [--rank R] [--thread T] [--list]
                                                          pdb on a rank in breakpoint()
     asyncrl bench FILE [--steps N] [--run-dir DIR] [key=value ...] (and launch's
-                       Controller settings)  run FILE's flow and say where the time went
+                       --hosts, --controller-address and Controller settings)
+                                          run FILE's flow and say where the time went
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.cli_cluster import launch_cluster
+from asyncrl.cli_export import export
 from asyncrl.cli_resume import RUNS, run_to_resume
 from asyncrl.compat import format_exception
 from asyncrl.controller.logs import visible
@@ -269,7 +271,10 @@ def run_node(args: argparse.Namespace) -> int:
                          f"RUN_DIR/inputs/step<t>/{args.node}.msgpack")
     # the groups are built as in the run that saved the inputs, unless told otherwise
     given = key_values("run", args.args)
-    overrides = {**saved_overrides(inputs), **given}
+    try:  # (checked to be this user's, before they reach the flow file's import)
+        overrides = {**saved_overrides(inputs), **given}
+    except CheckpointError as e:
+        raise SystemExit(f"asyncrl run: {e}") from None
     if overrides:
         print(f"asyncrl run: overrides {json.dumps(overrides)}", file=sys.stderr)
     module = load_flow(args.script, overrides,  # (those saved alone: dropped if not declared)
@@ -308,25 +313,6 @@ def timeline(args: argparse.Namespace) -> int:
     except OSError as e:  # (a run directory this user cannot write: another user's run)
         raise SystemExit(f"asyncrl timeline: drawing {trace} into {png} failed ({e}); give "
                          f"--out FILE.png, a file you can write") from None
-    return 0
-
-
-def export(args: argparse.Namespace) -> int:
-    from transformers.utils import logging
-
-    from asyncrl.controller.launch import sigterm_raises
-    from asyncrl.hybrid.export import export as write
-
-    logging.disable_progress_bar()  # one line says what was written
-    try:  # (SIGTERM raises: its half-written folder is removed, as on any failure)
-        with sigterm_raises():
-            done = write(Path(args.path), Path(args.out), args.group, args.dtype)
-    except (OSError, ValueError) as e:  # (a checkpoint file unreadable, OUT not writable)
-        raise SystemExit(f"asyncrl export: {e}") from None
-    print(f"asyncrl export: wrote {done['out']}: group {done['group']!r} of "
-          f"{done['checkpoint']}, {done['parameters']:,} parameters in {done['dtype']}")
-    for note in done["notes"]:
-        print(f"asyncrl export: note: {note}")
     return 0
 
 
@@ -407,10 +393,14 @@ def bench(args: argparse.Namespace) -> int:
     if args.steps is None and flow.steps is not None and args.warmup >= flow.steps:
         raise SystemExit(f"asyncrl bench: --warmup {args.warmup} leaves none of the flow's "
                          f"{flow.steps} steps to measure; give a smaller --warmup")
+    cluster, host = launch_cluster(args)  # (refused before a run directory is made)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
-    failed = _run_flow("bench", run_dir, launch_flow(flow, args.steps, run_dir,
-                                                     controller=settings))
+    # no checkpoint: its saves would count in the figures, and `launch --resume` (which
+    # looks for runs with one) took the bench for the flow's training run
+    failed = _run_flow("bench", run_dir, launch_flow(
+        flow, args.steps, run_dir, checkpoints=False, cluster=cluster, host=host,
+        controller=settings))
     if failed:
         return failed
     deps = {name: [src[1] for src in d.values() if src is not None and src[0] == "node"]
@@ -426,6 +416,17 @@ def bench(args: argparse.Namespace) -> int:
     except ImportError as e:  # the figures are written: the picture is optional
         print(f"timeline: not drawn: {e}", file=sys.stderr)
     return 0
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    """Where a flow's groups run (read back by `launch_cluster`)."""
+    p.add_argument("--hosts", default=None, metavar="FILE",
+                   help="spread groups over the hosts of FILE (JSON: {\"hosts\": [{\"name\", "
+                        "\"address\", \"gpus\", \"cpus\", \"via\": ssh|srun|local|netns}]}); "
+                        "inside a SLURM allocation its nodes are used without it")
+    p.add_argument("--controller-address", default=None,
+                   help="the address ranks on other hosts reach the controller at (default: "
+                        "this machine's)")
 
 
 def _controller_flags(p: argparse.ArgumentParser) -> None:
@@ -471,13 +472,7 @@ def parser() -> argparse.ArgumentParser:
                     "steps=, else until an input is exhausted)")
     lp.add_argument("--run-dir", default=None, help="where logs, metrics.jsonl and "
                     "timeline.json go (default: runs/<time>)")
-    lp.add_argument("--hosts", default=None, metavar="FILE",
-                    help="spread groups over the hosts of FILE (JSON: {\"hosts\": [{\"name\", "
-                         "\"address\", \"gpus\", \"cpus\", \"via\": ssh|srun|local|netns}]}); "
-                         "inside a SLURM allocation its nodes are used without it")
-    lp.add_argument("--controller-address", default=None,
-                    help="the address ranks on other hosts reach the controller at (default: "
-                         "this machine's)")
+    _cluster_flags(lp)
     lp.add_argument("--save-inputs", action="store_true",
                     help="save every node's inputs, for `asyncrl run --node`")
     lp.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
@@ -532,12 +527,14 @@ def parser() -> argparse.ArgumentParser:
                         "group, the critical path, overlap efficiency and tokens/s",
                         description="Run SCRIPT's flow, then analyse its timeline: per node "
                         "and per group busy and idle time, the critical path, overlap "
-                        "efficiency and tokens/s; writes RUN_DIR/bench.json and timeline.png.")
+                        "efficiency and tokens/s; writes RUN_DIR/bench.json and timeline.png "
+                        "(and no checkpoint: a bench is no run to resume).")
     bp.add_argument("script")
     bp.add_argument("--steps", type=int, default=None)
     bp.add_argument("--run-dir", default=None)
     bp.add_argument("--warmup", type=int, default=0, metavar="N",
                     help="leave the first N steps out of the figures (start-up, first calls)")
+    _cluster_flags(bp)
     _controller_flags(bp)
     bp.add_argument("args", nargs="*", help="key=value overrides")
     bp.set_defaults(func=bench)

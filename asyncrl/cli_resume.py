@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import sys
@@ -18,6 +19,10 @@ def run_to_resume(script: str, root: Path = RUNS) -> Path:
     if not os.path.isfile(script):
         raise SystemExit(f"asyncrl: no such file: {script}")
     name = os.path.basename(script)
+    if _driver(script):  # (asked for a --run-dir it would then refuse)
+        raise SystemExit(f"asyncrl launch: --resume continues the run of a flow file's `flow`; "
+                         f"{name} defines main() (a driver), which makes its own Controller: "
+                         f"resume in main(), from the checkpoints it saves")
     found, refused, elsewhere = newest_run_of(script, root)
     if found is None:
         raise SystemExit(f"asyncrl launch: --resume needs --run-dir DIR, the run to continue "
@@ -34,6 +39,26 @@ def run_to_resume(script: str, root: Path = RUNS) -> Path:
           f"under {root}/ with a checkpoint of {name}; give --run-dir DIR for another",
           file=sys.stderr)
     return run
+
+
+def _driver(script: str) -> bool:
+    """Whether `script` defines main() and binds no `flow` at its top level: read, not
+    imported (unreadable or no Python: False, and its import says why)."""
+    try:
+        tree = ast.parse(Path(script).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    bound: set[str] = set()
+    for stmt in tree.body:
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(stmt.name)
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                bound.add(node.id)
+            elif isinstance(node, ast.Import | ast.ImportFrom):  # (`*`: maybe a flow)
+                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return "main" in bound and not {"flow", "*"} & bound
 
 
 def _refused(refused: list[tuple[Path, str]]) -> str:

@@ -19,6 +19,7 @@ The newest `keep` checkpoints are kept (None: all).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pickle
@@ -27,6 +28,7 @@ import shutil
 import stat
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from asyncrl.actors.worker import not_yours, rng_state, set_rng_state, sync_dir,
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
 from asyncrl.controller.logs import say
-from asyncrl.errors import CheckpointError, GroupDeadError, RemoteError
+from asyncrl.errors import AsyncRLError, CheckpointError, GroupDeadError, RemoteError
 
 CHECKPOINTS = "checkpoints"
 KEEP = 3  # the default number of checkpoints kept: enough to step back past a bad one
@@ -124,12 +126,16 @@ def open_to_all(run_dir: Path) -> str | None:
     return None
 
 
-def _own(path: Path) -> None:
+def _own(path: Path, use: str = "--resume", done: str = "resumed") -> None:
     """A checkpoint is code as well as data (torch's distributed checkpoints and DeepSpeed's
     are read with pickle, meta.json holds settings): refuse one that another user wrote, or
-    could have: its folders above it and every folder and file in it (a few per group)."""
+    could have: its folders above it and every folder and file in it (a few per group).
+    `use`, `done`: the command that reads it, what it does (`asyncrl export`, "exported")."""
     tree = _tree(path)
-    for where in (path.parent.parent, path.parent, *tree):  # run dir, checkpoints
+    # the run dir above its checkpoints/ too (a step_* folder moved out of its run, given to
+    # export: only the folder holding it)
+    above = [path.parent.parent] if path.parent.name == CHECKPOINTS else []
+    for where in (*above, path.parent, *tree):
         try:
             whose = not_yours(where)
         except OSError as e:  # (a link to nothing)
@@ -141,10 +147,10 @@ def _own(path: Path) -> None:
                 fix = f"`chmod -R o-w {path if where in tree else where}` if you trust " \
                       f"its contents"
             raise CheckpointError(
-                f"--resume: {where} is {whose}; "
+                f"{use}: {where} is {whose}; "
                 f"a checkpoint is loaded with pickle (torch's distributed checkpoints, "
                 f"DeepSpeed's), so only one that you wrote, in folders only you (or your "
-                f"group) can write, is resumed: {fix} (or set {TRUST_RUN_DIR}=1 where "
+                f"group) can write, is {done}: {fix} (or set {TRUST_RUN_DIR}=1 where "
                 f"that is false: root on NFS, a FUSE mount)")
 
 
@@ -269,13 +275,14 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     inputs = positions(flow)  # first: an input whose position cannot be saved fails the
     # save before any group wrote
     # deletes and fsyncs (maybe gigabytes, on NFS) off the loop: heartbeats go on meanwhile
-    if not root.is_dir():  # (0o775: under umask 0, one every user could write, which
-        root.mkdir(PRIVATE_DIR, parents=True)  # --resume would refuse)
-        await asyncio.to_thread(sync_dir, root.parent)  # the first checkpoint's folder
-        # survives a power cut
-    for notice in await asyncio.to_thread(_remove_stale, root, tmp):
-        say(flow._ctl, notice)
-    tmp.mkdir(PRIVATE_DIR)
+    with writing(flow, run_dir, step):
+        if not root.is_dir():  # (0o775: under umask 0, one every user could write, which
+            root.mkdir(PRIVATE_DIR, parents=True)  # --resume would refuse)
+            await asyncio.to_thread(sync_dir, root.parent)  # the first checkpoint's folder
+            # survives a power cut
+        for notice in await asyncio.to_thread(_remove_stale, root, tmp):
+            say(flow._ctl, notice)
+        tmp.mkdir(PRIVATE_DIR)
     # every save ends before one's failure is raised: a live group's (a long FSDP save)
     # must not still write when a resave respawns the dead ones and makes the save again
     ended = await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups),
@@ -283,21 +290,22 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
     errors = [e for e in ended if isinstance(e, BaseException)]
     if errors:  # a death first: it explains the others, and a resave recovers from it
         raise next((e for e in errors if isinstance(e, GroupDeadError)), errors[0])
-    torch.save(rng_state(), tmp / "controller_rng.pt")  # for nodes that draw random numbers
-    await asyncio.to_thread(_unshared, tmp)  # (before the sync: the modes on disk too)
-    # (the ranks synced what they wrote: here, the folders and the rest; off the loop)
-    await asyncio.to_thread(sync_tree, tmp)
-    meta = {"step": step, "flow": identity(flow), "inputs": inputs,
-            "sizes": sizes(flow), "overrides": json.loads(os.environ.get(OVERRIDES_ENV, "{}")),
-            # how the command line said to checkpoint, which a resume goes on with
-            "launch_options": flow.launch_options,
-            "restarts": dict(flow.recovery.restarts),  # the budget is the run's, resumes too
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    # last: marks it complete
-    await asyncio.to_thread(_write_synced, tmp / "meta.json", json.dumps(meta, indent=1))
-    # one thread call: a cancel (Ctrl-C) between them would lose the superseded checkpoint
-    # and never install the new one
-    await asyncio.to_thread(_install, tmp, final)
+    with writing(flow, run_dir, step):  # for nodes that draw random numbers:
+        torch.save(rng_state(), tmp / "controller_rng.pt")
+        await asyncio.to_thread(_unshared, tmp)  # (before the sync: the modes on disk too)
+        # (the ranks synced what they wrote: here, the folders and the rest; off the loop)
+        await asyncio.to_thread(sync_tree, tmp)
+        meta = {"step": step, "flow": identity(flow), "inputs": inputs, "sizes": sizes(flow),
+                "overrides": json.loads(os.environ.get(OVERRIDES_ENV, "{}")),
+                # how the command line said to checkpoint, which a resume goes on with
+                "launch_options": flow.launch_options,
+                "restarts": dict(flow.recovery.restarts),  # the run's budget, resumes too
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        # last: marks it complete
+        await asyncio.to_thread(_write_synced, tmp / "meta.json", json.dumps(meta, indent=1))
+        # one thread call: a cancel (Ctrl-C) between them would lose the superseded
+        # checkpoint and never install the new one
+        await asyncio.to_thread(_install, tmp, final)
     if keep is not None:
         try:
             for old in complete(run_dir)[:-keep]:
@@ -307,6 +315,28 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
             say(flow._ctl, f"asyncrl: could not remove an old checkpoint ({e}); the next "
                            f"checkpoint tries again")
     return final
+
+
+@contextlib.contextmanager
+def writing(flow: DataFlow, run_dir: Path, step: int) -> Iterator[None]:
+    """The controller's own writes of checkpoint `step`: one that fails (a full disk: an
+    OSError, torch.save's RuntimeError) is a CheckpointError saying what to do (the groups'
+    errors are their own: a dead group's is recovered from)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, AsyncRLError):  # (a TransferTimeout is an OSError too)
+            raise
+        newest = latest(run_dir)
+        flow_file = os.path.basename(flow.launch_options.get("flow_file", "FLOW"))
+        then = (f"then continue from {newest.name}, its newest complete checkpoint: `asyncrl "
+                f"launch {flow_file} --resume --run-dir {run_dir}`" if newest is not None else
+                f"then launch again in another --run-dir ({run_dir} holds no complete "
+                f"checkpoint to resume from)")
+        raise CheckpointError(
+            f"the checkpoint of step {step} could not be written into {run_dir}/{CHECKPOINTS} "
+            f"({type(e).__name__}: {e}); free space on its file system (or lift what refused "
+            f"the write: a quota, a file size limit), {then}") from e
 
 
 def positions(flow: DataFlow) -> dict[str, Any]:

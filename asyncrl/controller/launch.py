@@ -30,7 +30,7 @@ from asyncrl.controller import checkpoint, declare
 from asyncrl.controller.controller import Controller
 from asyncrl.controller.declare import OVERRIDES_ENV
 from asyncrl.controller.flow import DataFlow
-from asyncrl.controller.logs import append_line
+from asyncrl.controller.logs import append_line, say
 from asyncrl.controller.recovery import RESTARTS_FILE
 from asyncrl.controller.runner import Terminated
 from asyncrl.controller.saved_inputs import load_inputs  # noqa: F401 - (cli imports it here)
@@ -223,10 +223,11 @@ async def launch_flow(flow: DataFlow, steps: int | None, run_dir: Path,
     """Run `flow` up to step index `steps` (None: `flow.steps`) with its outputs in `run_dir`,
     checkpointing after its last step (and every `flow.checkpoint_every` steps). Options:
     `resume`: continue from the newest complete checkpoint in `run_dir`; else none there.
-    `keep`: checkpoints kept. `controller`: more Controller settings (heartbeat_interval=...).
-    `wandb`: a Weights & Biases project the metrics go to as well. `cluster`, `host`: where
-    groups run. Recoveries from dead groups are written to run_dir/recoveries.jsonl. The run
-    directory is this launch's alone while it runs (a lock on RUN_DIR/.lock)."""
+    `keep`: checkpoints kept; `checkpoints=False`: none written (`asyncrl bench`).
+    `controller`: more Controller settings (heartbeat_interval=...). `wandb`: a Weights &
+    Biases project the metrics go to as well. `cluster`, `host`: where groups run.
+    Recoveries from dead groups are written to run_dir/recoveries.jsonl. The run directory
+    is this launch's alone while it runs (a lock on RUN_DIR/.lock)."""
     run_dir = Path(run_dir)
     if options.get("resume") and not run_dir.is_dir():  # its own error, and no folder made
         checkpoint.resumable(run_dir, flow)
@@ -279,6 +280,7 @@ def _open_run_dir(run_dir: Path) -> int:
 
 async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_inputs: bool,
                        *, resume: bool = False, keep: int | None = checkpoint.KEEP,
+                       checkpoints: bool = True,
                        cluster: Any = None, host: str = "127.0.0.1",
                        controller: dict[str, Any] | None = None,
                        wandb: str | None = None) -> Path:
@@ -320,10 +322,15 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
         # out of memory on the loop, appended to timeline.jsonl and timeline.json rebuilt
         # from it off the loop (the whole trace was built from every event of the run at
         # each checkpoint: ~2.7 s for 400k events, near a heartbeat timeout, on the loop)
-        await write_spans(timeline, step)
+        try:
+            await write_spans(timeline, step)
+        except OSError as e:  # the trace is not the checkpoint: its spans wait for the next
+            say(flow._ctl, f"asyncrl: writing the timeline at step {step}'s checkpoint "
+                           f"failed ({e}); its spans are written with the next")
         metrics.flush()
-        if (run_dir / "metrics.jsonl").exists():  # its rows up to the checkpoint, on disk
-            await asyncio.to_thread(sync_file, run_dir / "metrics.jsonl")
+        with checkpoint.writing(flow, run_dir, step):  # its rows up to the checkpoint, on disk
+            if (run_dir / "metrics.jsonl").exists():
+                await asyncio.to_thread(sync_file, run_dir / "metrics.jsonl")
         await checkpoint.save(flow, run_dir, step, keep)
 
     async def restore() -> bool:  # after a death: the newest checkpoint, if there is one
@@ -346,9 +353,11 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                 await asyncio.to_thread(timeline.resume, meta["step"])
             flow.save_inputs = run_dir / "inputs" if save_inputs else None
             if flow.save_inputs is not None:  # `asyncrl run --node` builds the groups alike
-                flow.save_inputs.mkdir(parents=True, exist_ok=True)
-                (flow.save_inputs / OVERRIDES_FILE).write_text(
-                    os.environ.get(OVERRIDES_ENV, "{}"))
+                # (with no write for others, whatever the umask: it refuses settings others
+                # could have written)
+                flow.save_inputs.mkdir(checkpoint.PRIVATE_DIR, parents=True, exist_ok=True)
+                checkpoint._write_synced(flow.save_inputs / OVERRIDES_FILE,
+                                         os.environ.get(OVERRIDES_ENV, "{}"))
             flow.recovery.log_path = run_dir / "recoveries.jsonl"
             try:
                 await flow.open(ctl)
@@ -358,7 +367,8 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                         await flow.recovery.restored(
                             lambda: checkpoint.restore(flow, resume_from, meta))
                     checkpoint.positions(flow)  # now, not at the first checkpoint (the end)
-                    await flow.run(steps, on_step=metrics, checkpoint=save, restore=restore,
+                    await flow.run(steps, on_step=metrics, restore=restore,
+                                   checkpoint=save if checkpoints else None,
                                    on_rewind=metrics.rewind_off_loop, keep=False)
                     what = f"input {flow.ended!r}" if flow.ended in flow.feed.sources \
                         else f"the prompts node {flow.ended!r} draws"  # (DAPO's: its own)
@@ -377,7 +387,11 @@ async def _launch_flow(flow: DataFlow, steps: int | None, run_dir: Path, save_in
                 finally:
                     await flow.close()
             finally:
-                await write_last_spans(timeline)
+                try:
+                    await write_last_spans(timeline)
+                except OSError as e:  # (a full disk): never in place of the run's own error
+                    say(ctl, f"asyncrl: writing the run's last timeline spans failed ({e}); "
+                             f"timeline.json lacks them")
         failed = False
     finally:
         metrics.close(failed)  # (wandb's service process with it)
@@ -454,10 +468,25 @@ def sigterm_raises() -> Iterator[None]:
 
 
 def saved_overrides(inputs: Path) -> dict[str, Any]:
-    """The key=value overrides of the run that saved `inputs` (RUN_DIR/inputs/...)."""
+    """The key=value overrides of the run that saved `inputs` (RUN_DIR/inputs/...); they
+    reach the flow file's import, so only where this user's: CheckpointError where another
+    user wrote them, or could have (as --resume refuses another's checkpoint)."""
     for folder in inputs.resolve().parents:
-        if folder.name == "inputs" and (folder / OVERRIDES_FILE).is_file():
-            return dict(json.loads((folder / OVERRIDES_FILE).read_text()))
+        if folder.name == "inputs" and (file := folder / OVERRIDES_FILE).is_file():
+            for where in (folder.parent, folder, file):
+                whose = checkpoint.not_yours(where)
+                if whose is not None and os.environ.get(checkpoint.TRUST_RUN_DIR) != "1":
+                    fix = (f"`chmod o-w {where}` if you trust it"
+                           if checkpoint._own_but_shared(where) else
+                           f"copy {folder} into a run directory of yours (its "
+                           f"{OVERRIDES_FILE} read first)")
+                    raise CheckpointError(
+                        f"{where} is {whose}; the run's settings in {file} would reach the "
+                        f"flow file's import, so only those you saved, in folders only you "
+                        f"(or your group) can write, are taken: {fix}, or set "
+                        f"{checkpoint.TRUST_RUN_DIR}=1 where that is false (root on NFS, a "
+                        f"FUSE mount)")
+            return dict(json.loads(file.read_text()))
     return {}
 
 
