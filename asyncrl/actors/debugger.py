@@ -42,9 +42,12 @@ class _Conn:
 
     def __init__(self, sock: socket.socket):
         self._sock = sock
-        # two streams: one text stream for both would drop what it read ahead on a write
-        self._in = sock.makefile("r", encoding="utf-8", newline="\n")
-        self._out = sock.makefile("w", buffering=1, encoding="utf-8", newline="\n")
+        # two streams: one text stream for both would drop what it read ahead on a write;
+        # a byte that is not UTF-8 (a latin-1 terminal) read as EOF would end the session,
+        # and a lone surrogate (a filename's) written would drop the output: both replaced
+        self._in = sock.makefile("r", encoding="utf-8", errors="replace", newline="\n")
+        self._out = sock.makefile("w", buffering=1, encoding="utf-8",
+                                  errors="backslashreplace", newline="\n")
         self.closed = False
 
     def readline(self) -> str:

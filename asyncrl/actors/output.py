@@ -42,8 +42,11 @@ def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
     lines: list[bytes] = []
     for line in complete:
         lines.extend([piece for piece in line.split(b"\r") if piece] or [b""])
-    held = rest.endswith(b"\r")  # maybe half a CRLF: what comes next says
-    *redrawn, rest = (rest[:-1] if held else rest).split(b"\r")
+    # maybe half a CRLF, or of a \r\r\n: what comes next says; the line stays held with
+    # one \r (a run of them ends a line as one does; the rest stays bounded)
+    body = rest.rstrip(b"\r")
+    held = body != rest
+    *redrawn, rest = body.split(b"\r")
     lines.extend(piece for piece in redrawn if piece)
     rest += b"\r" if held else b""
     while len(rest) - held > LINE_CAP:
