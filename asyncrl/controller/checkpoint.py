@@ -285,11 +285,7 @@ async def save(flow: DataFlow, run_dir: Path, step: int, keep: int | None = KEEP
         tmp.mkdir(PRIVATE_DIR)
     # every save ends before one's failure is raised: a live group's (a long FSDP save)
     # must not still write when a resave respawns the dead ones and makes the save again
-    ended = await asyncio.gather(*(_handle(g).save_checkpoint(str(tmp)) for g in flow.groups),
-                                 return_exceptions=True)
-    errors = [e for e in ended if isinstance(e, BaseException)]
-    if errors:  # a death first: it explains the others, and a resave recovers from it
-        raise next((e for e in errors if isinstance(e, GroupDeadError)), errors[0])
+    await _on_every_group([_handle(g) for g in flow.groups], "save_checkpoint", tmp)
     with writing(flow, run_dir, step):  # for nodes that draw random numbers:
         torch.save(rng_state(), tmp / "controller_rng.pt")
         await asyncio.to_thread(_unshared, tmp)  # (before the sync: the modes on disk too)
@@ -445,7 +441,7 @@ async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
     within the run); the step to run next."""
     handles = [_handle(g) for g in flow.groups]
     try:
-        await asyncio.gather(*(h.load_checkpoint(str(path)) for h in handles))
+        await _on_every_group(handles, "load_checkpoint", path)
         rng = torch.load(path / "controller_rng.pt", weights_only=True)
     except (RemoteError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         # a file damaged or missing, maybe; or a death (a rewind's to recover from), which
@@ -470,6 +466,19 @@ async def restore(flow: DataFlow, path: Path, meta: dict[str, Any],
                               f"{type(e).__name__}: {e}\nif its files are damaged, "
                               f"{_aside(path)}") from e
     return start
+
+
+async def _on_every_group(handles: list[Any], method: str, path: Path) -> None:
+    """`method(path)` on every group, each to its end before a failure is raised (a dead
+    group's call raises as it is made: the live groups' saves or loads went on past it, as
+    a resave or rewind respawned the dead one and began again); a death first: it explains
+    the others, and a resave or rewind recovers from it."""
+    async def one(handle: Any) -> Any:
+        return await getattr(handle, method)(str(path))
+    ended = await asyncio.gather(*(one(h) for h in handles), return_exceptions=True)
+    errors = [e for e in ended if isinstance(e, BaseException)]
+    if errors:
+        raise next((e for e in errors if isinstance(e, GroupDeadError)), errors[0])
 
 
 def _handle(group: Any) -> Any:
