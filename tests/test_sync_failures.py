@@ -38,3 +38,30 @@ def test_a_failed_pack_frees_its_buckets_then_reads_the_rest_of_the_weights(monk
     with pytest.raises(torch.OutOfMemoryError, match="no room for the second bucket"):
         SyncSource().pack(gathered(), version=0, flat=True)
     assert freed == [True]
+
+
+def test_a_failed_small_weights_gather_still_runs_the_other_dtypes_gathers(monkeypatch):
+    """The small weights are gathered a plan per dtype (a bf16 LoRA model's fp32 adapters
+    beside its bf16 norm): past one plan's failure on a rank, `failed or attempt(...)` ran
+    none of the next plans' all_gathers there, and its peers waited in them."""
+    ran = []
+
+    class OnePlanFails:
+        def reserve(self, plan):
+            pass
+
+        def run(self, plan):
+            ran.append(plan)
+            if len(ran) == 1:
+                raise RuntimeError("the copy of the first plan failed on this rank")
+
+        def free(self):
+            pass
+
+    monkeypatch.setattr(weight_sync, "Gatherer", OnePlanFails)
+    monkeypatch.setattr(weight_sync, "row_sharded", lambda p: True)
+    monkeypatch.setattr(weight_sync, "plan_gather", lambda pairs, size: [list(pairs)])
+    named = [("a", torch.zeros(4)), ("b", torch.zeros(4, dtype=torch.bfloat16))]
+    with pytest.raises(RuntimeError, match="first plan failed"):
+        list(weight_sync.gathered(named, 1 << 20))
+    assert len(ran) == 2

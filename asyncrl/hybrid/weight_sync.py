@@ -21,9 +21,10 @@ this code) at 54% (31.8 GiB/s).
 
 Small parameters sharded over several ranks (up to SMALL_BYTES) are gathered together, one
 all_gather per bucket (`asyncrl.hybrid.gather`) into one flat buffer whose views are the
-pack's columns; large ones one by one, each straight into its own tensor. Each gather's
-buffers are made first, every rank agreeing they were: an out-of-memory on one fails all at
-once, none left in an all_gather (rank 0, which alone holds the pack, runs out first).
+pack's columns; large ones one by one, each straight into its own tensor. Each row-sharded
+gather's buffers are made first, every rank agreeing they were: an out-of-memory on one
+fails all at once, none left in an all_gather (rank 0, which alone holds the pack, runs out
+first). A TP weight (a 2-D mesh's) is gathered by DTensor's full_tensor(), unagreed.
 """
 
 from __future__ import annotations
@@ -179,8 +180,9 @@ def gathered(named: list[tuple[str, Any]], bucket_bytes: int
     # agreed: out of memory on one rank fails every rank here, none waits in an all_gather
     agree(attempt(prepare), "preparing the weights' gathers")
     failed = None
-    for plan in plans:  # (each runs its collectives to the end past a failure)
-        failed = failed or attempt(functools.partial(gatherer.run, plan))
+    for plan in plans:  # (each runs its collectives past a failure: no `or` skips one)
+        err = attempt(functools.partial(gatherer.run, plan))
+        failed = failed or err
     gatherer.free()  # (not held through the large ones' gathers and the packing)
     agree(failed, "gathering the small weights")
     for n, p in named:
