@@ -189,3 +189,23 @@ def test_a_drivers_resume_says_main_resumes_itself(tmp_path, monkeypatch):
                                          r"`flow`; drv.py defines main\(\) \(a driver\), .*"
                                          r"resume in main\(\)"):
         main(["launch", "drv.py", "--resume"])
+
+
+def test_a_full_disks_error_names_a_resume_command_that_finds_the_flow_file(tmp_path):
+    """The command to resume named the flow file by its base name: run from another folder
+    (`asyncrl launch examples/grpo.py`), it said `asyncrl launch grpo.py --resume`."""
+    from types import SimpleNamespace
+
+    from asyncrl.controller import checkpoint
+    from asyncrl.errors import CheckpointError
+
+    flow_file = tmp_path / "sub" / "f.py"
+    run_dir = tmp_path / "run"
+    kept = run_dir / "checkpoints" / "step_000000"
+    kept.mkdir(parents=True)
+    (kept / "meta.json").write_text(json.dumps({"step": 0}))
+    flow = SimpleNamespace(launch_options={"flow_file": str(flow_file)})
+    with pytest.raises(CheckpointError, match="step_000000") as e:
+        with checkpoint.writing(flow, run_dir, 1):
+            raise OSError(28, "No space left on device")
+    assert f"asyncrl launch {flow_file} --resume --run-dir {run_dir}" in str(e.value)

@@ -324,7 +324,7 @@ def writing(flow: DataFlow, run_dir: Path, step: int) -> Iterator[None]:
         if isinstance(e, AsyncRLError):  # (a TransferTimeout is an OSError too)
             raise
         newest = latest(run_dir)
-        flow_file = os.path.basename(flow.launch_options.get("flow_file", "FLOW"))
+        flow_file = flow.launch_options.get("flow_file", "FLOW")  # (its real path: any cwd)
         then = (f"then continue from {newest.name}, its newest complete checkpoint: `asyncrl "
                 f"launch {flow_file} --resume --run-dir {run_dir}`" if newest is not None else
                 f"then launch again in another --run-dir ({run_dir} holds no complete "

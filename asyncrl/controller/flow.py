@@ -80,12 +80,6 @@ class DataFlow:
                             f"each rollout waits for the train step before it), got "
                             f"{max_staleness!r}")
         self.max_staleness = max_staleness
-        if max_staleness and not any(n.follows for n in self.nodes.values()):
-            # (only the in-flight bound holds a step back: looser than the k asked for)
-            log.warning(f"asyncrl: max_staleness={max_staleness} bounds follows= edges, and no "
-                        f"node of this flow has one: steps overlap up to {max_staleness + 1} "
-                        f"apart; add follows=\"train\" to the rollout node (it then waits for "
-                        f"train of step t-k-1)")
         if checkpoint_every is not None and not count(checkpoint_every, 1):
             raise FlowError(f"checkpoint_every must be an int >= 1 (or None: only after the "
                             f"last step), got {checkpoint_every!r}")
@@ -145,6 +139,12 @@ class DataFlow:
             raise
 
     async def _open(self, ctl: Any) -> None:
+        k, names = self.max_staleness, list(self.nodes)  # (said here, not in each process
+        if k and not any(n.follows for n in self.nodes.values()):  # importing the flow file)
+            log.warning(f"asyncrl: max_staleness={k} bounds follows= edges, and no node of "
+                        f"this flow has one: steps overlap up to {k + 1} apart; give the node "
+                        f"that must wait for another follows= (a rollout's: follows=\"train\"; "
+                        f"this flow's nodes: {names}; only the in-flight bound holds a step back)")
         # (no timeline of its own: `asyncrl launch` gives the controller one, which writes
         # each checkpoint's steps out; one here kept every event of a run, read by nothing)
         names = [g.name for g in self.groups]
