@@ -173,8 +173,11 @@ class Signer:
 
 def _who(route: bytes) -> str:
     """A route as logged: its group/rank/role, never a rank socket's tag after them (a log
-    read by others must not give them the part that proves a socket is that rank's)."""
-    return b"/".join(route.split(b"/")[:3])[:80].decode(errors="replace") or "?"
+    read by others must not give them the part that proves a socket is that rank's). Any
+    peer picks its own route: bytes that are not text and characters that are not printable
+    (a newline, a terminal escape) are written escaped, so a route cannot forge log lines."""
+    who = b"/".join(route.split(b"/")[:3])[:80].decode(errors="backslashreplace")
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in who) or "?"
 
 
 class Verifier:

@@ -8,13 +8,14 @@ import math
 import torch
 
 from asyncrl.comm import dataserver
+from asyncrl.comm.dtypes import torch_dtype
 from asyncrl.comm.messages import Column
 from asyncrl.comm.remote import Piece
 
 
 def row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     """The bytes of a row of a tensor column."""
-    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return math.prod(shape) * torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
 def list_row_bytes(columns: tuple[Column, ...]) -> int:

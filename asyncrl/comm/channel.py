@@ -25,6 +25,8 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 DRAIN_MAX = 1000  # messages read in one turn of the loop; the rest in the next
 DRAIN_PARTS = 4 * DRAIN_MAX  # and parts: a message of more is read over several turns
+DRAIN_BYTES = 64 << 20  # and signed bodies' bytes (each hashed to be checked): a turn of
+# three 2 GiB unsigned bodies, from anyone reaching the port, held the loop ~3.6 s
 MAX_PARTS = 3 + (1 << 16)  # parts kept of one message (route, body, MAC, raw frames of at
 # least codec.OOB_MIN_BYTES each, or their PART_BYTES parts): the rest are read and dropped,
 # and so is the message
@@ -238,7 +240,7 @@ class ControllerChannel:
         recv, handle = self._sock.recv, self._handle
         assert handle is not None
         frames, excess = self._partial, self._excess  # a message an earlier turn began
-        left = DRAIN_MAX
+        left, hashed = DRAIN_MAX, 0
         for _ in range(DRAIN_PARTS):  # parts, not messages: one of a million parts must not
             try:  # keep the loop here either
                 frame = recv(_NOBLOCK, copy=False)
@@ -254,10 +256,11 @@ class ControllerChannel:
             if excess:
                 self._verifier.drop("too_many_parts", frames[0].bytes)
             else:
+                hashed += len(frames[1]) if len(frames) > 1 else 0
                 self._dispatch(frames, handle)
             frames, excess = [], 0
             left -= 1
-            if not left:
+            if not left or hashed >= DRAIN_BYTES:
                 break
         self._partial, self._excess = frames, excess
         self._wake()  # more: after the loop's other work (a flood of frames, signed or not,

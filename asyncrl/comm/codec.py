@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from asyncrl.comm.batch import TensorBatch, concat_meta, sliced_meta
+from asyncrl.comm.dtypes import torch_dtype
 from asyncrl.comm.messages import Column
 from asyncrl.comm.refs import is_referable, make_ref, resolve_ref
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue, Shard
@@ -88,9 +89,10 @@ def _wire_dtype(name: Any) -> tuple[torch.dtype, np.dtype | None, torch.dtype | 
     name gets ValueError)."""
     got = _DTYPES.get(name) if isinstance(name, str) else None
     if got is None:
-        dtype = getattr(torch, name, None) if isinstance(name, str) else None
-        if not isinstance(dtype, torch.dtype) or dtype in _QUANTIZED:
-            raise ValueError(f"unknown tensor dtype {name!r}")
+        dtype = torch_dtype(name)  # (never getattr(torch, name): see comm/dtypes.py)
+        if dtype in _QUANTIZED:
+            raise ValueError(f"tensor dtype {name!r} refused: a quantized tensor is more than "
+                             f"its bytes (asyncrl's encoder never sends one)")
         got = _DTYPES[name] = (dtype, *_dtype_info(dtype)[1:])
     return got
 

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from asyncrl.comm.dtypes import torch_dtype
 from asyncrl.comm.messages import IpcRows
 
 log = logging.getLogger("asyncrl")
@@ -143,7 +144,7 @@ def copy_rows_into(info: IpcRows, dst: torch.Tensor) -> None:
         raise ValueError(f"CUDA IPC rows of shape {tuple(info.shape)} {info.dtype} for a "
                          f"destination of {tuple(dst.shape)} {str(dst.dtype)[6:]}")
     device, storage = _open(info)
-    src = torch.empty(0, dtype=getattr(torch, info.dtype), device=f"cuda:{device}")
+    src = torch.empty(0, dtype=torch_dtype(info.dtype), device=f"cuda:{device}")
     src.set_(storage, info.offset, info.shape, info.stride)
     dst.copy_(src)
     torch.cuda.current_stream(dst.device).synchronize()  # done before the producer may free

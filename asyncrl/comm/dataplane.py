@@ -35,6 +35,7 @@ from asyncrl.comm import buckets, codec, cuda_ipc, dataserver, messages, nccl
 from asyncrl.comm.auth import CurveKeys, Signer, Verifier, curve_client
 from asyncrl.comm.batch import TensorBatch
 from asyncrl.comm.channel import LINK_MIN_RATE, open_frame
+from asyncrl.comm.dtypes import torch_dtype
 from asyncrl.comm.gone import GonePeers
 from asyncrl.comm.messages import ColumnDest, Pull, Pulled
 from asyncrl.comm.remote import Piece, RemoteBatch, RemoteValue
@@ -322,12 +323,12 @@ class DataClient:
         linked = bool(keys) and all(nccl.has(k) for k in keys.values())
         # NCCL moves device memory only: with a GPU here, CPU columns never go by it; nor
         # do columns of no bytes (shape (n, 0)), whose storage CUDA IPC cannot export
-        by_nccl = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype),
+        by_nccl = {c.key: torch.empty((n, *c.shape), dtype=torch_dtype(c.dtype),
                                       device="cuda" if c.device == "cuda" and on_gpu else "cpu")
                    for c in tensor_cols if linked and row_bytes[c.key] and (
                        (self._transport == "nccl" and (c.device == "cuda" or not on_gpu)) or
                        (c.device == "cuda" and on_gpu and not by_ipc))}
-        ipc = {c.key: torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype), device="cuda")
+        ipc = {c.key: torch.empty((n, *c.shape), dtype=torch_dtype(c.dtype), device="cuda")
                for c in tensor_cols if c.device == "cuda" and by_ipc and row_bytes[c.key]
                and c.key not in by_nccl}
         tensor_cols = [c for c in tensor_cols if c.key not in ipc and c.key not in by_nccl]
@@ -447,15 +448,15 @@ class DataClient:
             arrays = lease.arrays([(offsets[c.key], np.uint8, (row_bytes[c.key] * n,))
                                    for c in tensor_cols])
             for c, arr in zip(tensor_cols, arrays, strict=True):
-                data[c.key] = torch.from_numpy(arr).view(getattr(torch, c.dtype)).reshape(
+                data[c.key] = torch.from_numpy(arr).view(torch_dtype(c.dtype)).reshape(
                     n, *c.shape)
         else:  # no pool (or no bytes): in process memory
             for c in tensor_cols:
                 if heap is None:  # no bytes (no rows): np.empty(0)'s stride 0 cannot be viewed
-                    data[c.key] = torch.empty((n, *c.shape), dtype=getattr(torch, c.dtype))
+                    data[c.key] = torch.empty((n, *c.shape), dtype=torch_dtype(c.dtype))
                     continue
                 raw = heap[offsets[c.key]:offsets[c.key] + row_bytes[c.key] * n]
-                data[c.key] = torch.from_numpy(raw).view(getattr(torch, c.dtype)).reshape(
+                data[c.key] = torch.from_numpy(raw).view(torch_dtype(c.dtype)).reshape(
                     n, *c.shape)
         data.update(ipc)
         data.update(by_nccl)
