@@ -52,6 +52,11 @@ class Probe(asyncrl.Worker):
         return "hg" in flags
 
     @asyncrl.register
+    def torch_threads(self) -> int:
+        import torch
+        return torch.get_num_threads()
+
+    @asyncrl.register
     def blas_threads(self) -> int | None:
         """The threads numpy's OpenBLAS uses (None: a numpy without its own OpenBLAS)."""
         import ctypes
@@ -250,13 +255,16 @@ def test_a_forked_ranks_numpy_uses_the_ranks_threads(monkeypatch):
     async def main(env):
         async with asyncrl.Controller() as ctl:
             group = await ctl.spawn(Probe, name="blas", env=env)
-            return (await group.seen())[0]["ppid"], (await group.blas_threads())[0]
-    parent, threads = run(main({}))
+            return ((await group.seen())[0]["ppid"], (await group.blas_threads())[0],
+                    (await group.torch_threads())[0])
+    parent, threads, torch_threads = run(main({}))
+    assert torch_threads == 1
     if threads is None:
         pytest.skip("this numpy has no OpenBLAS of its own to ask")
     assert parent == server and threads == 1
-    parent, threads = run(main({"OMP_NUM_THREADS": "2"}))
-    assert parent != server and threads == 2
+    # torch's threads too (it set 1 over them: only numpy got what the group asked for)
+    parent, threads, torch_threads = run(main({"OMP_NUM_THREADS": "2"}))
+    assert parent != server and threads == 2 and torch_threads == 2
 
 
 def test_asking_the_rank_server_reads_the_umask_without_setting_it(monkeypatch):
