@@ -267,6 +267,16 @@ def test_a_forked_ranks_numpy_uses_the_ranks_threads(monkeypatch):
     assert parent != server and threads == 2 and torch_threads == 2
 
 
+def test_a_groups_omp_threads_set_torchs_and_the_shells_do_not():
+    """A group's env= OMP_NUM_THREADS reaches torch (as ASYNCRL_THREADS); the launching
+    shell's does not: a rank pinned to one core would run that many torch threads on it."""
+    from asyncrl.controller.launcher import rank_env
+    assert rank_env({}, {"OMP_NUM_THREADS": "2"})["ASYNCRL_THREADS"] == "2"
+    shell = rank_env({"OMP_NUM_THREADS": "8"}, {})
+    assert "ASYNCRL_THREADS" not in shell and shell["OMP_NUM_THREADS"] == "8"
+    assert rank_env({}, {"OMP_NUM_THREADS": "2", "ASYNCRL_THREADS": "3"})["ASYNCRL_THREADS"] == "3"
+
+
 def test_asking_the_rank_server_reads_the_umask_without_setting_it(monkeypatch):
     """The umask was read by setting it to 0 and back, on threads beside others writing
     files: a checkpoint written in that moment was group- and world-writable."""

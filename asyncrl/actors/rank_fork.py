@@ -66,17 +66,6 @@ RANK_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
 def rank_threads(env: Mapping[str, str]) -> str:
     """A rank's OMP_NUM_THREADS (its torch and numpy threads), unless `env` sets one."""
     return env.get("OMP_NUM_THREADS") or env.get("ASYNCRL_THREADS", "1")
-
-
-def torch_threads(env: Mapping[str, str], cores: int) -> int:
-    """A rank's torch threads: ASYNCRL_THREADS, else an OMP_NUM_THREADS above the default 1
-    (a group's env= or the launching shell's: torch set 1 over it, only numpy got them),
-    else a thread per core the rank was pinned to."""
-    for key in ("ASYNCRL_THREADS", "OMP_NUM_THREADS"):
-        value = env.get(key, "")
-        if value.isdigit() and int(value) > (0 if key == "ASYNCRL_THREADS" else 1):
-            return int(value)
-    return cores
 REQUEST_LIMIT = 1 << 22  # a rank's environment and directory
 FDS = 4  # stdin, stdout, stderr, lifeline
 

@@ -44,7 +44,7 @@ from asyncrl.actors.output import OutputCapture
 from asyncrl.actors.procs import PROCESS_ENV, raise_open_file_limit, runs
 from asyncrl.actors.protocols import DP_AXIS, DPRows, mesh_coords, take_dp_rows
 from asyncrl.actors.rank_client import STAND_IN
-from asyncrl.actors.rank_fork import set_title, torch_threads
+from asyncrl.actors.rank_fork import set_title
 from asyncrl.actors.register import registered_methods
 from asyncrl.actors.sigterm import stop_on_sigterm
 from asyncrl.actors.worker import Worker, construct
@@ -507,7 +507,7 @@ def main() -> None:
     raise_open_file_limit()  # a segment kept costs two descriptors (1024 ran out at ~450)
     check_gpus(select_gpus())  # a cluster group's GPUs on this host, before CUDA reads it
     cores = pin_cpus()
-    torch.set_num_threads(torch_threads(os.environ, cores))
+    torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", str(cores))))
     set_gloo_interface(os.environ)  # a group over hosts: gloo on the host's address
     _init_distributed()
     rank = RankMain()

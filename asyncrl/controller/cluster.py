@@ -384,11 +384,12 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
     if host.via == "srun":  # srun runs in the ranks' environment and exports all of it (a
         # list after ALL would split values at commas: CUDA_VISIBLE_DEVICES=0,1);
         # --overlap: since SLURM 20.11 a step takes its node's resources for itself, and a
-        # second group's agent there would wait for the first group's to end; the node's
-        # CPUs asked for again (since 22.05 srun takes no --cpus-per-task from the
-        # allocation: a 1-task step was bound to one core, the agent and every rank on it)
+        # second group's agent there would wait for the first group's to end; no binding:
+        # since 22.05 srun takes no --cpus-per-task from the allocation, and a 1-task step's
+        # task may be bound to one CPU, the agent and every rank on it (the step has the
+        # node's CPUs of the job: asyncrl pins each rank to its share)
         return ["srun", "--nodes=1", "--ntasks=1", "--overlap", f"--nodelist={host.name}",
-                "--export=ALL", f"--cpus-per-task={host.cpus}", "--cpu-bind=none", *run]
+                "--export=ALL", "--cpu-bind=none", *run]
     # ssh passes no environment: ours, the group's env=, and the network and library
     # settings users tune; and starts in $HOME: the ranks go where the controller runs
     # (relative paths: PYTHONPATH entries, data files), on the shared file system

@@ -424,6 +424,10 @@ def rank_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     env = dict(base)
     env.pop("WANDB_SERVICE", None)  # the controller's wandb service: a rank's wandb its own
     env.update(extra)
+    # a group's OMP_NUM_THREADS sets its torch threads too (torch set 1 over it: only numpy
+    # got them); not the launching shell's: a rank pinned to one core keeps one thread
+    if "OMP_NUM_THREADS" in extra and "ASYNCRL_THREADS" not in extra:
+        env["ASYNCRL_THREADS"] = extra["OMP_NUM_THREADS"]
     env["OMP_NUM_THREADS"] = rank_threads(env)
     for key, value in RANK_ENV_DEFAULTS.items():
         env.setdefault(key, value)
