@@ -387,7 +387,7 @@ def torchrun_command(host: HostSpec, env: Mapping[str, str], nnodes: int, node_r
         # second group's agent there would wait for the first group's to end; no binding:
         # since 22.05 srun takes no --cpus-per-task from the allocation, and a 1-task step's
         # task may be bound to one CPU, the agent and every rank on it (the step has the
-        # node's CPUs of the job: asyncrl pins each rank to its share)
+        # job's CPUs of the node; a CPU host's ranks asyncrl pins to their share)
         return ["srun", "--nodes=1", "--ntasks=1", "--overlap", f"--nodelist={host.name}",
                 "--export=ALL", "--cpu-bind=none", *run]
     # ssh passes no environment: ours, the group's env=, and the network and library
