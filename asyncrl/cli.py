@@ -393,7 +393,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.steps is None and flow.steps is not None and args.warmup >= flow.steps:
         raise SystemExit(f"asyncrl bench: --warmup {args.warmup} leaves none of the flow's "
                          f"{flow.steps} steps to measure; give a smaller --warmup")
-    cluster, host = launch_cluster(args)  # (refused before a run directory is made)
+    cluster, host = launch_cluster(args, "bench")  # (refused before a run dir is made)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     print(f"run_dir: {run_dir}", flush=True)
     # no checkpoint: its saves would count in the figures, and `launch --resume` (which

@@ -7,10 +7,10 @@ import argparse
 from typing import Any
 
 
-def launch_cluster(args: argparse.Namespace) -> tuple[Any, str]:
+def launch_cluster(args: argparse.Namespace, command: str = "launch") -> tuple[Any, str]:
     """The cluster to spread groups over (--hosts FILE, or the SLURM allocation this runs
     in), and the address the control plane listens on (this machine's, beyond loopback,
-    when ranks run on other machines)."""
+    when ranks run on other machines); refusals name `asyncrl <command>`."""
     import socket
 
     from asyncrl.controller.cluster import Cluster, unreachable
@@ -18,7 +18,7 @@ def launch_cluster(args: argparse.Namespace) -> tuple[Any, str]:
     try:
         cluster = Cluster.from_file(args.hosts) if args.hosts else Cluster.from_slurm()
     except ValueError as e:
-        raise SystemExit(f"asyncrl launch: {e}") from None
+        raise SystemExit(f"asyncrl {command}: {e}") from None
     if cluster is None or all(h.via == "local" for h in cluster.hosts):
         return cluster, "127.0.0.1"
     remote = [h.name for h in cluster.hosts if h.via != "local"]
@@ -31,12 +31,12 @@ def launch_cluster(args: argparse.Namespace) -> tuple[Any, str]:
         try:
             address = socket.gethostbyname(name)
         except OSError as e:  # (gaierror)
-            raise SystemExit(f"asyncrl launch: this machine's name {name!r} does not "
+            raise SystemExit(f"asyncrl {command}: this machine's name {name!r} does not "
                              f"resolve here ({e}); {fix}") from None
         said = (f"this machine's name {name!r} resolves to {address} (Debian-style hosts "
                 f"name themselves 127.0.1.1)")
     why = unreachable(address)  # (a loopback or wildcard IP, or a name resolving to one)
     if why is not None:  # (as Controller refuses them)
-        raise SystemExit(f"asyncrl launch: {said}{why and f' ({why})'}, an address other "
+        raise SystemExit(f"asyncrl {command}: {said}{why and f' ({why})'}, an address other "
                          f"machines cannot reach; {fix}")
     return cluster, address

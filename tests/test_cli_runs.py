@@ -175,6 +175,8 @@ def test_a_bench_runs_on_the_slurm_allocation_and_hosts_as_launch_does(tmp_path,
     assert [(h.name, h.via) for h in given["cluster"].hosts] == [("gpu1", "srun"),
                                                                  ("gpu2", "srun")]
     assert given["host"] == "10.0.0.5" and given["checkpoints"] is False
+    with pytest.raises(SystemExit, match=r"^asyncrl bench: --controller-address 127\.0\.0\.1"):
+        main(["bench", str(flow), "--steps", "2", "--controller-address", "127.0.0.1"])
 
 
 def test_a_drivers_resume_says_main_resumes_itself(tmp_path, monkeypatch):
